@@ -1,0 +1,1 @@
+#include "events/event_codec.h"

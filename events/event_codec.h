@@ -1,0 +1,50 @@
+// Codec for Dynamo-format KV events (PROTOCOL.md section 2), the body of
+// `namespace.{ns}.component.{comp}.kv-events`.
+//
+// Grammar (msgpack maps keyed by field name; unknown keys ignored; integers of any width):
+//   body        = envelope | router_event
+//   envelope    = {publisher_id: u64, sequence: u64, published_at: u64, topic: str,
+//                  payload: bin(router_event)}
+//   router_event= {worker_id: u64, storage_tier?: "device"|"host_pinned"|"disk"|"external",
+//                  event: kv_event}                      (has key "event", no key "payload")
+//   kv_event    = {event_id: u64, dp_rank?: u32 (0), data: data}
+//   data        = {"stored": {parent_hash: u64|nil, blocks: [{block_hash: u64, tokens_hash: u64,
+//                              mm_extra_info?: nil|map}...]}}
+//               | {"removed": {block_hashes: [u64...]}}
+//               | "cleared"
+// Hashes may arrive negative: their u64 bit pattern is taken. Decoding never throws.
+// Thread-safe (pure functions).
+//
+//   Result<KvEventBatch> b = DecodeDynamoEvent(body);  // one op, sequence {kEventId, event_id}
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+
+#include <msgpack.hpp>
+
+#include "events/kv_event.h"
+#include "events/status.h"
+
+namespace kvrouter {
+
+struct EnvelopeHeader {
+  std::uint64_t publisher_id = 0;
+  std::uint64_t sequence = 0;
+  std::uint64_t published_at_ms = 0;
+  std::string topic = "kv-events";
+};
+
+// Decodes an envelope or a bare RouterEvent into a batch of exactly one op whose sequence is
+// {kEventId, event_id}.
+Result<KvEventBatch> DecodeDynamoEvent(std::span<const std::byte> body);
+
+// Encodes a bare RouterEvent map. `batch` must hold exactly one op; its sequence value is
+// written as event_id.
+msgpack::sbuffer EncodeRouterEvent(const KvEventBatch& batch);
+
+// Encodes an envelope whose payload is EncodeRouterEvent(batch).
+msgpack::sbuffer EncodeDynamoEnvelope(const KvEventBatch& batch, const EnvelopeHeader& header);
+
+}  // namespace kvrouter

@@ -1,0 +1,1 @@
+#include "events/message_codec.h"

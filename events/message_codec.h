@@ -1,0 +1,102 @@
+// Codecs for worker registration (PROTOCOL.md section 4) and the router endpoints (section 5):
+// route / best_worker requests and replies, lifecycle requests, error replies.
+//
+// Grammar (maps keyed by field name, unknown keys ignored, integers of any width):
+//   registration = {worker_id: u64, dp_start?: u32 (0), dp_size?: u32 (1), block_size?: u32,
+//                   total_kv_blocks?: u64 (0), max_num_seqs?: u32 (256),
+//                   max_num_batched_tokens?: u32 (8192), device?: str ("gpu"),
+//                   lease_ms?: u32 (3000), status?: "up"|"leaving" ("up")}
+//   route_req    = {request_id?: str, token_ids?: [u32], block_hashes?: [u64], isl?: u32,
+//                   lora_name?: str, update_states?: bool (true), priority?: int,
+//                   expected_output_tokens?: u32, worker_id?: u64, dp_rank?: u32,
+//                   allowed_worker_ids?: [u64], timeout_ms?: u32,
+//                   router_config_override?: {overlap_score_credit?: f64,
+//                                             prefill_load_scale?: f64, router_temperature?: f64},
+//                   nvext?: {agent_hints?: {priority?: int, osl?: u32}}}
+//                  token_ids or (block_hashes and isl) is required; token_ids wins when both come.
+//                  Top-level priority / expected_output_tokens win over nvext.agent_hints.
+//   route_reply  = {worker_id: u64, dp_rank: u32, overlap_blocks: u32, request_blocks: u32,
+//                   cached_tokens: u32, queued_ms: f64}
+//   lifecycle    = {request_id: str}
+//   error_reply  = {error: {code: str, message: str}}
+// Decoding never throws. Thread-safe (pure functions).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include <msgpack.hpp>
+
+#include "events/status.h"
+
+namespace kvrouter {
+
+struct WorkerRegistration {
+  std::uint64_t worker_id = 0;
+  std::uint32_t dp_start = 0;
+  std::uint32_t dp_size = 1;                    // must be >= 1
+  std::optional<std::uint32_t> block_size;      // absent = the router's
+  std::uint64_t total_kv_blocks = 0;            // 0 = unknown
+  std::uint32_t max_num_seqs = 256;
+  std::uint32_t max_num_batched_tokens = 8192;
+  std::string device = "gpu";
+  std::uint32_t lease_ms = 3000;
+  bool leaving = false;                         // status "leaving"
+  bool operator==(const WorkerRegistration&) const = default;
+};
+Result<WorkerRegistration> DecodeWorkerRegistration(std::span<const std::byte> body);
+msgpack::sbuffer EncodeWorkerRegistration(const WorkerRegistration& reg);
+
+struct RouterConfigOverride {
+  std::optional<double> overlap_score_credit;
+  std::optional<double> prefill_load_scale;
+  std::optional<double> router_temperature;
+  bool operator==(const RouterConfigOverride&) const = default;
+};
+
+struct RouteRequest {
+  std::string request_id;                       // empty = nothing is booked
+  std::vector<std::uint32_t> token_ids;         // used when has_token_ids
+  bool has_token_ids = false;
+  std::vector<std::uint64_t> block_hashes;      // local hashes, when no token_ids
+  std::uint32_t isl = 0;                        // token_ids.size() when has_token_ids
+  std::string lora_name;
+  bool update_states = true;
+  std::int64_t priority = 0;
+  std::optional<std::uint32_t> expected_output_tokens;
+  std::optional<std::uint64_t> worker_id;       // pin
+  std::optional<std::uint32_t> dp_rank;
+  std::optional<std::vector<std::uint64_t>> allowed_worker_ids;
+  RouterConfigOverride config_override;
+  std::optional<std::uint32_t> timeout_ms;
+  bool operator==(const RouteRequest&) const = default;
+};
+Result<RouteRequest> DecodeRouteRequest(std::span<const std::byte> body);
+msgpack::sbuffer EncodeRouteRequest(const RouteRequest& req);
+
+struct RouteReply {
+  std::uint64_t worker_id = 0;
+  std::uint32_t dp_rank = 0;
+  std::uint32_t overlap_blocks = 0;
+  std::uint32_t request_blocks = 0;
+  std::uint32_t cached_tokens = 0;
+  double queued_ms = 0;
+  bool operator==(const RouteReply&) const = default;
+};
+msgpack::sbuffer EncodeRouteReply(const RouteReply& reply);
+// A reply body: the RouteReply, or the Status carried by an error reply (code from the wire).
+Result<RouteReply> DecodeRouteReply(std::span<const std::byte> body);
+
+// {request_id} of mark_prefill / free.
+Result<std::string> DecodeLifecycleRequest(std::span<const std::byte> body);
+msgpack::sbuffer EncodeLifecycleRequest(std::string_view request_id);
+
+msgpack::sbuffer EncodeErrorReply(const Status& status);   // status must not be OK
+msgpack::sbuffer EncodeOkReply();                          // {"ok": true}
+// The error carried by a reply body, or OK when it is not an error reply.
+Status DecodeErrorReply(std::span<const std::byte> body);
+
+}  // namespace kvrouter

@@ -1,0 +1,1 @@
+#include "events/vllm_codec.h"

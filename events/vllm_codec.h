@@ -1,0 +1,74 @@
+// Codec for vLLM-format KV events (PROTOCOL.md section 3), the body of
+// `namespace.{ns}.component.{comp}.vllm-kv-events.{worker_id}.{dp_rank}`.
+//
+// Grammar:
+//   batch   = [ts: f64, events: [event...], data_parallel_rank?: int|nil]
+//           | {ts: f64, events: [event...], data_parallel_rank?: int|nil}
+//   event   = [tag: str, field...] | {type: tag, field_name: value...}
+//   BlockStored      fields: block_hashes, parent_block_hash, token_ids, block_size, lora_id,
+//                            medium, lora_name, extra_keys, group_idx, ... (may stop after
+//                            block_size; trailing unknown fields ignored)
+//   BlockRemoved     fields: block_hashes, medium, ...
+//   AllBlocksCleared no fields
+//   hash    = int (its u64 bit pattern) | bin (the last 8 bytes, big-endian)
+//   medium  = nil | "GPU" -> device tier; anything else -> a non-device tier
+// tokens_hash is recomputed from token_ids (with lora_name) at the router's block size. A stored
+// event whose block_size differs from the router's, or whose token_ids run out, stops at the
+// first bad block; each such event is counted in block_size_mismatches.
+// The worker and dp rank come from the subject and win over data_parallel_rank.
+// Decoding never throws. Thread-safe (pure functions).
+//
+//   auto r = DecodeVllmBatch(body, {.worker_id = 3, .dp_rank = 0, .kv_seq = 12, .block_size = 64});
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include <msgpack.hpp>
+
+#include "events/kv_event.h"
+#include "events/status.h"
+
+namespace kvrouter {
+
+struct VllmBatchContext {
+  std::uint64_t worker_id = 0;            // from the subject
+  std::uint32_t dp_rank = 0;              // from the subject
+  std::optional<std::uint64_t> kv_seq;    // Kv-Seq header; sequence kind kNone when absent
+  std::uint32_t block_size = 64;          // the router's block size
+};
+
+struct VllmDecoded {
+  KvEventBatch batch;                      // sequence {kVllmSeq, kv_seq} when kv_seq is set
+  std::uint32_t block_size_mismatches = 0; // stored events cut short
+};
+
+Result<VllmDecoded> DecodeVllmBatch(std::span<const std::byte> body, const VllmBatchContext& ctx);
+
+// Parses the Kv-Seq header value (a decimal u64); nullopt when malformed.
+std::optional<std::uint64_t> ParseKvSeqHeader(std::string_view value);
+
+// One vLLM event as a publisher (mock worker, tests) describes it.
+struct VllmStoredEvent {
+  std::vector<std::uint64_t> block_hashes;
+  std::optional<std::uint64_t> parent_block_hash;
+  std::vector<std::uint32_t> token_ids;
+  std::uint32_t block_size = 64;
+  std::string lora_name;                  // empty = none
+  std::optional<std::string> medium;      // nullopt = nil (GPU)
+};
+struct VllmRemovedEvent {
+  std::vector<std::uint64_t> block_hashes;
+  std::optional<std::string> medium;
+};
+struct VllmClearedEvent {};
+using VllmEvent = std::variant<VllmStoredEvent, VllmRemovedEvent, VllmClearedEvent>;
+
+// Encodes [ts, [events as tagged arrays], dp_rank] (the form vLLM's msgspec encoder emits).
+msgpack::sbuffer EncodeVllmBatch(double ts, const std::vector<VllmEvent>& events,
+                                 std::optional<std::uint32_t> dp_rank);
+
+}  // namespace kvrouter

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Installs what kvrouter needs to build, test and run, from Debian 12 packages only.
+# Idempotent and quiet when everything is already there. Needs root (or sudo) to install.
+set -euo pipefail
+
+packages=(
+  cmake g++ ninja-build pkg-config
+  libnats-dev nats-server
+  libmsgpack-cxx-dev libconcurrentqueue-dev libfmt-dev libboost-program-options-dev
+  libgtest-dev libgmock-dev libbenchmark-dev libxxhash-dev
+  clang libclang-rt-14-dev
+  python3
+)
+# docker-compose is only used to validate docker-compose.yml; its absence is not fatal.
+optional=(docker-compose)
+
+missing=()
+for p in "${packages[@]}" "${optional[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+[ ${#missing[@]} -eq 0 ] && exit 0
+
+sudo=""
+[ "$(id -u)" -eq 0 ] || sudo="sudo"
+echo "setup: installing ${missing[*]}" >&2
+export DEBIAN_FRONTEND=noninteractive
+$sudo apt-get update -qq >/dev/null
+# Required packages must install; optional ones are tried one by one.
+req=()
+for p in "${missing[@]}"; do
+  [[ " ${optional[*]} " == *" $p "* ]] || req+=("$p")
+done
+if [ ${#req[@]} -gt 0 ]; then
+  $sudo apt-get install -y -qq --no-install-recommends "${req[@]}" >/dev/null
+fi
+for p in "${optional[@]}"; do
+  [[ " ${missing[*]} " == *" $p "* ]] || continue
+  $sudo apt-get install -y -qq --no-install-recommends "$p" >/dev/null 2>&1 \
+    || echo "setup: optional package $p not installed" >&2
+done
