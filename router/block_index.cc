@@ -1,1 +1,266 @@
+#include "router/block_index.h"
 
+#include <cassert>
+
+namespace kvrouter {
+
+BlockIndex::BlockIndex() { nodes_.emplace_back(); }
+
+BlockIndex::~BlockIndex() {
+  for (Node& n : nodes_) n.holders.Release(holder_heap_bytes_);
+}
+
+std::uint32_t BlockIndex::FindSlot(WorkerKey worker) const {
+  auto it = slot_of_.find(worker);
+  return it == slot_of_.end() ? kFlatEmpty : it->second;
+}
+
+std::uint32_t BlockIndex::SlotFor(WorkerKey worker) {
+  if (std::uint32_t s = FindSlot(worker); s != kFlatEmpty) return s;
+  std::uint32_t s;
+  if (!free_slots_.empty()) {
+    s = free_slots_.back();
+    free_slots_.pop_back();
+  } else {
+    s = static_cast<std::uint32_t>(slots_.size());
+    slots_.emplace_back();
+  }
+  slots_[s].key = worker;
+  slots_[s].in_use = true;
+  slot_of_.emplace(worker, s);
+  ranks_of_[worker.worker_id].push_back(s);
+  return s;
+}
+
+std::uint32_t BlockIndex::ChildOrCreate(std::uint32_t parent, LocalHash local) {
+  if (std::uint32_t c = children_.Find({local, parent}); c != kFlatEmpty) return c;
+  std::uint32_t c;
+  if (free_nodes_ != kFlatEmpty) {
+    c = free_nodes_;
+    free_nodes_ = nodes_[c].parent;
+  } else {
+    c = static_cast<std::uint32_t>(nodes_.size());
+    nodes_.emplace_back();
+  }
+  Node& n = nodes_[c];
+  n.local = local;
+  n.parent = parent;
+  n.num_children = 0;
+  n.orphan_risk = 0;
+  ++nodes_[parent].num_children;
+  children_.Insert({local, parent}, c);
+  ++live_nodes_;
+  return c;
+}
+
+void BlockIndex::AddHolding(std::uint32_t slot, std::uint32_t node) {
+  if (!nodes_[node].holders.Insert(slot, holder_heap_bytes_)) ++slots_[slot].extra_refs[node];
+}
+
+void BlockIndex::DropHolding(std::uint32_t slot, std::uint32_t node) {
+  auto& extra = slots_[slot].extra_refs;
+  if (!extra.empty()) {
+    if (auto it = extra.find(node); it != extra.end()) {
+      if (--it->second == 0) extra.erase(it);
+      return;
+    }
+  }
+  Node& n = nodes_[node];
+  [[maybe_unused]] bool erased = n.holders.Erase(slot, holder_heap_bytes_);
+  assert(erased);
+  if (n.num_children > 0) n.orphan_risk = 1;
+  MaybeFree(node);
+}
+
+void BlockIndex::MaybeFree(std::uint32_t node) {
+  while (node != kRoot && nodes_[node].holders.empty() && nodes_[node].num_children == 0) {
+    Node& n = nodes_[node];
+    const std::uint32_t parent = n.parent;
+    children_.Erase({n.local, parent});
+    n.holders.Release(holder_heap_bytes_);
+    n.parent = free_nodes_;
+    free_nodes_ = node;
+    --live_nodes_;
+    --nodes_[parent].num_children;
+    node = parent;
+  }
+}
+
+ApplyOutcome BlockIndex::ApplyStored(WorkerKey worker, std::optional<BlockHash> parent_hash,
+                                     std::span<const StoredBlock> blocks) {
+  ApplyOutcome out;
+  std::uint32_t slot = FindSlot(worker);
+  std::uint32_t parent = kRoot;
+  if (parent_hash) {
+    parent = slot == kFlatEmpty ? kFlatEmpty : slots_[slot].blocks.Find(*parent_hash);
+    if (parent == kFlatEmpty) {
+      out.parent_not_found = true;
+      return out;
+    }
+  }
+  if (slot == kFlatEmpty) slot = SlotFor(worker);
+  for (const StoredBlock& b : blocks) {
+    const std::uint32_t child = ChildOrCreate(parent, b.tokens_hash);
+    const std::uint32_t previous = slots_[slot].blocks.Insert(b.block_hash, child);
+    if (previous != child) {
+      // Hold the new node before letting go of the old one, so freeing the old one's
+      // ancestors can never free the node being stored.
+      AddHolding(slot, child);
+      if (previous == kFlatEmpty) {
+        ++out.blocks_stored;
+      } else {
+        DropHolding(slot, previous);
+      }
+    }
+    parent = child;
+  }
+  return out;
+}
+
+ApplyOutcome BlockIndex::ApplyRemoved(WorkerKey worker, std::span<const BlockHash> block_hashes) {
+  ApplyOutcome out;
+  const std::uint32_t slot = FindSlot(worker);
+  for (BlockHash h : block_hashes) {
+    const std::uint32_t node = slot == kFlatEmpty ? kFlatEmpty : slots_[slot].blocks.Erase(h);
+    if (node == kFlatEmpty) {
+      ++out.blocks_not_found;
+      continue;
+    }
+    DropHolding(slot, node);
+    ++out.blocks_removed;
+  }
+  return out;
+}
+
+std::size_t BlockIndex::ClearSlot(std::uint32_t slot) {
+  WorkerSlot& w = slots_[slot];
+  const std::size_t dropped = w.blocks.size();
+  // Every node this slot holds loses it; a node still held by the slot cannot be freed by an
+  // earlier step of this loop, so no node is visited after being freed. The whole worker goes,
+  // so no orphan is left behind for it and orphan_risk need not be set.
+  w.blocks.ForEach([&](const BlockMapTraits::Entry& e) {
+    auto& extra = w.extra_refs;
+    if (!extra.empty()) {
+      if (auto it = extra.find(e.value); it != extra.end()) {
+        if (--it->second == 0) extra.erase(it);
+        return;
+      }
+    }
+    nodes_[e.value].holders.Erase(slot, holder_heap_bytes_);
+    MaybeFree(e.value);
+  });
+  w.blocks.Clear();
+  w.extra_refs.clear();
+  return dropped;
+}
+
+std::size_t BlockIndex::ClearRank(WorkerKey worker) {
+  const std::uint32_t slot = FindSlot(worker);
+  return slot == kFlatEmpty ? 0 : ClearSlot(slot);
+}
+
+std::size_t BlockIndex::ClearWorker(std::uint64_t worker_id) {
+  auto it = ranks_of_.find(worker_id);
+  if (it == ranks_of_.end()) return 0;
+  std::size_t dropped = 0;
+  for (std::uint32_t slot : it->second) dropped += ClearSlot(slot);
+  return dropped;
+}
+
+std::size_t BlockIndex::RemoveWorker(std::uint64_t worker_id) {
+  auto it = ranks_of_.find(worker_id);
+  if (it == ranks_of_.end()) return 0;
+  std::size_t dropped = 0;
+  for (std::uint32_t slot : it->second) {
+    dropped += ClearSlot(slot);
+    slot_of_.erase(slots_[slot].key);
+    slots_[slot] = WorkerSlot{};
+    free_slots_.push_back(slot);
+  }
+  ranks_of_.erase(it);
+  return dropped;
+}
+
+std::size_t BlockIndex::TreeSize(WorkerKey worker) const {
+  const std::uint32_t slot = FindSlot(worker);
+  return slot == kFlatEmpty ? 0 : slots_[slot].blocks.size();
+}
+
+void BlockIndex::FindMatches(std::span<const LocalHash> hashes, OverlapScores& out) const {
+  if (hashes.empty()) return;
+  std::uint32_t cur = children_.Find({hashes[0], kRoot});
+  if (cur == kFlatEmpty) return;
+
+  // The workers still matching are either exactly holders(cur) ("lazy": no copy, valid while
+  // no orphan can exist below cur, because then every child's holders are a subset of cur's)
+  // or an explicit sorted list.
+  bool lazy = true;
+  std::vector<std::uint32_t> active;
+  std::vector<std::uint32_t> next;
+  auto emit = [&](std::uint32_t slot, std::size_t depth) {
+    out.push_back({slots_[slot].key, static_cast<std::uint32_t>(depth)});
+  };
+  std::size_t depth = 1;
+  for (; depth < hashes.size(); ++depth) {
+    const std::uint32_t child = children_.Find({hashes[depth], cur});
+    if (child == kFlatEmpty) break;
+    const auto child_holders = nodes_[child].holders.view();
+    if (lazy && !nodes_[cur].orphan_risk) {
+      const auto cur_holders = nodes_[cur].holders.view();
+      if (child_holders.size() != cur_holders.size()) {
+        // child_holders is a subset: emit cur's holders missing from child.
+        std::size_t j = 0;
+        for (std::uint32_t s : cur_holders) {
+          if (j < child_holders.size() && child_holders[j] == s) {
+            ++j;
+          } else {
+            emit(s, depth);
+          }
+        }
+        if (child_holders.empty()) return;
+      }
+      cur = child;
+      continue;
+    }
+    if (lazy) {
+      const auto cur_holders = nodes_[cur].holders.view();
+      active.assign(cur_holders.begin(), cur_holders.end());
+      lazy = false;
+    }
+    next.clear();
+    std::size_t j = 0;
+    for (std::uint32_t s : active) {
+      while (j < child_holders.size() && child_holders[j] < s) ++j;
+      if (j < child_holders.size() && child_holders[j] == s) {
+        next.push_back(s);
+      } else {
+        emit(s, depth);
+      }
+    }
+    active.swap(next);
+    if (active.empty()) return;
+    cur = child;
+    if (active.size() == child_holders.size()) lazy = true;  // active == holders(child)
+  }
+  if (lazy) {
+    for (std::uint32_t s : nodes_[cur].holders.view()) emit(s, depth);
+  } else {
+    for (std::uint32_t s : active) emit(s, depth);
+  }
+}
+
+IndexMemory BlockIndex::Memory() const {
+  IndexMemory m;
+  m.nodes = live_nodes_;
+  m.bytes = nodes_.capacity() * sizeof(Node) + children_.memory_bytes() + holder_heap_bytes_ +
+            slots_.capacity() * sizeof(WorkerSlot);
+  for (const WorkerSlot& w : slots_) {
+    m.bytes += w.blocks.memory_bytes();
+    m.holdings += w.blocks.size();
+  }
+  // Per-worker bookkeeping maps: an estimate of their node sizes.
+  m.bytes += (slot_of_.size() + ranks_of_.size()) * 64;
+  return m;
+}
+
+}  // namespace kvrouter

@@ -1,1 +1,311 @@
+#include "router/sharded_index.h"
 
+#include <concurrentqueue/blockingconcurrentqueue.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <shared_mutex>
+#include <thread>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "router/event_sequence.h"
+
+namespace kvrouter {
+namespace {
+
+// A write-lock slice: after this many blocks the shard thread lets readers in.
+constexpr std::size_t kMaxBlocksPerLock = 256;
+
+// Single-writer counter: the owner thread adds without a locked instruction; readers load.
+struct OwnerCounter {
+  std::atomic<std::uint64_t> v{0};
+  void Add(std::uint64_t n) { v.store(v.load(std::memory_order_relaxed) + n, std::memory_order_relaxed); }
+  std::uint64_t Get() const { return v.load(std::memory_order_relaxed); }
+};
+
+std::size_t BlocksIn(const KvEventBatch& b) {
+  std::size_t n = 0;
+  for (const KvOp& op : b.ops) {
+    if (auto* s = std::get_if<KvStored>(&op.data)) n += s->blocks.size();
+    else if (auto* r = std::get_if<KvRemoved>(&op.data)) n += r->block_hashes.size();
+    else n += 1;
+  }
+  return n;
+}
+
+}  // namespace
+
+class ShardedIndex::Shard {
+ public:
+  explicit Shard(const ShardedIndexOptions& o)
+      : capacity_(o.queue_capacity), max_bulk_(o.max_bulk), thread_([this] { Run(); }) {}
+
+  ~Shard() {
+    stop_.store(true);
+    queue_.enqueue(Item{Item::kWake, {}, 0});
+    thread_.join();
+  }
+
+  bool Submit(KvEventBatch&& batch) {
+    if (depth_.fetch_add(1, std::memory_order_relaxed) >= capacity_) {
+      depth_.fetch_sub(1, std::memory_order_relaxed);
+      queue_full_.fetch_add(1, std::memory_order_relaxed);
+      MarkStale({batch.worker_id, batch.dp_rank});
+      return false;
+    }
+    submitted_.fetch_add(1, std::memory_order_relaxed);
+    queue_.enqueue(Item{Item::kBatch, std::move(batch), 0});
+    return true;
+  }
+
+  void Control(bool remove, std::uint64_t worker_id) {
+    submitted_.fetch_add(1, std::memory_order_relaxed);
+    queue_.enqueue(Item{remove ? Item::kRemoveWorker : Item::kClearWorker, {}, worker_id});
+  }
+
+  void Flush() {
+    const std::uint64_t target = submitted_.load();
+    std::unique_lock lk(flush_mu_);
+    ++flush_waiters_;
+    flush_cv_.wait(lk, [&] { return applied_.load() >= target; });
+    --flush_waiters_;
+  }
+
+  void FindMatches(std::span<const LocalHash> hashes, OverlapScores& out) const {
+    std::shared_lock lk(mu_);
+    index_.FindMatches(hashes, out);
+  }
+
+  void TreeSizes(std::vector<WorkerTreeSize>& out) const {
+    std::shared_lock lk(mu_);
+    index_.ForEachWorker([&](WorkerKey k, std::size_t n) { out.push_back({k, n}); });
+  }
+
+  IndexMemory Memory() const {
+    std::shared_lock lk(mu_);
+    return index_.Memory();
+  }
+
+  void AddCounters(IndexCounters& c) const {
+    c.batches_applied += batches_applied_.Get();
+    c.ops_applied += ops_applied_.Get();
+    c.blocks_stored += blocks_stored_.Get();
+    c.blocks_removed += blocks_removed_.Get();
+    c.non_device_ops += non_device_ops_.Get();
+    c.gaps += gaps_.Get();
+    c.restarts += restarts_.Get();
+    c.parent_block_not_found += parent_block_not_found_.Get();
+    c.block_not_found += block_not_found_.Get();
+    c.duplicate += duplicate_.Get();
+    c.queue_full += queue_full_.load(std::memory_order_relaxed);
+  }
+
+  void TakeStale(std::vector<WorkerKey>& out) {
+    std::lock_guard g(stale_mu_);
+    out.insert(out.end(), stale_.begin(), stale_.end());
+    stale_.clear();
+  }
+
+ private:
+  struct Item {
+    enum Kind : std::uint8_t { kBatch, kClearWorker, kRemoveWorker, kWake } kind = kWake;
+    KvEventBatch batch;
+    std::uint64_t worker_id = 0;
+  };
+
+  struct Sequences {
+    SequenceTracker event_ids{1};
+    SequenceTracker vllm_seq{0};
+  };
+
+  void MarkStale(WorkerKey w) {
+    std::lock_guard g(stale_mu_);
+    stale_.insert(w);
+  }
+
+  void Run() {
+    std::vector<Item> items(max_bulk_);
+    while (true) {
+      const std::size_t n =
+          queue_.wait_dequeue_bulk_timed(items.begin(), max_bulk_, std::chrono::milliseconds(100));
+      std::size_t batches = 0;
+      std::size_t done = 0;
+      {
+        std::unique_lock lk(mu_);
+        std::size_t slice = 0;
+        for (std::size_t i = 0; i < n; ++i) {
+          Item& it = items[i];
+          switch (it.kind) {
+            case Item::kBatch:
+              slice += BlocksIn(it.batch);
+              ApplyBatch(it.batch);
+              ++batches;
+              ++done;
+              break;
+            case Item::kClearWorker:
+              index_.ClearWorker(it.worker_id);
+              ++done;
+              break;
+            case Item::kRemoveWorker:
+              index_.RemoveWorker(it.worker_id);
+              for (auto s = sequences_.begin(); s != sequences_.end();) {
+                s = s->first.worker_id == it.worker_id ? sequences_.erase(s) : std::next(s);
+              }
+              ++done;
+              break;
+            case Item::kWake:
+              break;
+          }
+          it.batch = {};
+          if (slice >= kMaxBlocksPerLock) {  // let waiting readers in
+            lk.unlock();
+            slice = 0;
+            lk.lock();
+          }
+        }
+      }
+      if (batches > 0) depth_.fetch_sub(batches, std::memory_order_relaxed);
+      if (done > 0) {
+        applied_.fetch_add(done);
+        std::lock_guard g(flush_mu_);
+        if (flush_waiters_ > 0) flush_cv_.notify_all();
+      }
+      if (stop_.load() && n == 0) return;
+      if (stop_.load() && queue_.size_approx() == 0) return;
+    }
+  }
+
+  // Owner thread, write lock held.
+  void ApplyBatch(const KvEventBatch& b) {
+    batches_applied_.Add(1);
+    const WorkerKey key{b.worker_id, b.dp_rank};
+    if (b.sequence.kind != SequenceKind::kNone) {
+      Sequences& seq = sequences_[key];
+      SequenceTracker& t = b.sequence.kind == SequenceKind::kEventId ? seq.event_ids : seq.vllm_seq;
+      switch (t.Observe(b.sequence.value)) {
+        case SequenceVerdict::kInOrder: break;
+        case SequenceVerdict::kGap:
+          gaps_.Add(1);
+          MarkStale(key);
+          break;
+        case SequenceVerdict::kDuplicate:
+          duplicate_.Add(1);
+          return;
+        case SequenceVerdict::kRestart:
+          restarts_.Add(1);
+          index_.ClearRank(key);
+          break;
+      }
+    }
+    for (const KvOp& op : b.ops) {
+      if (op.tier != StorageTier::kDevice) {
+        non_device_ops_.Add(1);
+        continue;
+      }
+      ApplyOutcome r;
+      if (auto* s = std::get_if<KvStored>(&op.data)) {
+        r = index_.ApplyStored(key, s->parent_hash, s->blocks);
+      } else if (auto* rm = std::get_if<KvRemoved>(&op.data)) {
+        r = index_.ApplyRemoved(key, rm->block_hashes);
+      } else {
+        index_.ClearWorker(b.worker_id);
+      }
+      ops_applied_.Add(1);
+      blocks_stored_.Add(r.blocks_stored);
+      blocks_removed_.Add(r.blocks_removed);
+      if (r.parent_not_found) parent_block_not_found_.Add(1);
+      block_not_found_.Add(r.blocks_not_found);
+    }
+  }
+
+  const std::size_t capacity_;
+  const std::size_t max_bulk_;
+
+  moodycamel::BlockingConcurrentQueue<Item> queue_;
+  std::atomic<std::size_t> depth_{0};        // batches queued, bounded by capacity_
+  std::atomic<std::uint64_t> submitted_{0};  // items enqueued (for Flush)
+  std::atomic<std::uint64_t> applied_{0};    // items applied (for Flush)
+  std::atomic<bool> stop_{false};
+
+  mutable std::shared_mutex mu_;
+  BlockIndex index_;  // GUARDED_BY(mu_); written only by thread_
+  std::unordered_map<WorkerKey, Sequences, WorkerKeyHash> sequences_;  // thread_ only
+
+  std::mutex flush_mu_;
+  std::condition_variable flush_cv_;
+  int flush_waiters_ = 0;  // GUARDED_BY(flush_mu_)
+
+  std::mutex stale_mu_;
+  std::unordered_set<WorkerKey, WorkerKeyHash> stale_;  // GUARDED_BY(stale_mu_)
+
+  OwnerCounter batches_applied_, ops_applied_, blocks_stored_, blocks_removed_, non_device_ops_,
+      gaps_, restarts_, parent_block_not_found_, block_not_found_, duplicate_;
+  std::atomic<std::uint64_t> queue_full_{0};
+
+  std::thread thread_;  // last: starts after every member above is constructed
+};
+
+ShardedIndex::ShardedIndex(ShardedIndexOptions options) {
+  const std::size_t n = options.num_shards == 0 ? 1 : options.num_shards;
+  for (std::size_t i = 0; i < n; ++i) shards_.push_back(std::make_unique<Shard>(options));
+}
+
+ShardedIndex::~ShardedIndex() = default;
+
+std::size_t ShardedIndex::ShardOf(std::uint64_t worker_id) const {
+  return Mix64(worker_id) % shards_.size();
+}
+
+bool ShardedIndex::Submit(KvEventBatch&& batch) {
+  return shards_[ShardOf(batch.worker_id)]->Submit(std::move(batch));
+}
+
+void ShardedIndex::ClearWorker(std::uint64_t worker_id) {
+  shards_[ShardOf(worker_id)]->Control(false, worker_id);
+}
+
+void ShardedIndex::RemoveWorker(std::uint64_t worker_id) {
+  shards_[ShardOf(worker_id)]->Control(true, worker_id);
+}
+
+OverlapScores ShardedIndex::FindMatches(std::span<const LocalHash> local_hashes) const {
+  OverlapScores out;
+  for (const auto& s : shards_) s->FindMatches(local_hashes, out);
+  return out;
+}
+
+std::vector<WorkerTreeSize> ShardedIndex::TreeSizes() const {
+  std::vector<WorkerTreeSize> out;
+  for (const auto& s : shards_) s->TreeSizes(out);
+  return out;
+}
+
+IndexCounters ShardedIndex::Counters() const {
+  IndexCounters c;
+  for (const auto& s : shards_) s->AddCounters(c);
+  return c;
+}
+
+IndexMemory ShardedIndex::Memory() const {
+  IndexMemory m;
+  for (const auto& s : shards_) {
+    IndexMemory x = s->Memory();
+    m.bytes += x.bytes;
+    m.nodes += x.nodes;
+    m.holdings += x.holdings;
+  }
+  return m;
+}
+
+std::vector<WorkerKey> ShardedIndex::TakeStaleWorkers() {
+  std::vector<WorkerKey> out;
+  for (const auto& s : shards_) s->TakeStale(out);
+  return out;
+}
+
+void ShardedIndex::Flush() {
+  for (const auto& s : shards_) s->Flush();
+}
+
+}  // namespace kvrouter

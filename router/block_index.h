@@ -1,0 +1,157 @@
+// BlockIndex: which KV blocks each (worker_id, dp_rank) holds, as a prefix tree keyed by local
+// block hash with a sorted holder set per node, plus per worker a map from the engine's
+// block_hash to its node (for parents and removals). One shard's worth of workers.
+//
+// Thread contract: not thread-safe. One owner thread applies events (ShardedIndex's shard
+// thread); readers call FindMatches/TreeSize only while the owner cannot write (ShardedIndex
+// holds the shard's lock). Memory: a node is freed (slot recycled, holder heap released, child
+// link erased) when its last holder goes and it has no children; a worker's removal or `cleared`
+// costs time proportional to that worker's blocks; FindMatches touches only the request's path.
+//
+//   BlockIndex idx;  idx.ApplyStored({7, 0}, std::nullopt, blocks);
+//   idx.FindMatches(local_hashes, scores);   // scores: (worker, dp_rank) -> leading blocks held
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <unordered_map>
+#include <vector>
+
+#include "events/kv_event.h"
+#include "router/flat_table.h"
+#include "router/holder_set.h"
+#include "router/worker_key.h"
+
+namespace kvrouter {
+
+struct OverlapScore {
+  WorkerKey worker;
+  std::uint32_t blocks = 0;  // leading request blocks the worker holds (> 0)
+  bool operator==(const OverlapScore&) const = default;
+};
+using OverlapScores = std::vector<OverlapScore>;
+
+// What applying one operation did; the caller turns it into counters.
+struct ApplyOutcome {
+  std::uint32_t blocks_stored = 0;        // new (worker, block) holdings
+  std::uint32_t blocks_removed = 0;
+  bool parent_not_found = false;          // stored chain dropped whole
+  std::uint32_t blocks_not_found = 0;     // removals of unknown blocks (rest still applied)
+};
+
+struct IndexMemory {
+  std::size_t bytes = 0;          // everything the index allocated (capacities, not sizes)
+  std::size_t nodes = 0;          // live tree nodes (without the root)
+  std::size_t holdings = 0;       // (block, worker) pairs = sum of tree sizes
+};
+
+class BlockIndex {
+ public:
+  BlockIndex();
+  ~BlockIndex();
+  BlockIndex(const BlockIndex&) = delete;
+  BlockIndex& operator=(const BlockIndex&) = delete;
+
+  // Stores a chain for `worker`. An unknown parent drops the whole chain; re-storing a known
+  // block is idempotent; a known block_hash stored at a new position moves there.
+  ApplyOutcome ApplyStored(WorkerKey worker, std::optional<BlockHash> parent,
+                           std::span<const StoredBlock> blocks);
+  // Removes blocks by engine hash; unknown ones are counted and skipped.
+  ApplyOutcome ApplyRemoved(WorkerKey worker, std::span<const BlockHash> block_hashes);
+  // Drops every block of one (worker, dp_rank); the worker stays known.
+  std::size_t ClearRank(WorkerKey worker);
+  // Drops every block of every dp rank of worker_id (`cleared`); returns blocks dropped.
+  std::size_t ClearWorker(std::uint64_t worker_id);
+  // Forgets worker_id entirely (lease expiry, leaving).
+  std::size_t RemoveWorker(std::uint64_t worker_id);
+
+  // Appends, for every (worker, dp_rank) holding at least the first block, the number of
+  // leading blocks of `local_hashes` it holds. Stops as soon as no worker remains.
+  void FindMatches(std::span<const LocalHash> local_hashes, OverlapScores& out) const;
+
+  std::size_t TreeSize(WorkerKey worker) const;  // blocks held by (worker, dp_rank)
+  // Calls f(WorkerKey, tree_size) for every known (worker, dp_rank).
+  template <typename F>
+  void ForEachWorker(F&& f) const {
+    for (const auto& [key, slot] : slot_of_) f(key, slots_[slot].blocks.size());
+  }
+  IndexMemory Memory() const;
+
+ private:
+  static constexpr std::uint32_t kRoot = 0;
+
+  struct Node {
+    LocalHash local = 0;
+    std::uint32_t parent = kRoot;          // next free node while on the free list
+    std::uint32_t num_children : 31 = 0;
+    // Set when a holder left this node while it had children: a child may then hold a worker
+    // this node does not, so FindMatches must intersect explicitly below it. Sticky until the
+    // node is freed (rare: engines evict leaves first).
+    std::uint32_t orphan_risk : 1 = 0;
+    HolderSet holders;
+  };
+  static_assert(sizeof(Node) == 32);
+
+  struct ChildTraits {
+    struct Key {
+      LocalHash local;
+      std::uint32_t parent;
+      bool operator==(const Key&) const = default;
+    };
+    struct Entry {
+      LocalHash local;
+      std::uint32_t parent;
+      std::uint32_t value;
+    };
+    static Key KeyOf(const Entry& e) { return {e.local, e.parent}; }
+    static void Set(Entry& e, const Key& k, std::uint32_t v) { e = {k.local, k.parent, v}; }
+    static std::uint64_t Hash(const Key& k) { return Mix64(k.local ^ (std::uint64_t{k.parent} << 32)); }
+  };
+
+  struct BlockMapTraits {
+    using Key = BlockHash;
+    struct Entry {  // 12 bytes: the u64 key split so the entry packs at 4-byte alignment
+      std::uint32_t lo, hi;
+      std::uint32_t value;
+    };
+    static Key KeyOf(const Entry& e) { return (std::uint64_t{e.hi} << 32) | e.lo; }
+    static void Set(Entry& e, Key k, std::uint32_t v) {
+      e = {static_cast<std::uint32_t>(k), static_cast<std::uint32_t>(k >> 32), v};
+    }
+    static std::uint64_t Hash(Key k) { return Mix64(k); }
+  };
+  static_assert(sizeof(BlockMapTraits::Entry) == 12);
+
+  struct WorkerSlot {
+    WorkerKey key;
+    bool in_use = false;
+    FlatTable<BlockMapTraits> blocks;  // engine block_hash -> node
+    // Nodes this worker reaches through more than one block_hash: extra references beyond the
+    // one its holder entry stands for. Almost always empty.
+    std::unordered_map<std::uint32_t, std::uint32_t> extra_refs;
+  };
+
+  std::uint32_t SlotFor(WorkerKey worker);          // creates on first use
+  std::uint32_t FindSlot(WorkerKey worker) const;   // kFlatEmpty when unknown
+  std::uint32_t ChildOrCreate(std::uint32_t parent, LocalHash local);
+  void AddHolding(std::uint32_t slot, std::uint32_t node);
+  // Drops one of the slot's references to node; frees nodes left without holders and children.
+  void DropHolding(std::uint32_t slot, std::uint32_t node);
+  void MaybeFree(std::uint32_t node);
+  std::size_t ClearSlot(std::uint32_t slot);
+
+  std::vector<Node> nodes_;                 // nodes_[kRoot] is the root
+  std::uint32_t free_nodes_ = kFlatEmpty;   // head of the free list
+  std::size_t live_nodes_ = 0;
+  FlatTable<ChildTraits> children_;         // (parent, local) -> child
+  std::size_t holder_heap_bytes_ = 0;
+
+  std::vector<WorkerSlot> slots_;
+  std::vector<std::uint32_t> free_slots_;
+  std::unordered_map<WorkerKey, std::uint32_t, WorkerKeyHash> slot_of_;
+  std::unordered_map<std::uint64_t, std::vector<std::uint32_t>> ranks_of_;  // worker_id -> slots
+};
+
+}  // namespace kvrouter

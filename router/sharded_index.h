@@ -1,0 +1,93 @@
+// ShardedIndex: the router's KV block index, split into shards that each own a BlockIndex and
+// one thread. NATS delivery threads only Submit() decoded batches: a bounded lock-free queue per
+// shard (moodycamel) carries them to the shard thread, which dequeues in bulk and applies them
+// under the shard's write lock in slices of at most kMaxBlocksPerLock blocks, so a route
+// request never waits behind a flood. Queries (FindMatches, stats) fan out to every shard under
+// its read lock and merge, so they never observe a half-applied event.
+//
+// Per (worker_id, dp_rank) the shard tracks the last Dynamo event_id and vLLM Kv-Seq: a repeat
+// is dropped, a gap is counted and the worker flagged for recovery, a restart (id back to its
+// first value) clears that rank's blocks first. A full queue drops the batch, counts it and
+// flags the worker (its index is now wrong, not late).
+//
+// Thread contract: Submit/RemoveWorker/ClearWorker from any thread; FindMatches, TreeSizes,
+// Counters, TakeStaleWorkers, Flush from any thread. Destruction stops and joins the shards.
+//
+//   ShardedIndex index({.num_shards = 2});
+//   index.Submit(std::move(batch));          // NATS thread
+//   OverlapScores s = index.FindMatches(local_hashes);  // route thread
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <vector>
+
+#include "events/kv_event.h"
+#include "router/block_index.h"
+#include "router/worker_key.h"
+
+namespace kvrouter {
+
+struct ShardedIndexOptions {
+  std::size_t num_shards = 2;          // fixed for the index's life; worker_id -> shard by hash
+  std::size_t queue_capacity = 65536;  // batches waiting per shard before Submit refuses
+  std::size_t max_bulk = 256;          // batches dequeued at once by a shard thread
+};
+
+// Event counters summed over shards (monotonic).
+struct IndexCounters {
+  std::uint64_t batches_applied = 0;
+  std::uint64_t ops_applied = 0;            // stored/removed/cleared operations applied
+  std::uint64_t blocks_stored = 0;
+  std::uint64_t blocks_removed = 0;
+  std::uint64_t non_device_ops = 0;         // accepted, not matched
+  std::uint64_t gaps = 0;                   // event_id / Kv-Seq jumped forward
+  std::uint64_t restarts = 0;               // ids started again from the beginning
+  // Drop reasons (PROTOCOL.md names).
+  std::uint64_t parent_block_not_found = 0;
+  std::uint64_t block_not_found = 0;
+  std::uint64_t duplicate = 0;              // repeated event ids, dropped
+  std::uint64_t queue_full = 0;
+};
+
+struct WorkerTreeSize {
+  WorkerKey worker;
+  std::size_t blocks = 0;
+};
+
+class ShardedIndex {
+ public:
+  explicit ShardedIndex(ShardedIndexOptions options = {});
+  ~ShardedIndex();
+  ShardedIndex(const ShardedIndex&) = delete;
+  ShardedIndex& operator=(const ShardedIndex&) = delete;
+
+  // Hands a decoded batch to the shard owning batch.worker_id. Never blocks; false when that
+  // shard's queue is full (counted as queue_full, the worker flagged stale).
+  bool Submit(KvEventBatch&& batch);
+  // Control operations; never refused, applied in order with the worker's events.
+  void ClearWorker(std::uint64_t worker_id);   // all dp ranks, keeps sequence tracking
+  void RemoveWorker(std::uint64_t worker_id);  // blocks and sequence tracking
+
+  OverlapScores FindMatches(std::span<const LocalHash> local_hashes) const;
+  std::vector<WorkerTreeSize> TreeSizes() const;
+  IndexCounters Counters() const;
+  IndexMemory Memory() const;
+  // Workers whose index may be wrong (gap, queue full) since the last call; clears the set.
+  std::vector<WorkerKey> TakeStaleWorkers();
+  // Blocks until everything submitted before the call has been applied.
+  void Flush();
+
+  std::size_t num_shards() const { return shards_.size(); }
+  std::size_t ShardOf(std::uint64_t worker_id) const;
+
+ private:
+  class Shard;
+  std::vector<std::unique_ptr<Shard>> shards_;
+};
+
+}  // namespace kvrouter

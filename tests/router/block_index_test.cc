@@ -1,0 +1,269 @@
+#include "router/block_index.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <map>
+#include <random>
+#include <set>
+
+namespace kvrouter {
+namespace {
+
+constexpr WorkerKey kW1{1, 0};
+constexpr WorkerKey kW2{2, 0};
+
+// A chain whose engine hashes are `first_id, first_id+1, ...` and token hashes `locals`.
+std::vector<StoredBlock> Chain(std::uint64_t first_id, std::vector<LocalHash> locals) {
+  std::vector<StoredBlock> out;
+  for (std::size_t i = 0; i < locals.size(); ++i) out.push_back({first_id + i, locals[i]});
+  return out;
+}
+
+std::map<WorkerKey, std::uint32_t> Matches(const BlockIndex& idx, std::vector<LocalHash> h) {
+  OverlapScores s;
+  idx.FindMatches(h, s);
+  std::map<WorkerKey, std::uint32_t> out;
+  for (auto& e : s) {
+    EXPECT_TRUE(out.emplace(e.worker, e.blocks).second) << "worker reported twice";
+  }
+  return out;
+}
+
+TEST(BlockIndex, StoredChainIsMatchedByLeadingBlocks) {
+  BlockIndex idx;
+  auto r = idx.ApplyStored(kW1, std::nullopt, Chain(100, {1, 2, 3}));
+  EXPECT_EQ(r.blocks_stored, 3u);
+  EXPECT_EQ(Matches(idx, {1, 2, 3, 4}), (std::map<WorkerKey, std::uint32_t>{{kW1, 3}}));
+  EXPECT_EQ(Matches(idx, {1, 2}), (std::map<WorkerKey, std::uint32_t>{{kW1, 2}}));
+  EXPECT_TRUE(Matches(idx, {2, 3}).empty());  // not a prefix
+  EXPECT_EQ(idx.TreeSize(kW1), 3u);
+}
+
+TEST(BlockIndex, ChainContinuesFromKnownParent) {
+  BlockIndex idx;
+  (void)idx.ApplyStored(kW1, std::nullopt, Chain(100, {1, 2}));
+  auto r = idx.ApplyStored(kW1, 101, Chain(200, {3, 4}));
+  EXPECT_FALSE(r.parent_not_found);
+  EXPECT_EQ(Matches(idx, {1, 2, 3, 4}), (std::map<WorkerKey, std::uint32_t>{{kW1, 4}}));
+}
+
+TEST(BlockIndex, StoredChainWithUnknownParentIsDropped) {
+  BlockIndex idx;
+  (void)idx.ApplyStored(kW1, std::nullopt, Chain(100, {1}));
+  auto r = idx.ApplyStored(kW1, 999, Chain(200, {2, 3}));
+  EXPECT_TRUE(r.parent_not_found);
+  EXPECT_EQ(r.blocks_stored, 0u);
+  EXPECT_EQ(idx.TreeSize(kW1), 1u);
+  // A parent known only to another worker is unknown for this one.
+  auto r2 = idx.ApplyStored(kW2, 100, Chain(300, {2}));
+  EXPECT_TRUE(r2.parent_not_found);
+  EXPECT_EQ(idx.TreeSize(kW2), 0u);
+}
+
+TEST(BlockIndex, RestoringKnownBlocksIsIdempotent) {
+  BlockIndex idx;
+  (void)idx.ApplyStored(kW1, std::nullopt, Chain(100, {1, 2}));
+  auto r = idx.ApplyStored(kW1, std::nullopt, Chain(100, {1, 2}));
+  EXPECT_EQ(r.blocks_stored, 0u);
+  EXPECT_EQ(idx.TreeSize(kW1), 2u);
+  EXPECT_EQ(idx.Memory().nodes, 2u);
+  (void)idx.ApplyRemoved(kW1, std::vector<BlockHash>{101});
+  EXPECT_EQ(Matches(idx, {1, 2}), (std::map<WorkerKey, std::uint32_t>{{kW1, 1}}));
+}
+
+TEST(BlockIndex, RemovingUnknownBlockIsCountedAndRestStillApplies) {
+  BlockIndex idx;
+  (void)idx.ApplyStored(kW1, std::nullopt, Chain(100, {1, 2, 3}));
+  auto r = idx.ApplyRemoved(kW1, std::vector<BlockHash>{555, 102, 777});
+  EXPECT_EQ(r.blocks_not_found, 2u);
+  EXPECT_EQ(r.blocks_removed, 1u);
+  EXPECT_EQ(idx.TreeSize(kW1), 2u);
+  EXPECT_EQ(Matches(idx, {1, 2, 3}), (std::map<WorkerKey, std::uint32_t>{{kW1, 2}}));
+}
+
+TEST(BlockIndex, SharedPrefixCountsForEachHolder) {
+  BlockIndex idx;
+  (void)idx.ApplyStored(kW1, std::nullopt, Chain(100, {1, 2, 3}));
+  (void)idx.ApplyStored(kW2, std::nullopt, Chain(500, {1, 2, 9}));
+  EXPECT_EQ(Matches(idx, {1, 2, 3}), (std::map<WorkerKey, std::uint32_t>{{kW1, 3}, {kW2, 2}}));
+  EXPECT_EQ(Matches(idx, {1, 2, 9}), (std::map<WorkerKey, std::uint32_t>{{kW1, 2}, {kW2, 3}}));
+  EXPECT_EQ(idx.Memory().nodes, 4u);  // 1, 2 shared; 3 and 9 apart
+}
+
+TEST(BlockIndex, DpRanksAreSeparateHolders) {
+  BlockIndex idx;
+  const WorkerKey r0{7, 0}, r1{7, 1};
+  (void)idx.ApplyStored(r0, std::nullopt, Chain(100, {1, 2}));
+  (void)idx.ApplyStored(r1, std::nullopt, Chain(100, {1}));
+  EXPECT_EQ(Matches(idx, {1, 2}), (std::map<WorkerKey, std::uint32_t>{{r0, 2}, {r1, 1}}));
+  // Removal by engine hash is per rank.
+  (void)idx.ApplyRemoved(r1, std::vector<BlockHash>{100});
+  EXPECT_EQ(Matches(idx, {1, 2}), (std::map<WorkerKey, std::uint32_t>{{r0, 2}}));
+}
+
+TEST(BlockIndex, ClearWorkerDropsEveryRankAndFreesNodes) {
+  BlockIndex idx;
+  (void)idx.ApplyStored({7, 0}, std::nullopt, Chain(100, {1, 2}));
+  (void)idx.ApplyStored({7, 1}, std::nullopt, Chain(100, {5, 6}));
+  (void)idx.ApplyStored(kW2, std::nullopt, Chain(100, {1}));
+  EXPECT_EQ(idx.ClearWorker(7), 4u);
+  EXPECT_EQ(idx.TreeSize({7, 0}), 0u);
+  EXPECT_EQ(idx.TreeSize({7, 1}), 0u);
+  EXPECT_EQ(Matches(idx, {1, 2}), (std::map<WorkerKey, std::uint32_t>{{kW2, 1}}));
+  EXPECT_EQ(idx.Memory().nodes, 1u);
+  // The worker is still known and can store again.
+  (void)idx.ApplyStored({7, 0}, std::nullopt, Chain(100, {1}));
+  EXPECT_EQ(Matches(idx, {1}).size(), 2u);
+}
+
+TEST(BlockIndex, RemoveWorkerForgetsIt) {
+  BlockIndex idx;
+  (void)idx.ApplyStored(kW1, std::nullopt, Chain(100, {1, 2}));
+  EXPECT_EQ(idx.RemoveWorker(1), 2u);
+  EXPECT_TRUE(Matches(idx, {1, 2}).empty());
+  EXPECT_EQ(idx.Memory().nodes, 0u);
+  std::size_t known = 0;
+  idx.ForEachWorker([&](WorkerKey, std::size_t) { ++known; });
+  EXPECT_EQ(known, 0u);
+}
+
+TEST(BlockIndex, InteriorRemovalStopsTheMatchAtTheGap) {
+  BlockIndex idx;
+  (void)idx.ApplyStored(kW1, std::nullopt, Chain(100, {1, 2, 3}));
+  (void)idx.ApplyStored(kW2, std::nullopt, Chain(500, {1, 2, 3}));
+  (void)idx.ApplyRemoved(kW1, std::vector<BlockHash>{101});  // middle block
+  EXPECT_EQ(Matches(idx, {1, 2, 3}), (std::map<WorkerKey, std::uint32_t>{{kW1, 1}, {kW2, 3}}));
+  (void)idx.ApplyRemoved(kW2, std::vector<BlockHash>{500});  // first block
+  EXPECT_EQ(Matches(idx, {1, 2, 3}), (std::map<WorkerKey, std::uint32_t>{{kW1, 1}}));
+}
+
+TEST(BlockIndex, KnownBlockStoredAtNewPositionMoves) {
+  BlockIndex idx;
+  (void)idx.ApplyStored(kW1, std::nullopt, Chain(100, {1, 2}));
+  // Engine reuses id 101 for different content under a new root.
+  (void)idx.ApplyStored(kW1, std::nullopt, std::vector<StoredBlock>{{300, 7}, {101, 8}});
+  EXPECT_EQ(idx.TreeSize(kW1), 3u);
+  EXPECT_EQ(Matches(idx, {1, 2}), (std::map<WorkerKey, std::uint32_t>{{kW1, 1}}));
+  EXPECT_EQ(Matches(idx, {7, 8}), (std::map<WorkerKey, std::uint32_t>{{kW1, 2}}));
+}
+
+TEST(BlockIndex, TwoEngineHashesForOneNodeKeepTheHoldingUntilBothGo) {
+  BlockIndex idx;
+  (void)idx.ApplyStored(kW1, std::nullopt, std::vector<StoredBlock>{{100, 1}});
+  (void)idx.ApplyStored(kW1, std::nullopt, std::vector<StoredBlock>{{200, 1}});
+  EXPECT_EQ(idx.TreeSize(kW1), 2u);
+  (void)idx.ApplyRemoved(kW1, std::vector<BlockHash>{100});
+  EXPECT_EQ(Matches(idx, {1}), (std::map<WorkerKey, std::uint32_t>{{kW1, 1}}));
+  (void)idx.ApplyRemoved(kW1, std::vector<BlockHash>{200});
+  EXPECT_TRUE(Matches(idx, {1}).empty());
+  EXPECT_EQ(idx.Memory().nodes, 0u);
+}
+
+TEST(BlockIndex, MemoryDoesNotGrowWhenSameBlocksAreStoredAndRemovedAMillionTimes) {
+  BlockIndex idx;
+  const auto chain = Chain(100, {11, 12, 13, 14});
+  const std::vector<BlockHash> ids = {100, 101, 102, 103};
+  (void)idx.ApplyStored(kW2, std::nullopt, Chain(900, {11, 12}));  // a second holder
+  (void)idx.ApplyStored(kW1, std::nullopt, chain);
+  (void)idx.ApplyRemoved(kW1, ids);
+  const IndexMemory before = idx.Memory();
+  for (int i = 0; i < 1'000'000; ++i) {
+    (void)idx.ApplyStored(kW1, std::nullopt, chain);
+    (void)idx.ApplyRemoved(kW1, ids);
+  }
+  const IndexMemory after = idx.Memory();
+  EXPECT_EQ(after.bytes, before.bytes);
+  EXPECT_EQ(after.nodes, 2u);
+  EXPECT_EQ(after.holdings, 2u);
+}
+
+// Reference model: each worker's blocks as full paths of local hashes.
+class ReferenceIndex {
+ public:
+  void Stored(WorkerKey w, std::optional<BlockHash> parent, const std::vector<StoredBlock>& bs) {
+    auto& blocks = workers_[w];
+    std::vector<LocalHash> path;
+    if (parent) {
+      auto it = blocks.find(*parent);
+      if (it == blocks.end()) return;
+      path = it->second;
+    }
+    for (const auto& b : bs) {
+      path.push_back(b.tokens_hash);
+      blocks[b.block_hash] = path;
+    }
+  }
+  void Removed(WorkerKey w, const std::vector<BlockHash>& hs) {
+    for (BlockHash h : hs) workers_[w].erase(h);
+  }
+  void Clear(std::uint64_t id) {
+    for (auto& [k, b] : workers_) if (k.worker_id == id) b.clear();
+  }
+  std::map<WorkerKey, std::uint32_t> Matches(const std::vector<LocalHash>& h) const {
+    std::map<WorkerKey, std::uint32_t> out;
+    for (const auto& [w, blocks] : workers_) {
+      std::set<std::vector<LocalHash>> held;
+      for (const auto& [id, path] : blocks) held.insert(path);
+      std::uint32_t n = 0;
+      std::vector<LocalHash> prefix;
+      for (LocalHash x : h) {
+        prefix.push_back(x);
+        if (!held.count(prefix)) break;
+        ++n;
+      }
+      if (n > 0) out[w] = n;
+    }
+    return out;
+  }
+  std::size_t Size(WorkerKey w) const {
+    auto it = workers_.find(w);
+    return it == workers_.end() ? 0 : it->second.size();
+  }
+  std::map<WorkerKey, std::map<BlockHash, std::vector<LocalHash>>> workers_;
+};
+
+TEST(BlockIndex, AgreesWithReferenceModelUnderRandomEvents) {
+  for (std::uint64_t seed : {1u, 2u, 3u, 4u, 5u}) {
+    SCOPED_TRACE(seed);
+    std::mt19937_64 rng(seed);
+    BlockIndex idx;
+    ReferenceIndex ref;
+    auto pick = [&](std::uint64_t n) { return rng() % n; };
+    for (int step = 0; step < 4000; ++step) {
+      const WorkerKey w{pick(4), static_cast<std::uint32_t>(pick(2))};
+      const std::uint64_t op = pick(100);
+      if (op < 55) {
+        std::optional<BlockHash> parent;
+        if (pick(2) == 0 && ref.Size(w) > 0) {
+          auto& blocks = ref.workers_[w];
+          auto it = blocks.begin();
+          std::advance(it, pick(blocks.size()));
+          parent = it->first;
+        } else if (pick(10) == 0) {
+          parent = 10'000 + pick(50);  // probably unknown
+        }
+        std::vector<StoredBlock> bs;
+        const std::size_t len = 1 + pick(4);
+        for (std::size_t i = 0; i < len; ++i) bs.push_back({pick(60), pick(3)});
+        ref.Stored(w, parent, bs);
+        (void)idx.ApplyStored(w, parent, bs);
+      } else if (op < 95) {
+        std::vector<BlockHash> hs;
+        for (std::size_t i = 0, n = 1 + pick(3); i < n; ++i) hs.push_back(pick(60));
+        ref.Removed(w, hs);
+        (void)idx.ApplyRemoved(w, hs);
+      } else {
+        ref.Clear(w.worker_id);
+        (void)idx.ClearWorker(w.worker_id);
+      }
+      ASSERT_EQ(idx.TreeSize(w), ref.Size(w));
+      std::vector<LocalHash> q;
+      for (std::size_t i = 0, n = 1 + pick(6); i < n; ++i) q.push_back(pick(3));
+      ASSERT_EQ(Matches(idx, q), ref.Matches(q)) << "step " << step;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace kvrouter

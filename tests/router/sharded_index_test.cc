@@ -1,0 +1,183 @@
+#include "router/sharded_index.h"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <thread>
+
+namespace kvrouter {
+namespace {
+
+KvEventBatch StoredBatch(std::uint64_t worker, std::uint32_t rank, std::uint64_t event_id,
+                         std::optional<BlockHash> parent, std::vector<StoredBlock> blocks,
+                         StorageTier tier = StorageTier::kDevice) {
+  KvEventBatch b;
+  b.worker_id = worker;
+  b.dp_rank = rank;
+  b.sequence = {SequenceKind::kEventId, event_id};
+  b.ops.push_back({tier, KvStored{parent, std::move(blocks)}});
+  return b;
+}
+
+KvEventBatch RemovedBatch(std::uint64_t worker, std::uint64_t event_id, std::vector<BlockHash> hs) {
+  KvEventBatch b;
+  b.worker_id = worker;
+  b.sequence = {SequenceKind::kEventId, event_id};
+  b.ops.push_back({StorageTier::kDevice, KvRemoved{std::move(hs)}});
+  return b;
+}
+
+std::uint32_t OverlapOf(const OverlapScores& s, WorkerKey w) {
+  for (const auto& e : s) if (e.worker == w) return e.blocks;
+  return 0;
+}
+
+TEST(ShardedIndex, MatchesMergeAcrossShards) {
+  ShardedIndex idx({.num_shards = 4});
+  for (std::uint64_t w = 0; w < 16; ++w) {
+    std::vector<StoredBlock> chain;
+    for (std::uint64_t i = 0; i <= w % 4; ++i) chain.push_back({100 + i, 1 + i});
+    ASSERT_TRUE(idx.Submit(StoredBatch(w, 0, 1, std::nullopt, chain)));
+  }
+  idx.Flush();
+  const std::vector<LocalHash> q = {1, 2, 3, 4};
+  auto s = idx.FindMatches(q);
+  ASSERT_EQ(s.size(), 16u);
+  for (std::uint64_t w = 0; w < 16; ++w) EXPECT_EQ(OverlapOf(s, {w, 0}), w % 4 + 1);
+  EXPECT_EQ(idx.Counters().blocks_stored, 4u * (1 + 2 + 3 + 4));
+}
+
+TEST(ShardedIndex, DuplicateEventIdIsDroppedAndGapIsFlagged) {
+  ShardedIndex idx({.num_shards = 2});
+  ASSERT_TRUE(idx.Submit(StoredBatch(5, 0, 1, std::nullopt, {{100, 1}})));
+  ASSERT_TRUE(idx.Submit(StoredBatch(5, 0, 1, std::nullopt, {{200, 9}})));  // repeat of id 1
+  ASSERT_TRUE(idx.Submit(StoredBatch(5, 0, 4, 100, {{101, 2}})));            // ids 2, 3 missing
+  idx.Flush();
+  auto c = idx.Counters();
+  EXPECT_EQ(c.duplicate, 1u);
+  EXPECT_EQ(c.gaps, 1u);
+  const std::vector<LocalHash> repeat_path = {9};
+  EXPECT_TRUE(idx.FindMatches(repeat_path).empty());
+  const std::vector<LocalHash> q = {1, 2};
+  EXPECT_EQ(OverlapOf(idx.FindMatches(q), {5, 0}), 2u);  // the gap's event still applies
+  auto stale = idx.TakeStaleWorkers();
+  ASSERT_EQ(stale.size(), 1u);
+  EXPECT_EQ(stale[0], (WorkerKey{5, 0}));
+  EXPECT_TRUE(idx.TakeStaleWorkers().empty());
+}
+
+TEST(ShardedIndex, EventIdsAreTrackedPerDpRank) {
+  ShardedIndex idx;
+  ASSERT_TRUE(idx.Submit(StoredBatch(5, 0, 1, std::nullopt, {{100, 1}})));
+  ASSERT_TRUE(idx.Submit(StoredBatch(5, 1, 1, std::nullopt, {{100, 1}})));
+  idx.Flush();
+  EXPECT_EQ(idx.Counters().duplicate, 0u);
+  EXPECT_EQ(idx.FindMatches(std::vector<LocalHash>{1}).size(), 2u);
+}
+
+TEST(ShardedIndex, RestartedPublisherStartsFromAnEmptyCache) {
+  ShardedIndex idx;
+  ASSERT_TRUE(idx.Submit(StoredBatch(5, 0, 1, std::nullopt, {{100, 1}})));
+  ASSERT_TRUE(idx.Submit(StoredBatch(5, 0, 2, std::nullopt, {{200, 7}})));
+  ASSERT_TRUE(idx.Submit(StoredBatch(5, 0, 1, std::nullopt, {{300, 8}})));  // restart
+  idx.Flush();
+  EXPECT_EQ(idx.Counters().restarts, 1u);
+  EXPECT_TRUE(idx.FindMatches(std::vector<LocalHash>{1}).empty());
+  EXPECT_EQ(idx.FindMatches(std::vector<LocalHash>{8}).size(), 1u);
+}
+
+TEST(ShardedIndex, NonDeviceTierIsAcceptedButNotMatched) {
+  ShardedIndex idx;
+  ASSERT_TRUE(idx.Submit(StoredBatch(5, 0, 1, std::nullopt, {{100, 1}}, StorageTier::kHostPinned)));
+  idx.Flush();
+  EXPECT_EQ(idx.Counters().non_device_ops, 1u);
+  EXPECT_TRUE(idx.FindMatches(std::vector<LocalHash>{1}).empty());
+}
+
+TEST(ShardedIndex, FullQueueIsCountedAndFlagsTheWorker) {
+  ShardedIndex idx({.num_shards = 1, .queue_capacity = 0});
+  EXPECT_FALSE(idx.Submit(StoredBatch(9, 2, 1, std::nullopt, {{100, 1}})));
+  EXPECT_EQ(idx.Counters().queue_full, 1u);
+  auto stale = idx.TakeStaleWorkers();
+  ASSERT_EQ(stale.size(), 1u);
+  EXPECT_EQ(stale[0], (WorkerKey{9, 2}));
+}
+
+TEST(ShardedIndex, ClearedAndRemoveWorkerApplyInOrder) {
+  ShardedIndex idx;
+  ASSERT_TRUE(idx.Submit(StoredBatch(5, 0, 1, std::nullopt, {{100, 1}})));
+  KvEventBatch cleared;
+  cleared.worker_id = 5;
+  cleared.sequence = {SequenceKind::kEventId, 2};
+  cleared.ops.push_back({StorageTier::kDevice, KvCleared{}});
+  ASSERT_TRUE(idx.Submit(std::move(cleared)));
+  idx.Flush();
+  EXPECT_TRUE(idx.FindMatches(std::vector<LocalHash>{1}).empty());
+  ASSERT_TRUE(idx.Submit(StoredBatch(5, 0, 3, std::nullopt, {{100, 1}})));
+  idx.Flush();
+  EXPECT_EQ(idx.TreeSizes().size(), 1u);
+  idx.RemoveWorker(5);
+  idx.Flush();
+  EXPECT_TRUE(idx.TreeSizes().empty());
+  // Sequence tracking was forgotten with the worker: id 1 is a fresh start, not a restart.
+  ASSERT_TRUE(idx.Submit(StoredBatch(5, 0, 1, std::nullopt, {{100, 1}})));
+  idx.Flush();
+  EXPECT_EQ(idx.Counters().restarts, 0u);
+  EXPECT_EQ(idx.FindMatches(std::vector<LocalHash>{1}).size(), 1u);
+}
+
+// Writers store and remove whole 8-block chains in single events while readers query: a reader
+// must only ever see 0 or 8 blocks for a worker, never a half-applied event.
+TEST(ShardedIndex, ConcurrentReadersNeverSeeHalfAppliedEvents) {
+  constexpr int kWriters = 3;
+  constexpr int kRounds = 3000;
+  ShardedIndex idx({.num_shards = 2, .queue_capacity = 1 << 20});
+  std::vector<LocalHash> path;
+  for (LocalHash h = 1; h <= 8; ++h) path.push_back(h);
+  std::atomic<bool> done{false};
+  std::atomic<int> torn{0};
+  std::atomic<long> queries{0};
+  std::vector<std::thread> readers;
+  for (int r = 0; r < 2; ++r) {
+    readers.emplace_back([&] {
+      while (!done.load()) {
+        for (const auto& s : idx.FindMatches(path)) {
+          if (s.blocks != 8) torn.fetch_add(1);
+        }
+        queries.fetch_add(1);
+      }
+    });
+  }
+  std::vector<std::thread> writers;
+  for (int w = 0; w < kWriters; ++w) {
+    writers.emplace_back([&, w] {
+      std::uint64_t id = 1;
+      for (int round = 0; round < kRounds; ++round) {
+        std::vector<StoredBlock> chain;
+        std::vector<BlockHash> ids;
+        for (std::size_t i = 0; i < path.size(); ++i) {
+          chain.push_back({1000 + i, path[i]});
+          ids.push_back(1000 + i);
+        }
+        while (!idx.Submit(StoredBatch(w, 0, id, std::nullopt, chain))) std::this_thread::yield();
+        ++id;
+        while (!idx.Submit(RemovedBatch(w, id, ids))) std::this_thread::yield();
+        ++id;
+      }
+    });
+  }
+  for (auto& t : writers) t.join();
+  idx.Flush();
+  done.store(true);
+  for (auto& t : readers) t.join();
+  EXPECT_EQ(torn.load(), 0);
+  EXPECT_GT(queries.load(), 0);
+  auto c = idx.Counters();
+  EXPECT_EQ(c.blocks_stored, std::uint64_t{kWriters} * kRounds * 8);
+  EXPECT_EQ(c.blocks_removed, std::uint64_t{kWriters} * kRounds * 8);
+  EXPECT_EQ(c.duplicate + c.gaps, 0u);
+  EXPECT_EQ(idx.Memory().nodes, 0u);
+}
+
+}  // namespace
+}  // namespace kvrouter
