@@ -1,13 +1,17 @@
 #include "router/block_index.h"
 
+#include <algorithm>
 #include <cassert>
 
 namespace kvrouter {
 
-BlockIndex::BlockIndex() { nodes_.emplace_back(); }
+BlockIndex::BlockIndex() {
+  chunks_.push_back(std::make_unique<Node[]>(kChunkSize));
+  num_node_slots_ = 1;  // the root
+}
 
 BlockIndex::~BlockIndex() {
-  for (Node& n : nodes_) n.holders.Release(holder_heap_bytes_);
+  for (std::uint32_t i = 0; i < num_node_slots_; ++i) node(i).holders.Release(holder_heap_bytes_);
 }
 
 std::uint32_t BlockIndex::FindSlot(WorkerKey worker) const {
@@ -24,8 +28,10 @@ std::uint32_t BlockIndex::SlotFor(WorkerKey worker) {
   } else {
     s = static_cast<std::uint32_t>(slots_.size());
     slots_.emplace_back();
+    key_of_slot_.emplace_back();
   }
   slots_[s].key = worker;
+  key_of_slot_[s] = worker;
   slots_[s].in_use = true;
   slot_of_.emplace(worker, s);
   ranks_of_[worker.worker_id].push_back(s);
@@ -33,56 +39,59 @@ std::uint32_t BlockIndex::SlotFor(WorkerKey worker) {
 }
 
 std::uint32_t BlockIndex::ChildOrCreate(std::uint32_t parent, LocalHash local) {
-  if (std::uint32_t c = children_.Find({local, parent}); c != kFlatEmpty) return c;
+  const SequenceHash seq = parent == kRoot ? local : ChainSequenceHash(node(parent).seq, local);
+  // A 64-bit sequence hash names one prefix (collisions are as unlikely as in the engines'
+  // own prefix caches), so an existing node under this hash is this prefix.
+  if (std::uint32_t c = node_of_.Find(seq); c != kFlatEmpty) return c;
   std::uint32_t c;
   if (free_nodes_ != kFlatEmpty) {
     c = free_nodes_;
-    free_nodes_ = nodes_[c].parent;
+    free_nodes_ = node(c).parent;
   } else {
-    c = static_cast<std::uint32_t>(nodes_.size());
-    nodes_.emplace_back();
+    c = num_node_slots_++;
+    if ((c >> kChunkBits) == chunks_.size()) chunks_.push_back(std::make_unique<Node[]>(kChunkSize));
   }
-  Node& n = nodes_[c];
-  n.local = local;
+  Node& n = node(c);
+  n.seq = seq;
   n.parent = parent;
   n.num_children = 0;
   n.orphan_risk = 0;
-  ++nodes_[parent].num_children;
-  children_.Insert({local, parent}, c);
+  ++node(parent).num_children;
+  node_of_.Insert(seq, c);
   ++live_nodes_;
   return c;
 }
 
-void BlockIndex::AddHolding(std::uint32_t slot, std::uint32_t node) {
-  if (!nodes_[node].holders.Insert(slot, holder_heap_bytes_)) ++slots_[slot].extra_refs[node];
+void BlockIndex::AddHolding(std::uint32_t slot, std::uint32_t i) {
+  if (!node(i).holders.Insert(slot, holder_heap_bytes_)) ++slots_[slot].extra_refs[i];
 }
 
-void BlockIndex::DropHolding(std::uint32_t slot, std::uint32_t node) {
+void BlockIndex::DropHolding(std::uint32_t slot, std::uint32_t i) {
   auto& extra = slots_[slot].extra_refs;
   if (!extra.empty()) {
-    if (auto it = extra.find(node); it != extra.end()) {
+    if (auto it = extra.find(i); it != extra.end()) {
       if (--it->second == 0) extra.erase(it);
       return;
     }
   }
-  Node& n = nodes_[node];
+  Node& n = node(i);
   [[maybe_unused]] bool erased = n.holders.Erase(slot, holder_heap_bytes_);
   assert(erased);
   if (n.num_children > 0) n.orphan_risk = 1;
-  MaybeFree(node);
+  MaybeFree(i);
 }
 
-void BlockIndex::MaybeFree(std::uint32_t node) {
-  while (node != kRoot && nodes_[node].holders.empty() && nodes_[node].num_children == 0) {
-    Node& n = nodes_[node];
+void BlockIndex::MaybeFree(std::uint32_t i) {
+  while (i != kRoot && node(i).holders.empty() && node(i).num_children == 0) {
+    Node& n = node(i);
     const std::uint32_t parent = n.parent;
-    children_.Erase({n.local, parent});
+    node_of_.Erase(n.seq);
     n.holders.Release(holder_heap_bytes_);
     n.parent = free_nodes_;
-    free_nodes_ = node;
+    free_nodes_ = i;
     --live_nodes_;
-    --nodes_[parent].num_children;
-    node = parent;
+    --node(parent).num_children;
+    i = parent;
   }
 }
 
@@ -138,7 +147,7 @@ std::size_t BlockIndex::ClearSlot(std::uint32_t slot) {
   // Every node this slot holds loses it; a node still held by the slot cannot be freed by an
   // earlier step of this loop, so no node is visited after being freed. The whole worker goes,
   // so no orphan is left behind for it and orphan_risk need not be set.
-  w.blocks.ForEach([&](const BlockMapTraits::Entry& e) {
+  w.blocks.ForEach([&](const U64MapTraits::Entry& e) {
     auto& extra = w.extra_refs;
     if (!extra.empty()) {
       if (auto it = extra.find(e.value); it != extra.end()) {
@@ -146,7 +155,7 @@ std::size_t BlockIndex::ClearSlot(std::uint32_t slot) {
         return;
       }
     }
-    nodes_[e.value].holders.Erase(slot, holder_heap_bytes_);
+    node(e.value).holders.Erase(slot, holder_heap_bytes_);
     MaybeFree(e.value);
   });
   w.blocks.Clear();
@@ -186,27 +195,39 @@ std::size_t BlockIndex::TreeSize(WorkerKey worker) const {
   return slot == kFlatEmpty ? 0 : slots_[slot].blocks.size();
 }
 
-void BlockIndex::FindMatches(std::span<const LocalHash> hashes, OverlapScores& out) const {
-  if (hashes.empty()) return;
-  std::uint32_t cur = children_.Find({hashes[0], kRoot});
-  if (cur == kFlatEmpty) return;
+void BlockIndex::FindMatches(std::span<const SequenceHash> hashes, OverlapScores& out) const {
+  // Phase 1: the nodes of the request's path. The lookups are independent, so prefetching a
+  // few levels ahead overlaps their cache misses.
+  constexpr std::size_t kAhead = 8;
+  thread_local std::vector<std::uint32_t> path;
+  path.clear();
+  for (std::size_t i = 0; i < std::min(kAhead, hashes.size()); ++i) node_of_.Prefetch(hashes[i]);
+  for (std::size_t i = 0; i < hashes.size(); ++i) {
+    if (i + kAhead < hashes.size()) node_of_.Prefetch(hashes[i + kAhead]);
+    const std::uint32_t n = node_of_.Find(hashes[i]);
+    if (n == kFlatEmpty) break;
+    __builtin_prefetch(&node(n));
+    path.push_back(n);
+  }
+  if (path.empty()) return;
+  out.reserve(out.size() + slot_of_.size());
 
-  // The workers still matching are either exactly holders(cur) ("lazy": no copy, valid while
-  // no orphan can exist below cur, because then every child's holders are a subset of cur's)
-  // or an explicit sorted list.
+  // Phase 2: walk the path. The workers still matching are either exactly holders(cur)
+  // ("lazy": no copy; valid while cur has no orphan risk, because then every child's holders
+  // are a subset of cur's) or an explicit sorted list.
   bool lazy = true;
-  std::vector<std::uint32_t> active;
-  std::vector<std::uint32_t> next;
+  thread_local std::vector<std::uint32_t> active;
+  thread_local std::vector<std::uint32_t> next;
   auto emit = [&](std::uint32_t slot, std::size_t depth) {
-    out.push_back({slots_[slot].key, static_cast<std::uint32_t>(depth)});
+    out.push_back({key_of_slot_[slot], static_cast<std::uint32_t>(depth)});
   };
+  std::uint32_t cur = path[0];
   std::size_t depth = 1;
-  for (; depth < hashes.size(); ++depth) {
-    const std::uint32_t child = children_.Find({hashes[depth], cur});
-    if (child == kFlatEmpty) break;
-    const auto child_holders = nodes_[child].holders.view();
-    if (lazy && !nodes_[cur].orphan_risk) {
-      const auto cur_holders = nodes_[cur].holders.view();
+  for (; depth < path.size(); ++depth) {
+    const std::uint32_t child = path[depth];
+    const auto child_holders = node(child).holders.view();
+    if (lazy && !node(cur).orphan_risk) {
+      const auto cur_holders = node(cur).holders.view();
       if (child_holders.size() != cur_holders.size()) {
         // child_holders is a subset: emit cur's holders missing from child.
         std::size_t j = 0;
@@ -223,7 +244,7 @@ void BlockIndex::FindMatches(std::span<const LocalHash> hashes, OverlapScores& o
       continue;
     }
     if (lazy) {
-      const auto cur_holders = nodes_[cur].holders.view();
+      const auto cur_holders = node(cur).holders.view();
       active.assign(cur_holders.begin(), cur_holders.end());
       lazy = false;
     }
@@ -243,7 +264,7 @@ void BlockIndex::FindMatches(std::span<const LocalHash> hashes, OverlapScores& o
     if (active.size() == child_holders.size()) lazy = true;  // active == holders(child)
   }
   if (lazy) {
-    for (std::uint32_t s : nodes_[cur].holders.view()) emit(s, depth);
+    for (std::uint32_t s : node(cur).holders.view()) emit(s, depth);
   } else {
     for (std::uint32_t s : active) emit(s, depth);
   }
@@ -252,7 +273,7 @@ void BlockIndex::FindMatches(std::span<const LocalHash> hashes, OverlapScores& o
 IndexMemory BlockIndex::Memory() const {
   IndexMemory m;
   m.nodes = live_nodes_;
-  m.bytes = nodes_.capacity() * sizeof(Node) + children_.memory_bytes() + holder_heap_bytes_ +
+  m.bytes = chunks_.size() * kChunkSize * sizeof(Node) + node_of_.memory_bytes() + holder_heap_bytes_ +
             slots_.capacity() * sizeof(WorkerSlot);
   for (const WorkerSlot& w : slots_) {
     m.bytes += w.blocks.memory_bytes();

@@ -1,6 +1,10 @@
-// BlockIndex: which KV blocks each (worker_id, dp_rank) holds, as a prefix tree keyed by local
-// block hash with a sorted holder set per node, plus per worker a map from the engine's
-// block_hash to its node (for parents and removals). One shard's worth of workers.
+// BlockIndex: which KV blocks each (worker_id, dp_rank) holds, as a prefix tree with a sorted
+// holder set per node, plus per worker a map from the engine's block_hash to its node (for
+// parents and removals). One shard's worth of workers.
+// A node is the prefix ending at a block; it is found by that prefix's sequence hash
+// (PROTOCOL.md section 1), computed here from its parent's and the stored block's local hash,
+// so every level of a request's path can be looked up (and prefetched) independently instead
+// of chasing parent links.
 //
 // Thread contract: not thread-safe. One owner thread applies events (ShardedIndex's shard
 // thread); readers call FindMatches/TreeSize only while the owner cannot write (ShardedIndex
@@ -9,12 +13,13 @@
 // costs time proportional to that worker's blocks; FindMatches touches only the request's path.
 //
 //   BlockIndex idx;  idx.ApplyStored({7, 0}, std::nullopt, blocks);
-//   idx.FindMatches(local_hashes, scores);   // scores: (worker, dp_rank) -> leading blocks held
+//   idx.FindMatches(ComputeSequenceHashes(local_hashes), scores);  // (worker, rank) -> blocks
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <optional>
+#include <memory>
 #include <span>
 #include <unordered_map>
 #include <vector>
@@ -68,8 +73,9 @@ class BlockIndex {
   std::size_t RemoveWorker(std::uint64_t worker_id);
 
   // Appends, for every (worker, dp_rank) holding at least the first block, the number of
-  // leading blocks of `local_hashes` it holds. Stops as soon as no worker remains.
-  void FindMatches(std::span<const LocalHash> local_hashes, OverlapScores& out) const;
+  // leading blocks of the request it holds, given the request's sequence hashes. Touches only
+  // the request's path and stops as soon as no worker remains.
+  void FindMatches(std::span<const SequenceHash> seq_hashes, OverlapScores& out) const;
 
   std::size_t TreeSize(WorkerKey worker) const;  // blocks held by (worker, dp_rank)
   // Calls f(WorkerKey, tree_size) for every known (worker, dp_rank).
@@ -83,7 +89,7 @@ class BlockIndex {
   static constexpr std::uint32_t kRoot = 0;
 
   struct Node {
-    LocalHash local = 0;
+    SequenceHash seq = 0;                  // identifies the prefix ending here
     std::uint32_t parent = kRoot;          // next free node while on the free list
     std::uint32_t num_children : 31 = 0;
     // Set when a holder left this node while it had children: a child may then hold a worker
@@ -94,25 +100,10 @@ class BlockIndex {
   };
   static_assert(sizeof(Node) == 32);
 
-  struct ChildTraits {
-    struct Key {
-      LocalHash local;
-      std::uint32_t parent;
-      bool operator==(const Key&) const = default;
-    };
+  // u64 key -> u32, packed in 12 bytes (the key split so the entry aligns to 4).
+  struct U64MapTraits {
+    using Key = std::uint64_t;
     struct Entry {
-      LocalHash local;
-      std::uint32_t parent;
-      std::uint32_t value;
-    };
-    static Key KeyOf(const Entry& e) { return {e.local, e.parent}; }
-    static void Set(Entry& e, const Key& k, std::uint32_t v) { e = {k.local, k.parent, v}; }
-    static std::uint64_t Hash(const Key& k) { return Mix64(k.local ^ (std::uint64_t{k.parent} << 32)); }
-  };
-
-  struct BlockMapTraits {
-    using Key = BlockHash;
-    struct Entry {  // 12 bytes: the u64 key split so the entry packs at 4-byte alignment
       std::uint32_t lo, hi;
       std::uint32_t value;
     };
@@ -122,12 +113,12 @@ class BlockIndex {
     }
     static std::uint64_t Hash(Key k) { return Mix64(k); }
   };
-  static_assert(sizeof(BlockMapTraits::Entry) == 12);
+  static_assert(sizeof(U64MapTraits::Entry) == 12);
 
   struct WorkerSlot {
     WorkerKey key;
     bool in_use = false;
-    FlatTable<BlockMapTraits> blocks;  // engine block_hash -> node
+    FlatTable<U64MapTraits> blocks;  // engine block_hash -> node
     // Nodes this worker reaches through more than one block_hash: extra references beyond the
     // one its holder entry stands for. Almost always empty.
     std::unordered_map<std::uint32_t, std::uint32_t> extra_refs;
@@ -136,19 +127,27 @@ class BlockIndex {
   std::uint32_t SlotFor(WorkerKey worker);          // creates on first use
   std::uint32_t FindSlot(WorkerKey worker) const;   // kFlatEmpty when unknown
   std::uint32_t ChildOrCreate(std::uint32_t parent, LocalHash local);
-  void AddHolding(std::uint32_t slot, std::uint32_t node);
+  void AddHolding(std::uint32_t slot, std::uint32_t i);
   // Drops one of the slot's references to node; frees nodes left without holders and children.
-  void DropHolding(std::uint32_t slot, std::uint32_t node);
-  void MaybeFree(std::uint32_t node);
+  void DropHolding(std::uint32_t slot, std::uint32_t i);
+  void MaybeFree(std::uint32_t i);
   std::size_t ClearSlot(std::uint32_t slot);
 
-  std::vector<Node> nodes_;                 // nodes_[kRoot] is the root
+  // Nodes live in fixed chunks so growth never copies them nor doubles memory.
+  static constexpr std::uint32_t kChunkBits = 14;
+  static constexpr std::uint32_t kChunkSize = 1u << kChunkBits;
+  Node& node(std::uint32_t i) { return chunks_[i >> kChunkBits][i & (kChunkSize - 1)]; }
+  const Node& node(std::uint32_t i) const { return chunks_[i >> kChunkBits][i & (kChunkSize - 1)]; }
+
+  std::vector<std::unique_ptr<Node[]>> chunks_;  // node 0 (kRoot) is the root
+  std::uint32_t num_node_slots_ = 0;        // slots handed out so far
   std::uint32_t free_nodes_ = kFlatEmpty;   // head of the free list
   std::size_t live_nodes_ = 0;
-  FlatTable<ChildTraits> children_;         // (parent, local) -> child
+  FlatTable<U64MapTraits> node_of_;         // sequence hash -> node
   std::size_t holder_heap_bytes_ = 0;
 
   std::vector<WorkerSlot> slots_;
+  std::vector<WorkerKey> key_of_slot_;      // compact copy of slots_[i].key for FindMatches
   std::vector<std::uint32_t> free_slots_;
   std::unordered_map<WorkerKey, std::uint32_t, WorkerKeyHash> slot_of_;
   std::unordered_map<std::uint64_t, std::vector<std::uint32_t>> ranks_of_;  // worker_id -> slots

@@ -9,7 +9,7 @@
 // An entry whose `value` is kFlatEmpty is a free slot, so kFlatEmpty cannot be stored.
 // Not thread-safe: owned by one shard thread (readers hold the shard's shared lock).
 //
-//   FlatTable<BlockMapTraits> m;  m.Insert(block_hash, node);  uint32_t n = m.Find(block_hash);
+//   FlatTable<U64MapTraits> m;   m.Insert(block_hash, node);  uint32_t n = m.Find(block_hash);
 #pragma once
 
 #include <cstddef>
@@ -61,6 +61,11 @@ class FlatTable {
       if (e.value == kFlatEmpty) return kFlatEmpty;
       if (Traits::KeyOf(e) == key) return e.value;
     }
+  }
+
+  // Starts loading the cache line where key's probe begins (no effect on contents).
+  void Prefetch(const Key& key) const {
+    if (capacity_ != 0) __builtin_prefetch(&slots_[Traits::Hash(key) & (capacity_ - 1)]);
   }
 
   // Inserts or overwrites. Returns the previous value, or kFlatEmpty if the key was new.

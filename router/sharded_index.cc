@@ -15,7 +15,7 @@ namespace kvrouter {
 namespace {
 
 // A write-lock slice: after this many blocks the shard thread lets readers in.
-constexpr std::size_t kMaxBlocksPerLock = 256;
+constexpr std::size_t kMaxBlocksPerLock = 64;
 
 // Single-writer counter: the owner thread adds without a locked instruction; readers load.
 struct OwnerCounter {
@@ -72,7 +72,7 @@ class ShardedIndex::Shard {
     --flush_waiters_;
   }
 
-  void FindMatches(std::span<const LocalHash> hashes, OverlapScores& out) const {
+  void FindMatches(std::span<const SequenceHash> hashes, OverlapScores& out) const {
     std::shared_lock lk(mu_);
     index_.FindMatches(hashes, out);
   }
@@ -269,9 +269,9 @@ void ShardedIndex::RemoveWorker(std::uint64_t worker_id) {
   shards_[ShardOf(worker_id)]->Control(true, worker_id);
 }
 
-OverlapScores ShardedIndex::FindMatches(std::span<const LocalHash> local_hashes) const {
+OverlapScores ShardedIndex::FindMatches(std::span<const SequenceHash> seq_hashes) const {
   OverlapScores out;
-  for (const auto& s : shards_) s->FindMatches(local_hashes, out);
+  for (const auto& s : shards_) s->FindMatches(seq_hashes, out);
   return out;
 }
 

@@ -1,7 +1,7 @@
 // ShardedIndex: the router's KV block index, split into shards that each own a BlockIndex and
 // one thread. NATS delivery threads only Submit() decoded batches: a bounded lock-free queue per
 // shard (moodycamel) carries them to the shard thread, which dequeues in bulk and applies them
-// under the shard's write lock in slices of at most kMaxBlocksPerLock blocks, so a route
+// under the shard's write lock in slices of about 64 blocks, so a route
 // request never waits behind a flood. Queries (FindMatches, stats) fan out to every shard under
 // its read lock and merge, so they never observe a half-applied event.
 //
@@ -15,7 +15,7 @@
 //
 //   ShardedIndex index({.num_shards = 2});
 //   index.Submit(std::move(batch));          // NATS thread
-//   OverlapScores s = index.FindMatches(local_hashes);  // route thread
+//   OverlapScores s = index.FindMatches(ComputeSequenceHashes(local));  // route thread
 #pragma once
 
 #include <atomic>
@@ -73,7 +73,8 @@ class ShardedIndex {
   void ClearWorker(std::uint64_t worker_id);   // all dp ranks, keeps sequence tracking
   void RemoveWorker(std::uint64_t worker_id);  // blocks and sequence tracking
 
-  OverlapScores FindMatches(std::span<const LocalHash> local_hashes) const;
+  // Overlap per (worker, dp_rank) for a request given its sequence hashes.
+  OverlapScores FindMatches(std::span<const SequenceHash> seq_hashes) const;
   std::vector<WorkerTreeSize> TreeSizes() const;
   IndexCounters Counters() const;
   IndexMemory Memory() const;

@@ -1,5 +1,7 @@
 #include "router/block_index.h"
 
+#include "events/block_hash.h"
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -22,7 +24,7 @@ std::vector<StoredBlock> Chain(std::uint64_t first_id, std::vector<LocalHash> lo
 
 std::map<WorkerKey, std::uint32_t> Matches(const BlockIndex& idx, std::vector<LocalHash> h) {
   OverlapScores s;
-  idx.FindMatches(h, s);
+  idx.FindMatches(ComputeSequenceHashes(h), s);
   std::map<WorkerKey, std::uint32_t> out;
   for (auto& e : s) {
     EXPECT_TRUE(out.emplace(e.worker, e.blocks).second) << "worker reported twice";

@@ -41,7 +41,7 @@ TEST(ShardedIndex, MatchesMergeAcrossShards) {
   }
   idx.Flush();
   const std::vector<LocalHash> q = {1, 2, 3, 4};
-  auto s = idx.FindMatches(q);
+  auto s = idx.FindMatches(ComputeSequenceHashes(q));
   ASSERT_EQ(s.size(), 16u);
   for (std::uint64_t w = 0; w < 16; ++w) EXPECT_EQ(OverlapOf(s, {w, 0}), w % 4 + 1);
   EXPECT_EQ(idx.Counters().blocks_stored, 4u * (1 + 2 + 3 + 4));
@@ -57,9 +57,9 @@ TEST(ShardedIndex, DuplicateEventIdIsDroppedAndGapIsFlagged) {
   EXPECT_EQ(c.duplicate, 1u);
   EXPECT_EQ(c.gaps, 1u);
   const std::vector<LocalHash> repeat_path = {9};
-  EXPECT_TRUE(idx.FindMatches(repeat_path).empty());
+  EXPECT_TRUE(idx.FindMatches(ComputeSequenceHashes(repeat_path)).empty());
   const std::vector<LocalHash> q = {1, 2};
-  EXPECT_EQ(OverlapOf(idx.FindMatches(q), {5, 0}), 2u);  // the gap's event still applies
+  EXPECT_EQ(OverlapOf(idx.FindMatches(ComputeSequenceHashes(q)), {5, 0}), 2u);  // the gap's event still applies
   auto stale = idx.TakeStaleWorkers();
   ASSERT_EQ(stale.size(), 1u);
   EXPECT_EQ(stale[0], (WorkerKey{5, 0}));
@@ -72,7 +72,7 @@ TEST(ShardedIndex, EventIdsAreTrackedPerDpRank) {
   ASSERT_TRUE(idx.Submit(StoredBatch(5, 1, 1, std::nullopt, {{100, 1}})));
   idx.Flush();
   EXPECT_EQ(idx.Counters().duplicate, 0u);
-  EXPECT_EQ(idx.FindMatches(std::vector<LocalHash>{1}).size(), 2u);
+  EXPECT_EQ(idx.FindMatches(ComputeSequenceHashes(std::vector<LocalHash>{1})).size(), 2u);
 }
 
 TEST(ShardedIndex, RestartedPublisherStartsFromAnEmptyCache) {
@@ -82,8 +82,8 @@ TEST(ShardedIndex, RestartedPublisherStartsFromAnEmptyCache) {
   ASSERT_TRUE(idx.Submit(StoredBatch(5, 0, 1, std::nullopt, {{300, 8}})));  // restart
   idx.Flush();
   EXPECT_EQ(idx.Counters().restarts, 1u);
-  EXPECT_TRUE(idx.FindMatches(std::vector<LocalHash>{1}).empty());
-  EXPECT_EQ(idx.FindMatches(std::vector<LocalHash>{8}).size(), 1u);
+  EXPECT_TRUE(idx.FindMatches(ComputeSequenceHashes(std::vector<LocalHash>{1})).empty());
+  EXPECT_EQ(idx.FindMatches(ComputeSequenceHashes(std::vector<LocalHash>{8})).size(), 1u);
 }
 
 TEST(ShardedIndex, NonDeviceTierIsAcceptedButNotMatched) {
@@ -91,7 +91,7 @@ TEST(ShardedIndex, NonDeviceTierIsAcceptedButNotMatched) {
   ASSERT_TRUE(idx.Submit(StoredBatch(5, 0, 1, std::nullopt, {{100, 1}}, StorageTier::kHostPinned)));
   idx.Flush();
   EXPECT_EQ(idx.Counters().non_device_ops, 1u);
-  EXPECT_TRUE(idx.FindMatches(std::vector<LocalHash>{1}).empty());
+  EXPECT_TRUE(idx.FindMatches(ComputeSequenceHashes(std::vector<LocalHash>{1})).empty());
 }
 
 TEST(ShardedIndex, FullQueueIsCountedAndFlagsTheWorker) {
@@ -112,7 +112,7 @@ TEST(ShardedIndex, ClearedAndRemoveWorkerApplyInOrder) {
   cleared.ops.push_back({StorageTier::kDevice, KvCleared{}});
   ASSERT_TRUE(idx.Submit(std::move(cleared)));
   idx.Flush();
-  EXPECT_TRUE(idx.FindMatches(std::vector<LocalHash>{1}).empty());
+  EXPECT_TRUE(idx.FindMatches(ComputeSequenceHashes(std::vector<LocalHash>{1})).empty());
   ASSERT_TRUE(idx.Submit(StoredBatch(5, 0, 3, std::nullopt, {{100, 1}})));
   idx.Flush();
   EXPECT_EQ(idx.TreeSizes().size(), 1u);
@@ -123,7 +123,7 @@ TEST(ShardedIndex, ClearedAndRemoveWorkerApplyInOrder) {
   ASSERT_TRUE(idx.Submit(StoredBatch(5, 0, 1, std::nullopt, {{100, 1}})));
   idx.Flush();
   EXPECT_EQ(idx.Counters().restarts, 0u);
-  EXPECT_EQ(idx.FindMatches(std::vector<LocalHash>{1}).size(), 1u);
+  EXPECT_EQ(idx.FindMatches(ComputeSequenceHashes(std::vector<LocalHash>{1})).size(), 1u);
 }
 
 // Writers store and remove whole 8-block chains in single events while readers query: a reader
@@ -134,6 +134,7 @@ TEST(ShardedIndex, ConcurrentReadersNeverSeeHalfAppliedEvents) {
   ShardedIndex idx({.num_shards = 2, .queue_capacity = 1 << 20});
   std::vector<LocalHash> path;
   for (LocalHash h = 1; h <= 8; ++h) path.push_back(h);
+  const auto seq_path = ComputeSequenceHashes(path);
   std::atomic<bool> done{false};
   std::atomic<int> torn{0};
   std::atomic<long> queries{0};
@@ -141,7 +142,7 @@ TEST(ShardedIndex, ConcurrentReadersNeverSeeHalfAppliedEvents) {
   for (int r = 0; r < 2; ++r) {
     readers.emplace_back([&] {
       while (!done.load()) {
-        for (const auto& s : idx.FindMatches(path)) {
+        for (const auto& s : idx.FindMatches(seq_path)) {
           if (s.blocks != 8) torn.fetch_add(1);
         }
         queries.fetch_add(1);

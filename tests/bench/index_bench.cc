@@ -1,0 +1,295 @@
+// Index benchmarks (issue 2): apply throughput per shard thread, find_matches latency
+// percentiles with 64 and 1,000 workers of 16,384 blocks each while ingestion runs, and bytes
+// per indexed (block, worker) pair. Run: build/bin/index_bench (see README "Performance").
+//
+// Workload ("shared prefixes"): every cached sequence is 128 blocks = one of 8 system prompts
+// (32 blocks, shared fleet-wide) + one of 256 documents per system prompt (64 blocks, shared
+// by the workers that saw it) + a 32-block tail unique to the worker. A worker holds 128
+// and more sequences until it holds 16,384 distinct blocks. Engine block ids are sequence hashes, as Dynamo workers publish.
+#include <benchmark/benchmark.h>
+#include <malloc.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <random>
+#include <thread>
+#include <unordered_set>
+#include <map>
+
+#include "events/block_hash.h"
+#include "router/block_index.h"
+#include "router/sharded_index.h"
+
+namespace kvrouter {
+namespace {
+
+constexpr int kSystemPrompts = 8;
+constexpr int kDocsPerSystem = 256;
+constexpr int kSystemBlocks = 32;
+constexpr int kDocBlocks = 64;
+constexpr int kTailBlocks = 32;
+constexpr int kSeqBlocks = kSystemBlocks + kDocBlocks + kTailBlocks;
+
+// Local hashes of one sequence; tail_owner makes the tail unique.
+std::vector<LocalHash> SequenceLocals(int system, int doc, std::uint64_t tail_owner) {
+  std::vector<LocalHash> h;
+  h.reserve(kSeqBlocks);
+  for (int i = 0; i < kSystemBlocks; ++i) h.push_back(Mix64(0x5000 + system * 1000 + i));
+  for (int i = 0; i < kDocBlocks; ++i) h.push_back(Mix64((std::uint64_t(system * kDocsPerSystem + doc) << 20) + i + 1));
+  for (int i = 0; i < kTailBlocks; ++i) h.push_back(Mix64((tail_owner << 24) ^ (0xabcdef00 + i)));
+  return h;
+}
+
+std::vector<StoredBlock> AsChain(const std::vector<LocalHash>& locals) {
+  const auto seq = ComputeSequenceHashes(locals);
+  std::vector<StoredBlock> out;
+  out.reserve(locals.size());
+  for (std::size_t i = 0; i < locals.size(); ++i) out.push_back({seq[i], locals[i]});
+  return out;
+}
+
+constexpr std::size_t kBlocksPerWorker = 16384;
+
+// Stores sequences on `worker` until it holds exactly kBlocksPerWorker distinct blocks.
+template <typename Apply>
+void FillWorker(std::uint64_t worker, std::mt19937_64& rng, Apply&& apply) {
+  std::unordered_set<BlockHash> held;
+  for (std::uint64_t s = 0; held.size() < kBlocksPerWorker; ++s) {
+    const int system = static_cast<int>(rng() % kSystemPrompts);
+    const int doc = static_cast<int>(rng() % kDocsPerSystem);
+    auto chain = AsChain(SequenceLocals(system, doc, worker * 4096 + s));
+    std::size_t keep = 0;
+    while (keep < chain.size() && held.size() < kBlocksPerWorker) held.insert(chain[keep++].block_hash);
+    chain.resize(keep);
+    apply(worker, std::move(chain));
+  }
+}
+
+// A request: a system prompt and document some workers hold, plus a new 104-block tail.
+std::vector<LocalHash> RequestLocals(std::mt19937_64& rng) {
+  auto h = SequenceLocals(static_cast<int>(rng() % kSystemPrompts),
+                          static_cast<int>(rng() % kDocsPerSystem), 0xfffff0 + rng() % 8);
+  while (h.size() < 200) h.push_back(rng());
+  return h;
+}
+
+// ---- apply throughput -------------------------------------------------------------------------
+
+// The work of one shard thread, without the queue: stored chains of 16 blocks, then their
+// removal (so the index stays at a steady size). items_per_second = blocks applied.
+void BM_ApplyChains16(benchmark::State& state) {
+  BlockIndex idx;
+  std::mt19937_64 rng(7);
+  constexpr int kChains = 4096;
+  std::vector<std::vector<StoredBlock>> chains;
+  std::vector<std::vector<BlockHash>> ids;
+  for (int c = 0; c < kChains; ++c) {
+    std::vector<LocalHash> locals;
+    // Half of each chain is a prefix shared with other chains.
+    for (int i = 0; i < 8; ++i) locals.push_back(Mix64(c % 64 * 100 + i));
+    for (int i = 0; i < 8; ++i) locals.push_back(rng());
+    chains.push_back(AsChain(locals));
+    std::vector<BlockHash> r;
+    for (auto& b : chains.back()) r.push_back(b.block_hash);
+    ids.push_back(std::move(r));
+  }
+  std::int64_t blocks = 0;
+  for (auto _ : state) {
+    for (int c = 0; c < kChains; ++c) {
+      const WorkerKey w{static_cast<std::uint64_t>(c % 16), 0};
+      benchmark::DoNotOptimize(idx.ApplyStored(w, std::nullopt, chains[c]));
+    }
+    for (int c = 0; c < kChains; ++c) {
+      const WorkerKey w{static_cast<std::uint64_t>(c % 16), 0};
+      benchmark::DoNotOptimize(idx.ApplyRemoved(w, ids[c]));
+    }
+    blocks += 2 * kChains * 16;
+  }
+  state.SetItemsProcessed(blocks);
+}
+BENCHMARK(BM_ApplyChains16)->Unit(benchmark::kMillisecond);
+
+// End to end through one shard: a producer thread Submit()s Dynamo-style batches (16-block
+// stored chains and their removals) and the shard thread dequeues in bulk and applies them.
+void BM_ShardIngest(benchmark::State& state) {
+  std::mt19937_64 rng(9);
+  constexpr int kChains = 20000;
+  std::vector<std::vector<StoredBlock>> chains;
+  for (int c = 0; c < kChains; ++c) {
+    std::vector<LocalHash> locals;
+    for (int i = 0; i < 8; ++i) locals.push_back(Mix64(c % 64 * 100 + i));
+    for (int i = 0; i < 8; ++i) locals.push_back(rng());
+    chains.push_back(AsChain(locals));
+  }
+  std::int64_t blocks = 0;
+  for (auto _ : state) {
+    state.PauseTiming();
+    std::vector<KvEventBatch> batches;
+    batches.reserve(2 * kChains);
+    std::vector<std::uint64_t> next_id(16, 1);
+    for (int c = 0; c < kChains; ++c) {
+      const std::uint64_t w = c % 16;
+      KvEventBatch b{.worker_id = w, .sequence = {SequenceKind::kEventId, next_id[w]++}};
+      b.ops.push_back({StorageTier::kDevice, KvStored{std::nullopt, chains[c]}});
+      batches.push_back(std::move(b));
+    }
+    for (int c = 0; c < kChains; ++c) {
+      const std::uint64_t w = c % 16;
+      KvEventBatch b{.worker_id = w, .sequence = {SequenceKind::kEventId, next_id[w]++}};
+      KvRemoved r;
+      for (auto& blk : chains[c]) r.block_hashes.push_back(blk.block_hash);
+      b.ops.push_back({StorageTier::kDevice, std::move(r)});
+      batches.push_back(std::move(b));
+    }
+    ShardedIndex idx({.num_shards = 1, .queue_capacity = 1 << 20});
+    state.ResumeTiming();
+    bool refused = false;
+    for (auto& b : batches) refused |= !idx.Submit(std::move(b));
+    idx.Flush();
+    state.PauseTiming();
+    blocks += 2 * kChains * 16;
+    const IndexCounters c = idx.Counters();
+    // Chains of one worker share prefixes (same engine ids): a second removal is not_found.
+    if (refused || c.blocks_removed + c.block_not_found != std::uint64_t(kChains) * 16) {
+      state.SkipWithError("events were lost");
+      break;
+    }
+    state.ResumeTiming();
+  }
+  state.SetItemsProcessed(blocks);
+}
+BENCHMARK(BM_ShardIngest)->Unit(benchmark::kMillisecond)->UseRealTime();
+
+// ---- find_matches latency ---------------------------------------------------------------------
+
+struct Fleet {
+  std::unique_ptr<ShardedIndex> index;
+  int workers = 0;
+};
+
+Fleet& FleetOf(int workers) {
+  static std::map<int, Fleet> fleets;
+  Fleet& f = fleets[workers];
+  if (!f.index) {
+    f.workers = workers;
+    f.index = std::make_unique<ShardedIndex>(ShardedIndexOptions{.num_shards = 2, .queue_capacity = 1 << 20});
+    std::mt19937_64 rng(1234);
+    for (int w = 0; w < workers; ++w) {
+      FillWorker(w, rng, [&](std::uint64_t worker, std::vector<StoredBlock> chain) {
+        KvEventBatch b{.worker_id = worker};
+        b.ops.push_back({StorageTier::kDevice, KvStored{std::nullopt, std::move(chain)}});
+        while (!f.index->Submit(std::move(b))) std::this_thread::yield();
+      });
+    }
+    f.index->Flush();
+  }
+  return f;
+}
+
+// Percentiles of per-call latency over the run, as counters (microseconds).
+void ReportPercentiles(benchmark::State& state, std::vector<double>& us) {
+  if (us.empty()) return;
+  std::sort(us.begin(), us.end());
+  auto at = [&](double q) { return us[std::min(us.size() - 1, static_cast<std::size_t>(q * us.size()))]; };
+  state.counters["p50_us"] = at(0.50);
+  state.counters["p99_us"] = at(0.99);
+  state.counters["max_us"] = us.back();
+}
+
+// Arg 0: workers; arg 1: blocks per second that a background thread stores and removes
+// meanwhile (0 = none, -1 = as fast as the shard queues take them).
+void BM_FindMatches200(benchmark::State& state) {
+  Fleet& fleet = FleetOf(static_cast<int>(state.range(0)));
+  const std::int64_t rate = state.range(1);
+  const bool ingest = rate != 0;
+  std::mt19937_64 rng(99);
+  std::vector<std::vector<LocalHash>> requests;
+  for (int i = 0; i < 512; ++i) requests.push_back(ComputeSequenceHashes(RequestLocals(rng)));
+
+  std::atomic<bool> stop{false};
+  std::atomic<std::uint64_t> ingested{0};
+  std::thread flood;
+  if (ingest) {
+    // Extra workers (ids above the fleet) store and drop 16-block chains as fast as the
+    // shard queues take them.
+    flood = std::thread([&] {
+      std::mt19937_64 r(5);
+      std::uint64_t id = 1;
+      const auto start = std::chrono::steady_clock::now();
+      while (!stop.load(std::memory_order_relaxed)) {
+        if (rate > 0) {  // pace: 32 blocks per loop
+          const auto due = start + std::chrono::nanoseconds(static_cast<std::int64_t>(ingested.load() * 1e9 / rate));
+          std::this_thread::sleep_until(due);
+        }
+        const std::uint64_t w = 1'000'000 + r() % 32;
+        std::vector<LocalHash> locals;
+        for (int i = 0; i < 16; ++i) locals.push_back(r());
+        auto chain = AsChain(locals);
+        KvEventBatch s{.worker_id = w};
+        KvRemoved rm;
+        for (auto& b : chain) rm.block_hashes.push_back(b.block_hash);
+        s.ops.push_back({StorageTier::kDevice, KvStored{std::nullopt, std::move(chain)}});
+        KvEventBatch d{.worker_id = w};
+        d.ops.push_back({StorageTier::kDevice, std::move(rm)});
+        if (fleet.index->Submit(std::move(s))) ingested.fetch_add(16, std::memory_order_relaxed);
+        if (fleet.index->Submit(std::move(d))) ingested.fetch_add(16, std::memory_order_relaxed);
+        ++id;
+      }
+    });
+  }
+  std::vector<double> us;
+  std::size_t i = 0;
+  std::size_t matched = 0;
+  const auto t0 = std::chrono::steady_clock::now();
+  for (auto _ : state) {
+    const auto a = std::chrono::steady_clock::now();
+    auto scores = fleet.index->FindMatches(requests[i++ % requests.size()]);
+    const auto b = std::chrono::steady_clock::now();
+    matched += scores.size();
+    benchmark::DoNotOptimize(scores);
+    us.push_back(std::chrono::duration<double, std::micro>(b - a).count());
+  }
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  stop.store(true);
+  if (flood.joinable()) flood.join();
+  fleet.index->Flush();  // leave nothing being applied behind us
+  ReportPercentiles(state, us);
+  state.counters["workers_matched"] = static_cast<double>(matched) / std::max<std::size_t>(1, us.size());
+  if (ingest) state.counters["ingest_blocks_per_s"] = ingested.load() / secs;
+}
+BENCHMARK(BM_FindMatches200)
+    ->Args({64, 0})->Args({64, 1'000'000})->Args({1000, 0})->Args({1000, 1'000'000})
+    ->Args({1000, -1})
+    ->Unit(benchmark::kMicrosecond)->Iterations(20000);
+
+// ---- memory -----------------------------------------------------------------------------------
+
+// Bytes per (block, worker) pair: the index's own accounting and the heap growth seen by malloc.
+void BM_MemoryPerPair(benchmark::State& state) {
+  const int workers = static_cast<int>(state.range(0));
+  for (auto _ : state) {
+    malloc_trim(0);
+    const std::size_t heap0 = mallinfo2().uordblks + mallinfo2().hblkhd;
+    auto idx = std::make_unique<BlockIndex>();
+    std::mt19937_64 rng(1234);
+    for (int w = 0; w < workers; ++w) {
+      FillWorker(w, rng, [&](std::uint64_t worker, const std::vector<StoredBlock>& chain) {
+        benchmark::DoNotOptimize(idx->ApplyStored({worker, 0}, std::nullopt, chain));
+      });
+    }
+    const std::size_t heap1 = mallinfo2().uordblks + mallinfo2().hblkhd;
+    const IndexMemory m = idx->Memory();
+    state.counters["pairs"] = static_cast<double>(m.holdings);
+    state.counters["nodes"] = static_cast<double>(m.nodes);
+    state.counters["bytes_per_pair"] = static_cast<double>(m.bytes) / m.holdings;
+    state.counters["heap_bytes_per_pair"] = static_cast<double>(heap1 - heap0) / m.holdings;
+  }
+}
+BENCHMARK(BM_MemoryPerPair)->Arg(64)->Arg(1000)->Iterations(1)->Unit(benchmark::kSecond);
+
+}  // namespace
+}  // namespace kvrouter
+
+BENCHMARK_MAIN();
