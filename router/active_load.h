@@ -1,0 +1,68 @@
+// ActiveLoad: the load the router itself has put on each (worker, dp_rank), from its own
+// bookings (DESIGN.md "Selection"): refcounted active blocks by sequence hash (shared prefixes
+// count once), active prefill tokens, active requests. mark_prefill removes a request's prefill
+// tokens, free removes everything it booked; both are idempotent. Requests older than the
+// sweep age (300 s) are released by Sweep().
+// Not thread-safe: the service guards it with one mutex (bookings are short).
+//
+//   load.Book("r1", {7, 0}, seq_hashes, prompt_tokens - cached_tokens, now);
+//   load.MarkPrefill("r1");  load.Free("r1");
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "events/block_hash.h"
+#include "router/worker_key.h"
+
+namespace kvrouter {
+
+using SteadyTime = std::chrono::steady_clock::time_point;
+
+struct WorkerLoad {
+  std::uint64_t active_blocks = 0;          // distinct sequence hashes of active requests
+  std::uint64_t active_prefill_tokens = 0;  // prompt tokens still to prefill
+  std::uint32_t active_requests = 0;
+};
+
+class ActiveLoad {
+ public:
+  // Books a request; false (nothing changes) when request_id is already booked.
+  bool Book(const std::string& request_id, WorkerKey worker, std::span<const SequenceHash> seq,
+            std::uint64_t prefill_tokens, SteadyTime now);
+  bool MarkPrefill(const std::string& request_id);  // false when unknown or already marked
+  bool Free(const std::string& request_id);         // false when unknown
+  // Releases requests booked before now - max_age; returns how many.
+  std::size_t Sweep(SteadyTime now, std::chrono::seconds max_age = std::chrono::seconds(300));
+  // Releases every request booked on worker_id (any dp rank); returns how many.
+  std::size_t RemoveWorker(std::uint64_t worker_id);
+
+  WorkerLoad Load(WorkerKey worker) const;
+  // How many of the request's leading sequence hashes are already active on the worker.
+  std::uint32_t ActivePrefix(WorkerKey worker, std::span<const SequenceHash> seq) const;
+  // Where a booked request went, if it is booked.
+  const WorkerKey* WorkerOf(const std::string& request_id) const;
+  std::size_t requests() const { return requests_.size(); }
+
+ private:
+  struct Booking {
+    WorkerKey worker;
+    std::vector<SequenceHash> seq;
+    std::uint64_t prefill_tokens = 0;  // 0 once marked
+    SteadyTime booked_at;
+  };
+  struct PerWorker {
+    std::unordered_map<SequenceHash, std::uint32_t> blocks;  // refcounts
+    WorkerLoad load;
+  };
+  void Release(std::unordered_map<std::string, Booking>::iterator it);
+
+  std::unordered_map<std::string, Booking> requests_;
+  std::unordered_map<WorkerKey, PerWorker, WorkerKeyHash> workers_;
+};
+
+}  // namespace kvrouter

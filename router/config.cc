@@ -1,0 +1,201 @@
+#include "router/config.h"
+
+#include <boost/program_options.hpp>
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cctype>
+#include <sstream>
+#include <vector>
+
+namespace kvrouter {
+namespace po = boost::program_options;
+
+namespace {
+
+constexpr std::pair<RouterMode, std::string_view> kModes[] = {
+    {RouterMode::kKv, "kv"},
+    {RouterMode::kRoundRobin, "round-robin"},
+    {RouterMode::kRandom, "random"},
+    {RouterMode::kPowerOfTwo, "power-of-two"},
+    {RouterMode::kLeastLoaded, "least-loaded"},
+    {RouterMode::kDeviceAwareWeighted, "device-aware-weighted"},
+    {RouterMode::kDirect, "direct"},
+};
+
+// Environment variable for a flag: DYN_ + upper snake case, with the documented exceptions.
+std::string EnvNameFor(std::string_view flag) {
+  if (flag == "nats-server") return "NATS_SERVER";
+  if (flag == "router-kv-events") return "DYN_ROUTER_USE_KV_EVENTS";
+  if (flag == "no-router-track-prefill-tokens") return "DYN_ROUTER_TRACK_PREFILL_TOKENS";
+  std::string out = "DYN_";
+  for (char c : flag) out += c == '-' ? '_' : static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  return out;
+}
+
+std::optional<bool> ParseBool(std::string v) {
+  std::transform(v.begin(), v.end(), v.begin(), [](unsigned char c) { return std::tolower(c); });
+  if (v == "1" || v == "true" || v == "yes" || v == "on") return true;
+  if (v == "0" || v == "false" || v == "no" || v == "off") return false;
+  return std::nullopt;
+}
+
+Status OutOfRange(std::string_view flag, std::string_view range) {
+  return InvalidArgument(fmt::format("--{} must be {}", flag, range));
+}
+
+}  // namespace
+
+std::string_view RouterModeName(RouterMode mode) {
+  for (auto& [m, name] : kModes) if (m == mode) return name;
+  return "kv";
+}
+
+std::optional<RouterMode> RouterModeFromName(std::string_view name) {
+  for (auto& [m, n] : kModes) if (n == name) return m;
+  return std::nullopt;
+}
+
+std::string_view QueuePolicyName(QueuePolicy policy) {
+  switch (policy) {
+    case QueuePolicy::kFcfs: return "fcfs";
+    case QueuePolicy::kWspt: return "wspt";
+    case QueuePolicy::kLcfs: return "lcfs";
+  }
+  return "fcfs";
+}
+
+Result<ParsedArgs> ParseRouterConfig(int argc, const char* const* argv, const EnvLookup& env) {
+  const RouterConfig d;
+  std::string mode = std::string(RouterModeName(d.mode));
+  std::string policy = "fcfs";
+  std::string kv_events;  // "", or a boolean from the environment
+  po::options_description desc("kvrouter options (each also read from DYN_<FLAG> in the environment)");
+  // clang-format off
+  desc.add_options()
+    ("help,h", "print this help and exit")
+    ("nats-server", po::value<std::string>()->default_value(d.nats_server), "NATS server URL (env NATS_SERVER)")
+    ("namespace", po::value<std::string>()->default_value(d.ns), "namespace of the subjects")
+    ("component", po::value<std::string>()->default_value(d.component), "worker component name")
+    ("block-size", po::value<std::uint32_t>()->default_value(d.block_size), "tokens per KV block [1, 65536]")
+    ("router-mode", po::value<std::string>(&mode)->default_value(mode),
+       "kv | round-robin | random | power-of-two | least-loaded | device-aware-weighted | direct")
+    ("load-aware", po::bool_switch(), "kv cost with overlap credit 0, no KV events, no prediction")
+    ("router-kv-overlap-score-credit", po::value<double>()->default_value(d.overlap_score_credit), "prefill blocks credited per cached block (>= 0)")
+    ("router-prefill-load-scale", po::value<double>()->default_value(d.prefill_load_scale), "weight of prefill blocks against decode blocks (>= 0)")
+    ("router-kv-events", po::bool_switch(), "use KV events from workers (default; env DYN_ROUTER_USE_KV_EVENTS=true|false)")
+    ("no-router-kv-events", po::bool_switch(), "approximate mode: predict caches from routing decisions")
+    ("no-router-track-prefill-tokens", po::bool_switch(), "leave active prefill tokens out of the load")
+    ("router-temperature", po::value<double>()->default_value(d.temperature), "0 = lowest cost; > 0 = softmax sampling")
+    ("router-queue-threshold", po::value<double>(), "queue when every rank has prefill > t * max_num_batched_tokens (> 0; off by default)")
+    ("router-queue-policy", po::value<std::string>(&policy)->default_value(policy), "fcfs | wspt | lcfs")
+    ("router-queue-max", po::value<std::uint32_t>()->default_value(d.queue_max), "queued requests before 'overloaded' (>= 1)")
+    ("router-ttl-secs", po::value<double>()->default_value(d.ttl_secs), "approximate mode: seconds a predicted block lives (> 0)")
+    ("router-max-tree-size", po::value<std::uint64_t>()->default_value(d.max_tree_size), "approximate mode: predicted blocks before pruning (>= 1)")
+    ("router-prune-target-ratio", po::value<double>()->default_value(d.prune_target_ratio), "approximate mode: prune down to ratio * max (0, 1]")
+    ("router-replica-sync", po::bool_switch(), "share active-request bookings with other router replicas")
+    ("device-ratio", po::value<double>()->default_value(d.device_ratio), "device-aware-weighted: accelerator weight vs CPU (> 0)")
+    ("router-index-shards", po::value<std::uint32_t>()->default_value(d.index_shards), "index shards, one thread each [1, 64]");
+  // clang-format on
+
+  ParsedArgs out;
+  po::variables_map vm;
+  try {
+    po::store(po::command_line_parser(argc, argv).options(desc).run(), vm);
+    // Environment values for flags not given on the command line (store keeps the first value).
+    std::vector<std::string> env_args;
+    for (const auto& opt : desc.options()) {
+      const std::string& name = opt->long_name();
+      if (name == "help" || name == "no-router-kv-events") continue;
+      if (vm.count(name) && !vm[name].defaulted()) continue;  // given on the command line
+      const char* raw = env(EnvNameFor(name).c_str());
+      if (raw == nullptr || *raw == '\0') continue;
+      if (opt->semantic()->max_tokens() == 0) {  // a switch
+        auto b = ParseBool(raw);
+        if (!b) return InvalidArgument(fmt::format("{}={} must be true or false", EnvNameFor(name), raw));
+        if (name == "router-kv-events") {
+          env_args.push_back(*b ? "--router-kv-events" : "--no-router-kv-events");
+        } else if (name == "no-router-track-prefill-tokens") {
+          if (!*b) env_args.push_back("--" + name);  // DYN_ROUTER_TRACK_PREFILL_TOKENS=false
+        } else if (*b) {
+          env_args.push_back("--" + name);
+        }
+      } else {
+        env_args.push_back(fmt::format("--{}={}", name, raw));
+      }
+    }
+    if (!env_args.empty()) {
+      std::vector<const char*> eargv = {"env"};
+      for (auto& a : env_args) eargv.push_back(a.c_str());
+      po::variables_map env_vm;
+      po::store(po::command_line_parser(static_cast<int>(eargv.size()), eargv.data()).options(desc).run(), env_vm);
+      for (auto& [k, v] : env_vm) {
+        if (v.defaulted() || (vm.count(k) && !vm[k].defaulted())) continue;
+        vm.erase(k);
+        vm.insert({k, v});
+      }
+    }
+    po::notify(vm);
+  } catch (const po::error& e) {
+    return InvalidArgument(e.what());
+  }
+
+  if (vm.count("help")) {
+    std::ostringstream ss;
+    ss << desc;
+    out.help = true;
+    out.help_text = ss.str();
+    return out;
+  }
+
+  RouterConfig& c = out.config;
+  c.nats_server = vm["nats-server"].as<std::string>();
+  c.ns = vm["namespace"].as<std::string>();
+  c.component = vm["component"].as<std::string>();
+  c.block_size = vm["block-size"].as<std::uint32_t>();
+  if (c.block_size < 1 || c.block_size > 65536) return OutOfRange("block-size", "in [1, 65536]");
+  auto m = RouterModeFromName(mode);
+  if (!m) return OutOfRange("router-mode", "one of kv, round-robin, random, power-of-two, least-loaded, device-aware-weighted, direct");
+  c.mode = *m;
+  c.overlap_score_credit = vm["router-kv-overlap-score-credit"].as<double>();
+  if (!(c.overlap_score_credit >= 0)) return OutOfRange("router-kv-overlap-score-credit", ">= 0");
+  c.prefill_load_scale = vm["router-prefill-load-scale"].as<double>();
+  if (!(c.prefill_load_scale >= 0)) return OutOfRange("router-prefill-load-scale", ">= 0");
+  if (vm["router-kv-events"].as<bool>() && vm["no-router-kv-events"].as<bool>()) {
+    return InvalidArgument("--router-kv-events and --no-router-kv-events contradict each other");
+  }
+  c.use_kv_events = !vm["no-router-kv-events"].as<bool>();
+  c.track_prefill_tokens = !vm["no-router-track-prefill-tokens"].as<bool>();
+  c.temperature = vm["router-temperature"].as<double>();
+  if (!(c.temperature >= 0)) return OutOfRange("router-temperature", ">= 0");
+  if (vm.count("router-queue-threshold")) {
+    c.queue_threshold = vm["router-queue-threshold"].as<double>();
+    if (!(*c.queue_threshold > 0)) return OutOfRange("router-queue-threshold", "> 0");
+  }
+  if (policy == "fcfs") c.queue_policy = QueuePolicy::kFcfs;
+  else if (policy == "wspt") c.queue_policy = QueuePolicy::kWspt;
+  else if (policy == "lcfs") c.queue_policy = QueuePolicy::kLcfs;
+  else return OutOfRange("router-queue-policy", "one of fcfs, wspt, lcfs");
+  c.queue_max = vm["router-queue-max"].as<std::uint32_t>();
+  if (c.queue_max < 1) return OutOfRange("router-queue-max", ">= 1");
+  c.ttl_secs = vm["router-ttl-secs"].as<double>();
+  if (!(c.ttl_secs > 0)) return OutOfRange("router-ttl-secs", "> 0");
+  c.max_tree_size = vm["router-max-tree-size"].as<std::uint64_t>();
+  if (c.max_tree_size < 1) return OutOfRange("router-max-tree-size", ">= 1");
+  c.prune_target_ratio = vm["router-prune-target-ratio"].as<double>();
+  if (!(c.prune_target_ratio > 0 && c.prune_target_ratio <= 1)) return OutOfRange("router-prune-target-ratio", "in (0, 1]");
+  c.replica_sync = vm["router-replica-sync"].as<bool>();
+  c.device_ratio = vm["device-ratio"].as<double>();
+  if (!(c.device_ratio > 0)) return OutOfRange("device-ratio", "> 0");
+  c.index_shards = vm["router-index-shards"].as<std::uint32_t>();
+  if (c.index_shards < 1 || c.index_shards > 64) return OutOfRange("router-index-shards", "in [1, 64]");
+  c.load_aware = vm["load-aware"].as<bool>();
+  if (c.load_aware) {  // DESIGN.md: pure load balancing on tracked load
+    c.mode = RouterMode::kKv;
+    c.overlap_score_credit = 0;
+    c.use_kv_events = false;
+  }
+  return out;
+}
+
+}  // namespace kvrouter

@@ -1,0 +1,63 @@
+// Worker selection for every router mode (DESIGN.md "Selection"). Pure decision logic over a
+// list of candidates that the service assembles (overlap from the index, load from ActiveLoad,
+// limits from registrations); randomness comes from the caller's seeded generator, so
+// decisions are reproducible in tests. Not thread-safe (round-robin keeps a cursor); the
+// service calls it under its routing lock.
+//
+//   Selector sel;  std::size_t i = sel.Pick(RouterMode::kKv, request, candidates, params, rng);
+#pragma once
+
+#include <cstdint>
+#include <random>
+#include <span>
+#include <vector>
+
+#include "router/config.h"
+#include "router/worker_key.h"
+
+namespace kvrouter {
+
+struct Candidate {
+  WorkerKey worker;
+  std::uint32_t overlap_blocks = 0;         // leading request blocks cached there
+  std::uint32_t active_prefix_blocks = 0;   // leading request blocks already active there
+  std::uint64_t active_blocks = 0;          // decode blocks of active requests
+  std::uint64_t active_prefill_tokens = 0;
+  std::uint32_t active_requests = 0;
+  bool is_cpu = false;                      // registration device == "cpu"
+  std::uint32_t capacity = 1;               // max_num_seqs, for device-aware weighting
+};
+
+struct SelectionRequest {
+  std::uint32_t isl = 0;             // prompt tokens
+  std::uint32_t request_blocks = 0;  // ceil(isl / block_size)
+};
+
+struct CostParams {
+  std::uint32_t block_size = 64;
+  double overlap_score_credit = 1.0;  // C
+  double prefill_load_scale = 1.0;    // P
+  double temperature = 0.0;
+  bool track_prefill_tokens = true;
+  double device_ratio = 8.0;
+};
+
+// The kv cost of one candidate: P * max(prefill_blocks - C * overlap, 0) + decode_blocks.
+double KvCost(const Candidate& c, const SelectionRequest& req, const CostParams& p);
+
+class Selector {
+ public:
+  // Index into candidates (non-empty) of the chosen one. kDirect is the caller's business
+  // (the pin is resolved before selection) and picks the first candidate.
+  std::size_t Pick(RouterMode mode, const SelectionRequest& req, std::span<const Candidate> cands,
+                   const CostParams& params, std::mt19937_64& rng);
+
+ private:
+  std::size_t PickKv(const SelectionRequest& req, std::span<const Candidate> cands,
+                     const CostParams& params, std::mt19937_64& rng) const;
+  static std::size_t LeastLoaded(std::span<const Candidate> cands, const std::vector<std::size_t>& among,
+                                 std::mt19937_64& rng);
+  std::uint64_t round_robin_ = 0;
+};
+
+}  // namespace kvrouter

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# Builds kvrouter and runs every test: unit and integration tests (the integration tests start
+# their own nats-server on a free 127.0.0.1 port), then the unit tests again under ASan+UBSan,
+# the concurrent parts under TSan, and a short libFuzzer run of every decoder.
+#
+#   scripts/test.sh                 everything (what CI runs)
+#   KVROUTER_QUICK=1 scripts/test.sh    plain build and tests only
+#   FUZZ_SECONDS=30 scripts/test.sh     longer fuzzing (default 8 s per decoder)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+bash scripts/setup.sh
+
+jobs=$(nproc 2>/dev/null || echo 2)
+gen=()
+command -v ninja >/dev/null && gen=(-G Ninja)
+
+step() { printf '\n== %s\n' "$*"; }
+
+configure_build() {  # dir, targets..., -- cmake args...
+  local dir=$1; shift
+  local targets=()
+  while [ $# -gt 0 ] && [ "$1" != "--" ]; do targets+=("$1"); shift; done
+  [ $# -gt 0 ] && shift
+  cmake -S . -B "$dir" "${gen[@]}" "$@" >/dev/null
+  if [ ${#targets[@]} -gt 0 ]; then
+    cmake --build "$dir" -j "$jobs" --target "${targets[@]}"
+  else
+    cmake --build "$dir" -j "$jobs"
+  fi
+}
+
+step "build (RelWithDebInfo)"
+configure_build build -- -DCMAKE_BUILD_TYPE=RelWithDebInfo
+step "tests: unit and integration"
+ctest --test-dir build --output-on-failure -j "$jobs" --timeout 300
+
+if [ "${KVROUTER_QUICK:-0}" = "1" ]; then
+  echo "KVROUTER_QUICK=1: sanitizer builds and fuzzing skipped"
+  exit 0
+fi
+
+step "unit tests under ASan+UBSan"
+configure_build build-asan events_test router_test -- \
+  -DCMAKE_BUILD_TYPE=Debug -DKVROUTER_SANITIZE=address -DKVROUTER_BENCH=OFF
+ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+  ctest --test-dir build-asan --output-on-failure -j "$jobs" --timeout 600 -L unit
+
+step "concurrent parts under TSan"
+configure_build build-tsan router_test -- \
+  -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVROUTER_SANITIZE=thread -DKVROUTER_BENCH=OFF
+# Older TSan runtimes cannot map memory under high ASLR entropy; run without ASLR.
+TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
+  setarch "$(uname -m)" -R ctest --test-dir build-tsan --output-on-failure --timeout 600 -R 'ShardedIndex'
+
+if command -v clang++ >/dev/null; then
+  step "fuzzing the decoders (${FUZZ_SECONDS:-8} s each)"
+  CC=clang CXX=clang++ configure_build build-fuzz -- -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVROUTER_FUZZ=ON
+  for f in build-fuzz/bin/fuzz_*; do
+    [ -x "$f" ] || continue
+    corpus=$(mktemp -d)
+    seeds="tests/fuzz/seeds/$(basename "$f")"
+    [ -d "$seeds" ] && cp "$seeds"/* "$corpus"/ 2>/dev/null || true
+    echo "-- $(basename "$f")"
+    "$f" -max_total_time="${FUZZ_SECONDS:-8}" -print_final_stats=0 "$corpus" 2>&1 | tail -2
+    rm -rf "$corpus"
+  done
+else
+  echo "clang++ not found: fuzzing skipped"
+fi
+echo
+echo "all tests passed"

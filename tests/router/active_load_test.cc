@@ -1,0 +1,69 @@
+#include "router/active_load.h"
+
+#include <gtest/gtest.h>
+
+namespace kvrouter {
+namespace {
+
+using std::chrono::seconds;
+constexpr WorkerKey kA{1, 0};
+constexpr WorkerKey kB{2, 0};
+const SteadyTime kT0{};
+
+TEST(ActiveLoad, SharedPrefixesCountOnce) {
+  ActiveLoad load;
+  const std::vector<SequenceHash> r1 = {10, 11, 12};
+  const std::vector<SequenceHash> r2 = {10, 11, 99};
+  ASSERT_TRUE(load.Book("r1", kA, r1, 192, kT0));
+  ASSERT_TRUE(load.Book("r2", kA, r2, 64, kT0));
+  WorkerLoad l = load.Load(kA);
+  EXPECT_EQ(l.active_blocks, 4u);
+  EXPECT_EQ(l.active_prefill_tokens, 256u);
+  EXPECT_EQ(l.active_requests, 2u);
+  EXPECT_EQ(load.ActivePrefix(kA, std::vector<SequenceHash>{10, 11, 50}), 2u);
+  EXPECT_EQ(load.ActivePrefix(kB, r1), 0u);
+  ASSERT_TRUE(load.Free("r1"));
+  l = load.Load(kA);
+  EXPECT_EQ(l.active_blocks, 3u);  // 10, 11 still held by r2
+  EXPECT_EQ(l.active_prefill_tokens, 64u);
+}
+
+TEST(ActiveLoad, MarkPrefillAndFreeAreIdempotent) {
+  ActiveLoad load;
+  ASSERT_TRUE(load.Book("r", kA, std::vector<SequenceHash>{1, 2}, 128, kT0));
+  EXPECT_FALSE(load.Book("r", kB, std::vector<SequenceHash>{1}, 5, kT0));  // already booked
+  EXPECT_TRUE(load.MarkPrefill("r"));
+  EXPECT_FALSE(load.MarkPrefill("r"));
+  EXPECT_EQ(load.Load(kA).active_prefill_tokens, 0u);
+  EXPECT_EQ(load.Load(kA).active_blocks, 2u);
+  EXPECT_TRUE(load.Free("r"));
+  EXPECT_FALSE(load.Free("r"));
+  EXPECT_FALSE(load.MarkPrefill("unknown"));
+  EXPECT_EQ(load.Load(kA).active_requests, 0u);
+  EXPECT_EQ(load.requests(), 0u);
+}
+
+TEST(ActiveLoad, SweepReleasesRequestsOlderThanTheLimit) {
+  ActiveLoad load;
+  ASSERT_TRUE(load.Book("old", kA, std::vector<SequenceHash>{1}, 64, kT0));
+  ASSERT_TRUE(load.Book("new", kA, std::vector<SequenceHash>{2}, 64, kT0 + seconds(200)));
+  EXPECT_EQ(load.Sweep(kT0 + seconds(300)), 0u);  // exactly 300 s is not older
+  EXPECT_EQ(load.Sweep(kT0 + seconds(301)), 1u);
+  EXPECT_EQ(load.WorkerOf("old"), nullptr);
+  ASSERT_NE(load.WorkerOf("new"), nullptr);
+  EXPECT_EQ(load.Load(kA).active_requests, 1u);
+}
+
+TEST(ActiveLoad, RemovedWorkerReleasesItsRequests) {
+  ActiveLoad load;
+  ASSERT_TRUE(load.Book("a0", {1, 0}, std::vector<SequenceHash>{1}, 64, kT0));
+  ASSERT_TRUE(load.Book("a1", {1, 1}, std::vector<SequenceHash>{1}, 64, kT0));
+  ASSERT_TRUE(load.Book("b", kB, std::vector<SequenceHash>{1}, 64, kT0));
+  EXPECT_EQ(load.RemoveWorker(1), 2u);
+  EXPECT_EQ(load.Load({1, 0}).active_requests, 0u);
+  EXPECT_EQ(load.Load(kB).active_requests, 1u);
+  EXPECT_FALSE(load.Free("a0"));
+}
+
+}  // namespace
+}  // namespace kvrouter
