@@ -1,1 +1,212 @@
 #include "events/event_codec.h"
+
+#include <fmt/format.h>
+
+#include <cassert>
+
+#include "events/msgpack_reader.h"
+
+namespace kvrouter {
+namespace {
+
+using Packer = msgpack::packer<msgpack::sbuffer>;
+
+// {"stored": {parent_hash, blocks: [{block_hash, tokens_hash, mm_extra_info?}...]}}
+Result<KvStored> DecodeStored(const msgpack::object& stored) {
+  if (!IsMap(stored)) return InvalidArgument("field 'stored' must be a map");
+  KvStored out;
+  FieldReads reads;
+  reads.Optional(stored, "parent_hash", ReadU64Bits, out.parent_hash);
+  auto blocks = ReadArray(FindKey(stored, "blocks"), "blocks");
+  if (!blocks.ok()) reads.Fail(blocks.status());
+  if (!reads.ok()) return reads.status();
+  out.blocks.reserve(blocks->size());
+  for (const msgpack::object& block : *blocks) {
+    if (!IsMap(block)) return InvalidArgument("field 'blocks' must hold maps");
+    StoredBlock b;
+    reads.Required(block, "block_hash", ReadU64Bits, b.block_hash);
+    reads.Required(block, "tokens_hash", ReadU64Bits, b.tokens_hash);
+    if (!reads.ok()) return reads.status();  // mm_extra_info is not used
+    out.blocks.push_back(b);
+  }
+  return out;
+}
+
+// {"removed": {block_hashes: [u64...]}}
+Result<KvRemoved> DecodeRemoved(const msgpack::object& removed) {
+  if (!IsMap(removed)) return InvalidArgument("field 'removed' must be a map");
+  KvRemoved out;
+  FieldReads reads;
+  reads.Required(removed, "block_hashes", ReadU64BitsArray, out.block_hashes);
+  if (!reads.ok()) return reads.status();
+  return out;
+}
+
+// data = {"stored": ...} | {"removed": ...} | "cleared", decoded into `out`. The map names the
+// event kind with its single key, so a second key is refused rather than ignored.
+// {"cleared": <anything>} is taken as "cleared" too (a serializer may write a unit variant so).
+Status DecodeData(const msgpack::object* data, KvEventData& out) {
+  if (data == nullptr) return InvalidArgument("missing field 'data'");
+  std::string_view kind;
+  const msgpack::object* body = nullptr;
+  if (data->type == msgpack::type::STR) {
+    kind = std::string_view(data->via.str.ptr, data->via.str.size);
+  } else if (IsMap(*data) && data->via.map.size == 1) {
+    auto key = ReadStr(&data->via.map.ptr[0].key, "data key");
+    if (!key.ok()) return key.status();
+    kind = *key;
+    body = &data->via.map.ptr[0].val;
+  } else {
+    return InvalidArgument("field 'data' must be \"cleared\" or a map with one key");
+  }
+
+  if (kind == "cleared") {
+    out.emplace<KvCleared>();
+    return Status::Ok();
+  }
+  if (body != nullptr && kind == "stored") {
+    auto stored = DecodeStored(*body);
+    if (!stored.ok()) return stored.status();
+    out.emplace<KvStored>(std::move(stored).value());
+    return Status::Ok();
+  }
+  if (body != nullptr && kind == "removed") {
+    auto removed = DecodeRemoved(*body);
+    if (!removed.ok()) return removed.status();
+    out.emplace<KvRemoved>(std::move(removed).value());
+    return Status::Ok();
+  }
+  return InvalidArgument(fmt::format("unknown event kind '{}' in field 'data'", kind));
+}
+
+Result<StorageTier> ReadStorageTier(const msgpack::object* o, std::string_view field) {
+  auto name = ReadStr(o, field);
+  if (!name.ok()) return name.status();
+  auto tier = StorageTierFromName(*name);
+  if (!tier) return InvalidArgument(fmt::format("unknown {} '{}'", field, *name));
+  return *tier;
+}
+
+// router_event = {worker_id, storage_tier?, event: {event_id, dp_rank?, data}}
+Result<KvEventBatch> DecodeRouterEvent(const msgpack::object& root) {
+  if (!IsMap(root)) return InvalidArgument("RouterEvent must be a map");
+  KvEventBatch batch;
+  KvOp op;
+  FieldReads reads;
+  reads.Required(root, "worker_id", ReadU64, batch.worker_id);
+  reads.Optional(root, "storage_tier", ReadStorageTier, op.tier);
+  if (!reads.ok()) return reads.status();
+
+  const msgpack::object* event = FindKey(root, "event");
+  if (event == nullptr) return InvalidArgument("missing field 'event'");
+  if (!IsMap(*event)) return InvalidArgument("field 'event' must be a map");
+  std::uint64_t event_id = 0;
+  reads.Required(*event, "event_id", ReadU64, event_id);
+  reads.Optional(*event, "dp_rank", ReadU32, batch.dp_rank);
+  if (!reads.ok()) return reads.status();
+  if (Status s = DecodeData(FindKey(*event, "data"), op.data); !s.ok()) return s;
+
+  batch.sequence = {SequenceKind::kEventId, event_id};
+  batch.ops.push_back(std::move(op));
+  return batch;
+}
+
+void PackData(Packer& pk, const KvEventData& data) {
+  if (std::holds_alternative<KvCleared>(data)) {
+    pk.pack("cleared");
+    return;
+  }
+  pk.pack_map(1);
+  if (const auto* stored = std::get_if<KvStored>(&data)) {
+    PackKey(pk, "stored");
+    pk.pack_map(2);
+    PackKey(pk, "parent_hash");
+    if (stored->parent_hash) {
+      pk.pack_uint64(*stored->parent_hash);
+    } else {
+      pk.pack_nil();
+    }
+    PackKey(pk, "blocks");
+    pk.pack_array(static_cast<std::uint32_t>(stored->blocks.size()));
+    for (const StoredBlock& b : stored->blocks) {
+      pk.pack_map(2);
+      PackKey(pk, "block_hash");
+      pk.pack_uint64(b.block_hash);
+      PackKey(pk, "tokens_hash");
+      pk.pack_uint64(b.tokens_hash);
+    }
+    return;
+  }
+  const auto& removed = std::get<KvRemoved>(data);
+  PackKey(pk, "removed");
+  pk.pack_map(1);
+  PackKey(pk, "block_hashes");
+  pk.pack_array(static_cast<std::uint32_t>(removed.block_hashes.size()));
+  for (BlockHash h : removed.block_hashes) pk.pack_uint64(h);
+}
+
+}  // namespace
+
+Result<KvEventBatch> DecodeDynamoEvent(std::span<const std::byte> body) {
+  auto doc = ParseMsgpack(body);
+  if (!doc.ok()) return doc.status();
+  const msgpack::object& root = doc->get();
+  if (!IsMap(root)) return InvalidArgument("kv event body must be a map");
+  const msgpack::object* payload = FindKey(root, "payload");
+  if (payload == nullptr) return DecodeRouterEvent(root);
+
+  // Envelope: only the payload matters; publisher_id, sequence, published_at and topic are
+  // informational and not checked.
+  if (payload->type != msgpack::type::BIN) return InvalidArgument("field 'payload' must be bin");
+  auto inner = ParseMsgpack({reinterpret_cast<const std::byte*>(payload->via.bin.ptr),
+                             payload->via.bin.size});
+  if (!inner.ok()) return InvalidArgument("field 'payload': " + inner.status().message());
+  return DecodeRouterEvent(inner->get());
+}
+
+msgpack::sbuffer EncodeRouterEvent(const KvEventBatch& batch) {
+  assert(batch.ops.size() == 1);
+  // Without an op (a caller bug) an empty removal keeps the event id sequence intact.
+  const KvOp op = batch.ops.empty() ? KvOp{StorageTier::kDevice, KvRemoved{}} : batch.ops.front();
+  const bool write_tier = op.tier != StorageTier::kDevice;
+
+  msgpack::sbuffer buf;
+  Packer pk(buf);
+  pk.pack_map(write_tier ? 3 : 2);
+  PackKey(pk, "worker_id");
+  pk.pack_uint64(batch.worker_id);
+  if (write_tier) {
+    PackKey(pk, "storage_tier");
+    pk.pack(StorageTierName(op.tier));
+  }
+  PackKey(pk, "event");
+  pk.pack_map(3);
+  PackKey(pk, "event_id");
+  pk.pack_uint64(batch.sequence.value);
+  PackKey(pk, "dp_rank");
+  pk.pack_uint32(batch.dp_rank);
+  PackKey(pk, "data");
+  PackData(pk, op.data);
+  return buf;
+}
+
+msgpack::sbuffer EncodeDynamoEnvelope(const KvEventBatch& batch, const EnvelopeHeader& header) {
+  const msgpack::sbuffer payload = EncodeRouterEvent(batch);
+  msgpack::sbuffer buf;
+  Packer pk(buf);
+  pk.pack_map(5);
+  PackKey(pk, "publisher_id");
+  pk.pack_uint64(header.publisher_id);
+  PackKey(pk, "sequence");
+  pk.pack_uint64(header.sequence);
+  PackKey(pk, "published_at");
+  pk.pack_uint64(header.published_at_ms);
+  PackKey(pk, "topic");
+  pk.pack(header.topic);
+  PackKey(pk, "payload");
+  pk.pack_bin(static_cast<std::uint32_t>(payload.size()));
+  pk.pack_bin_body(payload.data(), static_cast<std::uint32_t>(payload.size()));
+  return buf;
+}
+
+}  // namespace kvrouter

@@ -12,8 +12,11 @@
 //                              mm_extra_info?: nil|map}...]}}
 //               | {"removed": {block_hashes: [u64...]}}
 //               | "cleared"
-// Hashes may arrive negative: their u64 bit pattern is taken. Decoding never throws.
-// Thread-safe (pure functions).
+// Hashes may arrive negative: their u64 bit pattern is taken. `data` names the event kind with
+// its single key: an unknown kind or a second key is an error, as is an unknown
+// storage_tier; {"cleared": <any>} is read as "cleared". Of the envelope only `payload` is read
+// (the other fields are informational). Decoding never throws.
+// Encoders write storage_tier only when it is not "device". Thread-safe (pure functions).
 //
 //   Result<KvEventBatch> b = DecodeDynamoEvent(body);  // one op, sequence {kEventId, event_id}
 #pragma once

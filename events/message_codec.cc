@@ -1,1 +1,345 @@
 #include "events/message_codec.h"
+
+#include <fmt/format.h>
+
+#include <cmath>
+#include <limits>
+
+#include "events/msgpack_reader.h"
+
+namespace kvrouter {
+namespace {
+
+using Packer = msgpack::packer<msgpack::sbuffer>;
+
+// Parses `body` and checks that it is a map; `what` names the message in the error.
+Result<msgpack::object_handle> ParseMap(std::span<const std::byte> body, std::string_view what) {
+  auto doc = ParseMsgpack(body);
+  if (!doc.ok()) return doc.status();
+  if (!IsMap(doc->get())) return InvalidArgument(fmt::format("{} must be a map", what));
+  return doc;
+}
+
+Result<bool> ReadLeaving(const msgpack::object* o, std::string_view field) {
+  auto status = ReadStr(o, field);
+  if (!status.ok()) return status.status();
+  if (*status == "up") return false;
+  if (*status == "leaving") return true;
+  return InvalidArgument(fmt::format("field '{}' must be \"up\" or \"leaving\", not '{}'", field,
+                                     *status));
+}
+
+// A router_config_override weight: a finite, non-negative number (float or int).
+Result<double> ReadWeight(const msgpack::object* o, std::string_view field) {
+  auto v = ReadF64(o, field);
+  if (!v.ok()) return v.status();
+  if (!std::isfinite(*v) || *v < 0) {
+    return InvalidArgument(fmt::format("field '{}' must be a finite non-negative number", field));
+  }
+  return *v;
+}
+
+// The map under `key`, or nullptr when absent or nil; a non-map is an error.
+Result<const msgpack::object*> ReadOptionalMap(const msgpack::object& parent,
+                                               std::string_view key) {
+  const msgpack::object* o = FindKey(parent, key);
+  if (IsNil(o)) return static_cast<const msgpack::object*>(nullptr);
+  if (!IsMap(*o)) return InvalidArgument(fmt::format("field '{}' must be a map", key));
+  return o;
+}
+
+// The Status of an error reply `root`, or OK when root has no "error" key.
+Status ErrorOfReply(const msgpack::object& root) {
+  const msgpack::object* error = FindKey(root, "error");
+  if (error == nullptr) return Status::Ok();
+  std::string_view code;
+  std::string_view message;
+  FieldReads reads;
+  if (!IsMap(*error)) reads.Fail(InvalidArgument("field 'error' must be a map"));
+  reads.Required(*error, "code", ReadStr, code);
+  reads.Optional(*error, "message", ReadStr, message);
+  if (!reads.ok()) return Internal("malformed error reply: " + reads.status().message());
+  StatusCode status_code = StatusCodeFromName(code);
+  if (status_code == StatusCode::kOk) status_code = StatusCode::kInternal;  // "ok" is no error
+  return {status_code, std::string(message)};
+}
+
+void PackU64Array(Packer& pk, const std::vector<std::uint64_t>& values) {
+  pk.pack_array(static_cast<std::uint32_t>(values.size()));
+  for (std::uint64_t v : values) pk.pack_uint64(v);
+}
+
+}  // namespace
+
+Result<WorkerRegistration> DecodeWorkerRegistration(std::span<const std::byte> body) {
+  auto doc = ParseMap(body, "worker registration");
+  if (!doc.ok()) return doc.status();
+  const msgpack::object& m = doc->get();
+  WorkerRegistration reg;
+  FieldReads reads;
+  reads.Required(m, "worker_id", ReadU64, reg.worker_id);
+  reads.Optional(m, "dp_start", ReadU32, reg.dp_start);
+  reads.Optional(m, "dp_size", ReadU32, reg.dp_size);
+  reads.Optional(m, "block_size", ReadU32, reg.block_size);
+  reads.Optional(m, "total_kv_blocks", ReadU64, reg.total_kv_blocks);
+  reads.Optional(m, "max_num_seqs", ReadU32, reg.max_num_seqs);
+  reads.Optional(m, "max_num_batched_tokens", ReadU32, reg.max_num_batched_tokens);
+  reads.Optional(m, "device", ReadStr, reg.device);
+  reads.Optional(m, "lease_ms", ReadU32, reg.lease_ms);
+  reads.Optional(m, "status", ReadLeaving, reg.leaving);
+  if (!reads.ok()) return reads.status();
+  if (reg.dp_size == 0) return InvalidArgument("field 'dp_size' must be at least 1");
+  if (std::uint64_t{reg.dp_start} + reg.dp_size > std::uint64_t{1} << 32) {
+    return InvalidArgument("fields 'dp_start' + 'dp_size' exceed the u32 dp rank range");
+  }
+  return reg;
+}
+
+msgpack::sbuffer EncodeWorkerRegistration(const WorkerRegistration& reg) {
+  msgpack::sbuffer buf;
+  Packer pk(buf);
+  pk.pack_map(reg.block_size ? 10 : 9);
+  PackKey(pk, "worker_id");
+  pk.pack_uint64(reg.worker_id);
+  PackKey(pk, "dp_start");
+  pk.pack_uint32(reg.dp_start);
+  PackKey(pk, "dp_size");
+  pk.pack_uint32(reg.dp_size);
+  if (reg.block_size) {
+    PackKey(pk, "block_size");
+    pk.pack_uint32(*reg.block_size);
+  }
+  PackKey(pk, "total_kv_blocks");
+  pk.pack_uint64(reg.total_kv_blocks);
+  PackKey(pk, "max_num_seqs");
+  pk.pack_uint32(reg.max_num_seqs);
+  PackKey(pk, "max_num_batched_tokens");
+  pk.pack_uint32(reg.max_num_batched_tokens);
+  PackKey(pk, "device");
+  pk.pack(reg.device);
+  PackKey(pk, "lease_ms");
+  pk.pack_uint32(reg.lease_ms);
+  PackKey(pk, "status");
+  pk.pack(reg.leaving ? "leaving" : "up");
+  return buf;
+}
+
+Result<RouteRequest> DecodeRouteRequest(std::span<const std::byte> body) {
+  auto doc = ParseMap(body, "route request");
+  if (!doc.ok()) return doc.status();
+  const msgpack::object& m = doc->get();
+  RouteRequest req;
+  FieldReads reads;
+  reads.Optional(m, "request_id", ReadStr, req.request_id);
+
+  // The prompt: token_ids, or block_hashes plus isl. token_ids wins; the others are then ignored.
+  const msgpack::object* token_ids = FindKey(m, "token_ids");
+  const msgpack::object* block_hashes = FindKey(m, "block_hashes");
+  if (!IsNil(token_ids)) {
+    reads.Required(token_ids, "token_ids", ReadU32Array, req.token_ids);
+    req.has_token_ids = true;
+    // Cannot overflow: a message is at most kMaxMessageBytes and a token takes one byte.
+    req.isl = static_cast<std::uint32_t>(req.token_ids.size());
+  } else if (!IsNil(block_hashes)) {
+    reads.Required(block_hashes, "block_hashes", ReadU64BitsArray, req.block_hashes);
+    reads.Required(m, "isl", ReadU32, req.isl);
+  } else {
+    reads.Fail(InvalidArgument("route request needs 'token_ids' or 'block_hashes' with 'isl'"));
+  }
+
+  reads.Optional(m, "lora_name", ReadStr, req.lora_name);
+  reads.Optional(m, "update_states", ReadBool, req.update_states);
+  reads.Optional(m, "worker_id", ReadU64, req.worker_id);
+  reads.Optional(m, "dp_rank", ReadU32, req.dp_rank);
+  reads.Optional(m, "allowed_worker_ids", ReadU64Array, req.allowed_worker_ids);
+  reads.Optional(m, "timeout_ms", ReadU32, req.timeout_ms);
+  if (!reads.ok()) return reads.status();
+
+  // Top-level priority / expected_output_tokens win over nvext.agent_hints.priority / osl.
+  auto nvext = ReadOptionalMap(m, "nvext");
+  if (!nvext.ok()) return nvext.status();
+  if (*nvext != nullptr) {
+    auto hints = ReadOptionalMap(**nvext, "agent_hints");
+    if (!hints.ok()) return InvalidArgument("nvext: " + hints.status().message());
+    if (*hints != nullptr) {
+      reads.Optional(FindKey(**hints, "priority"), "nvext.agent_hints.priority", ReadI64,
+                     req.priority);
+      reads.Optional(FindKey(**hints, "osl"), "nvext.agent_hints.osl", ReadU32,
+                     req.expected_output_tokens);
+    }
+  }
+  reads.Optional(m, "priority", ReadI64, req.priority);
+  reads.Optional(m, "expected_output_tokens", ReadU32, req.expected_output_tokens);
+
+  auto override_map = ReadOptionalMap(m, "router_config_override");
+  if (!override_map.ok()) return override_map.status();
+  if (*override_map != nullptr) {
+    const msgpack::object& o = **override_map;
+    RouterConfigOverride& c = req.config_override;
+    reads.Optional(o, "overlap_score_credit", ReadWeight, c.overlap_score_credit);
+    reads.Optional(o, "prefill_load_scale", ReadWeight, c.prefill_load_scale);
+    reads.Optional(o, "router_temperature", ReadWeight, c.router_temperature);
+  }
+  if (!reads.ok()) return reads.status();
+  return req;
+}
+
+msgpack::sbuffer EncodeRouteRequest(const RouteRequest& req) {
+  // Fields equal to their default (and unset optionals) are left out.
+  const RouterConfigOverride& c = req.config_override;
+  const std::uint32_t overrides = (c.overlap_score_credit ? 1 : 0) +
+                                  (c.prefill_load_scale ? 1 : 0) + (c.router_temperature ? 1 : 0);
+  const std::uint32_t fields =
+      (req.request_id.empty() ? 0 : 1) + (req.has_token_ids ? 1 : 2) +
+      (req.lora_name.empty() ? 0 : 1) + (req.update_states ? 0 : 1) + (req.priority != 0 ? 1 : 0) +
+      (req.expected_output_tokens ? 1 : 0) + (req.worker_id ? 1 : 0) + (req.dp_rank ? 1 : 0) +
+      (req.allowed_worker_ids ? 1 : 0) + (overrides > 0 ? 1 : 0) + (req.timeout_ms ? 1 : 0);
+
+  msgpack::sbuffer buf;
+  Packer pk(buf);
+  pk.pack_map(fields);
+  if (!req.request_id.empty()) {
+    PackKey(pk, "request_id");
+    pk.pack(req.request_id);
+  }
+  if (req.has_token_ids) {
+    PackKey(pk, "token_ids");
+    pk.pack(req.token_ids);
+  } else {
+    PackKey(pk, "block_hashes");
+    PackU64Array(pk, req.block_hashes);
+    PackKey(pk, "isl");
+    pk.pack_uint32(req.isl);
+  }
+  if (!req.lora_name.empty()) {
+    PackKey(pk, "lora_name");
+    pk.pack(req.lora_name);
+  }
+  if (!req.update_states) {
+    PackKey(pk, "update_states");
+    pk.pack_false();
+  }
+  if (req.priority != 0) {
+    PackKey(pk, "priority");
+    pk.pack_int64(req.priority);
+  }
+  if (req.expected_output_tokens) {
+    PackKey(pk, "expected_output_tokens");
+    pk.pack_uint32(*req.expected_output_tokens);
+  }
+  if (req.worker_id) {
+    PackKey(pk, "worker_id");
+    pk.pack_uint64(*req.worker_id);
+  }
+  if (req.dp_rank) {
+    PackKey(pk, "dp_rank");
+    pk.pack_uint32(*req.dp_rank);
+  }
+  if (req.allowed_worker_ids) {
+    PackKey(pk, "allowed_worker_ids");
+    PackU64Array(pk, *req.allowed_worker_ids);
+  }
+  if (overrides > 0) {
+    PackKey(pk, "router_config_override");
+    pk.pack_map(overrides);
+    auto pack_weight = [&pk](std::string_view key, const std::optional<double>& v) {
+      if (!v) return;
+      PackKey(pk, key);
+      pk.pack_double(*v);
+    };
+    pack_weight("overlap_score_credit", c.overlap_score_credit);
+    pack_weight("prefill_load_scale", c.prefill_load_scale);
+    pack_weight("router_temperature", c.router_temperature);
+  }
+  if (req.timeout_ms) {
+    PackKey(pk, "timeout_ms");
+    pk.pack_uint32(*req.timeout_ms);
+  }
+  return buf;
+}
+
+msgpack::sbuffer EncodeRouteReply(const RouteReply& reply) {
+  msgpack::sbuffer buf;
+  Packer pk(buf);
+  pk.pack_map(6);
+  PackKey(pk, "worker_id");
+  pk.pack_uint64(reply.worker_id);
+  PackKey(pk, "dp_rank");
+  pk.pack_uint32(reply.dp_rank);
+  PackKey(pk, "overlap_blocks");
+  pk.pack_uint32(reply.overlap_blocks);
+  PackKey(pk, "request_blocks");
+  pk.pack_uint32(reply.request_blocks);
+  PackKey(pk, "cached_tokens");
+  pk.pack_uint32(reply.cached_tokens);
+  PackKey(pk, "queued_ms");
+  pk.pack_double(reply.queued_ms);
+  return buf;
+}
+
+Result<RouteReply> DecodeRouteReply(std::span<const std::byte> body) {
+  auto doc = ParseMap(body, "route reply");
+  if (!doc.ok()) return doc.status();
+  const msgpack::object& m = doc->get();
+  if (Status error = ErrorOfReply(m); !error.ok()) return error;
+  RouteReply reply;
+  FieldReads reads;
+  reads.Required(m, "worker_id", ReadU64, reply.worker_id);
+  reads.Required(m, "dp_rank", ReadU32, reply.dp_rank);
+  reads.Required(m, "overlap_blocks", ReadU32, reply.overlap_blocks);
+  reads.Required(m, "request_blocks", ReadU32, reply.request_blocks);
+  reads.Required(m, "cached_tokens", ReadU32, reply.cached_tokens);
+  reads.Required(m, "queued_ms", ReadF64, reply.queued_ms);
+  if (!reads.ok()) return reads.status();
+  return reply;
+}
+
+Result<std::string> DecodeLifecycleRequest(std::span<const std::byte> body) {
+  auto doc = ParseMap(body, "lifecycle request");
+  if (!doc.ok()) return doc.status();
+  auto id = ReadStr(FindKey(doc->get(), "request_id"), "request_id");
+  if (!id.ok()) return id.status();
+  if (id->empty()) return InvalidArgument("field 'request_id' must not be empty");
+  return std::string(*id);
+}
+
+msgpack::sbuffer EncodeLifecycleRequest(std::string_view request_id) {
+  msgpack::sbuffer buf;
+  Packer pk(buf);
+  pk.pack_map(1);
+  PackKey(pk, "request_id");
+  pk.pack(request_id);
+  return buf;
+}
+
+msgpack::sbuffer EncodeErrorReply(const Status& status) {
+  // An OK status here is a caller bug; it goes out as "internal" rather than as "ok".
+  const StatusCode code = status.ok() ? StatusCode::kInternal : status.code();
+  msgpack::sbuffer buf;
+  Packer pk(buf);
+  pk.pack_map(1);
+  PackKey(pk, "error");
+  pk.pack_map(2);
+  PackKey(pk, "code");
+  pk.pack(StatusCodeName(code));
+  PackKey(pk, "message");
+  pk.pack(status.message());
+  return buf;
+}
+
+msgpack::sbuffer EncodeOkReply() {
+  msgpack::sbuffer buf;
+  Packer pk(buf);
+  pk.pack_map(1);
+  PackKey(pk, "ok");
+  pk.pack_true();
+  return buf;
+}
+
+Status DecodeErrorReply(std::span<const std::byte> body) {
+  auto doc = ParseMap(body, "reply");
+  if (!doc.ok()) return doc.status();
+  return ErrorOfReply(doc->get());
+}
+
+}  // namespace kvrouter

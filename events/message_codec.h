@@ -13,19 +13,29 @@
 //                   router_config_override?: {overlap_score_credit?: f64,
 //                                             prefill_load_scale?: f64, router_temperature?: f64},
 //                   nvext?: {agent_hints?: {priority?: int, osl?: u32}}}
-//                  token_ids or (block_hashes and isl) is required; token_ids wins when both come.
-//                  Top-level priority / expected_output_tokens win over nvext.agent_hints.
+//                  token_ids or (block_hashes and isl) is required; token_ids wins when both come
+//                  (block_hashes and isl are then not read). Top-level priority /
+//                  expected_output_tokens win over nvext.agent_hints. router_config_override
+//                  values are floats or ints, finite and >= 0.
 //   route_reply  = {worker_id: u64, dp_rank: u32, overlap_blocks: u32, request_blocks: u32,
-//                   cached_tokens: u32, queued_ms: f64}
-//   lifecycle    = {request_id: str}
-//   error_reply  = {error: {code: str, message: str}}
+//                   cached_tokens: u32, queued_ms: f64}          (all required)
+//   lifecycle    = {request_id: str}                             (non-empty)
+//   error_reply  = {error: {code: str, message?: str}}
+// Registration: dp_size 0, dp_start + dp_size beyond the u32 range, or another status is an
+// InvalidArgument. Error replies: an unknown code, or "ok", reads as kInternal; a malformed
+// error map (not a map, no string code) is kInternal too. Encoders leave out unset optionals
+// and fields equal to their default.
 // Decoding never throws. Thread-safe (pure functions).
+//
+//   Result<RouteRequest> req = DecodeRouteRequest(body);
+//   if (!req.ok()) Reply(EncodeErrorReply(req.status()));
 #pragma once
 
 #include <cstdint>
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <msgpack.hpp>
@@ -96,7 +106,8 @@ msgpack::sbuffer EncodeLifecycleRequest(std::string_view request_id);
 
 msgpack::sbuffer EncodeErrorReply(const Status& status);   // status must not be OK
 msgpack::sbuffer EncodeOkReply();                          // {"ok": true}
-// The error carried by a reply body, or OK when it is not an error reply.
+// The error carried by a reply body, or OK when it is not an error reply (a body that is not a
+// msgpack map gives InvalidArgument).
 Status DecodeErrorReply(std::span<const std::byte> body);
 
 }  // namespace kvrouter

@@ -18,6 +18,120 @@ Status Missing(std::string_view field) {
   return InvalidArgument(fmt::format("missing field '{}'", field));
 }
 
+std::uint64_t LoadBigEndian(const unsigned char* p, std::size_t width) {
+  std::uint64_t v = 0;
+  for (std::size_t i = 0; i < width; ++i) v = (v << 8) | p[i];
+  return v;
+}
+
+// What one msgpack header announces: its own size, then `payload` raw bytes or `children`
+// nested values (a map of n pairs has 2n children).
+struct Head {
+  std::size_t header = 1;
+  std::uint64_t payload = 0;
+  std::uint64_t children = 0;
+};
+
+// Decodes the header starting at p[0] (avail >= 1 bytes are readable from p).
+Result<Head> ReadHead(const unsigned char* p, std::size_t avail) {
+  const unsigned b = p[0];
+  Head h;
+  std::size_t len_width = 0;  // bytes of the big-endian length that follows the type byte
+  enum { kPayload, kChildren, kPairs } len_is = kPayload;
+  std::size_t ext_type_byte = 0;
+  if (b <= 0x7f || b >= 0xe0) return h;                        // fixint
+  if (b <= 0x8f) { h.children = 2u * (b & 0x0f); return h; }  // fixmap
+  if (b <= 0x9f) { h.children = b & 0x0f; return h; }        // fixarray
+  if (b <= 0xbf) { h.payload = b & 0x1f; return h; }         // fixstr
+  switch (b) {
+    case 0xc0: case 0xc2: case 0xc3: return h;               // nil, false, true
+    case 0xc4: case 0xd9: len_width = 1; break;              // bin8, str8
+    case 0xc5: case 0xda: len_width = 2; break;              // bin16, str16
+    case 0xc6: case 0xdb: len_width = 4; break;              // bin32, str32
+    case 0xc7: len_width = 1; ext_type_byte = 1; break;      // ext8
+    case 0xc8: len_width = 2; ext_type_byte = 1; break;      // ext16
+    case 0xc9: len_width = 4; ext_type_byte = 1; break;      // ext32
+    case 0xca: h.payload = 4; return h;                      // float32
+    case 0xcb: h.payload = 8; return h;                      // float64
+    case 0xcc: case 0xd0: h.payload = 1; return h;           // (u)int8
+    case 0xcd: case 0xd1: h.payload = 2; return h;           // (u)int16
+    case 0xce: case 0xd2: h.payload = 4; return h;           // (u)int32
+    case 0xcf: case 0xd3: h.payload = 8; return h;           // (u)int64
+    case 0xd4: case 0xd5: case 0xd6: case 0xd7: case 0xd8:   // fixext 1..16
+      h.header = 2;
+      h.payload = std::uint64_t{1} << (b - 0xd4);
+      return h;
+    case 0xdc: len_width = 2; len_is = kChildren; break;     // array16
+    case 0xdd: len_width = 4; len_is = kChildren; break;     // array32
+    case 0xde: len_width = 2; len_is = kPairs; break;        // map16
+    case 0xdf: len_width = 4; len_is = kPairs; break;        // map32
+    default: return InvalidArgument(fmt::format("malformed msgpack: reserved byte 0x{:02x}", b));
+  }
+  h.header = 1 + len_width + ext_type_byte;
+  if (h.header > avail) return InvalidArgument("truncated msgpack");
+  const std::uint64_t len = LoadBigEndian(p + 1, len_width);
+  switch (len_is) {
+    case kPayload: h.payload = len; break;
+    case kChildren: h.children = len; break;
+    case kPairs: h.children = 2 * len; break;
+  }
+  return h;
+}
+
+// Walks the encoding without building anything: every declared length must fit in the bytes
+// left, containers nest at most kMaxDepth deep and exactly one value spans `bytes`.
+Status CheckShape(std::span<const std::byte> bytes) {
+  const auto* p = reinterpret_cast<const unsigned char*>(bytes.data());
+  const std::size_t n = bytes.size();
+  std::uint64_t unread[kMaxDepth];  // values still to read in each open container
+  std::size_t depth = 0;
+  std::size_t off = 0;
+  do {
+    if (off >= n) return InvalidArgument("truncated msgpack");
+    Result<Head> h = ReadHead(p + off, n - off);
+    if (!h.ok()) return h.status();
+    if (h->header > n - off) return InvalidArgument("truncated msgpack");
+    off += h->header;
+    const std::size_t left = n - off;
+    if (h->payload > left || h->children > left) {
+      return InvalidArgument(fmt::format("msgpack declares {} {} but only {} bytes remain",
+                                         h->payload > left ? h->payload : h->children,
+                                         h->payload > left ? "bytes" : "elements", left));
+    }
+    off += static_cast<std::size_t>(h->payload);
+    if (h->children > 0) {
+      if (depth == kMaxDepth) {
+        return InvalidArgument(fmt::format("msgpack nests deeper than {} levels", kMaxDepth));
+      }
+      unread[depth++] = h->children;
+      continue;
+    }
+    // A complete value: close every container it completes.
+    while (depth > 0 && --unread[depth - 1] == 0) --depth;
+  } while (depth > 0);
+  if (off != n) {
+    return InvalidArgument(fmt::format("{} trailing bytes after the msgpack value", n - off));
+  }
+  return Status::Ok();
+}
+
+template <typename T>
+Result<std::vector<T>> ReadEach(const msgpack::object* o, std::string_view field,
+                                FieldReader<T> read_one) {
+  auto items = ReadArray(o, field);
+  if (!items.ok()) return items.status();
+  std::vector<T> out;
+  out.reserve(items->size());
+  for (std::size_t i = 0; i < items->size(); ++i) {
+    Result<T> v = read_one(&(*items)[i], field);
+    if (!v.ok()) {
+      return InvalidArgument(fmt::format("{} (element {})", v.status().message(), i));
+    }
+    out.push_back(*v);
+  }
+  return out;
+}
+
 }  // namespace
 
 Result<msgpack::object_handle> ParseMsgpack(std::span<const std::byte> bytes) {
@@ -26,8 +140,9 @@ Result<msgpack::object_handle> ParseMsgpack(std::span<const std::byte> bytes) {
     return InvalidArgument(fmt::format("message of {} bytes exceeds {}", bytes.size(),
                                        kMaxMessageBytes));
   }
+  if (Status shape = CheckShape(bytes); !shape.ok()) return shape;
   const std::size_t n = bytes.size();
-  // Every element and every map pair needs at least one (two) bytes of input.
+  // Second line behind CheckShape: an element needs at least one byte, a map pair two.
   msgpack::unpack_limit limit(n, n / 2, n, n, n, kMaxDepth);
   try {
     std::size_t off = 0;
@@ -124,6 +239,39 @@ Result<std::span<const msgpack::object>> ReadArray(const msgpack::object* o,
   if (o == nullptr) return Missing(field);
   if (o->type != msgpack::type::ARRAY) return TypeError(field, "an array");
   return std::span<const msgpack::object>(o->via.array.ptr, o->via.array.size);
+}
+
+Result<std::uint64_t> ReadHashIntOrBin(const msgpack::object* o, std::string_view field) {
+  if (o != nullptr && o->type == msgpack::type::BIN) {
+    const std::size_t size = o->via.bin.size;
+    if (size == 0) return TypeError(field, "an integer or a non-empty bin");
+    const std::size_t width = std::min<std::size_t>(size, 8);
+    return LoadBigEndian(reinterpret_cast<const unsigned char*>(o->via.bin.ptr) + size - width,
+                         width);
+  }
+  if (o != nullptr && o->type != msgpack::type::POSITIVE_INTEGER &&
+      o->type != msgpack::type::NEGATIVE_INTEGER) {
+    return TypeError(field, "an integer or a bin");
+  }
+  return ReadU64Bits(o, field);
+}
+
+Result<std::vector<std::uint32_t>> ReadU32Array(const msgpack::object* o, std::string_view field) {
+  return ReadEach<std::uint32_t>(o, field, ReadU32);
+}
+
+Result<std::vector<std::uint64_t>> ReadU64Array(const msgpack::object* o, std::string_view field) {
+  return ReadEach<std::uint64_t>(o, field, ReadU64);
+}
+
+Result<std::vector<std::uint64_t>> ReadU64BitsArray(const msgpack::object* o,
+                                                    std::string_view field) {
+  return ReadEach<std::uint64_t>(o, field, ReadU64Bits);
+}
+
+Result<std::vector<std::uint64_t>> ReadHashIntOrBinArray(const msgpack::object* o,
+                                                         std::string_view field) {
+  return ReadEach<std::uint64_t>(o, field, ReadHashIntOrBin);
 }
 
 Result<std::uint64_t> ReadU64Or(const msgpack::object* o, std::string_view field,

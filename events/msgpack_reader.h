@@ -1,14 +1,17 @@
 // Bounded msgpack parsing and typed field access for the codecs.
 //
-// ParseMsgpack never throws and never trusts declared sizes: every array/map/str/bin length is
-// capped by the bytes actually present (an element needs at least one byte), nesting is capped
-// at kMaxDepth, and msgpack-c exceptions become Status values. Strings and bins reference the
+// ParseMsgpack never throws and never trusts declared sizes: before msgpack-c builds anything,
+// a scan checks that every array/map/str/bin/ext length fits in the bytes that remain (an
+// element needs at least one byte), that nesting stays within kMaxDepth and that exactly one
+// value spans the input, so msgpack-c never allocates for a bad message; its own limits and its
+// exceptions (turned into Status values) stay as a second line. Strings and bins reference the
 // input buffer, so a parsed object must not outlive the bytes it came from.
 // The typed accessors accept any msgpack integer width, signed or unsigned, and report the
 // field name on a type mismatch. Thread-compatible (no shared state).
 //
 //   auto doc = ParseMsgpack(bytes);  if (!doc.ok()) return doc.status();
 //   auto id = ReadU64(FindKey(doc->get(), "worker_id"), "worker_id");
+//   FieldReads reads;  reads.Required(doc->get(), "worker_id", ReadU64, reg.worker_id);
 #pragma once
 
 #include <cstddef>
@@ -16,6 +19,8 @@
 #include <optional>
 #include <span>
 #include <string_view>
+#include <utility>
+#include <vector>
 
 #include <msgpack.hpp>
 
@@ -26,7 +31,8 @@ namespace kvrouter {
 inline constexpr std::size_t kMaxDepth = 16;
 inline constexpr std::size_t kMaxMessageBytes = 64 << 20;  // larger messages are refused
 
-// Parses exactly one msgpack value that must span all of `bytes`.
+// Parses exactly one msgpack value that must span all of `bytes`. Containers may nest
+// kMaxDepth deep (empty containers do not count).
 Result<msgpack::object_handle> ParseMsgpack(std::span<const std::byte> bytes);
 
 // Value of `key` in a map, or nullptr when the object is not a map or has no such key.
@@ -48,6 +54,19 @@ Result<std::string_view> ReadStr(const msgpack::object* o, std::string_view fiel
 // Array elements; an error when o is missing or not an array.
 Result<std::span<const msgpack::object>> ReadArray(const msgpack::object* o,
                                                    std::string_view field);
+// A block hash sent as an integer (its u64 bit pattern) or as bin: the last 8 bytes read
+// big-endian; a bin shorter than 8 bytes is read big-endian as it is (zero-extended), an empty
+// bin is an error.
+Result<std::uint64_t> ReadHashIntOrBin(const msgpack::object* o, std::string_view field);
+
+// Arrays whose elements are all read like the scalar reader of the same name; an error names
+// the field and the index of the first bad element.
+Result<std::vector<std::uint32_t>> ReadU32Array(const msgpack::object* o, std::string_view field);
+Result<std::vector<std::uint64_t>> ReadU64Array(const msgpack::object* o, std::string_view field);
+Result<std::vector<std::uint64_t>> ReadU64BitsArray(const msgpack::object* o,
+                                                    std::string_view field);
+Result<std::vector<std::uint64_t>> ReadHashIntOrBinArray(const msgpack::object* o,
+                                                         std::string_view field);
 
 // Optional variants: absent or nil -> fallback.
 Result<std::uint64_t> ReadU64Or(const msgpack::object* o, std::string_view field,
@@ -56,6 +75,55 @@ Result<std::uint32_t> ReadU32Or(const msgpack::object* o, std::string_view field
                                 std::uint32_t fallback);
 Result<std::string_view> ReadStrOr(const msgpack::object* o, std::string_view field,
                                    std::string_view fallback);
+
+// Any of the readers above that take (object, field name).
+template <typename T>
+using FieldReader = Result<T> (*)(const msgpack::object*, std::string_view);
+
+// A run of field reads that keeps the first failure, so a decoder lists its fields one per line
+// and checks once. After a failure the remaining reads are skipped.
+//   FieldReads reads;
+//   reads.Required(map, "worker_id", ReadU64, reg.worker_id);
+//   reads.Optional(map, "dp_size", ReadU32, reg.dp_size);   // absent or nil: keeps the default
+//   if (!reads.ok()) return reads.status();
+class FieldReads {
+ public:
+  // `o` is the field's value (nullptr when absent); a missing value is an error.
+  template <typename T, typename Out>
+  void Required(const msgpack::object* o, std::string_view field, FieldReader<T> read, Out& out) {
+    if (!status_.ok()) return;
+    Result<T> r = read(o, field);
+    if (r.ok()) {
+      out = std::move(r).value();
+    } else {
+      status_ = r.status();
+    }
+  }
+  // Absent or nil leaves `out` as it is; `out` may be a std::optional.
+  template <typename T, typename Out>
+  void Optional(const msgpack::object* o, std::string_view field, FieldReader<T> read, Out& out) {
+    if (!IsNil(o)) Required(o, field, read, out);
+  }
+  // The same, looking the field up in `map` by its name.
+  template <typename T, typename Out>
+  void Required(const msgpack::object& map, std::string_view key, FieldReader<T> read, Out& out) {
+    Required(FindKey(map, key), key, read, out);
+  }
+  template <typename T, typename Out>
+  void Optional(const msgpack::object& map, std::string_view key, FieldReader<T> read, Out& out) {
+    Optional(FindKey(map, key), key, read, out);
+  }
+  // Records a failure found by the decoder itself (kept only if it is the first).
+  void Fail(Status s) {
+    if (status_.ok()) status_ = std::move(s);
+  }
+
+  bool ok() const { return status_.ok(); }
+  const Status& status() const { return status_; }
+
+ private:
+  Status status_;
+};
 
 // The body of a packed buffer as bytes (for tests and publishers).
 inline std::span<const std::byte> AsBytes(const msgpack::sbuffer& buf) {

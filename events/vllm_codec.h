@@ -10,11 +10,18 @@
 //                            block_size; trailing unknown fields ignored)
 //   BlockRemoved     fields: block_hashes, medium, ...
 //   AllBlocksCleared no fields
-//   hash    = int (its u64 bit pattern) | bin (the last 8 bytes, big-endian)
-//   medium  = nil | "GPU" -> device tier; anything else -> a non-device tier
-// tokens_hash is recomputed from token_ids (with lora_name) at the router's block size. A stored
-// event whose block_size differs from the router's, or whose token_ids run out, stops at the
-// first bad block; each such event is counted in block_size_mismatches.
+//   hash    = int (its u64 bit pattern) | bin (the last 8 bytes, big-endian; a shorter bin is
+//             read big-endian as it is, an empty bin is an error)
+//   medium  = nil | "GPU" -> device tier; "CPU" (any case) -> host_pinned; "DISK" (any case)
+//             -> disk; any other string -> external
+// Required: ts, events; block_hashes, token_ids, block_size of BlockStored; block_hashes of
+// BlockRemoved. lora_id is not used (lora_name seeds the hash). data_parallel_rank is checked
+// to be an int or nil, then ignored.
+// tokens_hash is recomputed from token_ids (with lora_name) at the router's block size: block k
+// hashes token_ids[k*bs, (k+1)*bs). A stored event whose block_size differs from the router's
+// (every block is bad) or whose token_ids run out stops at the first bad block, keeping the
+// blocks before it (possibly none: the op is still emitted, one op per event); each such event
+// counts 1 in block_size_mismatches. An unknown event type fails the whole batch.
 // The worker and dp rank come from the subject and win over data_parallel_rank.
 // Decoding never throws. Thread-safe (pure functions).
 //
@@ -25,6 +32,8 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
+#include <variant>
 #include <vector>
 
 #include <msgpack.hpp>

@@ -56,15 +56,21 @@ TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
 if command -v clang++ >/dev/null; then
   step "fuzzing the decoders (${FUZZ_SECONDS:-8} s each)"
   CC=clang CXX=clang++ configure_build build-fuzz -- -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVROUTER_FUZZ=ON
+  seeds=$(mktemp -d)
+  build-fuzz/bin/fuzz_seedgen "$seeds"
   for f in build-fuzz/bin/fuzz_*; do
-    [ -x "$f" ] || continue
-    corpus=$(mktemp -d)
-    seeds="tests/fuzz/seeds/$(basename "$f")"
-    [ -d "$seeds" ] && cp "$seeds"/* "$corpus"/ 2>/dev/null || true
-    echo "-- $(basename "$f")"
-    "$f" -max_total_time="${FUZZ_SECONDS:-8}" -print_final_stats=0 "$corpus" 2>&1 | tail -2
-    rm -rf "$corpus"
+    name=$(basename "$f")
+    [ "$name" = fuzz_seedgen ] && continue
+    corpus="$seeds/$name"
+    mkdir -p "$corpus"
+    echo "-- $name"
+    rc=0
+    "$f" -max_total_time="${FUZZ_SECONDS:-8}" -dict=tests/fuzz/kvrouter.dict -print_final_stats=1 \
+      "$corpus" >"$seeds/$name.log" 2>&1 || rc=$?
+    grep -E "^stat::number_of_executed_units" "$seeds/$name.log" || true
+    if [ "$rc" -ne 0 ]; then tail -40 "$seeds/$name.log"; echo "fuzzer $name failed"; exit 1; fi
   done
+  rm -rf "$seeds"
 else
   echo "clang++ not found: fuzzing skipped"
 fi

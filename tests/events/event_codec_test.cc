@@ -1,0 +1,406 @@
+#include "events/event_codec.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "events/msgpack_reader.h"
+#include "tests/events/test_packer.h"
+
+namespace kvrouter {
+namespace {
+
+using ::testing::HasSubstr;
+
+KvEventBatch StoredBatch() {
+  KvEventBatch b{.worker_id = 42, .dp_rank = 3, .sequence = {SequenceKind::kEventId, 17}};
+  b.ops.push_back({StorageTier::kDevice,
+                   KvStored{0x1111, {{0xa1, 0xb1}, {0xa2, 0xb2}, {0xffffffffffffffffull, 0}}}});
+  return b;
+}
+
+KvEventBatch WithData(KvEventData data, StorageTier tier = StorageTier::kDevice) {
+  KvEventBatch b{.worker_id = 9, .dp_rank = 0, .sequence = {SequenceKind::kEventId, 1}};
+  b.ops.push_back({tier, std::move(data)});
+  return b;
+}
+
+// Packs {worker_id: 5, event: {event_id: 1, data: <written by pack_data>}} with extra keys.
+template <typename PackData>
+std::string RouterEventWith(PackData pack_data) {
+  TestPacker p;
+  p.pk.pack_map(2);
+  p.Key("worker_id");
+  p.pk.pack_fix_uint8(5);
+  p.Key("event");
+  p.pk.pack_map(2);
+  p.Key("event_id");
+  p.pk.pack_fix_uint16(1);
+  p.Key("data");
+  pack_data(p);
+  return p.str();
+}
+
+void ExpectInvalid(std::span<const std::byte> body, std::string_view message_part) {
+  auto r = DecodeDynamoEvent(body);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(r.status().message(), HasSubstr(std::string(message_part)));
+}
+
+TEST(DynamoEventCodec, StoredChainRoundTrips) {
+  const KvEventBatch batch = StoredBatch();
+  auto body = EncodeDynamoEnvelope(batch, {.publisher_id = 42, .sequence = 3});
+  auto decoded = DecodeDynamoEvent(AsBytes(body));
+  ASSERT_TRUE(decoded.ok()) << decoded.status().ToString();
+  EXPECT_EQ(*decoded, batch);
+}
+
+TEST(DynamoEventCodec, RemovedAndClearedRoundTrip) {
+  for (const KvEventBatch& batch :
+       {WithData(KvRemoved{{1, 2, 0x8000000000000000ull}}), WithData(KvCleared{}),
+        WithData(KvStored{std::nullopt, {{1, 2}}}, StorageTier::kHostPinned),
+        WithData(KvRemoved{{7}}, StorageTier::kExternal)}) {
+    auto decoded = DecodeDynamoEvent(AsBytes(EncodeDynamoEnvelope(batch, {})));
+    ASSERT_TRUE(decoded.ok()) << decoded.status().ToString();
+    EXPECT_EQ(*decoded, batch);
+  }
+}
+
+TEST(DynamoEventCodec, BareRouterEventIsAccepted) {
+  const KvEventBatch batch = StoredBatch();
+  auto decoded = DecodeDynamoEvent(AsBytes(EncodeRouterEvent(batch)));
+  ASSERT_TRUE(decoded.ok()) << decoded.status().ToString();
+  EXPECT_EQ(*decoded, batch);
+}
+
+TEST(DynamoEventCodec, EnvelopeCarriesTheHeader) {
+  auto body = EncodeDynamoEnvelope(StoredBatch(), {.publisher_id = 42, .sequence = 3,
+                                                   .published_at_ms = 1700000000000,
+                                                   .topic = "t"});
+  auto doc = ParseMsgpack(AsBytes(body));
+  ASSERT_TRUE(doc.ok());
+  EXPECT_EQ(*ReadU64(FindKey(doc->get(), "publisher_id"), "publisher_id"), 42u);
+  EXPECT_EQ(*ReadU64(FindKey(doc->get(), "sequence"), "sequence"), 3u);
+  EXPECT_EQ(*ReadU64(FindKey(doc->get(), "published_at"), "published_at"), 1700000000000u);
+  EXPECT_EQ(*ReadStr(FindKey(doc->get(), "topic"), "topic"), "t");
+  EXPECT_EQ(FindKey(doc->get(), "payload")->type, msgpack::type::BIN);
+}
+
+TEST(DynamoEventCodec, DeviceTierIsNotWritten) {
+  auto doc = ParseMsgpack(AsBytes(EncodeRouterEvent(StoredBatch())));
+  ASSERT_TRUE(doc.ok());
+  EXPECT_EQ(FindKey(doc->get(), "storage_tier"), nullptr);
+}
+
+TEST(DynamoEventCodec, NegativeHashIsReinterpreted) {
+  auto body = RouterEventWith([](TestPacker& p) {
+    p.pk.pack_map(1);
+    p.Key("stored");
+    p.pk.pack_map(2);
+    p.Key("parent_hash");
+    p.pk.pack_fix_int64(-1);
+    p.Key("blocks");
+    p.pk.pack_array(1);
+    p.pk.pack_map(2);
+    p.Key("block_hash");
+    p.pk.pack_fix_int8(-2);
+    p.Key("tokens_hash");
+    p.pk.pack_int64(-3);
+  });
+  auto r = DecodeDynamoEvent(AsBytes(body));
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  const auto& stored = std::get<KvStored>(r->ops.at(0).data);
+  EXPECT_EQ(stored.parent_hash, 0xffffffffffffffffull);
+  ASSERT_EQ(stored.blocks.size(), 1u);
+  EXPECT_EQ(stored.blocks[0].block_hash, 0xfffffffffffffffeull);
+  EXPECT_EQ(stored.blocks[0].tokens_hash, 0xfffffffffffffffdull);
+}
+
+TEST(DynamoEventCodec, NarrowIntegerWidthsAreAccepted) {
+  auto body = RouterEventWith([](TestPacker& p) {
+    p.pk.pack_map(1);
+    p.Key("removed");
+    p.pk.pack_map(1);
+    p.Key("block_hashes");
+    p.pk.pack_array(3);
+    p.pk.pack_fix_uint8(1);
+    p.pk.pack_fix_uint16(2);
+    p.pk.pack_fix_uint32(3);
+  });
+  auto r = DecodeDynamoEvent(AsBytes(body));
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->worker_id, 5u);
+  EXPECT_EQ(r->sequence, (EventSequence{SequenceKind::kEventId, 1}));
+  EXPECT_EQ(r->ops.at(0).data, KvEventData(KvRemoved{{1, 2, 3}}));
+}
+
+TEST(DynamoEventCodec, NilParentHashStartsAChainAndDpRankDefaultsToZero) {
+  auto body = RouterEventWith([](TestPacker& p) {
+    p.pk.pack_map(1);
+    p.Key("stored");
+    p.pk.pack_map(2);
+    p.Key("parent_hash");
+    p.pk.pack_nil();
+    p.Key("blocks");
+    p.pk.pack_array(0);
+  });
+  auto r = DecodeDynamoEvent(AsBytes(body));
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->dp_rank, 0u);
+  EXPECT_EQ(r->ops.at(0).tier, StorageTier::kDevice);
+  EXPECT_EQ(std::get<KvStored>(r->ops.at(0).data).parent_hash, std::nullopt);
+}
+
+TEST(DynamoEventCodec, UnknownKeysAreIgnored) {
+  TestPacker inner;
+  inner.pk.pack_map(4);
+  inner.Key("worker_id");
+  inner.pk.pack(8);
+  inner.Key("future_field");
+  inner.pk.pack_array(2);
+  inner.pk.pack(1);
+  inner.pk.pack("x");
+  inner.Key("event");
+  inner.pk.pack_map(4);
+  inner.Key("event_id");
+  inner.pk.pack(2);
+  inner.Key("dp_rank");
+  inner.pk.pack(1);
+  inner.Key("extra");
+  inner.pk.pack_nil();
+  inner.Key("data");
+  inner.pk.pack_map(1);
+  inner.Key("stored");
+  inner.pk.pack_map(3);
+  inner.Key("parent_hash");
+  inner.pk.pack(77);
+  inner.Key("something");
+  inner.pk.pack(true);
+  inner.Key("blocks");
+  inner.pk.pack_array(1);
+  inner.pk.pack_map(4);
+  inner.Key("block_hash");
+  inner.pk.pack(10);
+  inner.Key("mm_extra_info");
+  inner.pk.pack_map(1);
+  inner.Key("mm_hashes");
+  inner.pk.pack_array(0);
+  inner.Key("tokens_hash");
+  inner.pk.pack(20);
+  inner.Key("more");
+  inner.pk.pack(1.5);
+  inner.Key("trailing");
+  inner.pk.pack("x");
+
+  TestPacker envelope;
+  envelope.pk.pack_map(3);
+  envelope.Key("payload");
+  envelope.Bin(inner.str());
+  envelope.Key("topic");
+  envelope.pk.pack(42);  // informational fields are not checked
+  envelope.Key("unknown");
+  envelope.pk.pack_nil();
+
+  auto r = DecodeDynamoEvent(envelope.bytes());
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  KvEventBatch want{.worker_id = 8, .dp_rank = 1, .sequence = {SequenceKind::kEventId, 2}};
+  want.ops.push_back({StorageTier::kDevice, KvStored{77, {{10, 20}}}});
+  EXPECT_EQ(*r, want);
+}
+
+TEST(DynamoEventCodec, UnknownEventKindIsAnError) {
+  auto foo = RouterEventWith([](TestPacker& p) {
+    p.pk.pack_map(1);
+    p.Key("foo");
+    p.pk.pack_map(0);
+  });
+  ExpectInvalid(AsBytes(foo), "unknown event kind 'foo'");
+  auto wiped = RouterEventWith([](TestPacker& p) { p.pk.pack("wiped"); });
+  ExpectInvalid(AsBytes(wiped), "unknown event kind 'wiped'");
+}
+
+TEST(DynamoEventCodec, DataWithTwoKindsIsAnError) {
+  auto body = RouterEventWith([](TestPacker& p) {
+    p.pk.pack_map(2);
+    p.Key("removed");
+    p.pk.pack_map(1);
+    p.Key("block_hashes");
+    p.pk.pack_array(0);
+    p.Key("cleared");
+    p.pk.pack_nil();
+  });
+  ExpectInvalid(AsBytes(body), "'data'");
+}
+
+TEST(DynamoEventCodec, ClearedAsAMapKeyIsAccepted) {
+  auto body = RouterEventWith([](TestPacker& p) {
+    p.pk.pack_map(1);
+    p.Key("cleared");
+    p.pk.pack_nil();
+  });
+  auto r = DecodeDynamoEvent(AsBytes(body));
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->ops.at(0).data, KvEventData(KvCleared{}));
+}
+
+TEST(DynamoEventCodec, StorageTierIsDecoded) {
+  TestPacker p;
+  p.pk.pack_map(3);
+  p.Key("worker_id");
+  p.pk.pack(1);
+  p.Key("storage_tier");
+  p.pk.pack("disk");
+  p.Key("event");
+  p.pk.pack_map(2);
+  p.Key("event_id");
+  p.pk.pack(1);
+  p.Key("data");
+  p.pk.pack("cleared");
+  auto r = DecodeDynamoEvent(p.bytes());
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->ops.at(0).tier, StorageTier::kDisk);
+}
+
+TEST(DynamoEventCodec, UnknownStorageTierIsAnError) {
+  TestPacker p;
+  p.pk.pack_map(3);
+  p.Key("worker_id");
+  p.pk.pack(1);
+  p.Key("storage_tier");
+  p.pk.pack("GPU");
+  p.Key("event");
+  p.pk.pack_map(2);
+  p.Key("event_id");
+  p.pk.pack(1);
+  p.Key("data");
+  p.pk.pack("cleared");
+  ExpectInvalid(p.bytes(), "storage_tier");
+}
+
+TEST(DynamoEventCodec, MissingRequiredFieldsAreNamed) {
+  TestPacker no_worker;
+  no_worker.pk.pack_map(1);
+  no_worker.Key("event");
+  no_worker.pk.pack_map(0);
+  ExpectInvalid(no_worker.bytes(), "missing field 'worker_id'");
+
+  TestPacker no_event_id;
+  no_event_id.pk.pack_map(2);
+  no_event_id.Key("worker_id");
+  no_event_id.pk.pack(1);
+  no_event_id.Key("event");
+  no_event_id.pk.pack_map(1);
+  no_event_id.Key("data");
+  no_event_id.pk.pack("cleared");
+  ExpectInvalid(no_event_id.bytes(), "missing field 'event_id'");
+
+  TestPacker no_data;
+  no_data.pk.pack_map(2);
+  no_data.Key("worker_id");
+  no_data.pk.pack(1);
+  no_data.Key("event");
+  no_data.pk.pack_map(1);
+  no_data.Key("event_id");
+  no_data.pk.pack(1);
+  ExpectInvalid(no_data.bytes(), "missing field 'data'");
+
+  auto no_tokens_hash = RouterEventWith([](TestPacker& p) {
+    p.pk.pack_map(1);
+    p.Key("stored");
+    p.pk.pack_map(1);
+    p.Key("blocks");
+    p.pk.pack_array(1);
+    p.pk.pack_map(1);
+    p.Key("block_hash");
+    p.pk.pack(1);
+  });
+  ExpectInvalid(AsBytes(no_tokens_hash), "missing field 'tokens_hash'");
+}
+
+TEST(DynamoEventCodec, WrongTypesAreNamed) {
+  auto str_hash = RouterEventWith([](TestPacker& p) {
+    p.pk.pack_map(1);
+    p.Key("removed");
+    p.pk.pack_map(1);
+    p.Key("block_hashes");
+    p.pk.pack_array(2);
+    p.pk.pack(1);
+    p.pk.pack("2");
+  });
+  ExpectInvalid(AsBytes(str_hash), "'block_hashes'");
+
+  TestPacker negative_worker;
+  negative_worker.pk.pack_map(2);
+  negative_worker.Key("worker_id");
+  negative_worker.pk.pack(-1);
+  negative_worker.Key("event");
+  negative_worker.pk.pack_map(0);
+  ExpectInvalid(negative_worker.bytes(), "'worker_id'");
+
+  auto blocks_not_array = RouterEventWith([](TestPacker& p) {
+    p.pk.pack_map(1);
+    p.Key("stored");
+    p.pk.pack_map(1);
+    p.Key("blocks");
+    p.pk.pack(3);
+  });
+  ExpectInvalid(AsBytes(blocks_not_array), "'blocks'");
+}
+
+TEST(DynamoEventCodec, BodyThatIsNotAMapIsAnError) {
+  TestPacker p;
+  p.pk.pack_array(0);
+  ExpectInvalid(p.bytes(), "must be a map");
+}
+
+TEST(DynamoEventCodec, PayloadThatIsNotBinIsAnError) {
+  TestPacker p;
+  p.pk.pack_map(1);
+  p.Key("payload");
+  p.pk.pack("not bin");
+  ExpectInvalid(p.bytes(), "'payload'");
+}
+
+TEST(DynamoEventCodec, TruncatedBodyIsAnError) {
+  auto body = EncodeDynamoEnvelope(StoredBatch(), {});
+  ExpectEveryTruncationFails(AsBytes(body), DecodeDynamoEvent);
+  ExpectEveryTruncationFails(AsBytes(EncodeRouterEvent(StoredBatch())), DecodeDynamoEvent);
+}
+
+TEST(DynamoEventCodec, TruncatedPayloadIsAnError) {
+  auto full = EncodeRouterEvent(StoredBatch());
+  TestPacker p;
+  p.pk.pack_map(1);
+  p.Key("payload");
+  p.Bin(std::string_view(full.data(), full.size() - 1));
+  ExpectInvalid(p.bytes(), "payload");
+}
+
+TEST(DynamoEventCodec, HugeDeclaredArrayIsRefusedWithoutAllocating) {
+  auto body = RouterEventWith([](TestPacker& p) {
+    p.pk.pack_map(1);
+    p.Key("removed");
+    p.pk.pack_map(1);
+    p.Key("block_hashes");
+  });
+  body += std::string(kHugeArrayHeader) + "\x01";
+  ExpectInvalid(AsBytes(body), "declares 4294967295 elements");
+}
+
+TEST(DynamoEventCodec, DeepNestingIsRefused) {
+  auto body = RouterEventWith([](TestPacker& p) {
+    p.pk.pack_map(1);
+    p.Key("stored");
+    for (int i = 0; i < 20; ++i) {
+      p.pk.pack_map(1);
+      p.Key("blocks");
+    }
+    p.pk.pack_array(0);
+  });
+  ExpectInvalid(AsBytes(body), "nests deeper");
+}
+
+}  // namespace
+}  // namespace kvrouter

@@ -1,0 +1,509 @@
+#include "events/message_codec.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "tests/events/test_packer.h"
+
+namespace kvrouter {
+namespace {
+
+using ::testing::HasSubstr;
+
+template <typename T>
+void ExpectInvalid(const Result<T>& r, std::string_view message_part) {
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(r.status().message(), HasSubstr(std::string(message_part)));
+}
+
+// Packs a map of `n` entries; `pack_fields` writes them.
+template <typename PackFields>
+std::string MapOf(std::uint32_t n, PackFields pack_fields) {
+  TestPacker p;
+  p.pk.pack_map(n);
+  pack_fields(p);
+  return p.str();
+}
+
+// A route request map: token_ids [1, 2] followed by `n` more entries written by pack_fields.
+template <typename PackFields>
+std::string RouteRequestWith(std::uint32_t n, PackFields pack_fields) {
+  return MapOf(n + 1, [&](TestPacker& p) {
+    p.Key("token_ids");
+    p.pk.pack(std::vector<std::uint32_t>{1, 2});
+    pack_fields(p);
+  });
+}
+
+// ---- Worker registration ----
+
+TEST(WorkerRegistrationCodec, RegistrationRoundTrips) {
+  WorkerRegistration reg{.worker_id = 0xfedcba9876543210ull, .dp_start = 2, .dp_size = 4,
+                         .block_size = 32, .total_kv_blocks = 100000, .max_num_seqs = 64,
+                         .max_num_batched_tokens = 4096, .device = "cpu", .lease_ms = 1500,
+                         .leaving = true};
+  auto r = DecodeWorkerRegistration(AsBytes(EncodeWorkerRegistration(reg)));
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(*r, reg);
+
+  reg.block_size.reset();
+  reg.leaving = false;
+  r = DecodeWorkerRegistration(AsBytes(EncodeWorkerRegistration(reg)));
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(*r, reg);
+}
+
+TEST(WorkerRegistrationCodec, DefaultsApplyToAbsentFields) {
+  auto body = MapOf(2, [](TestPacker& p) {
+    p.Key("worker_id");
+    p.pk.pack_fix_uint8(7);
+    p.Key("unknown");
+    p.pk.pack_array(0);
+  });
+  auto r = DecodeWorkerRegistration(AsBytes(body));
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(*r, WorkerRegistration{.worker_id = 7});
+}
+
+TEST(WorkerRegistrationCodec, NilFieldsTakeTheirDefaults) {
+  auto body = MapOf(3, [](TestPacker& p) {
+    p.Key("worker_id");
+    p.pk.pack(7);
+    p.Key("dp_size");
+    p.pk.pack_nil();
+    p.Key("status");
+    p.pk.pack_nil();
+  });
+  auto r = DecodeWorkerRegistration(AsBytes(body));
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->dp_size, 1u);
+  EXPECT_FALSE(r->leaving);
+}
+
+TEST(WorkerRegistrationCodec, MissingWorkerIdIsInvalidArgument) {
+  auto body = MapOf(1, [](TestPacker& p) {
+    p.Key("dp_size");
+    p.pk.pack(1);
+  });
+  ExpectInvalid(DecodeWorkerRegistration(AsBytes(body)), "missing field 'worker_id'");
+}
+
+TEST(WorkerRegistrationCodec, ZeroDpSizeIsInvalidArgument) {
+  auto body = MapOf(2, [](TestPacker& p) {
+    p.Key("worker_id");
+    p.pk.pack(1);
+    p.Key("dp_size");
+    p.pk.pack(0);
+  });
+  ExpectInvalid(DecodeWorkerRegistration(AsBytes(body)), "'dp_size'");
+}
+
+TEST(WorkerRegistrationCodec, DpRangeBeyondU32IsInvalidArgument) {
+  auto body = MapOf(3, [](TestPacker& p) {
+    p.Key("worker_id");
+    p.pk.pack(1);
+    p.Key("dp_start");
+    p.pk.pack(0xffffffffu);
+    p.Key("dp_size");
+    p.pk.pack(2);
+  });
+  ExpectInvalid(DecodeWorkerRegistration(AsBytes(body)), "'dp_start'");
+}
+
+TEST(WorkerRegistrationCodec, UnknownStatusIsInvalidArgument) {
+  auto body = MapOf(2, [](TestPacker& p) {
+    p.Key("worker_id");
+    p.pk.pack(1);
+    p.Key("status");
+    p.pk.pack("down");
+  });
+  ExpectInvalid(DecodeWorkerRegistration(AsBytes(body)), "'status'");
+}
+
+TEST(WorkerRegistrationCodec, WrongTypesAreNamed) {
+  auto negative_lease = MapOf(2, [](TestPacker& p) {
+    p.Key("worker_id");
+    p.pk.pack(1);
+    p.Key("lease_ms");
+    p.pk.pack(-5);
+  });
+  ExpectInvalid(DecodeWorkerRegistration(AsBytes(negative_lease)), "'lease_ms'");
+  auto numeric_device = MapOf(2, [](TestPacker& p) {
+    p.Key("worker_id");
+    p.pk.pack(1);
+    p.Key("device");
+    p.pk.pack(0);
+  });
+  ExpectInvalid(DecodeWorkerRegistration(AsBytes(numeric_device)), "'device'");
+}
+
+TEST(WorkerRegistrationCodec, TruncatedBodyIsAnError) {
+  auto body = EncodeWorkerRegistration({.worker_id = 1, .block_size = 16});
+  ExpectEveryTruncationFails(AsBytes(body), DecodeWorkerRegistration);
+}
+
+// ---- Route request ----
+
+TEST(RouteRequestCodec, TokenRequestRoundTrips) {
+  RouteRequest req{.request_id = "req-1", .token_ids = {1, 2, 3, 0xffffffffu},
+                   .has_token_ids = true, .isl = 4, .lora_name = "my-adapter",
+                   .update_states = false, .priority = -3, .expected_output_tokens = 128,
+                   .worker_id = 0xffffffffffffffffull, .dp_rank = 2,
+                   .allowed_worker_ids = std::vector<std::uint64_t>{5, 6},
+                   .config_override = {.overlap_score_credit = 1.5, .router_temperature = 0},
+                   .timeout_ms = 2500};
+  auto r = DecodeRouteRequest(AsBytes(EncodeRouteRequest(req)));
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(*r, req);
+}
+
+TEST(RouteRequestCodec, BlockHashRequestRoundTrips) {
+  RouteRequest req{.block_hashes = {0xffffffffffffffffull, 2}, .isl = 130};
+  auto r = DecodeRouteRequest(AsBytes(EncodeRouteRequest(req)));
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(*r, req);
+  EXPECT_FALSE(r->has_token_ids);
+}
+
+TEST(RouteRequestCodec, MinimalRequestTakesDefaults) {
+  auto r = DecodeRouteRequest(AsBytes(RouteRequestWith(0, [](TestPacker&) {})));
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(*r, (RouteRequest{.token_ids = {1, 2}, .has_token_ids = true, .isl = 2}));
+  EXPECT_TRUE(r->update_states);
+  EXPECT_EQ(r->priority, 0);
+}
+
+TEST(RouteRequestCodec, TokenIdsWinOverBlockHashes) {
+  auto body = RouteRequestWith(2, [](TestPacker& p) {
+    p.Key("block_hashes");
+    p.pk.pack("not even an array");  // not read when token_ids come
+    p.Key("isl");
+    p.pk.pack(999);
+  });
+  auto r = DecodeRouteRequest(AsBytes(body));
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_TRUE(r->has_token_ids);
+  EXPECT_EQ(r->isl, 2u);
+  EXPECT_TRUE(r->block_hashes.empty());
+}
+
+TEST(RouteRequestCodec, NegativeBlockHashIsReinterpreted) {
+  auto body = MapOf(2, [](TestPacker& p) {
+    p.Key("block_hashes");
+    p.pk.pack_array(1);
+    p.pk.pack_fix_int64(-1);
+    p.Key("isl");
+    p.pk.pack_fix_uint16(64);
+  });
+  auto r = DecodeRouteRequest(AsBytes(body));
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->block_hashes, std::vector<std::uint64_t>{0xffffffffffffffffull});
+  EXPECT_EQ(r->isl, 64u);
+}
+
+TEST(RouteRequestCodec, MissingPromptIsInvalidArgument) {
+  auto body = MapOf(1, [](TestPacker& p) {
+    p.Key("request_id");
+    p.pk.pack("r");
+  });
+  ExpectInvalid(DecodeRouteRequest(AsBytes(body)), "'token_ids' or 'block_hashes'");
+}
+
+TEST(RouteRequestCodec, BlockHashesWithoutIslIsInvalidArgument) {
+  auto body = MapOf(1, [](TestPacker& p) {
+    p.Key("block_hashes");
+    p.pk.pack(std::vector<std::uint64_t>{1});
+  });
+  ExpectInvalid(DecodeRouteRequest(AsBytes(body)), "missing field 'isl'");
+}
+
+TEST(RouteRequestCodec, PriorityFromAgentHints) {
+  auto body = RouteRequestWith(1, [](TestPacker& p) {
+    p.Key("nvext");
+    p.pk.pack_map(2);
+    p.Key("other");
+    p.pk.pack(1);
+    p.Key("agent_hints");
+    p.pk.pack_map(2);
+    p.Key("priority");
+    p.pk.pack_fix_int8(-4);
+    p.Key("osl");
+    p.pk.pack(300);
+  });
+  auto r = DecodeRouteRequest(AsBytes(body));
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->priority, -4);
+  EXPECT_EQ(r->expected_output_tokens, 300u);
+}
+
+TEST(RouteRequestCodec, TopLevelPriorityWinsOverAgentHints) {
+  auto body = RouteRequestWith(3, [](TestPacker& p) {
+    p.Key("priority");
+    p.pk.pack(9);
+    p.Key("nvext");
+    p.pk.pack_map(1);
+    p.Key("agent_hints");
+    p.pk.pack_map(2);
+    p.Key("priority");
+    p.pk.pack(1);
+    p.Key("osl");
+    p.pk.pack(300);
+    p.Key("expected_output_tokens");
+    p.pk.pack(50);
+  });
+  auto r = DecodeRouteRequest(AsBytes(body));
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->priority, 9);
+  EXPECT_EQ(r->expected_output_tokens, 50u);
+}
+
+TEST(RouteRequestCodec, NvextThatIsNotAMapIsInvalidArgument) {
+  auto body = RouteRequestWith(1, [](TestPacker& p) {
+    p.Key("nvext");
+    p.pk.pack(1);
+  });
+  ExpectInvalid(DecodeRouteRequest(AsBytes(body)), "'nvext'");
+  auto hints = RouteRequestWith(1, [](TestPacker& p) {
+    p.Key("nvext");
+    p.pk.pack_map(1);
+    p.Key("agent_hints");
+    p.pk.pack("x");
+  });
+  ExpectInvalid(DecodeRouteRequest(AsBytes(hints)), "'agent_hints'");
+  auto osl = RouteRequestWith(1, [](TestPacker& p) {
+    p.Key("nvext");
+    p.pk.pack_map(1);
+    p.Key("agent_hints");
+    p.pk.pack_map(1);
+    p.Key("osl");
+    p.pk.pack(-1);
+  });
+  ExpectInvalid(DecodeRouteRequest(AsBytes(osl)), "'nvext.agent_hints.osl'");
+}
+
+TEST(RouteRequestCodec, ConfigOverrideAcceptsIntsAndFloats) {
+  auto body = RouteRequestWith(1, [](TestPacker& p) {
+    p.Key("router_config_override");
+    p.pk.pack_map(3);
+    p.Key("overlap_score_credit");
+    p.pk.pack_fix_uint8(2);
+    p.Key("prefill_load_scale");
+    p.pk.pack_float(0.5f);
+    p.Key("router_temperature");
+    p.pk.pack_double(0.25);
+  });
+  auto r = DecodeRouteRequest(AsBytes(body));
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->config_override, (RouterConfigOverride{2.0, 0.5, 0.25}));
+}
+
+TEST(RouteRequestCodec, NegativeConfigOverrideIsInvalidArgument) {
+  for (std::string_view field :
+       {"overlap_score_credit", "prefill_load_scale", "router_temperature"}) {
+    auto body = RouteRequestWith(1, [&](TestPacker& p) {
+      p.Key("router_config_override");
+      p.pk.pack_map(1);
+      p.Key(field);
+      p.pk.pack_double(-0.5);
+    });
+    ExpectInvalid(DecodeRouteRequest(AsBytes(body)), "'" + std::string(field) + "'");
+  }
+  auto negative_int = RouteRequestWith(1, [](TestPacker& p) {
+    p.Key("router_config_override");
+    p.pk.pack_map(1);
+    p.Key("router_temperature");
+    p.pk.pack(-1);
+  });
+  ExpectInvalid(DecodeRouteRequest(AsBytes(negative_int)), "'router_temperature'");
+  auto nan = RouteRequestWith(1, [](TestPacker& p) {
+    p.Key("router_config_override");
+    p.pk.pack_map(1);
+    p.Key("prefill_load_scale");
+    p.pk.pack_double(std::numeric_limits<double>::quiet_NaN());
+  });
+  ExpectInvalid(DecodeRouteRequest(AsBytes(nan)), "'prefill_load_scale'");
+}
+
+TEST(RouteRequestCodec, WrongTypesAreNamed) {
+  auto bad_allowed = RouteRequestWith(1, [](TestPacker& p) {
+    p.Key("allowed_worker_ids");
+    p.pk.pack_array(2);
+    p.pk.pack(1);
+    p.pk.pack("two");
+  });
+  ExpectInvalid(DecodeRouteRequest(AsBytes(bad_allowed)), "'allowed_worker_ids'");
+  auto big_timeout = RouteRequestWith(1, [](TestPacker& p) {
+    p.Key("timeout_ms");
+    p.pk.pack_uint64(std::uint64_t{1} << 32);
+  });
+  ExpectInvalid(DecodeRouteRequest(AsBytes(big_timeout)), "'timeout_ms'");
+  auto int_update = RouteRequestWith(1, [](TestPacker& p) {
+    p.Key("update_states");
+    p.pk.pack(0);
+  });
+  ExpectInvalid(DecodeRouteRequest(AsBytes(int_update)), "'update_states'");
+  auto big_token = MapOf(1, [](TestPacker& p) {
+    p.Key("token_ids");
+    p.pk.pack_array(1);
+    p.pk.pack_uint64(std::uint64_t{1} << 32);
+  });
+  ExpectInvalid(DecodeRouteRequest(AsBytes(big_token)), "'token_ids'");
+}
+
+TEST(RouteRequestCodec, UnknownKeysAreIgnored) {
+  auto body = RouteRequestWith(3, [](TestPacker& p) {
+    p.Key("model");
+    p.pk.pack("llama");
+    p.Key("stream");
+    p.pk.pack(true);
+    p.Key("router_config_override");
+    p.pk.pack_map(1);
+    p.Key("future_knob");
+    p.pk.pack(-1);
+  });
+  auto r = DecodeRouteRequest(AsBytes(body));
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->config_override, RouterConfigOverride{});
+}
+
+TEST(RouteRequestCodec, TruncatedBodyIsAnError) {
+  RouteRequest req{.request_id = "r", .token_ids = {1, 2, 3}, .has_token_ids = true, .isl = 3,
+                   .priority = 1, .config_override = {.prefill_load_scale = 2}};
+  ExpectEveryTruncationFails(AsBytes(EncodeRouteRequest(req)), DecodeRouteRequest);
+}
+
+TEST(RouteRequestCodec, HugeDeclaredArrayIsRefusedWithoutAllocating) {
+  TestPacker p;
+  p.pk.pack_map(1);
+  p.Key("token_ids");
+  std::string body = p.str() + std::string(kHugeArrayHeader);
+  ExpectInvalid(DecodeRouteRequest(AsBytes(body)), "declares 4294967295 elements");
+}
+
+TEST(RouteRequestCodec, DeepNestingIsRefused) {
+  auto body = RouteRequestWith(1, [](TestPacker& p) {
+    p.Key("nvext");
+    for (int i = 0; i < 20; ++i) {
+      p.pk.pack_map(1);
+      p.Key("agent_hints");
+    }
+    p.pk.pack_map(0);
+  });
+  ExpectInvalid(DecodeRouteRequest(AsBytes(body)), "nests deeper");
+}
+
+TEST(RouteRequestCodec, BodyThatIsNotAMapIsInvalidArgument) {
+  TestPacker p;
+  p.pk.pack_array(0);
+  ExpectInvalid(DecodeRouteRequest(p.bytes()), "must be a map");
+}
+
+// ---- Route reply, error replies, lifecycle ----
+
+TEST(RouteReplyCodec, RouteReplyRoundTrips) {
+  RouteReply reply{.worker_id = 0xffffffffffffffffull, .dp_rank = 1, .overlap_blocks = 3,
+                   .request_blocks = 5, .cached_tokens = 192, .queued_ms = 1.25};
+  auto r = DecodeRouteReply(AsBytes(EncodeRouteReply(reply)));
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(*r, reply);
+  EXPECT_TRUE(DecodeErrorReply(AsBytes(EncodeRouteReply(reply))).ok());
+}
+
+TEST(RouteReplyCodec, RouteReplyMissingAFieldIsInvalidArgument) {
+  auto body = MapOf(1, [](TestPacker& p) {
+    p.Key("worker_id");
+    p.pk.pack(1);
+  });
+  ExpectInvalid(DecodeRouteReply(AsBytes(body)), "missing field 'dp_rank'");
+}
+
+TEST(RouteReplyCodec, ErrorReplyRoundTrips) {
+  for (StatusCode code : {StatusCode::kInvalidArgument, StatusCode::kNoWorkers,
+                          StatusCode::kOverloaded, StatusCode::kTimeout, StatusCode::kNotFound,
+                          StatusCode::kInternal}) {
+    const Status sent(code, "because");
+    auto body = EncodeErrorReply(sent);
+    Status got = DecodeErrorReply(AsBytes(body));
+    EXPECT_EQ(got.code(), code);
+    EXPECT_EQ(got.message(), "because");
+    auto reply = DecodeRouteReply(AsBytes(body));
+    ASSERT_FALSE(reply.ok());
+    EXPECT_EQ(reply.status().code(), code);
+    EXPECT_EQ(reply.status().message(), "because");
+  }
+}
+
+TEST(RouteReplyCodec, UnknownOrOkErrorCodeReadsAsInternal) {
+  for (std::string_view code : {"teapot", "ok"}) {
+    auto body = MapOf(1, [&](TestPacker& p) {
+      p.Key("error");
+      p.pk.pack_map(1);
+      p.Key("code");
+      p.pk.pack(code);
+    });
+    Status got = DecodeErrorReply(AsBytes(body));
+    EXPECT_EQ(got.code(), StatusCode::kInternal) << code;
+    EXPECT_EQ(got.message(), "");
+    EXPECT_EQ(DecodeRouteReply(AsBytes(body)).status().code(), StatusCode::kInternal);
+  }
+}
+
+TEST(RouteReplyCodec, MalformedErrorReplyIsInternal) {
+  auto not_map = MapOf(1, [](TestPacker& p) {
+    p.Key("error");
+    p.pk.pack("boom");
+  });
+  EXPECT_EQ(DecodeErrorReply(AsBytes(not_map)).code(), StatusCode::kInternal);
+  auto no_code = MapOf(1, [](TestPacker& p) {
+    p.Key("error");
+    p.pk.pack_map(1);
+    p.Key("message");
+    p.pk.pack("m");
+  });
+  EXPECT_EQ(DecodeRouteReply(AsBytes(no_code)).status().code(), StatusCode::kInternal);
+}
+
+TEST(RouteReplyCodec, OkReplyIsNotAnError) {
+  auto body = EncodeOkReply();
+  EXPECT_TRUE(DecodeErrorReply(AsBytes(body)).ok());
+  auto doc = ParseMsgpack(AsBytes(body));
+  ASSERT_TRUE(doc.ok());
+  EXPECT_EQ(*ReadBool(FindKey(doc->get(), "ok"), "ok"), true);
+}
+
+TEST(RouteReplyCodec, UndecodableReplyIsInvalidArgument) {
+  EXPECT_EQ(DecodeErrorReply(AsBytes(std::string_view("\x92\x01", 2))).code(),
+            StatusCode::kInvalidArgument);
+  ExpectEveryTruncationFails(AsBytes(EncodeRouteReply({})), DecodeRouteReply);
+}
+
+TEST(LifecycleCodec, LifecycleRequestRoundTrips) {
+  auto r = DecodeLifecycleRequest(AsBytes(EncodeLifecycleRequest("req-9")));
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(*r, "req-9");
+}
+
+TEST(LifecycleCodec, MissingOrEmptyRequestIdIsInvalidArgument) {
+  ExpectInvalid(DecodeLifecycleRequest(AsBytes(EncodeLifecycleRequest(""))), "'request_id'");
+  auto body = MapOf(1, [](TestPacker& p) {
+    p.Key("id");
+    p.pk.pack("x");
+  });
+  ExpectInvalid(DecodeLifecycleRequest(AsBytes(body)), "missing field 'request_id'");
+  auto numeric = MapOf(1, [](TestPacker& p) {
+    p.Key("request_id");
+    p.pk.pack(5);
+  });
+  ExpectInvalid(DecodeLifecycleRequest(AsBytes(numeric)), "'request_id'");
+}
+
+TEST(LifecycleCodec, TruncatedBodyIsAnError) {
+  ExpectEveryTruncationFails(AsBytes(EncodeLifecycleRequest("abc")), DecodeLifecycleRequest);
+}
+
+}  // namespace
+}  // namespace kvrouter
