@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds kvrouter and runs every test: unit and integration tests (the integration tests start
-# their own nats-server on a free 127.0.0.1 port), then the unit tests again under ASan+UBSan,
-# the concurrent parts under TSan, and a short libFuzzer run of every decoder.
+# their own nats-server on a free 127.0.0.1 port), then all of them again under ASan+UBSan,
+# the concurrent parts (index shards, NATS transport) under TSan, and a short libFuzzer run of
+# every decoder.
 #
 #   scripts/test.sh                 everything (what CI runs)
 #   KVROUTER_QUICK=1 scripts/test.sh    plain build and tests only
@@ -40,18 +41,19 @@ if [ "${KVROUTER_QUICK:-0}" = "1" ]; then
   exit 0
 fi
 
-step "unit tests under ASan+UBSan"
-configure_build build-asan events_test router_test -- \
+step "every test under ASan+UBSan (the kvrouter binary too)"
+configure_build build-asan -- \
   -DCMAKE_BUILD_TYPE=Debug -DKVROUTER_SANITIZE=address -DKVROUTER_BENCH=OFF
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-  ctest --test-dir build-asan --output-on-failure -j "$jobs" --timeout 600 -L unit
+  ctest --test-dir build-asan --output-on-failure -j "$jobs" --timeout 600
 
 step "concurrent parts under TSan"
-configure_build build-tsan router_test -- \
+configure_build build-tsan router_test transport_test -- \
   -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVROUTER_SANITIZE=thread -DKVROUTER_BENCH=OFF
 # Older TSan runtimes cannot map memory under high ASLR entropy; run without ASLR.
 TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
-  setarch "$(uname -m)" -R ctest --test-dir build-tsan --output-on-failure --timeout 600 -R 'ShardedIndex'
+  setarch "$(uname -m)" -R ctest --test-dir build-tsan --output-on-failure --timeout 600 \
+  -R '^(ShardedIndex|TransportTest)\.'
 
 if command -v clang++ >/dev/null; then
   step "fuzzing the decoders (${FUZZ_SECONDS:-8} s each)"

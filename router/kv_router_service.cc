@@ -1,0 +1,425 @@
+#include "router/kv_router_service.h"
+
+#include <fmt/format.h>
+
+#include <charconv>
+
+#include "events/event_codec.h"
+#include "events/msgpack_reader.h"
+#include "events/vllm_codec.h"
+
+namespace kvrouter {
+namespace {
+
+using Packer = msgpack::packer<msgpack::sbuffer>;
+
+// Parses "{worker_id}.{dp_rank}" at the end of a vLLM event subject.
+bool ParseWorkerRank(std::string_view tail, std::uint64_t& worker, std::uint32_t& rank) {
+  const auto dot = tail.find('.');
+  if (dot == std::string_view::npos) return false;
+  auto parse = [](std::string_view s, auto& out) {
+    auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), out);
+    return ec == std::errc() && p == s.data() + s.size() && !s.empty();
+  };
+  return parse(tail.substr(0, dot), worker) && parse(tail.substr(dot + 1), rank);
+}
+
+void PackCounts(Packer& pk, const std::map<std::string, std::uint64_t>& m) {
+  pk.pack_map(static_cast<std::uint32_t>(m.size()));
+  for (const auto& [k, v] : m) {
+    PackKey(pk, k);
+    pk.pack(v);
+  }
+}
+
+}  // namespace
+
+Subjects::Subjects(const std::string& ns, const std::string& comp) {
+  const std::string c = fmt::format("namespace.{}.component.{}.", ns, comp);
+  const std::string r = fmt::format("namespace.{}.router.", ns);
+  kv_events = c + "kv-events";
+  vllm_events_prefix = c + "vllm-kv-events.";
+  instances = c + "instances";
+  route = r + "route";
+  best_worker = r + "best_worker";
+  mark_prefill = r + "mark_prefill";
+  free = r + "free";
+  stats = r + "stats";
+  kv_metrics = fmt::format("namespace.{}.kv_metrics", ns);
+}
+
+KvRouterService::KvRouterService(RouterConfig config, MessageBus& bus, Clock clock, std::uint64_t seed)
+    : config_(std::move(config)),
+      bus_(bus),
+      clock_(clock ? std::move(clock) : Clock([] { return std::chrono::steady_clock::now(); })),
+      subjects_(config_.ns, config_.component),
+      index_({.num_shards = config_.index_shards}),
+      rng_(seed) {}
+
+KvRouterService::~KvRouterService() { Stop(); }
+
+Status KvRouterService::Start() {
+  // Flags whose features later issues bring: refuse rather than silently ignore them.
+  if (config_.queue_threshold) {
+    return InvalidArgument("--router-queue-threshold: the request queue is not in this build yet");
+  }
+  if (!config_.use_kv_events && !config_.load_aware) {
+    return InvalidArgument("--no-router-kv-events: approximate mode is not in this build yet");
+  }
+  if (config_.replica_sync) {
+    return InvalidArgument("--router-replica-sync: replica sync is not in this build yet");
+  }
+  struct Sub {
+    std::string subject;
+    std::string group;
+    MessageBus::Handler handler;
+  };
+  std::vector<Sub> subs;
+  if (config_.use_kv_events) {
+    subs.push_back({subjects_.kv_events, "", [this](const BusMessage& m) { HandleKvEvent(m); }});
+    subs.push_back({subjects_.vllm_events_prefix + "*.*", "", [this](const BusMessage& m) { HandleVllmEvent(m); }});
+  }
+  subs.push_back({subjects_.instances, "", [this](const BusMessage& m) { HandleInstances(m); }});
+  subs.push_back({subjects_.route, "kvrouter", [this](const BusMessage& m) { HandleRoute(m, false); }});
+  subs.push_back({subjects_.best_worker, "kvrouter", [this](const BusMessage& m) { HandleRoute(m, true); }});
+  // Lifecycle messages go to every replica: each one's bookings must be released.
+  subs.push_back({subjects_.mark_prefill, "", [this](const BusMessage& m) { HandleLifecycle(m, false); }});
+  subs.push_back({subjects_.free, "", [this](const BusMessage& m) { HandleLifecycle(m, true); }});
+  subs.push_back({subjects_.stats, "kvrouter", [this](const BusMessage& m) { HandleStats(m); }});
+  for (auto& s : subs) {
+    auto r = bus_.Subscribe(s.subject, s.group, std::move(s.handler));
+    if (!r.ok()) {
+      subs_.clear();
+      return Status(r.status().code(), fmt::format("subscribe {}: {}", s.subject, r.status().message()));
+    }
+    subs_.push_back(std::move(r).value());
+  }
+  return Status::Ok();
+}
+
+void KvRouterService::Stop() { subs_.clear(); }
+
+void KvRouterService::CountDrop(const std::string& reason) {
+  std::lock_guard g(mu_);
+  ++drops_[reason];
+}
+
+void KvRouterService::NoteEventWorker(std::uint64_t worker_id, std::uint32_t dp_rank) {
+  std::lock_guard g(mu_);
+  auto [it, inserted] = workers_.try_emplace(worker_id);
+  WorkerRegistration& reg = it->second.reg;
+  if (inserted) {
+    reg.worker_id = worker_id;
+    reg.block_size = config_.block_size;
+    reg.dp_size = dp_rank + 1;
+  } else if (!it->second.has_lease && dp_rank >= reg.dp_start + reg.dp_size) {
+    reg.dp_size = dp_rank + 1 - reg.dp_start;  // event-only worker: its ranks are what it uses
+  }
+}
+
+void KvRouterService::HandleKvEvent(const BusMessage& m) {
+  auto batch = DecodeDynamoEvent(m.data);
+  if (!batch.ok()) {
+    CountDrop("decode_error");
+    log_.Log(LogLevel::kWarning, "kv-events decode", "dropped undecodable KV event on {}: {}", m.subject,
+             batch.status().message());
+    return;
+  }
+  NoteEventWorker(batch->worker_id, batch->dp_rank);
+  const std::uint64_t worker = batch->worker_id;
+  if (!index_.Submit(std::move(batch).value())) {
+    log_.Log(LogLevel::kWarning, "index queue full", "index queue full: dropped an event of worker {}", worker);
+  }
+}
+
+void KvRouterService::HandleVllmEvent(const BusMessage& m) {
+  VllmBatchContext ctx;
+  ctx.block_size = config_.block_size;
+  if (!m.subject.starts_with(subjects_.vllm_events_prefix) ||
+      !ParseWorkerRank(m.subject.substr(subjects_.vllm_events_prefix.size()), ctx.worker_id, ctx.dp_rank)) {
+    CountDrop("decode_error");
+    log_.Log(LogLevel::kWarning, "vllm subject", "dropped vLLM event on malformed subject {}", m.subject);
+    return;
+  }
+  if (auto seq = m.Header("Kv-Seq")) ctx.kv_seq = ParseKvSeqHeader(*seq);
+  auto decoded = DecodeVllmBatch(m.data, ctx);
+  if (!decoded.ok()) {
+    CountDrop("decode_error");
+    log_.Log(LogLevel::kWarning, "vllm decode", "dropped undecodable vLLM batch on {}: {}", m.subject,
+             decoded.status().message());
+    return;
+  }
+  if (decoded->block_size_mismatches > 0) {
+    {
+      std::lock_guard g(mu_);
+      drops_["block_size_mismatch"] += decoded->block_size_mismatches;
+    }
+    log_.Log(LogLevel::kWarning, "vllm block size", "worker {}: stored blocks cut short (block size is {})",
+             ctx.worker_id, config_.block_size);
+  }
+  NoteEventWorker(ctx.worker_id, ctx.dp_rank);
+  if (!index_.Submit(std::move(decoded->batch))) {
+    log_.Log(LogLevel::kWarning, "index queue full", "index queue full: dropped an event of worker {}", ctx.worker_id);
+  }
+}
+
+void KvRouterService::HandleInstances(const BusMessage& m) {
+  auto reg = DecodeWorkerRegistration(m.data);
+  if (!reg.ok()) {
+    CountDrop("registration_decode_error");
+    log_.Log(LogLevel::kWarning, "instances decode", "dropped undecodable registration: {}", reg.status().message());
+    return;
+  }
+  std::lock_guard g(mu_);
+  if (reg->leaving) {
+    ForgetLocked(reg->worker_id);
+    return;
+  }
+  if (reg->block_size && *reg->block_size != config_.block_size) {
+    ++workers_refused_;
+    log_.Log(LogLevel::kWarning, fmt::format("refused {}", reg->worker_id),
+             "refused worker {}: block size {} differs from the router's {}", reg->worker_id,
+             *reg->block_size, config_.block_size);
+    return;
+  }
+  WorkerInfo& w = workers_[reg->worker_id];
+  w.reg = std::move(reg).value();
+  w.has_lease = true;
+  w.lease_deadline = clock_() + std::chrono::milliseconds(w.reg.lease_ms);
+}
+
+void KvRouterService::ForgetLocked(std::uint64_t worker_id) {
+  workers_.erase(worker_id);
+  load_.RemoveWorker(worker_id);
+  index_.RemoveWorker(worker_id);
+}
+
+void KvRouterService::Tick() {
+  const SteadyTime now = clock_();
+  std::lock_guard g(mu_);
+  for (auto it = workers_.begin(); it != workers_.end();) {
+    auto next = std::next(it);
+    if (it->second.has_lease && now > it->second.lease_deadline) {
+      ++leases_expired_;
+      log_.Log(LogLevel::kInfo, "lease", "worker {} lease expired: forgotten", it->first);
+      ForgetLocked(it->first);
+    }
+    it = next;
+  }
+  load_.Sweep(now);
+}
+
+Result<RouteReply> KvRouterService::Route(const RouteRequest& req) {
+  const std::uint32_t bs = config_.block_size;
+  std::vector<LocalHash> local;
+  std::uint32_t isl = req.isl;
+  if (req.has_token_ids) {
+    local = ComputeLocalHashes(req.token_ids, bs, req.lora_name);
+    isl = static_cast<std::uint32_t>(req.token_ids.size());
+  } else {
+    if (req.block_hashes.size() > (std::uint64_t{isl} + bs - 1) / bs) {
+      return InvalidArgument(fmt::format("{} block_hashes do not fit in isl {} at block size {}",
+                                         req.block_hashes.size(), isl, bs));
+    }
+    local = req.block_hashes;
+  }
+  const std::vector<SequenceHash> seq = ComputeSequenceHashes(local);
+  const SelectionRequest sel{isl, static_cast<std::uint32_t>((std::uint64_t{isl} + bs - 1) / bs)};
+
+  RouterMode mode = config_.mode;
+  CostParams params{.block_size = bs,
+                    .overlap_score_credit = config_.overlap_score_credit,
+                    .prefill_load_scale = config_.prefill_load_scale,
+                    .temperature = config_.temperature,
+                    .track_prefill_tokens = config_.track_prefill_tokens,
+                    .device_ratio = config_.device_ratio};
+  const auto& o = req.config_override;
+  if (o.overlap_score_credit) params.overlap_score_credit = *o.overlap_score_credit;
+  if (o.prefill_load_scale) params.prefill_load_scale = *o.prefill_load_scale;
+  if (o.router_temperature) params.temperature = *o.router_temperature;
+
+  // The index is read before taking mu_: it has its own per-shard locks.
+  const bool use_index = mode == RouterMode::kKv && config_.use_kv_events && !seq.empty();
+  const OverlapScores overlaps = use_index ? index_.FindMatches(seq) : OverlapScores{};
+
+  std::lock_guard g(mu_);
+  if (mode == RouterMode::kDirect && !req.worker_id) {
+    return InvalidArgument("router mode 'direct' needs worker_id in the request");
+  }
+  std::vector<Candidate> cands;
+  auto add_worker = [&](const WorkerInfo& w) {
+    for (std::uint32_t r = w.reg.dp_start; r < w.reg.dp_start + w.reg.dp_size; ++r) {
+      if (req.dp_rank && *req.dp_rank != r) continue;
+      Candidate c;
+      c.worker = {w.reg.worker_id, r};
+      c.is_cpu = w.reg.device == "cpu";
+      c.capacity = w.reg.max_num_seqs;
+      cands.push_back(c);
+    }
+  };
+  if (req.worker_id) {
+    auto it = workers_.find(*req.worker_id);
+    if (it == workers_.end()) return NotFound(fmt::format("worker {} is not registered", *req.worker_id));
+    add_worker(it->second);
+    if (cands.empty()) {
+      return NotFound(fmt::format("worker {} has no dp rank {}", *req.worker_id, *req.dp_rank));
+    }
+  } else {
+    for (const auto& [id, w] : workers_) {
+      if (req.allowed_worker_ids &&
+          std::find(req.allowed_worker_ids->begin(), req.allowed_worker_ids->end(), id) ==
+              req.allowed_worker_ids->end()) {
+        continue;
+      }
+      add_worker(w);
+    }
+  }
+  if (cands.empty()) return Status(StatusCode::kNoWorkers, "no registered worker can take this request");
+
+  for (Candidate& c : cands) {
+    for (const OverlapScore& s : overlaps) {
+      if (s.worker == c.worker) c.overlap_blocks = s.blocks;
+    }
+    const WorkerLoad l = load_.Load(c.worker);
+    c.active_blocks = l.active_blocks;
+    c.active_prefill_tokens = l.active_prefill_tokens;
+    c.active_requests = l.active_requests;
+    c.active_prefix_blocks = load_.ActivePrefix(c.worker, seq);
+  }
+  const Candidate& chosen = cands[selector_.Pick(mode, sel, cands, params, rng_)];
+  const std::uint32_t overlap = std::min(chosen.overlap_blocks, sel.request_blocks);
+  if (req.update_states && !req.request_id.empty()) {
+    const std::uint64_t cached = std::uint64_t{overlap} * bs;
+    const std::uint64_t prefill = isl > cached ? isl - cached : 0;
+    if (!load_.Book(req.request_id, chosen.worker, seq, prefill, clock_())) {
+      return InvalidArgument(fmt::format("request_id '{}' is already booked; free it first", req.request_id));
+    }
+  }
+  ++routed_[std::string(RouterModeName(mode))];
+  return RouteReply{.worker_id = chosen.worker.worker_id,
+                    .dp_rank = chosen.worker.dp_rank,
+                    .overlap_blocks = overlap,
+                    .request_blocks = sel.request_blocks,
+                    .cached_tokens = overlap * bs,
+                    .queued_ms = 0};
+}
+
+void KvRouterService::HandleRoute(const BusMessage& m, bool best_worker_only) {
+  Status error;
+  try {
+    auto req = DecodeRouteRequest(m.data);
+    if (!req.ok()) {
+      error = req.status();
+    } else {
+      if (best_worker_only) req->update_states = false;
+      auto reply = Route(*req);
+      if (reply.ok()) {
+        Reply(m, EncodeRouteReply(*reply));
+        if (req->update_states && !req->request_id.empty()) {
+          WorkerLoad l;
+          {
+            std::lock_guard g(mu_);
+            l = load_.Load({reply->worker_id, reply->dp_rank});
+          }
+          PublishMetrics({reply->worker_id, reply->dp_rank}, l);
+        }
+        return;
+      }
+      error = reply.status();
+    }
+  } catch (const std::exception& e) {
+    error = Internal(fmt::format("route failed: {}", e.what()));
+  }
+  {
+    std::lock_guard g(mu_);
+    ++route_errors_[std::string(StatusCodeName(error.code()))];
+  }
+  ReplyError(m, error);
+}
+
+void KvRouterService::HandleLifecycle(const BusMessage& m, bool free) {
+  auto id = DecodeLifecycleRequest(m.data);
+  if (!id.ok()) {
+    ReplyError(m, id.status());
+    return;
+  }
+  std::optional<std::pair<WorkerKey, WorkerLoad>> changed;
+  {
+    std::lock_guard g(mu_);
+    const WorkerKey* w = load_.WorkerOf(*id);
+    const WorkerKey worker = w ? *w : WorkerKey{};
+    const bool did = free ? load_.Free(*id) : load_.MarkPrefill(*id);
+    if (did) changed.emplace(worker, load_.Load(worker));
+  }
+  Reply(m, EncodeOkReply());
+  if (changed) PublishMetrics(changed->first, changed->second);
+}
+
+void KvRouterService::HandleStats(const BusMessage& m) {
+  const IndexCounters c = index_.Counters();
+  std::map<WorkerKey, std::size_t> blocks;
+  for (const auto& t : index_.TreeSizes()) blocks[t.worker] = t.blocks;
+  msgpack::sbuffer buf;
+  Packer pk(buf);
+  std::lock_guard g(mu_);
+  std::map<std::string, std::uint64_t> dropped = drops_;
+  dropped["parent_block_not_found"] += c.parent_block_not_found;
+  dropped["block_not_found"] += c.block_not_found;
+  dropped["duplicate"] += c.duplicate;
+  dropped["queue_full"] += c.queue_full;
+  pk.pack_map(11);
+  PackKey(pk, "workers");
+  std::size_t ranks = 0;
+  for (const auto& [id, w] : workers_) ranks += w.reg.dp_size;
+  pk.pack_array(static_cast<std::uint32_t>(ranks));
+  for (const auto& [id, w] : workers_) {
+    for (std::uint32_t r = w.reg.dp_start; r < w.reg.dp_start + w.reg.dp_size; ++r) {
+      const WorkerKey k{id, r};
+      const WorkerLoad l = load_.Load(k);
+      pk.pack_map(7);
+      PackKey(pk, "worker_id"); pk.pack(id);
+      PackKey(pk, "dp_rank"); pk.pack(r);
+      PackKey(pk, "blocks"); pk.pack(std::uint64_t{blocks.count(k) ? blocks[k] : 0});
+      PackKey(pk, "active_blocks"); pk.pack(l.active_blocks);
+      PackKey(pk, "active_prefill_tokens"); pk.pack(l.active_prefill_tokens);
+      PackKey(pk, "active_requests"); pk.pack(l.active_requests);
+      PackKey(pk, "device"); pk.pack(w.reg.device);
+    }
+  }
+  PackKey(pk, "queue_length"); pk.pack(0);
+  PackKey(pk, "events_applied"); pk.pack(c.ops_applied);
+  PackKey(pk, "events_dropped"); PackCounts(pk, dropped);
+  PackKey(pk, "routed"); PackCounts(pk, routed_);
+  PackKey(pk, "route_errors"); PackCounts(pk, route_errors_);
+  PackKey(pk, "workers_refused"); pk.pack(workers_refused_);
+  PackKey(pk, "leases_expired"); pk.pack(leases_expired_);
+  PackKey(pk, "event_gaps"); pk.pack(c.gaps);
+  PackKey(pk, "event_restarts"); pk.pack(c.restarts);
+  PackKey(pk, "active_requests"); pk.pack(load_.requests());
+  Reply(m, buf);
+}
+
+void KvRouterService::Reply(const BusMessage& m, const msgpack::sbuffer& body) {
+  if (m.reply.empty()) return;
+  if (Status s = bus_.Publish(m.reply, AsBytes(body)); !s.ok()) {
+    log_.Log(LogLevel::kWarning, "reply", "reply to {} failed: {}", m.subject, s.message());
+  }
+}
+
+void KvRouterService::ReplyError(const BusMessage& m, const Status& s) {
+  log_.Log(LogLevel::kWarning, fmt::format("error {}", m.subject), "{} -> {}", m.subject, s.ToString());
+  Reply(m, EncodeErrorReply(s));
+}
+
+void KvRouterService::PublishMetrics(WorkerKey worker, const WorkerLoad& load) {
+  msgpack::sbuffer buf;
+  Packer pk(buf);
+  pk.pack_map(4);
+  PackKey(pk, "worker_id"); pk.pack(worker.worker_id);
+  PackKey(pk, "dp_rank"); pk.pack(worker.dp_rank);
+  PackKey(pk, "active_decode_blocks"); pk.pack(load.active_blocks);
+  PackKey(pk, "active_prefill_tokens"); pk.pack(load.active_prefill_tokens);
+  (void)bus_.Publish(subjects_.kv_metrics, AsBytes(buf));
+}
+
+}  // namespace kvrouter

@@ -1,0 +1,108 @@
+// KvRouterService: the kvrouter service of PROTOCOL.md sections 2-5 on a MessageBus.
+// It subscribes to KV events (Dynamo and vLLM formats) and worker registrations, keeps the
+// worker registry with leases, and answers route, best_worker, mark_prefill, free and stats.
+//
+// Threads: bus handlers run on the bus's delivery threads (one per subscription on NATS).
+// Event handlers only decode and Submit to the ShardedIndex (whose shard threads apply them),
+// so a route never waits behind ingestion. The registry, the active-load tracker and the
+// selector are guarded by one mutex (mu_), held only for the short booking step. Tick() runs
+// lease expiry and the 300 s booking sweep; main() calls it every 50 ms from a timer thread,
+// tests call it with a fake clock.
+// Ownership: borrows the bus, which must outlive the service; owns everything else.
+//
+//   KvRouterService svc(config, bus);  if (auto s = svc.Start(); !s.ok()) ...;  svc.Tick();
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "events/message_codec.h"
+#include "router/active_load.h"
+#include "router/config.h"
+#include "router/selector.h"
+#include "router/sharded_index.h"
+#include "transport/log.h"
+#include "transport/message_bus.h"
+
+namespace kvrouter {
+
+// Subject names for one namespace / component (PROTOCOL.md).
+struct Subjects {
+  Subjects(const std::string& ns, const std::string& component);
+  std::string kv_events, vllm_events_prefix, instances;
+  std::string route, best_worker, mark_prefill, free, stats, kv_metrics;
+};
+
+class KvRouterService {
+ public:
+  using Clock = std::function<SteadyTime()>;
+
+  KvRouterService(RouterConfig config, MessageBus& bus, Clock clock = nullptr,
+                  std::uint64_t seed = std::random_device{}());
+  ~KvRouterService();
+  KvRouterService(const KvRouterService&) = delete;
+  KvRouterService& operator=(const KvRouterService&) = delete;
+
+  // Subscribes to every subject. Fails (and subscribes to nothing) when a flag asks for a
+  // feature this build does not have, or when the bus refuses a subscription.
+  Status Start();
+  // Unsubscribes; no handler runs after it returns.
+  void Stop();
+  // Lease expiry and the booking sweep, at the clock's now.
+  void Tick();
+
+  const Subjects& subjects() const { return subjects_; }
+  ShardedIndex& index() { return index_; }
+
+ private:
+  struct WorkerInfo {
+    WorkerRegistration reg;
+    bool has_lease = false;  // false until the first heartbeat (event-only workers)
+    SteadyTime lease_deadline{};
+  };
+
+  void HandleKvEvent(const BusMessage& m);
+  void HandleVllmEvent(const BusMessage& m);
+  void HandleInstances(const BusMessage& m);
+  void HandleRoute(const BusMessage& m, bool best_worker_only);
+  void HandleLifecycle(const BusMessage& m, bool free);
+  void HandleStats(const BusMessage& m);
+
+  // Registers a worker seen only through its events (no lease until it heartbeats).
+  void NoteEventWorker(std::uint64_t worker_id, std::uint32_t dp_rank);
+  void ForgetLocked(std::uint64_t worker_id);  // mu_ held
+  Result<RouteReply> Route(const RouteRequest& req);
+  void Reply(const BusMessage& m, const msgpack::sbuffer& body);
+  void ReplyError(const BusMessage& m, const Status& s);
+  void PublishMetrics(WorkerKey worker, const WorkerLoad& load);
+  void CountDrop(const std::string& reason);
+
+  const RouterConfig config_;
+  MessageBus& bus_;
+  const Clock clock_;
+  const Subjects subjects_;
+  ShardedIndex index_;
+  RateLimitedLog log_;
+
+  std::mutex mu_;
+  std::map<std::uint64_t, WorkerInfo> workers_;    // GUARDED_BY(mu_), ordered: stable candidates
+  ActiveLoad load_;                                // GUARDED_BY(mu_)
+  Selector selector_;                              // GUARDED_BY(mu_)
+  std::mt19937_64 rng_;                            // GUARDED_BY(mu_)
+  std::map<std::string, std::uint64_t> routed_;    // GUARDED_BY(mu_) mode -> count
+  std::map<std::string, std::uint64_t> route_errors_;  // GUARDED_BY(mu_) code -> count
+  std::map<std::string, std::uint64_t> drops_;     // GUARDED_BY(mu_) service-side drop reasons
+  std::uint64_t workers_refused_ = 0;              // GUARDED_BY(mu_)
+  std::uint64_t leases_expired_ = 0;               // GUARDED_BY(mu_)
+
+  std::vector<std::unique_ptr<BusSubscription>> subs_;
+};
+
+}  // namespace kvrouter

@@ -1,0 +1,160 @@
+// Route round-trip latency over NATS on loopback (issue 3): a real nats-server and the real
+// kvrouter binary (both started here on a free port), 64 registered workers with 1,024 indexed
+// blocks each, then sequential `route` requests of 256 tokens, idle and while a publisher
+// thread sends KV events at a fixed rate. Reports p50/p99 per request as counters.
+// Run: build/bin/route_bench (see README "Performance").
+#include <benchmark/benchmark.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <random>
+#include <thread>
+
+#include "events/block_hash.h"
+#include "events/event_codec.h"
+#include "events/message_codec.h"
+#include "events/msgpack_reader.h"
+#include "tests/integration/process.h"
+#include "transport/nats_client.h"
+
+namespace kvrouter {
+namespace {
+
+using namespace std::chrono_literals;
+constexpr std::uint32_t kBs = 64;
+constexpr int kWorkers = 64;
+const std::string kComp = "namespace.dynamo.component.backend.";
+
+struct Rig {
+  std::unique_ptr<testing::NatsServerProcess> nats;
+  std::unique_ptr<testing::ChildProcess> router;
+  std::unique_ptr<NatsClient> nc;         // the client sending route requests
+  std::unique_ptr<NatsClient> publisher;  // the workers' events, on their own connection
+  std::vector<std::vector<std::uint32_t>> prompts;
+  bool ok = false;
+};
+
+KvEventBatch Stored(std::uint64_t worker, std::uint64_t event_id, const std::vector<std::uint32_t>& tokens,
+                    std::optional<BlockHash> parent = std::nullopt, std::uint64_t salt = 0) {
+  auto local = ComputeLocalHashes(tokens, kBs);
+  auto seq = ComputeSequenceHashes(local);
+  KvEventBatch b{.worker_id = worker, .sequence = {SequenceKind::kEventId, event_id}};
+  KvStored s{parent, {}};
+  for (std::size_t i = 0; i < local.size(); ++i) s.blocks.push_back({seq[i] ^ salt, local[i]});
+  b.ops.push_back({StorageTier::kDevice, std::move(s)});
+  return b;
+}
+
+Rig& TheRig() {
+  static Rig rig;
+  static bool tried = false;
+  if (tried) return rig;
+  tried = true;
+  auto nats = testing::NatsServerProcess::Start();
+  if (!nats.ok()) return rig;
+  rig.nats = std::move(nats).value();
+  auto router = testing::ChildProcess::Start(
+      {KVROUTER_BIN, "--nats-server", rig.nats->url(), "--router-mode", "kv"}, "/tmp/route_bench_kvrouter.log");
+  if (!router.ok()) return rig;
+  rig.router = std::move(router).value();
+  auto nc = NatsClient::Connect({.url = rig.nats->url(), .name = "route-bench", .send_asap = true}, {});
+  if (!nc.ok()) return rig;
+  rig.nc = std::move(nc).value();
+  auto pub = NatsClient::Connect({.url = rig.nats->url(), .name = "route-bench-workers"}, {});
+  if (!pub.ok()) return rig;
+  rig.publisher = std::move(pub).value();
+  const std::string stats = "namespace.dynamo.router.stats";
+  if (!testing::WaitFor([&] { return rig.nc->Request(stats, AsBytes(std::string_view("\x80", 1)), 200ms).ok(); }, 10s)) return rig;
+  std::mt19937 rng(3);
+  for (int p = 0; p < 64; ++p) {
+    std::vector<std::uint32_t> t(1024 * kBs / 16);  // 64 blocks
+    for (auto& x : t) x = rng();
+    rig.prompts.push_back(std::move(t));
+  }
+  for (int w = 0; w < kWorkers; ++w) {
+    WorkerRegistration r{.worker_id = static_cast<std::uint64_t>(w), .block_size = kBs, .lease_ms = 600000};
+    (void)rig.nc->Publish(kComp + "instances", AsBytes(EncodeWorkerRegistration(r)));
+    // 16 prompts of 64 blocks = 1,024 blocks per worker; prompts shared by several workers.
+    for (int k = 0; k < 16; ++k) {
+      (void)rig.nc->Publish(kComp + "kv-events",
+                            AsBytes(EncodeDynamoEnvelope(Stored(w, k + 1, rig.prompts[(w + k * 7) % 64]), {})));
+    }
+  }
+  (void)rig.nc->Flush(5s);
+  rig.ok = testing::WaitFor([&] {
+    auto reply = rig.nc->Request(stats, AsBytes(std::string_view("\x80", 1)), 1s);
+    if (!reply.ok()) return false;
+    auto doc = ParseMsgpack(*reply);
+    if (!doc.ok()) return false;
+    auto n = ReadU64(FindKey(doc->get(), "events_applied"), "events_applied");
+    return n.ok() && *n >= kWorkers * 16;
+  }, 30s);
+  return rig;
+}
+
+// Arg: KV events per second published meanwhile (stored 1-block chains, then their removal).
+void BM_RouteRoundTrip(benchmark::State& state) {
+  Rig& rig = TheRig();
+  if (!rig.ok) {
+    state.SkipWithError("could not start nats-server + kvrouter");
+    return;
+  }
+  const std::int64_t rate = state.range(0);
+  std::atomic<bool> stop{false};
+  std::atomic<std::uint64_t> sent{0};
+  std::thread publisher;
+  if (rate > 0) {
+    publisher = std::thread([&] {
+      // Separate event-only workers (ids 1000+) store and drop single blocks.
+      std::vector<std::uint64_t> next_id(16, 1);
+      std::vector<std::uint32_t> tokens(kBs);
+      const auto start = std::chrono::steady_clock::now();
+      std::uint64_t n = 0;
+      while (!stop.load(std::memory_order_relaxed)) {
+        const auto due = start + std::chrono::nanoseconds(static_cast<std::int64_t>(n * 1e9 / rate));
+        if (std::chrono::steady_clock::now() < due) std::this_thread::sleep_until(due);
+        const std::uint64_t w = n % 16;
+        tokens[0] = static_cast<std::uint32_t>(n);
+        KvEventBatch b = Stored(1000 + w, next_id[w]++, tokens);
+        (void)rig.publisher->Publish(kComp + "kv-events", AsBytes(EncodeDynamoEnvelope(b, {})));
+        KvEventBatch r{.worker_id = 1000 + w, .sequence = {SequenceKind::kEventId, next_id[w]++}};
+        r.ops.push_back({StorageTier::kDevice, KvRemoved{{std::get<KvStored>(b.ops[0].data).blocks[0].block_hash}}});
+        (void)rig.publisher->Publish(kComp + "kv-events", AsBytes(EncodeDynamoEnvelope(r, {})));
+        n += 2;
+        sent.store(n, std::memory_order_relaxed);
+      }
+    });
+  }
+  std::vector<double> us;
+  std::size_t i = 0;
+  const auto t0 = std::chrono::steady_clock::now();
+  for (auto _ : state) {
+    const auto& p = rig.prompts[i++ % rig.prompts.size()];
+    std::vector<std::uint32_t> tokens(p.begin(), p.begin() + 256);  // 4 blocks of a cached prompt
+    RouteRequest req{.token_ids = std::move(tokens), .has_token_ids = true, .isl = 256};
+    const auto body = EncodeRouteRequest(req);
+    const auto a = std::chrono::steady_clock::now();
+    auto reply = rig.nc->Request("namespace.dynamo.router.route", AsBytes(body), 2s);
+    const auto b = std::chrono::steady_clock::now();
+    if (!reply.ok() || !DecodeRouteReply(*reply).ok()) {
+      state.SkipWithError("route failed");
+      break;
+    }
+    us.push_back(std::chrono::duration<double, std::micro>(b - a).count());
+  }
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  stop.store(true);
+  if (publisher.joinable()) publisher.join();
+  if (us.empty()) return;
+  std::sort(us.begin(), us.end());
+  state.counters["p50_us"] = us[us.size() / 2];
+  state.counters["p99_us"] = us[std::min(us.size() - 1, us.size() * 99 / 100)];
+  if (rate > 0) state.counters["events_per_s"] = sent.load() / secs;
+}
+BENCHMARK(BM_RouteRoundTrip)->Arg(0)->Arg(100000)->Iterations(5000)->Unit(benchmark::kMicrosecond)->UseRealTime();
+
+}  // namespace
+}  // namespace kvrouter
+
+BENCHMARK_MAIN();

@@ -1,0 +1,219 @@
+// End-to-end tests of the kvrouter binary: a real nats-server on a free 127.0.0.1 port, the
+// real `kvrouter` process, and this test acting as workers (both event formats) and clients.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <csignal>
+#include <sys/wait.h>
+
+#include "events/block_hash.h"
+#include "events/event_codec.h"
+#include "events/message_codec.h"
+#include "events/msgpack_reader.h"
+#include "events/vllm_codec.h"
+#include "tests/integration/process.h"
+#include "transport/nats_client.h"
+
+namespace kvrouter {
+namespace {
+
+using namespace std::chrono_literals;
+using testing::ChildProcess;
+using testing::NatsServerProcess;
+using testing::WaitFor;
+
+constexpr std::uint32_t kBs = 4;
+const std::string kComp = "namespace.dynamo.component.backend.";
+const std::string kRouter = "namespace.dynamo.router.";
+
+std::vector<std::uint32_t> Tokens(std::uint32_t first, std::size_t n) {
+  std::vector<std::uint32_t> t(n);
+  for (std::size_t i = 0; i < n; ++i) t[i] = first + static_cast<std::uint32_t>(i);
+  return t;
+}
+
+class KvRouterProcessTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto nats = NatsServerProcess::Start();
+    ASSERT_TRUE(nats.ok()) << nats.status().ToString();
+    nats_ = std::move(nats).value();
+    log_ = ::testing::TempDir() + "kvrouter-" + std::to_string(nats_->port()) + ".log";
+    auto router = ChildProcess::Start({KVROUTER_BIN, "--nats-server", nats_->url(), "--router-mode", "kv",
+                                       "--block-size", std::to_string(kBs)},
+                                      log_);
+    ASSERT_TRUE(router.ok()) << router.status().ToString();
+    router_ = std::move(router).value();
+    auto nc = NatsClient::Connect({.url = nats_->url(), .name = "kvrouter-test"}, {});
+    ASSERT_TRUE(nc.ok()) << nc.status().ToString();
+    nc_ = std::move(nc).value();
+    // Ready when the stats endpoint answers.
+    ASSERT_TRUE(WaitFor([&] { return nc_->Request(kRouter + "stats", AsBytes(std::string_view("\x80", 1)), 200ms).ok(); }, 10s))
+        << "kvrouter did not come up; log: " << log_;
+  }
+
+  void TearDown() override {
+    nc_.reset();
+    if (router_) router_->Stop();
+  }
+
+  void Register(std::uint64_t id, std::uint32_t lease_ms = 60000, bool leaving = false,
+                std::uint32_t block_size = kBs) {
+    WorkerRegistration r{.worker_id = id, .block_size = block_size, .lease_ms = lease_ms, .leaving = leaving};
+    ASSERT_TRUE(nc_->Publish(kComp + "instances", AsBytes(EncodeWorkerRegistration(r))).ok());
+  }
+
+  void StoreDynamo(std::uint64_t worker, std::uint64_t event_id, const std::vector<std::uint32_t>& tokens) {
+    auto local = ComputeLocalHashes(tokens, kBs);
+    auto seq = ComputeSequenceHashes(local);
+    KvEventBatch b{.worker_id = worker, .sequence = {SequenceKind::kEventId, event_id}};
+    KvStored s;
+    for (std::size_t i = 0; i < local.size(); ++i) s.blocks.push_back({seq[i], local[i]});
+    b.ops.push_back({StorageTier::kDevice, std::move(s)});
+    ASSERT_TRUE(nc_->Publish(kComp + "kv-events", AsBytes(EncodeDynamoEnvelope(b, {}))).ok());
+  }
+
+  void StoreVllm(std::uint64_t worker, std::uint32_t rank, std::uint64_t kv_seq,
+                 const std::vector<std::uint32_t>& tokens) {
+    VllmStoredEvent e{.token_ids = tokens, .block_size = kBs};
+    for (std::size_t i = 0; i < tokens.size() / kBs; ++i) e.block_hashes.push_back(7000 + i);
+    auto body = EncodeVllmBatch(1.0, {e}, rank);
+    ASSERT_TRUE(nc_->PublishWithHeaders(kComp + "vllm-kv-events." + std::to_string(worker) + "." + std::to_string(rank),
+                                        AsBytes(body), {{"Kv-Seq", std::to_string(kv_seq)}})
+                    .ok());
+  }
+
+  Result<RouteReply> Route(const std::vector<std::uint32_t>& tokens, std::string request_id = "") {
+    RouteRequest r{.request_id = std::move(request_id), .token_ids = tokens, .has_token_ids = true,
+                   .isl = static_cast<std::uint32_t>(tokens.size())};
+    auto reply = nc_->Request(kRouter + "route", AsBytes(EncodeRouteRequest(r)), 2s);
+    if (!reply.ok()) return reply.status();
+    return DecodeRouteReply(*reply);
+  }
+
+  struct StatsView {
+    std::vector<std::byte> bytes;
+    msgpack::object_handle doc;
+    const msgpack::object& root() const { return doc.get(); }
+    std::uint64_t U64(std::string_view key) const {
+      auto v = ReadU64(FindKey(root(), key), key);
+      return v.ok() ? *v : ~0ull;
+    }
+    std::size_t Workers() const {
+      auto a = ReadArray(FindKey(root(), "workers"), "workers");
+      return a.ok() ? a->size() : 0;
+    }
+  };
+  std::optional<StatsView> Stats() {
+    auto reply = nc_->Request(kRouter + "stats", AsBytes(std::string_view("\x80", 1)), 2s);
+    if (!reply.ok()) return std::nullopt;
+    StatsView v{std::move(reply).value(), {}};
+    auto doc = ParseMsgpack(v.bytes);
+    if (!doc.ok()) return std::nullopt;
+    v.doc = std::move(doc).value();
+    return v;
+  }
+  // Registrations and events arrive on different subscriptions (no order between them).
+  bool AwaitWorkers(std::size_t n) {
+    return WaitFor([&] { auto s = Stats(); return s && s->Workers() == n; }, 5s);
+  }
+  bool AwaitEventsApplied(std::uint64_t n) {
+    return WaitFor([&] { auto s = Stats(); return s && s->U64("events_applied") >= n; }, 5s);
+  }
+
+  std::unique_ptr<NatsServerProcess> nats_;
+  std::unique_ptr<ChildProcess> router_;
+  std::unique_ptr<NatsClient> nc_;
+  std::string log_;
+};
+
+TEST_F(KvRouterProcessTest, RoutesByCachedPrefixFromBothEventFormats) {
+  for (std::uint64_t id : {1, 2, 3}) Register(id);
+  ASSERT_TRUE(AwaitWorkers(3));
+  StoreDynamo(2, 1, Tokens(1, 8));      // 2 blocks of prompt A
+  StoreVllm(3, 0, 0, Tokens(100, 12));  // 3 blocks of prompt B
+  ASSERT_TRUE(AwaitEventsApplied(2));
+  auto a = Route(Tokens(1, 12));
+  ASSERT_TRUE(a.ok()) << a.status().ToString();
+  EXPECT_EQ(a->worker_id, 2u);
+  EXPECT_EQ(a->overlap_blocks, 2u);
+  EXPECT_EQ(a->cached_tokens, 8u);
+  EXPECT_EQ(a->request_blocks, 3u);
+  auto b = Route(Tokens(100, 16));
+  ASSERT_TRUE(b.ok()) << b.status().ToString();
+  EXPECT_EQ(b->worker_id, 3u);
+  EXPECT_EQ(b->overlap_blocks, 3u);
+}
+
+TEST_F(KvRouterProcessTest, BookedLoadSpreadsIdenticalRequestsAndFreeReleasesIt) {
+  Register(1);
+  Register(2);
+  ASSERT_TRUE(AwaitWorkers(2));
+  auto first = Route(Tokens(1, 64), "r1");
+  auto second = Route(Tokens(1, 64), "r2");
+  ASSERT_TRUE(first.ok() && second.ok());
+  EXPECT_NE(first->worker_id, second->worker_id);
+  for (const char* id : {"r1", "r2"}) {
+    auto reply = nc_->Request(kRouter + "free", AsBytes(EncodeLifecycleRequest(id)), 2s);
+    ASSERT_TRUE(reply.ok());
+    EXPECT_TRUE(DecodeErrorReply(*reply).ok());
+  }
+  auto s = Stats();
+  ASSERT_TRUE(s);
+  EXPECT_EQ(s->U64("active_requests"), 0u);
+}
+
+TEST_F(KvRouterProcessTest, LeaseExpiresWithin250msOfItsDeadlineAndLeavingIsImmediate) {
+  Register(2);
+  const auto registered = std::chrono::steady_clock::now();
+  Register(1, /*lease_ms=*/300);
+  ASSERT_TRUE(AwaitWorkers(2));
+  ASSERT_TRUE(AwaitWorkers(1));
+  const auto gone_after = std::chrono::steady_clock::now() - registered;
+  // Deadline 300 ms + 250 ms allowance + polling and scheduling slack on a loaded 2-core box.
+  EXPECT_LT(gone_after, 300ms + 250ms + 250ms);
+  Register(2, 60000, /*leaving=*/true);
+  ASSERT_TRUE(AwaitWorkers(0));
+  EXPECT_EQ(Route(Tokens(1, 8)).status().code(), StatusCode::kNoWorkers);
+}
+
+TEST_F(KvRouterProcessTest, GarbageOnEverySubjectGetsErrorsAndLeavesTheIndexIntact) {
+  Register(1);
+  Register(2);
+  ASSERT_TRUE(AwaitWorkers(2));
+  StoreDynamo(2, 1, Tokens(1, 12));
+  ASSERT_TRUE(AwaitEventsApplied(1));
+  const std::vector<std::string> junk = {std::string("\xc1", 1), std::string("\x92\x01", 2),
+                                         std::string("\xdd\xff\xff\xff\xff", 5), "plain text"};
+  for (const auto& j : junk) {
+    for (const std::string& s : {kComp + "kv-events", kComp + "vllm-kv-events.2.0", kComp + "vllm-kv-events.a.b",
+                                 kComp + "instances", kRouter + "mark_prefill", kRouter + "free"}) {
+      ASSERT_TRUE(nc_->Publish(s, AsBytes(j)).ok());
+    }
+    for (const char* ep : {"route", "best_worker", "free"}) {
+      auto reply = nc_->Request(kRouter + ep, AsBytes(j), 2s);
+      ASSERT_TRUE(reply.ok()) << ep;
+      EXPECT_EQ(DecodeErrorReply(*reply).code(), StatusCode::kInvalidArgument) << ep;
+    }
+  }
+  auto r = Route(Tokens(1, 12));
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->worker_id, 2u);
+  EXPECT_EQ(r->overlap_blocks, 3u);
+  ASSERT_TRUE(router_->Running());
+}
+
+TEST_F(KvRouterProcessTest, WorkerWithAnotherBlockSizeIsRefused) {
+  Register(1, 60000, false, /*block_size=*/16);
+  ASSERT_TRUE(WaitFor([&] { auto s = Stats(); return s && s->U64("workers_refused") == 1; }, 5s));
+  EXPECT_EQ(Route(Tokens(1, 8)).status().code(), StatusCode::kNoWorkers);
+}
+
+TEST_F(KvRouterProcessTest, SigtermDrainsAndExitsCleanly) {
+  router_->Stop();
+  ASSERT_TRUE(WIFEXITED(router_->exit_status())) << router_->exit_status();
+  EXPECT_EQ(WEXITSTATUS(router_->exit_status()), 0);
+}
+
+}  // namespace
+}  // namespace kvrouter

@@ -1,0 +1,292 @@
+#include "router/kv_router_service.h"
+
+#include <gtest/gtest.h>
+
+#include "events/event_codec.h"
+#include "events/msgpack_reader.h"
+#include "events/vllm_codec.h"
+#include "tests/router/fake_bus.h"
+
+namespace kvrouter {
+namespace {
+
+using std::chrono::milliseconds;
+constexpr std::uint32_t kBs = 4;
+
+class ServiceTest : public ::testing::Test {
+ protected:
+  void StartWith(std::vector<std::string> flags) {
+    std::vector<const char*> argv = {"kvrouter", "--block-size", "4"};
+    for (auto& f : flags) argv.push_back(f.c_str());
+    auto cfg = ParseRouterConfig(static_cast<int>(argv.size()), argv.data(), [](const char*) { return nullptr; });
+    ASSERT_TRUE(cfg.ok()) << cfg.status().ToString();
+    svc_ = std::make_unique<KvRouterService>(cfg->config, bus_, [this] { return now_; }, 42);
+    ASSERT_TRUE(svc_->Start().ok());
+  }
+
+  void Register(std::uint64_t id, WorkerRegistration reg = {}) {
+    reg.worker_id = id;
+    if (!reg.block_size) reg.block_size = kBs;
+    (void)bus_.Publish(svc_->subjects().instances, AsBytes(EncodeWorkerRegistration(reg)));
+  }
+
+  // Stores `blocks` blocks of tokens 1..4*blocks on worker id as one Dynamo event.
+  void StorePrompt(std::uint64_t id, std::uint64_t event_id, std::vector<std::uint32_t> tokens) {
+    auto local = ComputeLocalHashes(tokens, kBs);
+    auto seq = ComputeSequenceHashes(local);
+    KvEventBatch b{.worker_id = id, .sequence = {SequenceKind::kEventId, event_id}};
+    KvStored s;
+    for (std::size_t i = 0; i < local.size(); ++i) s.blocks.push_back({seq[i], local[i]});
+    b.ops.push_back({StorageTier::kDevice, std::move(s)});
+    (void)bus_.Publish(svc_->subjects().kv_events, AsBytes(EncodeDynamoEnvelope(b, {})));
+    svc_->index().Flush();
+  }
+
+  Result<RouteReply> Route(RouteRequest req, bool best_worker = false) {
+    auto reply = bus_.Request(best_worker ? svc_->subjects().best_worker : svc_->subjects().route,
+                              AsBytes(EncodeRouteRequest(req)));
+    if (!reply) return Internal("no reply");
+    return DecodeRouteReply(*reply);
+  }
+
+  static RouteRequest Prompt(std::vector<std::uint32_t> tokens, std::string id = "") {
+    RouteRequest r;
+    r.request_id = std::move(id);
+    r.token_ids = std::move(tokens);
+    r.has_token_ids = true;
+    r.isl = static_cast<std::uint32_t>(r.token_ids.size());
+    return r;
+  }
+
+  msgpack::object_handle Stats() {
+    auto reply = bus_.Request(svc_->subjects().stats, AsBytes(std::string_view("\x80", 1)));
+    EXPECT_TRUE(reply.has_value());
+    stats_bytes_ = *reply;
+    auto doc = ParseMsgpack(stats_bytes_);
+    EXPECT_TRUE(doc.ok());
+    return std::move(doc).value();
+  }
+
+  std::uint64_t StatU64(const msgpack::object& o, std::string_view key) {
+    auto v = ReadU64(FindKey(o, key), key);
+    EXPECT_TRUE(v.ok()) << key;
+    return v.ok() ? *v : ~0ull;
+  }
+
+  FakeBus bus_;
+  SteadyTime now_{};
+  std::unique_ptr<KvRouterService> svc_;
+  std::vector<std::byte> stats_bytes_;
+};
+
+const std::vector<std::uint32_t> kTwelve = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12};
+
+TEST_F(ServiceTest, KvModeRoutesToTheWorkerHoldingThePrefix) {
+  StartWith({"--router-mode", "kv"});
+  for (std::uint64_t id : {1, 2, 3}) Register(id);
+  StorePrompt(2, 1, {1, 2, 3, 4, 5, 6, 7, 8});
+  auto r = Route(Prompt(kTwelve));
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->worker_id, 2u);
+  EXPECT_EQ(r->overlap_blocks, 2u);
+  EXPECT_EQ(r->request_blocks, 3u);
+  EXPECT_EQ(r->cached_tokens, 8u);
+}
+
+TEST_F(ServiceTest, VllmEventsFromTheSubjectAreIndexed) {
+  StartWith({"--router-mode", "kv"});
+  Register(1);
+  Register(7);
+  VllmStoredEvent e{.block_hashes = {900, 901, 902}, .token_ids = kTwelve, .block_size = kBs};
+  auto body = EncodeVllmBatch(1.0, {e}, 0);
+  (void)bus_.PublishWithHeaders(svc_->subjects().vllm_events_prefix + "7.0", AsBytes(body), {{"Kv-Seq", "0"}});
+  svc_->index().Flush();
+  auto r = Route(Prompt(kTwelve));
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->worker_id, 7u);
+  EXPECT_EQ(r->overlap_blocks, 3u);
+}
+
+TEST_F(ServiceTest, WorkerSeenOnlyThroughEventsIsRoutable) {
+  StartWith({"--router-mode", "kv"});
+  StorePrompt(5, 1, {1, 2, 3, 4});
+  auto r = Route(Prompt(kTwelve));
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->worker_id, 5u);
+  // No lease: it does not expire.
+  now_ += std::chrono::hours(1);
+  svc_->Tick();
+  EXPECT_TRUE(Route(Prompt(kTwelve)).ok());
+}
+
+TEST_F(ServiceTest, BookingCountsAgainstTheWorkerUntilFreed) {
+  StartWith({"--router-mode", "kv"});
+  Register(1);
+  Register(2);
+  auto a = Route(Prompt(kTwelve, "a"));
+  ASSERT_TRUE(a.ok());
+  // The same prompt again goes to the other, idle worker: the first is busy with "a".
+  auto b = Route(Prompt(kTwelve, "b"));
+  ASSERT_TRUE(b.ok());
+  EXPECT_NE(a->worker_id, b->worker_id);
+  auto doc = Stats();
+  EXPECT_EQ(StatU64(doc.get(), "active_requests"), 2u);
+  for (const char* id : {"a", "b"}) {
+    auto reply = bus_.Request(svc_->subjects().free, AsBytes(EncodeLifecycleRequest(id)));
+    ASSERT_TRUE(reply.has_value());
+    EXPECT_TRUE(DecodeErrorReply(*reply).ok());
+  }
+  auto doc2 = Stats();
+  EXPECT_EQ(StatU64(doc2.get(), "active_requests"), 0u);
+  EXPECT_GT(bus_.published(svc_->subjects().kv_metrics), 0u);
+}
+
+TEST_F(ServiceTest, MarkPrefillRemovesPrefillTokensOnly) {
+  StartWith({"--router-mode", "kv"});
+  Register(1);
+  ASSERT_TRUE(Route(Prompt(kTwelve, "a")).ok());
+  auto workers = [&] {
+    auto doc = Stats();
+    auto arr = ReadArray(FindKey(doc.get(), "workers"), "workers");
+    EXPECT_TRUE(arr.ok());
+    return std::make_pair(StatU64((*arr)[0], "active_prefill_tokens"), StatU64((*arr)[0], "active_blocks"));
+  };
+  EXPECT_EQ(workers(), std::make_pair(std::uint64_t{12}, std::uint64_t{3}));
+  (void)bus_.Request(svc_->subjects().mark_prefill, AsBytes(EncodeLifecycleRequest("a")));
+  (void)bus_.Request(svc_->subjects().mark_prefill, AsBytes(EncodeLifecycleRequest("a")));  // idempotent
+  EXPECT_EQ(workers(), std::make_pair(std::uint64_t{0}, std::uint64_t{3}));
+}
+
+TEST_F(ServiceTest, BestWorkerBooksNothing) {
+  StartWith({"--router-mode", "kv"});
+  Register(1);
+  ASSERT_TRUE(Route(Prompt(kTwelve, "q"), /*best_worker=*/true).ok());
+  auto doc = Stats();
+  EXPECT_EQ(StatU64(doc.get(), "active_requests"), 0u);
+}
+
+TEST_F(ServiceTest, ErrorsCarryTheRightCodes) {
+  StartWith({"--router-mode", "kv"});
+  auto none = Route(Prompt(kTwelve));
+  EXPECT_EQ(none.status().code(), StatusCode::kNoWorkers);
+  Register(1, {.dp_size = 2});
+  RouteRequest pinned = Prompt(kTwelve);
+  pinned.worker_id = 99;
+  EXPECT_EQ(Route(pinned).status().code(), StatusCode::kNotFound);
+  pinned.worker_id = 1;
+  pinned.dp_rank = 5;
+  EXPECT_EQ(Route(pinned).status().code(), StatusCode::kNotFound);
+  pinned.dp_rank = 1;
+  auto ok = Route(pinned);
+  ASSERT_TRUE(ok.ok());
+  EXPECT_EQ(ok->dp_rank, 1u);
+  RouteRequest too_many = Prompt({});
+  too_many.has_token_ids = false;
+  too_many.block_hashes = {1, 2, 3};
+  too_many.isl = 4;
+  EXPECT_EQ(Route(too_many).status().code(), StatusCode::kInvalidArgument);
+  auto garbage = bus_.Request(svc_->subjects().route, AsBytes(std::string_view("\xc1garbage")));
+  ASSERT_TRUE(garbage.has_value());
+  EXPECT_EQ(DecodeErrorReply(*garbage).code(), StatusCode::kInvalidArgument);
+  auto bad_free = bus_.Request(svc_->subjects().free, AsBytes(std::string_view("\x93")));
+  ASSERT_TRUE(bad_free.has_value());
+  EXPECT_EQ(DecodeErrorReply(*bad_free).code(), StatusCode::kInvalidArgument);
+}
+
+TEST_F(ServiceTest, DirectModeNeedsAPin) {
+  StartWith({"--router-mode", "direct"});
+  Register(1);
+  Register(2);
+  EXPECT_EQ(Route(Prompt(kTwelve)).status().code(), StatusCode::kInvalidArgument);
+  RouteRequest r = Prompt(kTwelve);
+  r.worker_id = 2;
+  auto ok = Route(r);
+  ASSERT_TRUE(ok.ok());
+  EXPECT_EQ(ok->worker_id, 2u);
+}
+
+TEST_F(ServiceTest, AllowedWorkerIdsFilterCandidates) {
+  StartWith({"--router-mode", "round-robin"});
+  for (std::uint64_t id : {1, 2, 3}) Register(id);
+  RouteRequest r = Prompt(kTwelve);
+  r.allowed_worker_ids = std::vector<std::uint64_t>{3};
+  for (int i = 0; i < 5; ++i) EXPECT_EQ(Route(r)->worker_id, 3u);
+  r.allowed_worker_ids = std::vector<std::uint64_t>{42};
+  EXPECT_EQ(Route(r).status().code(), StatusCode::kNoWorkers);
+}
+
+TEST_F(ServiceTest, LeaseExpiryAndLeavingForgetTheWorker) {
+  StartWith({"--router-mode", "kv"});
+  Register(1, {.lease_ms = 1000});
+  Register(2, {.lease_ms = 5000});
+  StorePrompt(1, 1, kTwelve);
+  ASSERT_TRUE(Route(Prompt(kTwelve, "on-1")).ok());
+  now_ += milliseconds(1001);
+  svc_->Tick();
+  svc_->index().Flush();
+  for (int i = 0; i < 5; ++i) EXPECT_EQ(Route(Prompt(kTwelve))->worker_id, 2u);
+  auto doc = Stats();
+  EXPECT_EQ(StatU64(doc.get(), "leases_expired"), 1u);
+  EXPECT_EQ(StatU64(doc.get(), "active_requests"), 0u);  // the booking on 1 was released
+  Register(2, {.lease_ms = 5000, .leaving = true});
+  EXPECT_EQ(Route(Prompt(kTwelve)).status().code(), StatusCode::kNoWorkers);
+}
+
+TEST_F(ServiceTest, HeartbeatRenewsTheLease) {
+  StartWith({"--router-mode", "kv"});
+  Register(1, {.lease_ms = 1000});
+  now_ += milliseconds(900);
+  Register(1, {.lease_ms = 1000});
+  now_ += milliseconds(900);
+  svc_->Tick();
+  EXPECT_TRUE(Route(Prompt(kTwelve)).ok());
+}
+
+TEST_F(ServiceTest, WorkerWithOtherBlockSizeIsRefusedAndCounted) {
+  StartWith({"--router-mode", "kv"});
+  Register(1, {.block_size = 16});
+  EXPECT_EQ(Route(Prompt(kTwelve)).status().code(), StatusCode::kNoWorkers);
+  auto doc = Stats();
+  EXPECT_EQ(StatU64(doc.get(), "workers_refused"), 1u);
+}
+
+TEST_F(ServiceTest, GarbageOnEverySubjectLeavesTheIndexIntact) {
+  StartWith({"--router-mode", "kv"});
+  Register(1);
+  Register(2);
+  StorePrompt(2, 1, kTwelve);
+  const std::vector<std::string_view> junk = {std::string_view("\xc1", 1), std::string_view("\x92\x01", 2),
+                                              std::string_view("\xdd\xff\xff\xff\xff", 5), "", "plain text"};
+  for (auto j : junk) {
+    for (const std::string& s : {svc_->subjects().kv_events, svc_->subjects().vllm_events_prefix + "2.0",
+                                 svc_->subjects().vllm_events_prefix + "x.y", svc_->subjects().instances,
+                                 svc_->subjects().mark_prefill, svc_->subjects().free}) {
+      (void)bus_.Publish(s, AsBytes(j));
+    }
+    auto r = bus_.Request(svc_->subjects().route, AsBytes(j));
+    ASSERT_TRUE(r.has_value());
+    EXPECT_EQ(DecodeErrorReply(*r).code(), StatusCode::kInvalidArgument);
+  }
+  svc_->index().Flush();
+  auto r = Route(Prompt(kTwelve));
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->worker_id, 2u);
+  EXPECT_EQ(r->overlap_blocks, 3u);
+  auto doc = Stats();
+  auto dropped = FindKey(doc.get(), "events_dropped");
+  ASSERT_NE(dropped, nullptr);
+  EXPECT_GE(StatU64(*dropped, "decode_error"), 3 * junk.size() - 2);
+}
+
+TEST_F(ServiceTest, UnbuiltFeaturesAreRefusedAtStart) {
+  std::vector<const char*> argv = {"kvrouter", "--router-queue-threshold", "2"};
+  auto cfg = ParseRouterConfig(3, argv.data(), [](const char*) { return nullptr; });
+  ASSERT_TRUE(cfg.ok());
+  KvRouterService svc(cfg->config, bus_);
+  Status s = svc.Start();
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("--router-queue-threshold"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace kvrouter
