@@ -312,6 +312,56 @@ msgpack::sbuffer EncodeLifecycleRequest(std::string_view request_id) {
   return buf;
 }
 
+Result<ActiveSequenceEvent> DecodeActiveSequenceEvent(std::span<const std::byte> body) {
+  auto doc = ParseMap(body, "active sequence event");
+  if (!doc.ok()) return doc.status();
+  const msgpack::object& m = doc->get();
+  ActiveSequenceEvent e;
+  std::string_view request_id, kind;
+  FieldReads reads;
+  reads.Required(m, "router_id", ReadU64, e.router_id);
+  reads.Required(m, "request_id", ReadStr, request_id);
+  reads.Required(m, "worker_id", ReadU64, e.worker_id);
+  reads.Optional(m, "dp_rank", ReadU32, e.dp_rank);
+  reads.Required(m, "kind", ReadStr, kind);
+  reads.Optional(m, "seq_hashes", ReadU64BitsArray, e.seq_hashes);
+  reads.Optional(m, "isl", ReadU32, e.isl);
+  reads.Optional(m, "overlap_blocks", ReadU32, e.overlap_blocks);
+  if (!reads.ok()) return reads.status();
+  if (request_id.empty()) return InvalidArgument("field 'request_id' must not be empty");
+  e.request_id = std::string(request_id);
+  if (kind == "add") e.kind = ActiveSequenceEvent::Kind::kAdd;
+  else if (kind == "prefill_done") e.kind = ActiveSequenceEvent::Kind::kPrefillDone;
+  else if (kind == "free") e.kind = ActiveSequenceEvent::Kind::kFree;
+  else return InvalidArgument(fmt::format("field 'kind' must be add, prefill_done or free, not '{}'", kind));
+  return e;
+}
+
+msgpack::sbuffer EncodeActiveSequenceEvent(const ActiveSequenceEvent& e) {
+  msgpack::sbuffer buf;
+  Packer pk(buf);
+  pk.pack_map(8);
+  PackKey(pk, "router_id");
+  pk.pack(e.router_id);
+  PackKey(pk, "request_id");
+  pk.pack(e.request_id);
+  PackKey(pk, "worker_id");
+  pk.pack(e.worker_id);
+  PackKey(pk, "dp_rank");
+  pk.pack(e.dp_rank);
+  PackKey(pk, "kind");
+  pk.pack(e.kind == ActiveSequenceEvent::Kind::kAdd           ? "add"
+          : e.kind == ActiveSequenceEvent::Kind::kPrefillDone ? "prefill_done"
+                                                              : "free");
+  PackKey(pk, "seq_hashes");
+  pk.pack(e.seq_hashes);
+  PackKey(pk, "isl");
+  pk.pack(e.isl);
+  PackKey(pk, "overlap_blocks");
+  pk.pack(e.overlap_blocks);
+  return buf;
+}
+
 msgpack::sbuffer EncodeErrorReply(const Status& status) {
   // An OK status here is a caller bug; it goes out as "internal" rather than as "ok".
   const StatusCode code = status.ok() ? StatusCode::kInternal : status.code();

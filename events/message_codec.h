@@ -104,6 +104,25 @@ Result<RouteReply> DecodeRouteReply(std::span<const std::byte> body);
 Result<std::string> DecodeLifecycleRequest(std::span<const std::byte> body);
 msgpack::sbuffer EncodeLifecycleRequest(std::string_view request_id);
 
+// Router replica sync (PROTOCOL.md section 8), on
+// namespace.{ns}.component.{comp}.active_sequences_events:
+//   {router_id: u64, request_id: str, worker_id: u64, dp_rank: u32,
+//    kind: "add"|"prefill_done"|"free", seq_hashes?: [u64], isl?: u32, overlap_blocks?: u32}
+struct ActiveSequenceEvent {
+  enum class Kind { kAdd, kPrefillDone, kFree };
+  std::uint64_t router_id = 0;
+  std::string request_id;   // non-empty
+  std::uint64_t worker_id = 0;
+  std::uint32_t dp_rank = 0;
+  Kind kind = Kind::kAdd;
+  std::vector<std::uint64_t> seq_hashes;
+  std::uint32_t isl = 0;
+  std::uint32_t overlap_blocks = 0;
+  bool operator==(const ActiveSequenceEvent&) const = default;
+};
+Result<ActiveSequenceEvent> DecodeActiveSequenceEvent(std::span<const std::byte> body);
+msgpack::sbuffer EncodeActiveSequenceEvent(const ActiveSequenceEvent& event);
+
 msgpack::sbuffer EncodeErrorReply(const Status& status);   // status must not be OK
 msgpack::sbuffer EncodeOkReply();                          // {"ok": true}
 // The error carried by a reply body, or OK when it is not an error reply (a body that is not a

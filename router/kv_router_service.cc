@@ -40,6 +40,7 @@ Subjects::Subjects(const std::string& ns, const std::string& comp) {
   kv_events = c + "kv-events";
   vllm_events_prefix = c + "vllm-kv-events.";
   instances = c + "instances";
+  active_sequences = c + "active_sequences_events";
   route = r + "route";
   best_worker = r + "best_worker";
   mark_prefill = r + "mark_prefill";
@@ -53,6 +54,7 @@ KvRouterService::KvRouterService(RouterConfig config, MessageBus& bus, Clock clo
       bus_(bus),
       clock_(clock ? std::move(clock) : Clock([] { return std::chrono::steady_clock::now(); })),
       subjects_(config_.ns, config_.component),
+      router_id_(std::random_device{}() * 0x9E3779B97F4A7C15ULL ^ seed),
       index_({.num_shards = config_.index_shards}),
       rng_(seed) {}
 
@@ -65,9 +67,6 @@ Status KvRouterService::Start() {
   }
   if (!config_.use_kv_events && !config_.load_aware) {
     return InvalidArgument("--no-router-kv-events: approximate mode is not in this build yet");
-  }
-  if (config_.replica_sync) {
-    return InvalidArgument("--router-replica-sync: replica sync is not in this build yet");
   }
   struct Sub {
     std::string subject;
@@ -86,6 +85,9 @@ Status KvRouterService::Start() {
   subs.push_back({subjects_.mark_prefill, "", [this](const BusMessage& m) { HandleLifecycle(m, false); }});
   subs.push_back({subjects_.free, "", [this](const BusMessage& m) { HandleLifecycle(m, true); }});
   subs.push_back({subjects_.stats, "kvrouter", [this](const BusMessage& m) { HandleStats(m); }});
+  if (config_.replica_sync) {
+    subs.push_back({subjects_.active_sequences, "", [this](const BusMessage& m) { HandleReplicaSync(m); }});
+  }
   for (auto& s : subs) {
     auto r = bus_.Subscribe(s.subject, s.group, std::move(s.handler));
     if (!r.ok()) {
@@ -294,6 +296,8 @@ Result<RouteReply> KvRouterService::Route(const RouteRequest& req) {
     if (!load_.Book(req.request_id, chosen.worker, seq, prefill, clock_())) {
       return InvalidArgument(fmt::format("request_id '{}' is already booked; free it first", req.request_id));
     }
+    // Published under mu_ so replicas see bookings in this replica's order.
+    if (config_.replica_sync) PublishSync(ActiveSequenceEvent::Kind::kAdd, req.request_id, chosen.worker, seq, isl, overlap);
   }
   ++routed_[std::string(RouterModeName(mode))];
   return RouteReply{.worker_id = chosen.worker.worker_id,
@@ -349,7 +353,12 @@ void KvRouterService::HandleLifecycle(const BusMessage& m, bool free) {
     const WorkerKey* w = load_.WorkerOf(*id);
     const WorkerKey worker = w ? *w : WorkerKey{};
     const bool did = free ? load_.Free(*id) : load_.MarkPrefill(*id);
-    if (did) changed.emplace(worker, load_.Load(worker));
+    if (did) {
+      changed.emplace(worker, load_.Load(worker));
+      if (config_.replica_sync) {
+        PublishSync(free ? ActiveSequenceEvent::Kind::kFree : ActiveSequenceEvent::Kind::kPrefillDone, *id, worker);
+      }
+    }
   }
   Reply(m, EncodeOkReply());
   if (changed) PublishMetrics(changed->first, changed->second);
@@ -397,6 +406,41 @@ void KvRouterService::HandleStats(const BusMessage& m) {
   PackKey(pk, "event_restarts"); pk.pack(c.restarts);
   PackKey(pk, "active_requests"); pk.pack(load_.requests());
   Reply(m, buf);
+}
+
+void KvRouterService::PublishSync(ActiveSequenceEvent::Kind kind, const std::string& request_id, WorkerKey worker,
+                                  std::span<const SequenceHash> seq, std::uint32_t isl, std::uint32_t overlap) {
+  const ActiveSequenceEvent e{.router_id = router_id_,
+                              .request_id = request_id,
+                              .worker_id = worker.worker_id,
+                              .dp_rank = worker.dp_rank,
+                              .kind = kind,
+                              .seq_hashes = {seq.begin(), seq.end()},
+                              .isl = isl,
+                              .overlap_blocks = overlap};
+  (void)bus_.Publish(subjects_.active_sequences, AsBytes(EncodeActiveSequenceEvent(e)));
+}
+
+void KvRouterService::HandleReplicaSync(const BusMessage& m) {
+  auto e = DecodeActiveSequenceEvent(m.data);
+  if (!e.ok()) {
+    CountDrop("replica_sync_decode_error");
+    log_.Log(LogLevel::kWarning, "replica sync decode", "dropped undecodable replica sync message: {}",
+             e.status().message());
+    return;
+  }
+  if (e->router_id == router_id_) return;  // our own, already applied
+  const WorkerKey worker{e->worker_id, e->dp_rank};
+  std::lock_guard g(mu_);
+  switch (e->kind) {
+    case ActiveSequenceEvent::Kind::kAdd: {
+      const std::uint64_t cached = std::uint64_t{e->overlap_blocks} * config_.block_size;
+      (void)load_.Book(e->request_id, worker, e->seq_hashes, e->isl > cached ? e->isl - cached : 0, clock_());
+      break;
+    }
+    case ActiveSequenceEvent::Kind::kPrefillDone: (void)load_.MarkPrefill(e->request_id); break;
+    case ActiveSequenceEvent::Kind::kFree: (void)load_.Free(e->request_id); break;
+  }
 }
 
 void KvRouterService::Reply(const BusMessage& m, const msgpack::sbuffer& body) {

@@ -37,6 +37,7 @@ namespace kvrouter {
 struct Subjects {
   Subjects(const std::string& ns, const std::string& component);
   std::string kv_events, vllm_events_prefix, instances;
+  std::string active_sequences;
   std::string route, best_worker, mark_prefill, free, stats, kv_metrics;
 };
 
@@ -74,6 +75,10 @@ class KvRouterService {
   void HandleRoute(const BusMessage& m, bool best_worker_only);
   void HandleLifecycle(const BusMessage& m, bool free);
   void HandleStats(const BusMessage& m);
+  void HandleReplicaSync(const BusMessage& m);
+  // Tells the other replicas about a booking change (--router-replica-sync).
+  void PublishSync(ActiveSequenceEvent::Kind kind, const std::string& request_id, WorkerKey worker,
+                   std::span<const SequenceHash> seq = {}, std::uint32_t isl = 0, std::uint32_t overlap = 0);
 
   // Registers a worker seen only through its events (no lease until it heartbeats).
   void NoteEventWorker(std::uint64_t worker_id, std::uint32_t dp_rank);
@@ -88,6 +93,7 @@ class KvRouterService {
   MessageBus& bus_;
   const Clock clock_;
   const Subjects subjects_;
+  const std::uint64_t router_id_;  // tells this replica's sync messages from the others'
   ShardedIndex index_;
   RateLimitedLog log_;
 

@@ -507,3 +507,38 @@ TEST(LifecycleCodec, TruncatedBodyIsAnError) {
 
 }  // namespace
 }  // namespace kvrouter
+
+namespace kvrouter {
+namespace {
+
+TEST(ActiveSequenceCodec, RoundTripsEveryKind) {
+  for (auto kind : {ActiveSequenceEvent::Kind::kAdd, ActiveSequenceEvent::Kind::kPrefillDone,
+                    ActiveSequenceEvent::Kind::kFree}) {
+    ActiveSequenceEvent e{.router_id = 9, .request_id = "r", .worker_id = 3, .dp_rank = 1, .kind = kind,
+                          .seq_hashes = {1, ~0ull}, .isl = 100, .overlap_blocks = 2};
+    auto back = DecodeActiveSequenceEvent(AsBytes(EncodeActiveSequenceEvent(e)));
+    ASSERT_TRUE(back.ok()) << back.status().ToString();
+    EXPECT_EQ(*back, e);
+  }
+}
+
+TEST(ActiveSequenceCodec, UnknownKindAndMissingFieldsAreInvalidArgument) {
+  msgpack::sbuffer buf;
+  msgpack::packer<msgpack::sbuffer> pk(buf);
+  pk.pack_map(4);
+  PackKey(pk, "router_id"); pk.pack(1);
+  PackKey(pk, "request_id"); pk.pack("r");
+  PackKey(pk, "worker_id"); pk.pack(2);
+  PackKey(pk, "kind"); pk.pack("teleport");
+  auto r = DecodeActiveSequenceEvent(AsBytes(buf));
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("kind"), std::string::npos);
+  msgpack::sbuffer empty;
+  msgpack::packer<msgpack::sbuffer> pk2(empty);
+  pk2.pack_map(0);
+  EXPECT_EQ(DecodeActiveSequenceEvent(AsBytes(empty)).status().code(), StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace kvrouter

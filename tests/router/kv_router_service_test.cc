@@ -278,6 +278,30 @@ TEST_F(ServiceTest, GarbageOnEverySubjectLeavesTheIndexIntact) {
   EXPECT_GE(StatU64(*dropped, "decode_error"), 3 * junk.size() - 2);
 }
 
+TEST_F(ServiceTest, ReplicaSyncSharesBookingsBetweenReplicas) {
+  StartWith({"--router-mode", "kv", "--router-replica-sync"});
+  std::vector<const char*> argv = {"kvrouter", "--block-size", "4", "--router-mode", "kv", "--router-replica-sync"};
+  auto cfg = ParseRouterConfig(static_cast<int>(argv.size()), argv.data(), [](const char*) { return nullptr; });
+  ASSERT_TRUE(cfg.ok());
+  KvRouterService other(cfg->config, bus_, [this] { return now_; }, 43);
+  ASSERT_TRUE(other.Start().ok());
+  Register(1);
+  ASSERT_TRUE(Route(Prompt(kTwelve, "shared")).ok());  // answered by one replica of the group
+  // Each replica's stats (the group alternates between them) counts the booking exactly once.
+  for (int i = 0; i < 2; ++i) EXPECT_EQ(StatU64(Stats().get(), "active_requests"), 1u);
+  (void)bus_.Publish(svc_->subjects().free, AsBytes(EncodeLifecycleRequest("shared")));
+  for (int i = 0; i < 2; ++i) EXPECT_EQ(StatU64(Stats().get(), "active_requests"), 0u);
+  // Garbage on the sync subject is counted, not applied.
+  (void)bus_.Publish(svc_->subjects().active_sequences, AsBytes(std::string_view("\x81\xa1x\x01")));
+  std::uint64_t counted = 0;
+  for (int i = 0; i < 2; ++i) {
+    auto doc = Stats();
+    counted += StatU64(*FindKey(doc.get(), "events_dropped"), "replica_sync_decode_error");
+  }
+  EXPECT_EQ(counted, 2u);  // both replicas received it
+  EXPECT_EQ(StatU64(Stats().get(), "active_requests"), 0u);
+}
+
 TEST_F(ServiceTest, UnbuiltFeaturesAreRefusedAtStart) {
   std::vector<const char*> argv = {"kvrouter", "--router-queue-threshold", "2"};
   auto cfg = ParseRouterConfig(3, argv.data(), [](const char*) { return nullptr; });
