@@ -56,15 +56,13 @@ KvRouterService::KvRouterService(RouterConfig config, MessageBus& bus, Clock clo
       subjects_(config_.ns, config_.component),
       router_id_(std::random_device{}() * 0x9E3779B97F4A7C15ULL ^ seed),
       index_({.num_shards = config_.index_shards}),
-      rng_(seed) {}
+      rng_(seed),
+      queue_(config_.queue_policy, config_.queue_max) {}
 
 KvRouterService::~KvRouterService() { Stop(); }
 
 Status KvRouterService::Start() {
   // Flags whose features later issues bring: refuse rather than silently ignore them.
-  if (config_.queue_threshold) {
-    return InvalidArgument("--router-queue-threshold: the request queue is not in this build yet");
-  }
   if (!config_.use_kv_events && !config_.load_aware) {
     return InvalidArgument("--no-router-kv-events: approximate mode is not in this build yet");
   }
@@ -172,9 +170,13 @@ void KvRouterService::HandleInstances(const BusMessage& m) {
     log_.Log(LogLevel::kWarning, "instances decode", "dropped undecodable registration: {}", reg.status().message());
     return;
   }
-  std::lock_guard g(mu_);
+  Outbox out;
+  std::unique_lock lk(mu_);
   if (reg->leaving) {
     ForgetLocked(reg->worker_id);
+    DrainLocked(out);  // requests pinned to it get their error now
+    lk.unlock();
+    Send(out);
     return;
   }
   if (reg->block_size && *reg->block_size != config_.block_size) {
@@ -185,9 +187,13 @@ void KvRouterService::HandleInstances(const BusMessage& m) {
     return;
   }
   WorkerInfo& w = workers_[reg->worker_id];
+  const bool is_new = !w.has_lease;
   w.reg = std::move(reg).value();
   w.has_lease = true;
   w.lease_deadline = clock_() + std::chrono::milliseconds(w.reg.lease_ms);
+  if (is_new) DrainLocked(out);  // new capacity
+  lk.unlock();
+  Send(out);
 }
 
 void KvRouterService::ForgetLocked(std::uint64_t worker_id) {
@@ -198,7 +204,8 @@ void KvRouterService::ForgetLocked(std::uint64_t worker_id) {
 
 void KvRouterService::Tick() {
   const SteadyTime now = clock_();
-  std::lock_guard g(mu_);
+  Outbox out;
+  std::unique_lock lk(mu_);
   for (auto it = workers_.begin(); it != workers_.end();) {
     auto next = std::next(it);
     if (it->second.has_lease && now > it->second.lease_deadline) {
@@ -209,10 +216,14 @@ void KvRouterService::Tick() {
     it = next;
   }
   load_.Sweep(now);
+  DrainLocked(out);
+  lk.unlock();
+  Send(out);
 }
 
-Result<RouteReply> KvRouterService::Route(const RouteRequest& req) {
+Result<KvRouterService::Prepared> KvRouterService::Prepare(const RouteRequest& req) const {
   const std::uint32_t bs = config_.block_size;
+  Prepared p;
   std::vector<LocalHash> local;
   std::uint32_t isl = req.isl;
   if (req.has_token_ids) {
@@ -225,29 +236,32 @@ Result<RouteReply> KvRouterService::Route(const RouteRequest& req) {
     }
     local = req.block_hashes;
   }
-  const std::vector<SequenceHash> seq = ComputeSequenceHashes(local);
-  const SelectionRequest sel{isl, static_cast<std::uint32_t>((std::uint64_t{isl} + bs - 1) / bs)};
-
-  RouterMode mode = config_.mode;
-  CostParams params{.block_size = bs,
-                    .overlap_score_credit = config_.overlap_score_credit,
-                    .prefill_load_scale = config_.prefill_load_scale,
-                    .temperature = config_.temperature,
-                    .track_prefill_tokens = config_.track_prefill_tokens,
-                    .device_ratio = config_.device_ratio};
-  const auto& o = req.config_override;
-  if (o.overlap_score_credit) params.overlap_score_credit = *o.overlap_score_credit;
-  if (o.prefill_load_scale) params.prefill_load_scale = *o.prefill_load_scale;
-  if (o.router_temperature) params.temperature = *o.router_temperature;
-
-  // The index is read before taking mu_: it has its own per-shard locks.
-  const bool use_index = mode == RouterMode::kKv && config_.use_kv_events && !seq.empty();
-  const OverlapScores overlaps = use_index ? index_.FindMatches(seq) : OverlapScores{};
-
-  std::lock_guard g(mu_);
-  if (mode == RouterMode::kDirect && !req.worker_id) {
+  if (config_.mode == RouterMode::kDirect && !req.worker_id) {
     return InvalidArgument("router mode 'direct' needs worker_id in the request");
   }
+  p.seq = ComputeSequenceHashes(local);
+  p.sel = {isl, static_cast<std::uint32_t>((std::uint64_t{isl} + bs - 1) / bs)};
+  p.params = {.block_size = bs,
+              .overlap_score_credit = config_.overlap_score_credit,
+              .prefill_load_scale = config_.prefill_load_scale,
+              .temperature = config_.temperature,
+              .track_prefill_tokens = config_.track_prefill_tokens,
+              .device_ratio = config_.device_ratio};
+  const auto& o = req.config_override;
+  if (o.overlap_score_credit) p.params.overlap_score_credit = *o.overlap_score_credit;
+  if (o.prefill_load_scale) p.params.prefill_load_scale = *o.prefill_load_scale;
+  if (o.router_temperature) p.params.temperature = *o.router_temperature;
+  return p;
+}
+
+OverlapScores KvRouterService::Overlaps(const Prepared& p) const {
+  const bool use_index = config_.mode == RouterMode::kKv && config_.use_kv_events && !p.seq.empty();
+  return use_index ? index_.FindMatches(p.seq) : OverlapScores{};
+}
+
+Result<std::vector<Candidate>> KvRouterService::CandidatesLocked(const RouteRequest& req,
+                                                                 std::span<const SequenceHash> seq,
+                                                                 const OverlapScores& overlaps) const {
   std::vector<Candidate> cands;
   auto add_worker = [&](const WorkerInfo& w) {
     for (std::uint32_t r = w.reg.dp_start; r < w.reg.dp_start + w.reg.dp_size; ++r) {
@@ -256,6 +270,7 @@ Result<RouteReply> KvRouterService::Route(const RouteRequest& req) {
       c.worker = {w.reg.worker_id, r};
       c.is_cpu = w.reg.device == "cpu";
       c.capacity = w.reg.max_num_seqs;
+      c.max_num_batched_tokens = w.reg.max_num_batched_tokens;
       cands.push_back(c);
     }
   };
@@ -277,7 +292,6 @@ Result<RouteReply> KvRouterService::Route(const RouteRequest& req) {
     }
   }
   if (cands.empty()) return Status(StatusCode::kNoWorkers, "no registered worker can take this request");
-
   for (Candidate& c : cands) {
     for (const OverlapScore& s : overlaps) {
       if (s.worker == c.worker) c.overlap_blocks = s.blocks;
@@ -288,57 +302,166 @@ Result<RouteReply> KvRouterService::Route(const RouteRequest& req) {
     c.active_requests = l.active_requests;
     c.active_prefix_blocks = load_.ActivePrefix(c.worker, seq);
   }
-  const Candidate& chosen = cands[selector_.Pick(mode, sel, cands, params, rng_)];
-  const std::uint32_t overlap = std::min(chosen.overlap_blocks, sel.request_blocks);
+  return cands;
+}
+
+std::vector<Candidate> KvRouterService::OpenRanks(std::vector<Candidate> cands) const {
+  if (!config_.queue_threshold) return cands;
+  // Full: active prefill tokens above threshold x max_num_batched_tokens (at it is not full).
+  std::erase_if(cands, [&](const Candidate& c) {
+    return static_cast<double>(c.active_prefill_tokens) > *config_.queue_threshold * c.max_num_batched_tokens;
+  });
+  return cands;
+}
+
+Result<RouteReply> KvRouterService::DecideLocked(const RouteRequest& req, const Prepared& p,
+                                                 std::span<const Candidate> cands, double queued_ms) {
+  const std::uint32_t bs = config_.block_size;
+  const Candidate& chosen = cands[selector_.Pick(config_.mode, p.sel, cands, p.params, rng_)];
+  const std::uint32_t overlap = std::min(chosen.overlap_blocks, p.sel.request_blocks);
   if (req.update_states && !req.request_id.empty()) {
     const std::uint64_t cached = std::uint64_t{overlap} * bs;
-    const std::uint64_t prefill = isl > cached ? isl - cached : 0;
-    if (!load_.Book(req.request_id, chosen.worker, seq, prefill, clock_())) {
+    const std::uint64_t prefill = p.sel.isl > cached ? p.sel.isl - cached : 0;
+    if (!load_.Book(req.request_id, chosen.worker, p.seq, prefill, clock_())) {
       return InvalidArgument(fmt::format("request_id '{}' is already booked; free it first", req.request_id));
     }
     // Published under mu_ so replicas see bookings in this replica's order.
-    if (config_.replica_sync) PublishSync(ActiveSequenceEvent::Kind::kAdd, req.request_id, chosen.worker, seq, isl, overlap);
+    if (config_.replica_sync) {
+      PublishSync(ActiveSequenceEvent::Kind::kAdd, req.request_id, chosen.worker, p.seq, p.sel.isl, overlap);
+    }
+    metrics_dirty_.push_back(chosen.worker);
   }
-  ++routed_[std::string(RouterModeName(mode))];
+  ++routed_[std::string(RouterModeName(config_.mode))];
   return RouteReply{.worker_id = chosen.worker.worker_id,
                     .dp_rank = chosen.worker.dp_rank,
                     .overlap_blocks = overlap,
-                    .request_blocks = sel.request_blocks,
+                    .request_blocks = p.sel.request_blocks,
                     .cached_tokens = overlap * bs,
-                    .queued_ms = 0};
+                    .queued_ms = queued_ms};
 }
 
 void KvRouterService::HandleRoute(const BusMessage& m, bool best_worker_only) {
   Status error;
+  Outbox out;
   try {
     auto req = DecodeRouteRequest(m.data);
-    if (!req.ok()) {
-      error = req.status();
+    auto prepared = req.ok() ? Prepare(*req) : Result<Prepared>(req.status());
+    if (!prepared.ok()) {
+      error = prepared.status();
     } else {
       if (best_worker_only) req->update_states = false;
-      auto reply = Route(*req);
-      if (reply.ok()) {
-        Reply(m, EncodeRouteReply(*reply));
-        if (req->update_states && !req->request_id.empty()) {
-          WorkerLoad l;
-          {
-            std::lock_guard g(mu_);
-            l = load_.Load({reply->worker_id, reply->dp_rank});
+      const OverlapScores overlaps = Overlaps(*prepared);  // index locks only, before mu_
+      std::lock_guard g(mu_);
+      auto cands = CandidatesLocked(*req, prepared->seq, overlaps);
+      if (!cands.ok()) {
+        error = cands.status();
+      } else {
+        // best_worker answers as things stand; route waits when every eligible rank is full.
+        std::vector<Candidate> open = best_worker_only ? std::move(cands).value() : OpenRanks(*cands);
+        if (open.empty()) {
+          error = EnqueueLocked(std::move(req).value(), std::move(prepared).value(), *cands, m.reply);
+          if (error.ok()) return;  // answered on admission
+        } else {
+          auto reply = DecideLocked(*req, *prepared, open, 0);
+          if (reply.ok()) {
+            out.replies.emplace_back(std::string(m.reply), EncodeRouteReply(*reply));
+          } else {
+            error = reply.status();
           }
-          PublishMetrics({reply->worker_id, reply->dp_rank}, l);
         }
-        return;
       }
-      error = reply.status();
+      TakeMetricsLocked(out);
     }
   } catch (const std::exception& e) {
     error = Internal(fmt::format("route failed: {}", e.what()));
   }
-  {
-    std::lock_guard g(mu_);
-    ++route_errors_[std::string(StatusCodeName(error.code()))];
+  if (!error.ok()) {
+    {
+      std::lock_guard g(mu_);
+      ++route_errors_[std::string(StatusCodeName(error.code()))];
+    }
+    ReplyError(m, error);
   }
-  ReplyError(m, error);
+  Send(out);
+}
+
+Status KvRouterService::EnqueueLocked(RouteRequest req, Prepared prepared, std::span<const Candidate> all,
+                                      std::string_view reply) {
+  std::uint64_t best_overlap = 0;
+  for (const Candidate& c : all) best_overlap = std::max<std::uint64_t>(best_overlap, c.overlap_blocks);
+  const SteadyTime now = clock_();
+  const auto wait = req.timeout_ms ? std::chrono::milliseconds(*req.timeout_ms) : kDefaultQueueWait;
+  const QueueKey key{.priority = req.priority,
+                     .isl = prepared.sel.isl,
+                     .best_overlap_tokens = best_overlap * config_.block_size};
+  if (!queue_.Push(key, now, now + wait, PendingRoute{std::move(req), std::move(prepared), std::string(reply)})) {
+    ++queue_refused_;
+    return Status(StatusCode::kOverloaded,
+                  fmt::format("every worker is busy and {} requests are already queued", queue_.size()));
+  }
+  return Status::Ok();
+}
+
+void KvRouterService::DrainLocked(Outbox& out) {
+  if (queue_.empty()) return;
+  const SteadyTime now = clock_();
+  queue_.Expire(now, [&](RouteQueue::Entry&& e) {
+    ++queue_timed_out_;
+    out.errors.emplace_back(std::move(e.payload.reply),
+                            Status(StatusCode::kTimeout, "no worker had room before timeout_ms"));
+  });
+  std::optional<msgpack::sbuffer> body;
+  Status failed;
+  queue_.Scan(
+      [&](RouteQueue::Entry& e) {
+        const PendingRoute& p = e.payload;
+        auto cands = CandidatesLocked(p.req, p.prepared.seq, {});
+        if (!cands.ok()) {  // its worker went away while it waited
+          failed = cands.status();
+          return ScanStep::kTake;
+        }
+        const std::vector<Candidate> open = OpenRanks(*cands);
+        if (open.empty()) {
+          // An unfiltered request sees every rank: if it cannot go, nothing else can.
+          const bool filtered = p.req.worker_id || p.req.allowed_worker_ids;
+          return filtered ? ScanStep::kKeep : ScanStep::kStop;
+        }
+        // Fresh overlaps for the ranks it may go to.
+        auto with_overlaps = CandidatesLocked(p.req, p.prepared.seq, Overlaps(p.prepared));
+        std::vector<Candidate> ready = OpenRanks(std::move(with_overlaps).value());
+        const double queued_ms = std::chrono::duration<double, std::milli>(now - e.enqueued).count();
+        auto reply = DecideLocked(p.req, p.prepared, ready, queued_ms);
+        if (reply.ok()) {
+          ++queue_admitted_;
+          body = EncodeRouteReply(*reply);
+        } else {
+          failed = reply.status();
+        }
+        return ScanStep::kTake;
+      },
+      [&](RouteQueue::Entry&& e) {
+        if (body) {
+          out.replies.emplace_back(std::move(e.payload.reply), std::move(*body));
+          body.reset();
+        } else {
+          out.errors.emplace_back(std::move(e.payload.reply), failed);
+        }
+      });
+}
+
+void KvRouterService::TakeMetricsLocked(Outbox& out) {
+  for (WorkerKey w : metrics_dirty_) out.metrics.emplace_back(w, load_.Load(w));
+  metrics_dirty_.clear();
+}
+
+void KvRouterService::Send(Outbox& out) {
+  for (auto& [reply, body] : out.replies) {
+    if (!reply.empty()) (void)bus_.Publish(reply, AsBytes(body));
+  }
+  for (auto& [reply, status] : out.errors) {
+    if (!reply.empty()) (void)bus_.Publish(reply, AsBytes(EncodeErrorReply(status)));
+  }
+  for (auto& [worker, load] : out.metrics) PublishMetrics(worker, load);
 }
 
 void KvRouterService::HandleLifecycle(const BusMessage& m, bool free) {
@@ -347,21 +470,23 @@ void KvRouterService::HandleLifecycle(const BusMessage& m, bool free) {
     ReplyError(m, id.status());
     return;
   }
-  std::optional<std::pair<WorkerKey, WorkerLoad>> changed;
+  Outbox out;
   {
     std::lock_guard g(mu_);
     const WorkerKey* w = load_.WorkerOf(*id);
     const WorkerKey worker = w ? *w : WorkerKey{};
     const bool did = free ? load_.Free(*id) : load_.MarkPrefill(*id);
     if (did) {
-      changed.emplace(worker, load_.Load(worker));
+      metrics_dirty_.push_back(worker);
       if (config_.replica_sync) {
         PublishSync(free ? ActiveSequenceEvent::Kind::kFree : ActiveSequenceEvent::Kind::kPrefillDone, *id, worker);
       }
+      DrainLocked(out);  // load dropped: queued requests may fit now
     }
+    TakeMetricsLocked(out);
   }
   Reply(m, EncodeOkReply());
-  if (changed) PublishMetrics(changed->first, changed->second);
+  Send(out);
 }
 
 void KvRouterService::HandleStats(const BusMessage& m) {
@@ -376,7 +501,7 @@ void KvRouterService::HandleStats(const BusMessage& m) {
   dropped["block_not_found"] += c.block_not_found;
   dropped["duplicate"] += c.duplicate;
   dropped["queue_full"] += c.queue_full;
-  pk.pack_map(11);
+  pk.pack_map(14);
   PackKey(pk, "workers");
   std::size_t ranks = 0;
   for (const auto& [id, w] : workers_) ranks += w.reg.dp_size;
@@ -395,7 +520,10 @@ void KvRouterService::HandleStats(const BusMessage& m) {
       PackKey(pk, "device"); pk.pack(w.reg.device);
     }
   }
-  PackKey(pk, "queue_length"); pk.pack(0);
+  PackKey(pk, "queue_length"); pk.pack(queue_.size());
+  PackKey(pk, "queue_admitted"); pk.pack(queue_admitted_);
+  PackKey(pk, "queue_timed_out"); pk.pack(queue_timed_out_);
+  PackKey(pk, "queue_refused"); pk.pack(queue_refused_);
   PackKey(pk, "events_applied"); pk.pack(c.ops_applied);
   PackKey(pk, "events_dropped"); PackCounts(pk, dropped);
   PackKey(pk, "routed"); PackCounts(pk, routed_);
@@ -431,16 +559,23 @@ void KvRouterService::HandleReplicaSync(const BusMessage& m) {
   }
   if (e->router_id == router_id_) return;  // our own, already applied
   const WorkerKey worker{e->worker_id, e->dp_rank};
-  std::lock_guard g(mu_);
+  Outbox out;
+  std::unique_lock lk(mu_);
   switch (e->kind) {
     case ActiveSequenceEvent::Kind::kAdd: {
       const std::uint64_t cached = std::uint64_t{e->overlap_blocks} * config_.block_size;
       (void)load_.Book(e->request_id, worker, e->seq_hashes, e->isl > cached ? e->isl - cached : 0, clock_());
       break;
     }
-    case ActiveSequenceEvent::Kind::kPrefillDone: (void)load_.MarkPrefill(e->request_id); break;
-    case ActiveSequenceEvent::Kind::kFree: (void)load_.Free(e->request_id); break;
+    case ActiveSequenceEvent::Kind::kPrefillDone:
+      if (load_.MarkPrefill(e->request_id)) DrainLocked(out);
+      break;
+    case ActiveSequenceEvent::Kind::kFree:
+      if (load_.Free(e->request_id)) DrainLocked(out);
+      break;
   }
+  lk.unlock();
+  Send(out);
 }
 
 void KvRouterService::Reply(const BusMessage& m, const msgpack::sbuffer& body) {

@@ -1,6 +1,9 @@
 // KvRouterService: the kvrouter service of PROTOCOL.md sections 2-5 on a MessageBus.
 // It subscribes to KV events (Dynamo and vLLM formats) and worker registrations, keeps the
 // worker registry with leases, and answers route, best_worker, mark_prefill, free and stats.
+// With --router-queue-threshold a route whose every eligible rank is full waits in a bounded
+// priority queue (DESIGN.md "Queue") and is answered when load drops (mark_prefill, free,
+// lease expiry, registration, the periodic Tick).
 //
 // Threads: bus handlers run on the bus's delivery threads (one per subscription on NATS).
 // Event handlers only decode and Submit to the ShardedIndex (whose shard threads apply them),
@@ -26,6 +29,7 @@
 #include "events/message_codec.h"
 #include "router/active_load.h"
 #include "router/config.h"
+#include "router/request_queue.h"
 #include "router/selector.h"
 #include "router/sharded_index.h"
 #include "transport/log.h"
@@ -83,7 +87,43 @@ class KvRouterService {
   // Registers a worker seen only through its events (no lease until it heartbeats).
   void NoteEventWorker(std::uint64_t worker_id, std::uint32_t dp_rank);
   void ForgetLocked(std::uint64_t worker_id);  // mu_ held
-  Result<RouteReply> Route(const RouteRequest& req);
+  // A decoded request made ready for selection: hashed once, its cost parameters resolved.
+  struct Prepared {
+    std::vector<SequenceHash> seq;
+    SelectionRequest sel;
+    CostParams params;
+  };
+  struct PendingRoute {
+    RouteRequest req;
+    Prepared prepared;
+    std::string reply;  // where the answer goes once admitted
+  };
+  using RouteQueue = RequestQueue<PendingRoute>;
+  // Replies and gauges gathered under mu_ and published after it is released.
+  struct Outbox {
+    std::vector<std::pair<std::string, msgpack::sbuffer>> replies;
+    std::vector<std::pair<std::string, Status>> errors;
+    std::vector<std::pair<WorkerKey, WorkerLoad>> metrics;
+  };
+  // A queued request with no timeout_ms waits at most this long (then `timeout`), so a client
+  // that went away is never booked on a worker long after.
+  static constexpr std::chrono::seconds kDefaultQueueWait{60};
+
+  Result<Prepared> Prepare(const RouteRequest& req) const;
+  OverlapScores Overlaps(const Prepared& p) const;
+  // mu_ held: the ranks the request may go to, with their load (and overlap when given).
+  Result<std::vector<Candidate>> CandidatesLocked(const RouteRequest& req, std::span<const SequenceHash> seq,
+                                                  const OverlapScores& overlaps) const;
+  // The candidates that are not full (all of them when the queue is off).
+  std::vector<Candidate> OpenRanks(std::vector<Candidate> cands) const;
+  // mu_ held: select among `cands`, book, count.
+  Result<RouteReply> DecideLocked(const RouteRequest& req, const Prepared& p, std::span<const Candidate> cands,
+                                  double queued_ms);
+  Status EnqueueLocked(RouteRequest req, Prepared prepared, std::span<const Candidate> all, std::string_view reply);
+  // mu_ held: times out expired queued requests and admits, in policy order, those that fit.
+  void DrainLocked(Outbox& out);
+  void TakeMetricsLocked(Outbox& out);
+  void Send(Outbox& out);
   void Reply(const BusMessage& m, const msgpack::sbuffer& body);
   void ReplyError(const BusMessage& m, const Status& s);
   void PublishMetrics(WorkerKey worker, const WorkerLoad& load);
@@ -107,6 +147,11 @@ class KvRouterService {
   std::map<std::string, std::uint64_t> drops_;     // GUARDED_BY(mu_) service-side drop reasons
   std::uint64_t workers_refused_ = 0;              // GUARDED_BY(mu_)
   std::uint64_t leases_expired_ = 0;               // GUARDED_BY(mu_)
+  RouteQueue queue_;                               // GUARDED_BY(mu_)
+  std::uint64_t queue_admitted_ = 0;               // GUARDED_BY(mu_)
+  std::uint64_t queue_timed_out_ = 0;              // GUARDED_BY(mu_)
+  std::uint64_t queue_refused_ = 0;                // GUARDED_BY(mu_)
+  std::vector<WorkerKey> metrics_dirty_;           // GUARDED_BY(mu_) loads to publish
 
   std::vector<std::unique_ptr<BusSubscription>> subs_;
 };

@@ -26,6 +26,7 @@ struct Candidate {
   std::uint32_t active_requests = 0;
   bool is_cpu = false;                      // registration device == "cpu"
   std::uint32_t capacity = 1;               // max_num_seqs, for device-aware weighting
+  std::uint32_t max_num_batched_tokens = 8192;  // for the queue's "full" test
 };
 
 struct SelectionRequest {

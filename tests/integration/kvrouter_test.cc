@@ -4,6 +4,8 @@
 
 #include <chrono>
 #include <csignal>
+#include <mutex>
+#include <thread>
 #include <sys/wait.h>
 
 #include "events/block_hash.h"
@@ -39,9 +41,10 @@ class KvRouterProcessTest : public ::testing::Test {
     ASSERT_TRUE(nats.ok()) << nats.status().ToString();
     nats_ = std::move(nats).value();
     log_ = ::testing::TempDir() + "kvrouter-" + std::to_string(nats_->port()) + ".log";
-    auto router = ChildProcess::Start({KVROUTER_BIN, "--nats-server", nats_->url(), "--router-mode", "kv",
-                                       "--block-size", std::to_string(kBs)},
-                                      log_);
+    std::vector<std::string> argv = {KVROUTER_BIN, "--nats-server", nats_->url(), "--router-mode", "kv",
+                                     "--block-size", std::to_string(kBs)};
+    for (auto& a : ExtraArgs()) argv.push_back(a);
+    auto router = ChildProcess::Start(argv, log_);
     ASSERT_TRUE(router.ok()) << router.status().ToString();
     router_ = std::move(router).value();
     auto nc = NatsClient::Connect({.url = nats_->url(), .name = "kvrouter-test"}, {});
@@ -52,14 +55,17 @@ class KvRouterProcessTest : public ::testing::Test {
         << "kvrouter did not come up; log: " << log_;
   }
 
+  virtual std::vector<std::string> ExtraArgs() const { return {}; }
+
   void TearDown() override {
     nc_.reset();
     if (router_) router_->Stop();
   }
 
   void Register(std::uint64_t id, std::uint32_t lease_ms = 60000, bool leaving = false,
-                std::uint32_t block_size = kBs) {
-    WorkerRegistration r{.worker_id = id, .block_size = block_size, .lease_ms = lease_ms, .leaving = leaving};
+                std::uint32_t block_size = kBs, std::uint32_t max_num_batched_tokens = 8192) {
+    WorkerRegistration r{.worker_id = id, .block_size = block_size,
+                         .max_num_batched_tokens = max_num_batched_tokens, .lease_ms = lease_ms, .leaving = leaving};
     ASSERT_TRUE(nc_->Publish(kComp + "instances", AsBytes(EncodeWorkerRegistration(r))).ok());
   }
 
@@ -83,9 +89,10 @@ class KvRouterProcessTest : public ::testing::Test {
                     .ok());
   }
 
-  Result<RouteReply> Route(const std::vector<std::uint32_t>& tokens, std::string request_id = "") {
+  Result<RouteReply> Route(const std::vector<std::uint32_t>& tokens, std::string request_id = "",
+                           std::int64_t priority = 0) {
     RouteRequest r{.request_id = std::move(request_id), .token_ids = tokens, .has_token_ids = true,
-                   .isl = static_cast<std::uint32_t>(tokens.size())};
+                   .isl = static_cast<std::uint32_t>(tokens.size()), .priority = priority};
     auto reply = nc_->Request(kRouter + "route", AsBytes(EncodeRouteRequest(r)), 2s);
     if (!reply.ok()) return reply.status();
     return DecodeRouteReply(*reply);
@@ -213,6 +220,61 @@ TEST_F(KvRouterProcessTest, SigtermDrainsAndExitsCleanly) {
   router_->Stop();
   ASSERT_TRUE(WIFEXITED(router_->exit_status())) << router_->exit_status();
   EXPECT_EQ(WEXITSTATUS(router_->exit_status()), 0);
+}
+
+class KvRouterQueueTest : public KvRouterProcessTest {
+ protected:
+  std::vector<std::string> ExtraArgs() const override { return {"--router-queue-threshold", "1"}; }
+};
+
+// Two workers full above 8 prefill tokens; each 12-token request fills one. Three more wait in
+// the router's queue and come out in priority order, one per mark_prefill.
+TEST_F(KvRouterQueueTest, QueuedRequestsAreAdmittedInPriorityOrderAsLoadDrops) {
+  Register(1, 60000, false, kBs, /*max_num_batched_tokens=*/8);
+  Register(2, 60000, false, kBs, 8);
+  ASSERT_TRUE(AwaitWorkers(2));
+  ASSERT_TRUE(Route(Tokens(1, 12), "r1").ok());
+  ASSERT_TRUE(Route(Tokens(1, 12), "r2").ok());
+
+  std::mutex mu;
+  std::vector<std::pair<std::string, Result<RouteReply>>> done;
+  std::vector<std::thread> clients;
+  const std::vector<std::pair<std::string, std::int64_t>> waiting = {{"low", 0}, {"high", 5}, {"mid", 2}};
+  for (const auto& [id, prio] : waiting) {
+    clients.emplace_back([&, id = id, prio = prio] {
+      auto r = Route(Tokens(500, 12), id, prio);
+      std::lock_guard g(mu);
+      done.emplace_back(id, std::move(r));
+    });
+    // Arrival order matters only for ties; wait until each is queued before sending the next.
+    const std::uint64_t n = clients.size();
+    ASSERT_TRUE(WaitFor([&] { auto s = Stats(); return s && s->U64("queue_length") == n; }, 5s));
+  }
+  auto admitted = [&](std::size_t n) {
+    return WaitFor([&] { std::lock_guard g(mu); return done.size() >= n; }, 5s);
+  };
+  auto mark_prefill = [&](const std::string& id) {
+    ASSERT_TRUE(nc_->Request(kRouter + "mark_prefill", AsBytes(EncodeLifecycleRequest(id)), 2s).ok());
+  };
+  mark_prefill("r1");
+  ASSERT_TRUE(admitted(1));
+  mark_prefill("r2");
+  ASSERT_TRUE(admitted(2));
+  mark_prefill("high");
+  ASSERT_TRUE(admitted(3));
+  for (auto& t : clients) t.join();
+  ASSERT_EQ(done.size(), 3u);
+  EXPECT_EQ(done[0].first, "high");
+  EXPECT_EQ(done[1].first, "mid");
+  EXPECT_EQ(done[2].first, "low");
+  for (auto& [id, r] : done) {
+    ASSERT_TRUE(r.ok()) << id << ": " << r.status().ToString();
+    EXPECT_GT(r->queued_ms, 0.0) << id;
+  }
+  auto s = Stats();
+  ASSERT_TRUE(s);
+  EXPECT_EQ(s->U64("queue_admitted"), 3u);
+  EXPECT_EQ(s->U64("queue_length"), 0u);
 }
 
 }  // namespace

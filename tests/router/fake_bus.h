@@ -45,6 +45,22 @@ class FakeBus : public MessageBus {
     return reply;
   }
 
+  // A request whose reply may come later (a queued route): the reply lands in `reply` whenever
+  // it is published, as long as the returned object lives.
+  struct PendingRequest {
+    std::unique_ptr<BusSubscription> sub;
+    std::shared_ptr<std::optional<std::vector<std::byte>>> reply;
+  };
+  PendingRequest RequestAsync(std::string_view subject, std::span<const std::byte> data) {
+    const std::string inbox = "_INBOX." + std::to_string(++inbox_seq_);
+    PendingRequest p{nullptr, std::make_shared<std::optional<std::vector<std::byte>>>()};
+    auto slot = p.reply;
+    p.sub = std::move(Subscribe(inbox, "", [slot](const BusMessage& m) { slot->emplace(m.data.begin(), m.data.end()); }))
+                .value();
+    (void)Deliver(subject, data, inbox, {});
+    return p;
+  }
+
   std::size_t published(std::string_view subject) const {
     std::lock_guard g(mu_);
     auto it = counts_.find(std::string(subject));

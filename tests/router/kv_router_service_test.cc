@@ -303,13 +303,160 @@ TEST_F(ServiceTest, ReplicaSyncSharesBookingsBetweenReplicas) {
 }
 
 TEST_F(ServiceTest, UnbuiltFeaturesAreRefusedAtStart) {
-  std::vector<const char*> argv = {"kvrouter", "--router-queue-threshold", "2"};
-  auto cfg = ParseRouterConfig(3, argv.data(), [](const char*) { return nullptr; });
+  std::vector<const char*> argv = {"kvrouter", "--no-router-kv-events"};
+  auto cfg = ParseRouterConfig(2, argv.data(), [](const char*) { return nullptr; });
   ASSERT_TRUE(cfg.ok());
   KvRouterService svc(cfg->config, bus_);
   Status s = svc.Start();
   EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
-  EXPECT_NE(s.message().find("--router-queue-threshold"), std::string::npos);
+  EXPECT_NE(s.message().find("--no-router-kv-events"), std::string::npos);
+}
+
+// ---- queue (--router-queue-threshold) ------------------------------------------------------
+
+class QueueTest : public ServiceTest {
+ protected:
+  // Two workers whose rank is full above 8 prefill tokens (threshold 1 x 8); each 12-token
+  // request books 12 prefill tokens, so one request fills a worker.
+  void SetUpQueue(std::vector<std::string> extra = {}) {
+    std::vector<std::string> flags = {"--router-mode", "kv", "--router-queue-threshold", "1"};
+    flags.insert(flags.end(), extra.begin(), extra.end());
+    StartWith(flags);
+    Register(1, {.max_num_batched_tokens = 8});
+    Register(2, {.max_num_batched_tokens = 8});
+  }
+  static RouteRequest Prio(std::string id, std::int64_t priority, std::vector<std::uint32_t> tokens = kTwelve) {
+    RouteRequest r = Prompt(std::move(tokens), std::move(id));
+    r.priority = priority;
+    return r;
+  }
+  FakeBus::PendingRequest Send(const RouteRequest& r) {
+    return bus_.RequestAsync(svc_->subjects().route, AsBytes(EncodeRouteRequest(r)));
+  }
+  void MarkPrefill(const std::string& id) {
+    (void)bus_.Request(svc_->subjects().mark_prefill, AsBytes(EncodeLifecycleRequest(id)));
+  }
+  static Result<RouteReply> ReplyOf(const FakeBus::PendingRequest& p) {
+    if (!p.reply->has_value()) return Internal("no reply yet");
+    return DecodeRouteReply(**p.reply);
+  }
+};
+
+TEST_F(QueueTest, RequestsWaitWhileEveryRankIsFullAndLeaveInPriorityOrder) {
+  SetUpQueue();
+  ASSERT_TRUE(Route(Prio("r1", 0)).ok());
+  ASSERT_TRUE(Route(Prio("r2", 0)).ok());
+  auto low = Send(Prio("low", 0));
+  auto high = Send(Prio("high", 5));
+  auto mid = Send(Prio("mid", 2));
+  EXPECT_FALSE(low.reply->has_value() || high.reply->has_value() || mid.reply->has_value());
+  EXPECT_EQ(StatU64(Stats().get(), "queue_length"), 3u);
+  now_ += milliseconds(40);
+  MarkPrefill("r1");  // one rank opens: exactly one admission, the highest priority
+  ASSERT_TRUE(ReplyOf(high).ok());
+  EXPECT_FALSE(mid.reply->has_value() || low.reply->has_value());
+  EXPECT_DOUBLE_EQ(ReplyOf(high)->queued_ms, 40.0);
+  MarkPrefill("r2");
+  ASSERT_TRUE(ReplyOf(mid).ok());
+  EXPECT_FALSE(low.reply->has_value());
+  MarkPrefill("high");
+  ASSERT_TRUE(ReplyOf(low).ok());
+  auto doc = Stats();
+  EXPECT_EQ(StatU64(doc.get(), "queue_length"), 0u);
+  EXPECT_EQ(StatU64(doc.get(), "queue_admitted"), 3u);
+}
+
+TEST_F(QueueTest, WsptAdmitsTheShortestRemainingPrefillFirst) {
+  SetUpQueue({"--router-queue-policy", "wspt"});
+  ASSERT_TRUE(Route(Prio("r1", 0)).ok());
+  ASSERT_TRUE(Route(Prio("r2", 0)).ok());
+  std::vector<std::uint32_t> long_prompt(64);
+  for (std::uint32_t i = 0; i < 64; ++i) long_prompt[i] = 1000 + i;
+  auto big = Send(Prio("big", 0, long_prompt));
+  auto small = Send(Prio("small", 0, {50, 51, 52, 53, 54, 55, 56, 57, 58}));
+  MarkPrefill("r1");
+  EXPECT_TRUE(ReplyOf(small).ok());
+  EXPECT_FALSE(big.reply->has_value());
+}
+
+TEST_F(QueueTest, ExactlyAtTheThresholdIsNotFull) {
+  StartWith({"--router-mode", "kv", "--router-queue-threshold", "1"});
+  Register(1, {.max_num_batched_tokens = 12});
+  ASSERT_TRUE(Route(Prio("r1", 0)).ok());  // 12 prefill tokens = 1 x 12: not full
+  auto second = Send(Prio("r2", 0));
+  EXPECT_TRUE(ReplyOf(second).ok());         // answered at once
+  auto third = Send(Prio("r3", 0));          // 24 > 12: full now
+  EXPECT_FALSE(third.reply->has_value());
+}
+
+TEST_F(QueueTest, BestWorkerNeverWaits) {
+  SetUpQueue();
+  ASSERT_TRUE(Route(Prio("r1", 0)).ok());
+  ASSERT_TRUE(Route(Prio("r2", 0)).ok());
+  EXPECT_TRUE(Route(Prompt(kTwelve), /*best_worker=*/true).ok());
+  EXPECT_EQ(StatU64(Stats().get(), "queue_length"), 0u);
+}
+
+TEST_F(QueueTest, PinnedHeadDoesNotBlockOthers) {
+  SetUpQueue();
+  auto r1 = Route(Prio("r1", 0));
+  auto r2 = Route(Prio("r2", 0));
+  ASSERT_TRUE(r1.ok() && r2.ok());
+  ASSERT_NE(r1->worker_id, r2->worker_id);
+  RouteRequest pinned = Prio("pinned", 9);  // first in fcfs order, but pinned to r1's worker
+  pinned.worker_id = r1->worker_id;
+  auto head = Send(pinned);
+  auto other = Send(Prio("other", 0));
+  MarkPrefill("r2");  // opens r2's worker only
+  EXPECT_FALSE(head.reply->has_value());
+  ASSERT_TRUE(ReplyOf(other).ok());
+  EXPECT_EQ(ReplyOf(other)->worker_id, r2->worker_id);
+  MarkPrefill("r1");
+  ASSERT_TRUE(ReplyOf(head).ok());
+  EXPECT_EQ(ReplyOf(head)->worker_id, r1->worker_id);
+}
+
+TEST_F(QueueTest, BoundRefusesWithOverloaded) {
+  SetUpQueue({"--router-queue-max", "1"});
+  ASSERT_TRUE(Route(Prio("r1", 0)).ok());
+  ASSERT_TRUE(Route(Prio("r2", 0)).ok());
+  auto queued = Send(Prio("q1", 0));
+  EXPECT_FALSE(queued.reply->has_value());
+  EXPECT_EQ(Route(Prio("q2", 0)).status().code(), StatusCode::kOverloaded);
+  EXPECT_EQ(StatU64(Stats().get(), "queue_refused"), 1u);
+}
+
+TEST_F(QueueTest, TimedOutRequestGetsTimeoutAndBooksNothing) {
+  SetUpQueue();
+  ASSERT_TRUE(Route(Prio("r1", 0)).ok());
+  ASSERT_TRUE(Route(Prio("r2", 0)).ok());
+  RouteRequest r = Prio("late", 0);
+  r.timeout_ms = 100;
+  auto late = Send(r);
+  now_ += milliseconds(100);
+  svc_->Tick();
+  EXPECT_FALSE(late.reply->has_value());  // at the deadline, not past it
+  now_ += milliseconds(1);
+  svc_->Tick();
+  ASSERT_TRUE(late.reply->has_value());
+  EXPECT_EQ(ReplyOf(late).status().code(), StatusCode::kTimeout);
+  auto doc = Stats();
+  EXPECT_EQ(StatU64(doc.get(), "queue_timed_out"), 1u);
+  EXPECT_EQ(StatU64(doc.get(), "active_requests"), 2u);  // r1, r2 only
+  MarkPrefill("r1");  // nothing left to admit
+  EXPECT_EQ(StatU64(Stats().get(), "queue_admitted"), 0u);
+}
+
+TEST_F(QueueTest, LeavingWorkerFailsRequestsPinnedToIt) {
+  SetUpQueue();
+  ASSERT_TRUE(Route(Prio("r1", 0)).ok());
+  ASSERT_TRUE(Route(Prio("r2", 0)).ok());
+  RouteRequest pinned = Prio("pinned", 0);
+  pinned.worker_id = 1;
+  auto p = Send(pinned);
+  Register(1, {.max_num_batched_tokens = 8, .leaving = true});
+  ASSERT_TRUE(p.reply->has_value());
+  EXPECT_EQ(ReplyOf(p).status().code(), StatusCode::kNotFound);
 }
 
 }  // namespace
