@@ -216,6 +216,7 @@ void KvRouterService::Tick() {
     it = next;
   }
   load_.Sweep(now);
+  ExpireQueuedLocked(out);  // a full scan of the queue: on the tick only, not on every drain
   DrainLocked(out);
   lk.unlock();
   Send(out);
@@ -402,14 +403,17 @@ Status KvRouterService::EnqueueLocked(RouteRequest req, Prepared prepared, std::
   return Status::Ok();
 }
 
-void KvRouterService::DrainLocked(Outbox& out) {
-  if (queue_.empty()) return;
-  const SteadyTime now = clock_();
-  queue_.Expire(now, [&](RouteQueue::Entry&& e) {
+void KvRouterService::ExpireQueuedLocked(Outbox& out) {
+  queue_.Expire(clock_(), [&](RouteQueue::Entry&& e) {
     ++queue_timed_out_;
     out.errors.emplace_back(std::move(e.payload.reply),
                             Status(StatusCode::kTimeout, "no worker had room before timeout_ms"));
   });
+}
+
+void KvRouterService::DrainLocked(Outbox& out) {
+  if (queue_.empty()) return;
+  const SteadyTime now = clock_();
   std::optional<msgpack::sbuffer> body;
   Status failed;
   queue_.Scan(

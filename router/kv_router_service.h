@@ -120,8 +120,10 @@ class KvRouterService {
   Result<RouteReply> DecideLocked(const RouteRequest& req, const Prepared& p, std::span<const Candidate> cands,
                                   double queued_ms);
   Status EnqueueLocked(RouteRequest req, Prepared prepared, std::span<const Candidate> all, std::string_view reply);
-  // mu_ held: times out expired queued requests and admits, in policy order, those that fit.
+  // mu_ held: admits, in policy order, the queued requests that fit now.
   void DrainLocked(Outbox& out);
+  // mu_ held: answers `timeout` to queued requests past their deadline (Tick, every 50 ms).
+  void ExpireQueuedLocked(Outbox& out);
   void TakeMetricsLocked(Outbox& out);
   void Send(Outbox& out);
   void Reply(const BusMessage& m, const msgpack::sbuffer& body);
