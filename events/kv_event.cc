@@ -20,4 +20,17 @@ std::optional<StorageTier> StorageTierFromName(std::string_view name) {
   return std::nullopt;
 }
 
+KvEventBatch StoredPromptBatch(std::uint64_t worker_id, std::uint64_t event_id,
+                               std::span<const std::uint32_t> tokens, std::uint32_t block_size,
+                               std::string_view lora_name) {
+  const auto local = ComputeLocalHashes(tokens, block_size, lora_name);
+  const auto seq = ComputeSequenceHashes(local);
+  KvStored stored;
+  stored.blocks.reserve(local.size());
+  for (std::size_t i = 0; i < local.size(); ++i) stored.blocks.push_back({seq[i], local[i]});
+  KvEventBatch b{.worker_id = worker_id, .sequence = {SequenceKind::kEventId, event_id}};
+  b.ops.push_back({StorageTier::kDevice, std::move(stored)});
+  return b;
+}
+
 }  // namespace kvrouter

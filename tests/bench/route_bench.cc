@@ -35,15 +35,8 @@ struct Rig {
   bool ok = false;
 };
 
-KvEventBatch Stored(std::uint64_t worker, std::uint64_t event_id, const std::vector<std::uint32_t>& tokens,
-                    std::optional<BlockHash> parent = std::nullopt, std::uint64_t salt = 0) {
-  auto local = ComputeLocalHashes(tokens, kBs);
-  auto seq = ComputeSequenceHashes(local);
-  KvEventBatch b{.worker_id = worker, .sequence = {SequenceKind::kEventId, event_id}};
-  KvStored s{parent, {}};
-  for (std::size_t i = 0; i < local.size(); ++i) s.blocks.push_back({seq[i] ^ salt, local[i]});
-  b.ops.push_back({StorageTier::kDevice, std::move(s)});
-  return b;
+KvEventBatch Stored(std::uint64_t worker, std::uint64_t event_id, const std::vector<std::uint32_t>& tokens) {
+  return StoredPromptBatch(worker, event_id, tokens, kBs);
 }
 
 Rig& TheRig() {

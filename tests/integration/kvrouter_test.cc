@@ -70,12 +70,7 @@ class KvRouterProcessTest : public ::testing::Test {
   }
 
   void StoreDynamo(std::uint64_t worker, std::uint64_t event_id, const std::vector<std::uint32_t>& tokens) {
-    auto local = ComputeLocalHashes(tokens, kBs);
-    auto seq = ComputeSequenceHashes(local);
-    KvEventBatch b{.worker_id = worker, .sequence = {SequenceKind::kEventId, event_id}};
-    KvStored s;
-    for (std::size_t i = 0; i < local.size(); ++i) s.blocks.push_back({seq[i], local[i]});
-    b.ops.push_back({StorageTier::kDevice, std::move(s)});
+    const KvEventBatch b = StoredPromptBatch(worker, event_id, tokens, kBs);
     ASSERT_TRUE(nc_->Publish(kComp + "kv-events", AsBytes(EncodeDynamoEnvelope(b, {}))).ok());
   }
 

@@ -30,14 +30,9 @@ class ServiceTest : public ::testing::Test {
     (void)bus_.Publish(svc_->subjects().instances, AsBytes(EncodeWorkerRegistration(reg)));
   }
 
-  // Stores `blocks` blocks of tokens 1..4*blocks on worker id as one Dynamo event.
+  // Stores the prompt's full blocks on worker `id` as one Dynamo event, then waits until applied.
   void StorePrompt(std::uint64_t id, std::uint64_t event_id, std::vector<std::uint32_t> tokens) {
-    auto local = ComputeLocalHashes(tokens, kBs);
-    auto seq = ComputeSequenceHashes(local);
-    KvEventBatch b{.worker_id = id, .sequence = {SequenceKind::kEventId, event_id}};
-    KvStored s;
-    for (std::size_t i = 0; i < local.size(); ++i) s.blocks.push_back({seq[i], local[i]});
-    b.ops.push_back({StorageTier::kDevice, std::move(s)});
+    const KvEventBatch b = StoredPromptBatch(id, event_id, tokens, kBs);
     (void)bus_.Publish(svc_->subjects().kv_events, AsBytes(EncodeDynamoEnvelope(b, {})));
     svc_->index().Flush();
   }
