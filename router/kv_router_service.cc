@@ -451,6 +451,7 @@ void KvRouterService::DrainLocked(Outbox& out) {
           out.errors.emplace_back(std::move(e.payload.reply), failed);
         }
       });
+  TakeMetricsLocked(out);  // admissions changed loads
 }
 
 void KvRouterService::TakeMetricsLocked(Outbox& out) {
