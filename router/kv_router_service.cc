@@ -57,15 +57,17 @@ KvRouterService::KvRouterService(RouterConfig config, MessageBus& bus, Clock clo
       router_id_(std::random_device{}() * 0x9E3779B97F4A7C15ULL ^ seed),
       index_({.num_shards = config_.index_shards}),
       rng_(seed),
-      queue_(config_.queue_policy, config_.queue_max) {}
+      queue_(config_.queue_policy, config_.queue_max),
+      approx_(!config_.use_kv_events && !config_.load_aware
+                  ? std::make_unique<ApproxIndex>(
+                        std::chrono::milliseconds(static_cast<std::int64_t>(config_.ttl_secs * 1000)),
+                        config_.max_tree_size, config_.prune_target_ratio)
+                  : nullptr) {}
 
 KvRouterService::~KvRouterService() { Stop(); }
 
 Status KvRouterService::Start() {
   // Flags whose features later issues bring: refuse rather than silently ignore them.
-  if (!config_.use_kv_events && !config_.load_aware) {
-    return InvalidArgument("--no-router-kv-events: approximate mode is not in this build yet");
-  }
   struct Sub {
     std::string subject;
     std::string group;
@@ -200,6 +202,7 @@ void KvRouterService::ForgetLocked(std::uint64_t worker_id) {
   workers_.erase(worker_id);
   load_.RemoveWorker(worker_id);
   index_.RemoveWorker(worker_id);
+  if (approx_) approx_->RemoveWorker(worker_id);
 }
 
 void KvRouterService::Tick() {
@@ -216,6 +219,7 @@ void KvRouterService::Tick() {
     it = next;
   }
   load_.Sweep(now);
+  if (approx_) approx_->Expire(now);
   ExpireQueuedLocked(out);  // a full scan of the queue: on the tick only, not on every drain
   DrainLocked(out);
   lk.unlock();
@@ -241,6 +245,7 @@ Result<KvRouterService::Prepared> KvRouterService::Prepare(const RouteRequest& r
     return InvalidArgument("router mode 'direct' needs worker_id in the request");
   }
   p.seq = ComputeSequenceHashes(local);
+  p.local = std::move(local);
   p.sel = {isl, static_cast<std::uint32_t>((std::uint64_t{isl} + bs - 1) / bs)};
   p.params = {.block_size = bs,
               .overlap_score_credit = config_.overlap_score_credit,
@@ -256,8 +261,14 @@ Result<KvRouterService::Prepared> KvRouterService::Prepare(const RouteRequest& r
 }
 
 OverlapScores KvRouterService::Overlaps(const Prepared& p) const {
-  const bool use_index = config_.mode == RouterMode::kKv && config_.use_kv_events && !p.seq.empty();
-  return use_index ? index_.FindMatches(p.seq) : OverlapScores{};
+  OverlapScores out;
+  if (config_.mode != RouterMode::kKv || p.seq.empty()) return out;
+  if (approx_) {
+    approx_->FindMatches(p.seq, out);
+  } else if (config_.use_kv_events) {
+    out = index_.FindMatches(p.seq);
+  }
+  return out;
 }
 
 Result<std::vector<Candidate>> KvRouterService::CandidatesLocked(const RouteRequest& req,
@@ -331,6 +342,8 @@ Result<RouteReply> KvRouterService::DecideLocked(const RouteRequest& req, const 
       PublishSync(ActiveSequenceEvent::Kind::kAdd, req.request_id, chosen.worker, p.seq, p.sel.isl, overlap);
     }
     metrics_dirty_.push_back(chosen.worker);
+    // Approximate mode: the chosen rank is about to hold this prompt's blocks.
+    if (approx_) approx_->Record(chosen.worker, p.local, p.seq, clock_());
   }
   ++routed_[std::string(RouterModeName(config_.mode))];
   return RouteReply{.worker_id = chosen.worker.worker_id,
@@ -351,8 +364,10 @@ void KvRouterService::HandleRoute(const BusMessage& m, bool best_worker_only) {
       error = prepared.status();
     } else {
       if (best_worker_only) req->update_states = false;
-      const OverlapScores overlaps = Overlaps(*prepared);  // index locks only, before mu_
+      // The event index has its own locks: read it before mu_. Predictions are under mu_.
+      OverlapScores overlaps = approx_ ? OverlapScores{} : Overlaps(*prepared);
       std::lock_guard g(mu_);
+      if (approx_) overlaps = Overlaps(*prepared);
       auto cands = CandidatesLocked(*req, prepared->seq, overlaps);
       if (!cands.ok()) {
         error = cands.status();
@@ -506,7 +521,7 @@ void KvRouterService::HandleStats(const BusMessage& m) {
   dropped["block_not_found"] += c.block_not_found;
   dropped["duplicate"] += c.duplicate;
   dropped["queue_full"] += c.queue_full;
-  pk.pack_map(14);
+  pk.pack_map(17);
   PackKey(pk, "workers");
   std::size_t ranks = 0;
   for (const auto& [id, w] : workers_) ranks += w.reg.dp_size;
@@ -518,7 +533,8 @@ void KvRouterService::HandleStats(const BusMessage& m) {
       pk.pack_map(7);
       PackKey(pk, "worker_id"); pk.pack(id);
       PackKey(pk, "dp_rank"); pk.pack(r);
-      PackKey(pk, "blocks"); pk.pack(std::uint64_t{blocks.count(k) ? blocks[k] : 0});
+      const std::uint64_t held = approx_ ? approx_->TreeSize(k) : (blocks.count(k) ? blocks[k] : 0);
+      PackKey(pk, "blocks"); pk.pack(held);
       PackKey(pk, "active_blocks"); pk.pack(l.active_blocks);
       PackKey(pk, "active_prefill_tokens"); pk.pack(l.active_prefill_tokens);
       PackKey(pk, "active_requests"); pk.pack(l.active_requests);
@@ -538,6 +554,9 @@ void KvRouterService::HandleStats(const BusMessage& m) {
   PackKey(pk, "event_gaps"); pk.pack(c.gaps);
   PackKey(pk, "event_restarts"); pk.pack(c.restarts);
   PackKey(pk, "active_requests"); pk.pack(load_.requests());
+  PackKey(pk, "predicted_blocks"); pk.pack(std::uint64_t{approx_ ? approx_->size() : 0});
+  PackKey(pk, "predictions_expired"); pk.pack(approx_ ? approx_->expired() : 0);
+  PackKey(pk, "predictions_pruned"); pk.pack(approx_ ? approx_->pruned() : 0);
   Reply(m, buf);
 }
 

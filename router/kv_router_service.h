@@ -3,7 +3,8 @@
 // worker registry with leases, and answers route, best_worker, mark_prefill, free and stats.
 // With --router-queue-threshold a route whose every eligible rank is full waits in a bounded
 // priority queue (DESIGN.md "Queue") and is answered when load drops (mark_prefill, free,
-// lease expiry, registration, the periodic Tick).
+// lease expiry, registration, the periodic Tick). With --no-router-kv-events it subscribes to
+// no events and predicts caches from its own booked decisions (ApproxIndex).
 //
 // Threads: bus handlers run on the bus's delivery threads (one per subscription on NATS).
 // Event handlers only decode and Submit to the ShardedIndex (whose shard threads apply them),
@@ -28,6 +29,7 @@
 
 #include "events/message_codec.h"
 #include "router/active_load.h"
+#include "router/approx_index.h"
 #include "router/config.h"
 #include "router/request_queue.h"
 #include "router/selector.h"
@@ -89,6 +91,7 @@ class KvRouterService {
   void ForgetLocked(std::uint64_t worker_id);  // mu_ held
   // A decoded request made ready for selection: hashed once, its cost parameters resolved.
   struct Prepared {
+    std::vector<LocalHash> local;
     std::vector<SequenceHash> seq;
     SelectionRequest sel;
     CostParams params;
@@ -110,6 +113,8 @@ class KvRouterService {
   static constexpr std::chrono::seconds kDefaultQueueWait{60};
 
   Result<Prepared> Prepare(const RouteRequest& req) const;
+  // Overlap per rank: from the event index (any thread), or in approximate mode from the
+  // predictions (mu_ held).
   OverlapScores Overlaps(const Prepared& p) const;
   // mu_ held: the ranks the request may go to, with their load (and overlap when given).
   Result<std::vector<Candidate>> CandidatesLocked(const RouteRequest& req, std::span<const SequenceHash> seq,
@@ -154,6 +159,8 @@ class KvRouterService {
   std::uint64_t queue_timed_out_ = 0;              // GUARDED_BY(mu_)
   std::uint64_t queue_refused_ = 0;                // GUARDED_BY(mu_)
   std::vector<WorkerKey> metrics_dirty_;           // GUARDED_BY(mu_) loads to publish
+  // Approximate mode (--no-router-kv-events without --load-aware); null otherwise.
+  const std::unique_ptr<ApproxIndex> approx_;      // contents GUARDED_BY(mu_)
 
   std::vector<std::unique_ptr<BusSubscription>> subs_;
 };

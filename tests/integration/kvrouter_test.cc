@@ -272,5 +272,34 @@ TEST_F(KvRouterQueueTest, QueuedRequestsAreAdmittedInPriorityOrderAsLoadDrops) {
   EXPECT_EQ(s->U64("queue_length"), 0u);
 }
 
+class KvRouterApproxTest : public KvRouterProcessTest {
+ protected:
+  std::vector<std::string> ExtraArgs() const override { return {"--no-router-kv-events"}; }
+};
+
+TEST_F(KvRouterApproxTest, IgnoresEventsAndKeepsRepeatedPrefixesOnOneWorker) {
+  for (std::uint64_t id : {1, 2, 3}) Register(id);
+  ASSERT_TRUE(AwaitWorkers(3));
+  StoreDynamo(3, 1, Tokens(1, 12));  // not subscribed: must not steer anything
+  ASSERT_TRUE(nc_->Flush(2s).ok());
+  auto first = Route(Tokens(1, 12), "a");
+  ASSERT_TRUE(first.ok()) << first.status().ToString();
+  EXPECT_EQ(first->overlap_blocks, 0u);
+  ASSERT_TRUE(nc_->Request(kRouter + "free", AsBytes(EncodeLifecycleRequest("a")), 2s).ok());
+  for (int i = 0; i < 4; ++i) {
+    const std::string id = "b" + std::to_string(i);
+    auto r = Route(Tokens(1, 16), id);  // the same prefix, one block longer
+    ASSERT_TRUE(r.ok());
+    EXPECT_EQ(r->worker_id, first->worker_id);
+    // The first longer prompt finds the 3 predicted blocks and adds its 4th.
+    EXPECT_EQ(r->overlap_blocks, i == 0 ? 3u : 4u);
+    ASSERT_TRUE(nc_->Request(kRouter + "free", AsBytes(EncodeLifecycleRequest(id)), 2s).ok());
+  }
+  auto s = Stats();
+  ASSERT_TRUE(s);
+  EXPECT_EQ(s->U64("events_applied"), 0u);
+  EXPECT_EQ(s->U64("predicted_blocks"), 4u);
+}
+
 }  // namespace
 }  // namespace kvrouter

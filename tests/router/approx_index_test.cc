@@ -1,0 +1,107 @@
+#include "router/approx_index.h"
+
+#include <gtest/gtest.h>
+
+#include <map>
+
+namespace kvrouter {
+namespace {
+
+using std::chrono::seconds;
+const SteadyTime kT0{};
+constexpr WorkerKey kA{1, 0};
+constexpr WorkerKey kB{2, 0};
+
+struct Prompt {
+  std::vector<LocalHash> local;
+  std::vector<SequenceHash> seq;
+};
+// A prompt of `blocks` blocks whose local hashes start at `first`.
+Prompt MakePrompt(LocalHash first, std::size_t blocks) {
+  Prompt p;
+  for (std::size_t i = 0; i < blocks; ++i) p.local.push_back(first + i);
+  p.seq = ComputeSequenceHashes(p.local);
+  return p;
+}
+
+std::map<WorkerKey, std::uint32_t> Matches(const ApproxIndex& a, const Prompt& p) {
+  OverlapScores s;
+  a.FindMatches(p.seq, s);
+  std::map<WorkerKey, std::uint32_t> out;
+  for (auto& e : s) out[e.worker] = e.blocks;
+  return out;
+}
+
+TEST(ApproxIndex, RecordedPrefixIsPredictedForThatWorkerOnly) {
+  ApproxIndex a(seconds(120), 1000, 0.8);
+  const Prompt p = MakePrompt(10, 4);
+  a.Record(kA, p.local, p.seq, kT0);
+  EXPECT_EQ(Matches(a, p), (std::map<WorkerKey, std::uint32_t>{{kA, 4}}));
+  // A longer prompt sharing the prefix matches the 4 recorded blocks.
+  const Prompt longer = MakePrompt(10, 6);
+  EXPECT_EQ(Matches(a, longer), (std::map<WorkerKey, std::uint32_t>{{kA, 4}}));
+  EXPECT_EQ(a.TreeSize(kA), 4u);
+  EXPECT_EQ(a.TreeSize(kB), 0u);
+}
+
+TEST(ApproxIndex, BlocksExpireTtlAfterTheirLastUse) {
+  ApproxIndex a(seconds(120), 1000, 0.8);
+  const Prompt p = MakePrompt(10, 3);
+  a.Record(kA, p.local, p.seq, kT0);
+  EXPECT_EQ(a.Expire(kT0 + seconds(119)), 0u);
+  EXPECT_EQ(a.Expire(kT0 + seconds(120)), 3u);
+  EXPECT_TRUE(Matches(a, p).empty());
+  EXPECT_EQ(a.size(), 0u);
+}
+
+TEST(ApproxIndex, RoutingTheSamePrefixAgainRefreshesIt) {
+  ApproxIndex a(seconds(120), 1000, 0.8);
+  const Prompt p = MakePrompt(10, 3);
+  a.Record(kA, p.local, p.seq, kT0);
+  const Prompt prefix = MakePrompt(10, 2);
+  a.Record(kA, prefix.local, prefix.seq, kT0 + seconds(100));  // refreshes the first two
+  EXPECT_EQ(a.Expire(kT0 + seconds(150)), 1u);                  // only the third was stale
+  EXPECT_EQ(Matches(a, p), (std::map<WorkerKey, std::uint32_t>{{kA, 2}}));
+  EXPECT_EQ(a.Expire(kT0 + seconds(220)), 2u);
+}
+
+TEST(ApproxIndex, WorkersAgeIndependently) {
+  ApproxIndex a(seconds(120), 1000, 0.8);
+  const Prompt p = MakePrompt(10, 2);
+  a.Record(kA, p.local, p.seq, kT0);
+  a.Record(kB, p.local, p.seq, kT0 + seconds(60));
+  EXPECT_EQ(a.Expire(kT0 + seconds(130)), 2u);
+  EXPECT_EQ(Matches(a, p), (std::map<WorkerKey, std::uint32_t>{{kB, 2}}));
+}
+
+TEST(ApproxIndex, PruningDropsEarliestExpiringThenDeepestFirst) {
+  // Limit 10 blocks, prune down to 5.
+  ApproxIndex a(seconds(120), 10, 0.5);
+  const Prompt old_prompt = MakePrompt(100, 4);  // used at t0
+  const Prompt mid_prompt = MakePrompt(200, 4);  // used at t0+1
+  const Prompt new_prompt = MakePrompt(300, 3);  // used at t0+2: 11 blocks > 10
+  a.Record(kA, old_prompt.local, old_prompt.seq, kT0);
+  a.Record(kA, mid_prompt.local, mid_prompt.seq, kT0 + seconds(1));
+  a.Record(kA, new_prompt.local, new_prompt.seq, kT0 + seconds(2));
+  EXPECT_EQ(a.size(), 5u);
+  EXPECT_EQ(a.pruned(), 6u);
+  // All 4 old blocks went, then the 2 deepest of the middle prompt: its first 2 remain.
+  EXPECT_TRUE(Matches(a, old_prompt).empty());
+  EXPECT_EQ(Matches(a, mid_prompt), (std::map<WorkerKey, std::uint32_t>{{kA, 2}}));
+  EXPECT_EQ(Matches(a, new_prompt), (std::map<WorkerKey, std::uint32_t>{{kA, 3}}));
+}
+
+TEST(ApproxIndex, RemovedWorkerLosesItsPredictionsOnly) {
+  ApproxIndex a(seconds(120), 1000, 0.8);
+  const Prompt p = MakePrompt(10, 3);
+  a.Record({1, 0}, p.local, p.seq, kT0);
+  a.Record({1, 1}, p.local, p.seq, kT0);
+  a.Record(kB, p.local, p.seq, kT0);
+  a.RemoveWorker(1);
+  EXPECT_EQ(Matches(a, p), (std::map<WorkerKey, std::uint32_t>{{kB, 3}}));
+  EXPECT_EQ(a.size(), 3u);
+  EXPECT_EQ(a.Expire(kT0 + seconds(120)), 3u);  // no dangling entries of worker 1
+}
+
+}  // namespace
+}  // namespace kvrouter
