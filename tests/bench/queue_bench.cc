@@ -15,7 +15,7 @@
 #include "events/message_codec.h"
 #include "events/msgpack_reader.h"
 #include "router/kv_router_service.h"
-#include "tests/router/fake_bus.h"
+#include "transport/memory_bus.h"
 
 namespace kvrouter {
 namespace {
@@ -56,7 +56,7 @@ struct Sim {
 // Runs the simulation; flags select the queue (none when empty).
 std::vector<Request> Run(const std::vector<std::string>& queue_flags, std::uint64_t seed) {
   Sim sim;
-  FakeBus bus;
+  InMemoryBus bus;
   std::vector<std::string> args = {"kvrouter", "--router-mode", "kv", "--router-queue-max", "100000"};
   args.insert(args.end(), queue_flags.begin(), queue_flags.end());
   std::vector<const char*> argv;
@@ -84,7 +84,7 @@ std::vector<Request> Run(const std::vector<std::string>& queue_flags, std::uint6
   }
 
   sim.events.push({50, Sim::kTick, 0});
-  std::map<std::size_t, FakeBus::PendingRequest> waiting;  // queued in the router
+  std::map<std::size_t, InMemoryBus::PendingRequest> waiting;  // queued in the router
   auto dispatch = [&](std::size_t i, std::uint64_t worker) {
     // The worker prefills its requests in order.
     double& free_at = sim.worker_free_at[worker];

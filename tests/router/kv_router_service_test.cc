@@ -5,7 +5,7 @@
 #include "events/event_codec.h"
 #include "events/msgpack_reader.h"
 #include "events/vllm_codec.h"
-#include "tests/router/fake_bus.h"
+#include "transport/memory_bus.h"
 
 namespace kvrouter {
 namespace {
@@ -68,7 +68,7 @@ class ServiceTest : public ::testing::Test {
     return v.ok() ? *v : ~0ull;
   }
 
-  FakeBus bus_;
+  InMemoryBus bus_;
   SteadyTime now_{};
   std::unique_ptr<KvRouterService> svc_;
   std::vector<std::byte> stats_bytes_;
@@ -392,13 +392,13 @@ class QueueTest : public ServiceTest {
     r.priority = priority;
     return r;
   }
-  FakeBus::PendingRequest Send(const RouteRequest& r) {
+  InMemoryBus::PendingRequest Send(const RouteRequest& r) {
     return bus_.RequestAsync(svc_->subjects().route, AsBytes(EncodeRouteRequest(r)));
   }
   void MarkPrefill(const std::string& id) {
     (void)bus_.Request(svc_->subjects().mark_prefill, AsBytes(EncodeLifecycleRequest(id)));
   }
-  static Result<RouteReply> ReplyOf(const FakeBus::PendingRequest& p) {
+  static Result<RouteReply> ReplyOf(const InMemoryBus::PendingRequest& p) {
     if (!p.reply->has_value()) return Internal("no reply yet");
     return DecodeRouteReply(**p.reply);
   }

@@ -1,8 +1,9 @@
-// FakeBus: an in-memory MessageBus for unit tests. Publish delivers synchronously, on the
-// caller's thread, to every matching subscription (NATS wildcards `*` and `>`; one member per
-// queue group, round-robin), so a test sees every effect of a message when Publish returns.
-// Request() publishes with a private reply subject and returns the reply. Thread-safe enough for
-// single-threaded tests (one mutex around the subscription list; handlers run unlocked).
+// InMemoryBus: a MessageBus inside one process, for unit tests and kvbench's offline mode.
+// Publish delivers synchronously, on the caller's thread, to every matching subscription (NATS
+// wildcards `*` and `>`; one member per queue group, round-robin), so the caller sees every
+// effect of a message when Publish returns. Request() publishes with a private reply subject
+// and returns the reply. One mutex guards the subscription list; handlers run unlocked, so a
+// handler may publish again (nested delivery).
 #pragma once
 
 #include <map>
@@ -16,7 +17,7 @@
 
 namespace kvrouter {
 
-class FakeBus : public MessageBus {
+class InMemoryBus : public MessageBus {
  public:
   Result<std::unique_ptr<BusSubscription>> Subscribe(std::string subject, std::string group,
                                                       Handler handler) override {
@@ -120,7 +121,7 @@ class FakeBus : public MessageBus {
       }
       for (auto& [name, members] : groups) targets.push_back(members[rr_++ % members.size()]);
     }
-    BusMessage m{subject, data, reply, &FakeBus::HeaderOf, &headers};
+    BusMessage m{subject, data, reply, &InMemoryBus::HeaderOf, &headers};
     for (auto& t : targets) {
       if (t->live) t->handler(m);
     }

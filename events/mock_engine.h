@@ -1,0 +1,164 @@
+// MockEngine: a simulated vLLM-like engine for kvmocker and offline replays. A paged KV cache
+// with prefix caching and LRU eviction, a FIFO scheduler bounded by max_num_seqs and
+// max_num_batched_tokens, the timing model of DESIGN.md "Mock worker", and the KV events
+// (PROTOCOL.md sections 1, 2) and recovery replies (section 6) a Dynamo worker would publish.
+//
+// Thread contract: not thread-safe, no threads of its own, no clock: the owner drives it with
+// virtual time through Step(). The event sink is called synchronously from inside Step(), in
+// event-id order, and must not call back into the engine. The engine owns its cache and a ring
+// buffer of the last `event_buffer` events; each event handed to the sink is the caller's.
+//
+//   MockEngine e({.worker_id = 7}, [&](KvEventBatch&& b) { publish(b); });
+//   e.Add({.id = "r1", .tokens = prompt, .max_tokens = 16});
+//   for (double now = 0; !e.Idle();) now += e.Step(now, outputs);
+//
+// Simplifications: only the prompt's full blocks occupy the cache; generated tokens and the
+// trailing partial prompt block take no blocks and are never cached. Prefills are not chunked.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <list>
+#include <optional>
+#include <span>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "events/block_hash.h"
+#include "events/kv_event.h"
+
+namespace kvrouter {
+
+struct MockEngineConfig {
+  std::uint64_t worker_id = 0;                // worker_id of every published event
+  std::uint32_t dp_rank = 0;                  // dp_rank of every published event
+  std::uint32_t num_gpu_blocks = 16384;       // KV cache capacity in blocks
+  std::uint32_t block_size = 64;              // tokens per block (> 0)
+  std::uint32_t max_num_seqs = 256;           // running requests at most
+  std::uint32_t max_num_batched_tokens = 8192;  // uncached prompt tokens prefilled per step
+  double speedup_ratio = 1.0;                 // divides every duration (> 0)
+  std::size_t event_buffer = 1024;            // events kept for Recover
+};
+
+// The timing model of DESIGN.md, in ms, divided by `speedup`.
+// Prefill of N uncached tokens: 4.21e-7 N^2 + 0.0152 N + 16.5.
+double MockPrefillMs(double uncached_tokens, double speedup);
+// One decode step at KV utilisation u in [0, 1]: max(1, -25.74 u^2 + 54.01 u + 5.74).
+double MockDecodeStepMs(double kv_utilization, double speedup);
+
+struct EngineRequest {
+  std::string id;
+  std::vector<std::uint32_t> tokens;  // the prompt
+  std::uint32_t max_tokens = 1;       // tokens to generate; 0 is treated as 1
+  std::string lora_name;              // part of the block hashes (PROTOCOL.md section 1)
+};
+
+// One per first-token, finish or rejection moment of a request.
+struct EngineOutput {
+  // kFirstToken then kFinished (both from the same step when max_tokens <= 1). kRejected: the
+  // prompt has more full blocks than the whole cache, so it can never be admitted; it is
+  // dropped from the queue without touching the cache and gets no other output.
+  enum Kind { kFirstToken, kFinished, kRejected };
+  std::string id;
+  Kind kind = kFirstToken;
+  double at_ms = 0;  // virtual time at the end of the step that produced it
+  std::uint32_t prompt_tokens = 0;
+  std::uint32_t cached_tokens = 0;  // leading prompt blocks found in the cache * block_size
+  std::uint32_t output_tokens = 0;  // generated so far (1 at the first token)
+};
+
+class MockEngine {
+ public:
+  // Receives every KV event, in event-id order, synchronously from Step(). May be empty.
+  using EventSink = std::function<void(KvEventBatch&&)>;
+
+  MockEngine(MockEngineConfig config, EventSink sink);
+
+  // Joins the waiting queue (FIFO). Hashes the prompt now; nothing else happens until Step().
+  void Add(EngineRequest request);
+  bool Idle() const { return waiting_.empty() && running_.empty(); }
+
+  // Runs one scheduler step starting at now_ms and returns its duration in ms (0 when idle).
+  // Every running request decodes one token; then waiting requests are admitted in FIFO order
+  // while fewer than max_num_seqs run, their uncached prompt tokens fit the step's budget (the
+  // first prefill of a step always fits, however large) and the cache can make room for their
+  // new blocks (evicting LRU unreferenced blocks); the first request that does not fit stops
+  // admission. Duration = MockPrefillMs(uncached tokens admitted) if any request was admitted
+  // + MockDecodeStepMs(Utilization()) if any request decoded. Appends outputs with
+  // at_ms = now_ms + duration; finished requests release their blocks at the end of the step.
+  double Step(double now_ms, std::vector<EngineOutput>& outputs);
+
+  // Referenced blocks (held by running requests) / num_gpu_blocks: what the decode model sees,
+  // like vLLM's kv_cache_usage. Cached unreferenced blocks are free memory and do not count.
+  double Utilization() const;
+  std::size_t ActiveBlocks() const { return active_blocks_; }  // referenced by running requests
+  std::size_t CachedBlocks() const { return blocks_.size(); }  // holding content (active + evictable)
+  std::size_t NumWaiting() const { return waiting_.size(); }
+  std::size_t NumRunning() const { return running_.size(); }
+  // Leading blocks of a sequence (its sequence hashes, PROTOCOL.md section 1) in the cache.
+  std::size_t CachedPrefixBlocks(std::span<const SequenceHash> seq_hashes) const;
+
+  // Recovery (PROTOCOL.md section 6), ids inclusive:
+  //   start nullopt, or older than the ring buffer  -> "tree_dump": stored chains rebuilding the
+  //       whole cache, parents before children, each with sequence value last_event_id;
+  //   end < start                                   -> "invalid_range";
+  //   start > last_event_id                          -> "too_new";
+  //   otherwise                                      -> "events" [start, min(end, last_event_id)].
+  struct RecoveryReply {
+    std::string kind;
+    std::vector<KvEventBatch> events;
+    std::uint64_t last_event_id = 0;
+    std::string message;  // set for too_new / invalid_range
+  };
+  RecoveryReply Recover(std::optional<std::uint64_t> start,
+                        std::optional<std::uint64_t> end) const;
+  std::uint64_t last_event_id() const { return last_event_id_; }
+
+ private:
+  struct Block {
+    LocalHash local = 0;
+    std::optional<SequenceHash> parent;  // nullopt for a sequence's first block
+    std::uint32_t refs = 0;              // running requests holding it; 0 = evictable
+    std::list<SequenceHash>::iterator lru;  // position in lru_, valid while refs == 0
+  };
+  struct Waiting {
+    EngineRequest request;
+    std::vector<LocalHash> local;
+    std::vector<SequenceHash> seq;
+  };
+  struct Running {
+    std::string id;
+    std::uint32_t prompt_tokens = 0;
+    std::uint32_t cached_tokens = 0;
+    std::uint32_t max_tokens = 1;
+    std::uint32_t output_tokens = 0;
+    std::vector<SequenceHash> blocks;  // the prompt's full blocks, all referenced
+  };
+
+  std::size_t LeadingHits(const Waiting& w) const;
+  // Evictable blocks among the first `hits` (they stop being evictable once referenced).
+  std::size_t EvictableAmong(const Waiting& w, std::size_t hits) const;
+  void Reference(SequenceHash seq);
+  void Release(SequenceHash seq);
+  // References the hits, evicts for and inserts the new blocks, publishes removed + stored.
+  void Allocate(const Waiting& w, std::size_t hits);
+  void Publish(KvEventData data);
+
+  MockEngineConfig config_;
+  EventSink sink_;
+  std::deque<Waiting> waiting_;
+  std::vector<Running> running_;  // in admission order
+  std::unordered_map<SequenceHash, Block> blocks_;
+  // Unreferenced blocks, least recently released first. A request releases its blocks last to
+  // first, so a block's evictable descendants always precede it: eviction takes leaves first
+  // and every cached block's parent stays cached (the published tree has no orphans).
+  std::list<SequenceHash> lru_;
+  std::size_t active_blocks_ = 0;
+  std::uint64_t last_event_id_ = 0;
+  std::deque<KvEventBatch> recent_;  // the last event_buffer events, oldest first
+};
+
+}  // namespace kvrouter

@@ -1,0 +1,37 @@
+// kvbench's offline mode: the real router service (selection, index, load tracking, queue,
+// approximate mode) on an in-memory bus, and simulated engines (MockEngine), all on one
+// virtual clock in one thread, so a whole trace replays in seconds. Engines publish their KV
+// events through the bus exactly as kvmocker does over NATS; the index is flushed before every
+// routing decision, so runs are deterministic for a seed.
+//
+//   auto s = RunOffline(trace, {.router_flags = {"--router-mode", "kv"}, .workers = 8});
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "events/mock_engine.h"
+#include "router/kvbench/report.h"
+#include "router/kvbench/trace.h"
+
+namespace kvrouter::bench {
+
+struct OfflineOptions {
+  std::string label;                      // the run's name in reports
+  std::vector<std::string> router_flags;  // kvrouter flags, e.g. {"--router-mode", "kv"}
+  std::uint32_t workers = 8;
+  MockEngineConfig engine;                // per worker; worker_id is set per worker
+  std::uint64_t seed = 1;
+  bool progress = false;                  // progress lines on stderr
+};
+
+// Replays `trace` (timestamps relative to its first request). Fails on bad router flags.
+Result<Summary> RunOffline(const std::vector<TraceRequest>& trace, const OfflineOptions& options);
+
+// Hit rate of one LRU prefix cache of `total_blocks` blocks serving every request in order:
+// the bound a router over the same total cache can approach.
+double PooledLruHitRate(const std::vector<TraceRequest>& trace, std::uint64_t total_blocks,
+                        std::uint32_t block_size);
+
+}  // namespace kvrouter::bench

@@ -1,0 +1,40 @@
+// What kvbench measured: per-request records in, the summary of DESIGN.md "Load generator" out
+// (table on stdout, JSON on request). Plain values; thread-compatible.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace kvrouter::bench {
+
+struct RequestRecord {
+  double arrival_ms = 0;
+  double first_token_ms = -1;  // -1: never (error)
+  double finished_ms = -1;
+  std::uint32_t prompt_tokens = 0;
+  std::uint32_t cached_tokens = 0;
+  std::uint64_t worker_id = 0;
+  bool error = false;
+};
+
+struct Summary {
+  std::string mode;
+  std::size_t requests = 0;
+  std::size_t errors = 0;
+  double kv_hit_rate = 0;  // cached prompt tokens / prompt tokens
+  double ttft_p50 = 0, ttft_p90 = 0, ttft_p99 = 0;
+  double e2e_p50 = 0, e2e_p90 = 0, e2e_p99 = 0;
+  double throughput_rps = 0;
+  std::vector<std::uint64_t> worker_requests;   // per worker, in worker order
+  std::optional<double> pooled_lru_hit_rate;    // offline only
+};
+
+Summary Summarize(std::string mode, const std::vector<RequestRecord>& records,
+                  const std::vector<std::uint64_t>& worker_ids);
+std::string SummaryJson(const Summary& s);
+// One table for several runs side by side.
+std::string SummaryTable(const std::vector<Summary>& runs);
+
+}  // namespace kvrouter::bench

@@ -1,0 +1,580 @@
+#include "events/mock_engine.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "router/block_index.h"
+
+namespace kvrouter {
+namespace {
+
+constexpr std::uint64_t kWorker = 7;
+constexpr std::uint32_t kRank = 1;
+constexpr WorkerKey kKey{kWorker, kRank};
+
+// Tokens first, first+1, ..., first+n-1.
+std::vector<std::uint32_t> Tokens(std::uint32_t first, std::size_t n) {
+  std::vector<std::uint32_t> t(n);
+  for (std::size_t i = 0; i < n; ++i) t[i] = first + static_cast<std::uint32_t>(i);
+  return t;
+}
+
+std::vector<std::uint32_t> Concat(std::vector<std::uint32_t> a, const std::vector<std::uint32_t>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
+std::vector<SequenceHash> SeqHashes(const std::vector<std::uint32_t>& tokens, std::uint32_t bs,
+                                    std::string_view lora = {}) {
+  return ComputeSequenceHashes(ComputeLocalHashes(tokens, bs, lora));
+}
+
+// An engine on virtual time that records every event and output.
+class EngineHarness {
+ public:
+  explicit EngineHarness(MockEngineConfig config)
+      : config_(config), engine_(Config(config), [this](KvEventBatch&& b) {
+          events.push_back(std::move(b));
+        }) {}
+
+  static MockEngineConfig Config(MockEngineConfig c) {
+    c.worker_id = kWorker;
+    c.dp_rank = kRank;
+    return c;
+  }
+
+  MockEngine& engine() { return engine_; }
+
+  void Add(std::string id, std::vector<std::uint32_t> tokens, std::uint32_t max_tokens = 1,
+           std::string lora = {}) {
+    engine_.Add({.id = std::move(id), .tokens = std::move(tokens), .max_tokens = max_tokens,
+                 .lora_name = std::move(lora)});
+  }
+  // One step at the current virtual time; returns its duration.
+  double Step() {
+    const double d = engine_.Step(now, outputs);
+    now += d;
+    ++steps;
+    return d;
+  }
+  void RunUntilIdle() {
+    while (!engine_.Idle()) Step();
+  }
+  const EngineOutput* Find(const std::string& id, EngineOutput::Kind kind) const {
+    for (const auto& o : outputs) {
+      if (o.id == id && o.kind == kind) return &o;
+    }
+    return nullptr;
+  }
+  std::size_t CountKind(EngineOutput::Kind kind) const {
+    std::size_t n = 0;
+    for (const auto& o : outputs) n += o.kind == kind;
+    return n;
+  }
+
+  double now = 0;
+  int steps = 0;
+  std::vector<KvEventBatch> events;
+  std::vector<EngineOutput> outputs;
+
+ private:
+  MockEngineConfig config_;
+  MockEngine engine_;
+};
+
+const KvStored& StoredOf(const KvEventBatch& b) { return std::get<KvStored>(b.ops.at(0).data); }
+const KvRemoved& RemovedOf(const KvEventBatch& b) { return std::get<KvRemoved>(b.ops.at(0).data); }
+
+void Apply(BlockIndex& index, const KvEventBatch& b) {
+  for (const KvOp& op : b.ops) {
+    if (const auto* s = std::get_if<KvStored>(&op.data)) {
+      ApplyOutcome o = index.ApplyStored({b.worker_id, b.dp_rank}, s->parent_hash, s->blocks);
+      ASSERT_FALSE(o.parent_not_found);
+    } else if (const auto* r = std::get_if<KvRemoved>(&op.data)) {
+      ApplyOutcome o = index.ApplyRemoved({b.worker_id, b.dp_rank}, r->block_hashes);
+      ASSERT_EQ(o.blocks_not_found, 0u);
+    } else {
+      index.ClearWorker(b.worker_id);
+    }
+  }
+}
+
+std::size_t IndexMatch(const BlockIndex& index, std::span<const SequenceHash> seq) {
+  OverlapScores scores;
+  index.FindMatches(seq, scores);
+  for (const auto& s : scores) {
+    if (s.worker == kKey) return s.blocks;
+  }
+  return 0;
+}
+
+// ---- Timing model ----
+
+TEST(MockEngineTiming, PrefillFollowsTheQuadraticModel) {
+  EXPECT_DOUBLE_EQ(MockPrefillMs(0, 1), 16.5);
+  EXPECT_NEAR(MockPrefillMs(1000, 1), 0.421 + 15.2 + 16.5, 1e-9);
+  EXPECT_NEAR(MockPrefillMs(8192, 1), 4.21e-7 * 8192.0 * 8192.0 + 0.0152 * 8192 + 16.5, 1e-9);
+  EXPECT_NEAR(MockPrefillMs(8192, 1), 169.2712, 1e-3);
+}
+
+TEST(MockEngineTiming, DecodeFollowsTheUtilizationModelWithAFloorOfOneMs) {
+  EXPECT_DOUBLE_EQ(MockDecodeStepMs(0, 1), 5.74);
+  EXPECT_NEAR(MockDecodeStepMs(0.5, 1), -25.74 / 4 + 54.01 / 2 + 5.74, 1e-9);
+  EXPECT_NEAR(MockDecodeStepMs(1, 1), 34.01, 1e-9);
+  EXPECT_DOUBLE_EQ(MockDecodeStepMs(3, 1), 1.0);  // the quadratic is negative there
+}
+
+TEST(MockEngineTiming, SpeedupRatioDividesEveryDuration) {
+  EXPECT_NEAR(MockPrefillMs(1000, 4), MockPrefillMs(1000, 1) / 4, 1e-12);
+  EXPECT_NEAR(MockDecodeStepMs(0.5, 10), MockDecodeStepMs(0.5, 1) / 10, 1e-12);
+  EXPECT_DOUBLE_EQ(MockDecodeStepMs(3, 2), 0.5);
+}
+
+// ---- Prefix caching and events ----
+
+TEST(MockEngine, FirstPromptPublishesOneStoredChainOfItsFullBlocks) {
+  EngineHarness h({.block_size = 4});
+  const auto prompt = Tokens(1, 10);  // two full blocks + a partial one
+  h.Add("a", prompt);
+  h.RunUntilIdle();
+  ASSERT_EQ(h.events.size(), 1u);
+  KvEventBatch want = StoredPromptBatch(kWorker, 1, prompt, 4);
+  want.dp_rank = kRank;
+  EXPECT_EQ(h.events[0], want);
+  EXPECT_EQ(h.engine().CachedBlocks(), 2u);
+  const EngineOutput* fin = h.Find("a", EngineOutput::kFinished);
+  ASSERT_NE(fin, nullptr);
+  EXPECT_EQ(fin->prompt_tokens, 10u);
+  EXPECT_EQ(fin->cached_tokens, 0u);
+}
+
+TEST(MockEngine, RepeatedPromptHitsItsCachedBlocksAndPublishesNothing) {
+  EngineHarness h({.block_size = 4});
+  const auto prompt = Tokens(1, 10);
+  h.Add("a", prompt);
+  h.RunUntilIdle();
+  ASSERT_EQ(h.events.size(), 1u);
+  h.Add("b", prompt, 3);
+  h.RunUntilIdle();
+  EXPECT_EQ(h.events.size(), 1u);
+  const EngineOutput* first = h.Find("b", EngineOutput::kFirstToken);
+  ASSERT_NE(first, nullptr);
+  EXPECT_EQ(first->cached_tokens, 8u);
+  EXPECT_EQ(h.Find("b", EngineOutput::kFinished)->output_tokens, 3u);
+  EXPECT_EQ(h.engine().CachedBlocks(), 2u);
+}
+
+TEST(MockEngine, SharedPrefixPublishesAChainWhoseParentIsTheLastSharedBlock) {
+  EngineHarness h({.block_size = 4});
+  const auto a = Tokens(1, 12);                        // blocks A0 A1 A2
+  const auto b = Concat(Tokens(1, 8), Tokens(100, 9));  // blocks A0 A1 B2 B3 + partial
+  h.Add("a", a);
+  h.RunUntilIdle();
+  h.Add("b", b);
+  h.RunUntilIdle();
+  ASSERT_EQ(h.events.size(), 2u);
+  const auto seq_b = SeqHashes(b, 4);
+  const auto local_b = ComputeLocalHashes(b, 4);
+  const KvStored& s = StoredOf(h.events[1]);
+  EXPECT_EQ(s.parent_hash, seq_b[1]);
+  ASSERT_EQ(s.blocks.size(), 2u);
+  EXPECT_EQ(s.blocks[0], (StoredBlock{seq_b[2], local_b[2]}));
+  EXPECT_EQ(s.blocks[1], (StoredBlock{seq_b[3], local_b[3]}));
+  EXPECT_EQ(h.Find("b", EngineOutput::kFirstToken)->cached_tokens, 8u);
+  EXPECT_EQ(h.engine().CachedBlocks(), 5u);
+}
+
+TEST(MockEngine, LoraNameSeparatesCachedBlocks) {
+  EngineHarness h({.block_size = 4});
+  const auto prompt = Tokens(1, 8);
+  h.Add("a", prompt);
+  h.Add("b", prompt, 1, "my-adapter");
+  h.RunUntilIdle();
+  EXPECT_EQ(h.Find("b", EngineOutput::kFirstToken)->cached_tokens, 0u);
+  ASSERT_EQ(h.events.size(), 2u);
+  EXPECT_EQ(StoredOf(h.events[1]).blocks[0].tokens_hash,
+            ComputeLocalHashes(prompt, 4, "my-adapter")[0]);
+  EXPECT_EQ(h.engine().CachedBlocks(), 4u);
+}
+
+TEST(MockEngine, RequestsAdmittedInTheSameStepShareNewlyStoredBlocks) {
+  EngineHarness h({.block_size = 4});
+  h.Add("a", Tokens(1, 8));
+  h.Add("b", Tokens(1, 8));
+  h.Step();
+  EXPECT_EQ(h.events.size(), 1u);
+  EXPECT_EQ(h.Find("b", EngineOutput::kFirstToken)->cached_tokens, 8u);
+  EXPECT_EQ(h.engine().CachedBlocks(), 2u);
+}
+
+TEST(MockEngine, EvictsLeastRecentlyReleasedBlocksFirstAndPublishesRemovals) {
+  EngineHarness h({.num_gpu_blocks = 4, .block_size = 4});
+  const auto a = Tokens(1, 8), b = Tokens(100, 8), c = Tokens(200, 8);
+  const auto sa = SeqHashes(a, 4), sb = SeqHashes(b, 4), sc = SeqHashes(c, 4);
+  h.Add("a", a);
+  h.RunUntilIdle();
+  h.Add("b", b);
+  h.RunUntilIdle();
+  h.Add("a2", a);  // touches a: its blocks are now released after b's
+  h.RunUntilIdle();
+  ASSERT_EQ(h.events.size(), 2u);
+  EXPECT_EQ(h.engine().CachedBlocks(), 4u);
+  EXPECT_EQ(h.engine().ActiveBlocks(), 0u);
+
+  h.Add("c", c);
+  h.RunUntilIdle();
+  ASSERT_EQ(h.events.size(), 4u);
+  // b's blocks go, last block first (a request releases its blocks last to first).
+  EXPECT_EQ(RemovedOf(h.events[2]).block_hashes, (std::vector<BlockHash>{sb[1], sb[0]}));
+  EXPECT_EQ(StoredOf(h.events[3]).blocks.size(), 2u);
+  EXPECT_EQ(StoredOf(h.events[3]).blocks[0].block_hash, sc[0]);
+  EXPECT_EQ(h.engine().CachedPrefixBlocks(sa), 2u);
+  EXPECT_EQ(h.engine().CachedPrefixBlocks(sb), 0u);
+  EXPECT_EQ(h.engine().CachedPrefixBlocks(sc), 2u);
+}
+
+TEST(MockEngine, EvictionTakesAReleasedTailBeforeItsSharedPrefix) {
+  EngineHarness h({.num_gpu_blocks = 4, .block_size = 4});
+  const auto a = Tokens(1, 12);                        // A0 A1 A2
+  const auto x = Tokens(500, 4);                       // X0
+  h.Add("a", a);
+  h.RunUntilIdle();
+  h.Add("x", x);
+  h.RunUntilIdle();
+  // LRU: A2 A1 A0 X0. A 2-block prompt sharing nothing evicts A2 then A1.
+  h.Add("y", Tokens(900, 8));
+  h.RunUntilIdle();
+  const auto sa = SeqHashes(a, 4);
+  ASSERT_EQ(h.events.size(), 4u);
+  EXPECT_EQ(RemovedOf(h.events[2]).block_hashes, (std::vector<BlockHash>{sa[2], sa[1]}));
+  EXPECT_EQ(h.engine().CachedPrefixBlocks(sa), 1u);
+}
+
+TEST(MockEngine, RequestThatCannotGetBlocksWaitsUntilOthersFinish) {
+  EngineHarness h({.num_gpu_blocks = 4, .block_size = 4});
+  h.Add("a", Tokens(1, 12), 3);  // 3 blocks, held for 3 steps
+  h.Add("b", Tokens(100, 8));    // 2 blocks: only 1 free while a runs
+  h.Step();
+  EXPECT_NE(h.Find("a", EngineOutput::kFirstToken), nullptr);
+  EXPECT_EQ(h.Find("b", EngineOutput::kFirstToken), nullptr);
+  EXPECT_EQ(h.engine().NumWaiting(), 1u);
+  h.Step();
+  h.Step();  // a finishes at the end of this step
+  const EngineOutput* a_done = h.Find("a", EngineOutput::kFinished);
+  ASSERT_NE(a_done, nullptr);
+  EXPECT_EQ(h.Find("b", EngineOutput::kFirstToken), nullptr);
+  h.Step();
+  const EngineOutput* b_first = h.Find("b", EngineOutput::kFirstToken);
+  ASSERT_NE(b_first, nullptr);
+  EXPECT_GT(b_first->at_ms, h.Find("a", EngineOutput::kFinished)->at_ms);
+  // b evicted one of a's blocks (a's last one, released first).
+  ASSERT_EQ(h.events.size(), 3u);
+  EXPECT_EQ(RemovedOf(h.events[1]).block_hashes,
+            (std::vector<BlockHash>{SeqHashes(Tokens(1, 12), 4)[2]}));
+  EXPECT_TRUE(h.engine().Idle());
+}
+
+TEST(MockEngine, PromptLargerThanTheCacheIsRejected) {
+  EngineHarness h({.num_gpu_blocks = 2, .block_size = 4});
+  h.Add("big", Tokens(1, 12));
+  h.Add("ok", Tokens(100, 8));
+  h.RunUntilIdle();
+  const EngineOutput* r = h.Find("big", EngineOutput::kRejected);
+  ASSERT_NE(r, nullptr);
+  EXPECT_EQ(r->prompt_tokens, 12u);
+  EXPECT_EQ(h.Find("big", EngineOutput::kFirstToken), nullptr);
+  EXPECT_NE(h.Find("ok", EngineOutput::kFinished), nullptr);
+  EXPECT_EQ(h.events.size(), 1u);
+}
+
+// ---- Scheduler limits ----
+
+TEST(MockEngine, MaxNumSeqsLimitsRunningRequests) {
+  EngineHarness h({.block_size = 4, .max_num_seqs = 2});
+  h.Add("a", Tokens(1, 4), 2);
+  h.Add("b", Tokens(100, 4), 3);
+  h.Add("c", Tokens(200, 4), 1);
+  h.Step();
+  EXPECT_EQ(h.CountKind(EngineOutput::kFirstToken), 2u);
+  EXPECT_EQ(h.engine().NumRunning(), 2u);
+  EXPECT_EQ(h.engine().NumWaiting(), 1u);
+  h.Step();  // a finishes; c still cannot start in this step
+  EXPECT_NE(h.Find("a", EngineOutput::kFinished), nullptr);
+  EXPECT_EQ(h.Find("c", EngineOutput::kFirstToken), nullptr);
+  h.Step();
+  EXPECT_NE(h.Find("c", EngineOutput::kFirstToken), nullptr);
+  h.RunUntilIdle();
+  EXPECT_EQ(h.CountKind(EngineOutput::kFinished), 3u);
+}
+
+TEST(MockEngine, MaxNumBatchedTokensLimitsUncachedPrefillTokensPerStep) {
+  EngineHarness h({.block_size = 4, .max_num_batched_tokens = 16});
+  h.Add("a", Tokens(1, 8));
+  h.Add("b", Tokens(100, 8));
+  h.Add("c", Tokens(200, 8));
+  const double d1 = h.Step();
+  EXPECT_NE(h.Find("b", EngineOutput::kFirstToken), nullptr);
+  EXPECT_EQ(h.Find("c", EngineOutput::kFirstToken), nullptr);
+  EXPECT_DOUBLE_EQ(d1, MockPrefillMs(16, 1));
+  h.Step();
+  EXPECT_NE(h.Find("c", EngineOutput::kFirstToken), nullptr);
+}
+
+TEST(MockEngine, CachedTokensDoNotCountAgainstTheTokenBudget) {
+  EngineHarness h({.block_size = 4, .max_num_batched_tokens = 16});
+  h.Add("warm", Tokens(1, 16));
+  h.RunUntilIdle();
+  h.Add("a", Tokens(1, 16));                        // fully cached: 0 uncached tokens
+  h.Add("b", Concat(Tokens(1, 12), Tokens(50, 4)));  // 4 uncached
+  h.Add("c", Tokens(100, 12));                       // 12 uncached: 16 in all
+  h.Add("d", Tokens(200, 4));                        // over the budget
+  const double d = h.Step();
+  EXPECT_NE(h.Find("c", EngineOutput::kFirstToken), nullptr);
+  EXPECT_EQ(h.Find("d", EngineOutput::kFirstToken), nullptr);
+  EXPECT_DOUBLE_EQ(d, MockPrefillMs(16, 1));
+}
+
+TEST(MockEngine, PromptLargerThanTheBudgetIsAdmittedAloneIntoAStep) {
+  EngineHarness h({.block_size = 4, .max_num_batched_tokens = 16});
+  h.Add("small", Tokens(1, 4));
+  h.Add("big", Tokens(100, 40));
+  h.Add("after", Tokens(200, 4));
+  h.Step();  // small fits; big does not fit the rest of the budget
+  EXPECT_NE(h.Find("small", EngineOutput::kFirstToken), nullptr);
+  EXPECT_EQ(h.Find("big", EngineOutput::kFirstToken), nullptr);
+  const double d = h.Step();  // big is the first prefill of this step: admitted alone
+  EXPECT_NE(h.Find("big", EngineOutput::kFirstToken), nullptr);
+  EXPECT_EQ(h.Find("after", EngineOutput::kFirstToken), nullptr);
+  EXPECT_DOUBLE_EQ(d, MockPrefillMs(40, 1));  // small finished in step 1: nothing decodes
+  h.Step();
+  EXPECT_NE(h.Find("after", EngineOutput::kFirstToken), nullptr);
+}
+
+// ---- Timing of outputs ----
+
+TEST(MockEngine, FirstTokenAndFinishTimesFollowTheTimingModel) {
+  const double speedup = 2;
+  EngineHarness h({.num_gpu_blocks = 100, .block_size = 16, .speedup_ratio = speedup});
+  h.now = 1000;
+  h.Add("a", Tokens(1, 100), 3);  // 6 full blocks
+  h.Step();
+  const double t1 = 1000 + MockPrefillMs(100, speedup);
+  ASSERT_NE(h.Find("a", EngineOutput::kFirstToken), nullptr);
+  EXPECT_DOUBLE_EQ(h.Find("a", EngineOutput::kFirstToken)->at_ms, t1);
+  EXPECT_DOUBLE_EQ(h.engine().Utilization(), 0.06);
+
+  // A prefill joining a decode step costs both; utilisation includes the new blocks.
+  h.Add("b", Tokens(1000, 40), 1);  // 2 full blocks
+  h.Step();
+  const double t2 = t1 + MockPrefillMs(40, speedup) + MockDecodeStepMs(0.08, speedup);
+  EXPECT_DOUBLE_EQ(h.Find("b", EngineOutput::kFirstToken)->at_ms, t2);
+  EXPECT_DOUBLE_EQ(h.Find("b", EngineOutput::kFinished)->at_ms, t2);
+  EXPECT_EQ(h.Find("b", EngineOutput::kFinished)->output_tokens, 1u);
+
+  h.Step();  // b released its blocks at the end of the previous step
+  const double t3 = t2 + MockDecodeStepMs(0.06, speedup);
+  const EngineOutput* fin = h.Find("a", EngineOutput::kFinished);
+  ASSERT_NE(fin, nullptr);
+  EXPECT_DOUBLE_EQ(fin->at_ms, t3);
+  EXPECT_EQ(fin->output_tokens, 3u);
+  EXPECT_EQ(fin->prompt_tokens, 100u);
+  EXPECT_TRUE(h.engine().Idle());
+  EXPECT_EQ(h.engine().Step(t3, h.outputs), 0.0);
+  EXPECT_EQ(h.engine().Utilization(), 0.0);
+  EXPECT_EQ(h.engine().CachedBlocks(), 8u);
+}
+
+TEST(MockEngine, PrefillsAdmittedTogetherAreBatchedIntoOneStep) {
+  EngineHarness h({.block_size = 16});
+  h.Add("a", Tokens(1, 300));
+  h.Add("b", Tokens(1000, 500));
+  const double d = h.Step();
+  EXPECT_DOUBLE_EQ(d, MockPrefillMs(800, 1));
+  EXPECT_DOUBLE_EQ(h.Find("a", EngineOutput::kFirstToken)->at_ms, d);
+  EXPECT_DOUBLE_EQ(h.Find("b", EngineOutput::kFirstToken)->at_ms, d);
+}
+
+// ---- Events replay exactly ----
+
+// A random shared-prefix workload over a small cache, so that evictions happen all the time.
+TEST(MockEngine, ReplayingEveryEventIntoABlockIndexReproducesTheCache) {
+  constexpr std::uint32_t kBs = 4;
+  std::mt19937_64 rng(20240611);
+  BlockIndex index;
+  std::uint64_t next_id = 1;
+  std::size_t removed = 0, stored = 0;
+  MockEngine engine({.worker_id = kWorker, .dp_rank = kRank, .num_gpu_blocks = 48,
+                     .block_size = kBs, .max_num_seqs = 6, .max_num_batched_tokens = 64},
+                    [&](KvEventBatch&& b) {
+                      ASSERT_EQ(b.worker_id, kWorker);
+                      ASSERT_EQ(b.dp_rank, kRank);
+                      ASSERT_EQ(b.sequence, (EventSequence{SequenceKind::kEventId, next_id}));
+                      ASSERT_EQ(b.ops.size(), 1u);
+                      ASSERT_EQ(b.ops[0].tier, StorageTier::kDevice);
+                      ++next_id;
+                      removed += std::holds_alternative<KvRemoved>(b.ops[0].data);
+                      stored += std::holds_alternative<KvStored>(b.ops[0].data);
+                      Apply(index, b);
+                    });
+
+  std::vector<std::vector<std::uint32_t>> prefixes;
+  for (std::uint32_t p = 0; p < 6; ++p) prefixes.push_back(Tokens(10000 * (p + 1), kBs * (1 + p % 4)));
+  std::vector<std::vector<SequenceHash>> prompts;  // sequence hashes of every prompt sent
+  // The live replay and a tree dump (which only reaches blocks whose parents are cached) both
+  // agree with the engine.
+  auto check = [&] {
+    ASSERT_EQ(index.TreeSize(kKey), engine.CachedBlocks());
+    BlockIndex dumped;
+    for (const auto& b : engine.Recover(std::nullopt, std::nullopt).events) Apply(dumped, b);
+    ASSERT_EQ(dumped.TreeSize(kKey), engine.CachedBlocks());
+    for (const auto& seq : prompts) {
+      ASSERT_EQ(IndexMatch(index, seq), engine.CachedPrefixBlocks(seq));
+      ASSERT_EQ(IndexMatch(dumped, seq), engine.CachedPrefixBlocks(seq));
+    }
+  };
+
+  std::vector<EngineOutput> outputs;
+  double now = 0;
+  for (int round = 0; round < 1000; ++round) {
+    const int arrivals = static_cast<int>(rng() % 3);
+    for (int a = 0; a < arrivals; ++a) {
+      auto tokens = prefixes[rng() % prefixes.size()];
+      const std::size_t suffix = rng() % (3 * kBs + 3);
+      const std::uint32_t salt = static_cast<std::uint32_t>(rng() % 20) * 1000;  // repeats too
+      for (std::size_t i = 0; i < suffix; ++i) tokens.push_back(salt + static_cast<std::uint32_t>(i));
+      std::string lora = rng() % 8 == 0 ? "adapter" : "";
+      prompts.push_back(SeqHashes(tokens, kBs, lora));
+      engine.Add({.id = std::to_string(round) + "." + std::to_string(a),
+                  .tokens = std::move(tokens),
+                  .max_tokens = static_cast<std::uint32_t>(1 + rng() % 6),
+                  .lora_name = std::move(lora)});
+    }
+    now += engine.Step(now, outputs);
+    if (round % 25 == 0) check();
+  }
+  while (!engine.Idle()) now += engine.Step(now, outputs);
+  check();
+  EXPECT_EQ(engine.last_event_id(), next_id - 1);
+  EXPECT_GT(removed, 100u);  // the workload really evicts
+  EXPECT_GT(stored, 200u);
+  std::size_t hits = 0;
+  for (const auto& o : outputs) hits += o.kind == EngineOutput::kFirstToken && o.cached_tokens > 0;
+  EXPECT_GT(hits, 100u);
+}
+
+// ---- Recovery ----
+
+class MockEngineRecovery : public ::testing::Test {
+ protected:
+  // 9 events into a 6-block cache: 5 prompts of 2 blocks (the 4th and 5th evict), then one
+  // extending the 5th prompt's blocks (evicts again, stores a chain with a parent).
+  void SetUp() override {
+    for (std::uint32_t i = 0; i < 5; ++i) h_.Add("r" + std::to_string(i), Tokens(100 * (i + 1), 8));
+    h_.RunUntilIdle();
+    h_.Add("s", Concat(Tokens(500, 8), Tokens(7, 8)));
+    h_.RunUntilIdle();
+    ASSERT_EQ(h_.events.size(), 9u);
+    ASSERT_EQ(h_.engine().last_event_id(), 9u);
+    ASSERT_EQ(StoredOf(h_.events[8]).parent_hash, SeqHashes(Tokens(500, 8), 4)[1]);
+  }
+  EngineHarness h_{{.num_gpu_blocks = 6, .block_size = 4, .event_buffer = 4}};
+};
+
+TEST_F(MockEngineRecovery, EventIdsAreConsecutiveFromOne) {
+  for (std::size_t i = 0; i < h_.events.size(); ++i) {
+    EXPECT_EQ(h_.events[i].sequence, (EventSequence{SequenceKind::kEventId, i + 1}));
+  }
+}
+
+TEST_F(MockEngineRecovery, ReturnsTheRequestedRangeFromTheBuffer) {
+  const std::uint64_t last = h_.engine().last_event_id();
+  auto r = h_.engine().Recover(last - 2, last - 1);
+  EXPECT_EQ(r.kind, "events");
+  EXPECT_EQ(r.last_event_id, last);
+  ASSERT_EQ(r.events.size(), 2u);
+  EXPECT_EQ(r.events[0], h_.events[last - 3]);
+  EXPECT_EQ(r.events[1], h_.events[last - 2]);
+
+  auto open = h_.engine().Recover(last - 3, std::nullopt);  // the oldest buffered id
+  EXPECT_EQ(open.kind, "events");
+  ASSERT_EQ(open.events.size(), 4u);
+  EXPECT_EQ(open.events.back(), h_.events.back());
+
+  auto clamped = h_.engine().Recover(last, last + 10);
+  EXPECT_EQ(clamped.kind, "events");
+  ASSERT_EQ(clamped.events.size(), 1u);
+}
+
+TEST_F(MockEngineRecovery, StartOlderThanTheBufferGetsATreeDumpThatRebuildsTheCache) {
+  const std::uint64_t last = h_.engine().last_event_id();
+  const std::vector<std::optional<std::uint64_t>> starts = {last - 4, 1, std::nullopt};
+  for (const auto& start : starts) {
+    auto r = h_.engine().Recover(start, std::nullopt);
+    EXPECT_EQ(r.kind, "tree_dump");
+    EXPECT_EQ(r.last_event_id, last);
+    BlockIndex fresh;
+    for (const auto& b : r.events) {
+      EXPECT_EQ(b.sequence.value, last);
+      Apply(fresh, b);
+    }
+    EXPECT_EQ(fresh.TreeSize(kKey), h_.engine().CachedBlocks());
+    // The same tree as replaying every event.
+    BlockIndex replayed;
+    for (const auto& b : h_.events) Apply(replayed, b);
+    for (std::uint32_t i = 0; i < 5; ++i) {
+      const auto seq = SeqHashes(Tokens(100 * (i + 1), 8), 4);
+      EXPECT_EQ(IndexMatch(fresh, seq), IndexMatch(replayed, seq));
+      EXPECT_EQ(IndexMatch(fresh, seq), h_.engine().CachedPrefixBlocks(seq));
+    }
+    const auto s = SeqHashes(Concat(Tokens(500, 8), Tokens(7, 8)), 4);
+    EXPECT_EQ(IndexMatch(fresh, s), 4u);
+  }
+}
+
+TEST_F(MockEngineRecovery, StartBeyondTheLastEventIsTooNew) {
+  const std::uint64_t last = h_.engine().last_event_id();
+  auto r = h_.engine().Recover(last + 1, std::nullopt);
+  EXPECT_EQ(r.kind, "too_new");
+  EXPECT_EQ(r.last_event_id, last);
+  EXPECT_TRUE(r.events.empty());
+  EXPECT_FALSE(r.message.empty());
+}
+
+TEST_F(MockEngineRecovery, EndBeforeStartIsAnInvalidRange) {
+  auto r = h_.engine().Recover(5, 4);
+  EXPECT_EQ(r.kind, "invalid_range");
+  EXPECT_TRUE(r.events.empty());
+}
+
+TEST(MockEngineRecoveryDump, TreeDumpListsParentsBeforeChildren) {
+  EngineHarness h({.block_size = 4, .event_buffer = 0});
+  // A branching tree: P0 P1 {A2 A3, B2, C2 C3 C4}, and Q0.
+  const auto p = Tokens(1, 8);
+  h.Add("a", Concat(p, Tokens(100, 8)));
+  h.Add("b", Concat(p, Tokens(200, 4)));
+  h.Add("c", Concat(p, Tokens(300, 12)));
+  h.Add("q", Tokens(900, 4));
+  h.RunUntilIdle();
+  auto r = h.engine().Recover(1, std::nullopt);  // nothing buffered
+  ASSERT_EQ(r.kind, "tree_dump");
+  std::vector<BlockHash> seen;
+  std::size_t blocks = 0;
+  for (const auto& b : r.events) {
+    const KvStored& s = StoredOf(b);
+    if (s.parent_hash) {
+      EXPECT_NE(std::find(seen.begin(), seen.end(), *s.parent_hash), seen.end());
+    }
+    for (const auto& blk : s.blocks) seen.push_back(blk.block_hash);
+    blocks += s.blocks.size();
+  }
+  EXPECT_EQ(blocks, h.engine().CachedBlocks());
+  EXPECT_EQ(blocks, 9u);
+  EXPECT_LE(r.events.size(), 4u);  // chains, not one event per block
+}
+
+}  // namespace
+}  // namespace kvrouter

@@ -1,0 +1,90 @@
+#include "router/kvbench/trace.h"
+
+#include <gtest/gtest.h>
+
+#include <set>
+
+#include "router/kvbench/report.h"
+
+namespace kvrouter::bench {
+namespace {
+
+TEST(MooncakeTrace, ParsesALineWithUnknownKeysAndWhitespace) {
+  auto r = ParseMooncakeLine(
+      R"( {"timestamp": 27482, "input_length": 6955, "output_length": 52, "note": "x", "hash_ids": [46, 47, 1, 2]} )");
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->timestamp_ms, 27482);
+  EXPECT_EQ(r->input_length, 6955u);
+  EXPECT_EQ(r->output_length, 52u);
+  EXPECT_EQ(r->hash_ids, (std::vector<std::uint64_t>{46, 47, 1, 2}));
+}
+
+TEST(MooncakeTrace, MalformedLinesAreInvalidArgument) {
+  for (const char* bad : {"", "[1,2]", R"({"hash_ids": [1, -2]})", R"({"input_length": "x"})",
+                          R"({"timestamp": 1,)", R"({"hash_ids": [1 2]})"}) {
+    auto r = ParseMooncakeLine(bad);
+    EXPECT_FALSE(r.ok()) << bad;
+    if (!r.ok()) EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << bad;
+  }
+}
+
+TEST(MooncakeTrace, EqualHashIdsGiveEqualTokens) {
+  TraceRequest a{0, 1200, 1, {7, 8, 9}};
+  TraceRequest b{5, 1200, 1, {7, 8, 3}};
+  const auto ta = TokensFor(a), tb = TokensFor(b);
+  ASSERT_EQ(ta.size(), 1200u);
+  ASSERT_EQ(tb.size(), 1200u);
+  // The first two 512-token blocks are shared, the third differs: whatever the router's block
+  // size, blocks inside the first 1024 tokens hash equal.
+  EXPECT_TRUE(std::equal(ta.begin(), ta.begin() + 1024, tb.begin()));
+  EXPECT_FALSE(std::equal(ta.begin() + 1024, ta.end(), tb.begin() + 1024));
+}
+
+TEST(MooncakeTrace, PromptsLongerThanTheirIdsContinueWithUniqueContent) {
+  TraceRequest a{1, 1024, 1, {7}};
+  TraceRequest b{2, 1024, 1, {7}};
+  const auto ta = TokensFor(a), tb = TokensFor(b);
+  EXPECT_TRUE(std::equal(ta.begin(), ta.begin() + 512, tb.begin()));
+  EXPECT_FALSE(std::equal(ta.begin() + 512, ta.end(), tb.begin() + 512));
+}
+
+TEST(SyntheticConversations, TurnsExtendTheirConversationAndShareTheSystemPrompt) {
+  const auto t = SyntheticConversations({.sessions = 5, .turns = 3, .system_blocks = 2, .blocks_per_turn = 2});
+  ASSERT_EQ(t.size(), 15u);
+  std::set<std::vector<std::uint64_t>> prompts;
+  for (std::size_t i = 0; i < t.size(); ++i) {
+    EXPECT_EQ(t[i].hash_ids[0], 0u);
+    EXPECT_EQ(t[i].hash_ids[1], 1u);
+    if (i > 0) EXPECT_GE(t[i].timestamp_ms, t[i - 1].timestamp_ms);
+    EXPECT_LE(t[i].input_length, t[i].hash_ids.size() * kTraceBlockTokens);
+    prompts.insert(t[i].hash_ids);
+    // Every longer turn's history starts with an earlier turn of its session (or is a first turn).
+    const std::size_t turn = (t[i].hash_ids.size() - 2) / 2;
+    if (turn > 1) {
+      std::vector<std::uint64_t> before(t[i].hash_ids.begin(), t[i].hash_ids.end() - 2);
+      EXPECT_TRUE(prompts.count(before)) << i;
+    }
+  }
+}
+
+TEST(Summary, HitRatePercentilesAndSpread) {
+  std::vector<RequestRecord> recs = {
+      {.arrival_ms = 0, .first_token_ms = 100, .finished_ms = 1000, .prompt_tokens = 1000, .cached_tokens = 500, .worker_id = 1},
+      {.arrival_ms = 0, .first_token_ms = 300, .finished_ms = 2000, .prompt_tokens = 1000, .cached_tokens = 0, .worker_id = 2},
+      {.arrival_ms = 0, .error = true},
+  };
+  const Summary s = Summarize("kv", recs, {1, 2, 3});
+  EXPECT_EQ(s.requests, 3u);
+  EXPECT_EQ(s.errors, 1u);
+  EXPECT_DOUBLE_EQ(s.kv_hit_rate, 0.25);
+  EXPECT_DOUBLE_EQ(s.ttft_p50, 300);
+  EXPECT_DOUBLE_EQ(s.throughput_rps, 1.0);  // 2 finished over 2 s
+  EXPECT_EQ(s.worker_requests, (std::vector<std::uint64_t>{1, 1, 0}));
+  const std::string json = SummaryJson(s);
+  for (const char* key : {"\"mode\"", "\"kv_hit_rate\"", "\"ttft_ms\"", "\"p99\"", "\"worker_requests\": [1, 1, 0]"}) {
+    EXPECT_NE(json.find(key), std::string::npos) << key;
+  }
+}
+
+}  // namespace
+}  // namespace kvrouter::bench
