@@ -153,6 +153,7 @@ Result<RouteRequest> DecodeRouteRequest(std::span<const std::byte> body) {
   reads.Optional(m, "dp_rank", ReadU32, req.dp_rank);
   reads.Optional(m, "allowed_worker_ids", ReadU64Array, req.allowed_worker_ids);
   reads.Optional(m, "timeout_ms", ReadU32, req.timeout_ms);
+  reads.Optional(m, "max_tokens", ReadU32, req.max_tokens);
   if (!reads.ok()) return reads.status();
 
   // Top-level priority / expected_output_tokens win over nvext.agent_hints.priority / osl.
@@ -193,7 +194,8 @@ msgpack::sbuffer EncodeRouteRequest(const RouteRequest& req) {
       (req.request_id.empty() ? 0 : 1) + (req.has_token_ids ? 1 : 2) +
       (req.lora_name.empty() ? 0 : 1) + (req.update_states ? 0 : 1) + (req.priority != 0 ? 1 : 0) +
       (req.expected_output_tokens ? 1 : 0) + (req.worker_id ? 1 : 0) + (req.dp_rank ? 1 : 0) +
-      (req.allowed_worker_ids ? 1 : 0) + (overrides > 0 ? 1 : 0) + (req.timeout_ms ? 1 : 0);
+      (req.allowed_worker_ids ? 1 : 0) + (overrides > 0 ? 1 : 0) + (req.timeout_ms ? 1 : 0) +
+      (req.max_tokens ? 1 : 0);
 
   msgpack::sbuffer buf;
   Packer pk(buf);
@@ -254,6 +256,10 @@ msgpack::sbuffer EncodeRouteRequest(const RouteRequest& req) {
   if (req.timeout_ms) {
     PackKey(pk, "timeout_ms");
     pk.pack_uint32(*req.timeout_ms);
+  }
+  if (req.max_tokens) {
+    PackKey(pk, "max_tokens");
+    pk.pack_uint32(*req.max_tokens);
   }
   return buf;
 }

@@ -9,7 +9,7 @@
 //   route_req    = {request_id?: str, token_ids?: [u32], block_hashes?: [u64], isl?: u32,
 //                   lora_name?: str, update_states?: bool (true), priority?: int,
 //                   expected_output_tokens?: u32, worker_id?: u64, dp_rank?: u32,
-//                   allowed_worker_ids?: [u64], timeout_ms?: u32,
+//                   allowed_worker_ids?: [u64], timeout_ms?: u32, max_tokens?: u32 (generate),
 //                   router_config_override?: {overlap_score_credit?: f64,
 //                                             prefill_load_scale?: f64, router_temperature?: f64},
 //                   nvext?: {agent_hints?: {priority?: int, osl?: u32}}}
@@ -82,6 +82,7 @@ struct RouteRequest {
   std::optional<std::vector<std::uint64_t>> allowed_worker_ids;
   RouterConfigOverride config_override;
   std::optional<std::uint32_t> timeout_ms;
+  std::optional<std::uint32_t> max_tokens;      // router.generate: tokens to generate
   bool operator==(const RouteRequest&) const = default;
 };
 Result<RouteRequest> DecodeRouteRequest(std::span<const std::byte> body);

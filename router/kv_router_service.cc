@@ -47,6 +47,8 @@ Subjects::Subjects(const std::string& ns, const std::string& comp) {
   free = r + "free";
   stats = r + "stats";
   kv_metrics = fmt::format("namespace.{}.kv_metrics", ns);
+  generate = r + "generate";
+  worker_generate_prefix = c + "generate.";
 }
 
 KvRouterService::KvRouterService(RouterConfig config, MessageBus& bus, Clock clock, std::uint64_t seed)
@@ -62,7 +64,8 @@ KvRouterService::KvRouterService(RouterConfig config, MessageBus& bus, Clock clo
                   ? std::make_unique<ApproxIndex>(
                         std::chrono::milliseconds(static_cast<std::int64_t>(config_.ttl_secs * 1000)),
                         config_.max_tree_size, config_.prune_target_ratio)
-                  : nullptr) {}
+                  : nullptr),
+      relay_prefix_(fmt::format("_KVR.{:x}.", router_id_)) {}
 
 KvRouterService::~KvRouterService() { Stop(); }
 
@@ -79,8 +82,11 @@ Status KvRouterService::Start() {
     subs.push_back({subjects_.vllm_events_prefix + "*.*", "", [this](const BusMessage& m) { HandleVllmEvent(m); }});
   }
   subs.push_back({subjects_.instances, "", [this](const BusMessage& m) { HandleInstances(m); }});
-  subs.push_back({subjects_.route, "kvrouter", [this](const BusMessage& m) { HandleRoute(m, false); }});
-  subs.push_back({subjects_.best_worker, "kvrouter", [this](const BusMessage& m) { HandleRoute(m, true); }});
+  subs.push_back({subjects_.route, "kvrouter", [this](const BusMessage& m) { HandleRoute(m, RouteKind::kRoute); }});
+  subs.push_back({subjects_.best_worker, "kvrouter",
+                  [this](const BusMessage& m) { HandleRoute(m, RouteKind::kBestWorker); }});
+  subs.push_back({subjects_.generate, "kvrouter", [this](const BusMessage& m) { HandleRoute(m, RouteKind::kGenerate); }});
+  subs.push_back({relay_prefix_ + "*", "", [this](const BusMessage& m) { HandleRelay(m); }});
   // Lifecycle messages go to every replica: each one's bookings must be released.
   subs.push_back({subjects_.mark_prefill, "", [this](const BusMessage& m) { HandleLifecycle(m, false); }});
   subs.push_back({subjects_.free, "", [this](const BusMessage& m) { HandleLifecycle(m, true); }});
@@ -220,7 +226,8 @@ void KvRouterService::Tick() {
   }
   load_.Sweep(now);
   if (approx_) approx_->Expire(now);
-  ExpireQueuedLocked(out);  // a full scan of the queue: on the tick only, not on every drain
+  ExpireQueuedLocked(out);
+  ExpireInFlightLocked(out);  // a full scan of the queue: on the tick only, not on every drain
   DrainLocked(out);
   lk.unlock();
   Send(out);
@@ -354,35 +361,46 @@ Result<RouteReply> KvRouterService::DecideLocked(const RouteRequest& req, const 
                     .queued_ms = queued_ms};
 }
 
-void KvRouterService::HandleRoute(const BusMessage& m, bool best_worker_only) {
+void KvRouterService::HandleRoute(const BusMessage& m, RouteKind kind) {
   Status error;
   Outbox out;
   try {
     auto req = DecodeRouteRequest(m.data);
     auto prepared = req.ok() ? Prepare(*req) : Result<Prepared>(req.status());
+    if (prepared.ok() && kind == RouteKind::kGenerate && !req->has_token_ids) {
+      prepared = InvalidArgument("router.generate needs token_ids (the worker must see the prompt)");
+    }
     if (!prepared.ok()) {
       error = prepared.status();
     } else {
-      if (best_worker_only) req->update_states = false;
+      if (kind == RouteKind::kBestWorker) req->update_states = false;
+      if (kind == RouteKind::kGenerate) req->update_states = true;  // the router frees it itself
       // The event index has its own locks: read it before mu_. Predictions are under mu_.
       OverlapScores overlaps = approx_ ? OverlapScores{} : Overlaps(*prepared);
       std::lock_guard g(mu_);
       if (approx_) overlaps = Overlaps(*prepared);
+      if (kind == RouteKind::kGenerate && req->request_id.empty()) {
+        req->request_id = fmt::format("gen-{:x}-{}", router_id_, ++generated_ids_);
+      }
       auto cands = CandidatesLocked(*req, prepared->seq, overlaps);
       if (!cands.ok()) {
         error = cands.status();
       } else {
-        // best_worker answers as things stand; route waits when every eligible rank is full.
-        std::vector<Candidate> open = best_worker_only ? std::move(cands).value() : OpenRanks(*cands);
+        // best_worker answers as things stand; route and generate wait when every eligible
+        // rank is full.
+        std::vector<Candidate> open = kind == RouteKind::kBestWorker ? std::move(cands).value() : OpenRanks(*cands);
         if (open.empty()) {
-          error = EnqueueLocked(std::move(req).value(), std::move(prepared).value(), *cands, m.reply);
+          error = EnqueueLocked(std::move(req).value(), std::move(prepared).value(), *cands, m.reply,
+                                kind == RouteKind::kGenerate);
           if (error.ok()) return;  // answered on admission
         } else {
           auto reply = DecideLocked(*req, *prepared, open, 0);
-          if (reply.ok()) {
-            out.replies.emplace_back(std::string(m.reply), EncodeRouteReply(*reply));
-          } else {
+          if (!reply.ok()) {
             error = reply.status();
+          } else if (kind == RouteKind::kGenerate) {
+            ForwardLocked(*req, *reply, std::string(m.reply), out);
+          } else {
+            out.replies.emplace_back(std::string(m.reply), EncodeRouteReply(*reply));
           }
         }
       }
@@ -401,8 +419,79 @@ void KvRouterService::HandleRoute(const BusMessage& m, bool best_worker_only) {
   Send(out);
 }
 
+void KvRouterService::ForwardLocked(const RouteRequest& req, const RouteReply& routed, std::string caller_reply,
+                                    Outbox& out) {
+  const std::uint64_t n = ++next_relay_;
+  const auto timeout = req.timeout_ms ? std::chrono::milliseconds(*req.timeout_ms)
+                                      : std::chrono::milliseconds(kDefaultGenerateTimeout);
+  inflight_[n] = InFlight{req.request_id, std::move(caller_reply), clock_() + timeout, false};
+  // PROTOCOL.md section 7: {request_id, token_ids, max_tokens, dp_rank}.
+  msgpack::sbuffer body;
+  Packer pk(body);
+  pk.pack_map(4);
+  PackKey(pk, "request_id"); pk.pack(req.request_id);
+  PackKey(pk, "token_ids"); pk.pack(req.token_ids);
+  PackKey(pk, "max_tokens"); pk.pack(req.max_tokens.value_or(req.expected_output_tokens.value_or(16)));
+  PackKey(pk, "dp_rank"); pk.pack(routed.dp_rank);
+  out.forwards.push_back({subjects_.worker_generate_prefix + std::to_string(routed.worker_id),
+                          relay_prefix_ + std::to_string(n), std::move(body)});
+}
+
+void KvRouterService::HandleRelay(const BusMessage& m) {
+  std::uint64_t n = 0;
+  const std::string_view tail = m.subject.substr(std::min(m.subject.size(), relay_prefix_.size()));
+  if (std::from_chars(tail.data(), tail.data() + tail.size(), n).ec != std::errc()) return;
+  // A worker that is gone shows as NATS "no responders" (status 503, empty body).
+  const auto status = m.Header("Status");
+  const bool no_responders = m.data.empty() && status && status->starts_with("503");
+  bool final = no_responders;
+  if (!final) {
+    auto doc = ParseMsgpack(m.data);
+    final = !doc.ok() || !IsNil(FindKey(doc->get(), "finish_reason"));
+  }
+  Outbox out;
+  std::string caller;
+  {
+    std::lock_guard g(mu_);
+    auto it = inflight_.find(n);
+    if (it == inflight_.end()) return;  // late, after a timeout
+    caller = it->second.caller_reply;
+    const std::string id = it->second.request_id;
+    const WorkerKey* w = load_.WorkerOf(id);
+    if (w) metrics_dirty_.push_back(*w);
+    if (!it->second.first_seen) {
+      it->second.first_seen = true;
+      if (load_.MarkPrefill(id)) DrainLocked(out);  // first response: prefill is done
+    }
+    if (final) {
+      inflight_.erase(it);
+      if (load_.Free(id)) DrainLocked(out);
+    }
+    TakeMetricsLocked(out);
+  }
+  if (no_responders) {
+    out.errors.emplace_back(caller, Status(StatusCode::kNoWorkers, "the chosen worker did not answer"));
+  } else if (!caller.empty()) {
+    (void)bus_.Publish(caller, m.data);  // relayed unchanged
+  }
+  Send(out);
+}
+
+void KvRouterService::ExpireInFlightLocked(Outbox& out) {
+  const SteadyTime now = clock_();
+  for (auto it = inflight_.begin(); it != inflight_.end();) {
+    if (now < it->second.deadline) {
+      ++it;
+      continue;
+    }
+    (void)load_.Free(it->second.request_id);
+    out.errors.emplace_back(it->second.caller_reply, Status(StatusCode::kTimeout, "the worker did not finish in time"));
+    it = inflight_.erase(it);
+  }
+}
+
 Status KvRouterService::EnqueueLocked(RouteRequest req, Prepared prepared, std::span<const Candidate> all,
-                                      std::string_view reply) {
+                                      std::string_view reply, bool generate) {
   std::uint64_t best_overlap = 0;
   for (const Candidate& c : all) best_overlap = std::max<std::uint64_t>(best_overlap, c.overlap_blocks);
   const SteadyTime now = clock_();
@@ -410,7 +499,8 @@ Status KvRouterService::EnqueueLocked(RouteRequest req, Prepared prepared, std::
   const QueueKey key{.priority = req.priority,
                      .isl = prepared.sel.isl,
                      .best_overlap_tokens = best_overlap * config_.block_size};
-  if (!queue_.Push(key, now, now + wait, PendingRoute{std::move(req), std::move(prepared), std::string(reply)})) {
+  if (!queue_.Push(key, now, now + wait,
+                   PendingRoute{std::move(req), std::move(prepared), std::string(reply), generate})) {
     ++queue_refused_;
     return Status(StatusCode::kOverloaded,
                   fmt::format("every worker is busy and {} requests are already queued", queue_.size()));
@@ -430,6 +520,7 @@ void KvRouterService::DrainLocked(Outbox& out) {
   if (queue_.empty()) return;
   const SteadyTime now = clock_();
   std::optional<msgpack::sbuffer> body;
+  bool forwarded = false;
   Status failed;
   queue_.Scan(
       [&](RouteQueue::Entry& e) {
@@ -452,14 +543,21 @@ void KvRouterService::DrainLocked(Outbox& out) {
         auto reply = DecideLocked(p.req, p.prepared, ready, queued_ms);
         if (reply.ok()) {
           ++queue_admitted_;
-          body = EncodeRouteReply(*reply);
+          if (p.generate) {
+            ForwardLocked(p.req, *reply, p.reply, out);
+            forwarded = true;
+          } else {
+            body = EncodeRouteReply(*reply);
+          }
         } else {
           failed = reply.status();
         }
         return ScanStep::kTake;
       },
       [&](RouteQueue::Entry&& e) {
-        if (body) {
+        if (forwarded) {
+          forwarded = false;
+        } else if (body) {
           out.replies.emplace_back(std::move(e.payload.reply), std::move(*body));
           body.reset();
         } else {
@@ -475,6 +573,11 @@ void KvRouterService::TakeMetricsLocked(Outbox& out) {
 }
 
 void KvRouterService::Send(Outbox& out) {
+  for (auto& f : out.forwards) {
+    if (Status s = bus_.PublishRequest(f.subject, f.reply, AsBytes(f.body)); !s.ok()) {
+      log_.Log(LogLevel::kWarning, "forward", "forwarding to {} failed: {}", f.subject, s.message());
+    }
+  }
   for (auto& [reply, body] : out.replies) {
     if (!reply.empty()) (void)bus_.Publish(reply, AsBytes(body));
   }

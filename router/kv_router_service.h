@@ -25,6 +25,7 @@
 #include <mutex>
 #include <random>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "events/message_codec.h"
@@ -44,7 +45,8 @@ struct Subjects {
   Subjects(const std::string& ns, const std::string& component);
   std::string kv_events, vllm_events_prefix, instances;
   std::string active_sequences;
-  std::string route, best_worker, mark_prefill, free, stats, kv_metrics;
+  std::string route, best_worker, mark_prefill, free, stats, kv_metrics, generate;
+  std::string worker_generate_prefix;  // + worker_id
 };
 
 class KvRouterService {
@@ -78,7 +80,10 @@ class KvRouterService {
   void HandleKvEvent(const BusMessage& m);
   void HandleVllmEvent(const BusMessage& m);
   void HandleInstances(const BusMessage& m);
-  void HandleRoute(const BusMessage& m, bool best_worker_only);
+  enum class RouteKind { kRoute, kBestWorker, kGenerate };
+  void HandleRoute(const BusMessage& m, RouteKind kind);
+  // A worker's response to a forwarded generate request, on this router's relay subject.
+  void HandleRelay(const BusMessage& m);
   void HandleLifecycle(const BusMessage& m, bool free);
   void HandleStats(const BusMessage& m);
   void HandleReplicaSync(const BusMessage& m);
@@ -99,11 +104,24 @@ class KvRouterService {
   struct PendingRoute {
     RouteRequest req;
     Prepared prepared;
-    std::string reply;  // where the answer goes once admitted
+    std::string reply;      // where the answer goes once admitted
+    bool generate = false;  // router.generate: forward to the worker instead of replying
+  };
+  // A generate request forwarded to a worker, until its final response.
+  struct InFlight {
+    std::string request_id;
+    std::string caller_reply;
+    SteadyTime deadline;
+    bool first_seen = false;
   };
   using RouteQueue = RequestQueue<PendingRoute>;
   // Replies and gauges gathered under mu_ and published after it is released.
   struct Outbox {
+    struct Forward {
+      std::string subject, reply;
+      msgpack::sbuffer body;
+    };
+    std::vector<Forward> forwards;  // generate requests to workers
     std::vector<std::pair<std::string, msgpack::sbuffer>> replies;
     std::vector<std::pair<std::string, Status>> errors;
     std::vector<std::pair<WorkerKey, WorkerLoad>> metrics;
@@ -111,6 +129,8 @@ class KvRouterService {
   // A queued request with no timeout_ms waits at most this long (then `timeout`), so a client
   // that went away is never booked on a worker long after.
   static constexpr std::chrono::seconds kDefaultQueueWait{60};
+  // A generate request without timeout_ms is abandoned (freed, `timeout`) after this long.
+  static constexpr std::chrono::seconds kDefaultGenerateTimeout{300};
 
   Result<Prepared> Prepare(const RouteRequest& req) const;
   // Overlap per rank: from the event index (any thread), or in approximate mode from the
@@ -124,7 +144,11 @@ class KvRouterService {
   // mu_ held: select among `cands`, book, count.
   Result<RouteReply> DecideLocked(const RouteRequest& req, const Prepared& p, std::span<const Candidate> cands,
                                   double queued_ms);
-  Status EnqueueLocked(RouteRequest req, Prepared prepared, std::span<const Candidate> all, std::string_view reply);
+  Status EnqueueLocked(RouteRequest req, Prepared prepared, std::span<const Candidate> all, std::string_view reply,
+                       bool generate);
+  // mu_ held: a routed generate request goes to its worker; responses come back on the relay.
+  void ForwardLocked(const RouteRequest& req, const RouteReply& routed, std::string caller_reply, Outbox& out);
+  void ExpireInFlightLocked(Outbox& out);
   // mu_ held: admits, in policy order, the queued requests that fit now.
   void DrainLocked(Outbox& out);
   // mu_ held: answers `timeout` to queued requests past their deadline (Tick, every 50 ms).
@@ -161,6 +185,10 @@ class KvRouterService {
   std::vector<WorkerKey> metrics_dirty_;           // GUARDED_BY(mu_) loads to publish
   // Approximate mode (--no-router-kv-events without --load-aware); null otherwise.
   const std::unique_ptr<ApproxIndex> approx_;      // contents GUARDED_BY(mu_)
+  const std::string relay_prefix_;                 // "_KVR.<router_id>."
+  std::unordered_map<std::uint64_t, InFlight> inflight_;  // GUARDED_BY(mu_) relay number -> request
+  std::uint64_t next_relay_ = 0;                   // GUARDED_BY(mu_)
+  std::uint64_t generated_ids_ = 0;                // GUARDED_BY(mu_)
 
   std::vector<std::unique_ptr<BusSubscription>> subs_;
 };

@@ -31,6 +31,10 @@ class InMemoryBus : public MessageBus {
     return Deliver(subject, data, "", {});
   }
 
+  Status PublishRequest(std::string_view subject, std::string_view reply, std::span<const std::byte> data) override {
+    return Deliver(subject, data, reply, {});
+  }
+
   // Publishes with headers.
   Status PublishWithHeaders(std::string_view subject, std::span<const std::byte> data,
                             std::map<std::string, std::string> headers) {

@@ -50,6 +50,9 @@ class MessageBus {
                                                               std::string queue_group,
                                                               Handler handler) = 0;
   virtual Status Publish(std::string_view subject, std::span<const std::byte> data) = 0;
+  // Publishes with a reply subject for the receiver to answer on (possibly many times).
+  virtual Status PublishRequest(std::string_view subject, std::string_view reply,
+                                std::span<const std::byte> data) = 0;
 };
 
 }  // namespace kvrouter

@@ -31,4 +31,8 @@ Status NatsBus::Publish(std::string_view subject, std::span<const std::byte> dat
   return client_.Publish(subject, data);
 }
 
+Status NatsBus::PublishRequest(std::string_view subject, std::string_view reply, std::span<const std::byte> data) {
+  return client_.PublishRequest(subject, reply, data);
+}
+
 }  // namespace kvrouter

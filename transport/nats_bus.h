@@ -17,6 +17,7 @@ class NatsBus : public MessageBus {
   Result<std::unique_ptr<BusSubscription>> Subscribe(std::string subject, std::string queue_group,
                                                       Handler handler) override;
   Status Publish(std::string_view subject, std::span<const std::byte> data) override;
+  Status PublishRequest(std::string_view subject, std::string_view reply, std::span<const std::byte> data) override;
 
  private:
   NatsClient& client_;

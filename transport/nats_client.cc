@@ -497,6 +497,17 @@ Status NatsClient::Publish(std::string_view subject, std::span<const std::byte> 
   return Status::Ok();
 }
 
+Status NatsClient::PublishRequest(std::string_view subject, std::string_view reply,
+                                  std::span<const std::byte> data) {
+  if (data.size() > static_cast<size_t>(INT_MAX)) return InvalidArgument("payload too large");
+  CString subj(subject);
+  CString rep(reply);
+  const natsStatus s = natsConnection_PublishRequest(conn_.get(), subj.c_str(), rep.c_str(), data.data(),
+                                                     static_cast<int>(data.size()));
+  if (s != NATS_OK) return FromNats(s, fmt::format("publish to '{}'", subject));
+  return Status::Ok();
+}
+
 Status NatsClient::PublishWithHeaders(
     std::string_view subject, std::span<const std::byte> data,
     const std::vector<std::pair<std::string, std::string>>& headers) {

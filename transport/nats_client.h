@@ -143,6 +143,8 @@ class NatsClient {
                                                   MessageHandler handler);
 
   Status Publish(std::string_view subject, std::span<const std::byte> data);
+  // Publishes with a reply subject: the receiver answers there (streams of replies, relays).
+  Status PublishRequest(std::string_view subject, std::string_view reply, std::span<const std::byte> data);
   // Headers are added in order; a repeated key gets several values.
   Status PublishWithHeaders(std::string_view subject, std::span<const std::byte> data,
                             const std::vector<std::pair<std::string, std::string>>& headers);

@@ -155,7 +155,7 @@ TEST(RouteRequestCodec, TokenRequestRoundTrips) {
                    .worker_id = 0xffffffffffffffffull, .dp_rank = 2,
                    .allowed_worker_ids = std::vector<std::uint64_t>{5, 6},
                    .config_override = {.overlap_score_credit = 1.5, .router_temperature = 0},
-                   .timeout_ms = 2500};
+                   .timeout_ms = 2500, .max_tokens = 64};
   auto r = DecodeRouteRequest(AsBytes(EncodeRouteRequest(req)));
   ASSERT_TRUE(r.ok()) << r.status().ToString();
   EXPECT_EQ(*r, req);

@@ -298,6 +298,114 @@ TEST_F(ServiceTest, ReplicaSyncSharesBookingsBetweenReplicas) {
 }
 
 
+// ---- router.generate ----------------------------------------------------------------------
+
+class GenerateTest : public ServiceTest {
+ protected:
+  // A fake worker: records what it is asked and answers `responses` times (the last one final).
+  void FakeWorker(std::uint64_t id, int responses) {
+    worker_subs_.push_back(std::move(bus_.Subscribe(
+        "namespace.dynamo.component.backend.generate." + std::to_string(id), "", [this, id, responses](const BusMessage& m) {
+          auto doc = ParseMsgpack(m.data);
+          ASSERT_TRUE(doc.ok());
+          seen_.push_back({id, std::string(*ReadStr(FindKey(doc->get(), "request_id"), "request_id")),
+                           *ReadU32(FindKey(doc->get(), "max_tokens"), "max_tokens")});
+          const std::string reply(m.reply);
+          for (int i = 0; i < responses; ++i) {
+            msgpack::sbuffer b;
+            msgpack::packer<msgpack::sbuffer> pk(b);
+            const bool last = i + 1 == responses;
+            pk.pack_map(last ? 3 : 2);
+            PackKey(pk, "request_id"); pk.pack(seen_.back().request_id);
+            PackKey(pk, "index"); pk.pack(i);
+            if (last) { PackKey(pk, "finish_reason"); pk.pack("length"); }
+            (void)bus_.Publish(reply, AsBytes(b));
+          }
+        })).value());
+  }
+  // Sends a generate request; every response lands in `got`.
+  std::unique_ptr<BusSubscription> Generate(const RouteRequest& r, std::vector<std::vector<std::byte>>& got) {
+    const std::string inbox = "client.inbox." + std::to_string(++inboxes_);
+    auto sub = std::move(bus_.Subscribe(inbox, "", [&got](const BusMessage& m) { got.emplace_back(m.data.begin(), m.data.end()); })).value();
+    (void)bus_.PublishRequest(svc_->subjects().generate, inbox, AsBytes(EncodeRouteRequest(r)));
+    return sub;
+  }
+  struct Seen {
+    std::uint64_t worker;
+    std::string request_id;
+    std::uint32_t max_tokens;
+  };
+  std::vector<Seen> seen_;
+  std::vector<std::unique_ptr<BusSubscription>> worker_subs_;
+  int inboxes_ = 0;
+};
+
+TEST_F(GenerateTest, ForwardsToTheChosenWorkerRelaysEveryResponseAndFreesAtTheLast) {
+  StartWith({"--router-mode", "kv"});
+  Register(1);
+  FakeWorker(1, 3);
+  RouteRequest r = Prompt(kTwelve, "g1");
+  r.max_tokens = 7;
+  std::vector<std::vector<std::byte>> got;
+  auto sub = Generate(r, got);
+  ASSERT_EQ(seen_.size(), 1u);
+  EXPECT_EQ(seen_[0].request_id, "g1");
+  EXPECT_EQ(seen_[0].max_tokens, 7u);
+  ASSERT_EQ(got.size(), 3u);
+  auto last = ParseMsgpack(got.back());
+  ASSERT_TRUE(last.ok());
+  EXPECT_EQ(*ReadStr(FindKey(last->get(), "finish_reason"), "finish_reason"), "length");
+  EXPECT_EQ(StatU64(Stats().get(), "active_requests"), 0u);
+}
+
+TEST_F(GenerateTest, UnfinishedGenerationTimesOutAndReleasesItsBooking) {
+  StartWith({"--router-mode", "kv"});
+  Register(1, {.lease_ms = 1u << 30});
+  // Answers once, never with finish_reason.
+  worker_subs_.push_back(std::move(bus_.Subscribe("namespace.dynamo.component.backend.generate.1", "",
+                                                  [this](const BusMessage& m) {
+                                                    const std::string reply(m.reply);
+                                                    (void)bus_.Publish(reply, AsBytes(EncodeOkReply()));
+                                                  })).value());
+  RouteRequest r = Prompt(kTwelve);  // no request_id: the router names it
+  r.timeout_ms = 1000;
+  std::vector<std::vector<std::byte>> got;
+  auto sub = Generate(r, got);
+  ASSERT_EQ(got.size(), 1u);
+  EXPECT_EQ(StatU64(Stats().get(), "active_requests"), 1u);
+  now_ += milliseconds(1000);
+  svc_->Tick();
+  ASSERT_EQ(got.size(), 2u);
+  EXPECT_EQ(DecodeErrorReply(got.back()).code(), StatusCode::kTimeout);
+  EXPECT_EQ(StatU64(Stats().get(), "active_requests"), 0u);
+}
+
+TEST_F(GenerateTest, NeedsTokenIds) {
+  StartWith({"--router-mode", "kv"});
+  Register(1);
+  RouteRequest r;
+  r.block_hashes = {1, 2};
+  r.isl = 8;
+  std::vector<std::vector<std::byte>> got;
+  auto sub = Generate(r, got);
+  ASSERT_EQ(got.size(), 1u);
+  EXPECT_EQ(DecodeErrorReply(got[0]).code(), StatusCode::kInvalidArgument);
+}
+
+TEST_F(GenerateTest, QueuedGenerateIsForwardedOnAdmission) {
+  StartWith({"--router-mode", "kv", "--router-queue-threshold", "1"});
+  Register(1, {.max_num_batched_tokens = 8});
+  FakeWorker(1, 1);
+  ASSERT_TRUE(Route(Prompt(kTwelve, "busy")).ok());  // fills worker 1
+  std::vector<std::vector<std::byte>> got;
+  auto sub = Generate(Prompt(kTwelve, "waiting"), got);
+  EXPECT_TRUE(seen_.empty());
+  (void)bus_.Request(svc_->subjects().mark_prefill, AsBytes(EncodeLifecycleRequest("busy")));
+  ASSERT_EQ(seen_.size(), 1u);
+  EXPECT_EQ(seen_[0].request_id, "waiting");
+  EXPECT_EQ(got.size(), 1u);
+}
+
 // ---- approximate mode (--no-router-kv-events) ----------------------------------------------
 
 class ApproxTest : public ServiceTest {
