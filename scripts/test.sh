@@ -36,6 +36,13 @@ configure_build build -- -DCMAKE_BUILD_TYPE=RelWithDebInfo
 step "tests: unit and integration"
 ctest --test-dir build --output-on-failure -j "$jobs" --timeout 300
 
+step "docker-compose.yml"
+if command -v docker-compose >/dev/null; then
+  docker-compose -f docker-compose.yml config -q && echo "docker-compose.yml is valid"
+else
+  echo "docker-compose not installed: not validated"
+fi
+
 if [ "${KVROUTER_QUICK:-0}" = "1" ]; then
   echo "KVROUTER_QUICK=1: sanitizer builds and fuzzing skipped"
   exit 0
