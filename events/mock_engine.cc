@@ -98,7 +98,10 @@ void MockEngine::Allocate(const Waiting& w, std::size_t hits) {
     ++active_blocks_;
     stored.blocks.push_back({w.seq[i], w.local[i]});
   }
+  const std::size_t bs = config_.block_size;
+  stored_tokens_ = std::span<const std::uint32_t>(w.request.tokens).subspan(hits * bs, fresh * bs);
   Publish(std::move(stored));
+  stored_tokens_ = {};
 }
 
 void MockEngine::Publish(KvEventData data) {

@@ -117,6 +117,12 @@ class MockEngine {
                         std::optional<std::uint64_t> end) const;
   std::uint64_t last_event_id() const { return last_event_id_; }
 
+  // Inside the sink, while it receives a stored event: the prompt tokens of the chain's blocks
+  // (block k holds [k * block_size, (k + 1) * block_size)), for publishers whose wire format
+  // carries tokens (vLLM BlockStored). Empty for other events and outside the sink; the view
+  // ends when the sink returns.
+  std::span<const std::uint32_t> stored_tokens() const { return stored_tokens_; }
+
  private:
   struct Block {
     LocalHash local = 0;
@@ -159,6 +165,7 @@ class MockEngine {
   std::size_t active_blocks_ = 0;
   std::uint64_t last_event_id_ = 0;
   std::deque<KvEventBatch> recent_;  // the last event_buffer events, oldest first
+  std::span<const std::uint32_t> stored_tokens_;  // set only around the sink call of a stored event
 };
 
 }  // namespace kvrouter

@@ -209,6 +209,7 @@ void KvRouterService::ForgetLocked(std::uint64_t worker_id) {
   load_.RemoveWorker(worker_id);
   index_.RemoveWorker(worker_id);
   if (approx_) approx_->RemoveWorker(worker_id);
+  std::erase_if(routed_to_, [&](const auto& e) { return e.first.worker_id == worker_id; });
 }
 
 void KvRouterService::Tick() {
@@ -353,6 +354,7 @@ Result<RouteReply> KvRouterService::DecideLocked(const RouteRequest& req, const 
     if (approx_) approx_->Record(chosen.worker, p.local, p.seq, clock_());
   }
   ++routed_[std::string(RouterModeName(config_.mode))];
+  if (req.update_states) ++routed_to_[chosen.worker];
   return RouteReply{.worker_id = chosen.worker.worker_id,
                     .dp_rank = chosen.worker.dp_rank,
                     .overlap_blocks = overlap,
@@ -633,7 +635,7 @@ void KvRouterService::HandleStats(const BusMessage& m) {
     for (std::uint32_t r = w.reg.dp_start; r < w.reg.dp_start + w.reg.dp_size; ++r) {
       const WorkerKey k{id, r};
       const WorkerLoad l = load_.Load(k);
-      pk.pack_map(7);
+      pk.pack_map(8);
       PackKey(pk, "worker_id"); pk.pack(id);
       PackKey(pk, "dp_rank"); pk.pack(r);
       const std::uint64_t held = approx_ ? approx_->TreeSize(k) : (blocks.count(k) ? blocks[k] : 0);
@@ -642,6 +644,8 @@ void KvRouterService::HandleStats(const BusMessage& m) {
       PackKey(pk, "active_prefill_tokens"); pk.pack(l.active_prefill_tokens);
       PackKey(pk, "active_requests"); pk.pack(l.active_requests);
       PackKey(pk, "device"); pk.pack(w.reg.device);
+      auto routed = routed_to_.find(k);
+      PackKey(pk, "routed_requests"); pk.pack(routed == routed_to_.end() ? std::uint64_t{0} : routed->second);
     }
   }
   PackKey(pk, "queue_length"); pk.pack(queue_.size());

@@ -174,6 +174,7 @@ class KvRouterService {
   Selector selector_;                              // GUARDED_BY(mu_)
   std::mt19937_64 rng_;                            // GUARDED_BY(mu_)
   std::map<std::string, std::uint64_t> routed_;    // GUARDED_BY(mu_) mode -> count
+  std::unordered_map<WorkerKey, std::uint64_t, WorkerKeyHash> routed_to_;  // GUARDED_BY(mu_)
   std::map<std::string, std::uint64_t> route_errors_;  // GUARDED_BY(mu_) code -> count
   std::map<std::string, std::uint64_t> drops_;     // GUARDED_BY(mu_) service-side drop reasons
   std::uint64_t workers_refused_ = 0;              // GUARDED_BY(mu_)

@@ -1,19 +1,91 @@
 #!/usr/bin/env bash
-# The one-command demo. The full demo (mock workers replaying the Mooncake trace in kv,
-# round-robin and approximate mode) comes with kvmocker and kvbench (issue 6). Until then it
-# installs, builds and shows kvrouter at work: the index (apply rate, find_matches latency,
-# memory), route round trips through a real nats-server and kvrouter it starts on a free
-# local port (and stops), and the queue policies compared under 2x overload.
+# The one-command demo: installs what is missing, builds, starts nats-server, kvrouter and 4
+# mock workers on free local ports, replays a workload through router.generate in kv mode,
+# round-robin and approximate mode, prints the comparison, and stops everything it started
+# (also on Ctrl-C). The workload is a slice of the shared Mooncake trace when
+# ../shared/traces/conversation_trace.jsonl (or $KVROUTER_TRACE) exists, else the synthetic
+# multi-turn conversation workload.
+#
+#   scripts/demo.sh                 about a minute on a 2-core machine
+#   DEMO_REQUESTS=600 scripts/demo.sh
+#   DEMO_JSON_DIR=out scripts/demo.sh   also keeps each mode's kvbench JSON
 set -euo pipefail
 cd "$(dirname "$0")/.."
+root=$(pwd)
+
 bash scripts/setup.sh
 gen=()
 command -v ninja >/dev/null && gen=(-G Ninja)
 cmake -S . -B build "${gen[@]}" -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
-cmake --build build -j "$(nproc 2>/dev/null || echo 2)" --target index_bench route_bench queue_bench kvrouter
-echo "== the index: apply rate, find_matches latency (64 / 1,000 workers), memory per block"
-build/bin/index_bench --benchmark_filter='ApplyChains16|FindMatches200/(64|1000)/0|MemoryPerPair/64'
-echo "== route round trip through nats-server + kvrouter (idle, and with 100k events/s)"
-build/bin/route_bench
-echo "== TTFT per priority class under 2x overload: no queue vs fcfs / wspt / lcfs (seconds)"
-build/bin/queue_bench
+cmake --build build -j "$(nproc 2>/dev/null || echo 2)" --target kvrouter kvmocker kvbench >/dev/null
+bin=$root/build/bin
+
+work=$(mktemp -d)
+pids=()
+stop_all() {
+  for pid in "${pids[@]:-}"; do
+    [ -n "$pid" ] && kill "$pid" 2>/dev/null || true
+  done
+  for pid in "${pids[@]:-}"; do
+    [ -n "$pid" ] && wait "$pid" 2>/dev/null || true
+  done
+  pids=()
+}
+cleanup() { stop_all; rm -rf "$work"; }
+trap cleanup EXIT
+trap 'echo; echo "demo: interrupted"; exit 130' INT TERM
+
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+wait_port() {  # port: until it accepts connections (10 s)
+  for _ in $(seq 1 200); do
+    (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0
+    sleep 0.05
+  done
+  echo "demo: nothing listens on port $1" >&2
+  return 1
+}
+
+nats_server=$(command -v nats-server || echo /usr/sbin/nats-server)
+port=$(free_port)
+url="nats://127.0.0.1:$port"
+
+trace=${KVROUTER_TRACE:-$root/../shared/traces/conversation_trace.jsonl}
+requests=${DEMO_REQUESTS:-400}
+if [ -f "$trace" ]; then
+  workload=(--trace "$trace" --max-requests "$requests" --speedup 4)
+  echo "demo: replaying the first $requests requests of $trace"
+else
+  workload=(--synthetic --sessions $((requests / 4)) --turns 4 --rate 25)
+  echo "demo: no trace at $trace; replaying $requests synthetic multi-turn conversation requests"
+fi
+
+rows=()
+run() {  # label, router flags...
+  local label=$1; shift
+  "$nats_server" -a 127.0.0.1 -p "$port" >"$work/nats.log" 2>&1 &
+  pids+=($!)
+  wait_port "$port"
+  "$bin/kvrouter" --nats-server "$url" "$@" >"$work/kvrouter-$label.log" 2>&1 &
+  pids+=($!)
+  "$bin/kvmocker" --nats-server "$url" --num-workers 4 --num-gpu-blocks 2048 --speedup-ratio 10 \
+    >"$work/kvmocker-$label.log" 2>&1 &
+  pids+=($!)
+  echo "demo: $label ..."
+  "$bin/kvbench" --nats-server "$url" --wait-workers 4 --label "$label" --concurrency 64 "${workload[@]}" \
+    --json "$work/$label.json" >"$work/$label.txt" 2>"$work/kvbench-$label.log"
+  rows+=("$(tail -n 1 "$work/$label.txt")")
+  stop_all  # a fresh NATS, router and cold workers for the next mode
+}
+
+run kv --router-mode kv
+run round-robin --router-mode round-robin
+run kv-approx --router-mode kv --no-router-kv-events
+
+echo
+head -n 1 "$work/kv.txt"
+printf '%s\n' "${rows[@]}"
+echo
+echo "kv_hit = cached prompt tokens / prompt tokens; max/share = busiest worker's requests / a fair share."
+[ -n "${DEMO_JSON_DIR:-}" ] && mkdir -p "$DEMO_JSON_DIR" && cp "$work"/*.json "$DEMO_JSON_DIR"/ \
+  && echo "JSON per mode: $DEMO_JSON_DIR"
+exit 0

@@ -1,19 +1,22 @@
 // kvbench: replays a Mooncake-format trace (or a synthetic conversation workload) against the
 // router and reports KV hit rate, TTFT / end-to-end percentiles, throughput and per-worker
-// spread (DESIGN.md "Load generator"). This build runs the offline mode: the router's own
-// logic and simulated engines on virtual time in one process (see router/kvbench/offline.h).
+// spread (DESIGN.md "Load generator"). Online (default): through a running router's
+// `generate` endpoint to running workers over NATS (router/kvbench/online.h). --offline: the
+// router's own logic and simulated engines on virtual time in one process (offline.h).
 //
+//   kvbench --synthetic --concurrency 64 --json out.json          (online, NATS_SERVER)
 //   kvbench --offline --trace trace.jsonl --workers 8 --compare --json out.json
-//   kvbench --offline --synthetic --router-mode kv
-// Exit codes: 0 done, 2 bad flags or trace.
+// Exit codes: 0 done, 1 NATS or router failure (online), 2 bad flags or trace.
 #include <boost/program_options.hpp>
 #include <fmt/format.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <iostream>
 #include <fstream>
 
 #include "router/kvbench/offline.h"
+#include "router/kvbench/online.h"
 
 namespace po = boost::program_options;
 using namespace kvrouter;
@@ -24,7 +27,13 @@ int main(int argc, char** argv) {
   // clang-format off
   desc.add_options()
     ("help,h", "print this help")
-    ("offline", po::bool_switch(), "simulate engines on virtual time in this process (required in this build)")
+    ("offline", po::bool_switch(), "simulate the router and engines on virtual time in this process")
+    ("nats-server", po::value<std::string>(), "online: NATS URL (default NATS_SERVER or nats://127.0.0.1:4222)")
+    ("namespace", po::value<std::string>()->default_value("dynamo"), "online: the router's namespace")
+    ("concurrency", po::value<std::size_t>()->default_value(64), "online: requests in flight at most")
+    ("timeout", po::value<double>()->default_value(600), "online: seconds to wait for the last responses")
+    ("label", po::value<std::string>()->default_value("online"), "online: the run's name in the report")
+    ("wait-workers", po::value<std::size_t>()->default_value(0), "online: first wait until the router knows this many worker ranks")
     ("trace", po::value<std::string>(), "Mooncake JSONL trace")
     ("synthetic", po::bool_switch(), "use the synthetic multi-turn conversation workload instead of a trace")
     ("sessions", po::value<std::uint32_t>()->default_value(200), "synthetic: conversations")
@@ -61,9 +70,10 @@ int main(int argc, char** argv) {
     std::cout << desc;
     return 0;
   }
-  if (!vm["offline"].as<bool>()) {
-    fmt::print(stderr, "kvbench: this build replays offline only; pass --offline (online replay through "
-                       "router.generate comes with kvmocker)\n");
+  const bool offline = vm["offline"].as<bool>();
+  if (!offline && vm["compare"].as<bool>()) {
+    fmt::print(stderr, "kvbench: --compare runs several router modes and needs --offline (online, the running "
+                       "router's mode is what you measure)\n");
     return 2;
   }
 
@@ -87,6 +97,25 @@ int main(int argc, char** argv) {
   if (const auto max = vm["max-requests"].as<std::size_t>(); max > 0 && trace.size() > max) trace.resize(max);
   if (const double speedup = vm["speedup"].as<double>(); speedup > 0 && speedup != 1) {
     for (auto& r : trace) r.timestamp_ms /= speedup;
+  }
+
+  if (!offline) {
+    OnlineOptions o;
+    o.label = vm["label"].as<std::string>();
+    const char* env = std::getenv("NATS_SERVER");
+    o.nats_url = vm.count("nats-server") ? vm["nats-server"].as<std::string>() : (env ? env : o.nats_url);
+    o.ns = vm["namespace"].as<std::string>();
+    o.concurrency = std::max<std::size_t>(1, vm["concurrency"].as<std::size_t>());
+    o.timeout_s = vm["timeout"].as<double>();
+    o.wait_workers = vm["wait-workers"].as<std::size_t>();
+    auto s = RunOnline(trace, o);
+    if (!s.ok()) {
+      fmt::print(stderr, "kvbench: {}\n", s.status().message());
+      return 1;
+    }
+    fmt::print("{}", SummaryTable({*s}));
+    if (vm.count("json")) std::ofstream(vm["json"].as<std::string>()) << SummaryJson(*s) << "\n";
+    return 0;
   }
 
   OfflineOptions base;

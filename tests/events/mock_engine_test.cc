@@ -188,6 +188,32 @@ TEST(MockEngine, SharedPrefixPublishesAChainWhoseParentIsTheLastSharedBlock) {
   EXPECT_EQ(h.engine().CachedBlocks(), 5u);
 }
 
+TEST(MockEngine, StoredTokensInsideTheSinkAreTheTokensOfTheNewBlocksOnly) {
+  std::vector<std::vector<std::uint32_t>> stored_tokens;
+  std::size_t removals_with_tokens = 0;
+  MockEngine* engine = nullptr;
+  MockEngine e({.num_gpu_blocks = 5, .block_size = 4}, [&](KvEventBatch&& b) {
+    const auto t = engine->stored_tokens();
+    if (std::holds_alternative<KvStored>(b.ops.at(0).data)) {
+      stored_tokens.emplace_back(t.begin(), t.end());
+    } else {
+      removals_with_tokens += !t.empty();
+    }
+  });
+  engine = &e;
+  std::vector<EngineOutput> out;
+  auto run = [&] { for (double now = 0; !e.Idle();) now += e.Step(now, out); };
+  e.Add({.id = "a", .tokens = Tokens(1, 14)});  // 3 full blocks + a partial one
+  run();
+  e.Add({.id = "b", .tokens = Concat(Tokens(1, 8), Tokens(100, 10))});  // A0 A1 B2 B3 + partial
+  run();                                                                 // evicts A2
+  ASSERT_EQ(stored_tokens.size(), 2u);
+  EXPECT_EQ(stored_tokens[0], Tokens(1, 12));
+  EXPECT_EQ(stored_tokens[1], Tokens(100, 8));
+  EXPECT_EQ(removals_with_tokens, 0u);
+  EXPECT_TRUE(e.stored_tokens().empty());
+}
+
 TEST(MockEngine, LoraNameSeparatesCachedBlocks) {
   EngineHarness h({.block_size = 4});
   const auto prompt = Tokens(1, 8);

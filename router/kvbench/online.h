@@ -1,0 +1,30 @@
+// kvbench's online mode: replays a trace through a running router's `generate` endpoint
+// (which forwards to running workers, e.g. kvmocker) over NATS, on real time. Requests leave
+// at their trace time (divided by the speedup) with at most `concurrency` in flight; responses
+// stream back on this client's inbox. Per-worker spread comes from the router's stats.
+//
+//   auto s = RunOnline(trace, {.nats_url = "nats://127.0.0.1:4222", .concurrency = 64});
+#pragma once
+
+#include <cstddef>
+#include <string>
+#include <vector>
+
+#include "router/kvbench/report.h"
+#include "router/kvbench/trace.h"
+
+namespace kvrouter::bench {
+
+struct OnlineOptions {
+  std::string label = "online";
+  std::string nats_url = "nats://127.0.0.1:4222";
+  std::string ns = "dynamo";
+  std::size_t concurrency = 64;   // requests in flight at most
+  double timeout_s = 600;         // give up on requests still open after this long
+  bool progress = true;           // progress lines on stderr
+  std::size_t wait_workers = 0;   // first wait (up to 30 s) until the router knows this many ranks
+};
+
+Result<Summary> RunOnline(const std::vector<TraceRequest>& trace, const OnlineOptions& options);
+
+}  // namespace kvrouter::bench

@@ -1,0 +1,76 @@
+// kvmocker: N simulated vLLM-like workers on NATS (DESIGN.md "Mock worker", PROTOCOL.md 2-4, 6, 7).
+// Parses flags (and DYN_* environment), connects, runs a MockWorkerFleet until SIGINT/SIGTERM,
+// then announces "leaving", drains and exits 0.
+// Exit codes: 0 clean shutdown or --help, 2 bad flags, 1 NATS failure.
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "router/kvmocker/mocker.h"
+#include "transport/nats_client.h"
+
+namespace {
+
+// "7", "7, 8" or "7..38" for many.
+std::string DescribeIds(const std::vector<std::uint64_t>& ids) {
+  if (ids.size() <= 4) return fmt::format("{}", fmt::join(ids, ", "));
+  return fmt::format("{}..{}", ids.front(), ids.back());
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  using namespace kvrouter;
+  auto parsed = ParseMockerConfig(argc, argv, [](const char* name) { return std::getenv(name); });
+  if (!parsed.ok()) {
+    fmt::print(stderr, "kvmocker: {}\n(see kvmocker --help)\n", parsed.status().message());
+    return 2;
+  }
+  if (parsed->help) {
+    fmt::print("{}", parsed->help_text);
+    return 0;
+  }
+  const MockerConfig& cfg = parsed->config;
+
+  // Signals are taken by sigwait below; every thread started from here on inherits the mask.
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGINT);
+  sigaddset(&stop_signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+  std::signal(SIGPIPE, SIG_IGN);
+
+  auto nc = NatsClient::Connect(
+      {.url = cfg.nats_server, .name = "kvmocker", .send_asap = true},  // responses without delay
+      {.on_reconnected = [] { fmt::print(stderr, "kvmocker I connected to NATS\n"); },
+       .on_disconnected = [] { fmt::print(stderr, "kvmocker W lost NATS; reconnecting\n"); }});
+  if (!nc.ok()) {
+    fmt::print(stderr, "kvmocker: cannot connect to {}: {}\n", cfg.nats_server, nc.status().message());
+    return 1;
+  }
+  auto fleet = std::make_unique<MockWorkerFleet>(cfg, **nc);
+  if (Status s = fleet->Start(); !s.ok()) {
+    fmt::print(stderr, "kvmocker: {}\n", s.message());
+    return 1;
+  }
+  fmt::print(stderr,
+             "kvmocker I serving {} worker(s) [{}] x dp_size {} on {} namespace '{}' component '{}' "
+             "({} blocks of {} tokens, speedup {}, {} events)\n",
+             cfg.num_workers, DescribeIds(fleet->worker_ids()), cfg.dp_size, cfg.nats_server, cfg.ns,
+             cfg.component, cfg.num_gpu_blocks, cfg.block_size, cfg.speedup_ratio,
+             cfg.event_format == MockEventFormat::kDynamo ? "dynamo" : "vllm");
+
+  int sig = 0;
+  sigwait(&stop_signals, &sig);
+  fmt::print(stderr, "kvmocker I signal {}: leaving\n", sig);
+  fleet->Stop();
+  const auto c = fleet->counters();
+  fmt::print(stderr, "kvmocker I served {} requests, published {} events ({} bad requests, {} refused, {} publish failures)\n",
+             c.requests, c.events, c.bad_requests, c.inbox_full, c.publish_failures);
+  (*nc)->Drain(std::chrono::seconds(2));
+  fleet.reset();
+  return 0;
+}

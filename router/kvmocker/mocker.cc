@@ -1,0 +1,748 @@
+#include "router/kvmocker/mocker.h"
+
+#include <boost/program_options.hpp>
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cassert>
+#include <cctype>
+#include <charconv>
+#include <cmath>
+#include <random>
+#include <sstream>
+#include <utility>
+
+#include "events/event_codec.h"
+#include "events/message_codec.h"
+#include "events/msgpack_reader.h"
+#include "events/vllm_codec.h"
+
+namespace kvrouter {
+namespace po = boost::program_options;
+using Packer = msgpack::packer<msgpack::sbuffer>;
+
+namespace {
+
+constexpr double kInfinity = std::numeric_limits<double>::infinity();
+
+// DYN_ + upper snake case; NATS_SERVER for --nats-server (as kvrouter reads it).
+std::string EnvNameFor(std::string_view flag) {
+  if (flag == "nats-server") return "NATS_SERVER";
+  std::string out = "DYN_";
+  for (char c : flag) {
+    out += c == '-' ? '_' : static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  }
+  return out;
+}
+
+Status OutOfRange(std::string_view flag, std::string_view range) {
+  return InvalidArgument(fmt::format("--{} must be {}", flag, range));
+}
+
+// An integer flag in [lo, hi] (read as int64 so "-1" is refused rather than wrapped).
+Result<std::uint32_t> U32Flag(const po::variables_map& vm, const char* flag, std::int64_t lo,
+                              std::int64_t hi) {
+  const std::int64_t v = vm[flag].as<std::int64_t>();
+  if (v < lo || v > hi) {
+    return hi == std::numeric_limits<std::uint32_t>::max()
+               ? OutOfRange(flag, fmt::format(">= {}", lo))
+               : OutOfRange(flag, fmt::format("in [{}, {}]", lo, hi));
+  }
+  return static_cast<std::uint32_t>(v);
+}
+
+double UnixSeconds() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+std::uint64_t UnixMs() {
+  return static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::milliseconds>(
+                                        std::chrono::system_clock::now().time_since_epoch())
+                                        .count());
+}
+
+// The k-th generated token of every request (the mock generates no real text).
+std::uint32_t FakeToken(std::uint32_t k) { return 1 + k % 127; }
+
+// request_id of an undecodable request when it can still be read, else "".
+std::string PeekRequestId(std::span<const std::byte> body) {
+  auto doc = ParseMsgpack(body);
+  if (!doc.ok()) return {};
+  auto id = ReadStr(FindKey(doc->get(), "request_id"), "request_id");
+  return id.ok() ? std::string(*id) : std::string();
+}
+
+void PackOptionalU64(Packer& pk, const std::optional<std::uint64_t>& v) {
+  if (v) {
+    pk.pack_uint64(*v);
+  } else {
+    pk.pack_nil();
+  }
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Flags.
+
+Result<ParsedMockerArgs> ParseMockerConfig(int argc, const char* const* argv, const EnvLookup& env) {
+  const MockerConfig d;
+  po::options_description desc(
+      "kvmocker options (each also read from DYN_<FLAG> in the environment, NATS_SERVER for "
+      "--nats-server)");
+  // clang-format off
+  desc.add_options()
+    ("help,h", "print this help and exit")
+    ("nats-server", po::value<std::string>()->default_value(d.nats_server), "NATS server URL")
+    ("namespace", po::value<std::string>()->default_value(d.ns), "namespace of the subjects")
+    ("component", po::value<std::string>()->default_value(d.component), "worker component name")
+    ("num-workers", po::value<std::int64_t>()->default_value(d.num_workers), "workers in this process [1, 1024]")
+    ("worker-id-base", po::value<std::string>(), "id of the first worker (default: random in [1, 2^48))")
+    ("dp-size", po::value<std::int64_t>()->default_value(d.dp_size), "data-parallel ranks per worker [1, 64], one engine each")
+    ("num-gpu-blocks", po::value<std::int64_t>()->default_value(d.num_gpu_blocks), "KV cache blocks per rank (>= 1)")
+    ("block-size", po::value<std::int64_t>()->default_value(d.block_size), "tokens per KV block [1, 65536]")
+    ("max-num-seqs", po::value<std::int64_t>()->default_value(d.max_num_seqs), "running requests per rank (>= 1)")
+    ("max-num-batched-tokens", po::value<std::int64_t>()->default_value(d.max_num_batched_tokens), "uncached prompt tokens prefilled per step (>= 1)")
+    ("speedup-ratio", po::value<double>()->default_value(d.speedup_ratio), "divides every simulated duration (> 0)")
+    ("event-format", po::value<std::string>()->default_value("dynamo"), "dynamo | vllm")
+    ("heartbeat-ms", po::value<std::int64_t>()->default_value(d.heartbeat_ms), "registration period in ms (>= 10)")
+    ("lease-ms", po::value<std::int64_t>()->default_value(d.lease_ms), "lease announced to the router in ms (> heartbeat-ms)")
+    ("device", po::value<std::string>()->default_value(d.device), "device announced to the router (gpu, cpu, ...)");
+  // clang-format on
+
+  ParsedMockerArgs out;
+  po::variables_map vm;
+  try {
+    po::store(po::command_line_parser(argc, argv).options(desc).run(), vm);
+  } catch (const po::error& e) {
+    return InvalidArgument(e.what());
+  }
+  // Environment values for flags not given on the command line, parsed one at a time so an
+  // error names the variable.
+  for (const auto& opt : desc.options()) {
+    const std::string& name = opt->long_name();
+    if (name == "help") continue;
+    if (vm.count(name) && !vm[name].defaulted()) continue;  // the command line wins
+    const std::string var = EnvNameFor(name);
+    const char* raw = env(var.c_str());
+    if (raw == nullptr || *raw == '\0') continue;
+    const std::string arg = fmt::format("--{}={}", name, raw);
+    const char* eargv[] = {"env", arg.c_str()};
+    po::variables_map env_vm;
+    try {
+      po::store(po::command_line_parser(2, eargv).options(desc).run(), env_vm);
+    } catch (const po::error& e) {
+      return InvalidArgument(fmt::format("{}={}: {}", var, raw, e.what()));
+    }
+    vm.erase(name);
+    vm.insert({name, env_vm[name]});
+  }
+  try {
+    po::notify(vm);
+  } catch (const po::error& e) {
+    return InvalidArgument(e.what());
+  }
+
+  if (vm.count("help")) {
+    std::ostringstream ss;
+    ss << desc;
+    out.help = true;
+    out.help_text = ss.str();
+    return out;
+  }
+
+  MockerConfig& c = out.config;
+  c.nats_server = vm["nats-server"].as<std::string>();
+  c.ns = vm["namespace"].as<std::string>();
+  c.component = vm["component"].as<std::string>();
+  if (c.ns.empty()) return OutOfRange("namespace", "non-empty");
+  if (c.component.empty()) return OutOfRange("component", "non-empty");
+  constexpr std::int64_t kU32Max = std::numeric_limits<std::uint32_t>::max();
+  struct U32Field {
+    const char* flag;
+    std::int64_t lo, hi;
+    std::uint32_t& out;
+  };
+  for (const U32Field& f : {U32Field{"num-workers", 1, kMaxMockRanks, c.num_workers},
+                            U32Field{"dp-size", 1, 64, c.dp_size},
+                            U32Field{"num-gpu-blocks", 1, kU32Max, c.num_gpu_blocks},
+                            U32Field{"block-size", 1, 65536, c.block_size},
+                            U32Field{"max-num-seqs", 1, kU32Max, c.max_num_seqs},
+                            U32Field{"max-num-batched-tokens", 1, kU32Max, c.max_num_batched_tokens},
+                            U32Field{"heartbeat-ms", 10, kU32Max, c.heartbeat_ms},
+                            U32Field{"lease-ms", 1, kU32Max, c.lease_ms}}) {
+    auto v = U32Flag(vm, f.flag, f.lo, f.hi);
+    if (!v.ok()) return v.status();
+    f.out = *v;
+  }
+  if (static_cast<std::uint64_t>(c.num_workers) * c.dp_size > kMaxMockRanks) {
+    return InvalidArgument(fmt::format("--num-workers * --dp-size must be at most {} (got {} * {})",
+                                       kMaxMockRanks, c.num_workers, c.dp_size));
+  }
+  if (c.lease_ms <= c.heartbeat_ms) {
+    return InvalidArgument(fmt::format("--lease-ms ({}) must be greater than --heartbeat-ms ({})",
+                                       c.lease_ms, c.heartbeat_ms));
+  }
+  if (vm.count("worker-id-base")) {
+    const std::string s = vm["worker-id-base"].as<std::string>();
+    std::uint64_t base = 0;
+    auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), base);
+    const std::uint64_t max_base = std::numeric_limits<std::uint64_t>::max() - (c.num_workers - 1);
+    if (ec != std::errc() || end != s.data() + s.size() || base > max_base) {
+      return OutOfRange("worker-id-base", fmt::format("an integer in [0, {}]", max_base));
+    }
+    c.worker_id_base = base;
+  }
+  c.speedup_ratio = vm["speedup-ratio"].as<double>();
+  if (!(c.speedup_ratio > 0) || !std::isfinite(c.speedup_ratio)) {
+    return OutOfRange("speedup-ratio", "a finite number > 0");
+  }
+  const std::string format = vm["event-format"].as<std::string>();
+  if (format == "dynamo") {
+    c.event_format = MockEventFormat::kDynamo;
+  } else if (format == "vllm") {
+    c.event_format = MockEventFormat::kVllm;
+  } else {
+    return OutOfRange("event-format", "dynamo or vllm");
+  }
+  c.device = vm["device"].as<std::string>();
+  if (c.device.empty()) return OutOfRange("device", "non-empty");
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Generate codec.
+
+msgpack::sbuffer GenerateRequest::Encode() const {
+  msgpack::sbuffer buf;
+  Packer pk(buf);
+  pk.pack_map(4);
+  PackKey(pk, "request_id");
+  pk.pack(request_id);
+  PackKey(pk, "token_ids");
+  pk.pack_array(static_cast<std::uint32_t>(token_ids.size()));
+  for (std::uint32_t t : token_ids) pk.pack_uint32(t);
+  PackKey(pk, "max_tokens");
+  pk.pack_uint32(max_tokens);
+  PackKey(pk, "dp_rank");
+  pk.pack_uint32(dp_rank);
+  return buf;
+}
+
+Result<GenerateRequest> GenerateRequest::Decode(std::span<const std::byte> body) {
+  auto doc = ParseMsgpack(body);
+  if (!doc.ok()) return doc.status();
+  const msgpack::object& root = doc->get();
+  if (!IsMap(root)) return InvalidArgument("generate request must be a map");
+  GenerateRequest r;
+  FieldReads reads;
+  reads.Required(root, "request_id", ReadStr, r.request_id);
+  reads.Required(root, "token_ids", ReadU32Array, r.token_ids);
+  reads.Optional(root, "max_tokens", ReadU32, r.max_tokens);
+  reads.Optional(root, "dp_rank", ReadU32, r.dp_rank);
+  if (!reads.ok()) return reads.status();
+  if (r.max_tokens < 1 || r.max_tokens > kMaxGenerateTokens) {
+    return InvalidArgument(fmt::format("max_tokens must be in [1, {}]", kMaxGenerateTokens));
+  }
+  return r;
+}
+
+msgpack::sbuffer GenerateResponse::Encode() const {
+  msgpack::sbuffer buf;
+  Packer pk(buf);
+  const bool with_message = is_final() && !message.empty();
+  pk.pack_map(is_final() ? (with_message ? 8 : 7) : 3);
+  PackKey(pk, "request_id");
+  pk.pack(request_id);
+  PackKey(pk, "token_ids");
+  pk.pack_array(static_cast<std::uint32_t>(token_ids.size()));
+  for (std::uint32_t t : token_ids) pk.pack_uint32(t);
+  PackKey(pk, "index");
+  pk.pack_uint32(index);
+  if (!is_final()) return buf;
+  PackKey(pk, "finish_reason");
+  pk.pack(*finish_reason);
+  PackKey(pk, "cached_tokens");
+  pk.pack_uint32(cached_tokens);
+  PackKey(pk, "prompt_tokens");
+  pk.pack_uint32(prompt_tokens);
+  PackKey(pk, "ttft_ms");
+  pk.pack_double(ttft_ms);
+  if (with_message) {
+    PackKey(pk, "message");
+    pk.pack(message);
+  }
+  return buf;
+}
+
+Result<GenerateResponse> GenerateResponse::Decode(std::span<const std::byte> body) {
+  auto doc = ParseMsgpack(body);
+  if (!doc.ok()) return doc.status();
+  const msgpack::object& root = doc->get();
+  if (!IsMap(root)) return InvalidArgument("generate response must be a map");
+  GenerateResponse r;
+  FieldReads reads;
+  reads.Required(root, "request_id", ReadStr, r.request_id);
+  reads.Required(root, "token_ids", ReadU32Array, r.token_ids);
+  reads.Optional(root, "index", ReadU32, r.index);
+  reads.Optional(root, "finish_reason", ReadStr, r.finish_reason);
+  reads.Optional(root, "cached_tokens", ReadU32, r.cached_tokens);
+  reads.Optional(root, "prompt_tokens", ReadU32, r.prompt_tokens);
+  reads.Optional(root, "ttft_ms", ReadF64, r.ttft_ms);
+  reads.Optional(root, "message", ReadStr, r.message);
+  if (!reads.ok()) return reads.status();
+  return r;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Recovery codec.
+
+msgpack::sbuffer RecoveryQuery::Encode() const {
+  msgpack::sbuffer buf;
+  Packer pk(buf);
+  pk.pack_map(2);
+  PackKey(pk, "start_event_id");
+  PackOptionalU64(pk, start_event_id);
+  PackKey(pk, "end_event_id");
+  PackOptionalU64(pk, end_event_id);
+  return buf;
+}
+
+Result<RecoveryQuery> RecoveryQuery::Decode(std::span<const std::byte> body) {
+  auto doc = ParseMsgpack(body);
+  if (!doc.ok()) return doc.status();
+  const msgpack::object& root = doc->get();
+  if (!IsMap(root)) return InvalidArgument("recovery query must be a map");
+  RecoveryQuery q;
+  FieldReads reads;
+  reads.Optional(root, "start_event_id", ReadU64, q.start_event_id);
+  reads.Optional(root, "end_event_id", ReadU64, q.end_event_id);
+  if (!reads.ok()) return reads.status();
+  return q;
+}
+
+void PackKvCacheEvent(Packer& pk, const KvEventBatch& batch) {
+  // EncodeRouterEvent writes {worker_id, [storage_tier], event: <KvCacheEvent>}: take its
+  // `event` value so the data grammar is written in one place (events/event_codec.cc).
+  const msgpack::sbuffer router_event = EncodeRouterEvent(batch);
+  const msgpack::object_handle doc = msgpack::unpack(router_event.data(), router_event.size());
+  const msgpack::object* event = FindKey(doc.get(), "event");
+  assert(event != nullptr);
+  pk.pack(*event);
+}
+
+msgpack::sbuffer EncodeRecoveryReply(const MockEngine::RecoveryReply& reply) {
+  msgpack::sbuffer buf;
+  Packer pk(buf);
+  pk.pack_map(reply.message.empty() ? 3 : 4);
+  PackKey(pk, "kind");
+  pk.pack(reply.kind);
+  PackKey(pk, "events");
+  pk.pack_array(static_cast<std::uint32_t>(reply.events.size()));
+  for (const KvEventBatch& b : reply.events) PackKvCacheEvent(pk, b);
+  PackKey(pk, "last_event_id");
+  pk.pack_uint64(reply.last_event_id);
+  if (!reply.message.empty()) {
+    PackKey(pk, "message");
+    pk.pack(reply.message);
+  }
+  return buf;
+}
+
+Result<MockEngine::RecoveryReply> DecodeRecoveryReply(std::span<const std::byte> body,
+                                                      std::uint64_t worker_id) {
+  auto doc = ParseMsgpack(body);
+  if (!doc.ok()) return doc.status();
+  const msgpack::object& root = doc->get();
+  if (!IsMap(root)) return InvalidArgument("recovery reply must be a map");
+  MockEngine::RecoveryReply r;
+  FieldReads reads;
+  reads.Required(root, "kind", ReadStr, r.kind);
+  reads.Optional(root, "last_event_id", ReadU64, r.last_event_id);
+  reads.Optional(root, "message", ReadStr, r.message);
+  if (!reads.ok()) return reads.status();
+  const msgpack::object* events = FindKey(root, "events");
+  if (IsNil(events)) return r;
+  auto list = ReadArray(events, "events");
+  if (!list.ok()) return list.status();
+  for (std::size_t i = 0; i < list->size(); ++i) {
+    // Wrap the KvCacheEvent into a RouterEvent and let the Dynamo decoder read it.
+    msgpack::sbuffer wrapped;
+    Packer pk(wrapped);
+    pk.pack_map(2);
+    PackKey(pk, "worker_id");
+    pk.pack_uint64(worker_id);
+    PackKey(pk, "event");
+    pk.pack((*list)[i]);
+    auto batch = DecodeDynamoEvent(AsBytes(wrapped));
+    if (!batch.ok()) {
+      return InvalidArgument(fmt::format("events[{}]: {}", i, batch.status().message()));
+    }
+    r.events.push_back(std::move(batch).value());
+  }
+  return r;
+}
+
+// ---------------------------------------------------------------------------------------------
+// MockWorkerFleet.
+
+MockWorkerFleet::MockWorkerFleet(MockerConfig config, NatsClient& nats)
+    : config_(std::move(config)),
+      nats_(nats),
+      prefix_(fmt::format("namespace.{}.component.{}.", config_.ns, config_.component)),
+      start_(std::chrono::steady_clock::now()),
+      log_(std::chrono::seconds(10), nullptr, [](LogLevel, std::string_view line) {
+        // RateLimitedLog writes "kvrouter <level> [key] ...": this process is kvmocker.
+        if (line.starts_with("kvrouter ")) line.remove_prefix(9);
+        fmt::print(stderr, "kvmocker {}\n", line);
+      }) {
+  std::uint64_t base = 0;
+  if (config_.worker_id_base) {
+    base = *config_.worker_id_base;
+  } else {
+    std::random_device rd;
+    const std::uint64_t r = (static_cast<std::uint64_t>(rd()) << 32) | rd();
+    base = 1 + r % ((std::uint64_t{1} << 48) - 1 - config_.num_workers);
+  }
+  std::lock_guard g(engine_mu_);
+  for (std::uint32_t w = 0; w < config_.num_workers; ++w) {
+    worker_ids_.push_back(base + w);
+    envelope_seq_.push_back(0);
+    for (std::uint32_t d = 0; d < config_.dp_size; ++d) {
+      auto rank = std::make_unique<Rank>();
+      rank->worker_index = w;
+      rank->dp_rank = d;
+      Rank* r = rank.get();
+      rank->engine = std::make_unique<MockEngine>(
+          MockEngineConfig{.worker_id = base + w,
+                           .dp_rank = d,
+                           .num_gpu_blocks = config_.num_gpu_blocks,
+                           .block_size = config_.block_size,
+                           .max_num_seqs = config_.max_num_seqs,
+                           .max_num_batched_tokens = config_.max_num_batched_tokens,
+                           .speedup_ratio = config_.speedup_ratio},
+          [this, r](KvEventBatch&& b) { PublishEvent(*r, std::move(b)); });
+      ranks_.push_back(std::move(rank));
+    }
+  }
+}
+
+MockWorkerFleet::~MockWorkerFleet() { Stop(); }
+
+double MockWorkerFleet::NowMs() const {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start_).count();
+}
+
+MockWorkerFleet::Counters MockWorkerFleet::counters() const {
+  return {.requests = requests_.load(),
+          .bad_requests = bad_requests_.load(),
+          .inbox_full = inbox_full_.load(),
+          .events = events_.load(),
+          .publish_failures = publish_failures_.load()};
+}
+
+Status MockWorkerFleet::Start() {
+  if (started_) return Internal("MockWorkerFleet already started");
+  started_ = true;
+  for (std::size_t w = 0; w < worker_ids_.size(); ++w) {
+    auto sub = nats_.Subscribe(prefix_ + "generate." + std::to_string(worker_ids_[w]), "",
+                               [this, w](const IncomingMessage& m) { OnGenerate(w, m); });
+    if (!sub.ok()) return sub.status();
+    subscriptions_.push_back(std::move(sub).value());
+    for (std::uint32_t d = 0; d < config_.dp_size; ++d) {
+      const std::size_t index = w * config_.dp_size + d;
+      auto q = nats_.Subscribe(
+          fmt::format("{}kv_indexer_query.{}.{}", prefix_, worker_ids_[w], d), "",
+          [this, index](const IncomingMessage& m) { OnRecovery(index, m); });
+      if (!q.ok()) return q.status();
+      subscriptions_.push_back(std::move(q).value());
+    }
+  }
+  // The endpoints are known to the server before the router hears of the workers (it may ask
+  // for a dump at once). Not connected yet (retry_on_failed_connect): nats.c sends both later.
+  (void)nats_.Flush(std::chrono::seconds(2));
+  PublishRegistrations(/*leaving=*/false);
+  engine_thread_ = std::thread([this] { EngineLoop(); });
+  return Status::Ok();
+}
+
+void MockWorkerFleet::Stop() {
+  if (!started_ || stopped_) return;
+  stopped_ = true;
+  PublishRegistrations(/*leaving=*/true);
+  subscriptions_.clear();  // no handler runs after this
+  {
+    std::lock_guard g(inbox_mu_);
+    stopping_ = true;
+  }
+  inbox_cv_.notify_all();
+  if (engine_thread_.joinable()) engine_thread_.join();
+
+  // Nobody will finish these: tell their clients instead of letting them time out.
+  std::vector<GenerateJob> queued;
+  {
+    std::lock_guard g(inbox_mu_);
+    queued.swap(inbox_);
+  }
+  for (GenerateJob& j : queued) {
+    RespondError(j.reply, j.request.request_id, "worker shutting down");
+  }
+  std::lock_guard g(engine_mu_);
+  for (auto& [id, f] : in_flight_) RespondError(f.reply, f.request_id, "worker shutting down");
+  in_flight_.clear();
+  (void)nats_.Flush(std::chrono::seconds(2));
+}
+
+void MockWorkerFleet::PublishRegistrations(bool leaving) {
+  for (std::uint64_t id : worker_ids_) {
+    const WorkerRegistration reg{.worker_id = id,
+                                 .dp_start = 0,
+                                 .dp_size = config_.dp_size,
+                                 .block_size = config_.block_size,
+                                 .total_kv_blocks = config_.num_gpu_blocks,
+                                 .max_num_seqs = config_.max_num_seqs,
+                                 .max_num_batched_tokens = config_.max_num_batched_tokens,
+                                 .device = config_.device,
+                                 .lease_ms = config_.lease_ms,
+                                 .leaving = leaving};
+    CountPublish(nats_.Publish(prefix_ + "instances", AsBytes(EncodeWorkerRegistration(reg))),
+                 "registration");
+  }
+}
+
+void MockWorkerFleet::CountPublish(const Status& s, std::string_view what) {
+  if (s.ok()) return;
+  ++publish_failures_;
+  log_.Log(LogLevel::kWarning, fmt::format("publish-{}", what), "cannot publish {}: {}",
+           what, s.message());
+}
+
+// ---------------------------------------------------------------------------------------------
+// NATS delivery threads.
+
+void MockWorkerFleet::OnGenerate(std::size_t worker_index, const IncomingMessage& m) {
+  if (m.reply.empty()) {
+    ++bad_requests_;
+    log_.Log(LogLevel::kWarning, "generate-no-reply",
+             "dropped a generate request on {} without a reply subject", m.subject);
+    return;
+  }
+  auto req = GenerateRequest::Decode(m.data);
+  if (req.ok() && req->dp_rank >= config_.dp_size) {
+    req = InvalidArgument(
+        fmt::format("dp_rank {} is not served (dp_size {})", req->dp_rank, config_.dp_size));
+  }
+  if (!req.ok()) {
+    ++bad_requests_;
+    log_.Log(LogLevel::kWarning, "generate-bad", "bad generate request on {}: {}",
+             m.subject, req.status().message());
+    RespondError(m.reply, PeekRequestId(m.data), req.status().message());
+    return;
+  }
+  GenerateJob job{.rank_index = worker_index * config_.dp_size + req->dp_rank,
+                  .request = std::move(req).value(),
+                  .reply = std::string(m.reply),
+                  .arrival_ms = NowMs()};
+  bool full = false;
+  {
+    std::lock_guard g(inbox_mu_);
+    if (inbox_.size() >= kMaxInbox) {
+      full = true;
+    } else {
+      inbox_.push_back(std::move(job));
+    }
+  }
+  if (full) {
+    ++inbox_full_;
+    log_.Log(LogLevel::kWarning, "inbox-full", "inbox full ({} requests): refusing",
+             kMaxInbox);
+    RespondError(m.reply, job.request.request_id, "overloaded: worker inbox full");
+    return;
+  }
+  ++requests_;
+  inbox_cv_.notify_one();
+}
+
+void MockWorkerFleet::OnRecovery(std::size_t rank_index, const IncomingMessage& m) {
+  if (m.reply.empty()) {
+    ++bad_requests_;
+    return;
+  }
+  auto query = RecoveryQuery::Decode(m.data);
+  MockEngine::RecoveryReply reply;
+  {
+    std::lock_guard g(engine_mu_);
+    const MockEngine& engine = *ranks_[rank_index]->engine;
+    if (query.ok()) {
+      reply = engine.Recover(query->start_event_id, query->end_event_id);
+    } else {
+      reply.kind = "error";
+      reply.message = query.status().message();
+      reply.last_event_id = engine.last_event_id();
+    }
+  }
+  if (!query.ok()) {
+    ++bad_requests_;
+    log_.Log(LogLevel::kWarning, "recovery-bad", "bad recovery query on {}: {}",
+             m.subject, query.status().message());
+  }
+  Status s = nats_.Respond(m, AsBytes(EncodeRecoveryReply(reply)));
+  if (!s.ok()) {  // most likely a dump beyond the server's max payload
+    CountPublish(s, "recovery-reply");
+    MockEngine::RecoveryReply error{.kind = "error",
+                                    .last_event_id = reply.last_event_id,
+                                    .message = "cannot send the reply: " + s.message()};
+    (void)nats_.Respond(m, AsBytes(EncodeRecoveryReply(error)));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Engine thread.
+
+void MockWorkerFleet::EngineLoop() {
+  using Ms = std::chrono::duration<double, std::milli>;
+  std::vector<GenerateJob> jobs;
+  double next_heartbeat = NowMs() + config_.heartbeat_ms;
+  std::unique_lock lk(inbox_mu_);
+  while (!stopping_) {
+    jobs.swap(inbox_);
+    lk.unlock();
+    double wake = 0;
+    {
+      std::lock_guard g(engine_mu_);
+      wake = AdvanceEngines(jobs, NowMs());
+    }
+    jobs.clear();
+    const double now = NowMs();
+    if (now >= next_heartbeat) {
+      PublishRegistrations(/*leaving=*/false);
+      next_heartbeat += config_.heartbeat_ms;
+      if (next_heartbeat <= now) next_heartbeat = now + config_.heartbeat_ms;  // fell behind
+    }
+    wake = std::min(wake, next_heartbeat);
+    lk.lock();
+    inbox_cv_.wait_until(
+        lk, start_ + std::chrono::duration_cast<std::chrono::steady_clock::duration>(Ms(wake)),
+        [&] { return stopping_ || !inbox_.empty(); });
+  }
+}
+
+double MockWorkerFleet::AdvanceEngines(std::vector<GenerateJob>& jobs, double now_ms) {
+  for (GenerateJob& j : jobs) {
+    const std::string id = std::to_string(++next_engine_request_);
+    in_flight_.emplace(id, InFlight{.request_id = std::move(j.request.request_id),
+                                    .reply = std::move(j.reply),
+                                    .arrival_ms = j.arrival_ms,
+                                    .max_tokens = j.request.max_tokens});
+    ranks_[j.rank_index]->engine->Add(
+        {.id = id, .tokens = std::move(j.request.token_ids), .max_tokens = j.request.max_tokens});
+  }
+
+  double earliest = kInfinity;
+  for (auto& rank : ranks_) {
+    Rank& r = *rank;
+    // Back-to-back steps continue from the previous step's end (not from when this thread
+    // woke), so wake-up latency does not stretch virtual time; the loop catches up when late.
+    for (;;) {
+      double start = now_ms;
+      if (r.stepping) {
+        if (r.step_end_ms > now_ms) break;
+        DeliverOutputs(r);
+        r.stepping = false;
+        start = r.step_end_ms;
+      }
+      if (r.engine->Idle()) break;
+      r.outputs.clear();
+      const double duration = r.engine->Step(start, r.outputs);
+      r.step_end_ms = start + duration;
+      r.stepping = true;
+    }
+    if (r.stepping) earliest = std::min(earliest, r.step_end_ms);
+  }
+  return earliest;
+}
+
+void MockWorkerFleet::DeliverOutputs(Rank& rank) {
+  for (const EngineOutput& o : rank.outputs) {
+    auto it = in_flight_.find(o.id);
+    if (it == in_flight_.end()) continue;  // cannot happen: every engine request is in flight
+    InFlight& f = it->second;
+    switch (o.kind) {
+      case EngineOutput::kFirstToken:
+        f.first_token_ms = o.at_ms;
+        Respond(f.reply, {.request_id = f.request_id, .token_ids = {FakeToken(0)}, .index = 0});
+        break;
+      case EngineOutput::kFinished: {
+        GenerateResponse fin{.request_id = f.request_id,
+                             .index = 1,
+                             .finish_reason = "length",
+                             .cached_tokens = o.cached_tokens,
+                             .prompt_tokens = o.prompt_tokens,
+                             // A late engine thread may start a step a little before a
+                             // request it admits arrived: never report a negative TTFT.
+                             .ttft_ms = std::max(0.0, f.first_token_ms - f.arrival_ms)};
+        fin.token_ids.reserve(f.max_tokens - 1);
+        for (std::uint32_t k = 1; k < f.max_tokens; ++k) fin.token_ids.push_back(FakeToken(k));
+        Respond(f.reply, fin);
+        in_flight_.erase(it);
+        break;
+      }
+      case EngineOutput::kRejected:
+        Respond(f.reply, {.request_id = f.request_id,
+                          .finish_reason = "error",
+                          .prompt_tokens = o.prompt_tokens,
+                          .message = fmt::format("prompt of {} tokens needs more than the {} "
+                                                 "blocks of the KV cache",
+                                                 o.prompt_tokens, config_.num_gpu_blocks)});
+        in_flight_.erase(it);
+        break;
+    }
+  }
+  rank.outputs.clear();
+}
+
+void MockWorkerFleet::PublishEvent(Rank& rank, KvEventBatch&& batch) {
+  const std::uint64_t worker_id = worker_ids_[rank.worker_index];
+  Status s;
+  if (config_.event_format == MockEventFormat::kDynamo) {
+    const EnvelopeHeader header{.publisher_id = worker_id,
+                                .sequence = envelope_seq_[rank.worker_index]++,
+                                .published_at_ms = UnixMs()};
+    s = nats_.Publish(prefix_ + "kv-events", AsBytes(EncodeDynamoEnvelope(batch, header)));
+  } else {
+    std::vector<VllmEvent> events;
+    for (KvOp& op : batch.ops) {
+      if (auto* stored = std::get_if<KvStored>(&op.data)) {
+        const auto tokens = rank.engine->stored_tokens();
+        VllmStoredEvent e{.parent_block_hash = stored->parent_hash,
+                          .token_ids = {tokens.begin(), tokens.end()},
+                          .block_size = config_.block_size};
+        for (const StoredBlock& b : stored->blocks) e.block_hashes.push_back(b.block_hash);
+        events.emplace_back(std::move(e));
+      } else if (auto* removed = std::get_if<KvRemoved>(&op.data)) {
+        events.emplace_back(VllmRemovedEvent{.block_hashes = std::move(removed->block_hashes)});
+      } else {
+        events.emplace_back(VllmClearedEvent{});
+      }
+    }
+    s = nats_.PublishWithHeaders(
+        fmt::format("{}vllm-kv-events.{}.{}", prefix_, worker_id, rank.dp_rank),
+        AsBytes(EncodeVllmBatch(UnixSeconds(), events, rank.dp_rank)),
+        {{"Kv-Seq", std::to_string(rank.vllm_seq++)}});
+  }
+  if (s.ok()) ++events_;
+  CountPublish(s, "kv-event");
+}
+
+void MockWorkerFleet::Respond(std::string_view reply, const GenerateResponse& response) {
+  CountPublish(nats_.Publish(reply, AsBytes(response.Encode())), "response");
+}
+
+void MockWorkerFleet::RespondError(std::string_view reply, std::string request_id,
+                                   std::string message) {
+  Respond(reply, {.request_id = std::move(request_id),
+                  .finish_reason = "error",
+                  .message = std::move(message)});
+}
+
+}  // namespace kvrouter

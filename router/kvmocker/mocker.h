@@ -1,0 +1,245 @@
+// kvmocker: many simulated vLLM-like workers in one process, on NATS (DESIGN.md "Mock worker").
+//
+// MockWorkerFleet runs num_workers workers of dp_size ranks each, one MockEngine per rank, and
+// speaks the worker side of PROTOCOL.md: registration heartbeats (section 4), KV events in the
+// Dynamo (section 2) or vLLM (section 3) format, the recovery endpoint (section 6) and the
+// generate endpoint (section 7). The codecs of the generate and recovery messages live here too.
+//
+// Threads: NATS delivery threads (one per subscription) only decode generate requests and push
+// them into a bounded inbox. One engine thread owns the engines: it sleeps until the earliest
+// step end, a heartbeat or a new request, steps every engine whose previous step has ended on
+// real time (virtual ms = steady-clock ms since Start; engine durations are already divided by
+// the speedup ratio), and publishes events (as they happen), responses (at the step's end) and
+// heartbeats. A recovery request reads its engine under engine_mu_ from its delivery thread.
+// Start and Stop are called from one controlling thread. The fleet borrows the NatsClient, which
+// must outlive it.
+//
+//   MockWorkerFleet fleet(config, **nc);  if (Status s = fleet.Start(); !s.ok()) ...;  fleet.Stop();
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include <msgpack.hpp>
+
+#include "events/mock_engine.h"
+#include "events/status.h"
+#include "transport/log.h"
+#include "transport/nats_client.h"
+
+namespace kvrouter {
+
+enum class MockEventFormat { kDynamo, kVllm };
+
+// Every kvmocker flag. Each can also come from the environment: DYN_<FLAG_IN_UPPER_SNAKE_CASE>
+// (DYN_NUM_WORKERS=4), NATS_SERVER for --nats-server; the command line wins.
+struct MockerConfig {
+  std::string nats_server = "nats://127.0.0.1:4222";  // --nats-server / NATS_SERVER
+  std::string ns = "dynamo";                          // --namespace
+  std::string component = "backend";                  // --component
+  std::uint32_t num_workers = 1;                      // --num-workers [1, 1024]
+  // --worker-id-base: worker i has id base + i. nullopt (the default): a random number in
+  // [1, 2^48) chosen by the fleet, so two processes do not collide.
+  std::optional<std::uint64_t> worker_id_base;
+  std::uint32_t dp_size = 1;                          // --dp-size [1, 64]: ranks [0, dp_size)
+  std::uint32_t num_gpu_blocks = 16384;               // --num-gpu-blocks >= 1, per rank
+  std::uint32_t block_size = 64;                      // --block-size [1, 65536]
+  std::uint32_t max_num_seqs = 256;                   // --max-num-seqs >= 1
+  std::uint32_t max_num_batched_tokens = 8192;        // --max-num-batched-tokens >= 1
+  double speedup_ratio = 1.0;                         // --speedup-ratio > 0 (divides durations)
+  MockEventFormat event_format = MockEventFormat::kDynamo;  // --event-format dynamo|vllm
+  std::uint32_t heartbeat_ms = 1000;                  // --heartbeat-ms >= 10
+  std::uint32_t lease_ms = 3000;                      // --lease-ms > heartbeat-ms
+  std::string device = "gpu";                         // --device, non-empty
+};
+// num_workers * dp_size is at most this: every rank costs a subscription (a nats.c thread).
+inline constexpr std::uint32_t kMaxMockRanks = 1024;
+
+using EnvLookup = std::function<const char*(const char*)>;
+
+struct ParsedMockerArgs {
+  MockerConfig config;
+  bool help = false;      // --help: print help_text and exit 0
+  std::string help_text;
+};
+// Parses argv (argv[0] is the program) and the environment. Unknown flags and bad values give
+// InvalidArgument naming the flag (and the variable, for a value from the environment).
+Result<ParsedMockerArgs> ParseMockerConfig(int argc, const char* const* argv, const EnvLookup& env);
+
+// ---------------------------------------------------------------------------------------------
+// Generate endpoint (PROTOCOL.md section 7), on namespace.{ns}.component.{comp}.generate.{id}.
+//
+//   request  = {request_id: str, token_ids: [u32], max_tokens?: u32 (16), dp_rank?: u32 (0)}
+//              max_tokens in [1, kMaxGenerateTokens]
+//   response = {request_id: str, token_ids: [u32], index: u32}            (first token)
+//            | {request_id: str, token_ids: [u32], index: u32,            (final)
+//               finish_reason: "length"|"stop"|"error", cached_tokens: u32, prompt_tokens: u32,
+//               ttft_ms: f64, message?: str}
+// A response is final exactly when it has the key finish_reason. token_ids are deltas: the
+// first response carries the first generated token (index 0), the final one the remaining
+// max_tokens - 1 tokens starting at index 1 (empty when max_tokens is 1); an error carries
+// none, index 0, and a message. ttft_ms is measured from the request's arrival at the worker.
+inline constexpr std::uint32_t kMaxGenerateTokens = 65536;  // keeps the final response < 1 MB
+
+struct GenerateRequest {
+  std::string request_id;
+  std::vector<std::uint32_t> token_ids;
+  std::uint32_t max_tokens = 16;
+  std::uint32_t dp_rank = 0;
+
+  msgpack::sbuffer Encode() const;
+  static Result<GenerateRequest> Decode(std::span<const std::byte> body);
+  bool operator==(const GenerateRequest&) const = default;
+};
+
+struct GenerateResponse {
+  std::string request_id;
+  std::vector<std::uint32_t> token_ids;
+  std::uint32_t index = 0;
+  std::optional<std::string> finish_reason;  // set = the final response
+  // Written on the final response only.
+  std::uint32_t cached_tokens = 0;
+  std::uint32_t prompt_tokens = 0;
+  double ttft_ms = 0;
+  std::string message;  // why, when finish_reason is "error"; empty = not written
+
+  bool is_final() const { return finish_reason.has_value(); }
+  msgpack::sbuffer Encode() const;
+  static Result<GenerateResponse> Decode(std::span<const std::byte> body);
+  bool operator==(const GenerateResponse&) const = default;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Recovery endpoint (PROTOCOL.md section 6), on
+// namespace.{ns}.component.{comp}.kv_indexer_query.{worker_id}.{dp_rank}.
+//
+//   query = {start_event_id?: u64|nil, end_event_id?: u64|nil}           (inclusive)
+//   reply = {kind: "events"|"tree_dump"|"too_new"|"invalid_range"|"error",
+//            events: [kv_event...], last_event_id: u64, message?: str}
+//   kv_event = {event_id: u64, dp_rank: u32, data: data}  (section 2's KvCacheEvent; data as in
+//              events/event_codec.h)
+struct RecoveryQuery {
+  std::optional<std::uint64_t> start_event_id;
+  std::optional<std::uint64_t> end_event_id;
+
+  msgpack::sbuffer Encode() const;
+  static Result<RecoveryQuery> Decode(std::span<const std::byte> body);
+};
+
+// Packs one batch (exactly one op; its sequence value is the event_id) as a KvCacheEvent map.
+void PackKvCacheEvent(msgpack::packer<msgpack::sbuffer>& pk, const KvEventBatch& batch);
+msgpack::sbuffer EncodeRecoveryReply(const MockEngine::RecoveryReply& reply);
+// The reply's events become batches of `worker_id` (one op each, sequence {kEventId, event_id}).
+Result<MockEngine::RecoveryReply> DecodeRecoveryReply(std::span<const std::byte> body,
+                                                      std::uint64_t worker_id);
+
+// ---------------------------------------------------------------------------------------------
+class MockWorkerFleet {
+ public:
+  // Counters since construction (a snapshot).
+  struct Counters {
+    std::uint64_t requests = 0;          // generate requests accepted into the inbox
+    std::uint64_t bad_requests = 0;      // undecodable / out-of-range requests and queries
+    std::uint64_t inbox_full = 0;        // requests refused because the inbox was full
+    std::uint64_t events = 0;            // KV event messages published
+    std::uint64_t publish_failures = 0;  // any publish that failed
+  };
+  static constexpr std::size_t kMaxInbox = 65536;  // generate requests not yet handed to engines
+
+  MockWorkerFleet(MockerConfig config, NatsClient& nats);
+  ~MockWorkerFleet();  // Stop()
+  MockWorkerFleet(const MockWorkerFleet&) = delete;
+  MockWorkerFleet& operator=(const MockWorkerFleet&) = delete;
+
+  // Subscribes the generate and recovery endpoints, publishes the first registration of every
+  // worker and starts the engine thread.
+  Status Start();
+  // Publishes status "leaving" for every worker, unsubscribes, stops the engine thread, answers
+  // every unfinished request with finish_reason "error" and flushes. Idempotent.
+  void Stop();
+
+  const std::vector<std::uint64_t>& worker_ids() const { return worker_ids_; }
+  Counters counters() const;
+
+ private:
+  struct Rank {
+    std::size_t worker_index = 0;
+    std::uint32_t dp_rank = 0;
+    std::unique_ptr<MockEngine> engine;
+    bool stepping = false;                // a step is in progress until step_end_ms
+    double step_end_ms = 0;
+    std::vector<EngineOutput> outputs;    // of the step in progress, delivered at step_end_ms
+    std::uint64_t vllm_seq = 0;           // next Kv-Seq (vLLM format)
+  };
+  struct GenerateJob {
+    std::size_t rank_index = 0;
+    GenerateRequest request;
+    std::string reply;
+    double arrival_ms = 0;
+  };
+  struct InFlight {
+    std::string request_id;  // the client's
+    std::string reply;
+    double arrival_ms = 0;
+    double first_token_ms = 0;
+    std::uint32_t max_tokens = 1;
+  };
+
+  double NowMs() const;
+  void EngineLoop();
+  // Adds the jobs to their engines and runs every engine whose step has ended; returns the
+  // earliest end of a step in progress (infinity when all are idle). Under engine_mu_.
+  double AdvanceEngines(std::vector<GenerateJob>& jobs, double now_ms);
+  void DeliverOutputs(Rank& rank);                      // under engine_mu_
+  void PublishEvent(Rank& rank, KvEventBatch&& batch);  // the engine sink, under engine_mu_
+  void PublishRegistrations(bool leaving);
+  void OnGenerate(std::size_t worker_index, const IncomingMessage& m);
+  void OnRecovery(std::size_t rank_index, const IncomingMessage& m);
+  void Respond(std::string_view reply, const GenerateResponse& response);
+  void RespondError(std::string_view reply, std::string request_id, std::string message);
+  void CountPublish(const Status& s, std::string_view what);
+
+  const MockerConfig config_;
+  NatsClient& nats_;
+  const std::string prefix_;  // "namespace.{ns}.component.{comp}."
+  std::vector<std::uint64_t> worker_ids_;
+  const std::chrono::steady_clock::time_point start_;
+  RateLimitedLog log_;
+
+  // Engine state: written by the engine thread; OnRecovery reads an engine. Ranks are created by
+  // the constructor and never move (the engine sinks point at them).
+  std::mutex engine_mu_;
+  std::vector<std::unique_ptr<Rank>> ranks_;               // GUARDED_BY(engine_mu_); worker i
+                                                           // rank r at i * dp_size + r
+  std::vector<std::uint64_t> envelope_seq_;                // GUARDED_BY(engine_mu_); per worker
+  std::unordered_map<std::string, InFlight> in_flight_;    // GUARDED_BY(engine_mu_); engine id ->
+  std::uint64_t next_engine_request_ = 0;                  // GUARDED_BY(engine_mu_)
+
+  std::mutex inbox_mu_;
+  std::condition_variable inbox_cv_;
+  std::vector<GenerateJob> inbox_;  // GUARDED_BY(inbox_mu_)
+  bool stopping_ = false;           // GUARDED_BY(inbox_mu_)
+
+  // Owned by the controlling thread (Start / Stop).
+  std::vector<std::unique_ptr<Subscription>> subscriptions_;
+  std::thread engine_thread_;
+  bool started_ = false;
+  bool stopped_ = false;
+
+  std::atomic<std::uint64_t> requests_{0}, bad_requests_{0}, inbox_full_{0}, events_{0},
+      publish_failures_{0};
+};
+
+}  // namespace kvrouter

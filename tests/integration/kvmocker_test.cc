@@ -1,0 +1,577 @@
+// Tests of kvmocker: its flag parsing and codecs (no server), then the real `kvmocker` binary
+// against a real nats-server on a free 127.0.0.1 port, with this test acting as the router and
+// client: registrations, generate streams, KV events in both formats, recovery, shutdown.
+#include <gtest/gtest.h>
+
+#include <sys/wait.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <map>
+#include <mutex>
+#include <sstream>
+
+#include "events/block_hash.h"
+#include "events/event_codec.h"
+#include "events/message_codec.h"
+#include "events/msgpack_reader.h"
+#include "events/vllm_codec.h"
+#include "router/kvmocker/mocker.h"
+#include "tests/integration/process.h"
+#include "transport/nats_client.h"
+
+namespace kvrouter {
+namespace {
+
+using namespace std::chrono_literals;
+using testing::ChildProcess;
+using testing::NatsServerProcess;
+using testing::WaitFor;
+
+// ---------------------------------------------------------------------------------------------
+// Flags and codecs.
+
+Result<ParsedMockerArgs> Parse(std::vector<std::string> args,
+                               std::map<std::string, std::string> env = {}) {
+  args.insert(args.begin(), "kvmocker");
+  std::vector<const char*> argv;
+  for (auto& a : args) argv.push_back(a.c_str());
+  return ParseMockerConfig(static_cast<int>(argv.size()), argv.data(), [&](const char* name) {
+    auto it = env.find(name);
+    return it == env.end() ? nullptr : it->second.c_str();
+  });
+}
+
+TEST(MockerConfigTest, DefaultsMatchTheDesign) {
+  auto p = Parse({});
+  ASSERT_TRUE(p.ok()) << p.status().ToString();
+  const MockerConfig& c = p->config;
+  EXPECT_EQ(c.nats_server, "nats://127.0.0.1:4222");
+  EXPECT_EQ(c.ns, "dynamo");
+  EXPECT_EQ(c.component, "backend");
+  EXPECT_EQ(c.num_workers, 1u);
+  EXPECT_FALSE(c.worker_id_base.has_value());
+  EXPECT_EQ(c.dp_size, 1u);
+  EXPECT_EQ(c.num_gpu_blocks, 16384u);
+  EXPECT_EQ(c.block_size, 64u);
+  EXPECT_EQ(c.max_num_seqs, 256u);
+  EXPECT_EQ(c.max_num_batched_tokens, 8192u);
+  EXPECT_EQ(c.speedup_ratio, 1.0);
+  EXPECT_EQ(c.event_format, MockEventFormat::kDynamo);
+  EXPECT_EQ(c.heartbeat_ms, 1000u);
+  EXPECT_EQ(c.lease_ms, 3000u);
+  EXPECT_EQ(c.device, "gpu");
+}
+
+TEST(MockerConfigTest, EnvironmentFillsFlagsAndTheCommandLineWins) {
+  auto p = Parse({"--num-workers", "3"}, {{"DYN_NUM_WORKERS", "5"},
+                                          {"DYN_EVENT_FORMAT", "vllm"},
+                                          {"DYN_WORKER_ID_BASE", "18446744073709551613"},
+                                          {"NATS_SERVER", "nats://h:1"}});
+  ASSERT_TRUE(p.ok()) << p.status().ToString();
+  EXPECT_EQ(p->config.num_workers, 3u);
+  EXPECT_EQ(p->config.event_format, MockEventFormat::kVllm);
+  EXPECT_EQ(p->config.worker_id_base, 18446744073709551613ull);  // + 2 workers = u64 max
+  EXPECT_EQ(p->config.nats_server, "nats://h:1");
+}
+
+TEST(MockerConfigTest, BadValuesAreRefusedNamingTheFlag) {
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{"--num-workers", "0"}, "--num-workers"},
+      {{"--num-gpu-blocks", "-1"}, "--num-gpu-blocks"},
+      {{"--block-size", "65537"}, "--block-size"},
+      {{"--speedup-ratio", "0"}, "--speedup-ratio"},
+      {{"--event-format", "kafka"}, "--event-format"},
+      {{"--heartbeat-ms", "1000", "--lease-ms", "1000"}, "--lease-ms"},
+      {{"--num-workers", "64", "--dp-size", "32"}, "--dp-size"},
+      {{"--num-workers", "2", "--worker-id-base", "18446744073709551615"}, "--worker-id-base"},
+      {{"--worker-id-base", "12x"}, "--worker-id-base"},
+      {{"--max-num-seqs", "many"}, "--max-num-seqs"},
+      {{"--no-such-flag"}, "--no-such-flag"},
+  };
+  for (const auto& [args, flag] : cases) {
+    auto p = Parse(args);
+    ASSERT_FALSE(p.ok()) << args[0];
+    EXPECT_EQ(p.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(p.status().message().find(flag), std::string::npos) << p.status().message();
+  }
+  auto env = Parse({}, {{"DYN_SPEEDUP_RATIO", "fast"}});
+  ASSERT_FALSE(env.ok());
+  EXPECT_NE(env.status().message().find("DYN_SPEEDUP_RATIO"), std::string::npos);
+}
+
+bool HasKey(std::span<const std::byte> body, std::string_view key) {
+  auto doc = ParseMsgpack(body);
+  return doc.ok() && FindKey(doc->get(), key) != nullptr;
+}
+
+TEST(GenerateCodecTest, OnlyTheFinalResponseCarriesFinishReason) {
+  const GenerateResponse first{.request_id = "r", .token_ids = {5}, .index = 0};
+  const GenerateResponse last{.request_id = "r", .token_ids = {6, 7}, .index = 1,
+                              .finish_reason = "length", .cached_tokens = 64,
+                              .prompt_tokens = 100, .ttft_ms = 12.5};
+  const auto a = first.Encode(), b = last.Encode();
+  EXPECT_FALSE(HasKey(AsBytes(a), "finish_reason"));
+  EXPECT_TRUE(HasKey(AsBytes(b), "finish_reason"));
+  EXPECT_FALSE(HasKey(AsBytes(b), "message"));
+  auto da = GenerateResponse::Decode(AsBytes(a));
+  auto db = GenerateResponse::Decode(AsBytes(b));
+  ASSERT_TRUE(da.ok() && db.ok());
+  EXPECT_EQ(*da, first);
+  EXPECT_EQ(*db, last);
+  EXPECT_FALSE(da->is_final());
+  EXPECT_TRUE(db->is_final());
+}
+
+TEST(GenerateCodecTest, RequestDefaultsAndLimits) {
+  const GenerateRequest req{.request_id = "r", .token_ids = {1, 2, 3}, .max_tokens = 4, .dp_rank = 1};
+  auto rt = GenerateRequest::Decode(AsBytes(req.Encode()));
+  ASSERT_TRUE(rt.ok());
+  EXPECT_EQ(*rt, req);
+
+  msgpack::sbuffer minimal;
+  msgpack::packer<msgpack::sbuffer> pk(minimal);
+  pk.pack_map(2);
+  PackKey(pk, "request_id");
+  pk.pack("m");
+  PackKey(pk, "token_ids");
+  pk.pack_array(0);
+  auto m = GenerateRequest::Decode(AsBytes(minimal));
+  ASSERT_TRUE(m.ok()) << m.status().ToString();
+  EXPECT_EQ(m->max_tokens, 16u);
+  EXPECT_EQ(m->dp_rank, 0u);
+
+  GenerateRequest zero = req;
+  zero.max_tokens = 0;
+  auto z = GenerateRequest::Decode(AsBytes(zero.Encode()));
+  ASSERT_FALSE(z.ok());
+  EXPECT_NE(z.status().message().find("max_tokens"), std::string::npos);
+}
+
+TEST(RecoveryCodecTest, ReplyRoundTripsThroughTheDynamoEventGrammar) {
+  MockEngine::RecoveryReply reply{.kind = "events", .last_event_id = 9};
+  KvEventBatch stored = StoredPromptBatch(42, 8, std::vector<std::uint32_t>{1, 2, 3, 4, 5, 6, 7, 8}, 4);
+  stored.dp_rank = 1;
+  KvEventBatch removed{.worker_id = 42, .dp_rank = 1, .sequence = {SequenceKind::kEventId, 9}};
+  removed.ops.resize(1);  // (push_back of a braced KvOp trips a GCC 12 -Wmaybe-uninitialized under ASan)
+  removed.ops[0].data = KvRemoved{{11, 12}};
+  reply.events = {stored, removed};
+  auto back = DecodeRecoveryReply(AsBytes(EncodeRecoveryReply(reply)), 42);
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(back->kind, "events");
+  EXPECT_EQ(back->last_event_id, 9u);
+  EXPECT_EQ(back->events, reply.events);
+
+  const MockEngine::RecoveryReply too_new{.kind = "too_new", .last_event_id = 3, .message = "m"};
+  auto tn = DecodeRecoveryReply(AsBytes(EncodeRecoveryReply(too_new)), 42);
+  ASSERT_TRUE(tn.ok());
+  EXPECT_EQ(tn->message, "m");
+  EXPECT_TRUE(tn->events.empty());
+}
+
+// ---------------------------------------------------------------------------------------------
+// The kvmocker process.
+
+constexpr std::uint32_t kBs = 4;
+constexpr std::uint64_t kBase = 1000;  // worker ids 1000, 1001
+const std::string kComp = "namespace.dynamo.component.backend.";
+
+std::vector<std::uint32_t> Tokens(std::uint32_t first, std::size_t n) {
+  std::vector<std::uint32_t> t(n);
+  for (std::size_t i = 0; i < n; ++i) t[i] = first + static_cast<std::uint32_t>(i);
+  return t;
+}
+
+struct Received {
+  std::string subject;
+  std::vector<std::byte> data;
+  std::optional<std::string> kv_seq;
+};
+
+// Messages from one subscription, copied out of the handler.
+class Inbox {
+ public:
+  MessageHandler Handler() {
+    return [this](const IncomingMessage& m) {
+      std::lock_guard g(mu_);
+      messages_.push_back({std::string(m.subject), {m.data.begin(), m.data.end()}, m.Header("Kv-Seq")});
+    };
+  }
+  std::vector<Received> Snapshot() const {
+    std::lock_guard g(mu_);
+    return messages_;
+  }
+  std::size_t size() const {
+    std::lock_guard g(mu_);
+    return messages_.size();
+  }
+
+ private:
+  mutable std::mutex mu_;
+  std::vector<Received> messages_;
+};
+
+class KvMockerProcessTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto nats = NatsServerProcess::Start();
+    ASSERT_TRUE(nats.ok()) << nats.status().ToString();
+    nats_ = std::move(nats).value();
+    auto nc = NatsClient::Connect({.url = nats_->url(), .name = "kvmocker-test", .send_asap = true}, {});
+    ASSERT_TRUE(nc.ok()) << nc.status().ToString();
+    nc_ = std::move(nc).value();
+    // Subscribed before kvmocker starts, so its first messages are seen.
+    Listen(kComp + "instances", instances_);
+    Listen(kComp + "kv-events", dynamo_events_);
+    Listen(kComp + "vllm-kv-events.>", vllm_events_);
+    ASSERT_TRUE(nc_->Flush(2s).ok());
+  }
+
+  void TearDown() override {
+    if (mocker_) mocker_->Stop();
+    subs_.clear();
+    nc_.reset();
+    if (!log_.empty() && !HasFailure() && std::getenv("KVROUTER_KEEP_TEST_LOGS") == nullptr) {
+      std::remove(log_.c_str());
+    }
+  }
+
+  void Listen(const std::string& subject, Inbox& inbox) {
+    auto sub = nc_->Subscribe(subject, "", inbox.Handler());
+    ASSERT_TRUE(sub.ok()) << sub.status().ToString();
+    subs_.push_back(std::move(sub).value());
+  }
+
+  // Starts kvmocker (2 workers from id 1000, block size 4, 64 blocks, speedup 100, heartbeat
+  // 100 ms) and waits for the first registration of each worker.
+  void StartMocker(std::vector<std::string> extra = {}) {
+    log_ = ::testing::TempDir() + "kvmocker-" + std::to_string(nats_->port()) + ".log";
+    std::vector<std::string> argv = {KVMOCKER_BIN, "--nats-server", nats_->url(),
+                                     "--worker-id-base", std::to_string(kBase),
+                                     "--num-workers", "2", "--dp-size", "2",
+                                     "--block-size", std::to_string(kBs),
+                                     "--num-gpu-blocks", "64", "--max-num-seqs", "8",
+                                     "--max-num-batched-tokens", "512", "--speedup-ratio", "100",
+                                     "--heartbeat-ms", "100", "--lease-ms", "1000",
+                                     "--device", "cpu"};
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    auto p = ChildProcess::Start(argv, log_);
+    ASSERT_TRUE(p.ok()) << p.status().ToString();
+    mocker_ = std::move(p).value();
+    ASSERT_TRUE(WaitFor([&] { return Registrations().size() >= 2; }, 10s))
+        << "kvmocker did not register; log: " << log_ << "\n" << Log();
+  }
+
+  std::string Log() const {
+    std::ifstream f(log_);
+    std::stringstream ss;
+    ss << f.rdbuf();
+    return ss.str();
+  }
+
+  std::vector<WorkerRegistration> Registrations() const {
+    std::vector<WorkerRegistration> out;
+    for (const Received& m : instances_.Snapshot()) {
+      auto r = DecodeWorkerRegistration(m.data);
+      EXPECT_TRUE(r.ok()) << r.status().ToString();
+      if (r.ok()) out.push_back(*r);
+    }
+    return out;
+  }
+
+  // Sends a generate request to `worker` and returns every response once the final one came
+  // (or what came within 5 s).
+  std::vector<GenerateResponse> Generate(std::uint64_t worker, std::span<const std::byte> body) {
+    const std::string inbox_subject = "_INBOX.kvmocker-test." + std::to_string(++inbox_seq_);
+    Inbox inbox;
+    auto sub = nc_->Subscribe(inbox_subject, "", inbox.Handler());
+    EXPECT_TRUE(sub.ok());
+    if (!sub.ok()) return {};
+    EXPECT_TRUE(nc_->PublishRequest(kComp + "generate." + std::to_string(worker), inbox_subject, body).ok());
+    std::vector<GenerateResponse> out;
+    WaitFor([&] {
+      out.clear();
+      for (const Received& m : inbox.Snapshot()) {
+        auto r = GenerateResponse::Decode(m.data);
+        EXPECT_TRUE(r.ok()) << r.status().ToString();
+        if (r.ok()) out.push_back(*r);
+      }
+      return !out.empty() && out.back().is_final();
+    }, 5s);
+    return out;
+  }
+  std::vector<GenerateResponse> Generate(std::uint64_t worker, const GenerateRequest& req) {
+    return Generate(worker, AsBytes(req.Encode()));
+  }
+
+  Result<MockEngine::RecoveryReply> Recover(std::uint64_t worker, std::uint32_t rank, RecoveryQuery q) {
+    auto reply = nc_->Request(kComp + "kv_indexer_query." + std::to_string(worker) + "." + std::to_string(rank),
+                              AsBytes(q.Encode()), 2s);
+    if (!reply.ok()) return reply.status();
+    return DecodeRecoveryReply(*reply, worker);
+  }
+
+  std::vector<KvEventBatch> DynamoEvents() const {
+    std::vector<KvEventBatch> out;
+    for (const Received& m : dynamo_events_.Snapshot()) {
+      auto b = DecodeDynamoEvent(m.data);
+      EXPECT_TRUE(b.ok()) << b.status().ToString();
+      if (b.ok()) out.push_back(std::move(b).value());
+    }
+    return out;
+  }
+
+  std::unique_ptr<NatsServerProcess> nats_;
+  std::unique_ptr<NatsClient> nc_;
+  std::vector<std::unique_ptr<Subscription>> subs_;
+  Inbox instances_, dynamo_events_, vllm_events_;
+  std::unique_ptr<ChildProcess> mocker_;
+  std::string log_;
+  int inbox_seq_ = 0;
+};
+
+TEST_F(KvMockerProcessTest, RegistrationHeartbeatsCarryTheFlagValues) {
+  StartMocker();
+  // Heartbeats every 100 ms: three per worker arrive well within the wait.
+  ASSERT_TRUE(WaitFor([&] { return Registrations().size() >= 6; }, 3s));
+  std::map<std::uint64_t, int> per_worker;
+  for (const WorkerRegistration& r : Registrations()) {
+    ++per_worker[r.worker_id];
+    EXPECT_EQ(r.dp_start, 0u);
+    EXPECT_EQ(r.dp_size, 2u);
+    EXPECT_EQ(r.block_size, kBs);
+    EXPECT_EQ(r.total_kv_blocks, 64u);
+    EXPECT_EQ(r.max_num_seqs, 8u);
+    EXPECT_EQ(r.max_num_batched_tokens, 512u);
+    EXPECT_EQ(r.device, "cpu");
+    EXPECT_EQ(r.lease_ms, 1000u);
+    EXPECT_FALSE(r.leaving);
+  }
+  EXPECT_EQ(per_worker.size(), 2u);
+  EXPECT_GE(per_worker[kBase], 2);
+  EXPECT_GE(per_worker[kBase + 1], 2);
+}
+
+TEST_F(KvMockerProcessTest, GenerateStreamsFirstAndFinalResponsesAndTheRepeatHitsTheCache) {
+  StartMocker();
+  const auto prompt = Tokens(1, 10);  // two full blocks + a partial one
+  auto first = Generate(kBase, GenerateRequest{.request_id = "a", .token_ids = prompt, .max_tokens = 4});
+  ASSERT_EQ(first.size(), 2u) << Log();
+  EXPECT_FALSE(first[0].is_final());
+  EXPECT_EQ(first[0].request_id, "a");
+  EXPECT_EQ(first[0].index, 0u);
+  EXPECT_EQ(first[0].token_ids.size(), 1u);
+  const GenerateResponse& fin = first[1];
+  EXPECT_EQ(fin.request_id, "a");
+  EXPECT_EQ(fin.finish_reason, "length");
+  EXPECT_EQ(fin.index, 1u);
+  EXPECT_EQ(fin.token_ids.size(), 3u);  // max_tokens 4, one came first
+  EXPECT_EQ(fin.prompt_tokens, 10u);
+  EXPECT_EQ(fin.cached_tokens, 0u);
+  EXPECT_GT(fin.ttft_ms, 0);
+
+  auto again = Generate(kBase, GenerateRequest{.request_id = "b", .token_ids = prompt, .max_tokens = 1});
+  ASSERT_EQ(again.size(), 2u);
+  EXPECT_EQ(again[1].finish_reason, "length");
+  EXPECT_TRUE(again[1].token_ids.empty());
+  EXPECT_EQ(again[1].cached_tokens, 8u);
+
+  // The other rank (and the other worker) has its own cache.
+  auto other_rank = Generate(kBase, GenerateRequest{.request_id = "c", .token_ids = prompt, .max_tokens = 1, .dp_rank = 1});
+  ASSERT_EQ(other_rank.size(), 2u);
+  EXPECT_EQ(other_rank[1].cached_tokens, 0u);
+  auto other_worker = Generate(kBase + 1, GenerateRequest{.request_id = "d", .token_ids = prompt, .max_tokens = 1});
+  ASSERT_EQ(other_worker.size(), 2u);
+  EXPECT_EQ(other_worker[1].cached_tokens, 0u);
+}
+
+TEST_F(KvMockerProcessTest, BadRequestsGetOneErrorResponse) {
+  StartMocker();
+  msgpack::sbuffer no_tokens;
+  msgpack::packer<msgpack::sbuffer> pk(no_tokens);
+  pk.pack_map(1);
+  PackKey(pk, "request_id");
+  pk.pack("bad");
+  auto r = Generate(kBase, AsBytes(no_tokens));
+  ASSERT_EQ(r.size(), 1u);
+  EXPECT_EQ(r[0].request_id, "bad");
+  EXPECT_EQ(r[0].finish_reason, "error");
+  EXPECT_NE(r[0].message.find("token_ids"), std::string::npos) << r[0].message;
+  EXPECT_NE(Log().find("kvmocker W [generate-bad] bad generate request"), std::string::npos) << Log();
+
+  auto rank = Generate(kBase, GenerateRequest{.request_id = "r", .token_ids = Tokens(1, 4), .dp_rank = 2});
+  ASSERT_EQ(rank.size(), 1u);
+  EXPECT_EQ(rank[0].finish_reason, "error");
+
+  auto garbage = Generate(kBase, AsBytes(std::string_view("\xc1", 1)));
+  ASSERT_EQ(garbage.size(), 1u);
+  EXPECT_EQ(garbage[0].finish_reason, "error");
+
+  // A prompt with more full blocks than the cache is rejected by the engine.
+  auto huge = Generate(kBase, GenerateRequest{.request_id = "h", .token_ids = Tokens(1, 65 * kBs)});
+  ASSERT_EQ(huge.size(), 1u);
+  EXPECT_EQ(huge[0].finish_reason, "error");
+  EXPECT_EQ(huge[0].prompt_tokens, 65 * kBs);
+
+  // Still serving.
+  auto ok = Generate(kBase, GenerateRequest{.request_id = "ok", .token_ids = Tokens(1, 4), .max_tokens = 1});
+  ASSERT_EQ(ok.size(), 2u);
+  EXPECT_EQ(ok[1].finish_reason, "length");
+}
+
+TEST_F(KvMockerProcessTest, PublishesDynamoStoredEventsForThePrompt) {
+  StartMocker();
+  const auto prompt = Tokens(1, 10);
+  ASSERT_EQ(Generate(kBase + 1, GenerateRequest{.request_id = "a", .token_ids = prompt, .max_tokens = 1, .dp_rank = 1}).size(), 2u);
+  ASSERT_TRUE(WaitFor([&] { return dynamo_events_.size() >= 1; }, 2s));
+  const auto events = DynamoEvents();
+  ASSERT_EQ(events.size(), 1u);
+  const KvEventBatch& b = events[0];
+  EXPECT_EQ(b.worker_id, kBase + 1);
+  EXPECT_EQ(b.dp_rank, 1u);
+  EXPECT_EQ(b.sequence, (EventSequence{SequenceKind::kEventId, 1}));
+  ASSERT_EQ(b.ops.size(), 1u);
+  const auto* stored = std::get_if<KvStored>(&b.ops[0].data);
+  ASSERT_NE(stored, nullptr);
+  EXPECT_FALSE(stored->parent_hash.has_value());
+  const auto local = ComputeLocalHashes(prompt, kBs);
+  const auto seq = ComputeSequenceHashes(local);
+  ASSERT_EQ(stored->blocks.size(), 2u);
+  for (std::size_t i = 0; i < 2; ++i) {
+    EXPECT_EQ(stored->blocks[i].tokens_hash, local[i]);
+    EXPECT_EQ(stored->blocks[i].block_hash, seq[i]);
+  }
+  // The envelope names the publisher and counts from 0.
+  const auto raw = dynamo_events_.Snapshot();  // the parsed envelope points into these bytes
+  auto env = ParseMsgpack(raw[0].data);
+  ASSERT_TRUE(env.ok());
+  auto field = [&](std::string_view key) {
+    auto v = ReadU64(FindKey(env->get(), key), key);
+    EXPECT_TRUE(v.ok()) << v.status().ToString();
+    return v.ok() ? *v : ~0ull;
+  };
+  EXPECT_EQ(field("publisher_id"), kBase + 1);
+  EXPECT_EQ(field("sequence"), 0u);
+  EXPECT_GT(field("published_at"), 1600000000000u);
+
+  // A second prompt sharing the first block chains below it.
+  const auto second = [&] { auto t = Tokens(1, 4); for (auto x : Tokens(500, 4)) t.push_back(x); return t; }();
+  ASSERT_EQ(Generate(kBase + 1, GenerateRequest{.request_id = "b", .token_ids = second, .max_tokens = 1, .dp_rank = 1}).size(), 2u);
+  ASSERT_TRUE(WaitFor([&] { return dynamo_events_.size() >= 2; }, 2s));
+  const auto events2 = DynamoEvents();
+  ASSERT_EQ(events2.size(), 2u);
+  ASSERT_TRUE(std::holds_alternative<KvStored>(events2[1].ops.at(0).data)) << events2[1].ops[0].data.index();
+  const auto& s2 = std::get<KvStored>(events2[1].ops[0].data);
+  EXPECT_EQ(events2[1].sequence.value, 2u);
+  EXPECT_EQ(s2.parent_hash, seq[0]);
+  ASSERT_EQ(s2.blocks.size(), 1u);
+  EXPECT_EQ(s2.blocks[0].tokens_hash, ComputeLocalHashes(second, kBs)[1]);
+}
+
+TEST_F(KvMockerProcessTest, RecoveryServesADumpAndEventRanges) {
+  StartMocker();
+  // Three prompts on worker 1000 rank 0; the cache of 64 blocks holds them all.
+  for (std::uint32_t i = 0; i < 3; ++i) {
+    ASSERT_EQ(Generate(kBase, GenerateRequest{.request_id = std::to_string(i), .token_ids = Tokens(100 * i, 12), .max_tokens = 1}).size(), 2u);
+  }
+  auto dump = Recover(kBase, 0, {});
+  ASSERT_TRUE(dump.ok()) << dump.status().ToString();
+  EXPECT_EQ(dump->kind, "tree_dump");
+  EXPECT_EQ(dump->last_event_id, 3u);
+  std::size_t blocks = 0;
+  for (const KvEventBatch& b : dump->events) {
+    EXPECT_EQ(b.worker_id, kBase);
+    blocks += std::get<KvStored>(b.ops.at(0).data).blocks.size();
+  }
+  EXPECT_EQ(blocks, 9u);
+
+  auto range = Recover(kBase, 0, {.start_event_id = 1, .end_event_id = dump->last_event_id});
+  ASSERT_TRUE(range.ok()) << range.status().ToString();
+  EXPECT_EQ(range->kind, "events");
+  ASSERT_EQ(range->events.size(), 3u);
+  for (std::uint64_t i = 0; i < 3; ++i) EXPECT_EQ(range->events[i].sequence.value, i + 1);
+  EXPECT_EQ(range->events, DynamoEvents());  // what was published live
+
+  auto too_new = Recover(kBase, 0, {.start_event_id = 4});
+  ASSERT_TRUE(too_new.ok());
+  EXPECT_EQ(too_new->kind, "too_new");
+  auto empty_rank = Recover(kBase, 1, {});
+  ASSERT_TRUE(empty_rank.ok());
+  EXPECT_EQ(empty_rank->kind, "tree_dump");
+  EXPECT_TRUE(empty_rank->events.empty());
+  auto bad = nc_->Request(kComp + "kv_indexer_query." + std::to_string(kBase) + ".0",
+                          AsBytes(std::string_view("\x91\x01", 2)), 2s);
+  ASSERT_TRUE(bad.ok());
+  auto bad_reply = DecodeRecoveryReply(*bad, kBase);
+  ASSERT_TRUE(bad_reply.ok());
+  EXPECT_EQ(bad_reply->kind, "error");
+}
+
+TEST_F(KvMockerProcessTest, VllmFormatPublishesOnTheRankSubjectWithKvSeq) {
+  StartMocker({"--event-format", "vllm"});
+  const auto prompt = Tokens(1, 10);
+  ASSERT_EQ(Generate(kBase, GenerateRequest{.request_id = "a", .token_ids = prompt, .max_tokens = 1, .dp_rank = 1}).size(), 2u);
+  const auto second = [&] { auto t = Tokens(1, 8); for (auto x : Tokens(500, 4)) t.push_back(x); return t; }();
+  ASSERT_EQ(Generate(kBase, GenerateRequest{.request_id = "b", .token_ids = second, .max_tokens = 1, .dp_rank = 1}).size(), 2u);
+  ASSERT_TRUE(WaitFor([&] { return vllm_events_.size() >= 2; }, 2s));
+  const auto msgs = vllm_events_.Snapshot();
+  ASSERT_EQ(msgs.size(), 2u);
+  EXPECT_EQ(dynamo_events_.size(), 0u);
+  const auto local = ComputeLocalHashes(second, kBs);
+  for (std::size_t i = 0; i < 2; ++i) {
+    EXPECT_EQ(msgs[i].subject, kComp + "vllm-kv-events." + std::to_string(kBase) + ".1");
+    ASSERT_TRUE(msgs[i].kv_seq.has_value());
+    EXPECT_EQ(*msgs[i].kv_seq, std::to_string(i));
+    auto d = DecodeVllmBatch(msgs[i].data, {.worker_id = kBase, .dp_rank = 1,
+                                            .kv_seq = ParseKvSeqHeader(*msgs[i].kv_seq), .block_size = kBs});
+    ASSERT_TRUE(d.ok()) << d.status().ToString();
+    EXPECT_EQ(d->block_size_mismatches, 0u);
+    ASSERT_EQ(d->batch.ops.size(), 1u);
+    const auto& stored = std::get<KvStored>(d->batch.ops[0].data);
+    if (i == 0) {
+      EXPECT_FALSE(stored.parent_hash.has_value());
+      ASSERT_EQ(stored.blocks.size(), 2u);
+      EXPECT_EQ(stored.blocks[0].tokens_hash, local[0]);
+      EXPECT_EQ(stored.blocks[1].tokens_hash, local[1]);
+    } else {  // only the new third block, tokens 500..503, below the shared two
+      EXPECT_EQ(stored.parent_hash, ComputeSequenceHashes(local)[1]);
+      ASSERT_EQ(stored.blocks.size(), 1u);
+      EXPECT_EQ(stored.blocks[0].tokens_hash, local[2]);
+    }
+  }
+}
+
+TEST_F(KvMockerProcessTest, SigtermAnnouncesLeavingAnswersInFlightRequestsAndExitsZero) {
+  StartMocker();
+  // A long request (65536 decode steps of >= 0.01 ms) is still running at SIGTERM.
+  const std::string inbox_subject = "_INBOX.kvmocker-test.long";
+  Inbox inbox;
+  auto sub = nc_->Subscribe(inbox_subject, "", inbox.Handler());
+  ASSERT_TRUE(sub.ok());
+  const GenerateRequest long_req{.request_id = "long", .token_ids = Tokens(1, 8), .max_tokens = kMaxGenerateTokens};
+  ASSERT_TRUE(nc_->PublishRequest(kComp + "generate." + std::to_string(kBase), inbox_subject, AsBytes(long_req.Encode())).ok());
+  ASSERT_TRUE(WaitFor([&] { return inbox.size() >= 1; }, 5s));  // its first token
+
+  mocker_->Stop();
+  ASSERT_TRUE(WIFEXITED(mocker_->exit_status())) << Log();
+  EXPECT_EQ(WEXITSTATUS(mocker_->exit_status()), 0);
+  std::map<std::uint64_t, int> leaving;
+  ASSERT_TRUE(WaitFor([&] {
+    leaving.clear();
+    for (const WorkerRegistration& r : Registrations()) leaving[r.worker_id] += r.leaving;
+    return leaving[kBase] >= 1 && leaving[kBase + 1] >= 1;
+  }, 2s));
+  EXPECT_EQ(leaving[kBase], 1);
+  EXPECT_EQ(leaving[kBase + 1], 1);
+
+  ASSERT_TRUE(WaitFor([&] { return inbox.size() >= 2; }, 2s));
+  auto last = GenerateResponse::Decode(inbox.Snapshot()[1].data);
+  ASSERT_TRUE(last.ok());
+  EXPECT_EQ(last->request_id, "long");
+  EXPECT_EQ(last->finish_reason, "error");
+}
+
+}  // namespace
+}  // namespace kvrouter
