@@ -14,6 +14,7 @@
 #include "router/kv_router_service.h"
 #include "transport/nats_bus.h"
 #include "transport/nats_client.h"
+#include "transport/stop_signals.h"
 
 int main(int argc, char** argv) {
   using namespace kvrouter;
@@ -28,13 +29,7 @@ int main(int argc, char** argv) {
   }
   const RouterConfig& cfg = parsed->config;
 
-  // Signals are taken by sigwait below; every thread started from here on inherits the mask.
-  sigset_t stop_signals;
-  sigemptyset(&stop_signals);
-  sigaddset(&stop_signals, SIGINT);
-  sigaddset(&stop_signals, SIGTERM);
-  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
-  std::signal(SIGPIPE, SIG_IGN);
+  StopSignals stop;  // before any thread starts: they inherit the blocked mask
 
   auto nc = NatsClient::Connect(
       {.url = cfg.nats_server, .name = "kvrouter", .send_asap = true},  // replies without delay
@@ -66,8 +61,7 @@ int main(int argc, char** argv) {
     }
   });
 
-  int sig = 0;
-  sigwait(&stop_signals, &sig);
+  const int sig = stop.Wait();
   fmt::print(stderr, "kvrouter I signal {}: draining\n", sig);
   {
     std::lock_guard g(mu);

@@ -11,6 +11,7 @@
 
 #include "router/kvmocker/mocker.h"
 #include "transport/nats_client.h"
+#include "transport/stop_signals.h"
 
 namespace {
 
@@ -35,13 +36,7 @@ int main(int argc, char** argv) {
   }
   const MockerConfig& cfg = parsed->config;
 
-  // Signals are taken by sigwait below; every thread started from here on inherits the mask.
-  sigset_t stop_signals;
-  sigemptyset(&stop_signals);
-  sigaddset(&stop_signals, SIGINT);
-  sigaddset(&stop_signals, SIGTERM);
-  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
-  std::signal(SIGPIPE, SIG_IGN);
+  StopSignals stop;  // before any thread starts: they inherit the blocked mask
 
   auto nc = NatsClient::Connect(
       {.url = cfg.nats_server, .name = "kvmocker", .send_asap = true},  // responses without delay
@@ -63,8 +58,7 @@ int main(int argc, char** argv) {
              cfg.component, cfg.num_gpu_blocks, cfg.block_size, cfg.speedup_ratio,
              cfg.event_format == MockEventFormat::kDynamo ? "dynamo" : "vllm");
 
-  int sig = 0;
-  sigwait(&stop_signals, &sig);
+  const int sig = stop.Wait();
   fmt::print(stderr, "kvmocker I signal {}: leaving\n", sig);
   fleet->Stop();
   const auto c = fleet->counters();

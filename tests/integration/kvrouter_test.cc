@@ -172,8 +172,9 @@ TEST_F(KvRouterProcessTest, LeaseExpiresWithin250msOfItsDeadlineAndLeavingIsImme
   ASSERT_TRUE(AwaitWorkers(2));
   ASSERT_TRUE(AwaitWorkers(1));
   const auto gone_after = std::chrono::steady_clock::now() - registered;
-  // Deadline 300 ms + 250 ms allowance + polling and scheduling slack on a loaded 2-core box.
-  EXPECT_LT(gone_after, 300ms + 250ms + 250ms);
+  // Deadline 300 ms + 250 ms allowance + polling and scheduling slack on a loaded 2-core box
+  // (this also runs under ASan, beside other tests).
+  EXPECT_LT(gone_after, 300ms + 250ms + 500ms);
   Register(2, 60000, /*leaving=*/true);
   ASSERT_TRUE(AwaitWorkers(0));
   EXPECT_EQ(Route(Tokens(1, 8)).status().code(), StatusCode::kNoWorkers);
