@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <charconv>
+#include <limits>
 
 #include "events/event_codec.h"
 #include "events/msgpack_reader.h"
@@ -95,7 +96,17 @@ Status KvRouterService::Start() {
     subs.push_back({subjects_.active_sequences, "", [this](const BusMessage& m) { HandleReplicaSync(m); }});
   }
   for (auto& s : subs) {
-    auto r = bus_.Subscribe(s.subject, s.group, std::move(s.handler));
+    // Nothing may escape a handler: count it, log it, answer `internal` when a reply is expected.
+    MessageBus::Handler guarded = [this, h = std::move(s.handler)](const BusMessage& m) {
+      try {
+        h(m);
+      } catch (const std::exception& e) {
+        CountDrop("handler_exception");
+        log_.Log(LogLevel::kError, "handler exception", "handler for {} failed: {}", m.subject, e.what());
+        if (!m.reply.empty()) (void)bus_.Publish(m.reply, AsBytes(EncodeErrorReply(Internal(e.what()))));
+      }
+    };
+    auto r = bus_.Subscribe(s.subject, s.group, std::move(guarded));
     if (!r.ok()) {
       subs_.clear();
       return Status(r.status().code(), fmt::format("subscribe {}: {}", s.subject, r.status().message()));
@@ -182,7 +193,8 @@ void KvRouterService::HandleInstances(const BusMessage& m) {
   std::unique_lock lk(mu_);
   if (reg->leaving) {
     ForgetLocked(reg->worker_id);
-    DrainLocked(out);  // requests pinned to it get their error now
+    FailPinnedLocked(reg->worker_id, out);  // its queued pins get not_found now
+    DrainLocked(out);
     lk.unlock();
     Send(out);
     return;
@@ -220,8 +232,10 @@ void KvRouterService::Tick() {
     auto next = std::next(it);
     if (it->second.has_lease && now > it->second.lease_deadline) {
       ++leases_expired_;
-      log_.Log(LogLevel::kInfo, "lease", "worker {} lease expired: forgotten", it->first);
-      ForgetLocked(it->first);
+      const std::uint64_t id = it->first;
+      log_.Log(LogLevel::kInfo, "lease", "worker {} lease expired: forgotten", id);
+      ForgetLocked(id);  // erases `it`
+      FailPinnedLocked(id, out);
     }
     it = next;
   }
@@ -359,7 +373,8 @@ Result<RouteReply> KvRouterService::DecideLocked(const RouteRequest& req, const 
                     .dp_rank = chosen.worker.dp_rank,
                     .overlap_blocks = overlap,
                     .request_blocks = p.sel.request_blocks,
-                    .cached_tokens = overlap * bs,
+                    .cached_tokens = static_cast<std::uint32_t>(std::min<std::uint64_t>(
+                        std::uint64_t{overlap} * bs, std::numeric_limits<std::uint32_t>::max())),
                     .queued_ms = queued_ms};
 }
 
@@ -406,7 +421,7 @@ void KvRouterService::HandleRoute(const BusMessage& m, RouteKind kind) {
           }
         }
       }
-      TakeMetricsLocked(out);
+      TakeDeferredLocked(out);
     }
   } catch (const std::exception& e) {
     error = Internal(fmt::format("route failed: {}", e.what()));
@@ -436,7 +451,7 @@ void KvRouterService::ForwardLocked(const RouteRequest& req, const RouteReply& r
   PackKey(pk, "max_tokens"); pk.pack(req.max_tokens.value_or(req.expected_output_tokens.value_or(16)));
   PackKey(pk, "dp_rank"); pk.pack(routed.dp_rank);
   out.forwards.push_back({subjects_.worker_generate_prefix + std::to_string(routed.worker_id),
-                          relay_prefix_ + std::to_string(n), std::move(body)});
+                          relay_prefix_ + std::to_string(n), std::move(body), n});
 }
 
 void KvRouterService::HandleRelay(const BusMessage& m) {
@@ -469,7 +484,7 @@ void KvRouterService::HandleRelay(const BusMessage& m) {
       inflight_.erase(it);
       if (load_.Free(id)) DrainLocked(out);
     }
-    TakeMetricsLocked(out);
+    TakeDeferredLocked(out);
   }
   if (no_responders) {
     out.errors.emplace_back(caller, Status(StatusCode::kNoWorkers, "the chosen worker did not answer"));
@@ -501,17 +516,22 @@ Status KvRouterService::EnqueueLocked(RouteRequest req, Prepared prepared, std::
   const QueueKey key{.priority = req.priority,
                      .isl = prepared.sel.isl,
                      .best_overlap_tokens = best_overlap * config_.block_size};
+  const std::string id = req.request_id;
   if (!queue_.Push(key, now, now + wait,
                    PendingRoute{std::move(req), std::move(prepared), std::string(reply), generate})) {
     ++queue_refused_;
     return Status(StatusCode::kOverloaded,
                   fmt::format("every worker is busy and {} requests are already queued", queue_.size()));
   }
+  if (!id.empty()) ++queued_ids_[id];
   return Status::Ok();
 }
 
 void KvRouterService::ExpireQueuedLocked(Outbox& out) {
   queue_.Expire(clock_(), [&](RouteQueue::Entry&& e) {
+    if (auto it = queued_ids_.find(e.payload.req.request_id); it != queued_ids_.end() && --it->second == 0) {
+      queued_ids_.erase(it);
+    }
     ++queue_timed_out_;
     out.errors.emplace_back(std::move(e.payload.reply),
                             Status(StatusCode::kTimeout, "no worker had room before timeout_ms"));
@@ -535,7 +555,7 @@ void KvRouterService::DrainLocked(Outbox& out) {
         const std::vector<Candidate> open = OpenRanks(*cands);
         if (open.empty()) {
           // An unfiltered request sees every rank: if it cannot go, nothing else can.
-          const bool filtered = p.req.worker_id || p.req.allowed_worker_ids;
+          const bool filtered = p.req.worker_id || p.req.dp_rank || p.req.allowed_worker_ids;
           return filtered ? ScanStep::kKeep : ScanStep::kStop;
         }
         // Fresh overlaps for the ranks it may go to.
@@ -557,6 +577,9 @@ void KvRouterService::DrainLocked(Outbox& out) {
         return ScanStep::kTake;
       },
       [&](RouteQueue::Entry&& e) {
+        if (auto it = queued_ids_.find(e.payload.req.request_id); it != queued_ids_.end() && --it->second == 0) {
+          queued_ids_.erase(it);
+        }
         if (forwarded) {
           forwarded = false;
         } else if (body) {
@@ -566,18 +589,69 @@ void KvRouterService::DrainLocked(Outbox& out) {
           out.errors.emplace_back(std::move(e.payload.reply), failed);
         }
       });
-  TakeMetricsLocked(out);  // admissions changed loads
+  TakeDeferredLocked(out);  // admissions changed loads
 }
 
-void KvRouterService::TakeMetricsLocked(Outbox& out) {
+void KvRouterService::TakeDeferredLocked(Outbox& out) {
   for (WorkerKey w : metrics_dirty_) out.metrics.emplace_back(w, load_.Load(w));
   metrics_dirty_.clear();
+  for (auto& b : pending_syncs_) out.syncs.push_back(std::move(b));
+  pending_syncs_.clear();
+}
+
+void KvRouterService::FailPinnedLocked(std::uint64_t worker_id, Outbox& out) {
+  if (queue_.empty()) return;
+  queue_.Scan(
+      [&](const RouteQueue::Entry& e) {
+        return e.payload.req.worker_id == worker_id ? ScanStep::kTake : ScanStep::kKeep;
+      },
+      [&](RouteQueue::Entry&& e) {
+        if (auto it = queued_ids_.find(e.payload.req.request_id); it != queued_ids_.end() && --it->second == 0) {
+          queued_ids_.erase(it);
+        }
+        out.errors.emplace_back(std::move(e.payload.reply),
+                                NotFound(fmt::format("worker {} is gone", worker_id)));
+      });
+}
+
+bool KvRouterService::CancelQueuedLocked(const std::string& request_id, Outbox& out) {
+  if (request_id.empty() || !queued_ids_.count(request_id)) return false;
+  bool found = false;
+  queue_.Scan(
+      [&](const RouteQueue::Entry& e) {
+        if (found || e.payload.req.request_id != request_id) return ScanStep::kKeep;
+        found = true;
+        return ScanStep::kTake;
+      },
+      [&](RouteQueue::Entry&& e) {
+        out.errors.emplace_back(std::move(e.payload.reply), Status(StatusCode::kTimeout, "freed while queued"));
+      });
+  if (auto it = queued_ids_.find(request_id); it != queued_ids_.end() && --it->second == 0) queued_ids_.erase(it);
+  return found;
+}
+
+void KvRouterService::AbandonForward(const Outbox::Forward& f, const Status& why) {
+  Outbox out;
+  std::string caller;
+  {
+    std::lock_guard g(mu_);
+    auto it = inflight_.find(f.relay);
+    if (it == inflight_.end()) return;
+    caller = it->second.caller_reply;
+    if (load_.Free(it->second.request_id)) DrainLocked(out);
+    inflight_.erase(it);
+    TakeDeferredLocked(out);
+  }
+  out.errors.emplace_back(caller, why);
+  Send(out);
 }
 
 void KvRouterService::Send(Outbox& out) {
+  for (auto& b : out.syncs) (void)bus_.Publish(subjects_.active_sequences, AsBytes(b));
   for (auto& f : out.forwards) {
     if (Status s = bus_.PublishRequest(f.subject, f.reply, AsBytes(f.body)); !s.ok()) {
       log_.Log(LogLevel::kWarning, "forward", "forwarding to {} failed: {}", f.subject, s.message());
+      AbandonForward(f, Status(StatusCode::kNoWorkers, fmt::format("could not reach the worker: {}", s.message())));
     }
   }
   for (auto& [reply, body] : out.replies) {
@@ -601,6 +675,7 @@ void KvRouterService::HandleLifecycle(const BusMessage& m, bool free) {
     const WorkerKey* w = load_.WorkerOf(*id);
     const WorkerKey worker = w ? *w : WorkerKey{};
     const bool did = free ? load_.Free(*id) : load_.MarkPrefill(*id);
+    if (free && !did) CancelQueuedLocked(*id, out);  // freed before it left the queue
     if (did) {
       metrics_dirty_.push_back(worker);
       if (config_.replica_sync) {
@@ -608,7 +683,7 @@ void KvRouterService::HandleLifecycle(const BusMessage& m, bool free) {
       }
       DrainLocked(out);  // load dropped: queued requests may fit now
     }
-    TakeMetricsLocked(out);
+    TakeDeferredLocked(out);
   }
   Reply(m, EncodeOkReply());
   Send(out);
@@ -620,7 +695,7 @@ void KvRouterService::HandleStats(const BusMessage& m) {
   for (const auto& t : index_.TreeSizes()) blocks[t.worker] = t.blocks;
   msgpack::sbuffer buf;
   Packer pk(buf);
-  std::lock_guard g(mu_);
+  std::unique_lock lk(mu_);
   std::map<std::string, std::uint64_t> dropped = drops_;
   dropped["parent_block_not_found"] += c.parent_block_not_found;
   dropped["block_not_found"] += c.block_not_found;
@@ -664,6 +739,7 @@ void KvRouterService::HandleStats(const BusMessage& m) {
   PackKey(pk, "predicted_blocks"); pk.pack(std::uint64_t{approx_ ? approx_->size() : 0});
   PackKey(pk, "predictions_expired"); pk.pack(approx_ ? approx_->expired() : 0);
   PackKey(pk, "predictions_pruned"); pk.pack(approx_ ? approx_->pruned() : 0);
+  lk.unlock();  // never publish under mu_: a synchronous bus may call back into us
   Reply(m, buf);
 }
 
@@ -677,7 +753,7 @@ void KvRouterService::PublishSync(ActiveSequenceEvent::Kind kind, const std::str
                               .seq_hashes = {seq.begin(), seq.end()},
                               .isl = isl,
                               .overlap_blocks = overlap};
-  (void)bus_.Publish(subjects_.active_sequences, AsBytes(EncodeActiveSequenceEvent(e)));
+  pending_syncs_.push_back(EncodeActiveSequenceEvent(e));
 }
 
 void KvRouterService::HandleReplicaSync(const BusMessage& m) {

@@ -87,7 +87,9 @@ class KvRouterService {
   void HandleLifecycle(const BusMessage& m, bool free);
   void HandleStats(const BusMessage& m);
   void HandleReplicaSync(const BusMessage& m);
-  // Tells the other replicas about a booking change (--router-replica-sync).
+  // Queues a message telling the other replicas about a booking change (--router-replica-sync);
+  // mu_ held. It is published by Send, after mu_ is released: a bus may deliver synchronously
+  // to another replica whose handlers publish back to us.
   void PublishSync(ActiveSequenceEvent::Kind kind, const std::string& request_id, WorkerKey worker,
                    std::span<const SequenceHash> seq = {}, std::uint32_t isl = 0, std::uint32_t overlap = 0);
 
@@ -120,8 +122,10 @@ class KvRouterService {
     struct Forward {
       std::string subject, reply;
       msgpack::sbuffer body;
+      std::uint64_t relay = 0;  // its inflight_ entry
     };
-    std::vector<Forward> forwards;  // generate requests to workers
+    std::vector<msgpack::sbuffer> syncs;  // replica sync messages, published first
+    std::vector<Forward> forwards;        // generate requests to workers
     std::vector<std::pair<std::string, msgpack::sbuffer>> replies;
     std::vector<std::pair<std::string, Status>> errors;
     std::vector<std::pair<WorkerKey, WorkerLoad>> metrics;
@@ -153,7 +157,14 @@ class KvRouterService {
   void DrainLocked(Outbox& out);
   // mu_ held: answers `timeout` to queued requests past their deadline (Tick, every 50 ms).
   void ExpireQueuedLocked(Outbox& out);
-  void TakeMetricsLocked(Outbox& out);
+  // mu_ held: moves the gauges and sync messages gathered under mu_ into `out`.
+  void TakeDeferredLocked(Outbox& out);
+  // mu_ held: answers `not_found` to queued requests pinned to a worker that is gone.
+  void FailPinnedLocked(std::uint64_t worker_id, Outbox& out);
+  // mu_ held: removes a still-queued request (its client freed it); true if there was one.
+  bool CancelQueuedLocked(const std::string& request_id, Outbox& out);
+  // A forward that could not be published: release it and tell the caller.
+  void AbandonForward(const Outbox::Forward& f, const Status& why);
   void Send(Outbox& out);
   void Reply(const BusMessage& m, const msgpack::sbuffer& body);
   void ReplyError(const BusMessage& m, const Status& s);
@@ -184,6 +195,8 @@ class KvRouterService {
   std::uint64_t queue_timed_out_ = 0;              // GUARDED_BY(mu_)
   std::uint64_t queue_refused_ = 0;                // GUARDED_BY(mu_)
   std::vector<WorkerKey> metrics_dirty_;           // GUARDED_BY(mu_) loads to publish
+  std::vector<msgpack::sbuffer> pending_syncs_;    // GUARDED_BY(mu_) replica sync to publish
+  std::unordered_map<std::string, std::uint32_t> queued_ids_;  // GUARDED_BY(mu_) request_id -> count
   // Approximate mode (--no-router-kv-events without --load-aware); null otherwise.
   const std::unique_ptr<ApproxIndex> approx_;      // contents GUARDED_BY(mu_)
   const std::string relay_prefix_;                 // "_KVR.<router_id>."

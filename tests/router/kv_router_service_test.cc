@@ -617,6 +617,75 @@ TEST_F(QueueTest, TimedOutRequestGetsTimeoutAndBooksNothing) {
   EXPECT_EQ(StatU64(Stats().get(), "queue_admitted"), 0u);
 }
 
+TEST_F(QueueTest, RankFilteredHeadDoesNotStallTheQueue) {
+  StartWith({"--router-mode", "kv", "--router-queue-threshold", "1"});
+  Register(1, {.dp_size = 2, .max_num_batched_tokens = 8});
+  RouteRequest fill0 = Prio("fill0", 0);
+  fill0.dp_rank = 0;
+  RouteRequest fill1 = Prio("fill1", 0);
+  fill1.dp_rank = 1;
+  ASSERT_TRUE(Route(fill0).ok());
+  ASSERT_TRUE(Route(fill1).ok());
+  RouteRequest head = Prio("rank1-only", 9);
+  head.dp_rank = 1;
+  auto h = Send(head);
+  auto other = Send(Prio("any-rank", 0));
+  MarkPrefill("fill0");  // only rank 0 opens
+  EXPECT_FALSE(h.reply->has_value());
+  ASSERT_TRUE(ReplyOf(other).ok());
+  EXPECT_EQ(ReplyOf(other)->dp_rank, 0u);
+}
+
+TEST_F(QueueTest, FreeingAQueuedRequestCancelsIt) {
+  SetUpQueue();
+  ASSERT_TRUE(Route(Prio("r1", 0)).ok());
+  ASSERT_TRUE(Route(Prio("r2", 0)).ok());
+  auto gone = Send(Prio("gone", 0));
+  (void)bus_.Request(svc_->subjects().free, AsBytes(EncodeLifecycleRequest("gone")));
+  ASSERT_TRUE(gone.reply->has_value());
+  EXPECT_EQ(ReplyOf(gone).status().code(), StatusCode::kTimeout);
+  MarkPrefill("r1");
+  auto doc = Stats();
+  EXPECT_EQ(StatU64(doc.get(), "queue_length"), 0u);
+  EXPECT_EQ(StatU64(doc.get(), "active_requests"), 2u);  // r1 and r2 only: "gone" was never booked
+}
+
+TEST_F(QueueTest, LeavingWorkerFailsItsPinsEvenBehindABlockedHead) {
+  SetUpQueue();
+  ASSERT_TRUE(Route(Prio("r1", 0)).ok());
+  ASSERT_TRUE(Route(Prio("r2", 0)).ok());
+  auto head = Send(Prio("unpinned", 9));  // first in order, cannot go anywhere
+  RouteRequest pinned = Prio("pinned", 0);
+  pinned.worker_id = 2;
+  auto p = Send(pinned);
+  Register(2, {.max_num_batched_tokens = 8, .leaving = true});
+  ASSERT_TRUE(p.reply->has_value());
+  EXPECT_EQ(ReplyOf(p).status().code(), StatusCode::kNotFound);
+  EXPECT_FALSE(head.reply->has_value());
+}
+
+// Regression: replica sync used to publish while holding the routing mutex; with a bus that
+// delivers synchronously, replica B admitting a queued request on A's sync message published
+// back into A on the same thread, and A's handler locked A's mutex again.
+TEST_F(QueueTest, ReplicasWithSyncAndQueuesDoNotDeadlock) {
+  SetUpQueue({"--router-replica-sync"});
+  std::vector<const char*> argv = {"kvrouter", "--block-size", "4", "--router-mode", "kv",
+                                   "--router-queue-threshold", "1", "--router-replica-sync"};
+  auto cfg = ParseRouterConfig(static_cast<int>(argv.size()), argv.data(), [](const char*) { return nullptr; });
+  ASSERT_TRUE(cfg.ok());
+  KvRouterService other(cfg->config, bus_, [this] { return now_; }, 43);
+  ASSERT_TRUE(other.Start().ok());
+  Register(1, {.max_num_batched_tokens = 8});
+  Register(2, {.max_num_batched_tokens = 8});
+  ASSERT_TRUE(Route(Prio("r1", 0)).ok());
+  ASSERT_TRUE(Route(Prio("r2", 0)).ok());
+  auto q1 = Send(Prio("q1", 0));  // the route group alternates: one queued on each replica
+  auto q2 = Send(Prio("q2", 0));
+  MarkPrefill("r1");
+  MarkPrefill("r2");
+  EXPECT_TRUE(q1.reply->has_value() || q2.reply->has_value());
+}
+
 TEST_F(QueueTest, LeavingWorkerFailsRequestsPinnedToIt) {
   SetUpQueue();
   ASSERT_TRUE(Route(Prio("r1", 0)).ok());
