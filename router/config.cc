@@ -23,26 +23,7 @@ constexpr std::pair<RouterMode, std::string_view> kModes[] = {
     {RouterMode::kDirect, "direct"},
 };
 
-// Environment variable for a flag: DYN_ + upper snake case, with the documented exceptions.
-std::string EnvNameFor(std::string_view flag) {
-  if (flag == "nats-server") return "NATS_SERVER";
-  if (flag == "router-kv-events") return "DYN_ROUTER_USE_KV_EVENTS";
-  if (flag == "no-router-track-prefill-tokens") return "DYN_ROUTER_TRACK_PREFILL_TOKENS";
-  std::string out = "DYN_";
-  for (char c : flag) out += c == '-' ? '_' : static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
-  return out;
-}
-
-std::optional<bool> ParseBool(std::string v) {
-  std::transform(v.begin(), v.end(), v.begin(), [](unsigned char c) { return std::tolower(c); });
-  if (v == "1" || v == "true" || v == "yes" || v == "on") return true;
-  if (v == "0" || v == "false" || v == "no" || v == "off") return false;
-  return std::nullopt;
-}
-
-Status OutOfRange(std::string_view flag, std::string_view range) {
-  return InvalidArgument(fmt::format("--{} must be {}", flag, range));
-}
+Status OutOfRange(std::string_view flag, std::string_view range) { return FlagOutOfRange(flag, range); }
 
 }  // namespace
 
@@ -102,39 +83,24 @@ Result<ParsedArgs> ParseRouterConfig(int argc, const char* const* argv, const En
   po::variables_map vm;
   try {
     po::store(po::command_line_parser(argc, argv).options(desc).run(), vm);
-    // Environment values for flags not given on the command line (store keeps the first value).
-    std::vector<std::string> env_args;
-    for (const auto& opt : desc.options()) {
-      const std::string& name = opt->long_name();
-      if (name == "help" || name == "no-router-kv-events") continue;
-      if (vm.count(name) && !vm[name].defaulted()) continue;  // given on the command line
-      const char* raw = env(EnvNameFor(name).c_str());
-      if (raw == nullptr || *raw == '\0') continue;
-      if (opt->semantic()->max_tokens() == 0) {  // a switch
-        auto b = ParseBool(raw);
-        if (!b) return InvalidArgument(fmt::format("{}={} must be true or false", EnvNameFor(name), raw));
-        if (name == "router-kv-events") {
-          env_args.push_back(*b ? "--router-kv-events" : "--no-router-kv-events");
-        } else if (name == "no-router-track-prefill-tokens") {
-          if (!*b) env_args.push_back("--" + name);  // DYN_ROUTER_TRACK_PREFILL_TOKENS=false
-        } else if (*b) {
-          env_args.push_back("--" + name);
-        }
-      } else {
-        env_args.push_back(fmt::format("--{}={}", name, raw));
-      }
-    }
-    if (!env_args.empty()) {
-      std::vector<const char*> eargv = {"env"};
-      for (auto& a : env_args) eargv.push_back(a.c_str());
-      po::variables_map env_vm;
-      po::store(po::command_line_parser(static_cast<int>(eargv.size()), eargv.data()).options(desc).run(), env_vm);
-      for (auto& [k, v] : env_vm) {
-        if (v.defaulted() || (vm.count(k) && !vm[k].defaulted())) continue;
-        vm.erase(k);
-        vm.insert({k, v});
-      }
-    }
+    // Environment values for flags not given on the command line. Two flags read Dynamo's
+    // variable names: DYN_ROUTER_USE_KV_EVENTS=true|false, DYN_ROUTER_TRACK_PREFILL_TOKENS=false.
+    auto boolean_rule = [](std::string variable, std::string if_true, std::string if_false) {
+      return EnvRule{std::move(variable), [t = std::move(if_true), f = std::move(if_false)](std::string_view v)
+                                              -> Result<std::optional<std::string>> {
+                       auto b = ParseBoolValue(std::string(v));
+                       if (!b) return InvalidArgument("must be true or false");
+                       const std::string& arg = *b ? t : f;
+                       return arg.empty() ? std::nullopt : std::optional<std::string>(arg);
+                     }};
+    };
+    const std::map<std::string, EnvRule> rules = {
+        {"router-kv-events", boolean_rule("DYN_ROUTER_USE_KV_EVENTS", "--router-kv-events", "--no-router-kv-events")},
+        {"no-router-kv-events", EnvRule{"", nullptr}},  // read through DYN_ROUTER_USE_KV_EVENTS
+        {"no-router-track-prefill-tokens",
+         boolean_rule("DYN_ROUTER_TRACK_PREFILL_TOKENS", "", "--no-router-track-prefill-tokens")},
+    };
+    if (Status s = FillFromEnvironment(desc, vm, env, rules); !s.ok()) return s;
     po::notify(vm);
   } catch (const po::error& e) {
     return InvalidArgument(e.what());

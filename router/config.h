@@ -16,6 +16,7 @@
 #include <string_view>
 
 #include "events/status.h"
+#include "router/flags.h"
 
 namespace kvrouter {
 
@@ -64,8 +65,6 @@ struct RouterConfig {
   double device_ratio = 8;                            // --device-ratio > 0
   std::uint32_t index_shards = 2;                     // --router-index-shards [1, 64]
 };
-
-using EnvLookup = std::function<const char*(const char*)>;
 
 // Parses argv (argv[0] is the program) and the environment. Unknown flags and bad values give
 // InvalidArgument naming the flag; --help gives help = true and the help text.

@@ -1,5 +1,7 @@
 #include "router/kvmocker/mocker.h"
 
+#include "router/flags.h"
+
 #include <boost/program_options.hpp>
 #include <fmt/format.h>
 
@@ -25,19 +27,7 @@ namespace {
 
 constexpr double kInfinity = std::numeric_limits<double>::infinity();
 
-// DYN_ + upper snake case; NATS_SERVER for --nats-server (as kvrouter reads it).
-std::string EnvNameFor(std::string_view flag) {
-  if (flag == "nats-server") return "NATS_SERVER";
-  std::string out = "DYN_";
-  for (char c : flag) {
-    out += c == '-' ? '_' : static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
-  }
-  return out;
-}
-
-Status OutOfRange(std::string_view flag, std::string_view range) {
-  return InvalidArgument(fmt::format("--{} must be {}", flag, range));
-}
+Status OutOfRange(std::string_view flag, std::string_view range) { return FlagOutOfRange(flag, range); }
 
 // An integer flag in [lo, hi] (read as int64 so "-1" is refused rather than wrapped).
 Result<std::uint32_t> U32Flag(const po::variables_map& vm, const char* flag, std::int64_t lo,
@@ -117,26 +107,8 @@ Result<ParsedMockerArgs> ParseMockerConfig(int argc, const char* const* argv, co
   } catch (const po::error& e) {
     return InvalidArgument(e.what());
   }
-  // Environment values for flags not given on the command line, parsed one at a time so an
-  // error names the variable.
-  for (const auto& opt : desc.options()) {
-    const std::string& name = opt->long_name();
-    if (name == "help") continue;
-    if (vm.count(name) && !vm[name].defaulted()) continue;  // the command line wins
-    const std::string var = EnvNameFor(name);
-    const char* raw = env(var.c_str());
-    if (raw == nullptr || *raw == '\0') continue;
-    const std::string arg = fmt::format("--{}={}", name, raw);
-    const char* eargv[] = {"env", arg.c_str()};
-    po::variables_map env_vm;
-    try {
-      po::store(po::command_line_parser(2, eargv).options(desc).run(), env_vm);
-    } catch (const po::error& e) {
-      return InvalidArgument(fmt::format("{}={}: {}", var, raw, e.what()));
-    }
-    vm.erase(name);
-    vm.insert({name, env_vm[name]});
-  }
+  // Environment values for flags not given on the command line; an error names the variable.
+  if (Status st = FillFromEnvironment(desc, vm, env); !st.ok()) return st;
   try {
     po::notify(vm);
   } catch (const po::error& e) {

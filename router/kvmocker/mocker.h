@@ -38,6 +38,7 @@
 
 #include "events/mock_engine.h"
 #include "events/status.h"
+#include "router/flags.h"
 #include "transport/log.h"
 #include "transport/nats_client.h"
 
@@ -69,7 +70,6 @@ struct MockerConfig {
 // num_workers * dp_size is at most this: every rank costs a subscription (a nats.c thread).
 inline constexpr std::uint32_t kMaxMockRanks = 1024;
 
-using EnvLookup = std::function<const char*(const char*)>;
 
 struct ParsedMockerArgs {
   MockerConfig config;

@@ -1,0 +1,70 @@
+#include "router/flags.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cctype>
+#include <vector>
+
+namespace kvrouter {
+namespace po = boost::program_options;
+
+std::string EnvNameForFlag(std::string_view flag) {
+  if (flag == "nats-server") return "NATS_SERVER";
+  std::string out = "DYN_";
+  for (char c : flag) out += c == '-' ? '_' : static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  return out;
+}
+
+Status FlagOutOfRange(std::string_view flag, std::string_view range) {
+  return InvalidArgument(fmt::format("--{} must be {}", flag, range));
+}
+
+std::optional<bool> ParseBoolValue(std::string v) {
+  std::transform(v.begin(), v.end(), v.begin(), [](unsigned char c) { return std::tolower(c); });
+  if (v == "1" || v == "true" || v == "yes" || v == "on") return true;
+  if (v == "0" || v == "false" || v == "no" || v == "off") return false;
+  return std::nullopt;
+}
+
+Status FillFromEnvironment(const po::options_description& desc, po::variables_map& vm, const EnvLookup& env,
+                           const std::map<std::string, EnvRule>& rules) {
+  for (const auto& opt : desc.options()) {
+    const std::string& name = opt->long_name();
+    if (name == "help") continue;
+    if (vm.count(name) && !vm[name].defaulted()) continue;  // given on the command line
+    auto rule = rules.find(name);
+    const std::string var = rule != rules.end() ? rule->second.variable : EnvNameForFlag(name);
+    if (var.empty()) continue;
+    const char* raw = env(var.c_str());
+    if (raw == nullptr || *raw == '\0') continue;
+    std::optional<std::string> arg;
+    if (rule != rules.end()) {
+      auto a = rule->second.to_argument(raw);
+      if (!a.ok()) return InvalidArgument(fmt::format("{}={}: {}", var, raw, a.status().message()));
+      arg = *a;
+    } else if (opt->semantic()->max_tokens() == 0) {  // a switch
+      auto b = ParseBoolValue(raw);
+      if (!b) return InvalidArgument(fmt::format("{}={} must be true or false", var, raw));
+      if (*b) arg = "--" + name;
+    } else {
+      arg = fmt::format("--{}={}", name, raw);
+    }
+    if (!arg) continue;
+    // The flag the argument sets (a rule may set another one, e.g. --no-x for x=false).
+    const std::string target = arg->substr(2, arg->find('=') == std::string::npos ? std::string::npos : arg->find('=') - 2);
+    if (vm.count(target) && !vm[target].defaulted()) continue;  // the command line wins
+    const char* eargv[] = {"env", arg->c_str()};
+    po::variables_map env_vm;
+    try {
+      po::store(po::command_line_parser(2, eargv).options(desc).run(), env_vm);
+    } catch (const po::error& e) {
+      return InvalidArgument(fmt::format("{}={}: {}", var, raw, e.what()));
+    }
+    vm.erase(target);
+    vm.insert({target, env_vm[target]});
+  }
+  return Status::Ok();
+}
+
+}  // namespace kvrouter

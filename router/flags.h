@@ -1,0 +1,46 @@
+// Flag helpers shared by kvrouter's and kvmocker's configuration parsers: the environment
+// fallback every flag has (DYN_<FLAG_IN_UPPER_SNAKE_CASE>, NATS_SERVER for --nats-server) and
+// the refusal message for out-of-range values. Thread-safe (pure; the environment is read
+// through the caller's lookup).
+//
+//   po::store(po::command_line_parser(argc, argv).options(desc).run(), vm);
+//   if (Status s = FillFromEnvironment(desc, vm, env); !s.ok()) return s;
+#pragma once
+
+#include <boost/program_options.hpp>
+
+#include <functional>
+#include <map>
+#include <optional>
+#include <string>
+#include <string_view>
+
+#include "events/status.h"
+
+namespace kvrouter {
+
+using EnvLookup = std::function<const char*(const char*)>;
+
+// DYN_ + upper snake case of the flag; NATS_SERVER for nats-server.
+std::string EnvNameForFlag(std::string_view flag);
+// InvalidArgument "--flag must be <range>".
+Status FlagOutOfRange(std::string_view flag, std::string_view range);
+// "1/true/yes/on" or "0/false/no/off" (any case); nullopt otherwise.
+std::optional<bool> ParseBoolValue(std::string value);
+
+// How one flag reads the environment when the default is not right: its variable, and the
+// command-line argument a value turns into (nullopt = none; an error names the variable).
+struct EnvRule {
+  std::string variable;
+  std::function<Result<std::optional<std::string>>(std::string_view value)> to_argument;
+};
+
+// For every flag of `desc` not given on the command line (absent or defaulted in `vm`), reads
+// its variable and stores the value into `vm` as if it had been given. Switches take a boolean
+// ("--flag" when true); `rules` override the variable and translation per flag. Errors name
+// the variable. Call before po::notify.
+Status FillFromEnvironment(const boost::program_options::options_description& desc,
+                           boost::program_options::variables_map& vm, const EnvLookup& env,
+                           const std::map<std::string, EnvRule>& rules = {});
+
+}  // namespace kvrouter
