@@ -110,7 +110,17 @@ Result<Summary> RunOnline(const std::vector<TraceRequest>& trace, const OnlineOp
     std::this_thread::sleep_until(start + std::chrono::microseconds(static_cast<std::int64_t>((trace[i].timestamp_ms - t0) * 1000)));
     {
       std::unique_lock lk(mu);
-      cv.wait(lk, [&] { return in_flight < o.concurrency; });
+      // Responses that never come (a worker killed, messages dropped) must not hang the run:
+      // after timeout_s without room, the rest of the trace is counted as errors.
+      if (!cv.wait_for(lk, std::chrono::duration<double>(o.timeout_s), [&] { return in_flight < o.concurrency; })) {
+        fmt::print(stderr, "kvbench {}: no response for {} s with {} requests in flight; giving up\n", o.label,
+                   o.timeout_s, in_flight);
+        for (std::size_t k = i; k < trace.size(); ++k) {
+          records[k].error = true;
+          ++done;
+        }
+        break;
+      }
       ++in_flight;
       records[i].arrival_ms = ms_since_start();
       records[i].prompt_tokens = trace[i].input_length;
@@ -139,7 +149,6 @@ Result<Summary> RunOnline(const std::vector<TraceRequest>& trace, const OnlineOp
   }
   sub->reset();  // no handler runs after this
   auto after = RoutedPerWorker(client, o.ns);
-  std::vector<std::uint64_t> ids;
   std::vector<RequestRecord> final_records;
   {
     std::lock_guard g(mu);

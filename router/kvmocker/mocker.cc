@@ -441,14 +441,16 @@ Status MockWorkerFleet::Start() {
 void MockWorkerFleet::Stop() {
   if (!started_ || stopped_) return;
   stopped_ = true;
-  PublishRegistrations(/*leaving=*/true);
-  subscriptions_.clear();  // no handler runs after this
+  // The engine thread (which also sends heartbeats) stops first, so no heartbeat can follow
+  // `leaving`. Requests arriving meanwhile wait in the inbox and are answered below.
   {
     std::lock_guard g(inbox_mu_);
     stopping_ = true;
   }
   inbox_cv_.notify_all();
   if (engine_thread_.joinable()) engine_thread_.join();
+  PublishRegistrations(/*leaving=*/true);
+  subscriptions_.clear();  // no handler runs after this
 
   // Nobody will finish these: tell their clients instead of letting them time out.
   std::vector<GenerateJob> queued;
@@ -518,16 +520,17 @@ void MockWorkerFleet::OnGenerate(std::size_t worker_index, const IncomingMessage
   bool full = false;
   {
     std::lock_guard g(inbox_mu_);
-    if (inbox_.size() >= kMaxInbox) {
+    // Bounded by every request not yet finished, wherever it is (inbox, engine queue, running).
+    if (outstanding_.load() >= kMaxOutstanding) {
       full = true;
     } else {
+      ++outstanding_;
       inbox_.push_back(std::move(job));
     }
   }
   if (full) {
     ++inbox_full_;
-    log_.Log(LogLevel::kWarning, "inbox-full", "inbox full ({} requests): refusing",
-             kMaxInbox);
+    log_.Log(LogLevel::kWarning, "inbox-full", "{} requests outstanding: refusing", kMaxOutstanding);
     RespondError(m.reply, job.request.request_id, "overloaded: worker inbox full");
     return;
   }
@@ -657,6 +660,7 @@ void MockWorkerFleet::DeliverOutputs(Rank& rank) {
         for (std::uint32_t k = 1; k < f.max_tokens; ++k) fin.token_ids.push_back(FakeToken(k));
         Respond(f.reply, fin);
         in_flight_.erase(it);
+        --outstanding_;
         break;
       }
       case EngineOutput::kRejected:
@@ -667,6 +671,7 @@ void MockWorkerFleet::DeliverOutputs(Rank& rank) {
                                                  "blocks of the KV cache",
                                                  o.prompt_tokens, config_.num_gpu_blocks)});
         in_flight_.erase(it);
+        --outstanding_;
         break;
     }
   }

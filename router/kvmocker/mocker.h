@@ -158,7 +158,9 @@ class MockWorkerFleet {
     std::uint64_t events = 0;            // KV event messages published
     std::uint64_t publish_failures = 0;  // any publish that failed
   };
-  static constexpr std::size_t kMaxInbox = 65536;  // generate requests not yet handed to engines
+  // Generate requests not yet finished (inbox, engine queues, running) before refusing more.
+  static constexpr std::size_t kMaxOutstanding = 65536;
+  std::atomic<std::size_t> outstanding_{0};
 
   MockWorkerFleet(MockerConfig config, NatsClient& nats);
   ~MockWorkerFleet();  // Stop()
