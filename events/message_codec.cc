@@ -2,23 +2,18 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
 #include "events/msgpack_reader.h"
+#include "events/msgpack_writer.h"
 
 namespace kvrouter {
 namespace {
 
 using Packer = msgpack::packer<msgpack::sbuffer>;
 
-// Parses `body` and checks that it is a map; `what` names the message in the error.
-Result<msgpack::object_handle> ParseMap(std::span<const std::byte> body, std::string_view what) {
-  auto doc = ParseMsgpack(body);
-  if (!doc.ok()) return doc.status();
-  if (!IsMap(doc->get())) return InvalidArgument(fmt::format("{} must be a map", what));
-  return doc;
-}
 
 Result<bool> ReadLeaving(const msgpack::object* o, std::string_view field) {
   auto status = ReadStr(o, field);
@@ -26,7 +21,7 @@ Result<bool> ReadLeaving(const msgpack::object* o, std::string_view field) {
   if (*status == "up") return false;
   if (*status == "leaving") return true;
   return InvalidArgument(fmt::format("field '{}' must be \"up\" or \"leaving\", not '{}'", field,
-                                     *status));
+                                     status->substr(0, 32)));
 }
 
 // A router_config_override weight: a finite, non-negative number (float or int).
@@ -72,7 +67,7 @@ void PackU64Array(Packer& pk, const std::vector<std::uint64_t>& values) {
 }  // namespace
 
 Result<WorkerRegistration> DecodeWorkerRegistration(std::span<const std::byte> body) {
-  auto doc = ParseMap(body, "worker registration");
+  auto doc = ParseMsgpackMap(body, "worker registration");
   if (!doc.ok()) return doc.status();
   const msgpack::object& m = doc->get();
   WorkerRegistration reg;
@@ -84,14 +79,16 @@ Result<WorkerRegistration> DecodeWorkerRegistration(std::span<const std::byte> b
   reads.Optional(m, "total_kv_blocks", ReadU64, reg.total_kv_blocks);
   reads.Optional(m, "max_num_seqs", ReadU32, reg.max_num_seqs);
   reads.Optional(m, "max_num_batched_tokens", ReadU32, reg.max_num_batched_tokens);
-  reads.Optional(m, "device", ReadStr, reg.device);
-  reads.Optional(m, "lease_ms", ReadU32, reg.lease_ms);
+  reads.Optional(m, "device", ReadName, reg.device);
+  std::uint64_t lease_ms = reg.lease_ms;
+  reads.Optional(m, "lease_ms", ReadU64, lease_ms);
   reads.Optional(m, "status", ReadLeaving, reg.leaving);
   if (!reads.ok()) return reads.status();
   if (reg.dp_size == 0) return InvalidArgument("field 'dp_size' must be at least 1");
-  if (std::uint64_t{reg.dp_start} + reg.dp_size > std::uint64_t{1} << 32) {
-    return InvalidArgument("fields 'dp_start' + 'dp_size' exceed the u32 dp rank range");
+  if (std::uint64_t{reg.dp_start} + reg.dp_size > std::numeric_limits<std::uint32_t>::max()) {
+    return InvalidArgument("fields 'dp_start' + 'dp_size' overflow the u32 dp rank range");
   }
+  reg.lease_ms = static_cast<std::uint32_t>(std::clamp<std::uint64_t>(lease_ms, kMinLeaseMs, kMaxLeaseMs));
   return reg;
 }
 
@@ -125,12 +122,12 @@ msgpack::sbuffer EncodeWorkerRegistration(const WorkerRegistration& reg) {
 }
 
 Result<RouteRequest> DecodeRouteRequest(std::span<const std::byte> body) {
-  auto doc = ParseMap(body, "route request");
+  auto doc = ParseMsgpackMap(body, "route request");
   if (!doc.ok()) return doc.status();
   const msgpack::object& m = doc->get();
   RouteRequest req;
   FieldReads reads;
-  reads.Optional(m, "request_id", ReadStr, req.request_id);
+  reads.Optional(m, "request_id", ReadName, req.request_id);
 
   // The prompt: token_ids, or block_hashes plus isl. token_ids wins; the others are then ignored.
   const msgpack::object* token_ids = FindKey(m, "token_ids");
@@ -284,7 +281,7 @@ msgpack::sbuffer EncodeRouteReply(const RouteReply& reply) {
 }
 
 Result<RouteReply> DecodeRouteReply(std::span<const std::byte> body) {
-  auto doc = ParseMap(body, "route reply");
+  auto doc = ParseMsgpackMap(body, "route reply");
   if (!doc.ok()) return doc.status();
   const msgpack::object& m = doc->get();
   if (Status error = ErrorOfReply(m); !error.ok()) return error;
@@ -301,9 +298,9 @@ Result<RouteReply> DecodeRouteReply(std::span<const std::byte> body) {
 }
 
 Result<std::string> DecodeLifecycleRequest(std::span<const std::byte> body) {
-  auto doc = ParseMap(body, "lifecycle request");
+  auto doc = ParseMsgpackMap(body, "lifecycle request");
   if (!doc.ok()) return doc.status();
-  auto id = ReadStr(FindKey(doc->get(), "request_id"), "request_id");
+  auto id = ReadName(FindKey(doc->get(), "request_id"), "request_id");
   if (!id.ok()) return id.status();
   if (id->empty()) return InvalidArgument("field 'request_id' must not be empty");
   return std::string(*id);
@@ -319,14 +316,14 @@ msgpack::sbuffer EncodeLifecycleRequest(std::string_view request_id) {
 }
 
 Result<ActiveSequenceEvent> DecodeActiveSequenceEvent(std::span<const std::byte> body) {
-  auto doc = ParseMap(body, "active sequence event");
+  auto doc = ParseMsgpackMap(body, "active sequence event");
   if (!doc.ok()) return doc.status();
   const msgpack::object& m = doc->get();
   ActiveSequenceEvent e;
   std::string_view request_id, kind;
   FieldReads reads;
   reads.Required(m, "router_id", ReadU64, e.router_id);
-  reads.Required(m, "request_id", ReadStr, request_id);
+  reads.Required(m, "request_id", ReadName, request_id);
   reads.Required(m, "worker_id", ReadU64, e.worker_id);
   reads.Optional(m, "dp_rank", ReadU32, e.dp_rank);
   reads.Required(m, "kind", ReadStr, kind);
@@ -339,7 +336,7 @@ Result<ActiveSequenceEvent> DecodeActiveSequenceEvent(std::span<const std::byte>
   if (kind == "add") e.kind = ActiveSequenceEvent::Kind::kAdd;
   else if (kind == "prefill_done") e.kind = ActiveSequenceEvent::Kind::kPrefillDone;
   else if (kind == "free") e.kind = ActiveSequenceEvent::Kind::kFree;
-  else return InvalidArgument(fmt::format("field 'kind' must be add, prefill_done or free, not '{}'", kind));
+  else return InvalidArgument(fmt::format("field 'kind' must be add, prefill_done or free, not '{}'", kind.substr(0, 32)));
   return e;
 }
 
@@ -368,6 +365,131 @@ msgpack::sbuffer EncodeActiveSequenceEvent(const ActiveSequenceEvent& e) {
   return buf;
 }
 
+Result<StatsRequest> DecodeStatsRequest(std::span<const std::byte> body) {
+  StatsRequest req;
+  if (body.empty()) return req;  // a bare request: the defaults
+  auto doc = ParseMsgpack(body);
+  if (!doc.ok()) return doc.status();
+  if (doc->get().type == msgpack::type::NIL) return req;
+  if (!IsMap(doc->get())) return InvalidArgument("stats request must be a map");
+  FieldReads reads;
+  reads.Optional(doc->get(), "offset", ReadU64, req.offset);
+  std::uint64_t limit = req.limit;
+  reads.Optional(doc->get(), "limit", ReadU64, limit);
+  if (!reads.ok()) return reads.status();
+  req.limit = static_cast<std::uint32_t>(std::min<std::uint64_t>(limit, StatsRequest::kMaxLimit));
+  return req;
+}
+
+msgpack::sbuffer EncodeStatsRequest(const StatsRequest& req) {
+  MapWriter w;
+  if (req.offset != 0) w.Field("offset", req.offset);
+  if (req.limit != StatsRequest::kDefaultLimit) w.Field("limit", req.limit);
+  return std::move(w).Finish();
+}
+
+namespace {
+
+msgpack::sbuffer EncodeWorkerStats(const WorkerStats& s) {
+  MapWriter w;
+  w.Field("worker_id", s.worker_id)
+      .Field("dp_rank", s.dp_rank)
+      .Field("blocks", s.blocks)
+      .Field("active_blocks", s.active_blocks)
+      .Field("active_prefill_tokens", s.active_prefill_tokens)
+      .Field("active_requests", s.active_requests)
+      .Field("device", s.device)
+      .Field("routed_requests", s.routed_requests);
+  return std::move(w).Finish();
+}
+
+// The reply without its workers array (written last by the caller).
+MapWriter StatsHead(const StatsReply& r) {
+  MapWriter w;
+  w.Field("workers_total", r.workers_total).Field("offset", r.offset);
+  if (r.next_offset) w.Field("next_offset", *r.next_offset);
+  for (const auto& [name, value] : r.counters) w.Field(name, value);
+  for (const auto& [name, counts] : r.breakdowns) w.Field(name, counts);
+  return w;
+}
+
+}  // namespace
+
+Result<msgpack::sbuffer> EncodeStatsReply(StatsReply& r, std::size_t max_bytes) {
+  std::vector<msgpack::sbuffer> entries;
+  entries.reserve(r.workers.size());
+  for (const WorkerStats& s : r.workers) entries.push_back(EncodeWorkerStats(s));
+  // Worst case for the fixed part: next_offset present, the map header at its widest.
+  if (!r.next_offset && !r.workers.empty()) r.next_offset = r.offset + r.workers.size();
+  const std::size_t head = StatsHead(r).body_size() + 5 /* map header */ + 10 /* "workers" key */ +
+                           5 /* array header */;
+  if (head > max_bytes) {
+    return Internal(fmt::format("the stats reply needs {} bytes without workers; the limit is {}", head, max_bytes));
+  }
+  std::size_t used = head;
+  std::size_t keep = 0;
+  while (keep < entries.size() && used + entries[keep].size() <= max_bytes) used += entries[keep++].size();
+  r.workers.resize(keep);
+  if (r.offset + keep >= r.workers_total) {
+    r.next_offset.reset();
+  } else {
+    r.next_offset = r.offset + keep;
+  }
+  msgpack::sbuffer workers(used - head + 5);
+  msgpack::packer<msgpack::sbuffer>(workers).pack_array(static_cast<std::uint32_t>(keep));
+  for (std::size_t i = 0; i < keep; ++i) workers.write(entries[i].data(), entries[i].size());
+  MapWriter w = StatsHead(r);
+  w.Packed("workers", AsBytes(workers));
+  return std::move(w).Finish();
+}
+
+Result<StatsReply> DecodeStatsReply(std::span<const std::byte> body) {
+  auto doc = ParseMsgpackMap(body, "stats reply");
+  if (!doc.ok()) return doc.status();
+  const msgpack::object& m = doc->get();
+  if (Status error = ErrorOfReply(m); !error.ok()) return error;
+  StatsReply r;
+  FieldReads reads;
+  reads.Required(m, "workers_total", ReadU64, r.workers_total);
+  reads.Optional(m, "offset", ReadU64, r.offset);
+  reads.Optional(m, "next_offset", ReadU64, r.next_offset);
+  auto workers = ReadArray(FindKey(m, "workers"), "workers");
+  if (!workers.ok()) reads.Fail(workers.status());
+  if (!reads.ok()) return reads.status();
+  for (const msgpack::object& o : *workers) {
+    WorkerStats w;
+    reads.Required(o, "worker_id", ReadU64, w.worker_id);
+    reads.Required(o, "dp_rank", ReadU32, w.dp_rank);
+    reads.Optional(o, "blocks", ReadU64, w.blocks);
+    reads.Optional(o, "active_blocks", ReadU64, w.active_blocks);
+    reads.Optional(o, "active_prefill_tokens", ReadU64, w.active_prefill_tokens);
+    reads.Optional(o, "active_requests", ReadU32, w.active_requests);
+    reads.Optional(o, "device", ReadStr, w.device);
+    reads.Optional(o, "routed_requests", ReadU64, w.routed_requests);
+    if (!reads.ok()) return InvalidArgument("workers: " + reads.status().message());
+    r.workers.push_back(std::move(w));
+  }
+  // Everything else: unsigned counters, and maps of them.
+  for (std::uint32_t i = 0; i < m.via.map.size; ++i) {
+    const msgpack::object_kv& kv = m.via.map.ptr[i];
+    auto key = ReadStr(&kv.key, "key");
+    if (!key.ok() || *key == "workers" || *key == "workers_total" || *key == "offset" || *key == "next_offset") {
+      continue;
+    }
+    if (auto v = ReadU64(&kv.val, *key); v.ok()) {
+      r.counters[std::string(*key)] = *v;
+    } else if (IsMap(kv.val)) {
+      auto& counts = r.breakdowns[std::string(*key)];
+      for (std::uint32_t j = 0; j < kv.val.via.map.size; ++j) {
+        auto name = ReadStr(&kv.val.via.map.ptr[j].key, *key);
+        auto n = ReadU64(&kv.val.via.map.ptr[j].val, *key);
+        if (name.ok() && n.ok()) counts[std::string(*name)] = *n;
+      }
+    }
+  }
+  return r;
+}
+
 msgpack::sbuffer EncodeErrorReply(const Status& status) {
   // An OK status here is a caller bug; it goes out as "internal" rather than as "ok".
   const StatusCode code = status.ok() ? StatusCode::kInternal : status.code();
@@ -379,7 +501,8 @@ msgpack::sbuffer EncodeErrorReply(const Status& status) {
   PackKey(pk, "code");
   pk.pack(StatusCodeName(code));
   PackKey(pk, "message");
-  pk.pack(status.message());
+  // A message may quote what a peer sent: keep the reply small whatever it quotes.
+  pk.pack(std::string_view(status.message()).substr(0, kMaxErrorMessageBytes));
   return buf;
 }
 
@@ -393,7 +516,7 @@ msgpack::sbuffer EncodeOkReply() {
 }
 
 Status DecodeErrorReply(std::span<const std::byte> body) {
-  auto doc = ParseMap(body, "reply");
+  auto doc = ParseMsgpackMap(body, "reply");
   if (!doc.ok()) return doc.status();
   return ErrorOfReply(doc->get());
 }

@@ -21,8 +21,10 @@
 //                   cached_tokens: u32, queued_ms: f64}          (all required)
 //   lifecycle    = {request_id: str}                             (non-empty)
 //   error_reply  = {error: {code: str, message?: str}}
-// Registration: dp_size 0, dp_start + dp_size beyond the u32 range, or another status is an
-// InvalidArgument. Error replies: an unknown code, or "ok", reads as kInternal; a malformed
+// Registration: dp_size 0, dp_start + dp_size above 2^32-1, or another status is an
+// InvalidArgument; lease_ms (any u64) is clamped to [kMinLeaseMs, kMaxLeaseMs]. The router's own
+// bound on dp_size (--router-max-dp-size) is checked by the registry, not here. request_id and
+// device are at most kMaxNameBytes bytes. Error replies: an unknown code, or "ok", reads as kInternal; a malformed
 // error map (not a map, no string code) is kInternal too. Encoders leave out unset optionals
 // and fields equal to their default.
 // Decoding never throws. Thread-safe (pure functions).
@@ -32,6 +34,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <span>
 #include <string>
@@ -43,6 +46,9 @@
 #include "events/status.h"
 
 namespace kvrouter {
+
+inline constexpr std::uint32_t kMinLeaseMs = 100;
+inline constexpr std::uint32_t kMaxLeaseMs = 3'600'000;
 
 struct WorkerRegistration {
   std::uint64_t worker_id = 0;
@@ -124,7 +130,57 @@ struct ActiveSequenceEvent {
 Result<ActiveSequenceEvent> DecodeActiveSequenceEvent(std::span<const std::byte> body);
 msgpack::sbuffer EncodeActiveSequenceEvent(const ActiveSequenceEvent& event);
 
-msgpack::sbuffer EncodeErrorReply(const Status& status);   // status must not be OK
+// router.stats (PROTOCOL.md section 5):
+//   stats_req   = {offset?: u64 (0), limit?: u32 (1000, at most 10000)}; an empty body or nil
+//                 is the defaults; a larger limit is read as 10000.
+//   stats_reply = {workers: [{worker_id: u64, dp_rank: u32, blocks: u64, active_blocks: u64,
+//                             active_prefill_tokens: u64, active_requests: u32, device: str,
+//                             routed_requests: u64}...],
+//                  workers_total: u64, offset: u64, next_offset?: u64,
+//                  <counter>: u64 ..., <breakdown>: {<name>: u64 ...} ...}
+//                 Counters and breakdowns are open-ended (PROTOCOL.md lists the required ones);
+//                 next_offset is present when ranks after this page exist.
+struct StatsRequest {
+  static constexpr std::uint32_t kDefaultLimit = 1000;
+  static constexpr std::uint32_t kMaxLimit = 10000;
+  std::uint64_t offset = 0;
+  std::uint32_t limit = kDefaultLimit;  // <= kMaxLimit
+  bool operator==(const StatsRequest&) const = default;
+};
+Result<StatsRequest> DecodeStatsRequest(std::span<const std::byte> body);
+msgpack::sbuffer EncodeStatsRequest(const StatsRequest& req);
+
+struct WorkerStats {
+  std::uint64_t worker_id = 0;
+  std::uint32_t dp_rank = 0;
+  std::uint64_t blocks = 0;  // indexed (or, approximate mode, predicted) blocks
+  std::uint64_t active_blocks = 0;
+  std::uint64_t active_prefill_tokens = 0;
+  std::uint32_t active_requests = 0;
+  std::string device;
+  std::uint64_t routed_requests = 0;
+  bool operator==(const WorkerStats&) const = default;
+};
+
+struct StatsReply {
+  std::vector<WorkerStats> workers;  // one page, ascending (worker_id, dp_rank)
+  std::uint64_t workers_total = 0;   // ranks known
+  std::uint64_t offset = 0;          // rank index of workers[0]
+  std::optional<std::uint64_t> next_offset;
+  std::map<std::string, std::uint64_t> counters;
+  std::map<std::string, std::map<std::string, std::uint64_t>> breakdowns;
+  bool operator==(const StatsReply&) const = default;
+};
+// Encodes `reply` in at most max_bytes: when the whole page does not fit, the workers that do
+// are kept (in order), the rest dropped, and next_offset points at the first one dropped.
+// Internal when even the reply without workers does not fit.
+Result<msgpack::sbuffer> EncodeStatsReply(StatsReply& reply, std::size_t max_bytes);
+// Unknown keys are ignored, as are values of other shapes; an error reply gives its Status.
+Result<StatsReply> DecodeStatsReply(std::span<const std::byte> body);
+
+// {error: {code, message}}; the message is cut to kMaxErrorMessageBytes. status must not be OK.
+inline constexpr std::size_t kMaxErrorMessageBytes = 1024;
+msgpack::sbuffer EncodeErrorReply(const Status& status);
 msgpack::sbuffer EncodeOkReply();                          // {"ok": true}
 // The error carried by a reply body, or OK when it is not an error reply (a body that is not a
 // msgpack map gives InvalidArgument).

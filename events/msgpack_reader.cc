@@ -163,6 +163,13 @@ Result<msgpack::object_handle> ParseMsgpack(std::span<const std::byte> bytes) {
   }
 }
 
+Result<msgpack::object_handle> ParseMsgpackMap(std::span<const std::byte> bytes, std::string_view what) {
+  auto doc = ParseMsgpack(bytes);
+  if (!doc.ok()) return doc.status();
+  if (!IsMap(doc->get())) return InvalidArgument(fmt::format("{} must be a map", what));
+  return doc;
+}
+
 const msgpack::object* FindKey(const msgpack::object& map, std::string_view key) {
   if (map.type != msgpack::type::MAP) return nullptr;
   for (std::uint32_t i = 0; i < map.via.map.size; ++i) {
@@ -232,6 +239,14 @@ Result<std::string_view> ReadStr(const msgpack::object* o, std::string_view fiel
   if (o == nullptr) return Missing(field);
   if (o->type != msgpack::type::STR) return TypeError(field, "a string");
   return std::string_view(o->via.str.ptr, o->via.str.size);
+}
+
+Result<std::string_view> ReadName(const msgpack::object* o, std::string_view field) {
+  auto s = ReadStr(o, field);
+  if (s.ok() && s->size() > kMaxNameBytes) {
+    return InvalidArgument(fmt::format("field '{}' is longer than {} bytes", field, kMaxNameBytes));
+  }
+  return s;
 }
 
 Result<std::span<const msgpack::object>> ReadArray(const msgpack::object* o,

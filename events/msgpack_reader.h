@@ -35,6 +35,9 @@ inline constexpr std::size_t kMaxMessageBytes = 64 << 20;  // larger messages ar
 // kMaxDepth deep (empty containers do not count).
 Result<msgpack::object_handle> ParseMsgpack(std::span<const std::byte> bytes);
 
+// ParseMsgpack, then checks that the value is a map; `what` names the message in the error.
+Result<msgpack::object_handle> ParseMsgpackMap(std::span<const std::byte> bytes, std::string_view what);
+
 // Value of `key` in a map, or nullptr when the object is not a map or has no such key.
 const msgpack::object* FindKey(const msgpack::object& map, std::string_view key);
 
@@ -51,6 +54,10 @@ Result<std::int64_t> ReadI64(const msgpack::object* o, std::string_view field);
 Result<double> ReadF64(const msgpack::object* o, std::string_view field);  // float or int
 Result<bool> ReadBool(const msgpack::object* o, std::string_view field);
 Result<std::string_view> ReadStr(const msgpack::object* o, std::string_view field);
+// A string the router keeps (request ids, device names): at most kMaxNameBytes bytes, so a peer
+// cannot make every booking or worker it creates arbitrarily large.
+inline constexpr std::size_t kMaxNameBytes = 256;
+Result<std::string_view> ReadName(const msgpack::object* o, std::string_view field);
 // Array elements; an error when o is missing or not an array.
 Result<std::span<const msgpack::object>> ReadArray(const msgpack::object* o,
                                                    std::string_view field);

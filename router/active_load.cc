@@ -18,6 +18,8 @@ bool ActiveLoad::Book(const std::string& request_id, WorkerKey worker,
   }
   w.load.active_prefill_tokens += prefill_tokens;
   ++w.load.active_requests;
+  booked_blocks_ += seq.size();
+  by_worker_[worker.worker_id].insert(&it->first);
   return true;
 }
 
@@ -45,6 +47,11 @@ void ActiveLoad::Release(std::unordered_map<std::string, Booking>::iterator it) 
     --w.load.active_requests;
     if (w.load.active_requests == 0) workers_.erase(wit);
   }
+  booked_blocks_ -= b.seq.size();
+  if (auto bw = by_worker_.find(b.worker.worker_id); bw != by_worker_.end()) {
+    bw->second.erase(&it->first);
+    if (bw->second.empty()) by_worker_.erase(bw);
+  }
   requests_.erase(it);
 }
 
@@ -69,16 +76,13 @@ std::size_t ActiveLoad::Sweep(SteadyTime now, std::chrono::seconds max_age) {
 }
 
 std::size_t ActiveLoad::RemoveWorker(std::uint64_t worker_id) {
-  std::size_t n = 0;
-  for (auto it = requests_.begin(); it != requests_.end();) {
-    auto next = std::next(it);
-    if (it->second.worker.worker_id == worker_id) {
-      Release(it);
-      ++n;
-    }
-    it = next;
-  }
-  return n;
+  auto bw = by_worker_.find(worker_id);
+  if (bw == by_worker_.end()) return 0;
+  std::vector<std::string> ids;
+  ids.reserve(bw->second.size());
+  for (const std::string* id : bw->second) ids.push_back(*id);
+  for (const std::string& id : ids) Release(requests_.find(id));
+  return ids.size();
 }
 
 WorkerLoad ActiveLoad::Load(WorkerKey worker) const {

@@ -3,6 +3,7 @@
 // count once), active prefill tokens, active requests. mark_prefill removes a request's prefill
 // tokens, free removes everything it booked; both are idempotent. Requests older than the
 // sweep age (300 s) are released by Sweep().
+// RemoveWorker costs time proportional to that worker's bookings, not to all of them.
 // Not thread-safe: the service guards it with one mutex (bookings are short).
 //
 //   load.Book("r1", {7, 0}, seq_hashes, prompt_tokens - cached_tokens, now);
@@ -14,6 +15,7 @@
 #include <span>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "events/block_hash.h"
@@ -47,6 +49,8 @@ class ActiveLoad {
   // Where a booked request went, if it is booked.
   const WorkerKey* WorkerOf(const std::string& request_id) const;
   std::size_t requests() const { return requests_.size(); }
+  // Sequence hashes held by all bookings together (a shared prefix counts once per booking).
+  std::uint64_t booked_blocks() const { return booked_blocks_; }
 
  private:
   struct Booking {
@@ -63,6 +67,9 @@ class ActiveLoad {
 
   std::unordered_map<std::string, Booking> requests_;
   std::unordered_map<WorkerKey, PerWorker, WorkerKeyHash> workers_;
+  // worker_id -> its bookings' ids (keys of requests_, whose nodes do not move).
+  std::unordered_map<std::uint64_t, std::unordered_set<const std::string*>> by_worker_;
+  std::uint64_t booked_blocks_ = 0;
 };
 
 }  // namespace kvrouter

@@ -74,45 +74,42 @@ Result<ParsedArgs> ParseRouterConfig(int argc, const char* const* argv, const En
     ("router-ttl-secs", po::value<double>()->default_value(d.ttl_secs), "approximate mode: seconds a predicted block lives (> 0)")
     ("router-max-tree-size", po::value<std::uint64_t>()->default_value(d.max_tree_size), "approximate mode: predicted blocks before pruning (>= 1)")
     ("router-prune-target-ratio", po::value<double>()->default_value(d.prune_target_ratio), "approximate mode: prune down to ratio * max (0, 1]")
+    ("router-max-dp-size", po::value<std::uint32_t>()->default_value(d.max_dp_size), "dp ranks a worker may register; larger registrations are refused [1, 65536]")
+    ("router-max-worker-ranks", po::value<std::uint64_t>()->default_value(d.max_worker_ranks), "(worker, dp_rank) pairs tracked; new workers beyond it are refused (>= 1)")
+    ("router-max-active-requests", po::value<std::uint32_t>()->default_value(d.max_active_requests), "booked requests before route answers 'overloaded' (>= 1)")
+    ("router-max-active-blocks", po::value<std::uint64_t>()->default_value(d.max_active_blocks), "prompt blocks of booked requests (and, separately, of queued ones) before 'overloaded' (>= 1)")
+    ("router-max-prompt-tokens", po::value<std::uint32_t>()->default_value(d.max_prompt_tokens), "longest prompt; longer ones get 'invalid_argument' (>= 1)")
     ("router-replica-sync", po::bool_switch(), "share active-request bookings with other router replicas")
     ("device-ratio", po::value<double>()->default_value(d.device_ratio), "device-aware-weighted: accelerator weight vs CPU (> 0)")
     ("router-index-shards", po::value<std::uint32_t>()->default_value(d.index_shards), "index shards, one thread each [1, 64]");
   // clang-format on
 
   ParsedArgs out;
-  po::variables_map vm;
-  try {
-    po::store(po::command_line_parser(argc, argv).options(desc).run(), vm);
-    // Environment values for flags not given on the command line. Two flags read Dynamo's
-    // variable names: DYN_ROUTER_USE_KV_EVENTS=true|false, DYN_ROUTER_TRACK_PREFILL_TOKENS=false.
-    auto boolean_rule = [](std::string variable, std::string if_true, std::string if_false) {
-      return EnvRule{std::move(variable), [t = std::move(if_true), f = std::move(if_false)](std::string_view v)
-                                              -> Result<std::optional<std::string>> {
-                       auto b = ParseBoolValue(std::string(v));
-                       if (!b) return InvalidArgument("must be true or false");
-                       const std::string& arg = *b ? t : f;
-                       return arg.empty() ? std::nullopt : std::optional<std::string>(arg);
-                     }};
-    };
-    const std::map<std::string, EnvRule> rules = {
-        {"router-kv-events", boolean_rule("DYN_ROUTER_USE_KV_EVENTS", "--router-kv-events", "--no-router-kv-events")},
-        {"no-router-kv-events", EnvRule{"", nullptr}},  // read through DYN_ROUTER_USE_KV_EVENTS
-        {"no-router-track-prefill-tokens",
-         boolean_rule("DYN_ROUTER_TRACK_PREFILL_TOKENS", "", "--no-router-track-prefill-tokens")},
-    };
-    if (Status s = FillFromEnvironment(desc, vm, env, rules); !s.ok()) return s;
-    po::notify(vm);
-  } catch (const po::error& e) {
-    return InvalidArgument(e.what());
-  }
-
-  if (vm.count("help")) {
-    std::ostringstream ss;
-    ss << desc;
+  // Environment values for flags not given on the command line. Two flags read Dynamo's
+  // variable names: DYN_ROUTER_USE_KV_EVENTS=true|false, DYN_ROUTER_TRACK_PREFILL_TOKENS=false.
+  auto boolean_rule = [](std::string variable, std::string if_true, std::string if_false) {
+    return EnvRule{std::move(variable), [t = std::move(if_true), f = std::move(if_false)](std::string_view v)
+                                            -> Result<std::optional<std::string>> {
+                     auto b = ParseBoolValue(std::string(v));
+                     if (!b) return InvalidArgument("must be true or false");
+                     const std::string& arg = *b ? t : f;
+                     return arg.empty() ? std::nullopt : std::optional<std::string>(arg);
+                   }};
+  };
+  const std::map<std::string, EnvRule> rules = {
+      {"router-kv-events", boolean_rule("DYN_ROUTER_USE_KV_EVENTS", "--router-kv-events", "--no-router-kv-events")},
+      {"no-router-kv-events", EnvRule{"", nullptr}},  // read through DYN_ROUTER_USE_KV_EVENTS
+      {"no-router-track-prefill-tokens",
+       boolean_rule("DYN_ROUTER_TRACK_PREFILL_TOKENS", "", "--no-router-track-prefill-tokens")},
+  };
+  auto flags = ParseFlags(desc, argc, argv, env, rules);
+  if (!flags.ok()) return flags.status();
+  if (flags->help) {
     out.help = true;
-    out.help_text = ss.str();
+    out.help_text = flags->help_text;
     return out;
   }
+  const po::variables_map& vm = flags->vm;
 
   RouterConfig& c = out.config;
   c.nats_server = vm["nats-server"].as<std::string>();
@@ -150,6 +147,16 @@ Result<ParsedArgs> ParseRouterConfig(int argc, const char* const* argv, const En
   if (c.max_tree_size < 1) return OutOfRange("router-max-tree-size", ">= 1");
   c.prune_target_ratio = vm["router-prune-target-ratio"].as<double>();
   if (!(c.prune_target_ratio > 0 && c.prune_target_ratio <= 1)) return OutOfRange("router-prune-target-ratio", "in (0, 1]");
+  c.max_dp_size = vm["router-max-dp-size"].as<std::uint32_t>();
+  if (c.max_dp_size < 1 || c.max_dp_size > 65536) return OutOfRange("router-max-dp-size", "in [1, 65536]");
+  c.max_worker_ranks = vm["router-max-worker-ranks"].as<std::uint64_t>();
+  if (c.max_worker_ranks < 1) return OutOfRange("router-max-worker-ranks", ">= 1");
+  c.max_active_requests = vm["router-max-active-requests"].as<std::uint32_t>();
+  if (c.max_active_requests < 1) return OutOfRange("router-max-active-requests", ">= 1");
+  c.max_active_blocks = vm["router-max-active-blocks"].as<std::uint64_t>();
+  if (c.max_active_blocks < 1) return OutOfRange("router-max-active-blocks", ">= 1");
+  c.max_prompt_tokens = vm["router-max-prompt-tokens"].as<std::uint32_t>();
+  if (c.max_prompt_tokens < 1) return OutOfRange("router-max-prompt-tokens", ">= 1");
   c.replica_sync = vm["router-replica-sync"].as<bool>();
   c.device_ratio = vm["device-ratio"].as<double>();
   if (!(c.device_ratio > 0)) return OutOfRange("device-ratio", "> 0");

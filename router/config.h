@@ -61,6 +61,14 @@ struct RouterConfig {
   std::uint64_t max_tree_size = 1 << 20;              // --router-max-tree-size >= 1
   double prune_target_ratio = 0.8;                    // --router-prune-target-ratio in (0, 1]
 
+  // Bounds on what peers can make the router hold (PROTOCOL.md sections 4 and 5).
+  std::uint32_t max_dp_size = 1024;                   // --router-max-dp-size [1, 65536]: dp ranks per worker
+  std::uint64_t max_worker_ranks = 1 << 18;           // --router-max-worker-ranks >= 1: (worker, dp_rank) pairs
+  std::uint32_t max_active_requests = 65536;          // --router-max-active-requests >= 1: booked requests
+  std::uint64_t max_active_blocks = 1 << 22;          // --router-max-active-blocks >= 1: blocks of booked
+                                                      //   requests, and again of queued ones
+  std::uint32_t max_prompt_tokens = 1 << 20;          // --router-max-prompt-tokens >= 1
+
   bool replica_sync = false;                          // --router-replica-sync
   double device_ratio = 8;                            // --device-ratio > 0
   std::uint32_t index_shards = 2;                     // --router-index-shards [1, 64]

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <sstream>
 #include <vector>
 
 namespace kvrouter {
@@ -65,6 +66,25 @@ Status FillFromEnvironment(const po::options_description& desc, po::variables_ma
     vm.insert({target, env_vm[target]});
   }
   return Status::Ok();
+}
+
+Result<ParsedFlags> ParseFlags(const po::options_description& desc, int argc, const char* const* argv,
+                               const EnvLookup& env, const std::map<std::string, EnvRule>& rules) {
+  ParsedFlags out;
+  try {
+    po::store(po::command_line_parser(argc, argv).options(desc).run(), out.vm);
+    if (Status s = FillFromEnvironment(desc, out.vm, env, rules); !s.ok()) return s;
+    po::notify(out.vm);
+  } catch (const po::error& e) {
+    return InvalidArgument(e.what());
+  }
+  if (out.vm.count("help")) {
+    std::ostringstream ss;
+    ss << desc;
+    out.help = true;
+    out.help_text = ss.str();
+  }
+  return out;
 }
 
 }  // namespace kvrouter

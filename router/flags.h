@@ -3,8 +3,8 @@
 // the refusal message for out-of-range values. Thread-safe (pure; the environment is read
 // through the caller's lookup).
 //
-//   po::store(po::command_line_parser(argc, argv).options(desc).run(), vm);
-//   if (Status s = FillFromEnvironment(desc, vm, env); !s.ok()) return s;
+//   auto flags = ParseFlags(desc, argc, argv, env);  if (!flags.ok()) return flags.status();
+//   if (flags->help) { print flags->help_text; }  else read flags->vm
 #pragma once
 
 #include <boost/program_options.hpp>
@@ -42,5 +42,17 @@ struct EnvRule {
 Status FillFromEnvironment(const boost::program_options::options_description& desc,
                            boost::program_options::variables_map& vm, const EnvLookup& env,
                            const std::map<std::string, EnvRule>& rules = {});
+
+struct ParsedFlags {
+  boost::program_options::variables_map vm;
+  bool help = false;      // --help was given
+  std::string help_text;  // every flag with its default
+};
+
+// The whole parse: the command line, then FillFromEnvironment, then po::notify. Unknown flags
+// and unparsable values are InvalidArgument naming the flag (or the variable).
+Result<ParsedFlags> ParseFlags(const boost::program_options::options_description& desc, int argc,
+                               const char* const* argv, const EnvLookup& env,
+                               const std::map<std::string, EnvRule>& rules = {});
 
 }  // namespace kvrouter

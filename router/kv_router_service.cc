@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <charconv>
 #include <limits>
 
@@ -60,7 +61,7 @@ KvRouterService::KvRouterService(RouterConfig config, MessageBus& bus, Clock clo
       router_id_(std::random_device{}() * 0x9E3779B97F4A7C15ULL ^ seed),
       index_({.num_shards = config_.index_shards}),
       rng_(seed),
-      queue_(config_.queue_policy, config_.queue_max),
+      queue_(config_.queue_policy, config_.queue_max, config_.max_active_blocks),
       approx_(!config_.use_kv_events && !config_.load_aware
                   ? std::make_unique<ApproxIndex>(
                         std::chrono::milliseconds(static_cast<std::int64_t>(config_.ttl_secs * 1000)),
@@ -123,17 +124,32 @@ void KvRouterService::CountDrop(const std::string& reason) {
   ++drops_[reason];
 }
 
-void KvRouterService::NoteEventWorker(std::uint64_t worker_id, std::uint32_t dp_rank) {
+const char* KvRouterService::AdmitEventWorker(std::uint64_t worker_id, std::uint32_t dp_rank) {
+  static constexpr const char* kOutOfRange = "dp_rank_out_of_range";
+  static constexpr const char* kTooMany = "too_many_workers";
   std::lock_guard g(mu_);
-  auto [it, inserted] = workers_.try_emplace(worker_id);
-  WorkerRegistration& reg = it->second.reg;
-  if (inserted) {
+  auto it = workers_.find(worker_id);
+  if (it == workers_.end()) {
+    // A new event-only worker serves ranks [0, dp_rank].
+    if (dp_rank >= config_.max_dp_size) return kOutOfRange;
+    if (ranks_total_ + dp_rank + 1 > config_.max_worker_ranks) return kTooMany;
+    WorkerRegistration& reg = workers_[worker_id].reg;
     reg.worker_id = worker_id;
     reg.block_size = config_.block_size;
     reg.dp_size = dp_rank + 1;
-  } else if (!it->second.has_lease && dp_rank >= reg.dp_start + reg.dp_size) {
-    reg.dp_size = dp_rank + 1 - reg.dp_start;  // event-only worker: its ranks are what it uses
+    ranks_total_ += reg.dp_size;
+    return nullptr;
   }
+  WorkerRegistration& reg = it->second.reg;
+  if (dp_rank >= reg.dp_start && dp_rank - reg.dp_start < reg.dp_size) return nullptr;
+  // A registered worker's ranks are what it registered; an event-only worker's are what it uses.
+  if (it->second.has_lease || dp_rank < reg.dp_start) return kOutOfRange;
+  const std::uint64_t size = std::uint64_t{dp_rank} - reg.dp_start + 1;
+  if (size > config_.max_dp_size) return kOutOfRange;
+  if (ranks_total_ - reg.dp_size + size > config_.max_worker_ranks) return kTooMany;
+  ranks_total_ = ranks_total_ - reg.dp_size + size;
+  reg.dp_size = static_cast<std::uint32_t>(size);
+  return nullptr;
 }
 
 void KvRouterService::HandleKvEvent(const BusMessage& m) {
@@ -144,7 +160,12 @@ void KvRouterService::HandleKvEvent(const BusMessage& m) {
              batch.status().message());
     return;
   }
-  NoteEventWorker(batch->worker_id, batch->dp_rank);
+  if (const char* refused = AdmitEventWorker(batch->worker_id, batch->dp_rank)) {
+    CountDrop(refused);
+    log_.Log(LogLevel::kWarning, "event refused", "dropped KV event of worker {} rank {}: {}", batch->worker_id,
+             batch->dp_rank, refused);
+    return;
+  }
   const std::uint64_t worker = batch->worker_id;
   if (!index_.Submit(std::move(batch).value())) {
     log_.Log(LogLevel::kWarning, "index queue full", "index queue full: dropped an event of worker {}", worker);
@@ -176,7 +197,12 @@ void KvRouterService::HandleVllmEvent(const BusMessage& m) {
     log_.Log(LogLevel::kWarning, "vllm block size", "worker {}: stored blocks cut short (block size is {})",
              ctx.worker_id, config_.block_size);
   }
-  NoteEventWorker(ctx.worker_id, ctx.dp_rank);
+  if (const char* refused = AdmitEventWorker(ctx.worker_id, ctx.dp_rank)) {
+    CountDrop(refused);
+    log_.Log(LogLevel::kWarning, "event refused", "dropped vLLM batch of worker {} rank {}: {}", ctx.worker_id,
+             ctx.dp_rank, refused);
+    return;
+  }
   if (!index_.Submit(std::move(decoded->batch))) {
     log_.Log(LogLevel::kWarning, "index queue full", "index queue full: dropped an event of worker {}", ctx.worker_id);
   }
@@ -184,30 +210,30 @@ void KvRouterService::HandleVllmEvent(const BusMessage& m) {
 
 void KvRouterService::HandleInstances(const BusMessage& m) {
   auto reg = DecodeWorkerRegistration(m.data);
-  if (!reg.ok()) {
-    CountDrop("registration_decode_error");
-    log_.Log(LogLevel::kWarning, "instances decode", "dropped undecodable registration: {}", reg.status().message());
-    return;
-  }
   Outbox out;
   std::unique_lock lk(mu_);
+  if (!reg.ok()) {
+    RefuseRegistrationLocked("invalid", reg.status().message());
+    return;
+  }
   if (reg->leaving) {
     ForgetLocked(reg->worker_id);
-    FailPinnedLocked(reg->worker_id, out);  // its queued pins get not_found now
+    const std::uint64_t gone[] = {reg->worker_id};
+    FailPinnedLocked(gone, out);  // its queued pins get not_found now
     DrainLocked(out);
     lk.unlock();
     Send(out);
     return;
   }
-  if (reg->block_size && *reg->block_size != config_.block_size) {
-    ++workers_refused_;
-    log_.Log(LogLevel::kWarning, fmt::format("refused {}", reg->worker_id),
-             "refused worker {}: block size {} differs from the router's {}", reg->worker_id,
-             *reg->block_size, config_.block_size);
+  std::string detail;
+  if (const char* reason = RegistrationRefusalLocked(*reg, detail)) {
+    RefuseRegistrationLocked(reason, detail);
     return;
   }
-  WorkerInfo& w = workers_[reg->worker_id];
+  auto [it, inserted] = workers_.try_emplace(reg->worker_id);
+  WorkerInfo& w = it->second;
   const bool is_new = !w.has_lease;
+  ranks_total_ = ranks_total_ - (inserted ? 0 : w.reg.dp_size) + reg->dp_size;
   w.reg = std::move(reg).value();
   w.has_lease = true;
   w.lease_deadline = clock_() + std::chrono::milliseconds(w.reg.lease_ms);
@@ -216,29 +242,61 @@ void KvRouterService::HandleInstances(const BusMessage& m) {
   Send(out);
 }
 
+const char* KvRouterService::RegistrationRefusalLocked(const WorkerRegistration& reg, std::string& detail) const {
+  if (reg.block_size && *reg.block_size != config_.block_size) {
+    detail = fmt::format("worker {}: block size {} differs from the router's {}", reg.worker_id, *reg.block_size,
+                         config_.block_size);
+    return "block_size";
+  }
+  if (reg.dp_size > config_.max_dp_size) {
+    detail = fmt::format("worker {}: dp_size {} is above --router-max-dp-size {}", reg.worker_id, reg.dp_size,
+                         config_.max_dp_size);
+    return "dp_size";
+  }
+  auto it = workers_.find(reg.worker_id);
+  const std::uint64_t before = it == workers_.end() ? 0 : it->second.reg.dp_size;
+  if (ranks_total_ - before + reg.dp_size > config_.max_worker_ranks) {
+    detail = fmt::format("worker {}: {} more dp ranks would pass --router-max-worker-ranks {}", reg.worker_id,
+                         reg.dp_size, config_.max_worker_ranks);
+    return "too_many_workers";
+  }
+  return nullptr;
+}
+
+void KvRouterService::RefuseRegistrationLocked(std::string_view reason, const std::string& detail) {
+  ++workers_refused_;
+  ++registrations_refused_[std::string(reason)];
+  log_.Log(LogLevel::kWarning, "registration refused", "refused a registration ({}): {}", reason, detail);
+}
+
 void KvRouterService::ForgetLocked(std::uint64_t worker_id) {
-  workers_.erase(worker_id);
+  auto it = workers_.find(worker_id);
+  if (it != workers_.end()) {
+    ranks_total_ -= it->second.reg.dp_size;
+    workers_.erase(it);
+  }
   load_.RemoveWorker(worker_id);
   index_.RemoveWorker(worker_id);
   if (approx_) approx_->RemoveWorker(worker_id);
-  std::erase_if(routed_to_, [&](const auto& e) { return e.first.worker_id == worker_id; });
+  for (auto r = routed_to_.lower_bound({worker_id, 0}); r != routed_to_.end() && r->first.worker_id == worker_id;) {
+    r = routed_to_.erase(r);
+  }
 }
 
 void KvRouterService::Tick() {
   const SteadyTime now = clock_();
   Outbox out;
   std::unique_lock lk(mu_);
-  for (auto it = workers_.begin(); it != workers_.end();) {
-    auto next = std::next(it);
-    if (it->second.has_lease && now > it->second.lease_deadline) {
-      ++leases_expired_;
-      const std::uint64_t id = it->first;
-      log_.Log(LogLevel::kInfo, "lease", "worker {} lease expired: forgotten", id);
-      ForgetLocked(id);  // erases `it`
-      FailPinnedLocked(id, out);
-    }
-    it = next;
+  std::vector<std::uint64_t> expired;  // ascending, as workers_ is
+  for (const auto& [id, w] : workers_) {
+    if (w.has_lease && now > w.lease_deadline) expired.push_back(id);
   }
+  for (std::uint64_t id : expired) {
+    ++leases_expired_;
+    log_.Log(LogLevel::kInfo, "lease", "worker {} lease expired: forgotten", id);
+    ForgetLocked(id);
+  }
+  FailPinnedLocked(expired, out);
   load_.Sweep(now);
   if (approx_) approx_->Expire(now);
   ExpireQueuedLocked(out);
@@ -253,6 +311,11 @@ Result<KvRouterService::Prepared> KvRouterService::Prepare(const RouteRequest& r
   Prepared p;
   std::vector<LocalHash> local;
   std::uint32_t isl = req.isl;
+  const std::uint64_t prompt = req.has_token_ids ? req.token_ids.size() : req.isl;
+  if (prompt > config_.max_prompt_tokens) {
+    return InvalidArgument(fmt::format("the prompt has {} tokens; the limit is {} (--router-max-prompt-tokens)",
+                                       prompt, config_.max_prompt_tokens));
+  }
   if (req.has_token_ids) {
     local = ComputeLocalHashes(req.token_ids, bs, req.lora_name);
     isl = static_cast<std::uint32_t>(req.token_ids.size());
@@ -297,16 +360,21 @@ Result<std::vector<Candidate>> KvRouterService::CandidatesLocked(const RouteRequ
                                                                  std::span<const SequenceHash> seq,
                                                                  const OverlapScores& overlaps) const {
   std::vector<Candidate> cands;
+  auto add_rank = [&](const WorkerInfo& w, std::uint32_t r) {
+    Candidate c;
+    c.worker = {w.reg.worker_id, r};
+    c.is_cpu = w.reg.device == "cpu";
+    c.capacity = w.reg.max_num_seqs;
+    c.max_num_batched_tokens = w.reg.max_num_batched_tokens;
+    cands.push_back(c);
+  };
   auto add_worker = [&](const WorkerInfo& w) {
-    for (std::uint32_t r = w.reg.dp_start; r < w.reg.dp_start + w.reg.dp_size; ++r) {
-      if (req.dp_rank && *req.dp_rank != r) continue;
-      Candidate c;
-      c.worker = {w.reg.worker_id, r};
-      c.is_cpu = w.reg.device == "cpu";
-      c.capacity = w.reg.max_num_seqs;
-      c.max_num_batched_tokens = w.reg.max_num_batched_tokens;
-      cands.push_back(c);
+    const std::uint64_t end = std::uint64_t{w.reg.dp_start} + w.reg.dp_size;
+    if (req.dp_rank) {
+      if (*req.dp_rank >= w.reg.dp_start && *req.dp_rank < end) add_rank(w, *req.dp_rank);
+      return;
     }
+    for (std::uint64_t r = w.reg.dp_start; r < end; ++r) add_rank(w, static_cast<std::uint32_t>(r));
   };
   if (req.worker_id) {
     auto it = workers_.find(*req.worker_id);
@@ -315,21 +383,25 @@ Result<std::vector<Candidate>> KvRouterService::CandidatesLocked(const RouteRequ
     if (cands.empty()) {
       return NotFound(fmt::format("worker {} has no dp rank {}", *req.worker_id, *req.dp_rank));
     }
-  } else {
-    for (const auto& [id, w] : workers_) {
-      if (req.allowed_worker_ids &&
-          std::find(req.allowed_worker_ids->begin(), req.allowed_worker_ids->end(), id) ==
-              req.allowed_worker_ids->end()) {
-        continue;
-      }
-      add_worker(w);
+  } else if (req.allowed_worker_ids) {
+    // Look the allowed ids up (ascending, each once) rather than test every worker against them.
+    std::vector<std::uint64_t> allowed = *req.allowed_worker_ids;
+    std::sort(allowed.begin(), allowed.end());
+    allowed.erase(std::unique(allowed.begin(), allowed.end()), allowed.end());
+    for (std::uint64_t id : allowed) {
+      if (auto it = workers_.find(id); it != workers_.end()) add_worker(it->second);
     }
+  } else {
+    for (const auto& [id, w] : workers_) add_worker(w);
   }
   if (cands.empty()) return Status(StatusCode::kNoWorkers, "no registered worker can take this request");
+  // Candidates are in ascending (worker_id, dp_rank) order: merge the overlaps in sorted too.
+  std::vector<OverlapScore> sorted(overlaps.begin(), overlaps.end());
+  std::sort(sorted.begin(), sorted.end(), [](const OverlapScore& a, const OverlapScore& b) { return a.worker < b.worker; });
+  auto next = sorted.begin();
   for (Candidate& c : cands) {
-    for (const OverlapScore& s : overlaps) {
-      if (s.worker == c.worker) c.overlap_blocks = s.blocks;
-    }
+    while (next != sorted.end() && next->worker < c.worker) ++next;
+    if (next != sorted.end() && next->worker == c.worker) c.overlap_blocks = next->blocks;
     const WorkerLoad l = load_.Load(c.worker);
     c.active_blocks = l.active_blocks;
     c.active_prefill_tokens = l.active_prefill_tokens;
@@ -348,12 +420,25 @@ std::vector<Candidate> KvRouterService::OpenRanks(std::vector<Candidate> cands) 
   return cands;
 }
 
+Status KvRouterService::BookingRoomLocked(std::size_t blocks) const {
+  if (load_.requests() >= config_.max_active_requests) {
+    return Status(StatusCode::kOverloaded, fmt::format("{} requests are booked (--router-max-active-requests); free some",
+                                                       load_.requests()));
+  }
+  if (blocks > config_.max_active_blocks - std::min(config_.max_active_blocks, load_.booked_blocks())) {
+    return Status(StatusCode::kOverloaded, fmt::format("{} blocks are booked (--router-max-active-blocks); free some",
+                                                       load_.booked_blocks()));
+  }
+  return Status::Ok();
+}
+
 Result<RouteReply> KvRouterService::DecideLocked(const RouteRequest& req, const Prepared& p,
                                                  std::span<const Candidate> cands, double queued_ms) {
   const std::uint32_t bs = config_.block_size;
   const Candidate& chosen = cands[selector_.Pick(config_.mode, p.sel, cands, p.params, rng_)];
   const std::uint32_t overlap = std::min(chosen.overlap_blocks, p.sel.request_blocks);
   if (req.update_states && !req.request_id.empty()) {
+    if (Status full = BookingRoomLocked(p.seq.size()); !full.ok()) return full;
     const std::uint64_t cached = std::uint64_t{overlap} * bs;
     const std::uint64_t prefill = p.sel.isl > cached ? p.sel.isl - cached : 0;
     if (!load_.Book(req.request_id, chosen.worker, p.seq, prefill, clock_())) {
@@ -517,11 +602,18 @@ Status KvRouterService::EnqueueLocked(RouteRequest req, Prepared prepared, std::
                      .isl = prepared.sel.isl,
                      .best_overlap_tokens = best_overlap * config_.block_size};
   const std::string id = req.request_id;
+  // What a queued request holds grows with its prompt: the queue is bounded in blocks too.
+  const std::uint64_t blocks = std::max<std::uint64_t>(1, prepared.sel.request_blocks);
+  if (!generate) {
+    req.token_ids.clear();  // hashed already; only a forward needs the tokens
+    req.token_ids.shrink_to_fit();
+  }
   if (!queue_.Push(key, now, now + wait,
-                   PendingRoute{std::move(req), std::move(prepared), std::string(reply), generate})) {
+                   PendingRoute{std::move(req), std::move(prepared), std::string(reply), generate}, blocks)) {
     ++queue_refused_;
     return Status(StatusCode::kOverloaded,
-                  fmt::format("every worker is busy and {} requests are already queued", queue_.size()));
+                  fmt::format("every worker is busy and {} requests ({} blocks) are already queued", queue_.size(),
+                              queue_.weight()));
   }
   if (!id.empty()) ++queued_ids_[id];
   return Status::Ok();
@@ -599,19 +691,19 @@ void KvRouterService::TakeDeferredLocked(Outbox& out) {
   pending_syncs_.clear();
 }
 
-void KvRouterService::FailPinnedLocked(std::uint64_t worker_id, Outbox& out) {
-  if (queue_.empty()) return;
-  queue_.Scan(
-      [&](const RouteQueue::Entry& e) {
-        return e.payload.req.worker_id == worker_id ? ScanStep::kTake : ScanStep::kKeep;
-      },
-      [&](RouteQueue::Entry&& e) {
-        if (auto it = queued_ids_.find(e.payload.req.request_id); it != queued_ids_.end() && --it->second == 0) {
-          queued_ids_.erase(it);
-        }
-        out.errors.emplace_back(std::move(e.payload.reply),
-                                NotFound(fmt::format("worker {} is gone", worker_id)));
-      });
+void KvRouterService::FailPinnedLocked(std::span<const std::uint64_t> worker_ids, Outbox& out) {
+  if (queue_.empty() || worker_ids.empty()) return;
+  auto gone = [&](const RouteQueue::Entry& e) {
+    return e.payload.req.worker_id && std::binary_search(worker_ids.begin(), worker_ids.end(), *e.payload.req.worker_id);
+  };
+  queue_.Scan([&](const RouteQueue::Entry& e) { return gone(e) ? ScanStep::kTake : ScanStep::kKeep; },
+              [&](RouteQueue::Entry&& e) {
+                if (auto it = queued_ids_.find(e.payload.req.request_id); it != queued_ids_.end() && --it->second == 0) {
+                  queued_ids_.erase(it);
+                }
+                out.errors.emplace_back(std::move(e.payload.reply),
+                                        NotFound(fmt::format("worker {} is gone", *e.payload.req.worker_id)));
+              });
 }
 
 bool KvRouterService::CancelQueuedLocked(const std::string& request_id, Outbox& out) {
@@ -690,57 +782,82 @@ void KvRouterService::HandleLifecycle(const BusMessage& m, bool free) {
 }
 
 void KvRouterService::HandleStats(const BusMessage& m) {
+  auto page = DecodeStatsRequest(m.data);
+  if (!page.ok()) {
+    ReplyError(m, page.status());
+    return;
+  }
   const IndexCounters c = index_.Counters();
-  std::map<WorkerKey, std::size_t> blocks;
-  for (const auto& t : index_.TreeSizes()) blocks[t.worker] = t.blocks;
-  msgpack::sbuffer buf;
-  Packer pk(buf);
+  std::vector<WorkerTreeSize> blocks = index_.TreeSizes();
+  std::sort(blocks.begin(), blocks.end(), [](const auto& a, const auto& b) { return a.worker < b.worker; });
+  StatsReply r;
+  r.offset = page->offset;
   std::unique_lock lk(mu_);
+  r.workers_total = ranks_total_;
+  // The page: ranks in ascending (worker_id, dp_rank) order from `offset`, at most `limit`.
+  std::uint64_t skip = page->offset;
+  for (auto it = workers_.begin(); it != workers_.end() && r.workers.size() < page->limit; ++it) {
+    const WorkerRegistration& reg = it->second.reg;
+    if (skip >= reg.dp_size) {
+      skip -= reg.dp_size;
+      continue;
+    }
+    for (std::uint64_t r64 = reg.dp_start + skip; r64 < std::uint64_t{reg.dp_start} + reg.dp_size; ++r64) {
+      if (r.workers.size() >= page->limit) break;
+      const WorkerKey k{it->first, static_cast<std::uint32_t>(r64)};
+      const WorkerLoad l = load_.Load(k);
+      std::uint64_t held = 0;
+      if (approx_) {
+        held = approx_->TreeSize(k);
+      } else if (auto b = std::lower_bound(blocks.begin(), blocks.end(), k,
+                                           [](const WorkerTreeSize& t, const WorkerKey& key) { return t.worker < key; });
+                 b != blocks.end() && b->worker == k) {
+        held = b->blocks;
+      }
+      auto routed = routed_to_.find(k);
+      r.workers.push_back({.worker_id = k.worker_id,
+                           .dp_rank = k.dp_rank,
+                           .blocks = held,
+                           .active_blocks = l.active_blocks,
+                           .active_prefill_tokens = l.active_prefill_tokens,
+                           .active_requests = l.active_requests,
+                           .device = reg.device,
+                           .routed_requests = routed == routed_to_.end() ? 0 : routed->second});
+    }
+    skip = 0;
+  }
   std::map<std::string, std::uint64_t> dropped = drops_;
   dropped["parent_block_not_found"] += c.parent_block_not_found;
   dropped["block_not_found"] += c.block_not_found;
   dropped["duplicate"] += c.duplicate;
   dropped["queue_full"] += c.queue_full;
-  pk.pack_map(17);
-  PackKey(pk, "workers");
-  std::size_t ranks = 0;
-  for (const auto& [id, w] : workers_) ranks += w.reg.dp_size;
-  pk.pack_array(static_cast<std::uint32_t>(ranks));
-  for (const auto& [id, w] : workers_) {
-    for (std::uint32_t r = w.reg.dp_start; r < w.reg.dp_start + w.reg.dp_size; ++r) {
-      const WorkerKey k{id, r};
-      const WorkerLoad l = load_.Load(k);
-      pk.pack_map(8);
-      PackKey(pk, "worker_id"); pk.pack(id);
-      PackKey(pk, "dp_rank"); pk.pack(r);
-      const std::uint64_t held = approx_ ? approx_->TreeSize(k) : (blocks.count(k) ? blocks[k] : 0);
-      PackKey(pk, "blocks"); pk.pack(held);
-      PackKey(pk, "active_blocks"); pk.pack(l.active_blocks);
-      PackKey(pk, "active_prefill_tokens"); pk.pack(l.active_prefill_tokens);
-      PackKey(pk, "active_requests"); pk.pack(l.active_requests);
-      PackKey(pk, "device"); pk.pack(w.reg.device);
-      auto routed = routed_to_.find(k);
-      PackKey(pk, "routed_requests"); pk.pack(routed == routed_to_.end() ? std::uint64_t{0} : routed->second);
-    }
-  }
-  PackKey(pk, "queue_length"); pk.pack(queue_.size());
-  PackKey(pk, "queue_admitted"); pk.pack(queue_admitted_);
-  PackKey(pk, "queue_timed_out"); pk.pack(queue_timed_out_);
-  PackKey(pk, "queue_refused"); pk.pack(queue_refused_);
-  PackKey(pk, "events_applied"); pk.pack(c.ops_applied);
-  PackKey(pk, "events_dropped"); PackCounts(pk, dropped);
-  PackKey(pk, "routed"); PackCounts(pk, routed_);
-  PackKey(pk, "route_errors"); PackCounts(pk, route_errors_);
-  PackKey(pk, "workers_refused"); pk.pack(workers_refused_);
-  PackKey(pk, "leases_expired"); pk.pack(leases_expired_);
-  PackKey(pk, "event_gaps"); pk.pack(c.gaps);
-  PackKey(pk, "event_restarts"); pk.pack(c.restarts);
-  PackKey(pk, "active_requests"); pk.pack(load_.requests());
-  PackKey(pk, "predicted_blocks"); pk.pack(std::uint64_t{approx_ ? approx_->size() : 0});
-  PackKey(pk, "predictions_expired"); pk.pack(approx_ ? approx_->expired() : 0);
-  PackKey(pk, "predictions_pruned"); pk.pack(approx_ ? approx_->pruned() : 0);
+  r.breakdowns = {{"events_dropped", std::move(dropped)},
+                  {"routed", routed_},
+                  {"route_errors", route_errors_},
+                  {"registrations_refused", registrations_refused_},
+                  {"replica_sync_refused", replica_sync_refused_}};
+  r.counters = {{"queue_length", queue_.size()},
+                {"queue_blocks", queue_.weight()},
+                {"queue_admitted", queue_admitted_},
+                {"queue_timed_out", queue_timed_out_},
+                {"queue_refused", queue_refused_},
+                {"events_applied", c.ops_applied},
+                {"workers_refused", workers_refused_},
+                {"leases_expired", leases_expired_},
+                {"event_gaps", c.gaps},
+                {"event_restarts", c.restarts},
+                {"active_requests", load_.requests()},
+                {"active_booked_blocks", load_.booked_blocks()},
+                {"predicted_blocks", approx_ ? approx_->size() : 0},
+                {"predictions_expired", approx_ ? approx_->expired() : 0},
+                {"predictions_pruned", approx_ ? approx_->pruned() : 0}};
   lk.unlock();  // never publish under mu_: a synchronous bus may call back into us
-  Reply(m, buf);
+  auto body = EncodeStatsReply(r, bus_.MaxPayload());
+  if (!body.ok()) {
+    ReplyError(m, body.status());
+    return;
+  }
+  Reply(m, *body);
 }
 
 void KvRouterService::PublishSync(ActiveSequenceEvent::Kind kind, const std::string& request_id, WorkerKey worker,
@@ -770,6 +887,29 @@ void KvRouterService::HandleReplicaSync(const BusMessage& m) {
   std::unique_lock lk(mu_);
   switch (e->kind) {
     case ActiveSequenceEvent::Kind::kAdd: {
+      // Another replica's booking obeys this router's bounds, and names a rank it knows.
+      const char* refused = nullptr;
+      std::string detail;
+      auto w = workers_.find(e->worker_id);
+      const std::uint64_t max_blocks =
+          (std::uint64_t{config_.max_prompt_tokens} + config_.block_size - 1) / config_.block_size;
+      if (w == workers_.end() || e->dp_rank < w->second.reg.dp_start ||
+          e->dp_rank - w->second.reg.dp_start >= w->second.reg.dp_size) {
+        refused = "unknown_worker";
+        detail = fmt::format("worker {} rank {} is not known here", e->worker_id, e->dp_rank);
+      } else if (e->isl > config_.max_prompt_tokens || e->seq_hashes.size() > max_blocks) {
+        refused = "too_long";
+        detail = fmt::format("{} tokens / {} blocks exceed --router-max-prompt-tokens {}", e->isl,
+                             e->seq_hashes.size(), config_.max_prompt_tokens);
+      } else if (Status room = BookingRoomLocked(e->seq_hashes.size()); !room.ok()) {
+        refused = "overloaded";
+        detail = room.message();
+      }
+      if (refused) {
+        ++replica_sync_refused_[refused];
+        log_.Log(LogLevel::kWarning, "replica sync refused", "refused a replica booking ({}): {}", refused, detail);
+        break;
+      }
       const std::uint64_t cached = std::uint64_t{e->overlap_blocks} * config_.block_size;
       (void)load_.Book(e->request_id, worker, e->seq_hashes, e->isl > cached ? e->isl - cached : 0, clock_());
       break;
@@ -787,13 +927,18 @@ void KvRouterService::HandleReplicaSync(const BusMessage& m) {
 
 void KvRouterService::Reply(const BusMessage& m, const msgpack::sbuffer& body) {
   if (m.reply.empty()) return;
+  if (body.size() > bus_.MaxPayload()) {
+    ReplyError(m, Internal(fmt::format("the reply needs {} bytes; the server's max payload is {}", body.size(),
+                                       bus_.MaxPayload())));
+    return;
+  }
   if (Status s = bus_.Publish(m.reply, AsBytes(body)); !s.ok()) {
     log_.Log(LogLevel::kWarning, "reply", "reply to {} failed: {}", m.subject, s.message());
   }
 }
 
 void KvRouterService::ReplyError(const BusMessage& m, const Status& s) {
-  log_.Log(LogLevel::kWarning, fmt::format("error {}", m.subject), "{} -> {}", m.subject, s.ToString());
+  log_.Log(LogLevel::kWarning, "error reply", "{} -> {}", m.subject, s.ToString());
   Reply(m, EncodeErrorReply(s));
 }
 

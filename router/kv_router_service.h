@@ -93,8 +93,15 @@ class KvRouterService {
   void PublishSync(ActiveSequenceEvent::Kind kind, const std::string& request_id, WorkerKey worker,
                    std::span<const SequenceHash> seq = {}, std::uint32_t isl = 0, std::uint32_t overlap = 0);
 
-  // Registers a worker seen only through its events (no lease until it heartbeats).
-  void NoteEventWorker(std::uint64_t worker_id, std::uint32_t dp_rank);
+  // Registers a worker seen only through its events (no lease until it heartbeats), or grows
+  // such a worker's ranks to cover dp_rank. Returns the drop reason when the event must not be
+  // indexed: a rank outside the worker's registered range or beyond --router-max-dp-size, or a
+  // new worker beyond --router-max-worker-ranks; nullptr when it may be.
+  const char* AdmitEventWorker(std::uint64_t worker_id, std::uint32_t dp_rank);
+  // mu_ held: counts and logs a refused registration (never obeyed, not even in part).
+  void RefuseRegistrationLocked(std::string_view reason, const std::string& detail);
+  // mu_ held: the reason a registration must be refused, or nullptr.
+  const char* RegistrationRefusalLocked(const WorkerRegistration& reg, std::string& detail) const;
   void ForgetLocked(std::uint64_t worker_id);  // mu_ held
   // A decoded request made ready for selection: hashed once, its cost parameters resolved.
   struct Prepared {
@@ -145,6 +152,9 @@ class KvRouterService {
                                                   const OverlapScores& overlaps) const;
   // The candidates that are not full (all of them when the queue is off).
   std::vector<Candidate> OpenRanks(std::vector<Candidate> cands) const;
+  // mu_ held: OK when one more booking of `blocks` blocks fits the booking bounds, else
+  // `overloaded`.
+  Status BookingRoomLocked(std::size_t blocks) const;
   // mu_ held: select among `cands`, book, count.
   Result<RouteReply> DecideLocked(const RouteRequest& req, const Prepared& p, std::span<const Candidate> cands,
                                   double queued_ms);
@@ -159,13 +169,14 @@ class KvRouterService {
   void ExpireQueuedLocked(Outbox& out);
   // mu_ held: moves the gauges and sync messages gathered under mu_ into `out`.
   void TakeDeferredLocked(Outbox& out);
-  // mu_ held: answers `not_found` to queued requests pinned to a worker that is gone.
-  void FailPinnedLocked(std::uint64_t worker_id, Outbox& out);
+  // mu_ held: answers `not_found` to queued requests pinned to workers that are gone (sorted).
+  void FailPinnedLocked(std::span<const std::uint64_t> worker_ids, Outbox& out);
   // mu_ held: removes a still-queued request (its client freed it); true if there was one.
   bool CancelQueuedLocked(const std::string& request_id, Outbox& out);
   // A forward that could not be published: release it and tell the caller.
   void AbandonForward(const Outbox::Forward& f, const Status& why);
   void Send(Outbox& out);
+  // Replies `body`, or an `internal` error when it exceeds the bus's max payload.
   void Reply(const BusMessage& m, const msgpack::sbuffer& body);
   void ReplyError(const BusMessage& m, const Status& s);
   void PublishMetrics(WorkerKey worker, const WorkerLoad& load);
@@ -181,14 +192,17 @@ class KvRouterService {
 
   std::mutex mu_;
   std::map<std::uint64_t, WorkerInfo> workers_;    // GUARDED_BY(mu_), ordered: stable candidates
+  std::uint64_t ranks_total_ = 0;                  // GUARDED_BY(mu_) sum of workers_' dp_size
   ActiveLoad load_;                                // GUARDED_BY(mu_)
   Selector selector_;                              // GUARDED_BY(mu_)
   std::mt19937_64 rng_;                            // GUARDED_BY(mu_)
   std::map<std::string, std::uint64_t> routed_;    // GUARDED_BY(mu_) mode -> count
-  std::unordered_map<WorkerKey, std::uint64_t, WorkerKeyHash> routed_to_;  // GUARDED_BY(mu_)
+  std::map<WorkerKey, std::uint64_t> routed_to_;   // GUARDED_BY(mu_) ordered: a worker's ranks are a range
   std::map<std::string, std::uint64_t> route_errors_;  // GUARDED_BY(mu_) code -> count
   std::map<std::string, std::uint64_t> drops_;     // GUARDED_BY(mu_) service-side drop reasons
-  std::uint64_t workers_refused_ = 0;              // GUARDED_BY(mu_)
+  std::uint64_t workers_refused_ = 0;              // GUARDED_BY(mu_) registrations refused, all reasons
+  std::map<std::string, std::uint64_t> registrations_refused_;  // GUARDED_BY(mu_) reason -> count
+  std::map<std::string, std::uint64_t> replica_sync_refused_;   // GUARDED_BY(mu_) reason -> count
   std::uint64_t leases_expired_ = 0;               // GUARDED_BY(mu_)
   RouteQueue queue_;                               // GUARDED_BY(mu_)
   std::uint64_t queue_admitted_ = 0;               // GUARDED_BY(mu_)

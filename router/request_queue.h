@@ -4,7 +4,8 @@
 //   wspt  highest (1 + priority) / max(1, isl - best_overlap_tokens) first, then earliest
 //         (Smith's rule: best mean TTFT);
 //   lcfs  latest arrival first (for comparison only).
-// Bounded: Push refuses beyond `max_size`. Not thread-safe: the service guards it with its
+// Bounded: Push refuses beyond `max_size` entries or `max_weight` summed weights (the caller's
+// measure of what an entry holds, e.g. its prompt blocks). Not thread-safe: the service guards it with its
 // routing mutex. Payload T is the caller's (the decoded request and where to reply).
 //
 //   RequestQueue<Pending> q(QueuePolicy::kFcfs, 10000);
@@ -15,6 +16,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <set>
@@ -43,18 +45,26 @@ class RequestQueue {
     std::uint64_t arrival = 0;  // monotonic arrival number
     Time enqueued{};
     std::optional<Time> deadline;
+    std::uint64_t weight = 0;
     T payload;
   };
 
-  RequestQueue(QueuePolicy policy, std::size_t max_size) : policy_(policy), max_size_(max_size), order_(Less{this}) {}
+  RequestQueue(QueuePolicy policy, std::size_t max_size,
+               std::uint64_t max_weight = std::numeric_limits<std::uint64_t>::max())
+      : policy_(policy), max_size_(max_size), max_weight_(max_weight), order_(Less{this}) {}
+  // The ordering holds `this`: the queue stays where it was made.
+  RequestQueue(const RequestQueue&) = delete;
+  RequestQueue& operator=(const RequestQueue&) = delete;
 
   std::size_t size() const { return order_.size(); }
   bool empty() const { return order_.empty(); }
+  std::uint64_t weight() const { return weight_; }
 
-  // False (payload untouched) when the queue is at its bound.
-  bool Push(QueueKey key, Time now, std::optional<Time> deadline, T&& payload) {
-    if (order_.size() >= max_size_) return false;
-    order_.insert(std::make_unique<Entry>(Entry{key, next_arrival_++, now, deadline, std::move(payload)}));
+  // False (payload untouched) when the queue is at either bound.
+  bool Push(QueueKey key, Time now, std::optional<Time> deadline, T&& payload, std::uint64_t weight = 0) {
+    if (order_.size() >= max_size_ || weight > max_weight_ - weight_) return false;
+    order_.insert(std::make_unique<Entry>(Entry{key, next_arrival_++, now, deadline, weight, std::move(payload)}));
+    weight_ += weight;
     return true;
   }
 
@@ -126,12 +136,15 @@ class RequestQueue {
   typename Order::iterator Take(typename Order::iterator it, G& sink) {
     auto next = std::next(it);
     auto node = order_.extract(it);
+    weight_ -= node.value()->weight;
     sink(std::move(*node.value()));
     return next;
   }
 
   QueuePolicy policy_;
   std::size_t max_size_;
+  std::uint64_t max_weight_;
+  std::uint64_t weight_ = 0;
   std::uint64_t next_arrival_ = 0;
   Order order_;  // owns the entries
 };

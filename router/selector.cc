@@ -31,14 +31,21 @@ std::size_t Selector::PickKv(const SelectionRequest& req, std::span<const Candid
   double hi = -lo;
   for (std::size_t i = 0; i < cands.size(); ++i) {
     cost[i] = KvCost(cands[i], req, p);
+    // Extreme weights (a request may override them) can make a cost inf or NaN: rank those last.
+    if (std::isnan(cost[i])) cost[i] = std::numeric_limits<double>::infinity();
     lo = std::min(lo, cost[i]);
     hi = std::max(hi, cost[i]);
   }
-  if (p.temperature > 0 && hi > lo) {
+  if (p.temperature > 0 && hi > lo && std::isfinite(hi - lo)) {
     // Softmax over normalised costs: p_i ∝ exp(-(cost_i - min) / ((max - min) * T)).
     std::vector<double> w(cands.size());
-    for (std::size_t i = 0; i < cands.size(); ++i) w[i] = std::exp(-(cost[i] - lo) / ((hi - lo) * p.temperature));
-    return std::discrete_distribution<std::size_t>(w.begin(), w.end())(rng);
+    double total = 0;
+    for (std::size_t i = 0; i < cands.size(); ++i) {
+      w[i] = std::exp(-(cost[i] - lo) / ((hi - lo) * p.temperature));
+      if (!std::isfinite(w[i])) w[i] = 0;
+      total += w[i];
+    }
+    if (total > 0 && std::isfinite(total)) return std::discrete_distribution<std::size_t>(w.begin(), w.end())(rng);
   }
   // Lowest cost, ties broken uniformly at random (also the all-equal case with T > 0).
   std::vector<std::size_t> best;

@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <condition_variable>
+#include <map>
 #include <shared_mutex>
 #include <thread>
 #include <unordered_map>
@@ -149,8 +150,10 @@ class ShardedIndex::Shard {
               break;
             case Item::kRemoveWorker:
               index_.RemoveWorker(it.worker_id);
-              for (auto s = sequences_.begin(); s != sequences_.end();) {
-                s = s->first.worker_id == it.worker_id ? sequences_.erase(s) : std::next(s);
+              // Ordered by (worker_id, dp_rank): this worker's ranks are one range.
+              for (auto s = sequences_.lower_bound({it.worker_id, 0});
+                   s != sequences_.end() && s->first.worker_id == it.worker_id;) {
+                s = sequences_.erase(s);
               }
               ++done;
               break;
@@ -230,7 +233,7 @@ class ShardedIndex::Shard {
 
   mutable std::shared_mutex mu_;
   BlockIndex index_;  // GUARDED_BY(mu_); written only by thread_
-  std::unordered_map<WorkerKey, Sequences, WorkerKeyHash> sequences_;  // thread_ only
+  std::map<WorkerKey, Sequences> sequences_;  // thread_ only
 
   std::mutex flush_mu_;
   std::condition_variable flush_cv_;

@@ -6,6 +6,9 @@
 // handler may publish again (nested delivery).
 #pragma once
 
+#include <fmt/format.h>
+
+#include <atomic>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -34,6 +37,10 @@ class InMemoryBus : public MessageBus {
   Status PublishRequest(std::string_view subject, std::string_view reply, std::span<const std::byte> data) override {
     return Deliver(subject, data, reply, {});
   }
+
+  // Like NATS's max_payload: larger publishes fail (default 1 MiB).
+  std::size_t MaxPayload() const override { return max_payload_.load(); }
+  void set_max_payload(std::size_t bytes) { max_payload_.store(bytes); }
 
   // Publishes with headers.
   Status PublishWithHeaders(std::string_view subject, std::span<const std::byte> data,
@@ -110,6 +117,9 @@ class InMemoryBus : public MessageBus {
 
   Status Deliver(std::string_view subject, std::span<const std::byte> data, std::string_view reply,
                  std::map<std::string, std::string> headers) {
+    if (data.size() > max_payload_.load()) {
+      return Internal(fmt::format("payload {} greater than maximum allowed: {}", data.size(), max_payload_.load()));
+    }
     std::vector<std::shared_ptr<Entry>> targets;
     {
       std::lock_guard g(mu_);
@@ -137,6 +147,7 @@ class InMemoryBus : public MessageBus {
   std::map<std::string, std::size_t> counts_;
   std::size_t rr_ = 0;
   std::size_t inbox_seq_ = 0;
+  std::atomic<std::size_t> max_payload_{std::size_t{1} << 20};
 };
 
 }  // namespace kvrouter

@@ -53,6 +53,9 @@ class MessageBus {
   // Publishes with a reply subject for the receiver to answer on (possibly many times).
   virtual Status PublishRequest(std::string_view subject, std::string_view reply,
                                 std::span<const std::byte> data) = 0;
+  // The largest message body the bus carries now (NATS: the server's max_payload, 1 MiB by
+  // default); a larger publish fails.
+  virtual std::size_t MaxPayload() const = 0;
 };
 
 }  // namespace kvrouter

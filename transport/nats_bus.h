@@ -18,6 +18,7 @@ class NatsBus : public MessageBus {
                                                       Handler handler) override;
   Status Publish(std::string_view subject, std::span<const std::byte> data) override;
   Status PublishRequest(std::string_view subject, std::string_view reply, std::span<const std::byte> data) override;
+  std::size_t MaxPayload() const override { return client_.MaxPayload(); }
 
  private:
   NatsClient& client_;

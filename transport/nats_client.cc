@@ -575,6 +575,11 @@ bool NatsClient::IsConnected() const {
   return natsConnection_Status(conn_.get()) == NATS_CONN_STATUS_CONNECTED;
 }
 
+std::size_t NatsClient::MaxPayload() const {
+  const std::int64_t max = natsConnection_GetMaxPayload(conn_.get());
+  return max > 0 ? static_cast<std::size_t>(max) : std::size_t{1} << 20;
+}
+
 NatsStats NatsClient::Stats() const {
   NatsStats st;
   st.reconnects = shared_->reconnects.load();

@@ -165,6 +165,8 @@ class NatsClient {
   void Drain(std::chrono::milliseconds timeout);
 
   bool IsConnected() const;
+  // The server's max_payload (what it announced on connect); 1 MiB before the first connect.
+  std::size_t MaxPayload() const;
   NatsStats Stats() const;
 
  private:

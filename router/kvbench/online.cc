@@ -21,21 +21,19 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// Requests routed so far per (worker, dp_rank), from the router's stats.
+// Requests routed so far per (worker, dp_rank), from the router's stats (every page).
 Result<std::map<WorkerKey, std::uint64_t>> RoutedPerWorker(NatsClient& nc, const std::string& ns) {
-  auto reply = nc.Request(fmt::format("namespace.{}.router.stats", ns), AsBytes(std::string_view("\x80", 1)),
-                          std::chrono::seconds(5));
-  if (!reply.ok()) return reply.status();
-  auto doc = ParseMsgpack(*reply);
-  if (!doc.ok()) return doc.status();
-  auto workers = ReadArray(FindKey(doc->get(), "workers"), "workers");
-  if (!workers.ok()) return workers.status();
   std::map<WorkerKey, std::uint64_t> out;
-  for (const auto& w : *workers) {
-    auto id = ReadU64(FindKey(w, "worker_id"), "worker_id");
-    auto rank = ReadU32Or(FindKey(w, "dp_rank"), "dp_rank", 0);
-    auto n = ReadU64Or(FindKey(w, "routed_requests"), "routed_requests", 0);
-    if (id.ok() && rank.ok() && n.ok()) out[{*id, *rank}] = *n;
+  std::optional<std::uint64_t> next = 0;
+  while (next) {
+    auto reply = nc.Request(fmt::format("namespace.{}.router.stats", ns),
+                            AsBytes(EncodeStatsRequest({.offset = *next, .limit = StatsRequest::kMaxLimit})),
+                            std::chrono::seconds(5));
+    if (!reply.ok()) return reply.status();
+    auto stats = DecodeStatsReply(*reply);
+    if (!stats.ok()) return stats.status();
+    for (const WorkerStats& w : stats->workers) out[{w.worker_id, w.dp_rank}] = w.routed_requests;
+    next = stats->next_offset;
   }
   return out;
 }

@@ -101,27 +101,15 @@ Result<ParsedMockerArgs> ParseMockerConfig(int argc, const char* const* argv, co
   // clang-format on
 
   ParsedMockerArgs out;
-  po::variables_map vm;
-  try {
-    po::store(po::command_line_parser(argc, argv).options(desc).run(), vm);
-  } catch (const po::error& e) {
-    return InvalidArgument(e.what());
-  }
-  // Environment values for flags not given on the command line; an error names the variable.
-  if (Status st = FillFromEnvironment(desc, vm, env); !st.ok()) return st;
-  try {
-    po::notify(vm);
-  } catch (const po::error& e) {
-    return InvalidArgument(e.what());
-  }
-
-  if (vm.count("help")) {
-    std::ostringstream ss;
-    ss << desc;
+  // The command line, then DYN_<FLAG> / NATS_SERVER for flags it does not give.
+  auto flags = ParseFlags(desc, argc, argv, env);
+  if (!flags.ok()) return flags.status();
+  if (flags->help) {
     out.help = true;
-    out.help_text = ss.str();
+    out.help_text = flags->help_text;
     return out;
   }
+  const po::variables_map& vm = flags->vm;
 
   MockerConfig& c = out.config;
   c.nats_server = vm["nats-server"].as<std::string>();
@@ -202,10 +190,9 @@ msgpack::sbuffer GenerateRequest::Encode() const {
 }
 
 Result<GenerateRequest> GenerateRequest::Decode(std::span<const std::byte> body) {
-  auto doc = ParseMsgpack(body);
+  auto doc = ParseMsgpackMap(body, "generate request");
   if (!doc.ok()) return doc.status();
   const msgpack::object& root = doc->get();
-  if (!IsMap(root)) return InvalidArgument("generate request must be a map");
   GenerateRequest r;
   FieldReads reads;
   reads.Required(root, "request_id", ReadStr, r.request_id);
@@ -248,10 +235,9 @@ msgpack::sbuffer GenerateResponse::Encode() const {
 }
 
 Result<GenerateResponse> GenerateResponse::Decode(std::span<const std::byte> body) {
-  auto doc = ParseMsgpack(body);
+  auto doc = ParseMsgpackMap(body, "generate response");
   if (!doc.ok()) return doc.status();
   const msgpack::object& root = doc->get();
-  if (!IsMap(root)) return InvalidArgument("generate response must be a map");
   GenerateResponse r;
   FieldReads reads;
   reads.Required(root, "request_id", ReadStr, r.request_id);
@@ -281,10 +267,9 @@ msgpack::sbuffer RecoveryQuery::Encode() const {
 }
 
 Result<RecoveryQuery> RecoveryQuery::Decode(std::span<const std::byte> body) {
-  auto doc = ParseMsgpack(body);
+  auto doc = ParseMsgpackMap(body, "recovery query");
   if (!doc.ok()) return doc.status();
   const msgpack::object& root = doc->get();
-  if (!IsMap(root)) return InvalidArgument("recovery query must be a map");
   RecoveryQuery q;
   FieldReads reads;
   reads.Optional(root, "start_event_id", ReadU64, q.start_event_id);
@@ -323,10 +308,9 @@ msgpack::sbuffer EncodeRecoveryReply(const MockEngine::RecoveryReply& reply) {
 
 Result<MockEngine::RecoveryReply> DecodeRecoveryReply(std::span<const std::byte> body,
                                                       std::uint64_t worker_id) {
-  auto doc = ParseMsgpack(body);
+  auto doc = ParseMsgpackMap(body, "recovery reply");
   if (!doc.ok()) return doc.status();
   const msgpack::object& root = doc->get();
-  if (!IsMap(root)) return InvalidArgument("recovery reply must be a map");
   MockEngine::RecoveryReply r;
   FieldReads reads;
   reads.Required(root, "kind", ReadStr, r.kind);

@@ -78,10 +78,8 @@ Rig& TheRig() {
   rig.ok = testing::WaitFor([&] {
     auto reply = rig.nc->Request(stats, AsBytes(std::string_view("\x80", 1)), 1s);
     if (!reply.ok()) return false;
-    auto doc = ParseMsgpack(*reply);
-    if (!doc.ok()) return false;
-    auto n = ReadU64(FindKey(doc->get(), "events_applied"), "events_applied");
-    return n.ok() && *n >= kWorkers * 16;
+    auto stats = DecodeStatsReply(*reply);
+    return stats.ok() && stats->counters["events_applied"] >= kWorkers * 16;
   }, 30s);
   return rig;
 }

@@ -114,6 +114,49 @@ TEST(WorkerRegistrationCodec, DpRangeBeyondU32IsInvalidArgument) {
   ExpectInvalid(DecodeWorkerRegistration(AsBytes(body)), "'dp_start'");
 }
 
+TEST(WorkerRegistrationCodec, DpRangeEndingAtTwoToThe32IsInvalidArgument) {
+  // dp_start + dp_size must fit in a u32: rank 2^32-1 can never be registered.
+  auto body = MapOf(3, [](TestPacker& p) {
+    p.Key("worker_id");
+    p.pk.pack(1);
+    p.Key("dp_start");
+    p.pk.pack(0xfffffffeu);
+    p.Key("dp_size");
+    p.pk.pack(2);
+  });
+  ExpectInvalid(DecodeWorkerRegistration(AsBytes(body)), "'dp_start'");
+}
+
+TEST(WorkerRegistrationCodec, LeaseIsClampedToItsBounds) {
+  auto with_lease = [](std::uint64_t lease_ms) {
+    return MapOf(2, [&](TestPacker& p) {
+      p.Key("worker_id");
+      p.pk.pack(1);
+      p.Key("lease_ms");
+      p.pk.pack(lease_ms);
+    });
+  };
+  auto zero = DecodeWorkerRegistration(AsBytes(with_lease(0)));
+  ASSERT_TRUE(zero.ok()) << zero.status().ToString();
+  EXPECT_EQ(zero->lease_ms, kMinLeaseMs);
+  auto huge = DecodeWorkerRegistration(AsBytes(with_lease(std::uint64_t{1} << 63)));
+  ASSERT_TRUE(huge.ok()) << huge.status().ToString();
+  EXPECT_EQ(huge->lease_ms, kMaxLeaseMs);
+  auto usual = DecodeWorkerRegistration(AsBytes(with_lease(1500)));
+  ASSERT_TRUE(usual.ok());
+  EXPECT_EQ(usual->lease_ms, 1500u);
+}
+
+TEST(WorkerRegistrationCodec, OverlongDeviceNameIsInvalidArgument) {
+  auto body = MapOf(2, [](TestPacker& p) {
+    p.Key("worker_id");
+    p.pk.pack(1);
+    p.Key("device");
+    p.pk.pack(std::string(kMaxNameBytes + 1, 'g'));
+  });
+  ExpectInvalid(DecodeWorkerRegistration(AsBytes(body)), "'device'");
+}
+
 TEST(WorkerRegistrationCodec, UnknownStatusIsInvalidArgument) {
   auto body = MapOf(2, [](TestPacker& p) {
     p.Key("worker_id");
@@ -538,6 +581,104 @@ TEST(ActiveSequenceCodec, UnknownKindAndMissingFieldsAreInvalidArgument) {
   msgpack::packer<msgpack::sbuffer> pk2(empty);
   pk2.pack_map(0);
   EXPECT_EQ(DecodeActiveSequenceEvent(AsBytes(empty)).status().code(), StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace kvrouter
+
+namespace kvrouter {
+namespace {
+
+StatsReply SampleStats(std::size_t ranks) {
+  StatsReply r;
+  for (std::size_t i = 0; i < ranks; ++i) {
+    r.workers.push_back({.worker_id = 1000 + i, .dp_rank = static_cast<std::uint32_t>(i % 3), .blocks = i,
+                         .active_blocks = 2 * i, .active_prefill_tokens = 3 * i,
+                         .active_requests = static_cast<std::uint32_t>(i), .device = "gpu",
+                         .routed_requests = 5 * i});
+  }
+  r.workers_total = ranks;
+  r.counters = {{"queue_length", 4}, {"events_applied", 99}};
+  r.breakdowns = {{"events_dropped", {{"decode_error", 2}, {"duplicate", 0}}}, {"routed", {{"kv", 7}}}};
+  return r;
+}
+
+TEST(StatsCodec, ReplyRoundTrips) {
+  StatsReply r = SampleStats(3);
+  const StatsReply sent = r;
+  auto body = EncodeStatsReply(r, 1 << 20);
+  ASSERT_TRUE(body.ok()) << body.status().ToString();
+  EXPECT_EQ(r, sent);  // everything fit: nothing trimmed, no next page
+  auto back = DecodeStatsReply(AsBytes(*body));
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(*back, sent);
+}
+
+TEST(StatsCodec, PageIsTrimmedToFitAndPointsAtTheNextRank) {
+  StatsReply r = SampleStats(1000);
+  r.offset = 5000;
+  r.workers_total = 9000;
+  auto body = EncodeStatsReply(r, 4096);
+  ASSERT_TRUE(body.ok()) << body.status().ToString();
+  EXPECT_LE(body->size(), 4096u);
+  auto back = DecodeStatsReply(AsBytes(*body));
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  ASSERT_GT(back->workers.size(), 0u);
+  ASSERT_LT(back->workers.size(), 1000u);
+  EXPECT_EQ(back->workers.front().worker_id, 1000u);  // the page's head is kept, in order
+  ASSERT_TRUE(back->next_offset.has_value());
+  EXPECT_EQ(*back->next_offset, 5000 + back->workers.size());
+  EXPECT_EQ(back->counters.at("queue_length"), 4u);
+}
+
+TEST(StatsCodec, LastPageHasNoNextOffset) {
+  StatsReply r = SampleStats(2);
+  r.offset = 8;
+  r.workers_total = 10;
+  auto body = EncodeStatsReply(r, 1 << 20);
+  ASSERT_TRUE(body.ok());
+  auto back = DecodeStatsReply(AsBytes(*body));
+  ASSERT_TRUE(back.ok());
+  EXPECT_FALSE(back->next_offset.has_value());
+  EXPECT_EQ(back->offset, 8u);
+}
+
+TEST(StatsCodec, ReplyThatCannotFitIsInternal) {
+  StatsReply r = SampleStats(1);
+  auto body = EncodeStatsReply(r, 16);
+  ASSERT_FALSE(body.ok());
+  EXPECT_EQ(body.status().code(), StatusCode::kInternal);
+}
+
+TEST(StatsCodec, ErrorReplyDecodesToItsStatus) {
+  auto body = EncodeErrorReply(Status(StatusCode::kOverloaded, "busy"));
+  auto back = DecodeStatsReply(AsBytes(body));
+  ASSERT_FALSE(back.ok());
+  EXPECT_EQ(back.status().code(), StatusCode::kOverloaded);
+}
+
+TEST(StatsCodec, RequestDefaultsAndLimitClamp) {
+  auto empty = DecodeStatsRequest({});
+  ASSERT_TRUE(empty.ok());
+  EXPECT_EQ(*empty, StatsRequest{});
+  auto empty_map = DecodeStatsRequest(AsBytes(std::string_view("\x80", 1)));
+  ASSERT_TRUE(empty_map.ok());
+  EXPECT_EQ(empty_map->limit, StatsRequest::kDefaultLimit);
+  auto page = DecodeStatsRequest(AsBytes(EncodeStatsRequest({.offset = 7, .limit = 3})));
+  ASSERT_TRUE(page.ok());
+  EXPECT_EQ(*page, (StatsRequest{.offset = 7, .limit = 3}));
+  auto huge = MapOf(1, [](TestPacker& p) {
+    p.Key("limit");
+    p.pk.pack(std::uint64_t{1} << 40);
+  });
+  auto clamped = DecodeStatsRequest(AsBytes(huge));
+  ASSERT_TRUE(clamped.ok());
+  EXPECT_EQ(clamped->limit, StatsRequest::kMaxLimit);
+  auto negative = MapOf(1, [](TestPacker& p) {
+    p.Key("offset");
+    p.pk.pack(-1);
+  });
+  ExpectInvalid(DecodeStatsRequest(AsBytes(negative)), "'offset'");
 }
 
 }  // namespace

@@ -93,34 +93,18 @@ class KvRouterProcessTest : public ::testing::Test {
     return DecodeRouteReply(*reply);
   }
 
-  struct StatsView {
-    std::vector<std::byte> bytes;
-    msgpack::object_handle doc;
-    const msgpack::object& root() const { return doc.get(); }
-    std::uint64_t U64(std::string_view key) const {
-      auto v = ReadU64(FindKey(root(), key), key);
-      return v.ok() ? *v : ~0ull;
-    }
-    std::size_t Workers() const {
-      auto a = ReadArray(FindKey(root(), "workers"), "workers");
-      return a.ok() ? a->size() : 0;
-    }
-  };
-  std::optional<StatsView> Stats() {
-    auto reply = nc_->Request(kRouter + "stats", AsBytes(std::string_view("\x80", 1)), 2s);
+  std::optional<StatsReply> Stats(StatsRequest page = {}) {
+    auto reply = nc_->Request(kRouter + "stats", AsBytes(EncodeStatsRequest(page)), 2s);
     if (!reply.ok()) return std::nullopt;
-    StatsView v{std::move(reply).value(), {}};
-    auto doc = ParseMsgpack(v.bytes);
-    if (!doc.ok()) return std::nullopt;
-    v.doc = std::move(doc).value();
-    return v;
+    auto stats = DecodeStatsReply(*reply);
+    return stats.ok() ? std::optional<StatsReply>(std::move(stats).value()) : std::nullopt;
   }
   // Registrations and events arrive on different subscriptions (no order between them).
   bool AwaitWorkers(std::size_t n) {
-    return WaitFor([&] { auto s = Stats(); return s && s->Workers() == n; }, 5s);
+    return WaitFor([&] { auto s = Stats(); return s && s->workers_total == n; }, 5s);
   }
   bool AwaitEventsApplied(std::uint64_t n) {
-    return WaitFor([&] { auto s = Stats(); return s && s->U64("events_applied") >= n; }, 5s);
+    return WaitFor([&] { auto s = Stats(); return s && s->counters.at("events_applied") >= n; }, 5s);
   }
 
   std::unique_ptr<NatsServerProcess> nats_;
@@ -162,7 +146,7 @@ TEST_F(KvRouterProcessTest, BookedLoadSpreadsIdenticalRequestsAndFreeReleasesIt)
   }
   auto s = Stats();
   ASSERT_TRUE(s);
-  EXPECT_EQ(s->U64("active_requests"), 0u);
+  EXPECT_EQ(s->counters.at("active_requests"), 0u);
 }
 
 TEST_F(KvRouterProcessTest, LeaseExpiresWithin250msOfItsDeadlineAndLeavingIsImmediate) {
@@ -208,7 +192,7 @@ TEST_F(KvRouterProcessTest, GarbageOnEverySubjectGetsErrorsAndLeavesTheIndexInta
 
 TEST_F(KvRouterProcessTest, WorkerWithAnotherBlockSizeIsRefused) {
   Register(1, 60000, false, /*block_size=*/16);
-  ASSERT_TRUE(WaitFor([&] { auto s = Stats(); return s && s->U64("workers_refused") == 1; }, 5s));
+  ASSERT_TRUE(WaitFor([&] { auto s = Stats(); return s && s->counters.at("workers_refused") == 1; }, 5s));
   EXPECT_EQ(Route(Tokens(1, 8)).status().code(), StatusCode::kNoWorkers);
 }
 
@@ -244,7 +228,7 @@ TEST_F(KvRouterQueueTest, QueuedRequestsAreAdmittedInPriorityOrderAsLoadDrops) {
     });
     // Arrival order matters only for ties; wait until each is queued before sending the next.
     const std::uint64_t n = clients.size();
-    ASSERT_TRUE(WaitFor([&] { auto s = Stats(); return s && s->U64("queue_length") == n; }, 5s));
+    ASSERT_TRUE(WaitFor([&] { auto s = Stats(); return s && s->counters.at("queue_length") == n; }, 5s));
   }
   auto admitted = [&](std::size_t n) {
     return WaitFor([&] { std::lock_guard g(mu); return done.size() >= n; }, 5s);
@@ -269,8 +253,8 @@ TEST_F(KvRouterQueueTest, QueuedRequestsAreAdmittedInPriorityOrderAsLoadDrops) {
   }
   auto s = Stats();
   ASSERT_TRUE(s);
-  EXPECT_EQ(s->U64("queue_admitted"), 3u);
-  EXPECT_EQ(s->U64("queue_length"), 0u);
+  EXPECT_EQ(s->counters.at("queue_admitted"), 3u);
+  EXPECT_EQ(s->counters.at("queue_length"), 0u);
 }
 
 class KvRouterApproxTest : public KvRouterProcessTest {
@@ -298,8 +282,8 @@ TEST_F(KvRouterApproxTest, IgnoresEventsAndKeepsRepeatedPrefixesOnOneWorker) {
   }
   auto s = Stats();
   ASSERT_TRUE(s);
-  EXPECT_EQ(s->U64("events_applied"), 0u);
-  EXPECT_EQ(s->U64("predicted_blocks"), 4u);
+  EXPECT_EQ(s->counters.at("events_applied"), 0u);
+  EXPECT_EQ(s->counters.at("predicted_blocks"), 4u);
 }
 
 }  // namespace

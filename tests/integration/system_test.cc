@@ -46,20 +46,19 @@ class SystemTest : public ::testing::Test {
     if (router_) router_->Stop();
   }
 
+  std::optional<StatsReply> Stats() {
+    auto reply = nc_->Request("namespace.dynamo.router.stats", AsBytes(EncodeStatsRequest({})), 500ms);
+    if (!reply.ok()) return std::nullopt;
+    auto stats = DecodeStatsReply(*reply);
+    return stats.ok() ? std::optional<StatsReply>(std::move(stats).value()) : std::nullopt;
+  }
   std::size_t RouterWorkers() {
-    auto reply = nc_->Request("namespace.dynamo.router.stats", AsBytes(std::string_view("\x80", 1)), 500ms);
-    if (!reply.ok()) return 0;
-    auto doc = ParseMsgpack(*reply);
-    if (!doc.ok()) return 0;
-    auto w = ReadArray(FindKey(doc->get(), "workers"), "workers");
-    return w.ok() ? w->size() : 0;
+    auto s = Stats();
+    return s ? s->workers_total : 0;
   }
   std::uint64_t ActiveRequests() {
-    auto reply = nc_->Request("namespace.dynamo.router.stats", AsBytes(std::string_view("\x80", 1)), 500ms);
-    if (!reply.ok()) return ~0ull;
-    auto doc = ParseMsgpack(*reply);
-    auto n = doc.ok() ? ReadU64(FindKey(doc->get(), "active_requests"), "active_requests") : Result<std::uint64_t>(Internal("x"));
-    return n.ok() ? *n : ~0ull;
+    auto s = Stats();
+    return s ? s->counters.at("active_requests") : ~0ull;
   }
 
   // Sends one generate request and collects its responses until the final one.

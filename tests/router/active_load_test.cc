@@ -63,6 +63,25 @@ TEST(ActiveLoad, RemovedWorkerReleasesItsRequests) {
   EXPECT_EQ(load.Load({1, 0}).active_requests, 0u);
   EXPECT_EQ(load.Load(kB).active_requests, 1u);
   EXPECT_FALSE(load.Free("a0"));
+  EXPECT_EQ(load.RemoveWorker(1), 0u);
+  EXPECT_EQ(load.RemoveWorker(2), 1u);
+  EXPECT_EQ(load.requests(), 0u);
+}
+
+TEST(ActiveLoad, BookedBlocksFollowEveryWayABookingEnds) {
+  ActiveLoad load;
+  ASSERT_TRUE(load.Book("a", kA, std::vector<SequenceHash>{1, 2, 3}, 64, kT0));
+  ASSERT_TRUE(load.Book("b", kA, std::vector<SequenceHash>{1, 2}, 64, kT0));  // shared: counted per booking
+  ASSERT_TRUE(load.Book("c", kB, std::vector<SequenceHash>{7}, 64, kT0 + seconds(100)));
+  EXPECT_EQ(load.booked_blocks(), 6u);
+  EXPECT_FALSE(load.Book("a", kB, std::vector<SequenceHash>{9, 9, 9, 9}, 1, kT0));
+  EXPECT_EQ(load.booked_blocks(), 6u);
+  ASSERT_TRUE(load.Free("b"));
+  EXPECT_EQ(load.booked_blocks(), 4u);
+  EXPECT_EQ(load.Sweep(kT0 + seconds(301)), 1u);  // a
+  EXPECT_EQ(load.booked_blocks(), 1u);
+  EXPECT_EQ(load.RemoveWorker(kB.worker_id), 1u);
+  EXPECT_EQ(load.booked_blocks(), 0u);
 }
 
 }  // namespace

@@ -5,76 +5,16 @@
 #include "events/event_codec.h"
 #include "events/msgpack_reader.h"
 #include "events/vllm_codec.h"
+#include "tests/router/service_fixture.h"
 #include "transport/memory_bus.h"
 
 namespace kvrouter {
 namespace {
 
 using std::chrono::milliseconds;
-constexpr std::uint32_t kBs = 4;
-
-class ServiceTest : public ::testing::Test {
- protected:
-  void StartWith(std::vector<std::string> flags) {
-    std::vector<const char*> argv = {"kvrouter", "--block-size", "4"};
-    for (auto& f : flags) argv.push_back(f.c_str());
-    auto cfg = ParseRouterConfig(static_cast<int>(argv.size()), argv.data(), [](const char*) { return nullptr; });
-    ASSERT_TRUE(cfg.ok()) << cfg.status().ToString();
-    svc_ = std::make_unique<KvRouterService>(cfg->config, bus_, [this] { return now_; }, 42);
-    ASSERT_TRUE(svc_->Start().ok());
-  }
-
-  void Register(std::uint64_t id, WorkerRegistration reg = {}) {
-    reg.worker_id = id;
-    if (!reg.block_size) reg.block_size = kBs;
-    (void)bus_.Publish(svc_->subjects().instances, AsBytes(EncodeWorkerRegistration(reg)));
-  }
-
-  // Stores the prompt's full blocks on worker `id` as one Dynamo event, then waits until applied.
-  void StorePrompt(std::uint64_t id, std::uint64_t event_id, std::vector<std::uint32_t> tokens) {
-    const KvEventBatch b = StoredPromptBatch(id, event_id, tokens, kBs);
-    (void)bus_.Publish(svc_->subjects().kv_events, AsBytes(EncodeDynamoEnvelope(b, {})));
-    svc_->index().Flush();
-  }
-
-  Result<RouteReply> Route(RouteRequest req, bool best_worker = false) {
-    auto reply = bus_.Request(best_worker ? svc_->subjects().best_worker : svc_->subjects().route,
-                              AsBytes(EncodeRouteRequest(req)));
-    if (!reply) return Internal("no reply");
-    return DecodeRouteReply(*reply);
-  }
-
-  static RouteRequest Prompt(std::vector<std::uint32_t> tokens, std::string id = "") {
-    RouteRequest r;
-    r.request_id = std::move(id);
-    r.token_ids = std::move(tokens);
-    r.has_token_ids = true;
-    r.isl = static_cast<std::uint32_t>(r.token_ids.size());
-    return r;
-  }
-
-  msgpack::object_handle Stats() {
-    auto reply = bus_.Request(svc_->subjects().stats, AsBytes(std::string_view("\x80", 1)));
-    EXPECT_TRUE(reply.has_value());
-    stats_bytes_ = *reply;
-    auto doc = ParseMsgpack(stats_bytes_);
-    EXPECT_TRUE(doc.ok());
-    return std::move(doc).value();
-  }
-
-  std::uint64_t StatU64(const msgpack::object& o, std::string_view key) {
-    auto v = ReadU64(FindKey(o, key), key);
-    EXPECT_TRUE(v.ok()) << key;
-    return v.ok() ? *v : ~0ull;
-  }
-
-  InMemoryBus bus_;
-  SteadyTime now_{};
-  std::unique_ptr<KvRouterService> svc_;
-  std::vector<std::byte> stats_bytes_;
-};
-
-const std::vector<std::uint32_t> kTwelve = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12};
+using testing::ServiceTest;
+using testing::kBs;
+using testing::kTwelve;
 
 TEST_F(ServiceTest, KvModeRoutesToTheWorkerHoldingThePrefix) {
   StartWith({"--router-mode", "kv"});
@@ -125,14 +65,14 @@ TEST_F(ServiceTest, BookingCountsAgainstTheWorkerUntilFreed) {
   ASSERT_TRUE(b.ok());
   EXPECT_NE(a->worker_id, b->worker_id);
   auto doc = Stats();
-  EXPECT_EQ(StatU64(doc.get(), "active_requests"), 2u);
+  EXPECT_EQ(doc.counters.at("active_requests"), 2u);
   for (const char* id : {"a", "b"}) {
     auto reply = bus_.Request(svc_->subjects().free, AsBytes(EncodeLifecycleRequest(id)));
     ASSERT_TRUE(reply.has_value());
     EXPECT_TRUE(DecodeErrorReply(*reply).ok());
   }
   auto doc2 = Stats();
-  EXPECT_EQ(StatU64(doc2.get(), "active_requests"), 0u);
+  EXPECT_EQ(doc2.counters.at("active_requests"), 0u);
   EXPECT_GT(bus_.published(svc_->subjects().kv_metrics), 0u);
 }
 
@@ -141,10 +81,9 @@ TEST_F(ServiceTest, MarkPrefillRemovesPrefillTokensOnly) {
   Register(1);
   ASSERT_TRUE(Route(Prompt(kTwelve, "a")).ok());
   auto workers = [&] {
-    auto doc = Stats();
-    auto arr = ReadArray(FindKey(doc.get(), "workers"), "workers");
-    EXPECT_TRUE(arr.ok());
-    return std::make_pair(StatU64((*arr)[0], "active_prefill_tokens"), StatU64((*arr)[0], "active_blocks"));
+    auto workers = Stats().workers;
+    EXPECT_EQ(workers.size(), 1u);
+    return std::make_pair(workers.at(0).active_prefill_tokens, workers.at(0).active_blocks);
   };
   EXPECT_EQ(workers(), std::make_pair(std::uint64_t{12}, std::uint64_t{3}));
   (void)bus_.Request(svc_->subjects().mark_prefill, AsBytes(EncodeLifecycleRequest("a")));
@@ -157,7 +96,7 @@ TEST_F(ServiceTest, BestWorkerBooksNothing) {
   Register(1);
   ASSERT_TRUE(Route(Prompt(kTwelve, "q"), /*best_worker=*/true).ok());
   auto doc = Stats();
-  EXPECT_EQ(StatU64(doc.get(), "active_requests"), 0u);
+  EXPECT_EQ(doc.counters.at("active_requests"), 0u);
 }
 
 TEST_F(ServiceTest, ErrorsCarryTheRightCodes) {
@@ -221,8 +160,8 @@ TEST_F(ServiceTest, LeaseExpiryAndLeavingForgetTheWorker) {
   svc_->index().Flush();
   for (int i = 0; i < 5; ++i) EXPECT_EQ(Route(Prompt(kTwelve))->worker_id, 2u);
   auto doc = Stats();
-  EXPECT_EQ(StatU64(doc.get(), "leases_expired"), 1u);
-  EXPECT_EQ(StatU64(doc.get(), "active_requests"), 0u);  // the booking on 1 was released
+  EXPECT_EQ(doc.counters.at("leases_expired"), 1u);
+  EXPECT_EQ(doc.counters.at("active_requests"), 0u);  // the booking on 1 was released
   Register(2, {.lease_ms = 5000, .leaving = true});
   EXPECT_EQ(Route(Prompt(kTwelve)).status().code(), StatusCode::kNoWorkers);
 }
@@ -242,7 +181,7 @@ TEST_F(ServiceTest, WorkerWithOtherBlockSizeIsRefusedAndCounted) {
   Register(1, {.block_size = 16});
   EXPECT_EQ(Route(Prompt(kTwelve)).status().code(), StatusCode::kNoWorkers);
   auto doc = Stats();
-  EXPECT_EQ(StatU64(doc.get(), "workers_refused"), 1u);
+  EXPECT_EQ(doc.counters.at("workers_refused"), 1u);
 }
 
 TEST_F(ServiceTest, GarbageOnEverySubjectLeavesTheIndexIntact) {
@@ -267,10 +206,7 @@ TEST_F(ServiceTest, GarbageOnEverySubjectLeavesTheIndexIntact) {
   ASSERT_TRUE(r.ok());
   EXPECT_EQ(r->worker_id, 2u);
   EXPECT_EQ(r->overlap_blocks, 3u);
-  auto doc = Stats();
-  auto dropped = FindKey(doc.get(), "events_dropped");
-  ASSERT_NE(dropped, nullptr);
-  EXPECT_GE(StatU64(*dropped, "decode_error"), 3 * junk.size() - 2);
+  EXPECT_GE(Dropped("decode_error"), 3 * junk.size() - 2);
 }
 
 TEST_F(ServiceTest, ReplicaSyncSharesBookingsBetweenReplicas) {
@@ -283,18 +219,17 @@ TEST_F(ServiceTest, ReplicaSyncSharesBookingsBetweenReplicas) {
   Register(1);
   ASSERT_TRUE(Route(Prompt(kTwelve, "shared")).ok());  // answered by one replica of the group
   // Each replica's stats (the group alternates between them) counts the booking exactly once.
-  for (int i = 0; i < 2; ++i) EXPECT_EQ(StatU64(Stats().get(), "active_requests"), 1u);
+  for (int i = 0; i < 2; ++i) EXPECT_EQ(Counter("active_requests"), 1u);
   (void)bus_.Publish(svc_->subjects().free, AsBytes(EncodeLifecycleRequest("shared")));
-  for (int i = 0; i < 2; ++i) EXPECT_EQ(StatU64(Stats().get(), "active_requests"), 0u);
+  for (int i = 0; i < 2; ++i) EXPECT_EQ(Counter("active_requests"), 0u);
   // Garbage on the sync subject is counted, not applied.
   (void)bus_.Publish(svc_->subjects().active_sequences, AsBytes(std::string_view("\x81\xa1x\x01")));
   std::uint64_t counted = 0;
   for (int i = 0; i < 2; ++i) {
-    auto doc = Stats();
-    counted += StatU64(*FindKey(doc.get(), "events_dropped"), "replica_sync_decode_error");
+    counted += Dropped("replica_sync_decode_error");
   }
   EXPECT_EQ(counted, 2u);  // both replicas received it
-  EXPECT_EQ(StatU64(Stats().get(), "active_requests"), 0u);
+  EXPECT_EQ(Counter("active_requests"), 0u);
 }
 
 
@@ -355,7 +290,7 @@ TEST_F(GenerateTest, ForwardsToTheChosenWorkerRelaysEveryResponseAndFreesAtTheLa
   auto last = ParseMsgpack(got.back());
   ASSERT_TRUE(last.ok());
   EXPECT_EQ(*ReadStr(FindKey(last->get(), "finish_reason"), "finish_reason"), "length");
-  EXPECT_EQ(StatU64(Stats().get(), "active_requests"), 0u);
+  EXPECT_EQ(Counter("active_requests"), 0u);
 }
 
 TEST_F(GenerateTest, UnfinishedGenerationTimesOutAndReleasesItsBooking) {
@@ -372,12 +307,12 @@ TEST_F(GenerateTest, UnfinishedGenerationTimesOutAndReleasesItsBooking) {
   std::vector<std::vector<std::byte>> got;
   auto sub = Generate(r, got);
   ASSERT_EQ(got.size(), 1u);
-  EXPECT_EQ(StatU64(Stats().get(), "active_requests"), 1u);
+  EXPECT_EQ(Counter("active_requests"), 1u);
   now_ += milliseconds(1000);
   svc_->Tick();
   ASSERT_EQ(got.size(), 2u);
   EXPECT_EQ(DecodeErrorReply(got.back()).code(), StatusCode::kTimeout);
-  EXPECT_EQ(StatU64(Stats().get(), "active_requests"), 0u);
+  EXPECT_EQ(Counter("active_requests"), 0u);
 }
 
 TEST_F(GenerateTest, NeedsTokenIds) {
@@ -439,8 +374,8 @@ TEST_F(ApproxTest, EventsAreIgnoredAndRepeatedPrefixesStickToOneWorker) {
     Finish(id);
   }
   auto doc = Stats();
-  EXPECT_EQ(StatU64(doc.get(), "events_applied"), 0u);
-  EXPECT_EQ(StatU64(doc.get(), "predicted_blocks"), 3u);
+  EXPECT_EQ(doc.counters.at("events_applied"), 0u);
+  EXPECT_EQ(doc.counters.at("predicted_blocks"), 3u);
 }
 
 TEST_F(ApproxTest, QueriesWithoutBookingPredictNothing) {
@@ -450,7 +385,7 @@ TEST_F(ApproxTest, QueriesWithoutBookingPredictNothing) {
   no_update.update_states = false;
   ASSERT_TRUE(Route(no_update).ok());
   ASSERT_TRUE(Route(Prompt(kTwelve)).ok());  // no request_id: nothing booked
-  EXPECT_EQ(StatU64(Stats().get(), "predicted_blocks"), 0u);
+  EXPECT_EQ(Counter("predicted_blocks"), 0u);
 }
 
 TEST_F(ApproxTest, PredictionsExpireAfterTheTtlAndGoWithTheWorker) {
@@ -466,10 +401,10 @@ TEST_F(ApproxTest, PredictionsExpireAfterTheTtlAndGoWithTheWorker) {
   EXPECT_EQ(Route(Prompt(kTwelve), true)->overlap_blocks, 0u);
   ASSERT_TRUE(Route(Prompt(kTwelve, "b")).ok());
   Finish("b");
-  EXPECT_EQ(StatU64(Stats().get(), "predicted_blocks"), 3u);
+  EXPECT_EQ(Counter("predicted_blocks"), 3u);
   Register(1, {.leaving = true});
   Register(2, {.leaving = true});
-  EXPECT_EQ(StatU64(Stats().get(), "predicted_blocks"), 0u);
+  EXPECT_EQ(Counter("predicted_blocks"), 0u);
 }
 
 TEST_F(ApproxTest, TreeLimitPrunesTheOldest) {
@@ -478,8 +413,8 @@ TEST_F(ApproxTest, TreeLimitPrunesTheOldest) {
   now_ += std::chrono::seconds(1);
   ASSERT_TRUE(Route(Prompt({50, 51, 52, 53, 54, 55, 56, 57}, "b")).ok());  // +2 = 5 > 4
   auto doc = Stats();
-  EXPECT_EQ(StatU64(doc.get(), "predicted_blocks"), 2u);
-  EXPECT_EQ(StatU64(doc.get(), "predictions_pruned"), 3u);
+  EXPECT_EQ(doc.counters.at("predicted_blocks"), 2u);
+  EXPECT_EQ(doc.counters.at("predictions_pruned"), 3u);
 }
 
 // ---- queue (--router-queue-threshold) ------------------------------------------------------
@@ -520,7 +455,7 @@ TEST_F(QueueTest, RequestsWaitWhileEveryRankIsFullAndLeaveInPriorityOrder) {
   auto high = Send(Prio("high", 5));
   auto mid = Send(Prio("mid", 2));
   EXPECT_FALSE(low.reply->has_value() || high.reply->has_value() || mid.reply->has_value());
-  EXPECT_EQ(StatU64(Stats().get(), "queue_length"), 3u);
+  EXPECT_EQ(Counter("queue_length"), 3u);
   now_ += milliseconds(40);
   MarkPrefill("r1");  // one rank opens: exactly one admission, the highest priority
   ASSERT_TRUE(ReplyOf(high).ok());
@@ -532,8 +467,8 @@ TEST_F(QueueTest, RequestsWaitWhileEveryRankIsFullAndLeaveInPriorityOrder) {
   MarkPrefill("high");
   ASSERT_TRUE(ReplyOf(low).ok());
   auto doc = Stats();
-  EXPECT_EQ(StatU64(doc.get(), "queue_length"), 0u);
-  EXPECT_EQ(StatU64(doc.get(), "queue_admitted"), 3u);
+  EXPECT_EQ(doc.counters.at("queue_length"), 0u);
+  EXPECT_EQ(doc.counters.at("queue_admitted"), 3u);
 }
 
 TEST_F(QueueTest, WsptAdmitsTheShortestRemainingPrefillFirst) {
@@ -564,7 +499,7 @@ TEST_F(QueueTest, BestWorkerNeverWaits) {
   ASSERT_TRUE(Route(Prio("r1", 0)).ok());
   ASSERT_TRUE(Route(Prio("r2", 0)).ok());
   EXPECT_TRUE(Route(Prompt(kTwelve), /*best_worker=*/true).ok());
-  EXPECT_EQ(StatU64(Stats().get(), "queue_length"), 0u);
+  EXPECT_EQ(Counter("queue_length"), 0u);
 }
 
 TEST_F(QueueTest, PinnedHeadDoesNotBlockOthers) {
@@ -593,7 +528,7 @@ TEST_F(QueueTest, BoundRefusesWithOverloaded) {
   auto queued = Send(Prio("q1", 0));
   EXPECT_FALSE(queued.reply->has_value());
   EXPECT_EQ(Route(Prio("q2", 0)).status().code(), StatusCode::kOverloaded);
-  EXPECT_EQ(StatU64(Stats().get(), "queue_refused"), 1u);
+  EXPECT_EQ(Counter("queue_refused"), 1u);
 }
 
 TEST_F(QueueTest, TimedOutRequestGetsTimeoutAndBooksNothing) {
@@ -611,10 +546,10 @@ TEST_F(QueueTest, TimedOutRequestGetsTimeoutAndBooksNothing) {
   ASSERT_TRUE(late.reply->has_value());
   EXPECT_EQ(ReplyOf(late).status().code(), StatusCode::kTimeout);
   auto doc = Stats();
-  EXPECT_EQ(StatU64(doc.get(), "queue_timed_out"), 1u);
-  EXPECT_EQ(StatU64(doc.get(), "active_requests"), 2u);  // r1, r2 only
+  EXPECT_EQ(doc.counters.at("queue_timed_out"), 1u);
+  EXPECT_EQ(doc.counters.at("active_requests"), 2u);  // r1, r2 only
   MarkPrefill("r1");  // nothing left to admit
-  EXPECT_EQ(StatU64(Stats().get(), "queue_admitted"), 0u);
+  EXPECT_EQ(Counter("queue_admitted"), 0u);
 }
 
 TEST_F(QueueTest, RankFilteredHeadDoesNotStallTheQueue) {
@@ -646,8 +581,8 @@ TEST_F(QueueTest, FreeingAQueuedRequestCancelsIt) {
   EXPECT_EQ(ReplyOf(gone).status().code(), StatusCode::kTimeout);
   MarkPrefill("r1");
   auto doc = Stats();
-  EXPECT_EQ(StatU64(doc.get(), "queue_length"), 0u);
-  EXPECT_EQ(StatU64(doc.get(), "active_requests"), 2u);  // r1 and r2 only: "gone" was never booked
+  EXPECT_EQ(doc.counters.at("queue_length"), 0u);
+  EXPECT_EQ(doc.counters.at("active_requests"), 2u);  // r1 and r2 only: "gone" was never booked
 }
 
 TEST_F(QueueTest, LeavingWorkerFailsItsPinsEvenBehindABlockedHead) {

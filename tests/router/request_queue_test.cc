@@ -65,6 +65,19 @@ TEST(RequestQueue, IsBounded) {
   EXPECT_EQ(q.size(), 2u);
 }
 
+TEST(RequestQueue, IsBoundedByWeightToo) {
+  Queue q(QueuePolicy::kFcfs, 10, 100);
+  EXPECT_TRUE(q.Push({}, kT0, std::nullopt, "60", 60));
+  EXPECT_FALSE(q.Push({}, kT0, std::nullopt, "50", 50));
+  EXPECT_TRUE(q.Push({}, kT0, std::nullopt, "40", 40));
+  EXPECT_EQ(q.weight(), 100u);
+  q.Scan([](const Queue::Entry& e) { return e.payload == "60" ? ScanStep::kTake : ScanStep::kKeep; },
+         [](Queue::Entry&&) {});
+  EXPECT_EQ(q.weight(), 40u);  // what leaves the queue gives its weight back
+  EXPECT_TRUE(q.Push({}, kT0, std::nullopt, "50", 50));
+  EXPECT_FALSE(q.Push({}, kT0, std::nullopt, "huge", ~0ull));  // no overflow past the bound
+}
+
 TEST(RequestQueue, ScanCanSkipTheHeadAndStop) {
   Queue q(QueuePolicy::kFcfs, 10);
   for (const char* n : {"pinned-to-busy", "free-1", "free-2", "free-3"}) q.Push({}, kT0, std::nullopt, n);

@@ -85,6 +85,21 @@ TEST(Selector, TemperatureSamplesBySoftmaxOfNormalisedCost) {
   for (std::size_t i = 0; i < 3; ++i) EXPECT_NEAR(hits[i] / double(kN), w[i] / sum, 0.015) << i;
 }
 
+TEST(Selector, ExtremeWeightsStillPickTheCheapestFiniteCandidate) {
+  // A scale of 1e308 makes every loaded candidate's cost inf; the idle cached one stays finite.
+  std::vector<Candidate> c = {Loaded(1, 4, 4), Loaded(2, 0, 0), Loaded(3, 9, 9)};
+  c[1].overlap_blocks = 4;
+  Selector sel;
+  std::mt19937_64 rng(3);
+  const CostParams huge{.prefill_load_scale = 1e308, .temperature = 1e308};
+  for (int i = 0; i < 50; ++i) EXPECT_EQ(sel.Pick(RouterMode::kKv, {256, 4}, c, huge, rng), 1u);
+  // Temperature 1e308 over finite costs: (max - min) * T overflows; sampling stays valid.
+  std::vector<Candidate> finite = {Loaded(1, 0, 0), Loaded(2, 0, 5)};
+  std::map<std::size_t, int> hits;
+  for (int i = 0; i < 200; ++i) ++hits[sel.Pick(RouterMode::kKv, {0, 0}, finite, {.temperature = 1e308}, rng)];
+  EXPECT_EQ(hits[0] + hits[1], 200);
+}
+
 TEST(Selector, RoundRobinCycles) {
   std::vector<Candidate> c = {Loaded(1, 0, 0), Loaded(2, 0, 0), Loaded(3, 0, 0)};
   Selector sel;
