@@ -450,7 +450,8 @@ Result<StatsReply> DecodeStatsReply(std::span<const std::byte> body) {
   if (Status error = ErrorOfReply(m); !error.ok()) return error;
   StatsReply r;
   FieldReads reads;
-  reads.Required(m, "workers_total", ReadU64, r.workers_total);
+  std::optional<std::uint64_t> total;  // absent from routers that did not page: all ranks came
+  reads.Optional(m, "workers_total", ReadU64, total);
   reads.Optional(m, "offset", ReadU64, r.offset);
   reads.Optional(m, "next_offset", ReadU64, r.next_offset);
   auto workers = ReadArray(FindKey(m, "workers"), "workers");
@@ -469,6 +470,7 @@ Result<StatsReply> DecodeStatsReply(std::span<const std::byte> body) {
     if (!reads.ok()) return InvalidArgument("workers: " + reads.status().message());
     r.workers.push_back(std::move(w));
   }
+  r.workers_total = total.value_or(r.offset + r.workers.size());
   // Everything else: unsigned counters, and maps of them.
   for (std::uint32_t i = 0; i < m.via.map.size; ++i) {
     const msgpack::object_kv& kv = m.via.map.ptr[i];

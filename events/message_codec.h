@@ -164,7 +164,7 @@ struct WorkerStats {
 
 struct StatsReply {
   std::vector<WorkerStats> workers;  // one page, ascending (worker_id, dp_rank)
-  std::uint64_t workers_total = 0;   // ranks known
+  std::uint64_t workers_total = 0;   // ranks known (decoded: offset + page size when absent)
   std::uint64_t offset = 0;          // rank index of workers[0]
   std::optional<std::uint64_t> next_offset;
   std::map<std::string, std::uint64_t> counters;

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <optional>
 #include <random>
 #include <thread>
 
@@ -84,6 +85,70 @@ Rig& TheRig() {
   return rig;
 }
 
+// A publisher thread of KV events on the workers' own connection: event-only workers (ids
+// 1000+) store and then drop single blocks, `rate` messages per second (0: as fast as it can),
+// until `total` messages (0: until stopped).
+class EventFlood {
+ public:
+  EventFlood(Rig& rig, std::int64_t rate, std::uint64_t total)
+      : thread_([this, &rig, rate, total] {
+          std::vector<std::uint64_t> next_id(16, 1);
+          std::vector<std::uint32_t> tokens(kBs);
+          const auto start = std::chrono::steady_clock::now();
+          std::uint64_t n = 0;
+          while (!stop_.load(std::memory_order_relaxed) && (total == 0 || n < total)) {
+            if (rate > 0) {
+              const auto due = start + std::chrono::nanoseconds(static_cast<std::int64_t>(n * 1e9 / rate));
+              if (std::chrono::steady_clock::now() < due) std::this_thread::sleep_until(due);
+            }
+            const std::uint64_t w = n % 16;
+            tokens[0] = static_cast<std::uint32_t>(n);
+            KvEventBatch b = Stored(1000 + w, next_id[w]++, tokens);
+            (void)rig.publisher->Publish(kComp + "kv-events", AsBytes(EncodeDynamoEnvelope(b, {})));
+            KvEventBatch r{.worker_id = 1000 + w, .sequence = {SequenceKind::kEventId, next_id[w]++}};
+            r.ops.push_back({StorageTier::kDevice, KvRemoved{{std::get<KvStored>(b.ops[0].data).blocks[0].block_hash}}});
+            (void)rig.publisher->Publish(kComp + "kv-events", AsBytes(EncodeDynamoEnvelope(r, {})));
+            n += 2;
+            sent_.store(n, std::memory_order_relaxed);
+          }
+          done_.store(true);
+        }) {}
+  ~EventFlood() {
+    stop_.store(true);
+    thread_.join();
+  }
+  bool done() const { return done_.load(); }
+  std::uint64_t sent() const { return sent_.load(std::memory_order_relaxed); }
+
+ private:
+  std::atomic<bool> stop_{false}, done_{false};
+  std::atomic<std::uint64_t> sent_{0};
+  std::thread thread_;  // last: starts after the flags exist
+};
+
+// One timed route round trip of 4 cached blocks; false when it failed.
+bool TimedRoute(Rig& rig, std::size_t i, std::vector<double>& us) {
+  const auto& p = rig.prompts[i % rig.prompts.size()];
+  std::vector<std::uint32_t> tokens(p.begin(), p.begin() + 256);  // 4 blocks of a cached prompt
+  RouteRequest req{.token_ids = std::move(tokens), .has_token_ids = true, .isl = 256};
+  const auto body = EncodeRouteRequest(req);
+  const auto a = std::chrono::steady_clock::now();
+  auto reply = rig.nc->Request("namespace.dynamo.router.route", AsBytes(body), 2s);
+  const auto b = std::chrono::steady_clock::now();
+  if (!reply.ok() || !DecodeRouteReply(*reply).ok()) return false;
+  us.push_back(std::chrono::duration<double, std::micro>(b - a).count());
+  return true;
+}
+
+void Report(benchmark::State& state, std::vector<double>& us) {
+  if (us.empty()) return;
+  std::sort(us.begin(), us.end());
+  state.counters["routes"] = static_cast<double>(us.size());
+  state.counters["p50_us"] = us[us.size() / 2];
+  state.counters["p99_us"] = us[std::min(us.size() - 1, us.size() * 99 / 100)];
+  state.counters["max_us"] = us.back();
+}
+
 // Arg: KV events per second published meanwhile (stored 1-block chains, then their removal).
 void BM_RouteRoundTrip(benchmark::State& state) {
   Rig& rig = TheRig();
@@ -92,58 +157,48 @@ void BM_RouteRoundTrip(benchmark::State& state) {
     return;
   }
   const std::int64_t rate = state.range(0);
-  std::atomic<bool> stop{false};
-  std::atomic<std::uint64_t> sent{0};
-  std::thread publisher;
-  if (rate > 0) {
-    publisher = std::thread([&] {
-      // Separate event-only workers (ids 1000+) store and drop single blocks.
-      std::vector<std::uint64_t> next_id(16, 1);
-      std::vector<std::uint32_t> tokens(kBs);
-      const auto start = std::chrono::steady_clock::now();
-      std::uint64_t n = 0;
-      while (!stop.load(std::memory_order_relaxed)) {
-        const auto due = start + std::chrono::nanoseconds(static_cast<std::int64_t>(n * 1e9 / rate));
-        if (std::chrono::steady_clock::now() < due) std::this_thread::sleep_until(due);
-        const std::uint64_t w = n % 16;
-        tokens[0] = static_cast<std::uint32_t>(n);
-        KvEventBatch b = Stored(1000 + w, next_id[w]++, tokens);
-        (void)rig.publisher->Publish(kComp + "kv-events", AsBytes(EncodeDynamoEnvelope(b, {})));
-        KvEventBatch r{.worker_id = 1000 + w, .sequence = {SequenceKind::kEventId, next_id[w]++}};
-        r.ops.push_back({StorageTier::kDevice, KvRemoved{{std::get<KvStored>(b.ops[0].data).blocks[0].block_hash}}});
-        (void)rig.publisher->Publish(kComp + "kv-events", AsBytes(EncodeDynamoEnvelope(r, {})));
-        n += 2;
-        sent.store(n, std::memory_order_relaxed);
-      }
-    });
-  }
+  std::optional<EventFlood> flood;
+  if (rate > 0) flood.emplace(rig, rate, 0);
   std::vector<double> us;
   std::size_t i = 0;
   const auto t0 = std::chrono::steady_clock::now();
   for (auto _ : state) {
-    const auto& p = rig.prompts[i++ % rig.prompts.size()];
-    std::vector<std::uint32_t> tokens(p.begin(), p.begin() + 256);  // 4 blocks of a cached prompt
-    RouteRequest req{.token_ids = std::move(tokens), .has_token_ids = true, .isl = 256};
-    const auto body = EncodeRouteRequest(req);
-    const auto a = std::chrono::steady_clock::now();
-    auto reply = rig.nc->Request("namespace.dynamo.router.route", AsBytes(body), 2s);
-    const auto b = std::chrono::steady_clock::now();
-    if (!reply.ok() || !DecodeRouteReply(*reply).ok()) {
+    if (!TimedRoute(rig, i++, us)) {
       state.SkipWithError("route failed");
       break;
     }
-    us.push_back(std::chrono::duration<double, std::micro>(b - a).count());
   }
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  stop.store(true);
-  if (publisher.joinable()) publisher.join();
-  if (us.empty()) return;
-  std::sort(us.begin(), us.end());
-  state.counters["p50_us"] = us[us.size() / 2];
-  state.counters["p99_us"] = us[std::min(us.size() - 1, us.size() * 99 / 100)];
-  if (rate > 0) state.counters["events_per_s"] = sent.load() / secs;
+  if (flood) state.counters["events_per_s"] = flood->sent() / secs;
+  flood.reset();
+  Report(state, us);
 }
 BENCHMARK(BM_RouteRoundTrip)->Arg(0)->Arg(100000)->Iterations(5000)->Unit(benchmark::kMicrosecond)->UseRealTime();
+
+// Arg: event messages published as fast as one connection can; sequential routes are timed
+// from the flood's start until it ends (issue "ingestion never takes the routing lock").
+void BM_RouteDuringFlood(benchmark::State& state) {
+  Rig& rig = TheRig();
+  if (!rig.ok) {
+    state.SkipWithError("could not start nats-server + kvrouter");
+    return;
+  }
+  std::vector<double> us;
+  for (auto _ : state) {
+    EventFlood flood(rig, 0, static_cast<std::uint64_t>(state.range(0)));
+    const auto t0 = std::chrono::steady_clock::now();
+    for (std::size_t i = 0; !flood.done(); ++i) {
+      if (!TimedRoute(rig, i, us)) {
+        state.SkipWithError("route failed");
+        break;
+      }
+    }
+    state.counters["events_per_s"] =
+        flood.sent() / std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+  Report(state, us);
+}
+BENCHMARK(BM_RouteDuringFlood)->Arg(300000)->Iterations(1)->Unit(benchmark::kMillisecond)->UseRealTime();
 
 }  // namespace
 }  // namespace kvrouter
