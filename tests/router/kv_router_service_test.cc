@@ -81,9 +81,9 @@ TEST_F(ServiceTest, MarkPrefillRemovesPrefillTokensOnly) {
   Register(1);
   ASSERT_TRUE(Route(Prompt(kTwelve, "a")).ok());
   auto workers = [&] {
-    auto workers = Stats().workers;
-    EXPECT_EQ(workers.size(), 1u);
-    return std::make_pair(workers.at(0).active_prefill_tokens, workers.at(0).active_blocks);
+    auto ranks = Stats().workers;
+    EXPECT_EQ(ranks.size(), 1u);
+    return std::make_pair(ranks.at(0).active_prefill_tokens, ranks.at(0).active_blocks);
   };
   EXPECT_EQ(workers(), std::make_pair(std::uint64_t{12}, std::uint64_t{3}));
   (void)bus_.Request(svc_->subjects().mark_prefill, AsBytes(EncodeLifecycleRequest("a")));
