@@ -28,6 +28,31 @@ std::optional<bool> ParseBoolValue(std::string v) {
   return std::nullopt;
 }
 
+namespace {
+
+// Boost converts "-1" to an unsigned type by wrapping it (4294967295); refuse it instead.
+bool IsUnsigned(const po::option_description& d) {
+  const po::value_semantic* v = d.semantic().get();
+  return dynamic_cast<const po::typed_value<std::uint32_t>*>(v) != nullptr ||
+         dynamic_cast<const po::typed_value<std::uint64_t>*>(v) != nullptr;
+}
+
+Status RefuseNegativeUnsigned(const po::options_description& desc, const po::parsed_options& parsed,
+                              std::string_view source) {
+  for (const po::option& o : parsed.options) {
+    const po::option_description* d = desc.find_nothrow(o.string_key, false);
+    if (d == nullptr || !IsUnsigned(*d)) continue;
+    for (const std::string& v : o.value) {
+      if (v.find('-') != std::string::npos) {
+        return InvalidArgument(fmt::format("{}--{} must be a non-negative integer, not '{}'", source, o.string_key, v));
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
 Status FillFromEnvironment(const po::options_description& desc, po::variables_map& vm, const EnvLookup& env,
                            const std::map<std::string, EnvRule>& rules) {
   for (const auto& opt : desc.options()) {
@@ -58,7 +83,9 @@ Status FillFromEnvironment(const po::options_description& desc, po::variables_ma
     const char* eargv[] = {"env", arg->c_str()};
     po::variables_map env_vm;
     try {
-      po::store(po::command_line_parser(2, eargv).options(desc).run(), env_vm);
+      const po::parsed_options parsed = po::command_line_parser(2, eargv).options(desc).run();
+      if (Status s = RefuseNegativeUnsigned(desc, parsed, fmt::format("{}={}: ", var, raw)); !s.ok()) return s;
+      po::store(parsed, env_vm);
     } catch (const po::error& e) {
       return InvalidArgument(fmt::format("{}={}: {}", var, raw, e.what()));
     }
@@ -72,7 +99,9 @@ Result<ParsedFlags> ParseFlags(const po::options_description& desc, int argc, co
                                const EnvLookup& env, const std::map<std::string, EnvRule>& rules) {
   ParsedFlags out;
   try {
-    po::store(po::command_line_parser(argc, argv).options(desc).run(), out.vm);
+    const po::parsed_options parsed = po::command_line_parser(argc, argv).options(desc).run();
+    if (Status s = RefuseNegativeUnsigned(desc, parsed, ""); !s.ok()) return s;
+    po::store(parsed, out.vm);
     if (Status s = FillFromEnvironment(desc, out.vm, env, rules); !s.ok()) return s;
     po::notify(out.vm);
   } catch (const po::error& e) {

@@ -1,7 +1,7 @@
 // HolderSet: the sorted set of worker slots that hold one index node, 16 bytes with room for
 // two holders inline (most nodes of an unshared cache have one), growing onto the heap by
-// doubling. Trivially relocatable so nodes can live in a std::vector; memory is released
-// explicitly with Release() because nodes are recycled, not destroyed.
+// doubling. It owns a raw heap pointer and frees it only in Release() (nodes are recycled, not
+// destroyed), so it cannot be copied: a copy would free the same memory twice.
 // Not thread-safe: owned by the shard thread that owns the node.
 #pragma once
 
@@ -16,6 +16,10 @@ namespace kvrouter {
 
 class HolderSet {
  public:
+  HolderSet() = default;
+  HolderSet(const HolderSet&) = delete;
+  HolderSet& operator=(const HolderSet&) = delete;
+
   std::span<const std::uint32_t> view() const { return {data(), size_}; }
   std::uint32_t size() const { return size_; }
   bool empty() const { return size_ == 0; }

@@ -5,12 +5,12 @@
 #include <chrono>
 #include <condition_variable>
 #include <map>
-#include <shared_mutex>
 #include <thread>
 #include <unordered_map>
 #include <unordered_set>
 
 #include "router/event_sequence.h"
+#include "transport/thread_annotations.h"
 
 namespace kvrouter {
 namespace {
@@ -67,24 +67,29 @@ class ShardedIndex::Shard {
 
   void Flush() {
     const std::uint64_t target = submitted_.load();
-    std::unique_lock lk(flush_mu_);
+    KvMutexLock g(flush_mu_);
     ++flush_waiters_;
-    flush_cv_.wait(lk, [&] { return applied_.load() >= target; });
+    flush_cv_.wait(flush_mu_, [&] { return applied_.load() >= target; });
     --flush_waiters_;
   }
 
   void FindMatches(std::span<const SequenceHash> hashes, OverlapScores& out) const {
-    std::shared_lock lk(mu_);
+    KvReaderLock lk(mu_);
     index_.FindMatches(hashes, out);
   }
 
   void TreeSizes(std::vector<WorkerTreeSize>& out) const {
-    std::shared_lock lk(mu_);
+    KvReaderLock lk(mu_);
     index_.ForEachWorker([&](WorkerKey k, std::size_t n) { out.push_back({k, n}); });
   }
 
+  std::size_t TreeSize(WorkerKey worker) const {
+    KvReaderLock lk(mu_);
+    return index_.TreeSize(worker);
+  }
+
   IndexMemory Memory() const {
-    std::shared_lock lk(mu_);
+    KvReaderLock lk(mu_);
     return index_.Memory();
   }
 
@@ -103,7 +108,7 @@ class ShardedIndex::Shard {
   }
 
   void TakeStale(std::vector<WorkerKey>& out) {
-    std::lock_guard g(stale_mu_);
+    KvMutexLock g(stale_mu_);
     out.insert(out.end(), stale_.begin(), stale_.end());
     stale_.clear();
   }
@@ -121,7 +126,7 @@ class ShardedIndex::Shard {
   };
 
   void MarkStale(WorkerKey w) {
-    std::lock_guard g(stale_mu_);
+    KvMutexLock g(stale_mu_);
     stale_.insert(w);
   }
 
@@ -133,7 +138,7 @@ class ShardedIndex::Shard {
       std::size_t batches = 0;
       std::size_t done = 0;
       {
-        std::unique_lock lk(mu_);
+        mu_.lock();  // explicit lock / unlock: the thread-safety analysis follows them
         std::size_t slice = 0;
         for (std::size_t i = 0; i < n; ++i) {
           Item& it = items[i];
@@ -162,16 +167,17 @@ class ShardedIndex::Shard {
           }
           it.batch = {};
           if (slice >= kMaxBlocksPerLock) {  // let waiting readers in
-            lk.unlock();
+            mu_.unlock();
             slice = 0;
-            lk.lock();
+            mu_.lock();
           }
         }
+        mu_.unlock();
       }
       if (batches > 0) depth_.fetch_sub(batches, std::memory_order_relaxed);
       if (done > 0) {
         applied_.fetch_add(done);
-        std::lock_guard g(flush_mu_);
+        KvMutexLock g(flush_mu_);
         if (flush_waiters_ > 0) flush_cv_.notify_all();
       }
       if (stop_.load() && n == 0) return;
@@ -180,7 +186,7 @@ class ShardedIndex::Shard {
   }
 
   // Owner thread, write lock held.
-  void ApplyBatch(const KvEventBatch& b) {
+  void ApplyBatch(const KvEventBatch& b) KV_REQUIRES(mu_) {
     batches_applied_.Add(1);
     const WorkerKey key{b.worker_id, b.dp_rank};
     if (b.sequence.kind != SequenceKind::kNone) {
@@ -231,16 +237,16 @@ class ShardedIndex::Shard {
   std::atomic<std::uint64_t> applied_{0};    // items applied (for Flush)
   std::atomic<bool> stop_{false};
 
-  mutable std::shared_mutex mu_;
-  BlockIndex index_;  // GUARDED_BY(mu_); written only by thread_
+  mutable KvSharedMutex mu_;
+  BlockIndex index_ KV_GUARDED_BY(mu_);  // written only by thread_, under the write lock
   std::map<WorkerKey, Sequences> sequences_;  // thread_ only
 
-  std::mutex flush_mu_;
-  std::condition_variable flush_cv_;
-  int flush_waiters_ = 0;  // GUARDED_BY(flush_mu_)
+  KvMutex flush_mu_;
+  std::condition_variable_any flush_cv_;
+  int flush_waiters_ KV_GUARDED_BY(flush_mu_) = 0;
 
-  std::mutex stale_mu_;
-  std::unordered_set<WorkerKey, WorkerKeyHash> stale_;  // GUARDED_BY(stale_mu_)
+  KvMutex stale_mu_;
+  std::unordered_set<WorkerKey, WorkerKeyHash> stale_ KV_GUARDED_BY(stale_mu_);
 
   OwnerCounter batches_applied_, ops_applied_, blocks_stored_, blocks_removed_, non_device_ops_,
       gaps_, restarts_, parent_block_not_found_, block_not_found_, duplicate_;
@@ -283,6 +289,8 @@ std::vector<WorkerTreeSize> ShardedIndex::TreeSizes() const {
   for (const auto& s : shards_) s->TreeSizes(out);
   return out;
 }
+
+std::size_t ShardedIndex::TreeSize(WorkerKey worker) const { return shards_[ShardOf(worker.worker_id)]->TreeSize(worker); }
 
 IndexCounters ShardedIndex::Counters() const {
   IndexCounters c;

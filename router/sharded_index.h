@@ -76,6 +76,7 @@ class ShardedIndex {
   // Overlap per (worker, dp_rank) for a request given its sequence hashes.
   OverlapScores FindMatches(std::span<const SequenceHash> seq_hashes) const;
   std::vector<WorkerTreeSize> TreeSizes() const;
+  std::size_t TreeSize(WorkerKey worker) const;  // blocks of one rank
   IndexCounters Counters() const;
   IndexMemory Memory() const;
   // Workers whose index may be wrong (gap, queue full) since the last call; clears the set.

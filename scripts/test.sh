@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Builds kvrouter and runs every test: unit and integration tests (the integration tests start
 # their own nats-server on a free 127.0.0.1 port), then all of them again under ASan+UBSan,
-# the concurrent parts (index shards, NATS transport) under TSan, and a short libFuzzer run of
-# every decoder.
+# the concurrent parts (index shards, NATS transport, in-memory bus, the whole service racing
+# over real NATS) under TSan, and a short libFuzzer run of every decoder (the clang build also
+# checks the thread-safety annotations).
 #
 #   scripts/test.sh                 everything (what CI runs)
 #   KVROUTER_QUICK=1 scripts/test.sh    plain build and tests only
@@ -55,12 +56,12 @@ ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:ha
   ctest --test-dir build-asan --output-on-failure -j "$jobs" --timeout 600
 
 step "concurrent parts under TSan"
-configure_build build-tsan router_test transport_test -- \
+configure_build build-tsan router_test transport_test transport_unit_test service_threads_test -- \
   -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVROUTER_SANITIZE=thread -DKVROUTER_BENCH=OFF
 # Older TSan runtimes cannot map memory under high ASLR entropy; run without ASLR.
 TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
   setarch "$(uname -m)" -R ctest --test-dir build-tsan --output-on-failure --timeout 600 \
-  -R '^(ShardedIndex|TransportTest)\.'
+  -R '^(ShardedIndex|TransportTest|InMemoryBus|ServiceThreads)\.'
 
 if command -v clang++ >/dev/null; then
   step "fuzzing the decoders (${FUZZ_SECONDS:-8} s each)"

@@ -25,10 +25,11 @@ RateLimitedLog::RateLimitedLog(std::chrono::milliseconds interval, Clock clock, 
 
 bool RateLimitedLog::Admit(std::string_view key, uint64_t* suppressed) {
   const auto now = clock_();
-  std::lock_guard<std::mutex> lock(mu_);
+  KvMutexLock lock(mu_);
   auto it = keys_.find(std::string(key));
+  if (it == keys_.end() && keys_.size() >= kMaxKeys) it = keys_.find(std::string(kOverflowKey));
   if (it == keys_.end()) {
-    keys_.emplace(std::string(key), KeyState{now, 0});
+    keys_.emplace(keys_.size() >= kMaxKeys ? std::string(kOverflowKey) : std::string(key), KeyState{now, 0});
     if (suppressed != nullptr) *suppressed = 0;
     return true;
   }
@@ -45,7 +46,7 @@ bool RateLimitedLog::Admit(std::string_view key, uint64_t* suppressed) {
 }
 
 uint64_t RateLimitedLog::suppressed_total() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  KvMutexLock lock(mu_);
   return suppressed_total_;
 }
 

@@ -3,8 +3,9 @@
 // Anything a bad peer or a flaky network can trigger (malformed messages, slow consumers,
 // reconnect storms) logs through one of these: the first line for a key is written at once,
 // later ones inside the interval are only counted, and the next line written for that key says
-// how many were suppressed. Thread-safe: any thread may call Log concurrently (one mutex; keys
-// are few and lines are rare by construction). The clock and the sink are injectable so tests
+// how many were suppressed. Keys should be fixed strings, never a peer's value; even so the key
+// table is bounded (kMaxKeys): past it, new keys share one rate limit. Thread-safe: any thread
+// may call Log concurrently (one mutex; lines are rare by construction). The clock and the sink are injectable so tests
 // need neither sleeps nor stderr.
 //
 //   RateLimitedLog log(std::chrono::seconds(10));
@@ -19,6 +20,8 @@
 #include <string_view>
 #include <unordered_map>
 #include <utility>
+
+#include "transport/thread_annotations.h"
 
 #include <fmt/format.h>
 
@@ -59,6 +62,10 @@ class RateLimitedLog {
   // Lines refused since construction, all keys together.
   uint64_t suppressed_total() const;
 
+  // Distinct keys kept; beyond it new keys are limited together under kOverflowKey.
+  static constexpr std::size_t kMaxKeys = 256;
+  static constexpr std::string_view kOverflowKey = "(other keys)";
+
  private:
   struct KeyState {
     std::chrono::steady_clock::time_point last_written;
@@ -71,9 +78,9 @@ class RateLimitedLog {
   const std::chrono::milliseconds interval_;
   const Clock clock_;
   const Sink sink_;
-  mutable std::mutex mu_;
-  std::unordered_map<std::string, KeyState> keys_;  // GUARDED_BY(mu_)
-  uint64_t suppressed_total_ = 0;                   // GUARDED_BY(mu_)
+  mutable KvMutex mu_;
+  std::unordered_map<std::string, KeyState> keys_ KV_GUARDED_BY(mu_);  // at most kMaxKeys + 1
+  uint64_t suppressed_total_ KV_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace kvrouter

@@ -2,21 +2,30 @@
 // Publish delivers synchronously, on the caller's thread, to every matching subscription (NATS
 // wildcards `*` and `>`; one member per queue group, round-robin), so the caller sees every
 // effect of a message when Publish returns. Request() publishes with a private reply subject
-// and returns the reply. One mutex guards the subscription list; handlers run unlocked, so a
-// handler may publish again (nested delivery).
+// and returns the reply.
+// Thread-safe: any thread may publish, subscribe and unsubscribe. One mutex guards the
+// subscription list and each subscription's liveness; handlers run unlocked, so a handler may
+// publish again (nested delivery) or drop its own subscription. Destroying a subscription waits
+// until no other thread is running its handler, so afterwards it never runs again (as the
+// MessageBus contract says). The bus must outlive its subscriptions.
+//
+//   InMemoryBus bus;  auto sub = bus.Subscribe("a.*", "", handler);  bus.Publish("a.b", bytes);
 #pragma once
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <atomic>
+#include <condition_variable>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "transport/message_bus.h"
+#include "transport/thread_annotations.h"
 
 namespace kvrouter {
 
@@ -24,10 +33,10 @@ class InMemoryBus : public MessageBus {
  public:
   Result<std::unique_ptr<BusSubscription>> Subscribe(std::string subject, std::string group,
                                                       Handler handler) override {
-    std::lock_guard g(mu_);
-    auto entry = std::make_shared<Entry>(Entry{std::move(subject), std::move(group), std::move(handler), true});
-    subs_.push_back(entry);
-    return std::unique_ptr<BusSubscription>(new Sub(entry));
+    auto entry = std::make_shared<Entry>(std::move(subject), std::move(group), std::move(handler));
+    KvMutexLock g(state_->mu);
+    state_->subs.push_back(entry);
+    return std::unique_ptr<BusSubscription>(new Sub(state_, std::move(entry)));
   }
 
   Status Publish(std::string_view subject, std::span<const std::byte> data) override {
@@ -50,21 +59,23 @@ class InMemoryBus : public MessageBus {
 
   // Publishes with a reply subject and returns what was published to it (nullopt: no reply).
   std::optional<std::vector<std::byte>> Request(std::string_view subject, std::span<const std::byte> data) {
-    const std::string inbox = "_INBOX." + std::to_string(++inbox_seq_);
-    std::optional<std::vector<std::byte>> reply;
-    auto sub = Subscribe(inbox, "", [&](const BusMessage& m) { reply.emplace(m.data.begin(), m.data.end()); });
+    const std::string inbox = NewInbox();
+    auto reply = std::make_shared<std::optional<std::vector<std::byte>>>();
+    auto sub = Subscribe(inbox, "", [reply](const BusMessage& m) { reply->emplace(m.data.begin(), m.data.end()); });
     (void)Deliver(subject, data, inbox, {});
-    return reply;
+    sub->reset();  // waits out a reply being written by another thread
+    return std::move(*reply);
   }
 
   // A request whose reply may come later (a queued route): the reply lands in `reply` whenever
-  // it is published, as long as the returned object lives.
+  // it is published, as long as the returned object lives. Read `reply` from the publishing
+  // thread, or after the subscription is gone.
   struct PendingRequest {
     std::unique_ptr<BusSubscription> sub;
     std::shared_ptr<std::optional<std::vector<std::byte>>> reply;
   };
   PendingRequest RequestAsync(std::string_view subject, std::span<const std::byte> data) {
-    const std::string inbox = "_INBOX." + std::to_string(++inbox_seq_);
+    const std::string inbox = NewInbox();
     PendingRequest p{nullptr, std::make_shared<std::optional<std::vector<std::byte>>>()};
     auto slot = p.reply;
     p.sub = std::move(Subscribe(inbox, "", [slot](const BusMessage& m) { slot->emplace(m.data.begin(), m.data.end()); }))
@@ -74,9 +85,9 @@ class InMemoryBus : public MessageBus {
   }
 
   std::size_t published(std::string_view subject) const {
-    std::lock_guard g(mu_);
-    auto it = counts_.find(std::string(subject));
-    return it == counts_.end() ? 0 : it->second;
+    KvMutexLock g(state_->mu);
+    auto it = state_->counts.find(std::string(subject));
+    return it == state_->counts.end() ? 0 : it->second;
   }
 
   static bool Matches(std::string_view pattern, std::string_view subject) {
@@ -96,16 +107,39 @@ class InMemoryBus : public MessageBus {
   }
 
  private:
+  struct State;
   struct Entry {
-    std::string subject, group;
-    Handler handler;
-    bool live;
+    Entry(std::string s, std::string g, Handler h) : subject(std::move(s)), group(std::move(g)), handler(std::move(h)) {}
+    const std::string subject, group;
+    const Handler handler;
+    bool live = true;  // guarded by State::mu
+    int running = 0;   // guarded by State::mu: threads inside handler now
   };
+  // Shared with the subscriptions, so that each can unlink itself under the bus's lock.
+  struct State {
+    KvMutex mu;
+    std::condition_variable_any idle;  // a handler returned
+    std::vector<std::shared_ptr<Entry>> subs KV_GUARDED_BY(mu);
+    std::map<std::string, std::size_t> counts KV_GUARDED_BY(mu);
+    std::size_t rr KV_GUARDED_BY(mu) = 0;
+  };
+  // The entries whose handlers this thread is running (nested delivery), innermost last.
+  static inline thread_local std::vector<const Entry*> running_here_;
+
   class Sub : public BusSubscription {
    public:
-    explicit Sub(std::shared_ptr<Entry> e) : e_(std::move(e)) {}
-    ~Sub() override { e_->live = false; }
+    Sub(std::shared_ptr<State> state, std::shared_ptr<Entry> e) : state_(std::move(state)), e_(std::move(e)) {}
+    ~Sub() override {
+      // Runs on this thread's own stack at most `mine` times: wait only for other threads.
+      const int mine = static_cast<int>(std::count(running_here_.begin(), running_here_.end(), e_.get()));
+      std::unique_lock<KvMutex> lk(state_->mu);
+      e_->live = false;
+      std::erase(state_->subs, e_);
+      state_->idle.wait(lk, [&] { return e_->running <= mine; });
+    }
+
    private:
+    std::shared_ptr<State> state_;
     std::shared_ptr<Entry> e_;
   };
 
@@ -115,6 +149,8 @@ class InMemoryBus : public MessageBus {
     return it == h->end() ? std::nullopt : std::optional<std::string>(it->second);
   }
 
+  std::string NewInbox() { return "_INBOX." + std::to_string(++inbox_seq_); }
+
   Status Deliver(std::string_view subject, std::span<const std::byte> data, std::string_view reply,
                  std::map<std::string, std::string> headers) {
     if (data.size() > max_payload_.load()) {
@@ -122,31 +158,38 @@ class InMemoryBus : public MessageBus {
     }
     std::vector<std::shared_ptr<Entry>> targets;
     {
-      std::lock_guard g(mu_);
-      ++counts_[std::string(subject)];
+      KvMutexLock g(state_->mu);
+      ++state_->counts[std::string(subject)];
       std::map<std::string, std::vector<std::shared_ptr<Entry>>> groups;
-      for (auto it = subs_.begin(); it != subs_.end();) {
-        if (!(*it)->live) { it = subs_.erase(it); continue; }
-        if (Matches((*it)->subject, subject)) {
-          if ((*it)->group.empty()) targets.push_back(*it);
-          else groups[(*it)->group].push_back(*it);
+      for (const auto& e : state_->subs) {
+        if (!Matches(e->subject, subject)) continue;
+        if (e->group.empty()) {
+          targets.push_back(e);
+        } else {
+          groups[e->group].push_back(e);
         }
-        ++it;
       }
-      for (auto& [name, members] : groups) targets.push_back(members[rr_++ % members.size()]);
+      for (auto& [name, members] : groups) targets.push_back(members[state_->rr++ % members.size()]);
     }
     BusMessage m{subject, data, reply, &InMemoryBus::HeaderOf, &headers};
     for (auto& t : targets) {
-      if (t->live) t->handler(m);
+      {
+        KvMutexLock g(state_->mu);
+        if (!t->live) continue;  // unsubscribed since the list was taken
+        ++t->running;
+      }
+      running_here_.push_back(t.get());
+      t->handler(m);
+      running_here_.pop_back();
+      KvMutexLock g(state_->mu);
+      --t->running;
+      state_->idle.notify_all();
     }
     return Status::Ok();
   }
 
-  mutable std::mutex mu_;
-  std::vector<std::shared_ptr<Entry>> subs_;
-  std::map<std::string, std::size_t> counts_;
-  std::size_t rr_ = 0;
-  std::size_t inbox_seq_ = 0;
+  const std::shared_ptr<State> state_ = std::make_shared<State>();
+  std::atomic<std::size_t> inbox_seq_{0};
   std::atomic<std::size_t> max_payload_{std::size_t{1} << 20};
 };
 

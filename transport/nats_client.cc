@@ -1,5 +1,7 @@
 #include "transport/nats_client.h"
 
+#include "transport/thread_annotations.h"
+
 #include <nats/nats.h>
 
 #include <algorithm>
@@ -43,9 +45,9 @@ struct ClientShared {
   std::atomic<uint64_t> async_errors{0};
   std::atomic<bool> closing{false};  // our own Close/Drain is under way: not a "disconnect"
 
-  std::mutex mu;
-  std::condition_variable cv;
-  bool closed = false;  // GUARDED_BY(mu); set by the closed callback
+  KvMutex mu;
+  std::condition_variable_any cv;
+  bool closed KV_GUARDED_BY(mu) = false;  // set by the closed callback
 
   void CountCallbackError(std::string_view where, std::string_view what) {
     callback_errors.fetch_add(1, std::memory_order_relaxed);
@@ -59,9 +61,9 @@ struct SubscriptionState {
   std::string subject;
   MessageHandler handler;
 
-  std::mutex mu;
-  std::condition_variable cv;
-  bool complete = false;  // GUARDED_BY(mu); the delivery thread has finished for good
+  KvMutex mu;
+  std::condition_variable_any cv;
+  bool complete KV_GUARDED_BY(mu) = false;  // the delivery thread has finished for good
   // Set when the Subscription is destroyed from inside its own handler: the on-complete
   // callback then deletes this state. Written and read only on the delivery thread.
   bool orphaned = false;
@@ -212,7 +214,7 @@ void OnConnectedLate(natsConnection* nc, void* closure) {
 
 void OnClosed(natsConnection* /*nc*/, void* closure) {
   auto* shared = static_cast<ClientShared*>(closure);
-  std::lock_guard<std::mutex> lock(shared->mu);
+  KvMutexLock lock(shared->mu);
   shared->closed = true;
   // Notify under the lock: the waiter may free `shared` as soon as it can see `closed`.
   shared->cv.notify_all();
@@ -274,7 +276,7 @@ void OnSubscriptionComplete(void* closure) {
     delete state;
     return;
   }
-  std::lock_guard<std::mutex> lock(state->mu);
+  KvMutexLock lock(state->mu);
   state->complete = true;
   state->cv.notify_all();  // under the lock: the waiter frees `state` once it sees `complete`
 }
@@ -340,8 +342,11 @@ Subscription::~Subscription() {
     state_->orphaned = true;
     state_.release();  // NOLINT(bugprone-unused-return-value): freed by OnSubscriptionComplete
   } else {
-    std::unique_lock<std::mutex> lock(state_->mu);
-    while (!state_->cv.wait_for(lock, std::chrono::seconds(5), [&] { return state_->complete; })) {
+    KvMutexLock lock(state_->mu);
+    while (!state_->cv.wait_for(state_->mu, std::chrono::seconds(5), [&] {
+      state_->mu.AssertHeld();
+      return state_->complete;
+    })) {
       // A handler call is taking very long. Returning now would break the guarantee that
       // nothing runs after the destructor, so keep waiting, but say so.
       state_->client->log.Log(LogLevel::kWarning, "nats.unsubscribe_wait",
@@ -441,9 +446,14 @@ NatsClient::~NatsClient() {
 }
 
 void NatsClient::AwaitClosed(std::chrono::milliseconds timeout) {
-  std::unique_lock<std::mutex> lock(shared_->mu);
-  if (shared_->cv.wait_for(lock, timeout, [&] { return shared_->closed; })) return;
-  lock.unlock();
+  KvMutexLock lock(shared_->mu);
+  if (shared_->cv.wait_for(shared_->mu, timeout, [&] {
+        shared_->mu.AssertHeld();
+        return shared_->closed;
+      })) {
+    return;
+  }
+  lock.Unlock();
   shared_->log.Log(LogLevel::kError, "nats.close",
                    "connection to {} did not report closed within {} ms", shared_->url,
                    timeout.count());

@@ -111,6 +111,25 @@ TEST(RouterConfig, BadValuesAreRefusedNamingTheFlag) {
   EXPECT_NE(bad_bool.status().message().find("DYN_ROUTER_USE_KV_EVENTS"), std::string::npos);
 }
 
+TEST(RouterConfig, NegativeValuesOfUnsignedFlagsAreRefused) {
+  // Boost alone would wrap -1 to 4294967295.
+  for (const auto& argv : std::vector<std::vector<std::string>>{{"--router-queue-max=-1"},
+                                                               {"--router-queue-max", "-1"},
+                                                               {"--router-max-active-blocks=-5"},
+                                                               {"--block-size=-64"}}) {
+    auto r = Args{argv}.Parse();
+    ASSERT_FALSE(r.ok()) << argv[0];
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(r.status().message().find("non-negative"), std::string::npos) << r.status().message();
+  }
+  auto env = Args{{}, {{"DYN_ROUTER_QUEUE_MAX", "-1"}}}.Parse();
+  ASSERT_FALSE(env.ok());
+  EXPECT_NE(env.status().message().find("DYN_ROUTER_QUEUE_MAX"), std::string::npos) << env.status().message();
+  auto fine = Args{{"--router-queue-max=7"}}.Parse();
+  ASSERT_TRUE(fine.ok());
+  EXPECT_EQ(fine->config.queue_max, 7u);
+}
+
 TEST(RouterConfig, HelpListsEveryFlagWithDefaults) {
   auto r = Args{{"--help"}}.Parse();
   ASSERT_TRUE(r.ok());

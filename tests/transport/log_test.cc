@@ -70,5 +70,21 @@ TEST(RateLimitedLogTest, AdmitReportsSuppressedCountOfThatKeyOnly) {
   EXPECT_EQ(suppressed, 2u);
 }
 
+TEST(RateLimitedLogTest, KeyTableIsBoundedAndOverflowKeysShareOneLimit) {
+  FakeClockAndSink env;
+  RateLimitedLog log = env.Make(1s);
+  for (std::size_t i = 0; i < RateLimitedLog::kMaxKeys; ++i) {
+    EXPECT_TRUE(log.Log(LogLevel::kWarning, "key-" + std::to_string(i), "first of its key"));
+  }
+  // Past the bound every new key shares one limit: one line, then suppression.
+  EXPECT_TRUE(log.Log(LogLevel::kWarning, "peer-a", "one"));
+  for (int i = 0; i < 1000; ++i) EXPECT_FALSE(log.Log(LogLevel::kWarning, "peer-" + std::to_string(i), "more"));
+  EXPECT_EQ(env.lines.size(), RateLimitedLog::kMaxKeys + 1);
+  EXPECT_EQ(log.suppressed_total(), 1000u);
+  // Known keys keep their own limit.
+  env.now += 2s;
+  EXPECT_TRUE(log.Log(LogLevel::kWarning, "key-0", "again"));
+}
+
 }  // namespace
 }  // namespace kvrouter

@@ -1,0 +1,118 @@
+// WorkerRegistry: the workers the router knows (PROTOCOL.md section 4): registrations with
+// leases, `leaving`, their dp ranks, block-size refusals, workers seen only through their KV
+// events, and the bounds no peer may pass (--router-max-dp-size, --router-max-worker-ranks).
+//
+// Thread contract: every method may be called from any thread. One reader-writer lock guards
+// the map; the hot callers take it shared: an event's admission for a known worker rank, a
+// heartbeat that repeats the registration (its lease deadline is an atomic), candidate building
+// and stats pages. Only a new or changed worker, a leaving one and lease expiry write. The
+// registry never calls out while holding its lock, so callers may hold their own locks around
+// it (the routing mutex is taken before this lock, never after).
+//
+//   WorkerRegistry reg(limits);  auto r = reg.Register(decoded, now);  reg.ExpireLeases(now);
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <shared_mutex>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "events/message_codec.h"
+#include "transport/thread_annotations.h"
+#include "router/worker_key.h"
+
+namespace kvrouter {
+
+using SteadyTime = std::chrono::steady_clock::time_point;
+
+struct RegistryLimits {
+  std::uint32_t block_size = 64;              // a worker must use the router's
+  std::uint32_t max_dp_size = 1024;           // ranks per worker
+  std::uint64_t max_worker_ranks = 1 << 18;   // (worker, dp_rank) pairs in all
+};
+
+// What the router needs of one rank to consider it for a request.
+struct RankInfo {
+  WorkerKey worker;
+  bool is_cpu = false;
+  std::uint32_t max_num_seqs = 256;
+  std::uint32_t max_num_batched_tokens = 8192;
+};
+
+// One rank of a stats page.
+struct RankEntry {
+  WorkerKey worker;
+  std::string device;
+};
+
+class WorkerRegistry {
+ public:
+  explicit WorkerRegistry(RegistryLimits limits) : limits_(limits) {}
+
+  enum class Outcome {
+    kNew,       // a worker not heard from before (or only through events): new capacity
+    kRenewed,   // a known worker's heartbeat (its lease runs again)
+    kLeaving,   // status "leaving": forgotten
+    kRefused,   // outside the bounds; nothing changed
+  };
+  struct Registered {
+    Outcome outcome = Outcome::kRefused;
+    std::string_view reason;  // kRefused: "block_size", "dp_size", "too_many_workers"
+    std::string detail;       // kRefused: for the log
+  };
+  // Applies a decoded registration at `now`: all of it, or (refused) nothing.
+  Registered Register(const WorkerRegistration& reg, SteadyTime now);
+  // Counts a registration that could not be decoded (reason "invalid").
+  void CountInvalid();
+
+  // Admission of a KV event of (worker_id, dp_rank): nullptr when it may be indexed (a worker
+  // seen for the first time is added without a lease; an event-only worker grows to cover the
+  // rank), else the drop reason ("dp_rank_out_of_range", "too_many_workers").
+  const char* AdmitEvent(std::uint64_t worker_id, std::uint32_t dp_rank);
+
+  // Forgets a worker at once; false when it was not known.
+  bool Forget(std::uint64_t worker_id);
+  // Forgets every worker whose lease ended before `now`; returns their ids, ascending.
+  std::vector<std::uint64_t> ExpireLeases(SteadyTime now);
+
+  // Ranks a request may go to, ascending by (worker_id, dp_rank): a pinned worker (and rank),
+  // else the allowed ids (each looked up), else every worker; `dp_rank` filters ranks.
+  // NotFound for an unknown pinned worker or rank; an empty result is not an error here.
+  Result<std::vector<RankInfo>> Ranks(std::optional<std::uint64_t> pin, std::optional<std::uint32_t> dp_rank,
+                                      const std::optional<std::vector<std::uint64_t>>& allowed) const;
+  bool HasRank(WorkerKey worker) const;
+  // Ranks [offset, offset + limit) in ascending order, and the number of ranks in all.
+  std::vector<RankEntry> Page(std::uint64_t offset, std::uint32_t limit, std::uint64_t* total) const;
+
+  std::uint64_t ranks_total() const;
+  std::uint64_t leases_expired() const { return leases_expired_.load(); }
+  std::uint64_t refused_total() const;
+  std::map<std::string, std::uint64_t> refused() const;  // reason -> count
+
+ private:
+  struct Worker {
+    WorkerRegistration reg;
+    bool has_lease = false;  // false until the first heartbeat (event-only workers)
+    std::atomic<std::int64_t> lease_deadline{0};  // steady ticks; renewed under the shared lock
+  };
+  // mu_ held (exclusive): the reason `reg` must be refused, or nullptr.
+  const char* RefusalLocked(const WorkerRegistration& reg, std::string& detail) const KV_REQUIRES(mu_);
+  void CountRefusalLocked(std::string_view reason) KV_REQUIRES(mu_);
+  void EraseLocked(std::map<std::uint64_t, Worker>::iterator it) KV_REQUIRES(mu_);
+
+  const RegistryLimits limits_;
+  mutable KvSharedMutex mu_;
+  std::map<std::uint64_t, Worker> workers_ KV_GUARDED_BY(mu_);  // ordered: stable candidates, paging
+  std::uint64_t ranks_total_ KV_GUARDED_BY(mu_) = 0;            // sum of workers_' dp_size
+  std::map<std::string, std::uint64_t> refused_ KV_GUARDED_BY(mu_);
+  std::uint64_t refused_total_ KV_GUARDED_BY(mu_) = 0;
+  std::atomic<std::uint64_t> leases_expired_{0};
+};
+
+}  // namespace kvrouter
