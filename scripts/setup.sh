@@ -7,7 +7,7 @@ packages=(
   cmake g++ ninja-build pkg-config
   libnats-dev nats-server
   libmsgpack-cxx-dev libconcurrentqueue-dev libfmt-dev libboost-program-options-dev
-  libgtest-dev libgmock-dev libbenchmark-dev libxxhash-dev
+  libgtest-dev libgmock-dev libbenchmark-dev libxxhash-dev nlohmann-json3-dev
   clang libclang-rt-14-dev
   python3
 )

@@ -1,5 +1,7 @@
 #include "router/kvbench/report.h"
 
+#include <nlohmann/json.hpp>
+
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -53,19 +55,17 @@ Summary Summarize(std::string mode, const std::vector<RequestRecord>& records,
 }
 
 std::string SummaryJson(const Summary& s) {
-  std::string workers;
-  for (std::size_t i = 0; i < s.worker_requests.size(); ++i) {
-    workers += fmt::format("{}{}", i ? ", " : "", s.worker_requests[i]);
-  }
-  std::string out = fmt::format(
-      "{{\"mode\": \"{}\", \"requests\": {}, \"errors\": {}, \"kv_hit_rate\": {:.6f}, "
-      "\"ttft_ms\": {{\"p50\": {:.3f}, \"p90\": {:.3f}, \"p99\": {:.3f}}}, "
-      "\"e2e_ms\": {{\"p50\": {:.3f}, \"p90\": {:.3f}, \"p99\": {:.3f}}}, "
-      "\"throughput_rps\": {:.4f}, \"worker_requests\": [{}]",
-      s.mode, s.requests, s.errors, s.kv_hit_rate, s.ttft_p50, s.ttft_p90, s.ttft_p99, s.e2e_p50, s.e2e_p90,
-      s.e2e_p99, s.throughput_rps, workers);
-  if (s.pooled_lru_hit_rate) out += fmt::format(", \"pooled_lru_hit_rate\": {:.6f}", *s.pooled_lru_hit_rate);
-  return out + "}";
+  nlohmann::ordered_json j;
+  j["mode"] = s.mode;  // the library escapes strings
+  j["requests"] = s.requests;
+  j["errors"] = s.errors;
+  j["kv_hit_rate"] = s.kv_hit_rate;
+  j["ttft_ms"] = {{"p50", s.ttft_p50}, {"p90", s.ttft_p90}, {"p99", s.ttft_p99}};
+  j["e2e_ms"] = {{"p50", s.e2e_p50}, {"p90", s.e2e_p90}, {"p99", s.e2e_p99}};
+  j["throughput_rps"] = s.throughput_rps;
+  j["worker_requests"] = s.worker_requests;
+  if (s.pooled_lru_hit_rate) j["pooled_lru_hit_rate"] = *s.pooled_lru_hit_rate;
+  return j.dump();
 }
 
 std::string SummaryTable(const std::vector<Summary>& runs) {

@@ -2,10 +2,11 @@
 
 #include <fmt/format.h>
 
+#include <nlohmann/json.hpp>
+
 #include <algorithm>
-#include <cctype>
-#include <charconv>
 #include <fstream>
+#include <limits>
 #include <random>
 
 #include "router/flat_table.h"
@@ -13,114 +14,45 @@
 namespace kvrouter::bench {
 namespace {
 
-// A tiny reader for the trace's flat objects: string keys, numbers, and arrays of numbers.
-class JsonLine {
- public:
-  explicit JsonLine(std::string_view s) : s_(s) {}
-
-  Status Parse(TraceRequest& out) {
-    Skip();
-    if (!Eat('{')) return Bad("expected '{'");
-    bool first = true;
-    while (true) {
-      Skip();
-      if (Eat('}')) break;
-      if (!first && !Eat(',')) return Bad("expected ',' or '}'");
-      Skip();
-      std::string_view key;
-      if (!String(key)) return Bad("expected a key");
-      Skip();
-      if (!Eat(':')) return Bad("expected ':'");
-      Skip();
-      first = false;
-      if (key == "hash_ids") {
-        if (!Eat('[')) return Bad("hash_ids must be an array");
-        out.hash_ids.clear();
-        Skip();
-        if (!Eat(']')) {
-          while (true) {
-            double v;
-            Skip();
-            if (!Number(v) || v < 0) return Bad("hash_ids must hold non-negative integers");
-            out.hash_ids.push_back(static_cast<std::uint64_t>(v));
-            Skip();
-            if (Eat(']')) break;
-            if (!Eat(',')) return Bad("expected ',' or ']' in hash_ids");
-          }
-        }
-      } else if (key == "timestamp" || key == "input_length" || key == "output_length") {
-        double v;
-        if (!Number(v) || v < 0) return Bad(fmt::format("{} must be a non-negative number", key));
-        if (key == "timestamp") out.timestamp_ms = v;
-        else if (key == "input_length") out.input_length = static_cast<std::uint32_t>(v);
-        else out.output_length = static_cast<std::uint32_t>(v);
-      } else if (!SkipValue()) {
-        return Bad(fmt::format("cannot read the value of '{}'", key));
-      }
-    }
-    return Status::Ok();
+// A non-negative integer field (u64 exactly, never through double); absent keeps `out`.
+Status ReadCount(const nlohmann::json& obj, const char* key, std::uint64_t max, std::uint64_t& out) {
+  auto it = obj.find(key);
+  if (it == obj.end()) return Status::Ok();
+  if (!it->is_number_unsigned()) {  // JSON's non-negative integers; negatives and floats are not
+    return InvalidArgument(fmt::format("{} must be a non-negative integer", key));
   }
-
- private:
-  Status Bad(std::string what) const { return InvalidArgument(fmt::format("{} at column {}", what, pos_ + 1)); }
-  void Skip() {
-    while (pos_ < s_.size() && std::isspace(static_cast<unsigned char>(s_[pos_]))) ++pos_;
-  }
-  bool Eat(char c) {
-    if (pos_ < s_.size() && s_[pos_] == c) {
-      ++pos_;
-      return true;
-    }
-    return false;
-  }
-  bool String(std::string_view& out) {
-    if (!Eat('"')) return false;
-    const std::size_t start = pos_;
-    while (pos_ < s_.size() && s_[pos_] != '"') pos_ += s_[pos_] == '\\' ? 2 : 1;
-    if (pos_ >= s_.size()) return false;
-    out = s_.substr(start, pos_ - start);
-    ++pos_;
-    return true;
-  }
-  bool Number(double& v) {
-    const char* b = s_.data() + pos_;
-    auto [p, ec] = std::from_chars(b, s_.data() + s_.size(), v);
-    if (ec != std::errc()) return false;
-    pos_ += static_cast<std::size_t>(p - b);
-    return true;
-  }
-  bool SkipValue() {  // strings, numbers, literals, flat arrays
-    std::string_view sv;
-    double d;
-    if (s_.substr(pos_, 1) == "\"") return String(sv);
-    if (Eat('[')) {
-      int depth = 1;
-      while (pos_ < s_.size() && depth > 0) {
-        if (s_[pos_] == '[') ++depth;
-        if (s_[pos_] == ']') --depth;
-        ++pos_;
-      }
-      return depth == 0;
-    }
-    for (std::string_view lit : {"true", "false", "null"}) {
-      if (s_.substr(pos_, lit.size()) == lit) {
-        pos_ += lit.size();
-        return true;
-      }
-    }
-    return Number(d);
-  }
-
-  std::string_view s_;
-  std::size_t pos_ = 0;
-};
+  const std::uint64_t v = it->get<std::uint64_t>();
+  if (v > max) return InvalidArgument(fmt::format("{} is larger than {}", key, max));
+  out = v;
+  return Status::Ok();
+}
 
 }  // namespace
 
 Result<TraceRequest> ParseMooncakeLine(std::string_view line) {
+  // The trace's objects are flat, but any JSON is accepted around the keys read.
+  const nlohmann::json obj = nlohmann::json::parse(line, /*cb=*/nullptr, /*allow_exceptions=*/false);
+  if (obj.is_discarded()) return InvalidArgument("not valid JSON");
+  if (!obj.is_object()) return InvalidArgument("a trace line must be a JSON object");
   TraceRequest r;
-  JsonLine parser(line);
-  if (Status s = parser.Parse(r); !s.ok()) return s;
+  if (auto ts = obj.find("timestamp"); ts != obj.end()) {
+    if (!ts->is_number() || ts->get<double>() < 0) return InvalidArgument("timestamp must be a non-negative number");
+    r.timestamp_ms = ts->get<double>();
+  }
+  std::uint64_t input = 0, output = 0;
+  constexpr std::uint64_t kU32 = std::numeric_limits<std::uint32_t>::max();
+  if (Status s = ReadCount(obj, "input_length", kU32, input); !s.ok()) return s;
+  if (Status s = ReadCount(obj, "output_length", kU32, output); !s.ok()) return s;
+  r.input_length = static_cast<std::uint32_t>(input);
+  r.output_length = static_cast<std::uint32_t>(output);
+  if (auto ids = obj.find("hash_ids"); ids != obj.end()) {
+    if (!ids->is_array()) return InvalidArgument("hash_ids must be an array");
+    r.hash_ids.reserve(ids->size());
+    for (const auto& id : *ids) {
+      if (!id.is_number_unsigned()) return InvalidArgument("hash_ids must hold non-negative integers");
+      r.hash_ids.push_back(id.get<std::uint64_t>());
+    }
+  }
   return r;
 }
 

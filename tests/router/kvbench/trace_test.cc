@@ -4,6 +4,8 @@
 
 #include <set>
 
+#include <nlohmann/json.hpp>
+
 #include "router/kvbench/report.h"
 
 namespace kvrouter::bench {
@@ -19,12 +21,25 @@ TEST(MooncakeTrace, ParsesALineWithUnknownKeysAndWhitespace) {
   EXPECT_EQ(r->hash_ids, (std::vector<std::uint64_t>{46, 47, 1, 2}));
 }
 
+TEST(MooncakeTrace, NestedValuesAreSkippedAndLargeIdsStayExact) {
+  // Hash ids above 2^53 would lose bits through a double.
+  auto r = ParseMooncakeLine(
+      R"({"hash_ids": [18446744073709551615, 9007199254740993], "x": {"a": [1, 2]}, "input_length": 3})");
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->hash_ids, (std::vector<std::uint64_t>{18446744073709551615ull, 9007199254740993ull}));
+  EXPECT_EQ(r->input_length, 3u);
+  EXPECT_FALSE(ParseMooncakeLine(R"({"input_length": 4294967296})").ok());  // beyond u32
+  EXPECT_FALSE(ParseMooncakeLine(R"({"input_length": 1.5})").ok());
+}
+
 TEST(MooncakeTrace, MalformedLinesAreInvalidArgument) {
   for (const char* bad : {"", "[1,2]", R"({"hash_ids": [1, -2]})", R"({"input_length": "x"})",
                           R"({"timestamp": 1,)", R"({"hash_ids": [1 2]})"}) {
     auto r = ParseMooncakeLine(bad);
     EXPECT_FALSE(r.ok()) << bad;
-    if (!r.ok()) EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << bad;
+    if (!r.ok()) {
+      EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << bad;
+    }
   }
 }
 
@@ -55,7 +70,9 @@ TEST(SyntheticConversations, TurnsExtendTheirConversationAndShareTheSystemPrompt
   for (std::size_t i = 0; i < t.size(); ++i) {
     EXPECT_EQ(t[i].hash_ids[0], 0u);
     EXPECT_EQ(t[i].hash_ids[1], 1u);
-    if (i > 0) EXPECT_GE(t[i].timestamp_ms, t[i - 1].timestamp_ms);
+    if (i > 0) {
+      EXPECT_GE(t[i].timestamp_ms, t[i - 1].timestamp_ms);
+    }
     EXPECT_LE(t[i].input_length, t[i].hash_ids.size() * kTraceBlockTokens);
     prompts.insert(t[i].hash_ids);
     // Every longer turn's history starts with an earlier turn of its session (or is a first turn).
@@ -80,10 +97,18 @@ TEST(Summary, HitRatePercentilesAndSpread) {
   EXPECT_DOUBLE_EQ(s.ttft_p50, 300);
   EXPECT_DOUBLE_EQ(s.throughput_rps, 1.0);  // 2 finished over 2 s
   EXPECT_EQ(s.worker_requests, (std::vector<std::uint64_t>{1, 1, 0}));
-  const std::string json = SummaryJson(s);
-  for (const char* key : {"\"mode\"", "\"kv_hit_rate\"", "\"ttft_ms\"", "\"p99\"", "\"worker_requests\": [1, 1, 0]"}) {
-    EXPECT_NE(json.find(key), std::string::npos) << key;
-  }
+  const auto json = nlohmann::json::parse(SummaryJson(s));
+  EXPECT_EQ(json["mode"], "kv");
+  EXPECT_DOUBLE_EQ(json["kv_hit_rate"].get<double>(), 0.25);
+  EXPECT_DOUBLE_EQ(json["ttft_ms"]["p99"].get<double>(), s.ttft_p99);
+  EXPECT_EQ(json["worker_requests"], nlohmann::json::parse("[1, 1, 0]"));
+}
+
+TEST(Summary, JsonEscapesTheLabel) {
+  Summary s;
+  s.mode = "kv \"quoted\"\n";
+  const auto json = nlohmann::json::parse(SummaryJson(s));  // would throw on a broken document
+  EXPECT_EQ(json["mode"], s.mode);
 }
 
 }  // namespace
