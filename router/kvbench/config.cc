@@ -1,0 +1,161 @@
+#include "router/kvbench/config.h"
+
+#include <boost/program_options.hpp>
+#include <fmt/format.h>
+
+namespace kvrouter::bench {
+namespace po = boost::program_options;
+
+namespace {
+
+constexpr const char* kTuningFlags[] = {"router-kv-overlap-score-credit", "router-prefill-load-scale",
+                                        "router-temperature", "router-queue-threshold", "router-queue-policy"};
+
+po::options_description Describe() {
+  const OnlineOptions on;
+  const OfflineOptions off;
+  const SyntheticOptions syn;
+  po::options_description desc("kvbench options (each also read from DYN_<FLAG> in the environment)");
+  // clang-format off
+  desc.add_options()
+    ("help,h", "print this help")
+    ("offline", po::bool_switch(), "simulate the router and engines on virtual time in this process")
+    ("nats-server", po::value<std::string>()->default_value(on.nats_url), "online: NATS URL (env NATS_SERVER)")
+    ("namespace", po::value<std::string>()->default_value(on.ns), "online: the router's namespace")
+    ("concurrency", po::value<std::uint32_t>()->default_value(static_cast<std::uint32_t>(on.concurrency)), "online: requests in flight at most (>= 1)")
+    ("timeout", po::value<double>()->default_value(on.timeout_s), "online: seconds to wait for the last responses (> 0)")
+    ("label", po::value<std::string>()->default_value(on.label), "online: the run's name in the report")
+    ("wait-workers", po::value<std::uint32_t>()->default_value(0), "online: first wait until the router knows this many worker ranks")
+    ("trace", po::value<std::string>(), "Mooncake JSONL trace")
+    ("synthetic", po::bool_switch(), "use the synthetic multi-turn conversation workload instead of a trace")
+    ("sessions", po::value<std::uint32_t>()->default_value(syn.sessions), "synthetic: conversations")
+    ("turns", po::value<std::uint32_t>()->default_value(syn.turns), "synthetic: requests per conversation")
+    ("rate", po::value<double>()->default_value(syn.requests_per_second), "synthetic: requests per second (> 0)")
+    ("max-requests", po::value<std::uint64_t>()->default_value(0), "replay at most this many requests (0 = all)")
+    ("speedup", po::value<double>()->default_value(1), "divide trace inter-arrival times by this (> 0)")
+    ("workers", po::value<std::uint32_t>()->default_value(off.workers), "offline: simulated workers (>= 1)")
+    ("num-gpu-blocks", po::value<std::uint32_t>()->default_value(off.engine.num_gpu_blocks), "offline: KV blocks per worker")
+    ("block-size", po::value<std::uint32_t>()->default_value(off.engine.block_size), "offline: tokens per KV block")
+    ("max-num-seqs", po::value<std::uint32_t>()->default_value(off.engine.max_num_seqs), "offline: running sequences per worker")
+    ("max-num-batched-tokens", po::value<std::uint32_t>()->default_value(off.engine.max_num_batched_tokens), "offline: tokens per engine step")
+    ("speedup-ratio", po::value<double>()->default_value(off.engine.speedup_ratio), "offline: engine speed-up (divides every duration)")
+    ("router-mode", po::value<std::string>()->default_value("kv"), "offline: router mode of the run")
+    ("no-router-kv-events", po::bool_switch(), "offline: approximate mode")
+    ("router-kv-overlap-score-credit", po::value<std::string>(), "offline: passed to the router")
+    ("router-prefill-load-scale", po::value<std::string>(), "offline: passed to the router")
+    ("router-temperature", po::value<std::string>(), "offline: passed to the router")
+    ("router-queue-threshold", po::value<std::string>(), "offline: passed to the router")
+    ("router-queue-policy", po::value<std::string>(), "offline: passed to the router")
+    ("compare", po::bool_switch(), "offline: run kv, round-robin, random and approximate mode and print one table")
+    ("json", po::value<std::string>(), "write the summary (an array with --compare) as JSON here")
+    ("seed", po::value<std::uint64_t>()->default_value(syn.seed), "random seed (router tie-breaks, synthetic workload)");
+  // clang-format on
+  return desc;
+}
+
+// The offline runs: --compare's four modes, or the one --router-mode (+ approximate) asks for,
+// each with the tuning flags passed through.
+std::vector<BenchRun> Runs(const po::variables_map& vm) {
+  std::vector<BenchRun> runs;
+  if (vm["compare"].as<bool>()) {
+    runs = {{"kv", {"--router-mode", "kv"}},
+            {"round-robin", {"--router-mode", "round-robin"}},
+            {"random", {"--router-mode", "random"}},
+            {"kv-approx", {"--router-mode", "kv", "--no-router-kv-events"}}};
+  } else {
+    const std::string mode = vm["router-mode"].as<std::string>();
+    BenchRun r{mode, {"--router-mode", mode}};
+    if (vm["no-router-kv-events"].as<bool>()) {
+      r.router_flags.push_back("--no-router-kv-events");
+      r.label += "-approx";
+    }
+    runs.push_back(std::move(r));
+  }
+  for (BenchRun& r : runs) {
+    for (const char* f : kTuningFlags) {
+      if (!vm.count(f)) continue;
+      r.router_flags.push_back(std::string("--") + f);
+      r.router_flags.push_back(vm[f].as<std::string>());
+    }
+  }
+  return runs;
+}
+
+}  // namespace
+
+Result<ParsedBenchArgs> ParseBenchConfig(int argc, const char* const* argv, const EnvLookup& env) {
+  const po::options_description desc = Describe();
+  auto flags = ParseFlags(desc, argc, argv, env);
+  if (!flags.ok()) return flags.status();
+  ParsedBenchArgs out;
+  if (flags->help) {
+    out.help = true;
+    out.help_text = flags->help_text;
+    return out;
+  }
+  const po::variables_map& vm = flags->vm;
+  BenchConfig& c = out.config;
+  c.offline = vm["offline"].as<bool>();
+  if (!c.offline && vm["compare"].as<bool>()) {
+    return InvalidArgument("--compare runs several router modes and needs --offline (online, the running router's "
+                           "mode is what you measure)");
+  }
+  if (vm.count("trace")) {
+    c.trace_path = vm["trace"].as<std::string>();
+  } else if (!vm["synthetic"].as<bool>()) {
+    return InvalidArgument("give --trace PATH or --synthetic");
+  }
+  c.synthetic = {.sessions = vm["sessions"].as<std::uint32_t>(),
+                 .turns = vm["turns"].as<std::uint32_t>(),
+                 .requests_per_second = vm["rate"].as<double>(),
+                 .seed = vm["seed"].as<std::uint64_t>()};
+  if (!(c.synthetic.requests_per_second > 0)) return FlagOutOfRange("rate", "> 0");
+  c.max_requests = vm["max-requests"].as<std::uint64_t>();
+  c.speedup = vm["speedup"].as<double>();
+  if (!(c.speedup > 0)) return FlagOutOfRange("speedup", "> 0");
+
+  OnlineOptions& on = c.online;
+  on.label = vm["label"].as<std::string>();
+  on.nats_url = vm["nats-server"].as<std::string>();
+  on.ns = vm["namespace"].as<std::string>();
+  on.concurrency = vm["concurrency"].as<std::uint32_t>();
+  if (on.concurrency < 1) return FlagOutOfRange("concurrency", ">= 1");
+  on.timeout_s = vm["timeout"].as<double>();
+  if (!(on.timeout_s > 0)) return FlagOutOfRange("timeout", "> 0");
+  on.wait_workers = vm["wait-workers"].as<std::uint32_t>();
+
+  OfflineOptions& off = c.offline_base;
+  off.workers = vm["workers"].as<std::uint32_t>();
+  if (off.workers < 1) return FlagOutOfRange("workers", ">= 1");
+  off.engine.num_gpu_blocks = vm["num-gpu-blocks"].as<std::uint32_t>();
+  off.engine.block_size = vm["block-size"].as<std::uint32_t>();
+  off.engine.max_num_seqs = vm["max-num-seqs"].as<std::uint32_t>();
+  off.engine.max_num_batched_tokens = vm["max-num-batched-tokens"].as<std::uint32_t>();
+  off.engine.speedup_ratio = vm["speedup-ratio"].as<double>();
+  if (off.engine.num_gpu_blocks < 1) return FlagOutOfRange("num-gpu-blocks", ">= 1");
+  if (off.engine.block_size < 1) return FlagOutOfRange("block-size", ">= 1");
+  if (!(off.engine.speedup_ratio > 0)) return FlagOutOfRange("speedup-ratio", "> 0");
+  off.seed = vm["seed"].as<std::uint64_t>();
+  off.progress = true;
+  c.runs = Runs(vm);
+  if (vm.count("json")) c.json_path = vm["json"].as<std::string>();
+  return out;
+}
+
+Result<std::vector<TraceRequest>> LoadWorkload(const BenchConfig& c) {
+  std::vector<TraceRequest> trace;
+  if (c.trace_path) {
+    auto t = ReadMooncakeTrace(*c.trace_path);
+    if (!t.ok()) return t.status();
+    trace = std::move(t).value();
+  } else {
+    trace = SyntheticConversations(c.synthetic);
+  }
+  if (c.max_requests > 0 && trace.size() > c.max_requests) trace.resize(c.max_requests);
+  if (c.speedup != 1) {
+    for (auto& r : trace) r.timestamp_ms /= c.speedup;
+  }
+  return trace;
+}
+
+}  // namespace kvrouter::bench

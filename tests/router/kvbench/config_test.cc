@@ -1,0 +1,66 @@
+#include "router/kvbench/config.h"
+
+#include <gtest/gtest.h>
+
+#include <map>
+
+namespace kvrouter::bench {
+namespace {
+
+Result<ParsedBenchArgs> Parse(std::vector<std::string> args, std::map<std::string, std::string> env = {}) {
+  std::vector<const char*> argv = {"kvbench"};
+  for (const auto& a : args) argv.push_back(a.c_str());
+  return ParseBenchConfig(static_cast<int>(argv.size()), argv.data(), [env](const char* name) -> const char* {
+    auto it = env.find(name);
+    return it == env.end() ? nullptr : it->second.c_str();
+  });
+}
+
+TEST(BenchConfig, EnvironmentFillsFlagsAndTheCommandLineWins) {
+  auto c = Parse({"--synthetic", "--concurrency", "8"},
+                 {{"NATS_SERVER", "nats://10.0.0.1:4222"}, {"DYN_CONCURRENCY", "99"}, {"DYN_SESSIONS", "7"}});
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->config.online.nats_url, "nats://10.0.0.1:4222");
+  EXPECT_EQ(c->config.online.concurrency, 8u);
+  EXPECT_EQ(c->config.synthetic.sessions, 7u);
+}
+
+TEST(BenchConfig, BadValuesAreRefusedNamingTheFlag) {
+  for (const auto& [args, flag] : std::vector<std::pair<std::vector<std::string>, std::string>>{
+           {{"--synthetic", "--concurrency=-1"}, "concurrency"},
+           {{"--synthetic", "--max-requests=-5"}, "max-requests"},
+           {{"--synthetic", "--speedup", "0"}, "speedup"},
+           {{"--synthetic", "--compare"}, "--offline"},
+           {{}, "--trace"}}) {
+    auto c = Parse(args);
+    ASSERT_FALSE(c.ok()) << args.size();
+    EXPECT_EQ(c.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(c.status().message().find(flag), std::string::npos) << c.status().message();
+  }
+}
+
+TEST(BenchConfig, CompareRunsFourModesWithTheTuningFlags) {
+  auto c = Parse({"--offline", "--synthetic", "--compare", "--router-prefill-load-scale", "16"});
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  ASSERT_EQ(c->config.runs.size(), 4u);
+  EXPECT_EQ(c->config.runs[3].label, "kv-approx");
+  for (const BenchRun& r : c->config.runs) {
+    ASSERT_GE(r.router_flags.size(), 2u);
+    EXPECT_EQ(r.router_flags[r.router_flags.size() - 2], "--router-prefill-load-scale");
+    EXPECT_EQ(r.router_flags.back(), "16");
+  }
+}
+
+TEST(BenchConfig, WorkloadIsCutAndTimeCompressed) {
+  auto c = Parse({"--synthetic", "--sessions", "10", "--max-requests", "5", "--speedup", "2"});
+  ASSERT_TRUE(c.ok());
+  auto slow = Parse({"--synthetic", "--sessions", "10", "--max-requests", "5"});
+  auto fast = LoadWorkload(c->config);
+  auto plain = LoadWorkload(slow->config);
+  ASSERT_TRUE(fast.ok() && plain.ok());
+  ASSERT_EQ(fast->size(), 5u);
+  EXPECT_DOUBLE_EQ(fast->back().timestamp_ms * 2, plain->back().timestamp_ms);
+}
+
+}  // namespace
+}  // namespace kvrouter::bench
