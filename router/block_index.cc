@@ -195,6 +195,8 @@ std::size_t BlockIndex::TreeSize(WorkerKey worker) const {
   return slot == kFlatEmpty ? 0 : slots_[slot].blocks.size();
 }
 
+// One function on purpose (74 lines): the route's hot path, with the prefetch pipeline, the
+// holder-set walk and its fallback sharing locals that splitting would pass around.
 void BlockIndex::FindMatches(std::span<const SequenceHash> hashes, OverlapScores& out) const {
   // Phase 1: the nodes of the request's path. The lookups are independent, so prefetching a
   // few levels ahead overlaps their cache misses.

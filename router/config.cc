@@ -46,11 +46,10 @@ std::string_view QueuePolicyName(QueuePolicy policy) {
   return "fcfs";
 }
 
-Result<ParsedArgs> ParseRouterConfig(int argc, const char* const* argv, const EnvLookup& env) {
+namespace {
+
+po::options_description Describe() {
   const RouterConfig d;
-  std::string mode = std::string(RouterModeName(d.mode));
-  std::string policy = "fcfs";
-  std::string kv_events;  // "", or a boolean from the environment
   po::options_description desc("kvrouter options (each also read from DYN_<FLAG> in the environment)");
   // clang-format off
   desc.add_options()
@@ -59,7 +58,7 @@ Result<ParsedArgs> ParseRouterConfig(int argc, const char* const* argv, const En
     ("namespace", po::value<std::string>()->default_value(d.ns), "namespace of the subjects")
     ("component", po::value<std::string>()->default_value(d.component), "worker component name")
     ("block-size", po::value<std::uint32_t>()->default_value(d.block_size), "tokens per KV block [1, 65536]")
-    ("router-mode", po::value<std::string>(&mode)->default_value(mode),
+    ("router-mode", po::value<std::string>()->default_value(std::string(RouterModeName(d.mode))),
        "kv | round-robin | random | power-of-two | least-loaded | device-aware-weighted | direct")
     ("load-aware", po::bool_switch(), "kv cost with overlap credit 0, no KV events, no prediction")
     ("router-kv-overlap-score-credit", po::value<double>()->default_value(d.overlap_score_credit), "prefill blocks credited per cached block (>= 0)")
@@ -69,7 +68,7 @@ Result<ParsedArgs> ParseRouterConfig(int argc, const char* const* argv, const En
     ("no-router-track-prefill-tokens", po::bool_switch(), "leave active prefill tokens out of the load")
     ("router-temperature", po::value<double>()->default_value(d.temperature), "0 = lowest cost; > 0 = softmax sampling")
     ("router-queue-threshold", po::value<double>(), "queue when every rank has prefill > t * max_num_batched_tokens (> 0; off by default)")
-    ("router-queue-policy", po::value<std::string>(&policy)->default_value(policy), "fcfs | wspt | lcfs")
+    ("router-queue-policy", po::value<std::string>()->default_value(std::string(QueuePolicyName(d.queue_policy))), "fcfs | wspt | lcfs")
     ("router-queue-max", po::value<std::uint32_t>()->default_value(d.queue_max), "queued requests before 'overloaded' (>= 1)")
     ("router-ttl-secs", po::value<double>()->default_value(d.ttl_secs), "approximate mode: seconds a predicted block lives (> 0)")
     ("router-max-tree-size", po::value<std::uint64_t>()->default_value(d.max_tree_size), "approximate mode: predicted blocks before pruning (>= 1)")
@@ -83,41 +82,17 @@ Result<ParsedArgs> ParseRouterConfig(int argc, const char* const* argv, const En
     ("device-ratio", po::value<double>()->default_value(d.device_ratio), "device-aware-weighted: accelerator weight vs CPU (> 0)")
     ("router-index-shards", po::value<std::uint32_t>()->default_value(d.index_shards), "index shards, one thread each [1, 64]");
   // clang-format on
+  return desc;
+}
 
-  ParsedArgs out;
-  // Environment values for flags not given on the command line. Two flags read Dynamo's
-  // variable names: DYN_ROUTER_USE_KV_EVENTS=true|false, DYN_ROUTER_TRACK_PREFILL_TOKENS=false.
-  auto boolean_rule = [](std::string variable, std::string if_true, std::string if_false) {
-    return EnvRule{std::move(variable), [t = std::move(if_true), f = std::move(if_false)](std::string_view v)
-                                            -> Result<std::optional<std::string>> {
-                     auto b = ParseBoolValue(std::string(v));
-                     if (!b) return InvalidArgument("must be true or false");
-                     const std::string& arg = *b ? t : f;
-                     return arg.empty() ? std::nullopt : std::optional<std::string>(arg);
-                   }};
-  };
-  const std::map<std::string, EnvRule> rules = {
-      {"router-kv-events", boolean_rule("DYN_ROUTER_USE_KV_EVENTS", "--router-kv-events", "--no-router-kv-events")},
-      {"no-router-kv-events", EnvRule{"", nullptr}},  // read through DYN_ROUTER_USE_KV_EVENTS
-      {"no-router-track-prefill-tokens",
-       boolean_rule("DYN_ROUTER_TRACK_PREFILL_TOKENS", "", "--no-router-track-prefill-tokens")},
-  };
-  auto flags = ParseFlags(desc, argc, argv, env, rules);
-  if (!flags.ok()) return flags.status();
-  if (flags->help) {
-    out.help = true;
-    out.help_text = flags->help_text;
-    return out;
-  }
-  const po::variables_map& vm = flags->vm;
-
-  RouterConfig& c = out.config;
+// Connection, selection and queue flags, validated.
+Status ReadRouting(const po::variables_map& vm, RouterConfig& c) {
   c.nats_server = vm["nats-server"].as<std::string>();
   c.ns = vm["namespace"].as<std::string>();
   c.component = vm["component"].as<std::string>();
   c.block_size = vm["block-size"].as<std::uint32_t>();
   if (c.block_size < 1 || c.block_size > 65536) return OutOfRange("block-size", "in [1, 65536]");
-  auto m = RouterModeFromName(mode);
+  auto m = RouterModeFromName(vm["router-mode"].as<std::string>());
   if (!m) return OutOfRange("router-mode", "one of kv, round-robin, random, power-of-two, least-loaded, device-aware-weighted, direct");
   c.mode = *m;
   c.overlap_score_credit = vm["router-kv-overlap-score-credit"].as<double>();
@@ -135,12 +110,18 @@ Result<ParsedArgs> ParseRouterConfig(int argc, const char* const* argv, const En
     c.queue_threshold = vm["router-queue-threshold"].as<double>();
     if (!(*c.queue_threshold > 0)) return OutOfRange("router-queue-threshold", "> 0");
   }
+  const std::string policy = vm["router-queue-policy"].as<std::string>();
   if (policy == "fcfs") c.queue_policy = QueuePolicy::kFcfs;
   else if (policy == "wspt") c.queue_policy = QueuePolicy::kWspt;
   else if (policy == "lcfs") c.queue_policy = QueuePolicy::kLcfs;
   else return OutOfRange("router-queue-policy", "one of fcfs, wspt, lcfs");
   c.queue_max = vm["router-queue-max"].as<std::uint32_t>();
   if (c.queue_max < 1) return OutOfRange("router-queue-max", ">= 1");
+  return Status::Ok();
+}
+
+// Approximate mode, bounds and the rest, validated.
+Status ReadLimits(const po::variables_map& vm, RouterConfig& c) {
   c.ttl_secs = vm["router-ttl-secs"].as<double>();
   if (!(c.ttl_secs > 0)) return OutOfRange("router-ttl-secs", "> 0");
   c.max_tree_size = vm["router-max-tree-size"].as<std::uint64_t>();
@@ -168,6 +149,39 @@ Result<ParsedArgs> ParseRouterConfig(int argc, const char* const* argv, const En
     c.overlap_score_credit = 0;
     c.use_kv_events = false;
   }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Result<ParsedArgs> ParseRouterConfig(int argc, const char* const* argv, const EnvLookup& env) {
+  // Environment values for flags not given on the command line. Two flags read Dynamo's
+  // variable names: DYN_ROUTER_USE_KV_EVENTS=true|false, DYN_ROUTER_TRACK_PREFILL_TOKENS=false.
+  auto boolean_rule = [](std::string variable, std::string if_true, std::string if_false) {
+    return EnvRule{std::move(variable), [t = std::move(if_true), f = std::move(if_false)](std::string_view v)
+                                            -> Result<std::optional<std::string>> {
+                     auto b = ParseBoolValue(std::string(v));
+                     if (!b) return InvalidArgument("must be true or false");
+                     const std::string& arg = *b ? t : f;
+                     return arg.empty() ? std::nullopt : std::optional<std::string>(arg);
+                   }};
+  };
+  const std::map<std::string, EnvRule> rules = {
+      {"router-kv-events", boolean_rule("DYN_ROUTER_USE_KV_EVENTS", "--router-kv-events", "--no-router-kv-events")},
+      {"no-router-kv-events", EnvRule{"", nullptr}},  // read through DYN_ROUTER_USE_KV_EVENTS
+      {"no-router-track-prefill-tokens",
+       boolean_rule("DYN_ROUTER_TRACK_PREFILL_TOKENS", "", "--no-router-track-prefill-tokens")},
+  };
+  auto flags = ParseFlags(Describe(), argc, argv, env, rules);
+  if (!flags.ok()) return flags.status();
+  ParsedArgs out;
+  if (flags->help) {
+    out.help = true;
+    out.help_text = flags->help_text;
+    return out;
+  }
+  if (Status s = ReadRouting(flags->vm, out.config); !s.ok()) return s;
+  if (Status s = ReadLimits(flags->vm, out.config); !s.ok()) return s;
   return out;
 }
 

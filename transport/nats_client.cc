@@ -1,7 +1,5 @@
 #include "transport/nats_client.h"
 
-#include "transport/thread_annotations.h"
-
 #include <nats/nats.h>
 
 #include <algorithm>
@@ -17,6 +15,7 @@
 #include <fmt/format.h>
 
 #include "transport/log.h"
+#include "transport/nats_detail.h"
 
 // How the nats.c 3.4.1 threading model is used here (facts from nats.h and nats.c's sources):
 // - Every asynchronous subscription gets its own delivery thread (we force this with
@@ -33,69 +32,7 @@
 namespace kvrouter {
 namespace transport_detail {
 
-struct ClientShared {
-  NatsClient::Callbacks callbacks;
-  std::string url;
-  RateLimitedLog log{std::chrono::seconds(5)};
-
-  std::atomic<uint64_t> reconnects{0};
-  std::atomic<uint64_t> disconnects{0};
-  std::atomic<uint64_t> slow_consumer{0};
-  std::atomic<uint64_t> callback_errors{0};
-  std::atomic<uint64_t> async_errors{0};
-  std::atomic<bool> closing{false};  // our own Close/Drain is under way: not a "disconnect"
-
-  KvMutex mu;
-  std::condition_variable_any cv;
-  bool closed KV_GUARDED_BY(mu) = false;  // set by the closed callback
-
-  void CountCallbackError(std::string_view where, std::string_view what) {
-    callback_errors.fetch_add(1, std::memory_order_relaxed);
-    log.Log(LogLevel::kError, "nats.callback_error", "{} threw: {} ({} callback errors so far)",
-            where, what, callback_errors.load(std::memory_order_relaxed));
-  }
-};
-
-struct SubscriptionState {
-  std::shared_ptr<ClientShared> client;
-  std::string subject;
-  MessageHandler handler;
-
-  KvMutex mu;
-  std::condition_variable_any cv;
-  bool complete KV_GUARDED_BY(mu) = false;  // the delivery thread has finished for good
-  // Set when the Subscription is destroyed from inside its own handler: the on-complete
-  // callback then deletes this state. Written and read only on the delivery thread.
-  bool orphaned = false;
-};
-
 void ConnectionDeleter::operator()(natsConnection* nc) const { natsConnection_Destroy(nc); }
-void SubscriptionDeleter::operator()(natsSubscription* sub) const { natsSubscription_Destroy(sub); }
-
-}  // namespace transport_detail
-
-namespace {
-
-using transport_detail::ClientShared;
-using transport_detail::SubscriptionState;
-
-struct OptionsDeleter {
-  void operator()(natsOptions* o) const { natsOptions_Destroy(o); }
-};
-struct MsgDeleter {
-  void operator()(natsMsg* m) const { natsMsg_Destroy(m); }
-};
-using OptionsPtr = std::unique_ptr<natsOptions, OptionsDeleter>;
-using MsgPtr = std::unique_ptr<natsMsg, MsgDeleter>;
-
-constexpr int kPendingMsgsLimit = 1'000'000;
-constexpr int kPendingBytesLimit = 1 << 30;  // 1 GiB
-constexpr auto kCloseGrace = std::chrono::seconds(5);
-
-// The subscription whose handler is running on this thread (a delivery thread runs exactly one
-// subscription's handler), so that a Subscription destroyed from inside its own handler does
-// not wait for itself.
-thread_local SubscriptionState* tls_dispatching = nullptr;
 
 StatusCode CodeFor(natsStatus s) {
   switch (s) {
@@ -125,36 +62,21 @@ Status FromNats(natsStatus s, std::string_view what) {
   return Status(CodeFor(s), std::move(message));
 }
 
-// A NUL-terminated copy of a string_view, on the stack when short (subjects usually are).
-class CString {
- public:
-  explicit CString(std::string_view s) {
-    if (s.size() < sizeof(small_)) {
-      std::memcpy(small_, s.data(), s.size());
-      small_[s.size()] = '\0';
-      ptr_ = small_;
-    } else {
-      large_.assign(s);
-      ptr_ = large_.c_str();
-    }
-  }
-  CString(const CString&) = delete;
-  CString& operator=(const CString&) = delete;
-  const char* c_str() const { return ptr_; }
+}  // namespace transport_detail
 
- private:
-  char small_[192];
-  std::string large_;
-  const char* ptr_;
+namespace {
+
+using transport_detail::ClientShared;
+using transport_detail::CString;
+using transport_detail::FromNats;
+using transport_detail::MsgPtr;
+
+struct OptionsDeleter {
+  void operator()(natsOptions* o) const { natsOptions_Destroy(o); }
 };
+using OptionsPtr = std::unique_ptr<natsOptions, OptionsDeleter>;
 
-bool EqualsIgnoreCase(std::string_view a, std::string_view b) {
-  return a.size() == b.size() &&
-         std::equal(a.begin(), a.end(), b.begin(), [](char x, char y) {
-           return std::tolower(static_cast<unsigned char>(x)) ==
-                  std::tolower(static_cast<unsigned char>(y));
-         });
-}
+constexpr auto kCloseGrace = std::chrono::seconds(5);
 
 int64_t ToMillis(std::chrono::milliseconds d) { return std::max<int64_t>(1, d.count()); }
 
@@ -240,163 +162,30 @@ void OnAsyncError(natsConnection* /*nc*/, natsSubscription* sub, natsStatus err,
   }
 }
 
-void OnMessage(natsConnection* /*nc*/, natsSubscription* /*sub*/, natsMsg* raw, void* closure) {
-  MsgPtr msg(raw);  // the callback owns the message
-  if (msg == nullptr) return;
-  auto* state = static_cast<SubscriptionState*>(closure);
-  SubscriptionState* const previous = tls_dispatching;
-  tls_dispatching = state;
-  try {
-    IncomingMessage m;
-    const char* subject = natsMsg_GetSubject(raw);
-    m.subject = subject != nullptr ? subject : "";
-    const char* data = natsMsg_GetData(raw);
-    const int len = natsMsg_GetDataLength(raw);
-    if (data != nullptr && len > 0) {
-      m.data = {reinterpret_cast<const std::byte*>(data), static_cast<size_t>(len)};
-    }
-    const char* reply = natsMsg_GetReply(raw);
-    m.reply = reply != nullptr ? reply : "";
-    m.native = raw;
-    state->handler(m);
-  } catch (const std::exception& e) {
-    state->client->CountCallbackError(fmt::format("handler for '{}'", state->subject), e.what());
-  } catch (...) {
-    state->client->CountCallbackError(fmt::format("handler for '{}'", state->subject),
-                                      "unknown exception");
+// "a, b,c" -> {"a", "b", "c"} (blanks trimmed, empty entries dropped).
+std::vector<std::string> SplitUrls(const std::string& list) {
+  std::vector<std::string> urls;
+  for (size_t start = 0; start <= list.size();) {
+    size_t end = list.find(',', start);
+    if (end == std::string::npos) end = list.size();
+    std::string one = list.substr(start, end - start);
+    one.erase(0, one.find_first_not_of(" \t"));
+    one.erase(one.find_last_not_of(" \t") + 1);
+    if (!one.empty()) urls.push_back(std::move(one));
+    start = end + 1;
   }
-  // `state` is still alive here even if the handler destroyed its Subscription (see
-  // ~Subscription): only OnSubscriptionComplete frees an orphaned state.
-  tls_dispatching = previous;
+  return urls;
 }
 
-void OnSubscriptionComplete(void* closure) {
-  auto* state = static_cast<SubscriptionState*>(closure);
-  if (state->orphaned) {
-    delete state;
-    return;
-  }
-  KvMutexLock lock(state->mu);
-  state->complete = true;
-  state->cv.notify_all();  // under the lock: the waiter frees `state` once it sees `complete`
-}
-
-}  // namespace
-
-// ---------------------------------------------------------------------------------------------
-// IncomingMessage
-
-std::optional<std::string> IncomingMessage::Header(std::string_view key) const {
-  if (native == nullptr) {
-    if (headers == nullptr) return std::nullopt;
-    for (const auto& [k, v] : *headers) {
-      if (k == key) return v;
-    }
-    for (const auto& [k, v] : *headers) {
-      if (EqualsIgnoreCase(k, key)) return v;
-    }
-    return std::nullopt;
-  }
-  CString ckey(key);
-  const char* value = nullptr;
-  if (natsMsgHeader_Get(native, ckey.c_str(), &value) == NATS_OK) {
-    return std::string(value != nullptr ? value : "");
-  }
-  // Case-insensitive fallback (nats.c 3.x compares keys exactly).
-  const char** keys = nullptr;
-  int count = 0;
-  if (natsMsgHeader_Keys(native, &keys, &count) != NATS_OK || keys == nullptr) {
-    return std::nullopt;
-  }
-  std::optional<std::string> found;
-  for (int i = 0; i < count && !found; ++i) {
-    if (keys[i] != nullptr && EqualsIgnoreCase(keys[i], key) &&
-        natsMsgHeader_Get(native, keys[i], &value) == NATS_OK) {
-      found = std::string(value != nullptr ? value : "");
-    }
-  }
-  std::free(static_cast<void*>(keys));  // the array is ours, the strings are the message's
-  return found;
-}
-
-// ---------------------------------------------------------------------------------------------
-// Subscription
-
-Subscription::Subscription(
-    std::unique_ptr<transport_detail::SubscriptionState> state,
-    std::unique_ptr<natsSubscription, transport_detail::SubscriptionDeleter> sub)
-    : state_(std::move(state)), sub_(std::move(sub)) {}
-
-Subscription::~Subscription() {
-  // Closes the subscription: its delivery thread stops dispatching. If the connection is
-  // already closed the subscription was closed with it, and this reports an error we ignore.
-  const natsStatus s = natsSubscription_Unsubscribe(sub_.get());
-  if (s != NATS_OK && s != NATS_CONNECTION_CLOSED && s != NATS_INVALID_SUBSCRIPTION) {
-    state_->client->log.Log(LogLevel::kWarning, "nats.unsubscribe", "unsubscribe '{}': {}",
-                            state_->subject, natsStatus_GetText(s));
-  }
-  if (tls_dispatching == state_.get()) {
-    // Called from inside this subscription's own handler: the current call is on this very
-    // stack, and the delivery thread runs the on-complete callback right after it returns.
-    // Waiting would deadlock; hand the state to that callback instead.
-    state_->orphaned = true;
-    state_.release();  // NOLINT(bugprone-unused-return-value): freed by OnSubscriptionComplete
-  } else {
-    KvMutexLock lock(state_->mu);
-    while (!state_->cv.wait_for(state_->mu, std::chrono::seconds(5), [&] {
-      state_->mu.AssertHeld();
-      return state_->complete;
-    })) {
-      // A handler call is taking very long. Returning now would break the guarantee that
-      // nothing runs after the destructor, so keep waiting, but say so.
-      state_->client->log.Log(LogLevel::kWarning, "nats.unsubscribe_wait",
-                              "still waiting for a handler of '{}' to return", state_->subject);
-    }
-  }
-  sub_.reset();  // drops our reference; nats.c frees the subscription when its thread is done
-}
-
-const std::string& Subscription::subject() const { return state_->subject; }
-
-int64_t Subscription::dropped() const {
-  int64_t n = 0;
-  if (natsSubscription_GetDropped(sub_.get(), &n) != NATS_OK) return 0;
-  return n;
-}
-
-// ---------------------------------------------------------------------------------------------
-// NatsClient
-
-NatsClient::NatsClient(std::shared_ptr<transport_detail::ClientShared> shared,
-                       std::unique_ptr<natsConnection, transport_detail::ConnectionDeleter> conn)
-    : shared_(std::move(shared)), conn_(std::move(conn)) {}
-
-Result<std::unique_ptr<NatsClient>> NatsClient::Connect(const NatsOptions& options,
-                                                        Callbacks callbacks) {
-  if (options.reconnect_wait_ms < 0 || options.connect_timeout_ms <= 0) {
-    return InvalidArgument("reconnect_wait_ms must be >= 0 and connect_timeout_ms > 0");
-  }
-  auto shared = std::make_shared<ClientShared>();
-  shared->callbacks = std::move(callbacks);
-  shared->url = options.url;
-  void* closure = shared.get();
-
+// Every option of the connection; `closure` (the ClientShared) is what the callbacks receive.
+Result<OptionsPtr> BuildOptions(const NatsOptions& options, void* closure) {
   natsOptions* raw_opts = nullptr;
   natsStatus s = natsOptions_Create(&raw_opts);
   if (s != NATS_OK) return FromNats(s, "nats options");
   OptionsPtr opts(raw_opts);
 
   // natsOptions_SetURL takes one URL; a comma-separated list becomes a server pool.
-  std::vector<std::string> urls;
-  for (size_t start = 0; start <= options.url.size();) {
-    size_t end = options.url.find(',', start);
-    if (end == std::string::npos) end = options.url.size();
-    std::string one = options.url.substr(start, end - start);
-    one.erase(0, one.find_first_not_of(" \t"));
-    one.erase(one.find_last_not_of(" \t") + 1);
-    if (!one.empty()) urls.push_back(std::move(one));
-    start = end + 1;
-  }
+  const std::vector<std::string> urls = SplitUrls(options.url);
   if (urls.empty()) return InvalidArgument("empty NATS url");
   if (urls.size() == 1) {
     s = natsOptions_SetURL(opts.get(), urls[0].c_str());
@@ -425,9 +214,31 @@ Result<std::unique_ptr<NatsClient>> NatsClient::Connect(const NatsOptions& optio
                                             closure);
   }
   if (s != NATS_OK) return FromNats(s, "nats options");
+  return opts;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// NatsClient
+
+NatsClient::NatsClient(std::shared_ptr<transport_detail::ClientShared> shared,
+                       std::unique_ptr<natsConnection, transport_detail::ConnectionDeleter> conn)
+    : shared_(std::move(shared)), conn_(std::move(conn)) {}
+
+Result<std::unique_ptr<NatsClient>> NatsClient::Connect(const NatsOptions& options,
+                                                        Callbacks callbacks) {
+  if (options.reconnect_wait_ms < 0 || options.connect_timeout_ms <= 0) {
+    return InvalidArgument("reconnect_wait_ms must be >= 0 and connect_timeout_ms > 0");
+  }
+  auto shared = std::make_shared<ClientShared>();
+  shared->callbacks = std::move(callbacks);
+  shared->url = options.url;
+  auto opts = BuildOptions(options, shared.get());
+  if (!opts.ok()) return opts.status();
 
   natsConnection* raw_conn = nullptr;
-  s = natsConnection_Connect(&raw_conn, opts.get());
+  natsStatus s = natsConnection_Connect(&raw_conn, opts->get());
   if (s == NATS_NOT_YET_CONNECTED) {
     shared->log.Log(LogLevel::kWarning, "nats.connecting",
                     "no NATS server at {} yet; connecting in the background", options.url);
@@ -460,42 +271,6 @@ void NatsClient::AwaitClosed(std::chrono::milliseconds timeout) {
   // nats.c may still call back into `shared_` later. Keep it alive for good: a small leak
   // instead of a use-after-free.
   new std::shared_ptr<ClientShared>(shared_);  // NOLINT: intentional leak
-}
-
-Result<std::unique_ptr<Subscription>> NatsClient::Subscribe(std::string subject,
-                                                            std::string queue_group,
-                                                            MessageHandler handler) {
-  if (!handler) return InvalidArgument("subscribe " + subject + ": empty handler");
-  auto state = std::make_unique<SubscriptionState>();
-  state->client = shared_;
-  state->subject = subject;
-  state->handler = std::move(handler);
-
-  natsSubscription* raw = nullptr;
-  natsStatus s = queue_group.empty()
-                     ? natsConnection_Subscribe(&raw, conn_.get(), subject.c_str(), OnMessage,
-                                                state.get())
-                     : natsConnection_QueueSubscribe(&raw, conn_.get(), subject.c_str(),
-                                                     queue_group.c_str(), OnMessage, state.get());
-  if (s != NATS_OK) return FromNats(s, fmt::format("subscribe '{}'", subject));
-  std::unique_ptr<natsSubscription, transport_detail::SubscriptionDeleter> sub(raw);
-
-  s = natsSubscription_SetOnCompleteCB(raw, OnSubscriptionComplete, state.get());
-  if (s != NATS_OK) {
-    // The subscription was closed between the two calls (the connection closed under us).
-    // Its delivery thread may still be inside the handler and we have no way to wait for it,
-    // so the state is leaked on purpose rather than freed under that thread.
-    Status status = FromNats(s, fmt::format("subscribe '{}'", subject));
-    (void)natsSubscription_Unsubscribe(raw);
-    state.release();  // NOLINT(bugprone-unused-return-value): intentional leak, see above
-    return status;
-  }
-  s = natsSubscription_SetPendingLimits(raw, kPendingMsgsLimit, kPendingBytesLimit);
-  if (s != NATS_OK) {
-    shared_->log.Log(LogLevel::kWarning, "nats.pending_limits",
-                     "could not raise pending limits of '{}': {}", subject, natsStatus_GetText(s));
-  }
-  return std::unique_ptr<Subscription>(new Subscription(std::move(state), std::move(sub)));
 }
 
 Status NatsClient::Publish(std::string_view subject, std::span<const std::byte> data) {

@@ -1,0 +1,110 @@
+// Internals shared by transport/nats_client.cc (connection, publish, request) and
+// transport/nats_subscription.cc (subscriptions and message delivery): the state nats.c's
+// callbacks point at, nats.c status translation and small helpers. Not part of the API: only
+// those two files include it. The threading model is described at the top of nats_client.cc.
+#pragma once
+
+#include <nats/nats.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cctype>
+#include <condition_variable>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <string_view>
+
+#include "transport/log.h"
+#include "transport/nats_client.h"
+#include "transport/thread_annotations.h"
+
+namespace kvrouter::transport_detail {
+
+struct ClientShared {
+  NatsClient::Callbacks callbacks;
+  std::string url;
+  RateLimitedLog log{std::chrono::seconds(5)};
+
+  std::atomic<uint64_t> reconnects{0};
+  std::atomic<uint64_t> disconnects{0};
+  std::atomic<uint64_t> slow_consumer{0};
+  std::atomic<uint64_t> callback_errors{0};
+  std::atomic<uint64_t> async_errors{0};
+  std::atomic<bool> closing{false};  // our own Close/Drain is under way: not a "disconnect"
+
+  KvMutex mu;
+  std::condition_variable_any cv;
+  bool closed KV_GUARDED_BY(mu) = false;  // set by the closed callback
+
+  void CountCallbackError(std::string_view where, std::string_view what) {
+    callback_errors.fetch_add(1, std::memory_order_relaxed);
+    log.Log(LogLevel::kError, "nats.callback_error", "{} threw: {} ({} callback errors so far)",
+            where, what, callback_errors.load(std::memory_order_relaxed));
+  }
+};
+
+struct SubscriptionState {
+  std::shared_ptr<ClientShared> client;
+  std::string subject;
+  MessageHandler handler;
+
+  KvMutex mu;
+  std::condition_variable_any cv;
+  bool complete KV_GUARDED_BY(mu) = false;  // the delivery thread has finished for good
+  // Set when the Subscription is destroyed from inside its own handler: the on-complete
+  // callback then deletes this state. Written and read only on the delivery thread.
+  bool orphaned = false;
+};
+
+struct MsgDeleter {
+  void operator()(natsMsg* m) const { natsMsg_Destroy(m); }
+};
+using MsgPtr = std::unique_ptr<natsMsg, MsgDeleter>;
+
+inline constexpr int kPendingMsgsLimit = 1'000'000;
+inline constexpr int kPendingBytesLimit = 1 << 30;  // 1 GiB
+
+// The subscription whose handler is running on this thread (a delivery thread runs exactly one
+// subscription's handler), so that a Subscription destroyed from inside its own handler does
+// not wait for itself.
+inline thread_local SubscriptionState* tls_dispatching = nullptr;
+
+// The error code a caller should act on for a nats.c status.
+StatusCode CodeFor(natsStatus s);
+// `what` says what failed ("publish to x.y"); the text includes nats.c's own detail when the
+// calling thread's last error has one.
+Status FromNats(natsStatus s, std::string_view what);
+
+// A NUL-terminated copy of a string_view, on the stack when short (subjects usually are).
+class CString {
+ public:
+  explicit CString(std::string_view s) {
+    if (s.size() < sizeof(small_)) {
+      std::memcpy(small_, s.data(), s.size());
+      small_[s.size()] = '\0';
+      ptr_ = small_;
+    } else {
+      large_.assign(s);
+      ptr_ = large_.c_str();
+    }
+  }
+  CString(const CString&) = delete;
+  CString& operator=(const CString&) = delete;
+  const char* c_str() const { return ptr_; }
+
+ private:
+  char small_[192];
+  std::string large_;
+  const char* ptr_;
+};
+
+inline bool EqualsIgnoreCase(std::string_view a, std::string_view b) {
+  return a.size() == b.size() &&
+         std::equal(a.begin(), a.end(), b.begin(), [](char x, char y) {
+           return std::tolower(static_cast<unsigned char>(x)) ==
+                  std::tolower(static_cast<unsigned char>(y));
+         });
+}
+
+}  // namespace kvrouter::transport_detail
