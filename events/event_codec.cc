@@ -88,28 +88,18 @@ Result<StorageTier> ReadStorageTier(const msgpack::object* o, std::string_view f
   return *tier;
 }
 
-// router_event = {worker_id, storage_tier?, event: {event_id, dp_rank?, data}}
+// router_event = {worker_id, storage_tier?, event: kv_event}
 Result<KvEventBatch> DecodeRouterEvent(const msgpack::object& root) {
   if (!IsMap(root)) return InvalidArgument("RouterEvent must be a map");
-  KvEventBatch batch;
-  KvOp op;
+  std::uint64_t worker_id = 0;
+  StorageTier tier = StorageTier::kDevice;
   FieldReads reads;
-  reads.Required(root, "worker_id", ReadU64, batch.worker_id);
-  reads.Optional(root, "storage_tier", ReadStorageTier, op.tier);
+  reads.Required(root, "worker_id", ReadU64, worker_id);
+  reads.Optional(root, "storage_tier", ReadStorageTier, tier);
   if (!reads.ok()) return reads.status();
-
   const msgpack::object* event = FindKey(root, "event");
   if (event == nullptr) return InvalidArgument("missing field 'event'");
-  if (!IsMap(*event)) return InvalidArgument("field 'event' must be a map");
-  std::uint64_t event_id = 0;
-  reads.Required(*event, "event_id", ReadU64, event_id);
-  reads.Optional(*event, "dp_rank", ReadU32, batch.dp_rank);
-  if (!reads.ok()) return reads.status();
-  if (Status s = DecodeData(FindKey(*event, "data"), op.data); !s.ok()) return s;
-
-  batch.sequence = {SequenceKind::kEventId, event_id};
-  batch.ops.push_back(std::move(op));
-  return batch;
+  return DecodeKvCacheEvent(*event, worker_id, tier);
 }
 
 // data = "cleared" | {"stored": {parent_hash, blocks}} | {"removed": {block_hashes}}, appended
@@ -149,6 +139,32 @@ void PackData(msgpack::sbuffer& out, const KvEventData& data) {
 
 }  // namespace
 
+void PackKvCacheEvent(msgpack::sbuffer& out, const KvEventBatch& batch) {
+  assert(batch.ops.size() == 1);
+  // Without an op (a caller bug) an empty removal keeps the event id sequence intact.
+  const KvEventData data = batch.ops.empty() ? KvEventData{KvRemoved{}} : batch.ops.front().data;
+  MapWriter event;
+  event.Field("event_id", batch.sequence.value).Field("dp_rank", batch.dp_rank);
+  event.With("data", [&](msgpack::sbuffer& buf) { PackData(buf, data); });
+  event.AppendTo(out);
+}
+
+Result<KvEventBatch> DecodeKvCacheEvent(const msgpack::object& event, std::uint64_t worker_id,
+                                        StorageTier tier) {
+  if (!IsMap(event)) return InvalidArgument("field 'event' must be a map");
+  KvEventBatch batch{.worker_id = worker_id};
+  KvOp op{.tier = tier};
+  std::uint64_t event_id = 0;
+  FieldReads reads;
+  reads.Required(event, "event_id", ReadU64, event_id);
+  reads.Optional(event, "dp_rank", ReadU32, batch.dp_rank);
+  if (!reads.ok()) return reads.status();
+  if (Status s = DecodeData(FindKey(event, "data"), op.data); !s.ok()) return s;
+  batch.sequence = {SequenceKind::kEventId, event_id};
+  batch.ops.push_back(std::move(op));
+  return batch;
+}
+
 Result<KvEventBatch> DecodeDynamoEvent(std::span<const std::byte> body) {
   auto doc = ParseMsgpack(body);
   if (!doc.ok()) return doc.status();
@@ -167,17 +183,11 @@ Result<KvEventBatch> DecodeDynamoEvent(std::span<const std::byte> body) {
 }
 
 msgpack::sbuffer EncodeRouterEvent(const KvEventBatch& batch) {
-  assert(batch.ops.size() == 1);
-  // Without an op (a caller bug) an empty removal keeps the event id sequence intact.
-  const KvOp op = batch.ops.empty() ? KvOp{StorageTier::kDevice, KvRemoved{}} : batch.ops.front();
-
+  const StorageTier tier = batch.ops.empty() ? StorageTier::kDevice : batch.ops.front().tier;
   MapWriter w;
   w.Field("worker_id", batch.worker_id);
-  if (op.tier != StorageTier::kDevice) w.Field("storage_tier", StorageTierName(op.tier));
-  MapWriter event;
-  event.Field("event_id", batch.sequence.value).Field("dp_rank", batch.dp_rank);
-  event.With("data", [&](msgpack::sbuffer& out) { PackData(out, op.data); });
-  w.Map("event", event);
+  if (tier != StorageTier::kDevice) w.Field("storage_tier", StorageTierName(tier));
+  w.With("event", [&](msgpack::sbuffer& out) { PackKvCacheEvent(out, batch); });
   return std::move(w).Finish();
 }
 

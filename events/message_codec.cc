@@ -269,6 +269,29 @@ msgpack::sbuffer EncodeActiveSequenceEvent(const ActiveSequenceEvent& e) {
   return std::move(w).Finish();
 }
 
+Result<KvMetrics> DecodeKvMetrics(std::span<const std::byte> body) {
+  auto doc = ParseMsgpackMap(body, "kv_metrics");
+  if (!doc.ok()) return doc.status();
+  const msgpack::object& m = doc->get();
+  KvMetrics k;
+  FieldReads reads;
+  reads.Required(m, "worker_id", ReadU64, k.worker_id);
+  reads.Optional(m, "dp_rank", ReadU32, k.dp_rank);
+  reads.Required(m, "active_decode_blocks", ReadU64, k.active_decode_blocks);
+  reads.Required(m, "active_prefill_tokens", ReadU64, k.active_prefill_tokens);
+  if (!reads.ok()) return reads.status();
+  return k;
+}
+
+msgpack::sbuffer EncodeKvMetrics(const KvMetrics& k) {
+  MapWriter w;
+  w.Field("worker_id", k.worker_id)
+      .Field("dp_rank", k.dp_rank)
+      .Field("active_decode_blocks", k.active_decode_blocks)
+      .Field("active_prefill_tokens", k.active_prefill_tokens);
+  return std::move(w).Finish();
+}
+
 Result<StatsRequest> DecodeStatsRequest(std::span<const std::byte> body) {
   StatsRequest req;
   if (body.empty()) return req;  // a bare request: the defaults
