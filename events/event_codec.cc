@@ -5,6 +5,7 @@
 #include <cassert>
 
 #include "events/msgpack_reader.h"
+#include "events/msgpack_writer.h"
 
 namespace kvrouter {
 namespace {
@@ -87,65 +88,82 @@ Result<StorageTier> ReadStorageTier(const msgpack::object* o, std::string_view f
   return *tier;
 }
 
-// router_event = {worker_id, storage_tier?, event: {event_id, dp_rank?, data}}
+// router_event = {worker_id, storage_tier?, event: kv_event}
 Result<KvEventBatch> DecodeRouterEvent(const msgpack::object& root) {
   if (!IsMap(root)) return InvalidArgument("RouterEvent must be a map");
-  KvEventBatch batch;
-  KvOp op;
+  std::uint64_t worker_id = 0;
+  StorageTier tier = StorageTier::kDevice;
   FieldReads reads;
-  reads.Required(root, "worker_id", ReadU64, batch.worker_id);
-  reads.Optional(root, "storage_tier", ReadStorageTier, op.tier);
+  reads.Required(root, "worker_id", ReadU64, worker_id);
+  reads.Optional(root, "storage_tier", ReadStorageTier, tier);
   if (!reads.ok()) return reads.status();
-
   const msgpack::object* event = FindKey(root, "event");
   if (event == nullptr) return InvalidArgument("missing field 'event'");
-  if (!IsMap(*event)) return InvalidArgument("field 'event' must be a map");
-  std::uint64_t event_id = 0;
-  reads.Required(*event, "event_id", ReadU64, event_id);
-  reads.Optional(*event, "dp_rank", ReadU32, batch.dp_rank);
-  if (!reads.ok()) return reads.status();
-  if (Status s = DecodeData(FindKey(*event, "data"), op.data); !s.ok()) return s;
+  return DecodeKvCacheEvent(*event, worker_id, tier);
+}
 
+// data = "cleared" | {"stored": {parent_hash, blocks}} | {"removed": {block_hashes}}, appended
+// to `out`.
+void PackData(msgpack::sbuffer& out, const KvEventData& data) {
+  if (std::holds_alternative<KvCleared>(data)) {
+    Packer(out).pack("cleared");
+    return;
+  }
+  MapWriter kind;
+  if (const auto* stored = std::get_if<KvStored>(&data)) {
+    MapWriter chain;
+    chain.With("parent_hash", [&](Packer& pk) {
+      if (stored->parent_hash) {
+        pk.pack_uint64(*stored->parent_hash);
+      } else {
+        pk.pack_nil();
+      }
+    });
+    chain.With("blocks", [&](msgpack::sbuffer& blocks) {
+      Packer(blocks).pack_array(static_cast<std::uint32_t>(stored->blocks.size()));
+      MapWriter block;
+      for (const StoredBlock& b : stored->blocks) {
+        block.Clear();
+        block.Field("block_hash", b.block_hash).Field("tokens_hash", b.tokens_hash);
+        block.AppendTo(blocks);
+      }
+    });
+    kind.Map("stored", chain);
+  } else {
+    MapWriter removed;
+    removed.Field("block_hashes", std::get<KvRemoved>(data).block_hashes);
+    kind.Map("removed", removed);
+  }
+  kind.AppendTo(out);
+}
+
+}  // namespace
+
+void PackKvCacheEvent(msgpack::sbuffer& out, const KvEventBatch& batch) {
+  assert(batch.ops.size() == 1);
+  // Without an op (a caller bug) an empty removal keeps the event id sequence intact.
+  const KvEventData data = batch.ops.empty() ? KvEventData{KvRemoved{}} : batch.ops.front().data;
+  MapWriter event;
+  event.Field("event_id", batch.sequence.value).Field("dp_rank", batch.dp_rank);
+  event.With("data", [&](msgpack::sbuffer& buf) { PackData(buf, data); });
+  event.AppendTo(out);
+}
+
+Result<KvEventBatch> DecodeKvCacheEvent(const msgpack::object& event, std::uint64_t worker_id,
+                                        StorageTier tier) {
+  if (!IsMap(event)) return InvalidArgument("field 'event' must be a map");
+  KvEventBatch batch{.worker_id = worker_id};
+  KvOp op{.tier = tier};
+  std::uint64_t event_id = 0;
+  FieldReads reads;
+  reads.Required(event, "event_id", ReadU64, event_id);
+  reads.Optional(event, "dp_rank", ReadU32, batch.dp_rank);
+  if (!reads.ok()) return reads.status();
+  if (Status s = DecodeData(FindKey(event, "data"), op.data); !s.ok()) return s;
   batch.sequence = {SequenceKind::kEventId, event_id};
   batch.ops.push_back(std::move(op));
   return batch;
 }
-
-void PackData(Packer& pk, const KvEventData& data) {
-  if (std::holds_alternative<KvCleared>(data)) {
-    pk.pack("cleared");
-    return;
-  }
-  pk.pack_map(1);
-  if (const auto* stored = std::get_if<KvStored>(&data)) {
-    PackKey(pk, "stored");
-    pk.pack_map(2);
-    PackKey(pk, "parent_hash");
-    if (stored->parent_hash) {
-      pk.pack_uint64(*stored->parent_hash);
-    } else {
-      pk.pack_nil();
-    }
-    PackKey(pk, "blocks");
-    pk.pack_array(static_cast<std::uint32_t>(stored->blocks.size()));
-    for (const StoredBlock& b : stored->blocks) {
-      pk.pack_map(2);
-      PackKey(pk, "block_hash");
-      pk.pack_uint64(b.block_hash);
-      PackKey(pk, "tokens_hash");
-      pk.pack_uint64(b.tokens_hash);
-    }
-    return;
-  }
-  const auto& removed = std::get<KvRemoved>(data);
-  PackKey(pk, "removed");
-  pk.pack_map(1);
-  PackKey(pk, "block_hashes");
-  pk.pack_array(static_cast<std::uint32_t>(removed.block_hashes.size()));
-  for (BlockHash h : removed.block_hashes) pk.pack_uint64(h);
-}
-
-}  // namespace
 
 Result<KvEventBatch> DecodeDynamoEvent(std::span<const std::byte> body) {
   auto doc = ParseMsgpack(body);
@@ -165,48 +183,26 @@ Result<KvEventBatch> DecodeDynamoEvent(std::span<const std::byte> body) {
 }
 
 msgpack::sbuffer EncodeRouterEvent(const KvEventBatch& batch) {
-  assert(batch.ops.size() == 1);
-  // Without an op (a caller bug) an empty removal keeps the event id sequence intact.
-  const KvOp op = batch.ops.empty() ? KvOp{StorageTier::kDevice, KvRemoved{}} : batch.ops.front();
-  const bool write_tier = op.tier != StorageTier::kDevice;
-
-  msgpack::sbuffer buf;
-  Packer pk(buf);
-  pk.pack_map(write_tier ? 3 : 2);
-  PackKey(pk, "worker_id");
-  pk.pack_uint64(batch.worker_id);
-  if (write_tier) {
-    PackKey(pk, "storage_tier");
-    pk.pack(StorageTierName(op.tier));
-  }
-  PackKey(pk, "event");
-  pk.pack_map(3);
-  PackKey(pk, "event_id");
-  pk.pack_uint64(batch.sequence.value);
-  PackKey(pk, "dp_rank");
-  pk.pack_uint32(batch.dp_rank);
-  PackKey(pk, "data");
-  PackData(pk, op.data);
-  return buf;
+  const StorageTier tier = batch.ops.empty() ? StorageTier::kDevice : batch.ops.front().tier;
+  MapWriter w;
+  w.Field("worker_id", batch.worker_id);
+  if (tier != StorageTier::kDevice) w.Field("storage_tier", StorageTierName(tier));
+  w.With("event", [&](msgpack::sbuffer& out) { PackKvCacheEvent(out, batch); });
+  return std::move(w).Finish();
 }
 
 msgpack::sbuffer EncodeDynamoEnvelope(const KvEventBatch& batch, const EnvelopeHeader& header) {
   const msgpack::sbuffer payload = EncodeRouterEvent(batch);
-  msgpack::sbuffer buf;
-  Packer pk(buf);
-  pk.pack_map(5);
-  PackKey(pk, "publisher_id");
-  pk.pack_uint64(header.publisher_id);
-  PackKey(pk, "sequence");
-  pk.pack_uint64(header.sequence);
-  PackKey(pk, "published_at");
-  pk.pack_uint64(header.published_at_ms);
-  PackKey(pk, "topic");
-  pk.pack(header.topic);
-  PackKey(pk, "payload");
-  pk.pack_bin(static_cast<std::uint32_t>(payload.size()));
-  pk.pack_bin_body(payload.data(), static_cast<std::uint32_t>(payload.size()));
-  return buf;
+  MapWriter w;
+  w.Field("publisher_id", header.publisher_id)
+      .Field("sequence", header.sequence)
+      .Field("published_at", header.published_at_ms)
+      .Field("topic", header.topic);
+  w.With("payload", [&](Packer& pk) {
+    pk.pack_bin(static_cast<std::uint32_t>(payload.size()));
+    pk.pack_bin_body(payload.data(), static_cast<std::uint32_t>(payload.size()));
+  });
+  return std::move(w).Finish();
 }
 
 }  // namespace kvrouter

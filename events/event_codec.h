@@ -43,6 +43,17 @@ struct EnvelopeHeader {
 // {kEventId, event_id}.
 Result<KvEventBatch> DecodeDynamoEvent(std::span<const std::byte> body);
 
+// The KvCacheEvent map {event_id, dp_rank, data} of `batch`, appended to `out`: the `event` of a
+// RouterEvent and each element of a recovery reply's `events` (events/worker_codec.h). `batch`
+// must hold exactly one op; its sequence value is written as event_id (the tier is not part of
+// a KvCacheEvent).
+void PackKvCacheEvent(msgpack::sbuffer& out, const KvEventBatch& batch);
+
+// Decodes a KvCacheEvent map into a batch of `worker_id` with exactly one op of `tier` and
+// sequence {kEventId, event_id}. Allocates only in proportion to the parsed object.
+Result<KvEventBatch> DecodeKvCacheEvent(const msgpack::object& event, std::uint64_t worker_id,
+                                        StorageTier tier);
+
 // Encodes a bare RouterEvent map. `batch` must hold exactly one op; its sequence value is
 // written as event_id.
 msgpack::sbuffer EncodeRouterEvent(const KvEventBatch& batch);

@@ -12,9 +12,6 @@
 namespace kvrouter {
 namespace {
 
-using Packer = msgpack::packer<msgpack::sbuffer>;
-
-
 Result<bool> ReadLeaving(const msgpack::object* o, std::string_view field) {
   auto status = ReadStr(o, field);
   if (!status.ok()) return status.status();
@@ -59,11 +56,6 @@ Status ErrorOfReply(const msgpack::object& root) {
   return {status_code, std::string(message)};
 }
 
-void PackU64Array(Packer& pk, const std::vector<std::uint64_t>& values) {
-  pk.pack_array(static_cast<std::uint32_t>(values.size()));
-  for (std::uint64_t v : values) pk.pack_uint64(v);
-}
-
 }  // namespace
 
 Result<WorkerRegistration> DecodeWorkerRegistration(std::span<const std::byte> body) {
@@ -93,32 +85,16 @@ Result<WorkerRegistration> DecodeWorkerRegistration(std::span<const std::byte> b
 }
 
 msgpack::sbuffer EncodeWorkerRegistration(const WorkerRegistration& reg) {
-  msgpack::sbuffer buf;
-  Packer pk(buf);
-  pk.pack_map(reg.block_size ? 10 : 9);
-  PackKey(pk, "worker_id");
-  pk.pack_uint64(reg.worker_id);
-  PackKey(pk, "dp_start");
-  pk.pack_uint32(reg.dp_start);
-  PackKey(pk, "dp_size");
-  pk.pack_uint32(reg.dp_size);
-  if (reg.block_size) {
-    PackKey(pk, "block_size");
-    pk.pack_uint32(*reg.block_size);
-  }
-  PackKey(pk, "total_kv_blocks");
-  pk.pack_uint64(reg.total_kv_blocks);
-  PackKey(pk, "max_num_seqs");
-  pk.pack_uint32(reg.max_num_seqs);
-  PackKey(pk, "max_num_batched_tokens");
-  pk.pack_uint32(reg.max_num_batched_tokens);
-  PackKey(pk, "device");
-  pk.pack(reg.device);
-  PackKey(pk, "lease_ms");
-  pk.pack_uint32(reg.lease_ms);
-  PackKey(pk, "status");
-  pk.pack(reg.leaving ? "leaving" : "up");
-  return buf;
+  MapWriter w;
+  w.Field("worker_id", reg.worker_id).Field("dp_start", reg.dp_start).Field("dp_size", reg.dp_size);
+  if (reg.block_size) w.Field("block_size", *reg.block_size);
+  w.Field("total_kv_blocks", reg.total_kv_blocks)
+      .Field("max_num_seqs", reg.max_num_seqs)
+      .Field("max_num_batched_tokens", reg.max_num_batched_tokens)
+      .Field("device", reg.device)
+      .Field("lease_ms", reg.lease_ms)
+      .Field("status", std::string_view(reg.leaving ? "leaving" : "up"));
+  return std::move(w).Finish();
 }
 
 Result<RouteRequest> DecodeRouteRequest(std::span<const std::byte> body) {
@@ -184,100 +160,40 @@ Result<RouteRequest> DecodeRouteRequest(std::span<const std::byte> body) {
 
 msgpack::sbuffer EncodeRouteRequest(const RouteRequest& req) {
   // Fields equal to their default (and unset optionals) are left out.
-  const RouterConfigOverride& c = req.config_override;
-  const std::uint32_t overrides = (c.overlap_score_credit ? 1 : 0) +
-                                  (c.prefill_load_scale ? 1 : 0) + (c.router_temperature ? 1 : 0);
-  const std::uint32_t fields =
-      (req.request_id.empty() ? 0 : 1) + (req.has_token_ids ? 1 : 2) +
-      (req.lora_name.empty() ? 0 : 1) + (req.update_states ? 0 : 1) + (req.priority != 0 ? 1 : 0) +
-      (req.expected_output_tokens ? 1 : 0) + (req.worker_id ? 1 : 0) + (req.dp_rank ? 1 : 0) +
-      (req.allowed_worker_ids ? 1 : 0) + (overrides > 0 ? 1 : 0) + (req.timeout_ms ? 1 : 0) +
-      (req.max_tokens ? 1 : 0);
-
-  msgpack::sbuffer buf;
-  Packer pk(buf);
-  pk.pack_map(fields);
-  if (!req.request_id.empty()) {
-    PackKey(pk, "request_id");
-    pk.pack(req.request_id);
-  }
+  MapWriter w;
+  if (!req.request_id.empty()) w.Field("request_id", req.request_id);
   if (req.has_token_ids) {
-    PackKey(pk, "token_ids");
-    pk.pack(req.token_ids);
+    w.Field("token_ids", req.token_ids);
   } else {
-    PackKey(pk, "block_hashes");
-    PackU64Array(pk, req.block_hashes);
-    PackKey(pk, "isl");
-    pk.pack_uint32(req.isl);
+    w.Field("block_hashes", req.block_hashes).Field("isl", req.isl);
   }
-  if (!req.lora_name.empty()) {
-    PackKey(pk, "lora_name");
-    pk.pack(req.lora_name);
-  }
-  if (!req.update_states) {
-    PackKey(pk, "update_states");
-    pk.pack_false();
-  }
-  if (req.priority != 0) {
-    PackKey(pk, "priority");
-    pk.pack_int64(req.priority);
-  }
-  if (req.expected_output_tokens) {
-    PackKey(pk, "expected_output_tokens");
-    pk.pack_uint32(*req.expected_output_tokens);
-  }
-  if (req.worker_id) {
-    PackKey(pk, "worker_id");
-    pk.pack_uint64(*req.worker_id);
-  }
-  if (req.dp_rank) {
-    PackKey(pk, "dp_rank");
-    pk.pack_uint32(*req.dp_rank);
-  }
-  if (req.allowed_worker_ids) {
-    PackKey(pk, "allowed_worker_ids");
-    PackU64Array(pk, *req.allowed_worker_ids);
-  }
-  if (overrides > 0) {
-    PackKey(pk, "router_config_override");
-    pk.pack_map(overrides);
-    auto pack_weight = [&pk](std::string_view key, const std::optional<double>& v) {
-      if (!v) return;
-      PackKey(pk, key);
-      pk.pack_double(*v);
-    };
-    pack_weight("overlap_score_credit", c.overlap_score_credit);
-    pack_weight("prefill_load_scale", c.prefill_load_scale);
-    pack_weight("router_temperature", c.router_temperature);
-  }
-  if (req.timeout_ms) {
-    PackKey(pk, "timeout_ms");
-    pk.pack_uint32(*req.timeout_ms);
-  }
-  if (req.max_tokens) {
-    PackKey(pk, "max_tokens");
-    pk.pack_uint32(*req.max_tokens);
-  }
-  return buf;
+  if (!req.lora_name.empty()) w.Field("lora_name", req.lora_name);
+  if (!req.update_states) w.Field("update_states", false);
+  if (req.priority != 0) w.Field("priority", req.priority);
+  if (req.expected_output_tokens) w.Field("expected_output_tokens", *req.expected_output_tokens);
+  if (req.worker_id) w.Field("worker_id", *req.worker_id);
+  if (req.dp_rank) w.Field("dp_rank", *req.dp_rank);
+  if (req.allowed_worker_ids) w.Field("allowed_worker_ids", *req.allowed_worker_ids);
+  const RouterConfigOverride& c = req.config_override;
+  MapWriter overrides;
+  if (c.overlap_score_credit) overrides.Field("overlap_score_credit", *c.overlap_score_credit);
+  if (c.prefill_load_scale) overrides.Field("prefill_load_scale", *c.prefill_load_scale);
+  if (c.router_temperature) overrides.Field("router_temperature", *c.router_temperature);
+  if (overrides.fields() > 0) w.Map("router_config_override", overrides);
+  if (req.timeout_ms) w.Field("timeout_ms", *req.timeout_ms);
+  if (req.max_tokens) w.Field("max_tokens", *req.max_tokens);
+  return std::move(w).Finish();
 }
 
 msgpack::sbuffer EncodeRouteReply(const RouteReply& reply) {
-  msgpack::sbuffer buf;
-  Packer pk(buf);
-  pk.pack_map(6);
-  PackKey(pk, "worker_id");
-  pk.pack_uint64(reply.worker_id);
-  PackKey(pk, "dp_rank");
-  pk.pack_uint32(reply.dp_rank);
-  PackKey(pk, "overlap_blocks");
-  pk.pack_uint32(reply.overlap_blocks);
-  PackKey(pk, "request_blocks");
-  pk.pack_uint32(reply.request_blocks);
-  PackKey(pk, "cached_tokens");
-  pk.pack_uint32(reply.cached_tokens);
-  PackKey(pk, "queued_ms");
-  pk.pack_double(reply.queued_ms);
-  return buf;
+  MapWriter w;
+  w.Field("worker_id", reply.worker_id)
+      .Field("dp_rank", reply.dp_rank)
+      .Field("overlap_blocks", reply.overlap_blocks)
+      .Field("request_blocks", reply.request_blocks)
+      .Field("cached_tokens", reply.cached_tokens)
+      .Field("queued_ms", reply.queued_ms);
+  return std::move(w).Finish();
 }
 
 Result<RouteReply> DecodeRouteReply(std::span<const std::byte> body) {
@@ -307,12 +223,9 @@ Result<std::string> DecodeLifecycleRequest(std::span<const std::byte> body) {
 }
 
 msgpack::sbuffer EncodeLifecycleRequest(std::string_view request_id) {
-  msgpack::sbuffer buf;
-  Packer pk(buf);
-  pk.pack_map(1);
-  PackKey(pk, "request_id");
-  pk.pack(request_id);
-  return buf;
+  MapWriter w;
+  w.Field("request_id", request_id);
+  return std::move(w).Finish();
 }
 
 Result<ActiveSequenceEvent> DecodeActiveSequenceEvent(std::span<const std::byte> body) {
@@ -341,28 +254,42 @@ Result<ActiveSequenceEvent> DecodeActiveSequenceEvent(std::span<const std::byte>
 }
 
 msgpack::sbuffer EncodeActiveSequenceEvent(const ActiveSequenceEvent& e) {
-  msgpack::sbuffer buf;
-  Packer pk(buf);
-  pk.pack_map(8);
-  PackKey(pk, "router_id");
-  pk.pack(e.router_id);
-  PackKey(pk, "request_id");
-  pk.pack(e.request_id);
-  PackKey(pk, "worker_id");
-  pk.pack(e.worker_id);
-  PackKey(pk, "dp_rank");
-  pk.pack(e.dp_rank);
-  PackKey(pk, "kind");
-  pk.pack(e.kind == ActiveSequenceEvent::Kind::kAdd           ? "add"
-          : e.kind == ActiveSequenceEvent::Kind::kPrefillDone ? "prefill_done"
-                                                              : "free");
-  PackKey(pk, "seq_hashes");
-  pk.pack(e.seq_hashes);
-  PackKey(pk, "isl");
-  pk.pack(e.isl);
-  PackKey(pk, "overlap_blocks");
-  pk.pack(e.overlap_blocks);
-  return buf;
+  const std::string_view kind = e.kind == ActiveSequenceEvent::Kind::kAdd           ? "add"
+                                : e.kind == ActiveSequenceEvent::Kind::kPrefillDone ? "prefill_done"
+                                                                                    : "free";
+  MapWriter w;
+  w.Field("router_id", e.router_id)
+      .Field("request_id", e.request_id)
+      .Field("worker_id", e.worker_id)
+      .Field("dp_rank", e.dp_rank)
+      .Field("kind", kind)
+      .Field("seq_hashes", e.seq_hashes)
+      .Field("isl", e.isl)
+      .Field("overlap_blocks", e.overlap_blocks);
+  return std::move(w).Finish();
+}
+
+Result<KvMetrics> DecodeKvMetrics(std::span<const std::byte> body) {
+  auto doc = ParseMsgpackMap(body, "kv_metrics");
+  if (!doc.ok()) return doc.status();
+  const msgpack::object& m = doc->get();
+  KvMetrics k;
+  FieldReads reads;
+  reads.Required(m, "worker_id", ReadU64, k.worker_id);
+  reads.Optional(m, "dp_rank", ReadU32, k.dp_rank);
+  reads.Required(m, "active_decode_blocks", ReadU64, k.active_decode_blocks);
+  reads.Required(m, "active_prefill_tokens", ReadU64, k.active_prefill_tokens);
+  if (!reads.ok()) return reads.status();
+  return k;
+}
+
+msgpack::sbuffer EncodeKvMetrics(const KvMetrics& k) {
+  MapWriter w;
+  w.Field("worker_id", k.worker_id)
+      .Field("dp_rank", k.dp_rank)
+      .Field("active_decode_blocks", k.active_decode_blocks)
+      .Field("active_prefill_tokens", k.active_prefill_tokens);
+  return std::move(w).Finish();
 }
 
 Result<StatsRequest> DecodeStatsRequest(std::span<const std::byte> body) {
@@ -495,26 +422,19 @@ Result<StatsReply> DecodeStatsReply(std::span<const std::byte> body) {
 msgpack::sbuffer EncodeErrorReply(const Status& status) {
   // An OK status here is a caller bug; it goes out as "internal" rather than as "ok".
   const StatusCode code = status.ok() ? StatusCode::kInternal : status.code();
-  msgpack::sbuffer buf;
-  Packer pk(buf);
-  pk.pack_map(1);
-  PackKey(pk, "error");
-  pk.pack_map(2);
-  PackKey(pk, "code");
-  pk.pack(StatusCodeName(code));
-  PackKey(pk, "message");
+  MapWriter error;
+  error.Field("code", StatusCodeName(code));
   // A message may quote what a peer sent: keep the reply small whatever it quotes.
-  pk.pack(std::string_view(status.message()).substr(0, kMaxErrorMessageBytes));
-  return buf;
+  error.Field("message", std::string_view(status.message()).substr(0, kMaxErrorMessageBytes));
+  MapWriter w;
+  w.Map("error", error);
+  return std::move(w).Finish();
 }
 
 msgpack::sbuffer EncodeOkReply() {
-  msgpack::sbuffer buf;
-  Packer pk(buf);
-  pk.pack_map(1);
-  PackKey(pk, "ok");
-  pk.pack_true();
-  return buf;
+  MapWriter w;
+  w.Field("ok", true);
+  return std::move(w).Finish();
 }
 
 Status DecodeErrorReply(std::span<const std::byte> body) {

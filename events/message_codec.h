@@ -1,5 +1,6 @@
 // Codecs for worker registration (PROTOCOL.md section 4) and the router endpoints (section 5):
-// route / best_worker requests and replies, lifecycle requests, error replies.
+// route / best_worker requests and replies, lifecycle requests, error replies; and the router's
+// own messages of section 8 (replica sync, kv_metrics).
 //
 // Grammar (maps keyed by field name, unknown keys ignored, integers of any width):
 //   registration = {worker_id: u64, dp_start?: u32 (0), dp_size?: u32 (1), block_size?: u32,
@@ -129,6 +130,19 @@ struct ActiveSequenceEvent {
 };
 Result<ActiveSequenceEvent> DecodeActiveSequenceEvent(std::span<const std::byte> body);
 msgpack::sbuffer EncodeActiveSequenceEvent(const ActiveSequenceEvent& event);
+
+// Load gauges of one worker rank (PROTOCOL.md section 8), on namespace.{ns}.kv_metrics:
+//   {worker_id: u64, dp_rank?: u32 (0), active_decode_blocks: u64, active_prefill_tokens: u64}
+// The encoder writes every field.
+struct KvMetrics {
+  std::uint64_t worker_id = 0;
+  std::uint32_t dp_rank = 0;
+  std::uint64_t active_decode_blocks = 0;   // distinct blocks of the requests booked there
+  std::uint64_t active_prefill_tokens = 0;  // prompt tokens booked there and not yet prefilled
+  bool operator==(const KvMetrics&) const = default;
+};
+Result<KvMetrics> DecodeKvMetrics(std::span<const std::byte> body);
+msgpack::sbuffer EncodeKvMetrics(const KvMetrics& metrics);
 
 // router.stats (PROTOCOL.md section 5):
 //   stats_req   = {offset?: u64 (0), limit?: u32 (1000, at most 10000)}; an empty body or nil

@@ -183,7 +183,7 @@ double MockEngine::Step(double now_ms, std::vector<EngineOutput>& outputs) {
   return duration;
 }
 
-MockEngine::RecoveryReply MockEngine::Recover(std::optional<std::uint64_t> start,
+RecoveryReply MockEngine::Recover(std::optional<std::uint64_t> start,
                                               std::optional<std::uint64_t> end) const {
   RecoveryReply reply;
   reply.last_event_id = last_event_id_;

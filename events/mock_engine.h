@@ -29,6 +29,7 @@
 
 #include "events/block_hash.h"
 #include "events/kv_event.h"
+#include "events/worker_codec.h"
 
 namespace kvrouter {
 
@@ -107,12 +108,6 @@ class MockEngine {
   //   end < start                                   -> "invalid_range";
   //   start > last_event_id                          -> "too_new";
   //   otherwise                                      -> "events" [start, min(end, last_event_id)].
-  struct RecoveryReply {
-    std::string kind;
-    std::vector<KvEventBatch> events;
-    std::uint64_t last_event_id = 0;
-    std::string message;  // set for too_new / invalid_range
-  };
   RecoveryReply Recover(std::optional<std::uint64_t> start,
                         std::optional<std::uint64_t> end) const;
   std::uint64_t last_event_id() const { return last_event_id_; }

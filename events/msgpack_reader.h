@@ -140,7 +140,7 @@ inline std::span<const std::byte> AsBytes(std::string_view s) {
   return {reinterpret_cast<const std::byte*>(s.data()), s.size()};
 }
 
-// Packs a string key; codecs write maps as pk.pack_map(n) then PackKey + value pairs.
+// Packs a string key (MapWriter's keys, in events/msgpack_writer.h; hand-built test messages).
 inline void PackKey(msgpack::packer<msgpack::sbuffer>& pk, std::string_view key) {
   pk.pack_str(static_cast<std::uint32_t>(key.size()));
   pk.pack_str_body(key.data(), static_cast<std::uint32_t>(key.size()));

@@ -12,7 +12,7 @@
 
 #include "events/message_codec.h"
 #include "events/msgpack_reader.h"
-#include "router/kvmocker/mocker.h"
+#include "events/worker_codec.h"
 #include "router/worker_key.h"
 #include "transport/nats_client.h"
 

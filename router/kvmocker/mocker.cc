@@ -6,7 +6,6 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <cassert>
 #include <cctype>
 #include <charconv>
 #include <cmath>
@@ -21,7 +20,6 @@
 
 namespace kvrouter {
 namespace po = boost::program_options;
-using Packer = msgpack::packer<msgpack::sbuffer>;
 
 namespace {
 
@@ -60,14 +58,6 @@ std::string PeekRequestId(std::span<const std::byte> body) {
   if (!doc.ok()) return {};
   auto id = ReadStr(FindKey(doc->get(), "request_id"), "request_id");
   return id.ok() ? std::string(*id) : std::string();
-}
-
-void PackOptionalU64(Packer& pk, const std::optional<std::uint64_t>& v) {
-  if (v) {
-    pk.pack_uint64(*v);
-  } else {
-    pk.pack_nil();
-  }
 }
 
 }  // namespace
@@ -168,175 +158,6 @@ Result<ParsedMockerArgs> ParseMockerConfig(int argc, const char* const* argv, co
   c.device = vm["device"].as<std::string>();
   if (c.device.empty()) return OutOfRange("device", "non-empty");
   return out;
-}
-
-// ---------------------------------------------------------------------------------------------
-// Generate codec.
-
-msgpack::sbuffer GenerateRequest::Encode() const {
-  msgpack::sbuffer buf;
-  Packer pk(buf);
-  pk.pack_map(4);
-  PackKey(pk, "request_id");
-  pk.pack(request_id);
-  PackKey(pk, "token_ids");
-  pk.pack_array(static_cast<std::uint32_t>(token_ids.size()));
-  for (std::uint32_t t : token_ids) pk.pack_uint32(t);
-  PackKey(pk, "max_tokens");
-  pk.pack_uint32(max_tokens);
-  PackKey(pk, "dp_rank");
-  pk.pack_uint32(dp_rank);
-  return buf;
-}
-
-Result<GenerateRequest> GenerateRequest::Decode(std::span<const std::byte> body) {
-  auto doc = ParseMsgpackMap(body, "generate request");
-  if (!doc.ok()) return doc.status();
-  const msgpack::object& root = doc->get();
-  GenerateRequest r;
-  FieldReads reads;
-  reads.Required(root, "request_id", ReadStr, r.request_id);
-  reads.Required(root, "token_ids", ReadU32Array, r.token_ids);
-  reads.Optional(root, "max_tokens", ReadU32, r.max_tokens);
-  reads.Optional(root, "dp_rank", ReadU32, r.dp_rank);
-  if (!reads.ok()) return reads.status();
-  if (r.max_tokens < 1 || r.max_tokens > kMaxGenerateTokens) {
-    return InvalidArgument(fmt::format("max_tokens must be in [1, {}]", kMaxGenerateTokens));
-  }
-  return r;
-}
-
-msgpack::sbuffer GenerateResponse::Encode() const {
-  msgpack::sbuffer buf;
-  Packer pk(buf);
-  const bool with_message = is_final() && !message.empty();
-  pk.pack_map(is_final() ? (with_message ? 8 : 7) : 3);
-  PackKey(pk, "request_id");
-  pk.pack(request_id);
-  PackKey(pk, "token_ids");
-  pk.pack_array(static_cast<std::uint32_t>(token_ids.size()));
-  for (std::uint32_t t : token_ids) pk.pack_uint32(t);
-  PackKey(pk, "index");
-  pk.pack_uint32(index);
-  if (!is_final()) return buf;
-  PackKey(pk, "finish_reason");
-  pk.pack(*finish_reason);
-  PackKey(pk, "cached_tokens");
-  pk.pack_uint32(cached_tokens);
-  PackKey(pk, "prompt_tokens");
-  pk.pack_uint32(prompt_tokens);
-  PackKey(pk, "ttft_ms");
-  pk.pack_double(ttft_ms);
-  if (with_message) {
-    PackKey(pk, "message");
-    pk.pack(message);
-  }
-  return buf;
-}
-
-Result<GenerateResponse> GenerateResponse::Decode(std::span<const std::byte> body) {
-  auto doc = ParseMsgpackMap(body, "generate response");
-  if (!doc.ok()) return doc.status();
-  const msgpack::object& root = doc->get();
-  GenerateResponse r;
-  FieldReads reads;
-  reads.Required(root, "request_id", ReadStr, r.request_id);
-  reads.Required(root, "token_ids", ReadU32Array, r.token_ids);
-  reads.Optional(root, "index", ReadU32, r.index);
-  reads.Optional(root, "finish_reason", ReadStr, r.finish_reason);
-  reads.Optional(root, "cached_tokens", ReadU32, r.cached_tokens);
-  reads.Optional(root, "prompt_tokens", ReadU32, r.prompt_tokens);
-  reads.Optional(root, "ttft_ms", ReadF64, r.ttft_ms);
-  reads.Optional(root, "message", ReadStr, r.message);
-  if (!reads.ok()) return reads.status();
-  return r;
-}
-
-// ---------------------------------------------------------------------------------------------
-// Recovery codec.
-
-msgpack::sbuffer RecoveryQuery::Encode() const {
-  msgpack::sbuffer buf;
-  Packer pk(buf);
-  pk.pack_map(2);
-  PackKey(pk, "start_event_id");
-  PackOptionalU64(pk, start_event_id);
-  PackKey(pk, "end_event_id");
-  PackOptionalU64(pk, end_event_id);
-  return buf;
-}
-
-Result<RecoveryQuery> RecoveryQuery::Decode(std::span<const std::byte> body) {
-  auto doc = ParseMsgpackMap(body, "recovery query");
-  if (!doc.ok()) return doc.status();
-  const msgpack::object& root = doc->get();
-  RecoveryQuery q;
-  FieldReads reads;
-  reads.Optional(root, "start_event_id", ReadU64, q.start_event_id);
-  reads.Optional(root, "end_event_id", ReadU64, q.end_event_id);
-  if (!reads.ok()) return reads.status();
-  return q;
-}
-
-void PackKvCacheEvent(Packer& pk, const KvEventBatch& batch) {
-  // EncodeRouterEvent writes {worker_id, [storage_tier], event: <KvCacheEvent>}: take its
-  // `event` value so the data grammar is written in one place (events/event_codec.cc).
-  const msgpack::sbuffer router_event = EncodeRouterEvent(batch);
-  const msgpack::object_handle doc = msgpack::unpack(router_event.data(), router_event.size());
-  const msgpack::object* event = FindKey(doc.get(), "event");
-  assert(event != nullptr);
-  pk.pack(*event);
-}
-
-msgpack::sbuffer EncodeRecoveryReply(const MockEngine::RecoveryReply& reply) {
-  msgpack::sbuffer buf;
-  Packer pk(buf);
-  pk.pack_map(reply.message.empty() ? 3 : 4);
-  PackKey(pk, "kind");
-  pk.pack(reply.kind);
-  PackKey(pk, "events");
-  pk.pack_array(static_cast<std::uint32_t>(reply.events.size()));
-  for (const KvEventBatch& b : reply.events) PackKvCacheEvent(pk, b);
-  PackKey(pk, "last_event_id");
-  pk.pack_uint64(reply.last_event_id);
-  if (!reply.message.empty()) {
-    PackKey(pk, "message");
-    pk.pack(reply.message);
-  }
-  return buf;
-}
-
-Result<MockEngine::RecoveryReply> DecodeRecoveryReply(std::span<const std::byte> body,
-                                                      std::uint64_t worker_id) {
-  auto doc = ParseMsgpackMap(body, "recovery reply");
-  if (!doc.ok()) return doc.status();
-  const msgpack::object& root = doc->get();
-  MockEngine::RecoveryReply r;
-  FieldReads reads;
-  reads.Required(root, "kind", ReadStr, r.kind);
-  reads.Optional(root, "last_event_id", ReadU64, r.last_event_id);
-  reads.Optional(root, "message", ReadStr, r.message);
-  if (!reads.ok()) return reads.status();
-  const msgpack::object* events = FindKey(root, "events");
-  if (IsNil(events)) return r;
-  auto list = ReadArray(events, "events");
-  if (!list.ok()) return list.status();
-  for (std::size_t i = 0; i < list->size(); ++i) {
-    // Wrap the KvCacheEvent into a RouterEvent and let the Dynamo decoder read it.
-    msgpack::sbuffer wrapped;
-    Packer pk(wrapped);
-    pk.pack_map(2);
-    PackKey(pk, "worker_id");
-    pk.pack_uint64(worker_id);
-    PackKey(pk, "event");
-    pk.pack((*list)[i]);
-    auto batch = DecodeDynamoEvent(AsBytes(wrapped));
-    if (!batch.ok()) {
-      return InvalidArgument(fmt::format("events[{}]: {}", i, batch.status().message()));
-    }
-    r.events.push_back(std::move(batch).value());
-  }
-  return r;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -528,7 +349,7 @@ void MockWorkerFleet::OnRecovery(std::size_t rank_index, const IncomingMessage& 
     return;
   }
   auto query = RecoveryQuery::Decode(m.data);
-  MockEngine::RecoveryReply reply;
+  RecoveryReply reply;
   {
     std::lock_guard g(engine_mu_);
     const MockEngine& engine = *ranks_[rank_index]->engine;
@@ -548,7 +369,7 @@ void MockWorkerFleet::OnRecovery(std::size_t rank_index, const IncomingMessage& 
   Status s = nats_.Respond(m, AsBytes(EncodeRecoveryReply(reply)));
   if (!s.ok()) {  // most likely a dump beyond the server's max payload
     CountPublish(s, "recovery-reply");
-    MockEngine::RecoveryReply error{.kind = "error",
+    RecoveryReply error{.kind = "error",
                                     .last_event_id = reply.last_event_id,
                                     .message = "cannot send the reply: " + s.message()};
     (void)nats_.Respond(m, AsBytes(EncodeRecoveryReply(error)));

@@ -3,7 +3,7 @@
 // MockWorkerFleet runs num_workers workers of dp_size ranks each, one MockEngine per rank, and
 // speaks the worker side of PROTOCOL.md: registration heartbeats (section 4), KV events in the
 // Dynamo (section 2) or vLLM (section 3) format, the recovery endpoint (section 6) and the
-// generate endpoint (section 7). The codecs of the generate and recovery messages live here too.
+// generate endpoint (section 7), with the codecs of events/worker_codec.h.
 //
 // Threads: NATS delivery threads (one per subscription) only decode generate requests and push
 // them into a bounded inbox. One engine thread owns the engines: it sleeps until the earliest
@@ -38,6 +38,7 @@
 
 #include "events/mock_engine.h"
 #include "events/status.h"
+#include "events/worker_codec.h"
 #include "router/flags.h"
 #include "transport/log.h"
 #include "transport/nats_client.h"
@@ -79,73 +80,6 @@ struct ParsedMockerArgs {
 // Parses argv (argv[0] is the program) and the environment. Unknown flags and bad values give
 // InvalidArgument naming the flag (and the variable, for a value from the environment).
 Result<ParsedMockerArgs> ParseMockerConfig(int argc, const char* const* argv, const EnvLookup& env);
-
-// ---------------------------------------------------------------------------------------------
-// Generate endpoint (PROTOCOL.md section 7), on namespace.{ns}.component.{comp}.generate.{id}.
-//
-//   request  = {request_id: str, token_ids: [u32], max_tokens?: u32 (16), dp_rank?: u32 (0)}
-//              max_tokens in [1, kMaxGenerateTokens]
-//   response = {request_id: str, token_ids: [u32], index: u32}            (first token)
-//            | {request_id: str, token_ids: [u32], index: u32,            (final)
-//               finish_reason: "length"|"stop"|"error", cached_tokens: u32, prompt_tokens: u32,
-//               ttft_ms: f64, message?: str}
-// A response is final exactly when it has the key finish_reason. token_ids are deltas: the
-// first response carries the first generated token (index 0), the final one the remaining
-// max_tokens - 1 tokens starting at index 1 (empty when max_tokens is 1); an error carries
-// none, index 0, and a message. ttft_ms is measured from the request's arrival at the worker.
-inline constexpr std::uint32_t kMaxGenerateTokens = 65536;  // keeps the final response < 1 MB
-
-struct GenerateRequest {
-  std::string request_id;
-  std::vector<std::uint32_t> token_ids;
-  std::uint32_t max_tokens = 16;
-  std::uint32_t dp_rank = 0;
-
-  msgpack::sbuffer Encode() const;
-  static Result<GenerateRequest> Decode(std::span<const std::byte> body);
-  bool operator==(const GenerateRequest&) const = default;
-};
-
-struct GenerateResponse {
-  std::string request_id;
-  std::vector<std::uint32_t> token_ids;
-  std::uint32_t index = 0;
-  std::optional<std::string> finish_reason;  // set = the final response
-  // Written on the final response only.
-  std::uint32_t cached_tokens = 0;
-  std::uint32_t prompt_tokens = 0;
-  double ttft_ms = 0;
-  std::string message;  // why, when finish_reason is "error"; empty = not written
-
-  bool is_final() const { return finish_reason.has_value(); }
-  msgpack::sbuffer Encode() const;
-  static Result<GenerateResponse> Decode(std::span<const std::byte> body);
-  bool operator==(const GenerateResponse&) const = default;
-};
-
-// ---------------------------------------------------------------------------------------------
-// Recovery endpoint (PROTOCOL.md section 6), on
-// namespace.{ns}.component.{comp}.kv_indexer_query.{worker_id}.{dp_rank}.
-//
-//   query = {start_event_id?: u64|nil, end_event_id?: u64|nil}           (inclusive)
-//   reply = {kind: "events"|"tree_dump"|"too_new"|"invalid_range"|"error",
-//            events: [kv_event...], last_event_id: u64, message?: str}
-//   kv_event = {event_id: u64, dp_rank: u32, data: data}  (section 2's KvCacheEvent; data as in
-//              events/event_codec.h)
-struct RecoveryQuery {
-  std::optional<std::uint64_t> start_event_id;
-  std::optional<std::uint64_t> end_event_id;
-
-  msgpack::sbuffer Encode() const;
-  static Result<RecoveryQuery> Decode(std::span<const std::byte> body);
-};
-
-// Packs one batch (exactly one op; its sequence value is the event_id) as a KvCacheEvent map.
-void PackKvCacheEvent(msgpack::packer<msgpack::sbuffer>& pk, const KvEventBatch& batch);
-msgpack::sbuffer EncodeRecoveryReply(const MockEngine::RecoveryReply& reply);
-// The reply's events become batches of `worker_id` (one op each, sequence {kEventId, event_id}).
-Result<MockEngine::RecoveryReply> DecodeRecoveryReply(std::span<const std::byte> body,
-                                                      std::uint64_t worker_id);
 
 // ---------------------------------------------------------------------------------------------
 class MockWorkerFleet {

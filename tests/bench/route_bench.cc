@@ -79,8 +79,8 @@ Rig& TheRig() {
   rig.ok = testing::WaitFor([&] {
     auto reply = rig.nc->Request(stats, AsBytes(std::string_view("\x80", 1)), 1s);
     if (!reply.ok()) return false;
-    auto stats = DecodeStatsReply(*reply);
-    return stats.ok() && stats->counters["events_applied"] >= kWorkers * 16;
+    auto page = DecodeStatsReply(*reply);
+    return page.ok() && page->counters["events_applied"] >= kWorkers * 16;
   }, 30s);
   return rig;
 }

@@ -75,6 +75,42 @@ TEST(DynamoEventCodec, BareRouterEventIsAccepted) {
   EXPECT_EQ(*decoded, batch);
 }
 
+TEST(KvCacheEventCodec, PackedEventDecodesWithTheGivenWorkerAndTier) {
+  KvEventBatch batch = StoredBatch();
+  msgpack::sbuffer buf;
+  PackKvCacheEvent(buf, batch);
+  auto doc = ParseMsgpack(AsBytes(buf));
+  ASSERT_TRUE(doc.ok()) << doc.status().ToString();
+  EXPECT_EQ(FindKey(doc->get(), "worker_id"), nullptr);  // only {event_id, dp_rank, data}
+  auto decoded = DecodeKvCacheEvent(doc->get(), 42, StorageTier::kDevice);
+  ASSERT_TRUE(decoded.ok()) << decoded.status().ToString();
+  EXPECT_EQ(*decoded, batch);
+  auto other = DecodeKvCacheEvent(doc->get(), 8, StorageTier::kDisk);
+  ASSERT_TRUE(other.ok());
+  EXPECT_EQ(other->worker_id, 8u);
+  EXPECT_EQ(other->ops.at(0).tier, StorageTier::kDisk);
+}
+
+TEST(KvCacheEventCodec, TheRouterEventCarriesThePackedEventUnchanged) {
+  const KvEventBatch batch = StoredBatch();
+  msgpack::sbuffer event;
+  PackKvCacheEvent(event, batch);
+  const msgpack::sbuffer router_event = EncodeRouterEvent(batch);
+  const std::string whole(router_event.data(), router_event.size());
+  EXPECT_NE(whole.find(std::string(event.data(), event.size())), std::string::npos);
+}
+
+TEST(KvCacheEventCodec, NonMapEventIsAnError) {
+  TestPacker p;
+  p.pk.pack_array(1);
+  p.pk.pack(1);
+  auto doc = ParseMsgpack(p.bytes());
+  ASSERT_TRUE(doc.ok());
+  auto r = DecodeKvCacheEvent(doc->get(), 1, StorageTier::kDevice);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+}
+
 TEST(DynamoEventCodec, EnvelopeCarriesTheHeader) {
   auto body = EncodeDynamoEnvelope(StoredBatch(), {.publisher_id = 42, .sequence = 3,
                                                    .published_at_ms = 1700000000000,

@@ -583,6 +583,56 @@ TEST(ActiveSequenceCodec, UnknownKindAndMissingFieldsAreInvalidArgument) {
   EXPECT_EQ(DecodeActiveSequenceEvent(AsBytes(empty)).status().code(), StatusCode::kInvalidArgument);
 }
 
+// ---- kv_metrics ----
+
+TEST(KvMetricsCodec, RoundTripsAtEveryIntegerWidth) {
+  for (const KvMetrics& m : {KvMetrics{.worker_id = 7},
+                             KvMetrics{.worker_id = ~0ull, .dp_rank = 3, .active_decode_blocks = 70000,
+                                       .active_prefill_tokens = 1ull << 40}}) {
+    auto back = DecodeKvMetrics(AsBytes(EncodeKvMetrics(m)));
+    ASSERT_TRUE(back.ok()) << back.status().ToString();
+    EXPECT_EQ(*back, m);
+  }
+}
+
+TEST(KvMetricsCodec, DpRankDefaultsToZeroAndUnknownKeysAreIgnored) {
+  auto body = MapOf(4, [](TestPacker& p) {
+    p.Key("worker_id");
+    p.pk.pack_fix_uint8(2);
+    p.Key("active_decode_blocks");
+    p.pk.pack_fix_uint16(300);
+    p.Key("active_prefill_tokens");
+    p.pk.pack(0);
+    p.Key("extra");
+    p.pk.pack_array(0);
+  });
+  auto r = DecodeKvMetrics(AsBytes(body));
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(*r, (KvMetrics{.worker_id = 2, .active_decode_blocks = 300}));
+}
+
+TEST(KvMetricsCodec, MissingGaugesNegativeValuesAndTruncationsAreInvalidArgument) {
+  auto no_gauge = MapOf(2, [](TestPacker& p) {
+    p.Key("worker_id");
+    p.pk.pack(2);
+    p.Key("active_decode_blocks");
+    p.pk.pack(1);
+  });
+  ExpectInvalid(DecodeKvMetrics(AsBytes(no_gauge)), "active_prefill_tokens");
+  auto negative = MapOf(3, [](TestPacker& p) {
+    p.Key("worker_id");
+    p.pk.pack(2);
+    p.Key("active_decode_blocks");
+    p.pk.pack(-1);
+    p.Key("active_prefill_tokens");
+    p.pk.pack(1);
+  });
+  ExpectInvalid(DecodeKvMetrics(AsBytes(negative)), "active_decode_blocks");
+  ExpectInvalid(DecodeKvMetrics(AsBytes(std::string_view("\x93\x01\x02\x03", 4))), "must be a map");
+  const auto body = EncodeKvMetrics({.worker_id = 1, .dp_rank = 2, .active_decode_blocks = 3});
+  ExpectEveryTruncationFails(AsBytes(body), [](auto b) { return DecodeKvMetrics(b); });
+}
+
 }  // namespace
 }  // namespace kvrouter
 

@@ -1,4 +1,4 @@
-// Tests of kvmocker: its flag parsing and codecs (no server), then the real `kvmocker` binary
+// Tests of kvmocker: its flag parsing (no server), then the real `kvmocker` binary
 // against a real nats-server on a free 127.0.0.1 port, with this test acting as the router and
 // client: registrations, generate streams, KV events in both formats, recovery, shutdown.
 #include <gtest/gtest.h>
@@ -18,6 +18,7 @@
 #include "events/message_codec.h"
 #include "events/msgpack_reader.h"
 #include "events/vllm_codec.h"
+#include "events/worker_codec.h"
 #include "router/kvmocker/mocker.h"
 #include "tests/integration/process.h"
 #include "transport/nats_client.h"
@@ -31,7 +32,7 @@ using testing::NatsServerProcess;
 using testing::WaitFor;
 
 // ---------------------------------------------------------------------------------------------
-// Flags and codecs.
+// Flags.
 
 Result<ParsedMockerArgs> Parse(std::vector<std::string> args,
                                std::map<std::string, std::string> env = {}) {
@@ -100,75 +101,6 @@ TEST(MockerConfigTest, BadValuesAreRefusedNamingTheFlag) {
   auto env = Parse({}, {{"DYN_SPEEDUP_RATIO", "fast"}});
   ASSERT_FALSE(env.ok());
   EXPECT_NE(env.status().message().find("DYN_SPEEDUP_RATIO"), std::string::npos);
-}
-
-bool HasKey(std::span<const std::byte> body, std::string_view key) {
-  auto doc = ParseMsgpack(body);
-  return doc.ok() && FindKey(doc->get(), key) != nullptr;
-}
-
-TEST(GenerateCodecTest, OnlyTheFinalResponseCarriesFinishReason) {
-  const GenerateResponse first{.request_id = "r", .token_ids = {5}, .index = 0};
-  const GenerateResponse last{.request_id = "r", .token_ids = {6, 7}, .index = 1,
-                              .finish_reason = "length", .cached_tokens = 64,
-                              .prompt_tokens = 100, .ttft_ms = 12.5};
-  const auto a = first.Encode(), b = last.Encode();
-  EXPECT_FALSE(HasKey(AsBytes(a), "finish_reason"));
-  EXPECT_TRUE(HasKey(AsBytes(b), "finish_reason"));
-  EXPECT_FALSE(HasKey(AsBytes(b), "message"));
-  auto da = GenerateResponse::Decode(AsBytes(a));
-  auto db = GenerateResponse::Decode(AsBytes(b));
-  ASSERT_TRUE(da.ok() && db.ok());
-  EXPECT_EQ(*da, first);
-  EXPECT_EQ(*db, last);
-  EXPECT_FALSE(da->is_final());
-  EXPECT_TRUE(db->is_final());
-}
-
-TEST(GenerateCodecTest, RequestDefaultsAndLimits) {
-  const GenerateRequest req{.request_id = "r", .token_ids = {1, 2, 3}, .max_tokens = 4, .dp_rank = 1};
-  auto rt = GenerateRequest::Decode(AsBytes(req.Encode()));
-  ASSERT_TRUE(rt.ok());
-  EXPECT_EQ(*rt, req);
-
-  msgpack::sbuffer minimal;
-  msgpack::packer<msgpack::sbuffer> pk(minimal);
-  pk.pack_map(2);
-  PackKey(pk, "request_id");
-  pk.pack("m");
-  PackKey(pk, "token_ids");
-  pk.pack_array(0);
-  auto m = GenerateRequest::Decode(AsBytes(minimal));
-  ASSERT_TRUE(m.ok()) << m.status().ToString();
-  EXPECT_EQ(m->max_tokens, 16u);
-  EXPECT_EQ(m->dp_rank, 0u);
-
-  GenerateRequest zero = req;
-  zero.max_tokens = 0;
-  auto z = GenerateRequest::Decode(AsBytes(zero.Encode()));
-  ASSERT_FALSE(z.ok());
-  EXPECT_NE(z.status().message().find("max_tokens"), std::string::npos);
-}
-
-TEST(RecoveryCodecTest, ReplyRoundTripsThroughTheDynamoEventGrammar) {
-  MockEngine::RecoveryReply reply{.kind = "events", .last_event_id = 9};
-  KvEventBatch stored = StoredPromptBatch(42, 8, std::vector<std::uint32_t>{1, 2, 3, 4, 5, 6, 7, 8}, 4);
-  stored.dp_rank = 1;
-  KvEventBatch removed{.worker_id = 42, .dp_rank = 1, .sequence = {SequenceKind::kEventId, 9}};
-  removed.ops.resize(1);  // (push_back of a braced KvOp trips a GCC 12 -Wmaybe-uninitialized under ASan)
-  removed.ops[0].data = KvRemoved{{11, 12}};
-  reply.events = {stored, removed};
-  auto back = DecodeRecoveryReply(AsBytes(EncodeRecoveryReply(reply)), 42);
-  ASSERT_TRUE(back.ok()) << back.status().ToString();
-  EXPECT_EQ(back->kind, "events");
-  EXPECT_EQ(back->last_event_id, 9u);
-  EXPECT_EQ(back->events, reply.events);
-
-  const MockEngine::RecoveryReply too_new{.kind = "too_new", .last_event_id = 3, .message = "m"};
-  auto tn = DecodeRecoveryReply(AsBytes(EncodeRecoveryReply(too_new)), 42);
-  ASSERT_TRUE(tn.ok());
-  EXPECT_EQ(tn->message, "m");
-  EXPECT_TRUE(tn->events.empty());
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -306,7 +238,7 @@ class KvMockerProcessTest : public ::testing::Test {
     return Generate(worker, AsBytes(req.Encode()));
   }
 
-  Result<MockEngine::RecoveryReply> Recover(std::uint64_t worker, std::uint32_t rank, RecoveryQuery q) {
+  Result<RecoveryReply> Recover(std::uint64_t worker, std::uint32_t rank, RecoveryQuery q) {
     auto reply = nc_->Request(kComp + "kv_indexer_query." + std::to_string(worker) + "." + std::to_string(rank),
                               AsBytes(q.Encode()), 2s);
     if (!reply.ok()) return reply.status();

@@ -7,7 +7,7 @@
 
 #include "events/message_codec.h"
 #include "events/msgpack_reader.h"
-#include "router/kvmocker/mocker.h"
+#include "events/worker_codec.h"
 #include "tests/integration/process.h"
 #include "transport/nats_client.h"
 

@@ -1,0 +1,296 @@
+#include "events/worker_codec.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "events/msgpack_reader.h"
+#include "tests/events/test_packer.h"
+
+namespace kvrouter {
+namespace {
+
+using ::testing::HasSubstr;
+
+template <typename T>
+void ExpectInvalid(const Result<T>& r, std::string_view message_part) {
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(r.status().message(), HasSubstr(std::string(message_part)));
+}
+
+KvEventBatch Removed(std::uint64_t worker, std::uint64_t event_id, std::vector<BlockHash> hashes) {
+  KvEventBatch b{.worker_id = worker, .sequence = {SequenceKind::kEventId, event_id}};
+  b.ops.resize(1);  // (push_back of a braced KvOp trips a GCC 12 -Wmaybe-uninitialized under ASan)
+  b.ops[0].data = KvRemoved{std::move(hashes)};
+  return b;
+}
+
+bool HasKey(std::span<const std::byte> body, std::string_view key) {
+  auto doc = ParseMsgpack(body);
+  return doc.ok() && FindKey(doc->get(), key) != nullptr;
+}
+
+TEST(GenerateCodecTest, OnlyTheFinalResponseCarriesFinishReason) {
+  const GenerateResponse first{.request_id = "r", .token_ids = {5}, .index = 0};
+  const GenerateResponse last{.request_id = "r", .token_ids = {6, 7}, .index = 1,
+                              .finish_reason = "length", .cached_tokens = 64,
+                              .prompt_tokens = 100, .ttft_ms = 12.5};
+  const auto a = first.Encode(), b = last.Encode();
+  EXPECT_FALSE(HasKey(AsBytes(a), "finish_reason"));
+  EXPECT_TRUE(HasKey(AsBytes(b), "finish_reason"));
+  EXPECT_FALSE(HasKey(AsBytes(b), "message"));
+  auto da = GenerateResponse::Decode(AsBytes(a));
+  auto db = GenerateResponse::Decode(AsBytes(b));
+  ASSERT_TRUE(da.ok() && db.ok());
+  EXPECT_EQ(*da, first);
+  EXPECT_EQ(*db, last);
+  EXPECT_FALSE(da->is_final());
+  EXPECT_TRUE(db->is_final());
+}
+
+TEST(GenerateCodecTest, RequestDefaultsAndLimits) {
+  const GenerateRequest req{.request_id = "r", .token_ids = {1, 2, 3}, .max_tokens = 4, .dp_rank = 1};
+  auto rt = GenerateRequest::Decode(AsBytes(req.Encode()));
+  ASSERT_TRUE(rt.ok());
+  EXPECT_EQ(*rt, req);
+
+  msgpack::sbuffer minimal;
+  msgpack::packer<msgpack::sbuffer> pk(minimal);
+  pk.pack_map(2);
+  PackKey(pk, "request_id");
+  pk.pack("m");
+  PackKey(pk, "token_ids");
+  pk.pack_array(0);
+  auto m = GenerateRequest::Decode(AsBytes(minimal));
+  ASSERT_TRUE(m.ok()) << m.status().ToString();
+  EXPECT_EQ(m->max_tokens, 16u);
+  EXPECT_EQ(m->dp_rank, 0u);
+
+  GenerateRequest zero = req;
+  zero.max_tokens = 0;
+  auto z = GenerateRequest::Decode(AsBytes(zero.Encode()));
+  ASSERT_FALSE(z.ok());
+  EXPECT_NE(z.status().message().find("max_tokens"), std::string::npos);
+}
+
+TEST(RecoveryCodecTest, ReplyRoundTripsThroughTheDynamoEventGrammar) {
+  RecoveryReply reply{.kind = "events", .last_event_id = 9};
+  KvEventBatch stored = StoredPromptBatch(42, 8, std::vector<std::uint32_t>{1, 2, 3, 4, 5, 6, 7, 8}, 4);
+  stored.dp_rank = 1;
+  KvEventBatch removed{.worker_id = 42, .dp_rank = 1, .sequence = {SequenceKind::kEventId, 9}};
+  removed.ops.resize(1);  // (push_back of a braced KvOp trips a GCC 12 -Wmaybe-uninitialized under ASan)
+  removed.ops[0].data = KvRemoved{{11, 12}};
+  reply.events = {stored, removed};
+  auto back = DecodeRecoveryReply(AsBytes(EncodeRecoveryReply(reply)), 42);
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(back->kind, "events");
+  EXPECT_EQ(back->last_event_id, 9u);
+  EXPECT_EQ(back->events, reply.events);
+
+  const RecoveryReply too_new{.kind = "too_new", .last_event_id = 3, .message = "m"};
+  auto tn = DecodeRecoveryReply(AsBytes(EncodeRecoveryReply(too_new)), 42);
+  ASSERT_TRUE(tn.ok());
+  EXPECT_EQ(tn->message, "m");
+  EXPECT_TRUE(tn->events.empty());
+}
+
+
+// ---- Recovery query ----
+
+TEST(RecoveryCodecTest, QueryRoundTripsWithAndWithoutBounds) {
+  for (const RecoveryQuery& q : {RecoveryQuery{}, RecoveryQuery{.start_event_id = 0},
+                                 RecoveryQuery{.start_event_id = 5, .end_event_id = ~0ull}}) {
+    auto back = RecoveryQuery::Decode(AsBytes(q.Encode()));
+    ASSERT_TRUE(back.ok()) << back.status().ToString();
+    EXPECT_EQ(*back, q);
+  }
+  TestPacker empty;  // {}: a tree dump
+  empty.pk.pack_map(0);
+  auto e = RecoveryQuery::Decode(empty.bytes());
+  ASSERT_TRUE(e.ok());
+  EXPECT_EQ(*e, RecoveryQuery{});
+}
+
+TEST(RecoveryCodecTest, BadQueriesAreInvalidArgument) {
+  TestPacker negative;
+  negative.pk.pack_map(1);
+  negative.Key("start_event_id");
+  negative.pk.pack(-1);
+  ExpectInvalid(RecoveryQuery::Decode(negative.bytes()), "start_event_id");
+  TestPacker text;
+  text.pk.pack_map(1);
+  text.Key("end_event_id");
+  text.pk.pack("9");
+  ExpectInvalid(RecoveryQuery::Decode(text.bytes()), "end_event_id");
+  ExpectInvalid(RecoveryQuery::Decode(AsBytes(std::string_view("\x91\x01", 2))), "must be a map");
+  const auto body = RecoveryQuery{.start_event_id = 300, .end_event_id = 70000}.Encode();
+  ExpectEveryTruncationFails(AsBytes(body), [](auto b) { return RecoveryQuery::Decode(b); });
+}
+
+// ---- Recovery reply ----
+
+TEST(RecoveryCodecTest, EveryKindRoundTrips) {
+  KvEventBatch chain = StoredPromptBatch(42, 12, std::vector<std::uint32_t>{1, 2, 3, 4, 5, 6, 7, 8}, 4);
+  KvEventBatch child{.worker_id = 42, .sequence = {SequenceKind::kEventId, 12}};
+  child.ops.resize(1);
+  child.ops[0].data = KvStored{std::get<KvStored>(chain.ops[0].data).blocks.back().block_hash, {{0x77, 0x78}}};
+  KvEventBatch cleared{.worker_id = 42, .dp_rank = 2, .sequence = {SequenceKind::kEventId, 11}};
+  cleared.ops.resize(1);
+  cleared.ops[0].data = KvCleared{};
+  const std::vector<RecoveryReply> replies = {
+      {.kind = "tree_dump", .events = {chain, child}, .last_event_id = 12},
+      {.kind = "events", .events = {cleared, Removed(42, 12, {1, ~0ull})}, .last_event_id = 12},
+      {.kind = "tree_dump", .last_event_id = 0},
+      {.kind = "invalid_range", .last_event_id = 4, .message = "end_event_id 3 < start_event_id 4"},
+      {.kind = "error", .message = "no"},
+  };
+  for (const RecoveryReply& reply : replies) {
+    auto back = DecodeRecoveryReply(AsBytes(EncodeRecoveryReply(reply)), 42);
+    ASSERT_TRUE(back.ok()) << back.status().ToString();
+    EXPECT_EQ(*back, reply) << reply.kind;
+  }
+}
+
+TEST(RecoveryCodecTest, ReplyEventsBelongToTheQueriedWorkerOnTheDeviceTier) {
+  const RecoveryReply reply{.kind = "events", .events = {Removed(42, 1, {5})}, .last_event_id = 1};
+  auto back = DecodeRecoveryReply(AsBytes(EncodeRecoveryReply(reply)), 7);
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  ASSERT_EQ(back->events.size(), 1u);
+  EXPECT_EQ(back->events[0].worker_id, 7u);
+  EXPECT_EQ(back->events[0].ops.at(0).tier, StorageTier::kDevice);
+}
+
+TEST(RecoveryCodecTest, MissingOrNilEventsAreNone) {
+  for (bool nil : {false, true}) {
+    TestPacker p;
+    p.pk.pack_map(nil ? 2 : 1);
+    p.Key("kind");
+    p.pk.pack("too_new");
+    if (nil) {
+      p.Key("events");
+      p.pk.pack_nil();
+    }
+    auto r = DecodeRecoveryReply(p.bytes(), 1);
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    EXPECT_EQ(r->kind, "too_new");
+    EXPECT_TRUE(r->events.empty());
+    EXPECT_EQ(r->last_event_id, 0u);
+  }
+}
+
+TEST(RecoveryCodecTest, BadRepliesAreInvalidArgumentNamingThePart) {
+  TestPacker no_kind;
+  no_kind.pk.pack_map(1);
+  no_kind.Key("last_event_id");
+  no_kind.pk.pack(1);
+  ExpectInvalid(DecodeRecoveryReply(no_kind.bytes(), 1), "kind");
+
+  TestPacker events_not_array;
+  events_not_array.pk.pack_map(2);
+  events_not_array.Key("kind");
+  events_not_array.pk.pack("events");
+  events_not_array.Key("events");
+  events_not_array.pk.pack(3);
+  ExpectInvalid(DecodeRecoveryReply(events_not_array.bytes(), 1), "events");
+
+  TestPacker bad_second;  // the second event has an unknown kind of data
+  bad_second.pk.pack_map(2);
+  bad_second.Key("kind");
+  bad_second.pk.pack("events");
+  bad_second.Key("events");
+  bad_second.pk.pack_array(2);
+  bad_second.pk.pack_map(2);
+  bad_second.Key("event_id");
+  bad_second.pk.pack(1);
+  bad_second.Key("data");
+  bad_second.pk.pack("cleared");
+  bad_second.pk.pack_map(2);
+  bad_second.Key("event_id");
+  bad_second.pk.pack(2);
+  bad_second.Key("data");
+  bad_second.pk.pack("teleported");
+  ExpectInvalid(DecodeRecoveryReply(bad_second.bytes(), 1), "events[1]");
+
+  TestPacker event_not_map;
+  event_not_map.pk.pack_map(2);
+  event_not_map.Key("kind");
+  event_not_map.pk.pack("events");
+  event_not_map.Key("events");
+  event_not_map.pk.pack_array(1);
+  event_not_map.pk.pack(5);
+  ExpectInvalid(DecodeRecoveryReply(event_not_map.bytes(), 1), "events[0]");
+
+  ExpectInvalid(DecodeRecoveryReply(AsBytes(std::string_view("\xc1", 1)), 1), "");
+}
+
+TEST(RecoveryCodecTest, HugeDeclaredEventArrayIsRefusedWithoutAllocating) {
+  TestPacker p;
+  p.pk.pack_map(2);
+  p.Key("kind");
+  p.pk.pack("tree_dump");
+  p.Key("events");
+  std::string body = p.str() + std::string(kHugeArrayHeader);
+  auto r = DecodeRecoveryReply(AsBytes(body), 1);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST(RecoveryCodecTest, EveryTruncatedReplyFails) {
+  const RecoveryReply reply{
+      .kind = "tree_dump",
+      .events = {StoredPromptBatch(3, 2, std::vector<std::uint32_t>{1, 2, 3, 4}, 4), Removed(3, 2, {9})},
+      .last_event_id = 2};
+  ExpectEveryTruncationFails(AsBytes(EncodeRecoveryReply(reply)),
+                             [](auto b) { return DecodeRecoveryReply(b, 3); });
+}
+
+// ---- Generate ----
+
+TEST(GenerateCodecTest, ErrorResponseCarriesItsMessage) {
+  const GenerateResponse error{.request_id = "r", .finish_reason = "error", .prompt_tokens = 9,
+                               .message = "prompt too long"};
+  const auto body = error.Encode();
+  EXPECT_TRUE(HasKey(AsBytes(body), "message"));
+  auto back = GenerateResponse::Decode(AsBytes(body));
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(*back, error);
+}
+
+TEST(GenerateCodecTest, BadRequestsAreInvalidArgumentNamingTheField) {
+  TestPacker no_tokens;
+  no_tokens.pk.pack_map(1);
+  no_tokens.Key("request_id");
+  no_tokens.pk.pack("r");
+  ExpectInvalid(GenerateRequest::Decode(no_tokens.bytes()), "token_ids");
+
+  TestPacker big_token;
+  big_token.pk.pack_map(2);
+  big_token.Key("request_id");
+  big_token.pk.pack("r");
+  big_token.Key("token_ids");
+  big_token.pk.pack(std::vector<std::uint64_t>{1, 1ull << 32});
+  ExpectInvalid(GenerateRequest::Decode(big_token.bytes()), "token_ids");
+
+  GenerateRequest too_many{.request_id = "r", .token_ids = {1}, .max_tokens = kMaxGenerateTokens + 1};
+  ExpectInvalid(GenerateRequest::Decode(AsBytes(too_many.Encode())), "max_tokens");
+  too_many.max_tokens = kMaxGenerateTokens;
+  EXPECT_TRUE(GenerateRequest::Decode(AsBytes(too_many.Encode())).ok());
+
+  TestPacker no_id;
+  no_id.pk.pack_map(1);
+  no_id.Key("token_ids");
+  no_id.pk.pack_array(0);
+  ExpectInvalid(GenerateResponse::Decode(no_id.bytes()), "request_id");
+
+  const GenerateRequest req{.request_id = "abc", .token_ids = {1, 70000}, .max_tokens = 3};
+  ExpectEveryTruncationFails(AsBytes(req.Encode()), [](auto b) { return GenerateRequest::Decode(b); });
+  const GenerateResponse fin{.request_id = "abc", .token_ids = {2}, .index = 1, .finish_reason = "stop",
+                             .ttft_ms = 3.5};
+  ExpectEveryTruncationFails(AsBytes(fin.Encode()), [](auto b) { return GenerateResponse::Decode(b); });
+}
+
+}  // namespace
+}  // namespace kvrouter
