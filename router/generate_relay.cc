@@ -5,7 +5,7 @@
 #include <charconv>
 
 #include "events/msgpack_reader.h"
-#include "events/msgpack_writer.h"
+#include "events/worker_codec.h"
 
 namespace kvrouter {
 
@@ -23,13 +23,11 @@ void GenerateRelay::Forward(Outbox::Forward f, const std::string& worker_subject
     n = ++next_;
     inflight_[n] = InFlight{req.request_id, f.caller_reply, clock_() + timeout, false};
   }
-  // PROTOCOL.md section 7: {request_id, token_ids, max_tokens, dp_rank}.
-  MapWriter w;
-  w.Field("request_id", req.request_id)
-      .Field("token_ids", req.token_ids)
-      .Field("max_tokens", req.max_tokens.value_or(req.expected_output_tokens.value_or(16)))
-      .Field("dp_rank", f.routed.dp_rank);
-  const msgpack::sbuffer body = std::move(w).Finish();
+  const msgpack::sbuffer body = GenerateRequest{.request_id = req.request_id,
+                                                .token_ids = req.token_ids,
+                                                .max_tokens = req.max_tokens.value_or(req.expected_output_tokens.value_or(16)),
+                                                .dp_rank = f.routed.dp_rank}
+                                    .Encode();
   const Status s = bus_.PublishRequest(worker_subject, reply_prefix_ + std::to_string(n), AsBytes(body));
   if (s.ok()) return;
   log_.Log(LogLevel::kWarning, "forward", "forwarding to {} failed: {}", worker_subject, s.message());
@@ -51,8 +49,9 @@ void GenerateRelay::OnResponse(const BusMessage& m, Outbox& out) {
   const bool no_responders = m.data.empty() && status && status->starts_with("503");
   bool final = no_responders;
   if (!final) {
-    auto doc = ParseMsgpack(m.data);
-    final = !doc.ok() || !IsNil(FindKey(doc->get(), "finish_reason"));
+    // An undecodable response ends the request too (the caller gets it as it came).
+    auto response = GenerateResponse::Decode(m.data);
+    final = !response.ok() || response->is_final();
   }
   std::string caller, request_id;
   bool first = false;

@@ -8,7 +8,6 @@
 
 #include "events/event_codec.h"
 #include "events/msgpack_reader.h"
-#include "events/msgpack_writer.h"
 #include "events/vllm_codec.h"
 
 namespace kvrouter {
@@ -289,12 +288,11 @@ void KvRouterService::ReplyError(const BusMessage& m, const Status& s) {
 }
 
 void KvRouterService::PublishMetrics(WorkerKey worker, const WorkerLoad& load) {
-  MapWriter w;
-  w.Field("worker_id", worker.worker_id)
-      .Field("dp_rank", worker.dp_rank)
-      .Field("active_decode_blocks", load.active_blocks)
-      .Field("active_prefill_tokens", load.active_prefill_tokens);
-  (void)bus_.Publish(subjects_.kv_metrics, AsBytes(std::move(w).Finish()));
+  const KvMetrics m{.worker_id = worker.worker_id,
+                    .dp_rank = worker.dp_rank,
+                    .active_decode_blocks = load.active_blocks,
+                    .active_prefill_tokens = load.active_prefill_tokens};
+  (void)bus_.Publish(subjects_.kv_metrics, AsBytes(EncodeKvMetrics(m)));
 }
 
 }  // namespace kvrouter
