@@ -128,4 +128,10 @@ Result<GenerateResponse> GenerateResponse::Decode(std::span<const std::byte> bod
   return r;
 }
 
+Result<bool> IsFinalGenerateResponse(std::span<const std::byte> body) {
+  auto doc = ParseMsgpackMap(body, "generate response");
+  if (!doc.ok()) return doc.status();
+  return !IsNil(FindKey(doc->get(), "finish_reason"));
+}
+
 }  // namespace kvrouter

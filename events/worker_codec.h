@@ -97,5 +97,8 @@ struct GenerateResponse {
   static Result<GenerateResponse> Decode(std::span<const std::byte> body);
   bool operator==(const GenerateResponse&) const = default;
 };
+// Whether a response is the final one (has finish_reason), without reading the rest: what a
+// relay needs, whatever else the worker wrote. An error when the body is not a msgpack map.
+Result<bool> IsFinalGenerateResponse(std::span<const std::byte> body);
 
 }  // namespace kvrouter

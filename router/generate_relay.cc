@@ -50,8 +50,8 @@ void GenerateRelay::OnResponse(const BusMessage& m, Outbox& out) {
   bool final = no_responders;
   if (!final) {
     // An undecodable response ends the request too (the caller gets it as it came).
-    auto response = GenerateResponse::Decode(m.data);
-    final = !response.ok() || response->is_final();
+    auto is_final = IsFinalGenerateResponse(m.data);
+    final = !is_final.ok() || *is_final;
   }
   std::string caller, request_id;
   bool first = false;

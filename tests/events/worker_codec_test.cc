@@ -294,3 +294,24 @@ TEST(GenerateCodecTest, BadRequestsAreInvalidArgumentNamingTheField) {
 
 }  // namespace
 }  // namespace kvrouter
+
+namespace kvrouter {
+namespace {
+
+TEST(GenerateResponseCodec, FinalityIsReadFromFinishReasonAlone) {
+  GenerateResponse first{.request_id = "r", .token_ids = {1}};
+  GenerateResponse last{.request_id = "r", .token_ids = {}, .index = 1, .finish_reason = "stop"};
+  EXPECT_FALSE(*IsFinalGenerateResponse(AsBytes(first.Encode())));
+  EXPECT_TRUE(*IsFinalGenerateResponse(AsBytes(last.Encode())));
+  // A worker that writes only the keys that matter to a relay is understood too.
+  msgpack::sbuffer minimal;
+  msgpack::packer<msgpack::sbuffer> pk(minimal);
+  pk.pack_map(1);
+  PackKey(pk, "finish_reason");
+  pk.pack("length");
+  EXPECT_TRUE(*IsFinalGenerateResponse(AsBytes(minimal)));
+  EXPECT_FALSE(IsFinalGenerateResponse(AsBytes(std::string_view("\x93\x01\x02\x03", 4))).ok());
+}
+
+}  // namespace
+}  // namespace kvrouter

@@ -5,6 +5,7 @@
 #include "events/event_codec.h"
 #include "events/msgpack_reader.h"
 #include "events/vllm_codec.h"
+#include "events/worker_codec.h"
 #include "tests/router/service_fixture.h"
 #include "transport/memory_bus.h"
 
@@ -241,20 +242,14 @@ class GenerateTest : public ServiceTest {
   void FakeWorker(std::uint64_t id, int responses) {
     worker_subs_.push_back(std::move(bus_.Subscribe(
         "namespace.dynamo.component.backend.generate." + std::to_string(id), "", [this, id, responses](const BusMessage& m) {
-          auto doc = ParseMsgpack(m.data);
-          ASSERT_TRUE(doc.ok());
-          seen_.push_back({id, std::string(*ReadStr(FindKey(doc->get(), "request_id"), "request_id")),
-                           *ReadU32(FindKey(doc->get(), "max_tokens"), "max_tokens")});
+          auto req = GenerateRequest::Decode(m.data);
+          ASSERT_TRUE(req.ok()) << req.status().ToString();
+          seen_.push_back({id, req->request_id, req->max_tokens});
           const std::string reply(m.reply);
           for (int i = 0; i < responses; ++i) {
-            msgpack::sbuffer b;
-            msgpack::packer<msgpack::sbuffer> pk(b);
-            const bool last = i + 1 == responses;
-            pk.pack_map(last ? 3 : 2);
-            PackKey(pk, "request_id"); pk.pack(seen_.back().request_id);
-            PackKey(pk, "index"); pk.pack(i);
-            if (last) { PackKey(pk, "finish_reason"); pk.pack("length"); }
-            (void)bus_.Publish(reply, AsBytes(b));
+            GenerateResponse r{.request_id = req->request_id, .token_ids = {7}, .index = static_cast<std::uint32_t>(i)};
+            if (i + 1 == responses) r.finish_reason = "length";
+            (void)bus_.Publish(reply, AsBytes(r.Encode()));
           }
         })).value());
   }
