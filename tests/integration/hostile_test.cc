@@ -1,7 +1,7 @@
 // The kvrouter binary against hostile and oversized peers, over a real nats-server: every case
 // of the issue "one message takes the router down". After each case the router must still give
-// a routing decision and a stats reply within 500 ms, an honest worker's cache must be intact,
-// and (outside sanitizer builds) the router's resident memory must have grown by < 200 MB.
+// a routing decision and a stats reply within 500 ms (2 s in the Debug + ASan build), an honest
+// worker's cache must be intact, and (outside sanitizer builds) the router's resident memory must have grown by < 200 MB.
 #include <gtest/gtest.h>
 
 #include <condition_variable>
@@ -30,6 +30,8 @@ constexpr bool kSanitized = false;
 #endif
 
 constexpr std::uint64_t kHonest = 7;
+// The issue's bound; Debug + ASan code is several times slower, so it gets four times as long.
+constexpr auto kAnswerWithin = kSanitized ? std::chrono::milliseconds(2000) : std::chrono::milliseconds(500);
 constexpr std::size_t kMaxGrowthBytes = 200u << 20;
 
 // Resident set size of a process, from /proc (0 when unreadable).
@@ -66,12 +68,12 @@ class HostileTest : public KvRouterProcessTest {
     auto decision = Route(Tokens(500, 8));
     const auto route_time = Clock::now() - t0;
     ASSERT_TRUE(decision.ok()) << decision.status().ToString();
-    EXPECT_LT(route_time, 500ms);
+    EXPECT_LT(route_time, kAnswerWithin);
     const auto t1 = Clock::now();
     auto stats = Stats();
     const auto stats_time = Clock::now() - t1;
     ASSERT_TRUE(stats.has_value()) << "no stats reply";
-    EXPECT_LT(stats_time, 500ms);
+    EXPECT_LT(stats_time, kAnswerWithin);
     // The honest worker still holds its prompt.
     RouteRequest q{.token_ids = Tokens(1, 12), .has_token_ids = true, .isl = 12, .update_states = false,
                    .allowed_worker_ids = std::vector<std::uint64_t>{kHonest}};
@@ -224,7 +226,7 @@ TEST_F(HostileTest, RouteOf250000TokensIsAnswered) {
   for (std::size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<std::uint32_t>(i % 128);  // 1 byte each
   const auto t0 = Clock::now();
   auto r = Route(prompt, "long");
-  EXPECT_LT(Clock::now() - t0, 500ms);
+  EXPECT_LT(Clock::now() - t0, kAnswerWithin);
   ASSERT_TRUE(r.ok()) << r.status().ToString();
   EXPECT_EQ(r->request_blocks, 250000u / kBs);
   ExpectHealthy();
