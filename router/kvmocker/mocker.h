@@ -36,7 +36,7 @@
 
 #include <msgpack.hpp>
 
-#include "events/mock_engine.h"
+#include "router/kvmocker/engine.h"
 #include "events/status.h"
 #include "events/worker_codec.h"
 #include "router/flags.h"

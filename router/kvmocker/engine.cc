@@ -1,4 +1,4 @@
-#include "events/mock_engine.h"
+#include "router/kvmocker/engine.h"
 
 #include <algorithm>
 #include <cassert>
