@@ -190,15 +190,14 @@ MockWorkerFleet::MockWorkerFleet(MockerConfig config, NatsClient& nats)
       rank->worker_index = w;
       rank->dp_rank = d;
       Rank* r = rank.get();
+      rank->publisher = std::make_unique<KvEventPublisher>(PublisherConfig{.worker_id = base + w, .dp_rank = d});
       rank->engine = std::make_unique<MockEngine>(
-          MockEngineConfig{.worker_id = base + w,
-                           .dp_rank = d,
-                           .num_gpu_blocks = config_.num_gpu_blocks,
+          MockEngineConfig{.num_gpu_blocks = config_.num_gpu_blocks,
                            .block_size = config_.block_size,
                            .max_num_seqs = config_.max_num_seqs,
                            .max_num_batched_tokens = config_.max_num_batched_tokens,
                            .speedup_ratio = config_.speedup_ratio},
-          [this, r](KvEventBatch&& b) { PublishEvent(*r, std::move(b)); });
+          [this, r](KvEventData&& data) { PublishEvent(*r, r->publisher->Publish(std::move(data))); });
       ranks_.push_back(std::move(rank));
     }
   }
@@ -229,7 +228,7 @@ Status MockWorkerFleet::Start() {
     for (std::uint32_t d = 0; d < config_.dp_size; ++d) {
       const std::size_t index = w * config_.dp_size + d;
       auto q = nats_.Subscribe(
-          fmt::format("{}kv_indexer_query.{}.{}", prefix_, worker_ids_[w], d), "",
+          RecoverySubject(config_.ns, config_.component, worker_ids_[w], d), "",
           [this, index](const IncomingMessage& m) { OnRecovery(index, m); });
       if (!q.ok()) return q.status();
       subscriptions_.push_back(std::move(q).value());
@@ -348,18 +347,11 @@ void MockWorkerFleet::OnRecovery(std::size_t rank_index, const IncomingMessage& 
     ++bad_requests_;
     return;
   }
-  auto query = RecoveryQuery::Decode(m.data);
+  const auto query = RecoveryQuery::Decode(m.data);
   RecoveryReply reply;
   {
     std::lock_guard g(engine_mu_);
-    const MockEngine& engine = *ranks_[rank_index]->engine;
-    if (query.ok()) {
-      reply = engine.Recover(query->start_event_id, query->end_event_id);
-    } else {
-      reply.kind = "error";
-      reply.message = query.status().message();
-      reply.last_event_id = engine.last_event_id();
-    }
+    reply = ranks_[rank_index]->publisher->Answer(query);
   }
   if (!query.ok()) {
     ++bad_requests_;

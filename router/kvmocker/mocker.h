@@ -1,6 +1,7 @@
 // kvmocker: many simulated vLLM-like workers in one process, on NATS (DESIGN.md "Mock worker").
 //
-// MockWorkerFleet runs num_workers workers of dp_size ranks each, one MockEngine per rank, and
+// MockWorkerFleet runs num_workers workers of dp_size ranks each, one MockEngine and one
+// KvEventPublisher (event ids, buffer, recovery) per rank, and
 // speaks the worker side of PROTOCOL.md: registration heartbeats (section 4), KV events in the
 // Dynamo (section 2) or vLLM (section 3) format, the recovery endpoint (section 6) and the
 // generate endpoint (section 7), with the codecs of events/worker_codec.h.
@@ -10,7 +11,8 @@
 // step end, a heartbeat or a new request, steps every engine whose previous step has ended on
 // real time (virtual ms = steady-clock ms since Start; engine durations are already divided by
 // the speedup ratio), and publishes events (as they happen), responses (at the step's end) and
-// heartbeats. A recovery request reads its engine under engine_mu_ from its delivery thread.
+// heartbeats. A recovery request reads its rank's publisher under engine_mu_ from its delivery
+// thread.
 // Start and Stop are called from one controlling thread. The fleet borrows the NatsClient, which
 // must outlive it.
 //
@@ -39,6 +41,7 @@
 #include "router/kvmocker/engine.h"
 #include "events/status.h"
 #include "events/worker_codec.h"
+#include "events/worker_publisher.h"
 #include "router/flags.h"
 #include "transport/log.h"
 #include "transport/nats_client.h"
@@ -115,6 +118,7 @@ class MockWorkerFleet {
   struct Rank {
     std::size_t worker_index = 0;
     std::uint32_t dp_rank = 0;
+    std::unique_ptr<KvEventPublisher> publisher;  // numbers the engine's events, serves recovery
     std::unique_ptr<MockEngine> engine;
     bool stepping = false;                // a step is in progress until step_end_ms
     double step_end_ms = 0;
@@ -141,7 +145,7 @@ class MockWorkerFleet {
   // earliest end of a step in progress (infinity when all are idle). Under engine_mu_.
   double AdvanceEngines(std::vector<GenerateJob>& jobs, double now_ms);
   void DeliverOutputs(Rank& rank);                      // under engine_mu_
-  void PublishEvent(Rank& rank, KvEventBatch&& batch);  // the engine sink, under engine_mu_
+  void PublishEvent(Rank& rank, KvEventBatch&& batch);  // from the engine sink, under engine_mu_
   void PublishRegistrations(bool leaving);
   void OnGenerate(std::size_t worker_index, const IncomingMessage& m);
   void OnRecovery(std::size_t rank_index, const IncomingMessage& m);
@@ -156,7 +160,7 @@ class MockWorkerFleet {
   const std::chrono::steady_clock::time_point start_;
   RateLimitedLog log_;
 
-  // Engine state: written by the engine thread; OnRecovery reads an engine. Ranks are created by
+  // Engine state: written by the engine thread; OnRecovery reads a publisher. Ranks are created by
   // the constructor and never move (the engine sinks point at them).
   std::mutex engine_mu_;
   std::vector<std::unique_ptr<Rank>> ranks_;               // GUARDED_BY(engine_mu_); worker i
