@@ -71,7 +71,8 @@ MockWorkerFleet::MockWorkerFleet(MockerConfig config, NatsClient& nats)
       rank->worker_index = w;
       rank->dp_rank = d;
       Rank* r = rank.get();
-      rank->publisher = std::make_unique<KvEventPublisher>(PublisherConfig{.worker_id = base + w, .dp_rank = d});
+      rank->publisher =
+          std::make_unique<KvEventPublisher>(PublisherConfig{.worker_id = base + w, .dp_rank = d});
       rank->engine = std::make_unique<MockEngine>(
           MockEngineConfig{.num_gpu_blocks = config_.num_gpu_blocks,
                            .block_size = config_.block_size,
