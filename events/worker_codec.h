@@ -27,6 +27,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <msgpack.hpp>
@@ -38,6 +39,10 @@ namespace kvrouter {
 
 // ---------------------------------------------------------------------------------------------
 // Recovery (section 6).
+
+// namespace.{ns}.component.{component}.kv_indexer_query.{worker_id}.{dp_rank}
+std::string RecoverySubject(std::string_view ns, std::string_view component, std::uint64_t worker_id,
+                            std::uint32_t dp_rank);
 
 struct RecoveryQuery {
   std::optional<std::uint64_t> start_event_id;  // nullopt: a tree dump

@@ -156,6 +156,11 @@ std::vector<HeldBlock> KvEventPublisher::HeldBlocks() const {
 // ---------------------------------------------------------------------------------------------
 // Recovery.
 
+RecoveryReply KvEventPublisher::Answer(const Result<RecoveryQuery>& query) const {
+  if (query.ok()) return Recover(query->start_event_id, query->end_event_id);
+  return {.kind = "error", .last_event_id = last_event_id_, .message = query.status().message()};
+}
+
 RecoveryReply KvEventPublisher::Recover(std::optional<std::uint64_t> start,
                                         std::optional<std::uint64_t> end) const {
   RecoveryReply reply;

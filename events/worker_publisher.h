@@ -62,6 +62,9 @@ class KvEventPublisher {
   //   otherwise                                    -> "events" [start, min(end, last_event_id)].
   // last_event_id is set on every reply. Time: the range or the index, linear.
   RecoveryReply Recover(std::optional<std::uint64_t> start, std::optional<std::uint64_t> end) const;
+  // The reply to a decoded query: Recover(start, end), or kind "error" with the decoding failure
+  // as its message.
+  RecoveryReply Answer(const Result<RecoveryQuery>& query) const;
 
   std::uint64_t last_event_id() const { return last_event_id_; }
   std::size_t held_blocks() const { return node_of_.size(); }

@@ -12,6 +12,8 @@
 #include "events/event_codec.h"
 #include "events/message_codec.h"
 #include "events/msgpack_reader.h"
+#include "events/worker_codec.h"
+#include "events/worker_publisher.h"
 #include "router/kv_router_service.h"
 #include "transport/memory_bus.h"
 
@@ -34,17 +36,31 @@ Result<Summary> RunOffline(const std::vector<TraceRequest>& trace, const Offline
   if (Status s = svc.Start(); !s.ok()) return s;
   const Subjects& subj = svc.subjects();
 
-  // Engines, registered as workers 1..N, publishing their events through the bus.
+  // Engines, registered as workers 1..N, publishing their events through the bus. A publisher
+  // per worker numbers them and serves the recovery endpoint (PROTOCOL.md section 6), as kvmocker
+  // does over NATS.
+  std::vector<std::unique_ptr<KvEventPublisher>> publishers;
   std::vector<std::unique_ptr<MockEngine>> engines;
+  std::vector<std::unique_ptr<BusSubscription>> recovery;  // before publishers in destruction
   std::vector<std::uint64_t> worker_ids;
+  const MockEngineConfig& ec = o.engine;
   for (std::uint32_t w = 0; w < o.workers; ++w) {
-    MockEngineConfig ec = o.engine;
-    ec.worker_id = w + 1;
-    worker_ids.push_back(ec.worker_id);
-    engines.push_back(std::make_unique<MockEngine>(ec, [&bus, &subj](KvEventBatch&& b) {
-      (void)bus.Publish(subj.kv_events, AsBytes(EncodeDynamoEnvelope(b, {})));
+    const std::uint64_t worker_id = w + 1;
+    worker_ids.push_back(worker_id);
+    KvEventPublisher& pub =
+        *publishers.emplace_back(std::make_unique<KvEventPublisher>(PublisherConfig{.worker_id = worker_id}));
+    engines.push_back(std::make_unique<MockEngine>(ec, [&bus, &subj, &pub](KvEventData&& d) {
+      (void)bus.Publish(subj.kv_events, AsBytes(EncodeDynamoEnvelope(pub.Publish(std::move(d)), {})));
     }));
-    WorkerRegistration reg{.worker_id = ec.worker_id,
+    auto sub = bus.Subscribe(RecoverySubject(cfg->config.ns, cfg->config.component, worker_id, 0), "",
+                             [&bus, &pub](const BusMessage& m) {
+                               if (m.reply.empty()) return;
+                               const RecoveryReply r = pub.Answer(RecoveryQuery::Decode(m.data));
+                               (void)bus.Publish(m.reply, AsBytes(EncodeRecoveryReply(r)));
+                             });
+    if (!sub.ok()) return sub.status();
+    recovery.push_back(std::move(sub).value());
+    WorkerRegistration reg{.worker_id = worker_id,
                            .block_size = ec.block_size,
                            .total_kv_blocks = ec.num_gpu_blocks,
                            .max_num_seqs = ec.max_num_seqs,

@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "events/mock_engine.h"
+#include "router/kvmocker/engine.h"
 #include "router/kvbench/report.h"
 #include "router/kvbench/trace.h"
 
@@ -21,7 +21,7 @@ struct OfflineOptions {
   std::string label;                      // the run's name in reports
   std::vector<std::string> router_flags;  // kvrouter flags, e.g. {"--router-mode", "kv"}
   std::uint32_t workers = 8;
-  MockEngineConfig engine;                // per worker; worker_id is set per worker
+  MockEngineConfig engine;                // per worker (workers are 1..workers, dp rank 0)
   std::uint64_t seed = 1;
   bool progress = false;                  // progress lines on stderr
 };

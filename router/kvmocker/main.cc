@@ -9,7 +9,8 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
-#include "router/kvmocker/mocker.h"
+#include "router/kvmocker/config.h"
+#include "router/kvmocker/fleet.h"
 #include "transport/nats_client.h"
 #include "transport/stop_signals.h"
 

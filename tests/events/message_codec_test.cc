@@ -11,15 +11,6 @@
 namespace kvrouter {
 namespace {
 
-using ::testing::HasSubstr;
-
-template <typename T>
-void ExpectInvalid(const Result<T>& r, std::string_view message_part) {
-  ASSERT_FALSE(r.ok());
-  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
-  EXPECT_THAT(r.status().message(), HasSubstr(std::string(message_part)));
-}
-
 // Packs a map of `n` entries; `pack_fields` writes them.
 template <typename PackFields>
 std::string MapOf(std::uint32_t n, PackFields pack_fields) {

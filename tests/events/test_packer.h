@@ -1,12 +1,13 @@
 // Hand-built msgpack for the codec tests: the non-canonical inputs the encoders never write
-// (negative ints, u8/u16 widths, bin hashes, extra keys, short arrays), plus a check that every
-// truncation of a valid body is refused. Test-only; one TestPacker per test.
+// (negative ints, u8/u16 widths, bin hashes, extra keys, short arrays), plus checks that a decode
+// failed with InvalidArgument and that every truncation of a valid body is refused. Test-only.
 //
 //   TestPacker p;
 //   p.pk.pack_map(1);  p.Key("worker_id");  p.pk.pack_fix_uint8(7);
 //   auto reg = DecodeWorkerRegistration(p.bytes());
 #pragma once
 
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <cstddef>
@@ -35,6 +36,14 @@ struct TestPacker {
   std::string str() const { return {buf.data(), buf.size()}; }
   std::span<const std::byte> bytes() const { return AsBytes(buf); }
 };
+
+// A decode that failed with InvalidArgument whose message contains `message_part`.
+template <typename T>
+void ExpectInvalid(const Result<T>& r, std::string_view message_part) {
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(r.status().message(), ::testing::HasSubstr(std::string(message_part)));
+}
 
 // Every proper prefix of `body` must fail to decode with InvalidArgument.
 template <typename Decode>

@@ -12,15 +12,6 @@
 namespace kvrouter {
 namespace {
 
-using ::testing::HasSubstr;
-
-template <typename T>
-void ExpectInvalid(const Result<T>& r, std::string_view message_part) {
-  ASSERT_FALSE(r.ok());
-  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
-  EXPECT_THAT(r.status().message(), HasSubstr(std::string(message_part)));
-}
-
 KvEventBatch Removed(std::uint64_t worker, std::uint64_t event_id, std::vector<BlockHash> hashes) {
   KvEventBatch b{.worker_id = worker, .sequence = {SequenceKind::kEventId, event_id}};
   b.ops.resize(1);  // (push_back of a braced KvOp trips a GCC 12 -Wmaybe-uninitialized under ASan)
@@ -181,6 +172,27 @@ TEST(RecoveryCodecTest, MissingOrNilEventsAreNone) {
   }
 }
 
+// A recovery reply {kind, events: <packed by pack_events>}.
+template <typename PackEvents>
+std::string ReplyWithEvents(std::string_view kind, PackEvents pack_events) {
+  TestPacker p;
+  p.pk.pack_map(2);
+  p.Key("kind");
+  p.pk.pack(kind);
+  p.Key("events");
+  pack_events(p);
+  return p.str();
+}
+
+// A KvCacheEvent {event_id, data: <a string>}.
+void PackEvent(TestPacker& p, std::uint64_t event_id, std::string_view data) {
+  p.pk.pack_map(2);
+  p.Key("event_id");
+  p.pk.pack(event_id);
+  p.Key("data");
+  p.pk.pack(data);
+}
+
 TEST(RecoveryCodecTest, BadRepliesAreInvalidArgumentNamingThePart) {
   TestPacker no_kind;
   no_kind.pk.pack_map(1);
@@ -188,51 +200,27 @@ TEST(RecoveryCodecTest, BadRepliesAreInvalidArgumentNamingThePart) {
   no_kind.pk.pack(1);
   ExpectInvalid(DecodeRecoveryReply(no_kind.bytes(), 1), "kind");
 
-  TestPacker events_not_array;
-  events_not_array.pk.pack_map(2);
-  events_not_array.Key("kind");
-  events_not_array.pk.pack("events");
-  events_not_array.Key("events");
-  events_not_array.pk.pack(3);
-  ExpectInvalid(DecodeRecoveryReply(events_not_array.bytes(), 1), "events");
+  const auto not_array = ReplyWithEvents("events", [](TestPacker& p) { p.pk.pack(3); });
+  ExpectInvalid(DecodeRecoveryReply(AsBytes(not_array), 1), "events");
 
-  TestPacker bad_second;  // the second event has an unknown kind of data
-  bad_second.pk.pack_map(2);
-  bad_second.Key("kind");
-  bad_second.pk.pack("events");
-  bad_second.Key("events");
-  bad_second.pk.pack_array(2);
-  bad_second.pk.pack_map(2);
-  bad_second.Key("event_id");
-  bad_second.pk.pack(1);
-  bad_second.Key("data");
-  bad_second.pk.pack("cleared");
-  bad_second.pk.pack_map(2);
-  bad_second.Key("event_id");
-  bad_second.pk.pack(2);
-  bad_second.Key("data");
-  bad_second.pk.pack("teleported");
-  ExpectInvalid(DecodeRecoveryReply(bad_second.bytes(), 1), "events[1]");
+  const auto bad_second = ReplyWithEvents("events", [](TestPacker& p) {
+    p.pk.pack_array(2);
+    PackEvent(p, 1, "cleared");
+    PackEvent(p, 2, "teleported");  // an unknown kind of data
+  });
+  ExpectInvalid(DecodeRecoveryReply(AsBytes(bad_second), 1), "events[1]");
 
-  TestPacker event_not_map;
-  event_not_map.pk.pack_map(2);
-  event_not_map.Key("kind");
-  event_not_map.pk.pack("events");
-  event_not_map.Key("events");
-  event_not_map.pk.pack_array(1);
-  event_not_map.pk.pack(5);
-  ExpectInvalid(DecodeRecoveryReply(event_not_map.bytes(), 1), "events[0]");
+  const auto not_map = ReplyWithEvents("events", [](TestPacker& p) {
+    p.pk.pack_array(1);
+    p.pk.pack(5);
+  });
+  ExpectInvalid(DecodeRecoveryReply(AsBytes(not_map), 1), "events[0]");
 
   ExpectInvalid(DecodeRecoveryReply(AsBytes(std::string_view("\xc1", 1)), 1), "");
 }
 
 TEST(RecoveryCodecTest, HugeDeclaredEventArrayIsRefusedWithoutAllocating) {
-  TestPacker p;
-  p.pk.pack_map(2);
-  p.Key("kind");
-  p.pk.pack("tree_dump");
-  p.Key("events");
-  std::string body = p.str() + std::string(kHugeArrayHeader);
+  const std::string body = ReplyWithEvents("tree_dump", [](TestPacker&) {}) + std::string(kHugeArrayHeader);
   auto r = DecodeRecoveryReply(AsBytes(body), 1);
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);

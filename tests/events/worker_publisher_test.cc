@@ -10,6 +10,8 @@
 #include <string>
 #include <vector>
 
+#include "events/msgpack_reader.h"
+
 namespace kvrouter {
 namespace {
 
@@ -133,6 +135,16 @@ TEST_F(KvEventPublisherRecovery, EndBeforeStartIsAnInvalidRange) {
   EXPECT_EQ(r.kind, "invalid_range");
   EXPECT_TRUE(r.events.empty());
   EXPECT_EQ(r.message, "end_event_id 4 < start_event_id 5");
+}
+
+TEST_F(KvEventPublisherRecovery, AnswerRecoversOrReportsABadQuery) {
+  EXPECT_EQ(p_.Answer(RecoveryQuery{.start_event_id = 7, .end_event_id = 8}), p_.Recover(7, 8));
+  EXPECT_EQ(p_.Answer(RecoveryQuery{}), p_.Recover(std::nullopt, std::nullopt));
+  const RecoveryReply bad = p_.Answer(RecoveryQuery::Decode(AsBytes(std::string_view("\x91\x01", 2))));
+  EXPECT_EQ(bad.kind, "error");
+  EXPECT_EQ(bad.last_event_id, 9u);
+  EXPECT_TRUE(bad.events.empty());
+  EXPECT_NE(bad.message.find("must be a map"), std::string::npos) << bad.message;
 }
 
 TEST(KvEventPublisher, WithoutABufferEveryRecoveryIsADump) {

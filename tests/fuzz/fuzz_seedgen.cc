@@ -14,6 +14,7 @@
 #include "events/message_codec.h"
 #include "events/msgpack_reader.h"
 #include "events/vllm_codec.h"
+#include "events/worker_codec.h"
 
 namespace kvrouter {
 namespace {
@@ -153,6 +154,30 @@ bool WriteAll(SeedWriter& w) {
                                   .request_blocks = 3, .cached_tokens = 128, .queued_ms = 0.5}));
   ok &= w.Write("fuzz_route_request", EncodeErrorReply(Status(StatusCode::kTimeout, "late")));
   ok &= w.Write("fuzz_route_request", EncodeLifecycleRequest("r1"));
+
+  ok &= w.Write("fuzz_worker_codec", RecoveryQuery{.start_event_id = 3, .end_event_id = 9}.Encode());
+  ok &= w.Write("fuzz_worker_codec", RecoveryQuery{}.Encode());
+  const KvEventBatch chain = DynamoBatch(StorageTier::kDevice, KvStored{std::nullopt, {{10, 20}, {11, 21}}});
+  const KvEventBatch child = DynamoBatch(StorageTier::kDevice, KvStored{11, {{12, 22}}});
+  ok &= w.Write("fuzz_worker_codec",
+                EncodeRecoveryReply({.kind = "tree_dump", .events = {chain, child}, .last_event_id = 9}));
+  ok &= w.Write("fuzz_worker_codec",
+                EncodeRecoveryReply({.kind = "events",
+                                     .events = {DynamoBatch(StorageTier::kDevice, KvRemoved{{10}}),
+                                                DynamoBatch(StorageTier::kDevice, KvCleared{})},
+                                     .last_event_id = 9}));
+  ok &= w.Write("fuzz_worker_codec",
+                EncodeRecoveryReply({.kind = "too_new", .last_event_id = 2, .message = "later"}));
+  const GenerateRequest generate{.request_id = "g1", .token_ids = {1, 2, 3}, .max_tokens = 4, .dp_rank = 1};
+  ok &= w.Write("fuzz_worker_codec", generate.Encode());
+  ok &= w.Write("fuzz_worker_codec", GenerateResponse{.request_id = "g1", .token_ids = {5}}.Encode());
+  const GenerateResponse final_response{.request_id = "g1", .token_ids = {6, 7}, .index = 1,
+                                        .finish_reason = "length", .cached_tokens = 64,
+                                        .prompt_tokens = 70, .ttft_ms = 3.5};
+  ok &= w.Write("fuzz_worker_codec", final_response.Encode());
+  ok &= w.Write("fuzz_worker_codec",
+                EncodeKvMetrics({.worker_id = 5, .dp_rank = 1, .active_decode_blocks = 300,
+                                 .active_prefill_tokens = 4096}));
   return ok;
 }
 

@@ -1,4 +1,4 @@
-#include "events/mock_engine.h"
+#include "router/kvmocker/engine.h"
 
 #include <gtest/gtest.h>
 
@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "events/worker_publisher.h"
 #include "router/block_index.h"
 
 namespace kvrouter {
@@ -33,21 +34,18 @@ std::vector<SequenceHash> SeqHashes(const std::vector<std::uint32_t>& tokens, st
   return ComputeSequenceHashes(ComputeLocalHashes(tokens, bs, lora));
 }
 
-// An engine on virtual time that records every event and output.
+// An engine on virtual time whose events a publisher of (kWorker, kRank) numbers; records every
+// event and output.
 class EngineHarness {
  public:
-  explicit EngineHarness(MockEngineConfig config)
-      : config_(config), engine_(Config(config), [this](KvEventBatch&& b) {
-          events.push_back(std::move(b));
+  explicit EngineHarness(MockEngineConfig config, std::size_t event_buffer = 1024)
+      : publisher_({.worker_id = kWorker, .dp_rank = kRank, .event_buffer = event_buffer}),
+        engine_(config, [this](KvEventData&& d) {
+          events.push_back(publisher_.Publish(std::move(d)));
         }) {}
 
-  static MockEngineConfig Config(MockEngineConfig c) {
-    c.worker_id = kWorker;
-    c.dp_rank = kRank;
-    return c;
-  }
-
   MockEngine& engine() { return engine_; }
+  KvEventPublisher& publisher() { return publisher_; }
 
   void Add(std::string id, std::vector<std::uint32_t> tokens, std::uint32_t max_tokens = 1,
            std::string lora = {}) {
@@ -82,7 +80,7 @@ class EngineHarness {
   std::vector<EngineOutput> outputs;
 
  private:
-  MockEngineConfig config_;
+  KvEventPublisher publisher_;
   MockEngine engine_;
 };
 
@@ -192,9 +190,9 @@ TEST(MockEngine, StoredTokensInsideTheSinkAreTheTokensOfTheNewBlocksOnly) {
   std::vector<std::vector<std::uint32_t>> stored_tokens;
   std::size_t removals_with_tokens = 0;
   MockEngine* engine = nullptr;
-  MockEngine e({.num_gpu_blocks = 5, .block_size = 4}, [&](KvEventBatch&& b) {
+  MockEngine e({.num_gpu_blocks = 5, .block_size = 4}, [&](KvEventData&& d) {
     const auto t = engine->stored_tokens();
-    if (std::holds_alternative<KvStored>(b.ops.at(0).data)) {
+    if (std::holds_alternative<KvStored>(d)) {
       stored_tokens.emplace_back(t.begin(), t.end());
     } else {
       removals_with_tokens += !t.empty();
@@ -433,9 +431,11 @@ TEST(MockEngine, ReplayingEveryEventIntoABlockIndexReproducesTheCache) {
   BlockIndex index;
   std::uint64_t next_id = 1;
   std::size_t removed = 0, stored = 0;
-  MockEngine engine({.worker_id = kWorker, .dp_rank = kRank, .num_gpu_blocks = 48,
-                     .block_size = kBs, .max_num_seqs = 6, .max_num_batched_tokens = 64},
-                    [&](KvEventBatch&& b) {
+  KvEventPublisher publisher({.worker_id = kWorker, .dp_rank = kRank});
+  MockEngine engine({.num_gpu_blocks = 48, .block_size = kBs, .max_num_seqs = 6,
+                     .max_num_batched_tokens = 64},
+                    [&](KvEventData&& d) {
+                      const KvEventBatch b = publisher.Publish(std::move(d));
                       ASSERT_EQ(b.worker_id, kWorker);
                       ASSERT_EQ(b.dp_rank, kRank);
                       ASSERT_EQ(b.sequence, (EventSequence{SequenceKind::kEventId, next_id}));
@@ -455,7 +455,7 @@ TEST(MockEngine, ReplayingEveryEventIntoABlockIndexReproducesTheCache) {
   auto check = [&] {
     ASSERT_EQ(index.TreeSize(kKey), engine.CachedBlocks());
     BlockIndex dumped;
-    for (const auto& b : engine.Recover(std::nullopt, std::nullopt).events) Apply(dumped, b);
+    for (const auto& b : publisher.Recover(std::nullopt, std::nullopt).events) Apply(dumped, b);
     ASSERT_EQ(dumped.TreeSize(kKey), engine.CachedBlocks());
     for (const auto& seq : prompts) {
       ASSERT_EQ(IndexMatch(index, seq), engine.CachedPrefixBlocks(seq));
@@ -484,7 +484,7 @@ TEST(MockEngine, ReplayingEveryEventIntoABlockIndexReproducesTheCache) {
   }
   while (!engine.Idle()) now += engine.Step(now, outputs);
   check();
-  EXPECT_EQ(engine.last_event_id(), next_id - 1);
+  EXPECT_EQ(publisher.last_event_id(), next_id - 1);
   EXPECT_GT(removed, 100u);  // the workload really evicts
   EXPECT_GT(stored, 200u);
   std::size_t hits = 0;
@@ -504,10 +504,10 @@ class MockEngineRecovery : public ::testing::Test {
     h_.Add("s", Concat(Tokens(500, 8), Tokens(7, 8)));
     h_.RunUntilIdle();
     ASSERT_EQ(h_.events.size(), 9u);
-    ASSERT_EQ(h_.engine().last_event_id(), 9u);
+    ASSERT_EQ(h_.publisher().last_event_id(), 9u);
     ASSERT_EQ(StoredOf(h_.events[8]).parent_hash, SeqHashes(Tokens(500, 8), 4)[1]);
   }
-  EngineHarness h_{{.num_gpu_blocks = 6, .block_size = 4, .event_buffer = 4}};
+  EngineHarness h_{{.num_gpu_blocks = 6, .block_size = 4}, /*event_buffer=*/4};
 };
 
 TEST_F(MockEngineRecovery, EventIdsAreConsecutiveFromOne) {
@@ -517,29 +517,29 @@ TEST_F(MockEngineRecovery, EventIdsAreConsecutiveFromOne) {
 }
 
 TEST_F(MockEngineRecovery, ReturnsTheRequestedRangeFromTheBuffer) {
-  const std::uint64_t last = h_.engine().last_event_id();
-  auto r = h_.engine().Recover(last - 2, last - 1);
+  const std::uint64_t last = h_.publisher().last_event_id();
+  auto r = h_.publisher().Recover(last - 2, last - 1);
   EXPECT_EQ(r.kind, "events");
   EXPECT_EQ(r.last_event_id, last);
   ASSERT_EQ(r.events.size(), 2u);
   EXPECT_EQ(r.events[0], h_.events[last - 3]);
   EXPECT_EQ(r.events[1], h_.events[last - 2]);
 
-  auto open = h_.engine().Recover(last - 3, std::nullopt);  // the oldest buffered id
+  auto open = h_.publisher().Recover(last - 3, std::nullopt);  // the oldest buffered id
   EXPECT_EQ(open.kind, "events");
   ASSERT_EQ(open.events.size(), 4u);
   EXPECT_EQ(open.events.back(), h_.events.back());
 
-  auto clamped = h_.engine().Recover(last, last + 10);
+  auto clamped = h_.publisher().Recover(last, last + 10);
   EXPECT_EQ(clamped.kind, "events");
   ASSERT_EQ(clamped.events.size(), 1u);
 }
 
 TEST_F(MockEngineRecovery, StartOlderThanTheBufferGetsATreeDumpThatRebuildsTheCache) {
-  const std::uint64_t last = h_.engine().last_event_id();
+  const std::uint64_t last = h_.publisher().last_event_id();
   const std::vector<std::optional<std::uint64_t>> starts = {last - 4, 1, std::nullopt};
   for (const auto& start : starts) {
-    auto r = h_.engine().Recover(start, std::nullopt);
+    auto r = h_.publisher().Recover(start, std::nullopt);
     EXPECT_EQ(r.kind, "tree_dump");
     EXPECT_EQ(r.last_event_id, last);
     BlockIndex fresh;
@@ -562,8 +562,8 @@ TEST_F(MockEngineRecovery, StartOlderThanTheBufferGetsATreeDumpThatRebuildsTheCa
 }
 
 TEST_F(MockEngineRecovery, StartBeyondTheLastEventIsTooNew) {
-  const std::uint64_t last = h_.engine().last_event_id();
-  auto r = h_.engine().Recover(last + 1, std::nullopt);
+  const std::uint64_t last = h_.publisher().last_event_id();
+  auto r = h_.publisher().Recover(last + 1, std::nullopt);
   EXPECT_EQ(r.kind, "too_new");
   EXPECT_EQ(r.last_event_id, last);
   EXPECT_TRUE(r.events.empty());
@@ -571,13 +571,13 @@ TEST_F(MockEngineRecovery, StartBeyondTheLastEventIsTooNew) {
 }
 
 TEST_F(MockEngineRecovery, EndBeforeStartIsAnInvalidRange) {
-  auto r = h_.engine().Recover(5, 4);
+  auto r = h_.publisher().Recover(5, 4);
   EXPECT_EQ(r.kind, "invalid_range");
   EXPECT_TRUE(r.events.empty());
 }
 
 TEST(MockEngineRecoveryDump, TreeDumpListsParentsBeforeChildren) {
-  EngineHarness h({.block_size = 4, .event_buffer = 0});
+  EngineHarness h({.block_size = 4}, /*event_buffer=*/0);
   // A branching tree: P0 P1 {A2 A3, B2, C2 C3 C4}, and Q0.
   const auto p = Tokens(1, 8);
   h.Add("a", Concat(p, Tokens(100, 8)));
@@ -585,7 +585,7 @@ TEST(MockEngineRecoveryDump, TreeDumpListsParentsBeforeChildren) {
   h.Add("c", Concat(p, Tokens(300, 12)));
   h.Add("q", Tokens(900, 4));
   h.RunUntilIdle();
-  auto r = h.engine().Recover(1, std::nullopt);  // nothing buffered
+  auto r = h.publisher().Recover(1, std::nullopt);  // nothing buffered
   ASSERT_EQ(r.kind, "tree_dump");
   std::vector<BlockHash> seen;
   std::size_t blocks = 0;

@@ -1,19 +1,11 @@
-// MockEngine: a simulated vLLM-like engine for kvmocker and offline replays. A paged KV cache
-// with prefix caching and LRU eviction, a FIFO scheduler bounded by max_num_seqs and
-// max_num_batched_tokens, the timing model of DESIGN.md "Mock worker", and the KV events
-// (PROTOCOL.md sections 1, 2) and recovery replies (section 6) a Dynamo worker would publish.
+// MockEngine: a simulated vLLM-like engine for kvmocker and offline replays: a paged KV cache with
+// prefix caching and LRU eviction, a FIFO scheduler bounded by max_num_seqs and
+// max_num_batched_tokens, DESIGN.md's timing model, and the cache changes (KvEventData) that a
+// KvEventPublisher (events/worker_publisher.h) numbers, buffers and serves recovery from.
+// Thread contract: not thread-safe, no threads, no clock: the owner drives it with virtual time
+// through Step(); the sink runs synchronously inside Step() and must not call back into the engine.
 //
-// Thread contract: not thread-safe, no threads of its own, no clock: the owner drives it with
-// virtual time through Step(). The event sink is called synchronously from inside Step(), in
-// event-id order, and must not call back into the engine. The engine owns its cache and a ring
-// buffer of the last `event_buffer` events; each event handed to the sink is the caller's.
-//
-//   MockEngine e({.worker_id = 7}, [&](KvEventBatch&& b) { publish(b); });
-//   e.Add({.id = "r1", .tokens = prompt, .max_tokens = 16});
-//   for (double now = 0; !e.Idle();) now += e.Step(now, outputs);
-//
-// Simplifications: only the prompt's full blocks occupy the cache; generated tokens and the
-// trailing partial prompt block take no blocks and are never cached. Prefills are not chunked.
+//   MockEngine e({.block_size = 64}, [&](KvEventData&& d) { Send(publisher.Publish(std::move(d))); });
 #pragma once
 
 #include <cstddef>
@@ -29,19 +21,15 @@
 
 #include "events/block_hash.h"
 #include "events/kv_event.h"
-#include "events/worker_codec.h"
 
 namespace kvrouter {
 
 struct MockEngineConfig {
-  std::uint64_t worker_id = 0;                // worker_id of every published event
-  std::uint32_t dp_rank = 0;                  // dp_rank of every published event
   std::uint32_t num_gpu_blocks = 16384;       // KV cache capacity in blocks
   std::uint32_t block_size = 64;              // tokens per block (> 0)
   std::uint32_t max_num_seqs = 256;           // running requests at most
   std::uint32_t max_num_batched_tokens = 8192;  // uncached prompt tokens prefilled per step
   double speedup_ratio = 1.0;                 // divides every duration (> 0)
-  std::size_t event_buffer = 1024;            // events kept for Recover
 };
 
 // The timing model of DESIGN.md, in ms, divided by `speedup`.
@@ -71,10 +59,15 @@ struct EngineOutput {
   std::uint32_t output_tokens = 0;  // generated so far (1 at the first token)
 };
 
+// Simplifications: only the prompt's full blocks occupy the cache; generated tokens and the
+// trailing partial prompt block take no blocks and are never cached. Prefills are not chunked.
+//   MockEngine e(config, sink);  e.Add({.id = "r1", .tokens = prompt, .max_tokens = 16});
+//   for (double now = 0; !e.Idle();) now += e.Step(now, outputs);
 class MockEngine {
  public:
-  // Receives every KV event, in event-id order, synchronously from Step(). May be empty.
-  using EventSink = std::function<void(KvEventBatch&&)>;
+  // Receives every change of the cache (device tier), in order, synchronously from Step(): a
+  // stored chain, removed (evicted) blocks. The data is the sink's. May be empty.
+  using EventSink = std::function<void(KvEventData&&)>;
 
   MockEngine(MockEngineConfig config, EventSink sink);
 
@@ -101,16 +94,6 @@ class MockEngine {
   std::size_t NumRunning() const { return running_.size(); }
   // Leading blocks of a sequence (its sequence hashes, PROTOCOL.md section 1) in the cache.
   std::size_t CachedPrefixBlocks(std::span<const SequenceHash> seq_hashes) const;
-
-  // Recovery (PROTOCOL.md section 6), ids inclusive:
-  //   start nullopt, or older than the ring buffer  -> "tree_dump": stored chains rebuilding the
-  //       whole cache, parents before children, each with sequence value last_event_id;
-  //   end < start                                   -> "invalid_range";
-  //   start > last_event_id                          -> "too_new";
-  //   otherwise                                      -> "events" [start, min(end, last_event_id)].
-  RecoveryReply Recover(std::optional<std::uint64_t> start,
-                        std::optional<std::uint64_t> end) const;
-  std::uint64_t last_event_id() const { return last_event_id_; }
 
   // Inside the sink, while it receives a stored event: the prompt tokens of the chain's blocks
   // (block k holds [k * block_size, (k + 1) * block_size)), for publishers whose wire format
@@ -158,8 +141,6 @@ class MockEngine {
   // and every cached block's parent stays cached (the published tree has no orphans).
   std::list<SequenceHash> lru_;
   std::size_t active_blocks_ = 0;
-  std::uint64_t last_event_id_ = 0;
-  std::deque<KvEventBatch> recent_;  // the last event_buffer events, oldest first
   std::span<const std::uint32_t> stored_tokens_;  // set only around the sink call of a stored event
 };
 

@@ -1,4 +1,4 @@
-#include "events/mock_engine.h"
+#include "router/kvmocker/engine.h"
 
 #include <algorithm>
 #include <cassert>
@@ -105,15 +105,7 @@ void MockEngine::Allocate(const Waiting& w, std::size_t hits) {
 }
 
 void MockEngine::Publish(KvEventData data) {
-  KvEventBatch batch{.worker_id = config_.worker_id,
-                     .dp_rank = config_.dp_rank,
-                     .sequence = {SequenceKind::kEventId, ++last_event_id_}};
-  batch.ops.push_back({StorageTier::kDevice, std::move(data)});
-  if (config_.event_buffer > 0) {
-    recent_.push_back(batch);
-    if (recent_.size() > config_.event_buffer) recent_.pop_front();
-  }
-  if (sink_) sink_(std::move(batch));
+  if (sink_) sink_(std::move(data));
 }
 
 double MockEngine::Step(double now_ms, std::vector<EngineOutput>& outputs) {
@@ -181,62 +173,6 @@ double MockEngine::Step(double now_ms, std::vector<EngineOutput>& outputs) {
     return true;
   });
   return duration;
-}
-
-RecoveryReply MockEngine::Recover(std::optional<std::uint64_t> start,
-                                              std::optional<std::uint64_t> end) const {
-  RecoveryReply reply;
-  reply.last_event_id = last_event_id_;
-  if (start && end && *end < *start) {
-    reply.kind = "invalid_range";
-    reply.message = "end_event_id " + std::to_string(*end) + " < start_event_id " +
-                    std::to_string(*start);
-    return reply;
-  }
-  if (start && *start > last_event_id_) {
-    reply.kind = "too_new";
-    reply.message = "start_event_id " + std::to_string(*start) + " > last_event_id " +
-                    std::to_string(last_event_id_);
-    return reply;
-  }
-  const std::uint64_t oldest = last_event_id_ - recent_.size() + 1;  // recent_ ends at last
-  if (start && !recent_.empty() && *start >= oldest) {
-    reply.kind = "events";
-    const std::uint64_t last = end ? std::min(*end, last_event_id_) : last_event_id_;
-    for (std::uint64_t id = *start; id <= last; ++id) reply.events.push_back(recent_[id - oldest]);
-    return reply;
-  }
-
-  // Tree dump: chains from a depth-first walk; a chain starting below an earlier chain's block
-  // is emitted after that chain, so parents always come before children.
-  reply.kind = "tree_dump";
-  std::unordered_map<SequenceHash, std::vector<SequenceHash>> children;
-  std::vector<std::pair<std::optional<SequenceHash>, SequenceHash>> pending;  // (parent, head)
-  for (const auto& [seq, b] : blocks_) {
-    if (b.parent) {
-      children[*b.parent].push_back(seq);
-    } else {
-      pending.push_back({std::nullopt, seq});
-    }
-  }
-  while (!pending.empty()) {
-    auto [parent, cur] = pending.back();
-    pending.pop_back();
-    KvStored chain{.parent_hash = parent};
-    for (;;) {
-      chain.blocks.push_back({cur, blocks_.at(cur).local});
-      auto it = children.find(cur);
-      if (it == children.end()) break;
-      for (std::size_t i = 1; i < it->second.size(); ++i) pending.push_back({cur, it->second[i]});
-      cur = it->second[0];
-    }
-    KvEventBatch batch{.worker_id = config_.worker_id,
-                       .dp_rank = config_.dp_rank,
-                       .sequence = {SequenceKind::kEventId, last_event_id_}};
-    batch.ops.push_back({StorageTier::kDevice, std::move(chain)});
-    reply.events.push_back(std::move(batch));
-  }
-  return reply;
 }
 
 }  // namespace kvrouter

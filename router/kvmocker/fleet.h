@@ -1,18 +1,8 @@
-// kvmocker: many simulated vLLM-like workers in one process, on NATS (DESIGN.md "Mock worker").
-//
-// MockWorkerFleet runs num_workers workers of dp_size ranks each, one MockEngine per rank, and
-// speaks the worker side of PROTOCOL.md: registration heartbeats (section 4), KV events in the
-// Dynamo (section 2) or vLLM (section 3) format, the recovery endpoint (section 6) and the
-// generate endpoint (section 7), with the codecs of events/worker_codec.h.
-//
-// Threads: NATS delivery threads (one per subscription) only decode generate requests and push
-// them into a bounded inbox. One engine thread owns the engines: it sleeps until the earliest
-// step end, a heartbeat or a new request, steps every engine whose previous step has ended on
-// real time (virtual ms = steady-clock ms since Start; engine durations are already divided by
-// the speedup ratio), and publishes events (as they happen), responses (at the step's end) and
-// heartbeats. A recovery request reads its engine under engine_mu_ from its delivery thread.
-// Start and Stop are called from one controlling thread. The fleet borrows the NatsClient, which
-// must outlive it.
+// MockWorkerFleet: kvmocker's simulated vLLM-like workers in one process, on NATS: registration
+// heartbeats (PROTOCOL.md section 4), KV events in the Dynamo (2) or vLLM (3) format, the
+// recovery (6) and generate (7) endpoints; one MockEngine and one KvEventPublisher per rank.
+// Threads: see the class. Start and Stop are called from one controlling thread; the fleet
+// borrows the NatsClient, which must outlive it.
 //
 //   MockWorkerFleet fleet(config, **nc);  if (Status s = fleet.Start(); !s.ok()) ...;  fleet.Stop();
 #pragma once
@@ -22,8 +12,6 @@
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
-#include <functional>
-#include <limits>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -34,54 +22,23 @@
 #include <unordered_map>
 #include <vector>
 
-#include <msgpack.hpp>
-
-#include "events/mock_engine.h"
 #include "events/status.h"
 #include "events/worker_codec.h"
-#include "router/flags.h"
+#include "events/worker_publisher.h"
+#include "router/kvmocker/config.h"
+#include "router/kvmocker/engine.h"
 #include "transport/log.h"
 #include "transport/nats_client.h"
 
 namespace kvrouter {
 
-enum class MockEventFormat { kDynamo, kVllm };
-
-// Every kvmocker flag. Each can also come from the environment: DYN_<FLAG_IN_UPPER_SNAKE_CASE>
-// (DYN_NUM_WORKERS=4), NATS_SERVER for --nats-server; the command line wins.
-struct MockerConfig {
-  std::string nats_server = "nats://127.0.0.1:4222";  // --nats-server / NATS_SERVER
-  std::string ns = "dynamo";                          // --namespace
-  std::string component = "backend";                  // --component
-  std::uint32_t num_workers = 1;                      // --num-workers [1, 1024]
-  // --worker-id-base: worker i has id base + i. nullopt (the default): a random number in
-  // [1, 2^48) chosen by the fleet, so two processes do not collide.
-  std::optional<std::uint64_t> worker_id_base;
-  std::uint32_t dp_size = 1;                          // --dp-size [1, 64]: ranks [0, dp_size)
-  std::uint32_t num_gpu_blocks = 16384;               // --num-gpu-blocks >= 1, per rank
-  std::uint32_t block_size = 64;                      // --block-size [1, 65536]
-  std::uint32_t max_num_seqs = 256;                   // --max-num-seqs >= 1
-  std::uint32_t max_num_batched_tokens = 8192;        // --max-num-batched-tokens >= 1
-  double speedup_ratio = 1.0;                         // --speedup-ratio > 0 (divides durations)
-  MockEventFormat event_format = MockEventFormat::kDynamo;  // --event-format dynamo|vllm
-  std::uint32_t heartbeat_ms = 1000;                  // --heartbeat-ms >= 10
-  std::uint32_t lease_ms = 3000;                      // --lease-ms > heartbeat-ms
-  std::string device = "gpu";                         // --device, non-empty
-};
-// num_workers * dp_size is at most this: every rank costs a subscription (a nats.c thread).
-inline constexpr std::uint32_t kMaxMockRanks = 1024;
-
-
-struct ParsedMockerArgs {
-  MockerConfig config;
-  bool help = false;      // --help: print help_text and exit 0
-  std::string help_text;
-};
-// Parses argv (argv[0] is the program) and the environment. Unknown flags and bad values give
-// InvalidArgument naming the flag (and the variable, for a value from the environment).
-Result<ParsedMockerArgs> ParseMockerConfig(int argc, const char* const* argv, const EnvLookup& env);
-
-// ---------------------------------------------------------------------------------------------
+// num_workers workers of dp_size ranks each. NATS delivery threads (one per subscription) only
+// decode generate requests and push them into a bounded inbox. One engine thread owns the
+// engines: it sleeps until the earliest step end, a heartbeat or a new request, steps every
+// engine whose previous step has ended on real time (virtual ms = steady-clock ms since Start;
+// engine durations are already divided by the speedup ratio), and publishes events (as they
+// happen), responses (at the step's end) and heartbeats. A recovery request reads its rank's
+// publisher under engine_mu_ from its delivery thread.
 class MockWorkerFleet {
  public:
   // Counters since construction (a snapshot).
@@ -115,6 +72,7 @@ class MockWorkerFleet {
   struct Rank {
     std::size_t worker_index = 0;
     std::uint32_t dp_rank = 0;
+    std::unique_ptr<KvEventPublisher> publisher;  // numbers the engine's events, serves recovery
     std::unique_ptr<MockEngine> engine;
     bool stepping = false;                // a step is in progress until step_end_ms
     double step_end_ms = 0;
@@ -141,7 +99,7 @@ class MockWorkerFleet {
   // earliest end of a step in progress (infinity when all are idle). Under engine_mu_.
   double AdvanceEngines(std::vector<GenerateJob>& jobs, double now_ms);
   void DeliverOutputs(Rank& rank);                      // under engine_mu_
-  void PublishEvent(Rank& rank, KvEventBatch&& batch);  // the engine sink, under engine_mu_
+  void PublishEvent(Rank& rank, KvEventBatch&& batch);  // from the engine sink, under engine_mu_
   void PublishRegistrations(bool leaving);
   void OnGenerate(std::size_t worker_index, const IncomingMessage& m);
   void OnRecovery(std::size_t rank_index, const IncomingMessage& m);
@@ -156,7 +114,7 @@ class MockWorkerFleet {
   const std::chrono::steady_clock::time_point start_;
   RateLimitedLog log_;
 
-  // Engine state: written by the engine thread; OnRecovery reads an engine. Ranks are created by
+  // Engine state: written by the engine thread; OnRecovery reads a publisher. Ranks are created by
   // the constructor and never move (the engine sinks point at them).
   std::mutex engine_mu_;
   std::vector<std::unique_ptr<Rank>> ranks_;               // GUARDED_BY(engine_mu_); worker i

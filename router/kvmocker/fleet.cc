@@ -1,16 +1,10 @@
-#include "router/kvmocker/mocker.h"
+#include "router/kvmocker/fleet.h"
 
-#include "router/flags.h"
-
-#include <boost/program_options.hpp>
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <cctype>
-#include <charconv>
-#include <cmath>
+#include <limits>
 #include <random>
-#include <sstream>
 #include <utility>
 
 #include "events/event_codec.h"
@@ -19,25 +13,10 @@
 #include "events/vllm_codec.h"
 
 namespace kvrouter {
-namespace po = boost::program_options;
 
 namespace {
 
 constexpr double kInfinity = std::numeric_limits<double>::infinity();
-
-Status OutOfRange(std::string_view flag, std::string_view range) { return FlagOutOfRange(flag, range); }
-
-// An integer flag in [lo, hi] (read as int64 so "-1" is refused rather than wrapped).
-Result<std::uint32_t> U32Flag(const po::variables_map& vm, const char* flag, std::int64_t lo,
-                              std::int64_t hi) {
-  const std::int64_t v = vm[flag].as<std::int64_t>();
-  if (v < lo || v > hi) {
-    return hi == std::numeric_limits<std::uint32_t>::max()
-               ? OutOfRange(flag, fmt::format(">= {}", lo))
-               : OutOfRange(flag, fmt::format("in [{}, {}]", lo, hi));
-  }
-  return static_cast<std::uint32_t>(v);
-}
 
 double UnixSeconds() {
   return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
@@ -61,104 +40,6 @@ std::string PeekRequestId(std::span<const std::byte> body) {
 }
 
 }  // namespace
-
-// ---------------------------------------------------------------------------------------------
-// Flags.
-
-Result<ParsedMockerArgs> ParseMockerConfig(int argc, const char* const* argv, const EnvLookup& env) {
-  const MockerConfig d;
-  po::options_description desc(
-      "kvmocker options (each also read from DYN_<FLAG> in the environment, NATS_SERVER for "
-      "--nats-server)");
-  // clang-format off
-  desc.add_options()
-    ("help,h", "print this help and exit")
-    ("nats-server", po::value<std::string>()->default_value(d.nats_server), "NATS server URL")
-    ("namespace", po::value<std::string>()->default_value(d.ns), "namespace of the subjects")
-    ("component", po::value<std::string>()->default_value(d.component), "worker component name")
-    ("num-workers", po::value<std::int64_t>()->default_value(d.num_workers), "workers in this process [1, 1024]")
-    ("worker-id-base", po::value<std::string>(), "id of the first worker (default: random in [1, 2^48))")
-    ("dp-size", po::value<std::int64_t>()->default_value(d.dp_size), "data-parallel ranks per worker [1, 64], one engine each")
-    ("num-gpu-blocks", po::value<std::int64_t>()->default_value(d.num_gpu_blocks), "KV cache blocks per rank (>= 1)")
-    ("block-size", po::value<std::int64_t>()->default_value(d.block_size), "tokens per KV block [1, 65536]")
-    ("max-num-seqs", po::value<std::int64_t>()->default_value(d.max_num_seqs), "running requests per rank (>= 1)")
-    ("max-num-batched-tokens", po::value<std::int64_t>()->default_value(d.max_num_batched_tokens), "uncached prompt tokens prefilled per step (>= 1)")
-    ("speedup-ratio", po::value<double>()->default_value(d.speedup_ratio), "divides every simulated duration (> 0)")
-    ("event-format", po::value<std::string>()->default_value("dynamo"), "dynamo | vllm")
-    ("heartbeat-ms", po::value<std::int64_t>()->default_value(d.heartbeat_ms), "registration period in ms (>= 10)")
-    ("lease-ms", po::value<std::int64_t>()->default_value(d.lease_ms), "lease announced to the router in ms (> heartbeat-ms)")
-    ("device", po::value<std::string>()->default_value(d.device), "device announced to the router (gpu, cpu, ...)");
-  // clang-format on
-
-  ParsedMockerArgs out;
-  // The command line, then DYN_<FLAG> / NATS_SERVER for flags it does not give.
-  auto flags = ParseFlags(desc, argc, argv, env);
-  if (!flags.ok()) return flags.status();
-  if (flags->help) {
-    out.help = true;
-    out.help_text = flags->help_text;
-    return out;
-  }
-  const po::variables_map& vm = flags->vm;
-
-  MockerConfig& c = out.config;
-  c.nats_server = vm["nats-server"].as<std::string>();
-  c.ns = vm["namespace"].as<std::string>();
-  c.component = vm["component"].as<std::string>();
-  if (c.ns.empty()) return OutOfRange("namespace", "non-empty");
-  if (c.component.empty()) return OutOfRange("component", "non-empty");
-  constexpr std::int64_t kU32Max = std::numeric_limits<std::uint32_t>::max();
-  struct U32Field {
-    const char* flag;
-    std::int64_t lo, hi;
-    std::uint32_t& out;
-  };
-  for (const U32Field& f : {U32Field{"num-workers", 1, kMaxMockRanks, c.num_workers},
-                            U32Field{"dp-size", 1, 64, c.dp_size},
-                            U32Field{"num-gpu-blocks", 1, kU32Max, c.num_gpu_blocks},
-                            U32Field{"block-size", 1, 65536, c.block_size},
-                            U32Field{"max-num-seqs", 1, kU32Max, c.max_num_seqs},
-                            U32Field{"max-num-batched-tokens", 1, kU32Max, c.max_num_batched_tokens},
-                            U32Field{"heartbeat-ms", 10, kU32Max, c.heartbeat_ms},
-                            U32Field{"lease-ms", 1, kU32Max, c.lease_ms}}) {
-    auto v = U32Flag(vm, f.flag, f.lo, f.hi);
-    if (!v.ok()) return v.status();
-    f.out = *v;
-  }
-  if (static_cast<std::uint64_t>(c.num_workers) * c.dp_size > kMaxMockRanks) {
-    return InvalidArgument(fmt::format("--num-workers * --dp-size must be at most {} (got {} * {})",
-                                       kMaxMockRanks, c.num_workers, c.dp_size));
-  }
-  if (c.lease_ms <= c.heartbeat_ms) {
-    return InvalidArgument(fmt::format("--lease-ms ({}) must be greater than --heartbeat-ms ({})",
-                                       c.lease_ms, c.heartbeat_ms));
-  }
-  if (vm.count("worker-id-base")) {
-    const std::string s = vm["worker-id-base"].as<std::string>();
-    std::uint64_t base = 0;
-    auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), base);
-    const std::uint64_t max_base = std::numeric_limits<std::uint64_t>::max() - (c.num_workers - 1);
-    if (ec != std::errc() || end != s.data() + s.size() || base > max_base) {
-      return OutOfRange("worker-id-base", fmt::format("an integer in [0, {}]", max_base));
-    }
-    c.worker_id_base = base;
-  }
-  c.speedup_ratio = vm["speedup-ratio"].as<double>();
-  if (!(c.speedup_ratio > 0) || !std::isfinite(c.speedup_ratio)) {
-    return OutOfRange("speedup-ratio", "a finite number > 0");
-  }
-  const std::string format = vm["event-format"].as<std::string>();
-  if (format == "dynamo") {
-    c.event_format = MockEventFormat::kDynamo;
-  } else if (format == "vllm") {
-    c.event_format = MockEventFormat::kVllm;
-  } else {
-    return OutOfRange("event-format", "dynamo or vllm");
-  }
-  c.device = vm["device"].as<std::string>();
-  if (c.device.empty()) return OutOfRange("device", "non-empty");
-  return out;
-}
 
 // ---------------------------------------------------------------------------------------------
 // MockWorkerFleet.
@@ -190,15 +71,15 @@ MockWorkerFleet::MockWorkerFleet(MockerConfig config, NatsClient& nats)
       rank->worker_index = w;
       rank->dp_rank = d;
       Rank* r = rank.get();
+      rank->publisher =
+          std::make_unique<KvEventPublisher>(PublisherConfig{.worker_id = base + w, .dp_rank = d});
       rank->engine = std::make_unique<MockEngine>(
-          MockEngineConfig{.worker_id = base + w,
-                           .dp_rank = d,
-                           .num_gpu_blocks = config_.num_gpu_blocks,
+          MockEngineConfig{.num_gpu_blocks = config_.num_gpu_blocks,
                            .block_size = config_.block_size,
                            .max_num_seqs = config_.max_num_seqs,
                            .max_num_batched_tokens = config_.max_num_batched_tokens,
                            .speedup_ratio = config_.speedup_ratio},
-          [this, r](KvEventBatch&& b) { PublishEvent(*r, std::move(b)); });
+          [this, r](KvEventData&& data) { PublishEvent(*r, r->publisher->Publish(std::move(data))); });
       ranks_.push_back(std::move(rank));
     }
   }
@@ -229,7 +110,7 @@ Status MockWorkerFleet::Start() {
     for (std::uint32_t d = 0; d < config_.dp_size; ++d) {
       const std::size_t index = w * config_.dp_size + d;
       auto q = nats_.Subscribe(
-          fmt::format("{}kv_indexer_query.{}.{}", prefix_, worker_ids_[w], d), "",
+          RecoverySubject(config_.ns, config_.component, worker_ids_[w], d), "",
           [this, index](const IncomingMessage& m) { OnRecovery(index, m); });
       if (!q.ok()) return q.status();
       subscriptions_.push_back(std::move(q).value());
@@ -348,18 +229,11 @@ void MockWorkerFleet::OnRecovery(std::size_t rank_index, const IncomingMessage& 
     ++bad_requests_;
     return;
   }
-  auto query = RecoveryQuery::Decode(m.data);
+  const auto query = RecoveryQuery::Decode(m.data);
   RecoveryReply reply;
   {
     std::lock_guard g(engine_mu_);
-    const MockEngine& engine = *ranks_[rank_index]->engine;
-    if (query.ok()) {
-      reply = engine.Recover(query->start_event_id, query->end_event_id);
-    } else {
-      reply.kind = "error";
-      reply.message = query.status().message();
-      reply.last_event_id = engine.last_event_id();
-    }
+    reply = ranks_[rank_index]->publisher->Answer(query);
   }
   if (!query.ok()) {
     ++bad_requests_;

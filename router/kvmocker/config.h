@@ -1,0 +1,52 @@
+// kvmocker's configuration: every flag of the kvmocker program (DESIGN.md "Mock worker") in one
+// typed struct, parsed once from the command line and the DYN_* environment (router/flags.h).
+// Thread-safe (pure; the environment is read through the caller's lookup).
+//
+//   auto parsed = ParseMockerConfig(argc, argv, [](const char* n) { return std::getenv(n); });
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "events/status.h"
+#include "router/flags.h"
+
+namespace kvrouter {
+
+enum class MockEventFormat { kDynamo, kVllm };
+
+// Every kvmocker flag. Each can also come from the environment: DYN_<FLAG_IN_UPPER_SNAKE_CASE>
+// (DYN_NUM_WORKERS=4), NATS_SERVER for --nats-server; the command line wins.
+struct MockerConfig {
+  std::string nats_server = "nats://127.0.0.1:4222";  // --nats-server / NATS_SERVER
+  std::string ns = "dynamo";                          // --namespace
+  std::string component = "backend";                  // --component
+  std::uint32_t num_workers = 1;                      // --num-workers [1, 1024]
+  // --worker-id-base: worker i has id base + i. nullopt (the default): a random number in
+  // [1, 2^48) chosen by the fleet, so two processes do not collide.
+  std::optional<std::uint64_t> worker_id_base;
+  std::uint32_t dp_size = 1;                          // --dp-size [1, 64]: ranks [0, dp_size)
+  std::uint32_t num_gpu_blocks = 16384;               // --num-gpu-blocks >= 1, per rank
+  std::uint32_t block_size = 64;                      // --block-size [1, 65536]
+  std::uint32_t max_num_seqs = 256;                   // --max-num-seqs >= 1
+  std::uint32_t max_num_batched_tokens = 8192;        // --max-num-batched-tokens >= 1
+  double speedup_ratio = 1.0;                         // --speedup-ratio > 0 (divides durations)
+  MockEventFormat event_format = MockEventFormat::kDynamo;  // --event-format dynamo|vllm
+  std::uint32_t heartbeat_ms = 1000;                  // --heartbeat-ms >= 10
+  std::uint32_t lease_ms = 3000;                      // --lease-ms > heartbeat-ms
+  std::string device = "gpu";                         // --device, non-empty
+};
+// num_workers * dp_size is at most this: every rank costs a subscription (a nats.c thread).
+inline constexpr std::uint32_t kMaxMockRanks = 1024;
+
+struct ParsedMockerArgs {
+  MockerConfig config;
+  bool help = false;      // --help: print help_text and exit 0
+  std::string help_text;
+};
+// Parses argv (argv[0] is the program) and the environment. Unknown flags and bad values give
+// InvalidArgument naming the flag (and the variable, for a value from the environment).
+Result<ParsedMockerArgs> ParseMockerConfig(int argc, const char* const* argv, const EnvLookup& env);
+
+}  // namespace kvrouter
