@@ -172,17 +172,11 @@ Result<ParsedArgs> ParseRouterConfig(int argc, const char* const* argv, const En
       {"no-router-track-prefill-tokens",
        boolean_rule("DYN_ROUTER_TRACK_PREFILL_TOKENS", "", "--no-router-track-prefill-tokens")},
   };
-  auto flags = ParseFlags(Describe(), argc, argv, env, rules);
-  if (!flags.ok()) return flags.status();
-  ParsedArgs out;
-  if (flags->help) {
-    out.help = true;
-    out.help_text = flags->help_text;
-    return out;
-  }
-  if (Status s = ReadRouting(flags->vm, out.config); !s.ok()) return s;
-  if (Status s = ReadLimits(flags->vm, out.config); !s.ok()) return s;
-  return out;
+  return ParseProgram<RouterConfig>(Describe(), argc, argv, env, rules,
+                                    [](const po::variables_map& vm, RouterConfig& c) {
+                                      if (Status s = ReadRouting(vm, c); !s.ok()) return s;
+                                      return ReadLimits(vm, c);
+                                    });
 }
 
 }  // namespace kvrouter

@@ -76,11 +76,7 @@ struct RouterConfig {
 
 // Parses argv (argv[0] is the program) and the environment. Unknown flags and bad values give
 // InvalidArgument naming the flag; --help gives help = true and the help text.
-struct ParsedArgs {
-  RouterConfig config;
-  bool help = false;        // --help was given: print help_text and exit 0
-  std::string help_text;    // every flag with its default
-};
+using ParsedArgs = ProgramArgs<RouterConfig>;
 Result<ParsedArgs> ParseRouterConfig(int argc, const char* const* argv, const EnvLookup& env);
 
 }  // namespace kvrouter

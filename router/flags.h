@@ -55,4 +55,30 @@ Result<ParsedFlags> ParseFlags(const boost::program_options::options_description
                                const char* const* argv, const EnvLookup& env,
                                const std::map<std::string, EnvRule>& rules = {});
 
+// What a program's flag parser returns: its typed config, or --help's text.
+template <typename Config>
+struct ProgramArgs {
+  Config config;
+  bool help = false;      // --help was given: print help_text and exit 0
+  std::string help_text;  // every flag with its default
+};
+
+// ParseFlags, then (unless --help was given) `read(vm, config)`, which validates and returns
+// InvalidArgument naming the flag for a bad value.
+template <typename Config, typename Read>
+Result<ProgramArgs<Config>> ParseProgram(const boost::program_options::options_description& desc, int argc,
+                                         const char* const* argv, const EnvLookup& env,
+                                         const std::map<std::string, EnvRule>& rules, Read&& read) {
+  auto flags = ParseFlags(desc, argc, argv, env, rules);
+  if (!flags.ok()) return flags.status();
+  ProgramArgs<Config> out;
+  if (flags->help) {
+    out.help = true;
+    out.help_text = flags->help_text;
+    return out;
+  }
+  if (Status s = read(flags->vm, out.config); !s.ok()) return s;
+  return out;
+}
+
 }  // namespace kvrouter

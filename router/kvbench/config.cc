@@ -81,20 +81,7 @@ std::vector<BenchRun> Runs(const po::variables_map& vm) {
   return runs;
 }
 
-}  // namespace
-
-Result<ParsedBenchArgs> ParseBenchConfig(int argc, const char* const* argv, const EnvLookup& env) {
-  const po::options_description desc = Describe();
-  auto flags = ParseFlags(desc, argc, argv, env);
-  if (!flags.ok()) return flags.status();
-  ParsedBenchArgs out;
-  if (flags->help) {
-    out.help = true;
-    out.help_text = flags->help_text;
-    return out;
-  }
-  const po::variables_map& vm = flags->vm;
-  BenchConfig& c = out.config;
+Status ReadBenchConfig(const po::variables_map& vm, BenchConfig& c) {
   c.offline = vm["offline"].as<bool>();
   if (!c.offline && vm["compare"].as<bool>()) {
     return InvalidArgument("--compare runs several router modes and needs --offline (online, the running router's "
@@ -139,7 +126,13 @@ Result<ParsedBenchArgs> ParseBenchConfig(int argc, const char* const* argv, cons
   off.progress = true;
   c.runs = Runs(vm);
   if (vm.count("json")) c.json_path = vm["json"].as<std::string>();
-  return out;
+  return Status::Ok();
+}
+
+}  // namespace
+
+Result<ParsedBenchArgs> ParseBenchConfig(int argc, const char* const* argv, const EnvLookup& env) {
+  return ParseProgram<BenchConfig>(Describe(), argc, argv, env, {}, ReadBenchConfig);
 }
 
 Result<std::vector<TraceRequest>> LoadWorkload(const BenchConfig& c) {

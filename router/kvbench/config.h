@@ -38,11 +38,7 @@ struct BenchConfig {
   std::optional<std::string> json_path;      // --json
 };
 
-struct ParsedBenchArgs {
-  BenchConfig config;
-  bool help = false;
-  std::string help_text;
-};
+using ParsedBenchArgs = ProgramArgs<BenchConfig>;
 // Parses argv (argv[0] is the program) and the environment. Bad values give InvalidArgument
 // naming the flag.
 Result<ParsedBenchArgs> ParseBenchConfig(int argc, const char* const* argv, const EnvLookup& env);

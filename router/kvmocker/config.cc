@@ -28,9 +28,7 @@ Result<std::uint32_t> U32Flag(const po::variables_map& vm, const char* flag, std
   return static_cast<std::uint32_t>(v);
 }
 
-}  // namespace
-
-Result<ParsedMockerArgs> ParseMockerConfig(int argc, const char* const* argv, const EnvLookup& env) {
+po::options_description Describe() {
   const MockerConfig d;
   po::options_description desc(
       "kvmocker options (each also read from DYN_<FLAG> in the environment, NATS_SERVER for "
@@ -54,19 +52,10 @@ Result<ParsedMockerArgs> ParseMockerConfig(int argc, const char* const* argv, co
     ("lease-ms", po::value<std::int64_t>()->default_value(d.lease_ms), "lease announced to the router in ms (> heartbeat-ms)")
     ("device", po::value<std::string>()->default_value(d.device), "device announced to the router (gpu, cpu, ...)");
   // clang-format on
+  return desc;
+}
 
-  ParsedMockerArgs out;
-  // The command line, then DYN_<FLAG> / NATS_SERVER for flags it does not give.
-  auto flags = ParseFlags(desc, argc, argv, env);
-  if (!flags.ok()) return flags.status();
-  if (flags->help) {
-    out.help = true;
-    out.help_text = flags->help_text;
-    return out;
-  }
-  const po::variables_map& vm = flags->vm;
-
-  MockerConfig& c = out.config;
+Status ReadMockerConfig(const po::variables_map& vm, MockerConfig& c) {
   c.nats_server = vm["nats-server"].as<std::string>();
   c.ns = vm["namespace"].as<std::string>();
   c.component = vm["component"].as<std::string>();
@@ -122,7 +111,14 @@ Result<ParsedMockerArgs> ParseMockerConfig(int argc, const char* const* argv, co
   }
   c.device = vm["device"].as<std::string>();
   if (c.device.empty()) return OutOfRange("device", "non-empty");
-  return out;
+  return Status::Ok();
+}
+
+}  // namespace
+
+Result<ParsedMockerArgs> ParseMockerConfig(int argc, const char* const* argv, const EnvLookup& env) {
+  // The command line, then DYN_<FLAG> / NATS_SERVER for flags it does not give.
+  return ParseProgram<MockerConfig>(Describe(), argc, argv, env, {}, ReadMockerConfig);
 }
 
 }  // namespace kvrouter

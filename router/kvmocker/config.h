@@ -40,11 +40,7 @@ struct MockerConfig {
 // num_workers * dp_size is at most this: every rank costs a subscription (a nats.c thread).
 inline constexpr std::uint32_t kMaxMockRanks = 1024;
 
-struct ParsedMockerArgs {
-  MockerConfig config;
-  bool help = false;      // --help: print help_text and exit 0
-  std::string help_text;
-};
+using ParsedMockerArgs = ProgramArgs<MockerConfig>;
 // Parses argv (argv[0] is the program) and the environment. Unknown flags and bad values give
 // InvalidArgument naming the flag (and the variable, for a value from the environment).
 Result<ParsedMockerArgs> ParseMockerConfig(int argc, const char* const* argv, const EnvLookup& env);
