@@ -19,137 +19,184 @@
 
 namespace kvrouter::bench {
 
-Result<Summary> RunOffline(const std::vector<TraceRequest>& trace, const OfflineOptions& o) {
-  std::vector<std::string> args = {"kvbench", "--block-size", std::to_string(o.engine.block_size)};
-  args.insert(args.end(), o.router_flags.begin(), o.router_flags.end());
-  std::vector<const char*> argv;
-  for (auto& a : args) argv.push_back(a.c_str());
-  auto cfg = ParseRouterConfig(static_cast<int>(argv.size()), argv.data(), [](const char*) { return nullptr; });
-  if (!cfg.ok()) return cfg.status();
+namespace {
 
-  double now_ms = 0;
-  InMemoryBus bus;
-  KvRouterService svc(
-      cfg->config, bus,
-      [&] { return SteadyTime{} + std::chrono::duration_cast<SteadyTime::duration>(std::chrono::duration<double, std::milli>(now_ms)); },
-      o.seed);
-  if (Status s = svc.Start(); !s.ok()) return s;
-  const Subjects& subj = svc.subjects();
+// One offline replay: the router service and the simulated engines on one in-memory bus and
+// one virtual clock. Arrivals and engine step ends are processed in time order.
+class OfflineReplay {
+ public:
+  OfflineReplay(const std::vector<TraceRequest>& trace, const OfflineOptions& o)
+      : trace_(trace), o_(o), records_(trace.size()) {}
 
-  // Engines, registered as workers 1..N, publishing their events through the bus. A publisher
-  // per worker numbers them and serves the recovery endpoint (PROTOCOL.md section 6), as kvmocker
-  // does over NATS.
-  std::vector<std::unique_ptr<KvEventPublisher>> publishers;
-  std::vector<std::unique_ptr<MockEngine>> engines;
-  std::vector<std::unique_ptr<BusSubscription>> recovery;  // before publishers in destruction
-  std::vector<std::uint64_t> worker_ids;
-  const MockEngineConfig& ec = o.engine;
-  for (std::uint32_t w = 0; w < o.workers; ++w) {
-    const std::uint64_t worker_id = w + 1;
-    worker_ids.push_back(worker_id);
+  Result<Summary> Run() {
+    if (Status s = Start(); !s.ok()) return s;
+    const double t0 = trace_.empty() ? 0 : trace_.front().timestamp_ms;
+    constexpr double kNever = std::numeric_limits<double>::infinity();
+    while (true) {
+      const double t_arrival = next_ < trace_.size() ? trace_[next_].timestamp_ms - t0 : kNever;
+      const double t_step = steps_.empty() ? kNever : steps_.top().first;
+      if (t_arrival == kNever && t_step == kNever) break;
+      if (t_arrival <= t_step) {
+        now_ms_ = t_arrival;
+        Arrive(next_++);
+        CollectReplies();
+      } else {
+        const std::size_t e = EndStep();
+        CollectReplies();
+        StartStep(e);  // after the replies: requests routed to it join this step
+      }
+    }
+    for (auto& [i, p] : waiting_) records_[i].error = true;  // still queued when everything stopped
+    return Summarize(o_.label, records_, worker_ids_);
+  }
+
+ private:
+  // The service, and engines registered as workers 1..N publishing their events through the
+  // bus. A publisher per worker numbers them and serves the recovery endpoint (PROTOCOL.md
+  // section 6), as kvmocker does over NATS.
+  Status Start() {
+    std::vector<std::string> args = {"kvbench", "--block-size", std::to_string(o_.engine.block_size)};
+    args.insert(args.end(), o_.router_flags.begin(), o_.router_flags.end());
+    std::vector<const char*> argv;
+    for (auto& a : args) argv.push_back(a.c_str());
+    auto cfg = ParseRouterConfig(static_cast<int>(argv.size()), argv.data(), [](const char*) { return nullptr; });
+    if (!cfg.ok()) return cfg.status();
+    svc_ = std::make_unique<KvRouterService>(
+        cfg->config, bus_,
+        [this] {
+          return SteadyTime{} + std::chrono::duration_cast<SteadyTime::duration>(
+                                    std::chrono::duration<double, std::milli>(now_ms_));
+        },
+        o_.seed);
+    if (Status s = svc_->Start(); !s.ok()) return s;
+    for (std::uint32_t w = 0; w < o_.workers; ++w) {
+      if (Status s = AddWorker(w + 1, cfg->config); !s.ok()) return s;
+    }
+    return Status::Ok();
+  }
+
+  Status AddWorker(std::uint64_t worker_id, const RouterConfig& rc) {
+    const Subjects& subj = svc_->subjects();
+    const MockEngineConfig& ec = o_.engine;
+    worker_ids_.push_back(worker_id);
     KvEventPublisher& pub =
-        *publishers.emplace_back(std::make_unique<KvEventPublisher>(PublisherConfig{.worker_id = worker_id}));
-    engines.push_back(std::make_unique<MockEngine>(ec, [&bus, &subj, &pub](KvEventData&& d) {
-      (void)bus.Publish(subj.kv_events, AsBytes(EncodeDynamoEnvelope(pub.Publish(std::move(d)), {})));
+        *publishers_.emplace_back(std::make_unique<KvEventPublisher>(PublisherConfig{.worker_id = worker_id}));
+    engines_.push_back(std::make_unique<MockEngine>(ec, [this, &subj, &pub](KvEventData&& d) {
+      (void)bus_.Publish(subj.kv_events, AsBytes(EncodeDynamoEnvelope(pub.Publish(std::move(d)), {})));
     }));
-    auto sub = bus.Subscribe(RecoverySubject(cfg->config.ns, cfg->config.component, worker_id, 0), "",
-                             [&bus, &pub](const BusMessage& m) {
-                               if (m.reply.empty()) return;
-                               const RecoveryReply r = pub.Answer(RecoveryQuery::Decode(m.data));
-                               (void)bus.Publish(m.reply, AsBytes(EncodeRecoveryReply(r)));
-                             });
+    stepping_.push_back(false);
+    outputs_.emplace_back();
+    auto sub = bus_.Subscribe(RecoverySubject(rc.ns, rc.component, worker_id, 0), "", [this, &pub](const BusMessage& m) {
+      if (m.reply.empty()) return;
+      const RecoveryReply r = pub.Answer(RecoveryQuery::Decode(m.data));
+      (void)bus_.Publish(m.reply, AsBytes(EncodeRecoveryReply(r)));
+    });
     if (!sub.ok()) return sub.status();
-    recovery.push_back(std::move(sub).value());
+    recovery_.push_back(std::move(sub).value());
     WorkerRegistration reg{.worker_id = worker_id,
                            .block_size = ec.block_size,
                            .total_kv_blocks = ec.num_gpu_blocks,
                            .max_num_seqs = ec.max_num_seqs,
                            .max_num_batched_tokens = ec.max_num_batched_tokens,
                            .lease_ms = std::numeric_limits<std::uint32_t>::max()};
-    (void)bus.Publish(subj.instances, AsBytes(EncodeWorkerRegistration(reg)));
+    (void)bus_.Publish(subj.instances, AsBytes(EncodeWorkerRegistration(reg)));
+    return Status::Ok();
   }
 
-  std::vector<RequestRecord> records(trace.size());
-  std::unordered_map<std::string, std::size_t> index_of;
-  const double t0 = trace.empty() ? 0 : trace.front().timestamp_ms;
+  // Request i arrives: ask the router (it may queue it; the reply is collected later).
+  void Arrive(std::size_t i) {
+    records_[i].arrival_ms = now_ms_;
+    records_[i].prompt_tokens = trace_[i].input_length;
+    svc_->index().Flush();  // every event published so far is in the index
+    RouteRequest req{.request_id = fmt::format("r{}", i), .token_ids = TokensFor(trace_[i]), .has_token_ids = true};
+    req.isl = static_cast<std::uint32_t>(req.token_ids.size());
+    index_of_[req.request_id] = i;
+    waiting_.emplace(i, bus_.RequestAsync(svc_->subjects().route, AsBytes(EncodeRouteRequest(req))));
+  }
 
-  // Step ends, earliest first: (time, engine).
-  using StepEnd = std::pair<double, std::size_t>;
-  std::priority_queue<StepEnd, std::vector<StepEnd>, std::greater<StepEnd>> steps;
-  std::vector<bool> stepping(engines.size(), false);
-  std::vector<std::vector<EngineOutput>> outputs(engines.size());
-  auto start_step = [&](std::size_t e) {
-    if (stepping[e] || engines[e]->Idle()) return;
-    outputs[e].clear();
-    const double d = engines[e]->Step(now_ms, outputs[e]);
+  // The earliest step ends: its outputs drive the requests' lifecycle at the router. Returns the
+  // engine, now idle.
+  std::size_t EndStep() {
+    const auto [t, e] = steps_.top();
+    steps_.pop();
+    now_ms_ = t;
+    stepping_[e] = false;
+    const Subjects& subj = svc_->subjects();
+    for (const EngineOutput& out : outputs_[e]) {
+      const std::size_t i = index_of_[out.id];
+      if (out.kind == EngineOutput::kFirstToken) {
+        records_[i].first_token_ms = out.at_ms;
+        records_[i].cached_tokens = out.cached_tokens;
+        (void)bus_.Request(subj.mark_prefill, AsBytes(EncodeLifecycleRequest(out.id)));
+        continue;
+      }
+      if (out.kind == EngineOutput::kRejected) {
+        records_[i].error = true;  // larger than the whole cache
+      } else {
+        records_[i].finished_ms = out.at_ms;
+      }
+      (void)bus_.Request(subj.free, AsBytes(EncodeLifecycleRequest(out.id)));
+      if (o_.progress && ++done_ % std::max<std::size_t>(1, trace_.size() / 10) == 0) {
+        fmt::print(stderr, "kvbench {}: {}/{} requests done\n", o_.label, done_, trace_.size());
+      }
+    }
+    return e;
+  }
+
+  void StartStep(std::size_t e) {
+    if (stepping_[e] || engines_[e]->Idle()) return;
+    outputs_[e].clear();
+    const double d = engines_[e]->Step(now_ms_, outputs_[e]);
     if (d <= 0) return;  // nothing could run (a prompt larger than the whole cache waits forever)
-    stepping[e] = true;
-    steps.push({now_ms + d, e});
-  };
-  auto dispatch = [&](std::size_t i, const RouteReply& reply) {
-    const std::size_t e = static_cast<std::size_t>(reply.worker_id - 1);
-    records[i].worker_id = reply.worker_id;
-    engines[e]->Add({fmt::format("r{}", i), TokensFor(trace[i]), std::max<std::uint32_t>(1, trace[i].output_length), ""});
-    start_step(e);
-  };
-  std::map<std::size_t, InMemoryBus::PendingRequest> waiting;  // queued in the router
-  auto collect_replies = [&] {
-    for (auto it = waiting.begin(); it != waiting.end();) {
+    stepping_[e] = true;
+    steps_.push({now_ms_ + d, e});
+  }
+
+  // Routed requests go to their engine.
+  void CollectReplies() {
+    for (auto it = waiting_.begin(); it != waiting_.end();) {
       if (!it->second.reply->has_value()) {
         ++it;
         continue;
       }
+      const std::size_t i = it->first;
       auto r = DecodeRouteReply(**it->second.reply);
-      if (r.ok()) dispatch(it->first, *r);
-      else records[it->first].error = true;
-      it = waiting.erase(it);
-    }
-  };
-
-  std::size_t next = 0;
-  std::size_t done = 0;
-  const std::size_t report_every = std::max<std::size_t>(1, trace.size() / 10);
-  while (true) {
-    const double t_arrival = next < trace.size() ? trace[next].timestamp_ms - t0 : std::numeric_limits<double>::infinity();
-    const double t_step = steps.empty() ? std::numeric_limits<double>::infinity() : steps.top().first;
-    if (t_arrival == std::numeric_limits<double>::infinity() && t_step == std::numeric_limits<double>::infinity()) break;
-    if (t_arrival <= t_step) {
-      now_ms = t_arrival;
-      const std::size_t i = next++;
-      records[i].arrival_ms = now_ms;
-      records[i].prompt_tokens = trace[i].input_length;
-      svc.index().Flush();  // every event published so far is in the index
-      RouteRequest req{.request_id = fmt::format("r{}", i), .token_ids = TokensFor(trace[i]), .has_token_ids = true};
-      req.isl = static_cast<std::uint32_t>(req.token_ids.size());
-      index_of[req.request_id] = i;
-      waiting.emplace(i, bus.RequestAsync(subj.route, AsBytes(EncodeRouteRequest(req))));
-      collect_replies();
-      continue;
-    }
-    const auto [t, e] = steps.top();
-    steps.pop();
-    now_ms = t;
-    stepping[e] = false;
-    for (const EngineOutput& out : outputs[e]) {
-      const std::size_t i = index_of[out.id];
-      if (out.kind == EngineOutput::kFirstToken) {
-        records[i].first_token_ms = out.at_ms;
-        records[i].cached_tokens = out.cached_tokens;
-        (void)bus.Request(subj.mark_prefill, AsBytes(EncodeLifecycleRequest(out.id)));
-      } else {
-        if (out.kind == EngineOutput::kRejected) records[i].error = true;  // larger than the whole cache
-        else records[i].finished_ms = out.at_ms;
-        (void)bus.Request(subj.free, AsBytes(EncodeLifecycleRequest(out.id)));
-        if (o.progress && ++done % report_every == 0) {
-          fmt::print(stderr, "kvbench {}: {}/{} requests done\n", o.label, done, trace.size());
-        }
+      it = waiting_.erase(it);
+      if (!r.ok()) {
+        records_[i].error = true;
+        continue;
       }
+      const std::size_t e = static_cast<std::size_t>(r->worker_id - 1);
+      records_[i].worker_id = r->worker_id;
+      engines_[e]->Add({fmt::format("r{}", i), TokensFor(trace_[i]), std::max<std::uint32_t>(1, trace_[i].output_length), ""});
+      StartStep(e);
     }
-    collect_replies();
-    start_step(e);
   }
-  for (auto& [i, p] : waiting) records[i].error = true;  // still queued when everything stopped
-  return Summarize(o.label, records, worker_ids);
+
+  const std::vector<TraceRequest>& trace_;
+  const OfflineOptions& o_;
+  double now_ms_ = 0;
+  InMemoryBus bus_;
+  std::unique_ptr<KvRouterService> svc_;
+  std::vector<std::unique_ptr<KvEventPublisher>> publishers_;
+  std::vector<std::unique_ptr<MockEngine>> engines_;
+  std::vector<std::unique_ptr<BusSubscription>> recovery_;  // after publishers: destroyed first
+  std::vector<std::uint64_t> worker_ids_;
+  std::vector<RequestRecord> records_;
+  std::unordered_map<std::string, std::size_t> index_of_;
+  using StepEnd = std::pair<double, std::size_t>;  // (time, engine), earliest first
+  std::priority_queue<StepEnd, std::vector<StepEnd>, std::greater<StepEnd>> steps_;
+  std::vector<bool> stepping_;
+  std::vector<std::vector<EngineOutput>> outputs_;
+  std::map<std::size_t, InMemoryBus::PendingRequest> waiting_;  // queued in the router
+  std::size_t next_ = 0;
+  std::size_t done_ = 0;
+};
+
+}  // namespace
+
+Result<Summary> RunOffline(const std::vector<TraceRequest>& trace, const OfflineOptions& options) {
+  return OfflineReplay(trace, options).Run();
 }
 
 double PooledLruHitRate(const std::vector<TraceRequest>& trace, std::uint64_t total_blocks, std::uint32_t block_size) {

@@ -15,6 +15,7 @@
 #include "events/worker_codec.h"
 #include "router/worker_key.h"
 #include "transport/nats_client.h"
+#include "transport/thread_annotations.h"
 
 namespace kvrouter::bench {
 namespace {
@@ -38,6 +39,144 @@ Result<std::map<WorkerKey, std::uint64_t>> RoutedPerWorker(NatsClient& nc, const
   return out;
 }
 
+// Workers register with heartbeats; polls the router's stats until it knows `n` ranks.
+Status AwaitWorkers(NatsClient& client, const std::string& ns, std::size_t n) {
+  const auto deadline = Clock::now() + std::chrono::seconds(30);
+  while (true) {
+    auto known = RoutedPerWorker(client, ns);
+    if (known.ok() && known->size() >= n) return Status::Ok();
+    if (Clock::now() > deadline) {
+      return Status(StatusCode::kNoWorkers, fmt::format("the router did not see {} workers within 30 s", n));
+    }
+    // Polling a remote service: there is no condition to wait on.
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+}
+
+// One online replay: requests sent through router.generate on the trace's schedule, at most
+// `concurrency` unanswered, their responses collected on one inbox subscription (its thread).
+class OnlineReplay {
+ public:
+  OnlineReplay(NatsClient& client, const std::vector<TraceRequest>& trace, const OnlineOptions& o)
+      : client_(client),
+        trace_(trace),
+        o_(o),
+        start_(Clock::now()),
+        inbox_(fmt::format("_KVBENCH.{:x}.", std::random_device{}() * 0x9E3779B97F4A7C15ULL)),
+        records_(trace.size()) {}
+
+  Result<std::vector<RequestRecord>> Run() {
+    auto sub = client_.Subscribe(inbox_ + "*", "", [this](const IncomingMessage& m) { OnResponse(m); });
+    if (!sub.ok()) return sub.status();
+    for (std::size_t i = 0; i < trace_.size(); ++i) {
+      if (!Send(i)) break;
+      if (o_.progress && (i + 1) % std::max<std::size_t>(1, trace_.size() / 10) == 0) {
+        fmt::print(stderr, "kvbench {}: {}/{} sent\n", o_.label, i + 1, trace_.size());
+      }
+    }
+    std::vector<RequestRecord> out;
+    {
+      std::unique_lock<KvMutex> lk(mu_);
+      const bool all = cv_.wait_for(lk, std::chrono::duration<double>(o_.timeout_s), [&] {
+        mu_.AssertHeld();
+        return done_ == trace_.size();
+      });
+      if (!all) {
+        for (auto& r : records_) {
+          if (r.finished_ms < 0) r.error = true;
+        }
+      }
+      out = records_;
+    }
+    sub->reset();  // no handler runs after this
+    return out;
+  }
+
+ private:
+  double MsSinceStart() const { return std::chrono::duration<double, std::milli>(Clock::now() - start_).count(); }
+
+  // Waits for request i's time and for room, then sends it; false when the run gives up.
+  bool Send(std::size_t i) {
+    const double t0 = trace_.front().timestamp_ms;
+    // Pacing a load generator on the wall clock is its job, not a wait for a condition.
+    std::this_thread::sleep_until(start_ + std::chrono::microseconds(static_cast<std::int64_t>((trace_[i].timestamp_ms - t0) * 1000)));
+    {
+      std::unique_lock<KvMutex> lk(mu_);
+      // Responses that never come (a worker killed, messages dropped) must not hang the run:
+      // after timeout_s without room, the rest of the trace is counted as errors.
+      if (!cv_.wait_for(lk, std::chrono::duration<double>(o_.timeout_s), [&] {
+            mu_.AssertHeld();
+            return in_flight_ < o_.concurrency;
+          })) {
+        fmt::print(stderr, "kvbench {}: no response for {} s with {} requests in flight; giving up\n", o_.label,
+                   o_.timeout_s, in_flight_);
+        for (std::size_t k = i; k < trace_.size(); ++k) {
+          records_[k].error = true;
+          ++done_;
+        }
+        return false;
+      }
+      ++in_flight_;
+      records_[i].arrival_ms = MsSinceStart();
+      records_[i].prompt_tokens = trace_[i].input_length;
+    }
+    RouteRequest req{.request_id = fmt::format("kvbench-{}-{}", start_.time_since_epoch().count(), i),
+                     .token_ids = TokensFor(trace_[i]),
+                     .has_token_ids = true};
+    req.isl = static_cast<std::uint32_t>(req.token_ids.size());
+    req.max_tokens = std::max<std::uint32_t>(1, trace_[i].output_length);
+    const std::string subject = fmt::format("namespace.{}.router.generate", o_.ns);
+    if (Status s = client_.PublishRequest(subject, inbox_ + std::to_string(i), AsBytes(EncodeRouteRequest(req)));
+        !s.ok()) {
+      KvMutexLock g(mu_);
+      records_[i].error = true;
+      Finish();
+    }
+    return true;
+  }
+
+  // A response (or an error reply) for request i, on the inbox subscription's thread.
+  void OnResponse(const IncomingMessage& m) {
+    std::size_t i = 0;
+    const std::string_view tail = m.subject.substr(inbox_.size());
+    if (std::from_chars(tail.data(), tail.data() + tail.size(), i).ec != std::errc() || i >= trace_.size()) return;
+    const double now = MsSinceStart();
+    KvMutexLock g(mu_);
+    RequestRecord& r = records_[i];
+    if (r.finished_ms >= 0 || r.error) return;  // already closed
+    auto resp = GenerateResponse::Decode(m.data);
+    if (!DecodeErrorReply(m.data).ok() || !resp.ok()) {
+      r.error = true;
+      Finish();
+      return;
+    }
+    if (r.first_token_ms < 0) r.first_token_ms = now;
+    if (!resp->is_final()) return;
+    r.finished_ms = now;
+    r.cached_tokens = resp->cached_tokens;
+    if (resp->prompt_tokens > 0) r.prompt_tokens = resp->prompt_tokens;
+    if (*resp->finish_reason == "error") r.error = true;
+    Finish();
+  }
+
+  void Finish() KV_REQUIRES(mu_) {
+    --in_flight_;
+    ++done_;
+    cv_.notify_all();
+  }
+
+  NatsClient& client_;
+  const std::vector<TraceRequest>& trace_;
+  const OnlineOptions& o_;
+  const Clock::time_point start_;
+  const std::string inbox_;
+  KvMutex mu_;
+  std::condition_variable_any cv_;
+  std::vector<RequestRecord> records_ KV_GUARDED_BY(mu_);
+  std::size_t in_flight_ KV_GUARDED_BY(mu_) = 0;
+  std::size_t done_ KV_GUARDED_BY(mu_) = 0;
+};
+
 }  // namespace
 
 Result<Summary> RunOnline(const std::vector<TraceRequest>& trace, const OnlineOptions& o) {
@@ -45,122 +184,23 @@ Result<Summary> RunOnline(const std::vector<TraceRequest>& trace, const OnlineOp
   if (!nc.ok()) return nc.status();
   NatsClient& client = **nc;
   if (o.wait_workers > 0) {
-    // Workers register with heartbeats; poll the router's stats until they are all in.
-    const auto deadline = Clock::now() + std::chrono::seconds(30);
-    while (true) {
-      auto known = RoutedPerWorker(client, o.ns);
-      if (known.ok() && known->size() >= o.wait_workers) break;
-      if (Clock::now() > deadline) {
-        return Status(StatusCode::kNoWorkers, fmt::format("the router did not see {} workers within 30 s", o.wait_workers));
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    }
+    if (Status s = AwaitWorkers(client, o.ns, o.wait_workers); !s.ok()) return s;
   }
   auto before = RoutedPerWorker(client, o.ns);
   if (!before.ok()) return Status(before.status().code(), "router stats: " + before.status().message());
-
-  std::mutex mu;
-  std::condition_variable cv;
-  std::vector<RequestRecord> records(trace.size());  // GUARDED_BY(mu)
-  std::size_t in_flight = 0, done = 0;               // GUARDED_BY(mu)
-  const Clock::time_point start = Clock::now();
-  auto ms_since_start = [&] { return std::chrono::duration<double, std::milli>(Clock::now() - start).count(); };
-
-  const std::string inbox = fmt::format("_KVBENCH.{:x}.", std::random_device{}() * 0x9E3779B97F4A7C15ULL);
-  auto sub = client.Subscribe(inbox + "*", "", [&](const IncomingMessage& m) {
-    std::size_t i = 0;
-    const std::string_view tail = m.subject.substr(inbox.size());
-    if (std::from_chars(tail.data(), tail.data() + tail.size(), i).ec != std::errc() || i >= records.size()) return;
-    const double now = ms_since_start();
-    bool finished = false;
-    std::lock_guard g(mu);
-    RequestRecord& r = records[i];
-    if (r.finished_ms >= 0 || r.error) return;  // already closed
-    if (Status err = DecodeErrorReply(m.data); !err.ok()) {
-      r.error = true;
-      finished = true;
-    } else if (auto resp = GenerateResponse::Decode(m.data); !resp.ok()) {
-      r.error = true;
-      finished = true;
-    } else {
-      if (r.first_token_ms < 0) r.first_token_ms = now;
-      if (resp->is_final()) {
-        finished = true;
-        r.finished_ms = now;
-        r.cached_tokens = resp->cached_tokens;
-        if (resp->prompt_tokens > 0) r.prompt_tokens = resp->prompt_tokens;
-        if (*resp->finish_reason == "error") r.error = true;
-      }
-    }
-    if (finished) {
-      --in_flight;
-      ++done;
-      cv.notify_all();
-    }
-  });
-  if (!sub.ok()) return sub.status();
-
-  const std::string subject = fmt::format("namespace.{}.router.generate", o.ns);
-  const double t0 = trace.empty() ? 0 : trace.front().timestamp_ms;
-  const std::size_t report_every = std::max<std::size_t>(1, trace.size() / 10);
-  for (std::size_t i = 0; i < trace.size(); ++i) {
-    // Pacing a load generator on the wall clock is its job, not a wait for a condition.
-    std::this_thread::sleep_until(start + std::chrono::microseconds(static_cast<std::int64_t>((trace[i].timestamp_ms - t0) * 1000)));
-    {
-      std::unique_lock lk(mu);
-      // Responses that never come (a worker killed, messages dropped) must not hang the run:
-      // after timeout_s without room, the rest of the trace is counted as errors.
-      if (!cv.wait_for(lk, std::chrono::duration<double>(o.timeout_s), [&] { return in_flight < o.concurrency; })) {
-        fmt::print(stderr, "kvbench {}: no response for {} s with {} requests in flight; giving up\n", o.label,
-                   o.timeout_s, in_flight);
-        for (std::size_t k = i; k < trace.size(); ++k) {
-          records[k].error = true;
-          ++done;
-        }
-        break;
-      }
-      ++in_flight;
-      records[i].arrival_ms = ms_since_start();
-      records[i].prompt_tokens = trace[i].input_length;
-    }
-    RouteRequest req{.request_id = fmt::format("kvbench-{}-{}", start.time_since_epoch().count(), i),
-                     .token_ids = TokensFor(trace[i]),
-                     .has_token_ids = true};
-    req.isl = static_cast<std::uint32_t>(req.token_ids.size());
-    req.max_tokens = std::max<std::uint32_t>(1, trace[i].output_length);
-    if (Status s = client.PublishRequest(subject, inbox + std::to_string(i), AsBytes(EncodeRouteRequest(req))); !s.ok()) {
-      std::lock_guard g(mu);
-      records[i].error = true;
-      --in_flight;
-      ++done;
-    }
-    if (o.progress && (i + 1) % report_every == 0) fmt::print(stderr, "kvbench {}: {}/{} sent\n", o.label, i + 1, trace.size());
-  }
-  {
-    std::unique_lock lk(mu);
-    const bool all = cv.wait_for(lk, std::chrono::duration<double>(o.timeout_s), [&] { return done == trace.size(); });
-    if (!all) {
-      for (auto& r : records) {
-        if (r.finished_ms < 0) r.error = true;
-      }
-    }
-  }
-  sub->reset();  // no handler runs after this
-  auto after = RoutedPerWorker(client, o.ns);
-  std::vector<RequestRecord> final_records;
-  {
-    std::lock_guard g(mu);
-    final_records = records;
-  }
+  if (trace.empty()) return Summarize(o.label, {}, {});
+  auto records = OnlineReplay(client, trace, o).Run();
+  if (!records.ok()) return records.status();
   // Attribute requests to workers by the router's per-worker counters.
-  Summary s = Summarize(o.label, final_records, {});
+  Summary s = Summarize(o.label, *records, {});
+  auto after = RoutedPerWorker(client, o.ns);
   if (!after.ok()) {
     fmt::print(stderr, "kvbench: router stats after the run: {}\n", after.status().message());
-  } else {
-    for (const auto& [w, n] : *after) {
-      const auto b = before->find(w);
-      s.worker_requests.push_back(n - (b == before->end() ? 0 : b->second));
-    }
+    return s;
+  }
+  for (const auto& [w, n] : *after) {
+    const auto b = before->find(w);
+    s.worker_requests.push_back(n - (b == before->end() ? 0 : b->second));
   }
   return s;
 }

@@ -108,15 +108,10 @@ void MockEngine::Publish(KvEventData data) {
   if (sink_) sink_(std::move(data));
 }
 
-double MockEngine::Step(double now_ms, std::vector<EngineOutput>& outputs) {
-  if (Idle()) return 0;
-  const std::size_t decoding = running_.size();  // everything already running decodes
-
-  // Admission, FIFO.
+std::size_t MockEngine::Admit(std::vector<EngineOutput>& rejected) {
   const std::size_t budget = config_.max_num_batched_tokens;
   std::size_t prefill_tokens = 0;
   bool admitted_any = false;
-  std::vector<EngineOutput> rejected;
   while (!waiting_.empty() && running_.size() < config_.max_num_seqs) {
     Waiting& w = waiting_.front();
     const auto prompt = static_cast<std::uint32_t>(w.request.tokens.size());
@@ -146,9 +141,17 @@ double MockEngine::Step(double now_ms, std::vector<EngineOutput>& outputs) {
     prefill_tokens += uncached;
     admitted_any = true;
   }
+  return admitted_any ? prefill_tokens : kNoneAdmitted;
+}
+
+double MockEngine::Step(double now_ms, std::vector<EngineOutput>& outputs) {
+  if (Idle()) return 0;
+  const std::size_t decoding = running_.size();  // everything already running decodes
+  std::vector<EngineOutput> rejected;
+  const std::size_t prefill_tokens = Admit(rejected);  // FIFO
 
   double duration = 0;
-  if (admitted_any) duration += MockPrefillMs(static_cast<double>(prefill_tokens), config_.speedup_ratio);
+  if (prefill_tokens != kNoneAdmitted) duration += MockPrefillMs(static_cast<double>(prefill_tokens), config_.speedup_ratio);
   if (decoding > 0) duration += MockDecodeStepMs(Utilization(), config_.speedup_ratio);
   const double at = now_ms + duration;
 

@@ -122,6 +122,10 @@ class MockEngine {
     std::vector<SequenceHash> blocks;  // the prompt's full blocks, all referenced
   };
 
+  // Admits waiting requests (FIFO) within the step's limits; requests too large for the whole
+  // cache go to `rejected`. Returns the uncached prompt tokens admitted, or kNoneAdmitted.
+  static constexpr std::size_t kNoneAdmitted = ~std::size_t{0};
+  std::size_t Admit(std::vector<EngineOutput>& rejected);
   std::size_t LeadingHits(const Waiting& w) const;
   // Evictable blocks among the first `hits` (they stop being evictable once referenced).
   std::size_t EvictableAmong(const Waiting& w, std::size_t hits) const;
