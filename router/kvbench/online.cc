@@ -76,8 +76,8 @@ class OnlineReplay {
     }
     std::vector<RequestRecord> out;
     {
-      std::unique_lock<KvMutex> lk(mu_);
-      const bool all = cv_.wait_for(lk, std::chrono::duration<double>(o_.timeout_s), [&] {
+      KvMutexLock lk(mu_);
+      const bool all = cv_.wait_for(mu_, std::chrono::duration<double>(o_.timeout_s), [&] {
         mu_.AssertHeld();
         return done_ == trace_.size();
       });
@@ -101,15 +101,15 @@ class OnlineReplay {
     // Pacing a load generator on the wall clock is its job, not a wait for a condition.
     std::this_thread::sleep_until(start_ + std::chrono::microseconds(static_cast<std::int64_t>((trace_[i].timestamp_ms - t0) * 1000)));
     {
-      std::unique_lock<KvMutex> lk(mu_);
+      KvMutexLock lk(mu_);
       // Responses that never come (a worker killed, messages dropped) must not hang the run:
       // after timeout_s without room, the rest of the trace is counted as errors.
-      if (!cv_.wait_for(lk, std::chrono::duration<double>(o_.timeout_s), [&] {
+      if (!cv_.wait_for(mu_, std::chrono::duration<double>(o_.timeout_s), [&] {
             mu_.AssertHeld();
             return in_flight_ < o_.concurrency;
           })) {
         fmt::print(stderr, "kvbench {}: no response for {} s with {} requests in flight; giving up\n", o_.label,
-                   o_.timeout_s, in_flight_);
+                   o_.timeout_s, std::size_t{in_flight_});
         for (std::size_t k = i; k < trace_.size(); ++k) {
           records_[k].error = true;
           ++done_;

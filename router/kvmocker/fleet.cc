@@ -62,7 +62,7 @@ MockWorkerFleet::MockWorkerFleet(MockerConfig config, NatsClient& nats)
     const std::uint64_t r = (static_cast<std::uint64_t>(rd()) << 32) | rd();
     base = 1 + r % ((std::uint64_t{1} << 48) - 1 - config_.num_workers);
   }
-  std::lock_guard g(engine_mu_);
+  KvMutexLock g(engine_mu_);
   for (std::uint32_t w = 0; w < config_.num_workers; ++w) {
     worker_ids_.push_back(base + w);
     envelope_seq_.push_back(0);
@@ -79,7 +79,10 @@ MockWorkerFleet::MockWorkerFleet(MockerConfig config, NatsClient& nats)
                            .max_num_seqs = config_.max_num_seqs,
                            .max_num_batched_tokens = config_.max_num_batched_tokens,
                            .speedup_ratio = config_.speedup_ratio},
-          [this, r](KvEventData&& data) { PublishEvent(*r, r->publisher->Publish(std::move(data))); });
+          [this, r](KvEventData&& data) {
+            engine_mu_.AssertHeld();  // the engine calls its sink from Step, under engine_mu_
+            PublishEvent(*r, r->publisher->Publish(std::move(data)));
+          });
       ranks_.push_back(std::move(rank));
     }
   }
@@ -130,7 +133,7 @@ void MockWorkerFleet::Stop() {
   // The engine thread (which also sends heartbeats) stops first, so no heartbeat can follow
   // `leaving`. Requests arriving meanwhile wait in the inbox and are answered below.
   {
-    std::lock_guard g(inbox_mu_);
+    KvMutexLock g(inbox_mu_);
     stopping_ = true;
   }
   inbox_cv_.notify_all();
@@ -141,13 +144,13 @@ void MockWorkerFleet::Stop() {
   // Nobody will finish these: tell their clients instead of letting them time out.
   std::vector<GenerateJob> queued;
   {
-    std::lock_guard g(inbox_mu_);
+    KvMutexLock g(inbox_mu_);
     queued.swap(inbox_);
   }
   for (GenerateJob& j : queued) {
     RespondError(j.reply, j.request.request_id, "worker shutting down");
   }
-  std::lock_guard g(engine_mu_);
+  KvMutexLock g(engine_mu_);
   for (auto& [id, f] : in_flight_) RespondError(f.reply, f.request_id, "worker shutting down");
   in_flight_.clear();
   (void)nats_.Flush(std::chrono::seconds(2));
@@ -205,7 +208,7 @@ void MockWorkerFleet::OnGenerate(std::size_t worker_index, const IncomingMessage
                   .arrival_ms = NowMs()};
   bool full = false;
   {
-    std::lock_guard g(inbox_mu_);
+    KvMutexLock g(inbox_mu_);
     // Bounded by every request not yet finished, wherever it is (inbox, engine queue, running).
     if (outstanding_.load() >= kMaxOutstanding) {
       full = true;
@@ -232,7 +235,7 @@ void MockWorkerFleet::OnRecovery(std::size_t rank_index, const IncomingMessage& 
   const auto query = RecoveryQuery::Decode(m.data);
   RecoveryReply reply;
   {
-    std::lock_guard g(engine_mu_);
+    KvMutexLock g(engine_mu_);
     reply = ranks_[rank_index]->publisher->Answer(query);
   }
   if (!query.ok()) {
@@ -257,13 +260,13 @@ void MockWorkerFleet::EngineLoop() {
   using Ms = std::chrono::duration<double, std::milli>;
   std::vector<GenerateJob> jobs;
   double next_heartbeat = NowMs() + config_.heartbeat_ms;
-  std::unique_lock lk(inbox_mu_);
+  inbox_mu_.lock();  // explicit lock / unlock: the thread-safety analysis follows them
   while (!stopping_) {
     jobs.swap(inbox_);
-    lk.unlock();
+    inbox_mu_.unlock();
     double wake = 0;
     {
-      std::lock_guard g(engine_mu_);
+      KvMutexLock g(engine_mu_);
       wake = AdvanceEngines(jobs, NowMs());
     }
     jobs.clear();
@@ -274,11 +277,14 @@ void MockWorkerFleet::EngineLoop() {
       if (next_heartbeat <= now) next_heartbeat = now + config_.heartbeat_ms;  // fell behind
     }
     wake = std::min(wake, next_heartbeat);
-    lk.lock();
-    inbox_cv_.wait_until(
-        lk, start_ + std::chrono::duration_cast<std::chrono::steady_clock::duration>(Ms(wake)),
-        [&] { return stopping_ || !inbox_.empty(); });
+    inbox_mu_.lock();
+    inbox_cv_.wait_until(inbox_mu_, start_ + std::chrono::duration_cast<std::chrono::steady_clock::duration>(Ms(wake)),
+                         [&] {
+                           inbox_mu_.AssertHeld();
+                           return stopping_ || !inbox_.empty();
+                         });
   }
+  inbox_mu_.unlock();
 }
 
 double MockWorkerFleet::AdvanceEngines(std::vector<GenerateJob>& jobs, double now_ms) {

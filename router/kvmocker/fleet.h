@@ -29,6 +29,7 @@
 #include "router/kvmocker/engine.h"
 #include "transport/log.h"
 #include "transport/nats_client.h"
+#include "transport/thread_annotations.h"
 
 namespace kvrouter {
 
@@ -97,9 +98,10 @@ class MockWorkerFleet {
   void EngineLoop();
   // Adds the jobs to their engines and runs every engine whose step has ended; returns the
   // earliest end of a step in progress (infinity when all are idle). Under engine_mu_.
-  double AdvanceEngines(std::vector<GenerateJob>& jobs, double now_ms);
-  void DeliverOutputs(Rank& rank);                      // under engine_mu_
-  void PublishEvent(Rank& rank, KvEventBatch&& batch);  // from the engine sink, under engine_mu_
+  double AdvanceEngines(std::vector<GenerateJob>& jobs, double now_ms) KV_REQUIRES(engine_mu_);
+  void DeliverOutputs(Rank& rank) KV_REQUIRES(engine_mu_);
+  // From the engine sink, which runs inside AdvanceEngines.
+  void PublishEvent(Rank& rank, KvEventBatch&& batch) KV_REQUIRES(engine_mu_);
   void PublishRegistrations(bool leaving);
   void OnGenerate(std::size_t worker_index, const IncomingMessage& m);
   void OnRecovery(std::size_t rank_index, const IncomingMessage& m);
@@ -116,17 +118,17 @@ class MockWorkerFleet {
 
   // Engine state: written by the engine thread; OnRecovery reads a publisher. Ranks are created by
   // the constructor and never move (the engine sinks point at them).
-  std::mutex engine_mu_;
-  std::vector<std::unique_ptr<Rank>> ranks_;               // GUARDED_BY(engine_mu_); worker i
-                                                           // rank r at i * dp_size + r
-  std::vector<std::uint64_t> envelope_seq_;                // GUARDED_BY(engine_mu_); per worker
-  std::unordered_map<std::string, InFlight> in_flight_;    // GUARDED_BY(engine_mu_); engine id ->
-  std::uint64_t next_engine_request_ = 0;                  // GUARDED_BY(engine_mu_)
+  KvMutex engine_mu_;
+  // Worker i's rank r at i * dp_size + r.
+  std::vector<std::unique_ptr<Rank>> ranks_ KV_GUARDED_BY(engine_mu_);
+  std::vector<std::uint64_t> envelope_seq_ KV_GUARDED_BY(engine_mu_);              // per worker
+  std::unordered_map<std::string, InFlight> in_flight_ KV_GUARDED_BY(engine_mu_);  // engine id ->
+  std::uint64_t next_engine_request_ KV_GUARDED_BY(engine_mu_) = 0;
 
-  std::mutex inbox_mu_;
-  std::condition_variable inbox_cv_;
-  std::vector<GenerateJob> inbox_;  // GUARDED_BY(inbox_mu_)
-  bool stopping_ = false;           // GUARDED_BY(inbox_mu_)
+  KvMutex inbox_mu_;
+  std::condition_variable_any inbox_cv_;
+  std::vector<GenerateJob> inbox_ KV_GUARDED_BY(inbox_mu_);
+  bool stopping_ KV_GUARDED_BY(inbox_mu_) = false;
 
   // Owned by the controlling thread (Start / Stop).
   std::vector<std::unique_ptr<Subscription>> subscriptions_;
