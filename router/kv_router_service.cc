@@ -43,9 +43,11 @@ Subjects::Subjects(const std::string& ns, const std::string& comp) {
   worker_generate_prefix = c + "generate.";
 }
 
-KvRouterService::KvRouterService(RouterConfig config, MessageBus& bus, Clock clock, std::uint64_t seed)
+KvRouterService::KvRouterService(RouterConfig config, MessageBus& bus, Clock clock, std::uint64_t seed,
+                                 MessageBus* event_bus)
     : config_(std::move(config)),
       bus_(bus),
+      event_bus_(event_bus ? *event_bus : bus),
       clock_(clock ? std::move(clock) : Clock([] { return std::chrono::steady_clock::now(); })),
       subjects_(config_.ns, config_.component),
       router_id_(std::random_device{}() * 0x9E3779B97F4A7C15ULL ^ seed),
@@ -63,14 +65,16 @@ Status KvRouterService::Start() {
     std::string subject;
     std::string group;
     MessageBus::Handler handler;
+    MessageBus* bus = nullptr;  // the event bus when set, else the request bus
   };
   using Kind = Routing::Kind;
   std::vector<Sub> subs;
   if (config_.use_kv_events) {
-    subs.push_back({subjects_.kv_events, "", [this](const BusMessage& m) { HandleKvEvent(m); }});
-    subs.push_back({subjects_.vllm_events_prefix + "*.*", "", [this](const BusMessage& m) { HandleVllmEvent(m); }});
+    subs.push_back({subjects_.kv_events, "", [this](const BusMessage& m) { HandleKvEvent(m); }, &event_bus_});
+    subs.push_back({subjects_.vllm_events_prefix + "*.*", "", [this](const BusMessage& m) { HandleVllmEvent(m); },
+                    &event_bus_});
   }
-  subs.push_back({subjects_.instances, "", [this](const BusMessage& m) { HandleInstances(m); }});
+  subs.push_back({subjects_.instances, "", [this](const BusMessage& m) { HandleInstances(m); }, &event_bus_});
   subs.push_back({subjects_.route, "kvrouter", [this](const BusMessage& m) { HandleRoute(m, Kind::kRoute); }});
   subs.push_back({subjects_.best_worker, "kvrouter", [this](const BusMessage& m) { HandleRoute(m, Kind::kBestWorker); }});
   subs.push_back({subjects_.generate, "kvrouter", [this](const BusMessage& m) { HandleRoute(m, Kind::kGenerate); }});
@@ -84,9 +88,20 @@ Status KvRouterService::Start() {
   subs.push_back({subjects_.free, "", [this](const BusMessage& m) { HandleLifecycle(m, true); }});
   subs.push_back({subjects_.stats, "kvrouter", [this](const BusMessage& m) { HandleStats(m); }});
   if (config_.replica_sync) {
-    subs.push_back({subjects_.active_sequences, "", [this](const BusMessage& m) { HandleReplicaSync(m); }});
+    subs.push_back({subjects_.active_sequences, "", [this](const BusMessage& m) { HandleReplicaSync(m); },
+                    &event_bus_});
   }
+  // Event subscriptions first, and flushed, so that once the request path answers (stats is
+  // how tests and operators see the router is up) no registration or event can be missed.
+  std::stable_partition(subs.begin(), subs.end(), [](const Sub& s) { return s.bus != nullptr; });
+  bool flushed = false;
   for (auto& s : subs) {
+    if (!flushed && s.bus == nullptr) {
+      flushed = true;
+      if (Status f = event_bus_.Flush(std::chrono::seconds(5)); !f.ok()) {
+        log_.Log(LogLevel::kWarning, "subscribe", "event subscriptions not confirmed by the server: {}", f.message());
+      }
+    }
     // Nothing may escape a handler: count it, log it, answer `internal` when a reply is expected.
     MessageBus::Handler guarded = [this, h = std::move(s.handler)](const BusMessage& m) {
       try {
@@ -97,7 +112,7 @@ Status KvRouterService::Start() {
         if (!m.reply.empty()) (void)bus_.Publish(m.reply, AsBytes(EncodeErrorReply(Internal(e.what()))));
       }
     };
-    auto r = bus_.Subscribe(s.subject, s.group, std::move(guarded));
+    auto r = (s.bus ? *s.bus : bus_).Subscribe(s.subject, s.group, std::move(guarded));
     if (!r.ok()) {
       subs_.clear();
       return Status(r.status().code(), fmt::format("subscribe {}: {}", s.subject, r.status().message()));
@@ -195,6 +210,16 @@ void KvRouterService::Tick() {
   relay_.Expire(out);
   routing_.Tick(out);
   Send(out);
+}
+
+void KvRouterService::OnEventsDisconnected() {
+  registry_.PauseLeases();
+  log_.Log(LogLevel::kWarning, "leases paused", "lost the event connection: leases paused until it is back");
+}
+
+void KvRouterService::OnEventsReconnected() {
+  registry_.ResumeLeases(clock_());
+  log_.Log(LogLevel::kInfo, "leases resumed", "event connection back: every worker has one full lease to be heard");
 }
 
 void KvRouterService::HandleRoute(const BusMessage& m, Routing::Kind kind) {

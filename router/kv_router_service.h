@@ -51,8 +51,11 @@ class KvRouterService {
  public:
   using Clock = Routing::Clock;
 
+  // `bus` carries the request path (route, best_worker, generate and its relay, lifecycle,
+  // stats) and every reply; `event_bus` (the same bus when null) carries KV events,
+  // registrations and replica sync, so that no event flood sits in front of a request.
   KvRouterService(RouterConfig config, MessageBus& bus, Clock clock = nullptr,
-                  std::uint64_t seed = std::random_device{}());
+                  std::uint64_t seed = std::random_device{}(), MessageBus* event_bus = nullptr);
   ~KvRouterService();
   KvRouterService(const KvRouterService&) = delete;
   KvRouterService& operator=(const KvRouterService&) = delete;
@@ -64,6 +67,10 @@ class KvRouterService {
   void Stop();
   // Lease expiry, generate timeouts, the booking sweep and queue timeouts, at the clock's now.
   void Tick();
+  // The event connection went down / came back (main's NATS callbacks): leases pause while
+  // the router cannot hear its workers, and each gets one full lease after.
+  void OnEventsDisconnected();
+  void OnEventsReconnected();
 
   const Subjects& subjects() const { return subjects_; }
   ShardedIndex& index() { return index_; }
@@ -90,6 +97,7 @@ class KvRouterService {
 
   const RouterConfig config_;
   MessageBus& bus_;
+  MessageBus& event_bus_;
   const Clock clock_;
   const Subjects subjects_;
   const std::uint64_t router_id_;  // tells this replica's sync messages from the others'

@@ -5,7 +5,9 @@
 #include <cstdio>
 #include <cstdlib>
 
+#include <atomic>
 #include <condition_variable>
+#include <random>
 #include <mutex>
 #include <thread>
 
@@ -31,16 +33,41 @@ int main(int argc, char** argv) {
 
   StopSignals stop;  // before any thread starts: they inherit the blocked mask
 
-  auto nc = NatsClient::Connect(
-      {.url = cfg.nats_server, .name = "kvrouter", .send_asap = true},  // replies without delay
-      {.on_reconnected = [] { fmt::print(stderr, "kvrouter I connected to NATS\n"); },
-       .on_disconnected = [] { fmt::print(stderr, "kvrouter W lost NATS; reconnecting\n"); }});
-  if (!nc.ok()) {
-    fmt::print(stderr, "kvrouter: cannot connect to {}: {}\n", cfg.nats_server, nc.status().message());
+  // Two connections: requests and replies on one, KV events and registrations on the other, so
+  // that a request never waits in the socket behind an event flood. The events connection's
+  // state drives lease pausing; its callbacks reach the service once it exists.
+  std::atomic<KvRouterService*> live{nullptr};
+  auto requests = NatsClient::Connect(
+      {.url = cfg.nats_server, .name = "kvrouter-requests", .send_asap = true},  // replies without delay
+      {.on_reconnected = [] { fmt::print(stderr, "kvrouter I request connection up\n"); },
+       .on_disconnected = [] { fmt::print(stderr, "kvrouter W lost the request connection; reconnecting\n"); }});
+  if (!requests.ok()) {
+    fmt::print(stderr, "kvrouter: cannot connect to {}: {}\n", cfg.nats_server, requests.status().message());
     return 1;
   }
-  NatsBus bus(**nc);
-  auto service = std::make_unique<KvRouterService>(cfg, bus);
+  auto events = NatsClient::Connect(
+      {.url = cfg.nats_server,
+       .name = "kvrouter-events",
+       .pending_msgs_limit = 262144,          // events waiting for the decoder, at most
+       .pending_bytes_limit = 256 << 20},     // (a slow consumer is counted, logged)
+      {.on_reconnected =
+           [&live] {
+             fmt::print(stderr, "kvrouter I event connection up\n");
+             if (auto* s = live.load()) s->OnEventsReconnected();
+           },
+       .on_disconnected =
+           [&live] {
+             fmt::print(stderr, "kvrouter W lost the event connection; leases paused, reconnecting\n");
+             if (auto* s = live.load()) s->OnEventsDisconnected();
+           }});
+  if (!events.ok()) {
+    fmt::print(stderr, "kvrouter: cannot connect to {}: {}\n", cfg.nats_server, events.status().message());
+    return 1;
+  }
+  NatsBus bus(**requests);
+  NatsBus event_bus(**events);
+  auto service = std::make_unique<KvRouterService>(cfg, bus, nullptr, std::random_device{}(), &event_bus);
+  live.store(service.get());
   if (Status s = service->Start(); !s.ok()) {
     fmt::print(stderr, "kvrouter: {}\n", s.message());
     return 2;
@@ -70,7 +97,9 @@ int main(int argc, char** argv) {
   cv.notify_all();
   ticker.join();
   service->Stop();
-  (*nc)->Drain(std::chrono::seconds(2));
+  live.store(nullptr);
+  (*events)->Drain(std::chrono::seconds(2));
+  (*requests)->Drain(std::chrono::seconds(2));
   service.reset();
   return 0;
 }

@@ -125,7 +125,18 @@ bool WorkerRegistry::Forget(std::uint64_t worker_id) {
   return true;
 }
 
+void WorkerRegistry::PauseLeases() { paused_.store(true); }
+
+void WorkerRegistry::ResumeLeases(SteadyTime now) {
+  KvWriterLock g(mu_);  // no heartbeat renews a deadline while they are all reset
+  for (auto& [id, w] : workers_) {
+    if (w.has_lease) w.lease_deadline.store(Ticks(now + std::chrono::milliseconds(w.reg.lease_ms)));
+  }
+  paused_.store(false);
+}
+
 std::vector<std::uint64_t> WorkerRegistry::ExpireLeases(SteadyTime now) {
+  if (paused_.load()) return {};
   const std::int64_t t = Ticks(now);
   auto expired = [t](const Worker& w) { return w.has_lease && t > w.lease_deadline.load(); };
   std::vector<std::uint64_t> ids;

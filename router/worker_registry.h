@@ -78,8 +78,14 @@ class WorkerRegistry {
 
   // Forgets a worker at once; false when it was not known.
   bool Forget(std::uint64_t worker_id);
-  // Forgets every worker whose lease ended before `now`; returns their ids, ascending.
+  // Forgets every worker whose lease ended before `now`; returns their ids, ascending. Nothing
+  // expires while leases are paused.
   std::vector<std::uint64_t> ExpireLeases(SteadyTime now);
+  // The router cannot hear its workers (its NATS connection is down): it must not conclude they
+  // died. Resume gives every leased worker one full lease from `now` to be heard again.
+  void PauseLeases();
+  void ResumeLeases(SteadyTime now);
+  bool leases_paused() const { return paused_.load(); }
 
   // Ranks a request may go to, ascending by (worker_id, dp_rank): a pinned worker (and rank),
   // else the allowed ids (each looked up), else every worker; `dp_rank` filters ranks.
@@ -113,6 +119,7 @@ class WorkerRegistry {
   std::map<std::string, std::uint64_t> refused_ KV_GUARDED_BY(mu_);
   std::uint64_t refused_total_ KV_GUARDED_BY(mu_) = 0;
   std::atomic<std::uint64_t> leases_expired_{0};
+  std::atomic<bool> paused_{false};
 };
 
 }  // namespace kvrouter

@@ -50,6 +50,7 @@ class InMemoryBus : public MessageBus {
   // Like NATS's max_payload: larger publishes fail (default 1 MiB).
   std::size_t MaxPayload() const override { return max_payload_.load(); }
   void set_max_payload(std::size_t bytes) { max_payload_.store(bytes); }
+  Status Flush(std::chrono::milliseconds) override { return Status::Ok(); }  // delivery is synchronous
 
   // Publishes with headers.
   Status PublishWithHeaders(std::string_view subject, std::span<const std::byte> data,

@@ -7,6 +7,7 @@
 //     bus.Publish(m.reply, EncodeRouteReply(...)); });
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <functional>
 #include <memory>
@@ -56,6 +57,9 @@ class MessageBus {
   // The largest message body the bus carries now (NATS: the server's max_payload, 1 MiB by
   // default); a larger publish fails.
   virtual std::size_t MaxPayload() const = 0;
+  // Returns once the server has seen everything sent before (subscriptions included), or fails
+  // after `timeout`. Buses without a server return at once.
+  virtual Status Flush(std::chrono::milliseconds timeout) = 0;
 };
 
 }  // namespace kvrouter

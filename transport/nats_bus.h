@@ -19,6 +19,7 @@ class NatsBus : public MessageBus {
   Status Publish(std::string_view subject, std::span<const std::byte> data) override;
   Status PublishRequest(std::string_view subject, std::string_view reply, std::span<const std::byte> data) override;
   std::size_t MaxPayload() const override { return client_.MaxPayload(); }
+  Status Flush(std::chrono::milliseconds timeout) override { return client_.Flush(timeout); }
 
  private:
   NatsClient& client_;

@@ -153,6 +153,10 @@ void OnAsyncError(natsConnection* /*nc*/, natsSubscription* sub, natsStatus err,
                       "slow consumer on '{}': pending limit reached, messages dropped "
                       "({} slow-consumer errors so far)",
                       subject, n);
+      if (shared->callbacks.on_slow_consumer) {
+        const std::string_view dropped_on(subject);
+        RunUserCallback(shared, [&] { shared->callbacks.on_slow_consumer(dropped_on); }, "on_slow_consumer");
+      }
     } else {
       shared->async_errors.fetch_add(1);
       shared->log.Log(LogLevel::kWarning, "nats.async_error", "asynchronous error on '{}': {}",
@@ -234,6 +238,11 @@ Result<std::unique_ptr<NatsClient>> NatsClient::Connect(const NatsOptions& optio
   auto shared = std::make_shared<ClientShared>();
   shared->callbacks = std::move(callbacks);
   shared->url = options.url;
+  if (options.pending_msgs_limit <= 0 || options.pending_bytes_limit <= 0) {
+    return InvalidArgument("pending limits must be > 0");
+  }
+  shared->pending_msgs_limit = options.pending_msgs_limit;
+  shared->pending_bytes_limit = options.pending_bytes_limit;
   auto opts = BuildOptions(options, shared.get());
   if (!opts.ok()) return opts.status();
 

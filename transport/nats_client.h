@@ -54,6 +54,10 @@ struct NatsOptions {
   // coalesces writes, which batches well but adds about 1 ms to each reply (it sleeps 1 ms
   // per flush). Request/reply servers want true; bulk event publishers may want false.
   bool send_asap = false;
+  // Each subscription's queue of delivered-but-unhandled messages. Past either limit nats.c
+  // drops messages for that subscription and reports a slow consumer (on_slow_consumer).
+  int pending_msgs_limit = 1'000'000;
+  int pending_bytes_limit = 1 << 30;  // 1 GiB
 };
 
 // Counters since Connect. Plain snapshot, not updated after Stats() returns.
@@ -126,6 +130,8 @@ class NatsClient {
     // missed. Also fires for a first connection made in the background.
     std::function<void()> on_reconnected;
     std::function<void()> on_disconnected;  // lost the server; nats.c is reconnecting
+    // A subscription's pending queue overflowed and messages to `subject` were dropped.
+    std::function<void(std::string_view subject)> on_slow_consumer;
   };
 
   // Connects (or, with retry_on_failed_connect, starts connecting in the background).

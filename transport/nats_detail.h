@@ -24,6 +24,8 @@ namespace kvrouter::transport_detail {
 struct ClientShared {
   NatsClient::Callbacks callbacks;
   std::string url;
+  int pending_msgs_limit = 0;   // per subscription (NatsOptions)
+  int pending_bytes_limit = 0;
   RateLimitedLog log{std::chrono::seconds(5)};
 
   std::atomic<uint64_t> reconnects{0};
@@ -62,8 +64,6 @@ struct MsgDeleter {
 };
 using MsgPtr = std::unique_ptr<natsMsg, MsgDeleter>;
 
-inline constexpr int kPendingMsgsLimit = 1'000'000;
-inline constexpr int kPendingBytesLimit = 1 << 30;  // 1 GiB
 
 // The subscription whose handler is running on this thread (a delivery thread runs exactly one
 // subscription's handler), so that a Subscription destroyed from inside its own handler does

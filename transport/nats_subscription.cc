@@ -20,8 +20,6 @@ namespace {
 
 using transport_detail::CString;
 using transport_detail::EqualsIgnoreCase;
-using transport_detail::kPendingBytesLimit;
-using transport_detail::kPendingMsgsLimit;
 using transport_detail::FromNats;
 using transport_detail::MsgPtr;
 using transport_detail::SubscriptionState;
@@ -179,10 +177,10 @@ Result<std::unique_ptr<Subscription>> NatsClient::Subscribe(std::string subject,
     state.release();  // NOLINT(bugprone-unused-return-value): intentional leak, see above
     return status;
   }
-  s = natsSubscription_SetPendingLimits(raw, kPendingMsgsLimit, kPendingBytesLimit);
+  s = natsSubscription_SetPendingLimits(raw, shared_->pending_msgs_limit, shared_->pending_bytes_limit);
   if (s != NATS_OK) {
     shared_->log.Log(LogLevel::kWarning, "nats.pending_limits",
-                     "could not raise pending limits of '{}': {}", subject, natsStatus_GetText(s));
+                     "could not set pending limits of '{}': {}", subject, natsStatus_GetText(s));
   }
   return std::unique_ptr<Subscription>(new Subscription(std::move(state), std::move(sub)));
 }

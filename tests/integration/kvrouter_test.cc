@@ -120,6 +120,31 @@ TEST_F(KvRouterProcessTest, SigtermDrainsAndExitsCleanly) {
   EXPECT_EQ(WEXITSTATUS(router_->exit_status()), 0);
 }
 
+TEST_F(KvRouterProcessTest, NatsOutageLongerThanALeaseForgetsNothing) {
+  Register(2, /*lease_ms=*/1500);
+  ASSERT_TRUE(AwaitWorkers(1));
+  StoreDynamo(2, 1, Tokens(1, 12));
+  ASSERT_TRUE(AwaitEventsApplied(1));
+  // The server is gone for longer than the worker's lease: the router hears nobody, and must not
+  // conclude that everybody died.
+  nats_->Stop();
+  std::this_thread::sleep_for(2500ms);  // the outage itself is the scenario, not a wait
+  ASSERT_TRUE(nats_->Restart().ok());
+  const auto back = std::chrono::steady_clock::now();
+  // Within one lease of the router's reconnect, and before the worker says anything: its blocks
+  // are all still there.
+  std::optional<StatsReply> s;
+  ASSERT_TRUE(WaitFor([&] { return (s = Stats()).has_value(); }, 1200ms)) << "router not back";
+  EXPECT_EQ(s->workers_total, 1u);
+  EXPECT_LT(std::chrono::steady_clock::now() - back, 1500ms);
+  auto r = Route(Tokens(1, 12));
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->worker_id, 2u);
+  EXPECT_EQ(r->overlap_blocks, 3u);
+  // Silent for a whole lease after the reconnect, it is forgotten as usual.
+  ASSERT_TRUE(AwaitWorkers(0));
+}
+
 class KvRouterQueueTest : public KvRouterProcessTest {
  protected:
   std::vector<std::string> ExtraArgs() const override { return {"--router-queue-threshold", "1"}; }
