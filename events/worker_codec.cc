@@ -46,7 +46,76 @@ msgpack::sbuffer EncodeRecoveryReply(const RecoveryReply& reply) {
   });
   w.Field("last_event_id", reply.last_event_id);
   if (!reply.message.empty()) w.Field("message", reply.message);
+  if (reply.more) w.Field("more", true);
   return std::move(w).Finish();
+}
+
+namespace {
+
+// A dump's stored chain cut in two consecutive chains (the second hangs under the first's last
+// block); false when it has a single block.
+bool HalveChain(const KvEventBatch& b, KvEventBatch& first, KvEventBatch& second) {
+  if (b.ops.size() != 1) return false;
+  const auto* stored = std::get_if<KvStored>(&b.ops[0].data);
+  if (stored == nullptr || stored->blocks.size() < 2) return false;
+  const std::size_t half = stored->blocks.size() / 2;
+  first = b;
+  second = b;
+  auto& a = std::get<KvStored>(first.ops[0].data);
+  auto& c = std::get<KvStored>(second.ops[0].data);
+  a.blocks.resize(half);
+  c.blocks.erase(c.blocks.begin(), c.blocks.begin() + static_cast<std::ptrdiff_t>(half));
+  c.parent_hash = a.blocks.back().block_hash;
+  return true;
+}
+
+}  // namespace
+
+Result<std::vector<msgpack::sbuffer>> EncodeRecoveryReplyParts(const RecoveryReply& reply, std::size_t max_bytes) {
+  RecoveryReply head = reply;
+  head.events.clear();
+  head.more = true;
+  // Every part repeats the fields around the list; the list's header grows to 5 bytes at most.
+  const std::size_t overhead = EncodeRecoveryReply(head).size() + 5;
+  if (overhead >= max_bytes) return InvalidArgument("max_bytes cannot hold even an empty recovery reply");
+  const std::size_t room = max_bytes - overhead;
+  // Each event packed alone; a dump's chain too large for a part is cut until it fits.
+  std::vector<msgpack::sbuffer> packed;
+  std::vector<KvEventBatch> todo(reply.events.rbegin(), reply.events.rend());  // a stack, in order
+  while (!todo.empty()) {
+    KvEventBatch b = std::move(todo.back());
+    todo.pop_back();
+    msgpack::sbuffer one;
+    PackKvCacheEvent(one, b);
+    if (one.size() > room) {
+      KvEventBatch first, second;
+      if (reply.kind != "tree_dump" || !HalveChain(b, first, second)) {
+        return InvalidArgument(fmt::format("a recovery event of {} bytes cannot fit in {}", one.size(), max_bytes));
+      }
+      todo.push_back(std::move(second));
+      todo.push_back(std::move(first));
+      continue;
+    }
+    packed.push_back(std::move(one));
+  }
+  std::vector<msgpack::sbuffer> parts;
+  std::size_t i = 0;
+  do {
+    std::size_t used = 0, n = 0;
+    while (i + n < packed.size() && used + packed[i + n].size() <= room) used += packed[i + n++].size();
+    MapWriter w;
+    w.Field("kind", reply.kind);
+    w.With("events", [&](msgpack::sbuffer& out) {
+      msgpack::packer<msgpack::sbuffer>(out).pack_array(static_cast<std::uint32_t>(n));
+      for (std::size_t k = i; k < i + n; ++k) out.write(packed[k].data(), packed[k].size());
+    });
+    w.Field("last_event_id", reply.last_event_id);
+    if (!reply.message.empty()) w.Field("message", reply.message);
+    i += n;
+    if (i < packed.size()) w.Field("more", true);
+    parts.push_back(std::move(w).Finish());
+  } while (i < packed.size());
+  return parts;
 }
 
 Result<RecoveryReply> DecodeRecoveryReply(std::span<const std::byte> body, std::uint64_t worker_id) {
@@ -58,6 +127,7 @@ Result<RecoveryReply> DecodeRecoveryReply(std::span<const std::byte> body, std::
   reads.Required(root, "kind", ReadStr, r.kind);
   reads.Optional(root, "last_event_id", ReadU64, r.last_event_id);
   reads.Optional(root, "message", ReadStr, r.message);
+  reads.Optional(root, "more", ReadBool, r.more);
   if (!reads.ok()) return reads.status();
   const msgpack::object* events = FindKey(root, "events");
   if (IsNil(events)) return r;

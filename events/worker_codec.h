@@ -8,7 +8,14 @@
 // Grammar (maps keyed by field name, unknown keys ignored, integers of any width):
 //   recovery_query = {start_event_id?: u64|nil, end_event_id?: u64|nil}       (inclusive)
 //   recovery_reply = {kind: "events"|"tree_dump"|"too_new"|"invalid_range"|"error",
-//                     events?: [kv_event...]|nil, last_event_id?: u64 (0), message?: str}
+//                     events?: [kv_event...]|nil, last_event_id?: u64 (0), message?: str,
+//                     more?: bool (false)}
+//                    A reply larger than the server's max payload goes as several messages on
+//                    the same reply subject, each a recovery_reply of the same kind and
+//                    last_event_id; every one but the last says more: true (an extension of
+//                    PROTOCOL.md section 6: a 1,000,000-block dump is ~34 MB). Parts split the
+//                    event list in order; a dump's long chains may be cut into consecutive
+//                    chains (the second's parent is the first's last block).
 //   kv_event       = section 2's KvCacheEvent {event_id: u64, dp_rank?: u32 (0), data: data}
 //                    (events/event_codec.h; no worker_id and no tier: the endpoint names the
 //                    worker, and recovered blocks are device blocks)
@@ -58,11 +65,15 @@ struct RecoveryReply {
   std::vector<KvEventBatch> events;  // one op each, sequence {kEventId, event_id}
   std::uint64_t last_event_id = 0;   // the worker's newest event id when it answered
   std::string message;               // why, for too_new / invalid_range / error; empty = none
+  bool more = false;                 // one part of several: more parts follow
   bool operator==(const RecoveryReply&) const = default;
 };
 
 // Every event must hold exactly one op; its sequence value is written as event_id.
 msgpack::sbuffer EncodeRecoveryReply(const RecoveryReply& reply);
+// The reply as messages of at most max_bytes each (one message when it fits), in order. A range
+// reply's events are never cut; an event that cannot fit alone is InvalidArgument.
+Result<std::vector<msgpack::sbuffer>> EncodeRecoveryReplyParts(const RecoveryReply& reply, std::size_t max_bytes);
 // The reply's events become batches of `worker_id` (one device-tier op each).
 Result<RecoveryReply> DecodeRecoveryReply(std::span<const std::byte> body, std::uint64_t worker_id);
 

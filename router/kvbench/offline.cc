@@ -89,7 +89,9 @@ class OfflineReplay {
     auto sub = bus_.Subscribe(RecoverySubject(rc.ns, rc.component, worker_id, 0), "", [this, &pub](const BusMessage& m) {
       if (m.reply.empty()) return;
       const RecoveryReply r = pub.Answer(RecoveryQuery::Decode(m.data));
-      (void)bus_.Publish(m.reply, AsBytes(EncodeRecoveryReply(r)));
+      auto parts = EncodeRecoveryReplyParts(r, bus_.MaxPayload());
+      if (!parts.ok()) return;
+      for (const auto& part : *parts) (void)bus_.Publish(m.reply, AsBytes(part));
     });
     if (!sub.ok()) return sub.status();
     recovery_.push_back(std::move(sub).value());

@@ -243,12 +243,15 @@ void MockWorkerFleet::OnRecovery(std::size_t rank_index, const IncomingMessage& 
     log_.Log(LogLevel::kWarning, "recovery-bad", "bad recovery query on {}: {}",
              m.subject, query.status().message());
   }
-  Status s = nats_.Respond(m, AsBytes(EncodeRecoveryReply(reply)));
-  if (!s.ok()) {  // most likely a dump beyond the server's max payload
+  // A large dump goes in parts that each fit the server's max payload.
+  auto parts = EncodeRecoveryReplyParts(reply, nats_.MaxPayload());
+  Status s = parts.status();
+  for (std::size_t i = 0; s.ok() && i < parts->size(); ++i) s = nats_.Respond(m, AsBytes((*parts)[i]));
+  if (!s.ok()) {
     CountPublish(s, "recovery-reply");
     RecoveryReply error{.kind = "error",
-                                    .last_event_id = reply.last_event_id,
-                                    .message = "cannot send the reply: " + s.message()};
+                        .last_event_id = reply.last_event_id,
+                        .message = "cannot send the reply: " + s.message()};
     (void)nats_.Respond(m, AsBytes(EncodeRecoveryReply(error)));
   }
 }

@@ -303,3 +303,46 @@ TEST(GenerateResponseCodec, FinalityIsReadFromFinishReasonAlone) {
 
 }  // namespace
 }  // namespace kvrouter
+
+namespace kvrouter {
+namespace {
+
+TEST(RecoveryCodecTest, ASmallReplyIsOnePartWithoutMore) {
+  RecoveryReply r{.kind = "events", .last_event_id = 3};
+  r.events.push_back(StoredPromptBatch(1, 3, std::vector<std::uint32_t>{1, 2, 3, 4}, 4));
+  auto parts = EncodeRecoveryReplyParts(r, 1 << 20);
+  ASSERT_TRUE(parts.ok());
+  ASSERT_EQ(parts->size(), 1u);
+  auto back = DecodeRecoveryReply(AsBytes((*parts)[0]), 1);
+  ASSERT_TRUE(back.ok());
+  EXPECT_FALSE(back->more);
+  EXPECT_EQ(back->events.size(), 1u);
+}
+
+TEST(RecoveryCodecTest, ARangeEventIsNeverCutAndOneTooLargeIsAnError) {
+  std::vector<std::uint32_t> tokens(4 * 500);
+  for (std::size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<std::uint32_t>(i);
+  RecoveryReply r{.kind = "events", .last_event_id = 1};
+  r.events.push_back(StoredPromptBatch(1, 1, tokens, 4));  // 500 blocks, ~21 KB
+  EXPECT_FALSE(EncodeRecoveryReplyParts(r, 4096).ok());
+  r.kind = "tree_dump";  // a dump's chain may be cut
+  auto parts = EncodeRecoveryReplyParts(r, 4096);
+  ASSERT_TRUE(parts.ok()) << parts.status().ToString();
+  EXPECT_GT(parts->size(), 1u);
+  std::optional<BlockHash> last;
+  std::size_t blocks = 0;
+  for (const auto& part : *parts) {
+    auto back = DecodeRecoveryReply(AsBytes(part), 1);
+    ASSERT_TRUE(back.ok());
+    for (const auto& b : back->events) {
+      const auto& s = std::get<KvStored>(b.ops.at(0).data);
+      EXPECT_EQ(s.parent_hash, last);  // consecutive chains: each hangs under the one before
+      last = s.blocks.back().block_hash;
+      blocks += s.blocks.size();
+    }
+  }
+  EXPECT_EQ(blocks, 500u);
+}
+
+}  // namespace
+}  // namespace kvrouter

@@ -3,7 +3,6 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <chrono>
 #include <map>
 #include <random>
 #include <set>
@@ -331,15 +330,7 @@ TEST(KvEventPublisherIndex, AgreesWithANaiveModelAndItsDumpsRebuildItUnderRandom
   EXPECT_GT(most_held, 100u);  // the workload builds real trees
 }
 
-bool OptimizedBuild() {
-#if defined(NDEBUG) && !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
-  return true;
-#else
-  return false;
-#endif
-}
-
-TEST(KvEventPublisherIndex, MillionBlockDumpIsFastAndMadeOfFewChains) {
+TEST(KvEventPublisherIndex, MillionBlockDumpIsMadeOfFewChains) {
   // 1,000 sequences of 1,090 blocks, in groups of 10 sharing a 100-block prefix.
   KvEventPublisher p({});
   BlockHash next = 1;
@@ -358,18 +349,39 @@ TEST(KvEventPublisherIndex, MillionBlockDumpIsFastAndMadeOfFewChains) {
   ASSERT_EQ(p.held_blocks(), 1000000u);
   ASSERT_EQ(stored, 1000000u);
 
-  const auto t0 = std::chrono::steady_clock::now();
+  // How fast is a benchmark's question (tests/bench/recovery_bench.cc), not this test's.
   const RecoveryReply dump = p.Recover(std::nullopt, std::nullopt);
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   EXPECT_EQ(dump.events.size(), 1000u);  // one chain per leaf
-  // Well under a second when optimised; sanitizer and debug builds are slower.
-  EXPECT_LT(seconds, OptimizedBuild() ? 0.5 : 10.0);
 
   std::size_t blocks = 0;
   for (const auto& b : dump.events) blocks += std::get<KvStored>(b.ops[0].data).blocks.size();
   EXPECT_EQ(blocks, 1000000u);
   KvEventPublisher fresh({});
   for (const KvEventBatch& b : dump.events) fresh.Publish(b.ops.at(0).data);
+  EXPECT_EQ(fresh.held_blocks(), 1000000u);
+  EXPECT_EQ(fresh.HeldBlocks(), p.HeldBlocks());
+}
+
+TEST(KvEventPublisherIndex, MillionBlockDumpTravelsInPartsUnderTheMaxPayload) {
+  // One long sequence of 1,000,000 blocks: a single chain that must be cut to travel.
+  KvEventPublisher p({});
+  p.Publish(Chain(std::nullopt, 1, 1000000));
+  const RecoveryReply dump = p.Recover(std::nullopt, std::nullopt);
+  ASSERT_EQ(dump.events.size(), 1u);
+  constexpr std::size_t kMax = 1 << 20;
+  auto parts = EncodeRecoveryReplyParts(dump, kMax);
+  ASSERT_TRUE(parts.ok()) << parts.status().ToString();
+  ASSERT_GT(parts->size(), 20u);  // ~34 MB of chains
+  KvEventPublisher fresh({});
+  for (std::size_t i = 0; i < parts->size(); ++i) {
+    EXPECT_LE((*parts)[i].size(), kMax);
+    auto part = DecodeRecoveryReply(AsBytes((*parts)[i]), 0);
+    ASSERT_TRUE(part.ok()) << part.status().ToString();
+    EXPECT_EQ(part->kind, "tree_dump");
+    EXPECT_EQ(part->last_event_id, dump.last_event_id);
+    EXPECT_EQ(part->more, i + 1 < parts->size());
+    for (const KvEventBatch& b : part->events) fresh.Publish(b.ops.at(0).data);
+  }
   EXPECT_EQ(fresh.held_blocks(), 1000000u);
   EXPECT_EQ(fresh.HeldBlocks(), p.HeldBlocks());
 }
