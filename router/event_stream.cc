@@ -1,0 +1,141 @@
+#include "router/event_stream.h"
+
+#include <algorithm>
+
+namespace kvrouter {
+
+void EventStreams::Ask(WorkerKey worker, Stream& s, std::optional<std::uint64_t> start) {
+  s.recovering = true;
+  s.dump_started = false;
+  on_recovery_(worker, s.numbering, start);
+}
+
+EventStreams::Verdict EventStreams::Live(KvEventBatch& b) {
+  if (b.sequence.kind == SequenceKind::kNone) return Verdict::kApply;
+  const WorkerKey key{b.worker_id, b.dp_rank};
+  Stream& s = streams_[key];
+  if (s.numbering != b.sequence.kind) {  // a publisher that changed format starts over
+    s.numbering = b.sequence.kind;
+    s.cursor.reset();
+  }
+  const std::uint64_t id = b.sequence.value;
+  auto hold = [&] {
+    if (s.held.size() >= options_.max_held) {  // the reply will not be enough: dump after it
+      counters_.held_dropped += s.held.size();
+      s.held.clear();
+      s.dump_pending = true;
+    }
+    s.held.push_back(std::move(b));
+    return Verdict::kHeld;
+  };
+  if (s.recovering) return hold();
+  if (!s.cursor) {
+    if (options_.recover) {
+      hold();
+      Ask(key, s, std::nullopt);  // first sight: what did it hold before?
+      return Verdict::kHeld;
+    }
+    s.cursor = id;
+    return Verdict::kApply;
+  }
+  if (id == *s.cursor + 1) {
+    s.cursor = id;
+    return Verdict::kApply;
+  }
+  if (id > *s.cursor) {
+    ++counters_.gaps;
+    if (options_.recover) {
+      const std::uint64_t from = *s.cursor + 1;
+      hold();
+      Ask(key, s, from);
+      return Verdict::kHeld;
+    }
+    s.cursor = id;
+    return Verdict::kApply;
+  }
+  if (id == FirstId(s.numbering) && *s.cursor > id) {
+    ++counters_.restarts;
+    s.cursor = id;
+    return Verdict::kClearThenApply;
+  }
+  ++counters_.duplicates;
+  return Verdict::kDrop;
+}
+
+void EventStreams::RequestDump(WorkerKey worker, SequenceKind numbering) {
+  if (!options_.recover) return;
+  Stream& s = streams_[worker];
+  if (s.numbering == SequenceKind::kNone) s.numbering = numbering;
+  if (s.recovering) {
+    s.dump_pending = true;
+    return;
+  }
+  Ask(worker, s, std::nullopt);
+}
+
+EventStreams::Outcome EventStreams::Recovered(RecoveryPart& part) {
+  Outcome out;
+  auto it = streams_.find(part.worker);
+  if (it == streams_.end() || !it->second.recovering) {  // the worker is gone, or a stale reply
+    part.events.clear();
+    return out;
+  }
+  Stream& s = it->second;
+  if (part.kind == RecoveryPart::Kind::kFailed) {
+    // Apply what was held as it is, accepting the gap; the next gap asks again.
+    s.recovering = false;
+    part.events.clear();
+    for (KvEventBatch& b : s.held) {
+      const std::uint64_t id = b.sequence.value;
+      if (s.cursor && id <= *s.cursor) {
+        ++counters_.duplicates;
+        continue;
+      }
+      s.cursor = id;
+      out.apply.push_back(std::move(b));
+    }
+    s.held.clear();
+    if (s.dump_pending) {
+      s.dump_pending = false;
+      Ask(part.worker, s, std::nullopt);
+    }
+    return out;
+  }
+  if (part.kind == RecoveryPart::Kind::kDump) {
+    out.clear_first = !s.dump_started;
+    s.dump_started = true;
+  } else {
+    // A range: only what comes after the cursor, in order.
+    std::erase_if(part.events, [&](const KvEventBatch& b) {
+      if (s.cursor && b.sequence.value <= *s.cursor) return true;
+      s.cursor = b.sequence.value;
+      return false;
+    });
+  }
+  if (!part.final) return out;
+  s.cursor = std::max(s.cursor.value_or(0), part.last_event_id);
+  if (part.kind == RecoveryPart::Kind::kDump) s.cursor = part.last_event_id;
+  s.recovering = false;
+  s.dump_started = false;
+  if (s.dump_pending) {  // held batches overflowed meanwhile: a dump covers them
+    s.dump_pending = false;
+    Ask(part.worker, s, std::nullopt);
+    return out;
+  }
+  out.rejudge.assign(std::make_move_iterator(s.held.begin()), std::make_move_iterator(s.held.end()));
+  s.held.clear();
+  return out;
+}
+
+void EventStreams::RemoveWorker(std::uint64_t worker_id) {
+  for (auto it = streams_.lower_bound({worker_id, 0}); it != streams_.end() && it->first.worker_id == worker_id;) {
+    it = streams_.erase(it);
+  }
+}
+
+bool EventStreams::Recovering(WorkerKey worker) const {
+  auto it = streams_.find(worker);
+  return it != streams_.end() && it->second.recovering;
+}
+
+}  // namespace kvrouter

@@ -1,0 +1,105 @@
+// EventStreams: per (worker_id, dp_rank), the order of its KV events and its recovery state
+// (DESIGN.md "Recovery and liveness", PROTOCOL.md section 6). It decides; the shard applies.
+//
+// A rank's cursor is the last event id (Dynamo) or Kv-Seq (vLLM) applied. With recovery on:
+//   first sight of a rank          -> hold the batch, ask for a tree dump;
+//   next id                        -> apply;   a repeat -> drop;
+//   a gap                          -> hold the batch, ask for [cursor+1, ...];
+//   back to the first id           -> the publisher restarted: clear the rank, apply;
+//   while a recovery is in flight  -> hold live batches (at most max_held; past it the held
+//                                     ones are dropped and a fresh dump follows the reply).
+// A reply part's events are applied (a dump's first part clears the rank first); its last part
+// sets the cursor to last_event_id and releases the held batches, each judged again (what the
+// reply covered is dropped). A failed recovery releases them as they are, accepting the gap; the
+// next gap asks again. `cleared` needs nothing special: it is applied in order like any event.
+// With recovery off, gaps are only counted and batches applied (the old behaviour).
+// Thread contract: owned by one shard thread; `on_recovery` is called on it and must not block.
+//
+//   EventStreams s({.recover = true}, [&](WorkerKey k, SequenceKind kind, auto start) { ask(k); });
+//   switch (s.Live(batch)) { case EventStreams::Verdict::kApply: Apply(batch); ... }
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <optional>
+#include <vector>
+
+#include "events/kv_event.h"
+#include "router/worker_key.h"
+
+namespace kvrouter {
+
+struct RecoveryPart {
+  WorkerKey worker;
+  SequenceKind numbering = SequenceKind::kEventId;  // what last_event_id counts
+  enum class Kind { kEvents, kDump, kFailed } kind = Kind::kFailed;
+  std::vector<KvEventBatch> events;  // in order; a dump's are stored chains
+  std::uint64_t last_event_id = 0;   // the worker's newest id when it answered
+  bool final = true;                 // the last part of the reply
+};
+
+struct StreamCounters {
+  std::uint64_t gaps = 0;
+  std::uint64_t restarts = 0;
+  std::uint64_t duplicates = 0;
+  std::uint64_t held_dropped = 0;  // held batches dropped when the hold overflowed
+};
+
+class EventStreams {
+ public:
+  struct Options {
+    bool recover = false;          // ask for recoveries (else only count gaps)
+    std::size_t max_held = 4096;   // batches held per rank while its recovery is in flight
+  };
+  // Called when a rank needs recovering: start nullopt = a tree dump.
+  using RecoveryNeeded = std::function<void(WorkerKey, SequenceKind, std::optional<std::uint64_t> start)>;
+
+  EventStreams(Options options, RecoveryNeeded on_recovery)
+      : options_(options), on_recovery_(std::move(on_recovery)) {}
+
+  enum class Verdict {
+    kApply,            // apply it now
+    kClearThenApply,   // the publisher restarted: clear the rank, then apply
+    kHeld,             // kept until the rank's recovery ends
+    kDrop,             // a repeat
+  };
+  Verdict Live(KvEventBatch& batch);  // may move the batch into the hold
+
+  // Asks for a tree dump of the rank now (first registration, reconnect, dropped events); a
+  // rank already recovering gets a dump after its current reply instead.
+  void RequestDump(WorkerKey worker, SequenceKind numbering = SequenceKind::kEventId);
+
+  // What a reply part means for its rank. Its events are trimmed to those still to apply.
+  struct Outcome {
+    bool clear_first = false;               // clear the rank before applying the part's events
+    std::vector<KvEventBatch> apply;        // after a failure: held batches to apply as they are
+    std::vector<KvEventBatch> rejudge;      // after the last part: held batches for Live() again
+  };
+  Outcome Recovered(RecoveryPart& part);
+
+  void RemoveWorker(std::uint64_t worker_id);
+  bool Recovering(WorkerKey worker) const;
+  const StreamCounters& counters() const { return counters_; }
+
+ private:
+  struct Stream {
+    SequenceKind numbering = SequenceKind::kNone;
+    std::optional<std::uint64_t> cursor;  // last id applied
+    bool recovering = false;
+    bool dump_pending = false;  // a dump must follow the reply in flight (hold overflowed)
+    bool dump_started = false;  // a dump reply's first part has been seen
+    bool accept_gaps = false;   // releasing after a failure: apply what comes, ask nothing
+    std::deque<KvEventBatch> held;
+  };
+  void Ask(WorkerKey worker, Stream& s, std::optional<std::uint64_t> start);
+  static std::uint64_t FirstId(SequenceKind k) { return k == SequenceKind::kVllmSeq ? 0 : 1; }
+
+  const Options options_;
+  const RecoveryNeeded on_recovery_;
+  std::map<WorkerKey, Stream> streams_;  // ordered: a worker's ranks are one range
+  StreamCounters counters_;
+};
+
+}  // namespace kvrouter
