@@ -9,7 +9,6 @@
 #include <unordered_map>
 #include <unordered_set>
 
-#include "router/event_sequence.h"
 #include "transport/thread_annotations.h"
 
 namespace kvrouter {
@@ -22,6 +21,7 @@ constexpr std::size_t kMaxBlocksPerLock = 64;
 struct OwnerCounter {
   std::atomic<std::uint64_t> v{0};
   void Add(std::uint64_t n) { v.store(v.load(std::memory_order_relaxed) + n, std::memory_order_relaxed); }
+  void Set(std::uint64_t n) { v.store(n, std::memory_order_relaxed); }
   std::uint64_t Get() const { return v.load(std::memory_order_relaxed); }
 };
 
@@ -40,7 +40,11 @@ std::size_t BlocksIn(const KvEventBatch& b) {
 class ShardedIndex::Shard {
  public:
   explicit Shard(const ShardedIndexOptions& o)
-      : capacity_(o.queue_capacity), max_bulk_(o.max_bulk), thread_([this] { Run(); }) {}
+      : capacity_(o.queue_capacity),
+        max_bulk_(o.max_bulk),
+        recover_(static_cast<bool>(o.on_recovery)),
+        streams_({.recover = recover_, .max_held = o.max_held}, o.on_recovery),
+        thread_([this] { Run(); }) {}
 
   ~Shard() {
     stop_.store(true);
@@ -65,11 +69,27 @@ class ShardedIndex::Shard {
     queue_.enqueue(Item{remove ? Item::kRemoveWorker : Item::kClearWorker, {}, worker_id});
   }
 
+  void RequestDump(WorkerKey worker, SequenceKind numbering) {
+    submitted_.fetch_add(1, std::memory_order_relaxed);
+    Item it{Item::kRequestDump, {}, worker.worker_id};
+    it.part.worker = worker;
+    it.part.numbering = numbering;
+    queue_.enqueue(std::move(it));
+  }
+
+  void Recovered(RecoveryPart part) {
+    submitted_.fetch_add(1, std::memory_order_relaxed);
+    Item it{Item::kRecovered, {}, part.worker.worker_id};
+    it.part = std::move(part);
+    queue_.enqueue(std::move(it));
+  }
+
+  // Waits until the shard is quiet: everything submitted, including what applying it submitted
+  // in turn (a recovery answered on a synchronous bus), has been applied.
   void Flush() {
-    const std::uint64_t target = submitted_.load();
     KvMutexLock g(flush_mu_);
     ++flush_waiters_;
-    flush_cv_.wait(flush_mu_, [&] { return applied_.load() >= target; });
+    flush_cv_.wait(flush_mu_, [&] { return applied_.load() >= submitted_.load(); });
     --flush_waiters_;
   }
 
@@ -101,6 +121,8 @@ class ShardedIndex::Shard {
     c.non_device_ops += non_device_ops_.Get();
     c.gaps += gaps_.Get();
     c.restarts += restarts_.Get();
+    c.events_recovered += events_recovered_.Get();
+    c.held_dropped += held_dropped_.Get();
     c.parent_block_not_found += parent_block_not_found_.Get();
     c.block_not_found += block_not_found_.Get();
     c.duplicate += duplicate_.Get();
@@ -115,14 +137,10 @@ class ShardedIndex::Shard {
 
  private:
   struct Item {
-    enum Kind : std::uint8_t { kBatch, kClearWorker, kRemoveWorker, kWake } kind = kWake;
+    enum Kind : std::uint8_t { kBatch, kClearWorker, kRemoveWorker, kRequestDump, kRecovered, kWake } kind = kWake;
     KvEventBatch batch;
     std::uint64_t worker_id = 0;
-  };
-
-  struct Sequences {
-    SequenceTracker event_ids{1};
-    SequenceTracker vllm_seq{0};
+    RecoveryPart part;  // kRequestDump (its worker, numbering), kRecovered
   };
 
   void MarkStale(WorkerKey w) {
@@ -155,17 +173,22 @@ class ShardedIndex::Shard {
               break;
             case Item::kRemoveWorker:
               index_.RemoveWorker(it.worker_id);
-              // Ordered by (worker_id, dp_rank): this worker's ranks are one range.
-              for (auto s = sequences_.lower_bound({it.worker_id, 0});
-                   s != sequences_.end() && s->first.worker_id == it.worker_id;) {
-                s = sequences_.erase(s);
-              }
+              streams_.RemoveWorker(it.worker_id);
+              ++done;
+              break;
+            case Item::kRequestDump:
+              streams_.RequestDump(it.part.worker, it.part.numbering);
+              ++done;
+              break;
+            case Item::kRecovered:
+              slice += ApplyRecovered(it.part);
               ++done;
               break;
             case Item::kWake:
               break;
           }
           it.batch = {};
+          it.part = {};
           if (slice >= kMaxBlocksPerLock) {  // let waiting readers in
             mu_.unlock();
             slice = 0;
@@ -185,28 +208,55 @@ class ShardedIndex::Shard {
     }
   }
 
-  // Owner thread, write lock held.
-  void ApplyBatch(const KvEventBatch& b) KV_REQUIRES(mu_) {
+  // Owner thread, write lock held: a live batch, judged by the rank's stream first.
+  void ApplyBatch(KvEventBatch& b) KV_REQUIRES(mu_) {
     batches_applied_.Add(1);
     const WorkerKey key{b.worker_id, b.dp_rank};
-    if (b.sequence.kind != SequenceKind::kNone) {
-      Sequences& seq = sequences_[key];
-      SequenceTracker& t = b.sequence.kind == SequenceKind::kEventId ? seq.event_ids : seq.vllm_seq;
-      switch (t.Observe(b.sequence.value)) {
-        case SequenceVerdict::kInOrder: break;
-        case SequenceVerdict::kGap:
-          gaps_.Add(1);
-          MarkStale(key);
-          break;
-        case SequenceVerdict::kDuplicate:
-          duplicate_.Add(1);
-          return;
-        case SequenceVerdict::kRestart:
-          restarts_.Add(1);
-          index_.ClearRank(key);
-          break;
-      }
+    const std::uint64_t gaps_before = streams_.counters().gaps;
+    const EventStreams::Verdict verdict = streams_.Live(b);
+    // Without recovery a gap leaves the rank wrong: flag it (with recovery it is being asked).
+    if (!recover_ && streams_.counters().gaps > gaps_before) MarkStale(key);
+    switch (verdict) {
+      case EventStreams::Verdict::kApply:
+        ApplyOps(key, b);
+        break;
+      case EventStreams::Verdict::kClearThenApply:
+        index_.ClearRank(key);
+        ApplyOps(key, b);
+        break;
+      case EventStreams::Verdict::kHeld:
+      case EventStreams::Verdict::kDrop:
+        break;
     }
+    PublishStreamCounters();
+  }
+
+  // Owner thread, write lock held: a recovery reply part; returns the blocks it touched.
+  std::size_t ApplyRecovered(RecoveryPart& part) KV_REQUIRES(mu_) {
+    EventStreams::Outcome o = streams_.Recovered(part);
+    if (o.clear_first) index_.ClearRank(part.worker);
+    std::size_t blocks = 0;
+    for (const KvEventBatch& b : part.events) {
+      ApplyOps(part.worker, b);
+      blocks += BlocksIn(b);
+    }
+    events_recovered_.Add(part.events.size());
+    for (const KvEventBatch& b : o.apply) ApplyOps(part.worker, b);
+    for (KvEventBatch& b : o.rejudge) ApplyBatch(b);
+    PublishStreamCounters();
+    return blocks;
+  }
+
+  void PublishStreamCounters() {
+    const StreamCounters& c = streams_.counters();
+    gaps_.Set(c.gaps);
+    restarts_.Set(c.restarts);
+    duplicate_.Set(c.duplicates);
+    held_dropped_.Set(c.held_dropped);
+  }
+
+  // Owner thread, write lock held: the ops of one batch, on `key`'s index.
+  void ApplyOps(WorkerKey key, const KvEventBatch& b) KV_REQUIRES(mu_) {
     for (const KvOp& op : b.ops) {
       if (op.tier != StorageTier::kDevice) {
         non_device_ops_.Add(1);
@@ -218,7 +268,7 @@ class ShardedIndex::Shard {
       } else if (auto* rm = std::get_if<KvRemoved>(&op.data)) {
         r = index_.ApplyRemoved(key, rm->block_hashes);
       } else {
-        index_.ClearWorker(b.worker_id);
+        index_.ClearWorker(key.worker_id);
       }
       ops_applied_.Add(1);
       blocks_stored_.Add(r.blocks_stored);
@@ -239,7 +289,8 @@ class ShardedIndex::Shard {
 
   mutable KvSharedMutex mu_;
   BlockIndex index_ KV_GUARDED_BY(mu_);  // written only by thread_, under the write lock
-  std::map<WorkerKey, Sequences> sequences_;  // thread_ only
+  const bool recover_;
+  EventStreams streams_;  // thread_ only
 
   KvMutex flush_mu_;
   std::condition_variable_any flush_cv_;
@@ -249,7 +300,7 @@ class ShardedIndex::Shard {
   std::unordered_set<WorkerKey, WorkerKeyHash> stale_ KV_GUARDED_BY(stale_mu_);
 
   OwnerCounter batches_applied_, ops_applied_, blocks_stored_, blocks_removed_, non_device_ops_,
-      gaps_, restarts_, parent_block_not_found_, block_not_found_, duplicate_;
+      gaps_, restarts_, parent_block_not_found_, block_not_found_, duplicate_, events_recovered_, held_dropped_;
   std::atomic<std::uint64_t> queue_full_{0};
 
   std::thread thread_;  // last: starts after every member above is constructed
@@ -288,6 +339,15 @@ std::vector<WorkerTreeSize> ShardedIndex::TreeSizes() const {
   std::vector<WorkerTreeSize> out;
   for (const auto& s : shards_) s->TreeSizes(out);
   return out;
+}
+
+void ShardedIndex::RequestDump(WorkerKey worker, SequenceKind numbering) {
+  shards_[ShardOf(worker.worker_id)]->RequestDump(worker, numbering);
+}
+
+void ShardedIndex::Recovered(RecoveryPart part) {
+  const std::size_t shard = ShardOf(part.worker.worker_id);
+  shards_[shard]->Recovered(std::move(part));
 }
 
 std::size_t ShardedIndex::TreeSize(WorkerKey worker) const { return shards_[ShardOf(worker.worker_id)]->TreeSize(worker); }

@@ -5,12 +5,13 @@
 // request never waits behind a flood. Queries (FindMatches, stats) fan out to every shard under
 // its read lock and merge, so they never observe a half-applied event.
 //
-// Per (worker_id, dp_rank) the shard tracks the last Dynamo event_id and vLLM Kv-Seq: a repeat
-// is dropped, a gap is counted and the worker flagged for recovery, a restart (id back to its
-// first value) clears that rank's blocks first. A full queue drops the batch, counts it and
-// flags the worker (its index is now wrong, not late).
+// Per (worker_id, dp_rank) the shard keeps an EventStreams cursor (Dynamo event_id or vLLM
+// Kv-Seq): a repeat is dropped, a restart (id back to its first value) clears that rank first,
+// and with recovery on a rank seen for the first time or with a gap is held while its worker is
+// asked (dump or range), then applied with the reply. A full queue drops the batch, counts it
+// and flags the worker (TakeStaleWorkers: its index is now wrong, not late).
 //
-// Thread contract: Submit/RemoveWorker/ClearWorker from any thread; FindMatches, TreeSizes,
+// Thread contract: Submit/RemoveWorker/ClearWorker/RequestDump/Recovered from any thread; FindMatches, TreeSizes,
 // Counters, TakeStaleWorkers, Flush from any thread. Destruction stops and joins the shards.
 //
 //   ShardedIndex index({.num_shards = 2});
@@ -28,6 +29,7 @@
 
 #include "events/kv_event.h"
 #include "router/block_index.h"
+#include "router/event_stream.h"
 #include "router/worker_key.h"
 
 namespace kvrouter {
@@ -36,6 +38,11 @@ struct ShardedIndexOptions {
   std::size_t num_shards = 2;          // fixed for the index's life; worker_id -> shard by hash
   std::size_t queue_capacity = 65536;  // batches waiting per shard before Submit refuses
   std::size_t max_bulk = 256;          // batches dequeued at once by a shard thread
+  // Recovery (PROTOCOL.md section 6, EventStreams): when set, a rank seen for the first time or
+  // with a gap in its ids is held and this is called (on the shard thread; it must not block)
+  // to ask its worker; the answer comes back through Recovered(). Unset: gaps are only counted.
+  EventStreams::RecoveryNeeded on_recovery;
+  std::size_t max_held = 4096;         // batches held per rank while it recovers
 };
 
 // Event counters summed over shards (monotonic).
@@ -46,6 +53,8 @@ struct IndexCounters {
   std::uint64_t blocks_removed = 0;
   std::uint64_t non_device_ops = 0;         // accepted, not matched
   std::uint64_t gaps = 0;                   // event_id / Kv-Seq jumped forward
+  std::uint64_t events_recovered = 0;       // events (a dump's chains) applied from recoveries
+  std::uint64_t held_dropped = 0;           // held batches dropped when a rank's hold overflowed
   std::uint64_t restarts = 0;               // ids started again from the beginning
   // Drop reasons (PROTOCOL.md names).
   std::uint64_t parent_block_not_found = 0;
@@ -72,6 +81,10 @@ class ShardedIndex {
   // Control operations; never refused, applied in order with the worker's events.
   void ClearWorker(std::uint64_t worker_id);   // all dp ranks, keeps sequence tracking
   void RemoveWorker(std::uint64_t worker_id);  // blocks and sequence tracking
+  // Recovery (when on_recovery is set): ask for a tree dump of a rank (first registration,
+  // reconnect, dropped events), and apply a reply part.
+  void RequestDump(WorkerKey worker, SequenceKind numbering = SequenceKind::kEventId);
+  void Recovered(RecoveryPart part);
 
   // Overlap per (worker, dp_rank) for a request given its sequence hashes.
   OverlapScores FindMatches(std::span<const SequenceHash> seq_hashes) const;
