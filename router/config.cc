@@ -78,6 +78,8 @@ po::options_description Describe() {
     ("router-max-active-requests", po::value<std::uint32_t>()->default_value(d.max_active_requests), "booked requests before route answers 'overloaded' (>= 1)")
     ("router-max-active-blocks", po::value<std::uint64_t>()->default_value(d.max_active_blocks), "prompt blocks of booked requests (and, separately, of queued ones) before 'overloaded' (>= 1)")
     ("router-max-prompt-tokens", po::value<std::uint32_t>()->default_value(d.max_prompt_tokens), "longest prompt; longer ones get 'invalid_argument' (>= 1)")
+    ("no-router-recovery", po::bool_switch(), "never ask workers for missed events or dumps (gaps are only counted)")
+    ("router-recovery-wait-ms", po::value<std::uint32_t>()->default_value(d.recovery_wait_ms), "after start, a route waits at most this long for the start-up dumps")
     ("router-replica-sync", po::bool_switch(), "share active-request bookings with other router replicas")
     ("device-ratio", po::value<double>()->default_value(d.device_ratio), "device-aware-weighted: accelerator weight vs CPU (> 0)")
     ("router-index-shards", po::value<std::uint32_t>()->default_value(d.index_shards), "index shards, one thread each [1, 64]");
@@ -138,6 +140,8 @@ Status ReadLimits(const po::variables_map& vm, RouterConfig& c) {
   if (c.max_active_blocks < 1) return OutOfRange("router-max-active-blocks", ">= 1");
   c.max_prompt_tokens = vm["router-max-prompt-tokens"].as<std::uint32_t>();
   if (c.max_prompt_tokens < 1) return OutOfRange("router-max-prompt-tokens", ">= 1");
+  c.recovery = !vm["no-router-recovery"].as<bool>();
+  c.recovery_wait_ms = vm["router-recovery-wait-ms"].as<std::uint32_t>();
   c.replica_sync = vm["router-replica-sync"].as<bool>();
   c.device_ratio = vm["device-ratio"].as<double>();
   if (!(c.device_ratio > 0)) return OutOfRange("device-ratio", "> 0");

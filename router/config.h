@@ -69,6 +69,11 @@ struct RouterConfig {
                                                       //   requests, and again of queued ones
   std::uint32_t max_prompt_tokens = 1 << 20;          // --router-max-prompt-tokens >= 1
 
+  // Recovery (PROTOCOL.md section 6): ask workers for what the router missed.
+  bool recovery = true;                               // --no-router-recovery turns it off
+  std::uint32_t recovery_wait_ms = 1000;              // --router-recovery-wait-ms: a route waits
+                                                      //   this long at most for start-up dumps
+
   bool replica_sync = false;                          // --router-replica-sync
   double device_ratio = 8;                            // --device-ratio > 0
   std::uint32_t index_shards = 2;                     // --router-index-shards [1, 64]

@@ -30,7 +30,7 @@ EventStreams::Verdict EventStreams::Live(KvEventBatch& b) {
   };
   if (s.recovering) return hold();
   if (!s.cursor) {
-    if (options_.recover) {
+    if (options_.recover && !s.asked_once) {
       hold();
       Ask(key, s, std::nullopt);  // first sight: what did it hold before?
       return Verdict::kHeld;
@@ -84,6 +84,7 @@ EventStreams::Outcome EventStreams::Recovered(RecoveryPart& part) {
   if (part.kind == RecoveryPart::Kind::kFailed) {
     // Apply what was held as it is, accepting the gap; the next gap asks again.
     s.recovering = false;
+    s.asked_once = true;
     part.events.clear();
     for (KvEventBatch& b : s.held) {
       const std::uint64_t id = b.sequence.value;
@@ -116,6 +117,7 @@ EventStreams::Outcome EventStreams::Recovered(RecoveryPart& part) {
   s.cursor = std::max(s.cursor.value_or(0), part.last_event_id);
   if (part.kind == RecoveryPart::Kind::kDump) s.cursor = part.last_event_id;
   s.recovering = false;
+  s.asked_once = true;
   s.dump_started = false;
   if (s.dump_pending) {  // held batches overflowed meanwhile: a dump covers them
     s.dump_pending = false;

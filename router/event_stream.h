@@ -90,7 +90,7 @@ class EventStreams {
     bool recovering = false;
     bool dump_pending = false;  // a dump must follow the reply in flight (hold overflowed)
     bool dump_started = false;  // a dump reply's first part has been seen
-    bool accept_gaps = false;   // releasing after a failure: apply what comes, ask nothing
+    bool asked_once = false;    // a recovery has ended (a failed first-sight dump is not retried)
     std::deque<KvEventBatch> held;
   };
   void Ask(WorkerKey worker, Stream& s, std::optional<std::uint64_t> start);

@@ -51,12 +51,26 @@ KvRouterService::KvRouterService(RouterConfig config, MessageBus& bus, Clock clo
       clock_(clock ? std::move(clock) : Clock([] { return std::chrono::steady_clock::now(); })),
       subjects_(config_.ns, config_.component),
       router_id_(std::random_device{}() * 0x9E3779B97F4A7C15ULL ^ seed),
-      index_({.num_shards = config_.index_shards}),
+      index_({.num_shards = config_.index_shards,
+              .on_recovery = config_.recovery && config_.use_kv_events
+                                 ? EventStreams::RecoveryNeeded(
+                                       [this](WorkerKey w, SequenceKind k, std::optional<std::uint64_t> start) {
+                                         recovery_->Need(w, k, start);
+                                       })
+                                 : nullptr}),
       registry_({.block_size = config_.block_size,
                  .max_dp_size = config_.max_dp_size,
                  .max_worker_ranks = config_.max_worker_ranks}),
       routing_(config_, registry_, index_, clock_, router_id_, seed, log_),
-      relay_(bus_, routing_, fmt::format("_KVR.{:x}.", router_id_), clock_, log_) {}
+      relay_(bus_, routing_, fmt::format("_KVR.{:x}.", router_id_), clock_, log_) {
+  if (config_.recovery && config_.use_kv_events) {
+    recovery_ = std::make_unique<RecoveryClient>(
+        RecoveryClient::Options{.ns = config_.ns,
+                                .component = config_.component,
+                                .reply_prefix = fmt::format("_KVR.{:x}.rec.", router_id_)},
+        event_bus_, index_, clock_, log_);
+  }
+}
 
 KvRouterService::~KvRouterService() { Stop(); }
 
@@ -75,6 +89,10 @@ Status KvRouterService::Start() {
                     &event_bus_});
   }
   subs.push_back({subjects_.instances, "", [this](const BusMessage& m) { HandleInstances(m); }, &event_bus_});
+  if (recovery_) {  // replies to the recovery queries, which may be large: the event connection
+    subs.push_back({recovery_->subject_pattern(), "", [this](const BusMessage& m) { recovery_->OnReply(m); },
+                    &event_bus_});
+  }
   subs.push_back({subjects_.route, "kvrouter", [this](const BusMessage& m) { HandleRoute(m, Kind::kRoute); }});
   subs.push_back({subjects_.best_worker, "kvrouter", [this](const BusMessage& m) { HandleRoute(m, Kind::kBestWorker); }});
   subs.push_back({subjects_.generate, "kvrouter", [this](const BusMessage& m) { HandleRoute(m, Kind::kGenerate); }});
@@ -119,6 +137,7 @@ Status KvRouterService::Start() {
     }
     subs_.push_back(std::move(r).value());
   }
+  startup_deadline_ = clock_() + std::chrono::milliseconds(config_.recovery_wait_ms);
   return Status::Ok();
 }
 
@@ -189,6 +208,12 @@ void KvRouterService::HandleInstances(const BusMessage& m) {
       break;
     }
     case WorkerRegistry::Outcome::kNew:
+      // First sight of a worker: what does it hold already (the router may have restarted)?
+      if (recovery_) {
+        for (std::uint64_t rank = reg->dp_start; rank < std::uint64_t{reg->dp_start} + reg->dp_size; ++rank) {
+          index_.RequestDump({reg->worker_id, static_cast<std::uint32_t>(rank)});
+        }
+      }
       routing_.Drain(out);  // new capacity
       break;
     case WorkerRegistry::Outcome::kRenewed:
@@ -204,6 +229,10 @@ void KvRouterService::Forget(std::span<const std::uint64_t> worker_ids, Outbox& 
 
 void KvRouterService::Tick() {
   Outbox out;
+  if (recovery_) {
+    recovery_->Tick();
+    for (WorkerKey w : index_.TakeStaleWorkers()) index_.RequestDump(w);  // events dropped (queue full)
+  }
   const std::vector<std::uint64_t> expired = registry_.ExpireLeases(clock_());
   for (std::uint64_t id : expired) log_.Log(LogLevel::kInfo, "lease", "worker {} lease expired: forgotten", id);
   Forget(expired, out);
@@ -220,9 +249,33 @@ void KvRouterService::OnEventsDisconnected() {
 void KvRouterService::OnEventsReconnected() {
   registry_.ResumeLeases(clock_());
   log_.Log(LogLevel::kInfo, "leases resumed", "event connection back: every worker has one full lease to be heard");
+  DumpEveryWorker();  // events sent during the outage are lost
+}
+
+void KvRouterService::OnEventsDropped() {
+  drops_.Add("slow_consumer");
+  DumpEveryWorker();  // which workers' events were dropped is unknown
+}
+
+void KvRouterService::DumpEveryWorker() {
+  if (!recovery_) return;
+  std::uint64_t total = 0;
+  for (std::uint64_t offset = 0;; offset += StatsRequest::kMaxLimit) {
+    const std::vector<RankEntry> page = registry_.Page(offset, StatsRequest::kMaxLimit, &total);
+    for (const RankEntry& e : page) index_.RequestDump(e.worker);
+    if (page.size() < StatsRequest::kMaxLimit) break;
+  }
 }
 
 void KvRouterService::HandleRoute(const BusMessage& m, Routing::Kind kind) {
+  // Just after start, a route waits (a little) for the workers' dumps: a restarted router should
+  // not route blind. best_worker answers as things stand.
+  if (recovery_ && kind != Routing::Kind::kBestWorker) {
+    const SteadyTime now = clock_();
+    if (now < startup_deadline_) {
+      (void)recovery_->AwaitIdle(std::chrono::duration_cast<std::chrono::milliseconds>(startup_deadline_ - now));
+    }
+  }
   auto req = DecodeRouteRequest(m.data);
   if (!req.ok()) {
     routing_.CountError(req.status().code());
@@ -253,6 +306,19 @@ void KvRouterService::HandleStats(const BusMessage& m) {
     return;
   }
   StatsReply r = BuildStats(*page, registry_, routing_, index_, drops_);
+  if (recovery_) {
+    const RecoveryCounters c = recovery_->counters();
+    r.counters["recoveries_started"] = c.started;
+    r.counters["recoveries_succeeded"] = c.succeeded;
+    r.counters["recoveries_failed"] = c.failed;
+    r.counters["recovery_dumps"] = c.dumps;
+    r.counters["recovery_parts"] = c.parts;
+    r.counters["recoveries_in_flight"] = c.in_flight;
+    r.counters["recoveries_waiting"] = c.waiting;
+    r.counters["recoveries_backed_off"] = c.backed_off;
+    r.counters["recovery_ms_total"] = static_cast<std::uint64_t>(c.total_ms);
+    r.counters["recovery_ms_max"] = static_cast<std::uint64_t>(c.max_ms);
+  }
   auto body = EncodeStatsReply(r, bus_.MaxPayload());
   if (!body.ok()) {
     ReplyError(m, body.status());

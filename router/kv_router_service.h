@@ -29,6 +29,7 @@
 #include "router/config.h"
 #include "router/generate_relay.h"
 #include "router/outbox.h"
+#include "router/recovery_client.h"
 #include "router/router_stats.h"
 #include "router/routing.h"
 #include "router/sharded_index.h"
@@ -71,6 +72,8 @@ class KvRouterService {
   // the router cannot hear its workers, and each gets one full lease after.
   void OnEventsDisconnected();
   void OnEventsReconnected();
+  // The event connection dropped messages (slow consumer): recover every worker.
+  void OnEventsDropped();
 
   const Subjects& subjects() const { return subjects_; }
   ShardedIndex& index() { return index_; }
@@ -86,6 +89,8 @@ class KvRouterService {
   // Admission of an event by the registry; a refused one is counted and logged (false).
   bool AdmitEvent(std::uint64_t worker_id, std::uint32_t dp_rank);
   void DropUndecodable(std::string_view reason, const BusMessage& m, const Status& why);
+  // Asks for a tree dump of every rank the registry knows (reconnect, dropped events).
+  void DumpEveryWorker();
   // The registry forgot these workers (ascending): drop them from the index and the routing.
   void Forget(std::span<const std::uint64_t> worker_ids, Outbox& out);
   // Publishes everything in `out` (and what forwarding it leads to).
@@ -102,12 +107,16 @@ class KvRouterService {
   const Subjects subjects_;
   const std::uint64_t router_id_;  // tells this replica's sync messages from the others'
   RateLimitedLog log_;
+  // Declared before the index: shard threads call it until the index is destroyed. Null when
+  // recovery is off or there are no KV events.
+  std::unique_ptr<RecoveryClient> recovery_;
   ShardedIndex index_;
   WorkerRegistry registry_;
   DropCounters drops_;
   Routing routing_;
   GenerateRelay relay_;
   std::vector<std::unique_ptr<BusSubscription>> subs_;
+  SteadyTime startup_deadline_{};  // routes before it wait for in-flight start-up dumps
 };
 
 }  // namespace kvrouter

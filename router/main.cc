@@ -59,6 +59,10 @@ int main(int argc, char** argv) {
            [&live] {
              fmt::print(stderr, "kvrouter W lost the event connection; leases paused, reconnecting\n");
              if (auto* s = live.load()) s->OnEventsDisconnected();
+           },
+       .on_slow_consumer =
+           [&live](std::string_view) {
+             if (auto* s = live.load()) s->OnEventsDropped();
            }});
   if (!events.ok()) {
     fmt::print(stderr, "kvrouter: cannot connect to {}: {}\n", cfg.nats_server, events.status().message());

@@ -36,6 +36,8 @@ StatsReply BuildStats(const StatsRequest& page, const WorkerRegistry& registry, 
   r.counters["events_applied"] = c.ops_applied;
   r.counters["event_gaps"] = c.gaps;
   r.counters["event_restarts"] = c.restarts;
+  r.counters["events_recovered"] = c.events_recovered;
+  r.counters["events_held_dropped"] = c.held_dropped;
   r.counters["workers_refused"] = registry.refused_total();
   r.counters["leases_expired"] = registry.leases_expired();
   return r;

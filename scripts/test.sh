@@ -55,9 +55,14 @@ configure_build build-asan -- \
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
   ctest --test-dir build-asan --output-on-failure -j "$jobs" --timeout 600
 
-step "concurrent parts under TSan"
-configure_build build-tsan router_test transport_test transport_unit_test service_threads_test -- \
-  -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVROUTER_SANITIZE=thread -DKVROUTER_BENCH=OFF
+step "concurrent parts under TSan (built with clang: its thread-safety analysis checks every KV_GUARDED_BY)"
+tsan_targets=(router_test transport_test transport_unit_test service_threads_test kvrouter kvmocker kvbench)
+tsan_args=(-DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVROUTER_SANITIZE=thread -DKVROUTER_BENCH=OFF)
+if command -v clang++ >/dev/null; then
+  CC=clang CXX=clang++ configure_build build-tsan "${tsan_targets[@]}" -- "${tsan_args[@]}"
+else
+  configure_build build-tsan "${tsan_targets[@]}" -- "${tsan_args[@]}"
+fi
 # Older TSan runtimes cannot map memory under high ASLR entropy; run without ASLR.
 TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
   setarch "$(uname -m)" -R ctest --test-dir build-tsan --output-on-failure --timeout 600 \
@@ -65,7 +70,9 @@ TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
 
 if command -v clang++ >/dev/null; then
   step "fuzzing the decoders (${FUZZ_SECONDS:-8} s each)"
-  CC=clang CXX=clang++ configure_build build-fuzz -- -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVROUTER_FUZZ=ON
+  fuzzers=()
+  for f in tests/fuzz/fuzz_*.cc; do fuzzers+=("$(basename "$f" .cc)"); done
+  CC=clang CXX=clang++ configure_build build-fuzz "${fuzzers[@]}" -- -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVROUTER_FUZZ=ON
   seeds=$(mktemp -d)
   build-fuzz/bin/fuzz_seedgen "$seeds"
   for f in build-fuzz/bin/fuzz_*; do

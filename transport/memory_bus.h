@@ -2,7 +2,9 @@
 // Publish delivers synchronously, on the caller's thread, to every matching subscription (NATS
 // wildcards `*` and `>`; one member per queue group, round-robin), so the caller sees every
 // effect of a message when Publish returns. Request() publishes with a private reply subject
-// and returns the reply.
+// and returns the reply. Like NATS, a request (a message with a reply subject) that no
+// subscription matches is answered at once with an empty "no responders" message whose header
+// Status is "503".
 // Thread-safe: any thread may publish, subscribe and unsubscribe. One mutex guards the
 // subscription list and each subscription's liveness; handlers run unlocked, so a handler may
 // publish again (nested delivery) or drop its own subscription. Destroying a subscription waits
@@ -172,7 +174,28 @@ class InMemoryBus : public MessageBus {
       }
       for (auto& [name, members] : groups) targets.push_back(members[state_->rr++ % members.size()]);
     }
+    if (targets.empty() && !reply.empty()) {
+      const std::map<std::string, std::string> no_responders = {{"Status", "503"}};
+      BusMessage nr{reply, {}, "", &InMemoryBus::HeaderOf, &no_responders};
+      return DeliverTo(reply, nr);
+    }
     BusMessage m{subject, data, reply, &InMemoryBus::HeaderOf, &headers};
+    return RunHandlers(targets, m);
+  }
+
+  // Delivers `m` to the subscriptions matching `subject` (no queue-group choice: replies).
+  Status DeliverTo(std::string_view subject, const BusMessage& m) {
+    std::vector<std::shared_ptr<Entry>> targets;
+    {
+      KvMutexLock g(state_->mu);
+      for (const auto& e : state_->subs) {
+        if (Matches(e->subject, subject)) targets.push_back(e);
+      }
+    }
+    return RunHandlers(targets, m);
+  }
+
+  Status RunHandlers(const std::vector<std::shared_ptr<Entry>>& targets, const BusMessage& m) {
     for (auto& t : targets) {
       {
         KvMutexLock g(state_->mu);
