@@ -215,7 +215,7 @@ TEST_F(ServiceTest, ReplicaSyncSharesBookingsBetweenReplicas) {
   std::vector<const char*> argv = {"kvrouter", "--block-size", "4", "--router-mode", "kv", "--router-replica-sync"};
   auto cfg = ParseRouterConfig(static_cast<int>(argv.size()), argv.data(), [](const char*) { return nullptr; });
   ASSERT_TRUE(cfg.ok());
-  KvRouterService other(cfg->config, bus_, [this] { return now_; }, 43);
+  KvRouterService other(cfg->config, bus_, [this] { return now_.now(); }, 43);
   ASSERT_TRUE(other.Start().ok());
   Register(1);
   ASSERT_TRUE(Route(Prompt(kTwelve, "shared")).ok());  // answered by one replica of the group
@@ -603,7 +603,7 @@ TEST_F(QueueTest, ReplicasWithSyncAndQueuesDoNotDeadlock) {
                                    "--router-queue-threshold", "1", "--router-replica-sync"};
   auto cfg = ParseRouterConfig(static_cast<int>(argv.size()), argv.data(), [](const char*) { return nullptr; });
   ASSERT_TRUE(cfg.ok());
-  KvRouterService other(cfg->config, bus_, [this] { return now_; }, 43);
+  KvRouterService other(cfg->config, bus_, [this] { return now_.now(); }, 43);
   ASSERT_TRUE(other.Start().ok());
   Register(1, {.max_num_batched_tokens = 8});
   Register(2, {.max_num_batched_tokens = 8});

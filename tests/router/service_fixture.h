@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <memory>
 #include <string>
 #include <vector>
@@ -26,7 +27,7 @@ class ServiceTest : public ::testing::Test {
     for (auto& f : flags) argv.push_back(f.c_str());
     auto cfg = ParseRouterConfig(static_cast<int>(argv.size()), argv.data(), [](const char*) { return nullptr; });
     ASSERT_TRUE(cfg.ok()) << cfg.status().ToString();
-    svc_ = std::make_unique<KvRouterService>(cfg->config, bus_, [this] { return now_; }, 42);
+    svc_ = std::make_unique<KvRouterService>(cfg->config, bus_, [this] { return now_.now(); }, 42);
     ASSERT_TRUE(svc_->Start().ok());
   }
 
@@ -77,7 +78,20 @@ class ServiceTest : public ::testing::Test {
   std::uint64_t Dropped(std::string_view reason) { return Stats().breakdowns["events_dropped"][std::string(reason)]; }
 
   InMemoryBus bus_;
-  SteadyTime now_{};
+  // The tests' clock: advanced by the test thread, read by the service's threads too (a shard
+  // asking for a recovery reads it), so an atomic underneath.
+  class FakeClock {
+   public:
+    FakeClock& operator+=(SteadyTime::duration d) {
+      ticks_ += d.count();
+      return *this;
+    }
+    SteadyTime now() const { return SteadyTime(SteadyTime::duration(ticks_.load())); }
+
+   private:
+    std::atomic<SteadyTime::rep> ticks_{0};
+  };
+  FakeClock now_;
   std::unique_ptr<KvRouterService> svc_;
 };
 
