@@ -155,6 +155,10 @@ void ChildProcess::Stop(std::chrono::milliseconds grace) {
     if (!Running()) return;
     std::this_thread::sleep_for(kPoll);
   }
+  Kill();
+}
+
+void ChildProcess::Kill() {
   if (!Running()) return;
   ::kill(pid_, SIGKILL);
   int status = 0;

@@ -44,6 +44,8 @@ class ChildProcess {
 
   // SIGTERM, then SIGKILL if it is still alive after `grace`; reaps it. Idempotent.
   void Stop(std::chrono::milliseconds grace = std::chrono::seconds(3));
+  // SIGKILL at once (kill -9: no chance to clean up); reaps it. Idempotent.
+  void Kill();
   // Alive and not yet reaped. Reaps (and records the exit) if it has exited.
   bool Running();
   // Wait status from waitpid once reaped, else -1.

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <condition_variable>
+#include <map>
 #include <mutex>
 
 #include "events/message_codec.h"
@@ -26,10 +27,7 @@ class SystemTest : public ::testing::Test {
     ASSERT_TRUE(nats.ok()) << nats.status().ToString();
     nats_ = std::move(nats).value();
     const std::string tag = std::to_string(nats_->port());
-    auto router = ChildProcess::Start({KVROUTER_BIN, "--nats-server", nats_->url(), "--router-mode", "kv"},
-                                      ::testing::TempDir() + "system-kvrouter-" + tag + ".log");
-    ASSERT_TRUE(router.ok());
-    router_ = std::move(router).value();
+    StartRouter();
     auto mocker = ChildProcess::Start({KVMOCKER_BIN, "--nats-server", nats_->url(), "--num-workers", "3",
                                        "--num-gpu-blocks", "1024", "--speedup-ratio", "50", "--worker-id-base", "10"},
                                       ::testing::TempDir() + "system-kvmocker-" + tag + ".log");
@@ -39,6 +37,13 @@ class SystemTest : public ::testing::Test {
     ASSERT_TRUE(nc.ok());
     nc_ = std::move(nc).value();
     ASSERT_TRUE(WaitFor([&] { return RouterWorkers() == 3; }, 15s)) << "workers never registered";
+  }
+  void StartRouter() {
+    auto router = ChildProcess::Start({KVROUTER_BIN, "--nats-server", nats_->url(), "--router-mode", "kv"},
+                                      ::testing::TempDir() + "system-kvrouter-" + std::to_string(nats_->port()) +
+                                          "-" + std::to_string(++routers_) + ".log");
+    ASSERT_TRUE(router.ok());
+    router_ = std::move(router).value();
   }
   void TearDown() override {
     nc_.reset();
@@ -91,6 +96,7 @@ class SystemTest : public ::testing::Test {
   std::unique_ptr<NatsServerProcess> nats_;
   std::unique_ptr<ChildProcess> router_, mocker_;
   std::unique_ptr<NatsClient> nc_;
+  int routers_ = 0;
 };
 
 TEST_F(SystemTest, GenerateStreamsThroughTheRouterAndTheSecondTurnHitsTheCache) {
@@ -109,6 +115,56 @@ TEST_F(SystemTest, GenerateStreamsThroughTheRouterAndTheSecondTurnHitsTheCache) 
     return !second.empty() && second.back().cached_tokens >= 640;
   }, 10s));
   ASSERT_TRUE(WaitFor([&] { return ActiveRequests() == 0; }, 5s));  // every booking freed
+}
+
+// What the router credits for a prompt: (worker, overlap) from best_worker.
+std::pair<std::uint64_t, std::uint32_t> BestWorker(NatsClient& nc, const std::vector<std::uint32_t>& tokens) {
+  RouteRequest q{.token_ids = tokens, .has_token_ids = true, .isl = static_cast<std::uint32_t>(tokens.size())};
+  auto reply = nc.Request("namespace.dynamo.router.best_worker", AsBytes(EncodeRouteRequest(q)), 2s);
+  if (!reply.ok()) return {0, 0};
+  auto r = DecodeRouteReply(*reply);
+  return r.ok() ? std::make_pair(r->worker_id, r->overlap_blocks) : std::make_pair(std::uint64_t{0}, 0u);
+}
+
+TEST_F(SystemTest, RouterKilledAndStartedAgainKnowsEveryCacheBeforeAnyNewEvent) {
+  std::vector<std::vector<std::uint32_t>> prompts;
+  for (std::uint32_t p = 0; p < 6; ++p) {
+    std::vector<std::uint32_t> t(640);
+    for (std::size_t i = 0; i < t.size(); ++i) t[i] = static_cast<std::uint32_t>(p * 10000 + i * 3 + 1);
+    prompts.push_back(std::move(t));
+    ASSERT_FALSE(Generate("warm-" + std::to_string(p), prompts.back()).empty());
+  }
+  ASSERT_TRUE(WaitFor([&] { return ActiveRequests() == 0; }, 5s));
+  // What the router knew before it died: blocks per worker, and its decision for every prompt.
+  std::map<std::uint64_t, std::uint64_t> blocks_before;
+  ASSERT_TRUE(WaitFor([&] {
+    auto s = Stats();
+    if (!s) return false;
+    blocks_before.clear();
+    std::uint64_t total = 0;
+    for (const WorkerStats& w : s->workers) total += blocks_before[w.worker_id] = w.blocks;
+    return total >= 6 * 10;  // every prompt's 10 blocks are indexed
+  }, 5s));
+  std::vector<std::pair<std::uint64_t, std::uint32_t>> decisions;
+  for (const auto& p : prompts) decisions.push_back(BestWorker(*nc_, p));
+
+  router_->Kill();  // kill -9: nothing saved, nothing said
+  StartRouter();
+  // Up again, and recovered from the workers' dumps (no new traffic meanwhile).
+  ASSERT_TRUE(WaitFor([&] {
+    auto s = Stats();
+    return s && s->workers_total == 3 && s->counters["recovery_dumps"] >= 3 && s->counters["recoveries_in_flight"] == 0 &&
+           s->counters["recoveries_waiting"] == 0;
+  }, 15s));
+  auto s = Stats();
+  ASSERT_TRUE(s.has_value());
+  EXPECT_EQ(s->counters.at("recoveries_failed"), 0u);
+  std::map<std::uint64_t, std::uint64_t> blocks_after;
+  for (const WorkerStats& w : s->workers) blocks_after[w.worker_id] = w.blocks;
+  EXPECT_EQ(blocks_after, blocks_before);
+  for (std::size_t p = 0; p < prompts.size(); ++p) {
+    EXPECT_EQ(BestWorker(*nc_, prompts[p]), decisions[p]) << "prompt " << p;
+  }
 }
 
 }  // namespace
