@@ -74,25 +74,25 @@ KvRouterService::KvRouterService(RouterConfig config, MessageBus& bus, Clock clo
 
 KvRouterService::~KvRouterService() { Stop(); }
 
-Status KvRouterService::Start() {
-  struct Sub {
-    std::string subject;
-    std::string group;
-    MessageBus::Handler handler;
-    MessageBus* bus = nullptr;  // the event bus when set, else the request bus
-  };
-  using Kind = Routing::Kind;
+std::vector<KvRouterService::Sub> KvRouterService::EventSubscriptions() {
   std::vector<Sub> subs;
   if (config_.use_kv_events) {
-    subs.push_back({subjects_.kv_events, "", [this](const BusMessage& m) { HandleKvEvent(m); }, &event_bus_});
-    subs.push_back({subjects_.vllm_events_prefix + "*.*", "", [this](const BusMessage& m) { HandleVllmEvent(m); },
-                    &event_bus_});
+    subs.push_back({subjects_.kv_events, "", [this](const BusMessage& m) { HandleKvEvent(m); }});
+    subs.push_back({subjects_.vllm_events_prefix + "*.*", "", [this](const BusMessage& m) { HandleVllmEvent(m); }});
   }
-  subs.push_back({subjects_.instances, "", [this](const BusMessage& m) { HandleInstances(m); }, &event_bus_});
+  subs.push_back({subjects_.instances, "", [this](const BusMessage& m) { HandleInstances(m); }});
   if (recovery_) {  // replies to the recovery queries, which may be large: the event connection
-    subs.push_back({recovery_->subject_pattern(), "", [this](const BusMessage& m) { recovery_->OnReply(m); },
-                    &event_bus_});
+    subs.push_back({recovery_->subject_pattern(), "", [this](const BusMessage& m) { recovery_->OnReply(m); }});
   }
+  if (config_.replica_sync) {
+    subs.push_back({subjects_.active_sequences, "", [this](const BusMessage& m) { HandleReplicaSync(m); }});
+  }
+  return subs;
+}
+
+std::vector<KvRouterService::Sub> KvRouterService::RequestSubscriptions() {
+  using Kind = Routing::Kind;
+  std::vector<Sub> subs;
   subs.push_back({subjects_.route, "kvrouter", [this](const BusMessage& m) { HandleRoute(m, Kind::kRoute); }});
   subs.push_back({subjects_.best_worker, "kvrouter", [this](const BusMessage& m) { HandleRoute(m, Kind::kBestWorker); }});
   subs.push_back({subjects_.generate, "kvrouter", [this](const BusMessage& m) { HandleRoute(m, Kind::kGenerate); }});
@@ -105,21 +105,11 @@ Status KvRouterService::Start() {
   subs.push_back({subjects_.mark_prefill, "", [this](const BusMessage& m) { HandleLifecycle(m, false); }});
   subs.push_back({subjects_.free, "", [this](const BusMessage& m) { HandleLifecycle(m, true); }});
   subs.push_back({subjects_.stats, "kvrouter", [this](const BusMessage& m) { HandleStats(m); }});
-  if (config_.replica_sync) {
-    subs.push_back({subjects_.active_sequences, "", [this](const BusMessage& m) { HandleReplicaSync(m); },
-                    &event_bus_});
-  }
-  // Event subscriptions first, and flushed, so that once the request path answers (stats is
-  // how tests and operators see the router is up) no registration or event can be missed.
-  std::stable_partition(subs.begin(), subs.end(), [](const Sub& s) { return s.bus != nullptr; });
-  bool flushed = false;
+  return subs;
+}
+
+Status KvRouterService::Subscribe(MessageBus& bus, std::vector<Sub> subs) {
   for (auto& s : subs) {
-    if (!flushed && s.bus == nullptr) {
-      flushed = true;
-      if (Status f = event_bus_.Flush(std::chrono::seconds(5)); !f.ok()) {
-        log_.Log(LogLevel::kWarning, "subscribe", "event subscriptions not confirmed by the server: {}", f.message());
-      }
-    }
     // Nothing may escape a handler: count it, log it, answer `internal` when a reply is expected.
     MessageBus::Handler guarded = [this, h = std::move(s.handler)](const BusMessage& m) {
       try {
@@ -130,13 +120,24 @@ Status KvRouterService::Start() {
         if (!m.reply.empty()) (void)bus_.Publish(m.reply, AsBytes(EncodeErrorReply(Internal(e.what()))));
       }
     };
-    auto r = (s.bus ? *s.bus : bus_).Subscribe(s.subject, s.group, std::move(guarded));
+    auto r = bus.Subscribe(s.subject, s.group, std::move(guarded));
     if (!r.ok()) {
       subs_.clear();
       return Status(r.status().code(), fmt::format("subscribe {}: {}", s.subject, r.status().message()));
     }
     subs_.push_back(std::move(r).value());
   }
+  return Status::Ok();
+}
+
+Status KvRouterService::Start() {
+  // Event subscriptions first, and flushed, so that once the request path answers (stats is
+  // how tests and operators see the router is up) no registration or event can be missed.
+  if (Status s = Subscribe(event_bus_, EventSubscriptions()); !s.ok()) return s;
+  if (Status f = event_bus_.Flush(std::chrono::seconds(5)); !f.ok()) {
+    log_.Log(LogLevel::kWarning, "subscribe", "event subscriptions not confirmed by the server: {}", f.message());
+  }
+  if (Status s = Subscribe(bus_, RequestSubscriptions()); !s.ok()) return s;
   startup_deadline_ = clock_() + std::chrono::milliseconds(config_.recovery_wait_ms);
   return Status::Ok();
 }

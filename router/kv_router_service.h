@@ -79,6 +79,15 @@ class KvRouterService {
   ShardedIndex& index() { return index_; }
 
  private:
+  struct Sub {
+    std::string subject;
+    std::string group;  // empty: every replica gets every message
+    MessageBus::Handler handler;
+  };
+  std::vector<Sub> EventSubscriptions();    // on the event bus
+  std::vector<Sub> RequestSubscriptions();  // on the request bus
+  // Subscribes each (its handler guarded: nothing escapes); on a failure none stays subscribed.
+  Status Subscribe(MessageBus& bus, std::vector<Sub> subs);
   void HandleKvEvent(const BusMessage& m);
   void HandleVllmEvent(const BusMessage& m);
   void HandleInstances(const BusMessage& m);
