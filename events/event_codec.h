@@ -16,6 +16,10 @@
 // its single key: an unknown kind or a second key is an error, as is an unknown
 // storage_tier; {"cleared": <any>} is read as "cleared". Of the envelope only `payload` is read
 // (the other fields are informational). Decoding never throws.
+// Bounds: a batch holds at most what its bytes encode (every declared length is checked against
+// the bytes left before anything is allocated, msgpack_reader.h); the router then bounds the
+// worker and dp_rank it names (worker_registry.h) and holds at most 4,096 batches per rank while
+// that rank recovers (event_stream.h).
 // Encoders write storage_tier only when it is not "device". Thread-safe (pure functions).
 //
 //   Result<KvEventBatch> b = DecodeDynamoEvent(body);  // one op, sequence {kEventId, event_id}

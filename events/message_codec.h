@@ -29,6 +29,12 @@
 // error map (not a map, no string code) is kInternal too. Encoders leave out unset optionals
 // and fields equal to their default.
 // Decoding never throws. Thread-safe (pure functions).
+// Bounds (what a peer's numbers may make the router hold): every list and string is at most what
+// the bytes encode (msgpack_reader.h); request_id and device at most kMaxNameBytes; lease_ms
+// clamped; dp_size at most --router-max-dp-size and workers at most --router-max-worker-ranks
+// (worker_registry.h); a prompt at most --router-max-prompt-tokens, bookings at most
+// --router-max-active-requests / --router-max-active-blocks, a replica-sync add only for a known
+// rank within those bounds (routing.h); a stats page at most kMaxLimit ranks and the max payload.
 //
 //   Result<RouteRequest> req = DecodeRouteRequest(body);
 //   if (!req.ok()) Reply(EncodeErrorReply(req.status()));

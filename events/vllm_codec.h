@@ -24,6 +24,9 @@
 // counts 1 in block_size_mismatches. An unknown event type fails the whole batch.
 // The worker and dp rank come from the subject and win over data_parallel_rank.
 // Decoding never throws. Thread-safe (pure functions).
+// Bounds: events, block hashes and token_ids are at most what the bytes encode (lengths checked
+// before allocating, msgpack_reader.h); worker and rank from the subject are bounded by the
+// registry (worker_registry.h).
 //
 //   auto r = DecodeVllmBatch(body, {.worker_id = 3, .dp_rank = 0, .kv_seq = 12, .block_size = 64});
 #pragma once

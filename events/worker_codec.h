@@ -2,6 +2,9 @@
 // endpoint (PROTOCOL.md section 6) and the generate request and responses of a (mock) worker's
 // generate endpoint (section 7). Decoding never throws and allocates only in proportion to the
 // bytes read. Thread-safe (pure functions; the structs are plain values).
+// Bounds: a reply part is at most the max payload; a recovery's parts are applied as they come
+// (nothing accumulates), with at most 16 recoveries in flight (recovery_client.h); a generate
+// request's max_tokens is at most kMaxGenerateTokens.
 //
 //   Result<RecoveryReply> r = DecodeRecoveryReply(Request(subject, RecoveryQuery{}.Encode()), id);
 //
