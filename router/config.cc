@@ -78,6 +78,7 @@ po::options_description Describe() {
     ("router-max-active-requests", po::value<std::uint32_t>()->default_value(d.max_active_requests), "booked requests before route answers 'overloaded' (>= 1)")
     ("router-max-active-blocks", po::value<std::uint64_t>()->default_value(d.max_active_blocks), "prompt blocks of booked requests (and, separately, of queued ones) before 'overloaded' (>= 1)")
     ("router-max-prompt-tokens", po::value<std::uint32_t>()->default_value(d.max_prompt_tokens), "longest prompt; longer ones get 'invalid_argument' (>= 1)")
+    ("router-max-worker-blocks", po::value<std::uint64_t>()->default_value(d.max_worker_blocks), "indexed blocks per worker rank when it announces no total_kv_blocks (else twice that); stored events beyond it are dropped (>= 1)")
     ("no-router-recovery", po::bool_switch(), "never ask workers for missed events or dumps (gaps are only counted)")
     ("router-recovery-wait-ms", po::value<std::uint32_t>()->default_value(d.recovery_wait_ms), "after start, a route waits at most this long for the start-up dumps")
     ("router-replica-sync", po::bool_switch(), "share active-request bookings with other router replicas")
@@ -140,6 +141,8 @@ Status ReadLimits(const po::variables_map& vm, RouterConfig& c) {
   if (c.max_active_blocks < 1) return OutOfRange("router-max-active-blocks", ">= 1");
   c.max_prompt_tokens = vm["router-max-prompt-tokens"].as<std::uint32_t>();
   if (c.max_prompt_tokens < 1) return OutOfRange("router-max-prompt-tokens", ">= 1");
+  c.max_worker_blocks = vm["router-max-worker-blocks"].as<std::uint64_t>();
+  if (c.max_worker_blocks < 1) return OutOfRange("router-max-worker-blocks", ">= 1");
   c.recovery = !vm["no-router-recovery"].as<bool>();
   c.recovery_wait_ms = vm["router-recovery-wait-ms"].as<std::uint32_t>();
   c.replica_sync = vm["router-replica-sync"].as<bool>();

@@ -68,6 +68,9 @@ struct RouterConfig {
   std::uint64_t max_active_blocks = 1 << 22;          // --router-max-active-blocks >= 1: blocks of booked
                                                       //   requests, and again of queued ones
   std::uint32_t max_prompt_tokens = 1 << 20;          // --router-max-prompt-tokens >= 1
+  std::uint64_t max_worker_blocks = 1 << 22;          // --router-max-worker-blocks >= 1: indexed blocks
+                                                      //   per rank of a worker that announces no
+                                                      //   total_kv_blocks (else twice that)
 
   // Recovery (PROTOCOL.md section 6): ask workers for what the router missed.
   bool recovery = true;                               // --no-router-recovery turns it off

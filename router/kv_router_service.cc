@@ -57,7 +57,8 @@ KvRouterService::KvRouterService(RouterConfig config, MessageBus& bus, Clock clo
                                        [this](WorkerKey w, SequenceKind k, std::optional<std::uint64_t> start) {
                                          recovery_->Need(w, k, start);
                                        })
-                                 : nullptr}),
+                                 : nullptr,
+              .default_capacity = config_.max_worker_blocks}),
       registry_({.block_size = config_.block_size,
                  .max_dp_size = config_.max_dp_size,
                  .max_worker_ranks = config_.max_worker_ranks}),
@@ -208,7 +209,11 @@ void KvRouterService::HandleInstances(const BusMessage& m) {
       Forget(gone, out);  // its queued pins get not_found now
       break;
     }
+    case WorkerRegistry::Outcome::kUpdated:
+      index_.SetCapacity(reg->worker_id, CapacityOf(*reg));
+      return;
     case WorkerRegistry::Outcome::kNew:
+      index_.SetCapacity(reg->worker_id, CapacityOf(*reg));
       // First sight of a worker: what does it hold already (the router may have restarted)?
       if (recovery_) {
         for (std::uint64_t rank = reg->dp_start; rank < std::uint64_t{reg->dp_start} + reg->dp_size; ++rank) {
@@ -221,6 +226,12 @@ void KvRouterService::HandleInstances(const BusMessage& m) {
       return;
   }
   Send(out);
+}
+
+std::uint64_t KvRouterService::CapacityOf(const WorkerRegistration& reg) const {
+  // Twice what the worker says it can cache (an engine's index lags its cache a little); the
+  // flag's bound when it says nothing.
+  return reg.total_kv_blocks > 0 ? 2 * reg.total_kv_blocks : config_.max_worker_blocks;
 }
 
 void KvRouterService::Forget(std::span<const std::uint64_t> worker_ids, Outbox& out) {

@@ -98,6 +98,8 @@ class KvRouterService {
   // Admission of an event by the registry; a refused one is counted and logged (false).
   bool AdmitEvent(std::uint64_t worker_id, std::uint32_t dp_rank);
   void DropUndecodable(std::string_view reason, const BusMessage& m, const Status& why);
+  // The most blocks one rank of this worker may have indexed.
+  std::uint64_t CapacityOf(const WorkerRegistration& reg) const;
   // Asks for a tree dump of every rank the registry knows (reconnect, dropped events).
   void DumpEveryWorker();
   // The registry forgot these workers (ascending): drop them from the index and the routing.

@@ -31,6 +31,7 @@ StatsReply BuildStats(const StatsRequest& page, const WorkerRegistry& registry, 
   dropped["block_not_found"] += c.block_not_found;
   dropped["duplicate"] += c.duplicate;
   dropped["queue_full"] += c.queue_full;
+  dropped["over_capacity"] += c.over_capacity;
   r.breakdowns["events_dropped"] = std::move(dropped);
   r.breakdowns["registrations_refused"] = registry.refused();
   r.counters["events_applied"] = c.ops_applied;

@@ -42,6 +42,7 @@ class ShardedIndex::Shard {
   explicit Shard(const ShardedIndexOptions& o)
       : capacity_(o.queue_capacity),
         max_bulk_(o.max_bulk),
+        default_capacity_(o.default_capacity),
         recover_(static_cast<bool>(o.on_recovery)),
         streams_({.recover = recover_, .max_held = o.max_held}, o.on_recovery),
         thread_([this] { Run(); }) {}
@@ -67,6 +68,13 @@ class ShardedIndex::Shard {
   void Control(bool remove, std::uint64_t worker_id) {
     submitted_.fetch_add(1, std::memory_order_relaxed);
     queue_.enqueue(Item{remove ? Item::kRemoveWorker : Item::kClearWorker, {}, worker_id});
+  }
+
+  void SetCapacity(std::uint64_t worker_id, std::uint64_t blocks) {
+    submitted_.fetch_add(1, std::memory_order_relaxed);
+    Item it{Item::kSetCapacity, {}, worker_id};
+    it.part.last_event_id = blocks;
+    queue_.enqueue(std::move(it));
   }
 
   void RequestDump(WorkerKey worker, SequenceKind numbering) {
@@ -126,6 +134,7 @@ class ShardedIndex::Shard {
     c.parent_block_not_found += parent_block_not_found_.Get();
     c.block_not_found += block_not_found_.Get();
     c.duplicate += duplicate_.Get();
+    c.over_capacity += over_capacity_.Get();
     c.queue_full += queue_full_.load(std::memory_order_relaxed);
   }
 
@@ -137,10 +146,12 @@ class ShardedIndex::Shard {
 
  private:
   struct Item {
-    enum Kind : std::uint8_t { kBatch, kClearWorker, kRemoveWorker, kRequestDump, kRecovered, kWake } kind = kWake;
+    enum Kind : std::uint8_t {
+      kBatch, kClearWorker, kRemoveWorker, kRequestDump, kRecovered, kSetCapacity, kWake
+    } kind = kWake;
     KvEventBatch batch;
     std::uint64_t worker_id = 0;
-    RecoveryPart part;  // kRequestDump (its worker, numbering), kRecovered
+    RecoveryPart part;  // kRequestDump (its worker, numbering), kRecovered; kSetCapacity: last_event_id
   };
 
   void MarkStale(WorkerKey w) {
@@ -174,6 +185,11 @@ class ShardedIndex::Shard {
             case Item::kRemoveWorker:
               index_.RemoveWorker(it.worker_id);
               streams_.RemoveWorker(it.worker_id);
+              capacity_of_.erase(it.worker_id);
+              ++done;
+              break;
+            case Item::kSetCapacity:
+              capacity_of_[it.worker_id] = it.part.last_event_id;
               ++done;
               break;
             case Item::kRequestDump:
@@ -264,6 +280,12 @@ class ShardedIndex::Shard {
       }
       ApplyOutcome r;
       if (auto* s = std::get_if<KvStored>(&op.data)) {
+        auto cap = capacity_of_.find(key.worker_id);
+        const std::uint64_t limit = cap == capacity_of_.end() ? default_capacity_ : cap->second;
+        if (index_.TreeSize(key) + s->blocks.size() > limit) {
+          over_capacity_.Add(1);
+          continue;
+        }
         r = index_.ApplyStored(key, s->parent_hash, s->blocks);
       } else if (auto* rm = std::get_if<KvRemoved>(&op.data)) {
         r = index_.ApplyRemoved(key, rm->block_hashes);
@@ -289,6 +311,8 @@ class ShardedIndex::Shard {
 
   mutable KvSharedMutex mu_;
   BlockIndex index_ KV_GUARDED_BY(mu_);  // written only by thread_, under the write lock
+  const std::uint64_t default_capacity_;
+  std::unordered_map<std::uint64_t, std::uint64_t> capacity_of_;  // thread_ only: worker_id -> blocks per rank
   const bool recover_;
   EventStreams streams_;  // thread_ only
 
@@ -300,7 +324,8 @@ class ShardedIndex::Shard {
   std::unordered_set<WorkerKey, WorkerKeyHash> stale_ KV_GUARDED_BY(stale_mu_);
 
   OwnerCounter batches_applied_, ops_applied_, blocks_stored_, blocks_removed_, non_device_ops_,
-      gaps_, restarts_, parent_block_not_found_, block_not_found_, duplicate_, events_recovered_, held_dropped_;
+      gaps_, restarts_, parent_block_not_found_, block_not_found_, duplicate_, events_recovered_, held_dropped_,
+      over_capacity_;
   std::atomic<std::uint64_t> queue_full_{0};
 
   std::thread thread_;  // last: starts after every member above is constructed
@@ -339,6 +364,10 @@ std::vector<WorkerTreeSize> ShardedIndex::TreeSizes() const {
   std::vector<WorkerTreeSize> out;
   for (const auto& s : shards_) s->TreeSizes(out);
   return out;
+}
+
+void ShardedIndex::SetCapacity(std::uint64_t worker_id, std::uint64_t blocks_per_rank) {
+  shards_[ShardOf(worker_id)]->SetCapacity(worker_id, blocks_per_rank);
 }
 
 void ShardedIndex::RequestDump(WorkerKey worker, SequenceKind numbering) {

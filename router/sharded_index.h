@@ -22,6 +22,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <span>
@@ -43,6 +44,10 @@ struct ShardedIndexOptions {
   // to ask its worker; the answer comes back through Recovered(). Unset: gaps are only counted.
   EventStreams::RecoveryNeeded on_recovery;
   std::size_t max_held = 4096;         // batches held per rank while it recovers
+  // Indexed blocks per (worker, dp_rank) unless SetCapacity says otherwise; a stored event that
+  // would pass it is dropped (over_capacity): a worker flooding more than its cache cannot grow
+  // the index without bound.
+  std::uint64_t default_capacity = std::numeric_limits<std::uint64_t>::max();
 };
 
 // Event counters summed over shards (monotonic).
@@ -60,6 +65,7 @@ struct IndexCounters {
   std::uint64_t parent_block_not_found = 0;
   std::uint64_t block_not_found = 0;
   std::uint64_t duplicate = 0;              // repeated event ids, dropped
+  std::uint64_t over_capacity = 0;          // stored events dropped: the rank was full
   std::uint64_t queue_full = 0;
 };
 
@@ -84,6 +90,8 @@ class ShardedIndex {
   // Recovery (when on_recovery is set): ask for a tree dump of a rank (first registration,
   // reconnect, dropped events), and apply a reply part.
   void RequestDump(WorkerKey worker, SequenceKind numbering = SequenceKind::kEventId);
+  // The most blocks each rank of `worker_id` may hold (its registration's capacity).
+  void SetCapacity(std::uint64_t worker_id, std::uint64_t blocks_per_rank);
   void Recovered(RecoveryPart part);
 
   // Overlap per (worker, dp_rank) for a request given its sequence hashes.

@@ -43,7 +43,7 @@ WorkerRegistry::Registered WorkerRegistry::Register(const WorkerRegistration& re
   auto [it, inserted] = workers_.try_emplace(reg.worker_id);
   Worker& w = it->second;
   ranks_total_ = ranks_total_ - (inserted ? 0 : w.reg.dp_size) + reg.dp_size;
-  out.outcome = w.has_lease ? Outcome::kRenewed : Outcome::kNew;
+  out.outcome = w.has_lease ? Outcome::kUpdated : Outcome::kNew;
   w.reg = reg;
   w.has_lease = true;
   w.lease_deadline.store(deadline);

@@ -57,7 +57,8 @@ class WorkerRegistry {
 
   enum class Outcome {
     kNew,       // a worker not heard from before (or only through events): new capacity
-    kRenewed,   // a known worker's heartbeat (its lease runs again)
+    kRenewed,   // a known worker's heartbeat, unchanged (its lease runs again)
+    kUpdated,   // a known worker's heartbeat with a changed registration
     kLeaving,   // status "leaving": forgotten
     kRefused,   // outside the bounds; nothing changed
   };

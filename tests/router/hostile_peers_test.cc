@@ -285,5 +285,26 @@ TEST_F(HostilePeerTest, OverlongRequestIdIsAnInvalidArgument) {
   EXPECT_EQ(Counter("active_requests"), 0u);
 }
 
+TEST_F(HostilePeerTest, AWorkerCannotIndexMoreThanTwiceItsCapacity) {
+  StartWithHonestWorker({"--router-max-worker-blocks", "5"});
+  Register(2, {.total_kv_blocks = 4});  // at most 8 blocks indexed per rank
+  auto prompt = [](std::uint32_t p) {
+    std::vector<std::uint32_t> t(12);
+    for (std::uint32_t i = 0; i < 12; ++i) t[i] = 500 + p * 100 + i;
+    return t;
+  };
+  StorePrompt(2, 1, prompt(1));
+  StorePrompt(2, 2, prompt(2));
+  StorePrompt(2, 3, prompt(3));  // 9 blocks would pass 8: dropped
+  EXPECT_EQ(svc_->index().TreeSize({2, 0}), 6u);
+  EXPECT_EQ(Dropped("over_capacity"), 1u);
+  // A worker that announces no capacity gets --router-max-worker-blocks.
+  StorePrompt(3, 1, prompt(4));
+  StorePrompt(3, 2, prompt(5));  // 6 > 5
+  EXPECT_EQ(svc_->index().TreeSize({3, 0}), 3u);
+  EXPECT_EQ(Dropped("over_capacity"), 2u);
+  ExpectHonestWorkerIntact();
+}
+
 }  // namespace
 }  // namespace kvrouter
