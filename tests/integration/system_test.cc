@@ -2,7 +2,9 @@
 // with this test as the client of router.generate.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <condition_variable>
+#include <thread>
 #include <map>
 #include <mutex>
 
@@ -165,6 +167,51 @@ TEST_F(SystemTest, RouterKilledAndStartedAgainKnowsEveryCacheBeforeAnyNewEvent) 
   for (std::size_t p = 0; p < prompts.size(); ++p) {
     EXPECT_EQ(BestWorker(*nc_, prompts[p]), decisions[p]) << "prompt " << p;
   }
+}
+
+TEST_F(SystemTest, NatsRestartUnderLoadLosesNoCacheAndLeaksNoBooking) {
+  std::vector<std::uint32_t> warm(640);
+  for (std::size_t i = 0; i < warm.size(); ++i) warm[i] = static_cast<std::uint32_t>(i * 5 + 2);
+  ASSERT_FALSE(Generate("warm", warm).empty());
+  ASSERT_TRUE(WaitFor([&] { return BestWorker(*nc_, warm).second == 10; }, 5s));
+  const auto before = BestWorker(*nc_, warm);
+  const std::uint64_t dumps_before = Stats()->counters["recovery_dumps"];
+  // Load: generate requests, each given 3 s, sent without pause from another thread; those that
+  // meet the outage fail, the rest must go through.
+  std::atomic<bool> stop{false};
+  std::atomic<int> sent{0};
+  std::thread load([&] {
+    auto client = NatsClient::Connect({.url = nats_->url(), .name = "load", .send_asap = true}, {});
+    if (!client.ok()) return;
+    for (int i = 0; !stop; ++i) {
+      std::vector<std::uint32_t> t(256);
+      for (std::size_t k = 0; k < t.size(); ++k) t[k] = static_cast<std::uint32_t>(i * 1000 + k);
+      RouteRequest r{.request_id = "load-" + std::to_string(i), .token_ids = t, .has_token_ids = true, .isl = 256,
+                     .timeout_ms = 3000, .max_tokens = 4};
+      (void)(*client)->PublishRequest("namespace.dynamo.router.generate", "_LOAD." + std::to_string(i),
+                                      AsBytes(EncodeRouteRequest(r)));
+      ++sent;
+      std::this_thread::sleep_for(5ms);  // a steady request rate, not a wait for a condition
+    }
+  });
+  ASSERT_TRUE(WaitFor([&] { return sent.load() > 50; }, 5s));
+  nats_->Stop();
+  std::this_thread::sleep_for(1s);  // the outage itself
+  ASSERT_TRUE(nats_->Restart().ok());
+  ASSERT_TRUE(WaitFor([&] { return Stats().has_value(); }, 5s));
+  const int resumed = sent.load();
+  ASSERT_TRUE(WaitFor([&] { return sent.load() > resumed + 100; }, 10s));
+  stop = true;
+  load.join();
+  // Every worker was dumped again after the reconnect, the cache from before is still known,
+  // and every booking ends (answered, or freed by its 3 s timeout).
+  ASSERT_TRUE(WaitFor([&] {
+    auto s = Stats();
+    return s && s->counters["recovery_dumps"] >= dumps_before + 3 && s->counters["recoveries_in_flight"] == 0;
+  }, 10s));
+  EXPECT_EQ(BestWorker(*nc_, warm), before);
+  EXPECT_TRUE(WaitFor([&] { return ActiveRequests() == 0; }, 10s)) << ActiveRequests() << " bookings left";
+  EXPECT_EQ(RouterWorkers(), 3u);
 }
 
 }  // namespace
