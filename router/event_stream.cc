@@ -4,10 +4,21 @@
 
 namespace kvrouter {
 
-void EventStreams::Ask(WorkerKey worker, Stream& s, std::optional<std::uint64_t> start) {
+void EventStreams::Ask(WorkerKey worker, Stream& s, bool from_cursor) {
   s.recovering = true;
   s.dump_started = false;
-  on_recovery_(worker, s.numbering, start);
+  s.generation = ++next_generation_;
+  std::optional<std::uint64_t> start;
+  if (from_cursor && s.cursor) {
+    // The next id after the cursor, in §6 terms (vLLM: Kv-Seq + 1).
+    start = *s.cursor + 1 + (s.numbering == SequenceKind::kVllmSeq ? 1 : 0);
+  }
+  on_recovery_(worker, s.numbering, start, s.generation);
+}
+
+std::optional<std::uint64_t> EventStreams::CursorOf(const Stream& s, std::uint64_t id) {
+  if (s.numbering != SequenceKind::kVllmSeq) return id;
+  return id == 0 ? std::nullopt : std::optional<std::uint64_t>(id - 1);
 }
 
 EventStreams::Verdict EventStreams::Live(KvEventBatch& b) {
@@ -32,7 +43,7 @@ EventStreams::Verdict EventStreams::Live(KvEventBatch& b) {
   if (!s.cursor) {
     if (options_.recover && !s.asked_once) {
       hold();
-      Ask(key, s, std::nullopt);  // first sight: what did it hold before?
+      Ask(key, s, /*from_cursor=*/false);  // first sight: what did it hold before?
       return Verdict::kHeld;
     }
     s.cursor = id;
@@ -45,9 +56,8 @@ EventStreams::Verdict EventStreams::Live(KvEventBatch& b) {
   if (id > *s.cursor) {
     ++counters_.gaps;
     if (options_.recover) {
-      const std::uint64_t from = *s.cursor + 1;
       hold();
-      Ask(key, s, from);
+      Ask(key, s, /*from_cursor=*/true);
       return Verdict::kHeld;
     }
     s.cursor = id;
@@ -70,14 +80,14 @@ void EventStreams::RequestDump(WorkerKey worker, SequenceKind numbering) {
     s.dump_pending = true;
     return;
   }
-  Ask(worker, s, std::nullopt);
+  Ask(worker, s, /*from_cursor=*/false);
 }
 
 EventStreams::Outcome EventStreams::Recovered(RecoveryPart& part) {
   Outcome out;
   auto it = streams_.find(part.worker);
-  if (it == streams_.end() || !it->second.recovering) {  // the worker is gone, or a stale reply
-    part.events.clear();
+  if (it == streams_.end() || !it->second.recovering || it->second.generation != part.generation) {
+    part.events.clear();  // the worker is gone, or the reply answers an older ask
     return out;
   }
   Stream& s = it->second;
@@ -98,7 +108,7 @@ EventStreams::Outcome EventStreams::Recovered(RecoveryPart& part) {
     s.held.clear();
     if (s.dump_pending) {
       s.dump_pending = false;
-      Ask(part.worker, s, std::nullopt);
+      Ask(part.worker, s, /*from_cursor=*/false);
     }
     return out;
   }
@@ -108,23 +118,28 @@ EventStreams::Outcome EventStreams::Recovered(RecoveryPart& part) {
   } else {
     // A range: only what comes after the cursor, in order.
     std::erase_if(part.events, [&](const KvEventBatch& b) {
-      if (s.cursor && b.sequence.value <= *s.cursor) return true;
-      s.cursor = b.sequence.value;
+      const std::optional<std::uint64_t> id = CursorOf(s, b.sequence.value);
+      if (!id || (s.cursor && *id <= *s.cursor)) return true;
+      s.cursor = id;
       return false;
     });
   }
   if (!part.final) return out;
-  s.cursor = std::max(s.cursor.value_or(0), part.last_event_id);
-  if (part.kind == RecoveryPart::Kind::kDump) s.cursor = part.last_event_id;
+  const std::optional<std::uint64_t> last = CursorOf(s, part.last_event_id);
+  if (part.kind == RecoveryPart::Kind::kDump || !s.cursor || (last && *last > *s.cursor)) s.cursor = last;
   s.recovering = false;
   s.asked_once = true;
   s.dump_started = false;
   if (s.dump_pending) {  // held batches overflowed meanwhile: a dump covers them
     s.dump_pending = false;
-    Ask(part.worker, s, std::nullopt);
+    Ask(part.worker, s, /*from_cursor=*/false);
     return out;
   }
-  out.rejudge.assign(std::make_move_iterator(s.held.begin()), std::make_move_iterator(s.held.end()));
+  // What the reply covered goes (judged again, an old id 1 would look like a restart); the rest
+  // is judged again.
+  for (KvEventBatch& b : s.held) {
+    if (!s.cursor || b.sequence.value > *s.cursor) out.rejudge.push_back(std::move(b));
+  }
   s.held.clear();
   return out;
 }

@@ -38,6 +38,7 @@ struct RecoveryPart {
   std::vector<KvEventBatch> events;  // in order; a dump's are stored chains
   std::uint64_t last_event_id = 0;   // the worker's newest id when it answered
   bool final = true;                 // the last part of the reply
+  std::uint64_t generation = 0;      // the ask it answers (EventStreams ignores older ones)
 };
 
 struct StreamCounters {
@@ -53,8 +54,11 @@ class EventStreams {
     bool recover = false;          // ask for recoveries (else only count gaps)
     std::size_t max_held = 4096;   // batches held per rank while its recovery is in flight
   };
-  // Called when a rank needs recovering: start nullopt = a tree dump.
-  using RecoveryNeeded = std::function<void(WorkerKey, SequenceKind, std::optional<std::uint64_t> start)>;
+  // Called when a rank needs recovering: start nullopt = a tree dump, else the first §6 event id
+  // wanted. `generation` names this ask; its reply parts must carry it back. For a vLLM-numbered
+  // rank (Kv-Seq from 0, one batch per number) §6 ids count its batches from 1: id = Kv-Seq + 1.
+  using RecoveryNeeded = std::function<void(WorkerKey, SequenceKind, std::optional<std::uint64_t> start,
+                                            std::uint64_t generation)>;
 
   EventStreams(Options options, RecoveryNeeded on_recovery)
       : options_(options), on_recovery_(std::move(on_recovery)) {}
@@ -91,15 +95,20 @@ class EventStreams {
     bool dump_pending = false;  // a dump must follow the reply in flight (hold overflowed)
     bool dump_started = false;  // a dump reply's first part has been seen
     bool asked_once = false;    // a recovery has ended (a failed first-sight dump is not retried)
+    std::uint64_t generation = 0;  // of the ask in flight
     std::deque<KvEventBatch> held;
   };
-  void Ask(WorkerKey worker, Stream& s, std::optional<std::uint64_t> start);
+  // `from_cursor`: a range after the cursor (else a dump).
+  void Ask(WorkerKey worker, Stream& s, bool from_cursor);
+  // The cursor a §6 id means for this stream (vLLM: Kv-Seq = id - 1; id 0: none yet).
+  static std::optional<std::uint64_t> CursorOf(const Stream& s, std::uint64_t id);
   static std::uint64_t FirstId(SequenceKind k) { return k == SequenceKind::kVllmSeq ? 0 : 1; }
 
   const Options options_;
   const RecoveryNeeded on_recovery_;
   std::map<WorkerKey, Stream> streams_;  // ordered: a worker's ranks are one range
   StreamCounters counters_;
+  std::uint64_t next_generation_ = 0;
 };
 
 }  // namespace kvrouter

@@ -54,9 +54,8 @@ KvRouterService::KvRouterService(RouterConfig config, MessageBus& bus, Clock clo
       index_({.num_shards = config_.index_shards,
               .on_recovery = config_.recovery && config_.use_kv_events
                                  ? EventStreams::RecoveryNeeded(
-                                       [this](WorkerKey w, SequenceKind k, std::optional<std::uint64_t> start) {
-                                         recovery_->Need(w, k, start);
-                                       })
+                                       [this](WorkerKey w, SequenceKind k, std::optional<std::uint64_t> start,
+                                              std::uint64_t generation) { recovery_->Need(w, k, start, generation); })
                                  : nullptr,
               .default_capacity = config_.max_worker_blocks}),
       registry_({.block_size = config_.block_size,
@@ -138,9 +137,8 @@ Status KvRouterService::Start() {
   if (Status f = event_bus_.Flush(std::chrono::seconds(5)); !f.ok()) {
     log_.Log(LogLevel::kWarning, "subscribe", "event subscriptions not confirmed by the server: {}", f.message());
   }
-  if (Status s = Subscribe(bus_, RequestSubscriptions()); !s.ok()) return s;
-  startup_deadline_ = clock_() + std::chrono::milliseconds(config_.recovery_wait_ms);
-  return Status::Ok();
+  startup_deadline_ = clock_() + std::chrono::milliseconds(config_.recovery_wait_ms);  // before any route
+  return Subscribe(bus_, RequestSubscriptions());
 }
 
 void KvRouterService::Stop() { subs_.clear(); }
@@ -229,9 +227,11 @@ void KvRouterService::HandleInstances(const BusMessage& m) {
 }
 
 std::uint64_t KvRouterService::CapacityOf(const WorkerRegistration& reg) const {
-  // Twice what the worker says it can cache (an engine's index lags its cache a little); the
-  // flag's bound when it says nothing.
-  return reg.total_kv_blocks > 0 ? 2 * reg.total_kv_blocks : config_.max_worker_blocks;
+  // Twice what the worker says it can cache (an engine's index lags its cache a little), at most
+  // the flag's bound, which is also the bound when it says nothing.
+  // A worker cannot raise its own bound past the flag (nor wrap it around with 2 * 2^63).
+  if (reg.total_kv_blocks == 0 || reg.total_kv_blocks > config_.max_worker_blocks / 2) return config_.max_worker_blocks;
+  return 2 * reg.total_kv_blocks;
 }
 
 void KvRouterService::Forget(std::span<const std::uint64_t> worker_ids, Outbox& out) {
@@ -241,9 +241,9 @@ void KvRouterService::Forget(std::span<const std::uint64_t> worker_ids, Outbox& 
 
 void KvRouterService::Tick() {
   Outbox out;
-  if (recovery_) {
-    recovery_->Tick();
-    for (WorkerKey w : index_.TakeStaleWorkers()) index_.RequestDump(w);  // events dropped (queue full)
+  if (recovery_) recovery_->Tick();
+  for (WorkerKey w : index_.TakeStaleWorkers()) {  // events dropped (queue full): ask for a dump
+    if (recovery_ && registry_.HasRank(w)) index_.RequestDump(w);
   }
   const std::vector<std::uint64_t> expired = registry_.ExpireLeases(clock_());
   for (std::uint64_t id : expired) log_.Log(LogLevel::kInfo, "lease", "worker {} lease expired: forgotten", id);

@@ -114,6 +114,8 @@ int main(int argc, char** argv) {
   g_live.store(service.get());
   if (Status s = service->Start(); !s.ok()) {
     fmt::print(stderr, "kvrouter: {}\n", s.message());
+    g_live.store(nullptr);
+    (*events)->Drain(std::chrono::seconds(1));  // no callback reaches the service after this
     return 2;
   }
   fmt::print(stderr, "kvrouter I serving namespace '{}' component '{}' on {} (mode {}, block size {})\n",

@@ -19,7 +19,8 @@ constexpr std::chrono::milliseconds kMaxBackoff{10000};
 RecoveryClient::RecoveryClient(Options options, MessageBus& bus, ShardedIndex& index, Clock clock, RateLimitedLog& log)
     : options_(std::move(options)), bus_(bus), index_(index), clock_(std::move(clock)), log_(log) {}
 
-void RecoveryClient::Need(WorkerKey worker, SequenceKind numbering, std::optional<std::uint64_t> start) {
+void RecoveryClient::Need(WorkerKey worker, SequenceKind numbering, std::optional<std::uint64_t> start,
+                          std::uint64_t generation) {
   std::vector<std::pair<std::uint64_t, Ask>> starts;
   bool backed_off = false;
   {
@@ -30,13 +31,16 @@ void RecoveryClient::Need(WorkerKey worker, SequenceKind numbering, std::optiona
       ++counters_.backed_off;
       backed_off = true;
     } else {
-      waiting_.push_back({worker, numbering, start});
+      waiting_.push_back({worker, numbering, start, generation});
       starts = StartLocked(now);
     }
   }
   // It failed recently: do not hold its events for another try now.
-  if (backed_off) index_.Recovered({.worker = worker, .numbering = numbering, .kind = RecoveryPart::Kind::kFailed});
-  Publish(starts);
+  if (backed_off) {
+    index_.Recovered({.worker = worker, .numbering = numbering, .kind = RecoveryPart::Kind::kFailed,
+                      .generation = generation});
+  }
+  Publish(std::move(starts));
 }
 
 std::vector<std::pair<std::uint64_t, RecoveryClient::Ask>> RecoveryClient::StartLocked(
@@ -53,33 +57,45 @@ std::vector<std::pair<std::uint64_t, RecoveryClient::Ask>> RecoveryClient::Start
   return starts;
 }
 
-void RecoveryClient::Publish(const std::vector<std::pair<std::uint64_t, Ask>>& starts) {
-  for (const auto& [n, ask] : starts) {
-    const RecoveryQuery q{.start_event_id = ask.start};
-    const msgpack::sbuffer body = q.Encode();
-    const std::string subject =
-        RecoverySubject(options_.ns, options_.component, ask.worker.worker_id, ask.worker.dp_rank);
-    if (Status s = bus_.PublishRequest(subject, options_.reply_prefix + std::to_string(n), AsBytes(body)); !s.ok()) {
-      Fail(n, fmt::format("cannot ask {}: {}", subject, s.message()));
+void RecoveryClient::Publish(std::vector<std::pair<std::uint64_t, Ask>> starts) {
+  while (!starts.empty()) {
+    std::vector<std::pair<std::uint64_t, Ask>> more;
+    for (const auto& [n, ask] : starts) {
+      const RecoveryQuery q{.start_event_id = ask.start};
+      const msgpack::sbuffer body = q.Encode();
+      const std::string subject =
+          RecoverySubject(options_.ns, options_.component, ask.worker.worker_id, ask.worker.dp_rank);
+      if (Status s = bus_.PublishRequest(subject, options_.reply_prefix + std::to_string(n), AsBytes(body)); !s.ok()) {
+        auto next = Fail(n, fmt::format("cannot ask {}: {}", subject, s.message()));
+        more.insert(more.end(), next.begin(), next.end());
+      }
     }
+    starts = std::move(more);
   }
 }
 
-void RecoveryClient::Fail(std::uint64_t n, const std::string& why) {
+std::vector<std::pair<std::uint64_t, RecoveryClient::Ask>> RecoveryClient::Fail(std::uint64_t n, const std::string& why,
+                                                                                 bool only_if_late) {
   RecoveryPart part;
   std::vector<std::pair<std::uint64_t, Ask>> starts;
   {
     KvMutexLock g(mu_);
     auto it = in_flight_.find(n);
-    if (it == in_flight_.end()) return;
-    part = {.worker = it->second.ask.worker, .numbering = it->second.ask.numbering, .kind = RecoveryPart::Kind::kFailed};
-    FinishLocked(n, false, clock_());
-    starts = StartLocked(clock_());
+    if (it == in_flight_.end()) return {};
+    const auto now = clock_();
+    // A part may have come between the Tick that found it late and now.
+    if (only_if_late && now < it->second.deadline && now - it->second.started < options_.max_duration) return {};
+    part = {.worker = it->second.ask.worker,
+            .numbering = it->second.ask.numbering,
+            .kind = RecoveryPart::Kind::kFailed,
+            .generation = it->second.ask.generation};
+    FinishLocked(n, false, now);
+    starts = StartLocked(now);
   }
   log_.Log(LogLevel::kInfo, "recovery failed", "recovery of worker {} rank {} failed: {}", part.worker.worker_id,
            part.worker.dp_rank, why);
   index_.Recovered(std::move(part));
-  Publish(starts);
+  return starts;
 }
 
 void RecoveryClient::FinishLocked(std::uint64_t n, bool ok, std::chrono::steady_clock::time_point now) {
@@ -106,27 +122,26 @@ void RecoveryClient::OnReply(const BusMessage& m) {
   if (std::from_chars(tail.data(), tail.data() + tail.size(), n).ec != std::errc()) return;
   // NATS "no responders" (status 503, empty body): the worker does not serve the endpoint.
   const auto status = m.Header("Status");
-  if (m.data.empty() && status && status->starts_with("503")) return Fail(n, "no responders");
-  WorkerKey worker;
-  SequenceKind numbering = SequenceKind::kEventId;
+  if (m.data.empty() && status && status->starts_with("503")) return Publish(Fail(n, "no responders"));
+  Ask ask;
   {
     KvMutexLock g(mu_);
     auto it = in_flight_.find(n);
     if (it == in_flight_.end()) return;  // late, after a timeout
-    worker = it->second.ask.worker;
-    numbering = it->second.ask.numbering;
+    ask = it->second.ask;
   }
-  auto reply = DecodeRecoveryReply(m.data, worker.worker_id);
-  if (!reply.ok()) return Fail(n, "undecodable reply: " + reply.status().message());
+  auto reply = DecodeRecoveryReply(m.data, ask.worker.worker_id);
+  if (!reply.ok()) return Publish(Fail(n, "undecodable reply: " + reply.status().message()));
   if (reply->kind != "events" && reply->kind != "tree_dump") {
-    return Fail(n, fmt::format("{}: {}", reply->kind, reply->message));
+    return Publish(Fail(n, fmt::format("{}: {}", reply->kind, reply->message)));
   }
-  RecoveryPart part{.worker = worker,
-                    .numbering = numbering,
+  RecoveryPart part{.worker = ask.worker,
+                    .numbering = ask.numbering,
                     .kind = reply->kind == "tree_dump" ? RecoveryPart::Kind::kDump : RecoveryPart::Kind::kEvents,
                     .events = std::move(reply->events),
                     .last_event_id = reply->last_event_id,
-                    .final = !reply->more};
+                    .final = !reply->more,
+                    .generation = ask.generation};
   std::vector<std::pair<std::uint64_t, Ask>> starts;
   {
     KvMutexLock g(mu_);
@@ -142,7 +157,7 @@ void RecoveryClient::OnReply(const BusMessage& m) {
     }
   }
   index_.Recovered(std::move(part));
-  Publish(starts);
+  Publish(std::move(starts));
 }
 
 void RecoveryClient::Tick() {
@@ -151,10 +166,14 @@ void RecoveryClient::Tick() {
   {
     KvMutexLock g(mu_);
     for (const auto& [n, f] : in_flight_) {
-      if (now >= f.deadline) late.push_back(n);
+      // No (next) part in time, or a recovery that goes on too long, however many parts it sends.
+      if (now >= f.deadline || now - f.started >= options_.max_duration) late.push_back(n);
     }
+    // A backoff is remembered for as long again after it ends (so that failing again soon doubles
+    // it), then forgotten: the map stays as small as the workers failing lately.
+    std::erase_if(backoff_, [&](const auto& b) { return now >= b.second.until + b.second.wait; });
   }
-  for (std::uint64_t n : late) Fail(n, "no reply in time");
+  for (std::uint64_t n : late) Publish(Fail(n, "no reply in time", /*only_if_late=*/true));
 }
 
 bool RecoveryClient::AwaitIdle(std::chrono::milliseconds timeout) {

@@ -56,6 +56,7 @@ class RecoveryClient {
     std::string component = "backend";
     std::string reply_prefix;                        // unique per router: "<prefix><n>" replies
     std::chrono::milliseconds timeout{1000};         // for the reply, and for each next part
+    std::chrono::milliseconds max_duration{30000};   // a recovery however many parts it sends
     std::size_t max_in_flight = 16;
   };
 
@@ -63,8 +64,9 @@ class RecoveryClient {
 
   std::string subject_pattern() const { return options_.reply_prefix + "*"; }
 
-  // A rank needs recovering: from `start` (a range) or a tree dump (nullopt).
-  void Need(WorkerKey worker, SequenceKind numbering, std::optional<std::uint64_t> start);
+  // A rank needs recovering: from `start` (a range) or a tree dump (nullopt). Every reply part
+  // handed to the index carries `generation`.
+  void Need(WorkerKey worker, SequenceKind numbering, std::optional<std::uint64_t> start, std::uint64_t generation);
   // A reply (part) on one of the reply subjects.
   void OnReply(const BusMessage& m);
   // Timeouts, backoffs, and starts what may start now.
@@ -80,10 +82,11 @@ class RecoveryClient {
     WorkerKey worker;
     SequenceKind numbering = SequenceKind::kEventId;
     std::optional<std::uint64_t> start;
+    std::uint64_t generation = 0;
   };
   struct InFlight {
     Ask ask;
-    std::chrono::steady_clock::time_point started, deadline;
+    std::chrono::steady_clock::time_point started, deadline;  // deadline: of the next part
   };
   struct Backoff {
     std::chrono::milliseconds wait{0};
@@ -91,10 +94,13 @@ class RecoveryClient {
   };
   // Moves what may start now from waiting_ to in_flight_; returns the queries to publish.
   std::vector<std::pair<std::uint64_t, Ask>> StartLocked(std::chrono::steady_clock::time_point now) KV_REQUIRES(mu_);
-  void Publish(const std::vector<std::pair<std::uint64_t, Ask>>& starts);
+  // Publishes the queries; one that cannot be sent fails its recovery, which may start others
+  // (a loop, not a recursion).
+  void Publish(std::vector<std::pair<std::uint64_t, Ask>> starts);
   // Ends a recovery (success or failure) and counts it.
   void FinishLocked(std::uint64_t n, bool ok, std::chrono::steady_clock::time_point now) KV_REQUIRES(mu_);
-  void Fail(std::uint64_t n, const std::string& why);
+  // Fails recovery n (unless `only_if_late` and it is no longer late); returns what may start.
+  std::vector<std::pair<std::uint64_t, Ask>> Fail(std::uint64_t n, const std::string& why, bool only_if_late = false);
 
   const Options options_;
   MessageBus& bus_;

@@ -126,6 +126,7 @@ Status Routing::BookingRoomLocked(std::size_t blocks) const {
 Result<RouteReply> Routing::DecideLocked(const RouteRequest& req, const Prepared& p, std::span<const Candidate> cands,
                                          double queued_ms) {
   const std::uint32_t bs = config_.block_size;
+  if (cands.empty()) return Status(StatusCode::kNoWorkers, "no registered worker can take this request");
   const Candidate& chosen = cands[selector_.Pick(config_.mode, p.sel, cands, p.params, rng_)];
   const std::uint32_t overlap = std::min(chosen.overlap_blocks, p.sel.request_blocks);
   if (req.update_states && !req.request_id.empty()) {
@@ -269,9 +270,19 @@ void Routing::DrainLocked(Outbox& out) {
           const bool filtered = p.req.worker_id || p.req.dp_rank || p.req.allowed_worker_ids;
           return filtered ? ScanStep::kKeep : ScanStep::kStop;
         }
-        // Fresh overlaps for the ranks it may go to.
+        // Fresh overlaps for the ranks it may go to. The registry has its own lock: a worker may
+        // have left since the first look, so the candidates are checked again.
         OverlapScores overlaps = approx_ ? PredictedOverlaps(p.prepared) : IndexOverlaps(p.prepared);
-        std::vector<Candidate> ready = OpenRanks(std::move(CandidatesLocked(p.req, p.prepared.seq, overlaps)).value());
+        auto with_overlaps = CandidatesLocked(p.req, p.prepared.seq, overlaps);
+        if (!with_overlaps.ok()) {
+          failed = with_overlaps.status();
+          return ScanStep::kTake;
+        }
+        std::vector<Candidate> ready = OpenRanks(std::move(with_overlaps).value());
+        if (ready.empty()) {
+          const bool filtered = p.req.worker_id || p.req.dp_rank || p.req.allowed_worker_ids;
+          return filtered ? ScanStep::kKeep : ScanStep::kStop;
+        }
         const double queued_ms = std::chrono::duration<double, std::milli>(now - e.enqueued).count();
         auto reply = DecideLocked(p.req, p.prepared, ready, queued_ms);
         if (reply.ok()) {

@@ -44,7 +44,13 @@ class ShardedIndex::Shard {
         max_bulk_(o.max_bulk),
         default_capacity_(o.default_capacity),
         recover_(static_cast<bool>(o.on_recovery)),
-        streams_({.recover = recover_, .max_held = o.max_held}, o.on_recovery),
+        on_recovery_(o.on_recovery),
+        // Asks are collected under the write lock and made after it is released (AskRecoveries):
+        // a publish may block, and readers wait on this lock.
+        streams_({.recover = recover_, .max_held = o.max_held},
+                 [this](WorkerKey w, SequenceKind k, std::optional<std::uint64_t> start, std::uint64_t generation) {
+                   asks_.push_back({w, k, start, generation});
+                 }),
         thread_([this] { Run(); }) {}
 
   ~Shard() {
@@ -207,11 +213,15 @@ class ShardedIndex::Shard {
           it.part = {};
           if (slice >= kMaxBlocksPerLock) {  // let waiting readers in
             mu_.unlock();
+            AskRecoveries();
             slice = 0;
             mu_.lock();
           }
         }
         mu_.unlock();
+        // Before this bulk counts as applied: a synchronous bus answers at once, and Flush must
+        // see the answer as submitted.
+        AskRecoveries();
       }
       if (batches > 0) depth_.fetch_sub(batches, std::memory_order_relaxed);
       if (done > 0) {
@@ -222,6 +232,13 @@ class ShardedIndex::Shard {
       if (stop_.load() && n == 0) return;
       if (stop_.load() && queue_.size_approx() == 0) return;
     }
+  }
+
+  // Owner thread, no lock held: the recoveries the streams asked for.
+  void AskRecoveries() {
+    std::vector<Ask> asks;
+    asks.swap(asks_);
+    for (const Ask& a : asks) on_recovery_(a.worker, a.numbering, a.start, a.generation);
   }
 
   // Owner thread, write lock held: a live batch, judged by the rank's stream first.
@@ -257,8 +274,14 @@ class ShardedIndex::Shard {
       blocks += BlocksIn(b);
     }
     events_recovered_.Add(part.events.size());
-    for (const KvEventBatch& b : o.apply) ApplyOps(part.worker, b);
-    for (KvEventBatch& b : o.rejudge) ApplyBatch(b);
+    for (const KvEventBatch& b : o.apply) {
+      ApplyOps(part.worker, b);
+      blocks += BlocksIn(b);
+    }
+    for (KvEventBatch& b : o.rejudge) {
+      blocks += BlocksIn(b);
+      ApplyBatch(b);
+    }
     PublishStreamCounters();
     return blocks;
   }
@@ -311,10 +334,18 @@ class ShardedIndex::Shard {
 
   mutable KvSharedMutex mu_;
   BlockIndex index_ KV_GUARDED_BY(mu_);  // written only by thread_, under the write lock
+  struct Ask {
+    WorkerKey worker;
+    SequenceKind numbering;
+    std::optional<std::uint64_t> start;
+    std::uint64_t generation;
+  };
   const std::uint64_t default_capacity_;
   std::unordered_map<std::uint64_t, std::uint64_t> capacity_of_;  // thread_ only: worker_id -> blocks per rank
   const bool recover_;
-  EventStreams streams_;  // thread_ only
+  const EventStreams::RecoveryNeeded on_recovery_;
+  std::vector<Ask> asks_;  // thread_ only: made when the write lock is released
+  EventStreams streams_;   // thread_ only
 
   KvMutex flush_mu_;
   std::condition_variable_any flush_cv_;

@@ -24,20 +24,24 @@ std::vector<std::uint64_t> Ids(const std::vector<KvEventBatch>& batches) {
 class EventStreamsTest : public ::testing::Test {
  protected:
   explicit EventStreamsTest(bool recover = true)
-      : streams_({.recover = recover, .max_held = 4}, [this](WorkerKey w, SequenceKind, std::optional<std::uint64_t> s) {
-          asked_.emplace_back(w, s);
-        }) {}
+      : streams_({.recover = recover, .max_held = 4},
+                 [this](WorkerKey w, SequenceKind, std::optional<std::uint64_t> s, std::uint64_t generation) {
+                   asked_.emplace_back(w, s);
+                   generation_ = generation;
+                 }) {}
   EventStreams::Verdict Live(std::uint64_t id) {
     KvEventBatch b = Event(id);
     return streams_.Live(b);
   }
+  // A reply part to the latest ask.
   RecoveryPart Part(RecoveryPart::Kind kind, std::vector<std::uint64_t> ids, std::uint64_t last, bool final = true) {
-    RecoveryPart p{.worker = kW, .kind = kind, .last_event_id = last, .final = final};
+    RecoveryPart p{.worker = kW, .kind = kind, .last_event_id = last, .final = final, .generation = generation_};
     for (auto id : ids) p.events.push_back(Event(id));
     return p;
   }
   EventStreams streams_;
   std::vector<std::pair<WorkerKey, std::optional<std::uint64_t>>> asked_;
+  std::uint64_t generation_ = 0;
 };
 
 class EventStreamsWithoutRecovery : public EventStreamsTest {
@@ -74,17 +78,15 @@ TEST_F(EventStreamsTest, FirstSightHoldsAndAsksForADumpThatClearsOnceAndReleases
   auto last = Part(RecoveryPart::Kind::kDump, {4}, 4);
   auto o2 = streams_.Recovered(last);
   EXPECT_FALSE(o2.clear_first);  // only the first part clears
-  EXPECT_EQ(Ids(o2.rejudge), (std::vector<std::uint64_t>{3, 4, 5}));
-  // Judged again: what the dump covered (up to 4) is a repeat, 5 is next.
-  std::vector<V> verdicts;
-  for (auto& b : o2.rejudge) verdicts.push_back(streams_.Live(b));
-  EXPECT_EQ(verdicts, (std::vector<V>{V::kDrop, V::kDrop, V::kApply}));
+  // What the dump covered (up to 4) is dropped; 5 is judged again, and is next.
+  EXPECT_EQ(Ids(o2.rejudge), (std::vector<std::uint64_t>{5}));
+  EXPECT_EQ(streams_.Live(o2.rejudge[0]), V::kApply);
   EXPECT_EQ(Live(6), V::kApply);
 }
 
 TEST_F(EventStreamsTest, AGapAsksForTheMissingRangeAndTheReplyFillsIt) {
-  auto dump = Part(RecoveryPart::Kind::kDump, {}, 0);
   EXPECT_EQ(Live(1), V::kHeld);
+  auto dump = Part(RecoveryPart::Kind::kDump, {}, 0);
   auto released = streams_.Recovered(dump).rejudge;
   ASSERT_EQ(released.size(), 1u);
   EXPECT_EQ(streams_.Live(released[0]), V::kApply);  // after an empty dump the cursor is 0
@@ -97,8 +99,7 @@ TEST_F(EventStreamsTest, AGapAsksForTheMissingRangeAndTheReplyFillsIt) {
   auto o = streams_.Recovered(range);
   EXPECT_FALSE(o.clear_first);
   EXPECT_EQ(Ids(range.events), (std::vector<std::uint64_t>{3, 4, 5}));
-  EXPECT_EQ(Ids(o.rejudge), (std::vector<std::uint64_t>{5, 6}));
-  for (auto& b : o.rejudge) EXPECT_EQ(streams_.Live(b), V::kDrop);  // the reply reached 6
+  EXPECT_TRUE(o.rejudge.empty());  // the held 5 and 6 came with the reply (it reached 6)
   EXPECT_EQ(Live(7), V::kApply);
 }
 
@@ -129,8 +130,7 @@ TEST_F(EventStreamsTest, AnOverflowingHoldEndsInAFreshDump) {
   auto fresh = Part(RecoveryPart::Kind::kDump, {}, 6);
   auto o2 = streams_.Recovered(fresh);
   EXPECT_TRUE(o2.clear_first);
-  EXPECT_EQ(Ids(o2.rejudge), (std::vector<std::uint64_t>{5, 6}));  // held after the overflow
-  for (auto& b : o2.rejudge) EXPECT_EQ(streams_.Live(b), V::kDrop);  // the dump reached 6
+  EXPECT_TRUE(o2.rejudge.empty());  // 5 and 6, held after the overflow, came with the dump
   EXPECT_EQ(Live(7), V::kApply);
 }
 
@@ -145,17 +145,55 @@ TEST_F(EventStreamsTest, AReplyForAForgottenWorkerIsIgnored) {
 }
 
 TEST_F(EventStreamsTest, ADumpRequestedDuringARecoveryFollowsIt) {
-  auto dump = Part(RecoveryPart::Kind::kDump, {}, 0);
   EXPECT_EQ(Live(1), V::kHeld);
-  (void)streams_.Recovered(dump);
-  EXPECT_EQ(Live(3), V::kHeld);  // gap: asks [1, ...]
+  auto dump = Part(RecoveryPart::Kind::kDump, {}, 0);
+  for (auto& b : streams_.Recovered(dump).rejudge) EXPECT_EQ(streams_.Live(b), V::kApply);
+  EXPECT_EQ(Live(3), V::kHeld);  // gap: asks [2, ...]
   streams_.RequestDump(kW);       // e.g. NATS reconnected meanwhile
-  auto range = Part(RecoveryPart::Kind::kEvents, {1, 2, 3}, 3);
+  auto range = Part(RecoveryPart::Kind::kEvents, {2, 3}, 3);
   auto o = streams_.Recovered(range);
   EXPECT_TRUE(o.rejudge.empty());
   ASSERT_EQ(asked_.size(), 3u);
   EXPECT_EQ(asked_[2].second, std::nullopt);
   EXPECT_TRUE(streams_.Recovering(kW));
+}
+
+TEST_F(EventStreamsTest, AReplyToAnOlderAskIsIgnored) {
+  EXPECT_EQ(Live(1), V::kHeld);  // ask 1: a dump
+  auto stale = Part(RecoveryPart::Kind::kDump, {1}, 1);
+  streams_.RemoveWorker(kW.worker_id);  // its lease ran out...
+  EXPECT_EQ(Live(1), V::kHeld);          // ...and it is back: ask 2
+  EXPECT_NE(stale.generation, generation_);
+  auto o = streams_.Recovered(stale);    // the answer to ask 1 arrives late
+  EXPECT_TRUE(stale.events.empty());
+  EXPECT_FALSE(o.clear_first);
+  EXPECT_TRUE(streams_.Recovering(kW));  // still waiting for ask 2
+  auto fresh = Part(RecoveryPart::Kind::kDump, {1}, 1);
+  auto o2 = streams_.Recovered(fresh);
+  EXPECT_TRUE(o2.clear_first);
+  EXPECT_FALSE(streams_.Recovering(kW));
+}
+
+TEST_F(EventStreamsTest, VllmRanksCountTheirSection6IdsFromOne) {
+  // Kv-Seq starts at 0; §6 ids count the same batches from 1 (id = Kv-Seq + 1).
+  KvEventBatch first = Event(0, SequenceKind::kVllmSeq);
+  EXPECT_EQ(streams_.Live(first), V::kHeld);  // first sight: a dump
+  auto dump = Part(RecoveryPart::Kind::kDump, {}, 3);  // the worker has published 3 batches: Kv-Seq 0..2
+  auto o = streams_.Recovered(dump);
+  EXPECT_TRUE(o.rejudge.empty());  // Kv-Seq 0 was in the dump (not a restart)
+  KvEventBatch next = Event(3, SequenceKind::kVllmSeq);
+  EXPECT_EQ(streams_.Live(next), V::kApply);  // the one after it
+  KvEventBatch later = Event(6, SequenceKind::kVllmSeq);
+  EXPECT_EQ(streams_.Live(later), V::kHeld);  // Kv-Seq 4, 5 missing
+  ASSERT_EQ(asked_.size(), 2u);
+  EXPECT_EQ(asked_[1].second, 5u);  // §6 id of Kv-Seq 4
+  RecoveryPart range{.worker = kW, .kind = RecoveryPart::Kind::kEvents, .last_event_id = 7, .generation = generation_};
+  for (std::uint64_t id : {5, 6, 7}) range.events.push_back(Event(id));  // §6 ids of Kv-Seq 4..6
+  auto o2 = streams_.Recovered(range);
+  EXPECT_EQ(Ids(range.events), (std::vector<std::uint64_t>{5, 6, 7}));
+  EXPECT_TRUE(o2.rejudge.empty());  // Kv-Seq 6 came with the range
+  KvEventBatch after = Event(7, SequenceKind::kVllmSeq);
+  EXPECT_EQ(streams_.Live(after), V::kApply);
 }
 
 }  // namespace

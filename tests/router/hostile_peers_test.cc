@@ -286,22 +286,22 @@ TEST_F(HostilePeerTest, OverlongRequestIdIsAnInvalidArgument) {
 }
 
 TEST_F(HostilePeerTest, AWorkerCannotIndexMoreThanTwiceItsCapacity) {
-  StartWithHonestWorker({"--router-max-worker-blocks", "5"});
-  Register(2, {.total_kv_blocks = 4});  // at most 8 blocks indexed per rank
+  StartWithHonestWorker({"--router-max-worker-blocks", "9"});
   auto prompt = [](std::uint32_t p) {
-    std::vector<std::uint32_t> t(12);
+    std::vector<std::uint32_t> t(12);  // 3 blocks
     for (std::uint32_t i = 0; i < 12; ++i) t[i] = 500 + p * 100 + i;
     return t;
   };
+  Register(2, {.total_kv_blocks = 4});  // at most 8 blocks indexed per rank
   StorePrompt(2, 1, prompt(1));
   StorePrompt(2, 2, prompt(2));
   StorePrompt(2, 3, prompt(3));  // 9 blocks would pass 8: dropped
   EXPECT_EQ(svc_->index().TreeSize({2, 0}), 6u);
   EXPECT_EQ(Dropped("over_capacity"), 1u);
-  // A worker that announces no capacity gets --router-max-worker-blocks.
-  StorePrompt(3, 1, prompt(4));
-  StorePrompt(3, 2, prompt(5));  // 6 > 5
-  EXPECT_EQ(svc_->index().TreeSize({3, 0}), 3u);
+  // Announcing no capacity, or an absurd one, gets the flag's bound (9): no worker sets its own.
+  Register(3, {.total_kv_blocks = std::uint64_t{1} << 63});
+  for (std::uint32_t p = 1; p <= 4; ++p) StorePrompt(3, p, prompt(10 + p));  // the 4th: 12 > 9
+  EXPECT_EQ(svc_->index().TreeSize({3, 0}), 9u);
   EXPECT_EQ(Dropped("over_capacity"), 2u);
   ExpectHonestWorkerIntact();
 }
