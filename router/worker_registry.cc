@@ -31,7 +31,7 @@ WorkerRegistry::Registered WorkerRegistry::Register(const WorkerRegistration& re
   }
   KvWriterLock g(mu_);
   if (reg.leaving) {
-    if (auto it = workers_.find(reg.worker_id); it != workers_.end()) EraseLocked(it);
+    if (auto it = workers_.find(reg.worker_id); it != workers_.end()) EraseLocked(it, now);
     return {.outcome = Outcome::kLeaving};
   }
   Registered out;
@@ -40,6 +40,7 @@ WorkerRegistry::Registered WorkerRegistry::Register(const WorkerRegistration& re
     out.reason = reason;
     return out;
   }
+  left_.erase(reg.worker_id);  // it says it is back
   auto [it, inserted] = workers_.try_emplace(reg.worker_id);
   Worker& w = it->second;
   ranks_total_ = ranks_total_ - (inserted ? 0 : w.reg.dp_size) + reg.dp_size;
@@ -81,7 +82,7 @@ void WorkerRegistry::CountInvalid() {
   CountRefusalLocked("invalid");
 }
 
-const char* WorkerRegistry::AdmitEvent(std::uint64_t worker_id, std::uint32_t dp_rank) {
+const char* WorkerRegistry::AdmitEvent(std::uint64_t worker_id, std::uint32_t dp_rank, SteadyTime now) {
   {
     KvReaderLock g(mu_);
     auto it = workers_.find(worker_id);
@@ -90,6 +91,10 @@ const char* WorkerRegistry::AdmitEvent(std::uint64_t worker_id, std::uint32_t dp
   KvWriterLock g(mu_);
   auto it = workers_.find(worker_id);
   if (it == workers_.end()) {
+    if (auto l = left_.find(worker_id); l != left_.end()) {
+      if (now < l->second) return "worker_left";
+      left_.erase(l);
+    }
     // A new event-only worker serves ranks [0, dp_rank].
     if (dp_rank >= limits_.max_dp_size) return kOutOfRange;
     if (ranks_total_ + dp_rank + 1 > limits_.max_worker_ranks) return kTooMany;
@@ -112,16 +117,17 @@ const char* WorkerRegistry::AdmitEvent(std::uint64_t worker_id, std::uint32_t dp
   return nullptr;
 }
 
-void WorkerRegistry::EraseLocked(std::map<std::uint64_t, Worker>::iterator it) {
+void WorkerRegistry::EraseLocked(std::map<std::uint64_t, Worker>::iterator it, SteadyTime now) {
+  if (left_.size() < kMaxLeftRemembered) left_[it->first] = now + kLeftMemory;
   ranks_total_ -= it->second.reg.dp_size;
   workers_.erase(it);
 }
 
-bool WorkerRegistry::Forget(std::uint64_t worker_id) {
+bool WorkerRegistry::Forget(std::uint64_t worker_id, SteadyTime now) {
   KvWriterLock g(mu_);
   auto it = workers_.find(worker_id);
   if (it == workers_.end()) return false;
-  EraseLocked(it);
+  EraseLocked(it, now);
   return true;
 }
 
@@ -148,11 +154,12 @@ std::vector<std::uint64_t> WorkerRegistry::ExpireLeases(SteadyTime now) {
   }
   if (ids.empty()) return ids;
   KvWriterLock g(mu_);
+  std::erase_if(left_, [&](const auto& l) { return now >= l.second; });  // also erased when met
   std::erase_if(ids, [&](std::uint64_t id) {
     mu_.AssertHeld();
     auto it = workers_.find(id);
     if (it == workers_.end() || !expired(it->second)) return true;  // renewed or gone meanwhile
-    EraseLocked(it);
+    EraseLocked(it, now);
     return false;
   });
   leases_expired_ += ids.size();

@@ -16,6 +16,7 @@
 #include <chrono>
 #include <cstdint>
 #include <map>
+#include <unordered_map>
 #include <mutex>
 #include <optional>
 #include <shared_mutex>
@@ -68,17 +69,21 @@ class WorkerRegistry {
     std::string detail;       // kRefused: for the log
   };
   // Applies a decoded registration at `now`: all of it, or (refused) nothing.
-  Registered Register(const WorkerRegistration& reg, SteadyTime now);
+  Registered Register(const WorkerRegistration& reg, SteadyTime now);  // a registration ends "left"
   // Counts a registration that could not be decoded (reason "invalid").
   void CountInvalid();
 
-  // Admission of a KV event of (worker_id, dp_rank): nullptr when it may be indexed (a worker
-  // seen for the first time is added without a lease; an event-only worker grows to cover the
-  // rank), else the drop reason ("dp_rank_out_of_range", "too_many_workers").
-  const char* AdmitEvent(std::uint64_t worker_id, std::uint32_t dp_rank);
+  // Admission of a KV event of (worker_id, dp_rank) at `now`: nullptr when it may be indexed (a
+  // worker seen for the first time is added without a lease; an event-only worker grows to cover
+  // the rank), else the drop reason ("dp_rank_out_of_range", "too_many_workers", "worker_left":
+  // an event of a worker forgotten less than kLeftMemory ago, late behind its `leaving` or its
+  // lease expiry, must not bring it back as an event-only worker that never expires).
+  const char* AdmitEvent(std::uint64_t worker_id, std::uint32_t dp_rank, SteadyTime now);
+  static constexpr std::chrono::seconds kLeftMemory{10};
+  static constexpr std::size_t kMaxLeftRemembered = 65536;
 
-  // Forgets a worker at once; false when it was not known.
-  bool Forget(std::uint64_t worker_id);
+  // Forgets a worker at once (remembering for kLeftMemory that it left); false when unknown.
+  bool Forget(std::uint64_t worker_id, SteadyTime now);
   // Forgets every worker whose lease ended before `now`; returns their ids, ascending. Nothing
   // expires while leases are paused.
   std::vector<std::uint64_t> ExpireLeases(SteadyTime now);
@@ -111,7 +116,7 @@ class WorkerRegistry {
   // mu_ held (exclusive): the reason `reg` must be refused, or nullptr.
   const char* RefusalLocked(const WorkerRegistration& reg, std::string& detail) const KV_REQUIRES(mu_);
   void CountRefusalLocked(std::string_view reason) KV_REQUIRES(mu_);
-  void EraseLocked(std::map<std::uint64_t, Worker>::iterator it) KV_REQUIRES(mu_);
+  void EraseLocked(std::map<std::uint64_t, Worker>::iterator it, SteadyTime now) KV_REQUIRES(mu_);
 
   const RegistryLimits limits_;
   mutable KvSharedMutex mu_;
@@ -119,6 +124,7 @@ class WorkerRegistry {
   std::uint64_t ranks_total_ KV_GUARDED_BY(mu_) = 0;            // sum of workers_' dp_size
   std::map<std::string, std::uint64_t> refused_ KV_GUARDED_BY(mu_);
   std::uint64_t refused_total_ KV_GUARDED_BY(mu_) = 0;
+  std::unordered_map<std::uint64_t, SteadyTime> left_ KV_GUARDED_BY(mu_);  // forgotten worker -> until
   std::atomic<std::uint64_t> leases_expired_{0};
   std::atomic<bool> paused_{false};
 };

@@ -306,5 +306,26 @@ TEST_F(HostilePeerTest, AWorkerCannotIndexMoreThanTwiceItsCapacity) {
   ExpectHonestWorkerIntact();
 }
 
+TEST_F(HostilePeerTest, AnEventLateBehindLeavingDoesNotBringTheWorkerBack) {
+  StartWithHonestWorker();
+  Register(2);
+  Register(2, {.leaving = true});
+  StorePrompt(2, 5, {40, 41, 42, 43});  // still in flight when it left
+  EXPECT_EQ(Stats().workers_total, 1u);  // not back as an event-only worker that never expires
+  EXPECT_EQ(Dropped("worker_left"), 1u);
+  Register(2);  // it really is back: registered again
+  StorePrompt(2, 1, {40, 41, 42, 43});
+  EXPECT_EQ(Stats().workers_total, 2u);
+  // Forgotten through its lease, it is remembered as gone for 10 s, then events count again.
+  now_ += std::chrono::seconds(4);
+  svc_->Tick();
+  EXPECT_EQ(Stats().workers_total, 0u);  // both leases (3 s) ran out
+  StorePrompt(2, 2, {50, 51, 52, 53});
+  EXPECT_EQ(Stats().workers_total, 0u);
+  now_ += std::chrono::seconds(11);
+  StorePrompt(2, 3, {50, 51, 52, 53});
+  EXPECT_EQ(Stats().workers_total, 1u);
+}
+
 }  // namespace
 }  // namespace kvrouter
