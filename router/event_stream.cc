@@ -69,6 +69,13 @@ EventStreams::Verdict EventStreams::Live(KvEventBatch& b) {
     return Verdict::kClearThenApply;
   }
   ++counters_.duplicates;
+  if (id < *s.cursor && options_.recover) {
+    // Not the last id again but an older one: a restarted publisher whose first event was lost
+    // looks like this. What the worker holds now settles it.
+    hold();
+    Ask(key, s, /*from_cursor=*/false);
+    return Verdict::kHeld;
+  }
   return Verdict::kDrop;
 }
 
@@ -91,6 +98,16 @@ EventStreams::Outcome EventStreams::Recovered(RecoveryPart& part) {
     return out;
   }
   Stream& s = it->second;
+  if (part.kind == RecoveryPart::Kind::kFailed && part.too_new) {
+    // The worker's ids are behind the cursor: it restarted. Start over from a dump. What is held
+    // arrived before the dump is asked, so the dump covers it (or it is from before the restart,
+    // and stale): judged again after the dump, an old high id would look like a gap forever.
+    part.events.clear();
+    s.held.clear();
+    s.cursor.reset();
+    Ask(part.worker, s, /*from_cursor=*/false);
+    return out;
+  }
   if (part.kind == RecoveryPart::Kind::kFailed) {
     // Apply what was held as it is, accepting the gap; the next gap asks again.
     s.recovering = false;

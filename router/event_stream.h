@@ -3,7 +3,9 @@
 //
 // A rank's cursor is the last event id (Dynamo) or Kv-Seq (vLLM) applied. With recovery on:
 //   first sight of a rank          -> hold the batch, ask for a tree dump;
-//   next id                        -> apply;   a repeat -> drop;
+//   next id                        -> apply;   a repeat of the last id -> drop;
+//   an id below the cursor         -> the publisher may have restarted and its id 1 been lost:
+//                                     hold it, ask for a dump (a true repeat costs one dump);
 //   a gap                          -> hold the batch, ask for [cursor+1, ...];
 //   back to the first id           -> the publisher restarted: clear the rank, apply;
 //   while a recovery is in flight  -> hold live batches (at most max_held; past it the held
@@ -39,6 +41,8 @@ struct RecoveryPart {
   std::uint64_t last_event_id = 0;   // the worker's newest id when it answered
   bool final = true;                 // the last part of the reply
   std::uint64_t generation = 0;      // the ask it answers (EventStreams ignores older ones)
+  bool too_new = false;              // kFailed because the worker's ids are behind the cursor:
+                                     // it restarted; a dump follows instead of giving up
 };
 
 struct StreamCounters {

@@ -75,7 +75,7 @@ void RecoveryClient::Publish(std::vector<std::pair<std::uint64_t, Ask>> starts) 
 }
 
 std::vector<std::pair<std::uint64_t, RecoveryClient::Ask>> RecoveryClient::Fail(std::uint64_t n, const std::string& why,
-                                                                                 bool only_if_late) {
+                                                                                 bool only_if_late, bool too_new) {
   RecoveryPart part;
   std::vector<std::pair<std::uint64_t, Ask>> starts;
   {
@@ -88,8 +88,10 @@ std::vector<std::pair<std::uint64_t, RecoveryClient::Ask>> RecoveryClient::Fail(
     part = {.worker = it->second.ask.worker,
             .numbering = it->second.ask.numbering,
             .kind = RecoveryPart::Kind::kFailed,
-            .generation = it->second.ask.generation};
-    FinishLocked(n, false, now);
+            .generation = it->second.ask.generation,
+            .too_new = too_new};
+    // A worker that answers too_new serves the endpoint: no backoff for it.
+    FinishLocked(n, too_new, now);
     starts = StartLocked(now);
   }
   log_.Log(LogLevel::kInfo, "recovery failed", "recovery of worker {} rank {} failed: {}", part.worker.worker_id,
@@ -133,7 +135,7 @@ void RecoveryClient::OnReply(const BusMessage& m) {
   auto reply = DecodeRecoveryReply(m.data, ask.worker.worker_id);
   if (!reply.ok()) return Publish(Fail(n, "undecodable reply: " + reply.status().message()));
   if (reply->kind != "events" && reply->kind != "tree_dump") {
-    return Publish(Fail(n, fmt::format("{}: {}", reply->kind, reply->message)));
+    return Publish(Fail(n, fmt::format("{}: {}", reply->kind, reply->message), false, reply->kind == "too_new"));
   }
   RecoveryPart part{.worker = ask.worker,
                     .numbering = ask.numbering,

@@ -100,7 +100,9 @@ class RecoveryClient {
   // Ends a recovery (success or failure) and counts it.
   void FinishLocked(std::uint64_t n, bool ok, std::chrono::steady_clock::time_point now) KV_REQUIRES(mu_);
   // Fails recovery n (unless `only_if_late` and it is no longer late); returns what may start.
-  std::vector<std::pair<std::uint64_t, Ask>> Fail(std::uint64_t n, const std::string& why, bool only_if_late = false);
+  // too_new: the worker answered so (it restarted); the index asks for a dump instead.
+  std::vector<std::pair<std::uint64_t, Ask>> Fail(std::uint64_t n, const std::string& why, bool only_if_late = false,
+                                                  bool too_new = false);
 
   const Options options_;
   MessageBus& bus_;

@@ -13,77 +13,17 @@
 #include "events/msgpack_reader.h"
 #include "events/worker_codec.h"
 #include "events/worker_publisher.h"
+#include "tests/router/fake_worker.h"
 #include "tests/router/service_fixture.h"
 
 namespace kvrouter {
 namespace {
 
 using std::chrono::milliseconds;
+using testing::FakeWorker;
+using testing::PromptTokens;
 using testing::kBs;
 
-// The tokens of prompt `p` (4 blocks of kBs tokens, distinct per prompt).
-std::vector<std::uint32_t> PromptTokens(std::uint32_t p, std::size_t blocks = 4) {
-  std::vector<std::uint32_t> t(blocks * kBs);
-  for (std::size_t i = 0; i < t.size(); ++i) t[i] = p * 1000 + static_cast<std::uint32_t>(i);
-  return t;
-}
-
-// A worker rank whose events are numbered by a KvEventPublisher, published through `via` (or
-// lost), and whose recovery endpoint answers from the publisher (unless `serve` is off). The
-// endpoint runs on the router's shard thread (the bus is synchronous): a mutex guards the
-// publisher, as kvmocker's engine mutex does.
-class FakeWorker {
- public:
-  FakeWorker(InMemoryBus& bus, std::uint64_t id, bool serve = true, std::size_t buffer = 1024)
-      : bus_(bus), id_(id), pub_({.worker_id = id, .event_buffer = buffer}) {
-    if (serve) {
-      sub_ = std::move(bus.Subscribe(RecoverySubject("dynamo", "backend", id, 0), "", [this](const BusMessage& m) {
-                         if (!answer_) return;  // a worker that hangs
-                         RecoveryReply reply;
-                         {
-                           std::lock_guard g(mu_);
-                           reply = pub_.Answer(RecoveryQuery::Decode(m.data));
-                         }
-                         auto parts = EncodeRecoveryReplyParts(reply, bus_.MaxPayload());
-                         ASSERT_TRUE(parts.ok()) << parts.status().ToString();
-                         for (const auto& part : *parts) (void)bus_.Publish(m.reply, AsBytes(part));
-                       }))
-                 .value();
-    }
-  }
-  // Stores a prompt; returns the message (published unless `publish` is false: a lost event).
-  msgpack::sbuffer Store(const std::vector<std::uint32_t>& tokens, MessageBus* via) {
-    const KvEventBatch b = StoredPromptBatch(id_, 0, tokens, kBs);  // for its chain only
-    msgpack::sbuffer body;
-    {
-      std::lock_guard g(mu_);
-      body = EncodeDynamoEnvelope(pub_.Publish(b.ops.at(0).data), {});
-    }
-    if (via) (void)via->Publish("namespace.dynamo.component.backend.kv-events", AsBytes(body));
-    return body;
-  }
-  msgpack::sbuffer Remove(std::vector<BlockHash> hashes, MessageBus* via) {
-    msgpack::sbuffer body;
-    {
-      std::lock_guard g(mu_);
-      body = EncodeDynamoEnvelope(pub_.Publish(KvRemoved{std::move(hashes)}), {});
-    }
-    if (via) (void)via->Publish("namespace.dynamo.component.backend.kv-events", AsBytes(body));
-    return body;
-  }
-  // Read it only while no event is being recovered (after the index is flushed).
-  const KvEventPublisher& publisher() const { return pub_; }
-  void set_answer(bool a) { answer_ = a; }
-  std::uint64_t id() const { return id_; }
-
- private:
-  InMemoryBus& bus_;
-  std::uint64_t id_;
-  std::mutex mu_;
-  KvEventPublisher pub_;
-  std::atomic<bool> answer_{true};
-  std::unique_ptr<BusSubscription> sub_;
-};
 
 class RecoveryTest : public testing::ServiceTest {
  protected:
@@ -131,6 +71,25 @@ TEST_F(RecoveryTest, ARestartedRouterLearnsEveryCacheFromDumpsBeforeAnyNewEvent)
   for (std::uint32_t p = 1; p <= 5; ++p) EXPECT_EQ(Overlap(1, PromptTokens(p)), 4u) << p;
   ExpectIndexEqualsWorker(w);
   EXPECT_EQ(Counter("recovery_dumps"), 1u);
+}
+
+TEST_F(RecoveryTest, ARestartedWorkerWhoseFirstEventWasLostIsRecoveredFromADump) {
+  StartRouter();
+  FakeWorker w(bus_, 1);
+  Register(1);
+  for (std::uint32_t p = 1; p <= 5; ++p) w.Store(PromptTokens(p), &bus_);  // ids 1..5
+  svc_->index().Flush();
+  w.Restart();                              // an empty cache, ids from 1 again
+  w.Store(PromptTokens(10), nullptr);       // id 1, lost: the router never sees the restart
+  w.Store(PromptTokens(11), &bus_);         // id 2, below the cursor (5): not a repeat of it
+  EXPECT_EQ(Overlap(1, PromptTokens(1)), 0u);   // the old cache is gone
+  EXPECT_EQ(Overlap(1, PromptTokens(10)), 4u);  // the lost event came back with the dump
+  EXPECT_EQ(Overlap(1, PromptTokens(11)), 4u);
+  ExpectIndexEqualsWorker(w);
+  w.Store(PromptTokens(12), &bus_);  // id 3 follows the dump's cursor: applied, no new recovery
+  EXPECT_EQ(Overlap(1, PromptTokens(12)), 4u);
+  EXPECT_EQ(Counter("recoveries_failed"), 0u);
+  EXPECT_EQ(Counter("recovery_dumps"), 2u);  // first sight, and the restart
 }
 
 TEST_F(RecoveryTest, AWorkerWithoutTheEndpointIsIndexedAtOnceAndCounted) {
