@@ -75,6 +75,7 @@ po::options_description Describe() {
     ("router-prune-target-ratio", po::value<double>()->default_value(d.prune_target_ratio), "approximate mode: prune down to ratio * max (0, 1]")
     ("router-max-dp-size", po::value<std::uint32_t>()->default_value(d.max_dp_size), "dp ranks a worker may register; larger registrations are refused [1, 65536]")
     ("router-max-worker-ranks", po::value<std::uint64_t>()->default_value(d.max_worker_ranks), "(worker, dp_rank) pairs tracked; new workers beyond it are refused (>= 1)")
+    ("router-max-workers", po::value<std::uint64_t>()->default_value(d.max_workers), "workers known (registered or not) past which events from unknown worker ids are refused; registrations are bounded by --router-max-worker-ranks (>= 1)")
     ("router-max-active-requests", po::value<std::uint32_t>()->default_value(d.max_active_requests), "booked requests before route answers 'overloaded' (>= 1)")
     ("router-max-active-blocks", po::value<std::uint64_t>()->default_value(d.max_active_blocks), "prompt blocks of booked requests (and, separately, of queued ones) before 'overloaded' (>= 1)")
     ("router-max-prompt-tokens", po::value<std::uint32_t>()->default_value(d.max_prompt_tokens), "longest prompt; longer ones get 'invalid_argument' (>= 1)")
@@ -135,6 +136,8 @@ Status ReadLimits(const po::variables_map& vm, RouterConfig& c) {
   if (c.max_dp_size < 1 || c.max_dp_size > 65536) return OutOfRange("router-max-dp-size", "in [1, 65536]");
   c.max_worker_ranks = vm["router-max-worker-ranks"].as<std::uint64_t>();
   if (c.max_worker_ranks < 1) return OutOfRange("router-max-worker-ranks", ">= 1");
+  c.max_workers = vm["router-max-workers"].as<std::uint64_t>();
+  if (c.max_workers < 1) return OutOfRange("router-max-workers", ">= 1");
   c.max_active_requests = vm["router-max-active-requests"].as<std::uint32_t>();
   if (c.max_active_requests < 1) return OutOfRange("router-max-active-requests", ">= 1");
   c.max_active_blocks = vm["router-max-active-blocks"].as<std::uint64_t>();

@@ -64,6 +64,8 @@ struct RouterConfig {
   // Bounds on what peers can make the router hold (PROTOCOL.md sections 4 and 5).
   std::uint32_t max_dp_size = 1024;                   // --router-max-dp-size [1, 65536]: dp ranks per worker
   std::uint64_t max_worker_ranks = 1 << 18;           // --router-max-worker-ranks >= 1: (worker, dp_rank) pairs
+  std::uint64_t max_workers = 1 << 16;                // --router-max-workers >= 1: known workers past
+                                                      //   which events from unknown ids are refused
   std::uint32_t max_active_requests = 65536;          // --router-max-active-requests >= 1: booked requests
   std::uint64_t max_active_blocks = 1 << 22;          // --router-max-active-blocks >= 1: blocks of booked
                                                       //   requests, and again of queued ones

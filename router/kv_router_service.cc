@@ -60,7 +60,8 @@ KvRouterService::KvRouterService(RouterConfig config, MessageBus& bus, Clock clo
               .default_capacity = config_.max_worker_blocks}),
       registry_({.block_size = config_.block_size,
                  .max_dp_size = config_.max_dp_size,
-                 .max_worker_ranks = config_.max_worker_ranks}),
+                 .max_worker_ranks = config_.max_worker_ranks,
+                 .max_workers = config_.max_workers}),
       routing_(config_, registry_, index_, clock_, router_id_, seed, log_),
       relay_(bus_, routing_, fmt::format("_KVR.{:x}.", router_id_), clock_, log_) {
   if (config_.recovery && config_.use_kv_events) {

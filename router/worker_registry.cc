@@ -98,6 +98,9 @@ const char* WorkerRegistry::AdmitEvent(std::uint64_t worker_id, std::uint32_t dp
     // A new event-only worker serves ranks [0, dp_rank].
     if (dp_rank >= limits_.max_dp_size) return kOutOfRange;
     if (ranks_total_ + dp_rank + 1 > limits_.max_worker_ranks) return kTooMany;
+    // Registrations are bounded by ranks alone (a fleet of 100,000 registered workers is real);
+    // ids that only ever send events are bounded by the workers known.
+    if (workers_.size() >= limits_.max_workers) return kTooMany;
     WorkerRegistration& reg = workers_[worker_id].reg;
     reg.worker_id = worker_id;
     reg.block_size = limits_.block_size;

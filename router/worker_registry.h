@@ -36,6 +36,7 @@ struct RegistryLimits {
   std::uint32_t block_size = 64;              // a worker must use the router's
   std::uint32_t max_dp_size = 1024;           // ranks per worker
   std::uint64_t max_worker_ranks = 1 << 18;   // (worker, dp_rank) pairs in all
+  std::uint64_t max_workers = 1 << 16;        // workers known before an unknown id's event is refused
 };
 
 // What the router needs of one rank to consider it for a request.
@@ -75,7 +76,8 @@ class WorkerRegistry {
 
   // Admission of a KV event of (worker_id, dp_rank) at `now`: nullptr when it may be indexed (a
   // worker seen for the first time is added without a lease; an event-only worker grows to cover
-  // the rank), else the drop reason ("dp_rank_out_of_range", "too_many_workers", "worker_left":
+  // the rank, unless --router-max-workers are known), else the drop reason ("dp_rank_out_of_range",
+  // "too_many_workers", "worker_left":
   // an event of a worker forgotten less than kLeftMemory ago, late behind its `leaving` or its
   // lease expiry, must not bring it back as an event-only worker that never expires).
   const char* AdmitEvent(std::uint64_t worker_id, std::uint32_t dp_rank, SteadyTime now);

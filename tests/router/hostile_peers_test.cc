@@ -142,6 +142,23 @@ TEST_F(HostilePeerTest, WorkerRanksAreBounded) {
   ExpectHonestWorkerIntact();
 }
 
+TEST_F(HostilePeerTest, EventsOfUnknownWorkersPastMaxWorkersAreRefusedButRegistrationsAreNot) {
+  StartWithHonestWorker({"--router-max-workers", "3"});
+  StorePrompt(2, 1, {1, 2, 3, 4});  // event-only workers: 2 and 3 fit beside the honest one
+  StorePrompt(3, 1, {1, 2, 3, 4});
+  StorePrompt(4, 1, {1, 2, 3, 4});  // a fourth would pass the bound
+  EXPECT_EQ(Dropped("too_many_workers"), 1u);
+  EXPECT_EQ(Stats().workers_total, 3u);
+  StorePrompt(2, 2, {5, 6, 7, 8});  // a known id goes on
+  EXPECT_EQ(Dropped("too_many_workers"), 1u);
+  Register(5);  // a registration is bounded by ranks, not by this
+  EXPECT_EQ(Refused("too_many_workers"), 0u);
+  StorePrompt(5, 1, {1, 2, 3, 4});
+  EXPECT_EQ(Dropped("too_many_workers"), 1u);
+  EXPECT_EQ(Stats().workers_total, 4u);
+  ExpectHonestWorkerIntact();
+}
+
 TEST_F(HostilePeerTest, StatsPagesThroughEveryRankInOrder) {
   StartWithHonestWorker();
   for (std::uint64_t id = 100; id < 124; ++id) Register(id, {.dp_size = id % 2 ? 2u : 1u});
