@@ -253,6 +253,23 @@ Result<ActiveSequenceEvent> DecodeActiveSequenceEvent(std::span<const std::byte>
   return e;
 }
 
+Result<RouterHeartbeat> DecodeRouterHeartbeat(std::span<const std::byte> body) {
+  auto doc = ParseMsgpackMap(body, "router heartbeat");
+  if (!doc.ok()) return doc.status();
+  RouterHeartbeat h;
+  FieldReads reads;
+  reads.Required(doc->get(), "router_id", ReadU64, h.router_id);
+  reads.Optional(doc->get(), "interval_ms", ReadU32, h.interval_ms);
+  if (!reads.ok()) return reads.status();
+  return h;
+}
+
+msgpack::sbuffer EncodeRouterHeartbeat(const RouterHeartbeat& h) {
+  MapWriter w;
+  w.Field("router_id", h.router_id).Field("interval_ms", h.interval_ms);
+  return std::move(w).Finish();
+}
+
 msgpack::sbuffer EncodeActiveSequenceEvent(const ActiveSequenceEvent& e) {
   const std::string_view kind = e.kind == ActiveSequenceEvent::Kind::kAdd           ? "add"
                                 : e.kind == ActiveSequenceEvent::Kind::kPrefillDone ? "prefill_done"

@@ -137,6 +137,17 @@ struct ActiveSequenceEvent {
 Result<ActiveSequenceEvent> DecodeActiveSequenceEvent(std::span<const std::byte> body);
 msgpack::sbuffer EncodeActiveSequenceEvent(const ActiveSequenceEvent& event);
 
+// A router replica's heartbeat (kvrouter's extension of section 8), once a second on
+// namespace.{ns}.component.{comp}.router_heartbeats: {router_id: u64, interval_ms: u32}.
+// Replicas that stop sending it for a while are dead: their synced bookings are released.
+struct RouterHeartbeat {
+  std::uint64_t router_id = 0;
+  std::uint32_t interval_ms = 1000;
+  bool operator==(const RouterHeartbeat&) const = default;
+};
+Result<RouterHeartbeat> DecodeRouterHeartbeat(std::span<const std::byte> body);
+msgpack::sbuffer EncodeRouterHeartbeat(const RouterHeartbeat& heartbeat);
+
 // Load gauges of one worker rank (PROTOCOL.md section 8), on namespace.{ns}.kv_metrics:
 //   {worker_id: u64, dp_rank?: u32 (0), active_decode_blocks: u64, active_prefill_tokens: u64}
 // The encoder writes every field.

@@ -33,6 +33,7 @@ Subjects::Subjects(const std::string& ns, const std::string& comp) {
   vllm_events_prefix = c + "vllm-kv-events.";
   instances = c + "instances";
   active_sequences = c + "active_sequences_events";
+  router_heartbeats = c + "router_heartbeats";
   route = r + "route";
   best_worker = r + "best_worker";
   mark_prefill = r + "mark_prefill";
@@ -87,6 +88,7 @@ std::vector<KvRouterService::Sub> KvRouterService::EventSubscriptions() {
   }
   if (config_.replica_sync) {
     subs.push_back({subjects_.active_sequences, "", [this](const BusMessage& m) { HandleReplicaSync(m); }});
+    subs.push_back({subjects_.router_heartbeats, "", [this](const BusMessage& m) { HandleReplicaHeartbeat(m); }});
   }
   return subs;
 }
@@ -252,15 +254,23 @@ void KvRouterService::Tick() {
   relay_.Expire(out);
   routing_.Tick(out);
   Send(out);
+  if (config_.replica_sync && clock_() >= next_heartbeat_) {
+    next_heartbeat_ = clock_() + ReplicaPeers::kInterval;
+    const RouterHeartbeat h{.router_id = router_id_,
+                            .interval_ms = static_cast<std::uint32_t>(ReplicaPeers::kInterval.count())};
+    (void)bus_.Publish(subjects_.router_heartbeats, AsBytes(EncodeRouterHeartbeat(h)));
+  }
 }
 
 void KvRouterService::OnEventsDisconnected() {
   registry_.PauseLeases();
+  routing_.PauseReplicas();
   log_.Log(LogLevel::kWarning, "leases paused", "lost the event connection: leases paused until it is back");
 }
 
 void KvRouterService::OnEventsReconnected() {
   registry_.ResumeLeases(clock_());
+  routing_.ResumeReplicas();
   log_.Log(LogLevel::kInfo, "leases resumed", "event connection back: every worker has one full lease to be heard");
   DumpEveryWorker();  // events sent during the outage are lost
 }
@@ -347,6 +357,12 @@ void KvRouterService::HandleReplicaSync(const BusMessage& m) {
   Outbox out;
   routing_.ApplyReplica(*e, out);
   Send(out);
+}
+
+void KvRouterService::HandleReplicaHeartbeat(const BusMessage& m) {
+  auto h = DecodeRouterHeartbeat(m.data);
+  if (!h.ok()) return DropUndecodable("replica_heartbeat_decode_error", m, h.status());
+  if (h->router_id != router_id_) routing_.ReplicaHeartbeat(h->router_id);
 }
 
 void KvRouterService::Send(Outbox& out) {

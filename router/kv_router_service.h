@@ -43,7 +43,7 @@ namespace kvrouter {
 struct Subjects {
   Subjects(const std::string& ns, const std::string& component);
   std::string kv_events, vllm_events_prefix, instances;
-  std::string active_sequences;
+  std::string active_sequences, router_heartbeats;
   std::string route, best_worker, mark_prefill, free, stats, kv_metrics, generate;
   std::string worker_generate_prefix;  // + worker_id
 };
@@ -95,6 +95,7 @@ class KvRouterService {
   void HandleLifecycle(const BusMessage& m, bool free);
   void HandleStats(const BusMessage& m);
   void HandleReplicaSync(const BusMessage& m);
+  void HandleReplicaHeartbeat(const BusMessage& m);
   // Admission of an event by the registry; a refused one is counted and logged (false).
   bool AdmitEvent(std::uint64_t worker_id, std::uint32_t dp_rank);
   void DropUndecodable(std::string_view reason, const BusMessage& m, const Status& why);
@@ -127,6 +128,7 @@ class KvRouterService {
   Routing routing_;
   GenerateRelay relay_;
   std::vector<std::unique_ptr<BusSubscription>> subs_;
+  SteadyTime next_heartbeat_{};   // Tick's thread only: when this replica next says it is alive
   SteadyTime startup_deadline_{};  // routes before it wait for in-flight start-up dumps
 };
 

@@ -347,6 +347,7 @@ bool Routing::LifecycleLocked(const std::string& request_id, bool free, Outbox& 
   const WorkerKey* w = load_.WorkerOf(request_id);
   const WorkerKey worker = w ? *w : WorkerKey{};
   const bool did = free ? load_.Free(request_id) : load_.MarkPrefill(request_id);
+  if (free) peers_.Released(request_id);
   if (free && !did) CancelQueuedLocked(request_id, out);  // freed before it left the queue
   if (did) {
     metrics_dirty_.push_back(worker);
@@ -386,7 +387,14 @@ void Routing::ForgetWorkers(std::span<const std::uint64_t> worker_ids, Outbox& o
 void Routing::Tick(Outbox& out) {
   const SteadyTime now = clock_();
   KvMutexLock g(mu_);
-  load_.Sweep(now);
+  for (const std::string& id : peers_.TakeSilent(now)) {
+    const WorkerKey* w = load_.WorkerOf(id);
+    if (!w) continue;
+    metrics_dirty_.push_back(*w);
+    load_.Free(id);
+    ++replica_released_;
+  }
+  if (load_.Sweep(now) > 0) peers_.Prune([&](const std::string& id) { return load_.WorkerOf(id) == nullptr; });
   if (approx_) approx_->Expire(now);
   ExpireQueuedLocked(out);
   DrainLocked(out);
@@ -431,17 +439,37 @@ void Routing::ApplyReplica(const ActiveSequenceEvent& e, Outbox& out) {
         return;
       }
       const std::uint64_t cached = std::uint64_t{e.overlap_blocks} * config_.block_size;
-      (void)load_.Book(e.request_id, {e.worker_id, e.dp_rank}, e.seq_hashes, e.isl > cached ? e.isl - cached : 0,
-                       clock_());
+      if (load_.Book(e.request_id, {e.worker_id, e.dp_rank}, e.seq_hashes, e.isl > cached ? e.isl - cached : 0,
+                     clock_())) {
+        peers_.Booked(e.router_id, e.request_id, clock_());
+      }
       return;
     }
     case ActiveSequenceEvent::Kind::kPrefillDone:
+      peers_.Seen(e.router_id, clock_());
       if (load_.MarkPrefill(e.request_id)) DrainLocked(out);
       return;
     case ActiveSequenceEvent::Kind::kFree:
+      peers_.Seen(e.router_id, clock_());
+      peers_.Released(e.request_id);
       if (load_.Free(e.request_id)) DrainLocked(out);
       return;
   }
+}
+
+void Routing::ReplicaHeartbeat(std::uint64_t router_id) {
+  KvMutexLock g(mu_);
+  peers_.Heard(router_id, clock_());
+}
+
+void Routing::PauseReplicas() {
+  KvMutexLock g(mu_);
+  peers_.Pause();
+}
+
+void Routing::ResumeReplicas() {
+  KvMutexLock g(mu_);
+  peers_.Resume(clock_());
 }
 
 void Routing::FillStats(StatsReply& r) const {
@@ -459,6 +487,9 @@ void Routing::FillStats(StatsReply& r) const {
   r.breakdowns["routed"] = routed_;
   r.breakdowns["route_errors"] = route_errors_;
   r.breakdowns["replica_sync_refused"] = replica_refused_;
+  r.counters["replica_peers"] = peers_.peers();
+  r.counters["replica_peers_dead"] = peers_.dead();
+  r.counters["replica_bookings_released"] = replica_released_;
   r.counters["queue_length"] = queue_.size();
   r.counters["queue_blocks"] = queue_.weight();
   r.counters["queue_admitted"] = queue_admitted_;

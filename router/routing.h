@@ -30,6 +30,7 @@
 #include "router/approx_index.h"
 #include "router/config.h"
 #include "router/outbox.h"
+#include "router/replica_peers.h"
 #include "router/request_queue.h"
 #include "router/selector.h"
 #include "router/sharded_index.h"
@@ -68,6 +69,11 @@ class Routing {
   // A booking change of another replica (--router-replica-sync). An `add` must name a rank the
   // registry knows and obey the prompt and booking bounds, else it is refused and counted.
   void ApplyReplica(const ActiveSequenceEvent& e, Outbox& out);
+  // A heartbeat of another replica; the bookings of a replica that falls silent are released
+  // on Tick (ReplicaPeers). Paused while this router's event connection is down.
+  void ReplicaHeartbeat(std::uint64_t router_id);
+  void PauseReplicas();
+  void ResumeReplicas();
 
   // Fills, for the ranks already in reply.workers, their load, routed count and (approximate
   // mode) predicted blocks; and the routing counters and breakdowns.
@@ -145,6 +151,8 @@ class Routing {
   std::map<WorkerKey, std::uint64_t> routed_to_ KV_GUARDED_BY(mu_);       // ordered: a worker's ranks are a range
   std::map<std::string, std::uint64_t> route_errors_ KV_GUARDED_BY(mu_);  // code -> count
   std::map<std::string, std::uint64_t> replica_refused_ KV_GUARDED_BY(mu_);  // reason -> count
+  ReplicaPeers peers_ KV_GUARDED_BY(mu_);
+  std::uint64_t replica_released_ KV_GUARDED_BY(mu_) = 0;  // bookings of dead replicas released
   std::uint64_t queue_admitted_ KV_GUARDED_BY(mu_) = 0;
   std::uint64_t queue_timed_out_ KV_GUARDED_BY(mu_) = 0;
   std::uint64_t queue_refused_ KV_GUARDED_BY(mu_) = 0;

@@ -574,6 +574,20 @@ TEST(ActiveSequenceCodec, UnknownKindAndMissingFieldsAreInvalidArgument) {
   EXPECT_EQ(DecodeActiveSequenceEvent(AsBytes(empty)).status().code(), StatusCode::kInvalidArgument);
 }
 
+TEST(RouterHeartbeatCodec, RoundTripsAndNeedsARouterId) {
+  const RouterHeartbeat h{.router_id = ~0ull, .interval_ms = 250};
+  auto back = DecodeRouterHeartbeat(AsBytes(EncodeRouterHeartbeat(h)));
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(*back, h);
+  msgpack::sbuffer buf;
+  msgpack::packer<msgpack::sbuffer> pk(buf);
+  pk.pack_map(1);
+  PackKey(pk, "interval_ms"); pk.pack(1000);
+  auto r = DecodeRouterHeartbeat(AsBytes(buf));
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("router_id"), std::string::npos);
+}
+
 // ---- kv_metrics ----
 
 TEST(KvMetricsCodec, RoundTripsAtEveryIntegerWidth) {

@@ -233,6 +233,72 @@ TEST_F(ServiceTest, ReplicaSyncSharesBookingsBetweenReplicas) {
   EXPECT_EQ(Counter("active_requests"), 0u);
 }
 
+TEST_F(ServiceTest, ADeadReplicasBookingsAreReleasedAfterItsHeartbeatsStop) {
+  StartWith({"--router-mode", "kv", "--router-replica-sync"});
+  Register(1, {.lease_ms = 3'600'000});
+  auto heartbeat = [&](std::uint64_t router_id) {
+    (void)bus_.Publish(svc_->subjects().router_heartbeats, AsBytes(EncodeRouterHeartbeat({.router_id = router_id})));
+  };
+  auto add = [&](std::uint64_t router_id, const std::string& id) {
+    const ActiveSequenceEvent e{.router_id = router_id, .request_id = id, .worker_id = 1, .seq_hashes = {11, 12},
+                                .isl = 8};
+    (void)bus_.Publish(svc_->subjects().active_sequences, AsBytes(EncodeActiveSequenceEvent(e)));
+  };
+  heartbeat(77);
+  add(77, "of-77");  // a replica that sends heartbeats
+  add(88, "of-88");  // one that never does (another implementation): never judged
+  EXPECT_EQ(Counter("active_requests"), 2u);
+  EXPECT_EQ(Counter("replica_peers"), 1u);
+  now_ += std::chrono::milliseconds(4000);
+  svc_->Tick();
+  EXPECT_EQ(Counter("active_requests"), 2u);  // silent, but not for long enough
+  // While this router's own connection is down nobody can be heard: nothing is judged.
+  svc_->OnEventsDisconnected();
+  now_ += std::chrono::seconds(30);
+  svc_->Tick();
+  EXPECT_EQ(Counter("active_requests"), 2u);
+  svc_->OnEventsReconnected();  // every peer gets a fresh 5 s
+  now_ += std::chrono::milliseconds(4000);
+  svc_->Tick();
+  EXPECT_EQ(Counter("active_requests"), 2u);
+  now_ += std::chrono::milliseconds(1000);
+  svc_->Tick();
+  EXPECT_EQ(Counter("active_requests"), 1u);  // 77 is dead: its booking goes, 88's stays
+  EXPECT_EQ(Counter("replica_bookings_released"), 1u);
+  EXPECT_EQ(Counter("replica_peers_dead"), 1u);
+  EXPECT_EQ(Counter("replica_peers"), 0u);
+  // A live peer keeps its bookings; a heartbeat that cannot be decoded is counted.
+  heartbeat(99);
+  add(99, "of-99");
+  for (int i = 0; i < 10; ++i) {
+    now_ += std::chrono::milliseconds(1000);
+    heartbeat(99);
+    svc_->Tick();
+  }
+  EXPECT_EQ(Counter("active_requests"), 2u);
+  (void)bus_.Publish(svc_->subjects().router_heartbeats, AsBytes(std::string_view("\x81\xa1x\x01")));
+  EXPECT_EQ(Dropped("replica_heartbeat_decode_error"), 1u);
+}
+
+TEST_F(ServiceTest, AReplicaWithSyncSendsAHeartbeatEverySecond) {
+  StartWith({"--router-mode", "kv", "--router-replica-sync"});
+  std::vector<RouterHeartbeat> seen;
+  auto sub = bus_.Subscribe(svc_->subjects().router_heartbeats, "", [&](const BusMessage& m) {
+    auto h = DecodeRouterHeartbeat(m.data);
+    ASSERT_TRUE(h.ok());
+    seen.push_back(*h);
+  });
+  ASSERT_TRUE(sub.ok());
+  for (int i = 0; i < 60; ++i) {  // 3 s of 50 ms ticks
+    svc_->Tick();
+    now_ += std::chrono::milliseconds(50);
+  }
+  ASSERT_EQ(seen.size(), 3u);
+  EXPECT_EQ(seen[0].interval_ms, 1000u);
+  EXPECT_NE(seen[0].router_id, 0u);
+  EXPECT_EQ(Counter("replica_peers"), 0u);  // its own heartbeats are not a peer
+}
+
 
 // ---- router.generate ----------------------------------------------------------------------
 

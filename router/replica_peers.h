@@ -1,0 +1,60 @@
+// ReplicaPeers: which other router replicas are alive, and which bookings each of them made
+// (--router-replica-sync). A replica that dies (kill -9, a lost machine) never frees the bookings
+// it synced to the others; without this they would weigh on their workers for the 300 s sweep.
+//
+// Every replica publishes a heartbeat ({router_id, interval_ms}, kvrouter's extension of
+// PROTOCOL.md section 8, on ...component.{comp}.router_heartbeats) once a second. A peer that has
+// been heard once and then stays silent for kSilence is dead: its bookings are released. Peers
+// that never send heartbeats (other implementations) are never judged. While this router's own
+// connection is down, nobody can be heard: Pause stops the judging, Resume gives every peer a
+// fresh kSilence.
+//
+// Thread contract: none; Routing owns it under its mutex. Memory: one entry per known peer and
+// per live booking of a peer (bounded by the booking bounds; Prune drops swept ones).
+//
+//   peers.Heard(7, now);  peers.Booked(7, "req-1");  ...  for (auto& id : peers.TakeSilent(now)) free(id);
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace kvrouter {
+
+class ReplicaPeers {
+ public:
+  using Time = std::chrono::steady_clock::time_point;
+  static constexpr std::chrono::milliseconds kInterval{1000};  // a replica's heartbeat period
+  static constexpr std::chrono::milliseconds kSilence{5000};   // silent this long: dead
+  static constexpr std::size_t kMaxPeers = 4096;               // more are not tracked
+
+  // A heartbeat of `router_id`.
+  void Heard(std::uint64_t router_id, Time now);
+  // A booking `request_id` synced by `router_id` (also a sign of life of a known peer).
+  void Booked(std::uint64_t router_id, const std::string& request_id, Time now);
+  // Any other sync message of `router_id`: a sign of life, if it is a known peer.
+  void Seen(std::uint64_t router_id, Time now);
+  // The booking is gone (freed by its replica, or here).
+  void Released(const std::string& request_id) { origin_.erase(request_id); }
+  // Forgets the peers silent for kSilence or more and returns their bookings' request ids.
+  std::vector<std::string> TakeSilent(Time now);
+  // Drops the bookings `gone` says no longer exist (after a sweep).
+  void Prune(const std::function<bool(const std::string&)>& gone);
+
+  void Pause() { paused_ = true; }
+  void Resume(Time now);
+
+  std::size_t peers() const { return last_heard_.size(); }
+  std::uint64_t dead() const { return dead_; }
+
+ private:
+  std::unordered_map<std::uint64_t, Time> last_heard_;       // peers that send heartbeats
+  std::unordered_map<std::string, std::uint64_t> origin_;    // booking -> the peer that made it
+  bool paused_ = false;
+  std::uint64_t dead_ = 0;                                   // peers found dead so far
+};
+
+}  // namespace kvrouter
