@@ -83,6 +83,7 @@ po::options_description Describe() {
     ("no-router-recovery", po::bool_switch(), "never ask workers for missed events or dumps (gaps are only counted)")
     ("router-recovery-wait-ms", po::value<std::uint32_t>()->default_value(d.recovery_wait_ms), "after start, a route waits at most this long for the start-up dumps")
     ("router-replica-sync", po::bool_switch(), "share active-request bookings with other router replicas")
+    ("router-id", po::value<std::uint64_t>()->default_value(0), "this replica's id in replica sync and on its own stats subject router.stats.<id> (0: random)")
     ("device-ratio", po::value<double>()->default_value(d.device_ratio), "device-aware-weighted: accelerator weight vs CPU (> 0)")
     ("router-index-shards", po::value<std::uint32_t>()->default_value(d.index_shards), "index shards, one thread each [1, 64]");
   // clang-format on
@@ -149,6 +150,7 @@ Status ReadLimits(const po::variables_map& vm, RouterConfig& c) {
   c.recovery = !vm["no-router-recovery"].as<bool>();
   c.recovery_wait_ms = vm["router-recovery-wait-ms"].as<std::uint32_t>();
   c.replica_sync = vm["router-replica-sync"].as<bool>();
+  c.router_id = vm["router-id"].as<std::uint64_t>();
   c.device_ratio = vm["device-ratio"].as<double>();
   if (!(c.device_ratio > 0)) return OutOfRange("device-ratio", "> 0");
   c.index_shards = vm["router-index-shards"].as<std::uint32_t>();

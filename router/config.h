@@ -80,6 +80,7 @@ struct RouterConfig {
                                                       //   this long at most for start-up dumps
 
   bool replica_sync = false;                          // --router-replica-sync
+  std::uint64_t router_id = 0;                        // --router-id: this replica's id (0: random)
   double device_ratio = 8;                            // --device-ratio > 0
   std::uint32_t index_shards = 2;                     // --router-index-shards [1, 64]
 };

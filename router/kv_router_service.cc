@@ -51,7 +51,7 @@ KvRouterService::KvRouterService(RouterConfig config, MessageBus& bus, Clock clo
       event_bus_(event_bus ? *event_bus : bus),
       clock_(clock ? std::move(clock) : Clock([] { return std::chrono::steady_clock::now(); })),
       subjects_(config_.ns, config_.component),
-      router_id_(std::random_device{}() * 0x9E3779B97F4A7C15ULL ^ seed),
+      router_id_(config_.router_id ? config_.router_id : std::random_device{}() * 0x9E3779B97F4A7C15ULL ^ seed),
       index_({.num_shards = config_.index_shards,
               .on_recovery = config_.recovery && config_.use_kv_events
                                  ? EventStreams::RecoveryNeeded(
@@ -108,6 +108,8 @@ std::vector<KvRouterService::Sub> KvRouterService::RequestSubscriptions() {
   subs.push_back({subjects_.mark_prefill, "", [this](const BusMessage& m) { HandleLifecycle(m, false); }});
   subs.push_back({subjects_.free, "", [this](const BusMessage& m) { HandleLifecycle(m, true); }});
   subs.push_back({subjects_.stats, "kvrouter", [this](const BusMessage& m) { HandleStats(m); }});
+  // This replica's own stats, whichever the queue group would pick.
+  subs.push_back({fmt::format("{}.{}", subjects_.stats, router_id_), "", [this](const BusMessage& m) { HandleStats(m); }});
   return subs;
 }
 
@@ -329,6 +331,7 @@ void KvRouterService::HandleStats(const BusMessage& m) {
     return;
   }
   StatsReply r = BuildStats(*page, registry_, routing_, index_, drops_);
+  r.counters["router_id"] = router_id_;
   if (recovery_) {
     const RecoveryCounters c = recovery_->counters();
     r.counters["recoveries_started"] = c.started;

@@ -25,6 +25,8 @@ po::options_description Describe() {
     ("concurrency", po::value<std::uint32_t>()->default_value(static_cast<std::uint32_t>(on.concurrency)), "online: requests in flight at most (>= 1)")
     ("timeout", po::value<double>()->default_value(on.timeout_s), "online: seconds to wait for the last responses (> 0)")
     ("label", po::value<std::string>()->default_value(on.label), "online: the run's name in the report")
+    ("request-timeout", po::value<double>()->default_value(on.request_timeout_s), "online: seconds a request may go without a message before it is tried again (0 = never)")
+    ("retries", po::value<std::uint32_t>()->default_value(on.retries), "online: tries after the first, on no responders, no_workers, timeout or --request-timeout")
     ("wait-workers", po::value<std::uint32_t>()->default_value(0), "online: first wait until the router knows this many worker ranks")
     ("trace", po::value<std::string>(), "Mooncake JSONL trace")
     ("synthetic", po::bool_switch(), "use the synthetic multi-turn conversation workload instead of a trace")
@@ -110,6 +112,9 @@ Status ReadBenchConfig(const po::variables_map& vm, BenchConfig& c) {
   on.timeout_s = vm["timeout"].as<double>();
   if (!(on.timeout_s > 0)) return FlagOutOfRange("timeout", "> 0");
   on.wait_workers = vm["wait-workers"].as<std::uint32_t>();
+  on.request_timeout_s = vm["request-timeout"].as<double>();
+  if (!(on.request_timeout_s >= 0)) return FlagOutOfRange("request-timeout", ">= 0");
+  on.retries = vm["retries"].as<std::uint32_t>();
 
   OfflineOptions& off = c.offline_base;
   off.workers = vm["workers"].as<std::uint32_t>();

@@ -82,5 +82,6 @@ int main(int argc, char** argv) {
     return 1;
   }
   Report(c, {*s});
+  if (s->retries > 0) fmt::print("{} requests were sent again (--retries)\n", s->retries);
   return 0;
 }

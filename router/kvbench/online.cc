@@ -55,6 +55,9 @@ Status AwaitWorkers(NatsClient& client, const std::string& ns, std::size_t n) {
 
 // One online replay: requests sent through router.generate on the trace's schedule, at most
 // `concurrency` unanswered, their responses collected on one inbox subscription (its thread).
+// A request that gets NATS "no responders", a retryable error (`no_workers`, `timeout`), or no
+// message for request_timeout_s is sent again (as a new attempt with its own inbox and request
+// id, so a late answer to an old attempt is ignored), up to `retries` times.
 class OnlineReplay {
  public:
   OnlineReplay(NatsClient& client, const std::vector<TraceRequest>& trace, const OnlineOptions& o)
@@ -63,11 +66,15 @@ class OnlineReplay {
         o_(o),
         start_(Clock::now()),
         inbox_(fmt::format("_KVBENCH.{:x}.", std::random_device{}() * 0x9E3779B97F4A7C15ULL)),
-        records_(trace.size()) {}
+        records_(trace.size()),
+        attempt_(trace.size(), 0),
+        heard_ms_(trace.size(), -1) {}
 
   Result<std::vector<RequestRecord>> Run() {
-    auto sub = client_.Subscribe(inbox_ + "*", "", [this](const IncomingMessage& m) { OnResponse(m); });
+    auto sub = client_.Subscribe(inbox_ + ">", "", [this](const IncomingMessage& m) { OnResponse(m); });
     if (!sub.ok()) return sub.status();
+    std::thread watchdog;
+    if (o_.request_timeout_s > 0) watchdog = std::thread([this] { Watch(); });
     for (std::size_t i = 0; i < trace_.size(); ++i) {
       if (!Send(i)) break;
       if (o_.progress && (i + 1) % std::max<std::size_t>(1, trace_.size() / 10) == 0) {
@@ -87,9 +94,17 @@ class OnlineReplay {
         }
       }
       out = records_;
+      stopping_ = true;
+      cv_.notify_all();
     }
+    if (watchdog.joinable()) watchdog.join();
     sub->reset();  // no handler runs after this
     return out;
+  }
+
+  std::size_t retries() {
+    KvMutexLock g(mu_);
+    return retries_;
   }
 
  private:
@@ -120,43 +135,114 @@ class OnlineReplay {
       records_[i].arrival_ms = MsSinceStart();
       records_[i].prompt_tokens = trace_[i].input_length;
     }
-    RouteRequest req{.request_id = fmt::format("kvbench-{}-{}", start_.time_since_epoch().count(), i),
+    Publish(i, 0);
+    return true;
+  }
+
+  // Sends attempt `attempt` of request i (its own inbox subject and request id).
+  void Publish(std::size_t i, std::uint32_t attempt) {
+    {
+      KvMutexLock g(mu_);
+      attempt_[i] = attempt;
+      heard_ms_[i] = MsSinceStart();
+    }
+    RouteRequest req{.request_id = fmt::format("kvbench-{}-{}-{}", start_.time_since_epoch().count(), i, attempt),
                      .token_ids = TokensFor(trace_[i]),
                      .has_token_ids = true};
     req.isl = static_cast<std::uint32_t>(req.token_ids.size());
     req.max_tokens = std::max<std::uint32_t>(1, trace_[i].output_length);
+    if (o_.request_timeout_s > 0) {  // the router abandons it (and frees its booking) as we do
+      req.timeout_ms = static_cast<std::uint32_t>(o_.request_timeout_s * 1000);
+    }
     const std::string subject = fmt::format("namespace.{}.router.generate", o_.ns);
-    if (Status s = client_.PublishRequest(subject, inbox_ + std::to_string(i), AsBytes(EncodeRouteRequest(req)));
+    if (Status s = client_.PublishRequest(subject, fmt::format("{}{}.{}", inbox_, i, attempt),
+                                          AsBytes(EncodeRouteRequest(req)));
         !s.ok()) {
       KvMutexLock g(mu_);
-      records_[i].error = true;
-      Finish();
+      if (attempt_[i] == attempt) Fail(i);
     }
-    return true;
+  }
+
+  // Request i's current attempt failed in a way worth another try: true when one is left (the
+  // caller publishes it after releasing mu_), else the request is closed as an error.
+  bool RetryOrFail(std::size_t i) KV_REQUIRES(mu_) {
+    if (attempt_[i] < o_.retries) {
+      ++retries_;
+      ++attempt_[i];  // answers to the old attempt are ignored from now on
+      return true;
+    }
+    Fail(i);
+    return false;
+  }
+
+  void Fail(std::size_t i) KV_REQUIRES(mu_) {
+    records_[i].error = true;
+    Finish();
   }
 
   // A response (or an error reply) for request i, on the inbox subscription's thread.
   void OnResponse(const IncomingMessage& m) {
     std::size_t i = 0;
+    std::uint32_t attempt = 0;
     const std::string_view tail = m.subject.substr(inbox_.size());
-    if (std::from_chars(tail.data(), tail.data() + tail.size(), i).ec != std::errc() || i >= trace_.size()) return;
-    const double now = MsSinceStart();
-    KvMutexLock g(mu_);
-    RequestRecord& r = records_[i];
-    if (r.finished_ms >= 0 || r.error) return;  // already closed
-    auto resp = GenerateResponse::Decode(m.data);
-    if (!DecodeErrorReply(m.data).ok() || !resp.ok()) {
-      r.error = true;
-      Finish();
+    const char* end = tail.data() + tail.size();
+    auto [p, ec] = std::from_chars(tail.data(), end, i);
+    if (ec != std::errc() || i >= trace_.size() || p == end || *p != '.' ||
+        std::from_chars(p + 1, end, attempt).ec != std::errc()) {
       return;
     }
-    if (r.first_token_ms < 0) r.first_token_ms = now;
-    if (!resp->is_final()) return;
-    r.finished_ms = now;
-    r.cached_tokens = resp->cached_tokens;
-    if (resp->prompt_tokens > 0) r.prompt_tokens = resp->prompt_tokens;
-    if (*resp->finish_reason == "error") r.error = true;
-    Finish();
+    const double now = MsSinceStart();
+    std::optional<std::uint32_t> again;
+    {
+      KvMutexLock g(mu_);
+      RequestRecord& r = records_[i];
+      if (r.finished_ms >= 0 || r.error || attempt != attempt_[i]) return;  // closed, or an old attempt
+      heard_ms_[i] = now;
+      const auto status = m.Header("Status");
+      const Status err = DecodeErrorReply(m.data);
+      const bool no_responders = m.data.empty() && status && status->starts_with("503");
+      const bool retryable = no_responders || err.code() == StatusCode::kNoWorkers || err.code() == StatusCode::kTimeout;
+      auto resp = GenerateResponse::Decode(m.data);
+      if (retryable) {
+        if (RetryOrFail(i)) again = attempt_[i];
+      } else if (!err.ok() || !resp.ok()) {
+        Fail(i);
+      } else {
+        if (r.first_token_ms < 0) r.first_token_ms = now;
+        if (!resp->is_final()) return;
+        r.finished_ms = now;
+        r.cached_tokens = resp->cached_tokens;
+        if (resp->prompt_tokens > 0) r.prompt_tokens = resp->prompt_tokens;
+        if (*resp->finish_reason == "error") r.error = true;
+        Finish();
+      }
+    }
+    if (again) Publish(i, *again);
+  }
+
+  // Every 100 ms: requests silent for request_timeout_s are tried again (or closed).
+  void Watch() {
+    while (true) {
+      std::vector<std::pair<std::size_t, std::uint32_t>> again;
+      {
+        KvMutexLock lk(mu_);
+        // A timer, not a wait for a condition: a silent request has no event to wait on.
+        cv_.wait_for(mu_, std::chrono::milliseconds(100), [&] {
+          mu_.AssertHeld();
+          return stopping_;
+        });
+        if (stopping_) return;
+        const double now = MsSinceStart();
+        for (std::size_t i = 0; i < records_.size(); ++i) {
+          const RequestRecord& r = records_[i];
+          if (heard_ms_[i] < 0) continue;  // not sent yet
+          if (r.finished_ms >= 0 || r.error || now - heard_ms_[i] < o_.request_timeout_s * 1000) continue;
+          if (RetryOrFail(i)) again.emplace_back(i, attempt_[i]);
+          heard_ms_[i] = now;
+        }
+      }
+      for (auto [i, attempt] : again) Publish(i, attempt);
+    }
   }
 
   void Finish() KV_REQUIRES(mu_) {
@@ -173,8 +259,12 @@ class OnlineReplay {
   KvMutex mu_;
   std::condition_variable_any cv_;
   std::vector<RequestRecord> records_ KV_GUARDED_BY(mu_);
+  std::vector<std::uint32_t> attempt_ KV_GUARDED_BY(mu_);  // per request: its current attempt
+  std::vector<double> heard_ms_ KV_GUARDED_BY(mu_);        // per request: last sent or answered; -1: unsent
   std::size_t in_flight_ KV_GUARDED_BY(mu_) = 0;
   std::size_t done_ KV_GUARDED_BY(mu_) = 0;
+  std::size_t retries_ KV_GUARDED_BY(mu_) = 0;
+  bool stopping_ KV_GUARDED_BY(mu_) = false;
 };
 
 }  // namespace
@@ -189,10 +279,12 @@ Result<Summary> RunOnline(const std::vector<TraceRequest>& trace, const OnlineOp
   auto before = RoutedPerWorker(client, o.ns);
   if (!before.ok()) return Status(before.status().code(), "router stats: " + before.status().message());
   if (trace.empty()) return Summarize(o.label, {}, {});
-  auto records = OnlineReplay(client, trace, o).Run();
+  OnlineReplay replay(client, trace, o);
+  auto records = replay.Run();
   if (!records.ok()) return records.status();
   // Attribute requests to workers by the router's per-worker counters.
   Summary s = Summarize(o.label, *records, {});
+  s.retries = replay.retries();
   auto after = RoutedPerWorker(client, o.ns);
   if (!after.ok()) {
     fmt::print(stderr, "kvbench: router stats after the run: {}\n", after.status().message());

@@ -59,6 +59,7 @@ std::string SummaryJson(const Summary& s) {
   j["mode"] = s.mode;  // the library escapes strings
   j["requests"] = s.requests;
   j["errors"] = s.errors;
+  j["retries"] = s.retries;
   j["kv_hit_rate"] = s.kv_hit_rate;
   j["ttft_ms"] = {{"p50", s.ttft_p50}, {"p90", s.ttft_p90}, {"p99", s.ttft_p99}};
   j["e2e_ms"] = {{"p50", s.e2e_p50}, {"p90", s.e2e_p90}, {"p99", s.e2e_p99}};
