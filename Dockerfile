@@ -5,6 +5,7 @@ RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends \
       cmake g++ ninja-build pkg-config ca-certificates \
       libnats-dev libmsgpack-cxx-dev libconcurrentqueue-dev libfmt-dev libboost-program-options-dev \
       libgtest-dev libgmock-dev libbenchmark-dev libxxhash-dev nlohmann-json3-dev \
+      prometheus-cpp-dev libcivetweb-dev \
     && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY . .

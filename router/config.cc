@@ -55,6 +55,8 @@ po::options_description Describe() {
   desc.add_options()
     ("help,h", "print this help and exit")
     ("nats-server", po::value<std::string>()->default_value(d.nats_server), "NATS server URL (env NATS_SERVER)")
+    ("metrics-port", po::value<std::uint32_t>()->default_value(d.metrics_port), "HTTP port of /metrics, /health and /ready (0 turns it off) [0, 65535]")
+    ("metrics-host", po::value<std::string>()->default_value(d.metrics_host), "address the metrics port listens on")
     ("namespace", po::value<std::string>()->default_value(d.ns), "namespace of the subjects")
     ("component", po::value<std::string>()->default_value(d.component), "worker component name")
     ("block-size", po::value<std::uint32_t>()->default_value(d.block_size), "tokens per KV block [1, 65536]")
@@ -93,6 +95,9 @@ po::options_description Describe() {
 // Connection, selection and queue flags, validated.
 Status ReadRouting(const po::variables_map& vm, RouterConfig& c) {
   c.nats_server = vm["nats-server"].as<std::string>();
+  c.metrics_port = vm["metrics-port"].as<std::uint32_t>();
+  if (c.metrics_port > 65535) return OutOfRange("metrics-port", "in [0, 65535]");
+  c.metrics_host = vm["metrics-host"].as<std::string>();
   c.ns = vm["namespace"].as<std::string>();
   c.component = vm["component"].as<std::string>();
   c.block_size = vm["block-size"].as<std::uint32_t>();

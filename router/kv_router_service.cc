@@ -65,6 +65,7 @@ KvRouterService::KvRouterService(RouterConfig config, MessageBus& bus, Clock clo
                  .max_workers = config_.max_workers}),
       routing_(config_, registry_, index_, clock_, router_id_, seed, log_),
       relay_(bus_, routing_, fmt::format("_KVR.{:x}.", router_id_), clock_, log_) {
+  routing_.SetDecisionObserver([this](Routing::Kind, const RouteReply& r) { metrics_.ObserveDecision(r); });
   if (config_.recovery && config_.use_kv_events) {
     recovery_ = std::make_unique<RecoveryClient>(
         RecoveryClient::Options{.ns = config_.ns,
@@ -143,10 +144,15 @@ Status KvRouterService::Start() {
     log_.Log(LogLevel::kWarning, "subscribe", "event subscriptions not confirmed by the server: {}", f.message());
   }
   startup_deadline_ = clock_() + std::chrono::milliseconds(config_.recovery_wait_ms);  // before any route
-  return Subscribe(bus_, RequestSubscriptions());
+  Status s = Subscribe(bus_, RequestSubscriptions());
+  started_ = s.ok();
+  return s;
 }
 
-void KvRouterService::Stop() { subs_.clear(); }
+void KvRouterService::Stop() {
+  started_ = false;
+  subs_.clear();
+}
 
 void KvRouterService::DropUndecodable(std::string_view reason, const BusMessage& m, const Status& why) {
   drops_.Add(reason);
@@ -208,6 +214,7 @@ void KvRouterService::HandleInstances(const BusMessage& m) {
       log_.Log(LogLevel::kWarning, "registration refused", "refused a registration ({}): {}", r.reason, r.detail);
       return;
     case WorkerRegistry::Outcome::kLeaving: {
+      log_.Log(LogLevel::kInfo, "worker left", "worker {} left (leaving): forgotten", reg->worker_id);
       const std::uint64_t gone[] = {reg->worker_id};
       Forget(gone, out);  // its queued pins get not_found now
       break;
@@ -216,6 +223,9 @@ void KvRouterService::HandleInstances(const BusMessage& m) {
       index_.SetCapacity(reg->worker_id, CapacityOf(*reg));
       return;
     case WorkerRegistry::Outcome::kNew:
+      log_.Log(LogLevel::kInfo, "worker registered", "worker {} registered: dp ranks [{}, {}), {} KV blocks, lease {} ms",
+               reg->worker_id, reg->dp_start, std::uint64_t{reg->dp_start} + reg->dp_size, reg->total_kv_blocks,
+               reg->lease_ms);
       index_.SetCapacity(reg->worker_id, CapacityOf(*reg));
       // First sight of a worker: what does it hold already (the router may have restarted)?
       if (recovery_) {
@@ -265,12 +275,14 @@ void KvRouterService::Tick() {
 }
 
 void KvRouterService::OnEventsDisconnected() {
+  events_up_ = false;
   registry_.PauseLeases();
   routing_.PauseReplicas();
   log_.Log(LogLevel::kWarning, "leases paused", "lost the event connection: leases paused until it is back");
 }
 
 void KvRouterService::OnEventsReconnected() {
+  events_up_ = true;
   registry_.ResumeLeases(clock_());
   routing_.ResumeReplicas();
   log_.Log(LogLevel::kInfo, "leases resumed", "event connection back: every worker has one full lease to be heard");
@@ -293,6 +305,16 @@ void KvRouterService::DumpEveryWorker() {
 }
 
 void KvRouterService::HandleRoute(const BusMessage& m, Routing::Kind kind) {
+  // Real time, whatever clock_ is; observed however the request ends.
+  struct Timed {
+    RouterMetrics& metrics;
+    Routing::Kind kind;
+    std::chrono::steady_clock::time_point arrived = std::chrono::steady_clock::now();
+    ~Timed() {
+      metrics.ObserveRoute(Routing::KindName(kind),
+                           std::chrono::duration<double>(std::chrono::steady_clock::now() - arrived).count());
+    }
+  } timed{metrics_, kind};
   // Just after start, a route waits (a little) for the workers' dumps: a restarted router should
   // not route blind. best_worker answers as things stand.
   if (recovery_ && kind != Routing::Kind::kBestWorker) {
@@ -303,7 +325,7 @@ void KvRouterService::HandleRoute(const BusMessage& m, Routing::Kind kind) {
   }
   auto req = DecodeRouteRequest(m.data);
   if (!req.ok()) {
-    routing_.CountError(req.status().code());
+    routing_.CountError(kind, req.status().code());
     ReplyError(m, req.status());
     return;
   }
@@ -330,7 +352,17 @@ void KvRouterService::HandleStats(const BusMessage& m) {
     ReplyError(m, page.status());
     return;
   }
-  StatsReply r = BuildStats(*page, registry_, routing_, index_, drops_);
+  StatsReply r = Stats(*page);
+  auto body = EncodeStatsReply(r, bus_.MaxPayload());
+  if (!body.ok()) {
+    ReplyError(m, body.status());
+    return;
+  }
+  Reply(m, *body);
+}
+
+StatsReply KvRouterService::Stats(const StatsRequest& page) const {
+  StatsReply r = BuildStats(page, registry_, routing_, index_, drops_);
   r.counters["router_id"] = router_id_;
   if (recovery_) {
     const RecoveryCounters c = recovery_->counters();
@@ -345,12 +377,27 @@ void KvRouterService::HandleStats(const BusMessage& m) {
     r.counters["recovery_ms_total"] = static_cast<std::uint64_t>(c.total_ms);
     r.counters["recovery_ms_max"] = static_cast<std::uint64_t>(c.max_ms);
   }
-  auto body = EncodeStatsReply(r, bus_.MaxPayload());
-  if (!body.ok()) {
-    ReplyError(m, body.status());
-    return;
+  return r;
+}
+
+std::string KvRouterService::MetricsText() const {
+  StatsReply all = Stats({.offset = 0, .limit = StatsRequest::kMaxLimit});
+  while (all.next_offset && all.workers.size() < RouterMetrics::kMaxRankSeries) {
+    StatsReply more = Stats({.offset = *all.next_offset, .limit = StatsRequest::kMaxLimit});
+    all.workers.insert(all.workers.end(), more.workers.begin(), more.workers.end());
+    all.next_offset = more.next_offset;
   }
-  Reply(m, *body);
+  const bool approximate = !config_.use_kv_events && !config_.load_aware;
+  return metrics_.Render(all, {.mode = std::string(RouterModeName(config_.mode)),
+                               .kv_events = config_.use_kv_events,
+                               .approximate = approximate,
+                               .recovery = recovery_ != nullptr,
+                               .replica_sync = config_.replica_sync});
+}
+
+bool KvRouterService::Ready() const {
+  if (!started_.load() || !events_up_.load()) return false;
+  return !recovery_ || clock_() >= startup_deadline_ || recovery_->AwaitIdle(std::chrono::milliseconds(0));
 }
 
 void KvRouterService::HandleReplicaSync(const BusMessage& m) {

@@ -31,6 +31,7 @@
 #include "router/outbox.h"
 #include "router/recovery_client.h"
 #include "router/router_stats.h"
+#include "router/metrics.h"
 #include "router/routing.h"
 #include "router/sharded_index.h"
 #include "router/worker_registry.h"
@@ -75,6 +76,13 @@ class KvRouterService {
   // The event connection dropped messages (slow consumer): recover every worker.
   void OnEventsDropped();
 
+  // /metrics (PROTOCOL.md section 10): the observed histograms and every counter and rank.
+  std::string MetricsText() const;
+  // /ready: started, the event connection up, and the start-up dumps done (or given up on).
+  bool Ready() const;
+  // main's NATS callbacks: a connection ("requests", "events") came back.
+  void CountReconnect(std::string_view connection) { metrics_.CountReconnect(connection); }
+
   const Subjects& subjects() const { return subjects_; }
   ShardedIndex& index() { return index_; }
 
@@ -94,6 +102,8 @@ class KvRouterService {
   void HandleRoute(const BusMessage& m, Routing::Kind kind);
   void HandleLifecycle(const BusMessage& m, bool free);
   void HandleStats(const BusMessage& m);
+  // One page of the stats reply, with the recovery counters.
+  StatsReply Stats(const StatsRequest& page) const;
   void HandleReplicaSync(const BusMessage& m);
   void HandleReplicaHeartbeat(const BusMessage& m);
   // Admission of an event by the registry; a refused one is counted and logged (false).
@@ -128,6 +138,9 @@ class KvRouterService {
   Routing routing_;
   GenerateRelay relay_;
   std::vector<std::unique_ptr<BusSubscription>> subs_;
+  RouterMetrics metrics_;
+  std::atomic<bool> started_{false};
+  std::atomic<bool> events_up_{true};
   SteadyTime next_heartbeat_{};   // Tick's thread only: when this replica next says it is alive
   SteadyTime startup_deadline_{};  // routes before it wait for in-flight start-up dumps
 };

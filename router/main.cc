@@ -13,6 +13,7 @@
 
 #include <fmt/format.h>
 
+#include "router/http_server.h"
 #include "router/kv_router_service.h"
 #include "transport/nats_bus.h"
 #include "transport/nats_client.h"
@@ -28,7 +29,11 @@ std::atomic<KvRouterService*> g_live{nullptr};
 Result<std::unique_ptr<NatsClient>> ConnectRequests(const RouterConfig& cfg) {
   return NatsClient::Connect(
       {.url = cfg.nats_server, .name = "kvrouter-requests", .send_asap = true},  // replies without delay
-      {.on_reconnected = [] { fmt::print(stderr, "kvrouter I request connection up\n"); },
+      {.on_reconnected =
+           [] {
+             fmt::print(stderr, "kvrouter I request connection up\n");
+             if (auto* s = g_live.load()) s->CountReconnect("requests");
+           },
        .on_disconnected = [] { fmt::print(stderr, "kvrouter W lost the request connection; reconnecting\n"); }});
 }
 
@@ -42,7 +47,10 @@ Result<std::unique_ptr<NatsClient>> ConnectEvents(const RouterConfig& cfg) {
       {.on_reconnected =
            [] {
              fmt::print(stderr, "kvrouter I event connection up\n");
-             if (auto* s = g_live.load()) s->OnEventsReconnected();
+             if (auto* s = g_live.load()) {
+               s->CountReconnect("events");
+               s->OnEventsReconnected();
+             }
            },
        .on_disconnected =
            [] {
@@ -84,6 +92,21 @@ class Ticker {
   std::thread thread_;  // last: starts after the rest exists
 };
 
+// Says where the caches come from, so that nobody runs approximate mode by mistake.
+void LogEventSource(const RouterConfig& cfg) {
+  if (cfg.load_aware) {
+    fmt::print(stderr, "kvrouter I load-aware: no KV events, no cache credit\n");
+  } else if (!cfg.use_kv_events) {
+    fmt::print(stderr,
+               "kvrouter W APPROXIMATE MODE (--no-router-kv-events / DYN_ROUTER_USE_KV_EVENTS=false): no KV events are "
+               "read; caches are predicted from this router's own decisions for {} s\n",
+               cfg.ttl_secs);
+  } else {
+    fmt::print(stderr, "kvrouter I KV events: reading namespace.{}.component.{}.kv-events (and vllm-kv-events.*)\n",
+               cfg.ns, cfg.component);
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -120,11 +143,31 @@ int main(int argc, char** argv) {
   }
   fmt::print(stderr, "kvrouter I serving namespace '{}' component '{}' on {} (mode {}, block size {})\n",
              cfg.ns, cfg.component, cfg.nats_server, RouterModeName(cfg.mode), cfg.block_size);
+  LogEventSource(cfg);
+  std::unique_ptr<HttpServer> http;
+  if (cfg.metrics_port > 0) {
+    KvRouterService* svc = service.get();
+    auto started = HttpServer::Start(
+        cfg.metrics_host, static_cast<int>(cfg.metrics_port),
+        {{"/metrics", [svc] { return HttpResponse{200, svc->MetricsText(), "text/plain; version=0.0.4; charset=utf-8"}; }},
+         {"/health", [] { return HttpResponse{200, "ok\n"}; }},
+         {"/ready", [svc] { return svc->Ready() ? HttpResponse{200, "ready\n"} : HttpResponse{503, "not ready\n"}; }}});
+    if (!started.ok()) {
+      fmt::print(stderr, "kvrouter: --metrics-port {}: {}\n", cfg.metrics_port, started.status().message());
+      service->Stop();
+      g_live.store(nullptr);
+      (*events)->Drain(std::chrono::seconds(1));
+      return 2;
+    }
+    http = std::move(started).value();
+    fmt::print(stderr, "kvrouter I metrics on http://{}:{}/metrics (/health, /ready)\n", cfg.metrics_host, cfg.metrics_port);
+  }
   {
     Ticker ticker(*service);
     const int sig = stop.Wait();
     fmt::print(stderr, "kvrouter I signal {}: draining\n", sig);
   }
+  http.reset();  // no scrape reaches the service after this
   service->Stop();
   g_live.store(nullptr);
   (*events)->Drain(std::chrono::seconds(2));

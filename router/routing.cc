@@ -123,8 +123,21 @@ Status Routing::BookingRoomLocked(std::size_t blocks) const {
   return Status::Ok();
 }
 
-Result<RouteReply> Routing::DecideLocked(const RouteRequest& req, const Prepared& p, std::span<const Candidate> cands,
-                                         double queued_ms) {
+std::string_view Routing::KindName(Kind k) {
+  switch (k) {
+    case Kind::kRoute: return "route";
+    case Kind::kBestWorker: return "best_worker";
+    case Kind::kGenerate: return "generate";
+  }
+  return "route";
+}
+
+void Routing::CountLocked(Kind kind, std::string_view result) {
+  ++requests_[fmt::format("{}.{}", KindName(kind), result)];
+}
+
+Result<RouteReply> Routing::DecideLocked(Kind kind, const RouteRequest& req, const Prepared& p,
+                                         std::span<const Candidate> cands, double queued_ms) {
   const std::uint32_t bs = config_.block_size;
   if (cands.empty()) return Status(StatusCode::kNoWorkers, "no registered worker can take this request");
   const Candidate& chosen = cands[selector_.Pick(config_.mode, p.sel, cands, p.params, rng_)];
@@ -144,13 +157,16 @@ Result<RouteReply> Routing::DecideLocked(const RouteRequest& req, const Prepared
   }
   ++routed_[std::string(RouterModeName(config_.mode))];
   if (req.update_states) ++routed_to_[chosen.worker];
-  return RouteReply{.worker_id = chosen.worker.worker_id,
-                    .dp_rank = chosen.worker.dp_rank,
-                    .overlap_blocks = overlap,
-                    .request_blocks = p.sel.request_blocks,
-                    .cached_tokens = static_cast<std::uint32_t>(std::min<std::uint64_t>(
-                        std::uint64_t{overlap} * bs, std::numeric_limits<std::uint32_t>::max())),
-                    .queued_ms = queued_ms};
+  CountLocked(kind, "ok");
+  const RouteReply reply{.worker_id = chosen.worker.worker_id,
+                         .dp_rank = chosen.worker.dp_rank,
+                         .overlap_blocks = overlap,
+                         .request_blocks = p.sel.request_blocks,
+                         .cached_tokens = static_cast<std::uint32_t>(std::min<std::uint64_t>(
+                             std::uint64_t{overlap} * bs, std::numeric_limits<std::uint32_t>::max())),
+                         .queued_ms = queued_ms};
+  if (observer_) observer_(kind, reply);
+  return reply;
 }
 
 void Routing::DeliverLocked(RouteRequest req, const RouteReply& routed, std::string reply, bool generate,
@@ -187,23 +203,29 @@ void Routing::Route(RouteRequest req, Kind kind, std::string reply, Outbox& out)
       std::vector<Candidate> open = kind == Kind::kBestWorker ? std::move(cands).value() : OpenRanks(*cands);
       if (open.empty()) {
         error = EnqueueLocked(std::move(req), std::move(prepared).value(), *cands, reply, kind == Kind::kGenerate);
-      } else if (auto decided = DecideLocked(req, *prepared, open, 0); decided.ok()) {
+      } else if (auto decided = DecideLocked(kind, req, *prepared, open, 0); decided.ok()) {
         DeliverLocked(std::move(req), *decided, std::move(reply), kind == Kind::kGenerate, out);
       } else {
         error = decided.status();
       }
     }
+    ++requests_[std::string(KindName(kind))];
     TakeDeferredLocked(out);
-    if (!error.ok()) ++route_errors_[std::string(StatusCodeName(error.code()))];
+    if (!error.ok()) {
+      ++route_errors_[std::string(StatusCodeName(error.code()))];
+      CountLocked(kind, StatusCodeName(error.code()));
+    }
   } else {
-    CountError(error.code());
+    CountError(kind, error.code());
   }
   if (!error.ok()) out.errors.emplace_back(std::move(reply), error);
 }
 
-void Routing::CountError(StatusCode code) {
+void Routing::CountError(Kind kind, StatusCode code) {
   KvMutexLock g(mu_);
+  ++requests_[std::string(KindName(kind))];
   ++route_errors_[std::string(StatusCodeName(code))];
+  CountLocked(kind, StatusCodeName(code));
 }
 
 Status Routing::EnqueueLocked(RouteRequest req, Prepared prepared, std::span<const Candidate> all,
@@ -242,6 +264,7 @@ void Routing::ExpireQueuedLocked(Outbox& out) {
     mu_.AssertHeld();
     UnqueueIdLocked(e.payload.req.request_id);
     ++queue_timed_out_;
+    CountLocked(e.payload.generate ? Kind::kGenerate : Kind::kRoute, StatusCodeName(StatusCode::kTimeout));
     out.errors.emplace_back(std::move(e.payload.reply), Status(StatusCode::kTimeout, "no worker had room before timeout_ms"));
   });
 }
@@ -284,7 +307,7 @@ void Routing::DrainLocked(Outbox& out) {
           return filtered ? ScanStep::kKeep : ScanStep::kStop;
         }
         const double queued_ms = std::chrono::duration<double, std::milli>(now - e.enqueued).count();
-        auto reply = DecideLocked(p.req, p.prepared, ready, queued_ms);
+        auto reply = DecideLocked(p.generate ? Kind::kGenerate : Kind::kRoute, p.req, p.prepared, ready, queued_ms);
         if (reply.ok()) {
           ++queue_admitted_;
           admitted = *reply;
@@ -300,6 +323,7 @@ void Routing::DrainLocked(Outbox& out) {
           DeliverLocked(std::move(e.payload.req), *admitted, std::move(e.payload.reply), e.payload.generate, out);
           admitted.reset();
         } else {
+          CountLocked(e.payload.generate ? Kind::kGenerate : Kind::kRoute, StatusCodeName(failed.code()));
           out.errors.emplace_back(std::move(e.payload.reply), failed);
         }
       });
@@ -322,6 +346,7 @@ void Routing::FailPinnedLocked(std::span<const std::uint64_t> worker_ids, Outbox
               [&](RouteQueue::Entry&& e) {
                 mu_.AssertHeld();
                 UnqueueIdLocked(e.payload.req.request_id);
+                CountLocked(e.payload.generate ? Kind::kGenerate : Kind::kRoute, StatusCodeName(StatusCode::kNotFound));
                 out.errors.emplace_back(std::move(e.payload.reply),
                                         NotFound(fmt::format("worker {} is gone", *e.payload.req.worker_id)));
               });
@@ -337,6 +362,8 @@ bool Routing::CancelQueuedLocked(const std::string& request_id, Outbox& out) {
         return ScanStep::kTake;
       },
       [&](RouteQueue::Entry&& e) {
+        mu_.AssertHeld();
+        CountLocked(e.payload.generate ? Kind::kGenerate : Kind::kRoute, StatusCodeName(StatusCode::kTimeout));
         out.errors.emplace_back(std::move(e.payload.reply), Status(StatusCode::kTimeout, "freed while queued"));
       });
   UnqueueIdLocked(request_id);
@@ -394,7 +421,12 @@ void Routing::Tick(Outbox& out) {
     load_.Free(id);
     ++replica_released_;
   }
-  if (load_.Sweep(now) > 0) peers_.Prune([&](const std::string& id) { return load_.WorkerOf(id) == nullptr; });
+  if (load_.Sweep(now) > 0) {
+    peers_.Prune([&](const std::string& id) {
+      mu_.AssertHeld();  // called right here, under mu_
+      return load_.WorkerOf(id) == nullptr;
+    });
+  }
   if (approx_) approx_->Expire(now);
   ExpireQueuedLocked(out);
   DrainLocked(out);
@@ -486,6 +518,7 @@ void Routing::FillStats(StatsReply& r) const {
   }
   r.breakdowns["routed"] = routed_;
   r.breakdowns["route_errors"] = route_errors_;
+  r.breakdowns["requests"] = requests_;
   r.breakdowns["replica_sync_refused"] = replica_refused_;
   r.counters["replica_peers"] = peers_.peers();
   r.counters["replica_peers_dead"] = peers_.dead();

@@ -44,6 +44,9 @@ class Routing {
  public:
   using Clock = std::function<SteadyTime()>;
   enum class Kind { kRoute, kBestWorker, kGenerate };
+  static std::string_view KindName(Kind k);  // "route", "best_worker", "generate"
+  // Told of every decision (under the routing mutex: keep it short), e.g. for histograms.
+  using DecisionObserver = std::function<void(Kind, const RouteReply&)>;
 
   Routing(const RouterConfig& config, const WorkerRegistry& registry, const ShardedIndex& index, Clock clock,
           std::uint64_t router_id, std::uint64_t seed, RateLimitedLog& log);
@@ -52,7 +55,9 @@ class Routing {
   // forward (generate), a place in the queue (answered when admitted), or an error.
   void Route(RouteRequest req, Kind kind, std::string reply, Outbox& out);
   // Counts a route request that failed before it could be decided (it did not decode).
-  void CountError(StatusCode code);
+  void CountError(Kind kind, StatusCode code);
+  // Set before the first request.
+  void SetDecisionObserver(DecisionObserver observer) { observer_ = std::move(observer); }
 
   // Lifecycle of a booked request (idempotent); true when something changed. Freeing a request
   // that is still queued cancels it (its caller gets `timeout`).
@@ -111,7 +116,7 @@ class Routing {
   // OK when one more booking of `blocks` blocks fits the booking bounds, else `overloaded`.
   Status BookingRoomLocked(std::size_t blocks) const KV_REQUIRES(mu_);
   // Select among `cands`, book, count.
-  Result<RouteReply> DecideLocked(const RouteRequest& req, const Prepared& p, std::span<const Candidate> cands,
+  Result<RouteReply> DecideLocked(Kind kind, const RouteRequest& req, const Prepared& p, std::span<const Candidate> cands,
                                   double queued_ms) KV_REQUIRES(mu_);
   Status EnqueueLocked(RouteRequest req, Prepared prepared, std::span<const Candidate> all, std::string_view reply,
                        bool generate) KV_REQUIRES(mu_);
@@ -150,6 +155,11 @@ class Routing {
   std::map<std::string, std::uint64_t> routed_ KV_GUARDED_BY(mu_);        // mode -> count
   std::map<WorkerKey, std::uint64_t> routed_to_ KV_GUARDED_BY(mu_);       // ordered: a worker's ranks are a range
   std::map<std::string, std::uint64_t> route_errors_ KV_GUARDED_BY(mu_);  // code -> count
+  // Requests by endpoint: "<endpoint>" -> received, "<endpoint>.<result>" -> answered so
+  // (result "ok" or an error code); a queued request is counted when it leaves the queue.
+  std::map<std::string, std::uint64_t> requests_ KV_GUARDED_BY(mu_);
+  void CountLocked(Kind kind, std::string_view result) KV_REQUIRES(mu_);
+  DecisionObserver observer_;  // set before the first request, then only read
   std::map<std::string, std::uint64_t> replica_refused_ KV_GUARDED_BY(mu_);  // reason -> count
   ReplicaPeers peers_ KV_GUARDED_BY(mu_);
   std::uint64_t replica_released_ KV_GUARDED_BY(mu_) = 0;  // bookings of dead replicas released

@@ -65,7 +65,7 @@ run() {  # label, router flags...
   "$nats_server" -a 127.0.0.1 -p "$port" >"$work/nats.log" 2>&1 &
   pids+=($!)
   wait_port "$port"
-  "$bin/kvrouter" --nats-server "$url" "$@" >"$work/kvrouter-$label.log" 2>&1 &
+  "$bin/kvrouter" --nats-server "$url" --metrics-port 0 "$@" >"$work/kvrouter-$label.log" 2>&1 &
   pids+=($!)
   "$bin/kvmocker" --nats-server "$url" --num-workers 4 --num-gpu-blocks 2048 --speedup-ratio 10 \
     >"$work/kvmocker-$label.log" 2>&1 &

@@ -92,7 +92,7 @@ class ClusterTest : public ::testing::Test {
 
   void StartRouter(int i) {
     auto r = ChildProcess::Start({KVROUTER_BIN, "--nats-server", nodes_[i]->url(), "--router-mode", "kv",
-                                  "--router-replica-sync", "--router-id", std::to_string(i + 1)},
+                                  "--router-replica-sync", "--router-id", std::to_string(i + 1), "--metrics-port", "0"},
                                  Log(fmt::format("kvrouter{}", i + 1)));
     ASSERT_TRUE(r.ok()) << r.status().ToString();
     routers_.push_back(std::move(r).value());

@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <memory>
 #include <optional>
@@ -43,7 +44,12 @@ class KvRouterProcessTest : public ::testing::Test {
     log_ = ::testing::TempDir() + "kvrouter-" + std::to_string(nats_->port()) + ".log";
     std::vector<std::string> argv = {KVROUTER_BIN, "--nats-server", nats_->url(), "--router-mode", "kv",
                                      "--block-size", std::to_string(kBs)};
-    for (auto& a : ExtraArgs()) argv.push_back(a);
+    const std::vector<std::string> extra = ExtraArgs();
+    // Many routers run at once under ctest: no metrics port unless a test asks for one.
+    if (std::find(extra.begin(), extra.end(), "--metrics-port") == extra.end()) {
+      argv.insert(argv.end(), {"--metrics-port", "0"});
+    }
+    for (auto& a : extra) argv.push_back(a);
     auto router = ChildProcess::Start(argv, log_);
     ASSERT_TRUE(router.ok()) << router.status().ToString();
     router_ = std::move(router).value();

@@ -198,6 +198,35 @@ bool CanConnect(int port) {
   return ok;
 }
 
+Result<HttpAnswer> HttpGet(int port, const std::string& path, std::chrono::milliseconds timeout) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return Status(StatusCode::kInternal, "socket failed");
+  timeval tv{.tv_sec = static_cast<time_t>(timeout.count() / 1000),
+             .tv_usec = static_cast<suseconds_t>((timeout.count() % 1000) * 1000)};
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  std::string answer;
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
+    const std::string req = fmt::format("GET {} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n", path);
+    if (::send(fd, req.data(), req.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(req.size())) {
+      char buf[65536];
+      ssize_t n;
+      while ((n = ::recv(fd, buf, sizeof(buf), 0)) > 0) answer.append(buf, static_cast<std::size_t>(n));
+    }
+  }
+  ::close(fd);
+  // "HTTP/1.x NNN reason\r\n...\r\n\r\nbody"
+  const auto head_end = answer.find("\r\n\r\n");
+  if (answer.rfind("HTTP/1.", 0) != 0 || answer.size() < 12 || head_end == std::string::npos) {
+    return Status(StatusCode::kInternal, fmt::format("no HTTP answer from port {} for {}", port, path));
+  }
+  return HttpAnswer{std::atoi(answer.substr(9, 3).c_str()), answer.substr(head_end + 4)};
+}
+
 Result<std::unique_ptr<NatsServerProcess>> NatsServerProcess::Start(
     int port, std::vector<std::string> extra_args) {
   // A port picked free can be taken by someone else before the server binds it; then the

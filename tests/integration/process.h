@@ -71,6 +71,14 @@ Result<int> PickFreePort();
 // True when a TCP connect to 127.0.0.1:port succeeds.
 bool CanConnect(int port);
 
+// GET http://127.0.0.1:port/path (HTTP/1.0, the whole answer read until the server closes):
+// the status code and the body. Fails when nothing listens or the answer is not HTTP.
+struct HttpAnswer {
+  int status = 0;
+  std::string body;
+};
+Result<HttpAnswer> HttpGet(int port, const std::string& path, std::chrono::milliseconds timeout = std::chrono::seconds(5));
+
 class NatsServerProcess {
  public:
   // Starts nats-server on a free port (or `port` when > 0) and waits until it accepts TCP

@@ -41,7 +41,7 @@ class SystemTest : public ::testing::Test {
     ASSERT_TRUE(WaitFor([&] { return RouterWorkers() == 3; }, 15s)) << "workers never registered";
   }
   void StartRouter() {
-    auto router = ChildProcess::Start({KVROUTER_BIN, "--nats-server", nats_->url(), "--router-mode", "kv"},
+    auto router = ChildProcess::Start({KVROUTER_BIN, "--nats-server", nats_->url(), "--router-mode", "kv", "--metrics-port", "0"},
                                       ::testing::TempDir() + "system-kvrouter-" + std::to_string(nats_->port()) +
                                           "-" + std::to_string(++routers_) + ".log");
     ASSERT_TRUE(router.ok());

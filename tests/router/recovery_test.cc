@@ -79,6 +79,8 @@ TEST_F(RecoveryTest, ARestartedWorkerWhoseFirstEventWasLostIsRecoveredFromADump)
   Register(1);
   for (std::uint32_t p = 1; p <= 5; ++p) w.Store(PromptTokens(p), &bus_);  // ids 1..5
   svc_->index().Flush();
+  // First sight asks a dump (one or two, as the registration and the first event race).
+  const std::uint64_t dumps_before = Counter("recovery_dumps");
   w.Restart();                              // an empty cache, ids from 1 again
   w.Store(PromptTokens(10), nullptr);       // id 1, lost: the router never sees the restart
   w.Store(PromptTokens(11), &bus_);         // id 2, below the cursor (5): not a repeat of it
@@ -89,7 +91,7 @@ TEST_F(RecoveryTest, ARestartedWorkerWhoseFirstEventWasLostIsRecoveredFromADump)
   w.Store(PromptTokens(12), &bus_);  // id 3 follows the dump's cursor: applied, no new recovery
   EXPECT_EQ(Overlap(1, PromptTokens(12)), 4u);
   EXPECT_EQ(Counter("recoveries_failed"), 0u);
-  EXPECT_EQ(Counter("recovery_dumps"), 2u);  // first sight, and the restart
+  EXPECT_EQ(Counter("recovery_dumps"), dumps_before + 1);  // the restart's
 }
 
 TEST_F(RecoveryTest, AWorkerWithoutTheEndpointIsIndexedAtOnceAndCounted) {
