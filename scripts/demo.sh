@@ -67,7 +67,7 @@ run() {  # label, router flags...
   wait_port "$port"
   "$bin/kvrouter" --nats-server "$url" --metrics-port 0 "$@" >"$work/kvrouter-$label.log" 2>&1 &
   pids+=($!)
-  "$bin/kvmocker" --nats-server "$url" --num-workers 4 --num-gpu-blocks 2048 --speedup-ratio 10 \
+  "$bin/kvmocker" --nats-server "$url" --metrics-port 0 --num-workers 4 --num-gpu-blocks 2048 --speedup-ratio 10 \
     >"$work/kvmocker-$label.log" 2>&1 &
   pids+=($!)
   echo "demo: $label ..."

@@ -50,7 +50,9 @@ po::options_description Describe() {
     ("event-format", po::value<std::string>()->default_value("dynamo"), "dynamo | vllm")
     ("heartbeat-ms", po::value<std::int64_t>()->default_value(d.heartbeat_ms), "registration period in ms (>= 10)")
     ("lease-ms", po::value<std::int64_t>()->default_value(d.lease_ms), "lease announced to the router in ms (> heartbeat-ms)")
-    ("device", po::value<std::string>()->default_value(d.device), "device announced to the router (gpu, cpu, ...)");
+    ("device", po::value<std::string>()->default_value(d.device), "device announced to the router (gpu, cpu, ...)")
+    ("metrics-port", po::value<std::int64_t>()->default_value(d.metrics_port), "HTTP port of /metrics, /health and /ready (0 turns it off) [0, 65535]")
+    ("metrics-host", po::value<std::string>()->default_value(d.metrics_host), "address the metrics port listens on");
   // clang-format on
   return desc;
 }
@@ -59,6 +61,7 @@ Status ReadMockerConfig(const po::variables_map& vm, MockerConfig& c) {
   c.nats_server = vm["nats-server"].as<std::string>();
   c.ns = vm["namespace"].as<std::string>();
   c.component = vm["component"].as<std::string>();
+  c.metrics_host = vm["metrics-host"].as<std::string>();
   if (c.ns.empty()) return OutOfRange("namespace", "non-empty");
   if (c.component.empty()) return OutOfRange("component", "non-empty");
   constexpr std::int64_t kU32Max = std::numeric_limits<std::uint32_t>::max();
@@ -74,7 +77,8 @@ Status ReadMockerConfig(const po::variables_map& vm, MockerConfig& c) {
                             U32Field{"max-num-seqs", 1, kU32Max, c.max_num_seqs},
                             U32Field{"max-num-batched-tokens", 1, kU32Max, c.max_num_batched_tokens},
                             U32Field{"heartbeat-ms", 10, kU32Max, c.heartbeat_ms},
-                            U32Field{"lease-ms", 1, kU32Max, c.lease_ms}}) {
+                            U32Field{"lease-ms", 1, kU32Max, c.lease_ms},
+                            U32Field{"metrics-port", 0, 65535, c.metrics_port}}) {
     auto v = U32Flag(vm, f.flag, f.lo, f.hi);
     if (!v.ok()) return v.status();
     f.out = *v;

@@ -36,6 +36,8 @@ struct MockerConfig {
   std::uint32_t heartbeat_ms = 1000;                  // --heartbeat-ms >= 10
   std::uint32_t lease_ms = 3000;                      // --lease-ms > heartbeat-ms
   std::string device = "gpu";                         // --device, non-empty
+  std::uint32_t metrics_port = 9092;                  // --metrics-port: /metrics, /health (0: off)
+  std::string metrics_host = "0.0.0.0";               // --metrics-host
 };
 // num_workers * dp_size is at most this: every rank costs a subscription (a nats.c thread).
 inline constexpr std::uint32_t kMaxMockRanks = 1024;

@@ -10,6 +10,7 @@
 #include "events/event_codec.h"
 #include "events/message_codec.h"
 #include "events/msgpack_reader.h"
+#include "router/metrics.h"
 #include "events/vllm_codec.h"
 
 namespace kvrouter {
@@ -100,6 +101,30 @@ MockWorkerFleet::Counters MockWorkerFleet::counters() const {
           .inbox_full = inbox_full_.load(),
           .events = events_.load(),
           .publish_failures = publish_failures_.load()};
+}
+
+std::string MockWorkerFleet::MetricsText() {
+  MetricSet m;
+  const Counters c = counters();
+  m.Counter("kvmocker_requests_total", "generate requests accepted", static_cast<double>(c.requests));
+  m.Counter("kvmocker_bad_requests_total", "undecodable or out-of-range requests and queries",
+            static_cast<double>(c.bad_requests));
+  m.Counter("kvmocker_requests_refused_total", "requests refused because the inbox was full",
+            static_cast<double>(c.inbox_full));
+  m.Counter("kvmocker_events_published_total", "KV event messages published", static_cast<double>(c.events));
+  m.Counter("kvmocker_publish_failures_total", "publishes that failed", static_cast<double>(c.publish_failures));
+  m.Gauge("kvmocker_outstanding_requests", "generate requests not finished", static_cast<double>(outstanding_.load()));
+  KvMutexLock g(engine_mu_);
+  for (const auto& r : ranks_) {
+    const MetricLabels l = {{"worker_id", std::to_string(worker_ids_[r->worker_index])},
+                            {"dp_rank", std::to_string(r->dp_rank)}};
+    m.Gauge("kvmocker_cached_blocks", "KV blocks holding content (active and evictable)",
+            static_cast<double>(r->engine->CachedBlocks()), l);
+    m.Gauge("kvmocker_active_blocks", "KV blocks referenced by running requests", static_cast<double>(r->engine->ActiveBlocks()), l);
+    m.Gauge("kvmocker_running_requests", "requests running", static_cast<double>(r->engine->NumRunning()), l);
+    m.Gauge("kvmocker_waiting_requests", "requests waiting for room", static_cast<double>(r->engine->NumWaiting()), l);
+  }
+  return RenderMetrics(m.Take());
 }
 
 Status MockWorkerFleet::Start() {

@@ -68,6 +68,8 @@ class MockWorkerFleet {
 
   const std::vector<std::uint64_t>& worker_ids() const { return worker_ids_; }
   Counters counters() const;
+  // /metrics: the counters above and every rank's engine (kvmocker_*), as Prometheus text.
+  std::string MetricsText();
 
  private:
   struct Rank {

@@ -9,6 +9,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "router/http_server.h"
 #include "router/kvmocker/config.h"
 #include "router/kvmocker/fleet.h"
 #include "transport/nats_client.h"
@@ -59,7 +60,24 @@ int main(int argc, char** argv) {
              cfg.component, cfg.num_gpu_blocks, cfg.block_size, cfg.speedup_ratio,
              cfg.event_format == MockEventFormat::kDynamo ? "dynamo" : "vllm");
 
+  std::unique_ptr<HttpServer> http;
+  if (cfg.metrics_port > 0) {
+    MockWorkerFleet* f = fleet.get();
+    auto started = HttpServer::Start(
+        cfg.metrics_host, static_cast<int>(cfg.metrics_port),
+        {{"/metrics", [f] { return HttpResponse{200, f->MetricsText(), "text/plain; version=0.0.4; charset=utf-8"}; }},
+         {"/health", [] { return HttpResponse{200, "ok\n"}; }},
+         {"/ready", [] { return HttpResponse{200, "ready\n"}; }}});
+    if (!started.ok()) {
+      fmt::print(stderr, "kvmocker: --metrics-port {}: {}\n", cfg.metrics_port, started.status().message());
+      fleet->Stop();
+      return 2;
+    }
+    http = std::move(started).value();
+  }
+
   const int sig = stop.Wait();
+  http.reset();
   fmt::print(stderr, "kvmocker I signal {}: leaving\n", sig);
   fleet->Stop();
   const auto c = fleet->counters();

@@ -148,7 +148,7 @@ TEST_F(ClusterTest, ARouterAndANatsNodeKilledMidReplayLoseNoRequestAndLeakNoBook
   // The workers live on node 3; kvbench and replica 1 on node 1, which will die.
   auto mocker = ChildProcess::Start({KVMOCKER_BIN, "--nats-server", nodes_[2]->url(), "--num-workers",
                                      std::to_string(kWorkers), "--num-gpu-blocks", "4096", "--speedup-ratio", "20",
-                                     "--worker-id-base", "100"},
+                                     "--worker-id-base", "100", "--metrics-port", "0"},
                                     Log("kvmocker"));
   ASSERT_TRUE(mocker.ok());
   mocker_ = std::move(mocker).value();

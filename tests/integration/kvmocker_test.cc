@@ -5,6 +5,8 @@
 
 #include <sys/wait.h>
 
+#include <fmt/format.h>
+
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -27,7 +29,9 @@ namespace {
 
 using namespace std::chrono_literals;
 using testing::ChildProcess;
+using testing::HttpGet;
 using testing::NatsServerProcess;
+using testing::PickFreePort;
 using testing::WaitFor;
 
 // ---------------------------------------------------------------------------------------------
@@ -115,6 +119,10 @@ class KvMockerProcessTest : public ::testing::Test {
                                      "--max-num-batched-tokens", "512", "--speedup-ratio", "100",
                                      "--heartbeat-ms", "100", "--lease-ms", "1000",
                                      "--device", "cpu"};
+    auto port = PickFreePort();
+    ASSERT_TRUE(port.ok());
+    metrics_port_ = *port;
+    argv.insert(argv.end(), {"--metrics-port", std::to_string(metrics_port_), "--metrics-host", "127.0.0.1"});
     argv.insert(argv.end(), extra.begin(), extra.end());
     auto p = ChildProcess::Start(argv, log_);
     ASSERT_TRUE(p.ok()) << p.status().ToString();
@@ -187,6 +195,7 @@ class KvMockerProcessTest : public ::testing::Test {
   std::vector<std::unique_ptr<Subscription>> subs_;
   Inbox instances_, dynamo_events_, vllm_events_;
   std::unique_ptr<ChildProcess> mocker_;
+  int metrics_port_ = 0;
   std::string log_;
   int inbox_seq_ = 0;
 };
@@ -244,6 +253,23 @@ TEST_F(KvMockerProcessTest, GenerateStreamsFirstAndFinalResponsesAndTheRepeatHit
   auto other_worker = Generate(kBase + 1, GenerateRequest{.request_id = "d", .token_ids = prompt, .max_tokens = 1});
   ASSERT_EQ(other_worker.size(), 2u);
   EXPECT_EQ(other_worker[1].cached_tokens, 0u);
+}
+
+TEST_F(KvMockerProcessTest, MetricsShowEachRanksEngine) {
+  StartMocker();
+  const std::vector<std::uint32_t> prompt = Tokens(1, 3 * kBs);
+  ASSERT_EQ(Generate(kBase, GenerateRequest{.request_id = "m", .token_ids = prompt, .max_tokens = 1}).size(), 2u);
+  auto health = HttpGet(metrics_port_, "/health");
+  ASSERT_TRUE(health.ok());
+  EXPECT_EQ(health->status, 200);
+  auto m = HttpGet(metrics_port_, "/metrics");
+  ASSERT_TRUE(m.ok()) << m.status().ToString();
+  EXPECT_EQ(m->status, 200);
+  const auto has = [&](const std::string& line) { return m->body.find("\n" + line + "\n") != std::string::npos; };
+  EXPECT_TRUE(has("kvmocker_requests_total 1")) << m->body;
+  EXPECT_TRUE(has(fmt::format(R"(kvmocker_cached_blocks{{worker_id="{}",dp_rank="0"}} 3)", kBase))) << m->body;
+  EXPECT_TRUE(has(fmt::format(R"(kvmocker_cached_blocks{{worker_id="{}",dp_rank="1"}} 0)", kBase))) << m->body;
+  EXPECT_TRUE(has(fmt::format(R"(kvmocker_running_requests{{worker_id="{}",dp_rank="0"}} 0)", kBase + 1))) << m->body;
 }
 
 TEST_F(KvMockerProcessTest, BadRequestsGetOneErrorResponse) {

@@ -31,7 +31,8 @@ class SystemTest : public ::testing::Test {
     const std::string tag = std::to_string(nats_->port());
     StartRouter();
     auto mocker = ChildProcess::Start({KVMOCKER_BIN, "--nats-server", nats_->url(), "--num-workers", "3",
-                                       "--num-gpu-blocks", "1024", "--speedup-ratio", "50", "--worker-id-base", "10"},
+                                       "--num-gpu-blocks", "1024", "--speedup-ratio", "50", "--worker-id-base", "10",
+                                       "--metrics-port", "0"},
                                       ::testing::TempDir() + "system-kvmocker-" + tag + ".log");
     ASSERT_TRUE(mocker.ok());
     mocker_ = std::move(mocker).value();
