@@ -1,0 +1,29 @@
+// kvrelay's flags (each also from DYN_<FLAG>, NATS_SERVER for --nats-server):
+//   kvrelay --nats-server URL --zmq-endpoint tcp://HOST:5557 [--zmq-replay-endpoint tcp://HOST:5558]
+//           [--zmq-topic T] --worker-id ID [--dp-rank R] --block-size BS [--total-kv-blocks N]
+//           [--max-num-seqs N] [--max-num-batched-tokens N] [--namespace ns] [--component comp]
+//           [--device gpu] [--heartbeat-ms 1000] [--lease-ms 3000] [--metrics-port 9093]
+#pragma once
+
+#include <optional>
+#include <string>
+
+#include "router/flags.h"
+#include "router/kvrelay/relay.h"
+
+namespace kvrouter {
+
+struct RelayConfig {
+  std::string nats_server = "nats://127.0.0.1:4222";
+  std::string zmq_endpoint;                        // required
+  std::optional<std::string> zmq_replay_endpoint;
+  std::string zmq_topic;
+  RelayOptions relay;                              // worker_id and block_size required
+  std::uint32_t metrics_port = 9093;               // /metrics, /health, /ready (0: off)
+  std::string metrics_host = "0.0.0.0";
+};
+
+using ParsedRelayArgs = ProgramArgs<RelayConfig>;
+Result<ParsedRelayArgs> ParseRelayConfig(int argc, const char* const* argv, const EnvLookup& env);
+
+}  // namespace kvrouter

@@ -1,0 +1,129 @@
+// kvrelay: stands beside one live vLLM engine rank and puts its ZMQ KV event stream (PROTOCOL.md
+// section 9) on NATS as Dynamo RouterEvents (sections 2, 4, 6), so that kvrouter routes to it.
+// Exit codes: 0 clean shutdown (SIGINT/SIGTERM: `leaving` is published) or --help, 2 bad flags
+// or metrics port, 1 NATS or ZMQ failure at start.
+#include <atomic>
+#include <cstdlib>
+#include <thread>
+
+#include <fmt/format.h>
+
+#include "router/http_server.h"
+#include "router/kvrelay/config.h"
+#include "router/kvrelay/relay.h"
+#include "router/metrics.h"
+#include "transport/nats_bus.h"
+#include "transport/nats_client.h"
+#include "transport/stop_signals.h"
+#include "transport/zmq_stream.h"
+
+namespace {
+
+using namespace kvrouter;
+
+std::string MetricsText(const KvRelay& relay, std::uint64_t stream_errors) {
+  const KvRelay::Counters c = relay.counters();
+  MetricSet m;
+  m.Counter("kvrelay_batches_total", "engine batches applied", static_cast<double>(c.batches));
+  m.Counter("kvrelay_events_published_total", "RouterEvents published on NATS", static_cast<double>(c.events));
+  m.Counter("kvrelay_batches_replayed_total", "batches recovered from the engine's replay socket",
+            static_cast<double>(c.replayed));
+  m.Counter("kvrelay_gaps_total", "jumps in the engine's seq", static_cast<double>(c.gaps));
+  m.Counter("kvrelay_gaps_unrepaired_total", "gaps that could not be replayed (the rank was cleared)",
+            static_cast<double>(c.gaps_unrepaired));
+  m.Counter("kvrelay_engine_restarts_total", "engine restarts (seq went back)", static_cast<double>(c.restarts));
+  m.Counter("kvrelay_bad_batches_total", "undecodable batches", static_cast<double>(c.bad_batches));
+  m.Counter("kvrelay_block_size_mismatches_total", "stored events not in blocks of --block-size",
+            static_cast<double>(c.block_size_mismatches));
+  m.Counter("kvrelay_bad_messages_total", "ZMQ messages that are not [topic, seq, payload]",
+            static_cast<double>(stream_errors));
+  m.Counter("kvrelay_publish_failures_total", "NATS publishes that failed", static_cast<double>(c.publish_failures));
+  m.Gauge("kvrelay_last_seq", "the engine's last seq applied (-1: none yet)",
+          static_cast<double>(relay.last_seq().value_or(-1)));
+  return RenderMetrics(m.Take());
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  auto parsed = ParseRelayConfig(argc, argv, [](const char* name) { return std::getenv(name); });
+  if (!parsed.ok()) {
+    fmt::print(stderr, "kvrelay: {}\n(see kvrelay --help)\n", parsed.status().message());
+    return 2;
+  }
+  if (parsed->help) {
+    fmt::print("{}", parsed->help_text);
+    return 0;
+  }
+  const RelayConfig& cfg = parsed->config;
+  StopSignals stop;  // before any thread starts
+
+  auto nc = NatsClient::Connect({.url = cfg.nats_server, .name = "kvrelay"},
+                                {.on_reconnected = [] { fmt::print(stderr, "kvrelay I NATS connection up\n"); },
+                                 .on_disconnected = [] { fmt::print(stderr, "kvrelay W lost NATS; reconnecting\n"); }});
+  if (!nc.ok()) {
+    fmt::print(stderr, "kvrelay: cannot connect to {}: {}\n", cfg.nats_server, nc.status().message());
+    return 1;
+  }
+  auto stream = ZmqEngineStream::Connect(
+      {.endpoint = cfg.zmq_endpoint, .replay_endpoint = cfg.zmq_replay_endpoint, .topic = cfg.zmq_topic});
+  if (!stream.ok()) {
+    fmt::print(stderr, "kvrelay: {}\n", stream.status().message());
+    return 1;
+  }
+  NatsBus bus(**nc);
+  RateLimitedLog log;
+  ZmqEngineStream* engine = stream->get();
+  KvRelay::Replay replay;
+  if (engine->has_replay()) {
+    replay = [engine](std::int64_t start) { return engine->Replay(start, std::chrono::seconds(2)); };
+  } else {
+    fmt::print(stderr, "kvrelay W no --zmq-replay-endpoint: a lost batch clears this rank at the router\n");
+  }
+  KvRelay relay(cfg.relay, bus, replay, log);
+  if (Status s = relay.Start(); !s.ok()) {
+    fmt::print(stderr, "kvrelay: {}\n", s.message());
+    return 1;
+  }
+  std::atomic<std::uint64_t> stream_errors{0};
+  std::unique_ptr<HttpServer> http;
+  if (cfg.metrics_port > 0) {
+    auto started = HttpServer::Start(
+        cfg.metrics_host, static_cast<int>(cfg.metrics_port),
+        {{"/metrics", [&] { return HttpResponse{200, MetricsText(relay, stream_errors.load()), "text/plain; version=0.0.4; charset=utf-8"}; }},
+         {"/health", [] { return HttpResponse{200, "ok\n"}; }},
+         {"/ready", [&] { return (*nc)->IsConnected() ? HttpResponse{200, "ready\n"} : HttpResponse{503, "not ready\n"}; }}});
+    if (!started.ok()) {
+      fmt::print(stderr, "kvrelay: --metrics-port {}: {}\n", cfg.metrics_port, started.status().message());
+      relay.Stop();
+      return 2;
+    }
+    http = std::move(started).value();
+  }
+  fmt::print(stderr, "kvrelay I worker {} rank {}: {} (replay {}) -> {} (block size {})\n", cfg.relay.worker_id,
+             cfg.relay.dp_rank, cfg.zmq_endpoint, cfg.zmq_replay_endpoint.value_or("none"), cfg.nats_server,
+             cfg.relay.block_size);
+
+  // The ZMQ loop owns the sockets from here on.
+  std::atomic<bool> stopping{false};
+  std::thread loop([&] {
+    while (!stopping.load()) {
+      auto got = engine->Receive(std::chrono::milliseconds(100));
+      if (!got.ok()) {
+        ++stream_errors;
+        log.Log(LogLevel::kWarning, "bad message", "dropped a ZMQ message: {}", got.status().message());
+      } else if (*got) {
+        relay.OnBatch(**got);
+      }
+      relay.Tick(std::chrono::steady_clock::now());
+    }
+  });
+  const int sig = stop.Wait();
+  fmt::print(stderr, "kvrelay I signal {}: leaving\n", sig);
+  stopping = true;
+  loop.join();
+  http.reset();
+  relay.Stop();
+  (*nc)->Drain(std::chrono::seconds(2));
+  return 0;
+}

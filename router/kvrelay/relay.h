@@ -1,0 +1,108 @@
+// KvRelay: one live vLLM engine rank on kvrouter (the vLLM bridge). It reads the engine's ZMQ
+// KV event stream (PROTOCOL.md section 9), turns each KVEventBatch into Dynamo RouterEvents
+// (section 2: token hashes from token_ids per section 1, the engine's block hashes kept as
+// block_hash, its own increasing event ids from a KvEventPublisher) on ...kv-events, serves the
+// recovery endpoint (section 6) from that publisher, and registers the worker with heartbeats
+// (section 4), saying `leaving` on Stop.
+//
+// Sequence rules (section 9): seq at or below the last one -> the engine restarted: `cleared`,
+// counting starts again. A seq past last + 1 (or past 0 at first sight) -> replay the missing
+// batches from the engine's replay socket. Without one, or when the engine no longer has them,
+// the relay cannot know what it missed: it publishes `cleared` (the router forgets a cache it
+// can no longer trust; new events rebuild it), counts it and warns.
+// Bad input (an undecodable batch, a block size other than --block-size) is counted and logged
+// at a limited rate, never fatal.
+//
+// Thread contract: OnBatch and Tick on one thread (the ZMQ loop); the recovery endpoint runs on
+// the bus's delivery thread; a mutex guards the publisher. Ownership: borrows the bus and the log.
+//
+//   KvRelay relay(options, bus, [&](std::int64_t s) { return stream.Replay(s, 2s); }, log);
+//   relay.Start();  while (...) { if (batch) relay.OnBatch(*batch); relay.Tick(now); }  relay.Stop();
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "events/status.h"
+#include "events/worker_publisher.h"
+#include "transport/log.h"
+#include "transport/message_bus.h"
+#include "transport/thread_annotations.h"
+#include "transport/zmq_stream.h"
+
+namespace kvrouter {
+
+struct RelayOptions {
+  std::string ns = "dynamo";
+  std::string component = "backend";
+  std::uint64_t worker_id = 0;
+  std::uint32_t dp_rank = 0;
+  std::uint32_t block_size = 64;          // the engine's, and the router's
+  std::uint64_t total_kv_blocks = 0;      // announced (0 = unknown)
+  std::uint32_t max_num_seqs = 256;
+  std::uint32_t max_num_batched_tokens = 8192;
+  std::string device = "gpu";
+  std::uint32_t heartbeat_ms = 1000;
+  std::uint32_t lease_ms = 3000;
+};
+
+class KvRelay {
+ public:
+  // The batches the engine still has from a seq on (null: the engine has no replay socket).
+  using Replay = std::function<Result<std::vector<ZmqBatch>>(std::int64_t start_seq)>;
+  struct Counters {
+    std::uint64_t batches = 0;                // applied
+    std::uint64_t events = 0;                 // RouterEvents published
+    std::uint64_t replayed = 0;               // batches applied from replays
+    std::uint64_t gaps = 0;                   // seq jumps seen
+    std::uint64_t gaps_unrepaired = 0;        // ... that ended in `cleared`
+    std::uint64_t restarts = 0;               // seq went back: engine restarted
+    std::uint64_t bad_batches = 0;            // undecodable
+    std::uint64_t block_size_mismatches = 0;  // stored events cut short
+    std::uint64_t publish_failures = 0;
+  };
+
+  KvRelay(RelayOptions options, MessageBus& bus, Replay replay, RateLimitedLog& log);
+  ~KvRelay();
+
+  // Subscribes the recovery endpoint and publishes the first registration.
+  Status Start();
+  // One batch from the engine's stream.
+  void OnBatch(const ZmqBatch& batch);
+  // Heartbeats when due.
+  void Tick(std::chrono::steady_clock::time_point now);
+  // Publishes `leaving` and unsubscribes. Idempotent.
+  void Stop();
+
+  Counters counters() const;
+  std::optional<std::int64_t> last_seq() const { return last_; }
+
+ private:
+  void Apply(const ZmqBatch& batch);
+  // Fills [from, upto) from the engine's replay; `cleared` when it cannot.
+  void Repair(std::int64_t from, std::int64_t upto);
+  void PublishCleared(std::string_view why);
+  void Publish(KvEventData data, StorageTier tier);
+  void Register(bool leaving);
+
+  const RelayOptions options_;
+  MessageBus& bus_;
+  const Replay replay_;
+  RateLimitedLog& log_;
+  const std::string events_subject_, instances_subject_;
+  mutable KvMutex mu_;
+  KvEventPublisher publisher_ KV_GUARDED_BY(mu_);
+  std::unique_ptr<BusSubscription> recovery_sub_;
+  std::optional<std::int64_t> last_;  // the ZMQ loop's thread only
+  std::chrono::steady_clock::time_point next_heartbeat_{};
+  bool stopped_ = false;
+  Counters counters_ KV_GUARDED_BY(mu_);
+};
+
+}  // namespace kvrouter

@@ -1,0 +1,203 @@
+// KvRelay on an in-memory bus with a scripted engine: its batches become numbered Dynamo events,
+// a gap is filled from the replay, a gap the engine can no longer fill (or a missing replay
+// socket) and an engine restart publish `cleared`, bad batches are counted, and the recovery
+// endpoint and registrations follow PROTOCOL.md sections 4 and 6.
+#include <gtest/gtest.h>
+
+#include <map>
+
+#include "events/event_codec.h"
+#include "events/message_codec.h"
+#include "events/msgpack_reader.h"
+#include "events/vllm_codec.h"
+#include "events/worker_codec.h"
+#include "router/kvrelay/relay.h"
+#include "transport/memory_bus.h"
+
+namespace kvrouter {
+namespace {
+
+constexpr std::uint32_t kBs = 4;
+constexpr std::uint64_t kWorker = 42;
+
+// A batch storing one block of 4 tokens starting at `first` under engine hash `hash`.
+ZmqBatch Stored(std::int64_t seq, std::uint64_t hash, std::uint32_t first) {
+  VllmStoredEvent e{.block_hashes = {hash}, .token_ids = {first, first + 1, first + 2, first + 3}, .block_size = kBs};
+  const msgpack::sbuffer body = EncodeVllmBatch(1.0, {e}, 0);
+  const auto* p = reinterpret_cast<const std::byte*>(body.data());
+  return {"", seq, {p, p + body.size()}};
+}
+
+class KvRelayTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    events_sub_ = bus_.Subscribe("namespace.dynamo.component.backend.kv-events", "", [this](const BusMessage& m) {
+                        auto b = DecodeDynamoEvent(m.data);
+                        ASSERT_TRUE(b.ok()) << b.status().ToString();
+                        events_.push_back(std::move(b).value());
+                      }).value();
+    regs_sub_ = bus_.Subscribe("namespace.dynamo.component.backend.instances", "", [this](const BusMessage& m) {
+                      auto r = DecodeWorkerRegistration(m.data);
+                      ASSERT_TRUE(r.ok());
+                      regs_.push_back(*r);
+                    }).value();
+  }
+  void Make(bool with_replay) {
+    KvRelay::Replay replay;
+    if (with_replay) {
+      replay = [this](std::int64_t start) -> Result<std::vector<ZmqBatch>> {
+        ++replays_;
+        std::vector<ZmqBatch> out;
+        for (auto it = engine_.lower_bound(start); it != engine_.end(); ++it) out.push_back(it->second);
+        return out;
+      };
+    }
+    relay_ = std::make_unique<KvRelay>(RelayOptions{.worker_id = kWorker, .block_size = kBs, .total_kv_blocks = 100},
+                                       bus_, replay, log_);
+    ASSERT_TRUE(relay_->Start().ok());
+  }
+  // The engine publishes batch `b` (kept for replays); `deliver` false: lost on the way.
+  void Engine(const ZmqBatch& b, bool deliver = true) {
+    engine_[b.seq] = b;
+    if (deliver) relay_->OnBatch(b);
+  }
+  // What the published events say, in order: "S<hash>" stored, "R<hash>" removed, "C" cleared.
+  std::vector<std::string> Ops() const {
+    std::vector<std::string> out;
+    for (const KvEventBatch& b : events_) {
+      for (const KvOp& op : b.ops) {
+        if (const auto* s = std::get_if<KvStored>(&op.data)) {
+          for (const auto& blk : s->blocks) out.push_back("S" + std::to_string(blk.block_hash));
+        } else if (const auto* r = std::get_if<KvRemoved>(&op.data)) {
+          for (auto h : r->block_hashes) out.push_back("R" + std::to_string(h));
+        } else {
+          out.push_back("C");
+        }
+      }
+    }
+    return out;
+  }
+
+  InMemoryBus bus_;
+  RateLimitedLog log_{std::chrono::seconds(10), nullptr, [](LogLevel, std::string_view) {}};
+  std::unique_ptr<BusSubscription> events_sub_, regs_sub_;
+  std::vector<KvEventBatch> events_;
+  std::vector<WorkerRegistration> regs_;
+  std::map<std::int64_t, ZmqBatch> engine_;
+  int replays_ = 0;
+  std::unique_ptr<KvRelay> relay_;
+};
+
+TEST_F(KvRelayTest, BatchesBecomeDynamoEventsWithTheirOwnIdsAndTheRouterHashes) {
+  Make(true);
+  Engine(Stored(0, 7001, 10));
+  Engine(Stored(1, 7002, 20));
+  ASSERT_EQ(events_.size(), 2u);
+  for (std::size_t i = 0; i < events_.size(); ++i) {
+    EXPECT_EQ(events_[i].worker_id, kWorker);
+    EXPECT_EQ(events_[i].sequence.value, i + 1);  // event ids from 1
+  }
+  const auto& blk = std::get<KvStored>(events_[0].ops[0].data).blocks.at(0);
+  EXPECT_EQ(blk.block_hash, 7001u);  // the engine's hash kept
+  const std::vector<std::uint32_t> tokens = {10, 11, 12, 13};
+  const KvEventBatch ours = StoredPromptBatch(kWorker, 1, tokens, kBs);
+  EXPECT_EQ(blk.tokens_hash, std::get<KvStored>(ours.ops[0].data).blocks.at(0).tokens_hash);  // section 1
+  EXPECT_EQ(replays_, 0);  // seq 0 first: nothing missed
+  EXPECT_EQ(relay_->counters().batches, 2u);
+}
+
+TEST_F(KvRelayTest, AGapIsReplayedFromTheEngine) {
+  Make(true);
+  Engine(Stored(0, 7001, 10));
+  Engine(Stored(1, 7002, 20), /*deliver=*/false);
+  Engine(Stored(2, 7003, 30), false);
+  Engine(Stored(3, 7004, 40));
+  EXPECT_EQ(Ops(), (std::vector<std::string>{"S7001", "S7002", "S7003", "S7004"}));
+  EXPECT_EQ(replays_, 1);
+  EXPECT_EQ(relay_->counters().replayed, 2u);
+  EXPECT_EQ(relay_->counters().gaps_unrepaired, 0u);
+}
+
+TEST_F(KvRelayTest, FirstSightPastZeroReplaysTheEnginesHistory) {
+  Make(true);
+  Engine(Stored(0, 7001, 10), false);  // before the relay was listening
+  Engine(Stored(1, 7002, 20), false);
+  Engine(Stored(2, 7003, 30));
+  EXPECT_EQ(Ops(), (std::vector<std::string>{"S7001", "S7002", "S7003"}));
+}
+
+TEST_F(KvRelayTest, AGapTheEngineCanNoLongerFillClearsTheRank) {
+  Make(true);
+  Engine(Stored(0, 7001, 10));
+  Engine(Stored(1, 7002, 20), false);
+  Engine(Stored(2, 7003, 30), false);
+  engine_.erase(1);  // gone from the engine's buffer
+  Engine(Stored(3, 7004, 40));
+  EXPECT_EQ(Ops(), (std::vector<std::string>{"S7001", "C", "S7003", "S7004"}));
+  EXPECT_EQ(relay_->counters().gaps_unrepaired, 1u);
+}
+
+TEST_F(KvRelayTest, WithoutAReplaySocketAGapClearsTheRank) {
+  Make(false);
+  Engine(Stored(0, 7001, 10));
+  Engine(Stored(1, 7002, 20), false);
+  Engine(Stored(2, 7003, 30));
+  EXPECT_EQ(Ops(), (std::vector<std::string>{"S7001", "C", "S7003"}));
+  EXPECT_EQ(relay_->counters().gaps_unrepaired, 1u);
+}
+
+TEST_F(KvRelayTest, AnEngineRestartClearsAndCountingStartsAgain) {
+  Make(true);
+  Engine(Stored(0, 7001, 10));
+  Engine(Stored(1, 7002, 20));
+  engine_.clear();
+  Engine(Stored(0, 7101, 50));  // seq back to 0
+  Engine(Stored(1, 7102, 60));
+  EXPECT_EQ(Ops(), (std::vector<std::string>{"S7001", "S7002", "C", "S7101", "S7102"}));
+  EXPECT_EQ(relay_->counters().restarts, 1u);
+  EXPECT_EQ(relay_->last_seq(), 1);
+}
+
+TEST_F(KvRelayTest, BadBatchesAreCountedAndNothingElseChanges) {
+  Make(true);
+  Engine(Stored(0, 7001, 10));
+  Engine({"", 1, {std::byte{0xc1}}});  // not msgpack
+  VllmStoredEvent wrong{.block_hashes = {7009}, .token_ids = {1, 2, 3, 4, 5, 6, 7, 8}, .block_size = 8};
+  const msgpack::sbuffer body = EncodeVllmBatch(1.0, {wrong}, 0);
+  const auto* p = reinterpret_cast<const std::byte*>(body.data());
+  Engine({"", 2, {p, p + body.size()}});  // blocks of 8 tokens, not 4
+  Engine(Stored(3, 7004, 40));
+  const KvRelay::Counters c = relay_->counters();
+  EXPECT_EQ(c.bad_batches, 1u);
+  EXPECT_EQ(c.block_size_mismatches, 1u);
+  EXPECT_EQ(c.gaps, 0u);  // a bad batch still moves the seq on
+  const std::vector<std::string> ops = Ops();
+  EXPECT_EQ(ops.front(), "S7001");
+  EXPECT_EQ(ops.back(), "S7004");
+  EXPECT_EQ(std::count(ops.begin(), ops.end(), "S7009"), 0);
+}
+
+TEST_F(KvRelayTest, ServesRecoveryAndRegistersWithHeartbeatsThenLeaves) {
+  Make(true);
+  ASSERT_EQ(regs_.size(), 1u);
+  EXPECT_EQ(regs_[0].worker_id, kWorker);
+  EXPECT_EQ(regs_[0].block_size, kBs);
+  EXPECT_EQ(regs_[0].total_kv_blocks, 100u);
+  EXPECT_FALSE(regs_[0].leaving);
+  Engine(Stored(0, 7001, 10));
+  Engine(Stored(1, 7002, 20));
+  const auto reply = bus_.Request(RecoverySubject("dynamo", "backend", kWorker, 0), AsBytes(RecoveryQuery{}.Encode()));
+  ASSERT_TRUE(reply.has_value());
+  auto r = DecodeRecoveryReply(*reply, kWorker);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->kind, "tree_dump");
+  EXPECT_EQ(r->last_event_id, 2u);
+  relay_->Tick(std::chrono::steady_clock::now() + std::chrono::seconds(2));
+  EXPECT_EQ(regs_.size(), 2u);
+  relay_->Stop();
+  ASSERT_EQ(regs_.size(), 3u);
+  EXPECT_TRUE(regs_.back().leaving);
+}
+
+}  // namespace
+}  // namespace kvrouter
