@@ -1,0 +1,116 @@
+// kvrelay end to end: a fake vLLM engine on real ZMQ sockets (PROTOCOL.md section 9), the real
+// kvrelay and kvrouter binaries and a real nats-server. What the engine stores, removes and
+// clears reaches the router's index; a batch the relay never got is replayed; an engine restart
+// clears; without a replay socket a lost batch clears the rank.
+#include <gtest/gtest.h>
+
+#include "tests/integration/fake_vllm_engine.h"
+#include "tests/integration/kvrouter_fixture.h"
+
+namespace kvrouter::testing {
+namespace {
+
+constexpr std::uint64_t kWorker = 77;
+
+// One stored event: the prompt `first..first+4n-1` as n blocks of kBs tokens, engine hashes
+// `hash`, `hash`+1, ...
+VllmStoredEvent StoredPrompt(std::uint32_t first, std::size_t blocks, std::uint64_t hash) {
+  VllmStoredEvent e{.token_ids = Tokens(first, blocks * kBs), .block_size = kBs};
+  for (std::size_t i = 0; i < blocks; ++i) e.block_hashes.push_back(hash + i);
+  return e;
+}
+
+class KvRelayProcessTest : public KvRouterProcessTest {
+ protected:
+  void StartRelay(bool with_replay) {
+    engine_ = std::make_unique<FakeVllmEngine>(with_replay);
+    std::vector<std::string> argv = {KVRELAY_BIN, "--nats-server", nats_->url(), "--zmq-endpoint", engine_->endpoint(),
+                                     "--worker-id", std::to_string(kWorker), "--block-size", std::to_string(kBs),
+                                     "--total-kv-blocks", "1000", "--heartbeat-ms", "100", "--lease-ms", "2000",
+                                     "--metrics-port", "0"};
+    if (with_replay) argv.insert(argv.end(), {"--zmq-replay-endpoint", engine_->replay_endpoint()});
+    auto relay = ChildProcess::Start(argv, ::testing::TempDir() + "kvrelay-" + std::to_string(nats_->port()) + ".log");
+    ASSERT_TRUE(relay.ok()) << relay.status().ToString();
+    relay_ = std::move(relay).value();
+    ASSERT_TRUE(AwaitWorkers(1)) << "kvrelay never registered";
+  }
+  void TearDown() override {
+    if (relay_) relay_->Stop();
+    KvRouterProcessTest::TearDown();
+  }
+
+  // The overlap the router credits worker kWorker with for `tokens`.
+  std::uint32_t Overlap(const std::vector<std::uint32_t>& tokens) {
+    RouteRequest q{.token_ids = tokens, .has_token_ids = true, .isl = static_cast<std::uint32_t>(tokens.size())};
+    auto reply = nc_->Request(kRouter + "best_worker", AsBytes(EncodeRouteRequest(q)), 2s);
+    if (!reply.ok()) return 0;
+    auto r = DecodeRouteReply(*reply);
+    return r.ok() && r->worker_id == kWorker ? r->overlap_blocks : 0;
+  }
+  // The ZMQ subscription connects in the background: publish until the router shows `tokens`
+  // (an early batch the relay missed comes back by replay, or is lost without one).
+  bool PublishUntilIndexed(const VllmStoredEvent& e, std::uint32_t blocks) {
+    return WaitFor([&] {
+      engine_->Publish({e});
+      return Overlap(e.token_ids) == blocks;
+    }, 10s, 200ms);
+  }
+
+  std::unique_ptr<FakeVllmEngine> engine_;
+  std::unique_ptr<ChildProcess> relay_;
+};
+
+TEST_F(KvRelayProcessTest, StoredRemovedAndClearedReachTheRouter) {
+  StartRelay(true);
+  const VllmStoredEvent a = StoredPrompt(100, 3, 5000);
+  ASSERT_TRUE(PublishUntilIndexed(a, 3));
+  engine_->Publish({VllmRemovedEvent{.block_hashes = {5002}}});
+  EXPECT_TRUE(WaitFor([&] { return Overlap(a.token_ids) == 2; }, 5s));
+  engine_->Publish({VllmClearedEvent{}});
+  EXPECT_TRUE(WaitFor([&] { return Overlap(a.token_ids) == 0; }, 5s));
+}
+
+TEST_F(KvRelayProcessTest, ABatchTheRelayNeverGotIsReplayed) {
+  StartRelay(true);
+  ASSERT_TRUE(PublishUntilIndexed(StoredPrompt(100, 2, 5000), 2));
+  const VllmStoredEvent lost = StoredPrompt(200, 4, 6000);
+  engine_->Publish({lost}, /*deliver=*/false);
+  const VllmStoredEvent next = StoredPrompt(300, 2, 7000);
+  engine_->Publish({next});  // reveals the gap
+  EXPECT_TRUE(WaitFor([&] { return Overlap(next.token_ids) == 2; }, 5s));
+  EXPECT_EQ(Overlap(lost.token_ids), 4u);
+}
+
+TEST_F(KvRelayProcessTest, AnEngineRestartClearsTheRank) {
+  StartRelay(true);
+  const VllmStoredEvent before = StoredPrompt(100, 2, 5000);
+  ASSERT_TRUE(PublishUntilIndexed(before, 2));
+  engine_->Restart();  // seq 0 again, an empty cache
+  const VllmStoredEvent after = StoredPrompt(400, 2, 8000);
+  engine_->Publish({after});
+  EXPECT_TRUE(WaitFor([&] { return Overlap(after.token_ids) == 2; }, 5s));
+  EXPECT_EQ(Overlap(before.token_ids), 0u);
+}
+
+TEST_F(KvRelayProcessTest, WithoutAReplaySocketALostBatchClearsTheRank) {
+  StartRelay(false);
+  const VllmStoredEvent a = StoredPrompt(100, 2, 5000);
+  ASSERT_TRUE(PublishUntilIndexed(a, 2));
+  const VllmStoredEvent lost = StoredPrompt(200, 2, 6000);
+  engine_->Publish({lost}, /*deliver=*/false);
+  const VllmStoredEvent next = StoredPrompt(300, 2, 7000);
+  engine_->Publish({next});
+  EXPECT_TRUE(WaitFor([&] { return Overlap(next.token_ids) == 2; }, 5s));
+  EXPECT_EQ(Overlap(a.token_ids), 0u);     // cleared: the router no longer trusts it
+  EXPECT_EQ(Overlap(lost.token_ids), 0u);  // and never learned this one
+}
+
+TEST_F(KvRelayProcessTest, SigtermSaysLeaving) {
+  StartRelay(true);
+  relay_->Stop();
+  EXPECT_EQ(relay_->exit_status(), 0);
+  EXPECT_TRUE(AwaitWorkers(0));  // forgotten at once, not after the lease
+}
+
+}  // namespace
+}  // namespace kvrouter::testing
