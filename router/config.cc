@@ -89,12 +89,14 @@ po::options_description Describe() {
     ("device-ratio", po::value<double>()->default_value(d.device_ratio), "device-aware-weighted: accelerator weight vs CPU (> 0)")
     ("router-index-shards", po::value<std::uint32_t>()->default_value(d.index_shards), "index shards, one thread each [1, 64]");
   // clang-format on
+  AddNatsSecurityFlags(desc);
   return desc;
 }
 
 // Connection, selection and queue flags, validated.
 Status ReadRouting(const po::variables_map& vm, RouterConfig& c) {
   c.nats_server = vm["nats-server"].as<std::string>();
+  c.nats_security = ReadNatsSecurity(vm);
   c.metrics_port = vm["metrics-port"].as<std::uint32_t>();
   if (c.metrics_port > 65535) return OutOfRange("metrics-port", "in [0, 65535]");
   c.metrics_host = vm["metrics-host"].as<std::string>();

@@ -38,6 +38,7 @@ std::string_view QueuePolicyName(QueuePolicy policy);
 struct RouterConfig {
   // Connection and naming.
   std::string nats_server = "nats://127.0.0.1:4222";  // --nats-server / NATS_SERVER
+  NatsSecurity nats_security;                         // --nats-creds, --nats-user, ... --nats-tls-*
   std::uint32_t metrics_port = 9091;                  // --metrics-port: /metrics, /health, /ready (0: off)
   std::string metrics_host = "0.0.0.0";               // --metrics-host: the address it listens on
   std::string ns = "dynamo";                          // --namespace

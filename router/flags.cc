@@ -11,10 +11,41 @@ namespace kvrouter {
 namespace po = boost::program_options;
 
 std::string EnvNameForFlag(std::string_view flag) {
-  if (flag == "nats-server") return "NATS_SERVER";
+  if (flag.starts_with("nats-")) {  // NATS_SERVER, NATS_CREDS, NATS_TLS_CA, ...
+    std::string out = "NATS_";
+    for (char c : flag.substr(5)) out += c == '-' ? '_' : static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+    return out;
+  }
   std::string out = "DYN_";
   for (char c : flag) out += c == '-' ? '_' : static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
   return out;
+}
+
+void AddNatsSecurityFlags(boost::program_options::options_description& desc) {
+  namespace po = boost::program_options;
+  // clang-format off
+  desc.add_options()
+    ("nats-creds", po::value<std::string>()->default_value(""), "NATS credentials file (JWT and nkey seed)")
+    ("nats-user", po::value<std::string>()->default_value(""), "NATS user (or nats://user:password@host in the URL)")
+    ("nats-password", po::value<std::string>()->default_value(""), "NATS password of --nats-user")
+    ("nats-token", po::value<std::string>()->default_value(""), "NATS authentication token")
+    ("nats-nkey-seed", po::value<std::string>()->default_value(""), "file with an nkey seed and its public key (nk -gen user -pubout)")
+    ("nats-tls-ca", po::value<std::string>()->default_value(""), "CA certificates to verify the NATS server (turns TLS on)")
+    ("nats-tls-cert", po::value<std::string>()->default_value(""), "client certificate for mutual TLS (with --nats-tls-key)")
+    ("nats-tls-key", po::value<std::string>()->default_value(""), "client key for mutual TLS");
+  // clang-format on
+}
+
+NatsSecurity ReadNatsSecurity(const boost::program_options::variables_map& vm) {
+  auto get = [&](const char* flag) { return vm.count(flag) ? vm[flag].as<std::string>() : std::string(); };
+  return {.creds_file = get("nats-creds"),
+          .user = get("nats-user"),
+          .password = get("nats-password"),
+          .token = get("nats-token"),
+          .nkey_seed_file = get("nats-nkey-seed"),
+          .tls_ca = get("nats-tls-ca"),
+          .tls_cert = get("nats-tls-cert"),
+          .tls_key = get("nats-tls-key")};
 }
 
 Status FlagOutOfRange(std::string_view flag, std::string_view range) {

@@ -16,6 +16,7 @@
 #include <string_view>
 
 #include "events/status.h"
+#include "transport/nats_client.h"
 
 namespace kvrouter {
 
@@ -23,6 +24,11 @@ using EnvLookup = std::function<const char*(const char*)>;
 
 // DYN_ + upper snake case of the flag; NATS_SERVER for nats-server.
 std::string EnvNameForFlag(std::string_view flag);
+// --nats-creds, --nats-user, --nats-password, --nats-token, --nats-nkey-seed, --nats-tls-ca,
+// --nats-tls-cert, --nats-tls-key (environment: NATS_CREDS, NATS_USER, ...), for every program.
+void AddNatsSecurityFlags(boost::program_options::options_description& desc);
+NatsSecurity ReadNatsSecurity(const boost::program_options::variables_map& vm);
+
 // InvalidArgument "--flag must be <range>".
 Status FlagOutOfRange(std::string_view flag, std::string_view range);
 // "1/true/yes/on" or "0/false/no/off" (any case); nullopt otherwise.

@@ -21,7 +21,7 @@ void GenerateRelay::Forward(Outbox::Forward f, const std::string& worker_subject
   {
     KvMutexLock g(mu_);
     n = ++next_;
-    inflight_[n] = InFlight{req.request_id, f.caller_reply, clock_() + timeout, false};
+    inflight_[n] = InFlight{req.request_id, f.caller_reply, clock_() + timeout, timeout, false};
   }
   const msgpack::sbuffer body = GenerateRequest{.request_id = req.request_id,
                                                 .token_ids = req.token_ids,
@@ -63,6 +63,7 @@ void GenerateRelay::OnResponse(const BusMessage& m, Outbox& out) {
     request_id = it->second.request_id;
     first = !it->second.first_seen;
     it->second.first_seen = true;
+    it->second.deadline = clock_() + it->second.idle;  // the worker is alive: as long again
     if (final) inflight_.erase(it);
   }
   if (first) (void)routing_.MarkPrefill(request_id, out);  // first response: prefill is done

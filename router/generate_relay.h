@@ -2,7 +2,7 @@
 // request is forwarded to its worker's generate subject with a reply subject of this router's
 // own (`_KVR.<router id>.<n>`); the worker's responses come back there and are relayed unchanged
 // to the caller. The first response marks the request's prefill done, the final one (or NATS
-// "no responders", or the deadline) frees it.
+// "no responders", or timeout_ms without a response) frees it.
 //
 // Thread contract: any thread. One mutex guards the in-flight table and is never held while
 // calling Routing or publishing (Routing's mutex is never taken under it).
@@ -27,7 +27,8 @@ namespace kvrouter {
 
 class GenerateRelay {
  public:
-  // A request without timeout_ms is abandoned (freed, `timeout`) after this long.
+  // A forwarded request is abandoned (freed, `timeout` to its caller) when its worker sends
+  // nothing for timeout_ms (the request's; this long without one).
   static constexpr std::chrono::seconds kDefaultTimeout{300};
 
   GenerateRelay(MessageBus& bus, Routing& routing, std::string reply_prefix, Routing::Clock clock,
@@ -51,7 +52,8 @@ class GenerateRelay {
   struct InFlight {
     std::string request_id;
     std::string caller_reply;
-    SteadyTime deadline;
+    SteadyTime deadline;                 // no response from the worker by then: abandoned
+    std::chrono::milliseconds idle{};    // each response moves the deadline this far
     bool first_seen = false;
   };
 

@@ -28,7 +28,8 @@ std::atomic<KvRouterService*> g_live{nullptr};
 
 Result<std::unique_ptr<NatsClient>> ConnectRequests(const RouterConfig& cfg) {
   return NatsClient::Connect(
-      {.url = cfg.nats_server, .name = "kvrouter-requests", .send_asap = true},  // replies without delay
+      {.url = cfg.nats_server, .name = "kvrouter-requests", .send_asap = true,  // replies without delay
+       .security = cfg.nats_security},
       {.on_reconnected =
            [] {
              fmt::print(stderr, "kvrouter I request connection up\n");
@@ -43,7 +44,8 @@ Result<std::unique_ptr<NatsClient>> ConnectEvents(const RouterConfig& cfg) {
       {.url = cfg.nats_server,
        .name = "kvrouter-events",
        .pending_msgs_limit = 262144,       // events waiting for the decoder, at most
-       .pending_bytes_limit = 256 << 20},  // (an overflow is counted and answered with dumps)
+       .pending_bytes_limit = 256 << 20,  // (an overflow is counted and answered with dumps)
+       .security = cfg.nats_security},
       {.on_reconnected =
            [] {
              fmt::print(stderr, "kvrouter I event connection up\n");

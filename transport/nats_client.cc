@@ -14,6 +14,9 @@
 
 #include <fmt/format.h>
 
+#include <cstring>
+#include <fstream>
+
 #include "transport/log.h"
 #include "transport/nats_detail.h"
 
@@ -182,6 +185,70 @@ std::vector<std::string> SplitUrls(const std::string& list) {
 }
 
 // Every option of the connection; `closure` (the ClientShared) is what the callbacks receive.
+// The public key (U...) in an nkey seed file, which nats.c needs beside the seed.
+Result<std::string> NkeyPublicKey(const std::string& file) {
+  std::ifstream in(file);
+  if (!in) return InvalidArgument(fmt::format("--nats-nkey-seed {}: cannot read the file", file));
+  for (std::string line; std::getline(in, line);) {
+    const auto first = line.find_first_not_of(" \t");
+    if (first != std::string::npos && line[first] == 'U') return line.substr(first, line.find_first_of(" \t\r", first) - first);
+  }
+  return InvalidArgument(fmt::format("--nats-nkey-seed {}: no public key (U...) in the file; write it beside the seed "
+                                     "(nk -gen user -pubout)",
+                                     file));
+}
+
+// Applies the credentials and TLS; a file that cannot be used is an error naming its flag.
+Status ApplySecurity(natsOptions* opts, const NatsSecurity& sec) {
+  auto check = [](natsStatus s, std::string_view flag, const std::string& value) -> Status {
+    if (s == NATS_OK) return Status::Ok();
+    const char* last = nats_GetLastError(nullptr);
+    return InvalidArgument(fmt::format("{} {}: {}", flag, value, last && *last ? last : natsStatus_GetText(s)));
+  };
+  if (!sec.user.empty()) {
+    if (Status s = check(natsOptions_SetUserInfo(opts, sec.user.c_str(), sec.password.c_str()), "--nats-user", sec.user); !s.ok()) return s;
+  }
+  if (!sec.token.empty()) {
+    if (Status s = check(natsOptions_SetToken(opts, sec.token.c_str()), "--nats-token", "(hidden)"); !s.ok()) return s;
+  }
+  if (!sec.creds_file.empty()) {
+    if (!std::ifstream(sec.creds_file)) return InvalidArgument(fmt::format("--nats-creds {}: cannot read the file", sec.creds_file));
+    if (Status s = check(natsOptions_SetUserCredentialsFromFiles(opts, sec.creds_file.c_str(), nullptr), "--nats-creds",
+                         sec.creds_file);
+        !s.ok()) {
+      return s;
+    }
+  }
+  if (!sec.nkey_seed_file.empty()) {
+    auto pub = NkeyPublicKey(sec.nkey_seed_file);
+    if (!pub.ok()) return pub.status();
+    if (Status s = check(natsOptions_SetNKeyFromSeed(opts, pub->c_str(), sec.nkey_seed_file.c_str()), "--nats-nkey-seed",
+                         sec.nkey_seed_file);
+        !s.ok()) {
+      return s;
+    }
+  }
+  if (sec.tls()) {
+    if (Status s = check(natsOptions_SetSecure(opts, true), "--nats-tls-ca", sec.tls_ca); !s.ok()) return s;
+  }
+  if (!sec.tls_ca.empty()) {
+    if (Status s = check(natsOptions_LoadCATrustedCertificates(opts, sec.tls_ca.c_str()), "--nats-tls-ca", sec.tls_ca); !s.ok()) {
+      return s;
+    }
+  }
+  if (!sec.tls_cert.empty() || !sec.tls_key.empty()) {
+    if (sec.tls_cert.empty() || sec.tls_key.empty()) {
+      return InvalidArgument("--nats-tls-cert and --nats-tls-key go together");
+    }
+    if (Status s = check(natsOptions_LoadCertificatesChain(opts, sec.tls_cert.c_str(), sec.tls_key.c_str()),
+                         "--nats-tls-cert", sec.tls_cert);
+        !s.ok()) {
+      return s;
+    }
+  }
+  return Status::Ok();
+}
+
 Result<OptionsPtr> BuildOptions(const NatsOptions& options, void* closure) {
   natsOptions* raw_opts = nullptr;
   natsStatus s = natsOptions_Create(&raw_opts);
@@ -218,6 +285,7 @@ Result<OptionsPtr> BuildOptions(const NatsOptions& options, void* closure) {
                                             closure);
   }
   if (s != NATS_OK) return FromNats(s, "nats options");
+  if (Status sec = ApplySecurity(opts.get(), options.security); !sec.ok()) return sec;
   return opts;
 }
 
@@ -248,6 +316,26 @@ Result<std::unique_ptr<NatsClient>> NatsClient::Connect(const NatsOptions& optio
 
   natsConnection* raw_conn = nullptr;
   natsStatus s = natsConnection_Connect(&raw_conn, opts->get());
+  if (s == NATS_NOT_YET_CONNECTED && raw_conn != nullptr) {
+    // A server that answered and refused us will refuse again: say so now, naming the flags.
+    const char* last = nullptr;
+    natsConnection_GetLastError(raw_conn, &last);
+    if (last && (std::strstr(last, "uthorization") || std::strstr(last, "uthentication"))) {
+      const std::string why = last;
+      natsConnection_Close(raw_conn);
+      natsConnection_Destroy(raw_conn);
+      return Status(StatusCode::kInvalidArgument,
+                    fmt::format("{} refused the login ({}): check --nats-user/--nats-password, --nats-token, "
+                                "--nats-creds, --nats-nkey-seed or the user in the URL",
+                                options.url, why));
+    }
+  }
+  if (s == NATS_CONNECTION_AUTH_FAILED || s == NATS_NOT_PERMITTED) {
+    return Status(StatusCode::kInvalidArgument,
+                  fmt::format("{} refused the login ({}): check --nats-user/--nats-password, --nats-token, "
+                              "--nats-creds, --nats-nkey-seed or the user in the URL",
+                              options.url, natsStatus_GetText(s)));
+  }
   if (s == NATS_NOT_YET_CONNECTED) {
     shared->log.Log(LogLevel::kWarning, "nats.connecting",
                     "no NATS server at {} yet; connecting in the background", options.url);

@@ -41,6 +41,18 @@ typedef struct __natsOptions natsOptions;
 
 namespace kvrouter {
 
+// How a client proves who it is, and TLS (every program's --nats-* flags). Empty = unused.
+// A user and password in the URL (nats://user:pass@host) work too.
+struct NatsSecurity {
+  std::string creds_file;      // --nats-creds: a JWT + nkey seed .creds file
+  std::string user, password;  // --nats-user / --nats-password
+  std::string token;           // --nats-token
+  std::string nkey_seed_file;  // --nats-nkey-seed: a file with the seed (S...) and its public key (U...)
+  std::string tls_ca;          // --nats-tls-ca: CA bundle to verify the server (turns TLS on)
+  std::string tls_cert, tls_key;  // --nats-tls-cert / --nats-tls-key: client certificate (mutual TLS)
+  bool tls() const { return !tls_ca.empty() || !tls_cert.empty(); }
+};
+
 struct NatsOptions {
   std::string url = "nats://127.0.0.1:4222";  // server URL (comma-separated list allowed)
   std::string name = "kvrouter";              // connection name shown by the server
@@ -58,6 +70,7 @@ struct NatsOptions {
   // drops messages for that subscription and reports a slow consumer (on_slow_consumer).
   int pending_msgs_limit = 1'000'000;
   int pending_bytes_limit = 1 << 30;  // 1 GiB
+  NatsSecurity security;
 };
 
 // Counters since Connect. Plain snapshot, not updated after Stats() returns.

@@ -52,6 +52,7 @@ po::options_description Describe() {
     ("json", po::value<std::string>(), "write the summary (an array with --compare) as JSON here")
     ("seed", po::value<std::uint64_t>()->default_value(syn.seed), "random seed (router tie-breaks, synthetic workload)");
   // clang-format on
+  AddNatsSecurityFlags(desc);
   return desc;
 }
 
@@ -106,6 +107,7 @@ Status ReadBenchConfig(const po::variables_map& vm, BenchConfig& c) {
   OnlineOptions& on = c.online;
   on.label = vm["label"].as<std::string>();
   on.nats_url = vm["nats-server"].as<std::string>();
+  on.nats_security = ReadNatsSecurity(vm);
   on.ns = vm["namespace"].as<std::string>();
   on.concurrency = vm["concurrency"].as<std::uint32_t>();
   if (on.concurrency < 1) return FlagOutOfRange("concurrency", ">= 1");

@@ -270,7 +270,9 @@ class OnlineReplay {
 }  // namespace
 
 Result<Summary> RunOnline(const std::vector<TraceRequest>& trace, const OnlineOptions& o) {
-  auto nc = NatsClient::Connect({.url = o.nats_url, .name = "kvbench", .retry_on_failed_connect = false, .send_asap = true}, {});
+  auto nc = NatsClient::Connect(
+      {.url = o.nats_url, .name = "kvbench", .retry_on_failed_connect = false, .send_asap = true, .security = o.nats_security},
+      {});
   if (!nc.ok()) return nc.status();
   NatsClient& client = **nc;
   if (o.wait_workers > 0) {

@@ -12,12 +12,14 @@
 
 #include "router/kvbench/report.h"
 #include "router/kvbench/trace.h"
+#include "transport/nats_client.h"
 
 namespace kvrouter::bench {
 
 struct OnlineOptions {
   std::string label = "online";
   std::string nats_url = "nats://127.0.0.1:4222";
+  NatsSecurity nats_security;     // --nats-creds, --nats-user, ... --nats-tls-*
   std::string ns = "dynamo";
   std::size_t concurrency = 64;   // requests in flight at most
   double timeout_s = 600;         // give up on requests still open after this long

@@ -54,11 +54,13 @@ po::options_description Describe() {
     ("metrics-port", po::value<std::int64_t>()->default_value(d.metrics_port), "HTTP port of /metrics, /health and /ready (0 turns it off) [0, 65535]")
     ("metrics-host", po::value<std::string>()->default_value(d.metrics_host), "address the metrics port listens on");
   // clang-format on
+  AddNatsSecurityFlags(desc);
   return desc;
 }
 
 Status ReadMockerConfig(const po::variables_map& vm, MockerConfig& c) {
   c.nats_server = vm["nats-server"].as<std::string>();
+  c.nats_security = ReadNatsSecurity(vm);
   c.ns = vm["namespace"].as<std::string>();
   c.component = vm["component"].as<std::string>();
   c.metrics_host = vm["metrics-host"].as<std::string>();

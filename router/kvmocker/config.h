@@ -20,6 +20,7 @@ enum class MockEventFormat { kDynamo, kVllm };
 // (DYN_NUM_WORKERS=4), NATS_SERVER for --nats-server; the command line wins.
 struct MockerConfig {
   std::string nats_server = "nats://127.0.0.1:4222";  // --nats-server / NATS_SERVER
+  NatsSecurity nats_security;                         // --nats-creds, --nats-user, ... --nats-tls-*
   std::string ns = "dynamo";                          // --namespace
   std::string component = "backend";                  // --component
   std::uint32_t num_workers = 1;                      // --num-workers [1, 1024]

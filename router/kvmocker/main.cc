@@ -41,7 +41,7 @@ int main(int argc, char** argv) {
   StopSignals stop;  // before any thread starts: they inherit the blocked mask
 
   auto nc = NatsClient::Connect(
-      {.url = cfg.nats_server, .name = "kvmocker", .send_asap = true},  // responses without delay
+      {.url = cfg.nats_server, .name = "kvmocker", .send_asap = true, .security = cfg.nats_security},  // responses without delay
       {.on_reconnected = [] { fmt::print(stderr, "kvmocker I connected to NATS\n"); },
        .on_disconnected = [] { fmt::print(stderr, "kvmocker W lost NATS; reconnecting\n"); }});
   if (!nc.ok()) {

@@ -35,11 +35,13 @@ po::options_description Describe() {
     ("metrics-port", po::value<std::uint32_t>()->default_value(d.metrics_port), "HTTP port of /metrics, /health and /ready (0 turns it off)")
     ("metrics-host", po::value<std::string>()->default_value(d.metrics_host), "address the metrics port listens on");
   // clang-format on
+  AddNatsSecurityFlags(desc);
   return desc;
 }
 
 Status ReadRelayConfig(const po::variables_map& vm, RelayConfig& c) {
   c.nats_server = vm["nats-server"].as<std::string>();
+  c.nats_security = ReadNatsSecurity(vm);
   if (!vm.count("zmq-endpoint") || vm["zmq-endpoint"].as<std::string>().empty()) {
     return InvalidArgument("--zmq-endpoint is required (the engine's ZMQ PUB endpoint)");
   }

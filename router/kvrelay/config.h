@@ -15,6 +15,7 @@ namespace kvrouter {
 
 struct RelayConfig {
   std::string nats_server = "nats://127.0.0.1:4222";
+  NatsSecurity nats_security;                      // --nats-creds, --nats-user, ... --nats-tls-*
   std::string zmq_endpoint;                        // required
   std::optional<std::string> zmq_replay_endpoint;
   std::string zmq_topic;

@@ -58,7 +58,7 @@ int main(int argc, char** argv) {
   const RelayConfig& cfg = parsed->config;
   StopSignals stop;  // before any thread starts
 
-  auto nc = NatsClient::Connect({.url = cfg.nats_server, .name = "kvrelay"},
+  auto nc = NatsClient::Connect({.url = cfg.nats_server, .name = "kvrelay", .security = cfg.nats_security},
                                 {.on_reconnected = [] { fmt::print(stderr, "kvrelay I NATS connection up\n"); },
                                  .on_disconnected = [] { fmt::print(stderr, "kvrelay W lost NATS; reconnecting\n"); }});
   if (!nc.ok()) {

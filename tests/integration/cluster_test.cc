@@ -158,7 +158,7 @@ TEST_F(ClusterTest, ARouterAndANatsNodeKilledMidReplayLoseNoRequestAndLeakNoBook
 
   const std::string json = Log("kvbench") + ".json";
   std::vector<std::string> bench = {KVBENCH_BIN, "--nats-server", nodes_[0]->url(), "--max-requests",
-                                    std::to_string(kRequests), "--concurrency", "32", "--request-timeout", "3",
+                                    std::to_string(kRequests), "--concurrency", "32", "--request-timeout", "10",
                                     "--retries", "5", "--timeout", "120", "--label", "cluster", "--json", json};
   if (std::filesystem::exists(KVROUTER_TRACE)) {
     bench.insert(bench.end(), {"--trace", KVROUTER_TRACE, "--speedup", "8"});

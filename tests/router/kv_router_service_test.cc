@@ -376,6 +376,33 @@ TEST_F(GenerateTest, UnfinishedGenerationTimesOutAndReleasesItsBooking) {
   EXPECT_EQ(Counter("active_requests"), 0u);
 }
 
+TEST_F(GenerateTest, AWorkerThatKeepsAnsweringIsNotCutOffAtTimeoutMs) {
+  StartWith({"--router-mode", "kv"});
+  Register(1, {.lease_ms = 1u << 30});
+  std::string relay_subject;
+  worker_subs_.push_back(std::move(bus_.Subscribe("namespace.dynamo.component.backend.generate.1", "",
+                                                  [&](const BusMessage& m) { relay_subject = std::string(m.reply); }))
+                             .value());
+  RouteRequest r = Prompt(kTwelve, "long");
+  r.timeout_ms = 1000;  // at most 1 s without a response
+  std::vector<std::vector<std::byte>> got;
+  auto sub = Generate(r, got);
+  ASSERT_FALSE(relay_subject.empty());
+  for (std::uint32_t i = 0; i < 3; ++i) {  // a token every 800 ms: 2.4 s in all
+    now_ += milliseconds(800);
+    svc_->Tick();
+    GenerateResponse token{.request_id = "long", .token_ids = {7}, .index = i};
+    (void)bus_.Publish(relay_subject, AsBytes(token.Encode()));
+  }
+  EXPECT_EQ(got.size(), 3u);  // all relayed, no timeout
+  EXPECT_EQ(Counter("active_requests"), 1u);
+  now_ += milliseconds(1000);  // then silence
+  svc_->Tick();
+  ASSERT_EQ(got.size(), 4u);
+  EXPECT_EQ(DecodeErrorReply(got.back()).code(), StatusCode::kTimeout);
+  EXPECT_EQ(Counter("active_requests"), 0u);
+}
+
 TEST_F(GenerateTest, NeedsTokenIds) {
   StartWith({"--router-mode", "kv"});
   Register(1);
