@@ -68,6 +68,16 @@ Result<std::unique_ptr<HttpServer>> HttpServer::Start(const std::string& host, i
   return server;
 }
 
+Result<std::unique_ptr<HttpServer>> StartMetricsServer(const std::string& host, int port,
+                                                       std::function<std::string()> metrics,
+                                                       std::function<bool()> ready) {
+  return HttpServer::Start(
+      host, port,
+      {{"/metrics", [metrics] { return HttpResponse{200, metrics(), "text/plain; version=0.0.4; charset=utf-8"}; }},
+       {"/health", [] { return HttpResponse{200, "ok\n"}; }},
+       {"/ready", [ready] { return ready() ? HttpResponse{200, "ready\n"} : HttpResponse{503, "not ready\n"}; }}});
+}
+
 HttpServer::~HttpServer() {
   if (ctx_) mg_stop(ctx_);
 }

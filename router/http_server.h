@@ -42,4 +42,10 @@ class HttpServer {
   mg_context* ctx_ = nullptr;
 };
 
+// A program's /metrics (Prometheus text from `metrics`), /health (200 while it runs) and /ready
+// (200 when `ready` says so, else 503).
+Result<std::unique_ptr<HttpServer>> StartMetricsServer(const std::string& host, int port,
+                                                       std::function<std::string()> metrics,
+                                                       std::function<bool()> ready);
+
 }  // namespace kvrouter

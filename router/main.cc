@@ -149,11 +149,8 @@ int main(int argc, char** argv) {
   std::unique_ptr<HttpServer> http;
   if (cfg.metrics_port > 0) {
     KvRouterService* svc = service.get();
-    auto started = HttpServer::Start(
-        cfg.metrics_host, static_cast<int>(cfg.metrics_port),
-        {{"/metrics", [svc] { return HttpResponse{200, svc->MetricsText(), "text/plain; version=0.0.4; charset=utf-8"}; }},
-         {"/health", [] { return HttpResponse{200, "ok\n"}; }},
-         {"/ready", [svc] { return svc->Ready() ? HttpResponse{200, "ready\n"} : HttpResponse{503, "not ready\n"}; }}});
+    auto started = StartMetricsServer(cfg.metrics_host, static_cast<int>(cfg.metrics_port),
+                                      [svc] { return svc->MetricsText(); }, [svc] { return svc->Ready(); });
     if (!started.ok()) {
       fmt::print(stderr, "kvrouter: --metrics-port {}: {}\n", cfg.metrics_port, started.status().message());
       service->Stop();

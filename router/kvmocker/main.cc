@@ -63,11 +63,8 @@ int main(int argc, char** argv) {
   std::unique_ptr<HttpServer> http;
   if (cfg.metrics_port > 0) {
     MockWorkerFleet* f = fleet.get();
-    auto started = HttpServer::Start(
-        cfg.metrics_host, static_cast<int>(cfg.metrics_port),
-        {{"/metrics", [f] { return HttpResponse{200, f->MetricsText(), "text/plain; version=0.0.4; charset=utf-8"}; }},
-         {"/health", [] { return HttpResponse{200, "ok\n"}; }},
-         {"/ready", [] { return HttpResponse{200, "ready\n"}; }}});
+    auto started = StartMetricsServer(cfg.metrics_host, static_cast<int>(cfg.metrics_port),
+                                      [f] { return f->MetricsText(); }, [] { return true; });
     if (!started.ok()) {
       fmt::print(stderr, "kvmocker: --metrics-port {}: {}\n", cfg.metrics_port, started.status().message());
       fleet->Stop();

@@ -88,11 +88,9 @@ int main(int argc, char** argv) {
   std::atomic<std::uint64_t> stream_errors{0};
   std::unique_ptr<HttpServer> http;
   if (cfg.metrics_port > 0) {
-    auto started = HttpServer::Start(
-        cfg.metrics_host, static_cast<int>(cfg.metrics_port),
-        {{"/metrics", [&] { return HttpResponse{200, MetricsText(relay, stream_errors.load()), "text/plain; version=0.0.4; charset=utf-8"}; }},
-         {"/health", [] { return HttpResponse{200, "ok\n"}; }},
-         {"/ready", [&] { return (*nc)->IsConnected() ? HttpResponse{200, "ready\n"} : HttpResponse{503, "not ready\n"}; }}});
+    auto started = StartMetricsServer(
+        cfg.metrics_host, static_cast<int>(cfg.metrics_port), [&] { return MetricsText(relay, stream_errors.load()); },
+        [&] { return (*nc)->IsConnected(); });
     if (!started.ok()) {
       fmt::print(stderr, "kvrelay: --metrics-port {}: {}\n", cfg.metrics_port, started.status().message());
       relay.Stop();

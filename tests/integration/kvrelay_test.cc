@@ -27,7 +27,11 @@ class KvRelayProcessTest : public KvRouterProcessTest {
     std::vector<std::string> argv = {KVRELAY_BIN, "--nats-server", nats_->url(), "--zmq-endpoint", engine_->endpoint(),
                                      "--worker-id", std::to_string(kWorker), "--block-size", std::to_string(kBs),
                                      "--total-kv-blocks", "1000", "--heartbeat-ms", "100", "--lease-ms", "2000",
-                                     "--metrics-port", "0"};
+                                     "--metrics-host", "127.0.0.1", "--metrics-port"};
+    auto port = PickFreePort();
+    ASSERT_TRUE(port.ok());
+    metrics_port_ = *port;
+    argv.push_back(std::to_string(metrics_port_));
     if (with_replay) argv.insert(argv.end(), {"--zmq-replay-endpoint", engine_->replay_endpoint()});
     auto relay = ChildProcess::Start(argv, ::testing::TempDir() + "kvrelay-" + std::to_string(nats_->port()) + ".log");
     ASSERT_TRUE(relay.ok()) << relay.status().ToString();
@@ -58,6 +62,7 @@ class KvRelayProcessTest : public KvRouterProcessTest {
 
   std::unique_ptr<FakeVllmEngine> engine_;
   std::unique_ptr<ChildProcess> relay_;
+  int metrics_port_ = 0;
 };
 
 TEST_F(KvRelayProcessTest, StoredRemovedAndClearedReachTheRouter) {
@@ -79,6 +84,10 @@ TEST_F(KvRelayProcessTest, ABatchTheRelayNeverGotIsReplayed) {
   engine_->Publish({next});  // reveals the gap
   EXPECT_TRUE(WaitFor([&] { return Overlap(next.token_ids) == 2; }, 5s));
   EXPECT_EQ(Overlap(lost.token_ids), 4u);
+  auto m = HttpGet(metrics_port_, "/metrics");
+  ASSERT_TRUE(m.ok()) << m.status().ToString();
+  EXPECT_NE(m->body.find("\nkvrelay_batches_replayed_total 1\n"), std::string::npos) << m->body;
+  EXPECT_NE(m->body.find("\nkvrelay_gaps_unrepaired_total 0\n"), std::string::npos) << m->body;
 }
 
 TEST_F(KvRelayProcessTest, AnEngineRestartClearsTheRank) {
