@@ -4,14 +4,14 @@
 
 namespace kvrouter {
 
-void EventStreams::Ask(WorkerKey worker, Stream& s, bool from_cursor) {
+void EventStreams::Ask(WorkerKey worker, Stream& s, bool from_cursor, std::uint64_t past_cursor) {
   s.recovering = true;
   s.dump_started = false;
   s.generation = ++next_generation_;
   std::optional<std::uint64_t> start;
   if (from_cursor && s.cursor) {
-    // The next id after the cursor, in §6 terms (vLLM: Kv-Seq + 1).
-    start = *s.cursor + 1 + (s.numbering == SequenceKind::kVllmSeq ? 1 : 0);
+    // The id `past_cursor` after the cursor, in §6 terms (vLLM: Kv-Seq + 1).
+    start = *s.cursor + past_cursor + (s.numbering == SequenceKind::kVllmSeq ? 1 : 0);
   }
   on_recovery_(worker, s.numbering, start, s.generation);
 }
@@ -70,10 +70,12 @@ EventStreams::Verdict EventStreams::Live(KvEventBatch& b) {
   }
   ++counters_.duplicates;
   if (id < *s.cursor && options_.recover) {
-    // Not the last id again but an older one: a restarted publisher whose first event was lost
-    // looks like this. What the worker holds now settles it.
+    // Not the last id again but an older one: a late event (events and replies travel apart),
+    // or a restarted publisher whose first event was lost. A range from the cursor itself
+    // settles it cheaply: a worker that did not restart sends a few events (the late one is
+    // covered and dropped); a restarted one answers too_new, and a dump follows.
     hold();
-    Ask(key, s, /*from_cursor=*/false);
+    Ask(key, s, /*from_cursor=*/true, /*past_cursor=*/0);
     return Verdict::kHeld;
   }
   return Verdict::kDrop;

@@ -4,8 +4,8 @@
 // A rank's cursor is the last event id (Dynamo) or Kv-Seq (vLLM) applied. With recovery on:
 //   first sight of a rank          -> hold the batch, ask for a tree dump;
 //   next id                        -> apply;   a repeat of the last id -> drop;
-//   an id below the cursor         -> the publisher may have restarted and its id 1 been lost:
-//                                     hold it, ask for a dump (a true repeat costs one dump);
+//   an id below the cursor         -> late, or the publisher restarted and its id 1 was lost:
+//                                     hold it, ask for [cursor, ...] (too_new -> a dump);
 //   a gap                          -> hold the batch, ask for [cursor+1, ...];
 //   back to the first id           -> the publisher restarted: clear the rank, apply;
 //   while a recovery is in flight  -> hold live batches (at most max_held; past it the held
@@ -103,7 +103,7 @@ class EventStreams {
     std::deque<KvEventBatch> held;
   };
   // `from_cursor`: a range after the cursor (else a dump).
-  void Ask(WorkerKey worker, Stream& s, bool from_cursor);
+  void Ask(WorkerKey worker, Stream& s, bool from_cursor, std::uint64_t past_cursor = 1);
   // The cursor a §6 id means for this stream (vLLM: Kv-Seq = id - 1; id 0: none yet).
   static std::optional<std::uint64_t> CursorOf(const Stream& s, std::uint64_t id);
   static std::uint64_t FirstId(SequenceKind k) { return k == SequenceKind::kVllmSeq ? 0 : 1; }

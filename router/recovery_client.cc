@@ -135,7 +135,9 @@ void RecoveryClient::OnReply(const BusMessage& m) {
   auto reply = DecodeRecoveryReply(m.data, ask.worker.worker_id);
   if (!reply.ok()) return Publish(Fail(n, "undecodable reply: " + reply.status().message()));
   if (reply->kind != "events" && reply->kind != "tree_dump") {
-    return Publish(Fail(n, fmt::format("{}: {}", reply->kind, reply->message), false, reply->kind == "too_new"));
+    // too_new answers a range only (a dump has no start): then the worker restarted.
+    const bool too_new = reply->kind == "too_new" && ask.start.has_value();
+    return Publish(Fail(n, fmt::format("{}: {}", reply->kind, reply->message), false, too_new));
   }
   RecoveryPart part{.worker = ask.worker,
                     .numbering = ask.numbering,

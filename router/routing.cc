@@ -149,6 +149,7 @@ Result<RouteReply> Routing::DecideLocked(Kind kind, const RouteRequest& req, con
     if (!load_.Book(req.request_id, chosen.worker, p.seq, prefill, clock_())) {
       return InvalidArgument(fmt::format("request_id '{}' is already booked; free it first", req.request_id));
     }
+    peers_.Released(req.request_id);  // ours now: no dead replica's release may touch it
     // Queued under mu_ so replicas see bookings in this replica's order.
     if (config_.replica_sync) SyncLocked(ActiveSequenceEvent::Kind::kAdd, req.request_id, chosen.worker, p.seq, p.sel.isl, overlap);
     metrics_dirty_.push_back(chosen.worker);
@@ -402,6 +403,10 @@ void Routing::ForgetWorkers(std::span<const std::uint64_t> worker_ids, Outbox& o
   KvMutexLock g(mu_);
   for (std::uint64_t id : worker_ids) {
     load_.RemoveWorker(id);
+    peers_.Prune([&](const std::string& request) {
+      mu_.AssertHeld();
+      return load_.WorkerOf(request) == nullptr;
+    });
     if (approx_) approx_->RemoveWorker(id);
     for (auto r = routed_to_.lower_bound({id, 0}); r != routed_to_.end() && r->first.worker_id == id;) {
       r = routed_to_.erase(r);

@@ -322,8 +322,11 @@ Result<std::unique_ptr<NatsClient>> NatsClient::Connect(const NatsOptions& optio
     natsConnection_GetLastError(raw_conn, &last);
     if (last && (std::strstr(last, "uthorization") || std::strstr(last, "uthentication"))) {
       const std::string why = last;
-      natsConnection_Close(raw_conn);
-      natsConnection_Destroy(raw_conn);
+      {
+        // Closed the way every client is (callbacks may still be pending on `shared`).
+        std::unique_ptr<natsConnection, transport_detail::ConnectionDeleter> doomed(raw_conn);
+        NatsClient discard(shared, std::move(doomed));
+      }
       return Status(StatusCode::kInvalidArgument,
                     fmt::format("{} refused the login ({}): check --nats-user/--nats-password, --nats-token, "
                                 "--nats-creds, --nats-nkey-seed or the user in the URL",

@@ -39,7 +39,7 @@ std::string MetricsText(const KvRelay& relay, std::uint64_t stream_errors) {
             static_cast<double>(stream_errors));
   m.Counter("kvrelay_publish_failures_total", "NATS publishes that failed", static_cast<double>(c.publish_failures));
   m.Gauge("kvrelay_last_seq", "the engine's last seq applied (-1: none yet)",
-          static_cast<double>(relay.last_seq().value_or(-1)));
+          static_cast<double>(relay.last_seq()));
   return RenderMetrics(m.Take());
 }
 

@@ -86,7 +86,10 @@ void KvRelay::OnBatch(const ZmqBatch& batch) {
     last_.reset();
   }
   const std::int64_t expected = last_ ? *last_ + 1 : 0;
-  if (batch.seq > expected) Repair(expected, batch.seq);
+  if (batch.seq > expected) {
+    Tick(std::chrono::steady_clock::now());  // a replay may take a while: heartbeat first
+    Repair(expected, batch.seq);
+  }
   Apply(batch);
 }
 
@@ -116,6 +119,7 @@ void KvRelay::Repair(std::int64_t from, std::int64_t upto) {
 
 void KvRelay::Apply(const ZmqBatch& batch) {
   last_ = batch.seq;
+  last_seen_ = batch.seq;
   auto decoded = DecodeVllmBatch(batch.payload, {.worker_id = options_.worker_id,
                                                  .dp_rank = options_.dp_rank,
                                                  .block_size = options_.block_size});

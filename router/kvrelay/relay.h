@@ -81,7 +81,8 @@ class KvRelay {
   void Stop();
 
   Counters counters() const;
-  std::optional<std::int64_t> last_seq() const { return last_; }
+  // The last seq applied (any thread; -1: none yet).
+  std::int64_t last_seq() const { return last_seen_.load(); }
 
  private:
   void Apply(const ZmqBatch& batch);
@@ -100,6 +101,7 @@ class KvRelay {
   KvEventPublisher publisher_ KV_GUARDED_BY(mu_);
   std::unique_ptr<BusSubscription> recovery_sub_;
   std::optional<std::int64_t> last_;  // the ZMQ loop's thread only
+  std::atomic<std::int64_t> last_seen_{-1};  // last_ for other threads (metrics)
   std::chrono::steady_clock::time_point next_heartbeat_{};
   bool stopped_ = false;
   Counters counters_ KV_GUARDED_BY(mu_);

@@ -94,6 +94,25 @@ TEST_F(RecoveryTest, ARestartedWorkerWhoseFirstEventWasLostIsRecoveredFromADump)
   EXPECT_EQ(Counter("recovery_dumps"), dumps_before + 1);  // the restart's
 }
 
+TEST_F(RecoveryTest, ALateEventBelowTheCursorCostsARangeNotADump) {
+  StartRouter();
+  FakeWorker w(bus_, 1);
+  Register(1);
+  svc_->index().Flush();
+  w.Store(PromptTokens(1), &bus_);
+  const msgpack::sbuffer late = w.Store(PromptTokens(2), &bus_);  // id 2
+  w.Store(PromptTokens(3), &bus_);                                // id 3: the cursor
+  svc_->index().Flush();
+  const std::uint64_t dumps = Counter("recovery_dumps");
+  const std::uint64_t ranges = Counter("recoveries_succeeded");
+  (void)bus_.Publish("namespace.dynamo.component.backend.kv-events", AsBytes(late));  // id 2 again, late
+  svc_->index().Flush();
+  EXPECT_EQ(Counter("recovery_dumps"), dumps);
+  EXPECT_EQ(Counter("recoveries_succeeded"), ranges + 1);  // [3, ...]: nothing new
+  EXPECT_EQ(Counter("recoveries_failed"), 0u);
+  ExpectIndexEqualsWorker(w);
+}
+
 TEST_F(RecoveryTest, AWorkerWithoutTheEndpointIsIndexedAtOnceAndCounted) {
   StartRouter();
   FakeWorker w(bus_, 1, /*serve=*/false);
