@@ -18,6 +18,9 @@ gen=()
 command -v ninja >/dev/null && gen=(-G Ninja)
 
 step() { printf '\n== %s\n' "$*"; }
+# Line tables only (-g1): sanitizer and crash traces keep file:line, and the four builds that
+# dominate the suite's time compile about a fifth faster than with full debug info.
+g1=(-DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O2 -g1 -DNDEBUG" -DCMAKE_CXX_FLAGS_DEBUG="-g1")
 
 configure_build() {  # dir, targets..., -- cmake args...
   local dir=$1; shift
@@ -33,7 +36,7 @@ configure_build() {  # dir, targets..., -- cmake args...
 }
 
 step "build (RelWithDebInfo)"
-configure_build build -- -DCMAKE_BUILD_TYPE=RelWithDebInfo
+configure_build build -- -DCMAKE_BUILD_TYPE=RelWithDebInfo "${g1[@]}"
 step "tests: unit and integration"
 ctest --test-dir build --output-on-failure -j "$jobs" --timeout 300
 
@@ -51,13 +54,13 @@ fi
 
 step "every test under ASan+UBSan (the kvrouter binary too)"
 configure_build build-asan -- \
-  -DCMAKE_BUILD_TYPE=Debug -DKVROUTER_SANITIZE=address -DKVROUTER_BENCH=OFF
+  -DCMAKE_BUILD_TYPE=Debug -DKVROUTER_SANITIZE=address -DKVROUTER_BENCH=OFF "${g1[@]}"
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
   ctest --test-dir build-asan --output-on-failure -j "$jobs" --timeout 600
 
 step "concurrent parts under TSan (built with clang: its thread-safety analysis checks every KV_GUARDED_BY)"
 tsan_targets=(router_test transport_test transport_unit_test service_threads_test kvrouter kvmocker kvbench)
-tsan_args=(-DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVROUTER_SANITIZE=thread -DKVROUTER_BENCH=OFF)
+tsan_args=(-DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVROUTER_SANITIZE=thread -DKVROUTER_BENCH=OFF "${g1[@]}")
 if command -v clang++ >/dev/null; then
   CC=clang CXX=clang++ configure_build build-tsan "${tsan_targets[@]}" -- "${tsan_args[@]}"
 else
@@ -72,7 +75,7 @@ if command -v clang++ >/dev/null; then
   step "fuzzing the decoders (${FUZZ_SECONDS:-8} s each)"
   fuzzers=()
   for f in tests/fuzz/fuzz_*.cc; do fuzzers+=("$(basename "$f" .cc)"); done
-  CC=clang CXX=clang++ configure_build build-fuzz "${fuzzers[@]}" -- -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVROUTER_FUZZ=ON
+  CC=clang CXX=clang++ configure_build build-fuzz "${fuzzers[@]}" -- -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVROUTER_FUZZ=ON "${g1[@]}"
   seeds=$(mktemp -d)
   build-fuzz/bin/fuzz_seedgen "$seeds"
   for f in build-fuzz/bin/fuzz_*; do
