@@ -284,7 +284,9 @@ void KvRouterService::OnEventsDisconnected() {
 void KvRouterService::OnEventsReconnected() {
   events_up_ = true;
   registry_.ResumeLeases(clock_());
-  routing_.ResumeReplicas();
+  Outbox out;
+  routing_.ResumeReplicas(out);
+  Send(out);
   log_.Log(LogLevel::kInfo, "leases resumed", "event connection back: every worker has one full lease to be heard");
   DumpEveryWorker();  // events sent during the outage are lost
 }
@@ -381,12 +383,9 @@ StatsReply KvRouterService::Stats(const StatsRequest& page) const {
 }
 
 std::string KvRouterService::MetricsText() const {
-  StatsReply all = Stats({.offset = 0, .limit = StatsRequest::kMaxLimit});
-  while (all.next_offset && all.workers.size() < RouterMetrics::kMaxRankSeries) {
-    StatsReply more = Stats({.offset = *all.next_offset, .limit = StatsRequest::kMaxLimit});
-    all.workers.insert(all.workers.end(), more.workers.begin(), more.workers.end());
-    all.next_offset = more.next_offset;
-  }
+  // One page: the first kMaxRankSeries ranks (the counters cover every rank).
+  static_assert(RouterMetrics::kMaxRankSeries <= StatsRequest::kMaxLimit);
+  StatsReply all = Stats({.offset = 0, .limit = RouterMetrics::kMaxRankSeries});
   const bool approximate = !config_.use_kv_events && !config_.load_aware;
   return metrics_.Render(all, {.mode = std::string(RouterModeName(config_.mode)),
                                .kv_events = config_.use_kv_events,

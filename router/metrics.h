@@ -60,7 +60,7 @@ struct RouterInfo {
 
 class RouterMetrics {
  public:
-  static constexpr std::size_t kMaxRankSeries = 10000;
+  static constexpr std::uint32_t kMaxRankSeries = 10000;
 
   RouterMetrics();
   // A request handled by endpoint ("route", "best_worker", "generate") in `seconds`.

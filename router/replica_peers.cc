@@ -47,9 +47,14 @@ void ReplicaPeers::Prune(const std::function<bool(const std::string&)>& gone) {
   std::erase_if(origin_, [&](const auto& e) { return gone(e.first); });
 }
 
-void ReplicaPeers::Resume(Time now) {
+std::vector<std::string> ReplicaPeers::Resume(Time now) {
   paused_ = false;
   for (auto& [id, heard] : last_heard_) heard = now;
+  std::vector<std::string> all;
+  all.reserve(origin_.size());
+  for (auto& [request, peer] : origin_) all.push_back(request);
+  origin_.clear();
+  return all;
 }
 
 }  // namespace kvrouter

@@ -45,7 +45,9 @@ class ReplicaPeers {
   void Prune(const std::function<bool(const std::string&)>& gone);
 
   void Pause() { paused_ = true; }
-  void Resume(Time now);
+  // Judging starts again, each peer with a fresh kSilence. Returns every peer booking: their
+  // `free`s sent while this router was away are lost, so none of them can be trusted.
+  std::vector<std::string> Resume(Time now);
 
   std::size_t peers() const { return last_heard_.size(); }
   std::uint64_t dead() const { return dead_; }

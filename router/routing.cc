@@ -403,15 +403,16 @@ void Routing::ForgetWorkers(std::span<const std::uint64_t> worker_ids, Outbox& o
   KvMutexLock g(mu_);
   for (std::uint64_t id : worker_ids) {
     load_.RemoveWorker(id);
-    peers_.Prune([&](const std::string& request) {
-      mu_.AssertHeld();
-      return load_.WorkerOf(request) == nullptr;
-    });
     if (approx_) approx_->RemoveWorker(id);
     for (auto r = routed_to_.lower_bound({id, 0}); r != routed_to_.end() && r->first.worker_id == id;) {
       r = routed_to_.erase(r);
     }
   }
+  // Their bookings are gone: so are the entries naming the replicas that made them.
+  peers_.Prune([&](const std::string& request) {
+    mu_.AssertHeld();
+    return load_.WorkerOf(request) == nullptr;
+  });
   FailPinnedLocked(worker_ids, out);
   DrainLocked(out);
 }
@@ -419,13 +420,7 @@ void Routing::ForgetWorkers(std::span<const std::uint64_t> worker_ids, Outbox& o
 void Routing::Tick(Outbox& out) {
   const SteadyTime now = clock_();
   KvMutexLock g(mu_);
-  for (const std::string& id : peers_.TakeSilent(now)) {
-    const WorkerKey* w = load_.WorkerOf(id);
-    if (!w) continue;
-    metrics_dirty_.push_back(*w);
-    load_.Free(id);
-    ++replica_released_;
-  }
+  ReleasePeerBookingsLocked(peers_.TakeSilent(now));
   if (load_.Sweep(now) > 0) {
     peers_.Prune([&](const std::string& id) {
       mu_.AssertHeld();  // called right here, under mu_
@@ -504,9 +499,20 @@ void Routing::PauseReplicas() {
   peers_.Pause();
 }
 
-void Routing::ResumeReplicas() {
+void Routing::ResumeReplicas(Outbox& out) {
   KvMutexLock g(mu_);
-  peers_.Resume(clock_());
+  ReleasePeerBookingsLocked(peers_.Resume(clock_()));
+  DrainLocked(out);  // load dropped: queued requests may fit now
+}
+
+void Routing::ReleasePeerBookingsLocked(const std::vector<std::string>& request_ids) {
+  for (const std::string& id : request_ids) {
+    const WorkerKey* w = load_.WorkerOf(id);
+    if (!w) continue;
+    metrics_dirty_.push_back(*w);
+    load_.Free(id);
+    ++replica_released_;
+  }
 }
 
 void Routing::FillStats(StatsReply& r) const {

@@ -78,7 +78,8 @@ class Routing {
   // on Tick (ReplicaPeers). Paused while this router's event connection is down.
   void ReplicaHeartbeat(std::uint64_t router_id);
   void PauseReplicas();
-  void ResumeReplicas();
+  // Also releases every booking synced by a peer (frees sent meanwhile were lost).
+  void ResumeReplicas(Outbox& out);
 
   // Fills, for the ranks already in reply.workers, their load, routed count and (approximate
   // mode) predicted blocks; and the routing counters and breakdowns.
@@ -136,6 +137,8 @@ class Routing {
                   std::span<const SequenceHash> seq = {}, std::uint32_t isl = 0, std::uint32_t overlap = 0)
       KV_REQUIRES(mu_);
   bool LifecycleLocked(const std::string& request_id, bool free, Outbox& out) KV_REQUIRES(mu_);
+  // Frees these bookings of other replicas (dead, or not to be trusted after an outage).
+  void ReleasePeerBookingsLocked(const std::vector<std::string>& request_ids) KV_REQUIRES(mu_);
 
   const RouterConfig& config_;
   const WorkerRegistry& registry_;

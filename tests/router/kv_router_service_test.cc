@@ -257,14 +257,20 @@ TEST_F(ServiceTest, ADeadReplicasBookingsAreReleasedAfterItsHeartbeatsStop) {
   now_ += std::chrono::seconds(30);
   svc_->Tick();
   EXPECT_EQ(Counter("active_requests"), 2u);
-  svc_->OnEventsReconnected();  // every peer gets a fresh 5 s
+  // Back: the peers' `free`s sent meanwhile are lost, so their bookings here go (they would
+  // otherwise stay for the 300 s sweep); every peer gets a fresh 5 s.
+  svc_->OnEventsReconnected();
+  EXPECT_EQ(Counter("active_requests"), 0u);
+  EXPECT_EQ(Counter("replica_bookings_released"), 2u);
+  add(77, "of-77-again");
+  add(88, "of-88-again");
   now_ += std::chrono::milliseconds(4000);
   svc_->Tick();
   EXPECT_EQ(Counter("active_requests"), 2u);
   now_ += std::chrono::milliseconds(1000);
   svc_->Tick();
   EXPECT_EQ(Counter("active_requests"), 1u);  // 77 is dead: its booking goes, 88's stays
-  EXPECT_EQ(Counter("replica_bookings_released"), 1u);
+  EXPECT_EQ(Counter("replica_bookings_released"), 3u);
   EXPECT_EQ(Counter("replica_peers_dead"), 1u);
   EXPECT_EQ(Counter("replica_peers"), 0u);
   // A live peer keeps its bookings; a heartbeat that cannot be decoded is counted.
