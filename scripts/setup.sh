@@ -12,8 +12,9 @@ packages=(
   clang libclang-rt-14-dev
   python3
 )
-# docker-compose is only used to validate docker-compose.yml; its absence is not fatal.
-optional=(docker-compose)
+# Only scripts/compose-check.sh (docker-compose.yml run for real) needs these; without them
+# that one step is skipped, loudly.
+optional=(docker-compose docker.io debootstrap curl)
 
 missing=()
 for p in "${packages[@]}" "${optional[@]}"; do

@@ -1,0 +1,235 @@
+#!/usr/bin/env bash
+# Proves docker-compose.yml on a machine that reaches only Debian's mirror: starts a Docker
+# engine (Debian's docker.io) unless one already runs, makes the base images locally
+# (`debian:12` by debootstrap from the mirror this machine's apt configuration names, `nats:2.9`
+# from Debian's nats-server), builds kvrouter's image, then
+#   docker-compose up -d        until the router serves and 4 mock workers are registered,
+#   ... --profile bench run --rm kvbench       200 requests, 0 errors,
+#   the same with DYN_ROUTER_USE_KV_EVENTS=false (approximate mode, checked on /metrics),
+#   docker-compose down,
+# and stops the engine it started, by its PID, putting back what the engine changed (its
+# bridge, the firewall tables, ip_forward).
+#
+#   scripts/compose-check.sh                      kvrouter's image built from source (Dockerfile)
+#   scripts/compose-check.sh --binaries build/bin the runtime stage plus binaries built here
+#                                                 (what scripts/test.sh does: no second compile)
+# Exit status: 0 proven (or skipped, loudly, when no engine can start here), 1 failed.
+# Images stay in the engine's data root (KVROUTER_DOCKER_ROOT, default
+# /var/lib/kvrouter-docker for an engine this script starts), so a second run takes seconds.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+binaries=""
+if [ "${1:-}" = "--binaries" ]; then binaries=$(cd "$2" && pwd); fi
+programs=(kvrouter kvmocker kvbench kvrelay)
+project=kvrouter-check
+max_image_mb=200
+
+say() { printf 'compose-check: %s\n' "$*"; }
+fail() { say "FAILED: $*"; exit 1; }
+skip() {
+  printf '\n%s\n' "!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!"
+  say "SKIPPED: $* -- docker-compose.yml was NOT proven on this machine"
+  printf '%s\n\n' "!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!"
+  exit 0
+}
+
+for c in docker docker-compose curl; do command -v "$c" >/dev/null || skip "$c is not installed"; done
+started=0 ; work=$(mktemp -d /tmp/kvrouter-compose.XXXXXX)
+compose_up=0
+
+# --- what the engine changes, read before it starts ---------------------------------------
+ip_forward_before=$(cat /proc/sys/net/ipv4/ip_forward 2>/dev/null || echo "")
+links_before=$(ip -o link show 2>/dev/null | awk -F': ' '{print $2}' | cut -d@ -f1 | sort)
+save_tables() {
+  command -v iptables-save >/dev/null && iptables-save >"$work/iptables.v4" 2>/dev/null || true
+  command -v ip6tables-save >/dev/null && ip6tables-save >"$work/iptables.v6" 2>/dev/null || true
+}
+
+restore_tables() {  # iptables|ip6tables, saved file: the saved tables back, the others emptied
+  local cmd=$1 saved=$2 t
+  [ -e "$saved" ] || return 0
+  for t in filter nat mangle raw; do
+    grep -qx "\*$t" "$saved" && continue
+    if "$cmd" -V 2>/dev/null | grep -q nf_tables && command -v nft >/dev/null; then
+      nft delete table "$([ "$cmd" = iptables ] && echo ip || echo ip6)" "$t" 2>/dev/null
+      continue
+    fi
+    "$cmd" -t "$t" -F 2>/dev/null; "$cmd" -t "$t" -X 2>/dev/null
+    for c in $("$cmd" -t "$t" -S 2>/dev/null | awk '$1 == "-P" {print $2}'); do "$cmd" -t "$t" -P "$c" ACCEPT; done
+  done
+  [ -s "$saved" ] && "$cmd-restore" <"$saved"
+}
+
+cleanup() {
+  local rc=$?
+  set +e
+  if [ "$compose_up" = 1 ]; then
+    [ "$rc" -ne 0 ] && compose logs --no-color --tail 30 2>&1 | tail -80
+    compose --profile bench down -v --remove-orphans >/dev/null 2>&1
+  fi
+  if [ "$started" = 1 ]; then
+    local pid
+    pid=$(cat "$work/dockerd.pid" 2>/dev/null || echo "$dockerd_pid")
+    kill -TERM "$pid" 2>/dev/null
+    for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
+    kill -0 "$pid" 2>/dev/null && { say "dockerd $pid did not stop: SIGKILL"; kill -KILL "$pid"; }
+    # The bridges it made (docker0, compose's br-*), its firewall rules, ip_forward.
+    for l in $(ip -o link show 2>/dev/null | awk -F': ' '{print $2}' | cut -d@ -f1 | sort); do
+      grep -qx "$l" <<<"$links_before" || ip link delete "$l" 2>/dev/null
+    done
+    restore_tables iptables "$work/iptables.v4"
+    restore_tables ip6tables "$work/iptables.v6"
+    [ -n "$ip_forward_before" ] && echo "$ip_forward_before" >/proc/sys/net/ipv4/ip_forward
+    umount "$work/exec"/* 2>/dev/null
+    say "dockerd $pid stopped; bridges, firewall tables and ip_forward put back"
+  fi
+  rm -rf "$work" 2>/dev/null
+  exit "$rc"
+}
+trap cleanup EXIT
+trap 'exit 1' INT TERM
+
+# --- the engine ----------------------------------------------------------------------------
+if [ -z "${DOCKER_HOST:-}" ] && ! docker info >/dev/null 2>&1; then
+  command -v dockerd >/dev/null || skip "no Docker engine runs and dockerd is not installed (apt-get install docker.io)"
+  [ "$(id -u)" -eq 0 ] || skip "starting dockerd needs root"
+  save_tables
+  root=${KVROUTER_DOCKER_ROOT:-/var/lib/kvrouter-docker}
+  mkdir -p "$root"
+  dockerd --host "unix://$work/docker.sock" --pidfile "$work/dockerd.pid" --data-root "$root" \
+    --exec-root "$work/exec" >"$work/dockerd.log" 2>&1 &
+  dockerd_pid=$!
+  started=1
+  export DOCKER_HOST="unix://$work/docker.sock"
+  for _ in $(seq 150); do
+    docker info >/dev/null 2>&1 && break
+    kill -0 "$dockerd_pid" 2>/dev/null || break
+    sleep 0.2
+  done
+  if ! docker info >/dev/null 2>&1; then
+    tail -15 "$work/dockerd.log"
+    skip "dockerd could not start here (log above)"
+  fi
+  say "started dockerd (pid $dockerd_pid, data root $root)"
+else
+  say "using the running Docker engine"
+fi
+export COMPOSE_PROJECT_NAME=$project
+compose() { docker-compose -f docker-compose.yml "$@"; }
+# Debian's client, when installed beside another one earlier on the PATH.
+docker() { if [ -x /usr/bin/docker ]; then /usr/bin/docker "$@"; else command docker "$@"; fi; }
+
+# --- base images -----------------------------------------------------------------------------
+# The Debian mirror apt uses here: the first URIs / deb line naming a Debian archive.
+apt_mirror() {
+  local f
+  for f in /etc/apt/sources.list.d/*.sources; do
+    [ -e "$f" ] || continue
+    awk '/^URIs:/ {for (i = 2; i <= NF; i++) if ($i !~ /security/) {print $i; exit}}' "$f"
+  done
+  if [ -e /etc/apt/sources.list ]; then
+    awk '$1 == "deb" && $0 !~ /security/ {
+      for (i = 2; i <= NF; i++) if ($i ~ /^[a-z]+:\/\//) {print $i; exit}}' /etc/apt/sources.list
+  fi
+}
+if ! docker image inspect debian:12 >/dev/null 2>&1; then
+  command -v debootstrap >/dev/null || fail "debootstrap is not installed (apt-get install debootstrap)"
+  mirror=$(apt_mirror | head -n 1)
+  [ -n "$mirror" ] || fail "no Debian mirror found in apt's sources"
+  say "debootstrap --variant=minbase bookworm from $mirror"
+  debootstrap --variant=minbase bookworm "$work/rootfs" "$mirror" >"$work/debootstrap.log" 2>&1 \
+    || { tail -20 "$work/debootstrap.log"; fail "debootstrap"; }
+  # The image's apt reads the same mirror (and its updates and security suites, as here).
+  rm -f "$work/rootfs/etc/apt/sources.list"
+  for f in /etc/apt/sources.list.d/*.sources; do
+    [ -e "$f" ] && grep -q '^URIs:.*debian' "$f" && cp "$f" "$work/rootfs/etc/apt/sources.list.d/"
+  done
+  if [ -e /etc/apt/sources.list ]; then
+    grep '^deb .*debian' /etc/apt/sources.list >"$work/rootfs/etc/apt/sources.list" || true
+  fi
+  ls "$work/rootfs/etc/apt/sources.list.d/"*.sources >/dev/null 2>&1 || [ -s "$work/rootfs/etc/apt/sources.list" ] \
+    || echo "deb $mirror bookworm main" >"$work/rootfs/etc/apt/sources.list"
+  # Like Debian's own images: apt keeps no package caches in image layers.
+  cat >"$work/rootfs/etc/apt/apt.conf.d/docker-clean" <<'EOF'
+DPkg::Post-Invoke { "rm -f /var/cache/apt/archives/*.deb /var/cache/apt/archives/partial/*.deb /var/cache/apt/*.bin || true"; };
+APT::Update::Post-Invoke { "rm -f /var/cache/apt/archives/*.deb /var/cache/apt/archives/partial/*.deb /var/cache/apt/*.bin || true"; };
+Dir::Cache::pkgcache "";
+Dir::Cache::srcpkgcache "";
+EOF
+  rm -rf "$work/rootfs/var/cache/apt/archives/"*.deb "$work/rootfs/var/cache/apt/"*.bin "$work/rootfs/var/lib/apt/lists/"*
+  tar -C "$work/rootfs" -c . | docker import - debian:12 >/dev/null
+  rm -rf "$work/rootfs"
+fi
+if ! docker image inspect nats:2.9 >/dev/null 2>&1; then
+  say "building nats:2.9 from Debian's nats-server"
+  docker build -q -t nats:2.9 - >/dev/null <<'EOF'
+FROM debian:12
+RUN apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends nats-server \
+    && rm -rf /var/lib/apt/lists/*
+EXPOSE 4222 6222 8222
+ENTRYPOINT ["nats-server"]
+EOF
+fi
+
+# --- kvrouter's image ------------------------------------------------------------------------
+if [ -n "$binaries" ]; then
+  say "kvrouter:local = the Dockerfile's runtime stage + binaries from $binaries"
+  docker build -q --target runtime -t kvrouter-runtime:local . >/dev/null
+  mkdir -p "$work/ctx/bin"
+  for p in "${programs[@]}"; do
+    [ -x "$binaries/$p" ] || fail "$binaries/$p not built"
+    strip -o "$work/ctx/bin/$p" "$binaries/$p"
+  done
+  printf 'FROM kvrouter-runtime:local\nCOPY bin/ /usr/local/bin/\n' >"$work/ctx/Dockerfile"
+  docker build -q -t kvrouter:local "$work/ctx" >/dev/null
+else
+  say "kvrouter:local built from source (docker-compose build)"
+  compose build -q kvrouter
+fi
+size_mb=$(( $(docker image inspect -f '{{.Size}}' kvrouter:local) / 1000000 ))
+say "kvrouter:local is $size_mb MB"
+[ "$size_mb" -lt "$max_image_mb" ] || fail "the runtime image is $size_mb MB (limit $max_image_mb MB)"
+
+# --- up, bench, down -------------------------------------------------------------------------
+free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+KVROUTER_NATS_PORT=$(free_port); KVROUTER_METRICS_PORT=$(free_port)
+export KVROUTER_NATS_PORT KVROUTER_METRICS_PORT
+metrics_url="http://127.0.0.1:$KVROUTER_METRICS_PORT/metrics"
+
+metric() {  # name -> value ("" when the router does not answer)
+  local page
+  page=$(curl -fsS --max-time 2 "$metrics_url" 2>/dev/null) || return 0
+  awk -v n="$1" '$1 == n {print $2; exit}' <<<"$page"
+}
+await_router() {  # approximate-mode value expected (0 or 1)
+  local ranks mode
+  for _ in $(seq 300); do
+    ranks=$(metric kvrouter_worker_ranks); mode=$(metric kvrouter_approximate_mode)
+    [ "$ranks" = 4 ] && [ "$mode" = "$1" ] && return 0
+    sleep 0.2
+  done
+  fail "the router did not show 4 worker ranks with kvrouter_approximate_mode $1 (ranks '$ranks', mode '$mode')"
+}
+bench() {  # label
+  local out="$work/bench-$1.txt"
+  compose --profile bench run --rm kvbench >"$out" 2>"$work/bench-$1.err" \
+    || { cat "$out" "$work/bench-$1.err"; fail "kvbench ($1) exited with an error"; }
+  local requests errors
+  read -r requests errors < <(awk 'NR == 2 {print $2, $3}' "$out")
+  say "$1: $(sed -n 2p "$out")"
+  [ "$requests" = 200 ] && [ "$errors" = 0 ] || { cat "$out"; fail "kvbench ($1): $requests requests, $errors errors"; }
+}
+
+t0=$SECONDS
+compose_up=1
+compose up -d --no-build >/dev/null 2>&1 || { compose up -d --no-build; fail "docker-compose up"; }
+await_router 0
+say "router serves with 4 workers registered ($((SECONDS - t0)) s after up)"
+bench kv-events
+DYN_ROUTER_USE_KV_EVENTS=false compose up -d --no-build >/dev/null 2>&1 || fail "docker-compose up (approximate)"
+await_router 1
+bench approximate
+compose --profile bench down -v --remove-orphans >/dev/null 2>&1 || fail "docker-compose down"
+compose_up=0
+say "docker-compose.yml proven: up, 2 x 200 requests with 0 errors (events and approximate mode), down"
