@@ -197,6 +197,33 @@ std::size_t BlockIndex::TreeSize(WorkerKey worker) const {
 
 // One function on purpose (74 lines): the route's hot path, with the prefetch pipeline, the
 // holder-set walk and its fallback sharing locals that splitting would pass around.
+namespace {
+
+// The two ways FindMatches reports workers. They write through a local pointer: at 7,000
+// workers sharing a first block they write every score of the request, and push_back would
+// reload and store the vector's end for each one.
+// Writes every slot of `holders` (sorted) that is not in `kept` (a sorted subset) at `depth`.
+OverlapScore* EmitMissing(std::span<const std::uint32_t> holders, std::span<const std::uint32_t> kept,
+                          std::uint32_t depth, const WorkerKey* key_of_slot, OverlapScore* w) {
+  std::size_t j = 0;
+  for (std::uint32_t s : holders) {
+    if (j < kept.size() && kept[j] == s) {
+      ++j;
+    } else {
+      *w++ = {key_of_slot[s], depth};
+    }
+  }
+  return w;
+}
+
+OverlapScore* EmitAll(std::span<const std::uint32_t> holders, std::uint32_t depth, const WorkerKey* key_of_slot,
+                      OverlapScore* w) {
+  for (std::uint32_t s : holders) *w++ = {key_of_slot[s], depth};
+  return w;
+}
+
+}  // namespace
+
 void BlockIndex::FindMatches(std::span<const SequenceHash> hashes, OverlapScores& out) const {
   // Phase 1: the nodes of the request's path. The lookups are independent, so prefetching a
   // few levels ahead overlaps their cache misses.
@@ -212,7 +239,15 @@ void BlockIndex::FindMatches(std::span<const SequenceHash> hashes, OverlapScores
     path.push_back(n);
   }
   if (path.empty()) return;
-  out.reserve(out.size() + slot_of_.size());
+  // No worker matches without the first block: room for its holders, trimmed at the end.
+  const std::size_t base = out.size();
+  out.resize(base + node(path[0]).holders.size());
+  OverlapScore* w = out.data() + base;
+  const WorkerKey* keys = key_of_slot_.data();
+  auto finish = [&] {
+    assert(w <= out.data() + out.size());  // every worker written holds the first block, once
+    out.resize(static_cast<std::size_t>(w - out.data()));
+  };
 
   // Phase 2: walk the path. The workers still matching are either exactly holders(cur)
   // ("lazy": no copy; valid while cur has no orphan risk, because then every child's holders
@@ -220,11 +255,8 @@ void BlockIndex::FindMatches(std::span<const SequenceHash> hashes, OverlapScores
   bool lazy = true;
   thread_local std::vector<std::uint32_t> active;
   thread_local std::vector<std::uint32_t> next;
-  auto emit = [&](std::uint32_t slot, std::size_t depth) {
-    out.push_back({key_of_slot_[slot], static_cast<std::uint32_t>(depth)});
-  };
   std::uint32_t cur = path[0];
-  std::size_t depth = 1;
+  std::uint32_t depth = 1;
   for (; depth < path.size(); ++depth) {
     const std::uint32_t child = path[depth];
     const auto child_holders = node(child).holders.view();
@@ -232,15 +264,8 @@ void BlockIndex::FindMatches(std::span<const SequenceHash> hashes, OverlapScores
       const auto cur_holders = node(cur).holders.view();
       if (child_holders.size() != cur_holders.size()) {
         // child_holders is a subset: emit cur's holders missing from child.
-        std::size_t j = 0;
-        for (std::uint32_t s : cur_holders) {
-          if (j < child_holders.size() && child_holders[j] == s) {
-            ++j;
-          } else {
-            emit(s, depth);
-          }
-        }
-        if (child_holders.empty()) return;
+        w = EmitMissing(cur_holders, child_holders, depth, keys, w);
+        if (child_holders.empty()) return finish();
       }
       cur = child;
       continue;
@@ -257,19 +282,16 @@ void BlockIndex::FindMatches(std::span<const SequenceHash> hashes, OverlapScores
       if (j < child_holders.size() && child_holders[j] == s) {
         next.push_back(s);
       } else {
-        emit(s, depth);
+        *w++ = {keys[s], depth};
       }
     }
     active.swap(next);
-    if (active.empty()) return;
+    if (active.empty()) return finish();
     cur = child;
     if (active.size() == child_holders.size()) lazy = true;  // active == holders(child)
   }
-  if (lazy) {
-    for (std::uint32_t s : node(cur).holders.view()) emit(s, depth);
-  } else {
-    for (std::uint32_t s : active) emit(s, depth);
-  }
+  w = EmitAll(lazy ? node(cur).holders.view() : std::span<const std::uint32_t>(active), depth, keys, w);
+  finish();
 }
 
 IndexMemory BlockIndex::Memory() const {

@@ -36,6 +36,7 @@ struct OverlapScore {
   std::uint32_t blocks = 0;  // leading request blocks the worker holds (> 0)
   bool operator==(const OverlapScore&) const = default;
 };
+static_assert(sizeof(OverlapScore) == 16);
 using OverlapScores = std::vector<OverlapScore>;
 
 // What applying one operation did; the caller turns it into counters.

@@ -387,7 +387,10 @@ void ShardedIndex::RemoveWorker(std::uint64_t worker_id) {
 
 OverlapScores ShardedIndex::FindMatches(std::span<const SequenceHash> seq_hashes) const {
   OverlapScores out;
+  // Room for as many scores as last time, so the second shard's scores rarely move the first's.
+  out.reserve(last_matches_.load(std::memory_order_relaxed));
   for (const auto& s : shards_) s->FindMatches(seq_hashes, out);
+  last_matches_.store(out.size(), std::memory_order_relaxed);
   return out;
 }
 

@@ -111,6 +111,7 @@ class ShardedIndex {
  private:
   class Shard;
   std::vector<std::unique_ptr<Shard>> shards_;
+  mutable std::atomic<std::size_t> last_matches_{0};  // size of the last FindMatches result
 };
 
 }  // namespace kvrouter

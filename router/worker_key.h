@@ -7,12 +7,17 @@
 
 namespace kvrouter {
 
+// Packed to 12 bytes (4-byte aligned): an overlap score (key + blocks) is then 16 bytes, and
+// FindMatches writes one per matching worker, thousands per request in large fleets.
+#pragma pack(push, 4)
 struct WorkerKey {
   std::uint64_t worker_id = 0;
   std::uint32_t dp_rank = 0;
   bool operator==(const WorkerKey&) const = default;
   auto operator<=>(const WorkerKey&) const = default;
 };
+#pragma pack(pop)
+static_assert(sizeof(WorkerKey) == 12);
 
 struct WorkerKeyHash {
   std::size_t operator()(const WorkerKey& k) const {

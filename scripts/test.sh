@@ -17,7 +17,7 @@ jobs=$(nproc 2>/dev/null || echo 2)
 gen=()
 command -v ninja >/dev/null && gen=(-G Ninja)
 
-step() { printf '\n== %s\n' "$*"; }
+step() { printf '\n== %s  [%d:%02d]\n' "$*" $((SECONDS / 60)) $((SECONDS % 60)); }
 # Line tables only (-g1): sanitizer and crash traces keep file:line, and the four builds that
 # dominate the suite's time compile about a fifth faster than with full debug info.
 g1=(-DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O2 -g1 -DNDEBUG" -DCMAKE_CXX_FLAGS_DEBUG="-g1")
@@ -53,7 +53,8 @@ fi
 compose_log=$(mktemp)
 bash scripts/compose-check.sh --binaries build/bin >"$compose_log" 2>&1 &
 compose_pid=$!
-trap 'kill -TERM "$compose_pid" 2>/dev/null; wait "$compose_pid" 2>/dev/null; rm -f "$compose_log"' EXIT
+# If the script stops early, compose-check stops too (and puts the machine back).
+trap 'kill -TERM "$compose_pid" 2>/dev/null || true; wait "$compose_pid" 2>/dev/null || true; rm -f "$compose_log"' EXIT
 
 step "build under ASan+UBSan (docker-compose.yml is proven meanwhile)"
 configure_build build-asan -- \
@@ -62,8 +63,10 @@ configure_build build-asan -- \
 step "docker-compose.yml, proven (scripts/compose-check.sh)"
 compose_rc=0
 wait "$compose_pid" || compose_rc=$?
+trap - EXIT
 if [ "$compose_rc" -ne 0 ]; then cat "$compose_log"; echo "compose-check failed"; exit 1; fi
 cat "$compose_log"
+rm -f "$compose_log"
 
 step "every test under ASan+UBSan (the kvrouter binary too)"
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
@@ -106,4 +109,4 @@ else
   echo "clang++ not found: fuzzing skipped"
 fi
 echo
-echo "all tests passed"
+echo "all tests passed in $((SECONDS / 60)) min $((SECONDS % 60)) s"

@@ -211,6 +211,135 @@ BENCHMARK(BM_RouteDuringFlood)->Arg(300000)->Iterations(1)->Unit(benchmark::kMil
 void BM_BestWorkerDuringFlood(benchmark::State& state) { TimeDuringFlood(state, "best_worker", 64, 4); }
 BENCHMARK(BM_BestWorkerDuringFlood)->Arg(300000)->Iterations(1)->Unit(benchmark::kMillisecond)->UseRealTime();
 
+// ---- baselines in the same run: a bare nats.c echo, a bare nats.c counting subscriber ----------
+
+// The route round trip's baseline: the same request body to a bare nats.c responder on its own
+// connection that answers with a reply of a route reply's size. Compare with BM_RouteRoundTrip/0.
+void BM_EchoRoundTrip(benchmark::State& state) {
+  Rig& rig = TheRig();
+  if (!rig.ok) {
+    state.SkipWithError("could not start nats-server + kvrouter");
+    return;
+  }
+  auto responder = NatsClient::Connect({.url = rig.nats->url(), .name = "route-bench-echo", .send_asap = true}, {});
+  if (!responder.ok()) {
+    state.SkipWithError("no responder connection");
+    return;
+  }
+  RouteReply shape{.worker_id = 1, .overlap_blocks = 4};
+  const msgpack::sbuffer reply = EncodeRouteReply(shape);
+  NatsClient& r = **responder;
+  auto sub = r.Subscribe("bench.echo", "", [&](const IncomingMessage& m) { (void)r.Respond(m, AsBytes(reply)); });
+  if (!sub.ok() || !(*responder)->Flush(2s).ok()) {
+    state.SkipWithError("no echo subscription");
+    return;
+  }
+  std::vector<double> us;
+  std::size_t i = 0;
+  for (auto _ : state) {
+    const auto& p = rig.prompts[i++ % rig.prompts.size()];
+    RouteRequest req{.token_ids = std::vector<std::uint32_t>(p.begin(), p.begin() + 256), .has_token_ids = true, .isl = 256};
+    const auto body = EncodeRouteRequest(req);
+    const auto a = std::chrono::steady_clock::now();
+    auto got = rig.nc->Request("bench.echo", AsBytes(body), 2s);
+    const auto b = std::chrono::steady_clock::now();
+    if (!got.ok()) {
+      state.SkipWithError("echo failed");
+      break;
+    }
+    us.push_back(std::chrono::duration<double, std::micro>(b - a).count());
+  }
+  Report(state, us);
+}
+BENCHMARK(BM_EchoRoundTrip)->Iterations(5000)->Unit(benchmark::kMicrosecond)->UseRealTime();
+
+std::uint64_t EventsApplied(Rig& rig) {
+  auto reply = rig.nc->Request("namespace.dynamo.router.stats", AsBytes(std::string_view("\x80", 1)), 2s);
+  if (!reply.ok()) return 0;
+  auto page = DecodeStatsReply(*reply);
+  return page.ok() ? page->counters["events_applied"] : 0;
+}
+
+// Event ingest against its baseline, one run: `n` Dynamo envelopes of 4 stored blocks from 64
+// registered workers, published as fast as one connection can, (a) to a bare nats.c
+// subscriber that only counts them (time: first publish to the last message counted), then
+// (b) to the router (time: first publish until its stats show every event applied). Counters:
+// bare_msgs_per_s, router_msgs_per_s and their ratio.
+void BM_IngestVsBareSubscriber(benchmark::State& state) {
+  Rig& rig = TheRig();
+  if (!rig.ok) {
+    state.SkipWithError("could not start nats-server + kvrouter");
+    return;
+  }
+  const std::uint64_t n = static_cast<std::uint64_t>(state.range(0));
+  constexpr std::uint64_t kIngestWorkers = 64, kFirstId = 5000;
+  static std::uint64_t next_event = 1;  // per worker, continued across iterations
+  // The workers register and store a first chain; recovery of their first sight settles here.
+  static bool registered = false;
+  if (!registered) {
+    registered = true;
+    const std::uint64_t before = EventsApplied(rig);
+    std::vector<std::uint32_t> first(std::size_t{kBs} * 4, 7);
+    for (std::uint64_t w = 0; w < kIngestWorkers; ++w) {
+      WorkerRegistration r{.worker_id = kFirstId + w, .block_size = kBs, .total_kv_blocks = 1u << 22, .lease_ms = 600000};
+      (void)rig.nc->Publish(kComp + "instances", AsBytes(EncodeWorkerRegistration(r)));
+      (void)rig.nc->Publish(kComp + "kv-events", AsBytes(EncodeDynamoEnvelope(Stored(kFirstId + w, next_event, first), {})));
+    }
+    ++next_event;
+    (void)rig.nc->Flush(5s);
+    if (!testing::WaitFor([&] { return EventsApplied(rig) >= before + kIngestWorkers; }, 30s)) {
+      state.SkipWithError("the ingest workers' first events were not applied");
+      return;
+    }
+  }
+  auto bare = NatsClient::Connect({.url = rig.nats->url(), .name = "route-bench-bare"}, {});
+  if (!bare.ok()) {
+    state.SkipWithError("no subscriber connection");
+    return;
+  }
+  std::atomic<std::uint64_t> counted{0};
+  auto sub = (*bare)->Subscribe("bench.bare.kv-events", "", [&](const IncomingMessage&) {
+    if (counted.fetch_add(1, std::memory_order_relaxed) + 1 == n) counted.notify_all();
+  });
+  if (!sub.ok() || !(*bare)->Flush(2s).ok()) {
+    state.SkipWithError("no bare subscription");
+    return;
+  }
+  double bare_rate = 0, router_rate = 0, bytes = 0;
+  for (auto _ : state) {
+    // Every message encoded before the clocks start: 4 fresh blocks per message.
+    std::vector<msgpack::sbuffer> msgs;
+    msgs.reserve(n);
+    std::vector<std::uint32_t> tokens(std::size_t{kBs} * 4);
+    for (std::uint64_t i = 0; i < n; ++i) {
+      const std::uint64_t w = i % kIngestWorkers;
+      for (std::size_t k = 0; k < tokens.size(); k += kBs) tokens[k] = static_cast<std::uint32_t>(i * 4 + k);
+      msgs.push_back(EncodeDynamoEnvelope(Stored(kFirstId + w, next_event + i / kIngestWorkers, tokens), {}));
+      bytes += static_cast<double>(msgs.back().size());
+    }
+    next_event += (n + kIngestWorkers - 1) / kIngestWorkers;
+    counted.store(0);
+    auto t0 = std::chrono::steady_clock::now();
+    for (const auto& m : msgs) (void)rig.publisher->Publish("bench.bare.kv-events", AsBytes(m));
+    for (std::uint64_t c = counted.load(); c < n; c = counted.load()) counted.wait(c);
+    bare_rate = static_cast<double>(n) / std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+
+    const std::uint64_t before = EventsApplied(rig);
+    t0 = std::chrono::steady_clock::now();
+    for (const auto& m : msgs) (void)rig.publisher->Publish(kComp + "kv-events", AsBytes(m));
+    if (!testing::WaitFor([&] { return EventsApplied(rig) >= before + n; }, 120s, 1ms)) {
+      state.SkipWithError("the router did not apply every event");
+      return;
+    }
+    router_rate = static_cast<double>(n) / std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+  state.counters["msg_bytes"] = bytes / static_cast<double>(n * state.iterations());
+  state.counters["bare_msgs_per_s"] = bare_rate;
+  state.counters["router_msgs_per_s"] = router_rate;
+  state.counters["router_vs_bare"] = router_rate / bare_rate;
+}
+BENCHMARK(BM_IngestVsBareSubscriber)->Arg(300000)->Iterations(1)->Unit(benchmark::kMillisecond)->UseRealTime();
+
 }  // namespace
 }  // namespace kvrouter
 
