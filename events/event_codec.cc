@@ -3,6 +3,8 @@
 #include <fmt/format.h>
 
 #include <cassert>
+#include <optional>
+#include <utility>
 
 #include "events/msgpack_reader.h"
 #include "events/msgpack_writer.h"
@@ -137,7 +139,178 @@ void PackData(msgpack::sbuffer& out, const KvEventData& data) {
   kind.AppendTo(out);
 }
 
+// ---- the ingest path's pull decoder --------------------------------------------------------
+// Decodes the shapes Dynamo workers publish straight from the bytes. It accepts a strict subset
+// of what the tree decoder below accepts, with the same meaning (first-class fields, any
+// integer width, nil optionals, unknown keys skipped): anything else (a duplicate or non-string
+// key, an unusual type, a malformed value) returns nullopt, and the tree decoder gives the
+// verdict and its error message. DynamoPullMatchesTree (tests, fuzzing) pins the two together.
+
+using Pull = MsgpackPull;
+
+// {"parent_hash": h|nil, "blocks": [{"block_hash": h, "tokens_hash": h, ...}...], ...}
+bool PullStored(Pull& in, KvStored& out) {
+  std::uint32_t keys = 0;
+  if (!in.MapHeader(keys)) return false;
+  bool seen_parent = false, seen_blocks = false;
+  for (std::uint32_t k = 0; k < keys; ++k) {
+    std::string_view key;
+    if (!in.Str(key)) return false;
+    if (key == "parent_hash") {
+      if (std::exchange(seen_parent, true)) return false;
+      std::uint64_t h = 0;
+      if (in.TakeNil()) continue;
+      if (!in.U64Bits(h)) return false;
+      out.parent_hash = h;
+    } else if (key == "blocks") {
+      if (std::exchange(seen_blocks, true)) return false;
+      std::uint32_t n = 0;
+      if (!in.ArrayHeader(n)) return false;
+      out.blocks.resize(n);
+      for (StoredBlock& b : out.blocks) {
+        std::uint32_t fields = 0;
+        if (!in.MapHeader(fields)) return false;
+        bool seen_block = false, seen_tokens = false;
+        for (std::uint32_t f = 0; f < fields; ++f) {
+          std::string_view name;
+          if (!in.Str(name)) return false;
+          if (name == "block_hash") {
+            if (std::exchange(seen_block, true) || !in.U64Bits(b.block_hash)) return false;
+          } else if (name == "tokens_hash") {
+            if (std::exchange(seen_tokens, true) || !in.U64Bits(b.tokens_hash)) return false;
+          } else if (!in.Skip()) {
+            return false;
+          }
+        }
+        if (!seen_block || !seen_tokens) return false;
+      }
+    } else if (!in.Skip()) {
+      return false;
+    }
+  }
+  return seen_blocks;
+}
+
+// {"block_hashes": [h...], ...}
+bool PullRemoved(Pull& in, KvRemoved& out) {
+  std::uint32_t keys = 0;
+  if (!in.MapHeader(keys)) return false;
+  bool seen = false;
+  for (std::uint32_t k = 0; k < keys; ++k) {
+    std::string_view key;
+    if (!in.Str(key)) return false;
+    if (key != "block_hashes") {
+      if (!in.Skip()) return false;
+      continue;
+    }
+    std::uint32_t n = 0;
+    if (std::exchange(seen, true) || !in.ArrayHeader(n)) return false;
+    out.block_hashes.resize(n);
+    for (std::uint64_t& h : out.block_hashes) {
+      if (!in.U64Bits(h)) return false;
+    }
+  }
+  return seen;
+}
+
+// "cleared" | {"stored": ...} | {"removed": ...} | {"cleared": <anything>}
+bool PullData(Pull& in, KvEventData& out) {
+  std::string_view kind;
+  if (in.Str(kind)) {
+    if (kind != "cleared") return false;
+    out.emplace<KvCleared>();
+    return true;
+  }
+  std::uint32_t keys = 0;
+  if (!in.MapHeader(keys) || keys != 1 || !in.Str(kind)) return false;
+  if (kind == "stored") return PullStored(in, out.emplace<KvStored>());
+  if (kind == "removed") return PullRemoved(in, out.emplace<KvRemoved>());
+  if (kind == "cleared" && in.Skip()) {
+    out.emplace<KvCleared>();
+    return true;
+  }
+  return false;
+}
+
+// {"event_id": u64, "dp_rank": u32|nil, "data": ..., ...}
+bool PullKvCacheEvent(Pull& in, KvEventBatch& batch, KvOp& op) {
+  std::uint32_t keys = 0;
+  if (!in.MapHeader(keys)) return false;
+  bool seen_id = false, seen_rank = false, seen_data = false;
+  for (std::uint32_t k = 0; k < keys; ++k) {
+    std::string_view key;
+    if (!in.Str(key)) return false;
+    if (key == "event_id") {
+      if (std::exchange(seen_id, true) || !in.U64(batch.sequence.value)) return false;
+    } else if (key == "dp_rank") {
+      if (std::exchange(seen_rank, true)) return false;
+      if (!in.TakeNil() && !in.U32(batch.dp_rank)) return false;
+    } else if (key == "data") {
+      if (std::exchange(seen_data, true) || !PullData(in, op.data)) return false;
+    } else if (!in.Skip()) {
+      return false;
+    }
+  }
+  return seen_id && seen_data;
+}
+
+// {"worker_id": u64, "storage_tier": str|nil, "event": {...}, ...}: the whole of `bytes`.
+std::optional<KvEventBatch> PullRouterEvent(std::span<const std::byte> bytes) {
+  Pull in(bytes);
+  std::uint32_t keys = 0;
+  if (!in.MapHeader(keys)) return std::nullopt;
+  KvEventBatch batch;
+  KvOp op;
+  bool seen_worker = false, seen_tier = false, seen_event = false;
+  for (std::uint32_t k = 0; k < keys; ++k) {
+    std::string_view key;
+    if (!in.Str(key)) return std::nullopt;
+    if (key == "worker_id") {
+      if (std::exchange(seen_worker, true) || !in.U64(batch.worker_id)) return std::nullopt;
+    } else if (key == "storage_tier") {
+      if (std::exchange(seen_tier, true)) return std::nullopt;
+      std::string_view name;
+      if (in.TakeNil()) continue;
+      if (!in.Str(name)) return std::nullopt;
+      auto tier = StorageTierFromName(name);
+      if (!tier) return std::nullopt;
+      op.tier = *tier;
+    } else if (key == "event") {
+      if (std::exchange(seen_event, true) || !PullKvCacheEvent(in, batch, op)) return std::nullopt;
+    } else if (!in.Skip()) {
+      return std::nullopt;
+    }
+  }
+  if (!seen_worker || !seen_event || !in.AtEnd()) return std::nullopt;
+  batch.sequence.kind = SequenceKind::kEventId;
+  batch.ops.push_back(std::move(op));
+  return batch;
+}
+
+// An envelope {"payload": bin(RouterEvent), ...} or a bare RouterEvent.
+std::optional<KvEventBatch> PullDynamoEvent(std::span<const std::byte> body) {
+  Pull in(body);
+  std::uint32_t keys = 0;
+  if (!in.MapHeader(keys)) return std::nullopt;
+  std::optional<std::span<const std::byte>> payload;
+  for (std::uint32_t k = 0; k < keys; ++k) {
+    std::string_view key;
+    if (!in.Str(key)) return std::nullopt;
+    if (key == "payload") {
+      std::span<const std::byte> bin;
+      if (payload || !in.Bin(bin)) return std::nullopt;
+      payload = bin;
+    } else if (!in.Skip()) {
+      return std::nullopt;
+    }
+  }
+  if (!in.AtEnd()) return std::nullopt;
+  return PullRouterEvent(payload ? *payload : body);
+}
+
 }  // namespace
+
+std::optional<KvEventBatch> DecodeDynamoEventPull(std::span<const std::byte> body) { return PullDynamoEvent(body); }
 
 void PackKvCacheEvent(msgpack::sbuffer& out, const KvEventBatch& batch) {
   assert(batch.ops.size() == 1);
@@ -166,20 +339,31 @@ Result<KvEventBatch> DecodeKvCacheEvent(const msgpack::object& event, std::uint6
 }
 
 Result<KvEventBatch> DecodeDynamoEvent(std::span<const std::byte> body) {
-  auto doc = ParseMsgpack(body);
+  if (body.size() <= kMaxMessageBytes) {
+    if (auto fast = PullDynamoEvent(body)) return std::move(*fast);
+  }
+  return DecodeDynamoEventTree(body);
+}
+
+Result<KvEventBatch> DecodeDynamoEventTree(std::span<const std::byte> body) {
+  // One zone per decoding thread, cleared per message: the ingest path allocates only the
+  // batch it returns (strings and bins reference `body`).
+  thread_local msgpack::zone zone;
+  zone.clear();
+  auto doc = ParseMsgpackIn(zone, body);
   if (!doc.ok()) return doc.status();
-  const msgpack::object& root = doc->get();
+  const msgpack::object& root = *doc;
   if (!IsMap(root)) return InvalidArgument("kv event body must be a map");
   const msgpack::object* payload = FindKey(root, "payload");
   if (payload == nullptr) return DecodeRouterEvent(root);
 
   // Envelope: only the payload matters; publisher_id, sequence, published_at and topic are
-  // informational and not checked.
+  // informational and not checked. The payload's objects join the envelope's in the zone.
   if (payload->type != msgpack::type::BIN) return InvalidArgument("field 'payload' must be bin");
-  auto inner = ParseMsgpack({reinterpret_cast<const std::byte*>(payload->via.bin.ptr),
-                             payload->via.bin.size});
+  auto inner = ParseMsgpackIn(zone, {reinterpret_cast<const std::byte*>(payload->via.bin.ptr),
+                                     payload->via.bin.size});
   if (!inner.ok()) return InvalidArgument("field 'payload': " + inner.status().message());
-  return DecodeRouterEvent(inner->get());
+  return DecodeRouterEvent(*inner);
 }
 
 msgpack::sbuffer EncodeRouterEvent(const KvEventBatch& batch) {

@@ -26,6 +26,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 
@@ -45,7 +46,13 @@ struct EnvelopeHeader {
 
 // Decodes an envelope or a bare RouterEvent into a batch of exactly one op whose sequence is
 // {kEventId, event_id}.
+// The ingest path: a pull decoder that builds nothing but the batch takes the usual shapes,
+// and anything else goes to the tree decoder, whose answer (result or error) is the same.
 Result<KvEventBatch> DecodeDynamoEvent(std::span<const std::byte> body);
+// Its two halves, for tests and fuzzing: the tree decoder (every input, explaining errors) and
+// the pull decoder (nullopt for whatever it leaves to the tree decoder).
+Result<KvEventBatch> DecodeDynamoEventTree(std::span<const std::byte> body);
+std::optional<KvEventBatch> DecodeDynamoEventPull(std::span<const std::byte> body);
 
 // The KvCacheEvent map {event_id, dp_rank, data} of `batch`, appended to `out`: the `event` of a
 // RouterEvent and each element of a recovery reply's `events` (events/worker_codec.h). `batch`

@@ -134,7 +134,7 @@ Result<std::vector<T>> ReadEach(const msgpack::object* o, std::string_view field
 
 }  // namespace
 
-Result<msgpack::object_handle> ParseMsgpack(std::span<const std::byte> bytes) {
+Result<msgpack::object> ParseMsgpackIn(msgpack::zone& zone, std::span<const std::byte> bytes) {
   if (bytes.empty()) return InvalidArgument("empty message");
   if (bytes.size() > kMaxMessageBytes) {
     return InvalidArgument(fmt::format("message of {} bytes exceeds {}", bytes.size(),
@@ -146,12 +146,12 @@ Result<msgpack::object_handle> ParseMsgpack(std::span<const std::byte> bytes) {
   msgpack::unpack_limit limit(n, n / 2, n, n, n, kMaxDepth);
   try {
     std::size_t off = 0;
-    msgpack::object_handle oh = msgpack::unpack(reinterpret_cast<const char*>(bytes.data()), n,
-                                                off, &ReferenceAll, nullptr, limit);
+    msgpack::object obj = msgpack::unpack(zone, reinterpret_cast<const char*>(bytes.data()), n, off,
+                                          &ReferenceAll, nullptr, limit);
     if (off != n) {
       return InvalidArgument(fmt::format("{} trailing bytes after the msgpack value", n - off));
     }
-    return oh;
+    return obj;
   } catch (const msgpack::insufficient_bytes&) {
     return InvalidArgument("truncated msgpack");
   } catch (const msgpack::size_overflow& e) {
@@ -161,6 +161,13 @@ Result<msgpack::object_handle> ParseMsgpack(std::span<const std::byte> bytes) {
   } catch (const std::exception& e) {
     return InvalidArgument(fmt::format("undecodable msgpack: {}", e.what()));
   }
+}
+
+Result<msgpack::object_handle> ParseMsgpack(std::span<const std::byte> bytes) {
+  auto zone = std::make_unique<msgpack::zone>();
+  auto obj = ParseMsgpackIn(*zone, bytes);
+  if (!obj.ok()) return obj.status();
+  return msgpack::object_handle(*obj, std::move(zone));
 }
 
 Result<msgpack::object_handle> ParseMsgpackMap(std::span<const std::byte> bytes, std::string_view what) {
@@ -302,6 +309,160 @@ Result<std::uint32_t> ReadU32Or(const msgpack::object* o, std::string_view field
 Result<std::string_view> ReadStrOr(const msgpack::object* o, std::string_view field,
                                    std::string_view fallback) {
   return IsNil(o) ? Result<std::string_view>(fallback) : ReadStr(o, field);
+}
+
+}  // namespace kvrouter
+
+namespace kvrouter {
+
+bool MsgpackPull::MapHeader(std::uint32_t& pairs) {
+  if (p_ == end_) return false;
+  const unsigned b = *p_;
+  std::size_t width = 0;
+  if (b >= 0x80 && b <= 0x8f) {
+    pairs = b & 0x0f;
+  } else if (b == 0xde || b == 0xdf) {
+    width = b == 0xde ? 2 : 4;
+    if (Left() < 1 + width) return false;
+    pairs = static_cast<std::uint32_t>(LoadBigEndian(p_ + 1, width));
+  } else {
+    return false;
+  }
+  if (pairs > (Left() - 1 - width) / 2) return false;  // a pair needs two bytes
+  p_ += 1 + width;
+  return true;
+}
+
+bool MsgpackPull::ArrayHeader(std::uint32_t& size) {
+  if (p_ == end_) return false;
+  const unsigned b = *p_;
+  std::size_t width = 0;
+  if (b >= 0x90 && b <= 0x9f) {
+    size = b & 0x0f;
+  } else if (b == 0xdc || b == 0xdd) {
+    width = b == 0xdc ? 2 : 4;
+    if (Left() < 1 + width) return false;
+    size = static_cast<std::uint32_t>(LoadBigEndian(p_ + 1, width));
+  } else {
+    return false;
+  }
+  if (size > Left() - 1 - width) return false;  // an element needs a byte
+  p_ += 1 + width;
+  return true;
+}
+
+bool MsgpackPull::Str(std::string_view& s) {
+  if (p_ == end_) return false;
+  const unsigned b = *p_;
+  std::size_t width = 0, len = 0;
+  if (b >= 0xa0 && b <= 0xbf) {
+    len = b & 0x1f;
+  } else if (b >= 0xd9 && b <= 0xdb) {
+    width = std::size_t{1} << (b - 0xd9);
+    if (Left() < 1 + width) return false;
+    len = static_cast<std::size_t>(LoadBigEndian(p_ + 1, width));
+  } else {
+    return false;
+  }
+  if (len > Left() - 1 - width) return false;
+  s = std::string_view(reinterpret_cast<const char*>(p_ + 1 + width), len);
+  p_ += 1 + width + len;
+  return true;
+}
+
+bool MsgpackPull::Bin(std::span<const std::byte>& bytes) {
+  if (p_ == end_ || *p_ < 0xc4 || *p_ > 0xc6) return false;
+  const std::size_t width = std::size_t{1} << (*p_ - 0xc4);
+  if (Left() < 1 + width) return false;
+  const std::size_t len = static_cast<std::size_t>(LoadBigEndian(p_ + 1, width));
+  if (len > Left() - 1 - width) return false;
+  bytes = {reinterpret_cast<const std::byte*>(p_ + 1 + width), len};
+  p_ += 1 + width + len;
+  return true;
+}
+
+bool MsgpackPull::Int(std::int64_t& i, std::uint64_t& u, bool& negative) {
+  if (p_ == end_) return false;
+  const unsigned b = *p_;
+  negative = false;
+  if (b <= 0x7f) {
+    u = b;
+    ++p_;
+    return true;
+  }
+  if (b >= 0xe0) {
+    i = static_cast<std::int8_t>(b);
+    negative = true;
+    ++p_;
+    return true;
+  }
+  if (b < 0xcc || b > 0xd3) return false;
+  const std::size_t width = std::size_t{1} << ((b - 0xcc) & 3);
+  if (Left() < 1 + width) return false;
+  const std::uint64_t raw = LoadBigEndian(p_ + 1, width);
+  p_ += 1 + width;
+  if (b <= 0xcf) {
+    u = raw;
+    return true;
+  }
+  // int8..int64: sign-extend from `width` bytes.
+  const unsigned shift = static_cast<unsigned>(64 - 8 * width);
+  i = static_cast<std::int64_t>(raw << shift) >> shift;
+  if (i >= 0) {
+    u = static_cast<std::uint64_t>(i);
+  } else {
+    negative = true;
+  }
+  return true;
+}
+
+bool MsgpackPull::U64(std::uint64_t& v) {
+  const unsigned char* at = p_;
+  std::int64_t i = 0;
+  bool negative = false;
+  if (!Int(i, v, negative)) return false;
+  if (negative) p_ = at;
+  return !negative;
+}
+
+bool MsgpackPull::U32(std::uint32_t& v) {
+  const unsigned char* at = p_;
+  std::uint64_t u = 0;
+  if (!U64(u) || u > std::numeric_limits<std::uint32_t>::max()) {
+    p_ = at;
+    return false;
+  }
+  v = static_cast<std::uint32_t>(u);
+  return true;
+}
+
+bool MsgpackPull::U64Bits(std::uint64_t& v) {
+  std::int64_t i = 0;
+  bool negative = false;
+  if (!Int(i, v, negative)) return false;
+  if (negative) v = static_cast<std::uint64_t>(i);
+  return true;
+}
+
+bool MsgpackPull::TakeNil() {
+  if (p_ == end_ || *p_ != 0xc0) return false;
+  ++p_;
+  return true;
+}
+
+bool MsgpackPull::Skip() { return SkipN(1, 0); }
+
+bool MsgpackPull::SkipN(std::uint64_t values, std::size_t depth) {
+  for (; values > 0; --values) {
+    if (p_ == end_) return false;
+    Result<Head> h = ReadHead(p_, Left());
+    if (!h.ok() || h->header > Left()) return false;
+    const std::size_t left = Left() - h->header;
+    if (h->payload > left || h->children > left) return false;
+    p_ += h->header + static_cast<std::size_t>(h->payload);
+    if (h->children > 0 && (depth + 1 >= kMaxPullDepth || !SkipN(h->children, depth + 1))) return false;
+  }
+  return true;
 }
 
 }  // namespace kvrouter

@@ -35,6 +35,11 @@ inline constexpr std::size_t kMaxMessageBytes = 64 << 20;  // larger messages ar
 // kMaxDepth deep (empty containers do not count).
 Result<msgpack::object_handle> ParseMsgpack(std::span<const std::byte> bytes);
 
+// ParseMsgpack into a zone the caller owns and reuses (msgpack::zone::clear() between messages
+// keeps its first chunk): no allocation per message on hot paths. The object lives until the
+// zone is cleared or destroyed.
+Result<msgpack::object> ParseMsgpackIn(msgpack::zone& zone, std::span<const std::byte> bytes);
+
 // ParseMsgpack, then checks that the value is a map; `what` names the message in the error.
 Result<msgpack::object_handle> ParseMsgpackMap(std::span<const std::byte> bytes, std::string_view what);
 
@@ -130,6 +135,37 @@ class FieldReads {
 
  private:
   Status status_;
+};
+
+// A pull reader over msgpack bytes for hot decoders: no tree, no allocation. Every read checks
+// the bytes left and returns false, consuming nothing useful, when the next value is not what
+// was asked (the caller then gives up and decodes the slow, explaining way). Skip() passes over
+// any value nested at most kMaxPullDepth deep. Not thread-safe; the bytes must outlive it.
+//   MsgpackPull in(bytes);  std::uint32_t n;  if (!in.MapHeader(n)) return std::nullopt;
+class MsgpackPull {
+ public:
+  static constexpr std::size_t kMaxPullDepth = 8;
+  explicit MsgpackPull(std::span<const std::byte> bytes)
+      : p_(reinterpret_cast<const unsigned char*>(bytes.data())), end_(p_ + bytes.size()) {}
+
+  bool MapHeader(std::uint32_t& pairs);
+  bool ArrayHeader(std::uint32_t& size);
+  bool Str(std::string_view& s);
+  bool Bin(std::span<const std::byte>& b);
+  bool U64(std::uint64_t& v);      // any integer form with a value >= 0 (ReadU64)
+  bool U32(std::uint32_t& v);      // ... and <= 2^32-1 (ReadU32)
+  bool U64Bits(std::uint64_t& v);  // any integer; a negative one as its bit pattern (ReadU64Bits)
+  bool TakeNil();                  // true (and consumed) when the next value is nil
+  bool Skip();                     // one value of any kind
+  bool AtEnd() const { return p_ == end_; }
+
+ private:
+  bool Int(std::int64_t& i, std::uint64_t& u, bool& negative);
+  bool SkipN(std::uint64_t values, std::size_t depth);
+  std::size_t Left() const { return static_cast<std::size_t>(end_ - p_); }
+
+  const unsigned char* p_;
+  const unsigned char* end_;
 };
 
 // The body of a packed buffer as bytes (for tests and publishers).

@@ -438,5 +438,83 @@ TEST(DynamoEventCodec, DeepNestingIsRefused) {
   ExpectInvalid(AsBytes(body), "nests deeper");
 }
 
+// ---- the pull decoder against the tree decoder -------------------------------------------
+
+std::string AsString(const msgpack::sbuffer& b) { return {b.data(), b.size()}; }
+
+std::vector<std::string> PublishedShapes() {
+  std::vector<std::string> out;
+  KvEventBatch removed = WithData(KvRemoved{{1, 0xfffffffffffffff0ull, 3}}, StorageTier::kHostPinned);
+  removed.dp_rank = 7;
+  for (const KvEventBatch& b : {StoredBatch(), removed, WithData(KvCleared{}),
+                                WithData(KvStored{std::nullopt, {{5, 6}}}, StorageTier::kDisk)}) {
+    out.push_back(AsString(EncodeDynamoEnvelope(b, {.publisher_id = 3, .sequence = 9})));
+    out.push_back(AsString(EncodeRouterEvent(b)));
+  }
+  return out;
+}
+
+TEST(DynamoEventPull, TakesEveryShapeWorkersPublishWithTheTreeDecodersResult) {
+  for (const std::string& body : PublishedShapes()) {
+    const auto pulled = DecodeDynamoEventPull(AsBytes(body));
+    const auto tree = DecodeDynamoEventTree(AsBytes(body));
+    ASSERT_TRUE(tree.ok()) << tree.status().message();
+    ASSERT_TRUE(pulled.has_value()) << "the fast path must take what workers publish";
+    EXPECT_EQ(*pulled, *tree);
+  }
+}
+
+// Every byte of every shape replaced by values that change its meaning, and every truncation:
+// whatever the pull decoder accepts, the tree decoder accepts with the same batch.
+TEST(DynamoEventPull, NeverAcceptsWhatTheTreeDecoderRefusesOrReadsDifferently) {
+  std::size_t pulled_variants = 0, variants = 0;
+  for (const std::string& shape : PublishedShapes()) {
+    std::vector<std::string> bodies;
+    for (std::size_t i = 0; i < shape.size(); ++i) {
+      bodies.push_back(shape.substr(0, i));
+      for (unsigned v : {0x00u, 0x01u, 0x7fu, 0x80u, 0x81u, 0x90u, 0xa1u, 0xc0u, 0xc1u, 0xc4u, 0xccu, 0xd0u,
+                         0xd3u, 0xdeu, 0xffu, (static_cast<unsigned char>(shape[i]) + 1u) & 0xffu}) {
+        std::string b = shape;
+        b[i] = static_cast<char>(v);
+        bodies.push_back(std::move(b));
+      }
+    }
+    for (const std::string& body : bodies) {
+      ++variants;
+      const auto pulled = DecodeDynamoEventPull(AsBytes(body));
+      if (!pulled) continue;
+      ++pulled_variants;
+      const auto tree = DecodeDynamoEventTree(AsBytes(body));
+      ASSERT_TRUE(tree.ok()) << "pull accepted what the tree refuses: " << tree.status().message();
+      ASSERT_EQ(*pulled, *tree);
+      const auto both = DecodeDynamoEvent(AsBytes(body));
+      ASSERT_TRUE(both.ok());
+      EXPECT_EQ(*both, *tree);
+    }
+  }
+  // The mutations must exercise acceptance too (values, widths, keys changed in place).
+  EXPECT_GT(pulled_variants, variants / 20);
+}
+
+TEST(DynamoEventPull, LeavesDuplicateKeysAndOddTypesToTheTreeDecoder) {
+  // A repeated worker_id: the tree decoder reads the first; the pull decoder declines.
+  TestPacker p;
+  p.pk.pack_map(3);
+  p.Key("worker_id");
+  p.pk.pack_uint64(5);
+  p.Key("worker_id");
+  p.pk.pack_uint64(6);
+  p.Key("event");
+  p.pk.pack_map(2);
+  p.Key("event_id");
+  p.pk.pack_uint64(1);
+  p.Key("data");
+  p.pk.pack(std::string("cleared"));
+  EXPECT_FALSE(DecodeDynamoEventPull(AsBytes(p.str())).has_value());
+  auto both = DecodeDynamoEvent(AsBytes(p.str()));
+  ASSERT_TRUE(both.ok());
+  EXPECT_EQ(both->worker_id, 5u);
+}
+
 }  // namespace
 }  // namespace kvrouter

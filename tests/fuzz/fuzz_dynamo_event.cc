@@ -1,5 +1,6 @@
 // libFuzzer target for DecodeDynamoEvent (envelope or bare RouterEvent): any bytes must decode
-// or fail cleanly, and whatever decodes must survive EncodeRouterEvent + decode unchanged.
+// or fail cleanly, whatever its pull decoder accepts the tree decoder must accept identically,
+// and whatever decodes must survive EncodeRouterEvent + decode unchanged.
 #include <cstddef>
 #include <cstdint>
 
@@ -8,7 +9,13 @@
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   using namespace kvrouter;
-  auto batch = DecodeDynamoEvent({reinterpret_cast<const std::byte*>(data), size});
+  const std::span<const std::byte> body(reinterpret_cast<const std::byte*>(data), size);
+  // The pull decoder takes a subset of what the tree decoder takes, reading it the same way.
+  if (auto pulled = DecodeDynamoEventPull(body)) {
+    auto tree = DecodeDynamoEventTree(body);
+    if (!tree.ok() || !(*tree == *pulled)) __builtin_trap();
+  }
+  auto batch = DecodeDynamoEvent(body);
   if (!batch.ok()) return 0;
   if (batch->ops.size() != 1 || batch->sequence.kind != SequenceKind::kEventId) __builtin_trap();
   auto again = DecodeDynamoEvent(AsBytes(EncodeRouterEvent(*batch)));
