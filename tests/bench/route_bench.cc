@@ -151,6 +151,46 @@ void Report(benchmark::State& state, std::vector<double>& us) {
   state.counters["max_us"] = us.back();
 }
 
+// The route round trip's baseline: the same request body to a bare nats.c responder on its own
+// connection that answers with a reply of a route reply's size. Compare with BM_RouteRoundTrip/0.
+void BM_EchoRoundTrip(benchmark::State& state) {
+  Rig& rig = TheRig();
+  if (!rig.ok) {
+    state.SkipWithError("could not start nats-server + kvrouter");
+    return;
+  }
+  auto responder = NatsClient::Connect({.url = rig.nats->url(), .name = "route-bench-echo", .send_asap = true}, {});
+  if (!responder.ok()) {
+    state.SkipWithError("no responder connection");
+    return;
+  }
+  RouteReply shape{.worker_id = 1, .overlap_blocks = 4};
+  const msgpack::sbuffer reply = EncodeRouteReply(shape);
+  NatsClient& r = **responder;
+  auto sub = r.Subscribe("bench.echo", "", [&](const IncomingMessage& m) { (void)r.Respond(m, AsBytes(reply)); });
+  if (!sub.ok() || !(*responder)->Flush(2s).ok()) {
+    state.SkipWithError("no echo subscription");
+    return;
+  }
+  std::vector<double> us;
+  std::size_t i = 0;
+  for (auto _ : state) {
+    const auto& p = rig.prompts[i++ % rig.prompts.size()];
+    RouteRequest req{.token_ids = std::vector<std::uint32_t>(p.begin(), p.begin() + 256), .has_token_ids = true, .isl = 256};
+    const auto body = EncodeRouteRequest(req);
+    const auto a = std::chrono::steady_clock::now();
+    auto got = rig.nc->Request("bench.echo", AsBytes(body), 2s);
+    const auto b = std::chrono::steady_clock::now();
+    if (!got.ok()) {
+      state.SkipWithError("echo failed");
+      break;
+    }
+    us.push_back(std::chrono::duration<double, std::micro>(b - a).count());
+  }
+  Report(state, us);
+}
+BENCHMARK(BM_EchoRoundTrip)->Iterations(5000)->Unit(benchmark::kMicrosecond)->UseRealTime();
+
 // Arg: KV events per second published meanwhile (stored 1-block chains, then their removal).
 void BM_RouteRoundTrip(benchmark::State& state) {
   Rig& rig = TheRig();
@@ -213,45 +253,6 @@ BENCHMARK(BM_BestWorkerDuringFlood)->Arg(300000)->Iterations(1)->Unit(benchmark:
 
 // ---- baselines in the same run: a bare nats.c echo, a bare nats.c counting subscriber ----------
 
-// The route round trip's baseline: the same request body to a bare nats.c responder on its own
-// connection that answers with a reply of a route reply's size. Compare with BM_RouteRoundTrip/0.
-void BM_EchoRoundTrip(benchmark::State& state) {
-  Rig& rig = TheRig();
-  if (!rig.ok) {
-    state.SkipWithError("could not start nats-server + kvrouter");
-    return;
-  }
-  auto responder = NatsClient::Connect({.url = rig.nats->url(), .name = "route-bench-echo", .send_asap = true}, {});
-  if (!responder.ok()) {
-    state.SkipWithError("no responder connection");
-    return;
-  }
-  RouteReply shape{.worker_id = 1, .overlap_blocks = 4};
-  const msgpack::sbuffer reply = EncodeRouteReply(shape);
-  NatsClient& r = **responder;
-  auto sub = r.Subscribe("bench.echo", "", [&](const IncomingMessage& m) { (void)r.Respond(m, AsBytes(reply)); });
-  if (!sub.ok() || !(*responder)->Flush(2s).ok()) {
-    state.SkipWithError("no echo subscription");
-    return;
-  }
-  std::vector<double> us;
-  std::size_t i = 0;
-  for (auto _ : state) {
-    const auto& p = rig.prompts[i++ % rig.prompts.size()];
-    RouteRequest req{.token_ids = std::vector<std::uint32_t>(p.begin(), p.begin() + 256), .has_token_ids = true, .isl = 256};
-    const auto body = EncodeRouteRequest(req);
-    const auto a = std::chrono::steady_clock::now();
-    auto got = rig.nc->Request("bench.echo", AsBytes(body), 2s);
-    const auto b = std::chrono::steady_clock::now();
-    if (!got.ok()) {
-      state.SkipWithError("echo failed");
-      break;
-    }
-    us.push_back(std::chrono::duration<double, std::micro>(b - a).count());
-  }
-  Report(state, us);
-}
-BENCHMARK(BM_EchoRoundTrip)->Iterations(5000)->Unit(benchmark::kMicrosecond)->UseRealTime();
 
 std::uint64_t EventsApplied(Rig& rig) {
   auto reply = rig.nc->Request("namespace.dynamo.router.stats", AsBytes(std::string_view("\x80", 1)), 2s);
