@@ -315,41 +315,28 @@ Result<std::string_view> ReadStrOr(const msgpack::object* o, std::string_view fi
 
 namespace kvrouter {
 
-bool MsgpackPull::MapHeader(std::uint32_t& pairs) {
+// fix_lo..fix_lo+15: the fix form; wide, wide+1: the 16- and 32-bit forms. Each of the n
+// entries needs at least `min_bytes` more bytes.
+bool MsgpackPull::Container(unsigned fix_lo, unsigned wide, std::size_t min_bytes, std::uint32_t& n) {
   if (p_ == end_) return false;
   const unsigned b = *p_;
   std::size_t width = 0;
-  if (b >= 0x80 && b <= 0x8f) {
-    pairs = b & 0x0f;
-  } else if (b == 0xde || b == 0xdf) {
-    width = b == 0xde ? 2 : 4;
+  if (b >= fix_lo && b <= fix_lo + 0x0f) {
+    n = b & 0x0f;
+  } else if (b == wide || b == wide + 1) {
+    width = b == wide ? 2 : 4;
     if (Left() < 1 + width) return false;
-    pairs = static_cast<std::uint32_t>(LoadBigEndian(p_ + 1, width));
+    n = static_cast<std::uint32_t>(LoadBigEndian(p_ + 1, width));
   } else {
     return false;
   }
-  if (pairs > (Left() - 1 - width) / 2) return false;  // a pair needs two bytes
+  if (n > (Left() - 1 - width) / min_bytes) return false;
   p_ += 1 + width;
   return true;
 }
 
-bool MsgpackPull::ArrayHeader(std::uint32_t& size) {
-  if (p_ == end_) return false;
-  const unsigned b = *p_;
-  std::size_t width = 0;
-  if (b >= 0x90 && b <= 0x9f) {
-    size = b & 0x0f;
-  } else if (b == 0xdc || b == 0xdd) {
-    width = b == 0xdc ? 2 : 4;
-    if (Left() < 1 + width) return false;
-    size = static_cast<std::uint32_t>(LoadBigEndian(p_ + 1, width));
-  } else {
-    return false;
-  }
-  if (size > Left() - 1 - width) return false;  // an element needs a byte
-  p_ += 1 + width;
-  return true;
-}
+bool MsgpackPull::MapHeader(std::uint32_t& pairs) { return Container(0x80, 0xde, 2, pairs); }
+bool MsgpackPull::ArrayHeader(std::uint32_t& size) { return Container(0x90, 0xdc, 1, size); }
 
 bool MsgpackPull::Str(std::string_view& s) {
   if (p_ == end_) return false;

@@ -160,6 +160,7 @@ class MsgpackPull {
   bool AtEnd() const { return p_ == end_; }
 
  private:
+  bool Container(unsigned fix_lo, unsigned wide, std::size_t min_bytes, std::uint32_t& n);
   bool Int(std::int64_t& i, std::uint64_t& u, bool& negative);
   bool SkipN(std::uint64_t values, std::size_t depth);
   std::size_t Left() const { return static_cast<std::size_t>(end_ - p_); }
