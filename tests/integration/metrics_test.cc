@@ -40,7 +40,10 @@ class MetricsTest : public KvRouterProcessTest {
   virtual std::vector<std::string> MoreArgs() const { return {}; }
 
   std::string Metrics() {
+    // The HTTP server's first answer can lag the router's NATS side on a loaded machine: wait
+    // for one (a scrape that never answers still fails below).
     auto r = HttpGet(port_, "/metrics");
+    WaitFor([&] { return (r = HttpGet(port_, "/metrics")).ok(); }, 10s);
     EXPECT_TRUE(r.ok()) << r.status().ToString();
     if (!r.ok()) return "";
     EXPECT_EQ(r->status, 200);
