@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs every benchmark of README's performance section, each beside its baseline from the same
-# run, and keeps the raw results (JSON) in one folder. About 5 minutes on a 2-core machine;
+# run, and keeps the raw results (JSON) in one folder. About 1.5 minutes on a 2-core machine;
 # run it on an otherwise idle machine.
 #
 #   scripts/bench.sh                  results in bench-results/<date>/
