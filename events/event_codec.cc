@@ -144,7 +144,7 @@ void PackData(msgpack::sbuffer& out, const KvEventData& data) {
 // of what the tree decoder below accepts, with the same meaning (first-class fields, any
 // integer width, nil optionals, unknown keys skipped): anything else (a duplicate or non-string
 // key, an unusual type, a malformed value) returns nullopt, and the tree decoder gives the
-// verdict and its error message. DynamoPullMatchesTree (tests, fuzzing) pins the two together.
+// verdict and its error message. The DynamoEventPull tests and fuzz_dynamo_event pin the two together.
 
 using Pull = MsgpackPull;
 
