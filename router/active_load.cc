@@ -1,6 +1,24 @@
 #include "router/active_load.h"
 
+#include <algorithm>
+#include <cmath>
+
 namespace kvrouter {
+namespace {
+
+// count decayed from `at` to `now` (never grows when the clock goes back).
+double Decayed(double count, SteadyTime at, SteadyTime now) {
+  const double s = std::chrono::duration<double>(now - at).count();
+  if (s <= 0) return count;
+  return count * std::exp2(-s / std::chrono::duration<double>(ActiveLoad::kRecentHalfLife).count());
+}
+
+std::uint64_t Square(std::uint64_t tokens) {
+  const std::uint64_t t = std::min<std::uint64_t>(tokens, std::uint64_t{1} << 24);
+  return t * t;
+}
+
+}  // namespace
 
 bool ActiveLoad::Book(const std::string& request_id, WorkerKey worker,
                       std::span<const SequenceHash> seq, std::uint64_t prefill_tokens,
@@ -17,7 +35,11 @@ bool ActiveLoad::Book(const std::string& request_id, WorkerKey worker,
     if (w.blocks[h]++ == 0) ++w.load.active_blocks;
   }
   w.load.active_prefill_tokens += prefill_tokens;
+  w.load.active_prefill_squares += Square(prefill_tokens);
   ++w.load.active_requests;
+  Recent& r = recent_[worker];
+  r.count = Decayed(r.count, r.at, now) + 1;
+  r.at = std::max(r.at, now);
   booked_blocks_ += seq.size();
   by_worker_[worker.worker_id].insert(&it->first);
   return true;
@@ -26,7 +48,9 @@ bool ActiveLoad::Book(const std::string& request_id, WorkerKey worker,
 bool ActiveLoad::MarkPrefill(const std::string& request_id) {
   auto it = requests_.find(request_id);
   if (it == requests_.end() || it->second.prefill_tokens == 0) return false;
-  workers_[it->second.worker].load.active_prefill_tokens -= it->second.prefill_tokens;
+  WorkerLoad& load = workers_[it->second.worker].load;
+  load.active_prefill_tokens -= it->second.prefill_tokens;
+  load.active_prefill_squares -= Square(it->second.prefill_tokens);
   it->second.prefill_tokens = 0;
   return true;
 }
@@ -44,6 +68,7 @@ void ActiveLoad::Release(std::unordered_map<std::string, Booking>::iterator it) 
       }
     }
     w.load.active_prefill_tokens -= b.prefill_tokens;
+    w.load.active_prefill_squares -= Square(b.prefill_tokens);
     --w.load.active_requests;
     if (w.load.active_requests == 0) workers_.erase(wit);
   }
@@ -75,7 +100,13 @@ std::size_t ActiveLoad::Sweep(SteadyTime now, std::chrono::seconds max_age) {
   return n;
 }
 
+double ActiveLoad::RecentRequests(WorkerKey worker, SteadyTime now) const {
+  auto it = recent_.find(worker);
+  return it == recent_.end() ? 0 : Decayed(it->second.count, it->second.at, now);
+}
+
 std::size_t ActiveLoad::RemoveWorker(std::uint64_t worker_id) {
+  std::erase_if(recent_, [&](const auto& r) { return r.first.worker_id == worker_id; });
   auto bw = by_worker_.find(worker_id);
   if (bw == by_worker_.end()) return 0;
   std::vector<std::string> ids;

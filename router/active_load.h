@@ -28,6 +28,9 @@ using SteadyTime = std::chrono::steady_clock::time_point;
 struct WorkerLoad {
   std::uint64_t active_blocks = 0;          // distinct sequence hashes of active requests
   std::uint64_t active_prefill_tokens = 0;  // prompt tokens still to prefill
+  // Sum over those requests of (their prefill tokens)^2, each capped at 2^24 tokens: prefill
+  // time grows with the square of a prompt, so one 80k-token prefill is not eight 10k ones.
+  std::uint64_t active_prefill_squares = 0;
   std::uint32_t active_requests = 0;
 };
 
@@ -46,6 +49,10 @@ class ActiveLoad {
   WorkerLoad Load(WorkerKey worker) const;
   // How many of the request's leading sequence hashes are already active on the worker.
   std::uint32_t ActivePrefix(WorkerKey worker, std::span<const SequenceHash> seq) const;
+  // Requests booked on the worker lately: each counts 1, halving every kRecentHalfLife. A
+  // worker's share of them predicts its share of the traffic that is coming back (sessions).
+  double RecentRequests(WorkerKey worker, SteadyTime now) const;
+  static constexpr std::chrono::seconds kRecentHalfLife{60};
   // Where a booked request went, if it is booked.
   const WorkerKey* WorkerOf(const std::string& request_id) const;
   std::size_t requests() const { return requests_.size(); }
@@ -67,6 +74,11 @@ class ActiveLoad {
 
   std::unordered_map<std::string, Booking> requests_;
   std::unordered_map<WorkerKey, PerWorker, WorkerKeyHash> workers_;
+  struct Recent {
+    double count = 0;
+    SteadyTime at;  // when count was last decayed
+  };
+  std::unordered_map<WorkerKey, Recent, WorkerKeyHash> recent_;
   // worker_id -> its bookings' ids (keys of requests_, whose nodes do not move).
   std::unordered_map<std::uint64_t, std::unordered_set<const std::string*>> by_worker_;
   std::uint64_t booked_blocks_ = 0;

@@ -107,6 +107,11 @@ Status ReadRouting(const po::variables_map& vm, RouterConfig& c) {
   auto m = RouterModeFromName(vm["router-mode"].as<std::string>());
   if (!m) return OutOfRange("router-mode", "one of kv, round-robin, random, power-of-two, least-loaded, device-aware-weighted, direct");
   c.mode = *m;
+  // Either of Dynamo's weights, given on the command line or in the environment, selects Dynamo's
+  // formula with exactly those values (a user migrating from Dynamo gets Dynamo's decisions).
+  const bool dynamo_weights =
+      !vm["router-kv-overlap-score-credit"].defaulted() || !vm["router-prefill-load-scale"].defaulted();
+  c.cost_model = dynamo_weights ? CostModel::kDynamo : CostModel::kPredicted;
   c.overlap_score_credit = vm["router-kv-overlap-score-credit"].as<double>();
   if (!(c.overlap_score_credit >= 0)) return OutOfRange("router-kv-overlap-score-credit", ">= 0");
   c.prefill_load_scale = vm["router-prefill-load-scale"].as<double>();
@@ -166,6 +171,7 @@ Status ReadLimits(const po::variables_map& vm, RouterConfig& c) {
   if (c.load_aware) {  // DESIGN.md: pure load balancing on tracked load
     c.mode = RouterMode::kKv;
     c.overlap_score_credit = 0;
+    c.cost_model = CostModel::kDynamo;
     c.use_kv_events = false;
   }
   return Status::Ok();

@@ -35,6 +35,11 @@ std::optional<RouterMode> RouterModeFromName(std::string_view name);
 enum class QueuePolicy { kFcfs, kWspt, kLcfs };
 std::string_view QueuePolicyName(QueuePolicy policy);
 
+// kDynamo: Dynamo's block formula (selector.h KvCost), chosen whenever
+// --router-kv-overlap-score-credit or --router-prefill-load-scale is set explicitly.
+// kPredicted: the router's default (selector.h PredictedCostMs).
+enum class CostModel { kDynamo, kPredicted };
+
 struct RouterConfig {
   // Connection and naming.
   std::string nats_server = "nats://127.0.0.1:4222";  // --nats-server / NATS_SERVER
@@ -48,6 +53,8 @@ struct RouterConfig {
   // Selection (Dynamo's names and defaults).
   RouterMode mode = RouterMode::kRoundRobin;          // --router-mode
   bool load_aware = false;                            // --load-aware: kv cost, credit 0, no events
+  // The kv cost: kPredicted unless credit or scale is set explicitly (then Dynamo's formula).
+  CostModel cost_model = CostModel::kPredicted;
   double overlap_score_credit = 1.0;                  // --router-kv-overlap-score-credit >= 0
   double prefill_load_scale = 1.0;                    // --router-prefill-load-scale >= 0
   bool use_kv_events = true;                          // --router-kv-events / --no-router-kv-events

@@ -146,6 +146,15 @@ int main(int argc, char** argv) {
   fmt::print(stderr, "kvrouter I serving namespace '{}' component '{}' on {} (mode {}, block size {})\n",
              cfg.ns, cfg.component, cfg.nats_server, RouterModeName(cfg.mode), cfg.block_size);
   LogEventSource(cfg);
+  if (cfg.mode == RouterMode::kKv) {
+    if (cfg.cost_model == CostModel::kPredicted) {
+      fmt::print(stderr, "kvrouter I kv cost: predicted time (the default; set --router-prefill-load-scale or "
+                         "--router-kv-overlap-score-credit for Dynamo's formula)\n");
+    } else {
+      fmt::print(stderr, "kvrouter I kv cost: Dynamo's formula, overlap credit {}, prefill load scale {}\n",
+                 cfg.overlap_score_credit, cfg.prefill_load_scale);
+    }
+  }
   std::unique_ptr<HttpServer> http;
   if (cfg.metrics_port > 0) {
     KvRouterService* svc = service.get();

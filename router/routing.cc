@@ -49,13 +49,16 @@ Result<Routing::Prepared> Routing::Prepare(const RouteRequest& req) const {
   p.seq = ComputeSequenceHashes(local);
   p.local = std::move(local);
   p.sel = {isl, static_cast<std::uint32_t>((std::uint64_t{isl} + bs - 1) / bs)};
-  p.params = {.block_size = bs,
+  p.params = {.model = config_.cost_model,
+              .block_size = bs,
               .overlap_score_credit = config_.overlap_score_credit,
               .prefill_load_scale = config_.prefill_load_scale,
               .temperature = config_.temperature,
               .track_prefill_tokens = config_.track_prefill_tokens,
               .device_ratio = config_.device_ratio};
   const auto& o = req.config_override;
+  // A request that sets Dynamo's weights gets Dynamo's formula with them.
+  if (o.overlap_score_credit || o.prefill_load_scale) p.params.model = CostModel::kDynamo;
   if (o.overlap_score_credit) p.params.overlap_score_credit = *o.overlap_score_credit;
   if (o.prefill_load_scale) p.params.prefill_load_scale = *o.prefill_load_scale;
   if (o.router_temperature) p.params.temperature = *o.router_temperature;
@@ -84,18 +87,22 @@ Result<std::vector<Candidate>> Routing::CandidatesLocked(const RouteRequest& req
   auto next = sorted.begin();
   std::vector<Candidate> cands;
   cands.reserve(ranks->size());
+  const SteadyTime now = clock_();
   for (const RankInfo& r : *ranks) {
     Candidate c;
     c.worker = r.worker;
     c.is_cpu = r.is_cpu;
     c.capacity = r.max_num_seqs;
     c.max_num_batched_tokens = r.max_num_batched_tokens;
+    c.total_kv_blocks = r.total_kv_blocks;
     while (next != sorted.end() && next->worker < c.worker) ++next;
     if (next != sorted.end() && next->worker == c.worker) c.overlap_blocks = next->blocks;
     const WorkerLoad l = load_.Load(c.worker);
     c.active_blocks = l.active_blocks;
     c.active_prefill_tokens = l.active_prefill_tokens;
+    c.active_prefill_squares = l.active_prefill_squares;
     c.active_requests = l.active_requests;
+    c.recent_requests = load_.RecentRequests(c.worker, now);
     c.active_prefix_blocks = load_.ActivePrefix(c.worker, seq);
     cands.push_back(c);
   }

@@ -4,8 +4,16 @@
 #include <cmath>
 #include <limits>
 
+#include "router/engine_model.h"
+
 namespace kvrouter {
 namespace {
+
+// The predicted cost's price of one request above the candidates' mean of recent requests: a
+// tie breaker that spreads new sessions, far below what a cache hit saves. It is a fraction of
+// the whole prompt's prefill, at most kSpreadMs, so that tiny prompts still follow their cache.
+constexpr double kSpreadMs = 10;
+constexpr double kSpreadOfPrefill = 0.15;
 
 std::size_t Uniform(std::size_t n, std::mt19937_64& rng) {
   return std::uniform_int_distribution<std::size_t>(0, n - 1)(rng);
@@ -24,13 +32,43 @@ double KvCost(const Candidate& c, const SelectionRequest& req, const CostParams&
   return p.prefill_load_scale * adjusted + decode_blocks;
 }
 
+double PredictedCostMs(const Candidate& c, const SelectionRequest& req, const CostParams& p, double recent_excess) {
+  const double bs = p.block_size;
+  const std::uint32_t active_prefix = std::min(c.active_prefix_blocks, req.request_blocks);
+  const double cached_blocks = std::min<double>(std::max(c.overlap_blocks, active_prefix), req.request_blocks);
+  const double uncached = std::max(static_cast<double>(req.isl) - cached_blocks * bs, 0.0);
+  const double queued = p.track_prefill_tokens ? static_cast<double>(c.active_prefill_tokens) : 0.0;
+  const double queued_squares = p.track_prefill_tokens ? static_cast<double>(c.active_prefill_squares) : 0.0;
+  const double budget = std::max<std::uint32_t>(1, c.max_num_batched_tokens);
+  const double steps = std::max(1.0, std::ceil((queued + uncached) / budget));
+  const double capacity = c.total_kv_blocks > 0 ? static_cast<double>(c.total_kv_blocks) : 16384.0;
+  const double decode_blocks = static_cast<double>(c.active_blocks) + req.request_blocks - active_prefix;
+  const double u = std::min(1.0, decode_blocks / capacity);
+  const double ttft = kPrefillMsPerToken * (queued + uncached) +
+                      kPrefillMsPerTokenSquared * (queued_squares + uncached * uncached) +
+                      steps * (kStepOverheadMs + DecodeStepMs(u));
+  // Each request running there waits out this prefill; a worker that lately got more than its
+  // share of requests gets kSpreadMs per extra one (sessions come back to where they went).
+  const double prefill_work = PrefillMs(uncached) - kStepOverheadMs;
+  const double spread =
+      recent_excess * std::min(kSpreadMs, kSpreadOfPrefill * (PrefillMs(req.isl) - kStepOverheadMs));
+  const double inflicted = c.active_requests * prefill_work + spread;
+  return ttft + inflicted;
+}
+
 std::size_t Selector::PickKv(const SelectionRequest& req, std::span<const Candidate> cands,
                              const CostParams& p, std::mt19937_64& rng) const {
   std::vector<double> cost(cands.size());
   double lo = std::numeric_limits<double>::infinity();
   double hi = -lo;
+  double mean_recent = 0;
+  for (const Candidate& c : cands) mean_recent += c.recent_requests / cands.size();
   for (std::size_t i = 0; i < cands.size(); ++i) {
-    cost[i] = KvCost(cands[i], req, p);
+    if (p.model == CostModel::kPredicted) {
+      cost[i] = PredictedCostMs(cands[i], req, p, std::max(0.0, cands[i].recent_requests - mean_recent));
+    } else {
+      cost[i] = KvCost(cands[i], req, p);
+    }
     // Extreme weights (a request may override them) can make a cost inf or NaN: rank those last.
     if (std::isnan(cost[i])) cost[i] = std::numeric_limits<double>::infinity();
     lo = std::min(lo, cost[i]);

@@ -23,10 +23,13 @@ struct Candidate {
   std::uint32_t active_prefix_blocks = 0;   // leading request blocks already active there
   std::uint64_t active_blocks = 0;          // decode blocks of active requests
   std::uint64_t active_prefill_tokens = 0;
+  std::uint64_t active_prefill_squares = 0; // sum of the squares of their prefill tokens
   std::uint32_t active_requests = 0;
+  double recent_requests = 0;               // routed there lately (ActiveLoad::RecentRequests)
   bool is_cpu = false;                      // registration device == "cpu"
   std::uint32_t capacity = 1;               // max_num_seqs, for device-aware weighting
-  std::uint32_t max_num_batched_tokens = 8192;  // for the queue's "full" test
+  std::uint32_t max_num_batched_tokens = 8192;  // for the queue's "full" test and prefill steps
+  std::uint64_t total_kv_blocks = 0;        // registration's cache size (0 = unknown)
 };
 
 struct SelectionRequest {
@@ -35,6 +38,7 @@ struct SelectionRequest {
 };
 
 struct CostParams {
+  CostModel model = CostModel::kDynamo;
   std::uint32_t block_size = 64;
   double overlap_score_credit = 1.0;  // C
   double prefill_load_scale = 1.0;    // P
@@ -45,6 +49,23 @@ struct CostParams {
 
 // The kv cost of one candidate: P * max(prefill_blocks - C * overlap, 0) + decode_blocks.
 double KvCost(const Candidate& c, const SelectionRequest& req, const CostParams& p);
+
+// The predicted cost, in milliseconds of the fleet's time, of sending the request to c:
+//   cached    = max(overlap, active prefix) blocks (a prefix being prefilled there now will be
+//               cached by the time this request runs), U = isl - cached * bs uncached tokens
+//   Q         = active prefill tokens queued there; steps = ceil((Q + U) / max_num_batched_tokens)
+//   u         = KV utilisation with this request: (decode_blocks of KvCost) / total_kv_blocks
+//   ttft      = 0.0152 (Q + U) + 4.21e-7 (sum of queued prefills' squares + U^2)
+//               + steps * (16.5 + DecodeStepMs(u))
+//   inflicted = active_requests * (PrefillMs(U) - 16.5): each running request waits out this prefill
+//   spread    = recent_excess * min(10, 0.15 * (PrefillMs(isl) - 16.5)): recent_excess = how many
+//               more requests than the candidates' mean it got lately (recent_requests); it
+//               spreads new sessions at equal cost, and tiny prompts barely pay it
+//   cost      = ttft + inflicted + spread
+// with the engine timing of router/engine_model.h as the prior. Selector::PickKv passes
+// recent_excess = max(0, recent_requests - mean over the candidates).
+double PredictedCostMs(const Candidate& c, const SelectionRequest& req, const CostParams& p,
+                       double recent_excess = 0);
 
 class Selector {
  public:

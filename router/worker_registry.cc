@@ -178,7 +178,8 @@ Result<std::vector<RankInfo>> WorkerRegistry::Ranks(std::optional<std::uint64_t>
     RankInfo r{.worker = {w.reg.worker_id, 0},
                .is_cpu = w.reg.device == "cpu",
                .max_num_seqs = w.reg.max_num_seqs,
-               .max_num_batched_tokens = w.reg.max_num_batched_tokens};
+               .max_num_batched_tokens = w.reg.max_num_batched_tokens,
+               .total_kv_blocks = w.reg.total_kv_blocks};
     if (dp_rank) {
       if (Serves(w.reg, *dp_rank)) {
         r.worker.dp_rank = *dp_rank;

@@ -45,6 +45,7 @@ struct RankInfo {
   bool is_cpu = false;
   std::uint32_t max_num_seqs = 256;
   std::uint32_t max_num_batched_tokens = 8192;
+  std::uint64_t total_kv_blocks = 0;  // 0 = not announced
 };
 
 // One rank of a stats page.

@@ -9,6 +9,7 @@ packages=(
   libmsgpack-cxx-dev libconcurrentqueue-dev libfmt-dev libboost-program-options-dev
   libgtest-dev libgmock-dev libbenchmark-dev libxxhash-dev nlohmann-json3-dev
   prometheus-cpp-dev libcivetweb-dev libzmq3-dev cppzmq-dev
+  gnuplot-nox
   clang libclang-rt-14-dev
   python3
 )

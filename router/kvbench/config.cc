@@ -3,6 +3,8 @@
 #include <boost/program_options.hpp>
 #include <fmt/format.h>
 
+#include <filesystem>
+
 namespace kvrouter::bench {
 namespace po = boost::program_options;
 
@@ -29,10 +31,11 @@ po::options_description Describe() {
     ("retries", po::value<std::uint32_t>()->default_value(on.retries), "online: tries after the first, on no responders, no_workers, timeout or --request-timeout")
     ("wait-workers", po::value<std::uint32_t>()->default_value(0), "online: first wait until the router knows this many worker ranks")
     ("trace", po::value<std::string>(), "Mooncake JSONL trace")
-    ("synthetic", po::bool_switch(), "use the synthetic multi-turn conversation workload instead of a trace")
-    ("sessions", po::value<std::uint32_t>()->default_value(syn.sessions), "synthetic: conversations")
-    ("turns", po::value<std::uint32_t>()->default_value(syn.turns), "synthetic: requests per conversation")
-    ("rate", po::value<double>()->default_value(syn.requests_per_second), "synthetic: requests per second (> 0)")
+    ("synthetic", po::bool_switch(), "use a synthetic workload (--workload) instead of a trace")
+    ("workload", po::value<std::string>()->default_value("chat"), "synthetic: chat, system-prompts, agentic, bursts or fanout (implies --synthetic)")
+    ("sessions", po::value<std::uint32_t>()->default_value(syn.sessions), "synthetic: conversations (system-prompts: users; bursts: bursts); default per workload")
+    ("turns", po::value<std::uint32_t>()->default_value(syn.turns), "synthetic: requests per conversation (bursts: per burst); default per workload")
+    ("rate", po::value<double>()->default_value(syn.requests_per_second), "synthetic: requests per second (> 0); default per workload")
     ("max-requests", po::value<std::uint64_t>()->default_value(0), "replay at most this many requests (0 = all)")
     ("speedup", po::value<double>()->default_value(1), "divide trace inter-arrival times by this (> 0)")
     ("workers", po::value<std::uint32_t>()->default_value(off.workers), "offline: simulated workers (>= 1)")
@@ -50,6 +53,7 @@ po::options_description Describe() {
     ("router-queue-policy", po::value<std::string>(), "offline: passed to the router")
     ("compare", po::bool_switch(), "offline: run kv, round-robin, random and approximate mode and print one table")
     ("json", po::value<std::string>(), "write the summary (an array with --compare) as JSON here")
+    ("plot", po::value<std::string>(), "draw kv hit rate and TTFT p50/p99 by mode into this file (.svg, else PNG) with gnuplot")
     ("seed", po::value<std::uint64_t>()->default_value(syn.seed), "random seed (router tie-breaks, synthetic workload)");
   // clang-format on
   AddNatsSecurityFlags(desc);
@@ -61,7 +65,8 @@ po::options_description Describe() {
 std::vector<BenchRun> Runs(const po::variables_map& vm) {
   std::vector<BenchRun> runs;
   if (vm["compare"].as<bool>()) {
-    runs = {{"kv", {"--router-mode", "kv"}},
+    runs = {{"kv (default)", {"--router-mode", "kv"}},
+            {"kv, Dynamo's cost", {"--router-mode", "kv", "--router-prefill-load-scale", "1"}},
             {"round-robin", {"--router-mode", "round-robin"}},
             {"random", {"--router-mode", "random"}},
             {"kv-approx", {"--router-mode", "kv", "--no-router-kv-events"}}};
@@ -90,15 +95,21 @@ Status ReadBenchConfig(const po::variables_map& vm, BenchConfig& c) {
     return InvalidArgument("--compare runs several router modes and needs --offline (online, the running router's "
                            "mode is what you measure)");
   }
+  const bool workload_given = !vm["workload"].defaulted();
   if (vm.count("trace")) {
+    if (workload_given) return InvalidArgument("--workload is a synthetic workload; it cannot go with --trace");
     c.trace_path = vm["trace"].as<std::string>();
-  } else if (!vm["synthetic"].as<bool>()) {
-    return InvalidArgument("give --trace PATH or --synthetic");
+  } else if (!vm["synthetic"].as<bool>() && !workload_given) {
+    return InvalidArgument("give --trace PATH, --synthetic or --workload NAME");
   }
-  c.synthetic = {.sessions = vm["sessions"].as<std::uint32_t>(),
-                 .turns = vm["turns"].as<std::uint32_t>(),
-                 .requests_per_second = vm["rate"].as<double>(),
-                 .seed = vm["seed"].as<std::uint64_t>()};
+  auto shape = WorkloadFromName(vm["workload"].as<std::string>());
+  if (!shape) return FlagOutOfRange("workload", "one of chat, system-prompts, agentic, bursts, fanout");
+  // The shape's defaults; the flags given explicitly win.
+  c.synthetic = WorkloadDefaults(*shape);
+  if (!vm["sessions"].defaulted()) c.synthetic.sessions = vm["sessions"].as<std::uint32_t>();
+  if (!vm["turns"].defaulted()) c.synthetic.turns = vm["turns"].as<std::uint32_t>();
+  if (!vm["rate"].defaulted()) c.synthetic.requests_per_second = vm["rate"].as<double>();
+  c.synthetic.seed = vm["seed"].as<std::uint64_t>();
   if (!(c.synthetic.requests_per_second > 0)) return FlagOutOfRange("rate", "> 0");
   c.max_requests = vm["max-requests"].as<std::uint64_t>();
   c.speedup = vm["speedup"].as<double>();
@@ -133,6 +144,9 @@ Status ReadBenchConfig(const po::variables_map& vm, BenchConfig& c) {
   off.progress = true;
   c.runs = Runs(vm);
   if (vm.count("json")) c.json_path = vm["json"].as<std::string>();
+  if (vm.count("plot")) c.plot_path = vm["plot"].as<std::string>();
+  c.workload_name = c.trace_path ? std::filesystem::path(*c.trace_path).filename().string()
+                                 : std::string("synthetic ") + WorkloadName(c.synthetic.shape);
   return Status::Ok();
 }
 

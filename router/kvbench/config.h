@@ -36,6 +36,8 @@ struct BenchConfig {
   OfflineOptions offline_base;               // --workers and the engine flags, --seed
   std::vector<BenchRun> runs;                // offline: one, or four with --compare
   std::optional<std::string> json_path;      // --json
+  std::optional<std::string> plot_path;      // --plot (.svg or .png)
+  std::string workload_name;                 // the trace's file name or the synthetic shape
 };
 
 using ParsedBenchArgs = ProgramArgs<BenchConfig>;

@@ -7,7 +7,7 @@
 //
 //   kvbench --synthetic --concurrency 64 --json out.json          (online, NATS_SERVER)
 //   kvbench --offline --trace trace.jsonl --workers 8 --compare --json out.json
-// Exit codes: 0 done, 1 NATS or router failure (online), 2 bad flags or trace.
+// Exit codes: 0 done, 1 NATS or router failure (online) or a failed --plot, 2 bad flags or trace.
 #include <fmt/format.h>
 
 #include <cstdlib>
@@ -22,18 +22,31 @@ namespace {
 using namespace kvrouter;
 using namespace kvrouter::bench;
 
-// Prints the table and writes --json (one object, or an array for several runs).
-void Report(const BenchConfig& c, const std::vector<Summary>& results) {
+// Prints the table, writes --json (one object, or an array for several runs) and draws --plot.
+// Returns 1 when the plot fails.
+int Report(const BenchConfig& c, const std::vector<Summary>& results) {
   fmt::print("{}", SummaryTable(results));
-  if (!c.json_path) return;
-  std::ofstream out(*c.json_path);
-  if (results.size() == 1) {
-    out << SummaryJson(results[0]) << "\n";
-    return;
+  if (c.json_path) {
+    std::ofstream out(*c.json_path);
+    if (results.size() == 1) {
+      out << SummaryJson(results[0]) << "\n";
+    } else {
+      nlohmann::json all = nlohmann::json::array();
+      for (const Summary& s : results) all.push_back(nlohmann::json::parse(SummaryJson(s)));
+      out << all.dump(1) << "\n";
+    }
   }
-  nlohmann::json all = nlohmann::json::array();
-  for (const Summary& s : results) all.push_back(nlohmann::json::parse(SummaryJson(s)));
-  out << all.dump(1) << "\n";
+  if (c.plot_path) {
+    const std::string title = c.offline
+        ? fmt::format("{}: {} requests, {} workers x {} blocks", c.workload_name, results.front().requests,
+                      c.offline_base.workers, c.offline_base.engine.num_gpu_blocks)
+        : fmt::format("{}: {} requests", c.workload_name, results.front().requests);
+    if (Status s = PlotSummaries(results, title, *c.plot_path); !s.ok()) {
+      fmt::print(stderr, "kvbench: {}\n", s.message());
+      return 1;
+    }
+  }
+  return 0;
 }
 
 int RunOfflineModes(const BenchConfig& c, const std::vector<TraceRequest>& trace) {
@@ -53,8 +66,7 @@ int RunOfflineModes(const BenchConfig& c, const std::vector<TraceRequest>& trace
     s->pooled_lru_hit_rate = pooled;
     results.push_back(std::move(s).value());
   }
-  Report(c, results);
-  return 0;
+  return Report(c, results);
 }
 
 }  // namespace
@@ -81,7 +93,7 @@ int main(int argc, char** argv) {
     fmt::print(stderr, "kvbench: {}\n", s.status().message());
     return 1;
   }
-  Report(c, {*s});
+  const int rc = Report(c, {*s});
   if (s->retries > 0) fmt::print("{} requests were sent again (--retries)\n", s->retries);
-  return 0;
+  return rc;
 }

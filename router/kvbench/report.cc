@@ -4,7 +4,12 @@
 
 #include <fmt/format.h>
 
+#include <sys/wait.h>
+
 #include <algorithm>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
 #include <map>
 
 namespace kvrouter::bench {
@@ -69,29 +74,92 @@ std::string SummaryJson(const Summary& s) {
   return j.dump();
 }
 
+double BusiestShare(const Summary& s) {
+  std::uint64_t total = 0, most = 0;
+  for (auto n : s.worker_requests) {
+    total += n;
+    most = std::max(most, n);
+  }
+  if (total == 0 || s.worker_requests.empty()) return 0;
+  return static_cast<double>(most) / (static_cast<double>(total) / static_cast<double>(s.worker_requests.size()));
+}
+
 std::string SummaryTable(const std::vector<Summary>& runs) {
-  std::string out = fmt::format("{:<22} {:>8} {:>6} {:>8} {:>10} {:>10} {:>10} {:>10} {:>8} {:>10}\n", "mode",
-                                "requests", "errors", "kv_hit", "ttft_p50", "ttft_p99", "e2e_p50", "e2e_p99", "req/s",
-                                "max/share");
+  std::string out = fmt::format("{:<22} {:>8} {:>6} {:>8} {:>8} {:>10} {:>10} {:>10} {:>10} {:>8} {:>10}\n", "mode",
+                                "requests", "errors", "kv_hit", "of_bound", "ttft_p50", "ttft_p99", "e2e_p50",
+                                "e2e_p99", "req/s", "max/share");
   for (const auto& s : runs) {
-    double max_share = 0;
-    std::uint64_t total = 0, most = 0;
-    for (auto n : s.worker_requests) {
-      total += n;
-      most = std::max(most, n);
-    }
-    if (total > 0 && !s.worker_requests.empty()) {
-      max_share = static_cast<double>(most) / (static_cast<double>(total) / s.worker_requests.size());
-    }
-    out += fmt::format("{:<22} {:>8} {:>6} {:>7.1f}% {:>8.0f}ms {:>8.0f}ms {:>8.0f}ms {:>8.0f}ms {:>8.2f} {:>9.2f}x\n", s.mode,
-                       s.requests, s.errors, 100 * s.kv_hit_rate, s.ttft_p50, s.ttft_p99, s.e2e_p50, s.e2e_p99,
-                       s.throughput_rps, max_share);
+    const std::string of_bound = s.pooled_lru_hit_rate && *s.pooled_lru_hit_rate > 0
+                                     ? fmt::format("{:.2f}x", s.kv_hit_rate / *s.pooled_lru_hit_rate)
+                                     : "-";
+    out += fmt::format("{:<22} {:>8} {:>6} {:>7.1f}% {:>8} {:>8.0f}ms {:>8.0f}ms {:>8.0f}ms {:>8.0f}ms {:>8.2f} {:>9.2f}x\n",
+                       s.mode, s.requests, s.errors, 100 * s.kv_hit_rate, of_bound, s.ttft_p50, s.ttft_p99, s.e2e_p50,
+                       s.e2e_p99, s.throughput_rps, BusiestShare(s));
   }
   if (!runs.empty() && runs.front().pooled_lru_hit_rate) {
     out += fmt::format("pooled LRU bound (one cache as large as the fleet): {:.1f}%\n",
                        100 * *runs.front().pooled_lru_hit_rate);
   }
   return out;
+}
+
+namespace {
+
+// A string as a gnuplot double-quoted literal.
+std::string GnuplotQuoted(std::string_view v) {
+  std::string out = "\"";
+  for (char c : v) {
+    if (c == '"' || c == '\\') out += '\\';
+    out += c;
+  }
+  return out + "\"";
+}
+
+}  // namespace
+
+Status PlotSummaries(const std::vector<Summary>& runs, const std::string& title, const std::string& path) {
+  if (runs.empty()) return InvalidArgument("--plot: no runs to draw");
+  char dir_template[] = "/tmp/kvbench-plot-XXXXXX";
+  const char* dir = mkdtemp(dir_template);
+  if (dir == nullptr) return Status(StatusCode::kInternal, "--plot: cannot make a temporary directory");
+  const std::string data = std::string(dir) + "/runs.dat";
+  const std::string script = std::string(dir) + "/plot.gp";
+  {
+    std::ofstream d(data);
+    for (const Summary& s : runs) {
+      d << GnuplotQuoted(s.mode) << ' ' << 100 * s.kv_hit_rate << ' ' << std::max(s.ttft_p50, 0.1) << ' '
+        << std::max(s.ttft_p99, 0.1) << '\n';
+    }
+    const bool svg = path.size() >= 4 && path.compare(path.size() - 4, 4, ".svg") == 0;
+    std::ofstream g(script);
+    g << (svg ? "set terminal svg size 1100,460 dynamic font 'sans,11'\n" : "set terminal png size 1100,460\n");
+    g << "set output " << GnuplotQuoted(path) << "\n";
+    g << "set multiplot layout 1,2 title " << GnuplotQuoted(title) << "\n";
+    g << "set style data histograms\nset style histogram clustered gap 1\nset style fill solid 0.8 border -1\n";
+    g << "set xtics rotate by -25 nomirror\nset key top left\nset grid ytics\n";
+    g << "set title 'KV hit rate (%)'\nset yrange [0:100]\n";
+    g << "plot " << GnuplotQuoted(data) << " using 2:xtic(1) title 'kv hit rate'";
+    if (runs.front().pooled_lru_hit_rate) {
+      g << ", " << 100 * *runs.front().pooled_lru_hit_rate << " with lines dt 2 lw 2 title 'pooled-LRU bound'";
+    }
+    g << "\nset title 'TTFT (ms, log scale)'\nset yrange [*:*]\nset logscale y\n";
+    g << "plot " << GnuplotQuoted(data) << " using 3:xtic(1) title 'p50', '' using 4 title 'p99'\n";
+    g << "unset multiplot\n";
+  }
+  const int rc = std::system(fmt::format("gnuplot {} 2>{}/gnuplot.err", GnuplotQuoted(script), dir).c_str());
+  std::string err;
+  {
+    std::ifstream e(std::string(dir) + "/gnuplot.err");
+    std::getline(e, err, '\0');
+  }
+  std::filesystem::remove_all(dir);
+  if (rc != 0) {
+    if (WIFEXITED(rc) && WEXITSTATUS(rc) == 127) {
+      return Status(StatusCode::kNotFound, "--plot needs gnuplot (apt-get install gnuplot-nox)");
+    }
+    return Status(StatusCode::kInternal, fmt::format("--plot: gnuplot failed: {}", err));
+  }
+  return Status::Ok();
 }
 
 }  // namespace kvrouter::bench

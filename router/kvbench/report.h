@@ -7,6 +7,8 @@
 #include <string>
 #include <vector>
 
+#include "events/status.h"
+
 namespace kvrouter::bench {
 
 struct RequestRecord {
@@ -35,7 +37,15 @@ struct Summary {
 Summary Summarize(std::string mode, const std::vector<RequestRecord>& records,
                   const std::vector<std::uint64_t>& worker_ids);
 std::string SummaryJson(const Summary& s);
-// One table for several runs side by side.
+// One table for several runs side by side (with each hit rate's share of the pooled-LRU bound
+// when the runs know it).
 std::string SummaryTable(const std::vector<Summary>& runs);
+// The busiest worker's requests over a fair share (total / workers); 0 without requests.
+double BusiestShare(const Summary& s);
+
+// Draws kv hit rate (with the pooled-LRU bound) and TTFT p50 / p99 by run with gnuplot
+// (gnuplot-nox from Debian) into path: SVG when it ends in .svg, else PNG. A missing gnuplot or
+// a failed plot is an error naming it.
+Status PlotSummaries(const std::vector<Summary>& runs, const std::string& title, const std::string& path);
 
 }  // namespace kvrouter::bench

@@ -84,11 +84,105 @@ std::vector<std::uint32_t> TokensFor(const TraceRequest& r) {
   return tokens;
 }
 
+const char* WorkloadName(WorkloadShape s) {
+  switch (s) {
+    case WorkloadShape::kChat: return "chat";
+    case WorkloadShape::kSystemPrompts: return "system-prompts";
+    case WorkloadShape::kAgentic: return "agentic";
+    case WorkloadShape::kBursts: return "bursts";
+    case WorkloadShape::kFanout: return "fanout";
+  }
+  return "chat";
+}
+
+std::optional<WorkloadShape> WorkloadFromName(std::string_view name) {
+  for (WorkloadShape s : {WorkloadShape::kChat, WorkloadShape::kSystemPrompts, WorkloadShape::kAgentic,
+                          WorkloadShape::kBursts, WorkloadShape::kFanout}) {
+    if (name == WorkloadName(s)) return s;
+  }
+  return std::nullopt;
+}
+
+SyntheticOptions WorkloadDefaults(WorkloadShape shape) {
+  switch (shape) {
+    case WorkloadShape::kChat:
+      return {};
+    case WorkloadShape::kSystemPrompts:
+      return {.shape = shape, .sessions = 400, .turns = 3, .system_blocks = 8, .first_turn_blocks = 1,
+              .blocks_per_turn = 1, .system_prompts = 16, .requests_per_second = 20};
+    case WorkloadShape::kAgentic:
+      return {.shape = shape, .sessions = 24, .turns = 30, .system_blocks = 2, .first_turn_blocks = 8,
+              .blocks_per_turn = 4, .min_output = 100, .max_output = 300, .requests_per_second = 2};
+    case WorkloadShape::kBursts:
+      return {.shape = shape, .burst_size = 40};
+    case WorkloadShape::kFanout:
+      return {.shape = shape, .sessions = 40, .turns = 32, .system_blocks = 16, .first_turn_blocks = 1,
+              .blocks_per_turn = 1, .requests_per_second = 8};
+  }
+  return {};
+}
+
+namespace {
+
+// Ids of synthetic blocks: system prompts and documents from 1, everything else unique.
+constexpr std::uint64_t kUniqueIds = 1'000'000;
+
+TraceRequest Request(double t, const std::vector<std::uint64_t>& ids, std::mt19937_64& rng, const SyntheticOptions& o) {
+  std::uniform_int_distribution<std::uint32_t> tail(0, kTraceBlockTokens - 1);
+  std::uniform_int_distribution<std::uint32_t> out_len(o.min_output, std::max(o.min_output, o.max_output));
+  TraceRequest r;
+  r.timestamp_ms = t;
+  r.hash_ids = ids;
+  r.input_length = static_cast<std::uint32_t>(ids.size()) * kTraceBlockTokens - tail(rng);
+  r.output_length = out_len(rng);
+  return r;
+}
+
+// Fanout: `sessions` bursts of `turns` requests at one instant, each burst's requests sharing a
+// document of system_blocks blocks that no earlier burst used, plus their own question.
+std::vector<TraceRequest> Fanout(const SyntheticOptions& o, std::mt19937_64& rng) {
+  std::vector<TraceRequest> out;
+  std::uint64_t next_id = kUniqueIds;
+  const double gap_ms = 1000.0 * o.turns / o.requests_per_second;
+  for (std::uint32_t b = 0; b < o.sessions; ++b) {
+    std::vector<std::uint64_t> doc;
+    for (std::uint32_t k = 0; k < o.system_blocks; ++k) doc.push_back(next_id++);
+    for (std::uint32_t q = 0; q < o.turns; ++q) {
+      std::vector<std::uint64_t> ids = doc;
+      for (std::uint32_t k = 0; k < o.blocks_per_turn; ++k) ids.push_back(next_id++);
+      out.push_back(Request(b * gap_ms, ids, rng, o));
+    }
+  }
+  return out;
+}
+
+// Single questions behind one of system_prompts prompts, prompt k (from 1) with weight 1/k.
+std::vector<TraceRequest> SystemPrompts(const SyntheticOptions& o, std::mt19937_64& rng) {
+  std::exponential_distribution<double> gap(o.requests_per_second / 1000.0);
+  std::vector<double> weights;
+  for (std::uint32_t k = 1; k <= std::max(1u, o.system_prompts); ++k) weights.push_back(1.0 / k);
+  std::discrete_distribution<std::uint32_t> pick(weights.begin(), weights.end());
+  std::vector<TraceRequest> out;
+  std::uint64_t next_id = kUniqueIds;
+  double t = 0;
+  for (std::uint64_t n = 0; n < std::uint64_t{o.sessions} * o.turns; ++n) {
+    t += gap(rng);
+    const std::uint32_t prompt = pick(rng);
+    std::vector<std::uint64_t> ids;
+    for (std::uint32_t k = 0; k < o.system_blocks; ++k) ids.push_back(1 + prompt * o.system_blocks + k);
+    for (std::uint32_t k = 0; k < o.blocks_per_turn; ++k) ids.push_back(next_id++);
+    out.push_back(Request(t, ids, rng, o));
+  }
+  return out;
+}
+
+}  // namespace
+
 std::vector<TraceRequest> SyntheticConversations(const SyntheticOptions& o) {
   std::mt19937_64 rng(o.seed);
+  if (o.shape == WorkloadShape::kFanout) return Fanout(o, rng);
+  if (o.shape == WorkloadShape::kSystemPrompts) return SystemPrompts(o, rng);
   std::exponential_distribution<double> gap(o.requests_per_second / 1000.0);
-  std::uniform_int_distribution<std::uint32_t> out_len(64, 512);
-  std::uniform_int_distribution<std::uint32_t> tail(0, kTraceBlockTokens - 1);
   // Each session's turns arrive in order; sessions interleave: build (session, turn) slots and
   // hand out Poisson arrival times to a shuffled order that keeps each session's turn order.
   std::vector<std::uint32_t> order;
@@ -99,21 +193,30 @@ std::vector<TraceRequest> SyntheticConversations(const SyntheticOptions& o) {
   std::vector<std::uint32_t> next_turn(o.sessions, 0);
   std::vector<TraceRequest> out;
   double t = 0;
-  std::uint64_t next_id = 1'000'000;
+  std::uint64_t next_id = kUniqueIds;
   std::vector<std::vector<std::uint64_t>> history(o.sessions);
+  // Bursts: request n arrives in burst n / burst_size, at a uniform moment of its first 250 ms.
+  std::uniform_real_distribution<double> in_burst(0, 250);
+  const double burst_gap_ms = 1000.0 * o.burst_size / o.requests_per_second;
+  std::vector<double> burst_times;
+  for (std::size_t n = 0; n < order.size(); ++n) {
+    if (o.burst_size == 0) break;
+    burst_times.push_back(static_cast<double>(n / o.burst_size) * burst_gap_ms + in_burst(rng));
+  }
+  for (std::size_t b = 0; b < burst_times.size(); b += o.burst_size) {
+    std::sort(burst_times.begin() + b, burst_times.begin() + std::min(burst_times.size(), b + o.burst_size));
+  }
+  std::size_t n = 0;
   for (std::uint32_t s : order) {
-    t += gap(rng);
+    t = o.burst_size == 0 ? t + gap(rng) : burst_times[n++];
     auto& h = history[s];
+    std::uint32_t added = o.blocks_per_turn;
     if (next_turn[s]++ == 0) {
       for (std::uint32_t b = 0; b < o.system_blocks; ++b) h.push_back(b);  // shared by everyone
+      if (o.first_turn_blocks > 0) added = o.first_turn_blocks;
     }
-    for (std::uint32_t b = 0; b < o.blocks_per_turn; ++b) h.push_back(next_id++);
-    TraceRequest r;
-    r.timestamp_ms = t;
-    r.hash_ids = h;
-    r.input_length = static_cast<std::uint32_t>(h.size()) * kTraceBlockTokens - tail(rng);
-    r.output_length = out_len(rng);
-    out.push_back(std::move(r));
+    for (std::uint32_t b = 0; b < added; ++b) h.push_back(next_id++);
+    out.push_back(Request(t, h, rng, o));
   }
   return out;
 }

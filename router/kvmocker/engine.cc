@@ -4,17 +4,13 @@
 #include <cassert>
 #include <utility>
 
+#include "router/engine_model.h"
+
 namespace kvrouter {
 
-double MockPrefillMs(double uncached_tokens, double speedup) {
-  const double n = uncached_tokens;
-  return (4.21e-7 * n * n + 0.0152 * n + 16.5) / speedup;
-}
+double MockPrefillMs(double uncached_tokens, double speedup) { return PrefillMs(uncached_tokens) / speedup; }
 
-double MockDecodeStepMs(double kv_utilization, double speedup) {
-  const double u = kv_utilization;
-  return std::max(1.0, -25.74 * u * u + 54.01 * u + 5.74) / speedup;
-}
+double MockDecodeStepMs(double kv_utilization, double speedup) { return DecodeStepMs(kv_utilization) / speedup; }
 
 MockEngine::MockEngine(MockEngineConfig config, EventSink sink)
     : config_(config), sink_(std::move(sink)) {

@@ -28,6 +28,35 @@ TEST(ActiveLoad, SharedPrefixesCountOnce) {
   EXPECT_EQ(l.active_prefill_tokens, 64u);
 }
 
+TEST(ActiveLoad, PrefillSquaresFollowBookingsAndMarks) {
+  ActiveLoad load;
+  ASSERT_TRUE(load.Book("big", kA, std::vector<SequenceHash>{1}, 8000, kT0));
+  ASSERT_TRUE(load.Book("small", kA, std::vector<SequenceHash>{2}, 1000, kT0));
+  EXPECT_EQ(load.Load(kA).active_prefill_squares, 8000u * 8000u + 1000u * 1000u);
+  ASSERT_TRUE(load.MarkPrefill("big"));
+  EXPECT_EQ(load.Load(kA).active_prefill_squares, 1000u * 1000u);
+  ASSERT_TRUE(load.Free("small"));
+  EXPECT_EQ(load.Load(kA).active_prefill_squares, 0u);
+  // A prompt past 2^24 tokens counts as 2^24: the sum cannot overflow.
+  ASSERT_TRUE(load.Book("huge", kB, std::vector<SequenceHash>{3}, std::uint64_t{1} << 40, kT0));
+  EXPECT_EQ(load.Load(kB).active_prefill_squares, std::uint64_t{1} << 48);
+}
+
+TEST(ActiveLoad, RecentRequestsHalveEveryHalfLifeAndOutliveTheBookings) {
+  ActiveLoad load;
+  const auto half = ActiveLoad::kRecentHalfLife;
+  for (int i = 0; i < 4; ++i) ASSERT_TRUE(load.Book("r" + std::to_string(i), kA, std::vector<SequenceHash>{1}, 0, kT0));
+  for (int i = 0; i < 4; ++i) ASSERT_TRUE(load.Free("r" + std::to_string(i)));
+  EXPECT_DOUBLE_EQ(load.RecentRequests(kA, kT0), 4.0);
+  EXPECT_DOUBLE_EQ(load.RecentRequests(kA, kT0 + half), 2.0);
+  EXPECT_DOUBLE_EQ(load.RecentRequests(kA, kT0 + 2 * half), 1.0);
+  ASSERT_TRUE(load.Book("later", kA, std::vector<SequenceHash>{1}, 0, kT0 + half));
+  EXPECT_DOUBLE_EQ(load.RecentRequests(kA, kT0 + half), 3.0);
+  EXPECT_DOUBLE_EQ(load.RecentRequests(kB, kT0), 0.0);
+  load.RemoveWorker(kA.worker_id);
+  EXPECT_DOUBLE_EQ(load.RecentRequests(kA, kT0 + half), 0.0);
+}
+
 TEST(ActiveLoad, MarkPrefillAndFreeAreIdempotent) {
   ActiveLoad load;
   ASSERT_TRUE(load.Book("r", kA, std::vector<SequenceHash>{1, 2}, 128, kT0));

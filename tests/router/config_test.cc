@@ -79,8 +79,36 @@ TEST(RouterConfig, LoadAwareMeansKvCostWithoutCreditOrEvents) {
   auto r = Args{{"--load-aware"}}.Parse();
   ASSERT_TRUE(r.ok());
   EXPECT_EQ(r->config.mode, RouterMode::kKv);
+  EXPECT_EQ(r->config.cost_model, CostModel::kDynamo);
   EXPECT_EQ(r->config.overlap_score_credit, 0.0);
   EXPECT_FALSE(r->config.use_kv_events);
+}
+
+// The predicted cost is the default; either of Dynamo's weights, given by flag or environment
+// (even at its default value), selects Dynamo's formula with exactly that value.
+TEST(RouterConfig, DynamosWeightsSetExplicitlySelectDynamosFormula) {
+  struct Case {
+    const char* name;
+    Args args;
+    CostModel want;
+    double credit, scale;
+  };
+  const std::vector<Case> cases = {
+      {"nothing set", Args{{"--router-mode", "kv"}}, CostModel::kPredicted, 1.0, 1.0},
+      {"scale flag at its default", Args{{"--router-prefill-load-scale", "1"}}, CostModel::kDynamo, 1.0, 1.0},
+      {"credit flag", Args{{"--router-kv-overlap-score-credit=0.5"}}, CostModel::kDynamo, 0.5, 1.0},
+      {"scale from the environment", Args{{}, {{"DYN_ROUTER_PREFILL_LOAD_SCALE", "16"}}}, CostModel::kDynamo, 1.0, 16.0},
+      {"credit from the environment", Args{{}, {{"DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT", "2"}}}, CostModel::kDynamo, 2.0,
+       1.0},
+      {"an unrelated flag", Args{{"--router-temperature", "0.5"}}, CostModel::kPredicted, 1.0, 1.0},
+  };
+  for (const Case& k : cases) {
+    auto r = k.args.Parse();
+    ASSERT_TRUE(r.ok()) << k.name << ": " << r.status().ToString();
+    EXPECT_EQ(r->config.cost_model, k.want) << k.name;
+    EXPECT_EQ(r->config.overlap_score_credit, k.credit) << k.name;
+    EXPECT_EQ(r->config.prefill_load_scale, k.scale) << k.name;
+  }
 }
 
 TEST(RouterConfig, BadValuesAreRefusedNamingTheFlag) {

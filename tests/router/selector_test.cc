@@ -1,5 +1,7 @@
 #include "router/selector.h"
 
+#include "router/engine_model.h"
+
 #include <gtest/gtest.h>
 
 #include <map>
@@ -43,6 +45,110 @@ TEST(KvCost, TableOfCases) {
   for (const Case& k : cases) {
     EXPECT_DOUBLE_EQ(KvCost(k.c, k.req, k.p), k.want) << k.name;
   }
+}
+
+// The predicted cost (selector.h), case by case: 64-token blocks, 16,384-block workers and an
+// 8,192-token step budget unless a case says otherwise.
+TEST(PredictedCost, TableOfCases) {
+  struct Case {
+    const char* name;
+    Candidate c;
+    SelectionRequest req;
+    CostParams p;
+    double recent_excess;
+    double want;
+  };
+  const CostParams kP{.model = CostModel::kPredicted};
+  const SelectionRequest k4096{4096, 64};
+  auto ttft = [](double queued, double queued_sq, double uncached, double steps, double u) {
+    return 0.0152 * (queued + uncached) + 4.21e-7 * (queued_sq + uncached * uncached) + steps * (16.5 + DecodeStepMs(u));
+  };
+  Candidate idle = Loaded(1, 0, 0);
+  Candidate cached = idle;
+  cached.overlap_blocks = 48;
+  Candidate in_flight = idle;
+  in_flight.active_prefix_blocks = 48;  // being prefilled there now: counts as cached
+  Candidate queued = Loaded(1, 0, 0);
+  queued.active_prefill_tokens = 6000;
+  queued.active_prefill_squares = 6000ull * 6000ull;
+  Candidate running = Loaded(1, 0, 3000);
+  running.active_requests = 5;
+  Candidate small_cache = idle;
+  small_cache.total_kv_blocks = 128;
+  const std::vector<Case> cases = {
+      {"idle", idle, k4096, kP, 0, ttft(0, 0, 4096, 1, 64.0 / 16384)},
+      {"a cached prefix is not prefilled", cached, k4096, kP, 0, ttft(0, 0, 1024, 1, 64.0 / 16384)},
+      {"a prefix in flight there counts as cached", in_flight, k4096, kP, 0, ttft(0, 0, 1024, 1, 16.0 / 16384)},
+      {"queued prefill is waited for, one more step past the budget", queued, k4096, kP, 0,
+       ttft(6000, 36e6, 4096, 2, 64.0 / 16384)},
+      {"untracked prefill is not", queued, k4096, {.model = CostModel::kPredicted, .track_prefill_tokens = false}, 0,
+       ttft(0, 0, 4096, 1, 64.0 / 16384)},
+      {"running requests wait out the prefill", running, k4096, kP, 0,
+       ttft(0, 0, 4096, 1, 3064.0 / 16384) + 5 * (PrefillMs(4096) - 16.5)},
+      {"utilisation is of the announced cache, at most 1", small_cache, k4096, kP, 0, ttft(0, 0, 4096, 1, 0.5)},
+      {"recent excess spreads", idle, k4096, kP, 3, ttft(0, 0, 4096, 1, 64.0 / 16384) + 3 * 10},
+      {"a small prefill spreads less", idle, {64, 1}, kP, 3,
+       ttft(0, 0, 64, 1, 1.0 / 16384) + 3 * 0.15 * (PrefillMs(64) - 16.5)},
+      {"a cached prompt spreads as much as an uncached one", cached, k4096, kP, 3,
+       ttft(0, 0, 1024, 1, 64.0 / 16384) + 3 * 10},
+      {"an empty request", idle, {0, 0}, kP, 0, ttft(0, 0, 0, 1, 0)},
+  };
+  for (const Case& k : cases) {
+    EXPECT_NEAR(PredictedCostMs(k.c, k.req, k.p, k.recent_excess), k.want, 1e-9) << k.name;
+  }
+}
+
+// Decisions where the predicted cost and Dynamo's formula at scale 1 part ways.
+TEST(PredictedCost, StaysWithTheCacheWhereDynamosFormulaChasesDecodeLoad) {
+  // 6,400-token prompt: worker 1 holds 90 of its 100 blocks and decodes 1,500 blocks; worker 2
+  // is idle. Dynamo at scale 1: 10 + 1500 + 100 against 100 + 100 -> the idle one, re-prefilling.
+  std::vector<Candidate> c = {Loaded(1, 0, 1500), Loaded(2, 0, 0)};
+  c[0].overlap_blocks = 90;
+  c[0].active_requests = 3;
+  Selector sel;
+  std::mt19937_64 rng(1);
+  EXPECT_EQ(sel.Pick(RouterMode::kKv, {6400, 100}, c, {.model = CostModel::kDynamo}, rng), 1u);
+  EXPECT_EQ(sel.Pick(RouterMode::kKv, {6400, 100}, c, {.model = CostModel::kPredicted}, rng), 0u);
+}
+
+TEST(PredictedCost, AffinityYieldsToAWorkerThatIsBusyEnough) {
+  // The cached worker has 40 requests running and a long prefill queued: prefilling 3,200
+  // tokens elsewhere is cheaper than making all of them wait.
+  std::vector<Candidate> c = {Loaded(1, 0, 4000), Loaded(2, 0, 0)};
+  c[0].overlap_blocks = 40;
+  c[0].active_requests = 40;
+  c[0].active_prefill_tokens = 30000;
+  c[0].active_prefill_squares = 30000ull * 30000ull;
+  Selector sel;
+  std::mt19937_64 rng(1);
+  EXPECT_EQ(sel.Pick(RouterMode::kKv, {3200, 50}, c, {.model = CostModel::kPredicted}, rng), 1u);
+  // Lightly loaded, it keeps the request.
+  c[0].active_requests = 2;
+  c[0].active_prefill_tokens = 0;
+  c[0].active_prefill_squares = 0;
+  EXPECT_EQ(sel.Pick(RouterMode::kKv, {3200, 50}, c, {.model = CostModel::kPredicted}, rng), 0u);
+}
+
+TEST(PredictedCost, AHugePromptAvoidsAWorkerBusyWithAnotherHugePrefill) {
+  std::vector<Candidate> c = {Loaded(1, 0, 0), Loaded(2, 0, 0)};
+  c[0].active_prefill_tokens = 80000;
+  c[0].active_prefill_squares = 80000ull * 80000ull;
+  c[0].active_requests = 1;
+  c[1].active_requests = 1;
+  c[1].active_blocks = 1200;
+  Selector sel;
+  std::mt19937_64 rng(1);
+  EXPECT_EQ(sel.Pick(RouterMode::kKv, {90000, 1407}, c, {.model = CostModel::kPredicted}, rng), 1u);
+}
+
+TEST(PredictedCost, EqualCostsGoToTheWorkerWithFewerRecentRequests) {
+  std::vector<Candidate> c = {Loaded(1, 0, 0), Loaded(2, 0, 0), Loaded(3, 0, 0)};
+  c[0].recent_requests = 12;
+  c[1].recent_requests = 3;
+  c[2].recent_requests = 9;
+  Selector sel;
+  std::mt19937_64 rng(1);
+  for (int i = 0; i < 20; ++i) EXPECT_EQ(sel.Pick(RouterMode::kKv, {640, 10}, c, {.model = CostModel::kPredicted}, rng), 1u);
 }
 
 // DESIGN.md's worked example: prefill+decode blocks 8+10, 5+5, 2+9 -> the 5+5 worker.

@@ -39,15 +39,36 @@ TEST(BenchConfig, BadValuesAreRefusedNamingTheFlag) {
   }
 }
 
-TEST(BenchConfig, CompareRunsFourModesWithTheTuningFlags) {
+TEST(BenchConfig, CompareRunsFiveModesWithTheTuningFlags) {
   auto c = Parse({"--offline", "--synthetic", "--compare", "--router-prefill-load-scale", "16"});
   ASSERT_TRUE(c.ok()) << c.status().ToString();
-  ASSERT_EQ(c->config.runs.size(), 4u);
-  EXPECT_EQ(c->config.runs[3].label, "kv-approx");
+  ASSERT_EQ(c->config.runs.size(), 5u);
+  EXPECT_EQ(c->config.runs[0].label, "kv (default)");
+  EXPECT_EQ(c->config.runs[1].label, "kv, Dynamo's cost");
+  EXPECT_EQ(c->config.runs[4].label, "kv-approx");
   for (const BenchRun& r : c->config.runs) {
     ASSERT_GE(r.router_flags.size(), 2u);
     EXPECT_EQ(r.router_flags[r.router_flags.size() - 2], "--router-prefill-load-scale");
     EXPECT_EQ(r.router_flags.back(), "16");
+  }
+}
+
+TEST(BenchConfig, AWorkloadShapeBringsItsDefaultsAndExplicitFlagsWin) {
+  auto agentic = Parse({"--workload", "agentic"});
+  ASSERT_TRUE(agentic.ok()) << agentic.status().ToString();
+  EXPECT_EQ(agentic->config.synthetic.shape, WorkloadShape::kAgentic);
+  EXPECT_EQ(agentic->config.synthetic.sessions, WorkloadDefaults(WorkloadShape::kAgentic).sessions);
+  EXPECT_EQ(agentic->config.workload_name, "synthetic agentic");
+  auto fewer = Parse({"--workload", "agentic", "--sessions", "3", "--plot", "out.svg"});
+  ASSERT_TRUE(fewer.ok());
+  EXPECT_EQ(fewer->config.synthetic.sessions, 3u);
+  EXPECT_EQ(fewer->config.synthetic.turns, WorkloadDefaults(WorkloadShape::kAgentic).turns);
+  EXPECT_EQ(fewer->config.plot_path, "out.svg");
+  for (const auto& args : std::vector<std::vector<std::string>>{{"--workload", "poisson"},
+                                                                {"--trace", "t.jsonl", "--workload", "chat"}}) {
+    auto bad = Parse(args);
+    ASSERT_FALSE(bad.ok());
+    EXPECT_NE(bad.status().message().find("workload"), std::string::npos) << bad.status().message();
   }
 }
 

@@ -2,6 +2,10 @@
 
 #include <gtest/gtest.h>
 
+#include <filesystem>
+#include <fstream>
+#include <cstdlib>
+#include <map>
 #include <set>
 
 #include <nlohmann/json.hpp>
@@ -84,6 +88,79 @@ TEST(SyntheticConversations, TurnsExtendTheirConversationAndShareTheSystemPrompt
   }
 }
 
+TEST(SyntheticWorkloads, NamesRoundTripAndUnknownOnesAreRefused) {
+  for (auto shape : {WorkloadShape::kChat, WorkloadShape::kSystemPrompts, WorkloadShape::kAgentic, WorkloadShape::kBursts,
+                     WorkloadShape::kFanout}) {
+    EXPECT_EQ(WorkloadFromName(WorkloadName(shape)), shape);
+    EXPECT_EQ(WorkloadDefaults(shape).shape, shape);
+  }
+  EXPECT_FALSE(WorkloadFromName("poisson").has_value());
+}
+
+TEST(SyntheticWorkloads, SystemPromptsAreFewLongAndThePopularOnesComeMostOften) {
+  const SyntheticOptions o = WorkloadDefaults(WorkloadShape::kSystemPrompts);
+  const auto t = SyntheticConversations(o);
+  ASSERT_EQ(t.size(), std::size_t{o.sessions} * o.turns);
+  std::map<std::uint64_t, int> by_prompt;  // first block id -> requests
+  std::set<std::uint64_t> questions;
+  for (const TraceRequest& r : t) {
+    ASSERT_EQ(r.hash_ids.size(), o.system_blocks + o.blocks_per_turn);
+    ++by_prompt[r.hash_ids[0]];
+    EXPECT_TRUE(questions.insert(r.hash_ids.back()).second) << "every question is new";
+  }
+  EXPECT_LE(by_prompt.size(), o.system_prompts);
+  EXPECT_GT(by_prompt.begin()->second, 3 * by_prompt.rbegin()->second) << "prompt 1 is far more popular than the last";
+}
+
+TEST(SyntheticWorkloads, AgenticSessionsGrowLongTurnAfterTurn) {
+  const SyntheticOptions o = WorkloadDefaults(WorkloadShape::kAgentic);
+  const auto t = SyntheticConversations(o);
+  ASSERT_EQ(t.size(), std::size_t{o.sessions} * o.turns);
+  std::size_t longest = 0;
+  std::map<std::uint64_t, std::size_t> last_size;  // session (its first own block) -> blocks
+  for (const TraceRequest& r : t) {
+    const std::uint64_t session = r.hash_ids.at(o.system_blocks);
+    const std::size_t before = last_size[session];
+    EXPECT_EQ(r.hash_ids.size(), before == 0 ? o.system_blocks + o.first_turn_blocks : before + o.blocks_per_turn);
+    last_size[session] = r.hash_ids.size();
+    longest = std::max(longest, r.hash_ids.size());
+    EXPECT_GE(r.output_length, o.min_output);
+    EXPECT_LE(r.output_length, o.max_output);
+  }
+  EXPECT_EQ(last_size.size(), o.sessions);
+  EXPECT_EQ(longest, o.system_blocks + o.first_turn_blocks + (o.turns - 1) * o.blocks_per_turn);
+}
+
+TEST(SyntheticWorkloads, BurstsArriveTogetherThenPause) {
+  const SyntheticOptions o = WorkloadDefaults(WorkloadShape::kBursts);
+  const auto t = SyntheticConversations(o);
+  ASSERT_EQ(t.size(), std::size_t{o.sessions} * o.turns);
+  const double gap_ms = 1000.0 * o.burst_size / o.requests_per_second;
+  for (std::size_t i = 0; i < t.size(); ++i) {
+    const double start = static_cast<double>(i / o.burst_size) * gap_ms;
+    EXPECT_GE(t[i].timestamp_ms, start) << i;
+    EXPECT_LT(t[i].timestamp_ms, start + 250) << i;
+    if (i > 0) EXPECT_GE(t[i].timestamp_ms, t[i - 1].timestamp_ms) << i;
+  }
+}
+
+TEST(SyntheticWorkloads, FanoutBurstsShareAFreshDocumentAtOneInstant) {
+  const SyntheticOptions o = WorkloadDefaults(WorkloadShape::kFanout);
+  const auto t = SyntheticConversations(o);
+  ASSERT_EQ(t.size(), std::size_t{o.sessions} * o.turns);
+  std::set<std::uint64_t> documents;
+  for (std::size_t b = 0; b < o.sessions; ++b) {
+    const TraceRequest& first = t[b * o.turns];
+    EXPECT_TRUE(documents.insert(first.hash_ids[0]).second) << "burst " << b << " has a new document";
+    for (std::size_t q = 1; q < o.turns; ++q) {
+      const TraceRequest& r = t[b * o.turns + q];
+      EXPECT_EQ(r.timestamp_ms, first.timestamp_ms);
+      EXPECT_TRUE(std::equal(first.hash_ids.begin(), first.hash_ids.begin() + o.system_blocks, r.hash_ids.begin()));
+      EXPECT_NE(r.hash_ids.back(), first.hash_ids.back());
+    }
+  }
+}
+
 TEST(Summary, HitRatePercentilesAndSpread) {
   std::vector<RequestRecord> recs = {
       {.arrival_ms = 0, .first_token_ms = 100, .finished_ms = 1000, .prompt_tokens = 1000, .cached_tokens = 500, .worker_id = 1},
@@ -109,6 +186,33 @@ TEST(Summary, JsonEscapesTheLabel) {
   s.mode = "kv \"quoted\"\n";
   const auto json = nlohmann::json::parse(SummaryJson(s));  // would throw on a broken document
   EXPECT_EQ(json["mode"], s.mode);
+}
+
+TEST(Plot, DrawsEveryRunAndTheBoundIntoAnSvg) {
+  Summary a{.mode = "kv (default)", .requests = 10, .kv_hit_rate = 0.5, .ttft_p50 = 40, .ttft_p99 = 90,
+            .pooled_lru_hit_rate = 0.6};
+  Summary b{.mode = "kv, Dynamo's cost", .requests = 10, .kv_hit_rate = 0.3, .ttft_p50 = 60, .ttft_p99 = 200,
+            .pooled_lru_hit_rate = 0.6};
+  const std::string path = ::testing::TempDir() + "kvbench-plot-test.svg";
+  std::filesystem::remove(path);
+  ASSERT_TRUE(PlotSummaries({a, b}, "a \"quoted\" title", path).ok());
+  std::ifstream in(path);
+  const std::string svg((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_NE(svg.find("<svg"), std::string::npos);
+  for (const char* text : {"kv (default)", "Dynamo", "pooled-LRU bound", "p99", "quoted"}) {
+    EXPECT_NE(svg.find(text), std::string::npos) << text;
+  }
+  std::filesystem::remove(path);
+}
+
+TEST(Plot, WithoutGnuplotTheErrorSaysWhatToInstall) {
+  const std::string old_path = std::getenv("PATH") ? std::getenv("PATH") : "";
+  setenv("PATH", "/nonexistent", 1);
+  const Status s = PlotSummaries({Summary{.mode = "kv"}}, "t", ::testing::TempDir() + "never.svg");
+  setenv("PATH", old_path.c_str(), 1);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("gnuplot-nox"), std::string::npos) << s.message();
+  EXPECT_FALSE(PlotSummaries({}, "t", "x.svg").ok());
 }
 
 }  // namespace

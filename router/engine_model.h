@@ -1,0 +1,24 @@
+// EngineTiming: DESIGN.md's timing model of a vLLM-like engine (Dynamo's mocker fit), in ms.
+// kvmocker's engines run on it, and the router's default cost (selector.h, "predicted") uses it
+// as its prior of how long a worker takes to prefill and to decode a step. Pure functions.
+//
+//   double ms = PrefillMs(6000) + DecodeStepMs(0.4);
+#pragma once
+
+#include <algorithm>
+
+namespace kvrouter {
+
+// Prefill of n uncached prompt tokens in one step: 4.21e-7 n^2 + 0.0152 n + 16.5.
+inline constexpr double kPrefillMsPerToken = 0.0152;
+inline constexpr double kPrefillMsPerTokenSquared = 4.21e-7;
+inline constexpr double kStepOverheadMs = 16.5;
+
+inline double PrefillMs(double n) {
+  return kPrefillMsPerTokenSquared * n * n + kPrefillMsPerToken * n + kStepOverheadMs;
+}
+
+// One decode step at KV-cache utilisation u in [0, 1]: max(1, -25.74 u^2 + 54.01 u + 5.74).
+inline double DecodeStepMs(double u) { return std::max(1.0, -25.74 * u * u + 54.01 * u + 5.74); }
+
+}  // namespace kvrouter
