@@ -6,11 +6,10 @@
 namespace kvrouter {
 namespace {
 
-// count decayed from `at` to `now` (never grows when the clock goes back).
-double Decayed(double count, SteadyTime at, SteadyTime now) {
-  const double s = std::chrono::duration<double>(now - at).count();
-  if (s <= 0) return count;
-  return count * std::exp2(-s / std::chrono::duration<double>(ActiveLoad::kRecentHalfLife).count());
+// Half-lives from `from` to `to`.
+double HalfLives(SteadyTime from, SteadyTime to) {
+  return std::chrono::duration<double>(to - from).count() /
+         std::chrono::duration<double>(ActiveLoad::kRecentHalfLife).count();
 }
 
 std::uint64_t Square(std::uint64_t tokens) {
@@ -37,9 +36,13 @@ bool ActiveLoad::Book(const std::string& request_id, WorkerKey worker,
   w.load.active_prefill_tokens += prefill_tokens;
   w.load.active_prefill_squares += Square(prefill_tokens);
   ++w.load.active_requests;
-  Recent& r = recent_[worker];
-  r.count = Decayed(r.count, r.at, now) + 1;
-  r.at = std::max(r.at, now);
+  if (!has_epoch_ || HalfLives(recent_epoch_, now) > 64) {
+    const double rescale = has_epoch_ ? std::exp2(-HalfLives(recent_epoch_, now)) : 1.0;
+    for (auto& [key, other] : workers_) other.load.recent_scaled *= rescale;
+    recent_epoch_ = now;
+    has_epoch_ = true;
+  }
+  w.load.recent_scaled += std::exp2(HalfLives(recent_epoch_, now));
   booked_blocks_ += seq.size();
   by_worker_[worker.worker_id].insert(&it->first);
   return true;
@@ -70,7 +73,6 @@ void ActiveLoad::Release(std::unordered_map<std::string, Booking>::iterator it) 
     w.load.active_prefill_tokens -= b.prefill_tokens;
     w.load.active_prefill_squares -= Square(b.prefill_tokens);
     --w.load.active_requests;
-    if (w.load.active_requests == 0) workers_.erase(wit);
   }
   booked_blocks_ -= b.seq.size();
   if (auto bw = by_worker_.find(b.worker.worker_id); bw != by_worker_.end()) {
@@ -100,19 +102,22 @@ std::size_t ActiveLoad::Sweep(SteadyTime now, std::chrono::seconds max_age) {
   return n;
 }
 
+double ActiveLoad::RecentScale(SteadyTime now) const {
+  return has_epoch_ ? std::exp2(-HalfLives(recent_epoch_, now)) : 0.0;
+}
+
 double ActiveLoad::RecentRequests(WorkerKey worker, SteadyTime now) const {
-  auto it = recent_.find(worker);
-  return it == recent_.end() ? 0 : Decayed(it->second.count, it->second.at, now);
+  return Load(worker).recent_scaled * RecentScale(now);
 }
 
 std::size_t ActiveLoad::RemoveWorker(std::uint64_t worker_id) {
-  std::erase_if(recent_, [&](const auto& r) { return r.first.worker_id == worker_id; });
-  auto bw = by_worker_.find(worker_id);
-  if (bw == by_worker_.end()) return 0;
   std::vector<std::string> ids;
-  ids.reserve(bw->second.size());
-  for (const std::string* id : bw->second) ids.push_back(*id);
-  for (const std::string& id : ids) Release(requests_.find(id));
+  if (auto bw = by_worker_.find(worker_id); bw != by_worker_.end()) {
+    ids.reserve(bw->second.size());
+    for (const std::string* id : bw->second) ids.push_back(*id);
+    for (const std::string& id : ids) Release(requests_.find(id));
+  }
+  std::erase_if(workers_, [&](const auto& w) { return w.first.worker_id == worker_id; });
   return ids.size();
 }
 

@@ -31,6 +31,9 @@ struct WorkerLoad {
   // Sum over those requests of (their prefill tokens)^2, each capped at 2^24 tokens: prefill
   // time grows with the square of a prompt, so one 80k-token prefill is not eight 10k ones.
   std::uint64_t active_prefill_squares = 0;
+  // Requests booked here lately, scaled: times RecentScale(now) it is their count with each
+  // halving every kRecentHalfLife (one multiplication per worker instead of an exp2).
+  double recent_scaled = 0;
   std::uint32_t active_requests = 0;
 };
 
@@ -51,7 +54,9 @@ class ActiveLoad {
   std::uint32_t ActivePrefix(WorkerKey worker, std::span<const SequenceHash> seq) const;
   // Requests booked on the worker lately: each counts 1, halving every kRecentHalfLife. A
   // worker's share of them predicts its share of the traffic that is coming back (sessions).
+  // = Load(worker).recent_scaled * RecentScale(now).
   double RecentRequests(WorkerKey worker, SteadyTime now) const;
+  double RecentScale(SteadyTime now) const;
   static constexpr std::chrono::seconds kRecentHalfLife{60};
   // Where a booked request went, if it is booked.
   const WorkerKey* WorkerOf(const std::string& request_id) const;
@@ -66,7 +71,7 @@ class ActiveLoad {
     std::uint64_t prefill_tokens = 0;  // 0 once marked
     SteadyTime booked_at;
   };
-  struct PerWorker {
+  struct PerWorker {  // kept while idle (it holds recent_scaled), erased by RemoveWorker
     std::unordered_map<SequenceHash, std::uint32_t> blocks;  // refcounts
     WorkerLoad load;
   };
@@ -74,11 +79,10 @@ class ActiveLoad {
 
   std::unordered_map<std::string, Booking> requests_;
   std::unordered_map<WorkerKey, PerWorker, WorkerKeyHash> workers_;
-  struct Recent {
-    double count = 0;
-    SteadyTime at;  // when count was last decayed
-  };
-  std::unordered_map<WorkerKey, Recent, WorkerKeyHash> recent_;
+  // recent_scaled is relative to this moment (moved forward, rescaling every worker, when the
+  // scale of a new booking would pass 2^64).
+  SteadyTime recent_epoch_{};
+  bool has_epoch_ = false;
   // worker_id -> its bookings' ids (keys of requests_, whose nodes do not move).
   std::unordered_map<std::uint64_t, std::unordered_set<const std::string*>> by_worker_;
   std::uint64_t booked_blocks_ = 0;

@@ -87,7 +87,7 @@ Result<std::vector<Candidate>> Routing::CandidatesLocked(const RouteRequest& req
   auto next = sorted.begin();
   std::vector<Candidate> cands;
   cands.reserve(ranks->size());
-  const SteadyTime now = clock_();
+  const double recent_scale = load_.RecentScale(clock_());
   for (const RankInfo& r : *ranks) {
     Candidate c;
     c.worker = r.worker;
@@ -102,7 +102,7 @@ Result<std::vector<Candidate>> Routing::CandidatesLocked(const RouteRequest& req
     c.active_prefill_tokens = l.active_prefill_tokens;
     c.active_prefill_squares = l.active_prefill_squares;
     c.active_requests = l.active_requests;
-    c.recent_requests = load_.RecentRequests(c.worker, now);
+    c.recent_requests = l.recent_scaled * recent_scale;
     c.active_prefix_blocks = load_.ActivePrefix(c.worker, seq);
     cands.push_back(c);
   }

@@ -62,7 +62,10 @@ std::size_t Selector::PickKv(const SelectionRequest& req, std::span<const Candid
   double lo = std::numeric_limits<double>::infinity();
   double hi = -lo;
   double mean_recent = 0;
-  for (const Candidate& c : cands) mean_recent += c.recent_requests / cands.size();
+  if (p.model == CostModel::kPredicted) {
+    for (const Candidate& c : cands) mean_recent += c.recent_requests;
+    mean_recent /= static_cast<double>(cands.size());
+  }
   for (std::size_t i = 0; i < cands.size(); ++i) {
     if (p.model == CostModel::kPredicted) {
       cost[i] = PredictedCostMs(cands[i], req, p, std::max(0.0, cands[i].recent_requests - mean_recent));

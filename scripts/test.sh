@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Builds kvrouter and runs every test: unit and integration tests (the integration tests start
-# their own nats-server on a free 127.0.0.1 port), then all of them again under ASan+UBSan,
-# the concurrent parts (index shards, NATS transport, in-memory bus, the whole service racing
-# over real NATS) under TSan, and a short libFuzzer run of every decoder (the clang build also
-# checks the thread-safety annotations).
+# their own nats-server on a free 127.0.0.1 port), then all of them again under ASan+UBSan
+# (but the routing-quality replays), the concurrent parts (index shards, NATS transport,
+# in-memory bus, the whole service racing over real NATS) under TSan, and a short libFuzzer run
+# of every decoder (the clang build also checks the thread-safety annotations).
 #
 #   scripts/test.sh                 everything (what CI runs)
 #   KVROUTER_QUICK=1 scripts/test.sh    plain build and tests only
@@ -68,9 +68,11 @@ if [ "$compose_rc" -ne 0 ]; then cat "$compose_log"; echo "compose-check failed"
 cat "$compose_log"
 rm -f "$compose_log"
 
-step "every test under ASan+UBSan (the kvrouter binary too)"
+# The routing-quality replays (label `quality`) run in the plain build only: under a Debug ASan
+# build they take minutes, and kvbench_test runs the same replay code there.
+step "every test under ASan+UBSan (the kvrouter binary too; not the quality replays)"
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-  ctest --test-dir build-asan --output-on-failure -j "$jobs" --timeout 600
+  ctest --test-dir build-asan --output-on-failure -j "$jobs" --timeout 600 -LE quality
 
 step "concurrent parts under TSan (built with clang: its thread-safety analysis checks every KV_GUARDED_BY)"
 tsan_targets=(router_test transport_test transport_unit_test service_threads_test kvrouter kvmocker kvbench)

@@ -22,6 +22,15 @@
 #include "router/block_index.h"
 #include "router/sharded_index.h"
 
+#include <fmt/format.h>
+
+#include "events/event_codec.h"
+#include "events/message_codec.h"
+#include "events/msgpack_reader.h"
+#include "router/kv_router_service.h"
+#include "router/selector.h"
+#include "transport/memory_bus.h"
+
 namespace kvrouter {
 namespace {
 
@@ -288,6 +297,73 @@ void BM_MemoryPerPair(benchmark::State& state) {
   }
 }
 BENCHMARK(BM_MemoryPerPair)->Arg(64)->Arg(1000)->Iterations(1)->Unit(benchmark::kSecond);
+
+// ---- the cost alone: Selector::Pick among 1,000 candidates --------------------------------------
+
+// Arg 0: Dynamo's formula; 1: the predicted cost. Candidates with varied overlap and load.
+void BM_PickAmong1000(benchmark::State& state) {
+  std::mt19937_64 rng(5);
+  std::vector<Candidate> cands(1000);
+  for (std::size_t i = 0; i < cands.size(); ++i) {
+    Candidate& c = cands[i];
+    c.worker = {i + 1, 0};
+    c.overlap_blocks = static_cast<std::uint32_t>(rng() % 64);
+    c.active_blocks = rng() % 8000;
+    c.active_prefill_tokens = rng() % 20000;
+    c.active_prefill_squares = c.active_prefill_tokens * c.active_prefill_tokens;
+    c.active_requests = static_cast<std::uint32_t>(rng() % 30);
+    c.recent_requests = static_cast<double>(rng() % 50);
+    c.total_kv_blocks = 16384;
+  }
+  const CostParams p{.model = state.range(0) == 0 ? CostModel::kDynamo : CostModel::kPredicted};
+  Selector sel;
+  for (auto _ : state) benchmark::DoNotOptimize(sel.Pick(RouterMode::kKv, {4096, 64}, cands, p, rng));
+}
+BENCHMARK(BM_PickAmong1000)->Arg(0)->Arg(1)->Unit(benchmark::kMicrosecond);
+
+// ---- one routing decision at 1,000 workers ----------------------------------------------------
+
+// The service's whole decision (decode, hash, overlaps from the index, candidates with their
+// load, the cost of each, the pick) on an in-memory bus, for 1,000 registered workers that each
+// cache a 2,048-token prompt and run 4 requests. Arg 0: Dynamo's formula; 1: the predicted cost.
+// A `route` without request_id books nothing, so every iteration sees the same fleet.
+void BM_Decision1000Workers(benchmark::State& state) {
+  constexpr std::uint64_t kFleet = 1000;
+  InMemoryBus bus;
+  std::vector<std::string> args = {"kvbench", "--router-mode", "kv"};
+  if (state.range(0) == 0) args.insert(args.end(), {"--router-prefill-load-scale", "1"});
+  std::vector<const char*> argv;
+  for (auto& a : args) argv.push_back(a.c_str());
+  auto cfg = ParseRouterConfig(static_cast<int>(argv.size()), argv.data(), [](const char*) { return nullptr; });
+  SteadyTime now{};
+  KvRouterService svc(cfg->config, bus, [&] { return now; }, 1);
+  if (!svc.Start().ok()) return state.SkipWithError("service did not start");
+  auto prompt = [](std::uint64_t w) {
+    std::vector<std::uint32_t> t(2048);
+    for (std::uint32_t k = 0; k < t.size(); ++k) t[k] = static_cast<std::uint32_t>(k < 1024 ? k : w * 10000 + k);
+    return t;
+  };
+  for (std::uint64_t w = 1; w <= kFleet; ++w) {
+    WorkerRegistration reg{.worker_id = w, .block_size = 64, .total_kv_blocks = 16384};
+    (void)bus.Publish(svc.subjects().instances, AsBytes(EncodeWorkerRegistration(reg)));
+    (void)bus.Publish(svc.subjects().kv_events, AsBytes(EncodeDynamoEnvelope(StoredPromptBatch(w, 1, prompt(w), 64), {})));
+    for (int r = 0; r < 4; ++r) {
+      RouteRequest busy{.request_id = fmt::format("busy-{}-{}", w, r), .token_ids = prompt(w + kFleet * (r + 1)),
+                        .has_token_ids = true, .worker_id = w};
+      busy.isl = static_cast<std::uint32_t>(busy.token_ids.size());
+      (void)bus.Request(svc.subjects().route, AsBytes(EncodeRouteRequest(busy)));
+    }
+  }
+  svc.index().Flush();
+  RouteRequest req{.token_ids = prompt(7), .has_token_ids = true};
+  req.isl = static_cast<std::uint32_t>(req.token_ids.size());
+  const auto payload = EncodeRouteRequest(req);
+  for (auto _ : state) {
+    auto reply = bus.Request(svc.subjects().route, AsBytes(payload));
+    benchmark::DoNotOptimize(reply);
+  }
+}
+BENCHMARK(BM_Decision1000Workers)->Arg(0)->Arg(1)->Unit(benchmark::kMicrosecond);
 
 }  // namespace
 }  // namespace kvrouter

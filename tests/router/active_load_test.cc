@@ -53,6 +53,11 @@ TEST(ActiveLoad, RecentRequestsHalveEveryHalfLifeAndOutliveTheBookings) {
   ASSERT_TRUE(load.Book("later", kA, std::vector<SequenceHash>{1}, 0, kT0 + half));
   EXPECT_DOUBLE_EQ(load.RecentRequests(kA, kT0 + half), 3.0);
   EXPECT_DOUBLE_EQ(load.RecentRequests(kB, kT0), 0.0);
+  // Far later the scale is moved forward (no overflow) and the old requests are all but gone.
+  ASSERT_TRUE(load.Book("much-later", kB, std::vector<SequenceHash>{1}, 0, kT0 + 200 * half));
+  EXPECT_NEAR(load.RecentRequests(kB, kT0 + 200 * half), 1.0, 1e-12);
+  EXPECT_NEAR(load.RecentRequests(kA, kT0 + 200 * half), 0.0, 1e-12);
+  EXPECT_DOUBLE_EQ(load.RecentRequests(kB, kT0 + 201 * half), 0.5);
   load.RemoveWorker(kA.worker_id);
   EXPECT_DOUBLE_EQ(load.RecentRequests(kA, kT0 + half), 0.0);
 }

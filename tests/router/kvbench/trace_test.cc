@@ -140,7 +140,9 @@ TEST(SyntheticWorkloads, BurstsArriveTogetherThenPause) {
     const double start = static_cast<double>(i / o.burst_size) * gap_ms;
     EXPECT_GE(t[i].timestamp_ms, start) << i;
     EXPECT_LT(t[i].timestamp_ms, start + 250) << i;
-    if (i > 0) EXPECT_GE(t[i].timestamp_ms, t[i - 1].timestamp_ms) << i;
+    if (i > 0) {
+      EXPECT_GE(t[i].timestamp_ms, t[i - 1].timestamp_ms) << i;
+    }
   }
 }
 
