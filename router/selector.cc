@@ -15,6 +15,10 @@ namespace {
 constexpr double kSpreadMs = 10;
 constexpr double kSpreadOfPrefill = 0.15;
 
+// A count as a double in one instruction (an unsigned 64-bit conversion takes a branch); counts
+// stay far below 2^63.
+double AsDouble(std::uint64_t v) { return static_cast<double>(static_cast<std::int64_t>(v)); }
+
 std::size_t Uniform(std::size_t n, std::mt19937_64& rng) {
   return std::uniform_int_distribution<std::size_t>(0, n - 1)(rng);
 }
@@ -37,12 +41,12 @@ double PredictedCostMs(const Candidate& c, const SelectionRequest& req, const Co
   const std::uint32_t active_prefix = std::min(c.active_prefix_blocks, req.request_blocks);
   const double cached_blocks = std::min<double>(std::max(c.overlap_blocks, active_prefix), req.request_blocks);
   const double uncached = std::max(static_cast<double>(req.isl) - cached_blocks * bs, 0.0);
-  const double queued = p.track_prefill_tokens ? static_cast<double>(c.active_prefill_tokens) : 0.0;
-  const double queued_squares = p.track_prefill_tokens ? static_cast<double>(c.active_prefill_squares) : 0.0;
+  const double queued = p.track_prefill_tokens ? AsDouble(c.active_prefill_tokens) : 0.0;
+  const double queued_squares = p.track_prefill_tokens ? AsDouble(c.active_prefill_squares) : 0.0;
   const double budget = std::max<std::uint32_t>(1, c.max_num_batched_tokens);
   const double steps = std::max(1.0, std::ceil((queued + uncached) / budget));
-  const double capacity = c.total_kv_blocks > 0 ? static_cast<double>(c.total_kv_blocks) : 16384.0;
-  const double decode_blocks = static_cast<double>(c.active_blocks) + req.request_blocks - active_prefix;
+  const double capacity = c.total_kv_blocks > 0 ? AsDouble(c.total_kv_blocks) : 16384.0;
+  const double decode_blocks = AsDouble(c.active_blocks) + req.request_blocks - active_prefix;
   const double u = std::min(1.0, decode_blocks / capacity);
   const double ttft = kPrefillMsPerToken * (queued + uncached) +
                       kPrefillMsPerTokenSquared * (queued_squares + uncached * uncached) +

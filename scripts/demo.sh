@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The one-command demo: installs what is missing, builds, starts nats-server, kvrouter and 4
-# mock workers on free local ports, replays a workload through router.generate in kv mode,
-# round-robin and approximate mode, prints the comparison, and stops everything it started
+# mock workers on free local ports, replays a workload through router.generate in kv mode (the
+# default cost, then Dynamo's formula), round-robin and approximate mode, prints the
+# comparison, and stops everything it started
 # (also on Ctrl-C). The workload is a slice of the shared Mooncake trace when
 # ../shared/traces/conversation_trace.jsonl (or $KVROUTER_TRACE) exists, else the synthetic
 # multi-turn conversation workload.
 #
-#   scripts/demo.sh                 about a minute on a 2-core machine
+#   scripts/demo.sh                 about 3 minutes on a 2-core machine
 #   DEMO_REQUESTS=600 scripts/demo.sh
 #   DEMO_JSON_DIR=out scripts/demo.sh   also keeps each mode's kvbench JSON
 set -euo pipefail
@@ -67,7 +68,7 @@ run() {  # label, router flags...
   wait_port "$port"
   "$bin/kvrouter" --nats-server "$url" --metrics-port 0 "$@" >"$work/kvrouter-$label.log" 2>&1 &
   pids+=($!)
-  "$bin/kvmocker" --nats-server "$url" --metrics-port 0 --num-workers 4 --num-gpu-blocks 2048 --speedup-ratio 10 \
+  "$bin/kvmocker" --nats-server "$url" --metrics-port 0 --num-workers 4 --num-gpu-blocks 16384 --speedup-ratio 10 \
     >"$work/kvmocker-$label.log" 2>&1 &
   pids+=($!)
   echo "demo: $label ..."
@@ -78,6 +79,7 @@ run() {  # label, router flags...
 }
 
 run kv --router-mode kv
+run kv-dynamo-cost --router-mode kv --router-prefill-load-scale 1
 run round-robin --router-mode round-robin
 run kv-approx --router-mode kv --no-router-kv-events
 
@@ -85,6 +87,7 @@ echo
 head -n 1 "$work/kv.txt"
 printf '%s\n' "${rows[@]}"
 echo
+echo "kv = the default cost (predicted time); kv-dynamo-cost = Dynamo's formula (--router-prefill-load-scale 1)."
 echo "kv_hit = cached prompt tokens / prompt tokens; max/share = busiest worker's requests / a fair share."
 [ -n "${DEMO_JSON_DIR:-}" ] && mkdir -p "$DEMO_JSON_DIR" && cp "$work"/*.json "$DEMO_JSON_DIR"/ \
   && echo "JSON per mode: $DEMO_JSON_DIR"
