@@ -640,6 +640,30 @@ TEST_F(QueueTest, ExactlyAtTheThresholdIsNotFull) {
   EXPECT_FALSE(third.reply->has_value());
 }
 
+// A worker past the threshold is no candidate while another is open, even when it holds the
+// whole prompt: without the threshold the predicted cost would keep the request there (2,000
+// cached tokens against 1,200 queued ones).
+TEST_F(QueueTest, AFullWorkerHoldingThePrefixIsPassedOverForAnOpenOne) {
+  std::vector<std::uint32_t> prompt(2000), other(1200);
+  for (std::uint32_t k = 0; k < prompt.size(); ++k) prompt[k] = k + 1;
+  for (std::uint32_t k = 0; k < other.size(); ++k) other[k] = 50000 + k;
+  for (const char* threshold : {"1", ""}) {
+    std::vector<std::string> flags = {"--router-mode", "kv"};
+    if (*threshold) flags.insert(flags.end(), {"--router-queue-threshold", threshold});
+    StartWith(flags);
+    Register(1, {.max_num_batched_tokens = 1000});
+    Register(2, {.max_num_batched_tokens = 1000});
+    StorePrompt(1, 1, prompt);
+    RouteRequest fill = Prio("fill", 0, other);
+    fill.worker_id = 1;
+    ASSERT_TRUE(Route(fill).ok());  // 1,200 prefill tokens > 1 x 1,000: worker 1 is full
+    auto r = Route(Prio("r", 0, prompt));
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    EXPECT_EQ(r->worker_id, *threshold ? 2u : 1u) << "threshold '" << threshold << "'";
+    svc_.reset();
+  }
+}
+
 TEST_F(QueueTest, BestWorkerNeverWaits) {
   SetUpQueue();
   ASSERT_TRUE(Route(Prio("r1", 0)).ok());
