@@ -36,7 +36,15 @@ double KvCost(const Candidate& c, const SelectionRequest& req, const CostParams&
   return p.prefill_load_scale * adjusted + decode_blocks;
 }
 
-double PredictedCostMs(const Candidate& c, const SelectionRequest& req, const CostParams& p, double recent_excess) {
+namespace {
+
+// The price of one request of recent excess for this request (the same for every candidate).
+double SpreadPriceMs(const SelectionRequest& req) {
+  return std::min(kSpreadMs, kSpreadOfPrefill * (PrefillMs(req.isl) - kStepOverheadMs));
+}
+
+// PredictedCostMs with its spread term already priced.
+double PredictedCostPricedMs(const Candidate& c, const SelectionRequest& req, const CostParams& p, double spread) {
   const double bs = p.block_size;
   const std::uint32_t active_prefix = std::min(c.active_prefix_blocks, req.request_blocks);
   const double cached_blocks = std::min<double>(std::max(c.overlap_blocks, active_prefix), req.request_blocks);
@@ -51,13 +59,15 @@ double PredictedCostMs(const Candidate& c, const SelectionRequest& req, const Co
   const double ttft = kPrefillMsPerToken * (queued + uncached) +
                       kPrefillMsPerTokenSquared * (queued_squares + uncached * uncached) +
                       steps * (kStepOverheadMs + DecodeStepMs(u));
-  // Each request running there waits out this prefill; a worker that lately got more than its
-  // share of requests gets kSpreadMs per extra one (sessions come back to where they went).
-  const double prefill_work = PrefillMs(uncached) - kStepOverheadMs;
-  const double spread =
-      recent_excess * std::min(kSpreadMs, kSpreadOfPrefill * (PrefillMs(req.isl) - kStepOverheadMs));
-  const double inflicted = c.active_requests * prefill_work + spread;
-  return ttft + inflicted;
+  // Each request running there waits out this prefill.
+  const double inflicted = c.active_requests * (PrefillMs(uncached) - kStepOverheadMs);
+  return ttft + (inflicted + spread);
+}
+
+}  // namespace
+
+double PredictedCostMs(const Candidate& c, const SelectionRequest& req, const CostParams& p, double recent_excess) {
+  return PredictedCostPricedMs(c, req, p, recent_excess * SpreadPriceMs(req));
 }
 
 std::size_t Selector::PickKv(const SelectionRequest& req, std::span<const Candidate> cands,
@@ -66,13 +76,16 @@ std::size_t Selector::PickKv(const SelectionRequest& req, std::span<const Candid
   double lo = std::numeric_limits<double>::infinity();
   double hi = -lo;
   double mean_recent = 0;
+  double spread_price = 0;
   if (p.model == CostModel::kPredicted) {
     for (const Candidate& c : cands) mean_recent += c.recent_requests;
     mean_recent /= static_cast<double>(cands.size());
+    spread_price = SpreadPriceMs(req);
   }
   for (std::size_t i = 0; i < cands.size(); ++i) {
     if (p.model == CostModel::kPredicted) {
-      cost[i] = PredictedCostMs(cands[i], req, p, std::max(0.0, cands[i].recent_requests - mean_recent));
+      const double excess = std::max(0.0, cands[i].recent_requests - mean_recent);
+      cost[i] = PredictedCostPricedMs(cands[i], req, p, excess * spread_price);
     } else {
       cost[i] = KvCost(cands[i], req, p);
     }
