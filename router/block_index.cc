@@ -95,23 +95,58 @@ void BlockIndex::MaybeFree(std::uint32_t i) {
   }
 }
 
+std::uint32_t BlockIndex::HeldNode(std::uint32_t slot, BlockHash h) const {
+  if (slot == kFlatEmpty) return kFlatEmpty;
+  const WorkerSlot& w = slots_[slot];
+  if (w.mapped) return w.blocks.Find(h);
+  const std::uint32_t n = node_of_.Find(h);
+  return n != kFlatEmpty && node(n).holders.Contains(slot) ? n : kFlatEmpty;
+}
+
+void BlockIndex::MakeMapped(std::uint32_t slot) {
+  WorkerSlot& w = slots_[slot];
+  for (std::uint32_t n : w.held) {
+    if (node(n).holders.Contains(slot)) w.blocks.Insert(node(n).seq, n);  // duplicates fold
+  }
+  w.held = {};
+  w.canonical_blocks = 0;
+  w.mapped = true;
+}
+
+void BlockIndex::MaybeCompact(std::uint32_t slot) {
+  WorkerSlot& w = slots_[slot];
+  if (w.held.size() <= 2 * std::size_t{w.canonical_blocks} + 32) return;
+  std::sort(w.held.begin(), w.held.end());
+  w.held.erase(std::unique(w.held.begin(), w.held.end()), w.held.end());
+  std::erase_if(w.held, [&](std::uint32_t n) { return !node(n).holders.Contains(slot); });
+  if (w.held.capacity() > 4 * w.held.size() + 64) w.held.shrink_to_fit();
+}
+
 ApplyOutcome BlockIndex::ApplyStored(WorkerKey worker, std::optional<BlockHash> parent_hash,
                                      std::span<const StoredBlock> blocks) {
   ApplyOutcome out;
   std::uint32_t slot = FindSlot(worker);
   std::uint32_t parent = kRoot;
   if (parent_hash) {
-    parent = slot == kFlatEmpty ? kFlatEmpty : slots_[slot].blocks.Find(*parent_hash);
+    parent = HeldNode(slot, *parent_hash);
     if (parent == kFlatEmpty) {
       out.parent_not_found = true;
       return out;
     }
   }
   if (slot == kFlatEmpty) slot = SlotFor(worker);
+  WorkerSlot& w = slots_[slot];
   for (const StoredBlock& b : blocks) {
     const std::uint32_t child = ChildOrCreate(parent, b.tokens_hash);
-    const std::uint32_t previous = slots_[slot].blocks.Insert(b.block_hash, child);
-    if (previous != child) {
+    if (!w.mapped && node(child).seq != b.block_hash) MakeMapped(slot);
+    if (!w.mapped) {
+      // The engine hash names this node, so a known one is this very holding.
+      if (node(child).holders.Insert(slot, holder_heap_bytes_)) {
+        w.held.push_back(child);
+        ++w.canonical_blocks;
+        ++out.blocks_stored;
+      }
+    } else if (const std::uint32_t previous = w.blocks.Insert(b.block_hash, child); previous != child) {
       // Hold the new node before letting go of the old one, so freeing the old one's
       // ancestors can never free the node being stored.
       AddHolding(slot, child);
@@ -130,36 +165,49 @@ ApplyOutcome BlockIndex::ApplyRemoved(WorkerKey worker, std::span<const BlockHas
   ApplyOutcome out;
   const std::uint32_t slot = FindSlot(worker);
   for (BlockHash h : block_hashes) {
-    const std::uint32_t node = slot == kFlatEmpty ? kFlatEmpty : slots_[slot].blocks.Erase(h);
+    std::uint32_t node = kFlatEmpty;
+    if (slot != kFlatEmpty) node = slots_[slot].mapped ? slots_[slot].blocks.Erase(h) : HeldNode(slot, h);
     if (node == kFlatEmpty) {
       ++out.blocks_not_found;
       continue;
     }
+    if (!slots_[slot].mapped) --slots_[slot].canonical_blocks;
     DropHolding(slot, node);
     ++out.blocks_removed;
   }
+  if (slot != kFlatEmpty && !slots_[slot].mapped) MaybeCompact(slot);
   return out;
 }
 
 std::size_t BlockIndex::ClearSlot(std::uint32_t slot) {
   WorkerSlot& w = slots_[slot];
-  const std::size_t dropped = w.blocks.size();
+  const std::size_t dropped = w.holdings();
   // Every node this slot holds loses it; a node still held by the slot cannot be freed by an
   // earlier step of this loop, so no node is visited after being freed. The whole worker goes,
   // so no orphan is left behind for it and orphan_risk need not be set.
-  w.blocks.ForEach([&](const U64MapTraits::Entry& e) {
-    auto& extra = w.extra_refs;
-    if (!extra.empty()) {
-      if (auto it = extra.find(e.value); it != extra.end()) {
-        if (--it->second == 0) extra.erase(it);
-        return;
+  auto drop = [&](std::uint32_t n) {
+    // A stale or repeated canonical entry finds the slot gone (a freed node has no holders).
+    if (node(n).holders.Erase(slot, holder_heap_bytes_)) MaybeFree(n);
+  };
+  if (!w.mapped) {
+    for (std::uint32_t n : w.held) drop(n);
+  } else {
+    w.blocks.ForEach([&](const U64MapTraits::Entry& e) {
+      auto& extra = w.extra_refs;
+      if (!extra.empty()) {
+        if (auto it = extra.find(e.value); it != extra.end()) {
+          if (--it->second == 0) extra.erase(it);
+          return;
+        }
       }
-    }
-    node(e.value).holders.Erase(slot, holder_heap_bytes_);
-    MaybeFree(e.value);
-  });
+      drop(e.value);
+    });
+  }
+  w.held = {};
+  w.canonical_blocks = 0;
   w.blocks.Clear();
   w.extra_refs.clear();
+  w.mapped = false;
   return dropped;
 }
 
@@ -192,7 +240,7 @@ std::size_t BlockIndex::RemoveWorker(std::uint64_t worker_id) {
 
 std::size_t BlockIndex::TreeSize(WorkerKey worker) const {
   const std::uint32_t slot = FindSlot(worker);
-  return slot == kFlatEmpty ? 0 : slots_[slot].blocks.size();
+  return slot == kFlatEmpty ? 0 : slots_[slot].holdings();
 }
 
 // One function on purpose (74 lines): the route's hot path, with the prefetch pipeline, the
@@ -300,8 +348,8 @@ IndexMemory BlockIndex::Memory() const {
   m.bytes = chunks_.size() * kChunkSize * sizeof(Node) + node_of_.memory_bytes() + holder_heap_bytes_ +
             slots_.capacity() * sizeof(WorkerSlot);
   for (const WorkerSlot& w : slots_) {
-    m.bytes += w.blocks.memory_bytes();
-    m.holdings += w.blocks.size();
+    m.bytes += w.blocks.memory_bytes() + w.held.capacity() * sizeof(std::uint32_t);
+    m.holdings += w.holdings();
   }
   // Per-worker bookkeeping maps: an estimate of their node sizes.
   m.bytes += (slot_of_.size() + ranks_of_.size()) * 64;

@@ -1,6 +1,10 @@
 // BlockIndex: which KV blocks each (worker_id, dp_rank) holds, as a prefix tree with a sorted
-// holder set per node, plus per worker a map from the engine's block_hash to its node (for
-// parents and removals). One shard's worth of workers.
+// holder set per node. One shard's worth of workers. A worker whose engine block_hash is the
+// block's sequence hash (Dynamo's workers, kvmocker, approximate mode) is "canonical": its
+// parents and removals are found through the tree's own hash table and the node's holder set,
+// and it keeps only a list of the nodes it holds (4 bytes each, for `cleared`). The first block
+// whose block_hash differs turns the worker "mapped" for good: a map from engine block_hash to
+// node, as vLLM's own hashes need (12 bytes at load 0.375-0.75 per block).
 // A node is the prefix ending at a block; it is found by that prefix's sequence hash
 // (PROTOCOL.md section 1), computed here from its parent's and the stored block's local hash,
 // so every level of a request's path can be looked up (and prefetched) independently instead
@@ -82,7 +86,7 @@ class BlockIndex {
   // Calls f(WorkerKey, tree_size) for every known (worker, dp_rank).
   template <typename F>
   void ForEachWorker(F&& f) const {
-    for (const auto& [key, slot] : slot_of_) f(key, slots_[slot].blocks.size());
+    for (const auto& [key, slot] : slot_of_) f(key, slots_[slot].holdings());
   }
   IndexMemory Memory() const;
 
@@ -119,15 +123,28 @@ class BlockIndex {
   struct WorkerSlot {
     WorkerKey key;
     bool in_use = false;
-    FlatTable<U64MapTraits> blocks;  // engine block_hash -> node
-    // Nodes this worker reaches through more than one block_hash: extra references beyond the
-    // one its holder entry stands for. Almost always empty.
+    bool mapped = false;             // see the header comment; back to canonical when cleared
+    // Canonical: the nodes held, appended on every new holding and never erased one by one; an
+    // entry is stale when the node no longer holds this slot (or holds it through a later
+    // entry). Compacted when stale entries outnumber live ones.
+    std::vector<std::uint32_t> held;
+    std::uint32_t canonical_blocks = 0;  // canonical: live holdings
+    FlatTable<U64MapTraits> blocks;  // mapped: engine block_hash -> node
+    // Mapped: nodes this worker reaches through more than one block_hash: extra references
+    // beyond the one its holder entry stands for. Almost always empty.
     std::unordered_map<std::uint32_t, std::uint32_t> extra_refs;
+    std::size_t holdings() const { return mapped ? blocks.size() : canonical_blocks; }
   };
 
   std::uint32_t SlotFor(WorkerKey worker);          // creates on first use
   std::uint32_t FindSlot(WorkerKey worker) const;   // kFlatEmpty when unknown
   std::uint32_t ChildOrCreate(std::uint32_t parent, LocalHash local);
+  // The node the slot holds under engine hash h, or kFlatEmpty.
+  std::uint32_t HeldNode(std::uint32_t slot, BlockHash h) const;
+  // Canonical slot -> mapped (the map built from its held nodes).
+  void MakeMapped(std::uint32_t slot);
+  // Canonical slot: drops stale entries of `held` once they outnumber the live ones.
+  void MaybeCompact(std::uint32_t slot);
   void AddHolding(std::uint32_t slot, std::uint32_t i);
   // Drops one of the slot's references to node; frees nodes left without holders and children.
   void DropHolding(std::uint32_t slot, std::uint32_t i);

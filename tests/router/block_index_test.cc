@@ -225,46 +225,151 @@ class ReferenceIndex {
   std::map<WorkerKey, std::map<BlockHash, std::vector<LocalHash>>> workers_;
 };
 
+// Random stores, removals and clears on 4 workers x 2 ranks, checked against the reference
+// after every step. canonical_percent: the share of stored blocks whose engine hash is their
+// sequence hash (as Dynamo's workers publish); the rest get small engine ids, which turn the
+// worker's slot from canonical to mapped part way.
+void RunAgainstReference(std::uint64_t seed, int canonical_percent) {
+  std::mt19937_64 rng(seed);
+  BlockIndex idx;
+  ReferenceIndex ref;
+  auto pick = [&](std::uint64_t n) { return rng() % n; };
+  for (int step = 0; step < 4000; ++step) {
+    const WorkerKey w{pick(4), static_cast<std::uint32_t>(pick(2))};
+    const std::uint64_t op = pick(100);
+    if (op < 55) {
+      std::optional<BlockHash> parent;
+      std::vector<LocalHash> path;
+      if (pick(2) == 0 && ref.Size(w) > 0) {
+        auto& blocks = ref.workers_[w];
+        auto it = blocks.begin();
+        std::advance(it, pick(blocks.size()));
+        parent = it->first;
+        path = it->second;
+      } else if (pick(10) == 0) {
+        parent = 10'000 + pick(50);  // probably unknown
+      }
+      std::vector<StoredBlock> bs;
+      const std::size_t len = 1 + pick(4);
+      for (std::size_t i = 0; i < len; ++i) {
+        const LocalHash local = pick(3);
+        path.push_back(local);
+        const bool canonical = static_cast<int>(pick(100)) < canonical_percent;
+        bs.push_back({canonical ? ComputeSequenceHashes(path).back() : pick(60), local});
+      }
+      ref.Stored(w, parent, bs);
+      (void)idx.ApplyStored(w, parent, bs);
+    } else if (op < 95) {
+      std::vector<BlockHash> hs;
+      auto& blocks = ref.workers_[w];
+      for (std::size_t i = 0, n = 1 + pick(3); i < n; ++i) {
+        if (pick(4) != 0 && !blocks.empty()) {
+          auto it = blocks.begin();
+          std::advance(it, pick(blocks.size()));
+          hs.push_back(it->first);  // a held one, whichever kind its hash is
+        } else {
+          hs.push_back(pick(60));
+        }
+      }
+      ref.Removed(w, hs);
+      (void)idx.ApplyRemoved(w, hs);
+    } else {
+      ref.Clear(w.worker_id);
+      (void)idx.ClearWorker(w.worker_id);
+    }
+    ASSERT_EQ(idx.TreeSize(w), ref.Size(w)) << "step " << step;
+    std::vector<LocalHash> q;
+    for (std::size_t i = 0, n = 1 + pick(6); i < n; ++i) q.push_back(pick(3));
+    ASSERT_EQ(Matches(idx, q), ref.Matches(q)) << "step " << step;
+  }
+}
+
 TEST(BlockIndex, AgreesWithReferenceModelUnderRandomEvents) {
   for (std::uint64_t seed : {1u, 2u, 3u, 4u, 5u}) {
     SCOPED_TRACE(seed);
-    std::mt19937_64 rng(seed);
-    BlockIndex idx;
-    ReferenceIndex ref;
-    auto pick = [&](std::uint64_t n) { return rng() % n; };
-    for (int step = 0; step < 4000; ++step) {
-      const WorkerKey w{pick(4), static_cast<std::uint32_t>(pick(2))};
-      const std::uint64_t op = pick(100);
-      if (op < 55) {
-        std::optional<BlockHash> parent;
-        if (pick(2) == 0 && ref.Size(w) > 0) {
-          auto& blocks = ref.workers_[w];
-          auto it = blocks.begin();
-          std::advance(it, pick(blocks.size()));
-          parent = it->first;
-        } else if (pick(10) == 0) {
-          parent = 10'000 + pick(50);  // probably unknown
-        }
-        std::vector<StoredBlock> bs;
-        const std::size_t len = 1 + pick(4);
-        for (std::size_t i = 0; i < len; ++i) bs.push_back({pick(60), pick(3)});
-        ref.Stored(w, parent, bs);
-        (void)idx.ApplyStored(w, parent, bs);
-      } else if (op < 95) {
-        std::vector<BlockHash> hs;
-        for (std::size_t i = 0, n = 1 + pick(3); i < n; ++i) hs.push_back(pick(60));
-        ref.Removed(w, hs);
-        (void)idx.ApplyRemoved(w, hs);
-      } else {
-        ref.Clear(w.worker_id);
-        (void)idx.ClearWorker(w.worker_id);
-      }
-      ASSERT_EQ(idx.TreeSize(w), ref.Size(w));
-      std::vector<LocalHash> q;
-      for (std::size_t i = 0, n = 1 + pick(6); i < n; ++i) q.push_back(pick(3));
-      ASSERT_EQ(Matches(idx, q), ref.Matches(q)) << "step " << step;
-    }
+    RunAgainstReference(seed, 0);
   }
+}
+
+TEST(BlockIndex, CanonicalWorkersAgreeWithReferenceModel) {
+  for (std::uint64_t seed : {1u, 2u, 3u, 4u, 5u}) {
+    SCOPED_TRACE(seed);
+    RunAgainstReference(seed, 100);
+  }
+}
+
+TEST(BlockIndex, WorkersTurningFromCanonicalToMappedAgreeWithReferenceModel) {
+  for (std::uint64_t seed : {1u, 2u, 3u, 4u, 5u}) {
+    SCOPED_TRACE(seed);
+    RunAgainstReference(seed, 97);
+  }
+}
+
+// Chains whose engine hashes are their sequence hashes.
+std::vector<StoredBlock> CanonicalChain(const std::vector<LocalHash>& locals) {
+  const auto seq = ComputeSequenceHashes(locals);
+  std::vector<StoredBlock> out;
+  for (std::size_t i = 0; i < locals.size(); ++i) out.push_back({seq[i], locals[i]});
+  return out;
+}
+
+TEST(BlockIndex, CanonicalWorkerIsFoundByParentAndRemovedByItsSequenceHash) {
+  BlockIndex idx;
+  const auto chain = CanonicalChain({1, 2, 3});
+  (void)idx.ApplyStored(kW1, std::nullopt, std::span(chain).first(2));
+  auto r = idx.ApplyStored(kW1, chain[1].block_hash, std::span(chain).subspan(2));
+  EXPECT_FALSE(r.parent_not_found);
+  EXPECT_EQ(r.blocks_stored, 1u);
+  // Another worker holding the same node does not make it this one's parent.
+  auto r2 = idx.ApplyStored(kW2, chain[1].block_hash, std::span(chain).subspan(2));
+  EXPECT_TRUE(r2.parent_not_found);
+  (void)idx.ApplyStored(kW2, std::nullopt, chain);
+  auto removed = idx.ApplyRemoved(kW1, std::vector<BlockHash>{chain[1].block_hash, chain[1].block_hash});
+  EXPECT_EQ(removed.blocks_removed, 1u);
+  EXPECT_EQ(removed.blocks_not_found, 1u);  // the repeat: already gone
+  EXPECT_EQ(Matches(idx, {1, 2, 3}), (std::map<WorkerKey, std::uint32_t>{{kW1, 1}, {kW2, 3}}));
+  EXPECT_EQ(idx.TreeSize(kW1), 2u);
+  EXPECT_EQ(idx.ClearWorker(1), 2u);
+  EXPECT_EQ(Matches(idx, {1, 2, 3}), (std::map<WorkerKey, std::uint32_t>{{kW2, 3}}));
+}
+
+TEST(BlockIndex, CanonicalWorkerKeepsNoMapAndTurnsMappedOnItsFirstOtherHash) {
+  BlockIndex idx;
+  std::vector<LocalHash> locals(1000);
+  for (std::size_t i = 0; i < locals.size(); ++i) locals[i] = 1000 + i;
+  (void)idx.ApplyStored(kW1, std::nullopt, CanonicalChain(locals));
+  const std::size_t canonical_bytes = idx.Memory().bytes;
+  // Now an engine id that is not a sequence hash: the worker keeps every block, under both kinds.
+  (void)idx.ApplyStored(kW1, std::nullopt, std::vector<StoredBlock>{{7, 5}});
+  EXPECT_EQ(idx.TreeSize(kW1), 1001u);
+  EXPECT_GE(idx.Memory().bytes, canonical_bytes + 1000 * 12);  // the map it did not need before
+  EXPECT_EQ(idx.ApplyRemoved(kW1, std::vector<BlockHash>{7, ComputeSequenceHashes(locals).back()}).blocks_removed, 2u);
+  EXPECT_EQ(Matches(idx, locals), (std::map<WorkerKey, std::uint32_t>{{kW1, 999}}));
+  // Cleared, it is canonical again.
+  EXPECT_EQ(idx.ClearWorker(1), 999u);
+  (void)idx.ApplyStored(kW1, std::nullopt, CanonicalChain(locals));
+  EXPECT_EQ(idx.Memory().bytes, canonical_bytes);
+}
+
+TEST(BlockIndex, CanonicalWorkerMemoryStaysBoundedWhenTheSameBlocksComeAndGoAMillionTimes) {
+  BlockIndex idx;
+  const auto chain = CanonicalChain({11, 12, 13, 14});
+  std::vector<BlockHash> ids;
+  for (const auto& b : chain) ids.push_back(b.block_hash);
+  (void)idx.ApplyStored(kW2, std::nullopt, CanonicalChain({11, 12}));  // a second holder
+  (void)idx.ApplyStored(kW1, std::nullopt, chain);
+  (void)idx.ApplyRemoved(kW1, ids);
+  const IndexMemory before = idx.Memory();
+  for (int i = 0; i < 1'000'000; ++i) {
+    (void)idx.ApplyStored(kW1, std::nullopt, chain);
+    (void)idx.ApplyRemoved(kW1, ids);
+  }
+  const IndexMemory after = idx.Memory();
+  // The held list collects stale entries between compactions: at most 2 x live + 32 of them.
+  EXPECT_LE(after.bytes, before.bytes + 64 * sizeof(std::uint32_t));
+  EXPECT_EQ(after.nodes, 2u);
+  EXPECT_EQ(after.holdings, 2u);
+  EXPECT_EQ(idx.TreeSize(kW1), 0u);
 }
 
 }  // namespace
