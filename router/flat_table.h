@@ -4,8 +4,10 @@
 //
 // Entry layout is given by a Traits type:
 //   struct Traits { using Key = ...; struct Entry {...};
-//                   static Key KeyOf(const Entry&); static void Set(Entry&, const Key&, uint32_t);
-//                   static uint64_t Hash(const Key&); };
+//                   Key KeyOf(const Entry&) const; void Set(Entry&, const Key&, uint32_t) const;
+//                   uint64_t Hash(const Key&) const; };
+// (static members, or members of a traits object given to the constructor: an entry may then
+// hold only the value and find its key elsewhere, as approximate mode's table does).
 // An entry whose `value` is kFlatEmpty is a free slot, so kFlatEmpty cannot be stored.
 // Not thread-safe: owned by one shard thread (readers hold the shard's shared lock).
 //
@@ -38,8 +40,10 @@ class FlatTable {
   using Entry = typename Traits::Entry;
 
   FlatTable() = default;
+  explicit FlatTable(Traits traits) : traits_(traits) {}
   FlatTable(FlatTable&& o) noexcept { *this = std::move(o); }
   FlatTable& operator=(FlatTable&& o) noexcept {
+    traits_ = o.traits_;
     slots_ = std::move(o.slots_);
     capacity_ = std::exchange(o.capacity_, 0);
     size_ = std::exchange(o.size_, 0);
@@ -56,30 +60,30 @@ class FlatTable {
   std::uint32_t Find(const Key& key) const {
     if (size_ == 0) return kFlatEmpty;
     const std::size_t mask = capacity_ - 1;
-    for (std::size_t i = Traits::Hash(key) & mask;; i = (i + 1) & mask) {
+    for (std::size_t i = traits_.Hash(key) & mask;; i = (i + 1) & mask) {
       const Entry& e = slots_[i];
       if (e.value == kFlatEmpty) return kFlatEmpty;
-      if (Traits::KeyOf(e) == key) return e.value;
+      if (traits_.KeyOf(e) == key) return e.value;
     }
   }
 
   // Starts loading the cache line where key's probe begins (no effect on contents).
   void Prefetch(const Key& key) const {
-    if (capacity_ != 0) __builtin_prefetch(&slots_[Traits::Hash(key) & (capacity_ - 1)]);
+    if (capacity_ != 0) __builtin_prefetch(&slots_[traits_.Hash(key) & (capacity_ - 1)]);
   }
 
   // Inserts or overwrites. Returns the previous value, or kFlatEmpty if the key was new.
   std::uint32_t Insert(const Key& key, std::uint32_t value) {
     if ((size_ + 1) * 4 > capacity_ * 3) Rehash(capacity_ == 0 ? 8 : capacity_ * 2);
     const std::size_t mask = capacity_ - 1;
-    for (std::size_t i = Traits::Hash(key) & mask;; i = (i + 1) & mask) {
+    for (std::size_t i = traits_.Hash(key) & mask;; i = (i + 1) & mask) {
       Entry& e = slots_[i];
       if (e.value == kFlatEmpty) {
-        Traits::Set(e, key, value);
+        traits_.Set(e, key, value);
         ++size_;
         return kFlatEmpty;
       }
-      if (Traits::KeyOf(e) == key) return std::exchange(e.value, value);
+      if (traits_.KeyOf(e) == key) return std::exchange(e.value, value);
     }
   }
 
@@ -87,16 +91,16 @@ class FlatTable {
   std::uint32_t Erase(const Key& key) {
     if (size_ == 0) return kFlatEmpty;
     const std::size_t mask = capacity_ - 1;
-    std::size_t i = Traits::Hash(key) & mask;
+    std::size_t i = traits_.Hash(key) & mask;
     for (;; i = (i + 1) & mask) {
       if (slots_[i].value == kFlatEmpty) return kFlatEmpty;
-      if (Traits::KeyOf(slots_[i]) == key) break;
+      if (traits_.KeyOf(slots_[i]) == key) break;
     }
     const std::uint32_t old = slots_[i].value;
     // Backward-shift: pull later members of the probe run into the hole.
     std::size_t hole = i;
     for (std::size_t j = (i + 1) & mask; slots_[j].value != kFlatEmpty; j = (j + 1) & mask) {
-      const std::size_t home = Traits::Hash(Traits::KeyOf(slots_[j])) & mask;
+      const std::size_t home = traits_.Hash(traits_.KeyOf(slots_[j])) & mask;
       // Move j into the hole unless its home lies cyclically in (hole, j].
       const bool home_after_hole = ((j - home) & mask) < ((j - hole) & mask);
       if (!home_after_hole) {
@@ -133,12 +137,13 @@ class FlatTable {
     const std::size_t mask = capacity_ - 1;
     for (std::size_t k = 0; k < old_capacity; ++k) {
       if (old[k].value == kFlatEmpty) continue;
-      std::size_t i = Traits::Hash(Traits::KeyOf(old[k])) & mask;
+      std::size_t i = traits_.Hash(traits_.KeyOf(old[k])) & mask;
       while (slots_[i].value != kFlatEmpty) i = (i + 1) & mask;
       slots_[i] = old[k];
     }
   }
 
+  [[no_unique_address]] Traits traits_{};
   std::unique_ptr<Entry[]> slots_;
   std::size_t capacity_ = 0;  // 0 or a power of two
   std::size_t size_ = 0;

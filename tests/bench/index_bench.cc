@@ -19,6 +19,7 @@
 #include <map>
 
 #include "events/block_hash.h"
+#include "router/approx_index.h"
 #include "router/block_index.h"
 #include "router/sharded_index.h"
 
@@ -297,6 +298,37 @@ void BM_MemoryPerPair(benchmark::State& state) {
   }
 }
 BENCHMARK(BM_MemoryPerPair)->Arg(64)->Arg(1000)->Iterations(1)->Unit(benchmark::kSecond);
+
+// Approximate mode: 64 workers' predictions of the same workload (64 x 16,384 = the default
+// --router-max-tree-size), recorded as routed requests would be. Bytes per predicted (block,
+// worker): the predictions' own entries and table, and with the index they feed.
+void BM_ApproxMemoryPerBlock(benchmark::State& state) {
+  for (auto _ : state) {
+    malloc_trim(0);
+    const std::size_t heap0 = mallinfo2().uordblks + mallinfo2().hblkhd;
+    auto approx = std::make_unique<ApproxIndex>(std::chrono::seconds(120), std::uint64_t{1} << 20, 0.8);
+    std::mt19937_64 rng(1234);
+    const SteadyTime t0{};
+    for (int w = 0; w < 64; ++w) {
+      FillWorker(w, rng, [&](std::uint64_t worker, const std::vector<StoredBlock>& chain) {
+        std::vector<LocalHash> local;
+        std::vector<SequenceHash> seq;
+        for (const StoredBlock& b : chain) {
+          local.push_back(b.tokens_hash);
+          seq.push_back(b.block_hash);
+        }
+        approx->Record({worker, 0}, local, seq, t0);
+      });
+    }
+    const std::size_t heap1 = mallinfo2().uordblks + mallinfo2().hblkhd;
+    const double n = static_cast<double>(approx->size());
+    state.counters["predicted"] = n;
+    state.counters["own_bytes_per_block"] = static_cast<double>(approx->OwnBytes()) / n;
+    state.counters["bytes_per_block"] = static_cast<double>(approx->OwnBytes() + approx->IndexBytes().bytes) / n;
+    state.counters["heap_bytes_per_block"] = static_cast<double>(heap1 - heap0) / n;
+  }
+}
+BENCHMARK(BM_ApproxMemoryPerBlock)->Iterations(1)->Unit(benchmark::kSecond);
 
 // ---- the cost alone: Selector::Pick among 1,000 candidates --------------------------------------
 

@@ -103,5 +103,49 @@ TEST(ApproxIndex, RemovedWorkerLosesItsPredictionsOnly) {
   EXPECT_EQ(a.Expire(kT0 + seconds(120)), 3u);  // no dangling entries of worker 1
 }
 
+TEST(ApproxIndex, ExpiryStaysRightAcrossMonthsOfUptime) {
+  // Ages are kept in 32-bit milliseconds from a base that moves forward after 24.8 days.
+  using Days = std::chrono::duration<std::int64_t, std::ratio<86400>>;
+  ApproxIndex a(seconds(120), 1000, 0.8);
+  const Prompt old_prompt = MakePrompt(10, 2);
+  const Prompt new_prompt = MakePrompt(20, 3);
+  a.Record(kA, old_prompt.local, old_prompt.seq, kT0);
+  const SteadyTime later = kT0 + Days(30) + std::chrono::milliseconds(1);
+  a.Record(kA, new_prompt.local, new_prompt.seq, later);
+  EXPECT_EQ(a.Expire(later + seconds(119)), 2u);  // only the month-old blocks
+  EXPECT_EQ(Matches(a, new_prompt), (std::map<WorkerKey, std::uint32_t>{{kA, 3}}));
+  const SteadyTime much_later = later + Days(40);
+  a.Record(kB, old_prompt.local, old_prompt.seq, much_later);
+  EXPECT_EQ(a.Expire(much_later + seconds(119)), 3u);
+  EXPECT_EQ(a.Expire(much_later + seconds(120)), 2u);
+  EXPECT_EQ(a.size(), 0u);
+}
+
+TEST(ApproxIndex, AClockThatGoesBackExpiresNothing) {
+  ApproxIndex a(seconds(120), 1000, 0.8);
+  const Prompt p = MakePrompt(10, 2);
+  a.Record(kA, p.local, p.seq, kT0 + seconds(500));
+  EXPECT_EQ(a.Expire(kT0 + seconds(100)), 0u);
+  EXPECT_EQ(a.Expire(kT0 + seconds(620)), 2u);
+}
+
+TEST(ApproxIndex, APredictionCostsAtMost40BytesBesideTheIndexAndExpiredOnesAreReused) {
+  ApproxIndex a(seconds(120), 1 << 20, 0.8);
+  for (LocalHash first = 0; first < 100'000; first += 100) {
+    const Prompt p = MakePrompt(first * 1000, 100);
+    a.Record({first % 7, 0}, p.local, p.seq, kT0);
+  }
+  ASSERT_EQ(a.size(), 100'000u);
+  const std::size_t bytes = a.OwnBytes();
+  EXPECT_LE(static_cast<double>(bytes) / a.size(), 40.0);
+  EXPECT_EQ(a.Expire(kT0 + seconds(120)), 100'000u);
+  for (LocalHash first = 0; first < 100'000; first += 100) {
+    const Prompt p = MakePrompt(first * 1000 + 7, 100);
+    a.Record({first % 7, 0}, p.local, p.seq, kT0 + seconds(200));
+  }
+  EXPECT_EQ(a.size(), 100'000u);
+  EXPECT_LE(a.OwnBytes(), bytes);  // freed entries were reused, the table regrew to its size
+}
+
 }  // namespace
 }  // namespace kvrouter
