@@ -38,8 +38,7 @@ std::uint32_t BlockIndex::SlotFor(WorkerKey worker) {
   return s;
 }
 
-std::uint32_t BlockIndex::ChildOrCreate(std::uint32_t parent, LocalHash local) {
-  const SequenceHash seq = parent == kRoot ? local : ChainSequenceHash(node(parent).seq, local);
+std::uint32_t BlockIndex::ChildOrCreate(std::uint32_t parent, SequenceHash seq) {
   // A 64-bit sequence hash names one prefix (collisions are as unlikely as in the engines'
   // own prefix caches), so an existing node under this hash is this prefix.
   if (std::uint32_t c = node_of_.Find(seq); c != kFlatEmpty) return c;
@@ -123,9 +122,14 @@ void BlockIndex::MaybeCompact(std::uint32_t slot) {
 }
 
 ApplyOutcome BlockIndex::ApplyStored(WorkerKey worker, std::optional<BlockHash> parent_hash,
-                                     std::span<const StoredBlock> blocks) {
+                                     std::span<const StoredBlock> blocks, std::uint64_t max_blocks) {
   ApplyOutcome out;
   std::uint32_t slot = FindSlot(worker);
+  const std::size_t held = slot == kFlatEmpty ? 0 : slots_[slot].holdings();
+  if (held + blocks.size() > max_blocks) {
+    out.over_capacity = true;
+    return out;
+  }
   std::uint32_t parent = kRoot;
   if (parent_hash) {
     parent = HeldNode(slot, *parent_hash);
@@ -136,8 +140,24 @@ ApplyOutcome BlockIndex::ApplyStored(WorkerKey worker, std::optional<BlockHash> 
   }
   if (slot == kFlatEmpty) slot = SlotFor(worker);
   WorkerSlot& w = slots_[slot];
-  for (const StoredBlock& b : blocks) {
-    const std::uint32_t child = ChildOrCreate(parent, b.tokens_hash);
+  // The chain's sequence hashes first, so the hash-table lookups can be prefetched a few blocks
+  // ahead and their cache misses overlap (most stored blocks are new, so most lookups miss).
+  thread_local std::vector<SequenceHash> seqs;
+  seqs.resize(blocks.size());
+  for (std::size_t i = 0; i < blocks.size(); ++i) {
+    const LocalHash local = blocks[i].tokens_hash;
+    if (i > 0) {
+      seqs[i] = ChainSequenceHash(seqs[i - 1], local);
+    } else {
+      seqs[i] = parent == kRoot ? local : ChainSequenceHash(node(parent).seq, local);
+    }
+  }
+  constexpr std::size_t kAhead = 8;
+  for (std::size_t i = 0; i < std::min(kAhead, seqs.size()); ++i) node_of_.Prefetch(seqs[i]);
+  for (std::size_t i = 0; i < blocks.size(); ++i) {
+    const StoredBlock& b = blocks[i];
+    if (i + kAhead < seqs.size()) node_of_.Prefetch(seqs[i + kAhead]);
+    const std::uint32_t child = ChildOrCreate(parent, seqs[i]);
     if (!w.mapped && node(child).seq != b.block_hash) MakeMapped(slot);
     if (!w.mapped) {
       // The engine hash names this node, so a known one is this very holding.

@@ -22,6 +22,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <optional>
 #include <memory>
 #include <span>
@@ -48,6 +49,7 @@ struct ApplyOutcome {
   std::uint32_t blocks_stored = 0;        // new (worker, block) holdings
   std::uint32_t blocks_removed = 0;
   bool parent_not_found = false;          // stored chain dropped whole
+  bool over_capacity = false;             // stored chain dropped whole: it would pass max_blocks
   std::uint32_t blocks_not_found = 0;     // removals of unknown blocks (rest still applied)
 };
 
@@ -64,10 +66,12 @@ class BlockIndex {
   BlockIndex(const BlockIndex&) = delete;
   BlockIndex& operator=(const BlockIndex&) = delete;
 
-  // Stores a chain for `worker`. An unknown parent drops the whole chain; re-storing a known
-  // block is idempotent; a known block_hash stored at a new position moves there.
+  // Stores a chain for `worker`. An unknown parent drops the whole chain, and so does a chain
+  // that would take the worker's blocks past max_blocks; re-storing a known block is
+  // idempotent; a known block_hash stored at a new position moves there.
   ApplyOutcome ApplyStored(WorkerKey worker, std::optional<BlockHash> parent,
-                           std::span<const StoredBlock> blocks);
+                           std::span<const StoredBlock> blocks,
+                           std::uint64_t max_blocks = std::numeric_limits<std::uint64_t>::max());
   // Removes blocks by engine hash; unknown ones are counted and skipped.
   ApplyOutcome ApplyRemoved(WorkerKey worker, std::span<const BlockHash> block_hashes);
   // Drops every block of one (worker, dp_rank); the worker stays known.
@@ -138,7 +142,8 @@ class BlockIndex {
 
   std::uint32_t SlotFor(WorkerKey worker);          // creates on first use
   std::uint32_t FindSlot(WorkerKey worker) const;   // kFlatEmpty when unknown
-  std::uint32_t ChildOrCreate(std::uint32_t parent, LocalHash local);
+  // The node of sequence hash seq (a child of parent), created when new.
+  std::uint32_t ChildOrCreate(std::uint32_t parent, SequenceHash seq);
   // The node the slot holds under engine hash h, or kFlatEmpty.
   std::uint32_t HeldNode(std::uint32_t slot, BlockHash h) const;
   // Canonical slot -> mapped (the map built from its held nodes).

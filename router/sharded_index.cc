@@ -78,24 +78,23 @@ class ShardedIndex::Shard {
 
   void SetCapacity(std::uint64_t worker_id, std::uint64_t blocks) {
     submitted_.fetch_add(1, std::memory_order_relaxed);
-    Item it{Item::kSetCapacity, {}, worker_id};
-    it.part.last_event_id = blocks;
+    Item it{Item::kSetCapacity, {}, worker_id, std::make_unique<RecoveryPart>()};
+    it.part->last_event_id = blocks;
     queue_.enqueue(std::move(it));
   }
 
   void RequestDump(WorkerKey worker, SequenceKind numbering) {
     submitted_.fetch_add(1, std::memory_order_relaxed);
-    Item it{Item::kRequestDump, {}, worker.worker_id};
-    it.part.worker = worker;
-    it.part.numbering = numbering;
+    Item it{Item::kRequestDump, {}, worker.worker_id, std::make_unique<RecoveryPart>()};
+    it.part->worker = worker;
+    it.part->numbering = numbering;
     queue_.enqueue(std::move(it));
   }
 
   void Recovered(RecoveryPart part) {
     submitted_.fetch_add(1, std::memory_order_relaxed);
-    Item it{Item::kRecovered, {}, part.worker.worker_id};
-    it.part = std::move(part);
-    queue_.enqueue(std::move(it));
+    const std::uint64_t worker_id = part.worker.worker_id;
+    queue_.enqueue(Item{Item::kRecovered, {}, worker_id, std::make_unique<RecoveryPart>(std::move(part))});
   }
 
   // Waits until the shard is quiet: everything submitted, including what applying it submitted
@@ -157,7 +156,9 @@ class ShardedIndex::Shard {
     } kind = kWake;
     KvEventBatch batch;
     std::uint64_t worker_id = 0;
-    RecoveryPart part;  // kRequestDump (its worker, numbering), kRecovered; kSetCapacity: last_event_id
+    // Out of line, so the queue moves small items: kRequestDump (its worker, numbering),
+    // kRecovered; kSetCapacity: last_event_id.
+    std::unique_ptr<RecoveryPart> part;
   };
 
   void MarkStale(WorkerKey w) {
@@ -195,22 +196,22 @@ class ShardedIndex::Shard {
               ++done;
               break;
             case Item::kSetCapacity:
-              capacity_of_[it.worker_id] = it.part.last_event_id;
+              capacity_of_[it.worker_id] = it.part->last_event_id;
               ++done;
               break;
             case Item::kRequestDump:
-              streams_.RequestDump(it.part.worker, it.part.numbering);
+              streams_.RequestDump(it.part->worker, it.part->numbering);
               ++done;
               break;
             case Item::kRecovered:
-              slice += ApplyRecovered(it.part);
+              slice += ApplyRecovered(*it.part);
               ++done;
               break;
             case Item::kWake:
               break;
           }
           it.batch = {};
-          it.part = {};
+          it.part.reset();
           if (slice >= kMaxBlocksPerLock) {  // let waiting readers in
             mu_.unlock();
             AskRecoveries();
@@ -305,11 +306,11 @@ class ShardedIndex::Shard {
       if (auto* s = std::get_if<KvStored>(&op.data)) {
         auto cap = capacity_of_.find(key.worker_id);
         const std::uint64_t limit = cap == capacity_of_.end() ? default_capacity_ : cap->second;
-        if (index_.TreeSize(key) + s->blocks.size() > limit) {
+        r = index_.ApplyStored(key, s->parent_hash, s->blocks, limit);
+        if (r.over_capacity) {
           over_capacity_.Add(1);
           continue;
         }
-        r = index_.ApplyStored(key, s->parent_hash, s->blocks);
       } else if (auto* rm = std::get_if<KvRemoved>(&op.data)) {
         r = index_.ApplyRemoved(key, rm->block_hashes);
       } else {

@@ -63,6 +63,17 @@ TEST(BlockIndex, StoredChainWithUnknownParentIsDropped) {
   EXPECT_EQ(idx.TreeSize(kW2), 0u);
 }
 
+TEST(BlockIndex, AChainThatWouldPassMaxBlocksIsDroppedWhole) {
+  BlockIndex idx;
+  EXPECT_FALSE(idx.ApplyStored(kW1, std::nullopt, Chain(100, {1, 2}), 3).over_capacity);
+  auto r = idx.ApplyStored(kW1, 101, Chain(200, {3, 4}), 3);
+  EXPECT_TRUE(r.over_capacity);
+  EXPECT_EQ(r.blocks_stored, 0u);
+  EXPECT_EQ(idx.TreeSize(kW1), 2u);
+  EXPECT_EQ(idx.ApplyStored(kW1, 101, Chain(200, {3}), 3).blocks_stored, 1u);  // exactly full
+  EXPECT_EQ(Matches(idx, {1, 2, 3}), (std::map<WorkerKey, std::uint32_t>{{kW1, 3}}));
+}
+
 TEST(BlockIndex, RestoringKnownBlocksIsIdempotent) {
   BlockIndex idx;
   (void)idx.ApplyStored(kW1, std::nullopt, Chain(100, {1, 2}));
