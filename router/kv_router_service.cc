@@ -168,35 +168,63 @@ bool KvRouterService::AdmitEvent(std::uint64_t worker_id, std::uint32_t dp_rank)
   return false;
 }
 
-void KvRouterService::HandleKvEvent(const BusMessage& m) {
-  auto batch = DecodeDynamoEvent(m.data);
-  if (!batch.ok()) return DropUndecodable("decode_error", m, batch.status());
-  if (!AdmitEvent(batch->worker_id, batch->dp_rank)) return;
-  const std::uint64_t worker = batch->worker_id;
-  if (!index_.Submit(std::move(batch).value())) {
+void KvRouterService::HandOver(std::optional<KvEventBatch> batch, bool more_pending, std::vector<KvEventBatch>& bulk) {
+  constexpr std::size_t kMaxBulk = 256;
+  auto refused = [&](std::uint64_t worker) {
     log_.Log(LogLevel::kWarning, "index queue full", "index queue full: dropped an event of worker {}", worker);
+  };
+  if (!more_pending && bulk.empty()) {  // nothing gathered (always so on the in-memory bus)
+    if (!batch) return;
+    const std::uint64_t worker = batch->worker_id;
+    if (!index_.Submit(std::move(*batch))) refused(worker);
+    return;
   }
+  if (batch) bulk.push_back(std::move(*batch));
+  if (more_pending && bulk.size() < kMaxBulk) return;
+  thread_local std::vector<std::uint64_t> refused_workers;
+  index_.SubmitAll(bulk, refused_workers);
+  bulk.clear();
+  for (std::uint64_t w : refused_workers) refused(w);
+  refused_workers.clear();
 }
 
+void KvRouterService::HandleKvEvent(const BusMessage& m) { HandOver(AdmittedKvEvent(m), m.more_pending, kv_bulk_); }
+
 void KvRouterService::HandleVllmEvent(const BusMessage& m) {
+  HandOver(AdmittedVllmEvent(m), m.more_pending, vllm_bulk_);
+}
+
+std::optional<KvEventBatch> KvRouterService::AdmittedKvEvent(const BusMessage& m) {
+  auto batch = DecodeDynamoEvent(m.data);
+  if (!batch.ok()) {
+    DropUndecodable("decode_error", m, batch.status());
+    return std::nullopt;
+  }
+  if (!AdmitEvent(batch->worker_id, batch->dp_rank)) return std::nullopt;
+  return std::move(batch).value();
+}
+
+std::optional<KvEventBatch> KvRouterService::AdmittedVllmEvent(const BusMessage& m) {
   VllmBatchContext ctx;
   ctx.block_size = config_.block_size;
   if (!m.subject.starts_with(subjects_.vllm_events_prefix) ||
       !ParseWorkerRank(m.subject.substr(subjects_.vllm_events_prefix.size()), ctx.worker_id, ctx.dp_rank)) {
-    return DropUndecodable("decode_error", m, InvalidArgument("malformed subject"));
+    DropUndecodable("decode_error", m, InvalidArgument("malformed subject"));
+    return std::nullopt;
   }
   if (auto seq = m.Header("Kv-Seq")) ctx.kv_seq = ParseKvSeqHeader(*seq);
   auto decoded = DecodeVllmBatch(m.data, ctx);
-  if (!decoded.ok()) return DropUndecodable("decode_error", m, decoded.status());
+  if (!decoded.ok()) {
+    DropUndecodable("decode_error", m, decoded.status());
+    return std::nullopt;
+  }
   if (decoded->block_size_mismatches > 0) {
     drops_.Add("block_size_mismatch", decoded->block_size_mismatches);
     log_.Log(LogLevel::kWarning, "vllm block size", "worker {}: stored blocks cut short (block size is {})",
              ctx.worker_id, config_.block_size);
   }
-  if (!AdmitEvent(ctx.worker_id, ctx.dp_rank)) return;
-  if (!index_.Submit(std::move(decoded->batch))) {
-    log_.Log(LogLevel::kWarning, "index queue full", "index queue full: dropped an event of worker {}", ctx.worker_id);
-  }
+  if (!AdmitEvent(ctx.worker_id, ctx.dp_rank)) return std::nullopt;
+  return std::move(decoded->batch);
 }
 
 void KvRouterService::HandleInstances(const BusMessage& m) {

@@ -98,6 +98,14 @@ class KvRouterService {
   Status Subscribe(MessageBus& bus, std::vector<Sub> subs);
   void HandleKvEvent(const BusMessage& m);
   void HandleVllmEvent(const BusMessage& m);
+  // The message's batch when it decodes and the registry admits it (else counted and logged).
+  std::optional<KvEventBatch> AdmittedKvEvent(const BusMessage& m);
+  std::optional<KvEventBatch> AdmittedVllmEvent(const BusMessage& m);
+  // Hands an admitted batch to the index. While the transport says more messages of the same
+  // subscription are queued, batches gather in `bulk` (touched only by that subscription's
+  // delivery thread) and go on together: one queue hand-off and at most one shard wake-up per
+  // bulk instead of per message. The last queued message flushes it.
+  void HandOver(std::optional<KvEventBatch> batch, bool more_pending, std::vector<KvEventBatch>& bulk);
   void HandleInstances(const BusMessage& m);
   void HandleRoute(const BusMessage& m, Routing::Kind kind);
   void HandleLifecycle(const BusMessage& m, bool free);
@@ -133,6 +141,9 @@ class KvRouterService {
   // recovery is off or there are no KV events.
   std::unique_ptr<RecoveryClient> recovery_;
   ShardedIndex index_;
+  // HandOver's bulks, one per event subscription (each only on its delivery thread).
+  std::vector<KvEventBatch> kv_bulk_;
+  std::vector<KvEventBatch> vllm_bulk_;
   WorkerRegistry registry_;
   DropCounters drops_;
   Routing routing_;

@@ -71,6 +71,25 @@ class ShardedIndex::Shard {
     return true;
   }
 
+  // Submit for each batch, enqueued together; a refused batch's worker goes to `refused`.
+  void SubmitMany(std::span<KvEventBatch* const> batches, std::vector<std::uint64_t>& refused) {
+    thread_local std::vector<Item> items;
+    for (KvEventBatch* b : batches) {
+      if (depth_.fetch_add(1, std::memory_order_relaxed) >= capacity_) {
+        depth_.fetch_sub(1, std::memory_order_relaxed);
+        queue_full_.fetch_add(1, std::memory_order_relaxed);
+        MarkStale({b->worker_id, b->dp_rank});
+        refused.push_back(b->worker_id);
+        continue;
+      }
+      items.push_back(Item{Item::kBatch, std::move(*b), 0});
+    }
+    if (items.empty()) return;
+    submitted_.fetch_add(items.size(), std::memory_order_relaxed);
+    queue_.enqueue_bulk(std::make_move_iterator(items.begin()), items.size());
+    items.clear();
+  }
+
   void Control(bool remove, std::uint64_t worker_id) {
     submitted_.fetch_add(1, std::memory_order_relaxed);
     queue_.enqueue(Item{remove ? Item::kRemoveWorker : Item::kClearWorker, {}, worker_id});
@@ -384,6 +403,17 @@ void ShardedIndex::ClearWorker(std::uint64_t worker_id) {
 
 void ShardedIndex::RemoveWorker(std::uint64_t worker_id) {
   shards_[ShardOf(worker_id)]->Control(true, worker_id);
+}
+
+void ShardedIndex::SubmitAll(std::vector<KvEventBatch>& batches, std::vector<std::uint64_t>& refused) {
+  thread_local std::vector<std::vector<KvEventBatch*>> by_shard;
+  by_shard.resize(shards_.size());
+  for (KvEventBatch& b : batches) by_shard[ShardOf(b.worker_id)].push_back(&b);
+  for (std::size_t s = 0; s < shards_.size(); ++s) {
+    if (by_shard[s].empty()) continue;
+    shards_[s]->SubmitMany(by_shard[s], refused);
+    by_shard[s].clear();
+  }
 }
 
 OverlapScores ShardedIndex::FindMatches(std::span<const SequenceHash> seq_hashes) const {

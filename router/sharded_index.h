@@ -84,6 +84,9 @@ class ShardedIndex {
   // Hands a decoded batch to the shard owning batch.worker_id. Never blocks; false when that
   // shard's queue is full (counted as queue_full, the worker flagged stale).
   bool Submit(KvEventBatch&& batch);
+  // Submit for every batch (emptied and left in `batches`), one queue hand-off and at most one
+  // wake-up per shard; appends the worker of each refused batch to `refused`.
+  void SubmitAll(std::vector<KvEventBatch>& batches, std::vector<std::uint64_t>& refused);
   // Control operations; never refused, applied in order with the worker's events.
   void ClearWorker(std::uint64_t worker_id);   // all dp ranks, keeps sequence tracking
   void RemoveWorker(std::uint64_t worker_id);  // blocks and sequence tracking

@@ -54,6 +54,15 @@ class InMemoryBus : public MessageBus {
   void set_max_payload(std::size_t bytes) { max_payload_.store(bytes); }
   Status Flush(std::chrono::milliseconds) override { return Status::Ok(); }  // delivery is synchronous
 
+  // Publishes messages one after another the way a NATS subscription delivers a backlog: every
+  // message but the last arrives with more_pending set.
+  Status PublishBurst(std::string_view subject, std::span<const std::vector<std::byte>> messages) {
+    for (std::size_t i = 0; i < messages.size(); ++i) {
+      if (Status s = Deliver(subject, messages[i], "", {}, i + 1 < messages.size()); !s.ok()) return s;
+    }
+    return Status::Ok();
+  }
+
   // Publishes with headers.
   Status PublishWithHeaders(std::string_view subject, std::span<const std::byte> data,
                             std::map<std::string, std::string> headers) {
@@ -155,7 +164,7 @@ class InMemoryBus : public MessageBus {
   std::string NewInbox() { return "_INBOX." + std::to_string(++inbox_seq_); }
 
   Status Deliver(std::string_view subject, std::span<const std::byte> data, std::string_view reply,
-                 std::map<std::string, std::string> headers) {
+                 std::map<std::string, std::string> headers, bool more_pending = false) {
     if (data.size() > max_payload_.load()) {
       return Internal(fmt::format("payload {} greater than maximum allowed: {}", data.size(), max_payload_.load()));
     }
@@ -180,6 +189,7 @@ class InMemoryBus : public MessageBus {
       return DeliverTo(reply, nr);
     }
     BusMessage m{subject, data, reply, &InMemoryBus::HeaderOf, &headers};
+    m.more_pending = more_pending;
     return RunHandlers(targets, m);
   }
 

@@ -28,6 +28,9 @@ struct BusMessage {
   // Header lookup (nullopt when absent or the transport has no headers).
   std::optional<std::string> (*header_fn)(const void* ctx, std::string_view key) = nullptr;
   const void* header_ctx = nullptr;
+  // More messages of this subscription are queued behind this one (NATS only; a hint, so the
+  // last of them arrives with false).
+  bool more_pending = false;
 
   std::optional<std::string> Header(std::string_view key) const {
     return header_fn == nullptr ? std::nullopt : header_fn(header_ctx, key);

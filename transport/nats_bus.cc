@@ -21,7 +21,9 @@ Result<std::unique_ptr<BusSubscription>> NatsBus::Subscribe(std::string subject,
                                                              Handler handler) {
   auto sub = client_.Subscribe(std::move(subject), std::move(queue_group),
                                [h = std::move(handler)](const IncomingMessage& m) {
-                                 h(BusMessage{m.subject, m.data, m.reply, &HeaderOf, &m});
+                                 BusMessage bm{m.subject, m.data, m.reply, &HeaderOf, &m};
+                                 bm.more_pending = m.more_pending;
+                                 h(bm);
                                });
   if (!sub.ok()) return sub.status();
   return std::unique_ptr<BusSubscription>(new NatsBusSubscription(std::move(sub).value()));

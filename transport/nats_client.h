@@ -90,6 +90,9 @@ struct IncomingMessage {
   std::string_view subject;
   std::span<const std::byte> data;
   std::string_view reply;  // empty when the sender expects no reply
+  // The subscription had more messages queued behind this one when it was delivered (a hint:
+  // a handler may gather work and hand it on when this is false).
+  bool more_pending = false;
 
   // Value of header `key` (the first one if repeated), or nullopt. nats.c 3.x header keys are
   // case-sensitive; this falls back to a case-insensitive match so "kv-seq" finds "Kv-Seq".

@@ -25,7 +25,7 @@ using transport_detail::MsgPtr;
 using transport_detail::SubscriptionState;
 using transport_detail::tls_dispatching;
 
-void OnMessage(natsConnection* /*nc*/, natsSubscription* /*sub*/, natsMsg* raw, void* closure) {
+void OnMessage(natsConnection* /*nc*/, natsSubscription* sub, natsMsg* raw, void* closure) {
   MsgPtr msg(raw);  // the callback owns the message
   if (msg == nullptr) return;
   auto* state = static_cast<SubscriptionState*>(closure);
@@ -43,6 +43,8 @@ void OnMessage(natsConnection* /*nc*/, natsSubscription* /*sub*/, natsMsg* raw, 
     const char* reply = natsMsg_GetReply(raw);
     m.reply = reply != nullptr ? reply : "";
     m.native = raw;
+    int pending_msgs = 0, pending_bytes = 0;
+    m.more_pending = natsSubscription_GetPending(sub, &pending_msgs, &pending_bytes) == NATS_OK && pending_msgs > 0;
     state->handler(m);
   } catch (const std::exception& e) {
     state->client->CountCallbackError(fmt::format("handler for '{}'", state->subject), e.what());

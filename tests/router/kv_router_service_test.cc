@@ -262,6 +262,39 @@ TEST_F(ServiceTest, GarbageOnEverySubjectLeavesTheIndexIntact) {
   EXPECT_GE(Dropped("decode_error"), 3 * junk.size() - 2);
 }
 
+// A backlog delivered the way a NATS subscription does (every message but the last marked
+// more_pending) reaches the index in bulks: nothing is lost, per-worker order holds, more than
+// one bulk's worth (256) is applied, and a last message that is garbage still hands the bulk on.
+TEST_F(ServiceTest, AnEventBacklogIsAppliedWholeAndInOrderWhateverItsLastMessage) {
+  StartWith({"--router-mode", "kv"});
+  std::vector<std::vector<std::byte>> burst;
+  auto add = [&](const msgpack::sbuffer& b) { burst.emplace_back(AsBytes(b).begin(), AsBytes(b).end()); };
+  std::uint64_t next_id[4] = {1, 1, 1, 1};
+  for (int i = 0; i < 300; ++i) {  // 300 stored prompts over 4 workers: more than one bulk
+    const std::uint64_t w = 1 + i % 4;
+    const std::vector<std::uint32_t> tokens = {static_cast<std::uint32_t>(1000 + i), 2, 3, 4};
+    add(EncodeDynamoEnvelope(StoredPromptBatch(w, next_id[w - 1]++, tokens, kBs), {}));
+  }
+  // Worker 1 stores the twelve tokens and removes their last block, in that order.
+  const KvEventBatch stored = StoredPromptBatch(1, next_id[0]++, kTwelve, kBs);
+  add(EncodeDynamoEnvelope(stored, {}));
+  KvEventBatch removed{.worker_id = 1, .sequence = {SequenceKind::kEventId, next_id[0]++}};
+  removed.ops.push_back(
+      {StorageTier::kDevice, KvRemoved{{std::get<KvStored>(stored.ops[0].data).blocks.back().block_hash}}});
+  add(EncodeDynamoEnvelope(removed, {}));
+  burst.push_back({std::byte{0xc1}});  // undecodable, and the last of the backlog
+  ASSERT_TRUE(bus_.PublishBurst(svc_->subjects().kv_events, burst).ok());
+  svc_->index().Flush();
+  EXPECT_EQ(svc_->index().Counters().batches_applied, 302u);
+  EXPECT_EQ(Dropped("decode_error"), 1u);
+  for (std::uint64_t w = 2; w <= 4; ++w) EXPECT_EQ(svc_->index().TreeSize({w, 0}), 75u) << w;
+  EXPECT_EQ(svc_->index().TreeSize({1, 0}), 75u + 2u);
+  auto r = Route(Prompt(kTwelve));
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->worker_id, 1u);
+  EXPECT_EQ(r->overlap_blocks, 2u);  // the removal came after the store
+}
+
 TEST_F(ServiceTest, ReplicaSyncSharesBookingsBetweenReplicas) {
   StartWith({"--router-mode", "kv", "--router-replica-sync"});
   std::vector<const char*> argv = {"kvrouter", "--block-size", "4", "--router-mode", "kv", "--router-replica-sync"};
