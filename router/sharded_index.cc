@@ -60,12 +60,7 @@ class ShardedIndex::Shard {
   }
 
   bool Submit(KvEventBatch&& batch) {
-    if (depth_.fetch_add(1, std::memory_order_relaxed) >= capacity_) {
-      depth_.fetch_sub(1, std::memory_order_relaxed);
-      queue_full_.fetch_add(1, std::memory_order_relaxed);
-      MarkStale({batch.worker_id, batch.dp_rank});
-      return false;
-    }
+    if (!TakeRoom(batch)) return false;
     submitted_.fetch_add(1, std::memory_order_relaxed);
     queue_.enqueue(Item{Item::kBatch, std::move(batch), 0});
     return true;
@@ -75,14 +70,11 @@ class ShardedIndex::Shard {
   void SubmitMany(std::span<KvEventBatch* const> batches, std::vector<std::uint64_t>& refused) {
     thread_local std::vector<Item> items;
     for (KvEventBatch* b : batches) {
-      if (depth_.fetch_add(1, std::memory_order_relaxed) >= capacity_) {
-        depth_.fetch_sub(1, std::memory_order_relaxed);
-        queue_full_.fetch_add(1, std::memory_order_relaxed);
-        MarkStale({b->worker_id, b->dp_rank});
+      if (TakeRoom(*b)) {
+        items.push_back(Item{Item::kBatch, std::move(*b), 0});
+      } else {
         refused.push_back(b->worker_id);
-        continue;
       }
-      items.push_back(Item{Item::kBatch, std::move(*b), 0});
     }
     if (items.empty()) return;
     submitted_.fetch_add(items.size(), std::memory_order_relaxed);
@@ -179,6 +171,15 @@ class ShardedIndex::Shard {
     // kRecovered; kSetCapacity: last_event_id.
     std::unique_ptr<RecoveryPart> part;
   };
+
+  // Counts a batch into the queue's depth; a full queue refuses it (counted, worker flagged).
+  bool TakeRoom(const KvEventBatch& batch) {
+    if (depth_.fetch_add(1, std::memory_order_relaxed) < capacity_) return true;
+    depth_.fetch_sub(1, std::memory_order_relaxed);
+    queue_full_.fetch_add(1, std::memory_order_relaxed);
+    MarkStale({batch.worker_id, batch.dp_rank});
+    return false;
+  }
 
   void MarkStale(WorkerKey w) {
     KvMutexLock g(stale_mu_);
