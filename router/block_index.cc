@@ -6,7 +6,7 @@
 namespace kvrouter {
 
 BlockIndex::BlockIndex() {
-  chunks_.push_back(std::make_unique<Node[]>(kChunkSize));
+  chunks_.emplace_back(kChunkSize);
   num_node_slots_ = 1;  // the root
 }
 
@@ -48,7 +48,7 @@ std::uint32_t BlockIndex::ChildOrCreate(std::uint32_t parent, SequenceHash seq) 
     free_nodes_ = node(c).parent;
   } else {
     c = num_node_slots_++;
-    if ((c >> kChunkBits) == chunks_.size()) chunks_.push_back(std::make_unique<Node[]>(kChunkSize));
+    if ((c >> kChunkBits) == chunks_.size()) chunks_.emplace_back(kChunkSize);
   }
   Node& n = node(c);
   n.seq = seq;

@@ -32,6 +32,7 @@
 #include "events/kv_event.h"
 #include "router/flat_table.h"
 #include "router/holder_set.h"
+#include "router/large_array.h"
 #include "router/worker_key.h"
 
 namespace kvrouter {
@@ -108,6 +109,7 @@ class BlockIndex {
     HolderSet holders;
   };
   static_assert(sizeof(Node) == 32);
+  static_assert(sizeof(Node) << 16 == kHugePageBytes);
 
   // u64 key -> u32, packed in 12 bytes (the key split so the entry aligns to 4).
   struct U64MapTraits {
@@ -156,13 +158,14 @@ class BlockIndex {
   void MaybeFree(std::uint32_t i);
   std::size_t ClearSlot(std::uint32_t slot);
 
-  // Nodes live in fixed chunks so growth never copies them nor doubles memory.
-  static constexpr std::uint32_t kChunkBits = 14;
+  // Nodes live in fixed chunks so growth never copies them nor doubles memory; a chunk is one
+  // 2 MiB huge page (LargeArray), so a request's path costs no page walks.
+  static constexpr std::uint32_t kChunkBits = 16;
   static constexpr std::uint32_t kChunkSize = 1u << kChunkBits;
   Node& node(std::uint32_t i) { return chunks_[i >> kChunkBits][i & (kChunkSize - 1)]; }
   const Node& node(std::uint32_t i) const { return chunks_[i >> kChunkBits][i & (kChunkSize - 1)]; }
 
-  std::vector<std::unique_ptr<Node[]>> chunks_;  // node 0 (kRoot) is the root
+  std::vector<LargeArray<Node>> chunks_;  // node 0 (kRoot) is the root
   std::uint32_t num_node_slots_ = 0;        // slots handed out so far
   std::uint32_t free_nodes_ = kFlatEmpty;   // head of the free list
   std::size_t live_nodes_ = 0;

@@ -16,8 +16,9 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <memory>
 #include <utility>
+
+#include "router/large_array.h"
 
 namespace kvrouter {
 
@@ -129,9 +130,9 @@ class FlatTable {
 
  private:
   void Rehash(std::size_t new_capacity) {
-    std::unique_ptr<Entry[]> old = std::move(slots_);
+    LargeArray<Entry> old = std::move(slots_);
     const std::size_t old_capacity = capacity_;
-    slots_ = std::make_unique_for_overwrite<Entry[]>(new_capacity);
+    slots_ = LargeArray<Entry>(new_capacity);
     for (std::size_t i = 0; i < new_capacity; ++i) slots_[i].value = kFlatEmpty;
     capacity_ = new_capacity;
     const std::size_t mask = capacity_ - 1;
@@ -144,7 +145,7 @@ class FlatTable {
   }
 
   [[no_unique_address]] Traits traits_{};
-  std::unique_ptr<Entry[]> slots_;
+  LargeArray<Entry> slots_;  // huge pages when large (the index's sequence-hash table)
   std::size_t capacity_ = 0;  // 0 or a power of two
   std::size_t size_ = 0;
 };

@@ -21,6 +21,7 @@
 #include "events/block_hash.h"
 #include "router/approx_index.h"
 #include "router/block_index.h"
+#include "router/large_array.h"
 #include "router/sharded_index.h"
 
 #include <fmt/format.h>
@@ -209,10 +210,14 @@ void ReportPercentiles(benchmark::State& state, std::vector<double>& us) {
 }
 
 // Arg 0: workers; arg 1: blocks per second that a background thread stores and removes
-// meanwhile (0 = none, -1 = as fast as the shard queues take them).
+// meanwhile (0 = none, -1 = as fast as the shard queues take them); arg 2: queries per second
+// (0 = back to back: the query thread never sleeps, so on 2 cores every wake-up of the
+// ingest threads can preempt it; a router's route thread sleeps between requests, as a
+// paced query thread does).
 void BM_FindMatches200(benchmark::State& state) {
   Fleet& fleet = FleetOf(static_cast<int>(state.range(0)));
   const std::int64_t rate = state.range(1);
+  const std::int64_t query_rate = state.range(2);
   const bool ingest = rate != 0;
   std::mt19937_64 rng(99);
   std::vector<std::vector<LocalHash>> requests;
@@ -254,6 +259,7 @@ void BM_FindMatches200(benchmark::State& state) {
   std::size_t matched = 0;
   const auto t0 = std::chrono::steady_clock::now();
   for (auto _ : state) {
+    if (query_rate > 0) std::this_thread::sleep_until(t0 + std::chrono::nanoseconds(static_cast<std::int64_t>(i * 1e9 / query_rate)));
     const auto a = std::chrono::steady_clock::now();
     auto scores = fleet.index->FindMatches(requests[i++ % requests.size()]);
     const auto b = std::chrono::steady_clock::now();
@@ -270,18 +276,24 @@ void BM_FindMatches200(benchmark::State& state) {
   if (ingest) state.counters["ingest_blocks_per_s"] = ingested.load() / secs;
 }
 BENCHMARK(BM_FindMatches200)
-    ->Args({64, 0})->Args({64, 1'000'000})->Args({1000, 0})->Args({1000, 1'000'000})
-    ->Args({1000, -1})
+    ->Args({64, 0, 0})->Args({64, 1'000'000, 0})->Args({1000, 0, 0})->Args({1000, 1'000'000, 0})
+    ->Args({1000, 1'000'000, 10'000})->Args({1000, -1, 0})
     ->Unit(benchmark::kMicrosecond)->Iterations(20000);
 
 // ---- memory -----------------------------------------------------------------------------------
 
-// Bytes per (block, worker) pair: the index's own accounting and the heap growth seen by malloc.
+// What malloc has handed out plus the index's own huge-page mappings (LargeArray).
+std::size_t AllocatedBytes() {
+  const auto mi = mallinfo2();
+  return mi.uordblks + mi.hblkhd + large_array_mapped_bytes.load();
+}
+
+// Bytes per (block, worker) pair: the index's own accounting and the growth of AllocatedBytes.
 void BM_MemoryPerPair(benchmark::State& state) {
   const int workers = static_cast<int>(state.range(0));
   for (auto _ : state) {
     malloc_trim(0);
-    const std::size_t heap0 = mallinfo2().uordblks + mallinfo2().hblkhd;
+    const std::size_t heap0 = AllocatedBytes();
     auto idx = std::make_unique<BlockIndex>();
     std::mt19937_64 rng(1234);
     for (int w = 0; w < workers; ++w) {
@@ -289,7 +301,7 @@ void BM_MemoryPerPair(benchmark::State& state) {
         benchmark::DoNotOptimize(idx->ApplyStored({worker, 0}, std::nullopt, chain));
       });
     }
-    const std::size_t heap1 = mallinfo2().uordblks + mallinfo2().hblkhd;
+    const std::size_t heap1 = AllocatedBytes();
     const IndexMemory m = idx->Memory();
     state.counters["pairs"] = static_cast<double>(m.holdings);
     state.counters["nodes"] = static_cast<double>(m.nodes);
@@ -305,7 +317,7 @@ BENCHMARK(BM_MemoryPerPair)->Arg(64)->Arg(1000)->Iterations(1)->Unit(benchmark::
 void BM_ApproxMemoryPerBlock(benchmark::State& state) {
   for (auto _ : state) {
     malloc_trim(0);
-    const std::size_t heap0 = mallinfo2().uordblks + mallinfo2().hblkhd;
+    const std::size_t heap0 = AllocatedBytes();
     auto approx = std::make_unique<ApproxIndex>(std::chrono::seconds(120), std::uint64_t{1} << 20, 0.8);
     std::mt19937_64 rng(1234);
     const SteadyTime t0{};
@@ -320,7 +332,7 @@ void BM_ApproxMemoryPerBlock(benchmark::State& state) {
         approx->Record({worker, 0}, local, seq, t0);
       });
     }
-    const std::size_t heap1 = mallinfo2().uordblks + mallinfo2().hblkhd;
+    const std::size_t heap1 = AllocatedBytes();
     const double n = static_cast<double>(approx->size());
     state.counters["predicted"] = n;
     state.counters["own_bytes_per_block"] = static_cast<double>(approx->OwnBytes()) / n;

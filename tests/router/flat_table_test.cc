@@ -61,5 +61,62 @@ TEST(FlatTable, ShrinksWhenEmptied) {
   EXPECT_LT(t.memory_bytes() * 100, full);
 }
 
+// Past 2 MiB the table lives on its own huge-page mapping (LargeArray); it must behave the same
+// on the way up and back down.
+TEST(FlatTable, KeepsEveryKeyAcrossTheMoveToAndFromItsOwnMapping) {
+  struct MixTraits : U64Traits {
+    static std::uint64_t Hash(Key k) { return Mix64(k); }
+  };
+  FlatTable<MixTraits> t;
+  constexpr std::uint64_t kKeys = 400000;  // 16-byte entries: 8 MiB of slots at this size
+  for (std::uint64_t k = 0; k < kKeys; ++k) ASSERT_EQ(t.Insert(k * 977, static_cast<std::uint32_t>(k)), kFlatEmpty);
+  EXPECT_GE(t.memory_bytes(), kHugePageBytes);
+  for (std::uint64_t k = 0; k < kKeys; ++k) ASSERT_EQ(t.Find(k * 977), k);
+  for (std::uint64_t k = 0; k < kKeys; k += 2) ASSERT_EQ(t.Erase(k * 977), k);
+  for (std::uint64_t k = 0; k < kKeys; ++k) ASSERT_EQ(t.Find(k * 977), k % 2 ? k : kFlatEmpty);
+  for (std::uint64_t k = 1; k < kKeys; k += 2) ASSERT_EQ(t.Erase(k * 977), k);
+  EXPECT_TRUE(t.empty());
+  EXPECT_LT(t.memory_bytes(), kHugePageBytes);
+}
+
+struct Seven {
+  std::uint32_t v = 7;
+};
+
+TEST(LargeArray, SmallArraysComeFromMallocLargeOnesFromAnAlignedMapping) {
+  LargeArray<Seven> small(1000);
+  EXPECT_FALSE(small.huge());
+  LargeArray<Seven> big(kHugePageBytes / sizeof(Seven) * 2 + 3);  // two huge pages and a bit
+  EXPECT_TRUE(big.huge());
+  EXPECT_EQ(reinterpret_cast<std::uintptr_t>(&big[0]) % kHugePageBytes, 0u);
+  for (const auto* a : {&small, &big}) {
+    bool all_seven = true;
+    for (std::size_t i = 0; i < a->size(); ++i) all_seven &= (*a)[i].v == 7;
+    EXPECT_TRUE(all_seven);  // member initialisers ran for every element
+  }
+  big[big.size() - 1].v = 9;  // the last element is inside the mapping
+  EXPECT_EQ(big[big.size() - 1].v, 9u);
+}
+
+TEST(LargeArray, MovesOwnershipAndFreesOnce) {
+  const std::size_t mapped0 = large_array_mapped_bytes.load();
+  LargeArray<Seven> a(kHugePageBytes / sizeof(Seven));
+  EXPECT_EQ(large_array_mapped_bytes.load(), mapped0 + kHugePageBytes);
+  Seven* data = &a[0];
+  LargeArray<Seven> b(std::move(a));
+  EXPECT_EQ(a.size(), 0u);
+  EXPECT_EQ(&b[0], data);
+  EXPECT_TRUE(b.huge());
+  LargeArray<Seven> c(10);
+  c = std::move(b);  // frees c's small array, takes b's mapping
+  EXPECT_EQ(&c[0], data);
+  EXPECT_EQ(b.size(), 0u);
+  EXPECT_EQ(large_array_mapped_bytes.load(), mapped0 + kHugePageBytes);  // one mapping, moved twice
+  c.reset();
+  EXPECT_EQ(large_array_mapped_bytes.load(), mapped0);
+  EXPECT_EQ(c.size(), 0u);
+  EXPECT_FALSE(c.huge());
+}
+
 }  // namespace
 }  // namespace kvrouter
