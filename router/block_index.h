@@ -46,10 +46,11 @@ struct OverlapScore {
 };
 static_assert(sizeof(OverlapScore) == 16);
 
-// An allocator whose resize(n) leaves new elements unwritten (value-initialisation skipped):
-// FindMatches sizes its result for every holder of the request's first block (7,000 in
-// Dynamo's benchmark fleet) and writes each score itself, so zeroing them first would write
-// the whole result twice. Every other construction is the ordinary one.
+// An allocator whose resize(n) leaves new elements unwritten (value-initialisation is skipped,
+// so vector(n) and emplace_back() do the same): FindMatches sizes its result for every holder
+// of the request's first block (7,000 in Dynamo's benchmark fleet) and writes each score
+// itself, so zeroing them first would write the whole result twice. Every other construction
+// is the ordinary one.
 template <typename T>
 struct UninitializedResizeAllocator : std::allocator<T> {
   static_assert(std::is_trivially_copyable_v<T> && std::is_trivially_destructible_v<T>);
@@ -133,7 +134,6 @@ class BlockIndex {
     HolderSet holders;
   };
   static_assert(sizeof(Node) == 32);
-  static_assert(sizeof(Node) << 16 == kHugePageBytes);
 
   // u64 key -> u32, packed in 12 bytes (the key split so the entry aligns to 4).
   struct U64MapTraits {
@@ -186,6 +186,7 @@ class BlockIndex {
   // 2 MiB huge page (LargeArray), so a request's path costs no page walks.
   static constexpr std::uint32_t kChunkBits = 16;
   static constexpr std::uint32_t kChunkSize = 1u << kChunkBits;
+  static_assert(kChunkSize * sizeof(Node) == kHugePageBytes);
   Node& node(std::uint32_t i) { return chunks_[i >> kChunkBits][i & (kChunkSize - 1)]; }
   const Node& node(std::uint32_t i) const { return chunks_[i >> kChunkBits][i & (kChunkSize - 1)]; }
 
