@@ -9,6 +9,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "router/shard_lock.h"
 #include "transport/thread_annotations.h"
 
 namespace kvrouter {
@@ -118,22 +119,22 @@ class ShardedIndex::Shard {
   }
 
   void FindMatches(std::span<const SequenceHash> hashes, OverlapScores& out) const {
-    KvReaderLock lk(mu_);
+    ShardReadLock lk(mu_);
     index_.FindMatches(hashes, out);
   }
 
   void TreeSizes(std::vector<WorkerTreeSize>& out) const {
-    KvReaderLock lk(mu_);
+    ShardReadLock lk(mu_);
     index_.ForEachWorker([&](WorkerKey k, std::size_t n) { out.push_back({k, n}); });
   }
 
   std::size_t TreeSize(WorkerKey worker) const {
-    KvReaderLock lk(mu_);
+    ShardReadLock lk(mu_);
     return index_.TreeSize(worker);
   }
 
   IndexMemory Memory() const {
-    KvReaderLock lk(mu_);
+    ShardReadLock lk(mu_);
     return index_.Memory();
   }
 
@@ -237,6 +238,8 @@ class ShardedIndex::Shard {
             AskRecoveries();
             slice = 0;
             mu_.lock();
+          } else {
+            mu_.YieldToReaders();  // a route waiting for this shard gets in now
           }
         }
         mu_.unlock();
@@ -353,7 +356,7 @@ class ShardedIndex::Shard {
   std::atomic<std::uint64_t> applied_{0};    // items applied (for Flush)
   std::atomic<bool> stop_{false};
 
-  mutable KvSharedMutex mu_;
+  mutable ShardLock mu_;
   BlockIndex index_ KV_GUARDED_BY(mu_);  // written only by thread_, under the write lock
   struct Ask {
     WorkerKey worker;

@@ -3,7 +3,9 @@
 // shard (moodycamel) carries them to the shard thread, which dequeues in bulk and applies them
 // under the shard's write lock in slices of about 64 blocks, so a route
 // request never waits behind a flood. Queries (FindMatches, stats) fan out to every shard under
-// its read lock and merge, so they never observe a half-applied event.
+// its read lock and merge, so they never observe a half-applied event. The lock is a ShardLock:
+// a query that finds the shard thread writing spins while the thread finishes its batch and
+// lets it in, instead of sleeping until the slice ends.
 //
 // Per (worker_id, dp_rank) the shard keeps an EventStreams cursor (Dynamo event_id or vLLM
 // Kv-Seq): a repeat is dropped, a restart (id back to its first value) clears that rank first,

@@ -1,0 +1,95 @@
+#include "router/shard_lock.h"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <thread>
+#include <vector>
+
+namespace kvrouter {
+namespace {
+
+// Spins (yielding the CPU) until pred() holds or 10 s pass; returns pred().
+template <typename Pred>
+bool AwaitTrue(Pred pred) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (!pred() && std::chrono::steady_clock::now() < deadline) std::this_thread::yield();
+  return pred();
+}
+
+TEST(ShardLock, YieldToReadersDoesNothingWhenNoReaderWaits) {
+  ShardLock mu;
+  mu.lock();
+  EXPECT_FALSE(mu.ReadersWaiting());
+  EXPECT_FALSE(mu.YieldToReaders());
+  // Still held for writing: a reader on another thread cannot get in.
+  std::atomic<bool> got_in{false};
+  std::thread reader([&] {
+    ShardReadLock r(mu);
+    got_in = true;
+  });
+  ASSERT_TRUE(AwaitTrue([&] { return mu.ReadersWaiting(); }));
+  EXPECT_FALSE(got_in.load());
+  mu.unlock();
+  reader.join();
+  EXPECT_TRUE(got_in.load());
+}
+
+TEST(ShardLock, AWaitingReaderGetsInBetweenTheWritersSteps) {
+  ShardLock mu;
+  mu.lock();  // the writer's session: it never calls unlock() itself until the end
+  std::atomic<bool> got_in{false};
+  std::thread reader([&] {
+    ShardReadLock r(mu);
+    got_in = true;
+  });
+  ASSERT_TRUE(AwaitTrue([&] { return mu.ReadersWaiting(); }));
+  // Between steps the writer yields; the reader gets in and out while the session goes on.
+  EXPECT_TRUE(AwaitTrue([&] {
+    mu.YieldToReaders();
+    return got_in.load();
+  }));
+  EXPECT_FALSE(mu.ReadersWaiting());
+  mu.unlock();
+  reader.join();
+}
+
+TEST(ShardLock, ReadersNeverSeeAWriterHalfwayThroughAStep) {
+  ShardLock mu;
+  // Two values the writer keeps equal at the end of each step, and makes unequal inside it.
+  std::uint64_t a = 0, b = 0;
+  std::atomic<bool> stop{false};
+  std::atomic<std::uint64_t> reads{0}, torn{0};
+  std::vector<std::thread> readers;
+  for (int t = 0; t < 2; ++t) {
+    readers.emplace_back([&] {
+      while (!stop.load()) {
+        ShardReadLock r(mu);
+        if (a != b) torn.fetch_add(1);
+        reads.fetch_add(1);
+      }
+    });
+  }
+  mu.lock();
+  for (int step = 0; step < 20000; ++step) {
+    ++a;
+    ++b;
+    mu.YieldToReaders();
+  }
+  mu.unlock();
+  // Keep going until the readers have had their turns, with the lock taken and let go per step.
+  ASSERT_TRUE(AwaitTrue([&] {
+    mu.lock();
+    ++a;
+    ++b;
+    mu.unlock();
+    return reads.load() > 1000;
+  }));
+  stop = true;
+  for (auto& r : readers) r.join();
+  EXPECT_EQ(torn.load(), 0u);
+}
+
+}  // namespace
+}  // namespace kvrouter
