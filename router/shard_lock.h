@@ -11,7 +11,7 @@
 // Thread contract: any number of readers, one writer thread.
 //
 //   ShardLock mu;
-//   { ShardReadLock r(mu); ... }                       // readers
+//   { KvReaderLock r(mu); ... }                        // readers
 //   mu.lock(); for (step : steps) { Apply(step); mu.YieldToReaders(); } mu.unlock();  // writer
 #pragma once
 
@@ -77,17 +77,6 @@ class KV_CAPABILITY("mutex") ShardLock {
 
   std::shared_mutex m_;
   std::atomic<int> waiting_{0};  // readers spinning or asleep on the lock
-};
-
-class KV_SCOPED_CAPABILITY ShardReadLock {
- public:
-  explicit ShardReadLock(ShardLock& mu) KV_ACQUIRE_SHARED(mu) : mu_(mu) { mu_.lock_shared(); }
-  ~ShardReadLock() KV_RELEASE() { mu_.unlock_shared(); }
-  ShardReadLock(const ShardReadLock&) = delete;
-  ShardReadLock& operator=(const ShardReadLock&) = delete;
-
- private:
-  ShardLock& mu_;
 };
 
 }  // namespace kvrouter

@@ -119,22 +119,22 @@ class ShardedIndex::Shard {
   }
 
   void FindMatches(std::span<const SequenceHash> hashes, OverlapScores& out) const {
-    ShardReadLock lk(mu_);
+    KvReaderLock lk(mu_);
     index_.FindMatches(hashes, out);
   }
 
   void TreeSizes(std::vector<WorkerTreeSize>& out) const {
-    ShardReadLock lk(mu_);
+    KvReaderLock lk(mu_);
     index_.ForEachWorker([&](WorkerKey k, std::size_t n) { out.push_back({k, n}); });
   }
 
   std::size_t TreeSize(WorkerKey worker) const {
-    ShardReadLock lk(mu_);
+    KvReaderLock lk(mu_);
     return index_.TreeSize(worker);
   }
 
   IndexMemory Memory() const {
-    ShardReadLock lk(mu_);
+    KvReaderLock lk(mu_);
     return index_.Memory();
   }
 

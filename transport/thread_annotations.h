@@ -95,15 +95,18 @@ class KV_SCOPED_CAPABILITY KvWriterLock {
   KvSharedMutex& mu_;
 };
 
+// Shared ownership of any capability with lock_shared/unlock_shared (KvSharedMutex, the index's
+// ShardLock); the mutex type is deduced: KvReaderLock lk(mu_);
+template <typename Mutex>
 class KV_SCOPED_CAPABILITY KvReaderLock {
  public:
-  explicit KvReaderLock(KvSharedMutex& mu) KV_ACQUIRE_SHARED(mu) : mu_(mu) { mu_.lock_shared(); }
+  explicit KvReaderLock(Mutex& mu) KV_ACQUIRE_SHARED(mu) : mu_(mu) { mu_.lock_shared(); }
   ~KvReaderLock() KV_RELEASE() { mu_.unlock_shared(); }
   KvReaderLock(const KvReaderLock&) = delete;
   KvReaderLock& operator=(const KvReaderLock&) = delete;
 
  private:
-  KvSharedMutex& mu_;
+  Mutex& mu_;
 };
 
 }  // namespace kvrouter

@@ -26,10 +26,10 @@ TEST(ShardLock, YieldToReadersDoesNothingWhenNoReaderWaits) {
   // Still held for writing: a reader on another thread cannot get in.
   std::atomic<bool> got_in{false};
   std::thread reader([&] {
-    ShardReadLock r(mu);
+    KvReaderLock r(mu);
     got_in = true;
   });
-  ASSERT_TRUE(AwaitTrue([&] { return mu.ReadersWaiting(); }));
+  EXPECT_TRUE(AwaitTrue([&] { return mu.ReadersWaiting(); }));
   EXPECT_FALSE(got_in.load());
   mu.unlock();
   reader.join();
@@ -41,15 +41,14 @@ TEST(ShardLock, AWaitingReaderGetsInBetweenTheWritersSteps) {
   mu.lock();  // the writer's session: it never calls unlock() itself until the end
   std::atomic<bool> got_in{false};
   std::thread reader([&] {
-    ShardReadLock r(mu);
+    KvReaderLock r(mu);
     got_in = true;
   });
-  ASSERT_TRUE(AwaitTrue([&] { return mu.ReadersWaiting(); }));
+  EXPECT_TRUE(AwaitTrue([&] { return mu.ReadersWaiting(); }));
   // Between steps the writer yields; the reader gets in and out while the session goes on.
-  EXPECT_TRUE(AwaitTrue([&] {
-    mu.YieldToReaders();
-    return got_in.load();
-  }));
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (!got_in.load() && std::chrono::steady_clock::now() < deadline) mu.YieldToReaders();
+  EXPECT_TRUE(got_in.load());
   EXPECT_FALSE(mu.ReadersWaiting());
   mu.unlock();
   reader.join();
@@ -65,7 +64,7 @@ TEST(ShardLock, ReadersNeverSeeAWriterHalfwayThroughAStep) {
   for (int t = 0; t < 2; ++t) {
     readers.emplace_back([&] {
       while (!stop.load()) {
-        ShardReadLock r(mu);
+        KvReaderLock r(mu);
         if (a != b) torn.fetch_add(1);
         reads.fetch_add(1);
       }
