@@ -2,16 +2,41 @@
 
 #include <algorithm>
 #include <cassert>
+#include <cstdlib>
+#include <stdexcept>
 
 namespace kvrouter {
 
 BlockIndex::BlockIndex() {
   chunks_.emplace_back(kChunkSize);
+  chunk_dir_.Set(0, &chunks_[0][0]);
   num_node_slots_ = 1;  // the root
 }
 
 BlockIndex::~BlockIndex() {
-  for (std::uint32_t i = 0; i < num_node_slots_; ++i) node(i).holders.Release(holder_heap_bytes_);
+  FreeRetired();
+  holder_heap_.retired = nullptr;
+  for (std::uint32_t i = 0; i < num_node_slots_; ++i) node(i).holders.Release(holder_heap_);
+}
+
+void BlockIndex::SetConcurrentReaders(bool on) {
+  holder_heap_.retired = on ? &retired_holders_ : nullptr;
+  node_of_.DeferFrees(on);
+  chunk_dir_.DeferFrees(on);
+  key_words_.DeferFrees(on);
+  if (!on) FreeRetired();
+}
+
+bool BlockIndex::HasRetired() const {
+  return !retired_holders_.empty() || node_of_.HasRetired() || chunk_dir_.HasRetired() || key_words_.HasRetired();
+}
+
+void BlockIndex::FreeRetired() {
+  for (void* p : retired_holders_) std::free(p);
+  retired_holders_.clear();
+  node_of_.FreeRetired();
+  chunk_dir_.FreeRetired();
+  key_words_.FreeRetired();
 }
 
 std::uint32_t BlockIndex::FindSlot(WorkerKey worker) const {
@@ -26,12 +51,15 @@ std::uint32_t BlockIndex::SlotFor(WorkerKey worker) {
     s = free_slots_.back();
     free_slots_.pop_back();
   } else {
+    if (slots_.size() > HolderSet::kMaxSlot) throw std::length_error("BlockIndex: too many (worker, dp_rank) slots");
     s = static_cast<std::uint32_t>(slots_.size());
     slots_.emplace_back();
-    key_of_slot_.emplace_back();
   }
   slots_[s].key = worker;
-  key_of_slot_[s] = worker;
+  // dp_rank first: a reader that sees the new worker_id then sees this slot's new rank too
+  key_words_.Set(3 * std::size_t{s} + 2, worker.dp_rank);
+  key_words_.Set(3 * std::size_t{s}, static_cast<std::uint32_t>(worker.worker_id));
+  key_words_.Set(3 * std::size_t{s} + 1, static_cast<std::uint32_t>(worker.worker_id >> 32));
   slots_[s].in_use = true;
   slot_of_.emplace(worker, s);
   ranks_of_[worker.worker_id].push_back(s);
@@ -48,21 +76,24 @@ std::uint32_t BlockIndex::ChildOrCreate(std::uint32_t parent, SequenceHash seq) 
     free_nodes_ = node(c).parent;
   } else {
     c = num_node_slots_++;
-    if ((c >> kChunkBits) == chunks_.size()) chunks_.emplace_back(kChunkSize);
+    if ((c >> kChunkBits) == chunks_.size()) {
+      chunks_.emplace_back(kChunkSize);
+      chunk_dir_.Set(chunks_.size() - 1, &chunks_.back()[0]);
+    }
   }
   Node& n = node(c);
-  n.seq = seq;
+  RelaxedStore(n.seq, seq);
   n.parent = parent;
-  n.num_children = 0;
-  n.orphan_risk = 0;
-  ++node(parent).num_children;
+  RelaxedStore(n.meta, 0u);
+  Node& p = node(parent);
+  RelaxedStore(p.meta, p.meta + 2);  // one child more
   node_of_.Insert(seq, c);
   ++live_nodes_;
   return c;
 }
 
 void BlockIndex::AddHolding(std::uint32_t slot, std::uint32_t i) {
-  if (!node(i).holders.Insert(slot, holder_heap_bytes_)) ++slots_[slot].extra_refs[i];
+  if (!node(i).holders.Insert(slot, holder_heap_)) ++slots_[slot].extra_refs[i];
 }
 
 void BlockIndex::DropHolding(std::uint32_t slot, std::uint32_t i) {
@@ -74,22 +105,24 @@ void BlockIndex::DropHolding(std::uint32_t slot, std::uint32_t i) {
     }
   }
   Node& n = node(i);
-  [[maybe_unused]] bool erased = n.holders.Erase(slot, holder_heap_bytes_);
+  // The flag before the holder goes, so a reader never sees the subset rule broken unflagged.
+  if (n.num_children() > 0) RelaxedStore(n.meta, n.meta | 1);
+  [[maybe_unused]] bool erased = n.holders.Erase(slot, holder_heap_);
   assert(erased);
-  if (n.num_children > 0) n.orphan_risk = 1;
   MaybeFree(i);
 }
 
 void BlockIndex::MaybeFree(std::uint32_t i) {
-  while (i != kRoot && node(i).holders.empty() && node(i).num_children == 0) {
+  while (i != kRoot && node(i).holders.empty() && node(i).num_children() == 0) {
     Node& n = node(i);
     const std::uint32_t parent = n.parent;
     node_of_.Erase(n.seq);
-    n.holders.Release(holder_heap_bytes_);
+    n.holders.Release(holder_heap_);
     n.parent = free_nodes_;
     free_nodes_ = i;
     --live_nodes_;
-    --node(parent).num_children;
+    Node& p = node(parent);
+    RelaxedStore(p.meta, p.meta - 2);  // one child fewer
     i = parent;
   }
 }
@@ -161,7 +194,7 @@ ApplyOutcome BlockIndex::ApplyStored(WorkerKey worker, std::optional<BlockHash> 
     if (!w.mapped && node(child).seq != b.block_hash) MakeMapped(slot);
     if (!w.mapped) {
       // The engine hash names this node, so a known one is this very holding.
-      if (node(child).holders.Insert(slot, holder_heap_bytes_)) {
+      if (node(child).holders.Insert(slot, holder_heap_)) {
         w.held.push_back(child);
         ++w.canonical_blocks;
         ++out.blocks_stored;
@@ -207,7 +240,7 @@ std::size_t BlockIndex::ClearSlot(std::uint32_t slot) {
   // so no orphan is left behind for it and orphan_risk need not be set.
   auto drop = [&](std::uint32_t n) {
     // A stale or repeated canonical entry finds the slot gone (a freed node has no holders).
-    if (node(n).holders.Erase(slot, holder_heap_bytes_)) MaybeFree(n);
+    if (node(n).holders.Erase(slot, holder_heap_)) MaybeFree(n);
   };
   if (!w.mapped) {
     for (std::uint32_t n : w.held) drop(n);
@@ -263,59 +296,110 @@ std::size_t BlockIndex::TreeSize(WorkerKey worker) const {
   return slot == kFlatEmpty ? 0 : slots_[slot].holdings();
 }
 
-// One function on purpose (74 lines): the route's hot path, with the prefetch pipeline, the
-// holder-set walk and its fallback sharing locals that splitting would pass around.
 namespace {
 
-// The two ways FindMatches reports workers. They write through a local pointer: at 7,000
-// workers sharing a first block they write every score of the request, and push_back would
-// reload and store the vector's end for each one.
-// Writes every slot of `holders` (sorted) that is not in `kept` (a sorted subset) at `depth`.
-OverlapScore* EmitMissing(std::span<const std::uint32_t> holders, std::span<const std::uint32_t> kept,
-                          std::uint32_t depth, const WorkerKey* key_of_slot, OverlapScore* w) {
-  std::size_t j = 0;
-  for (std::uint32_t s : holders) {
-    if (j < kept.size() && kept[j] == s) {
-      ++j;
-    } else {
-      *w++ = {key_of_slot[s], depth};
+// Where FindMatches writes its scores: through a local pointer (at 7,000 workers sharing a first
+// block it writes every score of the request, and push_back would reload and store the
+// vector's end for each one), never past the room made for the first block's holders, and only
+// for slots that have a key. A tolerant read (the owner writing meanwhile) may meet a slot
+// twice; it keeps the first.
+template <bool kTolerant>
+class ScoreWriter {
+ public:
+  ScoreWriter(OverlapScore* w, OverlapScore* end, PublishedArray<std::uint32_t>::View keys)
+      : w_(w), end_(end), keys_(keys.data), slots_(keys.size / 3) {
+    if constexpr (kTolerant) {
+      thread_local std::vector<std::uint32_t> seen;
+      thread_local std::uint32_t generation = 0;
+      if (seen.size() < slots_) seen.resize(slots_, 0);
+      if (++generation == 0) {  // wrapped: forget every old mark
+        std::fill(seen.begin(), seen.end(), 0);
+        generation = 1;
+      }
+      seen_ = seen.data();
+      generation_ = generation;
     }
   }
-  return w;
-}
 
-OverlapScore* EmitAll(std::span<const std::uint32_t> holders, std::uint32_t depth, const WorkerKey* key_of_slot,
-                      OverlapScore* w) {
-  for (std::uint32_t s : holders) *w++ = {key_of_slot[s], depth};
-  return w;
-}
+  void Emit(std::uint32_t slot, std::uint32_t depth) {
+    if (slot >= slots_ || w_ == end_) return;
+    if constexpr (kTolerant) {
+      if (seen_[slot] == generation_) return;
+      seen_[slot] = generation_;
+    }
+    const std::uint32_t* k = keys_ + 3 * std::size_t{slot};
+    const std::uint64_t id = (std::uint64_t{RelaxedLoad(k[1])} << 32) | RelaxedLoad(k[0]);
+    *w_++ = {WorkerKey{id, RelaxedLoad(k[2])}, depth};
+  }
+  // Every slot of `holders` not in `kept` (a sorted subset, in an exact read).
+  void EmitMissing(std::span<const std::uint32_t> holders, std::span<const std::uint32_t> kept, std::uint32_t depth) {
+    std::size_t j = 0;
+    for (const std::uint32_t& h : holders) {
+      const std::uint32_t s = RelaxedLoad(h);
+      if (j < kept.size() && RelaxedLoad(kept[j]) == s) {
+        ++j;
+      } else {
+        Emit(s, depth);
+      }
+    }
+  }
+  void EmitAll(std::span<const std::uint32_t> holders, std::uint32_t depth) {
+    for (const std::uint32_t& h : holders) Emit(RelaxedLoad(h), depth);
+  }
+  OverlapScore* end() const { return w_; }
+
+ private:
+  OverlapScore* w_;
+  OverlapScore* const end_;
+  const std::uint32_t* const keys_;
+  const std::size_t slots_;
+  std::uint32_t* seen_ = nullptr;
+  std::uint32_t generation_ = 0;
+};
 
 }  // namespace
 
-void BlockIndex::FindMatches(std::span<const SequenceHash> hashes, OverlapScores& out) const {
+void BlockIndex::FindMatches(std::span<const SequenceHash> hashes, OverlapScores& out, bool tolerant) const {
+  if (tolerant) {
+    FindMatchesImpl<true>(hashes, out);
+  } else {
+    FindMatchesImpl<false>(hashes, out);
+  }
+}
+
+// One function on purpose (about 80 lines): the route's hot path, with the prefetch pipeline,
+// the holder-set walk and its fallback sharing locals that splitting would pass around.
+// Everything is read through snapshots and atomic loads, so it may run while the owner writes
+// (see the header comment): a node found by hash is used only if it carries that hash.
+template <bool kTolerant>
+void BlockIndex::FindMatchesImpl(std::span<const SequenceHash> hashes, OverlapScores& out) const {
+  const auto table = node_of_.Snapshot();
+  const auto dir = chunk_dir_.Snapshot();
+  auto node_at = [&](std::uint32_t i) -> const Node* {
+    const std::size_t c = i >> kChunkBits;
+    const Node* chunk = c < dir.size ? AcquireLoad(dir.data[c]) : nullptr;
+    return chunk == nullptr ? nullptr : chunk + (i & (kChunkSize - 1));
+  };
   // Phase 1: the nodes of the request's path. The lookups are independent, so prefetching a
   // few levels ahead overlaps their cache misses.
   constexpr std::size_t kAhead = 8;
-  thread_local std::vector<std::uint32_t> path;
+  thread_local std::vector<const Node*> path;
   path.clear();
-  for (std::size_t i = 0; i < std::min(kAhead, hashes.size()); ++i) node_of_.Prefetch(hashes[i]);
+  for (std::size_t i = 0; i < std::min(kAhead, hashes.size()); ++i) table.Prefetch(hashes[i]);
   for (std::size_t i = 0; i < hashes.size(); ++i) {
-    if (i + kAhead < hashes.size()) node_of_.Prefetch(hashes[i + kAhead]);
-    const std::uint32_t n = node_of_.Find(hashes[i]);
-    if (n == kFlatEmpty) break;
-    __builtin_prefetch(&node(n));
+    if (i + kAhead < hashes.size()) table.Prefetch(hashes[i + kAhead]);
+    const Node* n = node_at(table.Find(hashes[i]));
+    if (n == nullptr) break;
+    PrefetchLine(n);
     path.push_back(n);
   }
-  if (path.empty()) return;
+  if (path.empty() || RelaxedLoad(path[0]->seq) != hashes[0]) return;
   // No worker matches without the first block: room for its holders, trimmed at the end.
+  std::uint32_t tmp_cur[2], tmp_child[2];
   const std::size_t base = out.size();
-  out.resize(base + node(path[0]).holders.size());
-  OverlapScore* w = out.data() + base;
-  const WorkerKey* keys = key_of_slot_.data();
-  auto finish = [&] {
-    assert(w <= out.data() + out.size());  // every worker written holds the first block, once
-    out.resize(static_cast<std::size_t>(w - out.data()));
-  };
+  out.resize(base + path[0]->holders.ReadSize());
+  ScoreWriter<kTolerant> w(out.data() + base, out.data() + out.size(), key_words_.Snapshot());
+  auto finish = [&] { out.resize(static_cast<std::size_t>(w.end() - out.data())); };
 
   // Phase 2: walk the path. The workers still matching are either exactly holders(cur)
   // ("lazy": no copy; valid while cur has no orphan risk, because then every child's holders
@@ -323,34 +407,36 @@ void BlockIndex::FindMatches(std::span<const SequenceHash> hashes, OverlapScores
   bool lazy = true;
   thread_local std::vector<std::uint32_t> active;
   thread_local std::vector<std::uint32_t> next;
-  std::uint32_t cur = path[0];
+  const Node* cur = path[0];
   std::uint32_t depth = 1;
   for (; depth < path.size(); ++depth) {
-    const std::uint32_t child = path[depth];
-    const auto child_holders = node(child).holders.view();
-    if (lazy && !node(cur).orphan_risk) {
-      const auto cur_holders = node(cur).holders.view();
-      if (child_holders.size() != cur_holders.size()) {
-        // child_holders is a subset: emit cur's holders missing from child.
-        w = EmitMissing(cur_holders, child_holders, depth, keys, w);
+    const Node* child = path[depth];
+    if (RelaxedLoad(child->seq) != hashes[depth]) break;  // recycled or moved meanwhile: path ends
+    if (lazy && (RelaxedLoad(cur->meta) & 1) == 0) {
+      // Sizes first: equal sizes (the common case) need neither holder array.
+      if (child->holders.ReadSize() != cur->holders.ReadSize()) {
+        // child's holders are a subset: emit cur's holders missing from child.
+        const auto child_holders = child->holders.ReadView(tmp_child);
+        w.EmitMissing(cur->holders.ReadView(tmp_cur), child_holders, depth);
         if (child_holders.empty()) return finish();
       }
       cur = child;
       continue;
     }
+    const auto child_holders = child->holders.ReadView(tmp_child);
     if (lazy) {
-      const auto cur_holders = node(cur).holders.view();
-      active.assign(cur_holders.begin(), cur_holders.end());
+      active.clear();
+      for (const std::uint32_t& h : cur->holders.ReadView(tmp_cur)) active.push_back(RelaxedLoad(h));
       lazy = false;
     }
     next.clear();
     std::size_t j = 0;
     for (std::uint32_t s : active) {
-      while (j < child_holders.size() && child_holders[j] < s) ++j;
-      if (j < child_holders.size() && child_holders[j] == s) {
+      while (j < child_holders.size() && RelaxedLoad(child_holders[j]) < s) ++j;
+      if (j < child_holders.size() && RelaxedLoad(child_holders[j]) == s) {
         next.push_back(s);
       } else {
-        *w++ = {keys[s], depth};
+        w.Emit(s, depth);
       }
     }
     active.swap(next);
@@ -358,15 +444,19 @@ void BlockIndex::FindMatches(std::span<const SequenceHash> hashes, OverlapScores
     cur = child;
     if (active.size() == child_holders.size()) lazy = true;  // active == holders(child)
   }
-  w = EmitAll(lazy ? node(cur).holders.view() : std::span<const std::uint32_t>(active), depth, keys, w);
+  if (lazy) {
+    w.EmitAll(cur->holders.ReadView(tmp_cur), depth);
+  } else {
+    w.EmitAll(active, depth);
+  }
   finish();
 }
 
 IndexMemory BlockIndex::Memory() const {
   IndexMemory m;
   m.nodes = live_nodes_;
-  m.bytes = chunks_.size() * kChunkSize * sizeof(Node) + node_of_.memory_bytes() + holder_heap_bytes_ +
-            slots_.capacity() * sizeof(WorkerSlot);
+  m.bytes = chunks_.size() * kChunkSize * sizeof(Node) + node_of_.memory_bytes() + holder_heap_.bytes +
+            slots_.capacity() * sizeof(WorkerSlot) + chunk_dir_.memory_bytes() + key_words_.memory_bytes();
   for (const WorkerSlot& w : slots_) {
     m.bytes += w.blocks.memory_bytes() + w.held.capacity() * sizeof(std::uint32_t);
     m.holdings += w.holdings();

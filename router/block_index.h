@@ -10,9 +10,14 @@
 // so every level of a request's path can be looked up (and prefetched) independently instead
 // of chasing parent links.
 //
-// Thread contract: not thread-safe. One owner thread applies events (ShardedIndex's shard
-// thread); readers call FindMatches/TreeSize only while the owner cannot write (ShardedIndex
-// holds the shard's lock). Memory: a node is freed (slot recycled, holder heap released, child
+// Thread contract: one owner thread applies events (ShardedIndex's shard thread). FindMatches
+// may run on other threads while it writes, when SetConcurrentReaders(true) is set and the
+// reads and writes go through a ReadGate (router/read_gate.h): every word FindMatches reaches
+// (table entries, node hashes and flags, holder sets, the chunk directory, slot keys) is written
+// with atomic stores, memory a write replaces is kept until FreeRetired(), and FindMatches
+// checks each node it reaches against the request's hash and bounds each slot and size it
+// loads. TreeSize, ForEachWorker and Memory read the owner's bookkeeping: only while the owner
+// cannot write (ShardedIndex holds the shard's lock). Memory: a node is freed (slot recycled, holder heap released, child
 // link erased) when its last holder goes and it has no children; a worker's removal or `cleared`
 // costs time proportional to that worker's blocks; FindMatches touches only the request's path.
 //
@@ -35,6 +40,7 @@
 #include "router/flat_table.h"
 #include "router/holder_set.h"
 #include "router/large_array.h"
+#include "router/published_array.h"
 #include "router/worker_key.h"
 
 namespace kvrouter {
@@ -109,8 +115,16 @@ class BlockIndex {
 
   // Appends, for every (worker, dp_rank) holding at least the first block, the number of
   // leading blocks of the request it holds, given the request's sequence hashes. Touches only
-  // the request's path and stops as soon as no worker remains.
-  void FindMatches(std::span<const SequenceHash> seq_hashes, OverlapScores& out) const;
+  // the request's path and stops as soon as no worker remains. `tolerant`: the owner may be
+  // writing meanwhile (a ReadGate's tolerant read); each worker is then still reported at most
+  // once, with what the reader saw.
+  void FindMatches(std::span<const SequenceHash> seq_hashes, OverlapScores& out, bool tolerant = false) const;
+
+  // FindMatches will run while the owner writes: replaced memory is kept until FreeRetired.
+  void SetConcurrentReaders(bool on);
+  bool HasRetired() const;
+  // Owner, when no reader can hold replaced memory any more (ReadGate::EndWrite said quiet).
+  void FreeRetired();
 
   std::size_t TreeSize(WorkerKey worker) const;  // blocks held by (worker, dp_rank)
   // Calls f(WorkerKey, tree_size) for every known (worker, dp_rank).
@@ -125,13 +139,15 @@ class BlockIndex {
 
   struct Node {
     SequenceHash seq = 0;                  // identifies the prefix ending here
-    std::uint32_t parent = kRoot;          // next free node while on the free list
-    std::uint32_t num_children : 31 = 0;
-    // Set when a holder left this node while it had children: a child may then hold a worker
-    // this node does not, so FindMatches must intersect explicitly below it. Sticky until the
-    // node is freed (rare: engines evict leaves first).
-    std::uint32_t orphan_risk : 1 = 0;
+    std::uint32_t parent = kRoot;          // next free node while on the free list (owner only)
+    // Bit 0, "orphan risk": set when a holder left this node while it had children: a child may
+    // then hold a worker this node does not, so FindMatches must intersect explicitly below it.
+    // Sticky until the node is freed (rare: engines evict leaves first). Bits 1-31: children.
+    std::uint32_t meta = 0;
     HolderSet holders;
+
+    std::uint32_t num_children() const { return meta >> 1; }
+    bool orphan_risk() const { return (meta & 1) != 0; }
   };
   static_assert(sizeof(Node) == 32);
 
@@ -147,6 +163,13 @@ class BlockIndex {
       e = {static_cast<std::uint32_t>(k), static_cast<std::uint32_t>(k >> 32), v};
     }
     static std::uint64_t Hash(Key k) { return Mix64(k); }
+    // Word by word, atomically: the sequence-hash table is read while the owner writes.
+    static Entry Load(const Entry& e) { return {RelaxedLoad(e.lo), RelaxedLoad(e.hi), RelaxedLoad(e.value)}; }
+    static void Store(Entry& e, const Entry& v) {
+      RelaxedStore(e.lo, v.lo);
+      RelaxedStore(e.hi, v.hi);
+      RelaxedStore(e.value, v.value);
+    }
   };
   static_assert(sizeof(U64MapTraits::Entry) == 12);
 
@@ -181,6 +204,8 @@ class BlockIndex {
   void DropHolding(std::uint32_t slot, std::uint32_t i);
   void MaybeFree(std::uint32_t i);
   std::size_t ClearSlot(std::uint32_t slot);
+  template <bool kTolerant>
+  void FindMatchesImpl(std::span<const SequenceHash> hashes, OverlapScores& out) const;
 
   // Nodes live in fixed chunks so growth never copies them nor doubles memory; a chunk is one
   // 2 MiB huge page (LargeArray), so a request's path costs no page walks.
@@ -191,14 +216,17 @@ class BlockIndex {
   const Node& node(std::uint32_t i) const { return chunks_[i >> kChunkBits][i & (kChunkSize - 1)]; }
 
   std::vector<LargeArray<Node>> chunks_;  // node 0 (kRoot) is the root
+  PublishedArray<Node*> chunk_dir_;        // chunks_[c]'s nodes, for FindMatches
   std::uint32_t num_node_slots_ = 0;        // slots handed out so far
   std::uint32_t free_nodes_ = kFlatEmpty;   // head of the free list
   std::size_t live_nodes_ = 0;
   FlatTable<U64MapTraits> node_of_;         // sequence hash -> node
-  std::size_t holder_heap_bytes_ = 0;
+  HolderHeap holder_heap_;
+  std::vector<void*> retired_holders_;      // holder buffers replaced while readers may read
 
   std::vector<WorkerSlot> slots_;
-  std::vector<WorkerKey> key_of_slot_;      // compact copy of slots_[i].key for FindMatches
+  // slots_[i].key for FindMatches: words 3i, 3i+1 (worker_id, low and high), 3i+2 (dp_rank).
+  PublishedArray<std::uint32_t> key_words_;
   std::vector<std::uint32_t> free_slots_;
   std::unordered_map<WorkerKey, std::uint32_t, WorkerKeyHash> slot_of_;
   std::unordered_map<std::uint64_t, std::vector<std::uint32_t>> ranks_of_;  // worker_id -> slots

@@ -9,6 +9,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "router/read_gate.h"
 #include "router/shard_lock.h"
 #include "transport/thread_annotations.h"
 
@@ -43,6 +44,7 @@ class ShardedIndex::Shard {
   explicit Shard(const ShardedIndexOptions& o)
       : capacity_(o.queue_capacity),
         max_bulk_(o.max_bulk),
+        read_patience_(o.read_patience),
         default_capacity_(o.default_capacity),
         recover_(static_cast<bool>(o.on_recovery)),
         on_recovery_(o.on_recovery),
@@ -52,7 +54,9 @@ class ShardedIndex::Shard {
                  [this](WorkerKey w, SequenceKind k, std::optional<std::uint64_t> start, std::uint64_t generation) {
                    asks_.push_back({w, k, start, generation});
                  }),
-        thread_([this] { Run(); }) {}
+        thread_([this] { Run(); }) {
+    SetConcurrentReaders();
+  }
 
   ~Shard() {
     stop_.store(true);
@@ -118,10 +122,13 @@ class ShardedIndex::Shard {
     --flush_waiters_;
   }
 
+  // Without the shard's lock: through the read gate (router/read_gate.h), so a route never
+  // sleeps behind the shard thread, even when that thread loses its CPU in the middle of an event.
   void FindMatches(std::span<const SequenceHash> hashes, OverlapScores& out) const {
-    KvReaderLock lk(mu_);
-    index_.FindMatches(hashes, out);
+    ReadGate::Reader r(gate_, read_patience_);
+    GatedIndex().FindMatches(hashes, out, r.tolerant());
   }
+
 
   void TreeSizes(std::vector<WorkerTreeSize>& out) const {
     KvReaderLock lk(mu_);
@@ -153,6 +160,7 @@ class ShardedIndex::Shard {
     c.duplicate += duplicate_.Get();
     c.over_capacity += over_capacity_.Get();
     c.queue_full += queue_full_.load(std::memory_order_relaxed);
+    c.tolerant_reads += gate_.tolerant_reads();
   }
 
   void TakeStale(std::vector<WorkerKey>& out) {
@@ -199,6 +207,8 @@ class ShardedIndex::Shard {
         std::size_t slice = 0;
         for (std::size_t i = 0; i < n; ++i) {
           Item& it = items[i];
+          const bool writes = it.kind != Item::kWake;
+          if (writes) gate_.BeginWrite();
           switch (it.kind) {
             case Item::kBatch:
               slice += BlocksIn(it.batch);
@@ -231,6 +241,7 @@ class ShardedIndex::Shard {
             case Item::kWake:
               break;
           }
+          if (writes && gate_.EndWrite() && index_.HasRetired()) index_.FreeRetired();
           it.batch = {};
           it.part.reset();
           if (slice >= kMaxBlocksPerLock) {  // let waiting readers in
@@ -241,6 +252,11 @@ class ShardedIndex::Shard {
           } else {
             mu_.YieldToReaders();  // a route waiting for this shard gets in now
           }
+        }
+        if (index_.HasRetired()) {  // a reader was inside when the last event ended: free now
+          gate_.BeginWrite();
+          index_.FreeRetired();
+          gate_.EndWrite();
         }
         mu_.unlock();
         // Before this bulk counts as applied: a synchronous bus answers at once, and Flush must
@@ -356,8 +372,22 @@ class ShardedIndex::Shard {
   std::atomic<std::uint64_t> applied_{0};    // items applied (for Flush)
   std::atomic<bool> stop_{false};
 
+  // Constructor, before any event: the index keeps replaced memory until readers are gone.
+  void SetConcurrentReaders() {
+    mu_.lock();
+    index_.SetConcurrentReaders(true);
+    mu_.unlock();
+  }
+  // FindMatches' way in without mu_: the gate orders it with the writes instead (BlockIndex's
+  // thread contract), which the lock analysis cannot follow.
+  const BlockIndex& GatedIndex() const KV_NO_THREAD_SAFETY_ANALYSIS { return index_; }
+
+  // mu_ orders the shard thread with the bookkeeping readers (TreeSizes, Memory); gate_ orders
+  // it with FindMatches, which reads the tree without mu_. The shard thread writes under both.
   mutable ShardLock mu_;
   BlockIndex index_ KV_GUARDED_BY(mu_);  // written only by thread_, under the write lock
+  mutable ReadGate gate_;
+  const std::chrono::nanoseconds read_patience_;
   struct Ask {
     WorkerKey worker;
     SequenceKind numbering;

@@ -1,11 +1,13 @@
 // ShardedIndex: the router's KV block index, split into shards that each own a BlockIndex and
 // one thread. NATS delivery threads only Submit() decoded batches: a bounded lock-free queue per
 // shard (moodycamel) carries them to the shard thread, which dequeues in bulk and applies them
-// under the shard's write lock in slices of about 64 blocks, so a route
-// request never waits behind a flood. Queries (FindMatches, stats) fan out to every shard under
-// its read lock and merge, so they never observe a half-applied event. The lock is a ShardLock:
-// a query that finds the shard thread writing spins while the thread finishes its batch and
-// lets it in, instead of sleeping until the slice ends.
+// under the shard's write lock in slices of about 64 blocks. FindMatches fans out to every
+// shard without that lock, through the shard's ReadGate (router/read_gate.h): a query arriving
+// between events reads an exact state (the next event waits for it); one that meets an event
+// waits up to read_patience for it, and if the shard thread lost its CPU mid-event, reads
+// around it, seeing that one event partly (counted as tolerant_reads). So a route never sleeps
+// behind the shard thread. Stats (TreeSizes, Memory) take the shard's read lock, a ShardLock:
+// the thread lets a waiting reader in between batches.
 //
 // Per (worker_id, dp_rank) the shard keeps an EventStreams cursor (Dynamo event_id or vLLM
 // Kv-Seq): a repeat is dropped, a restart (id back to its first value) clears that rank first,
@@ -22,6 +24,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <limits>
@@ -33,6 +36,7 @@
 #include "events/kv_event.h"
 #include "router/block_index.h"
 #include "router/event_stream.h"
+#include "router/read_gate.h"
 #include "router/worker_key.h"
 
 namespace kvrouter {
@@ -50,6 +54,9 @@ struct ShardedIndexOptions {
   // would pass it is dropped (over_capacity): a worker flooding more than its cache cannot grow
   // the index without bound.
   std::uint64_t default_capacity = std::numeric_limits<std::uint64_t>::max();
+  // How long FindMatches waits for a shard thread that is in the middle of an event before it
+  // reads around that event (router/read_gate.h).
+  std::chrono::nanoseconds read_patience = ReadGate::kDefaultPatience;
 };
 
 // Event counters summed over shards (monotonic).
@@ -69,6 +76,9 @@ struct IndexCounters {
   std::uint64_t duplicate = 0;              // repeated event ids, dropped
   std::uint64_t over_capacity = 0;          // stored events dropped: the rank was full
   std::uint64_t queue_full = 0;
+  // Route queries that read a shard while its thread, preempted in the middle of an event, had
+  // not finished it within read_patience (router/read_gate.h).
+  std::uint64_t tolerant_reads = 0;
 };
 
 struct WorkerTreeSize {

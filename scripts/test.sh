@@ -85,7 +85,7 @@ fi
 # Older TSan runtimes cannot map memory under high ASLR entropy; run without ASLR.
 TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
   setarch "$(uname -m)" -R ctest --test-dir build-tsan --output-on-failure --timeout 600 \
-  -R '^(ShardedIndex|TransportTest|InMemoryBus|ServiceThreads|RecoveryTest)\.'
+  -R '^(ShardedIndex|ReadGate|ConcurrentReads|TransportTest|InMemoryBus|ServiceThreads|RecoveryTest)\.'
 
 if command -v clang++ >/dev/null; then
   step "fuzzing the decoders (${FUZZ_SECONDS:-8} s each)"

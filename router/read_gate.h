@@ -1,0 +1,166 @@
+// ReadGate: lets queries read an index shard without ever sleeping on its writer, while the
+// shard thread applies events to it in place.
+// - The writer brackets every event with BeginWrite/EndWrite (a version counter, odd while
+//   writing). BeginWrite waits for readers already inside to leave; EndWrite reports whether
+//   the shard is quiet (no reader inside), when memory the event replaced may be freed.
+// - A reader that finds the version even reads an exact state: no write starts until it leaves.
+// - A reader that finds an event half-applied waits up to `patience` for it to finish (and the
+//   writer's next event lets it in first, so a writer with a backlog cannot starve it); if the
+//   writer does not finish in that time (it was preempted: two cores, more runnable threads),
+//   the reader goes in anyway and reads while that one event is applied ("tolerant": it may
+//   see that event partly, never a later one, since the next BeginWrite waits for it). Such a
+//   read relies on the index being readable during a write: every word a reader can reach is
+//   written with an atomic store, memory is only freed once the shard is quiet, and the reader
+//   bounds every index and size it loads (BlockIndex::FindMatches).
+// Thread contract: one writer thread; any number of readers.
+//
+//   writer: gate.BeginWrite(); Apply(event); if (gate.EndWrite()) index.FreeRetired();
+//   reader: ReadGate::Reader r(gate, patience); index.FindMatches(hashes, out, r.tolerant());
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <thread>
+
+namespace kvrouter {
+
+// Word access for memory that a writer changes while readers may read it (index shards): the
+// same instructions as plain loads and stores on x86, but defined behaviour, and seen by TSan.
+template <typename T>
+inline T RelaxedLoad(const T& v) {
+  return __atomic_load_n(&v, __ATOMIC_RELAXED);
+}
+template <typename T>
+inline T AcquireLoad(const T& v) {
+  return __atomic_load_n(&v, __ATOMIC_ACQUIRE);
+}
+template <typename T, typename U>
+inline void RelaxedStore(T& v, U x) {
+  __atomic_store_n(&v, static_cast<T>(x), __ATOMIC_RELAXED);
+}
+template <typename T, typename U>
+inline void ReleaseStore(T& v, U x) {
+  __atomic_store_n(&v, static_cast<T>(x), __ATOMIC_RELEASE);
+}
+
+inline void CpuRelax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#else
+  std::this_thread::yield();
+#endif
+}
+
+class ReadGate {
+ public:
+  // A route waits this long for a half-applied event before reading around it: an event takes
+  // microseconds unless its thread lost its CPU.
+  static constexpr std::chrono::microseconds kDefaultPatience{10};
+
+  // How long an event holds back for readers that waited out the previous one (a reader that
+  // lost its CPU while waiting is not waited for longer).
+  static constexpr std::chrono::microseconds kWriterHold{20};
+
+  // Writer: an event starts. Readers that waited for the previous event get in first, then it
+  // waits for readers inside to leave (they read for microseconds); readers arriving now wait
+  // for EndWrite or read tolerantly.
+  void BeginWrite() {
+    if (waiting_.load(std::memory_order_seq_cst) != 0) {
+      // Without this a writer with a backlog starts its next event within nanoseconds of the
+      // last, and a waiting reader never finds the gate open.
+      const auto deadline = std::chrono::steady_clock::now() + kWriterHold;
+      for (unsigned i = 1; waiting_.load(std::memory_order_seq_cst) != 0; ++i) {
+        CpuRelax();
+        if (i % 16 == 0 && std::chrono::steady_clock::now() >= deadline) break;
+      }
+    }
+    version_.store(version_.load(std::memory_order_relaxed) + 1, std::memory_order_seq_cst);
+    for (unsigned i = 1; readers_.load(std::memory_order_seq_cst) != 0; ++i) {
+      if (i % 64 == 0) {
+        std::this_thread::yield();  // a reader that lost its CPU needs one of ours
+      } else {
+        CpuRelax();
+      }
+    }
+  }
+  // Writer: the event is applied. True when no reader is inside and none can still hold memory
+  // the event replaced (a reader arriving from now on finds only the new state).
+  bool EndWrite() {
+    version_.store(version_.load(std::memory_order_relaxed) + 1, std::memory_order_seq_cst);
+    return readers_.load(std::memory_order_seq_cst) == 0;
+  }
+  bool writing() const { return (version_.load(std::memory_order_relaxed) & 1) != 0; }
+
+  class Reader {
+   public:
+    Reader(ReadGate& g, std::chrono::nanoseconds patience) : g_(g) { tolerant_ = g_.Enter(patience); }
+    ~Reader() { g_.readers_.fetch_sub(1, std::memory_order_release); }
+    Reader(const Reader&) = delete;
+    Reader& operator=(const Reader&) = delete;
+    // The read may overlap the writing of one event (see the header comment).
+    bool tolerant() const { return tolerant_; }
+
+   private:
+    ReadGate& g_;
+    bool tolerant_ = false;
+  };
+
+  std::uint64_t tolerant_reads() const { return tolerant_reads_.load(std::memory_order_relaxed); }
+
+ private:
+  static constexpr std::chrono::microseconds kSpin{2};  // then a waiting reader offers its CPU
+
+  // Counts the reader in; true when it goes in tolerantly.
+  bool Enter(std::chrono::nanoseconds patience) {
+    readers_.fetch_add(1, std::memory_order_seq_cst);
+    std::uint64_t v = version_.load(std::memory_order_seq_cst);
+    if ((v & 1) == 0) return false;  // between events: the writer waits for us
+    // An event is being applied: step aside so BeginWrite's wait cannot hold it up, say that we
+    // wait (the next event lets us in first), and give it `patience` to finish.
+    readers_.fetch_sub(1, std::memory_order_release);
+    waiting_.fetch_add(1, std::memory_order_seq_cst);
+    const auto deadline = std::chrono::steady_clock::now() + patience;
+    bool tolerant = false;
+    bool yielded = false;
+    while (true) {
+      bool late = false;
+      for (unsigned i = 1; version_.load(std::memory_order_acquire) == v; ++i) {
+        if (i % 16 != 0) {
+          CpuRelax();
+          continue;
+        }
+        const auto now = std::chrono::steady_clock::now();
+        if (now >= deadline) {
+          late = true;
+          break;
+        }
+        // Past a short spin the writer is probably waiting for a CPU, perhaps this one: offer
+        // it once (a yield can last a whole time slice when every thread is busy).
+        if (!yielded && now + patience - kSpin >= deadline) {
+          yielded = true;
+          std::this_thread::yield();
+        }
+      }
+      readers_.fetch_add(1, std::memory_order_seq_cst);
+      const std::uint64_t now = version_.load(std::memory_order_seq_cst);
+      if ((now & 1) == 0) break;  // counted in between events: exact
+      if (late) {  // counted in during the event: the next BeginWrite waits for us
+        tolerant = true;
+        tolerant_reads_.fetch_add(1, std::memory_order_relaxed);
+        break;
+      }
+      readers_.fetch_sub(1, std::memory_order_release);  // another event began: wait for it too
+      v = now;
+    }
+    waiting_.fetch_sub(1, std::memory_order_seq_cst);
+    return tolerant;
+  }
+
+  std::atomic<std::uint64_t> version_{0};  // odd while an event is being applied
+  std::atomic<int> readers_{0};            // readers inside (exact and tolerant)
+  std::atomic<int> waiting_{0};            // readers waiting for an event to end
+  std::atomic<std::uint64_t> tolerant_reads_{0};
+};
+
+}  // namespace kvrouter

@@ -1,0 +1,172 @@
+// Reading an index shard while its thread writes: the ReadGate's rules, and BlockIndex's
+// FindMatches run against an owner that writes all the time (holder sets moving between inline
+// and heap, the sequence-hash table rehashing, node chunks and slot keys growing). Run under
+// TSan in CI: a plain write to anything FindMatches reads is a reported race.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <set>
+#include <thread>
+#include <vector>
+
+#include "events/block_hash.h"
+#include "router/block_index.h"
+#include "router/read_gate.h"
+
+namespace kvrouter {
+namespace {
+
+using namespace std::chrono_literals;
+
+template <typename F>
+void AwaitTrue(F&& f) {
+  while (!f()) std::this_thread::yield();
+}
+
+TEST(ReadGate, AnEventWaitsForTheReaderInsideAndReadersBetweenEventsAreExact) {
+  ReadGate gate;
+  std::atomic<bool> passed{false};
+  std::thread writer;
+  {
+    ReadGate::Reader r(gate, 1h);
+    EXPECT_FALSE(r.tolerant());
+    writer = std::thread([&] {
+      gate.BeginWrite();
+      passed.store(true);
+      EXPECT_TRUE(gate.EndWrite());  // quiet: the reader left before the event began
+    });
+    AwaitTrue([&] { return gate.writing(); });  // the event has announced itself...
+    EXPECT_FALSE(passed.load());                // ...and cannot start while we read
+  }
+  writer.join();
+  EXPECT_TRUE(passed.load());
+  EXPECT_EQ(gate.tolerant_reads(), 0u);
+}
+
+TEST(ReadGate, AReaderWaitsOutAnEventWithinItsPatience) {
+  ReadGate gate;
+  gate.BeginWrite();
+  std::atomic<bool> tolerant{true};
+  std::thread reader([&] {
+    ReadGate::Reader r(gate, 1h);
+    tolerant.store(r.tolerant());
+  });
+  gate.EndWrite();
+  reader.join();
+  EXPECT_FALSE(tolerant.load());
+  EXPECT_EQ(gate.tolerant_reads(), 0u);
+}
+
+TEST(ReadGate, AReaderReadsAroundAStuckEventAndHoldsBackTheNextOne) {
+  ReadGate gate;
+  gate.BeginWrite();  // the writer "loses its CPU" here
+  std::atomic<int> stage{0};
+  std::thread reader([&] {
+    ReadGate::Reader r(gate, 200us);
+    EXPECT_TRUE(r.tolerant());
+    stage.store(1);
+    AwaitTrue([&] { return stage.load() == 2; });
+  });
+  AwaitTrue([&] { return stage.load() == 1; });
+  EXPECT_EQ(gate.tolerant_reads(), 1u);
+  EXPECT_FALSE(gate.EndWrite());  // a reader is inside: replaced memory must wait
+  std::atomic<bool> next_began{false};
+  std::thread writer([&] {
+    gate.BeginWrite();  // waits for the tolerant reader
+    next_began.store(true);
+    EXPECT_TRUE(gate.EndWrite());
+  });
+  AwaitTrue([&] { return gate.writing(); });
+  EXPECT_FALSE(next_began.load());
+  stage.store(2);
+  reader.join();
+  writer.join();
+  EXPECT_TRUE(next_began.load());
+}
+
+// The owner stores, removes, clears and forgets workers without pause (and never frees what it
+// replaces, so every pointer a reader loads stays valid) while readers run tolerant
+// FindMatches: every result must name each worker once, only known workers, with 1..length
+// blocks.
+TEST(ConcurrentReads, TolerantFindMatchesStayInBoundsWhileTheOwnerWrites) {
+  constexpr std::uint64_t kWorkers = 48;
+  constexpr std::size_t kShared = 24;  // a prefix every worker stores: holder sets of 48
+  BlockIndex idx;
+  idx.SetConcurrentReaders(true);
+  std::vector<LocalHash> shared;
+  for (std::size_t i = 0; i < kShared; ++i) shared.push_back(1000 + i);
+  const auto query = ComputeSequenceHashes(shared);
+
+  std::atomic<bool> done{false};
+  std::atomic<long> reads{0}, bad{0}, nonempty{0};
+  std::vector<std::thread> readers;
+  for (int r = 0; r < 2; ++r) {
+    readers.emplace_back([&] {
+      OverlapScores out;
+      while (!done.load(std::memory_order_relaxed)) {
+        out.clear();
+        idx.FindMatches(query, out, /*tolerant=*/true);
+        std::set<WorkerKey> seen;
+        for (const auto& s : out) {
+          if (!seen.insert(s.worker).second || s.worker.worker_id >= kWorkers || s.worker.dp_rank != 0 ||
+              s.blocks == 0 || s.blocks > kShared) {
+            bad.fetch_add(1);
+          }
+        }
+        if (!out.empty()) nonempty.fetch_add(1);
+        reads.fetch_add(1);
+      }
+    });
+  }
+
+  std::uint64_t next_id = 1;
+  for (int round = 0; round < 6; ++round) {
+    for (std::uint64_t w = 0; w < kWorkers; ++w) {
+      const WorkerKey key{w, 0};
+      // The shared prefix (canonical: engine hash = sequence hash), then a private tail long
+      // enough that the tree passes one node chunk (65,536 nodes) over the rounds.
+      std::vector<StoredBlock> chain;
+      const auto seq = ComputeSequenceHashes(shared);
+      for (std::size_t i = 0; i < kShared; ++i) chain.push_back({seq[i], shared[i]});
+      ASSERT_FALSE(idx.ApplyStored(key, std::nullopt, chain).parent_not_found);
+      std::vector<StoredBlock> tail;
+      for (std::size_t i = 0; i < 1500; ++i) tail.push_back({1'000'000 + next_id++, 5'000'000 + next_id});
+      idx.ApplyStored(key, seq.back(), tail);
+    }
+    for (std::uint64_t w = 0; w < kWorkers; ++w) {
+      const WorkerKey key{w, 0};
+      switch ((w + round) % 3) {
+        case 0: {  // the shared prefix's second half goes: the node keeps its children (orphan risk)
+          std::vector<BlockHash> gone;
+          const auto seq = ComputeSequenceHashes(shared);
+          for (std::size_t i = kShared / 2; i < kShared; ++i) gone.push_back(seq[i]);
+          idx.ApplyRemoved(key, gone);
+          break;
+        }
+        case 1:
+          idx.ClearWorker(w);
+          break;
+        default:
+          idx.RemoveWorker(w);  // its slot is reused by the next worker that arrives
+      }
+    }
+  }
+  // Let the readers see the final state, then check it exactly.
+  const long before = reads.load();
+  AwaitTrue([&] { return reads.load() > before + 10; });
+  done.store(true);
+  for (auto& t : readers) t.join();
+  EXPECT_EQ(bad.load(), 0);
+  EXPECT_GT(nonempty.load(), 0);
+  EXPECT_TRUE(idx.HasRetired());
+  idx.FreeRetired();
+  EXPECT_FALSE(idx.HasRetired());
+  OverlapScores out;
+  idx.FindMatches(query, out);
+  EXPECT_EQ(out.size(), kWorkers / 3);  // round 5: workers with (w + 5) % 3 == 0 kept half
+  for (const auto& s : out) EXPECT_EQ(s.blocks, kShared / 2);
+}
+
+}  // namespace
+}  // namespace kvrouter
