@@ -331,11 +331,13 @@ class ScoreWriter {
     const std::uint64_t id = (std::uint64_t{RelaxedLoad(k[1])} << 32) | RelaxedLoad(k[0]);
     *w_++ = {WorkerKey{id, RelaxedLoad(k[2])}, depth};
   }
-  // Every slot of `holders` not in `kept` (a sorted subset, in an exact read).
+  // Every slot of `holders` not in `kept` (both sorted; in an exact read kept is a subset, in
+  // a tolerant one it may hold a slot the event in progress has not yet added to holders).
   void EmitMissing(std::span<const std::uint32_t> holders, std::span<const std::uint32_t> kept, std::uint32_t depth) {
     std::size_t j = 0;
     for (const std::uint32_t& h : holders) {
       const std::uint32_t s = RelaxedLoad(h);
+      while (j < kept.size() && RelaxedLoad(kept[j]) < s) ++j;
       if (j < kept.size() && RelaxedLoad(kept[j]) == s) {
         ++j;
       } else {
@@ -397,7 +399,11 @@ void BlockIndex::FindMatchesImpl(std::span<const SequenceHash> hashes, OverlapSc
   // No worker matches without the first block: room for its holders, trimmed at the end.
   std::uint32_t tmp_cur[2], tmp_child[2];
   const std::size_t base = out.size();
-  out.resize(base + path[0]->holders.ReadSize());
+  std::size_t room = path[0]->holders.ReadSize();
+  // A tolerant read may find the first block's set in another version than its size, and one
+  // worker (the event's) below it that this version lacks.
+  if constexpr (kTolerant) room = std::max<std::size_t>(room, path[0]->holders.ReadView(tmp_cur).size()) + 1;
+  out.resize(base + room);
   ScoreWriter<kTolerant> w(out.data() + base, out.data() + out.size(), key_words_.Snapshot());
   auto finish = [&] { out.resize(static_cast<std::size_t>(w.end() - out.data())); };
 
@@ -413,8 +419,9 @@ void BlockIndex::FindMatchesImpl(std::span<const SequenceHash> hashes, OverlapSc
     const Node* child = path[depth];
     if (RelaxedLoad(child->seq) != hashes[depth]) break;  // recycled or moved meanwhile: path ends
     if (lazy && (RelaxedLoad(cur->meta) & 1) == 0) {
-      // Sizes first: equal sizes (the common case) need neither holder array.
-      if (child->holders.ReadSize() != cur->holders.ReadSize()) {
+      // Sizes first: equal sizes (the common case) need neither holder array. Not in a tolerant
+      // read: there equal sizes may hide a holder the event added and another that left.
+      if (kTolerant || child->holders.ReadSize() != cur->holders.ReadSize()) {
         // child's holders are a subset: emit cur's holders missing from child.
         const auto child_holders = child->holders.ReadView(tmp_child);
         w.EmitMissing(cur->holders.ReadView(tmp_cur), child_holders, depth);

@@ -21,6 +21,7 @@
 #pragma once
 
 #include <cstddef>
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <utility>
@@ -92,6 +93,24 @@ class FlatTable {
    public:
     std::uint32_t Find(const Key& key) const {
       if (slots_ == nullptr) return kFlatEmpty;
+      // A deletion moves later entries of a probe run back, and a probe it overtakes misses one
+      // that is there: a miss counts only if no deletion ran meanwhile (a few tries).
+      for (int attempt = 0;; ++attempt) {
+        const std::uint32_t e0 = AcquireLoad(*erasing_);
+        const std::uint32_t v = Probe(key);
+        if (v != kFlatEmpty) return v;
+        std::atomic_thread_fence(std::memory_order_acquire);
+        const std::uint32_t e1 = RelaxedLoad(*erasing_);
+        if (((e0 & 1) == 0 && e0 == e1) || attempt == 3) return v;
+      }
+    }
+    void Prefetch(const Key& key) const {
+      if (slots_ != nullptr) PrefetchLine(&slots_[traits_->Hash(key) & mask_]);
+    }
+
+   private:
+    friend class FlatTable;
+    std::uint32_t Probe(const Key& key) const {
       std::size_t i = traits_->Hash(key) & mask_;
       for (std::size_t probes = 0; probes <= mask_; ++probes, i = (i + 1) & mask_) {
         const Entry e = Load(slots_[i]);
@@ -100,12 +119,8 @@ class FlatTable {
       }
       return kFlatEmpty;
     }
-    void Prefetch(const Key& key) const {
-      if (slots_ != nullptr) PrefetchLine(&slots_[traits_->Hash(key) & mask_]);
-    }
 
-   private:
-    friend class FlatTable;
+    const std::uint32_t* erasing_ = nullptr;
     const Traits* traits_ = nullptr;
     const Entry* slots_ = nullptr;
     std::size_t mask_ = 0;
@@ -113,6 +128,7 @@ class FlatTable {
   View Snapshot() const {
     View v;
     v.traits_ = &traits_;
+    v.erasing_ = &erasing_;
     if (const Storage* st = AcquireLoad(published_)) {
       v.slots_ = &st->slots[0];
       v.mask_ = st->mask;
@@ -152,7 +168,10 @@ class FlatTable {
       if (traits_.KeyOf(slots[i]) == key) break;
     }
     const std::uint32_t old = slots[i].value;
-    // Backward-shift: pull later members of the probe run into the hole.
+    // Backward-shift: pull later members of the probe run into the hole. Readers see the count
+    // odd meanwhile (View::Find).
+    RelaxedStore(erasing_, erasing_ + 1);
+    std::atomic_thread_fence(std::memory_order_release);
     std::size_t hole = i;
     for (std::size_t j = (i + 1) & mask; slots[j].value != kFlatEmpty; j = (j + 1) & mask) {
       const std::size_t home = traits_.Hash(traits_.KeyOf(slots[j])) & mask;
@@ -164,6 +183,7 @@ class FlatTable {
       }
     }
     RelaxedStore(slots[hole].value, kFlatEmpty);
+    ReleaseStore(erasing_, erasing_ + 1);
     --size_;
     if (capacity() > 8 && size_ * 8 < capacity()) Rehash(capacity() / 2);  // give memory back
     return old;
@@ -234,6 +254,7 @@ class FlatTable {
   std::unique_ptr<Storage> st_;       // the slot array (huge pages when large); null when empty
   Storage* published_ = nullptr;      // st_.get(), for readers (atomic accesses)
   std::size_t size_ = 0;
+  std::uint32_t erasing_ = 0;  // odd while Erase moves entries (atomic accesses)
   bool defer_frees_ = false;
   std::vector<std::unique_ptr<Storage>> retired_;
 };
