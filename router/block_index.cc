@@ -419,9 +419,8 @@ void BlockIndex::FindMatchesImpl(std::span<const SequenceHash> hashes, OverlapSc
     const Node* child = path[depth];
     if (RelaxedLoad(child->seq) != hashes[depth]) break;  // recycled or moved meanwhile: path ends
     if (lazy && (RelaxedLoad(cur->meta) & 1) == 0) {
-      // Sizes first: equal sizes (the common case) need neither holder array. Not in a tolerant
-      // read: there equal sizes may hide a holder the event added and another that left.
-      if (kTolerant || child->holders.ReadSize() != cur->holders.ReadSize()) {
+      // Sizes first: equal sizes (the common case) need neither holder array.
+      if (child->holders.ReadSize() != cur->holders.ReadSize()) {
         // child's holders are a subset: emit cur's holders missing from child.
         const auto child_holders = child->holders.ReadView(tmp_child);
         w.EmitMissing(cur->holders.ReadView(tmp_cur), child_holders, depth);
