@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cassert>
 #include <cstdlib>
+#include <cstring>
 #include <stdexcept>
 
 namespace kvrouter {
@@ -321,24 +322,38 @@ class ScoreWriter {
     }
   }
 
-  void Emit(std::uint32_t slot, std::uint32_t depth) {
-    if (slot >= slots_ || w_ == end_) return;
+  // An exact read runs while no event is being applied (ReadGate), so it reads plainly and
+  // trusts what it reads; a tolerant one checks every slot and loads each word atomically.
+  static std::uint32_t Word(const std::uint32_t& v) {
     if constexpr (kTolerant) {
-      if (seen_[slot] == generation_) return;
-      seen_[slot] = generation_;
+      return RelaxedLoad(v);
+    } else {
+      return v;
     }
+  }
+
+  void Emit(std::uint32_t slot, std::uint32_t depth) {
     const std::uint32_t* k = keys_ + 3 * std::size_t{slot};
-    const std::uint64_t id = (std::uint64_t{RelaxedLoad(k[1])} << 32) | RelaxedLoad(k[0]);
-    *w_++ = {WorkerKey{id, RelaxedLoad(k[2])}, depth};
+    if constexpr (kTolerant) {
+      if (slot >= slots_ || w_ == end_ || seen_[slot] == generation_) return;
+      seen_[slot] = generation_;
+      const std::uint64_t id = (std::uint64_t{RelaxedLoad(k[1])} << 32) | RelaxedLoad(k[0]);
+      *w_++ = {WorkerKey{id, RelaxedLoad(k[2])}, depth};
+    } else {
+      assert(slot < slots_ && w_ != end_);
+      OverlapScore& o = *w_++;
+      std::memcpy(static_cast<void*>(&o.worker), k, sizeof(WorkerKey));  // worker_id low, high, dp_rank
+      o.blocks = depth;
+    }
   }
   // Every slot of `holders` not in `kept` (both sorted; in an exact read kept is a subset, in
   // a tolerant one it may hold a slot the event in progress has not yet added to holders).
   void EmitMissing(std::span<const std::uint32_t> holders, std::span<const std::uint32_t> kept, std::uint32_t depth) {
     std::size_t j = 0;
     for (const std::uint32_t& h : holders) {
-      const std::uint32_t s = RelaxedLoad(h);
-      while (j < kept.size() && RelaxedLoad(kept[j]) < s) ++j;
-      if (j < kept.size() && RelaxedLoad(kept[j]) == s) {
+      const std::uint32_t s = Word(h);
+      while (j < kept.size() && Word(kept[j]) < s) ++j;
+      if (j < kept.size() && Word(kept[j]) == s) {
         ++j;
       } else {
         Emit(s, depth);
@@ -346,7 +361,7 @@ class ScoreWriter {
     }
   }
   void EmitAll(std::span<const std::uint32_t> holders, std::uint32_t depth) {
-    for (const std::uint32_t& h : holders) Emit(RelaxedLoad(h), depth);
+    for (const std::uint32_t& h : holders) Emit(Word(h), depth);
   }
   OverlapScore* end() const { return w_; }
 
@@ -432,14 +447,14 @@ void BlockIndex::FindMatchesImpl(std::span<const SequenceHash> hashes, OverlapSc
     const auto child_holders = child->holders.ReadView(tmp_child);
     if (lazy) {
       active.clear();
-      for (const std::uint32_t& h : cur->holders.ReadView(tmp_cur)) active.push_back(RelaxedLoad(h));
+      for (const std::uint32_t& h : cur->holders.ReadView(tmp_cur)) active.push_back(w.Word(h));
       lazy = false;
     }
     next.clear();
     std::size_t j = 0;
     for (std::uint32_t s : active) {
-      while (j < child_holders.size() && RelaxedLoad(child_holders[j]) < s) ++j;
-      if (j < child_holders.size() && RelaxedLoad(child_holders[j]) == s) {
+      while (j < child_holders.size() && w.Word(child_holders[j]) < s) ++j;
+      if (j < child_holders.size() && w.Word(child_holders[j]) == s) {
         next.push_back(s);
       } else {
         w.Emit(s, depth);
