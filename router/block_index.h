@@ -17,9 +17,10 @@
 // with atomic stores, memory a write replaces is kept until FreeRetired(), and FindMatches
 // checks each node it reaches against the request's hash and bounds each slot and size it
 // loads. TreeSize, ForEachWorker and Memory read the owner's bookkeeping: only while the owner
-// cannot write (ShardedIndex holds the shard's lock). Memory: a node is freed (slot recycled, holder heap released, child
-// link erased) when its last holder goes and it has no children; a worker's removal or `cleared`
-// costs time proportional to that worker's blocks; FindMatches touches only the request's path.
+// cannot write (ShardedIndex holds the shard's lock). Memory: a node is freed (slot recycled,
+// holder heap released, child link erased) when its last holder goes and it has no children; a
+// worker's removal or `cleared` costs time proportional to that worker's blocks; FindMatches
+// touches only the request's path.
 //
 //   BlockIndex idx;  idx.ApplyStored({7, 0}, std::nullopt, blocks);
 //   idx.FindMatches(ComputeSequenceHashes(local_hashes), scores);  // (worker, rank) -> blocks

@@ -10,8 +10,9 @@
 //   the reader goes in anyway and reads while that one event is applied ("tolerant": it may
 //   see that event partly, never a later one, since the next BeginWrite waits for it). Such a
 //   read relies on the index being readable during a write: every word a reader can reach is
-//   written with an atomic store, memory is only freed once the shard is quiet, and the reader
-//   bounds every index and size it loads (BlockIndex::FindMatches).
+//   written with an atomic store, a holder set changes by publishing a new copy, memory is only
+//   freed once the shard is quiet, and a tolerant reader bounds every index and size it loads
+//   (BlockIndex::FindMatches).
 // Thread contract: one writer thread; any number of readers.
 //
 //   writer: gate.BeginWrite(); Apply(event); if (gate.EndWrite()) index.FreeRetired();
