@@ -81,8 +81,9 @@ class FlatTable {
   std::size_t capacity() const { return st_ ? st_->mask + 1 : 0; }
   std::size_t memory_bytes() const { return capacity() * sizeof(Entry); }
 
-  // The value for key, or kFlatEmpty.
-  std::uint32_t Find(const Key& key) const { return Snapshot().Find(key); }
+  // The value for key, or kFlatEmpty. The owner's lookup: no deletion runs meanwhile, so a
+  // miss needs no second look (View::Find).
+  std::uint32_t Find(const Key& key) const { return Snapshot().Probe(key); }
 
   // Starts loading the cache line where key's probe begins (no effect on contents).
   void Prefetch(const Key& key) const { Snapshot().Prefetch(key); }
@@ -92,7 +93,6 @@ class FlatTable {
   class View {
    public:
     std::uint32_t Find(const Key& key) const {
-      if (slots_ == nullptr) return kFlatEmpty;
       // A deletion moves later entries of a probe run back, and a probe it overtakes misses one
       // that is there: a miss counts only if no deletion ran meanwhile (a few tries).
       for (int attempt = 0;; ++attempt) {
@@ -111,6 +111,7 @@ class FlatTable {
    private:
     friend class FlatTable;
     std::uint32_t Probe(const Key& key) const {
+      if (slots_ == nullptr) return kFlatEmpty;
       std::size_t i = traits_->Hash(key) & mask_;
       for (std::size_t probes = 0; probes <= mask_; ++probes, i = (i + 1) & mask_) {
         const Entry e = Load(slots_[i]);

@@ -20,6 +20,7 @@
 #include <shared_mutex>
 #include <thread>
 
+#include "router/read_gate.h"
 #include "transport/thread_annotations.h"
 
 namespace kvrouter {
@@ -39,7 +40,7 @@ class KV_CAPABILITY("mutex") ShardLock {
     const auto deadline = std::chrono::steady_clock::now() + kReaderSpin;
     bool in = false;
     for (unsigned i = 1; !(in = m_.try_lock_shared()); ++i) {
-      Relax();
+      CpuRelax();
       if (i % 16 == 0 && std::chrono::steady_clock::now() > deadline) break;
     }
     if (!in) m_.lock_shared();
@@ -58,7 +59,7 @@ class KV_CAPABILITY("mutex") ShardLock {
     m_.unlock();
     const auto deadline = std::chrono::steady_clock::now() + kWriterPause;
     for (unsigned i = 1; ReadersWaiting(); ++i) {
-      Relax();
+      CpuRelax();
       if (i % 16 == 0 && std::chrono::steady_clock::now() > deadline) break;
     }
     for (int i = 0; i < kWriterYields && ReadersWaiting(); ++i) std::this_thread::yield();
@@ -67,14 +68,6 @@ class KV_CAPABILITY("mutex") ShardLock {
   }
 
  private:
-  static void Relax() {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#else
-    std::this_thread::yield();
-#endif
-  }
-
   std::shared_mutex m_;
   std::atomic<int> waiting_{0};  // readers spinning or asleep on the lock
 };
