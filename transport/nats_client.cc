@@ -353,6 +353,12 @@ NatsClient::~NatsClient() {
   shared_->closing.store(true);
   natsConnection_Close(conn_.get());  // no-op when already closed (e.g. after Drain)
   AwaitClosed(kCloseGrace);
+  std::vector<natsSubscription*> retired;
+  {
+    KvMutexLock lock(shared_->mu);
+    if (shared_->closed) retired.swap(shared_->retired);  // the read loop has ended
+  }
+  for (natsSubscription* sub : retired) natsSubscription_Destroy(sub);
   conn_.reset();
 }
 
@@ -472,6 +478,8 @@ NatsStats NatsClient::Stats() const {
   st.slow_consumer = shared_->slow_consumer.load();
   st.callback_errors = shared_->callback_errors.load();
   st.async_errors = shared_->async_errors.load();
+  KvMutexLock lock(shared_->mu);
+  st.retired_subscriptions = shared_->retired.size();
   return st;
 }
 

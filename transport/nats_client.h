@@ -82,6 +82,9 @@ struct NatsStats {
                                  // and nats.c dropped messages for it
   uint64_t callback_errors = 0;  // handlers/callbacks that threw (caught here)
   uint64_t async_errors = 0;     // other asynchronous errors reported by nats.c
+  // Unsubscribed subscriptions not freed yet: nats.c 3.4's read loop may still lock one it
+  // looked up before the unsubscribe. Freed in batches by Subscribe (after a flush) or on close.
+  uint64_t retired_subscriptions = 0;
 };
 
 // One received message, borrowed from nats.c: every view is valid only during the handler call.
@@ -154,6 +157,9 @@ class NatsClient {
   static Result<std::unique_ptr<NatsClient>> Connect(const NatsOptions& options,
                                                      Callbacks callbacks);
 
+  // Unsubscribed subscriptions are freed in batches of this many (see NatsStats).
+  static constexpr std::size_t kRetiredBatch = 32;
+
   // Closes the connection (without draining) and waits for nats.c's last callback.
   ~NatsClient();
   NatsClient(const NatsClient&) = delete;
@@ -196,6 +202,9 @@ class NatsClient {
              std::unique_ptr<natsConnection, transport_detail::ConnectionDeleter> conn);
   // Waits for the closed callback (the last one nats.c posts); see the .cc for the fallback.
   void AwaitClosed(std::chrono::milliseconds timeout);
+  // Once kRetiredBatch unsubscribed subscriptions wait, flushes and frees them (see
+  // ClientShared::retired).
+  void FreeRetiredSubscriptions();
 
   std::shared_ptr<transport_detail::ClientShared> shared_;
   std::unique_ptr<natsConnection, transport_detail::ConnectionDeleter> conn_;

@@ -14,6 +14,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "transport/log.h"
 #include "transport/nats_client.h"
@@ -38,6 +39,24 @@ struct ClientShared {
   KvMutex mu;
   std::condition_variable_any cv;
   bool closed KV_GUARDED_BY(mu) = false;  // set by the closed callback
+  // Subscriptions unsubscribed but not yet freed. nats.c 3.4's read loop looks a subscription
+  // up, lets go of the connection's subscription lock and then locks the subscription, so an
+  // unsubscribe and free in that gap makes it lock freed memory (nats-io/nats.c#637, fixed in
+  // 3.6). One is freed only once the connection is closed, or after a flush whose PONG the read
+  // loop handled after the unsubscribe (it handles the stream in order, so it is past them).
+  std::vector<natsSubscription*> retired KV_GUARDED_BY(mu);
+
+  // Frees `sub` now if the connection is closed, else keeps it in `retired`.
+  void Retire(natsSubscription* sub) {
+    {
+      KvMutexLock lock(mu);
+      if (!closed) {
+        retired.push_back(sub);
+        return;
+      }
+    }
+    natsSubscription_Destroy(sub);
+  }
 
   void CountCallbackError(std::string_view where, std::string_view what) {
     callback_errors.fetch_add(1, std::memory_order_relaxed);

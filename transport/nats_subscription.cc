@@ -115,6 +115,7 @@ Subscription::Subscription(
     : state_(std::move(state)), sub_(std::move(sub)) {}
 
 Subscription::~Subscription() {
+  const std::shared_ptr<transport_detail::ClientShared> client = state_->client;
   // Closes the subscription: its delivery thread stops dispatching. If the connection is
   // already closed the subscription was closed with it, and this reports an error we ignore.
   const natsStatus s = natsSubscription_Unsubscribe(sub_.get());
@@ -140,7 +141,25 @@ Subscription::~Subscription() {
                               "still waiting for a handler of '{}' to return", state_->subject);
     }
   }
-  sub_.reset();  // drops our reference; nats.c frees the subscription when its thread is done
+  // Our reference is dropped later, when the read loop cannot be holding it (see Retire).
+  client->Retire(sub_.release());
+}
+
+void NatsClient::FreeRetiredSubscriptions() {
+  std::vector<natsSubscription*> batch;
+  {
+    KvMutexLock lock(shared_->mu);
+    if (shared_->retired.size() < kRetiredBatch) return;
+    batch.swap(shared_->retired);
+  }
+  // Every subscription in `batch` was removed before this PING is sent; once the read loop has
+  // handled its PONG it holds none of them.
+  if (natsConnection_FlushTimeout(conn_.get(), 1000) == NATS_OK) {
+    for (natsSubscription* sub : batch) natsSubscription_Destroy(sub);
+    return;
+  }
+  KvMutexLock lock(shared_->mu);  // disconnected: keep them for the next try or for the close
+  shared_->retired.insert(shared_->retired.end(), batch.begin(), batch.end());
 }
 
 const std::string& Subscription::subject() const { return state_->subject; }
@@ -155,6 +174,7 @@ Result<std::unique_ptr<Subscription>> NatsClient::Subscribe(std::string subject,
                                                             std::string queue_group,
                                                             MessageHandler handler) {
   if (!handler) return InvalidArgument("subscribe " + subject + ": empty handler");
+  FreeRetiredSubscriptions();
   auto state = std::make_unique<SubscriptionState>();
   state->client = shared_;
   state->subject = subject;

@@ -511,6 +511,35 @@ TEST_F(TransportTest, SubscriptionOutlivingItsClientIsSafe) {
   owned.reset();  // must not hang or touch freed memory (ASan build checks the latter)
 }
 
+// nats.c 3.4's read loop may lock a subscription it looked up just before an unsubscribe
+// (nats-io/nats.c#637): subscriptions destroyed while messages for them stream in must not be
+// freed under it, and the ones kept back must be freed in bounded batches, not piled up.
+TEST_F(TransportTest, SubscriptionsDestroyedDuringAFloodAreFreedInBoundedBatches) {
+  auto nc = Connect();
+  auto publisher = Connect({}, "flood");
+  ASSERT_NE(nc, nullptr);
+  ASSERT_NE(publisher, nullptr);
+  std::atomic<bool> stop{false};
+  std::thread flood([&] {
+    while (!stop) (void)publisher->Publish("churn", Bytes("x"));
+  });
+  constexpr int kRounds = 100;
+  std::size_t most_retired = 0;
+  for (int i = 0; i < kRounds; ++i) {
+    std::atomic<int> got{0};
+    auto sub = nc->Subscribe("churn", "", [&](const IncomingMessage&) { ++got; });
+    ASSERT_TRUE(sub.ok());
+    ASSERT_TRUE(WaitFor([&] { return got.load() > 0; }, 5s)) << "round " << i;
+    sub->reset();  // unsubscribes while the read loop is busy with this subject
+    most_retired = std::max<std::size_t>(most_retired, nc->Stats().retired_subscriptions);
+  }
+  stop = true;
+  flood.join();
+  // 100 destroyed: three batches of 32 were freed by later Subscribe calls, 4 wait for the next.
+  EXPECT_EQ(most_retired, NatsClient::kRetiredBatch);
+  EXPECT_EQ(nc->Stats().retired_subscriptions, kRounds % NatsClient::kRetiredBatch);
+}
+
 TEST_F(TransportTest, InvalidSubjectIsInvalidArgument) {
   auto nc = Connect();
   ASSERT_NE(nc, nullptr);
