@@ -243,6 +243,7 @@ Result<ActiveSequenceEvent> DecodeActiveSequenceEvent(std::span<const std::byte>
   reads.Optional(m, "seq_hashes", ReadU64BitsArray, e.seq_hashes);
   reads.Optional(m, "isl", ReadU32, e.isl);
   reads.Optional(m, "overlap_blocks", ReadU32, e.overlap_blocks);
+  reads.Optional(m, "epoch", ReadU32, e.epoch);
   if (!reads.ok()) return reads.status();
   if (request_id.empty()) return InvalidArgument("field 'request_id' must not be empty");
   e.request_id = std::string(request_id);
@@ -260,13 +261,14 @@ Result<RouterHeartbeat> DecodeRouterHeartbeat(std::span<const std::byte> body) {
   FieldReads reads;
   reads.Required(doc->get(), "router_id", ReadU64, h.router_id);
   reads.Optional(doc->get(), "interval_ms", ReadU32, h.interval_ms);
+  reads.Optional(doc->get(), "epoch", ReadU32, h.epoch);
   if (!reads.ok()) return reads.status();
   return h;
 }
 
 msgpack::sbuffer EncodeRouterHeartbeat(const RouterHeartbeat& h) {
   MapWriter w;
-  w.Field("router_id", h.router_id).Field("interval_ms", h.interval_ms);
+  w.Field("router_id", h.router_id).Field("interval_ms", h.interval_ms).Field("epoch", h.epoch);
   return std::move(w).Finish();
 }
 
@@ -282,7 +284,8 @@ msgpack::sbuffer EncodeActiveSequenceEvent(const ActiveSequenceEvent& e) {
       .Field("kind", kind)
       .Field("seq_hashes", e.seq_hashes)
       .Field("isl", e.isl)
-      .Field("overlap_blocks", e.overlap_blocks);
+      .Field("overlap_blocks", e.overlap_blocks)
+      .Field("epoch", e.epoch);
   return std::move(w).Finish();
 }
 

@@ -121,7 +121,8 @@ msgpack::sbuffer EncodeLifecycleRequest(std::string_view request_id);
 // Router replica sync (PROTOCOL.md section 8), on
 // namespace.{ns}.component.{comp}.active_sequences_events:
 //   {router_id: u64, request_id: str, worker_id: u64, dp_rank: u32,
-//    kind: "add"|"prefill_done"|"free", seq_hashes?: [u64], isl?: u32, overlap_blocks?: u32}
+//    kind: "add"|"prefill_done"|"free", seq_hashes?: [u64], isl?: u32, overlap_blocks?: u32,
+//    epoch?: u32 (0; kvrouter's extension: the sender's epoch, see RouterHeartbeat)}
 struct ActiveSequenceEvent {
   enum class Kind { kAdd, kPrefillDone, kFree };
   std::uint64_t router_id = 0;
@@ -132,17 +133,22 @@ struct ActiveSequenceEvent {
   std::vector<std::uint64_t> seq_hashes;
   std::uint32_t isl = 0;
   std::uint32_t overlap_blocks = 0;
+  std::uint32_t epoch = 0;
   bool operator==(const ActiveSequenceEvent&) const = default;
 };
 Result<ActiveSequenceEvent> DecodeActiveSequenceEvent(std::span<const std::byte> body);
 msgpack::sbuffer EncodeActiveSequenceEvent(const ActiveSequenceEvent& event);
 
 // A router replica's heartbeat (kvrouter's extension of section 8), once a second on
-// namespace.{ns}.component.{comp}.router_heartbeats: {router_id: u64, interval_ms: u32}.
+// namespace.{ns}.component.{comp}.router_heartbeats:
+//   {router_id: u64, interval_ms: u32, epoch?: u32 (0)}
 // Replicas that stop sending it for a while are dead: their synced bookings are released.
+// `epoch` goes up each time the replica's NATS connection comes back: sync messages around its
+// outage may be lost, so peers drop its bookings and both sides send their live ones again.
 struct RouterHeartbeat {
   std::uint64_t router_id = 0;
   std::uint32_t interval_ms = 1000;
+  std::uint32_t epoch = 0;
   bool operator==(const RouterHeartbeat&) const = default;
 };
 Result<RouterHeartbeat> DecodeRouterHeartbeat(std::span<const std::byte> body);

@@ -142,4 +142,9 @@ const WorkerKey* ActiveLoad::WorkerOf(const std::string& request_id) const {
   return it == requests_.end() ? nullptr : &it->second.worker;
 }
 
+void ActiveLoad::ForEach(const std::function<void(const std::string&, WorkerKey, std::span<const SequenceHash>,
+                                                  std::uint64_t)>& f) const {
+  for (const auto& [id, b] : requests_) f(id, b.worker, b.seq, b.prefill_tokens);
+}
+
 }  // namespace kvrouter

@@ -296,10 +296,15 @@ void KvRouterService::Tick() {
   Send(out);
   if (config_.replica_sync && clock_() >= next_heartbeat_) {
     next_heartbeat_ = clock_() + ReplicaPeers::kInterval;
-    const RouterHeartbeat h{.router_id = router_id_,
-                            .interval_ms = static_cast<std::uint32_t>(ReplicaPeers::kInterval.count())};
-    (void)bus_.Publish(subjects_.router_heartbeats, AsBytes(EncodeRouterHeartbeat(h)));
+    SendHeartbeat();
   }
+}
+
+void KvRouterService::SendHeartbeat() {
+  const RouterHeartbeat h{.router_id = router_id_,
+                          .interval_ms = static_cast<std::uint32_t>(ReplicaPeers::kInterval.count()),
+                          .epoch = routing_.epoch()};
+  (void)bus_.Publish(subjects_.router_heartbeats, AsBytes(EncodeRouterHeartbeat(h)));
 }
 
 void KvRouterService::OnEventsDisconnected() {
@@ -314,6 +319,7 @@ void KvRouterService::OnEventsReconnected() {
   registry_.ResumeLeases(clock_());
   Outbox out;
   routing_.ResumeReplicas(out);
+  if (config_.replica_sync) SendHeartbeat();  // the new epoch, before our bookings come again
   Send(out);
   log_.Log(LogLevel::kInfo, "leases resumed", "event connection back: every worker has one full lease to be heard");
   DumpEveryWorker();  // events sent during the outage are lost
@@ -439,7 +445,10 @@ void KvRouterService::HandleReplicaSync(const BusMessage& m) {
 void KvRouterService::HandleReplicaHeartbeat(const BusMessage& m) {
   auto h = DecodeRouterHeartbeat(m.data);
   if (!h.ok()) return DropUndecodable("replica_heartbeat_decode_error", m, h.status());
-  if (h->router_id != router_id_) routing_.ReplicaHeartbeat(h->router_id);
+  if (h->router_id == router_id_) return;
+  Outbox out;
+  routing_.ReplicaHeartbeat(h->router_id, h->epoch, out);
+  Send(out);
 }
 
 void KvRouterService::Send(Outbox& out) {

@@ -129,6 +129,8 @@ class KvRouterService {
   void Reply(const BusMessage& m, const msgpack::sbuffer& body);
   void ReplyError(const BusMessage& m, const Status& s);
   void PublishMetrics(WorkerKey worker, const WorkerLoad& load);
+  // This replica's heartbeat, at its current epoch (Tick, and at once after a reconnect).
+  void SendHeartbeat();
 
   const RouterConfig config_;
   MessageBus& bus_;

@@ -13,6 +13,17 @@ void ReplicaPeers::Heard(std::uint64_t router_id, Time now) {
   }
 }
 
+std::optional<std::vector<std::string>> ReplicaPeers::Advance(std::uint64_t router_id, std::uint32_t epoch) {
+  auto it = epoch_.find(router_id);
+  if (it == epoch_.end()) {
+    if (epoch_.size() < kMaxPeers) epoch_.emplace(router_id, epoch);
+    return std::nullopt;
+  }
+  if (epoch <= it->second) return std::nullopt;
+  it->second = epoch;
+  return TakeBookings([&](std::uint64_t peer) { return peer == router_id; });
+}
+
 void ReplicaPeers::Booked(std::uint64_t router_id, const std::string& request_id, Time now) {
   origin_[request_id] = router_id;
   Seen(router_id, now);
@@ -23,24 +34,31 @@ void ReplicaPeers::Seen(std::uint64_t router_id, Time now) {
 }
 
 std::vector<std::string> ReplicaPeers::TakeSilent(Time now) {
-  std::vector<std::string> released;
-  if (paused_) return released;
+  if (paused_) return {};
   std::vector<std::uint64_t> silent;
   for (const auto& [id, heard] : last_heard_) {
     if (now - heard >= kSilence) silent.push_back(id);
   }
-  if (silent.empty()) return released;
-  for (std::uint64_t id : silent) last_heard_.erase(id);
+  if (silent.empty()) return {};
+  for (std::uint64_t id : silent) {
+    last_heard_.erase(id);
+    epoch_.erase(id);
+  }
   dead_ += silent.size();
+  return TakeBookings([&](std::uint64_t peer) { return std::find(silent.begin(), silent.end(), peer) != silent.end(); });
+}
+
+std::vector<std::string> ReplicaPeers::TakeBookings(const std::function<bool(std::uint64_t)>& take) {
+  std::vector<std::string> taken;
   for (auto it = origin_.begin(); it != origin_.end();) {
-    if (std::find(silent.begin(), silent.end(), it->second) != silent.end()) {
-      released.push_back(it->first);
+    if (take(it->second)) {
+      taken.push_back(it->first);
       it = origin_.erase(it);
     } else {
       ++it;
     }
   }
-  return released;
+  return taken;
 }
 
 void ReplicaPeers::Prune(const std::function<bool(const std::string&)>& gone) {
@@ -50,11 +68,7 @@ void ReplicaPeers::Prune(const std::function<bool(const std::string&)>& gone) {
 std::vector<std::string> ReplicaPeers::Resume(Time now) {
   paused_ = false;
   for (auto& [id, heard] : last_heard_) heard = now;
-  std::vector<std::string> all;
-  all.reserve(origin_.size());
-  for (auto& [request, peer] : origin_) all.push_back(request);
-  origin_.clear();
-  return all;
+  return TakeBookings([](std::uint64_t) { return true; });
 }
 
 }  // namespace kvrouter

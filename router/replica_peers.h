@@ -9,15 +9,23 @@
 // connection is down, nobody can be heard: Pause stops the judging, Resume gives every peer a
 // fresh kSilence.
 //
-// Thread contract: none; Routing owns it under its mutex. Memory: one entry per known peer and
-// per live booking of a peer (bounded by the booking bounds; Prune drops swept ones).
+// Heartbeats and sync messages also carry the sender's epoch, which goes up each time its own
+// connection comes back: the `free`s it sent around that outage may be lost. Advance hands back
+// its bookings to release; it sends its live ones again at the new epoch. Whichever message
+// (heartbeat or sync, two subscriptions) shows the new epoch first advances it, before a
+// booking of that epoch is recorded.
 //
-//   peers.Heard(7, now);  peers.Booked(7, "req-1");  ...  for (auto& id : peers.TakeSilent(now)) free(id);
+// Thread contract: none; Routing owns it under its mutex. Memory: one entry per known peer
+// (at most kMaxPeers) and per live booking of a peer (bounded by the booking bounds; Prune
+// drops swept ones).
+//
+//   peers.Heard(7, now);  peers.Booked(7, "req-1", now);  ...  for (auto& id : peers.TakeSilent(now)) free(id);
 #pragma once
 
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -33,12 +41,19 @@ class ReplicaPeers {
 
   // A heartbeat of `router_id`.
   void Heard(std::uint64_t router_id, Time now);
+  // `router_id` speaks at `epoch` (a heartbeat or a sync message says so). When that is later
+  // than its epoch known here, returns its bookings (forgotten here; the caller releases them,
+  // and sends its own again for that peer); else nullopt. A peer's first epoch releases
+  // nothing. Sync messages of an older epoch still apply (they were sent before).
+  std::optional<std::vector<std::string>> Advance(std::uint64_t router_id, std::uint32_t epoch);
   // A booking `request_id` synced by `router_id` (also a sign of life of a known peer).
   void Booked(std::uint64_t router_id, const std::string& request_id, Time now);
   // Any other sync message of `router_id`: a sign of life, if it is a known peer.
   void Seen(std::uint64_t router_id, Time now);
   // The booking is gone (freed by its replica, or here).
   void Released(const std::string& request_id) { origin_.erase(request_id); }
+  // Whether a peer made the booking (else it is this router's own, or unknown).
+  bool IsPeerBooking(const std::string& request_id) const { return origin_.contains(request_id); }
   // Forgets the peers silent for kSilence or more and returns their bookings' request ids.
   std::vector<std::string> TakeSilent(Time now);
   // Drops the bookings `gone` says no longer exist (after a sweep).
@@ -53,7 +68,11 @@ class ReplicaPeers {
   std::uint64_t dead() const { return dead_; }
 
  private:
+  // Takes out of origin_ the bookings of the peers for which `take` is true.
+  std::vector<std::string> TakeBookings(const std::function<bool(std::uint64_t router_id)>& take);
+
   std::unordered_map<std::uint64_t, Time> last_heard_;       // peers that send heartbeats
+  std::unordered_map<std::uint64_t, std::uint32_t> epoch_;   // latest epoch of each peer
   std::unordered_map<std::string, std::uint64_t> origin_;    // booking -> the peer that made it
   bool paused_ = false;
   std::uint64_t dead_ = 0;                                   // peers found dead so far

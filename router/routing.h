@@ -75,11 +75,16 @@ class Routing {
   // registry knows and obey the prompt and booking bounds, else it is refused and counted.
   void ApplyReplica(const ActiveSequenceEvent& e, Outbox& out);
   // A heartbeat of another replica; the bookings of a replica that falls silent are released
-  // on Tick (ReplicaPeers). Paused while this router's event connection is down.
-  void ReplicaHeartbeat(std::uint64_t router_id);
+  // on Tick (ReplicaPeers). Paused while this router's event connection is down. A later epoch
+  // of the peer releases its bookings of earlier epochs and sends this router's own again.
+  void ReplicaHeartbeat(std::uint64_t router_id, std::uint32_t epoch, Outbox& out);
   void PauseReplicas();
-  // Also releases every booking synced by a peer (frees sent meanwhile were lost).
+  // Also releases every booking synced by a peer (frees sent meanwhile were lost), moves this
+  // router to its next epoch (its own frees sent around the outage may be lost as well) and
+  // sends its live bookings again at that epoch.
   void ResumeReplicas(Outbox& out);
+  // This router's epoch (RouterHeartbeat::epoch).
+  std::uint32_t epoch() const;
 
   // Fills, for the ranks already in reply.workers, their load, routed count and (approximate
   // mode) predicted blocks; and the routing counters and breakdowns.
@@ -139,6 +144,10 @@ class Routing {
   bool LifecycleLocked(const std::string& request_id, bool free, Outbox& out) KV_REQUIRES(mu_);
   // Frees these bookings of other replicas (dead, or not to be trusted after an outage).
   void ReleasePeerBookingsLocked(const std::vector<std::string>& request_ids) KV_REQUIRES(mu_);
+  // A heartbeat or sync message says `router_id` is at `epoch`: see ReplicaHeartbeat.
+  void PeerEpochLocked(std::uint64_t router_id, std::uint32_t epoch, Outbox& out) KV_REQUIRES(mu_);
+  // Queues an `add` for each of this router's own bookings (at its current prefill).
+  void SyncOwnBookingsLocked() KV_REQUIRES(mu_);
 
   const RouterConfig& config_;
   const WorkerRegistry& registry_;
@@ -166,6 +175,7 @@ class Routing {
   std::map<std::string, std::uint64_t> replica_refused_ KV_GUARDED_BY(mu_);  // reason -> count
   ReplicaPeers peers_ KV_GUARDED_BY(mu_);
   std::uint64_t replica_released_ KV_GUARDED_BY(mu_) = 0;  // bookings of dead replicas released
+  std::uint32_t epoch_ KV_GUARDED_BY(mu_) = 0;             // up by one per reconnect
   std::uint64_t queue_admitted_ KV_GUARDED_BY(mu_) = 0;
   std::uint64_t queue_timed_out_ KV_GUARDED_BY(mu_) = 0;
   std::uint64_t queue_refused_ KV_GUARDED_BY(mu_) = 0;

@@ -4,6 +4,8 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <climits>
+#include <cstdint>
 
 #include "router/routing.h"
 
@@ -18,12 +20,14 @@ void Routing::SyncLocked(ActiveSequenceEvent::Kind kind, const std::string& requ
                               .kind = kind,
                               .seq_hashes = {seq.begin(), seq.end()},
                               .isl = isl,
-                              .overlap_blocks = overlap};
+                              .overlap_blocks = overlap,
+                              .epoch = epoch_};
   pending_syncs_.push_back(EncodeActiveSequenceEvent(e));
 }
 
 void Routing::ApplyReplica(const ActiveSequenceEvent& e, Outbox& out) {
   KvMutexLock g(mu_);
+  PeerEpochLocked(e.router_id, e.epoch, out);
   switch (e.kind) {
     case ActiveSequenceEvent::Kind::kAdd: {
       // Another replica's booking obeys this router's bounds, and names a rank it knows.
@@ -66,9 +70,37 @@ void Routing::ApplyReplica(const ActiveSequenceEvent& e, Outbox& out) {
   }
 }
 
-void Routing::ReplicaHeartbeat(std::uint64_t router_id) {
+void Routing::ReplicaHeartbeat(std::uint64_t router_id, std::uint32_t epoch, Outbox& out) {
   KvMutexLock g(mu_);
   peers_.Heard(router_id, clock_());
+  PeerEpochLocked(router_id, epoch, out);
+}
+
+void Routing::PeerEpochLocked(std::uint64_t router_id, std::uint32_t epoch, Outbox& out) {
+  const auto stale = peers_.Advance(router_id, epoch);
+  if (!stale) return;
+  // The peer came back from an outage: its frees around it may be lost (its live bookings come
+  // again at the new epoch), and it dropped every booking synced to it meanwhile (ours too).
+  ReleasePeerBookingsLocked(*stale);
+  SyncOwnBookingsLocked();
+  DrainLocked(out);
+  TakeDeferredLocked(out);  // the gauges of the released workers, and our adds
+}
+
+void Routing::SyncOwnBookingsLocked() {
+  load_.ForEach([&](const std::string& id, WorkerKey worker, std::span<const SequenceHash> seq,
+                    std::uint64_t prefill_tokens) {
+    mu_.AssertHeld();  // called right here, under our lock
+    if (peers_.IsPeerBooking(id)) return;
+    // What is left to prefill, as a prompt with nothing cached.
+    SyncLocked(ActiveSequenceEvent::Kind::kAdd, id, worker, seq,
+               static_cast<std::uint32_t>(std::min<std::uint64_t>(prefill_tokens, UINT32_MAX)), 0);
+  });
+}
+
+std::uint32_t Routing::epoch() const {
+  KvMutexLock g(mu_);
+  return epoch_;
 }
 
 void Routing::PauseReplicas() {
@@ -79,7 +111,10 @@ void Routing::PauseReplicas() {
 void Routing::ResumeReplicas(Outbox& out) {
   KvMutexLock g(mu_);
   ReleasePeerBookingsLocked(peers_.Resume(clock_()));
+  ++epoch_;
+  SyncOwnBookingsLocked();
   DrainLocked(out);  // load dropped: queued requests may fit now
+  TakeDeferredLocked(out);
 }
 
 void Routing::ReleasePeerBookingsLocked(const std::vector<std::string>& request_ids) {

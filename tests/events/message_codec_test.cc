@@ -549,7 +549,7 @@ TEST(ActiveSequenceCodec, RoundTripsEveryKind) {
   for (auto kind : {ActiveSequenceEvent::Kind::kAdd, ActiveSequenceEvent::Kind::kPrefillDone,
                     ActiveSequenceEvent::Kind::kFree}) {
     ActiveSequenceEvent e{.router_id = 9, .request_id = "r", .worker_id = 3, .dp_rank = 1, .kind = kind,
-                          .seq_hashes = {1, ~0ull}, .isl = 100, .overlap_blocks = 2};
+                          .seq_hashes = {1, ~0ull}, .isl = 100, .overlap_blocks = 2, .epoch = 7};
     auto back = DecodeActiveSequenceEvent(AsBytes(EncodeActiveSequenceEvent(e)));
     ASSERT_TRUE(back.ok()) << back.status().ToString();
     EXPECT_EQ(*back, e);
@@ -575,10 +575,20 @@ TEST(ActiveSequenceCodec, UnknownKindAndMissingFieldsAreInvalidArgument) {
 }
 
 TEST(RouterHeartbeatCodec, RoundTripsAndNeedsARouterId) {
-  const RouterHeartbeat h{.router_id = ~0ull, .interval_ms = 250};
+  const RouterHeartbeat h{.router_id = ~0ull, .interval_ms = 250, .epoch = 0xFFFFFFFFu};
   auto back = DecodeRouterHeartbeat(AsBytes(EncodeRouterHeartbeat(h)));
   ASSERT_TRUE(back.ok()) << back.status().ToString();
   EXPECT_EQ(*back, h);
+  {  // a replica without epochs (older kvrouter) is at epoch 0
+    msgpack::sbuffer old;
+    msgpack::packer<msgpack::sbuffer> pk(old);
+    pk.pack_map(2);
+    PackKey(pk, "router_id"); pk.pack(5);
+    PackKey(pk, "interval_ms"); pk.pack(1000);
+    auto r = DecodeRouterHeartbeat(AsBytes(old));
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    EXPECT_EQ(*r, (RouterHeartbeat{.router_id = 5, .interval_ms = 1000, .epoch = 0}));
+  }
   msgpack::sbuffer buf;
   msgpack::packer<msgpack::sbuffer> pk(buf);
   pk.pack_map(1);

@@ -371,6 +371,88 @@ TEST_F(ServiceTest, ADeadReplicasBookingsAreReleasedAfterItsHeartbeatsStop) {
   EXPECT_EQ(Dropped("replica_heartbeat_decode_error"), 1u);
 }
 
+// A peer whose own connection came back says so with a later epoch: the frees it sent around
+// its outage may be lost, so its older bookings go (it sends its live ones again at the new
+// epoch), and this router sends its own bookings again (the peer dropped everything synced to it).
+TEST_F(ServiceTest, APeersNewEpochReleasesItsOlderBookingsWhicheverMessageSaysItFirst) {
+  StartWith({"--router-mode", "kv", "--router-replica-sync"});
+  Register(1, {.lease_ms = 3'600'000});
+  std::vector<ActiveSequenceEvent> sent;  // this router's sync messages
+  auto sub = bus_.Subscribe(svc_->subjects().active_sequences, "", [&](const BusMessage& m) {
+    auto e = DecodeActiveSequenceEvent(m.data);
+    ASSERT_TRUE(e.ok());
+    if (e->router_id != 77) sent.push_back(*e);
+  });
+  ASSERT_TRUE(sub.ok());
+  auto heartbeat = [&](std::uint32_t epoch) {
+    (void)bus_.Publish(svc_->subjects().router_heartbeats,
+                       AsBytes(EncodeRouterHeartbeat({.router_id = 77, .epoch = epoch})));
+  };
+  auto add = [&](const std::string& id, std::uint32_t epoch) {
+    const ActiveSequenceEvent e{.router_id = 77, .request_id = id, .worker_id = 1, .seq_hashes = {11, 12},
+                                .isl = 8, .epoch = epoch};
+    (void)bus_.Publish(svc_->subjects().active_sequences, AsBytes(EncodeActiveSequenceEvent(e)));
+  };
+  heartbeat(0);
+  add("a", 0);
+  add("b", 0);
+  ASSERT_TRUE(Route(Prompt(kTwelve, "ours")).ok());
+  ASSERT_EQ(Counter("active_requests"), 3u);
+  ASSERT_EQ(sent.size(), 1u);  // our own `add`
+  sent.clear();
+
+  heartbeat(1);  // 77 came back: "a" and "b" may have been freed meanwhile
+  EXPECT_EQ(Counter("active_requests"), 1u);
+  EXPECT_EQ(Counter("replica_bookings_released"), 2u);
+  ASSERT_EQ(sent.size(), 1u);  // ours again, for 77, with the prefill still to do
+  EXPECT_EQ(sent[0].request_id, "ours");
+  EXPECT_EQ(sent[0].kind, ActiveSequenceEvent::Kind::kAdd);
+  EXPECT_EQ(sent[0].isl, 12u);
+  EXPECT_EQ(sent[0].overlap_blocks, 0u);
+  EXPECT_EQ(sent[0].epoch, 0u);  // our own epoch did not change
+  add("b", 1);                   // 77's live one, sent again
+  heartbeat(1);                  // the same epoch again releases nothing
+  EXPECT_EQ(Counter("active_requests"), 2u);
+
+  // A sync message may be handled before the heartbeat that announces its epoch (they come on
+  // two subscriptions): it advances the epoch itself, and the heartbeat then releases nothing.
+  add("c", 2);
+  EXPECT_EQ(Counter("active_requests"), 2u);  // "b" (epoch 1) went, "c" came
+  EXPECT_EQ(Counter("replica_bookings_released"), 3u);
+  heartbeat(2);
+  EXPECT_EQ(Counter("active_requests"), 2u);
+  // A message of an older epoch, sent before the outage and handled late, still applies.
+  const ActiveSequenceEvent late{.router_id = 77, .request_id = "c", .worker_id = 1,
+                                 .kind = ActiveSequenceEvent::Kind::kFree, .epoch = 1};
+  (void)bus_.Publish(svc_->subjects().active_sequences, AsBytes(EncodeActiveSequenceEvent(late)));
+  EXPECT_EQ(Counter("active_requests"), 1u);
+}
+
+// This router's own outage: afterwards it says so at once (a heartbeat at the next epoch) and
+// sends its live bookings again at that epoch, in that order.
+TEST_F(ServiceTest, AfterItsOwnOutageAReplicaAnnouncesANewEpochAndSendsItsBookingsAgain) {
+  StartWith({"--router-mode", "kv", "--router-replica-sync"});
+  Register(1, {.lease_ms = 3'600'000});
+  ASSERT_TRUE(Route(Prompt(kTwelve, "ours")).ok());
+  (void)bus_.Request(svc_->subjects().mark_prefill, AsBytes(EncodeLifecycleRequest("ours")));
+  std::vector<std::string> order;
+  auto hb = bus_.Subscribe(svc_->subjects().router_heartbeats, "", [&](const BusMessage& m) {
+    auto h = DecodeRouterHeartbeat(m.data);
+    ASSERT_TRUE(h.ok());
+    order.push_back(fmt::format("heartbeat {}", h->epoch));
+  });
+  auto sync = bus_.Subscribe(svc_->subjects().active_sequences, "", [&](const BusMessage& m) {
+    auto e = DecodeActiveSequenceEvent(m.data);
+    ASSERT_TRUE(e.ok());
+    order.push_back(fmt::format("add {} isl {} epoch {}", e->request_id, e->isl, e->epoch));
+  });
+  ASSERT_TRUE(hb.ok() && sync.ok());
+  svc_->OnEventsDisconnected();
+  svc_->OnEventsReconnected();
+  EXPECT_EQ(order, (std::vector<std::string>{"heartbeat 1", "add ours isl 0 epoch 1"}));  // prefill done
+  EXPECT_EQ(Counter("active_requests"), 1u);
+}
+
 TEST_F(ServiceTest, AReplicaWithSyncSendsAHeartbeatEverySecond) {
   StartWith({"--router-mode", "kv", "--router-replica-sync"});
   std::vector<RouterHeartbeat> seen;
