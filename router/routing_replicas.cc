@@ -88,6 +88,7 @@ void Routing::PeerEpochLocked(std::uint64_t router_id, std::uint32_t epoch, Outb
 }
 
 void Routing::SyncOwnBookingsLocked() {
+  if (!config_.replica_sync) return;
   load_.ForEach([&](const std::string& id, WorkerKey worker, std::span<const SequenceHash> seq,
                     std::uint64_t prefill_tokens) {
     mu_.AssertHeld();  // called right here, under our lock

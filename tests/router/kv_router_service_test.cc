@@ -453,6 +453,20 @@ TEST_F(ServiceTest, AfterItsOwnOutageAReplicaAnnouncesANewEpochAndSendsItsBookin
   EXPECT_EQ(Counter("active_requests"), 1u);
 }
 
+TEST_F(ServiceTest, WithoutReplicaSyncAReconnectSendsNoSyncMessages) {
+  StartWith({"--router-mode", "kv"});
+  Register(1, {.lease_ms = 3'600'000});
+  ASSERT_TRUE(Route(Prompt(kTwelve, "ours")).ok());
+  int published = 0;
+  auto hb = bus_.Subscribe(svc_->subjects().router_heartbeats, "", [&](const BusMessage&) { ++published; });
+  auto sync = bus_.Subscribe(svc_->subjects().active_sequences, "", [&](const BusMessage&) { ++published; });
+  ASSERT_TRUE(hb.ok() && sync.ok());
+  svc_->OnEventsDisconnected();
+  svc_->OnEventsReconnected();
+  EXPECT_EQ(published, 0);
+  EXPECT_EQ(Counter("active_requests"), 1u);
+}
+
 TEST_F(ServiceTest, AReplicaWithSyncSendsAHeartbeatEverySecond) {
   StartWith({"--router-mode", "kv", "--router-replica-sync"});
   std::vector<RouterHeartbeat> seen;
