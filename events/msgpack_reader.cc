@@ -413,6 +413,25 @@ bool MsgpackPull::U64(std::uint64_t& v) {
 }
 
 bool MsgpackPull::U32(std::uint32_t& v) {
+  // Token ids: the unsigned forms first, without the general integer path.
+  if (p_ != end_) {
+    const unsigned b = *p_;
+    if (b <= 0x7f) {
+      v = b;
+      ++p_;
+      return true;
+    }
+    if (b == 0xce && Left() >= 5) {
+      v = (std::uint32_t{p_[1]} << 24) | (std::uint32_t{p_[2]} << 16) | (std::uint32_t{p_[3]} << 8) | p_[4];
+      p_ += 5;
+      return true;
+    }
+    if (b == 0xcd && Left() >= 3) {
+      v = (std::uint32_t{p_[1]} << 8) | p_[2];
+      p_ += 3;
+      return true;
+    }
+  }
   const unsigned char* at = p_;
   std::uint64_t u = 0;
   if (!U64(u) || u > std::numeric_limits<std::uint32_t>::max()) {

@@ -146,7 +146,7 @@ class MsgpackPull {
  public:
   static constexpr std::size_t kMaxPullDepth = 8;
   explicit MsgpackPull(std::span<const std::byte> bytes)
-      : p_(reinterpret_cast<const unsigned char*>(bytes.data())), end_(p_ + bytes.size()) {}
+      : begin_(reinterpret_cast<const unsigned char*>(bytes.data())), p_(begin_), end_(p_ + bytes.size()) {}
 
   bool MapHeader(std::uint32_t& pairs);
   bool ArrayHeader(std::uint32_t& size);
@@ -158,6 +158,7 @@ class MsgpackPull {
   bool TakeNil();                  // true (and consumed) when the next value is nil
   bool Skip();                     // one value of any kind
   bool AtEnd() const { return p_ == end_; }
+  std::size_t Offset() const { return static_cast<std::size_t>(p_ - begin_); }  // bytes read so far
 
  private:
   bool Container(unsigned fix_lo, unsigned wide, std::size_t min_bytes, std::uint32_t& n);
@@ -165,6 +166,7 @@ class MsgpackPull {
   bool SkipN(std::uint64_t values, std::size_t depth);
   std::size_t Left() const { return static_cast<std::size_t>(end_ - p_); }
 
+  const unsigned char* begin_;
   const unsigned char* p_;
   const unsigned char* end_;
 };

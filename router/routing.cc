@@ -140,7 +140,15 @@ std::string_view Routing::KindName(Kind k) {
 }
 
 void Routing::CountLocked(Kind kind, std::string_view result) {
-  ++requests_[fmt::format("{}.{}", KindName(kind), result)];
+  char key[64];
+  const auto end = fmt::format_to_n(key, sizeof(key), "{}.{}", KindName(kind), result).out;
+  BumpLocked({key, static_cast<std::size_t>(end - key)});
+}
+
+void Routing::BumpLocked(std::string_view key) {
+  auto it = requests_.find(key);
+  if (it == requests_.end()) it = requests_.emplace(std::string(key), 0).first;
+  ++it->second;
 }
 
 Result<RouteReply> Routing::DecideLocked(Kind kind, const RouteRequest& req, const Prepared& p,
@@ -217,7 +225,7 @@ void Routing::Route(RouteRequest req, Kind kind, std::string reply, Outbox& out)
         error = decided.status();
       }
     }
-    ++requests_[std::string(KindName(kind))];
+    BumpLocked(KindName(kind));
     TakeDeferredLocked(out);
     if (!error.ok()) {
       ++route_errors_[std::string(StatusCodeName(error.code()))];
@@ -231,7 +239,7 @@ void Routing::Route(RouteRequest req, Kind kind, std::string reply, Outbox& out)
 
 void Routing::CountError(Kind kind, StatusCode code) {
   KvMutexLock g(mu_);
-  ++requests_[std::string(KindName(kind))];
+  BumpLocked(KindName(kind));
   ++route_errors_[std::string(StatusCodeName(code))];
   CountLocked(kind, StatusCodeName(code));
 }
@@ -453,7 +461,7 @@ void Routing::FillStats(StatsReply& r) const {
   }
   r.breakdowns["routed"] = routed_;
   r.breakdowns["route_errors"] = route_errors_;
-  r.breakdowns["requests"] = requests_;
+  r.breakdowns["requests"] = {requests_.begin(), requests_.end()};
   r.breakdowns["replica_sync_refused"] = replica_refused_;
   r.counters["replica_peers"] = peers_.peers();
   r.counters["replica_peers_dead"] = peers_.dead();

@@ -169,8 +169,9 @@ class Routing {
   std::map<std::string, std::uint64_t> route_errors_ KV_GUARDED_BY(mu_);  // code -> count
   // Requests by endpoint: "<endpoint>" -> received, "<endpoint>.<result>" -> answered so
   // (result "ok" or an error code); a queued request is counted when it leaves the queue.
-  std::map<std::string, std::uint64_t> requests_ KV_GUARDED_BY(mu_);
+  std::map<std::string, std::uint64_t, std::less<>> requests_ KV_GUARDED_BY(mu_);
   void CountLocked(Kind kind, std::string_view result) KV_REQUIRES(mu_);
+  void BumpLocked(std::string_view key) KV_REQUIRES(mu_);  // ++requests_[key], no allocation once seen
   DecisionObserver observer_;  // set before the first request, then only read
   std::map<std::string, std::uint64_t> replica_refused_ KV_GUARDED_BY(mu_);  // reason -> count
   ReplicaPeers peers_ KV_GUARDED_BY(mu_);

@@ -10,13 +10,19 @@
 #include <chrono>
 #include <optional>
 #include <random>
+#include <string_view>
 #include <thread>
+
+#include <unistd.h>
 
 #include "events/block_hash.h"
 #include "events/event_codec.h"
 #include "events/message_codec.h"
 #include "events/msgpack_reader.h"
+#include "router/config.h"
+#include "router/kv_router_service.h"
 #include "tests/integration/process.h"
+#include "transport/memory_bus.h"
 #include "transport/nats_client.h"
 
 namespace kvrouter {
@@ -38,6 +44,12 @@ struct Rig {
 
 KvEventBatch Stored(std::uint64_t worker, std::uint64_t event_id, const std::vector<std::uint32_t>& tokens) {
   return StoredPromptBatch(worker, event_id, tokens, kBs);
+}
+
+// Answers every request on bench.echo with a body of a route reply's size.
+Result<std::unique_ptr<Subscription>> ServeEcho(NatsClient& nc) {
+  static const msgpack::sbuffer reply = EncodeRouteReply(RouteReply{.worker_id = 1, .overlap_blocks = 4});
+  return nc.Subscribe("bench.echo", "", [&nc](const IncomingMessage& m) { (void)nc.Respond(m, AsBytes(reply)); });
 }
 
 Rig& TheRig() {
@@ -153,24 +165,43 @@ void Report(benchmark::State& state, std::vector<double>& us) {
 
 // The route round trip's baseline: the same request body to a bare nats.c responder on its own
 // connection that answers with a reply of a route reply's size. Compare with BM_RouteRoundTrip/0.
+// Arg 0: the responder is a thread of this process; arg 1: it is a process of its own, as
+// kvrouter is (this binary run with --echo-responder), so its wake-ups cross processes too.
 void BM_EchoRoundTrip(benchmark::State& state) {
   Rig& rig = TheRig();
   if (!rig.ok) {
     state.SkipWithError("could not start nats-server + kvrouter");
     return;
   }
-  auto responder = NatsClient::Connect({.url = rig.nats->url(), .name = "route-bench-echo", .send_asap = true}, {});
-  if (!responder.ok()) {
-    state.SkipWithError("no responder connection");
-    return;
-  }
-  RouteReply shape{.worker_id = 1, .overlap_blocks = 4};
-  const msgpack::sbuffer reply = EncodeRouteReply(shape);
-  NatsClient& r = **responder;
-  auto sub = r.Subscribe("bench.echo", "", [&](const IncomingMessage& m) { (void)r.Respond(m, AsBytes(reply)); });
-  if (!sub.ok() || !(*responder)->Flush(2s).ok()) {
-    state.SkipWithError("no echo subscription");
-    return;
+  std::unique_ptr<NatsClient> responder;
+  std::unique_ptr<Subscription> sub;
+  std::unique_ptr<testing::ChildProcess> child;
+  if (state.range(0) == 0) {
+    auto nc = NatsClient::Connect({.url = rig.nats->url(), .name = "route-bench-echo", .send_asap = true}, {});
+    if (!nc.ok()) {
+      state.SkipWithError("no responder connection");
+      return;
+    }
+    responder = std::move(nc).value();
+    auto s = ServeEcho(*responder);
+    if (!s.ok() || !responder->Flush(2s).ok()) {
+      state.SkipWithError("no echo subscription");
+      return;
+    }
+    sub = std::move(s).value();
+  } else {
+    auto c = testing::ChildProcess::Start({"/proc/self/exe", "--echo-responder", rig.nats->url()},
+                                          "/tmp/route_bench_echo.log");
+    if (!c.ok()) {
+      state.SkipWithError("could not start the echo process");
+      return;
+    }
+    child = std::move(c).value();
+    const auto probe = EncodeRouteReply({});
+    if (!testing::WaitFor([&] { return rig.nc->Request("bench.echo", AsBytes(probe), 200ms).ok(); }, 10s)) {
+      state.SkipWithError("the echo process never answered");
+      return;
+    }
   }
   std::vector<double> us;
   std::size_t i = 0;
@@ -189,7 +220,70 @@ void BM_EchoRoundTrip(benchmark::State& state) {
   }
   Report(state, us);
 }
-BENCHMARK(BM_EchoRoundTrip)->Iterations(5000)->Unit(benchmark::kMicrosecond)->UseRealTime();
+BENCHMARK(BM_EchoRoundTrip)->Arg(0)->Arg(1)->Iterations(5000)->Unit(benchmark::kMicrosecond)->UseRealTime();
+
+// The route request's decoding alone (256 tokens, as in the round trips): part of what a route
+// costs beyond an echo.
+void BM_DecodeRouteRequest(benchmark::State& state) {
+  std::mt19937 rng(5);
+  RouteRequest req{.request_id = "bench-request-1", .has_token_ids = true, .isl = 256};
+  for (int i = 0; i < 256; ++i) req.token_ids.push_back(rng() % 150000);
+  const msgpack::sbuffer body = EncodeRouteRequest(req);
+  for (auto _ : state) {
+    auto r = DecodeRouteRequest(AsBytes(body));
+    benchmark::DoNotOptimize(r);
+  }
+}
+BENCHMARK(BM_DecodeRouteRequest);
+
+// One route in this process, no NATS: KvRouterService on the in-memory bus with the round trips'
+// fleet (64 workers x 1,024 blocks) and requests (256 tokens, 4 cached blocks, nothing booked).
+// Decoding, hashing, find_matches, selection and the encoded reply: what a route adds to an echo.
+void BM_RouteInProcess(benchmark::State& state) {
+  InMemoryBus bus;
+  const char* argv[] = {"kvrouter", "--router-mode", "kv", "--block-size", "64"};
+  auto cfg = ParseRouterConfig(5, argv, [](const char*) { return nullptr; });
+  if (!cfg.ok()) {
+    state.SkipWithError("config");
+    return;
+  }
+  KvRouterService svc(cfg->config, bus);
+  if (!svc.Start().ok()) {
+    state.SkipWithError("start");
+    return;
+  }
+  std::mt19937 rng(3);
+  std::vector<std::vector<std::uint32_t>> prompts;
+  for (int p = 0; p < 64; ++p) {
+    std::vector<std::uint32_t> t(1024 * kBs / 16);
+    for (auto& x : t) x = rng();
+    prompts.push_back(std::move(t));
+  }
+  for (int w = 0; w < kWorkers; ++w) {
+    WorkerRegistration r{.worker_id = static_cast<std::uint64_t>(w), .block_size = kBs, .lease_ms = 600000};
+    (void)bus.Publish(svc.subjects().instances, AsBytes(EncodeWorkerRegistration(r)));
+    for (int k = 0; k < 16; ++k) {
+      (void)bus.Publish(svc.subjects().kv_events,
+                        AsBytes(EncodeDynamoEnvelope(Stored(w, k + 1, prompts[(w + k * 7) % 64]), {})));
+    }
+  }
+  svc.index().Flush();
+  std::vector<msgpack::sbuffer> bodies;
+  for (const auto& p : prompts) {
+    RouteRequest req{.token_ids = std::vector<std::uint32_t>(p.begin(), p.begin() + 256), .has_token_ids = true, .isl = 256};
+    bodies.push_back(EncodeRouteRequest(req));
+  }
+  std::size_t i = 0;
+  for (auto _ : state) {
+    auto reply = bus.Request(svc.subjects().route, AsBytes(bodies[i++ % bodies.size()]));
+    if (!reply || !DecodeRouteReply(*reply).ok()) {
+      state.SkipWithError("route failed");
+      break;
+    }
+  }
+  svc.Stop();
+}
+BENCHMARK(BM_RouteInProcess)->Unit(benchmark::kMicrosecond);
 
 // Arg: KV events per second published meanwhile (stored 1-block chains, then their removal).
 void BM_RouteRoundTrip(benchmark::State& state) {
@@ -361,7 +455,24 @@ void BM_IngestVsBareSubscriber(benchmark::State& state) {
 }
 BENCHMARK(BM_IngestVsBareSubscriber)->Arg(300000)->Iterations(5)->Unit(benchmark::kMillisecond)->UseRealTime();
 
+// `route_bench --echo-responder URL`: BM_EchoRoundTrip/1's responder, until it is stopped.
+int RunEchoResponder(const char* url) {
+  auto nc = NatsClient::Connect({.url = url, .name = "route-bench-echo", .send_asap = true}, {});
+  if (!nc.ok()) return 1;
+  auto sub = ServeEcho(**nc);
+  if (!sub.ok()) return 1;
+  pause();  // SIGTERM from ChildProcess::Stop ends it
+  return 0;
+}
+
 }  // namespace
 }  // namespace kvrouter
 
-BENCHMARK_MAIN();
+int main(int argc, char** argv) {
+  if (argc == 3 && std::string_view(argv[1]) == "--echo-responder") return kvrouter::RunEchoResponder(argv[2]);
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

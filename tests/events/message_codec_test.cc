@@ -388,6 +388,76 @@ TEST(RouteRequestCodec, WrongTypesAreNamed) {
   ExpectInvalid(DecodeRouteRequest(AsBytes(big_token)), "'token_ids'");
 }
 
+// token_ids is read straight from the bytes when it is a well-formed array; the result must be
+// what the general path gives, in every integer form, anywhere in the map, first key winning.
+TEST(RouteRequestCodec, TokenIdsDecodeAlikeInEveryIntegerFormAndPlace) {
+  auto tokens = [](TestPacker& p) {
+    p.Key("token_ids");
+    p.pk.pack_array(8);
+    p.pk.pack_fix_uint8(5);      // 0xcc
+    p.pk.pack_fix_uint16(300);   // 0xcd
+    p.pk.pack_fix_uint32(70000); // 0xce
+    p.pk.pack_fix_uint64(9);     // 0xcf
+    p.pk.pack_fix_int8(7);       // 0xd0, not negative
+    p.pk.pack_fix_int32(123456); // 0xd2
+    p.pk.pack(3);                // positive fixint
+    p.pk.pack(4294967295u);      // the largest u32
+  };
+  const std::vector<std::uint32_t> want = {5, 300, 70000, 9, 7, 123456, 3, 4294967295u};
+  auto others = [](TestPacker& p) {
+    p.Key("request_id");
+    p.pk.pack("r-1");
+    p.Key("priority");
+    p.pk.pack(-2);
+  };
+  const std::string first = MapOf(3, [&](TestPacker& p) { tokens(p); others(p); });
+  const std::string last = MapOf(3, [&](TestPacker& p) { others(p); tokens(p); });
+  const std::string twice = MapOf(4, [&](TestPacker& p) {  // a second token_ids is ignored
+    tokens(p);
+    others(p);
+    p.Key("token_ids");
+    p.pk.pack_array(1);
+    p.pk.pack(99);
+  });
+  const std::string int_key_first = MapOf(4, [&](TestPacker& p) {  // a key that is not a string
+    p.pk.pack(17);
+    p.pk.pack("ignored");
+    tokens(p);
+    others(p);
+  });
+  for (const std::string& body : {first, last, twice, int_key_first}) {
+    auto r = DecodeRouteRequest(AsBytes(body));
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    EXPECT_EQ(r->token_ids, want);
+    EXPECT_TRUE(r->has_token_ids);
+    EXPECT_EQ(r->isl, 8u);
+    EXPECT_EQ(r->request_id, "r-1");
+    EXPECT_EQ(r->priority, -2);
+  }
+  auto negative = MapOf(1, [](TestPacker& p) {
+    p.Key("token_ids");
+    p.pk.pack_array(2);
+    p.pk.pack(1);
+    p.pk.pack(-1);
+  });
+  ExpectInvalid(DecodeRouteRequest(AsBytes(negative)), "(element 1)");
+  auto nil_tokens = MapOf(3, [](TestPacker& p) {  // nil token_ids: block_hashes are used
+    p.Key("token_ids");
+    p.pk.pack_nil();
+    p.Key("block_hashes");
+    p.pk.pack_array(1);
+    p.pk.pack(42);
+    p.Key("isl");
+    p.pk.pack(16);
+  });
+  auto r = DecodeRouteRequest(AsBytes(nil_tokens));
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_FALSE(r->has_token_ids);
+  EXPECT_EQ(r->block_hashes, std::vector<std::uint64_t>{42});
+  const std::string trailing = first + "x";  // bytes after the map are refused either way
+  EXPECT_FALSE(DecodeRouteRequest(AsBytes(trailing)).ok());
+}
+
 TEST(RouteRequestCodec, UnknownKeysAreIgnored) {
   auto body = RouteRequestWith(3, [](TestPacker& p) {
     p.Key("model");
