@@ -120,9 +120,12 @@ void PullTokenIds(std::span<const std::byte> body, std::vector<std::uint32_t>& t
     const std::size_t begin = pull.Offset();
     std::uint32_t n = 0;
     if (!pull.ArrayHeader(n)) return;
-    std::vector<std::uint32_t> read(n);
-    for (std::uint32_t& t : read) {
+    std::vector<std::uint32_t> read;
+    read.reserve(std::min<std::uint32_t>(n, 1u << 16));  // a declared size is not yet a promise
+    for (std::uint32_t k = 0; k < n; ++k) {
+      std::uint32_t t = 0;
       if (!pull.U32(t)) return;
+      read.push_back(t);
     }
     tokens = std::move(read);
     const std::size_t end = pull.Offset();

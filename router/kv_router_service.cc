@@ -325,6 +325,14 @@ void KvRouterService::OnEventsReconnected() {
   DumpEveryWorker();  // events sent during the outage are lost
 }
 
+void KvRouterService::OnRequestsReconnected() {
+  if (!config_.replica_sync) return;
+  Outbox out;
+  routing_.NextEpoch(out);
+  SendHeartbeat();  // the new epoch, before our bookings come again
+  Send(out);
+}
+
 void KvRouterService::OnEventsDropped() {
   drops_.Add("slow_consumer");
   DumpEveryWorker();  // which workers' events were dropped is unknown

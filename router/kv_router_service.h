@@ -82,6 +82,10 @@ class KvRouterService {
   bool Ready() const;
   // main's NATS callbacks: a connection ("requests", "events") came back.
   void CountReconnect(std::string_view connection) { metrics_.CountReconnect(connection); }
+  // The request connection (which publishes replica sync) came back: with --router-replica-sync,
+  // the next epoch and this router's live bookings again (sync messages sent around the outage
+  // may be lost).
+  void OnRequestsReconnected();
 
   const Subjects& subjects() const { return subjects_; }
   ShardedIndex& index() { return index_; }

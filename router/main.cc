@@ -33,7 +33,10 @@ Result<std::unique_ptr<NatsClient>> ConnectRequests(const RouterConfig& cfg) {
       {.on_reconnected =
            [] {
              fmt::print(stderr, "kvrouter I request connection up\n");
-             if (auto* s = g_live.load()) s->CountReconnect("requests");
+             if (auto* s = g_live.load()) {
+               s->CountReconnect("requests");
+               s->OnRequestsReconnected();
+             }
            },
        .on_disconnected = [] { fmt::print(stderr, "kvrouter W lost the request connection; reconnecting\n"); }});
 }

@@ -17,7 +17,8 @@ std::optional<std::vector<std::string>> ReplicaPeers::Advance(std::uint64_t rout
   auto it = epoch_.find(router_id);
   if (it == epoch_.end()) {
     if (epoch_.size() < kMaxPeers) epoch_.emplace(router_id, epoch);
-    return std::nullopt;
+    if (epoch == 0) return std::nullopt;
+    return TakeBookings([&](std::uint64_t peer) { return peer == router_id; });
   }
   if (epoch <= it->second) return std::nullopt;
   it->second = epoch;

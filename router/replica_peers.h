@@ -43,9 +43,17 @@ class ReplicaPeers {
   void Heard(std::uint64_t router_id, Time now);
   // `router_id` speaks at `epoch` (a heartbeat or a sync message says so). When that is later
   // than its epoch known here, returns its bookings (forgotten here; the caller releases them,
-  // and sends its own again for that peer); else nullopt. A peer's first epoch releases
-  // nothing. Sync messages of an older epoch still apply (they were sent before).
+  // and sends its own again for that peer); else nullopt. A peer not known here (first heard,
+  // or forgotten as dead during its outage) is at a later epoch when its epoch is not 0: it may
+  // be back from an outage, having dropped what was synced to it.
   std::optional<std::vector<std::string>> Advance(std::uint64_t router_id, std::uint32_t epoch);
+  // A message of an epoch older than the peer's known one: sent before its outage and handled
+  // late. Its `add` is dropped (the peer sent its live bookings again at the new epoch; the
+  // rest may have been freed by a `free` that was lost). Its other messages still apply.
+  bool IsStale(std::uint64_t router_id, std::uint32_t epoch) const {
+    auto it = epoch_.find(router_id);
+    return it != epoch_.end() && epoch < it->second;
+  }
   // A booking `request_id` synced by `router_id` (also a sign of life of a known peer).
   void Booked(std::uint64_t router_id, const std::string& request_id, Time now);
   // Any other sync message of `router_id`: a sign of life, if it is a known peer.

@@ -83,7 +83,11 @@ class Routing {
   // router to its next epoch (its own frees sent around the outage may be lost as well) and
   // sends its live bookings again at that epoch.
   void ResumeReplicas(Outbox& out);
-  // This router's epoch (RouterHeartbeat::epoch).
+  // The connection that publishes this router's sync messages came back: some sent around the
+  // outage may be lost. Moves to the next epoch and sends the live bookings again.
+  void NextEpoch(Outbox& out);
+  // This router's epoch (RouterHeartbeat::epoch). It starts from the wall clock's seconds, so a
+  // restarted replica that keeps its --router-id is at a later epoch than before.
   std::uint32_t epoch() const;
 
   // Fills, for the ranks already in reply.workers, their load, routed count and (approximate
@@ -148,6 +152,7 @@ class Routing {
   void PeerEpochLocked(std::uint64_t router_id, std::uint32_t epoch, Outbox& out) KV_REQUIRES(mu_);
   // Queues an `add` for each of this router's own bookings (at its current prefill).
   void SyncOwnBookingsLocked() KV_REQUIRES(mu_);
+  void NextEpochLocked() KV_REQUIRES(mu_);
 
   const RouterConfig& config_;
   const WorkerRegistry& registry_;
@@ -176,7 +181,8 @@ class Routing {
   std::map<std::string, std::uint64_t> replica_refused_ KV_GUARDED_BY(mu_);  // reason -> count
   ReplicaPeers peers_ KV_GUARDED_BY(mu_);
   std::uint64_t replica_released_ KV_GUARDED_BY(mu_) = 0;  // bookings of dead replicas released
-  std::uint32_t epoch_ KV_GUARDED_BY(mu_) = 0;             // up by one per reconnect
+  static std::uint32_t StartEpoch();                       // the wall clock's seconds
+  std::uint32_t epoch_ KV_GUARDED_BY(mu_) = StartEpoch();  // up by one per reconnect
   std::uint64_t queue_admitted_ KV_GUARDED_BY(mu_) = 0;
   std::uint64_t queue_timed_out_ KV_GUARDED_BY(mu_) = 0;
   std::uint64_t queue_refused_ KV_GUARDED_BY(mu_) = 0;

@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <chrono>
 #include <climits>
 #include <cstdint>
 
@@ -30,6 +31,10 @@ void Routing::ApplyReplica(const ActiveSequenceEvent& e, Outbox& out) {
   PeerEpochLocked(e.router_id, e.epoch, out);
   switch (e.kind) {
     case ActiveSequenceEvent::Kind::kAdd: {
+      if (peers_.IsStale(e.router_id, e.epoch)) {
+        ++replica_refused_["stale_epoch"];
+        return;
+      }
       // Another replica's booking obeys this router's bounds, and names a rank it knows.
       const char* refused = nullptr;
       std::string detail;
@@ -99,6 +104,11 @@ void Routing::SyncOwnBookingsLocked() {
   });
 }
 
+std::uint32_t Routing::StartEpoch() {
+  const auto now = std::chrono::system_clock::now().time_since_epoch();
+  return static_cast<std::uint32_t>(std::chrono::duration_cast<std::chrono::seconds>(now).count());
+}
+
 std::uint32_t Routing::epoch() const {
   KvMutexLock g(mu_);
   return epoch_;
@@ -112,10 +122,20 @@ void Routing::PauseReplicas() {
 void Routing::ResumeReplicas(Outbox& out) {
   KvMutexLock g(mu_);
   ReleasePeerBookingsLocked(peers_.Resume(clock_()));
-  ++epoch_;
-  SyncOwnBookingsLocked();
+  NextEpochLocked();
   DrainLocked(out);  // load dropped: queued requests may fit now
   TakeDeferredLocked(out);
+}
+
+void Routing::NextEpoch(Outbox& out) {
+  KvMutexLock g(mu_);
+  NextEpochLocked();
+  TakeDeferredLocked(out);
+}
+
+void Routing::NextEpochLocked() {
+  ++epoch_;
+  SyncOwnBookingsLocked();
 }
 
 void Routing::ReleasePeerBookingsLocked(const std::vector<std::string>& request_ids) {

@@ -193,7 +193,7 @@ Result<std::vector<RankInfo>> WorkerRegistry::Ranks(std::optional<std::uint64_t>
     }
   };
   KvReaderLock g(mu_);
-  if (!pin) out.reserve(allowed ? allowed->size() : workers_.size());  // one rank a worker, mostly
+  if (!pin) out.reserve(allowed ? std::min(allowed->size(), workers_.size()) : workers_.size());  // a rank a worker, mostly
   if (pin) {
     auto it = workers_.find(*pin);
     if (it == workers_.end()) return NotFound(fmt::format("worker {} is not registered", *pin));

@@ -399,6 +399,7 @@ TEST_F(ServiceTest, APeersNewEpochReleasesItsOlderBookingsWhicheverMessageSaysIt
   ASSERT_TRUE(Route(Prompt(kTwelve, "ours")).ok());
   ASSERT_EQ(Counter("active_requests"), 3u);
   ASSERT_EQ(sent.size(), 1u);  // our own `add`
+  const std::uint32_t our_epoch = sent[0].epoch;
   sent.clear();
 
   heartbeat(1);  // 77 came back: "a" and "b" may have been freed meanwhile
@@ -409,7 +410,7 @@ TEST_F(ServiceTest, APeersNewEpochReleasesItsOlderBookingsWhicheverMessageSaysIt
   EXPECT_EQ(sent[0].kind, ActiveSequenceEvent::Kind::kAdd);
   EXPECT_EQ(sent[0].isl, 12u);
   EXPECT_EQ(sent[0].overlap_blocks, 0u);
-  EXPECT_EQ(sent[0].epoch, 0u);  // our own epoch did not change
+  EXPECT_EQ(sent[0].epoch, our_epoch);  // our own epoch did not change
   add("b", 1);                   // 77's live one, sent again
   heartbeat(1);                  // the same epoch again releases nothing
   EXPECT_EQ(Counter("active_requests"), 2u);
@@ -421,11 +422,28 @@ TEST_F(ServiceTest, APeersNewEpochReleasesItsOlderBookingsWhicheverMessageSaysIt
   EXPECT_EQ(Counter("replica_bookings_released"), 3u);
   heartbeat(2);
   EXPECT_EQ(Counter("active_requests"), 2u);
-  // A message of an older epoch, sent before the outage and handled late, still applies.
+  // A message of an older epoch, sent before the outage and handled late: its `free` still
+  // applies; its `add` does not (a live booking came again at the new epoch; this one may have
+  // been freed by a `free` that was lost).
   const ActiveSequenceEvent late{.router_id = 77, .request_id = "c", .worker_id = 1,
                                  .kind = ActiveSequenceEvent::Kind::kFree, .epoch = 1};
   (void)bus_.Publish(svc_->subjects().active_sequences, AsBytes(EncodeActiveSequenceEvent(late)));
   EXPECT_EQ(Counter("active_requests"), 1u);
+  add("stale", 1);
+  EXPECT_EQ(Counter("active_requests"), 1u);
+  sent.clear();
+
+  // 77 silent for 5 s is dead here; when it is back at a later epoch it is a peer not known any
+  // more, yet it dropped what was synced to it: ours go again. A new peer at epoch 0 gets nothing.
+  now_ += std::chrono::milliseconds(5000);
+  svc_->Tick();
+  EXPECT_EQ(Counter("replica_peers"), 0u);
+  heartbeat(3);
+  ASSERT_EQ(sent.size(), 1u);
+  EXPECT_EQ(sent[0].request_id, "ours");
+  sent.clear();
+  (void)bus_.Publish(svc_->subjects().router_heartbeats, AsBytes(EncodeRouterHeartbeat({.router_id = 78})));
+  EXPECT_TRUE(sent.empty());
 }
 
 // This router's own outage: afterwards it says so at once (a heartbeat at the next epoch) and
@@ -447,10 +465,25 @@ TEST_F(ServiceTest, AfterItsOwnOutageAReplicaAnnouncesANewEpochAndSendsItsBookin
     order.push_back(fmt::format("add {} isl {} epoch {}", e->request_id, e->isl, e->epoch));
   });
   ASSERT_TRUE(hb.ok() && sync.ok());
+  svc_->Tick();  // a heartbeat at the epoch this router started with
+  ASSERT_EQ(order.size(), 1u);
+  const std::uint32_t e0 = static_cast<std::uint32_t>(std::stoul(order[0].substr(std::string("heartbeat ").size())));
+  EXPECT_GT(e0, 1'700'000'000u);  // the wall clock's seconds: a restart keeps counting up
+  order.clear();
   svc_->OnEventsDisconnected();
   svc_->OnEventsReconnected();
-  EXPECT_EQ(order, (std::vector<std::string>{"heartbeat 1", "add ours isl 0 epoch 1"}));  // prefill done
+  EXPECT_EQ(order, (std::vector<std::string>{fmt::format("heartbeat {}", e0 + 1),
+                                             fmt::format("add ours isl 0 epoch {}", e0 + 1)}));  // prefill done
   EXPECT_EQ(Counter("active_requests"), 1u);
+  // The request connection publishes the sync messages: its own outage moves the epoch too,
+  // and releases nothing of the peers (their messages come on the event connection).
+  const ActiveSequenceEvent peer{.router_id = 77, .request_id = "theirs", .worker_id = 1, .seq_hashes = {9}, .isl = 4};
+  (void)bus_.Publish(svc_->subjects().active_sequences, AsBytes(EncodeActiveSequenceEvent(peer)));
+  order.clear();
+  svc_->OnRequestsReconnected();
+  EXPECT_EQ(order, (std::vector<std::string>{fmt::format("heartbeat {}", e0 + 2),
+                                             fmt::format("add ours isl 0 epoch {}", e0 + 2)}));
+  EXPECT_EQ(Counter("active_requests"), 2u);
 }
 
 TEST_F(ServiceTest, WithoutReplicaSyncAReconnectSendsNoSyncMessages) {
@@ -463,6 +496,7 @@ TEST_F(ServiceTest, WithoutReplicaSyncAReconnectSendsNoSyncMessages) {
   ASSERT_TRUE(hb.ok() && sync.ok());
   svc_->OnEventsDisconnected();
   svc_->OnEventsReconnected();
+  svc_->OnRequestsReconnected();
   EXPECT_EQ(published, 0);
   EXPECT_EQ(Counter("active_requests"), 1u);
 }
