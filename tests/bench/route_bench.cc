@@ -236,6 +236,53 @@ void BM_DecodeRouteRequest(benchmark::State& state) {
 }
 BENCHMARK(BM_DecodeRouteRequest);
 
+// The route against the echo in one run, taking turns request by request (the echo a process
+// of its own), so that both see the same minutes of this VM: its speed drifts by 2x between runs
+// a minute apart, more than the difference measured. Counters: each one's p50/p99 and the ratios.
+void BM_RouteVsEcho(benchmark::State& state) {
+  Rig& rig = TheRig();
+  if (!rig.ok) {
+    state.SkipWithError("could not start nats-server + kvrouter");
+    return;
+  }
+  auto child = testing::ChildProcess::Start({"/proc/self/exe", "--echo-responder", rig.nats->url()},
+                                            "/tmp/route_bench_echo.log");
+  const auto probe = EncodeRouteReply({});
+  if (!child.ok() ||
+      !testing::WaitFor([&] { return rig.nc->Request("bench.echo", AsBytes(probe), 200ms).ok(); }, 10s)) {
+    state.SkipWithError("the echo process never answered");
+    return;
+  }
+  std::vector<double> route_us, echo_us;
+  std::size_t i = 0;
+  for (auto _ : state) {
+    if (!TimedRoute(rig, i, route_us)) {
+      state.SkipWithError("route failed");
+      break;
+    }
+    const auto& p = rig.prompts[i++ % rig.prompts.size()];
+    RouteRequest req{.token_ids = std::vector<std::uint32_t>(p.begin(), p.begin() + 256), .has_token_ids = true, .isl = 256};
+    const auto body = EncodeRouteRequest(req);
+    const auto a = std::chrono::steady_clock::now();
+    if (!rig.nc->Request("bench.echo", AsBytes(body), 2s).ok()) {
+      state.SkipWithError("echo failed");
+      break;
+    }
+    echo_us.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - a).count());
+  }
+  if (route_us.empty() || echo_us.empty()) return;
+  std::sort(route_us.begin(), route_us.end());
+  std::sort(echo_us.begin(), echo_us.end());
+  auto at = [](const std::vector<double>& v, std::size_t permille) { return v[std::min(v.size() - 1, v.size() * permille / 1000)]; };
+  state.counters["route_p50_us"] = at(route_us, 500);
+  state.counters["route_p99_us"] = at(route_us, 990);
+  state.counters["echo_p50_us"] = at(echo_us, 500);
+  state.counters["echo_p99_us"] = at(echo_us, 990);
+  state.counters["p50_ratio"] = at(route_us, 500) / at(echo_us, 500);
+  state.counters["p99_ratio"] = at(route_us, 990) / at(echo_us, 990);
+}
+BENCHMARK(BM_RouteVsEcho)->Iterations(5000)->Unit(benchmark::kMicrosecond)->UseRealTime();
+
 // One route in this process, no NATS: KvRouterService on the in-memory bus with the round trips'
 // fleet (64 workers x 1,024 blocks) and requests (256 tokens, 4 cached blocks, nothing booked).
 // Decoding, hashing, find_matches, selection and the encoded reply: what a route adds to an echo.
