@@ -18,10 +18,10 @@ std::optional<std::vector<std::string>> ReplicaPeers::Advance(std::uint64_t rout
   if (it == epoch_.end()) {
     if (epoch_.size() < kMaxPeers) epoch_.emplace(router_id, epoch);
     if (epoch == 0) return std::nullopt;
-    return TakeBookings([&](std::uint64_t peer) { return peer == router_id; });
+  } else {
+    if (epoch <= it->second) return std::nullopt;
+    it->second = epoch;
   }
-  if (epoch <= it->second) return std::nullopt;
-  it->second = epoch;
   return TakeBookings([&](std::uint64_t peer) { return peer == router_id; });
 }
 
