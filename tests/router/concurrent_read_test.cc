@@ -85,10 +85,42 @@ TEST(ReadGate, AReaderReadsAroundAStuckEventAndHoldsBackTheNextOne) {
   EXPECT_TRUE(next_began.load());
 }
 
+// ShardedIndex reads the shards that are between events first: a reader that only goes in when
+// the gate is quiet must neither wait, nor count as inside or waiting, during an event.
+TEST(ReadGate, AnIfQuietReaderStaysOutOfAnEventAndIsExactBetweenEvents) {
+  ReadGate gate;
+  gate.BeginWrite();
+  {
+    ReadGate::Reader r(gate, ReadGate::Reader::IfQuiet{});
+    EXPECT_FALSE(r.entered());
+  }
+  EXPECT_TRUE(gate.EndWrite());  // nobody inside: the event's replaced memory may go at once
+  EXPECT_EQ(gate.tolerant_reads(), 0u);
+
+  std::atomic<bool> began{false};
+  std::thread writer;
+  {
+    ReadGate::Reader r(gate, ReadGate::Reader::IfQuiet{});
+    ASSERT_TRUE(r.entered());
+    EXPECT_FALSE(r.tolerant());
+    writer = std::thread([&] {
+      gate.BeginWrite();  // waits for the reader inside
+      began.store(true);
+      EXPECT_TRUE(gate.EndWrite());
+    });
+    AwaitTrue([&] { return gate.writing(); });
+    EXPECT_FALSE(began.load());
+  }
+  writer.join();
+  EXPECT_TRUE(began.load());
+}
+
 // The owner stores, removes, clears and forgets workers without pause (and never frees what it
-// replaces, so every pointer a reader loads stays valid) while readers run tolerant
-// FindMatches: every result must name each worker once, only known workers, with 1..length
-// blocks.
+// replaces, so every pointer a reader loads stays valid) while readers run FindMatches through
+// a ReadGate that never waits: a read that meets an event reads tolerantly around it. Every
+// result must name each worker once, only known workers, with 1..length blocks. (Through the
+// gate a read overlaps one event at most; without it, a read that spans a worker's removal and
+// its slot's reuse by that same worker's return can name the worker twice, under two slots.)
 TEST(ConcurrentReads, TolerantFindMatchesStayInBoundsWhileTheOwnerWrites) {
   constexpr std::uint64_t kWorkers = 48;
   constexpr std::size_t kShared = 24;  // a prefix every worker stores: holder sets of 48
@@ -98,6 +130,13 @@ TEST(ConcurrentReads, TolerantFindMatchesStayInBoundsWhileTheOwnerWrites) {
   for (std::size_t i = 0; i < kShared; ++i) shared.push_back(1000 + i);
   const auto query = ComputeSequenceHashes(shared);
 
+  ReadGate gate;
+  // One event, as a shard thread applies it.
+  auto event = [&](auto&& apply) {
+    gate.BeginWrite();
+    apply();
+    gate.EndWrite();
+  };
   std::atomic<bool> done{false};
   std::atomic<long> reads{0}, bad{0}, nonempty{0};
   std::vector<std::thread> readers;
@@ -106,7 +145,10 @@ TEST(ConcurrentReads, TolerantFindMatchesStayInBoundsWhileTheOwnerWrites) {
       OverlapScores out;
       while (!done.load(std::memory_order_relaxed)) {
         out.clear();
-        idx.FindMatches(query, out, /*tolerant=*/true);
+        {
+          ReadGate::Reader r(gate, 0ns);
+          idx.FindMatches(query, out, r.tolerant());
+        }
         std::set<WorkerKey> seen;
         for (const auto& s : out) {
           if (!seen.insert(s.worker).second || s.worker.worker_id >= kWorkers || s.worker.dp_rank != 0 ||
@@ -129,10 +171,12 @@ TEST(ConcurrentReads, TolerantFindMatchesStayInBoundsWhileTheOwnerWrites) {
       std::vector<StoredBlock> chain;
       const auto seq = ComputeSequenceHashes(shared);
       for (std::size_t i = 0; i < kShared; ++i) chain.push_back({seq[i], shared[i]});
-      ASSERT_FALSE(idx.ApplyStored(key, std::nullopt, chain).parent_not_found);
+      bool parent_not_found = true;
+      event([&] { parent_not_found = idx.ApplyStored(key, std::nullopt, chain).parent_not_found; });
+      ASSERT_FALSE(parent_not_found);
       std::vector<StoredBlock> tail;
       for (std::size_t i = 0; i < 1500; ++i) tail.push_back({1'000'000 + next_id++, 5'000'000 + next_id});
-      idx.ApplyStored(key, seq.back(), tail);
+      event([&] { idx.ApplyStored(key, seq.back(), tail); });
     }
     for (std::uint64_t w = 0; w < kWorkers; ++w) {
       const WorkerKey key{w, 0};
@@ -141,14 +185,14 @@ TEST(ConcurrentReads, TolerantFindMatchesStayInBoundsWhileTheOwnerWrites) {
           std::vector<BlockHash> gone;
           const auto seq = ComputeSequenceHashes(shared);
           for (std::size_t i = kShared / 2; i < kShared; ++i) gone.push_back(seq[i]);
-          idx.ApplyRemoved(key, gone);
+          event([&] { idx.ApplyRemoved(key, gone); });
           break;
         }
         case 1:
-          idx.ClearWorker(w);
+          event([&] { idx.ClearWorker(w); });
           break;
         default:
-          idx.RemoveWorker(w);  // its slot is reused by the next worker that arrives
+          event([&] { idx.RemoveWorker(w); });  // its slot is reused by the next worker that arrives
       }
     }
   }
@@ -159,6 +203,7 @@ TEST(ConcurrentReads, TolerantFindMatchesStayInBoundsWhileTheOwnerWrites) {
   for (auto& t : readers) t.join();
   EXPECT_EQ(bad.load(), 0);
   EXPECT_GT(nonempty.load(), 0);
+  EXPECT_GT(gate.tolerant_reads(), 0u);  // the reads did meet events
   EXPECT_TRUE(idx.HasRetired());
   idx.FreeRetired();
   EXPECT_FALSE(idx.HasRetired());
