@@ -98,36 +98,20 @@ class ReadGate {
   class Reader {
    public:
     Reader(ReadGate& g, std::chrono::nanoseconds patience) : g_(g) { tolerant_ = g_.Enter(patience); }
-    // Goes in only between events, without waiting: entered() is false (and nothing may be
-    // read) when the writer is in the middle of one.
-    struct IfQuiet {};
-    Reader(ReadGate& g, IfQuiet) : g_(g) { entered_ = g_.TryEnter(); }
-    ~Reader() {
-      if (entered_) g_.readers_.fetch_sub(1, std::memory_order_release);
-    }
+    ~Reader() { g_.readers_.fetch_sub(1, std::memory_order_release); }
     Reader(const Reader&) = delete;
     Reader& operator=(const Reader&) = delete;
-    bool entered() const { return entered_; }
     // The read may overlap the writing of one event (see the header comment).
     bool tolerant() const { return tolerant_; }
 
    private:
     ReadGate& g_;
-    bool entered_ = true;
     bool tolerant_ = false;
   };
 
   std::uint64_t tolerant_reads() const { return tolerant_reads_.load(std::memory_order_relaxed); }
 
  private:
-  // Counts the reader in when the gate is between events (Enter's first step); false otherwise.
-  bool TryEnter() {
-    readers_.fetch_add(1, std::memory_order_seq_cst);
-    if ((version_.load(std::memory_order_seq_cst) & 1) == 0) return true;
-    readers_.fetch_sub(1, std::memory_order_release);
-    return false;
-  }
-
   // Counts the reader in; true when it goes in tolerantly.
   bool Enter(std::chrono::nanoseconds patience) {
     readers_.fetch_add(1, std::memory_order_seq_cst);

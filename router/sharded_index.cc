@@ -128,13 +128,6 @@ class ShardedIndex::Shard {
     ReadGate::Reader r(gate_, read_patience_);
     GatedIndex().FindMatches(hashes, out, r.tolerant());
   }
-  // The same, only when the shard thread is between events; false (nothing read) otherwise.
-  bool FindMatchesIfQuiet(std::span<const SequenceHash> hashes, OverlapScores& out) const {
-    ReadGate::Reader r(gate_, ReadGate::Reader::IfQuiet{});
-    if (!r.entered()) return false;
-    GatedIndex().FindMatches(hashes, out, false);
-    return true;
-  }
 
 
   void TreeSizes(std::vector<WorkerTreeSize>& out) const {
@@ -461,15 +454,7 @@ OverlapScores ShardedIndex::FindMatches(std::span<const SequenceHash> seq_hashes
   OverlapScores out;
   // Room for as many scores as last time, so the second shard's scores rarely move the first's.
   out.reserve(last_matches_.load(std::memory_order_relaxed));
-  // Shards between events first; the ones in the middle of an event last, by when that event
-  // has often ended, so the query reads another shard instead of spinning on a busy one.
-  // (The order of the scores is no promise: routing sorts them.)
-  thread_local std::vector<const Shard*> busy;
-  busy.clear();
-  for (const auto& s : shards_) {
-    if (!s->FindMatchesIfQuiet(seq_hashes, out)) busy.push_back(s.get());
-  }
-  for (const Shard* s : busy) s->FindMatches(seq_hashes, out);
+  for (const auto& s : shards_) s->FindMatches(seq_hashes, out);
   last_matches_.store(out.size(), std::memory_order_relaxed);
   return out;
 }

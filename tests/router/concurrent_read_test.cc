@@ -85,36 +85,6 @@ TEST(ReadGate, AReaderReadsAroundAStuckEventAndHoldsBackTheNextOne) {
   EXPECT_TRUE(next_began.load());
 }
 
-// ShardedIndex reads the shards that are between events first: a reader that only goes in when
-// the gate is quiet must neither wait, nor count as inside or waiting, during an event.
-TEST(ReadGate, AnIfQuietReaderStaysOutOfAnEventAndIsExactBetweenEvents) {
-  ReadGate gate;
-  gate.BeginWrite();
-  {
-    ReadGate::Reader r(gate, ReadGate::Reader::IfQuiet{});
-    EXPECT_FALSE(r.entered());
-  }
-  EXPECT_TRUE(gate.EndWrite());  // nobody inside: the event's replaced memory may go at once
-  EXPECT_EQ(gate.tolerant_reads(), 0u);
-
-  std::atomic<bool> began{false};
-  std::thread writer;
-  {
-    ReadGate::Reader r(gate, ReadGate::Reader::IfQuiet{});
-    ASSERT_TRUE(r.entered());
-    EXPECT_FALSE(r.tolerant());
-    writer = std::thread([&] {
-      gate.BeginWrite();  // waits for the reader inside
-      began.store(true);
-      EXPECT_TRUE(gate.EndWrite());
-    });
-    AwaitTrue([&] { return gate.writing(); });
-    EXPECT_FALSE(began.load());
-  }
-  writer.join();
-  EXPECT_TRUE(began.load());
-}
-
 // The owner stores, removes, clears and forgets workers without pause (and never frees what it
 // replaces, so every pointer a reader loads stays valid) while readers run FindMatches through
 // a ReadGate that never waits: a read that meets an event reads tolerantly around it. Every
