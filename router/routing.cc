@@ -65,25 +65,26 @@ Result<Routing::Prepared> Routing::Prepare(const RouteRequest& req) const {
   return p;
 }
 
-OverlapScores Routing::IndexOverlaps(const Prepared& p) const {
-  if (config_.mode != RouterMode::kKv || p.seq.empty() || approx_ || !config_.use_kv_events) return {};
-  return index_.FindMatches(p.seq);
+void Routing::IndexOverlaps(const Prepared& p, OverlapScores& out) const {
+  out.clear();
+  if (config_.mode != RouterMode::kKv || p.seq.empty() || approx_ || !config_.use_kv_events) return;
+  index_.FindMatches(p.seq, out);
 }
 
-OverlapScores Routing::PredictedOverlaps(const Prepared& p) const {
-  OverlapScores out;
+void Routing::PredictedOverlaps(const Prepared& p, OverlapScores& out) const {
+  out.clear();
   if (config_.mode == RouterMode::kKv && approx_ && !p.seq.empty()) approx_->FindMatches(p.seq, out);
-  return out;
 }
 
 Result<std::vector<Candidate>> Routing::CandidatesLocked(const RouteRequest& req, std::span<const SequenceHash> seq,
-                                                         const OverlapScores& overlaps) const {
+                                                         OverlapScores& overlaps) const {
   auto ranks = registry_.Ranks(req.worker_id, req.dp_rank, req.allowed_worker_ids);
   if (!ranks.ok()) return ranks.status();
   if (ranks->empty()) return Status(StatusCode::kNoWorkers, "no registered worker can take this request");
   // Ranks come in ascending (worker_id, dp_rank) order: merge the overlaps in sorted too.
-  std::vector<OverlapScore> sorted(overlaps.begin(), overlaps.end());
-  std::sort(sorted.begin(), sorted.end(), [](const OverlapScore& a, const OverlapScore& b) { return a.worker < b.worker; });
+  std::sort(overlaps.begin(), overlaps.end(),
+            [](const OverlapScore& a, const OverlapScore& b) { return a.worker < b.worker; });
+  const auto& sorted = overlaps;
   auto next = sorted.begin();
   std::vector<Candidate> cands;
   cands.reserve(ranks->size());
@@ -204,9 +205,10 @@ void Routing::Route(RouteRequest req, Kind kind, std::string reply, Outbox& out)
     if (kind == Kind::kBestWorker) req.update_states = false;
     if (kind == Kind::kGenerate) req.update_states = true;  // the router frees it itself
     // The event index has its own locks: read it before mu_. Predictions are under mu_.
-    OverlapScores overlaps = IndexOverlaps(*prepared);
+    thread_local OverlapScores overlaps;  // kept: thousands of scores per route in a large fleet
+    IndexOverlaps(*prepared, overlaps);
     KvMutexLock g(mu_);
-    if (approx_) overlaps = PredictedOverlaps(*prepared);
+    if (approx_) PredictedOverlaps(*prepared, overlaps);
     if (kind == Kind::kGenerate && req.request_id.empty()) {
       req.request_id = fmt::format("gen-{:x}-{}", router_id_, ++generated_ids_);
     }
@@ -299,7 +301,8 @@ void Routing::DrainLocked(Outbox& out) {
       [&](RouteQueue::Entry& e) {
         mu_.AssertHeld();
         const PendingRoute& p = e.payload;
-        auto cands = CandidatesLocked(p.req, p.prepared.seq, {});
+        OverlapScores none;
+        auto cands = CandidatesLocked(p.req, p.prepared.seq, none);
         if (!cands.ok()) {  // its worker went away while it waited
           failed = cands.status();
           return ScanStep::kTake;
@@ -311,7 +314,12 @@ void Routing::DrainLocked(Outbox& out) {
         }
         // Fresh overlaps for the ranks it may go to. The registry has its own lock: a worker may
         // have left since the first look, so the candidates are checked again.
-        OverlapScores overlaps = approx_ ? PredictedOverlaps(p.prepared) : IndexOverlaps(p.prepared);
+        thread_local OverlapScores overlaps;
+        if (approx_) {
+          PredictedOverlaps(p.prepared, overlaps);
+        } else {
+          IndexOverlaps(p.prepared, overlaps);
+        }
         auto with_overlaps = CandidatesLocked(p.req, p.prepared.seq, overlaps);
         if (!with_overlaps.ok()) {
           failed = with_overlaps.status();

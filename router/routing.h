@@ -114,13 +114,16 @@ class Routing {
   static constexpr std::chrono::seconds kDefaultQueueWait{60};
 
   Result<Prepared> Prepare(const RouteRequest& req) const;
-  // Overlap per rank from the event index (no lock needed; empty outside mode kv).
-  OverlapScores IndexOverlaps(const Prepared& p) const;
-  // Overlap per rank from the predictions (approximate mode).
-  OverlapScores PredictedOverlaps(const Prepared& p) const KV_REQUIRES(mu_);
-  // The ranks the request may go to, with their load (and overlap when given).
+  // Overlap per rank from the event index into `out` (no lock needed; empty outside mode kv).
+  // Callers pass a buffer they keep: at thousands of matching workers a fresh result would be
+  // allocated and freed per route.
+  void IndexOverlaps(const Prepared& p, OverlapScores& out) const;
+  // Overlap per rank from the predictions (approximate mode), into `out`.
+  void PredictedOverlaps(const Prepared& p, OverlapScores& out) const KV_REQUIRES(mu_);
+  // The ranks the request may go to, with their load (and overlap when given; `overlaps` is
+  // sorted in place).
   Result<std::vector<Candidate>> CandidatesLocked(const RouteRequest& req, std::span<const SequenceHash> seq,
-                                                  const OverlapScores& overlaps) const KV_REQUIRES(mu_);
+                                                  OverlapScores& overlaps) const KV_REQUIRES(mu_);
   // The candidates that are not full (all of them when the queue is off).
   std::vector<Candidate> OpenRanks(std::vector<Candidate> cands) const;
   // OK when one more booking of `blocks` blocks fits the booking bounds, else `overloaded`.

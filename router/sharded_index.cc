@@ -452,11 +452,16 @@ void ShardedIndex::SubmitAll(std::vector<KvEventBatch>& batches, std::vector<std
 
 OverlapScores ShardedIndex::FindMatches(std::span<const SequenceHash> seq_hashes) const {
   OverlapScores out;
+  FindMatches(seq_hashes, out);
+  return out;
+}
+
+void ShardedIndex::FindMatches(std::span<const SequenceHash> seq_hashes, OverlapScores& out) const {
+  out.clear();
   // Room for as many scores as last time, so the second shard's scores rarely move the first's.
   out.reserve(last_matches_.load(std::memory_order_relaxed));
   for (const auto& s : shards_) s->FindMatches(seq_hashes, out);
   last_matches_.store(out.size(), std::memory_order_relaxed);
-  return out;
 }
 
 std::vector<WorkerTreeSize> ShardedIndex::TreeSizes() const {

@@ -109,8 +109,12 @@ class ShardedIndex {
   void SetCapacity(std::uint64_t worker_id, std::uint64_t blocks_per_rank);
   void Recovered(RecoveryPart part);
 
-  // Overlap per (worker, dp_rank) for a request given its sequence hashes.
+  // Overlap per (worker, dp_rank) for a request given its sequence hashes, in no particular
+  // order. The second form fills `out` (cleared first) and keeps its memory: a caller that
+  // queries again and again passes the same buffer, so a query of thousands of matching
+  // workers does not allocate (and, at 100 KB and more, free and fault in) its result anew.
   OverlapScores FindMatches(std::span<const SequenceHash> seq_hashes) const;
+  void FindMatches(std::span<const SequenceHash> seq_hashes, OverlapScores& out) const;
   std::vector<WorkerTreeSize> TreeSizes() const;
   std::size_t TreeSize(WorkerKey worker) const;  // blocks of one rank
   IndexCounters Counters() const;

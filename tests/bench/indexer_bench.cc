@@ -163,6 +163,7 @@ struct DriverResult {
 
 void Drive(std::vector<DriverOp>& ops, const Stream& s, ShardedIndex& index, Clock::time_point start,
            DriverResult& out) {
+  OverlapScores scores;
   for (DriverOp& op : ops) {
     const auto due = start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(op.due_s));
     if (Clock::now() < due) std::this_thread::sleep_until(due);
@@ -171,7 +172,7 @@ void Drive(std::vector<DriverOp>& ops, const Stream& s, ShardedIndex& index, Clo
       continue;
     }
     const auto q0 = Clock::now();
-    const OverlapScores scores = index.FindMatches(s.queries[op.query]);
+    index.FindMatches(s.queries[op.query], scores);  // one buffer per driver, as a route thread has
     out.latency_us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - q0).count());
     if (out.latency_us.size() % 8 == 1) {  // a sample: the scan costs as much as a query
       std::uint32_t best = 0;
