@@ -188,10 +188,21 @@ void KvRouterService::HandOver(std::optional<KvEventBatch> batch, bool more_pend
   refused_workers.clear();
 }
 
-void KvRouterService::HandleKvEvent(const BusMessage& m) { HandOver(AdmittedKvEvent(m), m.more_pending, kv_bulk_); }
+void KvRouterService::HandleKvEvent(const BusMessage& m) {
+  MarkEventThread();
+  HandOver(AdmittedKvEvent(m), m.more_pending, kv_bulk_);
+}
 
 void KvRouterService::HandleVllmEvent(const BusMessage& m) {
+  MarkEventThread();
   HandOver(AdmittedVllmEvent(m), m.more_pending, vllm_bulk_);
+}
+
+void KvRouterService::MarkEventThread() {
+  // Once per thread: NATS delivers each subscription on a thread of its own, so this is the
+  // event thread (on the in-memory bus, whichever thread published).
+  thread_local const bool marked = ShardedIndex::MarkIngestThread();
+  (void)marked;
 }
 
 std::optional<KvEventBatch> KvRouterService::AdmittedKvEvent(const BusMessage& m) {

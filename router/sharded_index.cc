@@ -2,6 +2,9 @@
 
 #include <concurrentqueue/blockingconcurrentqueue.h>
 
+#include <pthread.h>
+#include <sched.h>
+
 #include <chrono>
 #include <condition_variable>
 #include <map>
@@ -196,6 +199,7 @@ class ShardedIndex::Shard {
   }
 
   void Run() {
+    MarkIngestThread();
     std::vector<Item> items(max_bulk_);
     while (true) {
       const std::size_t n =
@@ -448,6 +452,11 @@ void ShardedIndex::SubmitAll(std::vector<KvEventBatch>& batches, std::vector<std
     shards_[s]->SubmitMany(by_shard[s], refused);
     by_shard[s].clear();
   }
+}
+
+bool ShardedIndex::MarkIngestThread() {
+  sched_param none{};
+  return pthread_setschedparam(pthread_self(), SCHED_BATCH, &none) == 0;
 }
 
 OverlapScores ShardedIndex::FindMatches(std::span<const SequenceHash> seq_hashes) const {

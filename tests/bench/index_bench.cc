@@ -230,6 +230,7 @@ void BM_FindMatches200(benchmark::State& state) {
     // Extra workers (ids above the fleet) store and drop 16-block chains as fast as the
     // shard queues take them.
     flood = std::thread([&] {
+      ShardedIndex::MarkIngestThread();  // as the router's event thread is
       std::mt19937_64 r(5);
       std::uint64_t id = 1;
       const auto start = std::chrono::steady_clock::now();

@@ -1,6 +1,9 @@
 #include "router/kv_router_service.h"
 
 #include <gtest/gtest.h>
+#include <sched.h>
+
+#include <thread>
 
 #include "events/event_codec.h"
 #include "events/msgpack_reader.h"
@@ -27,6 +30,32 @@ TEST_F(ServiceTest, KvModeRoutesToTheWorkerHoldingThePrefix) {
   EXPECT_EQ(r->overlap_blocks, 2u);
   EXPECT_EQ(r->request_blocks, 3u);
   EXPECT_EQ(r->cached_tokens, 8u);
+}
+
+// The thread that delivers events runs as ingestion (batch scheduling class), so that on a
+// busy machine it does not preempt a route's thread when it wakes; the threads that deliver
+// requests keep their class.
+TEST_F(ServiceTest, TheEventThreadRunsAsBatchAndTheRouteThreadDoesNot) {
+  StartWith({"--router-mode", "kv"});
+  Register(1);
+  int event_thread = -1, route_thread = -1;
+  // A new thread inherits its creator's class: start each one in the default class.
+  const auto fresh = [] {
+    const sched_param none{};
+    return sched_setscheduler(0, SCHED_OTHER, &none) == 0;
+  };
+  std::thread([&] {  // the in-memory bus delivers on the publishing thread
+    ASSERT_TRUE(fresh());
+    StorePrompt(1, 1, {1, 2, 3, 4});
+    event_thread = sched_getscheduler(0);
+  }).join();
+  std::thread([&] {
+    ASSERT_TRUE(fresh());
+    EXPECT_TRUE(Route(Prompt(kTwelve)).ok());
+    route_thread = sched_getscheduler(0);
+  }).join();
+  EXPECT_EQ(event_thread, SCHED_BATCH);
+  EXPECT_EQ(route_thread, SCHED_OTHER);
 }
 
 // Worker 1 holds all but the last block of a 4,000-token prompt and decodes two other requests

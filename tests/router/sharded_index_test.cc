@@ -1,10 +1,13 @@
 #include "router/sharded_index.h"
 
 #include <gtest/gtest.h>
+#include <sched.h>
 
 #include <atomic>
 #include <chrono>
+#include <filesystem>
 #include <set>
+#include <string>
 #include <thread>
 
 namespace kvrouter {
@@ -32,6 +35,37 @@ KvEventBatch RemovedBatch(std::uint64_t worker, std::uint64_t event_id, std::vec
 std::uint32_t OverlapOf(const OverlapScores& s, WorkerKey w) {
   for (const auto& e : s) if (e.worker == w) return e.blocks;
   return 0;
+}
+
+// Threads of this process in the batch scheduling class.
+std::size_t BatchThreads() {
+  std::size_t n = 0;
+  for (const auto& t : std::filesystem::directory_iterator("/proc/self/task")) {
+    if (sched_getscheduler(std::stoi(t.path().filename().string())) == SCHED_BATCH) ++n;
+  }
+  return n;
+}
+
+// Ingestion yields to routes on a busy machine: every shard thread runs in the batch class,
+// and so does a thread that marks itself; other threads keep theirs.
+TEST(ShardedIndex, ShardThreadsAndMarkedThreadsRunAsBatch) {
+  const std::size_t before = BatchThreads();
+  {
+    ShardedIndex index({.num_shards = 3});
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (BatchThreads() < before + 3 && std::chrono::steady_clock::now() < deadline) std::this_thread::yield();
+    EXPECT_EQ(BatchThreads(), before + 3);
+  }
+  int marked = -1;
+  bool ok = false;
+  std::thread([&] {
+    const sched_param none{};
+    ASSERT_EQ(sched_setscheduler(0, SCHED_OTHER, &none), 0);  // not inherited from this one
+    ok = ShardedIndex::MarkIngestThread();
+    marked = sched_getscheduler(0);
+  }).join();
+  EXPECT_TRUE(ok);
+  EXPECT_EQ(marked, SCHED_BATCH);
 }
 
 TEST(ShardedIndex, MatchesMergeAcrossShards) {
