@@ -5,10 +5,15 @@
 #include <cstdio>
 #include <cstdlib>
 
+#include <sched.h>
+
 #include <atomic>
 #include <condition_variable>
+#include <filesystem>
 #include <random>
 #include <mutex>
+#include <set>
+#include <string>
 #include <thread>
 
 #include <fmt/format.h>
@@ -97,6 +102,27 @@ class Ticker {
   std::thread thread_;  // last: starts after the rest exists
 };
 
+// This process's threads (Linux: /proc/self/task).
+std::set<int> ThreadIds() {
+  std::set<int> ids;
+  std::error_code ec;
+  for (const auto& t : std::filesystem::directory_iterator("/proc/self/task", ec)) {
+    ids.insert(std::atoi(t.path().filename().c_str()));
+  }
+  return ids;
+}
+
+// The threads that connecting the event connection started (its socket reader; nats.c's
+// reconnect thread and the reader it starts inherit the class) run as ingestion, as the shard
+// threads and the event delivery thread do (ShardedIndex::MarkIngestThread): waking up on
+// every burst of events, they would otherwise preempt the thread answering a route.
+void MarkIngestThreadsSince(const std::set<int>& before) {
+  const sched_param none{};
+  for (int tid : ThreadIds()) {
+    if (!before.contains(tid)) (void)sched_setscheduler(tid, SCHED_BATCH, &none);
+  }
+}
+
 // Says where the caches come from, so that nobody runs approximate mode by mistake.
 void LogEventSource(const RouterConfig& cfg) {
   if (cfg.load_aware) {
@@ -131,7 +157,9 @@ int main(int argc, char** argv) {
   // Two connections: requests and replies on one, KV events and registrations on the other, so
   // that a request never waits in the socket behind an event flood.
   auto requests = ConnectRequests(cfg);
+  const std::set<int> threads_before_events = ThreadIds();  // nats.c's library threads exist by now
   auto events = requests.ok() ? ConnectEvents(cfg) : Result<std::unique_ptr<NatsClient>>(requests.status());
+  MarkIngestThreadsSince(threads_before_events);
   if (!events.ok()) {
     fmt::print(stderr, "kvrouter: cannot connect to {}: {}\n", cfg.nats_server, events.status().message());
     return 1;

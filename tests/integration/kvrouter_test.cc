@@ -2,8 +2,11 @@
 // real `kvrouter` process, and this test acting as workers (both event formats) and clients.
 #include <gtest/gtest.h>
 
+#include <sched.h>
+
 #include <chrono>
 #include <csignal>
+#include <filesystem>
 #include <mutex>
 #include <thread>
 #include <sys/wait.h>
@@ -46,6 +49,27 @@ TEST_F(KvRouterProcessTest, RoutesByCachedPrefixFromBothEventFormats) {
   ASSERT_TRUE(b.ok()) << b.status().ToString();
   EXPECT_EQ(b->worker_id, 3u);
   EXPECT_EQ(b->overlap_blocks, 3u);
+}
+
+// Ingestion yields to routes: the shard threads, the thread delivering Dynamo events and the
+// event connection's own threads (its socket reader) run in the batch scheduling class; the
+// rest (main, the request connection, the route subscription's thread) keep the default one.
+TEST_F(KvRouterProcessTest, IngestionThreadsRunAsBatchAndTheRequestPathDoesNot) {
+  Register(1);
+  ASSERT_TRUE(AwaitWorkers(1));
+  StoreDynamo(1, 1, Tokens(1, 8));
+  ASSERT_TRUE(AwaitEventsApplied(1));
+  ASSERT_TRUE(Route(Tokens(1, 12)).ok());
+  int batch = 0, other = 0;
+  const std::string tasks = "/proc/" + std::to_string(router_->pid()) + "/task";
+  for (const auto& t : std::filesystem::directory_iterator(tasks)) {
+    const int policy = sched_getscheduler(std::stoi(t.path().filename().string()));
+    batch += policy == SCHED_BATCH;
+    other += policy == SCHED_OTHER;
+  }
+  // 2 shards + 1 event delivery thread without the event connection's threads.
+  EXPECT_GE(batch, 4);
+  EXPECT_GE(other, 3);
 }
 
 TEST_F(KvRouterProcessTest, BookedLoadSpreadsIdenticalRequestsAndFreeReleasesIt) {
