@@ -5,8 +5,6 @@
 #include <cstdio>
 #include <cstdlib>
 
-#include <sched.h>
-
 #include <atomic>
 #include <condition_variable>
 #include <filesystem>
@@ -117,9 +115,8 @@ std::set<int> ThreadIds() {
 // threads and the event delivery thread do (ShardedIndex::MarkIngestThread): waking up on
 // every burst of events, they would otherwise preempt the thread answering a route.
 void MarkIngestThreadsSince(const std::set<int>& before) {
-  const sched_param none{};
   for (int tid : ThreadIds()) {
-    if (!before.contains(tid)) (void)sched_setscheduler(tid, SCHED_BATCH, &none);
+    if (!before.contains(tid)) (void)ShardedIndex::MarkIngestThread(tid);
   }
 }
 

@@ -84,8 +84,7 @@ Result<std::vector<Candidate>> Routing::CandidatesLocked(const RouteRequest& req
   // Ranks come in ascending (worker_id, dp_rank) order: merge the overlaps in sorted too.
   std::sort(overlaps.begin(), overlaps.end(),
             [](const OverlapScore& a, const OverlapScore& b) { return a.worker < b.worker; });
-  const auto& sorted = overlaps;
-  auto next = sorted.begin();
+  auto next = overlaps.begin();
   std::vector<Candidate> cands;
   cands.reserve(ranks->size());
   const double recent_scale = load_.RecentScale(clock_());
@@ -96,8 +95,8 @@ Result<std::vector<Candidate>> Routing::CandidatesLocked(const RouteRequest& req
     c.capacity = r.max_num_seqs;
     c.max_num_batched_tokens = r.max_num_batched_tokens;
     c.total_kv_blocks = r.total_kv_blocks;
-    while (next != sorted.end() && next->worker < c.worker) ++next;
-    if (next != sorted.end() && next->worker == c.worker) c.overlap_blocks = next->blocks;
+    while (next != overlaps.end() && next->worker < c.worker) ++next;
+    if (next != overlaps.end() && next->worker == c.worker) c.overlap_blocks = next->blocks;
     const WorkerLoad l = load_.Load(c.worker);
     c.active_blocks = l.active_blocks;
     c.active_prefill_tokens = l.active_prefill_tokens;

@@ -2,7 +2,6 @@
 
 #include <concurrentqueue/blockingconcurrentqueue.h>
 
-#include <pthread.h>
 #include <sched.h>
 
 #include <chrono>
@@ -454,9 +453,9 @@ void ShardedIndex::SubmitAll(std::vector<KvEventBatch>& batches, std::vector<std
   }
 }
 
-bool ShardedIndex::MarkIngestThread() {
-  sched_param none{};
-  return pthread_setschedparam(pthread_self(), SCHED_BATCH, &none) == 0;
+bool ShardedIndex::MarkIngestThread(int tid) {
+  const sched_param none{};
+  return sched_setscheduler(tid, SCHED_BATCH, &none) == 0;
 }
 
 OverlapScores ShardedIndex::FindMatches(std::span<const SequenceHash> seq_hashes) const {

@@ -129,8 +129,9 @@ class ShardedIndex {
   // the service marks the threads that deliver events to them: on a machine with fewer cores
   // than busy threads, a route's thread is then not preempted by ingestion waking up in the
   // middle of a query (index_bench, 2 cores, 1 M blocks/s ingested: find_matches p99 50-116 us
-  // -> 16-55 us). False when the system refused (the thread keeps its class).
-  static bool MarkIngestThread();
+  // -> 16-55 us). `tid` 0 is the calling thread; another thread of this process by its Linux
+  // thread id. False when the system refused (the thread keeps its class).
+  static bool MarkIngestThread(int tid = 0);
 
   std::size_t num_shards() const { return shards_.size(); }
   std::size_t ShardOf(std::uint64_t worker_id) const;
