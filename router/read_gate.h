@@ -8,7 +8,9 @@
 //   writer's next event lets it in first, so a writer with a backlog cannot starve it); if the
 //   writer does not finish in that time (it was preempted: two cores, more runnable threads),
 //   the reader goes in anyway and reads while that one event is applied ("tolerant": it may
-//   see that event partly, never a later one, since the next BeginWrite waits for it). Such a
+//   see that event partly, never a later one, since the next BeginWrite waits for it). Once a
+//   reader has waited out its patience on an event, later readers that meet the same event go
+//   in at once: its thread is off the CPU, and each would otherwise spin `patience` too. Such a
 //   read relies on the index being readable during a write: every word a reader can reach is
 //   written with an atomic store, a holder set changes by publishing a new copy, memory is only
 //   freed once the shard is quiet, and a tolerant reader bounds every index and size it loads
@@ -94,6 +96,7 @@ class ReadGate {
     return readers_.load(std::memory_order_seq_cst) == 0;
   }
   bool writing() const { return (version_.load(std::memory_order_relaxed) & 1) != 0; }
+  int waiting_readers() const { return waiting_.load(std::memory_order_relaxed); }
 
   class Reader {
    public:
@@ -117,6 +120,13 @@ class ReadGate {
     readers_.fetch_add(1, std::memory_order_seq_cst);
     std::uint64_t v = version_.load(std::memory_order_seq_cst);
     if ((v & 1) == 0) return false;  // between events: the writer waits for us
+    if (v == late_.load(std::memory_order_relaxed)) {
+      // A reader before us already waited out its patience on this very event: its thread has
+      // lost its CPU (for a scheduler slice, typically), so waiting again would only burn ours.
+      // Counted in during the event, as a reader that waited.
+      tolerant_reads_.fetch_add(1, std::memory_order_relaxed);
+      return true;
+    }
     // An event is being applied: step aside so BeginWrite's wait cannot hold it up, say that we
     // wait (the next event lets us in first), and give it `patience` to finish.
     readers_.fetch_sub(1, std::memory_order_release);
@@ -137,6 +147,7 @@ class ReadGate {
       if ((now & 1) == 0) break;  // counted in between events: exact
       if (late) {  // counted in during the event: the next BeginWrite waits for us
         tolerant = true;
+        late_.store(v, std::memory_order_relaxed);
         tolerant_reads_.fetch_add(1, std::memory_order_relaxed);
         break;
       }
@@ -151,6 +162,9 @@ class ReadGate {
   std::atomic<int> readers_{0};            // readers inside (exact and tolerant)
   std::atomic<int> waiting_{0};            // readers waiting for an event to end
   std::atomic<std::uint64_t> tolerant_reads_{0};
+  // The last event (odd version) a reader waited out its whole patience for: later readers
+  // that meet the same event go in at once.
+  std::atomic<std::uint64_t> late_{0};
 };
 
 }  // namespace kvrouter

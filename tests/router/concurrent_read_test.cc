@@ -85,6 +85,45 @@ TEST(ReadGate, AReaderReadsAroundAStuckEventAndHoldsBackTheNextOne) {
   EXPECT_TRUE(next_began.load());
 }
 
+// A stuck event costs the patience once: the readers after the first that waited it out go in
+// at once. The next event is judged afresh.
+TEST(ReadGate, OnlyTheFirstReaderWaitsOutAStuckEvent) {
+  ReadGate gate;
+  gate.BeginWrite();  // the writer "loses its CPU" here
+  {
+    ReadGate::Reader first(gate, 200us);
+    EXPECT_TRUE(first.tolerant());
+  }
+  std::atomic<int> second{0};  // 1: exact, 2: tolerant
+  std::thread t([&] {
+    ReadGate::Reader r(gate, 1h);  // would wait for EndWrite if it waited at all
+    second.store(r.tolerant() ? 2 : 1);
+  });
+  // It is in at once; one that waited would still be waiting 10 s later (the event only ends
+  // below), so this bound cannot be met by a slow machine, only by a reader that waits.
+  const auto deadline = std::chrono::steady_clock::now() + 10s;
+  while (second.load() == 0 && std::chrono::steady_clock::now() < deadline) std::this_thread::yield();
+  EXPECT_EQ(second.load(), 2) << "the second reader waited for an event a reader had already waited out";
+  if (second.load() == 0) gate.EndWrite();  // lets it go, so that it can be joined
+  t.join();
+  if (second.load() != 2) return;
+  EXPECT_EQ(gate.tolerant_reads(), 2u);
+  EXPECT_TRUE(gate.EndWrite());
+
+  gate.BeginWrite();  // a new event: a patient reader waits for it and then reads exactly
+  std::atomic<int> third{0};
+  std::thread u([&] {
+    ReadGate::Reader r(gate, 1h);
+    third.store(r.tolerant() ? 2 : 1);
+  });
+  AwaitTrue([&] { return gate.waiting_readers() == 1; });
+  EXPECT_EQ(third.load(), 0);  // still waiting
+  gate.EndWrite();
+  u.join();
+  EXPECT_EQ(third.load(), 1);
+  EXPECT_EQ(gate.tolerant_reads(), 2u);
+}
+
 // The owner stores, removes, clears and forgets workers without pause (and never frees what it
 // replaces, so every pointer a reader loads stays valid) while readers run FindMatches through
 // a ReadGate that never waits: a read that meets an event reads tolerantly around it. Every
@@ -110,7 +149,7 @@ TEST(ConcurrentReads, TolerantFindMatchesStayInBoundsWhileTheOwnerWrites) {
   std::atomic<bool> done{false};
   std::atomic<long> reads{0}, bad{0}, nonempty{0};
   std::vector<std::thread> readers;
-  for (int r = 0; r < 2; ++r) {
+  for (int i = 0; i < 2; ++i) {
     readers.emplace_back([&] {
       OverlapScores out;
       while (!done.load(std::memory_order_relaxed)) {
