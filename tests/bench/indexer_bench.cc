@@ -19,8 +19,9 @@
 // Prints a table; --json writes {rows: [{offered, achieved_ops, block_ops, p50_us, p99_us, ...,
 // matched_blocks, lag_p50_ms, lag_p99_ms, current}], peak: {achieved_ops, p99_us, offered},
 // peak_current: {...} (when a row is current), setup: {...}}. `lag`: events submitted but not
-// yet applied when a query ran, as time at the run's event rate; `current`: lag p99 <= 10 ms. Exit 1 when the index dropped or refused
-// an event (the stream did not replay cleanly), 2 on bad flags or trace.
+// yet applied when a query ran, as time at the run's event rate; `current`: lag p50 <= 5 ms.
+// Exit 1 when the index dropped or refused an event (the stream did not replay cleanly), 2 on
+// bad flags or trace.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -142,9 +143,12 @@ struct Row {
   // of the events meets fewer holders and costs less, so a lagging run's ops/s is not the
   // index's speed.
   double lag_p50_ms = 0, lag_p99_ms = 0;
-  bool current = false;  // lag_p99_ms <= kCurrentLagMs
+  bool current = false;  // lag_p50_ms <= kCurrentLagMs
 };
-constexpr double kCurrentLagMs = 10;
+// A query usually (at the median) sees every event issued more than 5 ms before it. Not the
+// p99: a shard thread that loses its CPU for a scheduler slice (4-12 ms here) puts a few
+// queries that far behind at any rate.
+constexpr double kCurrentLagMs = 5;
 
 double Percentile(std::vector<double>& v, double p) {
   if (v.empty()) return 0;
@@ -256,7 +260,7 @@ Row Run(const Stream& s, const Options& o, double offered) {
   const double events_per_ms = static_cast<double>(s.events.size() * d) / (elapsed * 1e3);
   row.lag_p50_ms = Percentile(lag, 0.50) / events_per_ms;
   row.lag_p99_ms = Percentile(lag, 0.99) / events_per_ms;
-  row.current = row.lag_p99_ms <= kCurrentLagMs;
+  row.current = row.lag_p50_ms <= kCurrentLagMs;
   return row;
 }
 
@@ -373,16 +377,16 @@ int Main(int argc, char** argv) {
   fmt::print("peak: {:.0f} ops/s at p99 {:.1f} us (offered {:.0f})\n", peak.achieved_ops, peak.p99_us, peak.offered);
   // The peak as Dynamo's harness counts it may come from a row whose queries ran ahead of the
   // events (they met fewer holders and cost less). The best row whose queries saw the index at
-  // most kCurrentLagMs behind the trace (p99) is the index's own peak.
+  // most kCurrentLagMs behind the trace (median) is the index's own peak.
   const Row* peak_current = nullptr;
   for (const Row& r : rows) {
     if (r.current && (peak_current == nullptr || r.achieved_ops > peak_current->achieved_ops)) peak_current = &r;
   }
   if (peak_current != nullptr) {
-    fmt::print("peak with the index current (lag p99 <= {:.0f} ms): {:.0f} ops/s at p99 {:.1f} us (offered {:.0f})\n",
+    fmt::print("peak with the index current (lag p50 <= {:.0f} ms): {:.0f} ops/s at p99 {:.1f} us (offered {:.0f})\n",
                kCurrentLagMs, peak_current->achieved_ops, peak_current->p99_us, peak_current->offered);
   } else {
-    fmt::print("no row with the index current (lag p99 <= {:.0f} ms)\n", kCurrentLagMs);
+    fmt::print("no row with the index current (lag p50 <= {:.0f} ms)\n", kCurrentLagMs);
   }
   if (!o->json.empty()) WriteJson(*o, s, rows, peak, peak_current);
   for (const Row& r : rows) {
