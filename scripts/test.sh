@@ -91,7 +91,7 @@ else
 fi
 # Older TSan runtimes cannot map memory under high ASLR entropy; run without ASLR.
 TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
-  setarch "$(uname -m)" -R ctest --test-dir build-tsan --output-on-failure --timeout 600 \
+  setarch "$(uname -m)" -R ctest --test-dir build-tsan --output-on-failure -j "$jobs" --timeout 600 \
   -R '^(ShardedIndex|ReadGate|ConcurrentReads|TransportTest|InMemoryBus|ServiceThreads|RecoveryTest)\.'
 
 if command -v clang++ >/dev/null; then
@@ -101,17 +101,32 @@ if command -v clang++ >/dev/null; then
   CC=clang CXX=clang++ configure_build build-fuzz "${fuzzers[@]}" -- -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVROUTER_FUZZ=ON "${g1[@]}"
   seeds=$(mktemp -d)
   build-fuzz/bin/fuzz_seedgen "$seeds"
+  # One fuzzer per core at a time (each is one process on one thread); each gets its full time.
+  fuzz_one() {  # binary: runs it on its corpus, leaves NAME.log and NAME.rc
+    local name rc=0
+    name=$(basename "$1")
+    mkdir -p "$seeds/$name"
+    "$1" -max_total_time="${FUZZ_SECONDS:-8}" -dict=tests/fuzz/kvrouter.dict -print_final_stats=1 \
+      "$seeds/$name" >"$seeds/$name.log" 2>&1 || rc=$?
+    echo "$rc" >"$seeds/$name.rc"
+  }
+  running=()
+  for f in build-fuzz/bin/fuzz_*; do
+    [ "$(basename "$f")" = fuzz_seedgen ] && continue
+    fuzz_one "$f" &
+    running+=($!)
+    if [ ${#running[@]} -ge "$jobs" ]; then
+      wait "${running[0]}"
+      running=("${running[@]:1}")
+    fi
+  done
+  wait
   for f in build-fuzz/bin/fuzz_*; do
     name=$(basename "$f")
     [ "$name" = fuzz_seedgen ] && continue
-    corpus="$seeds/$name"
-    mkdir -p "$corpus"
     echo "-- $name"
-    rc=0
-    "$f" -max_total_time="${FUZZ_SECONDS:-8}" -dict=tests/fuzz/kvrouter.dict -print_final_stats=1 \
-      "$corpus" >"$seeds/$name.log" 2>&1 || rc=$?
     grep -E "^stat::number_of_executed_units" "$seeds/$name.log" || true
-    if [ "$rc" -ne 0 ]; then tail -40 "$seeds/$name.log"; echo "fuzzer $name failed"; exit 1; fi
+    if [ "$(cat "$seeds/$name.rc")" != 0 ]; then tail -40 "$seeds/$name.log"; echo "fuzzer $name failed"; exit 1; fi
   done
   rm -rf "$seeds"
 else
