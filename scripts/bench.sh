@@ -34,7 +34,8 @@ gbench() {  # program
 
 # Route round trip against a bare nats.c echo; event ingest against a bare counting subscriber.
 gbench route_bench
-# find_matches percentiles while 1 M blocks/s are ingested; bytes per (block, worker).
+# find_matches percentiles while 1 M blocks/s are ingested; bytes per (block, worker); the
+# machine's own stalls (BM_MachineStalls), which set a floor under every p99 on a busy VM.
 gbench index_bench
 gbench queue_bench
 gbench recovery_bench
