@@ -422,7 +422,8 @@ BENCHMARK(BM_Decision1000Workers)->Arg(0)->Arg(1)->Unit(benchmark::kMicrosecond)
 // Arg 1: the other CPUs busy meanwhile (a spinning thread each), as during ingestion.
 // On this project's VM (2026-12-02): about 1,000-1,500 gaps per second at ~1 ms intervals,
 // 25-125 us each, 5-8 % of the thread's time, with no context switch: a query of T us meets one
-// with a probability of about T/1000, so any p99 under ~50 us needs queries well under 10 us.
+// with a probability of about T/1000, so a p99 below the stalls' length (find_matches under
+// 20 us) needs queries well under 10 us.
 void BM_MachineStalls(benchmark::State& state) {
   using Clock = std::chrono::steady_clock;
   std::atomic<bool> stop{false};
