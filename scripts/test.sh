@@ -60,8 +60,14 @@ compose_pid=$!
 # If the script stops early, compose-check stops too (and puts the machine back).
 trap 'kill -TERM "$compose_pid" 2>/dev/null || true; wait "$compose_pid" 2>/dev/null || true; rm -f "$compose_log"' EXIT
 
+# The sanitizer builds use clang when it is there: it compiles this code base in half of g++'s
+# time (Debug + ASan: 378 s of CPU against 780 s), and the plain build above already proves
+# g++, the compiler a user builds with.
+sanitizer_cc=()
+command -v clang++ >/dev/null && sanitizer_cc=(-DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++)
+
 step "build under ASan+UBSan (docker-compose.yml is proven meanwhile)"
-configure_build build-asan -- \
+configure_build build-asan -- "${sanitizer_cc[@]}" \
   -DCMAKE_BUILD_TYPE=Debug -DKVROUTER_SANITIZE=address -DKVROUTER_BENCH=OFF "${g1[@]}"
 
 step "docker-compose.yml, proven (scripts/compose-check.sh)"
@@ -84,11 +90,7 @@ ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:ha
 step "concurrent parts under TSan (built with clang: its thread-safety analysis checks every KV_GUARDED_BY)"
 tsan_targets=(router_test transport_test transport_unit_test service_threads_test kvrouter kvmocker kvbench)
 tsan_args=(-DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVROUTER_SANITIZE=thread -DKVROUTER_BENCH=OFF "${g1[@]}")
-if command -v clang++ >/dev/null; then
-  CC=clang CXX=clang++ configure_build build-tsan "${tsan_targets[@]}" -- "${tsan_args[@]}"
-else
-  configure_build build-tsan "${tsan_targets[@]}" -- "${tsan_args[@]}"
-fi
+configure_build build-tsan "${tsan_targets[@]}" -- "${sanitizer_cc[@]}" "${tsan_args[@]}"
 # Older TSan runtimes cannot map memory under high ASLR entropy; run without ASLR.
 TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
   setarch "$(uname -m)" -R ctest --test-dir build-tsan --output-on-failure -j "$jobs" --timeout 600 \
@@ -98,7 +100,7 @@ if command -v clang++ >/dev/null; then
   step "fuzzing the decoders (${FUZZ_SECONDS:-8} s each)"
   fuzzers=()
   for f in tests/fuzz/fuzz_*.cc; do fuzzers+=("$(basename "$f" .cc)"); done
-  CC=clang CXX=clang++ configure_build build-fuzz "${fuzzers[@]}" -- -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVROUTER_FUZZ=ON "${g1[@]}"
+  configure_build build-fuzz "${fuzzers[@]}" -- "${sanitizer_cc[@]}" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVROUTER_FUZZ=ON "${g1[@]}"
   seeds=$(mktemp -d)
   build-fuzz/bin/fuzz_seedgen "$seeds"
   # One fuzzer per core at a time (each is one process on one thread); each gets its full time.

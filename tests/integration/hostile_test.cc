@@ -23,7 +23,15 @@ using testing::kComp;
 using testing::kRouter;
 using Clock = std::chrono::steady_clock;
 
+// g++ names its sanitizers with macros, clang answers __has_feature.
 #if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#define KV_TEST_SANITIZED 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
+#define KV_TEST_SANITIZED 1
+#endif
+#endif
+#ifdef KV_TEST_SANITIZED
 constexpr bool kSanitized = true;  // shadow memory and quarantine make RSS meaningless
 #else
 constexpr bool kSanitized = false;
