@@ -223,8 +223,17 @@ bool PullData(Pull& in, KvEventData& out) {
   }
   std::uint32_t keys = 0;
   if (!in.MapHeader(keys) || keys != 1 || !in.Str(kind)) return false;
-  if (kind == "stored") return PullStored(in, out.emplace<KvStored>());
-  if (kind == "removed") return PullRemoved(in, out.emplace<KvRemoved>());
+  // A recycled op keeps its vector's memory when it held the same kind.
+  if (kind == "stored") {
+    auto* stored = std::get_if<KvStored>(&out);
+    if (stored == nullptr) return PullStored(in, out.emplace<KvStored>());
+    stored->parent_hash.reset();
+    return PullStored(in, *stored);
+  }
+  if (kind == "removed") {
+    auto* removed = std::get_if<KvRemoved>(&out);
+    return PullRemoved(in, removed != nullptr ? *removed : out.emplace<KvRemoved>());
+  }
   if (kind == "cleared" && in.Skip()) {
     out.emplace<KvCleared>();
     return true;
@@ -254,63 +263,69 @@ bool PullKvCacheEvent(Pull& in, KvEventBatch& batch, KvOp& op) {
   return seen_id && seen_data;
 }
 
-// {"worker_id": u64, "storage_tier": str|nil, "event": {...}, ...}: the whole of `bytes`.
-std::optional<KvEventBatch> PullRouterEvent(std::span<const std::byte> bytes) {
+// {"worker_id": u64, "storage_tier": str|nil, "event": {...}, ...}: the whole of `bytes`, into
+// `batch` (every field set; its first op's memory reused, any other op dropped).
+bool PullRouterEvent(std::span<const std::byte> bytes, KvEventBatch& batch) {
   Pull in(bytes);
   std::uint32_t keys = 0;
-  if (!in.MapHeader(keys)) return std::nullopt;
-  KvEventBatch batch;
-  KvOp op;
+  if (!in.MapHeader(keys)) return false;
+  batch.worker_id = 0;
+  batch.dp_rank = 0;
+  batch.sequence = {SequenceKind::kEventId, 0};
+  batch.ops.resize(1);
+  KvOp& op = batch.ops.front();
+  op.tier = StorageTier::kDevice;
   bool seen_worker = false, seen_tier = false, seen_event = false;
   for (std::uint32_t k = 0; k < keys; ++k) {
     std::string_view key;
-    if (!in.Str(key)) return std::nullopt;
+    if (!in.Str(key)) return false;
     if (key == "worker_id") {
-      if (std::exchange(seen_worker, true) || !in.U64(batch.worker_id)) return std::nullopt;
+      if (std::exchange(seen_worker, true) || !in.U64(batch.worker_id)) return false;
     } else if (key == "storage_tier") {
-      if (std::exchange(seen_tier, true)) return std::nullopt;
+      if (std::exchange(seen_tier, true)) return false;
       std::string_view name;
       if (in.TakeNil()) continue;
-      if (!in.Str(name)) return std::nullopt;
+      if (!in.Str(name)) return false;
       auto tier = StorageTierFromName(name);
-      if (!tier) return std::nullopt;
+      if (!tier) return false;
       op.tier = *tier;
     } else if (key == "event") {
-      if (std::exchange(seen_event, true) || !PullKvCacheEvent(in, batch, op)) return std::nullopt;
+      if (std::exchange(seen_event, true) || !PullKvCacheEvent(in, batch, op)) return false;
     } else if (!in.Skip()) {
-      return std::nullopt;
+      return false;
     }
   }
-  if (!seen_worker || !seen_event || !in.AtEnd()) return std::nullopt;
-  batch.sequence.kind = SequenceKind::kEventId;
-  batch.ops.push_back(std::move(op));
-  return batch;
+  return seen_worker && seen_event && in.AtEnd();
 }
 
 // An envelope {"payload": bin(RouterEvent), ...} or a bare RouterEvent.
-std::optional<KvEventBatch> PullDynamoEvent(std::span<const std::byte> body) {
+bool PullDynamoEvent(std::span<const std::byte> body, KvEventBatch& batch) {
   Pull in(body);
   std::uint32_t keys = 0;
-  if (!in.MapHeader(keys)) return std::nullopt;
+  if (!in.MapHeader(keys)) return false;
   std::optional<std::span<const std::byte>> payload;
   for (std::uint32_t k = 0; k < keys; ++k) {
     std::string_view key;
-    if (!in.Str(key)) return std::nullopt;
+    if (!in.Str(key)) return false;
     if (key == "payload") {
       std::span<const std::byte> bin;
-      if (payload || !in.Bin(bin)) return std::nullopt;
+      if (payload || !in.Bin(bin)) return false;
       payload = bin;
     } else if (!in.Skip()) {
-      return std::nullopt;
+      return false;
     }
   }
-  if (!in.AtEnd()) return std::nullopt;
-  return PullRouterEvent(payload ? *payload : body);
+  if (!in.AtEnd()) return false;
+  return PullRouterEvent(payload ? *payload : body, batch);
 }
 
 }  // namespace
 
-std::optional<KvEventBatch> DecodeDynamoEventPull(std::span<const std::byte> body) { return PullDynamoEvent(body); }
+std::optional<KvEventBatch> DecodeDynamoEventPull(std::span<const std::byte> body) {
+  KvEventBatch batch;
+  if (!PullDynamoEvent(body, batch)) return std::nullopt;
+  return batch;
+}
 
 void PackKvCacheEvent(msgpack::sbuffer& out, const KvEventBatch& batch) {
   assert(batch.ops.size() == 1);
@@ -339,10 +354,17 @@ Result<KvEventBatch> DecodeKvCacheEvent(const msgpack::object& event, std::uint6
 }
 
 Result<KvEventBatch> DecodeDynamoEvent(std::span<const std::byte> body) {
-  if (body.size() <= kMaxMessageBytes) {
-    if (auto fast = PullDynamoEvent(body)) return std::move(*fast);
-  }
-  return DecodeDynamoEventTree(body);
+  KvEventBatch batch;
+  if (Status s = DecodeDynamoEventInto(body, batch); !s.ok()) return s;
+  return batch;
+}
+
+Status DecodeDynamoEventInto(std::span<const std::byte> body, KvEventBatch& out) {
+  if (body.size() <= kMaxMessageBytes && PullDynamoEvent(body, out)) return Status::Ok();
+  auto tree = DecodeDynamoEventTree(body);
+  if (!tree.ok()) return tree.status();
+  out = std::move(tree).value();
+  return Status::Ok();
 }
 
 Result<KvEventBatch> DecodeDynamoEventTree(std::span<const std::byte> body) {

@@ -49,6 +49,10 @@ struct EnvelopeHeader {
 // The ingest path: a pull decoder that builds nothing but the batch takes the usual shapes,
 // and anything else goes to the tree decoder, whose answer (result or error) is the same.
 Result<KvEventBatch> DecodeDynamoEvent(std::span<const std::byte> body);
+// The same into `out`, a batch used before (ShardedIndex::Spare): the pull decoder reuses the
+// memory of its first op's blocks or hashes. Every field of `out` is set on success; on error
+// `out` holds no meaning.
+Status DecodeDynamoEventInto(std::span<const std::byte> body, KvEventBatch& out);
 // Its two halves, for tests and fuzzing: the tree decoder (every input, explaining errors) and
 // the pull decoder (nullopt for whatever it leaves to the tree decoder).
 Result<KvEventBatch> DecodeDynamoEventTree(std::span<const std::byte> body);

@@ -41,10 +41,46 @@ std::size_t BlocksIn(const KvEventBatch& b) {
 
 }  // namespace
 
+// Applied batches, handed back by the shard threads for their memory (ShardedIndex::Spare).
+class ShardedIndex::SpareBatches {
+ public:
+  static constexpr std::size_t kMaxSpares = 4096;
+  static constexpr std::size_t kMaxOps = 4;
+  static constexpr std::size_t kMaxBlocks = 64;
+
+  void Give(KvEventBatch&& b) {
+    if (b.ops.empty() || b.ops.capacity() > kMaxOps || !Small(b)) return;
+    if (count_.load(std::memory_order_relaxed) >= kMaxSpares) return;
+    count_.fetch_add(1, std::memory_order_relaxed);
+    queue_.enqueue(std::move(b));
+  }
+
+  KvEventBatch Take() {
+    KvEventBatch b;
+    if (queue_.try_dequeue(b)) count_.fetch_sub(1, std::memory_order_relaxed);
+    return b;
+  }
+
+ private:
+  static bool Small(const KvEventBatch& b) {
+    for (const KvOp& op : b.ops) {
+      if (auto* st = std::get_if<KvStored>(&op.data); st != nullptr && st->blocks.capacity() > kMaxBlocks) return false;
+      if (auto* rm = std::get_if<KvRemoved>(&op.data); rm != nullptr && rm->block_hashes.capacity() > kMaxBlocks) {
+        return false;
+      }
+    }
+    return true;
+  }
+
+  moodycamel::ConcurrentQueue<KvEventBatch> queue_;
+  std::atomic<std::size_t> count_{0};  // about the queue's size: bounds it
+};
+
 class ShardedIndex::Shard {
  public:
-  explicit Shard(const ShardedIndexOptions& o)
-      : capacity_(o.queue_capacity),
+  Shard(const ShardedIndexOptions& o, SpareBatches& spares)
+      : spares_(spares),
+        capacity_(o.queue_capacity),
         max_bulk_(o.max_bulk),
         read_patience_(o.read_patience),
         default_capacity_(o.default_capacity),
@@ -245,6 +281,7 @@ class ShardedIndex::Shard {
               break;
           }
           if (writes && gate_.EndWrite() && index_.HasRetired()) index_.FreeRetired();
+          if (it.kind == Item::kBatch) spares_.Give(std::move(it.batch));
           it.batch = {};
           it.part.reset();
           if (slice >= kMaxBlocksPerLock) {  // let waiting readers in
@@ -366,6 +403,7 @@ class ShardedIndex::Shard {
     }
   }
 
+  SpareBatches& spares_;
   const std::size_t capacity_;
   const std::size_t max_bulk_;
 
@@ -419,9 +457,9 @@ class ShardedIndex::Shard {
   std::thread thread_;  // last: starts after every member above is constructed
 };
 
-ShardedIndex::ShardedIndex(ShardedIndexOptions options) {
+ShardedIndex::ShardedIndex(ShardedIndexOptions options) : spares_(std::make_unique<SpareBatches>()) {
   const std::size_t n = options.num_shards == 0 ? 1 : options.num_shards;
-  for (std::size_t i = 0; i < n; ++i) shards_.push_back(std::make_unique<Shard>(options));
+  for (std::size_t i = 0; i < n; ++i) shards_.push_back(std::make_unique<Shard>(options, *spares_));
 }
 
 ShardedIndex::~ShardedIndex() = default;
@@ -452,6 +490,8 @@ void ShardedIndex::SubmitAll(std::vector<KvEventBatch>& batches, std::vector<std
     by_shard[s].clear();
   }
 }
+
+KvEventBatch ShardedIndex::Spare() { return spares_->Take(); }
 
 bool ShardedIndex::MarkIngestThread(int tid) {
   const sched_param none{};

@@ -64,7 +64,7 @@ trap 'kill -TERM "$compose_pid" 2>/dev/null || true; wait "$compose_pid" 2>/dev/
 # time (Debug + ASan: 378 s of CPU against 780 s), and the plain build above already proves
 # g++, the compiler a user builds with.
 sanitizer_cc=()
-command -v clang++ >/dev/null && sanitizer_cc=(-DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++)
+command -v clang++ >/dev/null && sanitizer_cc=(-DCMAKE_CXX_COMPILER=clang++)
 
 step "build under ASan+UBSan (docker-compose.yml is proven meanwhile)"
 configure_build build-asan -- "${sanitizer_cc[@]}" \

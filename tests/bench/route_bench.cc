@@ -8,6 +8,8 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <filesystem>
+#include <fstream>
 #include <optional>
 #include <random>
 #include <string_view>
@@ -402,11 +404,25 @@ std::uint64_t EventsApplied(Rig& rig) {
   return page.ok() ? page->counters["events_applied"] : 0;
 }
 
+// CPU time a process has run, all its threads (the first field of each thread's schedstat, ns);
+// 0 when unreadable.
+std::uint64_t ProcessCpuNs(pid_t pid) {
+  std::uint64_t total = 0;
+  std::error_code ec;
+  for (const auto& task : std::filesystem::directory_iterator("/proc/" + std::to_string(pid) + "/task", ec)) {
+    std::ifstream in(task.path() / "schedstat");
+    std::uint64_t ns = 0;
+    if (in >> ns) total += ns;
+  }
+  return total;
+}
+
 // Event ingest against its baseline, one run: `n` Dynamo envelopes of 4 stored blocks from 64
 // registered workers, published as fast as one connection can, (a) to a bare nats.c
 // subscriber that only counts them (time: first publish to the last message counted), then
 // (b) to the router (time: first publish until its stats show every event applied). Counters:
-// bare_msgs_per_s, router_msgs_per_s (medians of 5 alternating runs) and their ratio.
+// bare_msgs_per_s, router_msgs_per_s (medians of 5 alternating runs) and their ratio, and
+// router_cpu_ns_per_msg (the router process's CPU time per event, median).
 void BM_IngestVsBareSubscriber(benchmark::State& state) {
   Rig& rig = TheRig();
   if (!rig.ok) {
@@ -447,7 +463,7 @@ void BM_IngestVsBareSubscriber(benchmark::State& state) {
     state.SkipWithError("no bare subscription");
     return;
   }
-  std::vector<double> bare_rates, router_rates;
+  std::vector<double> bare_rates, router_rates, router_cpu_ns;
   double bytes = 0;
   for (auto _ : state) {
     // Every message encoded before the clocks start: 4 fresh blocks per message.
@@ -469,6 +485,7 @@ void BM_IngestVsBareSubscriber(benchmark::State& state) {
                          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
 
     const std::uint64_t before = EventsApplied(rig);
+    const std::uint64_t cpu_before = ProcessCpuNs(rig.router->pid());
     t0 = std::chrono::steady_clock::now();
     for (const auto& m : msgs) (void)rig.publisher->Publish(kComp + "kv-events", AsBytes(m));
     if (!testing::WaitFor([&] { return EventsApplied(rig) >= before + n; }, 120s, 1ms)) {
@@ -477,6 +494,8 @@ void BM_IngestVsBareSubscriber(benchmark::State& state) {
     }
     router_rates.push_back(static_cast<double>(n) /
                            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    router_cpu_ns.push_back(static_cast<double>(ProcessCpuNs(rig.router->pid()) - cpu_before) /
+                            static_cast<double>(n));
     // Untimed: the workers clear their caches, so every iteration starts from the same index.
     state.PauseTiming();
     const std::uint64_t applied = EventsApplied(rig);
@@ -499,6 +518,9 @@ void BM_IngestVsBareSubscriber(benchmark::State& state) {
   state.counters["bare_msgs_per_s"] = bare_rate;
   state.counters["router_msgs_per_s"] = router_rate;
   state.counters["router_vs_bare"] = router_rate / bare_rate;
+  // The router's own cost, steadier than its rate on a shared machine: CPU time of all its
+  // threads per event (the stats requests of the wait included, a few hundred).
+  state.counters["router_cpu_ns_per_msg"] = median(router_cpu_ns);
 }
 BENCHMARK(BM_IngestVsBareSubscriber)->Arg(300000)->Iterations(5)->Unit(benchmark::kMillisecond)->UseRealTime();
 

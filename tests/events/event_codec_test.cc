@@ -516,5 +516,50 @@ TEST(DynamoEventPull, LeavesDuplicateKeysAndOddTypesToTheTreeDecoder) {
   EXPECT_EQ(both->worker_id, 5u);
 }
 
+// The ingest path decodes into batches the index hands back (ShardedIndex::Spare): whatever a
+// batch held before, decoding into it gives exactly what a fresh decode gives.
+TEST(DynamoEventInto, AUsedBatchDecodesAsAFreshOne) {
+  std::vector<std::string> bodies = PublishedShapes();
+  // One only the tree decoder takes (a key twice): the pull decoder writes part of it first.
+  TestPacker p;
+  p.pk.pack_map(3);
+  p.Key("worker_id");
+  p.pk.pack_uint64(5);
+  p.Key("event");
+  p.pk.pack_map(2);
+  p.Key("event_id");
+  p.pk.pack_uint64(8);
+  p.Key("data");
+  p.pk.pack_map(1);
+  p.Key("stored");
+  p.pk.pack_map(1);
+  p.Key("blocks");
+  p.pk.pack_array(0);
+  p.Key("worker_id");
+  p.pk.pack_uint64(6);
+  bodies.push_back(p.str());
+  KvEventBatch several = StoredBatch();  // more than one op, a sequence of another kind
+  several.ops.push_back({StorageTier::kDisk, KvRemoved{{1, 2}}});
+  several.sequence = {SequenceKind::kVllmSeq, 99};
+  std::size_t reused = 0;
+  for (const std::string& before : bodies) {
+    for (const std::string& body : bodies) {
+      for (bool stale_several : {false, true}) {
+        KvEventBatch used = stale_several ? several : DecodeDynamoEvent(AsBytes(before)).value();
+        const void* memory = used.ops.data();
+        ASSERT_TRUE(DecodeDynamoEventInto(AsBytes(body), used).ok());
+        const auto fresh = DecodeDynamoEvent(AsBytes(body));
+        ASSERT_TRUE(fresh.ok());
+        EXPECT_EQ(used, *fresh);
+        reused += used.ops.data() == memory;
+      }
+    }
+  }
+  EXPECT_GT(reused, bodies.size() * bodies.size());  // the memory is kept, not reallocated
+  // An error is an error, into a used batch too.
+  KvEventBatch used = StoredBatch();
+  EXPECT_FALSE(DecodeDynamoEventInto(AsBytes(std::string("\x81\xa7payload\xc0")), used).ok());
+}
+
 }  // namespace
 }  // namespace kvrouter

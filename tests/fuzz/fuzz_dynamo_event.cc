@@ -1,6 +1,7 @@
 // libFuzzer target for DecodeDynamoEvent (envelope or bare RouterEvent): any bytes must decode
 // or fail cleanly, whatever its pull decoder accepts the tree decoder must accept identically,
-// and whatever decodes must survive EncodeRouterEvent + decode unchanged.
+// whatever decodes must survive EncodeRouterEvent + decode unchanged, and decoding into a batch
+// used before (the ingest path's spares) must give what a fresh decode gives.
 #include <cstddef>
 #include <cstdint>
 
@@ -16,6 +17,15 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     if (!tree.ok() || !(*tree == *pulled)) __builtin_trap();
   }
   auto batch = DecodeDynamoEvent(body);
+  // The last input's batch (or a batch of several ops at first), decoded into again.
+  static KvEventBatch used = [] {
+    KvEventBatch b{.worker_id = 1, .dp_rank = 2, .sequence = {SequenceKind::kVllmSeq, 3}};
+    b.ops.push_back({StorageTier::kDisk, KvStored{4, {{5, 6}, {7, 8}}}});
+    b.ops.push_back({StorageTier::kDevice, KvRemoved{{9}}});
+    return b;
+  }();
+  const Status into = DecodeDynamoEventInto(body, used);
+  if (into.ok() != batch.ok() || (batch.ok() && !(used == *batch))) __builtin_trap();
   if (!batch.ok()) return 0;
   if (batch->ops.size() != 1 || batch->sequence.kind != SequenceKind::kEventId) __builtin_trap();
   auto again = DecodeDynamoEvent(AsBytes(EncodeRouterEvent(*batch)));

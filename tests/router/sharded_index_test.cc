@@ -83,6 +83,35 @@ TEST(ShardedIndex, MatchesMergeAcrossShards) {
   EXPECT_EQ(idx.Counters().blocks_stored, 4u * (1 + 2 + 3 + 4));
 }
 
+// Applied batches come back for their memory (the delivery thread decodes into them): small
+// ones only, at most 4,096 of them, and the index they were applied to is not changed by it.
+TEST(ShardedIndex, AppliedBatchesComeBackAsSpares) {
+  ShardedIndex idx({.num_shards = 2});
+  EXPECT_TRUE(idx.Spare().ops.empty());  // nothing applied yet: an empty batch
+  KvEventBatch small = StoredBatch(1, 0, 1, std::nullopt, {{10, 1}, {11, 2}});
+  const StoredBlock* blocks = std::get<KvStored>(small.ops[0].data).blocks.data();
+  std::vector<StoredBlock> long_chain;
+  for (std::uint64_t i = 0; i < 65; ++i) long_chain.push_back({200 + i, 100 + i});
+  ASSERT_TRUE(idx.Submit(std::move(small)));
+  ASSERT_TRUE(idx.Submit(StoredBatch(2, 0, 1, std::nullopt, long_chain)));
+  idx.Flush();
+  KvEventBatch spare = idx.Spare();
+  ASSERT_EQ(spare.ops.size(), 1u);
+  EXPECT_EQ(std::get<KvStored>(spare.ops[0].data).blocks.data(), blocks);  // the same memory
+  EXPECT_TRUE(idx.Spare().ops.empty());  // the 65-block batch was freed, not kept
+  spare.ops.clear();  // reusing it changes nothing indexed
+  const std::vector<LocalHash> q = {1, 2};
+  EXPECT_EQ(OverlapOf(idx.FindMatches(ComputeSequenceHashes(q)), {1, 0}), 2u);
+
+  for (std::uint64_t e = 2; e < 2 + 5000; ++e) {
+    ASSERT_TRUE(idx.Submit(StoredBatch(1, 0, e, std::nullopt, {{1000 + e, 1000 + e}})));
+  }
+  idx.Flush();
+  std::size_t spares = 0;
+  while (!idx.Spare().ops.empty()) ++spares;
+  EXPECT_EQ(spares, 4096u);
+}
+
 TEST(ShardedIndex, DuplicateEventIdIsDroppedAndGapIsFlagged) {
   ShardedIndex idx({.num_shards = 2});
   ASSERT_TRUE(idx.Submit(StoredBatch(5, 0, 1, std::nullopt, {{100, 1}})));
