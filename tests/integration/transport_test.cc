@@ -116,6 +116,56 @@ TEST_F(TransportTest, PublishedMessageReachesSubscriber) {
   EXPECT_EQ(seen_subject, "kv.test.events");
 }
 
+// A handler learns whether more messages of its subscription are already queued behind the
+// one it is given (the router gathers events into bulks while they are): every message of a
+// burst but the last says so, burst after burst.
+TEST_F(TransportTest, MorePendingIsSetForEveryQueuedMessageButTheLast) {
+  auto nc = Connect();
+  ASSERT_NE(nc, nullptr);
+  std::mutex mu;
+  std::condition_variable cv;
+  int released = 0;  // bursts the first handler call may go on with
+  std::vector<bool> more;
+  const std::vector<std::size_t> bursts = {50, 5, 1};
+  auto sub = nc->Subscribe("kv.test.burst", "", [&](const IncomingMessage& m) {
+    std::unique_lock<std::mutex> lock(mu);
+    // A burst's first message waits until the whole burst is queued.
+    std::size_t first = 0;
+    for (std::size_t b = 0; b < bursts.size() && first <= more.size(); first += bursts[b++]) {
+      if (first == more.size()) cv.wait(lock, [&] { return released > static_cast<int>(b); });
+    }
+    more.push_back(m.more_pending);
+  });
+  ASSERT_TRUE(sub.ok());
+  // Delivered by the same connection's reader after the burst: once it arrives, the whole
+  // burst is in the burst subscription's queue.
+  auto marker = nc->Subscribe("kv.test.marker", "", [&](const IncomingMessage&) {
+    std::lock_guard<std::mutex> lock(mu);
+    ++released;
+    cv.notify_all();
+  });
+  ASSERT_TRUE(marker.ok());
+  ASSERT_TRUE(nc->Flush(2s).ok());
+  auto publisher = Connect();
+  ASSERT_NE(publisher, nullptr);
+  std::size_t total = 0;
+  for (std::size_t n : bursts) {
+    for (std::size_t i = 0; i < n; ++i) ASSERT_TRUE(publisher->Publish("kv.test.burst", Bytes("x")).ok());
+    ASSERT_TRUE(publisher->Publish("kv.test.marker", Bytes("")).ok());
+    total += n;
+    ASSERT_TRUE(WaitFor([&] {
+      std::lock_guard<std::mutex> lock(mu);
+      return more.size() == total;
+    }, 5s));
+  }
+  std::vector<bool> expected;
+  for (std::size_t n : bursts) {
+    for (std::size_t i = 0; i < n; ++i) expected.push_back(i + 1 < n);
+  }
+  std::lock_guard<std::mutex> lock(mu);
+  EXPECT_EQ(more, expected);
+}
+
 TEST_F(TransportTest, QueueGroupMembersShareRequestsAndEachIsHandledOnce) {
   // Two router replicas, each with its own connection, in queue group "kvrouter".
   auto replica_a = Connect({}, "replica-a");
