@@ -1,6 +1,7 @@
 #include "router/kv_router_service.h"
 
 #include <fmt/format.h>
+#include <pthread.h>
 
 #include <algorithm>
 #include <charconv>
@@ -189,19 +190,22 @@ void KvRouterService::HandOver(std::optional<KvEventBatch> batch, bool more_pend
 }
 
 void KvRouterService::HandleKvEvent(const BusMessage& m) {
-  MarkEventThread();
+  MarkEventThread("kv-events");
   HandOver(AdmittedKvEvent(m), m.more_pending, kv_bulk_);
 }
 
 void KvRouterService::HandleVllmEvent(const BusMessage& m) {
-  MarkEventThread();
+  MarkEventThread("vllm-events");
   HandOver(AdmittedVllmEvent(m), m.more_pending, vllm_bulk_);
 }
 
-void KvRouterService::MarkEventThread() {
+void KvRouterService::MarkEventThread(const char* name) {
   // Once per thread: NATS delivers each subscription on a thread of its own, so this is the
   // event thread (on the in-memory bus, whichever thread published).
-  thread_local const bool marked = ShardedIndex::MarkIngestThread();
+  thread_local const bool marked = [name] {
+    pthread_setname_np(pthread_self(), name);
+    return ShardedIndex::MarkIngestThread();
+  }();
   (void)marked;
 }
 

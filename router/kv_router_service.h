@@ -102,8 +102,9 @@ class KvRouterService {
   Status Subscribe(MessageBus& bus, std::vector<Sub> subs);
   void HandleKvEvent(const BusMessage& m);
   void HandleVllmEvent(const BusMessage& m);
-  // The thread delivering events runs as ingestion (ShardedIndex::MarkIngestThread).
-  static void MarkEventThread();
+  // The thread delivering events runs as ingestion (ShardedIndex::MarkIngestThread) and is
+  // named for `top -H` and `perf` (at most 15 characters).
+  static void MarkEventThread(const char* name);
   // The message's batch when it decodes and the registry admits it (else counted and logged).
   std::optional<KvEventBatch> AdmittedKvEvent(const BusMessage& m);
   std::optional<KvEventBatch> AdmittedVllmEvent(const BusMessage& m);

@@ -2,6 +2,7 @@
 
 #include <concurrentqueue/blockingconcurrentqueue.h>
 
+#include <pthread.h>
 #include <sched.h>
 
 #include <chrono>
@@ -78,8 +79,9 @@ class ShardedIndex::SpareBatches {
 
 class ShardedIndex::Shard {
  public:
-  Shard(const ShardedIndexOptions& o, SpareBatches& spares)
+  Shard(const ShardedIndexOptions& o, SpareBatches& spares, std::size_t number)
       : spares_(spares),
+        number_(number),
         capacity_(o.queue_capacity),
         max_bulk_(o.max_bulk),
         read_patience_(o.read_patience),
@@ -234,6 +236,8 @@ class ShardedIndex::Shard {
   }
 
   void Run() {
+    const std::string name = "kv-shard-" + std::to_string(number_);
+    pthread_setname_np(pthread_self(), name.c_str());  // for top -H and perf
     MarkIngestThread();
     std::vector<Item> items(max_bulk_);
     while (true) {
@@ -404,6 +408,7 @@ class ShardedIndex::Shard {
   }
 
   SpareBatches& spares_;
+  const std::size_t number_;  // of the shard, in its thread's name
   const std::size_t capacity_;
   const std::size_t max_bulk_;
 
@@ -459,7 +464,7 @@ class ShardedIndex::Shard {
 
 ShardedIndex::ShardedIndex(ShardedIndexOptions options) : spares_(std::make_unique<SpareBatches>()) {
   const std::size_t n = options.num_shards == 0 ? 1 : options.num_shards;
-  for (std::size_t i = 0; i < n; ++i) shards_.push_back(std::make_unique<Shard>(options, *spares_));
+  for (std::size_t i = 0; i < n; ++i) shards_.push_back(std::make_unique<Shard>(options, *spares_, i));
 }
 
 ShardedIndex::~ShardedIndex() = default;

@@ -6,6 +6,7 @@
 #include <atomic>
 #include <chrono>
 #include <filesystem>
+#include <fstream>
 #include <set>
 #include <string>
 #include <thread>
@@ -37,6 +38,17 @@ std::uint32_t OverlapOf(const OverlapScores& s, WorkerKey w) {
   return 0;
 }
 
+// Names of this process's threads.
+std::multiset<std::string> ThreadNames() {
+  std::multiset<std::string> names;
+  for (const auto& t : std::filesystem::directory_iterator("/proc/self/task")) {
+    std::ifstream in(t.path() / "comm");
+    std::string name;
+    if (std::getline(in, name)) names.insert(name);
+  }
+  return names;
+}
+
 // Threads of this process in the batch scheduling class.
 std::size_t BatchThreads() {
   std::size_t n = 0;
@@ -46,7 +58,7 @@ std::size_t BatchThreads() {
   return n;
 }
 
-// Ingestion yields to routes on a busy machine: every shard thread runs in the batch class,
+// Ingestion yields to routes on a busy machine: every shard thread (named kv-shard-N) runs in the batch class,
 // and so does a thread that marks itself; other threads keep theirs.
 TEST(ShardedIndex, ShardThreadsAndMarkedThreadsRunAsBatch) {
   const std::size_t before = BatchThreads();
@@ -55,6 +67,9 @@ TEST(ShardedIndex, ShardThreadsAndMarkedThreadsRunAsBatch) {
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
     while (BatchThreads() < before + 3 && std::chrono::steady_clock::now() < deadline) std::this_thread::yield();
     EXPECT_EQ(BatchThreads(), before + 3);
+    // Named before they join the batch class: one name per shard, for top -H and perf.
+    const auto names = ThreadNames();
+    for (const char* n : {"kv-shard-0", "kv-shard-1", "kv-shard-2"}) EXPECT_EQ(names.count(n), 1u) << n;
   }
   int marked = -1;
   bool ok = false;
