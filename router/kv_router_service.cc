@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 #include <pthread.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <charconv>
@@ -203,7 +204,9 @@ void KvRouterService::MarkEventThread(const char* name) {
   // Once per thread: NATS delivers each subscription on a thread of its own, so this is the
   // event thread (on the in-memory bus, whichever thread published).
   thread_local const bool marked = [name] {
-    pthread_setname_np(pthread_self(), name);
+    // Never the main thread (the in-memory bus publishes from any): its name is the process's,
+    // which ps and pgrep show.
+    if (gettid() != getpid()) pthread_setname_np(pthread_self(), name);
     return ShardedIndex::MarkIngestThread();
   }();
   (void)marked;

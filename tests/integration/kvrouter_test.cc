@@ -7,7 +7,10 @@
 #include <chrono>
 #include <csignal>
 #include <filesystem>
+#include <fstream>
 #include <mutex>
+#include <set>
+#include <string>
 #include <thread>
 #include <sys/wait.h>
 
@@ -61,15 +64,25 @@ TEST_F(KvRouterProcessTest, IngestionThreadsRunAsBatchAndTheRequestPathDoesNot) 
   ASSERT_TRUE(AwaitEventsApplied(1));
   ASSERT_TRUE(Route(Tokens(1, 12)).ok());
   int batch = 0, other = 0;
+  std::multiset<std::string> batch_names;
   const std::string tasks = "/proc/" + std::to_string(router_->pid()) + "/task";
   for (const auto& t : std::filesystem::directory_iterator(tasks)) {
     const int policy = sched_getscheduler(std::stoi(t.path().filename().string()));
     batch += policy == SCHED_BATCH;
     other += policy == SCHED_OTHER;
+    std::ifstream comm(t.path() / "comm");
+    std::string name;
+    if (policy == SCHED_BATCH && std::getline(comm, name)) batch_names.insert(name);
   }
   // 2 shards + 1 event delivery thread without the event connection's threads.
   EXPECT_GE(batch, 4);
   EXPECT_GE(other, 3);
+  // Named for top -H and perf; the process keeps its own name.
+  for (const char* n : {"kv-shard-0", "kv-shard-1", "kv-events"}) EXPECT_EQ(batch_names.count(n), 1u) << n;
+  std::ifstream comm("/proc/" + std::to_string(router_->pid()) + "/comm");
+  std::string process;
+  std::getline(comm, process);
+  EXPECT_EQ(process, "kvrouter");
 }
 
 TEST_F(KvRouterProcessTest, BookedLoadSpreadsIdenticalRequestsAndFreeReleasesIt) {
