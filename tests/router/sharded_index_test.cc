@@ -58,8 +58,8 @@ std::size_t BatchThreads() {
   return n;
 }
 
-// Ingestion yields to routes on a busy machine: every shard thread (named kv-shard-N) runs in the batch class,
-// and so does a thread that marks itself; other threads keep theirs.
+// Ingestion yields to routes on a busy machine: every shard thread (named kv-shard-N) runs in
+// the batch class, and so does a thread that marks itself; other threads keep theirs.
 TEST(ShardedIndex, ShardThreadsAndMarkedThreadsRunAsBatch) {
   const std::size_t before = BatchThreads();
   {
