@@ -6,12 +6,14 @@
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <atomic>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <optional>
 #include <random>
+#include <sstream>
 #include <string_view>
 #include <thread>
 
@@ -62,8 +64,15 @@ Rig& TheRig() {
   auto nats = testing::NatsServerProcess::Start();
   if (!nats.ok()) return rig;
   rig.nats = std::move(nats).value();
-  auto router = testing::ChildProcess::Start(
-      {KVROUTER_BIN, "--nats-server", rig.nats->url(), "--router-mode", "kv"}, "/tmp/route_bench_kvrouter.log");
+  // To compare routers in one build: ROUTE_BENCH_KVROUTER, another kvrouter binary;
+  // ROUTE_BENCH_ROUTER_ARGS, more kvrouter flags (space-separated).
+  const char* bin = std::getenv("ROUTE_BENCH_KVROUTER");
+  std::vector<std::string> argv = {bin != nullptr ? bin : KVROUTER_BIN, "--nats-server", rig.nats->url(), "--router-mode", "kv"};
+  if (const char* extra = std::getenv("ROUTE_BENCH_ROUTER_ARGS"); extra != nullptr) {
+    std::istringstream words(extra);
+    for (std::string w; words >> w;) argv.push_back(w);
+  }
+  auto router = testing::ChildProcess::Start(argv, "/tmp/route_bench_kvrouter.log");
   if (!router.ok()) return rig;
   rig.router = std::move(router).value();
   auto nc = NatsClient::Connect({.url = rig.nats->url(), .name = "route-bench", .send_asap = true}, {});
