@@ -3,6 +3,8 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <bit>
+#include <cstring>
 #include <limits>
 
 namespace kvrouter {
@@ -19,9 +21,25 @@ Status Missing(std::string_view field) {
 }
 
 std::uint64_t LoadBigEndian(const unsigned char* p, std::size_t width) {
-  std::uint64_t v = 0;
-  for (std::size_t i = 0; i < width; ++i) v = (v << 8) | p[i];
-  return v;
+  switch (width) {
+    case 2:
+      return (std::uint64_t{p[0]} << 8) | p[1];
+    case 4: {
+      std::uint32_t v;
+      std::memcpy(&v, p, sizeof v);
+      return std::endian::native == std::endian::little ? __builtin_bswap32(v) : v;
+    }
+    case 8: {
+      std::uint64_t v;
+      std::memcpy(&v, p, sizeof v);
+      return std::endian::native == std::endian::little ? __builtin_bswap64(v) : v;
+    }
+    default: {
+      std::uint64_t v = 0;
+      for (std::size_t i = 0; i < width; ++i) v = (v << 8) | p[i];
+      return v;
+    }
+  }
 }
 
 // What one msgpack header announces: its own size, then `payload` raw bytes or `children`
@@ -335,10 +353,9 @@ bool MsgpackPull::Container(unsigned fix_lo, unsigned wide, std::size_t min_byte
   return true;
 }
 
-bool MsgpackPull::MapHeader(std::uint32_t& pairs) { return Container(0x80, 0xde, 2, pairs); }
 bool MsgpackPull::ArrayHeader(std::uint32_t& size) { return Container(0x90, 0xdc, 1, size); }
 
-bool MsgpackPull::Str(std::string_view& s) {
+bool MsgpackPull::WideStr(std::string_view& s) {
   if (p_ == end_) return false;
   const unsigned b = *p_;
   std::size_t width = 0, len = 0;
@@ -442,7 +459,7 @@ bool MsgpackPull::U32(std::uint32_t& v) {
   return true;
 }
 
-bool MsgpackPull::U64Bits(std::uint64_t& v) {
+bool MsgpackPull::AnyU64Bits(std::uint64_t& v) {
   std::int64_t i = 0;
   bool negative = false;
   if (!Int(i, v, negative)) return false;
@@ -456,7 +473,26 @@ bool MsgpackPull::TakeNil() {
   return true;
 }
 
-bool MsgpackPull::Skip() { return SkipN(1, 0); }
+bool MsgpackPull::Skip() {
+  // Scalars without a payload to measure (an envelope's header fields) skip without ReadHead.
+  if (p_ != end_) {
+    const unsigned b = *p_;
+    std::size_t size = 0;
+    if (b <= 0x7f || b >= 0xe0 || b == 0xc0 || b == 0xc2 || b == 0xc3) {
+      size = 1;  // fixint, nil, bool (0xc1 is no value)
+    } else if (b >= 0xcc && b <= 0xd3) {
+      size = 1 + (std::size_t{1} << ((b - 0xcc) & 3));  // uint8..64, int8..64
+    } else if ((b & 0xe0) == 0xa0) {
+      size = 1 + (b & 0x1fu);  // fixstr
+    }
+    if (size > 0) {
+      if (size > Left()) return false;
+      p_ += size;
+      return true;
+    }
+  }
+  return SkipN(1, 0);
+}
 
 bool MsgpackPull::SkipN(std::uint64_t values, std::size_t depth) {
   for (; values > 0; --values) {

@@ -14,8 +14,10 @@
 //   FieldReads reads;  reads.Required(doc->get(), "worker_id", ReadU64, reg.worker_id);
 #pragma once
 
+#include <bit>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <optional>
 #include <span>
 #include <string_view>
@@ -148,20 +150,58 @@ class MsgpackPull {
   explicit MsgpackPull(std::span<const std::byte> bytes)
       : begin_(reinterpret_cast<const unsigned char*>(bytes.data())), p_(begin_), end_(p_ + bytes.size()) {}
 
-  bool MapHeader(std::uint32_t& pairs);
+  // The forms the router's own peers write (a fixmap, a fixstr key, a positive fixint or a
+  // uint64 hash) are read inline; every other form takes the general out-of-line path.
+  bool MapHeader(std::uint32_t& pairs) {
+    if (p_ != end_ && (*p_ & 0xf0) == 0x80 && std::size_t{*p_ & 0x0fu} <= (Left() - 1) / 2) {
+      pairs = *p_++ & 0x0fu;
+      return true;
+    }
+    return Container(0x80, 0xde, 2, pairs);
+  }
   bool ArrayHeader(std::uint32_t& size);
-  bool Str(std::string_view& s);
+  bool Str(std::string_view& s) {
+    if (p_ != end_ && (*p_ & 0xe0) == 0xa0 && std::size_t{*p_ & 0x1fu} < Left()) {
+      const std::size_t len = *p_ & 0x1fu;
+      s = std::string_view(reinterpret_cast<const char*>(p_ + 1), len);
+      p_ += 1 + len;
+      return true;
+    }
+    return WideStr(s);
+  }
   bool Bin(std::span<const std::byte>& b);
   bool U64(std::uint64_t& v);      // any integer form with a value >= 0 (ReadU64)
   bool U32(std::uint32_t& v);      // ... and <= 2^32-1 (ReadU32)
-  bool U64Bits(std::uint64_t& v);  // any integer; a negative one as its bit pattern (ReadU64Bits)
+  // Any integer; a negative one as its bit pattern (ReadU64Bits).
+  bool U64Bits(std::uint64_t& v) {
+    if (p_ != end_) {
+      if (*p_ <= 0x7f) {
+        v = *p_++;
+        return true;
+      }
+      if (*p_ == 0xcf && Left() >= 9) {
+        v = LoadU64BigEndian(p_ + 1);
+        p_ += 9;
+        return true;
+      }
+    }
+    return AnyU64Bits(v);
+  }
   bool TakeNil();                  // true (and consumed) when the next value is nil
   bool Skip();                     // one value of any kind
   bool AtEnd() const { return p_ == end_; }
   std::size_t Offset() const { return static_cast<std::size_t>(p_ - begin_); }  // bytes read so far
 
  private:
+  static std::uint64_t LoadU64BigEndian(const unsigned char* p) {
+    std::uint64_t v;
+    std::memcpy(&v, p, sizeof v);
+    if constexpr (std::endian::native == std::endian::little) v = __builtin_bswap64(v);
+    return v;
+  }
   bool Container(unsigned fix_lo, unsigned wide, std::size_t min_bytes, std::uint32_t& n);
+  bool WideStr(std::string_view& s);
+  bool AnyU64Bits(std::uint64_t& v);
   bool Int(std::int64_t& i, std::uint64_t& u, bool& negative);
   bool SkipN(std::uint64_t values, std::size_t depth);
   std::size_t Left() const { return static_cast<std::size_t>(end_ - p_); }

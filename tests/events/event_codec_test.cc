@@ -472,8 +472,11 @@ TEST(DynamoEventPull, NeverAcceptsWhatTheTreeDecoderRefusesOrReadsDifferently) {
     std::vector<std::string> bodies;
     for (std::size_t i = 0; i < shape.size(); ++i) {
       bodies.push_back(shape.substr(0, i));
-      for (unsigned v : {0x00u, 0x01u, 0x7fu, 0x80u, 0x81u, 0x90u, 0xa1u, 0xc0u, 0xc1u, 0xc4u, 0xccu, 0xd0u,
-                         0xd3u, 0xdeu, 0xffu, (static_cast<unsigned char>(shape[i]) + 1u) & 0xffu}) {
+      // The boundaries of every form the pull reader reads inline (fixmap, fixstr, fixint,
+      // uint64, the scalars Skip passes over) and of the general forms.
+      for (unsigned v : {0x00u, 0x01u, 0x7fu, 0x80u, 0x81u, 0x8fu, 0x90u, 0xa1u, 0xbfu, 0xc0u, 0xc1u, 0xc2u,
+                         0xc4u, 0xccu, 0xcdu, 0xcfu, 0xd0u, 0xd3u, 0xd9u, 0xdeu, 0xe0u, 0xffu,
+                         (static_cast<unsigned char>(shape[i]) + 1u) & 0xffu}) {
         std::string b = shape;
         b[i] = static_cast<char>(v);
         bodies.push_back(std::move(b));
