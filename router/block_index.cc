@@ -302,25 +302,13 @@ namespace {
 // Where FindMatches writes its scores: through a local pointer (at 7,000 workers sharing a first
 // block it writes every score of the request, and push_back would reload and store the
 // vector's end for each one), never past the room made for the first block's holders, and only
-// for slots that have a key. A tolerant read (the owner writing meanwhile) may meet a slot
-// twice; it keeps the first.
+// for slots that have a key. The walk emits each slot at most once by construction (below), so
+// a tolerant read needs no record of the slots it has emitted.
 template <bool kTolerant>
 class ScoreWriter {
  public:
   ScoreWriter(OverlapScore* w, OverlapScore* end, PublishedArray<std::uint32_t>::View keys)
-      : w_(w), end_(end), keys_(keys.data), slots_(keys.size / 3) {
-    if constexpr (kTolerant) {
-      thread_local std::vector<std::uint32_t> seen;
-      thread_local std::uint32_t generation = 0;
-      if (seen.size() < slots_) seen.resize(slots_, 0);
-      if (++generation == 0) {  // wrapped: forget every old mark
-        std::fill(seen.begin(), seen.end(), 0);
-        generation = 1;
-      }
-      seen_ = seen.data();
-      generation_ = generation;
-    }
-  }
+      : w_(w), end_(end), keys_(keys.data), slots_(keys.size / 3) {}
 
   // An exact read runs while no event is being applied (ReadGate), so it reads plainly and
   // trusts what it reads; a tolerant one checks every slot and loads each word atomically.
@@ -332,46 +320,54 @@ class ScoreWriter {
     }
   }
 
-  void Emit(std::uint32_t slot, std::uint32_t depth) {
-    const std::uint32_t* k = keys_ + 3 * std::size_t{slot};
-    if constexpr (kTolerant) {
-      if (slot >= slots_ || w_ == end_ || seen_[slot] == generation_) return;
-      seen_[slot] = generation_;
-      const std::uint64_t id = (std::uint64_t{RelaxedLoad(k[1])} << 32) | RelaxedLoad(k[0]);
-      *w_++ = {WorkerKey{id, RelaxedLoad(k[2])}, depth};
-    } else {
-      assert(slot < slots_ && w_ != end_);
-      OverlapScore& o = *w_++;
-      std::memcpy(static_cast<void*>(&o.worker), k, sizeof(WorkerKey));  // worker_id low, high, dp_rank
-      o.blocks = depth;
-    }
-  }
-  // Every slot of `holders` not in `kept` (both sorted; in an exact read kept is a subset, in
-  // a tolerant one it may hold a slot the event in progress has not yet added to holders).
-  void EmitMissing(std::span<const std::uint32_t> holders, std::span<const std::uint32_t> kept, std::uint32_t depth) {
-    std::size_t j = 0;
+  void Emit(std::uint32_t slot, std::uint32_t depth) { w_ = Put(w_, slot, depth); }
+  // Every slot of `holders` not in `kept` (both sorted). Returns whether kept is a subset of
+  // holders: always in an exact read below a node without orphan risk; in a tolerant one kept
+  // may hold a slot the event in progress has added below and not yet (as the reader saw it)
+  // above. (The loops write through a local pointer: memcpy may alias any member.)
+  bool EmitMissing(std::span<const std::uint32_t> holders, std::span<const std::uint32_t> kept, std::uint32_t depth) {
+    OverlapScore* o = w_;
+    std::size_t j = 0, matched = 0;
     for (const std::uint32_t& h : holders) {
       const std::uint32_t s = Word(h);
       while (j < kept.size() && Word(kept[j]) < s) ++j;
       if (j < kept.size() && Word(kept[j]) == s) {
         ++j;
+        if constexpr (kTolerant) ++matched;
       } else {
-        Emit(s, depth);
+        o = Put(o, s, depth);
       }
     }
+    w_ = o;
+    return !kTolerant || matched == kept.size();
   }
   void EmitAll(std::span<const std::uint32_t> holders, std::uint32_t depth) {
-    for (const std::uint32_t& h : holders) Emit(Word(h), depth);
+    OverlapScore* o = w_;
+    for (const std::uint32_t& h : holders) o = Put(o, Word(h), depth);
+    w_ = o;
   }
   OverlapScore* end() const { return w_; }
 
  private:
+  // Writes slot's score at o; returns where the next one goes.
+  OverlapScore* Put(OverlapScore* o, std::uint32_t slot, std::uint32_t depth) const {
+    const std::uint32_t* k = keys_ + 3 * std::size_t{slot};
+    if constexpr (kTolerant) {
+      if (slot >= slots_ || o == end_) return o;
+      const std::uint64_t id = (std::uint64_t{RelaxedLoad(k[1])} << 32) | RelaxedLoad(k[0]);
+      *o = {WorkerKey{id, RelaxedLoad(k[2])}, depth};
+    } else {
+      assert(slot < slots_ && o != end_);
+      std::memcpy(static_cast<void*>(&o->worker), k, sizeof(WorkerKey));  // worker_id low, high, dp_rank
+      o->blocks = depth;
+    }
+    return o + 1;
+  }
+
   OverlapScore* w_;
   OverlapScore* const end_;
   const std::uint32_t* const keys_;
   const std::size_t slots_;
-  std::uint32_t* seen_ = nullptr;
-  std::uint32_t generation_ = 0;
 };
 
 }  // namespace
@@ -384,7 +380,7 @@ void BlockIndex::FindMatches(std::span<const SequenceHash> hashes, OverlapScores
   }
 }
 
-// One function on purpose (about 80 lines): the route's hot path, with the prefetch pipeline,
+// One function on purpose (about 90 lines): the route's hot path, with the prefetch pipeline,
 // the holder-set walk and its fallback sharing locals that splitting would pass around.
 // Everything is read through snapshots and atomic loads, so it may run while the owner writes
 // (see the header comment): a node found by hash is used only if it carries that hash.
@@ -411,23 +407,35 @@ void BlockIndex::FindMatchesImpl(std::span<const SequenceHash> hashes, OverlapSc
     path.push_back(n);
   }
   if (path.empty() || RelaxedLoad(path[0]->seq) != hashes[0]) return;
-  // No worker matches without the first block: room for its holders, trimmed at the end.
-  std::uint32_t tmp_cur[2], tmp_child[2];
+
+  // Phase 2: walk the path. `held`, the workers still matching and not yet emitted, is one
+  // version of a holder set read once ("lazy": no copy; each inline set is read into one of
+  // two small buffers, tmp[t] backing held) or an explicit sorted list (`active`). Every step
+  // emits held minus the child's holders and continues with a subset of held, so every emitted
+  // slot is emitted once and belongs to the first block's set as read here: the room for it.
+  std::uint32_t tmp[2][2];
+  unsigned t = 0;
+  std::span<const std::uint32_t> held = path[0]->holders.ReadView(tmp[t]);
   const std::size_t base = out.size();
-  std::size_t room = path[0]->holders.ReadSize();
-  // A tolerant read may find the first block's set in another version than its size, and one
-  // worker (the event's) below it that this version lacks.
-  if constexpr (kTolerant) room = std::max<std::size_t>(room, path[0]->holders.ReadView(tmp_cur).size()) + 1;
-  out.resize(base + room);
+  out.resize(base + held.size());
   ScoreWriter<kTolerant> w(out.data() + base, out.data() + out.size(), key_words_.Snapshot());
   auto finish = [&] { out.resize(static_cast<std::size_t>(w.end() - out.data())); };
 
-  // Phase 2: walk the path. The workers still matching are either exactly holders(cur)
-  // ("lazy": no copy; valid while cur has no orphan risk, because then every child's holders
-  // are a subset of cur's) or an explicit sorted list.
+  // Lazy is valid while cur has no orphan risk (then every child's holders are a subset of
+  // cur's, and equal sizes mean equal sets) and, in a tolerant read, while each child's set as
+  // read is a subset of held; otherwise the walk intersects explicitly.
   bool lazy = true;
   thread_local std::vector<std::uint32_t> active;
   thread_local std::vector<std::uint32_t> next;
+  auto intersect = [&](std::span<const std::uint32_t> a, std::span<const std::uint32_t> b) {
+    active.clear();
+    std::size_t j = 0;
+    for (const std::uint32_t& x : a) {
+      const std::uint32_t s = w.Word(x);
+      while (j < b.size() && w.Word(b[j]) < s) ++j;
+      if (j < b.size() && w.Word(b[j]) == s) active.push_back(s);
+    }
+  };
   const Node* cur = path[0];
   std::uint32_t depth = 1;
   for (; depth < path.size(); ++depth) {
@@ -435,19 +443,25 @@ void BlockIndex::FindMatchesImpl(std::span<const SequenceHash> hashes, OverlapSc
     if (RelaxedLoad(child->seq) != hashes[depth]) break;  // recycled or moved meanwhile: path ends
     if (lazy && (RelaxedLoad(cur->meta) & 1) == 0) {
       // Sizes first: equal sizes (the common case) need neither holder array.
-      if (child->holders.ReadSize() != cur->holders.ReadSize()) {
-        // child's holders are a subset: emit cur's holders missing from child.
-        const auto child_holders = child->holders.ReadView(tmp_child);
-        w.EmitMissing(cur->holders.ReadView(tmp_cur), child_holders, depth);
+      if (child->holders.ReadSize() != held.size()) {
+        const auto child_holders = child->holders.ReadView(tmp[t ^ 1]);
+        const bool subset = w.EmitMissing(held, child_holders, depth);
         if (child_holders.empty()) return finish();
+        if (subset) {
+          held = child_holders;
+          t ^= 1;
+        } else {  // tolerant only: a slot added below that held lacks
+          intersect(held, child_holders);
+          lazy = false;
+        }
       }
       cur = child;
       continue;
     }
-    const auto child_holders = child->holders.ReadView(tmp_child);
+    const auto child_holders = child->holders.ReadView(tmp[t ^ 1]);
     if (lazy) {
       active.clear();
-      for (const std::uint32_t& h : cur->holders.ReadView(tmp_cur)) active.push_back(w.Word(h));
+      for (const std::uint32_t& h : held) active.push_back(w.Word(h));
       lazy = false;
     }
     next.clear();
@@ -463,10 +477,14 @@ void BlockIndex::FindMatchesImpl(std::span<const SequenceHash> hashes, OverlapSc
     active.swap(next);
     if (active.empty()) return finish();
     cur = child;
-    if (active.size() == child_holders.size()) lazy = true;  // active == holders(child)
+    if (active.size() == child_holders.size()) {  // active == holders(child) as read
+      held = child_holders;
+      t ^= 1;
+      lazy = true;
+    }
   }
   if (lazy) {
-    w.EmitAll(cur->holders.ReadView(tmp_cur), depth);
+    w.EmitAll(held, depth);
   } else {
     w.EmitAll(active, depth);
   }

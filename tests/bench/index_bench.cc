@@ -286,6 +286,39 @@ BENCHMARK(BM_FindMatches200)
     ->Args({1000, 1'000'000, 10'000})->Args({1000, -1, 0})
     ->Unit(benchmark::kMicrosecond)->Iterations(20000);
 
+// A query that matches every worker, as in Dynamo's indexer benchmark (7,000 workers all hold
+// the trace's first block): 7,000 workers hold one root block; in 64 groups of about 109 they
+// hold 8 more blocks each. A request down one group's path reports 6,891 workers at 1 block and
+// 109 at 9. Arg: 0 an exact read (no event in progress), 1 a tolerant one (ReadGate's read
+// around an event). Counter: ns per reported worker.
+void BM_FindMatchesEveryWorker(benchmark::State& state) {
+  constexpr std::uint64_t kWorkers = 7000, kGroups = 64, kDeep = 8;
+  BlockIndex index;
+  index.SetConcurrentReaders(true);
+  const LocalHash root = Mix64(0x77);
+  for (std::uint64_t w = 0; w < kWorkers; ++w) {
+    std::vector<LocalHash> locals{root};
+    for (std::uint64_t d = 0; d < kDeep; ++d) locals.push_back(Mix64((w % kGroups) * 100 + d + 1));
+    index.ApplyStored({w, 0}, std::nullopt, AsChain(locals));
+  }
+  index.FreeRetired();
+  std::vector<LocalHash> request{root};
+  for (std::uint64_t d = 0; d < kDeep; ++d) request.push_back(Mix64(5 * 100 + d + 1));
+  for (int i = 0; i < 100; ++i) request.push_back(Mix64(0xdead0000 + i));
+  const auto hashes = ComputeSequenceHashes(request);
+  const bool tolerant = state.range(0) != 0;
+  OverlapScores scores;
+  for (auto _ : state) {
+    scores.clear();
+    index.FindMatches(hashes, scores, tolerant);
+    benchmark::DoNotOptimize(scores.data());
+  }
+  if (scores.size() != kWorkers) state.SkipWithError("every worker must be reported once");
+  state.counters["ns_per_worker"] = benchmark::Counter(
+      static_cast<double>(state.iterations()) * kWorkers, benchmark::Counter::kIsRate | benchmark::Counter::kInvert);
+}
+BENCHMARK(BM_FindMatchesEveryWorker)->Arg(0)->Arg(1)->Unit(benchmark::kMicrosecond);
+
 // ---- memory -----------------------------------------------------------------------------------
 
 // What malloc has handed out plus the index's own huge-page mappings (LargeArray).
