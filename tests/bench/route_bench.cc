@@ -446,6 +446,57 @@ std::uint64_t ProcessCpuNs(pid_t pid) {
   return total;
 }
 
+// The whole machine's CPU time so far, all CPUs (/proc/stat, in ns): busy (user, nice, system,
+// irq, softirq) and taken by the host (steal).
+struct MachineCpu {
+  double busy_ns = 0, steal_ns = 0;
+};
+MachineCpu ReadMachineCpu() {
+  std::ifstream in("/proc/stat");
+  std::string cpu;
+  std::uint64_t user = 0, nice = 0, system = 0, idle = 0, iowait = 0, irq = 0, softirq = 0, steal = 0;
+  in >> cpu >> user >> nice >> system >> idle >> iowait >> irq >> softirq >> steal;
+  const double tick_ns = 1e9 / static_cast<double>(sysconf(_SC_CLK_TCK));
+  return {static_cast<double>(user + nice + system + irq + softirq) * tick_ns, static_cast<double>(steal) * tick_ns};
+}
+
+// Where one phase of BM_IngestVsBareSubscriber spent the machine's CPU, per message.
+struct PhaseCpu {
+  double cores_busy = 0;    // busy CPU time / wall time (at most the machine's cores)
+  double steal_pct = 0;     // of the phase's wall time × cores, taken by the host
+  double server_ns = 0;     // nats-server
+  double bench_ns = 0;      // this process: the publisher, and the bare subscriber or stats polls
+  double receiver_ns = 0;   // the router process (router phase only)
+};
+class PhaseMeter {
+ public:
+  PhaseMeter(Rig& rig, bool router) : rig_(rig), router_(router) {
+    machine_ = ReadMachineCpu();
+    server_ = ProcessCpuNs(rig_.nats->pid());
+    bench_ = ProcessCpuNs(getpid());
+    receiver_ = router_ ? ProcessCpuNs(rig_.router->pid()) : 0;
+    t0_ = std::chrono::steady_clock::now();
+  }
+  PhaseCpu Stop(std::uint64_t n) const {
+    const double wall_ns = std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t0_).count();
+    const MachineCpu m = ReadMachineCpu();
+    const double msgs = static_cast<double>(n);
+    const double cores = static_cast<double>(std::thread::hardware_concurrency());
+    return {.cores_busy = (m.busy_ns - machine_.busy_ns) / wall_ns,
+            .steal_pct = 100 * (m.steal_ns - machine_.steal_ns) / (wall_ns * cores),
+            .server_ns = static_cast<double>(ProcessCpuNs(rig_.nats->pid()) - server_) / msgs,
+            .bench_ns = static_cast<double>(ProcessCpuNs(getpid()) - bench_) / msgs,
+            .receiver_ns = router_ ? static_cast<double>(ProcessCpuNs(rig_.router->pid()) - receiver_) / msgs : 0};
+  }
+
+ private:
+  Rig& rig_;
+  bool router_;
+  MachineCpu machine_;
+  std::uint64_t server_ = 0, bench_ = 0, receiver_ = 0;
+  std::chrono::steady_clock::time_point t0_;
+};
+
 // Event ingest against its baseline, one run: `n` Dynamo envelopes of 4 stored blocks from 64
 // registered workers, published as fast as one connection can, (a) to a bare nats.c
 // subscriber that only counts them (time: first publish to the last message counted), then
@@ -492,7 +543,8 @@ void BM_IngestVsBareSubscriber(benchmark::State& state) {
     state.SkipWithError("no bare subscription");
     return;
   }
-  std::vector<double> bare_rates, router_rates, router_cpu_ns;
+  std::vector<double> bare_rates, router_rates;
+  std::vector<PhaseCpu> bare_cpu, router_cpu;
   double bytes = 0;
   for (auto _ : state) {
     // Every message encoded before the clocks start: 4 fresh blocks per message.
@@ -507,14 +559,16 @@ void BM_IngestVsBareSubscriber(benchmark::State& state) {
     }
     next_event += (n + kIngestWorkers - 1) / kIngestWorkers;
     counted.store(0);
+    const PhaseMeter bare_meter(rig, /*router=*/false);
     auto t0 = std::chrono::steady_clock::now();
     for (const auto& m : msgs) (void)rig.publisher->Publish("bench.bare.kv-events", AsBytes(m));
     for (std::uint64_t c = counted.load(); c < n; c = counted.load()) counted.wait(c);
     bare_rates.push_back(static_cast<double>(n) /
                          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    bare_cpu.push_back(bare_meter.Stop(n));
 
     const std::uint64_t before = EventsApplied(rig);
-    const std::uint64_t cpu_before = ProcessCpuNs(rig.router->pid());
+    const PhaseMeter router_meter(rig, /*router=*/true);
     t0 = std::chrono::steady_clock::now();
     for (const auto& m : msgs) (void)rig.publisher->Publish(kComp + "kv-events", AsBytes(m));
     if (!testing::WaitFor([&] { return EventsApplied(rig) >= before + n; }, 120s, 1ms)) {
@@ -523,8 +577,7 @@ void BM_IngestVsBareSubscriber(benchmark::State& state) {
     }
     router_rates.push_back(static_cast<double>(n) /
                            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-    router_cpu_ns.push_back(static_cast<double>(ProcessCpuNs(rig.router->pid()) - cpu_before) /
-                            static_cast<double>(n));
+    router_cpu.push_back(router_meter.Stop(n));
     // Untimed: the workers clear their caches, so every iteration starts from the same index.
     state.PauseTiming();
     const std::uint64_t applied = EventsApplied(rig);
@@ -549,7 +602,22 @@ void BM_IngestVsBareSubscriber(benchmark::State& state) {
   state.counters["router_vs_bare"] = router_rate / bare_rate;
   // The router's own cost, steadier than its rate on a shared machine: CPU time of all its
   // threads per event (the stats requests of the wait included, a few hundred).
-  state.counters["router_cpu_ns_per_msg"] = median(router_cpu_ns);
+  auto median_of = [&](const std::vector<PhaseCpu>& v, double PhaseCpu::*field) {
+    std::vector<double> x;
+    for (const PhaseCpu& p : v) x.push_back(p.*field);
+    return median(std::move(x));
+  };
+  state.counters["router_cpu_ns_per_msg"] = median_of(router_cpu, &PhaseCpu::receiver_ns);
+  // Where the machine's CPU went in each phase (medians): both phases share 2 cores with
+  // nats-server and the publisher, so when both keep the cores busy, their rates are in the
+  // ratio of their CPU per message.
+  for (const auto& [name, phase] : {std::pair{"bare", &bare_cpu}, std::pair{"router", &router_cpu}}) {
+    const std::string p(name);
+    state.counters[p + "_cores_busy"] = median_of(*phase, &PhaseCpu::cores_busy);
+    state.counters[p + "_steal_pct"] = median_of(*phase, &PhaseCpu::steal_pct);
+    state.counters[p + "_server_ns_per_msg"] = median_of(*phase, &PhaseCpu::server_ns);
+    state.counters[p + "_bench_ns_per_msg"] = median_of(*phase, &PhaseCpu::bench_ns);
+  }
 }
 BENCHMARK(BM_IngestVsBareSubscriber)->Arg(300000)->Iterations(5)->Unit(benchmark::kMillisecond)->UseRealTime();
 

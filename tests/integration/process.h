@@ -96,6 +96,7 @@ class NatsServerProcess {
   int port() const { return port_; }
   bool Running() { return process_ != nullptr && process_->Running(); }
   const std::string& log_path() const { return log_path_; }
+  pid_t pid() const { return process_ != nullptr ? process_->pid() : 0; }  // 0: not running
 
   // Stops the server (clients see a disconnect); the port stays reserved for Restart in name
   // only, nothing holds it.
