@@ -29,12 +29,20 @@ void BlockIndex::SetConcurrentReaders(bool on) {
 }
 
 bool BlockIndex::HasRetired() const {
-  return !retired_holders_.empty() || node_of_.HasRetired() || chunk_dir_.HasRetired() || key_words_.HasRetired();
+  return !retired_holders_.empty() || !retired_nodes_.empty() || !retired_slots_.empty() || node_of_.HasRetired() ||
+         chunk_dir_.HasRetired() || key_words_.HasRetired();
 }
 
 void BlockIndex::FreeRetired() {
   for (void* p : retired_holders_) std::free(p);
   retired_holders_.clear();
+  for (std::uint32_t i : retired_nodes_) {
+    node(i).parent = free_nodes_;
+    free_nodes_ = i;
+  }
+  retired_nodes_.clear();
+  free_slots_.insert(free_slots_.end(), retired_slots_.begin(), retired_slots_.end());
+  retired_slots_.clear();
   node_of_.FreeRetired();
   chunk_dir_.FreeRetired();
   key_words_.FreeRetired();
@@ -119,8 +127,12 @@ void BlockIndex::MaybeFree(std::uint32_t i) {
     const std::uint32_t parent = n.parent;
     node_of_.Erase(n.seq);
     n.holders.Release(holder_heap_);
-    n.parent = free_nodes_;
-    free_nodes_ = i;
+    if (holder_heap_.retired != nullptr) {  // a reader may still walk it: reused once quiet
+      retired_nodes_.push_back(i);
+    } else {
+      n.parent = free_nodes_;
+      free_nodes_ = i;
+    }
     --live_nodes_;
     Node& p = node(parent);
     RelaxedStore(p.meta, p.meta - 2);  // one child fewer
@@ -286,7 +298,8 @@ std::size_t BlockIndex::RemoveWorker(std::uint64_t worker_id) {
     dropped += ClearSlot(slot);
     slot_of_.erase(slots_[slot].key);
     slots_[slot] = WorkerSlot{};
-    free_slots_.push_back(slot);
+    // A reader may still report this slot: its key words change only once the shard is quiet.
+    (holder_heap_.retired != nullptr ? retired_slots_ : free_slots_).push_back(slot);
   }
   ranks_of_.erase(it);
   return dropped;

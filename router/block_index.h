@@ -14,7 +14,8 @@
 // may run on other threads while it writes, when SetConcurrentReaders(true) is set and the
 // reads and writes go through a ReadGate (router/read_gate.h): every word FindMatches reaches
 // (table entries, node hashes and flags, holder sets, the chunk directory, slot keys) is written
-// with atomic stores, memory a write replaces is kept until FreeRetired(), and FindMatches
+// with atomic stores, memory a write replaces is kept until FreeRetired() (and a freed node or
+// slot is reused only after it, so a reader never meets one recycled), and FindMatches
 // checks each node it reaches against the request's hash and bounds each slot and size it
 // loads. TreeSize, ForEachWorker and Memory read the owner's bookkeeping: only while the owner
 // cannot write (ShardedIndex holds the shard's lock). Memory: a node is freed (slot recycled,
@@ -128,6 +129,9 @@ class BlockIndex {
   void FreeRetired();
 
   std::size_t TreeSize(WorkerKey worker) const;  // blocks held by (worker, dp_rank)
+  // Node and worker-slot numbers handed out so far (live, free or waiting for FreeRetired).
+  std::size_t node_numbers() const { return num_node_slots_; }
+  std::size_t slot_numbers() const { return slots_.size(); }
   // Calls f(WorkerKey, tree_size) for every known (worker, dp_rank).
   template <typename F>
   void ForEachWorker(F&& f) const {
@@ -220,6 +224,7 @@ class BlockIndex {
   PublishedArray<Node*> chunk_dir_;        // chunks_[c]'s nodes, for FindMatches
   std::uint32_t num_node_slots_ = 0;        // slots handed out so far
   std::uint32_t free_nodes_ = kFlatEmpty;   // head of the free list
+  std::vector<std::uint32_t> retired_nodes_;  // freed while readers may read: free at FreeRetired
   std::size_t live_nodes_ = 0;
   FlatTable<U64MapTraits> node_of_;         // sequence hash -> node
   HolderHeap holder_heap_;
@@ -229,6 +234,7 @@ class BlockIndex {
   // slots_[i].key for FindMatches: words 3i, 3i+1 (worker_id, low and high), 3i+2 (dp_rank).
   PublishedArray<std::uint32_t> key_words_;
   std::vector<std::uint32_t> free_slots_;
+  std::vector<std::uint32_t> retired_slots_;  // removed while readers may read: free at FreeRetired
   std::unordered_map<WorkerKey, std::uint32_t, WorkerKeyHash> slot_of_;
   std::unordered_map<std::uint64_t, std::vector<std::uint32_t>> ranks_of_;  // worker_id -> slots
 };

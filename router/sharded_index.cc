@@ -297,11 +297,9 @@ class ShardedIndex::Shard {
             mu_.YieldToReaders();  // a route waiting for this shard gets in now
           }
         }
-        if (index_.HasRetired()) {  // a reader was inside when the last event ended: free now
-          gate_.BeginWrite();
-          index_.FreeRetired();
-          gate_.EndWrite();
-        }
+        // A reader was inside when the last event ended: free what was replaced once none is
+        // (tolerant readers are not waited for; an idle shard asks again on its 100 ms wake-up).
+        if (index_.HasRetired() && gate_.Quiet()) index_.FreeRetired();
         mu_.unlock();
         // Before this bulk counts as applied: a synchronous bus answers at once, and Flush must
         // see the answer as submitted.

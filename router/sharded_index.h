@@ -5,7 +5,8 @@
 // shard without that lock, through the shard's ReadGate (router/read_gate.h): a query arriving
 // between events reads an exact state (the next event waits for it); one that meets an event
 // waits up to read_patience for it, and if the shard thread lost its CPU mid-event, reads
-// around it, seeing that one event partly (counted as tolerant_reads). So a route never sleeps
+// around it, seeing that event and any applied meanwhile partly (counted as tolerant_reads;
+// the shard thread does not wait for it). So a route never sleeps
 // behind the shard thread. Stats (TreeSizes, Memory) take the shard's read lock, a ShardLock:
 // the thread lets a waiting reader in between batches.
 //

@@ -141,6 +141,32 @@ TEST(BlockIndex, RemoveWorkerForgetsIt) {
   EXPECT_EQ(known, 0u);
 }
 
+// With concurrent readers a freed node and a removed worker's slot keep their numbers until
+// FreeRetired: a tolerant read spanning several events never meets a node recycled for another
+// block or a slot handed to another worker (which could name a returning worker twice).
+// Without readers they are reused at once.
+TEST(BlockIndex, FreedNodesAndSlotsAreReusedOnlyAfterFreeRetiredWhenReadersMayRead) {
+  for (const bool readers : {false, true}) {
+    SCOPED_TRACE(readers ? "concurrent readers" : "no readers");
+    BlockIndex idx;
+    idx.SetConcurrentReaders(readers);
+    (void)idx.ApplyStored(kW1, std::nullopt, Chain(100, {1, 2}));
+    EXPECT_EQ(idx.RemoveWorker(1), 2u);
+    (void)idx.ApplyStored(kW2, std::nullopt, Chain(200, {3, 4}));
+    // The root and two nodes, one slot; twice as many while the freed ones wait.
+    EXPECT_EQ(idx.node_numbers(), readers ? 5u : 3u);
+    EXPECT_EQ(idx.slot_numbers(), readers ? 2u : 1u);
+    EXPECT_EQ(idx.HasRetired(), readers);
+    idx.FreeRetired();
+    EXPECT_EQ(idx.RemoveWorker(2), 2u);
+    idx.FreeRetired();
+    (void)idx.ApplyStored(kW1, std::nullopt, Chain(100, {1, 2}));  // now from the free lists
+    EXPECT_EQ(idx.node_numbers(), readers ? 5u : 3u);
+    EXPECT_EQ(idx.slot_numbers(), readers ? 2u : 1u);
+    EXPECT_EQ(Matches(idx, {1, 2}), (std::map<WorkerKey, std::uint32_t>{{kW1, 2}}));
+  }
+}
+
 TEST(BlockIndex, InteriorRemovalStopsTheMatchAtTheGap) {
   BlockIndex idx;
   (void)idx.ApplyStored(kW1, std::nullopt, Chain(100, {1, 2, 3}));
