@@ -36,10 +36,7 @@ bool BlockIndex::HasRetired() const {
 void BlockIndex::FreeRetired() {
   for (void* p : retired_holders_) std::free(p);
   retired_holders_.clear();
-  for (std::uint32_t i : retired_nodes_) {
-    node(i).parent = free_nodes_;
-    free_nodes_ = i;
-  }
+  free_nodes_.insert(free_nodes_.end(), retired_nodes_.begin(), retired_nodes_.end());
   retired_nodes_.clear();
   free_slots_.insert(free_slots_.end(), retired_slots_.begin(), retired_slots_.end());
   retired_slots_.clear();
@@ -80,9 +77,13 @@ std::uint32_t BlockIndex::ChildOrCreate(std::uint32_t parent, SequenceHash seq) 
   // own prefix caches), so an existing node under this hash is this prefix.
   if (std::uint32_t c = node_of_.Find(seq); c != kFlatEmpty) return c;
   std::uint32_t c;
-  if (free_nodes_ != kFlatEmpty) {
-    c = free_nodes_;
-    free_nodes_ = node(c).parent;
+  if (!free_nodes_.empty()) {
+    c = free_nodes_.back();
+    free_nodes_.pop_back();
+    // Freed nodes lie anywhere in memory: start loading the one a few new nodes from now, so
+    // its cache miss overlaps the work until then instead of stalling it.
+    constexpr std::size_t kAhead = 8;
+    if (free_nodes_.size() >= kAhead) PrefetchLine(&node(free_nodes_[free_nodes_.size() - kAhead]));
   } else {
     c = num_node_slots_++;
     if ((c >> kChunkBits) == chunks_.size()) {
@@ -130,8 +131,7 @@ void BlockIndex::MaybeFree(std::uint32_t i) {
     if (holder_heap_.retired != nullptr) {  // a reader may still walk it: reused once quiet
       retired_nodes_.push_back(i);
     } else {
-      n.parent = free_nodes_;
-      free_nodes_ = i;
+      free_nodes_.push_back(i);
     }
     --live_nodes_;
     Node& p = node(parent);
@@ -165,6 +165,12 @@ void BlockIndex::MaybeCompact(std::uint32_t slot) {
   w.held.erase(std::unique(w.held.begin(), w.held.end()), w.held.end());
   std::erase_if(w.held, [&](std::uint32_t n) { return !node(n).holders.Contains(slot); });
   if (w.held.capacity() > 4 * w.held.size() + 64) w.held.shrink_to_fit();
+}
+
+void BlockIndex::PrefetchStored(std::optional<BlockHash> parent, std::span<const StoredBlock> blocks) const {
+  constexpr std::size_t kMaxBlocks = 8;
+  if (parent) node_of_.Prefetch(*parent);
+  for (std::size_t i = 0; i < std::min(kMaxBlocks, blocks.size()); ++i) node_of_.Prefetch(blocks[i].block_hash);
 }
 
 ApplyOutcome BlockIndex::ApplyStored(WorkerKey worker, std::optional<BlockHash> parent_hash,
@@ -508,7 +514,8 @@ IndexMemory BlockIndex::Memory() const {
   IndexMemory m;
   m.nodes = live_nodes_;
   m.bytes = chunks_.size() * kChunkSize * sizeof(Node) + node_of_.memory_bytes() + holder_heap_.bytes +
-            slots_.capacity() * sizeof(WorkerSlot) + chunk_dir_.memory_bytes() + key_words_.memory_bytes();
+            slots_.capacity() * sizeof(WorkerSlot) + chunk_dir_.memory_bytes() + key_words_.memory_bytes() +
+            (free_nodes_.capacity() + retired_nodes_.capacity()) * sizeof(std::uint32_t);
   for (const WorkerSlot& w : slots_) {
     m.bytes += w.blocks.memory_bytes() + w.held.capacity() * sizeof(std::uint32_t);
     m.holdings += w.holdings();

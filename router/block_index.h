@@ -106,6 +106,10 @@ class BlockIndex {
   ApplyOutcome ApplyStored(WorkerKey worker, std::optional<BlockHash> parent,
                            std::span<const StoredBlock> blocks,
                            std::uint64_t max_blocks = std::numeric_limits<std::uint64_t>::max());
+  // Starts loading what ApplyStored of this chain will look up first, so that its cache misses
+  // overlap the work before it (the caller applies the previous event meanwhile). Assumes the
+  // engine hashes are sequence hashes (Dynamo's workers): for others it only wastes a few loads.
+  void PrefetchStored(std::optional<BlockHash> parent, std::span<const StoredBlock> blocks) const;
   // Removes blocks by engine hash; unknown ones are counted and skipped.
   ApplyOutcome ApplyRemoved(WorkerKey worker, std::span<const BlockHash> block_hashes);
   // Drops every block of one (worker, dp_rank); the worker stays known.
@@ -144,7 +148,7 @@ class BlockIndex {
 
   struct Node {
     SequenceHash seq = 0;                  // identifies the prefix ending here
-    std::uint32_t parent = kRoot;          // next free node while on the free list (owner only)
+    std::uint32_t parent = kRoot;          // owner only
     // Bit 0, "orphan risk": set when a holder left this node while it had children: a child may
     // then hold a worker this node does not, so FindMatches must intersect explicitly below it.
     // Sticky until the node is freed (rare: engines evict leaves first). Bits 1-31: children.
@@ -223,7 +227,9 @@ class BlockIndex {
   std::vector<LargeArray<Node>> chunks_;  // node 0 (kRoot) is the root
   PublishedArray<Node*> chunk_dir_;        // chunks_[c]'s nodes, for FindMatches
   std::uint32_t num_node_slots_ = 0;        // slots handed out so far
-  std::uint32_t free_nodes_ = kFlatEmpty;   // head of the free list
+  // Freed node numbers, reused last freed first. A list of numbers rather than one linked
+  // through the nodes: taking one touches no node, and the next few can be prefetched.
+  std::vector<std::uint32_t> free_nodes_;
   std::vector<std::uint32_t> retired_nodes_;  // freed while readers may read: free at FreeRetired
   std::size_t live_nodes_ = 0;
   FlatTable<U64MapTraits> node_of_;         // sequence hash -> node

@@ -250,6 +250,7 @@ class ShardedIndex::Shard {
         std::size_t slice = 0;
         for (std::size_t i = 0; i < n; ++i) {
           Item& it = items[i];
+          if (i + 1 < n && items[i + 1].kind == Item::kBatch) Prefetch(items[i + 1].batch);
           const bool writes = it.kind != Item::kWake;
           if (writes) gate_.BeginWrite();
           switch (it.kind) {
@@ -321,6 +322,13 @@ class ShardedIndex::Shard {
     std::vector<Ask> asks;
     asks.swap(asks_);
     for (const Ask& a : asks) on_recovery_(a.worker, a.numbering, a.start, a.generation);
+  }
+
+  // Write lock held: starts loading what applying `b` will look up first (its cache misses
+  // then overlap the event applied before it).
+  void Prefetch(const KvEventBatch& b) const KV_REQUIRES(mu_) {
+    if (b.ops.empty()) return;
+    if (auto* st = std::get_if<KvStored>(&b.ops.front().data)) index_.PrefetchStored(st->parent_hash, st->blocks);
   }
 
   // Owner thread, write lock held: a live batch, judged by the rank's stream first.

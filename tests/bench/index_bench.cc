@@ -123,6 +123,36 @@ void BM_ApplyChains16(benchmark::State& state) {
 }
 BENCHMARK(BM_ApplyChains16)->Unit(benchmark::kMillisecond);
 
+// The apply work of route_bench's ingest workload (BM_IngestVsBareSubscriber), on one thread
+// and without the queue: 300,000 stored events of 4 new blocks each (a new prompt: no parent)
+// from 64 workers, into an index that readers may read (as a shard's is), then, untimed, every
+// worker cleared as that benchmark does between runs. items_per_second = events.
+void BM_ApplyIngestEvents(benchmark::State& state) {
+  constexpr int kWorkers = 64, kEvents = 300000, kBlocks = 4;
+  std::vector<std::vector<StoredBlock>> events(kEvents);
+  for (int e = 0; e < kEvents; ++e) {
+    std::vector<LocalHash> locals;
+    for (int b = 0; b < kBlocks; ++b) locals.push_back(Mix64((std::uint64_t(e) << 3) + b + 1));
+    events[e] = AsChain(locals);
+  }
+  BlockIndex idx;
+  idx.SetConcurrentReaders(true);
+  const bool prefetch = state.range(0) != 0;
+  for (auto _ : state) {
+    for (int e = 0; e < kEvents; ++e) {
+      if (prefetch && e + 1 < kEvents) idx.PrefetchStored(std::nullopt, events[e + 1]);
+      benchmark::DoNotOptimize(idx.ApplyStored({std::uint64_t(e % kWorkers), 0}, std::nullopt, events[e]));
+    }
+    state.PauseTiming();
+    if (idx.Memory().holdings != std::size_t{kEvents} * kBlocks) state.SkipWithError("blocks were lost");
+    for (int w = 0; w < kWorkers; ++w) idx.ClearWorker(w);
+    idx.FreeRetired();
+    state.ResumeTiming();
+  }
+  state.SetItemsProcessed(state.iterations() * kEvents);
+}
+BENCHMARK(BM_ApplyIngestEvents)->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond)->Iterations(10);
+
 // End to end through one shard: a producer thread Submit()s Dynamo-style batches (16-block
 // stored chains and their removals) and the shard thread dequeues in bulk and applies them.
 void BM_ShardIngest(benchmark::State& state) {
