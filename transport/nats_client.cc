@@ -298,6 +298,11 @@ NatsClient::NatsClient(std::shared_ptr<transport_detail::ClientShared> shared,
                        std::unique_ptr<natsConnection, transport_detail::ConnectionDeleter> conn)
     : shared_(std::move(shared)), conn_(std::move(conn)) {}
 
+Status NatsClient::OpenLibrary() {
+  const natsStatus s = nats_Open(-1);  // -1: nats.c's default lock spin count
+  return s == NATS_OK ? Status::Ok() : transport_detail::FromNats(s, "nats_Open");
+}
+
 Result<std::unique_ptr<NatsClient>> NatsClient::Connect(const NatsOptions& options,
                                                         Callbacks callbacks) {
   if (options.reconnect_wait_ms < 0 || options.connect_timeout_ms <= 0) {

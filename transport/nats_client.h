@@ -157,6 +157,11 @@ class NatsClient {
   static Result<std::unique_ptr<NatsClient>> Connect(const NatsOptions& options,
                                                      Callbacks callbacks);
 
+  // Starts nats.c's library threads (timers, callbacks, and the collector that frees every
+  // delivered message) if the first Connect has not yet: a caller that treats them specially
+  // (the router marks them as ingestion) finds them started by this call.
+  static Status OpenLibrary();
+
   // Unsubscribed subscriptions are freed in batches of this many (see NatsStats).
   static constexpr std::size_t kRetiredBatch = 32;
 
