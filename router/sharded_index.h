@@ -104,7 +104,8 @@ class ShardedIndex {
   // handed back with its vectors' memory, or an empty one. So the delivery thread does not
   // allocate what a shard thread frees for every event (on two cores, malloc and free across
   // threads took about a sixth of the router's ingest time). At most 4,096 wait, and only small
-  // ones (one or a few ops of up to 64 blocks); any thread.
+  // ones (one or a few ops of up to 64 blocks); a thread that takes them holds up to 64 of its
+  // own, taken at once. Any thread.
   KvEventBatch Spare();
   // Control operations; never refused, applied in order with the worker's events.
   void ClearWorker(std::uint64_t worker_id);   // all dp ranks, keeps sequence tracking

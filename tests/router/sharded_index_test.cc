@@ -127,6 +127,16 @@ TEST(ShardedIndex, AppliedBatchesComeBackAsSpares) {
   EXPECT_EQ(spares, 4096u);
 }
 
+// A thread takes spares several at a time and keeps the rest: only for the index they came from.
+TEST(ShardedIndex, SparesTakenFromOneIndexAreNotHandedOutByAnother) {
+  ShardedIndex first({.num_shards = 1});
+  for (std::uint64_t e = 1; e <= 3; ++e) ASSERT_TRUE(first.Submit(StoredBatch(1, 0, e, std::nullopt, {{e, e}})));
+  first.Flush();
+  EXPECT_FALSE(first.Spare().ops.empty());  // one of three; this thread holds the other two
+  ShardedIndex second({.num_shards = 1});
+  EXPECT_TRUE(second.Spare().ops.empty());  // nothing applied here
+}
+
 TEST(ShardedIndex, DuplicateEventIdIsDroppedAndGapIsFlagged) {
   ShardedIndex idx({.num_shards = 2});
   ASSERT_TRUE(idx.Submit(StoredBatch(5, 0, 1, std::nullopt, {{100, 1}})));
