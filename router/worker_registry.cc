@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <unordered_set>
 
 namespace kvrouter {
 namespace {
@@ -45,6 +46,7 @@ WorkerRegistry::Registered WorkerRegistry::Register(const WorkerRegistration& re
   Worker& w = it->second;
   ranks_total_ = ranks_total_ - (inserted ? 0 : w.reg.dp_size) + reg.dp_size;
   out.outcome = w.has_lease ? Outcome::kUpdated : Outcome::kNew;
+  if (!inserted) Revoke();  // its ranks may be fewer now
   w.reg = reg;
   w.has_lease = true;
   w.lease_deadline.store(deadline);
@@ -83,6 +85,34 @@ void WorkerRegistry::CountInvalid() {
 }
 
 const char* WorkerRegistry::AdmitEvent(std::uint64_t worker_id, std::uint32_t dp_rank, SteadyTime now) {
+  // The ranks this thread admitted since the last revocation: admitted again without the lock.
+  struct Admitted {
+    std::uint64_t registry = 0;
+    std::uint64_t revision = 0;
+    std::unordered_set<WorkerKey, WorkerKeyHash> ranks;
+  };
+  thread_local Admitted admitted;
+  const WorkerKey key{worker_id, dp_rank};
+  const std::uint64_t revision = revision_.load(std::memory_order_acquire);
+  if (admitted.registry != id_ || admitted.revision != revision) {
+    admitted.ranks.clear();
+    admitted.registry = id_;
+    admitted.revision = revision;
+  }
+  if (admitted.ranks.contains(key)) return nullptr;
+  const char* refused = AdmitEventUncached(worker_id, dp_rank, now);
+  if (refused == nullptr && admitted.ranks.size() < kMaxAdmittedCached) admitted.ranks.insert(key);
+  return refused;
+}
+
+void WorkerRegistry::Revoke() { revision_.fetch_add(1, std::memory_order_release); }
+
+std::uint64_t WorkerRegistry::NextId() {
+  static std::atomic<std::uint64_t> next{1};
+  return next.fetch_add(1, std::memory_order_relaxed);
+}
+
+const char* WorkerRegistry::AdmitEventUncached(std::uint64_t worker_id, std::uint32_t dp_rank, SteadyTime now) {
   {
     KvReaderLock g(mu_);
     auto it = workers_.find(worker_id);
@@ -121,6 +151,7 @@ const char* WorkerRegistry::AdmitEvent(std::uint64_t worker_id, std::uint32_t dp
 }
 
 void WorkerRegistry::EraseLocked(std::map<std::uint64_t, Worker>::iterator it, SteadyTime now) {
+  Revoke();
   if (left_.size() < kMaxLeftRemembered) left_[it->first] = now + kLeftMemory;
   ranks_total_ -= it->second.reg.dp_size;
   workers_.erase(it);

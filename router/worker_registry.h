@@ -3,9 +3,10 @@
 // events, and the bounds no peer may pass (--router-max-dp-size, --router-max-worker-ranks).
 //
 // Thread contract: every method may be called from any thread. One reader-writer lock guards
-// the map; the hot callers take it shared: an event's admission for a known worker rank, a
-// heartbeat that repeats the registration (its lease deadline is an atomic), candidate building
-// and stats pages. Only a new or changed worker, a leaving one and lease expiry write. The
+// the map; the hot callers take it shared: an event's admission for a known worker rank (and
+// not even that for a rank the thread admitted before, see AdmitEvent), a heartbeat that
+// repeats the registration (its lease deadline is an atomic), candidate building and stats
+// pages. Only a new or changed worker, a leaving one and lease expiry write. The
 // registry never calls out while holding its lock, so callers may hold their own locks around
 // it (the routing mutex is taken before this lock, never after).
 //
@@ -81,7 +82,11 @@ class WorkerRegistry {
   // "too_many_workers", "worker_left":
   // an event of a worker forgotten less than kLeftMemory ago, late behind its `leaving` or its
   // lease expiry, must not bring it back as an event-only worker that never expires).
+  // A thread remembers the ranks it admitted until a worker is forgotten or registers again
+  // (at most kMaxAdmittedCached of them): the event thread then admits a known rank's events
+  // without the lock, whose cache line every one of them would otherwise write.
   const char* AdmitEvent(std::uint64_t worker_id, std::uint32_t dp_rank, SteadyTime now);
+  static constexpr std::size_t kMaxAdmittedCached = 1 << 16;
   static constexpr std::chrono::seconds kLeftMemory{10};
   static constexpr std::size_t kMaxLeftRemembered = 65536;
 
@@ -120,6 +125,14 @@ class WorkerRegistry {
   const char* RefusalLocked(const WorkerRegistration& reg, std::string& detail) const KV_REQUIRES(mu_);
   void CountRefusalLocked(std::string_view reason) KV_REQUIRES(mu_);
   void EraseLocked(std::map<std::uint64_t, Worker>::iterator it, SteadyTime now) KV_REQUIRES(mu_);
+  // AdmitEvent without the thread's memory of admitted ranks.
+  const char* AdmitEventUncached(std::uint64_t worker_id, std::uint32_t dp_rank, SteadyTime now);
+  // mu_ held (exclusive): a rank admitted before may no longer be; threads forget what they admitted.
+  void Revoke() KV_REQUIRES(mu_);
+  static std::uint64_t NextId();
+
+  const std::uint64_t id_ = NextId();  // tells registries apart in a thread's memory
+  std::atomic<std::uint64_t> revision_{0};  // Revoke() calls
 
   const RegistryLimits limits_;
   mutable KvSharedMutex mu_;
