@@ -10,7 +10,8 @@
 // so every level of a request's path can be looked up (and prefetched) independently instead
 // of chasing parent links.
 //
-// Thread contract: one owner thread applies events (ShardedIndex's shard thread). FindMatches
+// Thread contract: one thread at a time applies events (ShardedIndex's shard thread, or one
+// applying its own events, under the shard's lock: "the owner" below). FindMatches
 // may run on other threads while it writes, when SetConcurrentReaders(true) is set and the
 // reads and writes go through a ReadGate (router/read_gate.h): every word FindMatches reaches
 // (table entries, node hashes and flags, holder sets, the chunk directory, slot keys) is written

@@ -15,7 +15,8 @@
 // reply covered is dropped). A failed recovery releases them as they are, accepting the gap; the
 // next gap asks again. `cleared` needs nothing special: it is applied in order like any event.
 // With recovery off, gaps are only counted and batches applied (the old behaviour).
-// Thread contract: owned by one shard thread; `on_recovery` is called on it and must not block.
+// Thread contract: owned by one shard, used under its write lock; `on_recovery` is called there
+// and must not block.
 //
 //   EventStreams s({.recover = true}, [&](WorkerKey k, SequenceKind kind, auto start) { ask(k); });
 //   switch (s.Live(batch)) { case EventStreams::Verdict::kApply: Apply(batch); ... }

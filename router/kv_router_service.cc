@@ -60,7 +60,8 @@ KvRouterService::KvRouterService(RouterConfig config, MessageBus& bus, Clock clo
                                        [this](WorkerKey w, SequenceKind k, std::optional<std::uint64_t> start,
                                               std::uint64_t generation) { recovery_->Need(w, k, start, generation); })
                                  : nullptr,
-              .default_capacity = config_.max_worker_blocks}),
+              .default_capacity = config_.max_worker_blocks,
+              .apply_on_submit = ShardedIndex::ApplyOnSubmitPays(config_.index_shards)}),
       registry_({.block_size = config_.block_size,
                  .max_dp_size = config_.max_dp_size,
                  .max_worker_ranks = config_.max_worker_ranks,

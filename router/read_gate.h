@@ -15,7 +15,7 @@
 //   atomic store, a holder set changes by publishing a new copy, memory (and a node or slot
 //   number, before it is reused) is only freed once the shard is quiet, and a tolerant reader
 //   bounds every index and size it loads (BlockIndex::FindMatches).
-// Thread contract: one writer thread; any number of readers.
+// Thread contract: one writer at a time (the shard's lock orders them); any number of readers.
 //
 //   writer: gate.BeginWrite(); Apply(event); if (gate.EndWrite()) index.FreeRetired();
 //   reader: ReadGate::Reader r(gate, patience); index.FindMatches(hashes, out, r.tolerant());

@@ -8,7 +8,8 @@
 // - The writer calls YieldToReaders() between steps: when a reader waits it unlocks, gives the
 //   waiting readers up to kWriterPause (and then a few turns of its CPU) to get in, and locks
 //   again (waiting behind them).
-// Thread contract: any number of readers, one writer thread.
+// Thread contract: any number of readers; writers (the shard thread, or a thread applying its
+// own events, ShardedIndexOptions::apply_on_submit) take it exclusively, one at a time.
 //
 //   ShardLock mu;
 //   { KvReaderLock r(mu); ... }                        // readers
@@ -32,6 +33,7 @@ class KV_CAPABILITY("mutex") ShardLock {
   static constexpr int kWriterYields = 4;
 
   void lock() KV_ACQUIRE() { m_.lock(); }
+  bool try_lock() KV_TRY_ACQUIRE(true) { return m_.try_lock(); }
   void unlock() KV_RELEASE() { m_.unlock(); }
 
   void lock_shared() KV_ACQUIRE_SHARED() {

@@ -77,8 +77,29 @@ class ShardedIndex::SpareBatches {
     batches.clear();
   }
 
+  // A thread that applied a batch itself keeps it for its next Take.
+  void GiveHere(KvEventBatch&& b) {
+    std::vector<KvEventBatch>& stash = MyStash();
+    if (stash.size() < 2 * kTakeBulk && Keep(b)) stash.push_back(std::move(b));
+  }
+
   KvEventBatch Take() {
-    // This thread's batches, taken from this object's queue (another index's are dropped).
+    std::vector<KvEventBatch>& stash = MyStash();
+    if (stash.empty()) {
+      stash.resize(kTakeBulk);
+      const std::size_t n = queue_.try_dequeue_bulk(stash.begin(), kTakeBulk);
+      stash.resize(n);
+      if (n > 0) count_.fetch_sub(n, std::memory_order_relaxed);
+    }
+    if (stash.empty()) return {};
+    KvEventBatch b = std::move(stash.back());
+    stash.pop_back();
+    return b;
+  }
+
+ private:
+  // This thread's batches, taken from this object's queue (another index's are dropped).
+  std::vector<KvEventBatch>& MyStash() {
     struct Stash {
       std::uint64_t owner = 0;
       std::vector<KvEventBatch> batches;
@@ -88,19 +109,9 @@ class ShardedIndex::SpareBatches {
       stash.batches.clear();
       stash.owner = id_;
     }
-    if (stash.batches.empty()) {
-      stash.batches.resize(kTakeBulk);
-      const std::size_t n = queue_.try_dequeue_bulk(stash.batches.begin(), kTakeBulk);
-      stash.batches.resize(n);
-      if (n > 0) count_.fetch_sub(n, std::memory_order_relaxed);
-    }
-    if (stash.batches.empty()) return {};
-    KvEventBatch b = std::move(stash.batches.back());
-    stash.batches.pop_back();
-    return b;
+    return stash.batches;
   }
 
- private:
   static std::uint64_t NextId() {
     static std::atomic<std::uint64_t> next{1};
     return next.fetch_add(1, std::memory_order_relaxed);
@@ -122,11 +133,11 @@ class ShardedIndex::Shard {
         default_capacity_(o.default_capacity),
         recover_(static_cast<bool>(o.on_recovery)),
         on_recovery_(o.on_recovery),
-        // Asks are collected under the write lock and made after it is released (AskRecoveries):
-        // a publish may block, and readers wait on this lock.
+        // Asks are collected under the write lock and made after it is released (MakeAsks): a
+        // publish may block, and readers wait on this lock.
         streams_({.recover = recover_, .max_held = o.max_held},
                  [this](WorkerKey w, SequenceKind k, std::optional<std::uint64_t> start, std::uint64_t generation) {
-                   asks_.push_back({w, k, start, generation});
+                   AskLater({w, k, start, generation});
                  }),
         thread_([this] { Run(); }) {
     SetConcurrentReaders();
@@ -159,6 +170,31 @@ class ShardedIndex::Shard {
     submitted_.fetch_add(items.size(), std::memory_order_relaxed);
     queue_.enqueue_bulk(std::make_move_iterator(items.begin()), items.size());
     items.clear();
+  }
+
+  // Applies `batches` on the calling thread, when that cannot put any event behind a later
+  // one: nothing is queued for the shard or being applied by its thread, and its lock is free.
+  // False: nothing was applied (the caller queues them).
+  bool ApplyHere(std::span<KvEventBatch* const> batches) {
+    if (!Idle() || !mu_.try_lock()) return false;
+    if (!Idle()) {
+      mu_.unlock();
+      return false;
+    }
+    for (std::size_t i = 0; i < batches.size(); ++i) {
+      // Decoded on this thread just now: only the table slots are worth loading ahead.
+      if (i + 1 < batches.size()) PrefetchSlots(*batches[i + 1]);
+      gate_.BeginWrite();
+      ApplyBatch(*batches[i]);
+      if (gate_.EndWrite() && index_.HasRetired()) index_.FreeRetired();
+      spares_.GiveHere(std::move(*batches[i]));
+      mu_.YieldToReaders();
+    }
+    if (index_.HasRetired() && gate_.Quiet()) index_.FreeRetired();
+    std::vector<Ask> asks = TakeAsks();
+    mu_.unlock();
+    MakeAsks(asks);
+    return true;
   }
 
   void Control(bool remove, std::uint64_t worker_id) {
@@ -328,8 +364,9 @@ class ShardedIndex::Shard {
           it.batch = {};
           it.part.reset();
           if (slice >= kMaxBlocksPerLock) {  // let waiting readers in
+            std::vector<Ask> asks = TakeAsks();
             mu_.unlock();
-            AskRecoveries();
+            MakeAsks(asks);
             slice = 0;
             mu_.lock();
           } else {
@@ -339,10 +376,11 @@ class ShardedIndex::Shard {
         // A reader was inside when the last event ended: free what was replaced once none is
         // (tolerant readers are not waited for; an idle shard asks again on its 100 ms wake-up).
         if (index_.HasRetired() && gate_.Quiet()) index_.FreeRetired();
+        std::vector<Ask> asks = TakeAsks();
         mu_.unlock();
         // Before this bulk counts as applied: a synchronous bus answers at once, and Flush must
         // see the answer as submitted.
-        AskRecoveries();
+        MakeAsks(asks);
       }
       spares_.GiveAll(giving);
       if (batches > 0) depth_.fetch_sub(batches, std::memory_order_relaxed);
@@ -356,10 +394,23 @@ class ShardedIndex::Shard {
     }
   }
 
-  // Owner thread, no lock held: the recoveries the streams asked for.
-  void AskRecoveries() {
+  struct Ask {
+    WorkerKey worker;
+    SequenceKind numbering;
+    std::optional<std::uint64_t> start;
+    std::uint64_t generation;
+  };
+  // From streams_, which only runs under the write lock (the analysis cannot see through its
+  // callback).
+  void AskLater(const Ask& a) KV_NO_THREAD_SAFETY_ANALYSIS { asks_.push_back(a); }
+  // Write lock held: the recoveries the streams asked for, to be made once it is released.
+  std::vector<Ask> TakeAsks() KV_REQUIRES(mu_) {
     std::vector<Ask> asks;
     asks.swap(asks_);
+    return asks;
+  }
+  // No lock held (asking may publish, and a synchronous bus answers at once).
+  void MakeAsks(const std::vector<Ask>& asks) {
     for (const Ask& a : asks) on_recovery_(a.worker, a.numbering, a.start, a.generation);
   }
 
@@ -367,10 +418,10 @@ class ShardedIndex::Shard {
   // cache miss (the batch was written on another core), and each needs the one before. The
   // shard thread starts loading them a few items ahead, one stage per item, so that the misses
   // overlap the events applied meanwhile.
-  static const KvStored* FirstStored(const Item& it) {
-    return it.kind == Item::kBatch && !it.batch.ops.empty() ? std::get_if<KvStored>(&it.batch.ops.front().data)
-                                                            : nullptr;
+  static const KvStored* FirstStored(const KvEventBatch& b) {
+    return b.ops.empty() ? nullptr : std::get_if<KvStored>(&b.ops.front().data);
   }
+  static const KvStored* FirstStored(const Item& it) { return it.kind == Item::kBatch ? FirstStored(it.batch) : nullptr; }
   static void PrefetchOps(const Item& it) {
     if (it.kind == Item::kBatch && !it.batch.ops.empty()) PrefetchLine(it.batch.ops.data());
   }
@@ -380,9 +431,15 @@ class ShardedIndex::Shard {
     PrefetchLine(st->blocks.data());
     PrefetchLine(&st->blocks.back());
   }
-  void PrefetchSlots(const Item& it) const KV_REQUIRES(mu_) {
-    if (const KvStored* st = FirstStored(it)) index_.PrefetchStored(st->parent_hash, st->blocks);
+  void PrefetchSlots(const KvEventBatch& b) const KV_REQUIRES(mu_) {
+    if (const KvStored* st = FirstStored(b)) index_.PrefetchStored(st->parent_hash, st->blocks);
   }
+  void PrefetchSlots(const Item& it) const KV_REQUIRES(mu_) {
+    if (it.kind == Item::kBatch) PrefetchSlots(it.batch);
+  }
+
+  // Nothing queued or being applied by the shard thread.
+  bool Idle() const { return applied_.load() == submitted_.load(); }
 
   // Owner thread, write lock held: a live batch, judged by the rank's stream first.
   void ApplyBatch(KvEventBatch& b) KV_REQUIRES(mu_) {
@@ -493,17 +550,11 @@ class ShardedIndex::Shard {
   BlockIndex index_ KV_GUARDED_BY(mu_);  // written only by thread_, under the write lock
   mutable ReadGate gate_;
   const std::chrono::nanoseconds read_patience_;
-  struct Ask {
-    WorkerKey worker;
-    SequenceKind numbering;
-    std::optional<std::uint64_t> start;
-    std::uint64_t generation;
-  };
   const std::uint64_t default_capacity_;
   std::unordered_map<std::uint64_t, std::uint64_t> capacity_of_;  // thread_ only: worker_id -> blocks per rank
   const bool recover_;
   const EventStreams::RecoveryNeeded on_recovery_;
-  std::vector<Ask> asks_;  // thread_ only: made when the write lock is released
+  std::vector<Ask> asks_ KV_GUARDED_BY(mu_);  // made when the write lock is released
   EventStreams streams_;   // thread_ only
 
   KvMutex flush_mu_;
@@ -521,7 +572,8 @@ class ShardedIndex::Shard {
   std::thread thread_;  // last: starts after every member above is constructed
 };
 
-ShardedIndex::ShardedIndex(ShardedIndexOptions options) : spares_(std::make_unique<SpareBatches>()) {
+ShardedIndex::ShardedIndex(ShardedIndexOptions options)
+    : spares_(std::make_unique<SpareBatches>()), apply_on_submit_(options.apply_on_submit) {
   const std::size_t n = options.num_shards == 0 ? 1 : options.num_shards;
   for (std::size_t i = 0; i < n; ++i) shards_.push_back(std::make_unique<Shard>(options, *spares_, i));
 }
@@ -533,7 +585,10 @@ std::size_t ShardedIndex::ShardOf(std::uint64_t worker_id) const {
 }
 
 bool ShardedIndex::Submit(KvEventBatch&& batch) {
-  return shards_[ShardOf(batch.worker_id)]->Submit(std::move(batch));
+  Shard& shard = *shards_[ShardOf(batch.worker_id)];
+  KvEventBatch* const one[] = {&batch};
+  if (apply_on_submit_ && shard.ApplyHere(one)) return true;
+  return shard.Submit(std::move(batch));
 }
 
 void ShardedIndex::ClearWorker(std::uint64_t worker_id) {
@@ -550,12 +605,18 @@ void ShardedIndex::SubmitAll(std::vector<KvEventBatch>& batches, std::vector<std
   for (KvEventBatch& b : batches) by_shard[ShardOf(b.worker_id)].push_back(&b);
   for (std::size_t s = 0; s < shards_.size(); ++s) {
     if (by_shard[s].empty()) continue;
-    shards_[s]->SubmitMany(by_shard[s], refused);
+    if (!apply_on_submit_ || !shards_[s]->ApplyHere(by_shard[s])) shards_[s]->SubmitMany(by_shard[s], refused);
     by_shard[s].clear();
   }
 }
 
 KvEventBatch ShardedIndex::Spare() { return spares_->Take(); }
+
+bool ShardedIndex::ApplyOnSubmitPays(std::size_t num_shards) {
+  cpu_set_t cpus;
+  if (sched_getaffinity(0, sizeof cpus, &cpus) != 0) return false;
+  return static_cast<std::size_t>(CPU_COUNT(&cpus)) < num_shards + 2;
+}
 
 bool ShardedIndex::MarkIngestThread(int tid) {
   const sched_param none{};

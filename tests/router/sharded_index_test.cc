@@ -5,6 +5,8 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
+#include <mutex>
 #include <filesystem>
 #include <fstream>
 #include <set>
@@ -135,6 +137,68 @@ TEST(ShardedIndex, SparesTakenFromOneIndexAreNotHandedOutByAnother) {
   EXPECT_FALSE(first.Spare().ops.empty());  // one of three; this thread holds the other two
   ShardedIndex second({.num_shards = 1});
   EXPECT_TRUE(second.Spare().ops.empty());  // nothing applied here
+}
+
+// apply_on_submit: an idle shard's events are applied by the submitting thread before Submit
+// returns, visible without a Flush.
+TEST(ShardedIndex, ApplyOnSubmitAppliesBeforeSubmitReturnsWhenTheShardIsIdle) {
+  ShardedIndex idx({.num_shards = 2, .apply_on_submit = true});
+  for (std::uint64_t w = 1; w <= 8; ++w) {
+    ASSERT_TRUE(idx.Submit(StoredBatch(w, 0, 1, std::nullopt, {{w * 10, w}})));
+    EXPECT_EQ(idx.TreeSize({w, 0}), 1u) << w;
+  }
+  std::vector<KvEventBatch> bulk;
+  for (std::uint64_t w = 1; w <= 8; ++w) bulk.push_back(RemovedBatch(w, 2, {w * 10}));
+  std::vector<std::uint64_t> refused;
+  idx.SubmitAll(bulk, refused);
+  EXPECT_TRUE(refused.empty());
+  for (std::uint64_t w = 1; w <= 8; ++w) EXPECT_EQ(idx.TreeSize({w, 0}), 0u) << w;
+  EXPECT_EQ(idx.Counters().blocks_removed, 8u);
+}
+
+// ...but never ahead of what its shard thread has yet to apply: while the shard thread is
+// busy (here: held inside a recovery ask it makes), a worker's store and then its removal are
+// queued behind it, and applied in that order.
+TEST(ShardedIndex, ApplyOnSubmitNeverOvertakesWhatTheShardThreadHasYetToApply) {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool holding = false, release = false;
+  std::uint64_t generation_of_1 = 0;
+  auto on_recovery = [&](WorkerKey w, SequenceKind, std::optional<std::uint64_t>, std::uint64_t generation) {
+    std::unique_lock g(mu);
+    if (w.worker_id == 1) {
+      generation_of_1 = generation;
+      return;
+    }
+    holding = true;  // worker 99's ask: the shard thread stays here until released
+    cv.notify_all();
+    cv.wait(g, [&] { return release; });
+  };
+  ShardedIndex idx({.num_shards = 1, .on_recovery = on_recovery, .apply_on_submit = true});
+  // Worker 1's rank goes live: its dump (empty) answered, the next event id is 1.
+  idx.RequestDump({1, 0});
+  idx.Flush();
+  idx.Recovered({.worker = {1, 0}, .kind = RecoveryPart::Kind::kDump, .last_event_id = 0, .generation = generation_of_1});
+  idx.Flush();
+  idx.RequestDump({99, 0});
+  {
+    std::unique_lock g(mu);
+    cv.wait(g, [&] { return holding; });
+  }
+  ASSERT_TRUE(idx.Submit(StoredBatch(1, 0, 1, std::nullopt, {{10, 1}})));
+  ASSERT_TRUE(idx.Submit(RemovedBatch(1, 2, {10})));
+  EXPECT_EQ(idx.Counters().blocks_stored, 0u);  // queued, not applied ahead of the held ask
+  {
+    std::lock_guard g(mu);
+    release = true;
+  }
+  cv.notify_all();
+  idx.Flush();
+  const IndexCounters c = idx.Counters();
+  EXPECT_EQ(c.blocks_stored, 1u);
+  EXPECT_EQ(c.blocks_removed, 1u);
+  EXPECT_EQ(c.block_not_found, 0u);
+  EXPECT_EQ(idx.TreeSize({1, 0}), 0u);
 }
 
 TEST(ShardedIndex, DuplicateEventIdIsDroppedAndGapIsFlagged) {
