@@ -53,6 +53,7 @@ class ShardedIndex::SpareBatches {
   static constexpr std::size_t kMaxOps = 4;
   static constexpr std::size_t kMaxBlocks = 64;
   static constexpr std::size_t kTakeBulk = 64;     // taken from the queue at once
+  static constexpr std::size_t kMaxKeptHere = 256;  // kept by a thread that applied them
 
   // Worth keeping: small (one or a few ops of up to 64 blocks). Others are freed.
   static bool Keep(const KvEventBatch& b) {
@@ -77,15 +78,16 @@ class ShardedIndex::SpareBatches {
     batches.clear();
   }
 
-  // A thread that applied a batch itself keeps it for its next Take.
+  // A thread that applied a batch itself keeps it for its next Take (up to a bulk's worth: the
+  // service gathers up to 256 events before applying them).
   void GiveHere(KvEventBatch&& b) {
     std::vector<KvEventBatch>& stash = MyStash();
-    if (stash.size() < 2 * kTakeBulk && Keep(b)) stash.push_back(std::move(b));
+    if (stash.size() < kMaxKeptHere && Keep(b)) stash.push_back(std::move(b));
   }
 
   KvEventBatch Take() {
     std::vector<KvEventBatch>& stash = MyStash();
-    if (stash.empty()) {
+    if (stash.empty() && count_.load(std::memory_order_relaxed) > 0) {
       stash.resize(kTakeBulk);
       const std::size_t n = queue_.try_dequeue_bulk(stash.begin(), kTakeBulk);
       stash.resize(n);
