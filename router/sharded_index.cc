@@ -190,7 +190,7 @@ class ShardedIndex::Shard {
       ApplyBatch(*batches[i]);
       if (gate_.EndWrite() && index_.HasRetired()) index_.FreeRetired();
       spares_.GiveHere(std::move(*batches[i]));
-      mu_.YieldToReaders();
+      if (asks_.empty()) mu_.YieldToReaders();  // see asks_
     }
     if (index_.HasRetired() && gate_.Quiet()) index_.FreeRetired();
     std::vector<Ask> asks = TakeAsks();
@@ -372,7 +372,7 @@ class ShardedIndex::Shard {
             slice = 0;
             mu_.lock();
           } else {
-            mu_.YieldToReaders();  // a route waiting for this shard gets in now
+            if (asks_.empty()) mu_.YieldToReaders();  // a stats reader waiting gets in now (see asks_)
           }
         }
         // A reader was inside when the last event ended: free what was replaced once none is
@@ -556,7 +556,11 @@ class ShardedIndex::Shard {
   std::unordered_map<std::uint64_t, std::uint64_t> capacity_of_;  // thread_ only: worker_id -> blocks per rank
   const bool recover_;
   const EventStreams::RecoveryNeeded on_recovery_;
-  std::vector<Ask> asks_ KV_GUARDED_BY(mu_);  // made when the write lock is released
+  // Recoveries asked while applying, made once the write lock is released. Empty whenever a
+  // writer releases the lock (each release takes them first, and a writer with asks pending
+  // does not yield to readers), so each writer makes the asks its own events raised before it
+  // counts them applied or returns from Submit: Flush sees them submitted.
+  std::vector<Ask> asks_ KV_GUARDED_BY(mu_);
   EventStreams streams_;   // thread_ only
 
   KvMutex flush_mu_;

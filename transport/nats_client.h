@@ -159,7 +159,7 @@ class NatsClient {
 
   // Starts nats.c's library threads (timers, callbacks, and the collector that frees every
   // delivered message) if the first Connect has not yet: a caller that treats them specially
-  // (the router marks them as ingestion) finds them started by this call.
+  // (the router marks the collector as ingestion) finds them started by this call.
   static Status OpenLibrary();
 
   // Unsubscribed subscriptions are freed in batches of this many (see NatsStats).
