@@ -12,6 +12,7 @@ BlockIndex::BlockIndex() {
   chunks_.emplace_back(kChunkSize);
   chunk_dir_.Set(0, &chunks_[0][0]);
   num_node_slots_ = 1;  // the root
+  node_of_.ShrinkOnErase(false);
 }
 
 BlockIndex::~BlockIndex() {

@@ -133,6 +133,12 @@ class BlockIndex {
   // Owner, when no reader can hold replaced memory any more (ReadGate::EndWrite said quiet).
   void FreeRetired();
 
+  // The sequence-hash table keeps its capacity when blocks go (a cleared fleet refills without
+  // growing it again step by step); the owner gives memory back with ShrinkTables once it has
+  // stayed under an eighth full a while (TablesUnderfull).
+  bool TablesUnderfull() const { return node_of_.Underfull(); }
+  void ShrinkTables() { node_of_.ShrinkToFit(); }
+
   std::size_t TreeSize(WorkerKey worker) const;  // blocks held by (worker, dp_rank)
   // Node and worker-slot numbers handed out so far (live, free or waiting for FreeRetired).
   std::size_t node_numbers() const { return num_node_slots_; }

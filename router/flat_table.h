@@ -70,6 +70,7 @@ class FlatTable {
     published_ = std::exchange(o.published_, nullptr);
     size_ = std::exchange(o.size_, 0);
     defer_frees_ = o.defer_frees_;
+    shrink_on_erase_ = o.shrink_on_erase_;
     retired_ = std::move(o.retired_);
     return *this;
   }
@@ -186,8 +187,25 @@ class FlatTable {
     RelaxedStore(slots[hole].value, kFlatEmpty);
     ReleaseStore(erasing_, erasing_ + 1);
     --size_;
-    if (capacity() > 8 && size_ * 8 < capacity()) Rehash(capacity() / 2);  // give memory back
+    if (shrink_on_erase_ && Underfull()) Rehash(capacity() / 2);  // give memory back
     return old;
+  }
+
+  // Under an eighth full: a table that shrinks on erase halves here.
+  bool Underfull() const { return capacity() > 8 && size_ * 8 < capacity(); }
+  // Off: Erase keeps the capacity, and the owner gives memory back with ShrinkToFit when the
+  // table has stayed small (a table emptied and refilled at once then never rehashes).
+  void ShrinkOnErase(bool on) { shrink_on_erase_ = on; }
+  // To the smallest capacity (at least 8) that leaves the table at most half full; nothing left
+  // when empty.
+  void ShrinkToFit() {
+    if (size_ == 0) {
+      Clear();
+      return;
+    }
+    std::size_t fit = 8;
+    while (fit < 2 * size_) fit *= 2;
+    if (fit < capacity()) Rehash(fit);
   }
 
   void Clear() {
@@ -257,6 +275,7 @@ class FlatTable {
   std::size_t size_ = 0;
   std::uint32_t erasing_ = 0;  // odd while Erase moves entries (atomic accesses)
   bool defer_frees_ = false;
+  bool shrink_on_erase_ = true;
   std::vector<std::unique_ptr<Storage>> retired_;
 };
 

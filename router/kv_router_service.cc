@@ -163,7 +163,7 @@ void KvRouterService::DropUndecodable(std::string_view reason, const BusMessage&
 }
 
 bool KvRouterService::AdmitEvent(std::uint64_t worker_id, std::uint32_t dp_rank) {
-  const char* refused = registry_.AdmitEvent(worker_id, dp_rank, clock_());
+  const char* refused = registry_.AdmitEvent(worker_id, dp_rank, clock_);
   if (refused == nullptr) return true;
   drops_.Add(refused);
   log_.Log(LogLevel::kWarning, "event refused", "dropped an event of worker {} rank {}: {}", worker_id, dp_rank,

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <map>
+#include <optional>
 #include <thread>
 #include <unordered_map>
 #include <unordered_set>
@@ -132,6 +133,7 @@ class ShardedIndex::Shard {
         capacity_(o.queue_capacity),
         max_bulk_(o.max_bulk),
         read_patience_(o.read_patience),
+        shrink_after_(o.shrink_after),
         default_capacity_(o.default_capacity),
         recover_(static_cast<bool>(o.on_recovery)),
         on_recovery_(o.on_recovery),
@@ -392,8 +394,28 @@ class ShardedIndex::Shard {
         if (flush_waiters_ > 0) flush_cv_.notify_all();
       }
       if (stop_.load() && n == 0) return;
+      if (n == 0) MaybeShrink();
       if (stop_.load() && queue_.size_approx() == 0) return;
     }
+  }
+
+  // An idle wake-up: the index's tables give memory back once they have been under an eighth
+  // full for shrink_after_ (see ShardedIndexOptions). Samples the load on each idle wake-up.
+  void MaybeShrink() {
+    mu_.lock();
+    if (!index_.TablesUnderfull()) {
+      underfull_since_.reset();
+    } else {
+      const auto now = std::chrono::steady_clock::now();
+      if (!underfull_since_) underfull_since_ = now;
+      if (now - *underfull_since_ >= shrink_after_) {
+        gate_.BeginWrite();
+        index_.ShrinkTables();
+        if (gate_.EndWrite() && index_.HasRetired()) index_.FreeRetired();
+        underfull_since_.reset();
+      }
+    }
+    mu_.unlock();
   }
 
   struct Ask {
@@ -552,6 +574,8 @@ class ShardedIndex::Shard {
   BlockIndex index_ KV_GUARDED_BY(mu_);  // written only by thread_, under the write lock
   mutable ReadGate gate_;
   const std::chrono::nanoseconds read_patience_;
+  const std::chrono::milliseconds shrink_after_;
+  std::optional<std::chrono::steady_clock::time_point> underfull_since_;  // thread_ only
   const std::uint64_t default_capacity_;
   std::unordered_map<std::uint64_t, std::uint64_t> capacity_of_;  // thread_ only: worker_id -> blocks per rank
   const bool recover_;

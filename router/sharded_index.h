@@ -64,6 +64,10 @@ struct ShardedIndexOptions {
   // queued, nothing being applied, the lock free), instead of handing it over: cheaper when
   // the machine has fewer CPUs than busy ingestion threads (ApplyOnSubmitPays).
   bool apply_on_submit = false;
+  // How long a shard's sequence-hash table stays under an eighth full before its thread gives
+  // the memory back (checked when the shard thread wakes idle, every 100 ms at most). Emptied
+  // and refilled sooner (a fleet restarting), it keeps its capacity and never rehashes.
+  std::chrono::milliseconds shrink_after{10000};
 };
 
 // Event counters summed over shards (monotonic).

@@ -84,24 +84,30 @@ void WorkerRegistry::CountInvalid() {
   CountRefusalLocked("invalid");
 }
 
-const char* WorkerRegistry::AdmitEvent(std::uint64_t worker_id, std::uint32_t dp_rank, SteadyTime now) {
-  // The ranks this thread admitted since the last revocation: admitted again without the lock.
-  struct Admitted {
-    std::uint64_t registry = 0;
-    std::uint64_t revision = 0;
-    std::unordered_set<WorkerKey, WorkerKeyHash> ranks;
-  };
-  thread_local Admitted admitted;
-  const WorkerKey key{worker_id, dp_rank};
+namespace {
+// The ranks this thread admitted since the last revocation: admitted again without the lock.
+struct Admitted {
+  std::uint64_t registry = 0;
+  std::uint64_t revision = 0;
+  std::unordered_set<WorkerKey, WorkerKeyHash> ranks;
+};
+thread_local Admitted admitted;
+}  // namespace
+
+bool WorkerRegistry::AdmittedHere(WorkerKey key) const {
   const std::uint64_t revision = revision_.load(std::memory_order_acquire);
   if (admitted.registry != id_ || admitted.revision != revision) {
     admitted.ranks.clear();
     admitted.registry = id_;
     admitted.revision = revision;
+    return false;
   }
-  if (admitted.ranks.contains(key)) return nullptr;
+  return admitted.ranks.contains(key);
+}
+
+const char* WorkerRegistry::AdmitAndRemember(std::uint64_t worker_id, std::uint32_t dp_rank, SteadyTime now) {
   const char* refused = AdmitEventUncached(worker_id, dp_rank, now);
-  if (refused == nullptr && admitted.ranks.size() < kMaxAdmittedCached) admitted.ranks.insert(key);
+  if (refused == nullptr && admitted.ranks.size() < kMaxAdmittedCached) admitted.ranks.insert({worker_id, dp_rank});
   return refused;
 }
 

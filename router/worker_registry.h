@@ -23,6 +23,7 @@
 #include <shared_mutex>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <vector>
 
 #include "events/message_codec.h"
@@ -85,7 +86,17 @@ class WorkerRegistry {
   // A thread remembers the ranks it admitted until a worker is forgotten or registers again
   // (at most kMaxAdmittedCached of them): the event thread then admits a known rank's events
   // without the lock, whose cache line every one of them would otherwise write.
-  const char* AdmitEvent(std::uint64_t worker_id, std::uint32_t dp_rank, SteadyTime now);
+  // `now` may be a callable giving the time: it is then called only when the thread's memory
+  // does not already admit the rank (the event path reads no clock per event).
+  const char* AdmitEvent(std::uint64_t worker_id, std::uint32_t dp_rank, SteadyTime now) {
+    return AdmitEvent(worker_id, dp_rank, [now] { return now; });
+  }
+  template <typename Now>
+    requires std::is_invocable_r_v<SteadyTime, Now&>
+  const char* AdmitEvent(std::uint64_t worker_id, std::uint32_t dp_rank, Now&& now) {
+    if (AdmittedHere({worker_id, dp_rank})) return nullptr;
+    return AdmitAndRemember(worker_id, dp_rank, now());
+  }
   static constexpr std::size_t kMaxAdmittedCached = 1 << 16;
   static constexpr std::chrono::seconds kLeftMemory{10};
   static constexpr std::size_t kMaxLeftRemembered = 65536;
@@ -125,6 +136,10 @@ class WorkerRegistry {
   const char* RefusalLocked(const WorkerRegistration& reg, std::string& detail) const KV_REQUIRES(mu_);
   void CountRefusalLocked(std::string_view reason) KV_REQUIRES(mu_);
   void EraseLocked(std::map<std::uint64_t, Worker>::iterator it, SteadyTime now) KV_REQUIRES(mu_);
+  // AdmitEvent's halves: whether this thread admitted `key` since the last revocation, and the
+  // admission under the lock, remembered by this thread when granted.
+  bool AdmittedHere(WorkerKey key) const;
+  const char* AdmitAndRemember(std::uint64_t worker_id, std::uint32_t dp_rank, SteadyTime now);
   // AdmitEvent without the thread's memory of admitted ranks.
   const char* AdmitEventUncached(std::uint64_t worker_id, std::uint32_t dp_rank, SteadyTime now);
   // mu_ held (exclusive): a rank admitted before may no longer be; threads forget what they admitted.

@@ -13,16 +13,12 @@
 #include "events/block_hash.h"
 #include "router/block_index.h"
 #include "router/read_gate.h"
+#include "tests/await.h"
 
 namespace kvrouter {
 namespace {
 
 using namespace std::chrono_literals;
-
-template <typename F>
-void AwaitTrue(F&& f) {
-  while (!f()) std::this_thread::yield();
-}
 
 TEST(ReadGate, AnEventWaitsForTheReaderInsideAndReadersBetweenEventsAreExact) {
   ReadGate gate;

@@ -61,6 +61,25 @@ TEST(FlatTable, ShrinksWhenEmptied) {
   EXPECT_LT(t.memory_bytes() * 100, full);
 }
 
+// Without shrinking on erase, an emptied table keeps its capacity (refilled, it does not grow
+// again step by step) until ShrinkToFit, which leaves it at most half full.
+TEST(FlatTable, KeepsItsCapacityUntilShrinkToFitWhenNotShrinkingOnErase) {
+  FlatTable<U64Traits> t;
+  t.ShrinkOnErase(false);
+  for (std::uint64_t k = 0; k < 10000; ++k) (void)t.Insert(k, 1);
+  const std::size_t full = t.capacity();
+  for (std::uint64_t k = 0; k < 9990; ++k) (void)t.Erase(k);
+  EXPECT_EQ(t.capacity(), full);
+  EXPECT_TRUE(t.Underfull());
+  t.ShrinkToFit();
+  EXPECT_EQ(t.capacity(), 32u);  // 10 keys: the smallest power of two at least twice that
+  EXPECT_FALSE(t.Underfull());
+  for (std::uint64_t k = 9990; k < 10000; ++k) EXPECT_EQ(t.Find(k), 1u);
+  for (std::uint64_t k = 9990; k < 10000; ++k) (void)t.Erase(k);
+  t.ShrinkToFit();
+  EXPECT_EQ(t.memory_bytes(), 0u);
+}
+
 // Past 2 MiB the table lives on its own huge-page mapping (LargeArray); it must behave the same
 // on the way up and back down.
 TEST(FlatTable, KeepsEveryKeyAcrossTheMoveToAndFromItsOwnMapping) {

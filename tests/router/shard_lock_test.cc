@@ -7,16 +7,10 @@
 #include <thread>
 #include <vector>
 
+#include "tests/await.h"
+
 namespace kvrouter {
 namespace {
-
-// Spins (yielding the CPU) until pred() holds or 10 s pass; returns pred().
-template <typename Pred>
-bool AwaitTrue(Pred pred) {
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-  while (!pred() && std::chrono::steady_clock::now() < deadline) std::this_thread::yield();
-  return pred();
-}
 
 TEST(ShardLock, YieldToReadersDoesNothingWhenNoReaderWaits) {
   ShardLock mu;

@@ -13,6 +13,8 @@
 #include <string>
 #include <thread>
 
+#include "tests/await.h"
+
 namespace kvrouter {
 namespace {
 
@@ -137,6 +139,40 @@ TEST(ShardedIndex, SparesTakenFromOneIndexAreNotHandedOutByAnother) {
   EXPECT_FALSE(first.Spare().ops.empty());  // one of three; this thread holds the other two
   ShardedIndex second({.num_shards = 1});
   EXPECT_TRUE(second.Spare().ops.empty());  // nothing applied here
+}
+
+// A shard's sequence-hash table keeps its capacity when a fleet clears (the refill then does not
+// rehash), and gives the memory back once it has stayed under an eighth full for shrink_after.
+TEST(ShardedIndex, AClearedFleetKeepsTheTableUntilItHasStayedSmallForShrinkAfter) {
+  auto fill = [](ShardedIndex& idx) {
+    std::vector<std::uint64_t> next(5, 1);
+    for (std::uint64_t b = 1; b <= 20000; ++b) {
+      const std::uint64_t w = 1 + b % 4;
+      ASSERT_TRUE(idx.Submit(StoredBatch(w, 0, next[w]++, std::nullopt, {{b, b}})));
+    }
+    idx.Flush();
+  };
+  auto clear = [](ShardedIndex& idx) {
+    for (std::uint64_t w = 1; w <= 4; ++w) idx.ClearWorker(w);
+    idx.Flush();
+  };
+  ShardedIndex kept({.num_shards = 1, .shrink_after = std::chrono::hours(1)});
+  fill(kept);
+  const std::size_t full = kept.Memory().bytes;
+  clear(kept);
+  EXPECT_EQ(kept.Memory().nodes, 0u);
+  const std::size_t cleared = kept.Memory().bytes;
+  EXPECT_GE(cleared, full);  // the table's capacity kept (the free-node list grew)
+
+  ShardedIndex given_back({.num_shards = 1, .shrink_after = std::chrono::milliseconds(0)});
+  fill(given_back);
+  ASSERT_EQ(given_back.Memory().bytes, full);
+  clear(given_back);
+  // On the shard thread's next idle wake-up (every 100 ms at most).
+  // The table held 20,000 entries of 12 bytes in 32,768 slots: all of it goes.
+  EXPECT_TRUE(AwaitTrue([&] { return given_back.Memory().bytes + 32768 * 12 == cleared; }));
+  fill(given_back);  // and it grows again
+  EXPECT_EQ(given_back.Memory().nodes, 20000u);
 }
 
 // apply_on_submit: an idle shard's events are applied by the submitting thread before Submit

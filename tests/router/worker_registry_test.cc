@@ -54,5 +54,22 @@ TEST(WorkerRegistryAdmission, WhatOneRegistryAdmittedIsNotAdmittedByAnother) {
   EXPECT_EQ(first.AdmitEvent(7, 0, kT0), nullptr);
 }
 
+TEST(WorkerRegistryAdmission, TheClockIsReadOnlyWhenTheRankIsNotRemembered) {
+  WorkerRegistry reg({});
+  ASSERT_EQ(reg.Register(Reg(7), kT0).outcome, WorkerRegistry::Outcome::kNew);
+  int reads = 0;
+  auto clock = [&] {
+    ++reads;
+    return kT0;
+  };
+  EXPECT_EQ(reg.AdmitEvent(7, 0, clock), nullptr);
+  EXPECT_EQ(reads, 1);
+  for (int i = 0; i < 10; ++i) EXPECT_EQ(reg.AdmitEvent(7, 0, clock), nullptr);
+  EXPECT_EQ(reads, 1);  // remembered: no clock per event
+  ASSERT_TRUE(reg.Forget(7, kT0));
+  EXPECT_STREQ(reg.AdmitEvent(7, 0, clock), "worker_left");  // forgotten: asked, with the time
+  EXPECT_EQ(reads, 2);
+}
+
 }  // namespace
 }  // namespace kvrouter

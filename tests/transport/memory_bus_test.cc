@@ -9,17 +9,13 @@
 #include <thread>
 #include <vector>
 
+#include "tests/await.h"
+
 namespace kvrouter {
 namespace {
 
 std::span<const std::byte> Bytes(std::string_view s) { return {reinterpret_cast<const std::byte*>(s.data()), s.size()}; }
 std::string Text(std::span<const std::byte> b) { return {reinterpret_cast<const char*>(b.data()), b.size()}; }
-
-// Spins (yielding) until `cond` holds; a test watchdog (ctest --timeout) catches a hang.
-template <typename F>
-void AwaitTrue(F cond) {
-  while (!cond()) std::this_thread::yield();
-}
 
 TEST(InMemoryBus, DeliversByWildcardAndOneMemberPerQueueGroup) {
   InMemoryBus bus;
