@@ -4,6 +4,7 @@
 #include <cassert>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <stdexcept>
 
 namespace kvrouter {
@@ -73,6 +74,15 @@ std::uint32_t BlockIndex::SlotFor(WorkerKey worker) {
   return s;
 }
 
+void BlockIndex::TidyFreeNodes() {
+  constexpr std::size_t kWorthSorting = 4096;  // freed since the last time
+  if (free_nodes_.size() - free_sorted_ < kWorthSorting) return;
+  const auto tail = free_nodes_.begin() + static_cast<std::ptrdiff_t>(free_sorted_);
+  std::sort(tail, free_nodes_.end(), std::greater<>());
+  std::inplace_merge(free_nodes_.begin(), tail, free_nodes_.end(), std::greater<>());
+  free_sorted_ = free_nodes_.size();
+}
+
 std::uint32_t BlockIndex::ChildOrCreate(std::uint32_t parent, SequenceHash seq) {
   // A 64-bit sequence hash names one prefix (collisions are as unlikely as in the engines'
   // own prefix caches), so an existing node under this hash is this prefix.
@@ -81,6 +91,7 @@ std::uint32_t BlockIndex::ChildOrCreate(std::uint32_t parent, SequenceHash seq) 
   if (!free_nodes_.empty()) {
     c = free_nodes_.back();
     free_nodes_.pop_back();
+    free_sorted_ = std::min(free_sorted_, free_nodes_.size());
     // Freed nodes lie anywhere in memory: start loading the one a few new nodes from now, so
     // its cache miss overlaps the work until then instead of stalling it.
     constexpr std::size_t kAhead = 8;

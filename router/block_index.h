@@ -138,10 +138,16 @@ class BlockIndex {
   // stayed under an eighth full a while (TablesUnderfull).
   bool TablesUnderfull() const { return node_of_.Underfull(); }
   void ShrinkTables() { node_of_.ShrinkToFit(); }
+  // Owner, now and then (a shard thread's idle wake-up): when many nodes were freed since the
+  // last time (a worker cleared), orders the free list so that new nodes are taken in address
+  // order, neighbours sharing cache lines and pages, rather than all over the node chunks.
+  void TidyFreeNodes();
 
   std::size_t TreeSize(WorkerKey worker) const;  // blocks held by (worker, dp_rank)
   // Node and worker-slot numbers handed out so far (live, free or waiting for FreeRetired).
   std::size_t node_numbers() const { return num_node_slots_; }
+  // Freed node numbers, the next one to be taken last.
+  std::span<const std::uint32_t> free_node_numbers() const { return free_nodes_; }
   std::size_t slot_numbers() const { return slots_.size(); }
   // Calls f(WorkerKey, tree_size) for every known (worker, dp_rank).
   template <typename F>
@@ -237,6 +243,7 @@ class BlockIndex {
   // Freed node numbers, reused last freed first. A list of numbers rather than one linked
   // through the nodes: taking one touches no node, and the next few can be prefetched.
   std::vector<std::uint32_t> free_nodes_;
+  std::size_t free_sorted_ = 0;  // free_nodes_[0, free_sorted_) is in descending order
   std::vector<std::uint32_t> retired_nodes_;  // freed while readers may read: free at FreeRetired
   std::size_t live_nodes_ = 0;
   FlatTable<U64MapTraits> node_of_;         // sequence hash -> node

@@ -394,15 +394,17 @@ class ShardedIndex::Shard {
         if (flush_waiters_ > 0) flush_cv_.notify_all();
       }
       if (stop_.load() && n == 0) return;
-      if (n == 0) MaybeShrink();
+      if (n == 0) Tidy();
       if (stop_.load() && queue_.size_approx() == 0) return;
     }
   }
 
-  // An idle wake-up: the index's tables give memory back once they have been under an eighth
-  // full for shrink_after_ (see ShardedIndexOptions). Samples the load on each idle wake-up.
-  void MaybeShrink() {
+  // An idle wake-up's upkeep: the free nodes are put in order (BlockIndex::TidyFreeNodes), and
+  // the index's tables give memory back once they have been under an eighth full for
+  // shrink_after_ (see ShardedIndexOptions; the load is sampled at each idle wake-up).
+  void Tidy() {
     mu_.lock();
+    index_.TidyFreeNodes();
     if (!index_.TablesUnderfull()) {
       underfull_since_.reset();
     } else {

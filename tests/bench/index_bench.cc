@@ -126,7 +126,8 @@ BENCHMARK(BM_ApplyChains16)->Unit(benchmark::kMillisecond);
 // The apply work of route_bench's ingest workload (BM_IngestVsBareSubscriber), on one thread
 // and without the queue: 300,000 stored events of 4 new blocks each (a new prompt: no parent)
 // from 64 workers, into an index that readers may read (as a shard's is), then, untimed, every
-// worker cleared as that benchmark does between runs. items_per_second = events.
+// worker cleared as that benchmark does between runs, and the free nodes put in order as an
+// idle shard thread does. items_per_second = events.
 void BM_ApplyIngestEvents(benchmark::State& state) {
   constexpr int kWorkers = 64, kEvents = 300000, kBlocks = 4;
   std::vector<std::vector<StoredBlock>> events(kEvents);
@@ -147,6 +148,7 @@ void BM_ApplyIngestEvents(benchmark::State& state) {
     if (idx.Memory().holdings != std::size_t{kEvents} * kBlocks) state.SkipWithError("blocks were lost");
     for (int w = 0; w < kWorkers; ++w) idx.ClearWorker(w);
     idx.FreeRetired();
+    idx.TidyFreeNodes();  // as a shard thread does when idle
     state.ResumeTiming();
   }
   state.SetItemsProcessed(state.iterations() * kEvents);
