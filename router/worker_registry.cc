@@ -3,7 +3,8 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <unordered_set>
+
+#include "router/flat_table.h"
 
 namespace kvrouter {
 namespace {
@@ -85,11 +86,22 @@ void WorkerRegistry::CountInvalid() {
 }
 
 namespace {
+// A set of ranks, open-addressed (one cache line per lookup on the event path).
+struct RankSetTraits {
+  using Key = WorkerKey;
+  struct Entry {
+    WorkerKey key;
+    std::uint32_t value;  // kFlatEmpty: a free slot
+  };
+  static Key KeyOf(const Entry& e) { return e.key; }
+  static void Set(Entry& e, const Key& k, std::uint32_t v) { e = {k, v}; }
+  static std::uint64_t Hash(const Key& k) { return Mix64(k.worker_id ^ (std::uint64_t{k.dp_rank} << 48)); }
+};
 // The ranks this thread admitted since the last revocation: admitted again without the lock.
 struct Admitted {
   std::uint64_t registry = 0;
   std::uint64_t revision = 0;
-  std::unordered_set<WorkerKey, WorkerKeyHash> ranks;
+  FlatTable<RankSetTraits> ranks;
 };
 thread_local Admitted admitted;
 }  // namespace
@@ -97,17 +109,17 @@ thread_local Admitted admitted;
 bool WorkerRegistry::AdmittedHere(WorkerKey key) const {
   const std::uint64_t revision = revision_.load(std::memory_order_acquire);
   if (admitted.registry != id_ || admitted.revision != revision) {
-    admitted.ranks.clear();
+    admitted.ranks.Clear();
     admitted.registry = id_;
     admitted.revision = revision;
     return false;
   }
-  return admitted.ranks.contains(key);
+  return admitted.ranks.Find(key) != kFlatEmpty;
 }
 
 const char* WorkerRegistry::AdmitAndRemember(std::uint64_t worker_id, std::uint32_t dp_rank, SteadyTime now) {
   const char* refused = AdmitEventUncached(worker_id, dp_rank, now);
-  if (refused == nullptr && admitted.ranks.size() < kMaxAdmittedCached) admitted.ranks.insert({worker_id, dp_rank});
+  if (refused == nullptr && admitted.ranks.size() < kMaxAdmittedCached) (void)admitted.ranks.Insert({worker_id, dp_rank}, 1);
   return refused;
 }
 
