@@ -13,7 +13,6 @@ BlockIndex::BlockIndex() {
   chunks_.emplace_back(kChunkSize);
   chunk_dir_.Set(0, &chunks_[0][0]);
   num_node_slots_ = 1;  // the root
-  node_of_.ShrinkOnErase(false);
 }
 
 BlockIndex::~BlockIndex() {
@@ -535,6 +534,7 @@ void BlockIndex::FindMatchesImpl(std::span<const SequenceHash> hashes, OverlapSc
 IndexMemory BlockIndex::Memory() const {
   IndexMemory m;
   m.nodes = live_nodes_;
+  m.table_bytes = node_of_.memory_bytes();
   m.bytes = chunks_.size() * kChunkSize * sizeof(Node) + node_of_.memory_bytes() + holder_heap_.bytes +
             slots_.capacity() * sizeof(WorkerSlot) + chunk_dir_.memory_bytes() + key_words_.memory_bytes() +
             (free_nodes_.capacity() + retired_nodes_.capacity()) * sizeof(std::uint32_t);

@@ -92,6 +92,7 @@ struct IndexMemory {
   std::size_t bytes = 0;          // everything the index allocated (capacities, not sizes)
   std::size_t nodes = 0;          // live tree nodes (without the root)
   std::size_t holdings = 0;       // (block, worker) pairs = sum of tree sizes
+  std::size_t table_bytes = 0;    // of `bytes`: the sequence-hash table's slots
 };
 
 class BlockIndex {
@@ -133,9 +134,11 @@ class BlockIndex {
   // Owner, when no reader can hold replaced memory any more (ReadGate::EndWrite said quiet).
   void FreeRetired();
 
-  // The sequence-hash table keeps its capacity when blocks go (a cleared fleet refills without
-  // growing it again step by step); the owner gives memory back with ShrinkTables once it has
-  // stayed under an eighth full a while (TablesUnderfull).
+  // On: the sequence-hash table keeps its capacity when blocks go (a cleared fleet refills
+  // without growing it again step by step), and the owner gives memory back with ShrinkTables
+  // once it has stayed under an eighth full a while (TablesUnderfull). Off (the default): the
+  // table halves as it empties.
+  void ShrinkTablesLater(bool on) { node_of_.ShrinkOnErase(!on); }
   bool TablesUnderfull() const { return node_of_.Underfull(); }
   void ShrinkTables() { node_of_.ShrinkToFit(); }
   // Owner, now and then (a shard thread's idle wake-up): when many nodes were freed since the

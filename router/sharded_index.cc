@@ -5,6 +5,7 @@
 #include <pthread.h>
 #include <sched.h>
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <map>
@@ -259,6 +260,8 @@ class ShardedIndex::Shard {
     return index_.Memory();
   }
 
+  std::uint64_t upkeeps() const { return upkeeps_.load(std::memory_order_relaxed); }
+
   void AddCounters(IndexCounters& c) const {
     c.batches_applied += batches_applied_.Get();
     c.ops_applied += ops_applied_.Get();
@@ -394,21 +397,24 @@ class ShardedIndex::Shard {
         if (flush_waiters_ > 0) flush_cv_.notify_all();
       }
       if (stop_.load() && n == 0) return;
-      if (n == 0) Tidy();
+      // Every 100 ms, busy or not (an idle dequeue returns after 100 ms).
+      if (const auto now = std::chrono::steady_clock::now(); now - last_upkeep_ >= kUpkeepEvery) {
+        last_upkeep_ = now;
+        Upkeep(now);
+      }
       if (stop_.load() && queue_.size_approx() == 0) return;
     }
   }
 
-  // An idle wake-up's upkeep: the free nodes are put in order (BlockIndex::TidyFreeNodes), and
-  // the index's tables give memory back once they have been under an eighth full for
-  // shrink_after_ (see ShardedIndexOptions; the load is sampled at each idle wake-up).
-  void Tidy() {
+  // The shard thread's upkeep, every kUpkeepEvery: the free nodes are put in order
+  // (BlockIndex::TidyFreeNodes), and the sequence-hash table gives memory back once it has been
+  // under an eighth full at every upkeep for shrink_after_ (see ShardedIndexOptions).
+  void Upkeep(std::chrono::steady_clock::time_point now) {
     mu_.lock();
     index_.TidyFreeNodes();
     if (!index_.TablesUnderfull()) {
       underfull_since_.reset();
     } else {
-      const auto now = std::chrono::steady_clock::now();
       if (!underfull_since_) underfull_since_ = now;
       if (now - *underfull_since_ >= shrink_after_) {
         gate_.BeginWrite();
@@ -418,6 +424,7 @@ class ShardedIndex::Shard {
       }
     }
     mu_.unlock();
+    upkeeps_.fetch_add(1, std::memory_order_relaxed);
   }
 
   struct Ask {
@@ -564,6 +571,7 @@ class ShardedIndex::Shard {
   void SetConcurrentReaders() {
     mu_.lock();
     index_.SetConcurrentReaders(true);
+    index_.ShrinkTablesLater(true);  // Upkeep gives the memory back
     mu_.unlock();
   }
   // FindMatches' way in without mu_: the gate orders it with the writes instead (BlockIndex's
@@ -577,7 +585,10 @@ class ShardedIndex::Shard {
   mutable ReadGate gate_;
   const std::chrono::nanoseconds read_patience_;
   const std::chrono::milliseconds shrink_after_;
+  static constexpr std::chrono::milliseconds kUpkeepEvery{100};
+  std::chrono::steady_clock::time_point last_upkeep_{};                    // thread_ only
   std::optional<std::chrono::steady_clock::time_point> underfull_since_;  // thread_ only
+  std::atomic<std::uint64_t> upkeeps_{0};
   const std::uint64_t default_capacity_;
   std::unordered_map<std::uint64_t, std::uint64_t> capacity_of_;  // thread_ only: worker_id -> blocks per rank
   const bool recover_;
@@ -696,6 +707,12 @@ IndexCounters ShardedIndex::Counters() const {
   return c;
 }
 
+std::uint64_t ShardedIndex::UpkeepPasses() const {
+  std::uint64_t fewest = std::numeric_limits<std::uint64_t>::max();
+  for (const auto& s : shards_) fewest = std::min(fewest, s->upkeeps());
+  return fewest;
+}
+
 IndexMemory ShardedIndex::Memory() const {
   IndexMemory m;
   for (const auto& s : shards_) {
@@ -703,6 +720,7 @@ IndexMemory ShardedIndex::Memory() const {
     m.bytes += x.bytes;
     m.nodes += x.nodes;
     m.holdings += x.holdings;
+    m.table_bytes += x.table_bytes;
   }
   return m;
 }

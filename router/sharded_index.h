@@ -65,8 +65,8 @@ struct ShardedIndexOptions {
   // the machine has fewer CPUs than busy ingestion threads (ApplyOnSubmitPays).
   bool apply_on_submit = false;
   // How long a shard's sequence-hash table stays under an eighth full before its thread gives
-  // the memory back (checked when the shard thread wakes idle, every 100 ms at most). Emptied
-  // and refilled sooner (a fleet restarting), it keeps its capacity and never rehashes.
+  // the memory back (sampled every 100 ms, busy or idle). Emptied and refilled sooner (a fleet
+  // restarting), it keeps its capacity and never rehashes.
   std::chrono::milliseconds shrink_after{10000};
 };
 
@@ -137,6 +137,9 @@ class ShardedIndex {
   std::size_t TreeSize(WorkerKey worker) const;  // blocks of one rank
   IndexCounters Counters() const;
   IndexMemory Memory() const;
+  // Upkeep passes made by the shard thread that made fewest (each makes one every 100 ms:
+  // free nodes put in order, the sequence-hash table shrunk once it has stayed small).
+  std::uint64_t UpkeepPasses() const;
   // Workers whose index may be wrong (gap, queue full) since the last call; clears the set.
   std::vector<WorkerKey> TakeStaleWorkers();
   // Blocks until everything submitted before the call has been applied.

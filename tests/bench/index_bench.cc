@@ -138,6 +138,7 @@ void BM_ApplyIngestEvents(benchmark::State& state) {
   }
   BlockIndex idx;
   idx.SetConcurrentReaders(true);
+  idx.ShrinkTablesLater(true);  // as a shard's index
   const bool prefetch = state.range(0) != 0;
   for (auto _ : state) {
     for (int e = 0; e < kEvents; ++e) {

@@ -229,6 +229,46 @@ TEST(BlockIndex, TidiedFreeNodesAreTakenInAddressOrder) {
   for (int i = 0; i < 5000; ++i) (void)idx.ApplyStored(kW1, std::nullopt, std::vector<StoredBlock>{{rng(), rng()}});
   EXPECT_EQ(idx.node_numbers(), numbers);
   EXPECT_EQ(idx.TreeSize(kW1), 5000u);
+
+  // A few nodes taken and a few freed since: not worth another pass (the list keeps its order).
+  (void)idx.ClearWorker(kW1.worker_id);
+  idx.TidyFreeNodes();
+  for (int i = 0; i < 10; ++i) (void)idx.ApplyStored(kW1, std::nullopt, std::vector<StoredBlock>{{rng(), rng()}});
+  const auto some = idx.free_node_numbers();
+  const std::vector<std::uint32_t> before(some.begin(), some.end());
+  std::vector<BlockHash> three;
+  for (int i = 0; i < 3; ++i) {
+    three.push_back(rng());
+    (void)idx.ApplyStored(kW2, std::nullopt, std::vector<StoredBlock>{{three.back(), rng()}});
+  }
+  (void)idx.ApplyRemoved(kW2, three);  // three nodes freed after the tidy, in that order
+  const auto after = idx.free_node_numbers();
+  const std::vector<std::uint32_t> freed_late(after.begin(), after.end());
+  idx.TidyFreeNodes();
+  EXPECT_TRUE(std::ranges::equal(idx.free_node_numbers(), freed_late));
+  EXPECT_EQ(freed_late.size(), before.size());  // three taken from the list and three given back
+}
+
+// By default the sequence-hash table halves as blocks go (approximate mode's index relies on
+// it); ShrinkTablesLater keeps the capacity until ShrinkTables.
+TEST(BlockIndex, TheTableShrinksAsBlocksGoUnlessShrinkingIsLeftToTheOwner) {
+  auto fill_and_clear = [](BlockIndex& idx) {
+    for (std::uint64_t b = 1; b <= 5000; ++b) (void)idx.ApplyStored(kW1, std::nullopt, std::vector<StoredBlock>{{b, b}});
+    const std::size_t full = idx.Memory().table_bytes;
+    (void)idx.ClearWorker(kW1.worker_id);
+    return full;
+  };
+  BlockIndex eager;
+  const std::size_t full = fill_and_clear(eager);
+  EXPECT_GT(full, 5000u * 12);
+  EXPECT_LT(eager.Memory().table_bytes * 8, full);
+  BlockIndex later;
+  later.ShrinkTablesLater(true);
+  EXPECT_EQ(fill_and_clear(later), full);
+  EXPECT_EQ(later.Memory().table_bytes, full);
+  EXPECT_TRUE(later.TablesUnderfull());
+  later.ShrinkTables();
+  EXPECT_EQ(later.Memory().table_bytes, 0u);
 }
 
 // Worker 2 holds `other`; worker 1 stores `chain` and removes it a million times. The index's

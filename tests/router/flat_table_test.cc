@@ -80,6 +80,31 @@ TEST(FlatTable, KeepsItsCapacityUntilShrinkToFitWhenNotShrinkingOnErase) {
   EXPECT_EQ(t.memory_bytes(), 0u);
 }
 
+// With readers (DeferFrees), a shrink keeps the old slots for a reader that still holds them
+// until FreeRetired; the same for an emptied table's ShrinkToFit, which drops the slots.
+TEST(FlatTable, ShrinkToFitKeepsTheSlotsAReaderHoldsUntilFreeRetired) {
+  FlatTable<U64Traits> t;
+  t.DeferFrees(true);
+  t.ShrinkOnErase(false);
+  for (std::uint64_t k = 0; k < 1000; ++k) (void)t.Insert(k, 7);
+  for (std::uint64_t k = 10; k < 1000; ++k) (void)t.Erase(k);
+  const auto before = t.Snapshot();
+  t.ShrinkToFit();
+  EXPECT_TRUE(t.HasRetired());
+  EXPECT_EQ(before.Find(3), 7u);  // the reader's slots are still there
+  EXPECT_EQ(t.Find(3), 7u);
+  t.FreeRetired();
+  EXPECT_FALSE(t.HasRetired());
+  for (std::uint64_t k = 0; k < 10; ++k) (void)t.Erase(k);
+  const auto last = t.Snapshot();
+  t.ShrinkToFit();
+  EXPECT_EQ(t.memory_bytes(), 0u);
+  EXPECT_TRUE(t.HasRetired());
+  EXPECT_EQ(last.Find(3), kFlatEmpty);  // readable (and empty) until FreeRetired
+  EXPECT_EQ(t.Find(3), kFlatEmpty);
+  t.FreeRetired();
+}
+
 // Past 2 MiB the table lives on its own huge-page mapping (LargeArray); it must behave the same
 // on the way up and back down.
 TEST(FlatTable, KeepsEveryKeyAcrossTheMoveToAndFromItsOwnMapping) {

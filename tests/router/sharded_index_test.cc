@@ -144,11 +144,9 @@ TEST(ShardedIndex, SparesTakenFromOneIndexAreNotHandedOutByAnother) {
 // A shard's sequence-hash table keeps its capacity when a fleet clears (the refill then does not
 // rehash), and gives the memory back once it has stayed under an eighth full for shrink_after.
 TEST(ShardedIndex, AClearedFleetKeepsTheTableUntilItHasStayedSmallForShrinkAfter) {
-  auto fill = [](ShardedIndex& idx) {
-    std::vector<std::uint64_t> next(5, 1);
+  auto fill = [](ShardedIndex& idx, std::uint64_t first_event) {
     for (std::uint64_t b = 1; b <= 20000; ++b) {
-      const std::uint64_t w = 1 + b % 4;
-      ASSERT_TRUE(idx.Submit(StoredBatch(w, 0, next[w]++, std::nullopt, {{b, b}})));
+      ASSERT_TRUE(idx.Submit(StoredBatch(1 + b % 4, 0, first_event + b / 4, std::nullopt, {{b, b}})));
     }
     idx.Flush();
   };
@@ -156,23 +154,52 @@ TEST(ShardedIndex, AClearedFleetKeepsTheTableUntilItHasStayedSmallForShrinkAfter
     for (std::uint64_t w = 1; w <= 4; ++w) idx.ClearWorker(w);
     idx.Flush();
   };
+  // 20,000 entries of 12 bytes: 32,768 slots.
+  constexpr std::size_t kTable = 32768 * 12;
   ShardedIndex kept({.num_shards = 1, .shrink_after = std::chrono::hours(1)});
-  fill(kept);
-  const std::size_t full = kept.Memory().bytes;
+  fill(kept, 1);
+  ASSERT_EQ(kept.Memory().table_bytes, kTable);
   clear(kept);
   EXPECT_EQ(kept.Memory().nodes, 0u);
-  const std::size_t cleared = kept.Memory().bytes;
-  EXPECT_GE(cleared, full);  // the table's capacity kept (the free-node list grew)
+  const std::uint64_t passes = kept.UpkeepPasses();
+  ASSERT_TRUE(AwaitTrue([&] { return kept.UpkeepPasses() >= passes + 3; }));
+  EXPECT_EQ(kept.Memory().table_bytes, kTable);  // kept through three upkeeps
 
   ShardedIndex given_back({.num_shards = 1, .shrink_after = std::chrono::milliseconds(0)});
-  fill(given_back);
-  ASSERT_EQ(given_back.Memory().bytes, full);
+  fill(given_back, 1);
   clear(given_back);
-  // On the shard thread's next idle wake-up (every 100 ms at most).
-  // The table held 20,000 entries of 12 bytes in 32,768 slots: all of it goes.
-  EXPECT_TRUE(AwaitTrue([&] { return given_back.Memory().bytes + 32768 * 12 == cleared; }));
-  fill(given_back);  // and it grows again
+  EXPECT_TRUE(AwaitTrue([&] { return given_back.Memory().table_bytes == 0; }));
+  fill(given_back, 10000);  // and it grows again
   EXPECT_EQ(given_back.Memory().nodes, 20000u);
+  EXPECT_EQ(given_back.Memory().table_bytes, kTable);
+  const std::vector<LocalHash> q = {20000};
+  EXPECT_EQ(given_back.FindMatches(ComputeSequenceHashes(q)).size(), 1u);
+}
+
+// The table is not given back while a busy shard keeps it above an eighth full between upkeeps:
+// being underfull is sampled at every upkeep, not only when the shard is idle.
+TEST(ShardedIndex, ARefilledTableIsNotShrunkByAnEarlierEmptySpell) {
+  ShardedIndex idx({.num_shards = 1, .shrink_after = std::chrono::seconds(1)});
+  std::uint64_t event = 1;
+  auto store = [&](std::uint64_t from, std::uint64_t to) {
+    for (std::uint64_t b = from; b < to; ++b) ASSERT_TRUE(idx.Submit(StoredBatch(1, 0, event++, std::nullopt, {{b, b}})));
+    idx.Flush();
+  };
+  store(1, 20001);
+  idx.ClearWorker(1);
+  idx.Flush();
+  std::uint64_t passes = idx.UpkeepPasses();
+  ASSERT_TRUE(AwaitTrue([&] { return idx.UpkeepPasses() >= passes + 1; }));  // seen underfull
+  store(20001, 40001);  // refilled, and kept full for a shrink_after's worth of upkeeps
+  passes = idx.UpkeepPasses();
+  ASSERT_TRUE(AwaitTrue([&] { return idx.UpkeepPasses() >= passes + 10; }));
+  idx.ClearWorker(1);  // empty again, past shrink_after since the first empty spell began
+  idx.Flush();
+  const std::size_t table = idx.Memory().table_bytes;
+  passes = idx.UpkeepPasses();
+  ASSERT_TRUE(AwaitTrue([&] { return idx.UpkeepPasses() >= passes + 2; }));
+  EXPECT_EQ(idx.Memory().table_bytes, table);  // not before shrink_after of this spell
+  EXPECT_TRUE(AwaitTrue([&] { return idx.Memory().table_bytes == 0; }));
 }
 
 // apply_on_submit: an idle shard's events are applied by the submitting thread before Submit
