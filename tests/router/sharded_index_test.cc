@@ -202,6 +202,54 @@ TEST(ShardedIndex, ARefilledTableIsNotShrunkByAnEarlierEmptySpell) {
   EXPECT_TRUE(AwaitTrue([&] { return idx.Memory().table_bytes == 0; }));
 }
 
+// The upkeep shrinks the sequence-hash table while readers query without the shard's lock: they
+// keep finding the chain that stays (a shrink publishes a filled table and frees the old one
+// only once no reader can hold it; TSan runs this too).
+TEST(ShardedIndex, ReadersKeepFindingAChainWhileTheTableShrinksUnderThem) {
+  ShardedIndex idx({.num_shards = 1, .queue_capacity = 1 << 20, .shrink_after = std::chrono::milliseconds(0)});
+  std::vector<LocalHash> path;
+  std::vector<StoredBlock> chain;
+  for (LocalHash h = 1; h <= 8; ++h) {
+    path.push_back(h);
+    chain.push_back({h, h});
+  }
+  const auto seq_path = ComputeSequenceHashes(path);
+  ASSERT_TRUE(idx.Submit(StoredBatch(99, 0, 1, std::nullopt, chain)));
+  idx.Flush();
+  std::atomic<bool> done{false};
+  std::atomic<int> bad{0};
+  std::atomic<long> queries{0};
+  std::vector<std::thread> readers;
+  for (int r = 0; r < 2; ++r) {
+    readers.emplace_back([&] {
+      while (!done.load()) {
+        const OverlapScores s = idx.FindMatches(seq_path);
+        if (s.size() != 1 || s[0].worker != WorkerKey{99, 0} || s[0].blocks != 8) bad.fetch_add(1);
+        queries.fetch_add(1);
+      }
+    });
+  }
+  // Worker 1 fills the table past an eighth and clears, over a few upkeeps (each shrinks the
+  // table if it finds it emptied).
+  std::uint64_t id = 1;
+  const std::uint64_t passes = idx.UpkeepPasses();
+  while (idx.UpkeepPasses() < passes + 5) {
+    for (std::uint64_t b = 0; b < 4096; ++b, ++id) {
+      const std::uint64_t h = 1'000'000 + id;  // apart from the chain's hashes
+      ASSERT_TRUE(idx.Submit(StoredBatch(1, 0, id, std::nullopt, {{h, h}})));
+    }
+    idx.Flush();
+    idx.ClearWorker(1);
+    idx.Flush();
+  }
+  // The chain's 8 entries in 16 slots of 12 bytes: shrunk, with the readers still at it.
+  EXPECT_TRUE(AwaitTrue([&] { return idx.Memory().table_bytes == 16 * 12; }));
+  done.store(true);
+  for (auto& t : readers) t.join();
+  EXPECT_EQ(bad.load(), 0);
+  EXPECT_GT(queries.load(), 0);
+}
+
 // apply_on_submit: an idle shard's events are applied by the submitting thread before Submit
 // returns, visible without a Flush.
 TEST(ShardedIndex, ApplyOnSubmitAppliesBeforeSubmitReturnsWhenTheShardIsIdle) {
