@@ -74,7 +74,7 @@ std::uint32_t BlockIndex::SlotFor(WorkerKey worker) {
 }
 
 void BlockIndex::TidyFreeNodes() {
-  constexpr std::size_t kWorthSorting = 4096;  // freed since the last time
+  constexpr std::size_t kWorthSorting = 4096;  // freed nodes waiting past the sorted part
   if (free_nodes_.size() - free_sorted_ < kWorthSorting) return;
   // Node numbers are dense: a bitmap orders them in one pass (std::sort of a shard's 600,000
   // freed nodes took ~45 ms of the shard thread in route_bench).

@@ -141,8 +141,8 @@ class BlockIndex {
   void ShrinkTablesLater(bool on) { node_of_.ShrinkOnErase(!on); }
   bool TablesUnderfull() const { return node_of_.Underfull(); }
   void ShrinkTables() { node_of_.ShrinkToFit(); }
-  // Owner, now and then (a shard thread's idle wake-up): when many nodes were freed since the
-  // last time (a worker cleared), orders the free list so that new nodes are taken in address
+  // Owner, now and then (a shard thread's upkeep, every 100 ms): when many freed nodes wait
+  // unsorted (a worker cleared), orders the free list so that new nodes are taken in address
   // order, neighbours sharing cache lines and pages, rather than all over the node chunks.
   void TidyFreeNodes();
 
