@@ -33,7 +33,7 @@
 #include <msgpack.hpp>
 
 #include "events/kv_event.h"
-#include "events/status.h"
+#include "events/base/status.h"
 
 namespace kvrouter {
 

@@ -50,7 +50,7 @@
 
 #include <msgpack.hpp>
 
-#include "events/status.h"
+#include "events/base/status.h"
 
 namespace kvrouter {
 

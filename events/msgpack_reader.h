@@ -26,7 +26,7 @@
 
 #include <msgpack.hpp>
 
-#include "events/status.h"
+#include "events/base/status.h"
 
 namespace kvrouter {
 

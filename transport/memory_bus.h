@@ -27,7 +27,7 @@
 #include <vector>
 
 #include "transport/message_bus.h"
-#include "transport/thread_annotations.h"
+#include "events/base/thread_annotations.h"
 
 namespace kvrouter {
 

@@ -16,7 +16,7 @@
 #include <string>
 #include <string_view>
 
-#include "events/status.h"
+#include "events/base/status.h"
 
 namespace kvrouter {
 

@@ -17,7 +17,7 @@
 #include <cstring>
 #include <fstream>
 
-#include "transport/log.h"
+#include "events/base/log.h"
 #include "transport/nats_detail.h"
 
 // How the nats.c 3.4.1 threading model is used here (facts from nats.h and nats.c's sources):

@@ -31,7 +31,7 @@
 #include <utility>
 #include <vector>
 
-#include "events/status.h"
+#include "events/base/status.h"
 
 // Opaque nats.c handle types, spelled as nats.h spells them so this header need not include it.
 typedef struct __natsMsg natsMsg;

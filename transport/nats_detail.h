@@ -16,9 +16,9 @@
 #include <string_view>
 #include <vector>
 
-#include "transport/log.h"
+#include "events/base/log.h"
 #include "transport/nats_client.h"
-#include "transport/thread_annotations.h"
+#include "events/base/thread_annotations.h"
 
 namespace kvrouter::transport_detail {
 

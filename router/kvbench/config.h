@@ -1,5 +1,5 @@
 // BenchConfig: every kvbench flag, parsed once with the same helper as kvrouter's and
-// kvmocker's (router/flags.h): each flag also reads DYN_<FLAG> from the environment
+// kvmocker's (router/common/flags.h): each flag also reads DYN_<FLAG> from the environment
 // (DYN_CONCURRENCY=32), --nats-server reads NATS_SERVER; the command line wins; unsigned flags
 // refuse negative values. Plain values; ParseBenchConfig is thread-safe (the environment is
 // read through the caller's lookup).
@@ -12,8 +12,8 @@
 #include <string>
 #include <vector>
 
-#include "events/status.h"
-#include "router/flags.h"
+#include "events/base/status.h"
+#include "router/common/flags.h"
 #include "router/kvbench/offline.h"
 #include "router/kvbench/online.h"
 #include "router/kvbench/trace.h"

@@ -14,7 +14,7 @@
 #include "events/msgpack_reader.h"
 #include "events/worker_codec.h"
 #include "events/worker_publisher.h"
-#include "router/kv_router_service.h"
+#include "router/service/kv_router_service.h"
 #include "transport/memory_bus.h"
 
 namespace kvrouter::bench {

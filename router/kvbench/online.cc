@@ -13,9 +13,9 @@
 #include "events/message_codec.h"
 #include "events/msgpack_reader.h"
 #include "events/worker_codec.h"
-#include "router/worker_key.h"
+#include "router/index/worker_key.h"
 #include "transport/nats_client.h"
-#include "transport/thread_annotations.h"
+#include "events/base/thread_annotations.h"
 
 namespace kvrouter::bench {
 namespace {

@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "events/status.h"
+#include "events/base/status.h"
 
 namespace kvrouter::bench {
 

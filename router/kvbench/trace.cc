@@ -9,7 +9,7 @@
 #include <limits>
 #include <random>
 
-#include "router/flat_table.h"
+#include "router/index/flat_table.h"
 
 namespace kvrouter::bench {
 namespace {

@@ -14,7 +14,7 @@
 #include <string_view>
 #include <vector>
 
-#include "events/status.h"
+#include "events/base/status.h"
 
 namespace kvrouter::bench {
 

@@ -7,7 +7,7 @@
 #include <cmath>
 #include <limits>
 
-#include "router/flags.h"
+#include "router/common/flags.h"
 
 namespace kvrouter {
 namespace po = boost::program_options;

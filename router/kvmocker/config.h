@@ -1,5 +1,5 @@
 // kvmocker's configuration: every flag of the kvmocker program (DESIGN.md "Mock worker") in one
-// typed struct, parsed once from the command line and the DYN_* environment (router/flags.h).
+// typed struct, parsed once from the command line and the DYN_* environment (router/common/flags.h).
 // Thread-safe (pure; the environment is read through the caller's lookup).
 //
 //   auto parsed = ParseMockerConfig(argc, argv, [](const char* n) { return std::getenv(n); });
@@ -9,8 +9,8 @@
 #include <optional>
 #include <string>
 
-#include "events/status.h"
-#include "router/flags.h"
+#include "events/base/status.h"
+#include "router/common/flags.h"
 
 namespace kvrouter {
 

@@ -4,7 +4,7 @@
 #include <cassert>
 #include <utility>
 
-#include "router/engine_model.h"
+#include "router/common/engine_model.h"
 
 namespace kvrouter {
 

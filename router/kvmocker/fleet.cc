@@ -10,7 +10,7 @@
 #include "events/event_codec.h"
 #include "events/message_codec.h"
 #include "events/msgpack_reader.h"
-#include "router/metrics.h"
+#include "router/common/metrics.h"
 #include "events/vllm_codec.h"
 
 namespace kvrouter {

@@ -22,14 +22,14 @@
 #include <unordered_map>
 #include <vector>
 
-#include "events/status.h"
+#include "events/base/status.h"
 #include "events/worker_codec.h"
 #include "events/worker_publisher.h"
 #include "router/kvmocker/config.h"
 #include "router/kvmocker/engine.h"
-#include "transport/log.h"
+#include "events/base/log.h"
 #include "transport/nats_client.h"
-#include "transport/thread_annotations.h"
+#include "events/base/thread_annotations.h"
 
 namespace kvrouter {
 

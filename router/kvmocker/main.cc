@@ -9,7 +9,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
-#include "router/http_server.h"
+#include "router/common/http_server.h"
 #include "router/kvmocker/config.h"
 #include "router/kvmocker/fleet.h"
 #include "transport/nats_client.h"

@@ -8,7 +8,7 @@
 #include <optional>
 #include <string>
 
-#include "router/flags.h"
+#include "router/common/flags.h"
 #include "router/kvrelay/relay.h"
 
 namespace kvrouter {

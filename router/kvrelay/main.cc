@@ -8,10 +8,10 @@
 
 #include <fmt/format.h>
 
-#include "router/http_server.h"
+#include "router/common/http_server.h"
 #include "router/kvrelay/config.h"
 #include "router/kvrelay/relay.h"
-#include "router/metrics.h"
+#include "router/common/metrics.h"
 #include "transport/nats_bus.h"
 #include "transport/nats_client.h"
 #include "transport/stop_signals.h"

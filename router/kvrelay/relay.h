@@ -29,11 +29,11 @@
 #include <string>
 #include <vector>
 
-#include "events/status.h"
+#include "events/base/status.h"
 #include "events/worker_publisher.h"
-#include "transport/log.h"
+#include "events/base/log.h"
 #include "transport/message_bus.h"
-#include "transport/thread_annotations.h"
+#include "events/base/thread_annotations.h"
 #include "transport/zmq_stream.h"
 
 namespace kvrouter {

@@ -20,18 +20,18 @@
 #include <map>
 
 #include "events/block_hash.h"
-#include "router/approx_index.h"
-#include "router/block_index.h"
-#include "router/large_array.h"
-#include "router/sharded_index.h"
+#include "router/index/approx_index.h"
+#include "router/index/block_index.h"
+#include "router/index/large_array.h"
+#include "router/index/sharded_index.h"
 
 #include <fmt/format.h>
 
 #include "events/event_codec.h"
 #include "events/message_codec.h"
 #include "events/msgpack_reader.h"
-#include "router/kv_router_service.h"
-#include "router/selector.h"
+#include "router/service/kv_router_service.h"
+#include "router/scheduling/selector.h"
 #include "transport/memory_bus.h"
 
 namespace kvrouter {
@@ -311,7 +311,7 @@ void BM_FindMatches200(benchmark::State& state) {
   ReportPercentiles(state, us);
   state.counters["workers_matched"] = static_cast<double>(matched) / std::max<std::size_t>(1, us.size());
   if (ingest) state.counters["ingest_blocks_per_s"] = ingested.load() / secs;
-  // Shard reads that went around an event its thread had not finished (router/read_gate.h).
+  // Shard reads that went around an event its thread had not finished (router/index/read_gate.h).
   state.counters["tolerant_reads"] = static_cast<double>(fleet.index->Counters().tolerant_reads - tolerant0);
 }
 BENCHMARK(BM_FindMatches200)

@@ -39,7 +39,7 @@
 #include "events/block_hash.h"
 #include "router/kvbench/trace.h"
 #include "router/kvmocker/engine.h"
-#include "router/sharded_index.h"
+#include "router/index/sharded_index.h"
 
 namespace kvrouter {
 namespace {

@@ -20,7 +20,7 @@
 #include <utility>
 #include <vector>
 
-#include "events/status.h"
+#include "events/base/status.h"
 
 namespace kvrouter::testing {
 

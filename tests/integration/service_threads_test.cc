@@ -13,7 +13,7 @@
 #include "events/event_codec.h"
 #include "events/message_codec.h"
 #include "events/msgpack_reader.h"
-#include "router/kv_router_service.h"
+#include "router/service/kv_router_service.h"
 #include "tests/integration/process.h"
 #include "transport/nats_bus.h"
 #include "transport/nats_client.h"

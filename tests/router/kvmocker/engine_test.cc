@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "events/worker_publisher.h"
-#include "router/block_index.h"
+#include "router/index/block_index.h"
 
 namespace kvrouter {
 namespace {

@@ -1,0 +1,550 @@
+#include "router/index/block_index.h"
+
+#include <algorithm>
+#include <bit>
+#include <cassert>
+#include <cstdlib>
+#include <cstring>
+#include <stdexcept>
+
+namespace kvrouter {
+
+BlockIndex::BlockIndex() {
+  chunks_.emplace_back(kChunkSize);
+  chunk_dir_.Set(0, &chunks_[0][0]);
+  num_node_slots_ = 1;  // the root
+}
+
+BlockIndex::~BlockIndex() {
+  FreeRetired();
+  holder_heap_.retired = nullptr;
+  for (std::uint32_t i = 0; i < num_node_slots_; ++i) node(i).holders.Release(holder_heap_);
+}
+
+void BlockIndex::SetConcurrentReaders(bool on) {
+  holder_heap_.retired = on ? &retired_holders_ : nullptr;
+  node_of_.DeferFrees(on);
+  chunk_dir_.DeferFrees(on);
+  key_words_.DeferFrees(on);
+  if (!on) FreeRetired();
+}
+
+bool BlockIndex::HasRetired() const {
+  return !retired_holders_.empty() || !retired_nodes_.empty() || !retired_slots_.empty() || node_of_.HasRetired() ||
+         chunk_dir_.HasRetired() || key_words_.HasRetired();
+}
+
+void BlockIndex::FreeRetired() {
+  for (void* p : retired_holders_) std::free(p);
+  retired_holders_.clear();
+  free_nodes_.insert(free_nodes_.end(), retired_nodes_.begin(), retired_nodes_.end());
+  retired_nodes_.clear();
+  free_slots_.insert(free_slots_.end(), retired_slots_.begin(), retired_slots_.end());
+  retired_slots_.clear();
+  node_of_.FreeRetired();
+  chunk_dir_.FreeRetired();
+  key_words_.FreeRetired();
+}
+
+std::uint32_t BlockIndex::FindSlot(WorkerKey worker) const {
+  auto it = slot_of_.find(worker);
+  return it == slot_of_.end() ? kFlatEmpty : it->second;
+}
+
+std::uint32_t BlockIndex::SlotFor(WorkerKey worker) {
+  if (std::uint32_t s = FindSlot(worker); s != kFlatEmpty) return s;
+  std::uint32_t s;
+  if (!free_slots_.empty()) {
+    s = free_slots_.back();
+    free_slots_.pop_back();
+  } else {
+    if (slots_.size() > HolderSet::kMaxSlot) throw std::length_error("BlockIndex: too many (worker, dp_rank) slots");
+    s = static_cast<std::uint32_t>(slots_.size());
+    slots_.emplace_back();
+  }
+  slots_[s].key = worker;
+  // dp_rank first: a reader that sees the new worker_id then sees this slot's new rank too
+  key_words_.Set(3 * std::size_t{s} + 2, worker.dp_rank);
+  key_words_.Set(3 * std::size_t{s}, static_cast<std::uint32_t>(worker.worker_id));
+  key_words_.Set(3 * std::size_t{s} + 1, static_cast<std::uint32_t>(worker.worker_id >> 32));
+  slots_[s].in_use = true;
+  slot_of_.emplace(worker, s);
+  ranks_of_[worker.worker_id].push_back(s);
+  return s;
+}
+
+void BlockIndex::TidyFreeNodes() {
+  constexpr std::size_t kWorthSorting = 4096;  // freed nodes waiting past the sorted part
+  if (free_nodes_.size() - free_sorted_ < kWorthSorting) return;
+  // Node numbers are dense: a bitmap orders them in one pass (std::sort of a shard's 600,000
+  // freed nodes took ~45 ms of the shard thread in route_bench).
+  std::vector<std::uint64_t> bits((num_node_slots_ + 63) / 64);
+  for (std::uint32_t n : free_nodes_) bits[n >> 6] |= std::uint64_t{1} << (n & 63);
+  std::size_t k = 0;
+  for (std::size_t w = bits.size(); w-- > 0;) {
+    for (std::uint64_t b = bits[w]; b != 0;) {
+      const int top = 63 - std::countl_zero(b);
+      free_nodes_[k++] = static_cast<std::uint32_t>(w * 64 + static_cast<std::size_t>(top));
+      b &= ~(std::uint64_t{1} << top);
+    }
+  }
+  free_nodes_.resize(k);  // (a number is never free twice; k is the size)
+  free_sorted_ = k;
+}
+
+std::uint32_t BlockIndex::ChildOrCreate(std::uint32_t parent, SequenceHash seq) {
+  // A 64-bit sequence hash names one prefix (collisions are as unlikely as in the engines'
+  // own prefix caches), so an existing node under this hash is this prefix.
+  if (std::uint32_t c = node_of_.Find(seq); c != kFlatEmpty) return c;
+  std::uint32_t c;
+  if (!free_nodes_.empty()) {
+    c = free_nodes_.back();
+    free_nodes_.pop_back();
+    free_sorted_ = std::min(free_sorted_, free_nodes_.size());
+    // Freed nodes lie anywhere in memory: start loading the one a few new nodes from now, so
+    // its cache miss overlaps the work until then instead of stalling it.
+    constexpr std::size_t kAhead = 8;
+    if (free_nodes_.size() >= kAhead) PrefetchLine(&node(free_nodes_[free_nodes_.size() - kAhead]));
+  } else {
+    c = num_node_slots_++;
+    if ((c >> kChunkBits) == chunks_.size()) {
+      chunks_.emplace_back(kChunkSize);
+      chunk_dir_.Set(chunks_.size() - 1, &chunks_.back()[0]);
+    }
+  }
+  Node& n = node(c);
+  RelaxedStore(n.seq, seq);
+  n.parent = parent;
+  RelaxedStore(n.meta, 0u);
+  Node& p = node(parent);
+  RelaxedStore(p.meta, p.meta + 2);  // one child more
+  node_of_.Insert(seq, c);
+  ++live_nodes_;
+  return c;
+}
+
+void BlockIndex::AddHolding(std::uint32_t slot, std::uint32_t i) {
+  if (!node(i).holders.Insert(slot, holder_heap_)) ++slots_[slot].extra_refs[i];
+}
+
+void BlockIndex::DropHolding(std::uint32_t slot, std::uint32_t i) {
+  auto& extra = slots_[slot].extra_refs;
+  if (!extra.empty()) {
+    if (auto it = extra.find(i); it != extra.end()) {
+      if (--it->second == 0) extra.erase(it);
+      return;
+    }
+  }
+  Node& n = node(i);
+  // The flag before the holder goes, so a reader never sees the subset rule broken unflagged.
+  if (n.num_children() > 0) RelaxedStore(n.meta, n.meta | 1);
+  [[maybe_unused]] bool erased = n.holders.Erase(slot, holder_heap_);
+  assert(erased);
+  MaybeFree(i);
+}
+
+void BlockIndex::MaybeFree(std::uint32_t i) {
+  while (i != kRoot && node(i).holders.empty() && node(i).num_children() == 0) {
+    Node& n = node(i);
+    const std::uint32_t parent = n.parent;
+    node_of_.Erase(n.seq);
+    n.holders.Release(holder_heap_);
+    if (holder_heap_.retired != nullptr) {  // a reader may still walk it: reused once quiet
+      retired_nodes_.push_back(i);
+    } else {
+      free_nodes_.push_back(i);
+    }
+    --live_nodes_;
+    Node& p = node(parent);
+    RelaxedStore(p.meta, p.meta - 2);  // one child fewer
+    i = parent;
+  }
+}
+
+std::uint32_t BlockIndex::HeldNode(std::uint32_t slot, BlockHash h) const {
+  if (slot == kFlatEmpty) return kFlatEmpty;
+  const WorkerSlot& w = slots_[slot];
+  if (w.mapped) return w.blocks.Find(h);
+  const std::uint32_t n = node_of_.Find(h);
+  return n != kFlatEmpty && node(n).holders.Contains(slot) ? n : kFlatEmpty;
+}
+
+void BlockIndex::MakeMapped(std::uint32_t slot) {
+  WorkerSlot& w = slots_[slot];
+  for (std::uint32_t n : w.held) {
+    if (node(n).holders.Contains(slot)) w.blocks.Insert(node(n).seq, n);  // duplicates fold
+  }
+  w.held = {};
+  w.canonical_blocks = 0;
+  w.mapped = true;
+}
+
+void BlockIndex::MaybeCompact(std::uint32_t slot) {
+  WorkerSlot& w = slots_[slot];
+  if (w.held.size() <= 2 * std::size_t{w.canonical_blocks} + 32) return;
+  std::sort(w.held.begin(), w.held.end());
+  w.held.erase(std::unique(w.held.begin(), w.held.end()), w.held.end());
+  std::erase_if(w.held, [&](std::uint32_t n) { return !node(n).holders.Contains(slot); });
+  if (w.held.capacity() > 4 * w.held.size() + 64) w.held.shrink_to_fit();
+}
+
+void BlockIndex::PrefetchStored(std::optional<BlockHash> parent, std::span<const StoredBlock> blocks) const {
+  constexpr std::size_t kMaxBlocks = 8;
+  if (parent) node_of_.Prefetch(*parent);
+  for (std::size_t i = 0; i < std::min(kMaxBlocks, blocks.size()); ++i) node_of_.Prefetch(blocks[i].block_hash);
+}
+
+ApplyOutcome BlockIndex::ApplyStored(WorkerKey worker, std::optional<BlockHash> parent_hash,
+                                     std::span<const StoredBlock> blocks, std::uint64_t max_blocks) {
+  ApplyOutcome out;
+  std::uint32_t slot = FindSlot(worker);
+  const std::size_t held = slot == kFlatEmpty ? 0 : slots_[slot].holdings();
+  if (held + blocks.size() > max_blocks) {
+    out.over_capacity = true;
+    return out;
+  }
+  std::uint32_t parent = kRoot;
+  if (parent_hash) {
+    parent = HeldNode(slot, *parent_hash);
+    if (parent == kFlatEmpty) {
+      out.parent_not_found = true;
+      return out;
+    }
+  }
+  if (slot == kFlatEmpty) slot = SlotFor(worker);
+  WorkerSlot& w = slots_[slot];
+  // The chain's sequence hashes first, so the hash-table lookups can be prefetched a few blocks
+  // ahead and their cache misses overlap (most stored blocks are new, so most lookups miss).
+  thread_local std::vector<SequenceHash> seqs;
+  seqs.resize(blocks.size());
+  for (std::size_t i = 0; i < blocks.size(); ++i) {
+    const LocalHash local = blocks[i].tokens_hash;
+    if (i > 0) {
+      seqs[i] = ChainSequenceHash(seqs[i - 1], local);
+    } else {
+      seqs[i] = parent == kRoot ? local : ChainSequenceHash(node(parent).seq, local);
+    }
+  }
+  constexpr std::size_t kAhead = 8;
+  for (std::size_t i = 0; i < std::min(kAhead, seqs.size()); ++i) node_of_.Prefetch(seqs[i]);
+  for (std::size_t i = 0; i < blocks.size(); ++i) {
+    const StoredBlock& b = blocks[i];
+    if (i + kAhead < seqs.size()) node_of_.Prefetch(seqs[i + kAhead]);
+    const std::uint32_t child = ChildOrCreate(parent, seqs[i]);
+    if (!w.mapped && node(child).seq != b.block_hash) MakeMapped(slot);
+    if (!w.mapped) {
+      // The engine hash names this node, so a known one is this very holding.
+      if (node(child).holders.Insert(slot, holder_heap_)) {
+        w.held.push_back(child);
+        ++w.canonical_blocks;
+        ++out.blocks_stored;
+      }
+    } else if (const std::uint32_t previous = w.blocks.Insert(b.block_hash, child); previous != child) {
+      // Hold the new node before letting go of the old one, so freeing the old one's
+      // ancestors can never free the node being stored.
+      AddHolding(slot, child);
+      if (previous == kFlatEmpty) {
+        ++out.blocks_stored;
+      } else {
+        DropHolding(slot, previous);
+      }
+    }
+    parent = child;
+  }
+  return out;
+}
+
+ApplyOutcome BlockIndex::ApplyRemoved(WorkerKey worker, std::span<const BlockHash> block_hashes) {
+  ApplyOutcome out;
+  const std::uint32_t slot = FindSlot(worker);
+  for (BlockHash h : block_hashes) {
+    std::uint32_t node = kFlatEmpty;
+    if (slot != kFlatEmpty) node = slots_[slot].mapped ? slots_[slot].blocks.Erase(h) : HeldNode(slot, h);
+    if (node == kFlatEmpty) {
+      ++out.blocks_not_found;
+      continue;
+    }
+    if (!slots_[slot].mapped) --slots_[slot].canonical_blocks;
+    DropHolding(slot, node);
+    ++out.blocks_removed;
+  }
+  if (slot != kFlatEmpty && !slots_[slot].mapped) MaybeCompact(slot);
+  return out;
+}
+
+std::size_t BlockIndex::ClearSlot(std::uint32_t slot) {
+  WorkerSlot& w = slots_[slot];
+  const std::size_t dropped = w.holdings();
+  // Every node this slot holds loses it; a node still held by the slot cannot be freed by an
+  // earlier step of this loop, so no node is visited after being freed. The whole worker goes,
+  // so no orphan is left behind for it and orphan_risk need not be set.
+  auto drop = [&](std::uint32_t n) {
+    // A stale or repeated canonical entry finds the slot gone (a freed node has no holders).
+    if (node(n).holders.Erase(slot, holder_heap_)) MaybeFree(n);
+  };
+  if (!w.mapped) {
+    for (std::uint32_t n : w.held) drop(n);
+  } else {
+    w.blocks.ForEach([&](const U64MapTraits::Entry& e) {
+      auto& extra = w.extra_refs;
+      if (!extra.empty()) {
+        if (auto it = extra.find(e.value); it != extra.end()) {
+          if (--it->second == 0) extra.erase(it);
+          return;
+        }
+      }
+      drop(e.value);
+    });
+  }
+  w.held = {};
+  w.canonical_blocks = 0;
+  w.blocks.Clear();
+  w.extra_refs.clear();
+  w.mapped = false;
+  return dropped;
+}
+
+std::size_t BlockIndex::ClearRank(WorkerKey worker) {
+  const std::uint32_t slot = FindSlot(worker);
+  return slot == kFlatEmpty ? 0 : ClearSlot(slot);
+}
+
+std::size_t BlockIndex::ClearWorker(std::uint64_t worker_id) {
+  auto it = ranks_of_.find(worker_id);
+  if (it == ranks_of_.end()) return 0;
+  std::size_t dropped = 0;
+  for (std::uint32_t slot : it->second) dropped += ClearSlot(slot);
+  return dropped;
+}
+
+std::size_t BlockIndex::RemoveWorker(std::uint64_t worker_id) {
+  auto it = ranks_of_.find(worker_id);
+  if (it == ranks_of_.end()) return 0;
+  std::size_t dropped = 0;
+  for (std::uint32_t slot : it->second) {
+    dropped += ClearSlot(slot);
+    slot_of_.erase(slots_[slot].key);
+    slots_[slot] = WorkerSlot{};
+    // A reader may still report this slot: its key words change only once the shard is quiet.
+    (holder_heap_.retired != nullptr ? retired_slots_ : free_slots_).push_back(slot);
+  }
+  ranks_of_.erase(it);
+  return dropped;
+}
+
+std::size_t BlockIndex::TreeSize(WorkerKey worker) const {
+  const std::uint32_t slot = FindSlot(worker);
+  return slot == kFlatEmpty ? 0 : slots_[slot].holdings();
+}
+
+namespace {
+
+// Where FindMatches writes its scores: through a local pointer (at 7,000 workers sharing a first
+// block it writes every score of the request, and push_back would reload and store the
+// vector's end for each one), never past the room made for the first block's holders, and only
+// for slots that have a key. The walk emits each slot at most once by construction (below), so
+// a tolerant read needs no record of the slots it has emitted.
+template <bool kTolerant>
+class ScoreWriter {
+ public:
+  ScoreWriter(OverlapScore* w, OverlapScore* end, PublishedArray<std::uint32_t>::View keys)
+      : w_(w), end_(end), keys_(keys.data), slots_(keys.size / 3) {}
+
+  // An exact read runs while no event is being applied (ReadGate), so it reads plainly and
+  // trusts what it reads; a tolerant one checks every slot and loads each word atomically.
+  static std::uint32_t Word(const std::uint32_t& v) {
+    if constexpr (kTolerant) {
+      return RelaxedLoad(v);
+    } else {
+      return v;
+    }
+  }
+
+  void Emit(std::uint32_t slot, std::uint32_t depth) { w_ = Put(w_, slot, depth); }
+  // Every slot of `holders` not in `kept` (both sorted). Returns whether kept is a subset of
+  // holders: always in an exact read below a node without orphan risk; in a tolerant one kept
+  // may hold a slot the event in progress has added below and not yet (as the reader saw it)
+  // above. (The loops write through a local pointer: memcpy may alias any member.)
+  bool EmitMissing(std::span<const std::uint32_t> holders, std::span<const std::uint32_t> kept, std::uint32_t depth) {
+    OverlapScore* o = w_;
+    std::size_t j = 0, matched = 0;
+    for (const std::uint32_t& h : holders) {
+      const std::uint32_t s = Word(h);
+      while (j < kept.size() && Word(kept[j]) < s) ++j;
+      if (j < kept.size() && Word(kept[j]) == s) {
+        ++j;
+        if constexpr (kTolerant) ++matched;
+      } else {
+        o = Put(o, s, depth);
+      }
+    }
+    w_ = o;
+    return !kTolerant || matched == kept.size();
+  }
+  void EmitAll(std::span<const std::uint32_t> holders, std::uint32_t depth) {
+    OverlapScore* o = w_;
+    for (const std::uint32_t& h : holders) o = Put(o, Word(h), depth);
+    w_ = o;
+  }
+  OverlapScore* end() const { return w_; }
+
+ private:
+  // Writes slot's score at o; returns where the next one goes.
+  OverlapScore* Put(OverlapScore* o, std::uint32_t slot, std::uint32_t depth) const {
+    const std::uint32_t* k = keys_ + 3 * std::size_t{slot};
+    if constexpr (kTolerant) {
+      if (slot >= slots_ || o == end_) return o;
+      const std::uint64_t id = (std::uint64_t{RelaxedLoad(k[1])} << 32) | RelaxedLoad(k[0]);
+      *o = {WorkerKey{id, RelaxedLoad(k[2])}, depth};
+    } else {
+      assert(slot < slots_ && o != end_);
+      std::memcpy(static_cast<void*>(&o->worker), k, sizeof(WorkerKey));  // worker_id low, high, dp_rank
+      o->blocks = depth;
+    }
+    return o + 1;
+  }
+
+  OverlapScore* w_;
+  OverlapScore* const end_;
+  const std::uint32_t* const keys_;
+  const std::size_t slots_;
+};
+
+}  // namespace
+
+void BlockIndex::FindMatches(std::span<const SequenceHash> hashes, OverlapScores& out, bool tolerant) const {
+  if (tolerant) {
+    FindMatchesImpl<true>(hashes, out);
+  } else {
+    FindMatchesImpl<false>(hashes, out);
+  }
+}
+
+// One function on purpose (about 90 lines): the route's hot path, with the prefetch pipeline,
+// the holder-set walk and its fallback sharing locals that splitting would pass around.
+// Everything is read through snapshots and atomic loads, so it may run while the owner writes
+// (see the header comment): a node found by hash is used only if it carries that hash.
+template <bool kTolerant>
+void BlockIndex::FindMatchesImpl(std::span<const SequenceHash> hashes, OverlapScores& out) const {
+  const auto table = node_of_.Snapshot();
+  const auto dir = chunk_dir_.Snapshot();
+  auto node_at = [&](std::uint32_t i) -> const Node* {
+    const std::size_t c = i >> kChunkBits;
+    const Node* chunk = c < dir.size ? AcquireLoad(dir.data[c]) : nullptr;
+    return chunk == nullptr ? nullptr : chunk + (i & (kChunkSize - 1));
+  };
+  // Phase 1: the nodes of the request's path. The lookups are independent, so prefetching a
+  // few levels ahead overlaps their cache misses.
+  constexpr std::size_t kAhead = 8;
+  thread_local std::vector<const Node*> path;
+  path.clear();
+  for (std::size_t i = 0; i < std::min(kAhead, hashes.size()); ++i) table.Prefetch(hashes[i]);
+  for (std::size_t i = 0; i < hashes.size(); ++i) {
+    if (i + kAhead < hashes.size()) table.Prefetch(hashes[i + kAhead]);
+    const Node* n = node_at(table.Find(hashes[i]));
+    if (n == nullptr) break;
+    PrefetchLine(n);
+    path.push_back(n);
+  }
+  if (path.empty() || RelaxedLoad(path[0]->seq) != hashes[0]) return;
+
+  // Phase 2: walk the path. `held`, the workers still matching and not yet emitted, is one
+  // version of a holder set read once ("lazy": no copy; each inline set is read into one of
+  // two small buffers, tmp[t] backing held) or an explicit sorted list (`active`). Every step
+  // emits held minus the child's holders and continues with a subset of held, so every emitted
+  // slot is emitted once and belongs to the first block's set as read here: the room for it.
+  std::uint32_t tmp[2][2];
+  unsigned t = 0;
+  std::span<const std::uint32_t> held = path[0]->holders.ReadView(tmp[t]);
+  const std::size_t base = out.size();
+  out.resize(base + held.size());
+  ScoreWriter<kTolerant> w(out.data() + base, out.data() + out.size(), key_words_.Snapshot());
+  auto finish = [&] { out.resize(static_cast<std::size_t>(w.end() - out.data())); };
+
+  // Lazy is valid while cur has no orphan risk (then every child's holders are a subset of
+  // cur's, and equal sizes mean equal sets) and, in a tolerant read, while each child's set as
+  // read is a subset of held; otherwise the walk intersects explicitly.
+  bool lazy = true;
+  thread_local std::vector<std::uint32_t> active;
+  thread_local std::vector<std::uint32_t> next;
+  auto intersect = [&](std::span<const std::uint32_t> a, std::span<const std::uint32_t> b) {
+    active.clear();
+    std::size_t j = 0;
+    for (const std::uint32_t& x : a) {
+      const std::uint32_t s = w.Word(x);
+      while (j < b.size() && w.Word(b[j]) < s) ++j;
+      if (j < b.size() && w.Word(b[j]) == s) active.push_back(s);
+    }
+  };
+  const Node* cur = path[0];
+  std::uint32_t depth = 1;
+  for (; depth < path.size(); ++depth) {
+    const Node* child = path[depth];
+    if (RelaxedLoad(child->seq) != hashes[depth]) break;  // recycled or moved meanwhile: path ends
+    if (lazy && (RelaxedLoad(cur->meta) & 1) == 0) {
+      // Sizes first: equal sizes (the common case) need neither holder array.
+      if (child->holders.ReadSize() != held.size()) {
+        const auto child_holders = child->holders.ReadView(tmp[t ^ 1]);
+        const bool subset = w.EmitMissing(held, child_holders, depth);
+        if (child_holders.empty()) return finish();
+        if (subset) {
+          held = child_holders;
+          t ^= 1;
+        } else {  // tolerant only: a slot added below that held lacks
+          intersect(held, child_holders);
+          lazy = false;
+        }
+      }
+      cur = child;
+      continue;
+    }
+    const auto child_holders = child->holders.ReadView(tmp[t ^ 1]);
+    if (lazy) {
+      active.clear();
+      for (const std::uint32_t& h : held) active.push_back(w.Word(h));
+      lazy = false;
+    }
+    next.clear();
+    std::size_t j = 0;
+    for (std::uint32_t s : active) {
+      while (j < child_holders.size() && w.Word(child_holders[j]) < s) ++j;
+      if (j < child_holders.size() && w.Word(child_holders[j]) == s) {
+        next.push_back(s);
+      } else {
+        w.Emit(s, depth);
+      }
+    }
+    active.swap(next);
+    if (active.empty()) return finish();
+    cur = child;
+    if (active.size() == child_holders.size()) {  // active == holders(child) as read
+      held = child_holders;
+      t ^= 1;
+      lazy = true;
+    }
+  }
+  if (lazy) {
+    w.EmitAll(held, depth);
+  } else {
+    w.EmitAll(active, depth);
+  }
+  finish();
+}
+
+IndexMemory BlockIndex::Memory() const {
+  IndexMemory m;
+  m.nodes = live_nodes_;
+  m.table_bytes = node_of_.memory_bytes();
+  m.bytes = chunks_.size() * kChunkSize * sizeof(Node) + node_of_.memory_bytes() + holder_heap_.bytes +
+            slots_.capacity() * sizeof(WorkerSlot) + chunk_dir_.memory_bytes() + key_words_.memory_bytes() +
+            (free_nodes_.capacity() + retired_nodes_.capacity()) * sizeof(std::uint32_t);
+  for (const WorkerSlot& w : slots_) {
+    m.bytes += w.blocks.memory_bytes() + w.held.capacity() * sizeof(std::uint32_t);
+    m.holdings += w.holdings();
+  }
+  // Per-worker bookkeeping maps: an estimate of their node sizes.
+  m.bytes += (slot_of_.size() + ranks_of_.size()) * 64;
+  return m;
+}
+
+}  // namespace kvrouter

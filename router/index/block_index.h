@@ -1,0 +1,265 @@
+// BlockIndex: which KV blocks each (worker_id, dp_rank) holds, as a prefix tree with a sorted
+// holder set per node. One shard's worth of workers. A worker whose engine block_hash is the
+// block's sequence hash (Dynamo's workers, kvmocker, approximate mode) is "canonical": its
+// parents and removals are found through the tree's own hash table and the node's holder set,
+// and it keeps only a list of the nodes it holds (4 bytes each, for `cleared`). The first block
+// whose block_hash differs turns the worker "mapped" for good: a map from engine block_hash to
+// node, as vLLM's own hashes need (12 bytes at load 0.375-0.75 per block).
+// A node is the prefix ending at a block; it is found by that prefix's sequence hash
+// (PROTOCOL.md section 1), computed here from its parent's and the stored block's local hash,
+// so every level of a request's path can be looked up (and prefetched) independently instead
+// of chasing parent links.
+//
+// Thread contract: one thread at a time applies events (ShardedIndex's shard thread, or one
+// applying its own events, under the shard's lock: "the owner" below). FindMatches
+// may run on other threads while it writes, when SetConcurrentReaders(true) is set and the
+// reads and writes go through a ReadGate (router/index/read_gate.h): every word FindMatches reaches
+// (table entries, node hashes and flags, holder sets, the chunk directory, slot keys) is written
+// with atomic stores, memory a write replaces is kept until FreeRetired() (and a freed node or
+// slot is reused only after it, so a reader never meets one recycled), and FindMatches
+// checks each node it reaches against the request's hash and bounds each slot and size it
+// loads. TreeSize, ForEachWorker and Memory read the owner's bookkeeping: only while the owner
+// cannot write (ShardedIndex holds the shard's lock). Memory: a node is freed (slot recycled,
+// holder heap released, child link erased) when its last holder goes and it has no children; a
+// worker's removal or `cleared` costs time proportional to that worker's blocks; FindMatches
+// touches only the request's path.
+//
+//   BlockIndex idx;  idx.ApplyStored({7, 0}, std::nullopt, blocks);
+//   idx.FindMatches(ComputeSequenceHashes(local_hashes), scores);  // (worker, rank) -> blocks
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <memory>
+#include <span>
+#include <type_traits>
+#include <utility>
+#include <unordered_map>
+#include <vector>
+
+#include "events/kv_event.h"
+#include "router/index/flat_table.h"
+#include "router/index/holder_set.h"
+#include "router/index/large_array.h"
+#include "router/index/published_array.h"
+#include "router/index/worker_key.h"
+
+namespace kvrouter {
+
+struct OverlapScore {
+  WorkerKey worker;
+  std::uint32_t blocks = 0;  // leading request blocks the worker holds (> 0)
+  bool operator==(const OverlapScore&) const = default;
+};
+static_assert(sizeof(OverlapScore) == 16);
+
+// An allocator whose resize(n) leaves new elements unwritten (value-initialisation is skipped,
+// so vector(n) and emplace_back() do the same): FindMatches sizes its result for every holder
+// of the request's first block (7,000 in Dynamo's benchmark fleet) and writes each score
+// itself, so zeroing them first would write the whole result twice. Every other construction
+// is the ordinary one.
+template <typename T>
+struct UninitializedResizeAllocator : std::allocator<T> {
+  static_assert(std::is_trivially_copyable_v<T> && std::is_trivially_destructible_v<T>);
+  template <typename U>
+  struct rebind {
+    using other = UninitializedResizeAllocator<U>;
+  };
+  UninitializedResizeAllocator() = default;
+  template <typename U>
+  UninitializedResizeAllocator(const UninitializedResizeAllocator<U>&) noexcept {}
+  template <typename U>
+  void construct(U*) noexcept {}  // resize(n): the caller writes the element
+  template <typename U, typename... Args>
+  void construct(U* p, Args&&... args) {
+    ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
+  }
+};
+using OverlapScores = std::vector<OverlapScore, UninitializedResizeAllocator<OverlapScore>>;
+
+// What applying one operation did; the caller turns it into counters.
+struct ApplyOutcome {
+  std::uint32_t blocks_stored = 0;        // new (worker, block) holdings
+  std::uint32_t blocks_removed = 0;
+  bool parent_not_found = false;          // stored chain dropped whole
+  bool over_capacity = false;             // stored chain dropped whole: it would pass max_blocks
+  std::uint32_t blocks_not_found = 0;     // removals of unknown blocks (rest still applied)
+};
+
+struct IndexMemory {
+  std::size_t bytes = 0;          // everything the index allocated (capacities, not sizes)
+  std::size_t nodes = 0;          // live tree nodes (without the root)
+  std::size_t holdings = 0;       // (block, worker) pairs = sum of tree sizes
+  std::size_t table_bytes = 0;    // of `bytes`: the sequence-hash table's slots
+};
+
+class BlockIndex {
+ public:
+  BlockIndex();
+  ~BlockIndex();
+  BlockIndex(const BlockIndex&) = delete;
+  BlockIndex& operator=(const BlockIndex&) = delete;
+
+  // Stores a chain for `worker`. An unknown parent drops the whole chain, and so does a chain
+  // that would take the worker's blocks past max_blocks; re-storing a known block is
+  // idempotent; a known block_hash stored at a new position moves there.
+  ApplyOutcome ApplyStored(WorkerKey worker, std::optional<BlockHash> parent,
+                           std::span<const StoredBlock> blocks,
+                           std::uint64_t max_blocks = std::numeric_limits<std::uint64_t>::max());
+  // Starts loading what ApplyStored of this chain will look up first, so that its cache misses
+  // overlap the work before it (the caller applies the previous event meanwhile). Assumes the
+  // engine hashes are sequence hashes (Dynamo's workers): for others it only wastes a few loads.
+  void PrefetchStored(std::optional<BlockHash> parent, std::span<const StoredBlock> blocks) const;
+  // Removes blocks by engine hash; unknown ones are counted and skipped.
+  ApplyOutcome ApplyRemoved(WorkerKey worker, std::span<const BlockHash> block_hashes);
+  // Drops every block of one (worker, dp_rank); the worker stays known.
+  std::size_t ClearRank(WorkerKey worker);
+  // Drops every block of every dp rank of worker_id (`cleared`); returns blocks dropped.
+  std::size_t ClearWorker(std::uint64_t worker_id);
+  // Forgets worker_id entirely (lease expiry, leaving).
+  std::size_t RemoveWorker(std::uint64_t worker_id);
+
+  // Appends, for every (worker, dp_rank) holding at least the first block, the number of
+  // leading blocks of the request it holds, given the request's sequence hashes. Touches only
+  // the request's path and stops as soon as no worker remains. `tolerant`: the owner may be
+  // writing meanwhile (a ReadGate's tolerant read); each worker is then still reported at most
+  // once, with what the reader saw.
+  void FindMatches(std::span<const SequenceHash> seq_hashes, OverlapScores& out, bool tolerant = false) const;
+
+  // FindMatches will run while the owner writes: replaced memory is kept until FreeRetired.
+  void SetConcurrentReaders(bool on);
+  bool HasRetired() const;
+  // Owner, when no reader can hold replaced memory any more (ReadGate::EndWrite said quiet).
+  void FreeRetired();
+
+  // On: the sequence-hash table keeps its capacity when blocks go (a cleared fleet refills
+  // without growing it again step by step), and the owner gives memory back with ShrinkTables
+  // once it has stayed under an eighth full a while (TablesUnderfull). Off (the default): the
+  // table halves as it empties.
+  void ShrinkTablesLater(bool on) { node_of_.ShrinkOnErase(!on); }
+  bool TablesUnderfull() const { return node_of_.Underfull(); }
+  void ShrinkTables() { node_of_.ShrinkToFit(); }
+  // Owner, now and then (a shard thread's upkeep, every 100 ms): when many freed nodes wait
+  // unsorted (a worker cleared), orders the free list so that new nodes are taken in address
+  // order, neighbours sharing cache lines and pages, rather than all over the node chunks.
+  void TidyFreeNodes();
+
+  std::size_t TreeSize(WorkerKey worker) const;  // blocks held by (worker, dp_rank)
+  // Node and worker-slot numbers handed out so far (live, free or waiting for FreeRetired).
+  std::size_t node_numbers() const { return num_node_slots_; }
+  // Freed node numbers, the next one to be taken last.
+  std::span<const std::uint32_t> free_node_numbers() const { return free_nodes_; }
+  std::size_t slot_numbers() const { return slots_.size(); }
+  // Calls f(WorkerKey, tree_size) for every known (worker, dp_rank).
+  template <typename F>
+  void ForEachWorker(F&& f) const {
+    for (const auto& [key, slot] : slot_of_) f(key, slots_[slot].holdings());
+  }
+  IndexMemory Memory() const;
+
+ private:
+  static constexpr std::uint32_t kRoot = 0;
+
+  struct Node {
+    SequenceHash seq = 0;                  // identifies the prefix ending here
+    std::uint32_t parent = kRoot;          // owner only
+    // Bit 0, "orphan risk": set when a holder left this node while it had children: a child may
+    // then hold a worker this node does not, so FindMatches must intersect explicitly below it.
+    // Sticky until the node is freed (rare: engines evict leaves first). Bits 1-31: children.
+    std::uint32_t meta = 0;
+    HolderSet holders;
+
+    std::uint32_t num_children() const { return meta >> 1; }
+    bool orphan_risk() const { return (meta & 1) != 0; }
+  };
+  static_assert(sizeof(Node) == 32);
+
+  // u64 key -> u32, packed in 12 bytes (the key split so the entry aligns to 4).
+  struct U64MapTraits {
+    using Key = std::uint64_t;
+    struct Entry {
+      std::uint32_t lo, hi;
+      std::uint32_t value;
+    };
+    static Key KeyOf(const Entry& e) { return (std::uint64_t{e.hi} << 32) | e.lo; }
+    static void Set(Entry& e, Key k, std::uint32_t v) {
+      e = {static_cast<std::uint32_t>(k), static_cast<std::uint32_t>(k >> 32), v};
+    }
+    static std::uint64_t Hash(Key k) { return Mix64(k); }
+    // Word by word, atomically: the sequence-hash table is read while the owner writes.
+    static Entry Load(const Entry& e) { return {RelaxedLoad(e.lo), RelaxedLoad(e.hi), RelaxedLoad(e.value)}; }
+    static void Store(Entry& e, const Entry& v) {
+      RelaxedStore(e.lo, v.lo);
+      RelaxedStore(e.hi, v.hi);
+      RelaxedStore(e.value, v.value);
+    }
+  };
+  static_assert(sizeof(U64MapTraits::Entry) == 12);
+
+  struct WorkerSlot {
+    WorkerKey key;
+    bool in_use = false;
+    bool mapped = false;             // see the header comment; back to canonical when cleared
+    // Canonical: the nodes held, appended on every new holding and never erased one by one; an
+    // entry is stale when the node no longer holds this slot (or holds it through a later
+    // entry). Compacted when stale entries outnumber live ones.
+    std::vector<std::uint32_t> held;
+    std::uint32_t canonical_blocks = 0;  // canonical: live holdings
+    FlatTable<U64MapTraits> blocks;  // mapped: engine block_hash -> node
+    // Mapped: nodes this worker reaches through more than one block_hash: extra references
+    // beyond the one its holder entry stands for. Almost always empty.
+    std::unordered_map<std::uint32_t, std::uint32_t> extra_refs;
+    std::size_t holdings() const { return mapped ? blocks.size() : canonical_blocks; }
+  };
+
+  std::uint32_t SlotFor(WorkerKey worker);          // creates on first use
+  std::uint32_t FindSlot(WorkerKey worker) const;   // kFlatEmpty when unknown
+  // The node of sequence hash seq (a child of parent), created when new.
+  std::uint32_t ChildOrCreate(std::uint32_t parent, SequenceHash seq);
+  // The node the slot holds under engine hash h, or kFlatEmpty.
+  std::uint32_t HeldNode(std::uint32_t slot, BlockHash h) const;
+  // Canonical slot -> mapped (the map built from its held nodes).
+  void MakeMapped(std::uint32_t slot);
+  // Canonical slot: drops stale entries of `held` once they outnumber the live ones.
+  void MaybeCompact(std::uint32_t slot);
+  void AddHolding(std::uint32_t slot, std::uint32_t i);
+  // Drops one of the slot's references to node; frees nodes left without holders and children.
+  void DropHolding(std::uint32_t slot, std::uint32_t i);
+  void MaybeFree(std::uint32_t i);
+  std::size_t ClearSlot(std::uint32_t slot);
+  template <bool kTolerant>
+  void FindMatchesImpl(std::span<const SequenceHash> hashes, OverlapScores& out) const;
+
+  // Nodes live in fixed chunks so growth never copies them nor doubles memory; a chunk is one
+  // 2 MiB huge page (LargeArray), so a request's path costs no page walks.
+  static constexpr std::uint32_t kChunkBits = 16;
+  static constexpr std::uint32_t kChunkSize = 1u << kChunkBits;
+  static_assert(kChunkSize * sizeof(Node) == kHugePageBytes);
+  Node& node(std::uint32_t i) { return chunks_[i >> kChunkBits][i & (kChunkSize - 1)]; }
+  const Node& node(std::uint32_t i) const { return chunks_[i >> kChunkBits][i & (kChunkSize - 1)]; }
+
+  std::vector<LargeArray<Node>> chunks_;  // node 0 (kRoot) is the root
+  PublishedArray<Node*> chunk_dir_;        // chunks_[c]'s nodes, for FindMatches
+  std::uint32_t num_node_slots_ = 0;        // slots handed out so far
+  // Freed node numbers, reused last freed first. A list of numbers rather than one linked
+  // through the nodes: taking one touches no node, and the next few can be prefetched.
+  std::vector<std::uint32_t> free_nodes_;
+  std::size_t free_sorted_ = 0;  // free_nodes_[0, free_sorted_) is in descending order
+  std::vector<std::uint32_t> retired_nodes_;  // freed while readers may read: free at FreeRetired
+  std::size_t live_nodes_ = 0;
+  FlatTable<U64MapTraits> node_of_;         // sequence hash -> node
+  HolderHeap holder_heap_;
+  std::vector<void*> retired_holders_;      // holder buffers replaced while readers may read
+
+  std::vector<WorkerSlot> slots_;
+  // slots_[i].key for FindMatches: words 3i, 3i+1 (worker_id, low and high), 3i+2 (dp_rank).
+  PublishedArray<std::uint32_t> key_words_;
+  std::vector<std::uint32_t> free_slots_;
+  std::vector<std::uint32_t> retired_slots_;  // removed while readers may read: free at FreeRetired
+  std::unordered_map<WorkerKey, std::uint32_t, WorkerKeyHash> slot_of_;
+  std::unordered_map<std::uint64_t, std::vector<std::uint32_t>> ranks_of_;  // worker_id -> slots
+};
+
+}  // namespace kvrouter

@@ -1,0 +1,119 @@
+// EventStreams: per (worker_id, dp_rank), the order of its KV events and its recovery state
+// (DESIGN.md "Recovery and liveness", PROTOCOL.md section 6). It decides; the shard applies.
+//
+// A rank's cursor is the last event id (Dynamo) or Kv-Seq (vLLM) applied. With recovery on:
+//   first sight of a rank          -> hold the batch, ask for a tree dump;
+//   next id                        -> apply;   a repeat of the last id -> drop;
+//   an id below the cursor         -> late, or the publisher restarted and its id 1 was lost:
+//                                     hold it, ask for [cursor, ...] (too_new -> a dump);
+//   a gap                          -> hold the batch, ask for [cursor+1, ...];
+//   back to the first id           -> the publisher restarted: clear the rank, apply;
+//   while a recovery is in flight  -> hold live batches (at most max_held; past it the held
+//                                     ones are dropped and a fresh dump follows the reply).
+// A reply part's events are applied (a dump's first part clears the rank first); its last part
+// sets the cursor to last_event_id and releases the held batches, each judged again (what the
+// reply covered is dropped). A failed recovery releases them as they are, accepting the gap; the
+// next gap asks again. `cleared` needs nothing special: it is applied in order like any event.
+// With recovery off, gaps are only counted and batches applied (the old behaviour).
+// Thread contract: owned by one shard, used under its write lock; `on_recovery` is called there
+// and must not block.
+//
+//   EventStreams s({.recover = true}, [&](WorkerKey k, SequenceKind kind, auto start) { ask(k); });
+//   switch (s.Live(batch)) { case EventStreams::Verdict::kApply: Apply(batch); ... }
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <optional>
+#include <vector>
+
+#include "events/kv_event.h"
+#include "router/index/worker_key.h"
+
+namespace kvrouter {
+
+struct RecoveryPart {
+  WorkerKey worker;
+  SequenceKind numbering = SequenceKind::kEventId;  // what last_event_id counts
+  enum class Kind { kEvents, kDump, kFailed } kind = Kind::kFailed;
+  std::vector<KvEventBatch> events;  // in order; a dump's are stored chains
+  std::uint64_t last_event_id = 0;   // the worker's newest id when it answered
+  bool final = true;                 // the last part of the reply
+  std::uint64_t generation = 0;      // the ask it answers (EventStreams ignores older ones)
+  bool too_new = false;              // kFailed because the worker's ids are behind the cursor:
+                                     // it restarted; a dump follows instead of giving up
+};
+
+struct StreamCounters {
+  std::uint64_t gaps = 0;
+  std::uint64_t restarts = 0;
+  std::uint64_t duplicates = 0;
+  std::uint64_t held_dropped = 0;  // held batches dropped when the hold overflowed
+};
+
+class EventStreams {
+ public:
+  struct Options {
+    bool recover = false;          // ask for recoveries (else only count gaps)
+    std::size_t max_held = 4096;   // batches held per rank while its recovery is in flight
+  };
+  // Called when a rank needs recovering: start nullopt = a tree dump, else the first §6 event id
+  // wanted. `generation` names this ask; its reply parts must carry it back. For a vLLM-numbered
+  // rank (Kv-Seq from 0, one batch per number) §6 ids count its batches from 1: id = Kv-Seq + 1.
+  using RecoveryNeeded = std::function<void(WorkerKey, SequenceKind, std::optional<std::uint64_t> start,
+                                            std::uint64_t generation)>;
+
+  EventStreams(Options options, RecoveryNeeded on_recovery)
+      : options_(options), on_recovery_(std::move(on_recovery)) {}
+
+  enum class Verdict {
+    kApply,            // apply it now
+    kClearThenApply,   // the publisher restarted: clear the rank, then apply
+    kHeld,             // kept until the rank's recovery ends
+    kDrop,             // a repeat
+  };
+  Verdict Live(KvEventBatch& batch);  // may move the batch into the hold
+
+  // Asks for a tree dump of the rank now (first registration, reconnect, dropped events); a
+  // rank already recovering gets a dump after its current reply instead.
+  void RequestDump(WorkerKey worker, SequenceKind numbering = SequenceKind::kEventId);
+
+  // What a reply part means for its rank. Its events are trimmed to those still to apply.
+  struct Outcome {
+    bool clear_first = false;               // clear the rank before applying the part's events
+    std::vector<KvEventBatch> apply;        // after a failure: held batches to apply as they are
+    std::vector<KvEventBatch> rejudge;      // after the last part: held batches for Live() again
+  };
+  Outcome Recovered(RecoveryPart& part);
+
+  void RemoveWorker(std::uint64_t worker_id);
+  bool Recovering(WorkerKey worker) const;
+  const StreamCounters& counters() const { return counters_; }
+
+ private:
+  struct Stream {
+    SequenceKind numbering = SequenceKind::kNone;
+    std::optional<std::uint64_t> cursor;  // last id applied
+    bool recovering = false;
+    bool dump_pending = false;  // a dump must follow the reply in flight (hold overflowed)
+    bool dump_started = false;  // a dump reply's first part has been seen
+    bool asked_once = false;    // a recovery has ended (a failed first-sight dump is not retried)
+    std::uint64_t generation = 0;  // of the ask in flight
+    std::deque<KvEventBatch> held;
+  };
+  // `from_cursor`: a range after the cursor (else a dump).
+  void Ask(WorkerKey worker, Stream& s, bool from_cursor, std::uint64_t past_cursor = 1);
+  // The cursor a §6 id means for this stream (vLLM: Kv-Seq = id - 1; id 0: none yet).
+  static std::optional<std::uint64_t> CursorOf(const Stream& s, std::uint64_t id);
+  static std::uint64_t FirstId(SequenceKind k) { return k == SequenceKind::kVllmSeq ? 0 : 1; }
+
+  const Options options_;
+  const RecoveryNeeded on_recovery_;
+  std::map<WorkerKey, Stream> streams_;  // ordered: a worker's ranks are one range
+  StreamCounters counters_;
+  std::uint64_t next_generation_ = 0;
+};
+
+}  // namespace kvrouter

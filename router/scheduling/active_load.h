@@ -1,0 +1,95 @@
+// ActiveLoad: the load the router itself has put on each (worker, dp_rank), from its own
+// bookings (DESIGN.md "Selection"): refcounted active blocks by sequence hash (shared prefixes
+// count once), active prefill tokens, active requests. mark_prefill removes a request's prefill
+// tokens, free removes everything it booked; both are idempotent. Requests older than the
+// sweep age (300 s) are released by Sweep().
+// RemoveWorker costs time proportional to that worker's bookings, not to all of them.
+// Not thread-safe: the service guards it with one mutex (bookings are short).
+//
+//   load.Book("r1", {7, 0}, seq_hashes, prompt_tokens - cached_tokens, now);
+//   load.MarkPrefill("r1");  load.Free("r1");
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <string>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+#include "events/block_hash.h"
+#include "router/index/worker_key.h"
+
+namespace kvrouter {
+
+using SteadyTime = std::chrono::steady_clock::time_point;
+
+struct WorkerLoad {
+  std::uint64_t active_blocks = 0;          // distinct sequence hashes of active requests
+  std::uint64_t active_prefill_tokens = 0;  // prompt tokens still to prefill
+  // Sum over those requests of (their prefill tokens)^2, each capped at 2^24 tokens: prefill
+  // time grows with the square of a prompt, so one 80k-token prefill is not eight 10k ones.
+  std::uint64_t active_prefill_squares = 0;
+  // Requests booked here lately, scaled: times RecentScale(now) it is their count with each
+  // halving every kRecentHalfLife (one multiplication per worker instead of an exp2).
+  double recent_scaled = 0;
+  std::uint32_t active_requests = 0;
+};
+
+class ActiveLoad {
+ public:
+  // Books a request; false (nothing changes) when request_id is already booked.
+  bool Book(const std::string& request_id, WorkerKey worker, std::span<const SequenceHash> seq,
+            std::uint64_t prefill_tokens, SteadyTime now);
+  bool MarkPrefill(const std::string& request_id);  // false when unknown or already marked
+  bool Free(const std::string& request_id);         // false when unknown
+  // Releases requests booked before now - max_age; returns how many.
+  std::size_t Sweep(SteadyTime now, std::chrono::seconds max_age = std::chrono::seconds(300));
+  // Releases every request booked on worker_id (any dp rank); returns how many.
+  std::size_t RemoveWorker(std::uint64_t worker_id);
+
+  WorkerLoad Load(WorkerKey worker) const;
+  // How many of the request's leading sequence hashes are already active on the worker.
+  std::uint32_t ActivePrefix(WorkerKey worker, std::span<const SequenceHash> seq) const;
+  // Requests booked on the worker lately: each counts 1, halving every kRecentHalfLife. A
+  // worker's share of them predicts its share of the traffic that is coming back (sessions).
+  // = Load(worker).recent_scaled * RecentScale(now).
+  double RecentRequests(WorkerKey worker, SteadyTime now) const;
+  double RecentScale(SteadyTime now) const;
+  static constexpr std::chrono::seconds kRecentHalfLife{60};
+  // Where a booked request went, if it is booked.
+  const WorkerKey* WorkerOf(const std::string& request_id) const;
+  // Calls f(request_id, worker, seq_hashes, prefill_tokens still booked) for every booking.
+  void ForEach(const std::function<void(const std::string&, WorkerKey, std::span<const SequenceHash>,
+                                        std::uint64_t)>& f) const;
+  std::size_t requests() const { return requests_.size(); }
+  // Sequence hashes held by all bookings together (a shared prefix counts once per booking).
+  std::uint64_t booked_blocks() const { return booked_blocks_; }
+
+ private:
+  struct Booking {
+    WorkerKey worker;
+    std::vector<SequenceHash> seq;
+    std::uint64_t prefill_tokens = 0;  // 0 once marked
+    SteadyTime booked_at;
+  };
+  struct PerWorker {  // kept while idle (it holds recent_scaled), erased by RemoveWorker
+    std::unordered_map<SequenceHash, std::uint32_t> blocks;  // refcounts
+    WorkerLoad load;
+  };
+  void Release(std::unordered_map<std::string, Booking>::iterator it);
+
+  std::unordered_map<std::string, Booking> requests_;
+  std::unordered_map<WorkerKey, PerWorker, WorkerKeyHash> workers_;
+  // recent_scaled is relative to this moment (moved forward, rescaling every worker, when the
+  // scale of a new booking would pass 2^64).
+  SteadyTime recent_epoch_{};
+  bool has_epoch_ = false;
+  // worker_id -> its bookings' ids (keys of requests_, whose nodes do not move).
+  std::unordered_map<std::uint64_t, std::unordered_set<const std::string*>> by_worker_;
+  std::uint64_t booked_blocks_ = 0;
+};
+
+}  // namespace kvrouter

@@ -1,0 +1,173 @@
+#include "router/scheduling/selector.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "router/common/engine_model.h"
+
+namespace kvrouter {
+namespace {
+
+// The predicted cost's price of one request above the candidates' mean of recent requests: a
+// tie breaker that spreads new sessions, far below what a cache hit saves. It is a fraction of
+// the whole prompt's prefill, at most kSpreadMs, so that tiny prompts still follow their cache.
+constexpr double kSpreadMs = 10;
+constexpr double kSpreadOfPrefill = 0.15;
+
+// A count as a double in one instruction (an unsigned 64-bit conversion takes a branch); counts
+// stay far below 2^63.
+double AsDouble(std::uint64_t v) { return static_cast<double>(static_cast<std::int64_t>(v)); }
+
+std::size_t Uniform(std::size_t n, std::mt19937_64& rng) {
+  return std::uniform_int_distribution<std::size_t>(0, n - 1)(rng);
+}
+
+}  // namespace
+
+double KvCost(const Candidate& c, const SelectionRequest& req, const CostParams& p) {
+  const double bs = p.block_size;
+  const double prefill_tokens =
+      (p.track_prefill_tokens ? static_cast<double>(c.active_prefill_tokens) : 0.0) + req.isl;
+  const double prefill_blocks = prefill_tokens / bs;
+  const double adjusted = std::max(prefill_blocks - p.overlap_score_credit * c.overlap_blocks, 0.0);
+  const double decode_blocks = static_cast<double>(c.active_blocks) + req.request_blocks -
+                               std::min(c.active_prefix_blocks, req.request_blocks);
+  return p.prefill_load_scale * adjusted + decode_blocks;
+}
+
+namespace {
+
+// The price of one request of recent excess for this request (the same for every candidate).
+double SpreadPriceMs(const SelectionRequest& req) {
+  return std::min(kSpreadMs, kSpreadOfPrefill * (PrefillMs(req.isl) - kStepOverheadMs));
+}
+
+// PredictedCostMs with its spread term already priced.
+double PredictedCostPricedMs(const Candidate& c, const SelectionRequest& req, const CostParams& p, double spread) {
+  const double bs = p.block_size;
+  const std::uint32_t active_prefix = std::min(c.active_prefix_blocks, req.request_blocks);
+  const double cached_blocks = std::min<double>(std::max(c.overlap_blocks, active_prefix), req.request_blocks);
+  const double uncached = std::max(static_cast<double>(req.isl) - cached_blocks * bs, 0.0);
+  const double queued = p.track_prefill_tokens ? AsDouble(c.active_prefill_tokens) : 0.0;
+  const double queued_squares = p.track_prefill_tokens ? AsDouble(c.active_prefill_squares) : 0.0;
+  const double budget = std::max<std::uint32_t>(1, c.max_num_batched_tokens);
+  const double steps = std::max(1.0, std::ceil((queued + uncached) / budget));
+  const double capacity = c.total_kv_blocks > 0 ? AsDouble(c.total_kv_blocks) : 16384.0;
+  const double decode_blocks = AsDouble(c.active_blocks) + req.request_blocks - active_prefix;
+  const double u = std::min(1.0, decode_blocks / capacity);
+  const double ttft = kPrefillMsPerToken * (queued + uncached) +
+                      kPrefillMsPerTokenSquared * (queued_squares + uncached * uncached) +
+                      steps * (kStepOverheadMs + DecodeStepMs(u));
+  // Each request running there waits out this prefill.
+  const double inflicted = c.active_requests * (PrefillMs(uncached) - kStepOverheadMs);
+  return ttft + (inflicted + spread);
+}
+
+}  // namespace
+
+double PredictedCostMs(const Candidate& c, const SelectionRequest& req, const CostParams& p, double recent_excess) {
+  return PredictedCostPricedMs(c, req, p, recent_excess * SpreadPriceMs(req));
+}
+
+std::size_t Selector::PickKv(const SelectionRequest& req, std::span<const Candidate> cands,
+                             const CostParams& p, std::mt19937_64& rng) const {
+  std::vector<double> cost(cands.size());
+  double lo = std::numeric_limits<double>::infinity();
+  double hi = -lo;
+  double mean_recent = 0;
+  double spread_price = 0;
+  if (p.model == CostModel::kPredicted) {
+    for (const Candidate& c : cands) mean_recent += c.recent_requests;
+    mean_recent /= static_cast<double>(cands.size());
+    spread_price = SpreadPriceMs(req);
+  }
+  for (std::size_t i = 0; i < cands.size(); ++i) {
+    if (p.model == CostModel::kPredicted) {
+      const double excess = std::max(0.0, cands[i].recent_requests - mean_recent);
+      cost[i] = PredictedCostPricedMs(cands[i], req, p, excess * spread_price);
+    } else {
+      cost[i] = KvCost(cands[i], req, p);
+    }
+    // Extreme weights (a request may override them) can make a cost inf or NaN: rank those last.
+    if (std::isnan(cost[i])) cost[i] = std::numeric_limits<double>::infinity();
+    lo = std::min(lo, cost[i]);
+    hi = std::max(hi, cost[i]);
+  }
+  if (p.temperature > 0 && hi > lo && std::isfinite(hi - lo)) {
+    // Softmax over normalised costs: p_i ∝ exp(-(cost_i - min) / ((max - min) * T)).
+    std::vector<double> w(cands.size());
+    double total = 0;
+    for (std::size_t i = 0; i < cands.size(); ++i) {
+      w[i] = std::exp(-(cost[i] - lo) / ((hi - lo) * p.temperature));
+      if (!std::isfinite(w[i])) w[i] = 0;
+      total += w[i];
+    }
+    if (total > 0 && std::isfinite(total)) return std::discrete_distribution<std::size_t>(w.begin(), w.end())(rng);
+  }
+  // Lowest cost, ties broken uniformly at random (also the all-equal case with T > 0).
+  std::vector<std::size_t> best;
+  for (std::size_t i = 0; i < cands.size(); ++i) {
+    if (cost[i] == lo) best.push_back(i);
+  }
+  return best[Uniform(best.size(), rng)];
+}
+
+std::size_t Selector::LeastLoaded(std::span<const Candidate> cands, const std::vector<std::size_t>& among,
+                                  std::mt19937_64& rng) {
+  std::uint32_t fewest = std::numeric_limits<std::uint32_t>::max();
+  std::vector<std::size_t> best;
+  for (std::size_t i : among) {
+    if (cands[i].active_requests < fewest) {
+      fewest = cands[i].active_requests;
+      best.clear();
+    }
+    if (cands[i].active_requests == fewest) best.push_back(i);
+  }
+  return best[Uniform(best.size(), rng)];
+}
+
+std::size_t Selector::Pick(RouterMode mode, const SelectionRequest& req, std::span<const Candidate> cands,
+                           const CostParams& params, std::mt19937_64& rng) {
+  const std::size_t n = cands.size();
+  if (n == 1) return 0;
+  std::vector<std::size_t> all(n);
+  for (std::size_t i = 0; i < n; ++i) all[i] = i;
+  switch (mode) {
+    case RouterMode::kKv:
+      return PickKv(req, cands, params, rng);
+    case RouterMode::kRoundRobin:
+      return round_robin_++ % n;
+    case RouterMode::kRandom:
+      return Uniform(n, rng);
+    case RouterMode::kPowerOfTwo: {
+      const std::size_t a = Uniform(n, rng);
+      std::size_t b = Uniform(n - 1, rng);
+      if (b >= a) ++b;
+      if (cands[a].active_requests != cands[b].active_requests) {
+        return cands[a].active_requests < cands[b].active_requests ? a : b;
+      }
+      return rng() & 1 ? a : b;
+    }
+    case RouterMode::kLeastLoaded:
+      return LeastLoaded(cands, all, rng);
+    case RouterMode::kDeviceAwareWeighted: {
+      std::vector<std::size_t> cpu, accel;
+      double cpu_cap = 0, accel_cap = 0;
+      for (std::size_t i = 0; i < n; ++i) {
+        (cands[i].is_cpu ? cpu : accel).push_back(i);
+        (cands[i].is_cpu ? cpu_cap : accel_cap) += std::max<std::uint32_t>(1, cands[i].capacity);
+      }
+      if (cpu.empty() || accel.empty()) return LeastLoaded(cands, all, rng);
+      // Accelerators get device_ratio times their capacity's share of the traffic.
+      const double accel_weight = params.device_ratio * accel_cap;
+      const bool pick_accel = std::uniform_real_distribution<double>(0, accel_weight + cpu_cap)(rng) < accel_weight;
+      return LeastLoaded(cands, pick_accel ? accel : cpu, rng);
+    }
+    case RouterMode::kDirect:
+      return 0;
+  }
+  return 0;
+}
+
+}  // namespace kvrouter

@@ -1,0 +1,85 @@
+// Worker selection for every router mode (DESIGN.md "Selection"). Pure decision logic over a
+// list of candidates that the service assembles (overlap from the index, load from ActiveLoad,
+// limits from registrations); randomness comes from the caller's seeded generator, so
+// decisions are reproducible in tests. Not thread-safe (round-robin keeps a cursor); the
+// service calls it under its routing lock.
+//
+//   Selector sel;  std::size_t i = sel.Pick(RouterMode::kKv, request, candidates, params, rng);
+#pragma once
+
+#include <cstdint>
+#include <random>
+#include <span>
+#include <vector>
+
+#include "router/service/config.h"
+#include "router/index/worker_key.h"
+
+namespace kvrouter {
+
+struct Candidate {
+  WorkerKey worker;
+  std::uint32_t overlap_blocks = 0;         // leading request blocks cached there
+  std::uint32_t active_prefix_blocks = 0;   // leading request blocks already active there
+  std::uint64_t active_blocks = 0;          // decode blocks of active requests
+  std::uint64_t active_prefill_tokens = 0;
+  std::uint64_t active_prefill_squares = 0; // sum of the squares of their prefill tokens
+  std::uint32_t active_requests = 0;
+  double recent_requests = 0;               // routed there lately (ActiveLoad::RecentRequests)
+  bool is_cpu = false;                      // registration device == "cpu"
+  std::uint32_t capacity = 1;               // max_num_seqs, for device-aware weighting
+  std::uint32_t max_num_batched_tokens = 8192;  // for the queue's "full" test and prefill steps
+  std::uint64_t total_kv_blocks = 0;        // registration's cache size (0 = unknown)
+};
+
+struct SelectionRequest {
+  std::uint32_t isl = 0;             // prompt tokens
+  std::uint32_t request_blocks = 0;  // ceil(isl / block_size)
+};
+
+struct CostParams {
+  CostModel model = CostModel::kDynamo;
+  std::uint32_t block_size = 64;
+  double overlap_score_credit = 1.0;  // C
+  double prefill_load_scale = 1.0;    // P
+  double temperature = 0.0;
+  bool track_prefill_tokens = true;
+  double device_ratio = 8.0;
+};
+
+// The kv cost of one candidate: P * max(prefill_blocks - C * overlap, 0) + decode_blocks.
+double KvCost(const Candidate& c, const SelectionRequest& req, const CostParams& p);
+
+// The predicted cost, in milliseconds of the fleet's time, of sending the request to c:
+//   cached    = max(overlap, active prefix) blocks (a prefix being prefilled there now will be
+//               cached by the time this request runs), U = isl - cached * bs uncached tokens
+//   Q         = active prefill tokens queued there; steps = ceil((Q + U) / max_num_batched_tokens)
+//   u         = KV utilisation with this request: (decode_blocks of KvCost) / total_kv_blocks
+//   ttft      = 0.0152 (Q + U) + 4.21e-7 (sum of queued prefills' squares + U^2)
+//               + steps * (16.5 + DecodeStepMs(u))
+//   inflicted = active_requests * (PrefillMs(U) - 16.5): each running request waits out this prefill
+//   spread    = recent_excess * min(10, 0.15 * (PrefillMs(isl) - 16.5)): recent_excess = how many
+//               more requests than the candidates' mean it got lately (recent_requests); it
+//               spreads new sessions at equal cost, and tiny prompts barely pay it
+//   cost      = ttft + inflicted + spread
+// with the engine timing of router/common/engine_model.h as the prior. Selector::PickKv passes
+// recent_excess = max(0, recent_requests - mean over the candidates).
+double PredictedCostMs(const Candidate& c, const SelectionRequest& req, const CostParams& p,
+                       double recent_excess = 0);
+
+class Selector {
+ public:
+  // Index into candidates (non-empty) of the chosen one. kDirect is the caller's business
+  // (the pin is resolved before selection) and picks the first candidate.
+  std::size_t Pick(RouterMode mode, const SelectionRequest& req, std::span<const Candidate> cands,
+                   const CostParams& params, std::mt19937_64& rng);
+
+ private:
+  std::size_t PickKv(const SelectionRequest& req, std::span<const Candidate> cands,
+                     const CostParams& params, std::mt19937_64& rng) const;
+  static std::size_t LeastLoaded(std::span<const Candidate> cands, const std::vector<std::size_t>& among,
+                                 std::mt19937_64& rng);
+  std::uint64_t round_robin_ = 0;
+};
+
+}  // namespace kvrouter

@@ -1,0 +1,207 @@
+#include "router/service/config.h"
+
+#include <boost/program_options.hpp>
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cctype>
+#include <sstream>
+#include <vector>
+
+namespace kvrouter {
+namespace po = boost::program_options;
+
+namespace {
+
+constexpr std::pair<RouterMode, std::string_view> kModes[] = {
+    {RouterMode::kKv, "kv"},
+    {RouterMode::kRoundRobin, "round-robin"},
+    {RouterMode::kRandom, "random"},
+    {RouterMode::kPowerOfTwo, "power-of-two"},
+    {RouterMode::kLeastLoaded, "least-loaded"},
+    {RouterMode::kDeviceAwareWeighted, "device-aware-weighted"},
+    {RouterMode::kDirect, "direct"},
+};
+
+Status OutOfRange(std::string_view flag, std::string_view range) { return FlagOutOfRange(flag, range); }
+
+}  // namespace
+
+std::string_view RouterModeName(RouterMode mode) {
+  for (auto& [m, name] : kModes) if (m == mode) return name;
+  return "kv";
+}
+
+std::optional<RouterMode> RouterModeFromName(std::string_view name) {
+  for (auto& [m, n] : kModes) if (n == name) return m;
+  return std::nullopt;
+}
+
+std::string_view QueuePolicyName(QueuePolicy policy) {
+  switch (policy) {
+    case QueuePolicy::kFcfs: return "fcfs";
+    case QueuePolicy::kWspt: return "wspt";
+    case QueuePolicy::kLcfs: return "lcfs";
+  }
+  return "fcfs";
+}
+
+namespace {
+
+po::options_description Describe() {
+  const RouterConfig d;
+  po::options_description desc("kvrouter options (each also read from DYN_<FLAG> in the environment)");
+  // clang-format off
+  desc.add_options()
+    ("help,h", "print this help and exit")
+    ("nats-server", po::value<std::string>()->default_value(d.nats_server), "NATS server URL (env NATS_SERVER)")
+    ("metrics-port", po::value<std::uint32_t>()->default_value(d.metrics_port), "HTTP port of /metrics, /health and /ready (0 turns it off) [0, 65535]")
+    ("metrics-host", po::value<std::string>()->default_value(d.metrics_host), "address the metrics port listens on")
+    ("namespace", po::value<std::string>()->default_value(d.ns), "namespace of the subjects")
+    ("component", po::value<std::string>()->default_value(d.component), "worker component name")
+    ("block-size", po::value<std::uint32_t>()->default_value(d.block_size), "tokens per KV block [1, 65536]")
+    ("router-mode", po::value<std::string>()->default_value(std::string(RouterModeName(d.mode))),
+       "kv | round-robin | random | power-of-two | least-loaded | device-aware-weighted | direct")
+    ("load-aware", po::bool_switch(), "kv cost with overlap credit 0, no KV events, no prediction")
+    ("router-kv-overlap-score-credit", po::value<double>()->default_value(d.overlap_score_credit), "prefill blocks credited per cached block (>= 0)")
+    ("router-prefill-load-scale", po::value<double>()->default_value(d.prefill_load_scale), "weight of prefill blocks against decode blocks (>= 0)")
+    ("router-kv-events", po::bool_switch(), "use KV events from workers (default; env DYN_ROUTER_USE_KV_EVENTS=true|false)")
+    ("no-router-kv-events", po::bool_switch(), "approximate mode: predict caches from routing decisions")
+    ("no-router-track-prefill-tokens", po::bool_switch(), "leave active prefill tokens out of the load")
+    ("router-temperature", po::value<double>()->default_value(d.temperature), "0 = lowest cost; > 0 = softmax sampling")
+    ("router-queue-threshold", po::value<double>(), "queue when every rank has prefill > t * max_num_batched_tokens (> 0; off by default)")
+    ("router-queue-policy", po::value<std::string>()->default_value(std::string(QueuePolicyName(d.queue_policy))), "fcfs | wspt | lcfs")
+    ("router-queue-max", po::value<std::uint32_t>()->default_value(d.queue_max), "queued requests before 'overloaded' (>= 1)")
+    ("router-ttl-secs", po::value<double>()->default_value(d.ttl_secs), "approximate mode: seconds a predicted block lives (> 0)")
+    ("router-max-tree-size", po::value<std::uint64_t>()->default_value(d.max_tree_size), "approximate mode: predicted blocks before pruning (>= 1)")
+    ("router-prune-target-ratio", po::value<double>()->default_value(d.prune_target_ratio), "approximate mode: prune down to ratio * max (0, 1]")
+    ("router-max-dp-size", po::value<std::uint32_t>()->default_value(d.max_dp_size), "dp ranks a worker may register; larger registrations are refused [1, 65536]")
+    ("router-max-worker-ranks", po::value<std::uint64_t>()->default_value(d.max_worker_ranks), "(worker, dp_rank) pairs tracked; new workers beyond it are refused (>= 1)")
+    ("router-max-workers", po::value<std::uint64_t>()->default_value(d.max_workers), "workers known (registered or not) past which events from unknown worker ids are refused; registrations are bounded by --router-max-worker-ranks (>= 1)")
+    ("router-max-active-requests", po::value<std::uint32_t>()->default_value(d.max_active_requests), "booked requests before route answers 'overloaded' (>= 1)")
+    ("router-max-active-blocks", po::value<std::uint64_t>()->default_value(d.max_active_blocks), "prompt blocks of booked requests (and, separately, of queued ones) before 'overloaded' (>= 1)")
+    ("router-max-prompt-tokens", po::value<std::uint32_t>()->default_value(d.max_prompt_tokens), "longest prompt; longer ones get 'invalid_argument' (>= 1)")
+    ("router-max-worker-blocks", po::value<std::uint64_t>()->default_value(d.max_worker_blocks), "indexed blocks per worker rank when it announces no total_kv_blocks (else twice that); stored events beyond it are dropped (>= 1)")
+    ("no-router-recovery", po::bool_switch(), "never ask workers for missed events or dumps (gaps are only counted)")
+    ("router-recovery-wait-ms", po::value<std::uint32_t>()->default_value(d.recovery_wait_ms), "after start, a route waits at most this long for the start-up dumps")
+    ("router-replica-sync", po::bool_switch(), "share active-request bookings with other router replicas")
+    ("router-id", po::value<std::uint64_t>()->default_value(0), "this replica's id in replica sync and on its own stats subject router.stats.<id> (0: random)")
+    ("device-ratio", po::value<double>()->default_value(d.device_ratio), "device-aware-weighted: accelerator weight vs CPU (> 0)")
+    ("router-index-shards", po::value<std::uint32_t>()->default_value(d.index_shards), "index shards, one thread each [1, 64]");
+  // clang-format on
+  AddNatsSecurityFlags(desc);
+  return desc;
+}
+
+// Connection, selection and queue flags, validated.
+Status ReadRouting(const po::variables_map& vm, RouterConfig& c) {
+  c.nats_server = vm["nats-server"].as<std::string>();
+  c.nats_security = ReadNatsSecurity(vm);
+  c.metrics_port = vm["metrics-port"].as<std::uint32_t>();
+  if (c.metrics_port > 65535) return OutOfRange("metrics-port", "in [0, 65535]");
+  c.metrics_host = vm["metrics-host"].as<std::string>();
+  c.ns = vm["namespace"].as<std::string>();
+  c.component = vm["component"].as<std::string>();
+  c.block_size = vm["block-size"].as<std::uint32_t>();
+  if (c.block_size < 1 || c.block_size > 65536) return OutOfRange("block-size", "in [1, 65536]");
+  auto m = RouterModeFromName(vm["router-mode"].as<std::string>());
+  if (!m) return OutOfRange("router-mode", "one of kv, round-robin, random, power-of-two, least-loaded, device-aware-weighted, direct");
+  c.mode = *m;
+  // Either of Dynamo's weights, given on the command line or in the environment, selects Dynamo's
+  // formula with exactly those values (a user migrating from Dynamo gets Dynamo's decisions).
+  const bool dynamo_weights =
+      !vm["router-kv-overlap-score-credit"].defaulted() || !vm["router-prefill-load-scale"].defaulted();
+  c.cost_model = dynamo_weights ? CostModel::kDynamo : CostModel::kPredicted;
+  c.overlap_score_credit = vm["router-kv-overlap-score-credit"].as<double>();
+  if (!(c.overlap_score_credit >= 0)) return OutOfRange("router-kv-overlap-score-credit", ">= 0");
+  c.prefill_load_scale = vm["router-prefill-load-scale"].as<double>();
+  if (!(c.prefill_load_scale >= 0)) return OutOfRange("router-prefill-load-scale", ">= 0");
+  if (vm["router-kv-events"].as<bool>() && vm["no-router-kv-events"].as<bool>()) {
+    return InvalidArgument("--router-kv-events and --no-router-kv-events contradict each other");
+  }
+  c.use_kv_events = !vm["no-router-kv-events"].as<bool>();
+  c.track_prefill_tokens = !vm["no-router-track-prefill-tokens"].as<bool>();
+  c.temperature = vm["router-temperature"].as<double>();
+  if (!(c.temperature >= 0)) return OutOfRange("router-temperature", ">= 0");
+  if (vm.count("router-queue-threshold")) {
+    c.queue_threshold = vm["router-queue-threshold"].as<double>();
+    if (!(*c.queue_threshold > 0)) return OutOfRange("router-queue-threshold", "> 0");
+  }
+  const std::string policy = vm["router-queue-policy"].as<std::string>();
+  if (policy == "fcfs") c.queue_policy = QueuePolicy::kFcfs;
+  else if (policy == "wspt") c.queue_policy = QueuePolicy::kWspt;
+  else if (policy == "lcfs") c.queue_policy = QueuePolicy::kLcfs;
+  else return OutOfRange("router-queue-policy", "one of fcfs, wspt, lcfs");
+  c.queue_max = vm["router-queue-max"].as<std::uint32_t>();
+  if (c.queue_max < 1) return OutOfRange("router-queue-max", ">= 1");
+  return Status::Ok();
+}
+
+// Approximate mode, bounds and the rest, validated.
+Status ReadLimits(const po::variables_map& vm, RouterConfig& c) {
+  c.ttl_secs = vm["router-ttl-secs"].as<double>();
+  if (!(c.ttl_secs > 0)) return OutOfRange("router-ttl-secs", "> 0");
+  c.max_tree_size = vm["router-max-tree-size"].as<std::uint64_t>();
+  if (c.max_tree_size < 1) return OutOfRange("router-max-tree-size", ">= 1");
+  c.prune_target_ratio = vm["router-prune-target-ratio"].as<double>();
+  if (!(c.prune_target_ratio > 0 && c.prune_target_ratio <= 1)) return OutOfRange("router-prune-target-ratio", "in (0, 1]");
+  c.max_dp_size = vm["router-max-dp-size"].as<std::uint32_t>();
+  if (c.max_dp_size < 1 || c.max_dp_size > 65536) return OutOfRange("router-max-dp-size", "in [1, 65536]");
+  c.max_worker_ranks = vm["router-max-worker-ranks"].as<std::uint64_t>();
+  if (c.max_worker_ranks < 1) return OutOfRange("router-max-worker-ranks", ">= 1");
+  c.max_workers = vm["router-max-workers"].as<std::uint64_t>();
+  if (c.max_workers < 1) return OutOfRange("router-max-workers", ">= 1");
+  c.max_active_requests = vm["router-max-active-requests"].as<std::uint32_t>();
+  if (c.max_active_requests < 1) return OutOfRange("router-max-active-requests", ">= 1");
+  c.max_active_blocks = vm["router-max-active-blocks"].as<std::uint64_t>();
+  if (c.max_active_blocks < 1) return OutOfRange("router-max-active-blocks", ">= 1");
+  c.max_prompt_tokens = vm["router-max-prompt-tokens"].as<std::uint32_t>();
+  if (c.max_prompt_tokens < 1) return OutOfRange("router-max-prompt-tokens", ">= 1");
+  c.max_worker_blocks = vm["router-max-worker-blocks"].as<std::uint64_t>();
+  if (c.max_worker_blocks < 1) return OutOfRange("router-max-worker-blocks", ">= 1");
+  c.recovery = !vm["no-router-recovery"].as<bool>();
+  c.recovery_wait_ms = vm["router-recovery-wait-ms"].as<std::uint32_t>();
+  c.replica_sync = vm["router-replica-sync"].as<bool>();
+  c.router_id = vm["router-id"].as<std::uint64_t>();
+  c.device_ratio = vm["device-ratio"].as<double>();
+  if (!(c.device_ratio > 0)) return OutOfRange("device-ratio", "> 0");
+  c.index_shards = vm["router-index-shards"].as<std::uint32_t>();
+  if (c.index_shards < 1 || c.index_shards > 64) return OutOfRange("router-index-shards", "in [1, 64]");
+  c.load_aware = vm["load-aware"].as<bool>();
+  if (c.load_aware) {  // DESIGN.md: pure load balancing on tracked load
+    c.mode = RouterMode::kKv;
+    c.overlap_score_credit = 0;
+    c.cost_model = CostModel::kDynamo;
+    c.use_kv_events = false;
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Result<ParsedArgs> ParseRouterConfig(int argc, const char* const* argv, const EnvLookup& env) {
+  // Environment values for flags not given on the command line. Two flags read Dynamo's
+  // variable names: DYN_ROUTER_USE_KV_EVENTS=true|false, DYN_ROUTER_TRACK_PREFILL_TOKENS=false.
+  auto boolean_rule = [](std::string variable, std::string if_true, std::string if_false) {
+    return EnvRule{std::move(variable), [t = std::move(if_true), f = std::move(if_false)](std::string_view v)
+                                            -> Result<std::optional<std::string>> {
+                     auto b = ParseBoolValue(std::string(v));
+                     if (!b) return InvalidArgument("must be true or false");
+                     const std::string& arg = *b ? t : f;
+                     return arg.empty() ? std::nullopt : std::optional<std::string>(arg);
+                   }};
+  };
+  const std::map<std::string, EnvRule> rules = {
+      {"router-kv-events", boolean_rule("DYN_ROUTER_USE_KV_EVENTS", "--router-kv-events", "--no-router-kv-events")},
+      {"no-router-kv-events", EnvRule{"", nullptr}},  // read through DYN_ROUTER_USE_KV_EVENTS
+      {"no-router-track-prefill-tokens",
+       boolean_rule("DYN_ROUTER_TRACK_PREFILL_TOKENS", "", "--no-router-track-prefill-tokens")},
+  };
+  return ParseProgram<RouterConfig>(Describe(), argc, argv, env, rules,
+                                    [](const po::variables_map& vm, RouterConfig& c) {
+                                      if (Status s = ReadRouting(vm, c); !s.ok()) return s;
+                                      return ReadLimits(vm, c);
+                                    });
+}
+
+}  // namespace kvrouter

@@ -1,0 +1,482 @@
+#include "router/index/block_index.h"
+
+#include "events/block_hash.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <map>
+#include <random>
+#include <set>
+
+namespace kvrouter {
+namespace {
+
+constexpr WorkerKey kW1{1, 0};
+constexpr WorkerKey kW2{2, 0};
+
+// A chain whose engine hashes are `first_id, first_id+1, ...` and token hashes `locals`.
+std::vector<StoredBlock> Chain(std::uint64_t first_id, std::vector<LocalHash> locals) {
+  std::vector<StoredBlock> out;
+  for (std::size_t i = 0; i < locals.size(); ++i) out.push_back({first_id + i, locals[i]});
+  return out;
+}
+
+std::map<WorkerKey, std::uint32_t> Matches(const BlockIndex& idx, std::vector<LocalHash> h) {
+  OverlapScores s;
+  idx.FindMatches(ComputeSequenceHashes(h), s);
+  std::map<WorkerKey, std::uint32_t> out;
+  for (auto& e : s) {
+    EXPECT_TRUE(out.emplace(e.worker, e.blocks).second) << "worker reported twice";
+  }
+  return out;
+}
+
+TEST(BlockIndex, StoredChainIsMatchedByLeadingBlocks) {
+  BlockIndex idx;
+  auto r = idx.ApplyStored(kW1, std::nullopt, Chain(100, {1, 2, 3}));
+  EXPECT_EQ(r.blocks_stored, 3u);
+  EXPECT_EQ(Matches(idx, {1, 2, 3, 4}), (std::map<WorkerKey, std::uint32_t>{{kW1, 3}}));
+  EXPECT_EQ(Matches(idx, {1, 2}), (std::map<WorkerKey, std::uint32_t>{{kW1, 2}}));
+  EXPECT_TRUE(Matches(idx, {2, 3}).empty());  // not a prefix
+  EXPECT_EQ(idx.TreeSize(kW1), 3u);
+}
+
+TEST(BlockIndex, ChainContinuesFromKnownParent) {
+  BlockIndex idx;
+  (void)idx.ApplyStored(kW1, std::nullopt, Chain(100, {1, 2}));
+  auto r = idx.ApplyStored(kW1, 101, Chain(200, {3, 4}));
+  EXPECT_FALSE(r.parent_not_found);
+  EXPECT_EQ(Matches(idx, {1, 2, 3, 4}), (std::map<WorkerKey, std::uint32_t>{{kW1, 4}}));
+}
+
+TEST(BlockIndex, StoredChainWithUnknownParentIsDropped) {
+  BlockIndex idx;
+  (void)idx.ApplyStored(kW1, std::nullopt, Chain(100, {1}));
+  auto r = idx.ApplyStored(kW1, 999, Chain(200, {2, 3}));
+  EXPECT_TRUE(r.parent_not_found);
+  EXPECT_EQ(r.blocks_stored, 0u);
+  EXPECT_EQ(idx.TreeSize(kW1), 1u);
+  // A parent known only to another worker is unknown for this one.
+  auto r2 = idx.ApplyStored(kW2, 100, Chain(300, {2}));
+  EXPECT_TRUE(r2.parent_not_found);
+  EXPECT_EQ(idx.TreeSize(kW2), 0u);
+}
+
+TEST(BlockIndex, AChainThatWouldPassMaxBlocksIsDroppedWhole) {
+  BlockIndex idx;
+  EXPECT_FALSE(idx.ApplyStored(kW1, std::nullopt, Chain(100, {1, 2}), 3).over_capacity);
+  auto r = idx.ApplyStored(kW1, 101, Chain(200, {3, 4}), 3);
+  EXPECT_TRUE(r.over_capacity);
+  EXPECT_EQ(r.blocks_stored, 0u);
+  EXPECT_EQ(idx.TreeSize(kW1), 2u);
+  EXPECT_EQ(idx.ApplyStored(kW1, 101, Chain(200, {3}), 3).blocks_stored, 1u);  // exactly full
+  EXPECT_EQ(Matches(idx, {1, 2, 3}), (std::map<WorkerKey, std::uint32_t>{{kW1, 3}}));
+}
+
+TEST(BlockIndex, RestoringKnownBlocksIsIdempotent) {
+  BlockIndex idx;
+  (void)idx.ApplyStored(kW1, std::nullopt, Chain(100, {1, 2}));
+  auto r = idx.ApplyStored(kW1, std::nullopt, Chain(100, {1, 2}));
+  EXPECT_EQ(r.blocks_stored, 0u);
+  EXPECT_EQ(idx.TreeSize(kW1), 2u);
+  EXPECT_EQ(idx.Memory().nodes, 2u);
+  (void)idx.ApplyRemoved(kW1, std::vector<BlockHash>{101});
+  EXPECT_EQ(Matches(idx, {1, 2}), (std::map<WorkerKey, std::uint32_t>{{kW1, 1}}));
+}
+
+TEST(BlockIndex, RemovingUnknownBlockIsCountedAndRestStillApplies) {
+  BlockIndex idx;
+  (void)idx.ApplyStored(kW1, std::nullopt, Chain(100, {1, 2, 3}));
+  auto r = idx.ApplyRemoved(kW1, std::vector<BlockHash>{555, 102, 777});
+  EXPECT_EQ(r.blocks_not_found, 2u);
+  EXPECT_EQ(r.blocks_removed, 1u);
+  EXPECT_EQ(idx.TreeSize(kW1), 2u);
+  EXPECT_EQ(Matches(idx, {1, 2, 3}), (std::map<WorkerKey, std::uint32_t>{{kW1, 2}}));
+}
+
+TEST(BlockIndex, SharedPrefixCountsForEachHolder) {
+  BlockIndex idx;
+  (void)idx.ApplyStored(kW1, std::nullopt, Chain(100, {1, 2, 3}));
+  (void)idx.ApplyStored(kW2, std::nullopt, Chain(500, {1, 2, 9}));
+  EXPECT_EQ(Matches(idx, {1, 2, 3}), (std::map<WorkerKey, std::uint32_t>{{kW1, 3}, {kW2, 2}}));
+  EXPECT_EQ(Matches(idx, {1, 2, 9}), (std::map<WorkerKey, std::uint32_t>{{kW1, 2}, {kW2, 3}}));
+  EXPECT_EQ(idx.Memory().nodes, 4u);  // 1, 2 shared; 3 and 9 apart
+}
+
+TEST(BlockIndex, DpRanksAreSeparateHolders) {
+  BlockIndex idx;
+  const WorkerKey r0{7, 0}, r1{7, 1};
+  (void)idx.ApplyStored(r0, std::nullopt, Chain(100, {1, 2}));
+  (void)idx.ApplyStored(r1, std::nullopt, Chain(100, {1}));
+  EXPECT_EQ(Matches(idx, {1, 2}), (std::map<WorkerKey, std::uint32_t>{{r0, 2}, {r1, 1}}));
+  // Removal by engine hash is per rank.
+  (void)idx.ApplyRemoved(r1, std::vector<BlockHash>{100});
+  EXPECT_EQ(Matches(idx, {1, 2}), (std::map<WorkerKey, std::uint32_t>{{r0, 2}}));
+}
+
+TEST(BlockIndex, ClearWorkerDropsEveryRankAndFreesNodes) {
+  BlockIndex idx;
+  (void)idx.ApplyStored({7, 0}, std::nullopt, Chain(100, {1, 2}));
+  (void)idx.ApplyStored({7, 1}, std::nullopt, Chain(100, {5, 6}));
+  (void)idx.ApplyStored(kW2, std::nullopt, Chain(100, {1}));
+  EXPECT_EQ(idx.ClearWorker(7), 4u);
+  EXPECT_EQ(idx.TreeSize({7, 0}), 0u);
+  EXPECT_EQ(idx.TreeSize({7, 1}), 0u);
+  EXPECT_EQ(Matches(idx, {1, 2}), (std::map<WorkerKey, std::uint32_t>{{kW2, 1}}));
+  EXPECT_EQ(idx.Memory().nodes, 1u);
+  // The worker is still known and can store again.
+  (void)idx.ApplyStored({7, 0}, std::nullopt, Chain(100, {1}));
+  EXPECT_EQ(Matches(idx, {1}).size(), 2u);
+}
+
+TEST(BlockIndex, RemoveWorkerForgetsIt) {
+  BlockIndex idx;
+  (void)idx.ApplyStored(kW1, std::nullopt, Chain(100, {1, 2}));
+  EXPECT_EQ(idx.RemoveWorker(1), 2u);
+  EXPECT_TRUE(Matches(idx, {1, 2}).empty());
+  EXPECT_EQ(idx.Memory().nodes, 0u);
+  std::size_t known = 0;
+  idx.ForEachWorker([&](WorkerKey, std::size_t) { ++known; });
+  EXPECT_EQ(known, 0u);
+}
+
+// With concurrent readers a freed node and a removed worker's slot keep their numbers until
+// FreeRetired: a tolerant read spanning several events never meets a node recycled for another
+// block or a slot handed to another worker (which could name a returning worker twice).
+// Without readers they are reused at once.
+TEST(BlockIndex, FreedNodesAndSlotsAreReusedOnlyAfterFreeRetiredWhenReadersMayRead) {
+  for (const bool readers : {false, true}) {
+    SCOPED_TRACE(readers ? "concurrent readers" : "no readers");
+    BlockIndex idx;
+    idx.SetConcurrentReaders(readers);
+    (void)idx.ApplyStored(kW1, std::nullopt, Chain(100, {1, 2}));
+    EXPECT_EQ(idx.RemoveWorker(1), 2u);
+    (void)idx.ApplyStored(kW2, std::nullopt, Chain(200, {3, 4}));
+    // The root and two nodes, one slot; twice as many while the freed ones wait.
+    EXPECT_EQ(idx.node_numbers(), readers ? 5u : 3u);
+    EXPECT_EQ(idx.slot_numbers(), readers ? 2u : 1u);
+    EXPECT_EQ(idx.HasRetired(), readers);
+    idx.FreeRetired();
+    EXPECT_EQ(idx.RemoveWorker(2), 2u);
+    idx.FreeRetired();
+    (void)idx.ApplyStored(kW1, std::nullopt, Chain(100, {1, 2}));  // now from the free lists
+    EXPECT_EQ(idx.node_numbers(), readers ? 5u : 3u);
+    EXPECT_EQ(idx.slot_numbers(), readers ? 2u : 1u);
+    EXPECT_EQ(Matches(idx, {1, 2}), (std::map<WorkerKey, std::uint32_t>{{kW1, 2}}));
+  }
+}
+
+TEST(BlockIndex, InteriorRemovalStopsTheMatchAtTheGap) {
+  BlockIndex idx;
+  (void)idx.ApplyStored(kW1, std::nullopt, Chain(100, {1, 2, 3}));
+  (void)idx.ApplyStored(kW2, std::nullopt, Chain(500, {1, 2, 3}));
+  (void)idx.ApplyRemoved(kW1, std::vector<BlockHash>{101});  // middle block
+  EXPECT_EQ(Matches(idx, {1, 2, 3}), (std::map<WorkerKey, std::uint32_t>{{kW1, 1}, {kW2, 3}}));
+  (void)idx.ApplyRemoved(kW2, std::vector<BlockHash>{500});  // first block
+  EXPECT_EQ(Matches(idx, {1, 2, 3}), (std::map<WorkerKey, std::uint32_t>{{kW1, 1}}));
+}
+
+TEST(BlockIndex, KnownBlockStoredAtNewPositionMoves) {
+  BlockIndex idx;
+  (void)idx.ApplyStored(kW1, std::nullopt, Chain(100, {1, 2}));
+  // Engine reuses id 101 for different content under a new root.
+  (void)idx.ApplyStored(kW1, std::nullopt, std::vector<StoredBlock>{{300, 7}, {101, 8}});
+  EXPECT_EQ(idx.TreeSize(kW1), 3u);
+  EXPECT_EQ(Matches(idx, {1, 2}), (std::map<WorkerKey, std::uint32_t>{{kW1, 1}}));
+  EXPECT_EQ(Matches(idx, {7, 8}), (std::map<WorkerKey, std::uint32_t>{{kW1, 2}}));
+}
+
+TEST(BlockIndex, TwoEngineHashesForOneNodeKeepTheHoldingUntilBothGo) {
+  BlockIndex idx;
+  (void)idx.ApplyStored(kW1, std::nullopt, std::vector<StoredBlock>{{100, 1}});
+  (void)idx.ApplyStored(kW1, std::nullopt, std::vector<StoredBlock>{{200, 1}});
+  EXPECT_EQ(idx.TreeSize(kW1), 2u);
+  (void)idx.ApplyRemoved(kW1, std::vector<BlockHash>{100});
+  EXPECT_EQ(Matches(idx, {1}), (std::map<WorkerKey, std::uint32_t>{{kW1, 1}}));
+  (void)idx.ApplyRemoved(kW1, std::vector<BlockHash>{200});
+  EXPECT_TRUE(Matches(idx, {1}).empty());
+  EXPECT_EQ(idx.Memory().nodes, 0u);
+}
+
+// Nodes freed by a clear are taken again in address order once tidied: new nodes then share
+// cache lines and pages. A few freed nodes are not worth sorting.
+TEST(BlockIndex, TidiedFreeNodesAreTakenInAddressOrder) {
+  BlockIndex idx;
+  std::mt19937_64 rng(3);
+  for (int i = 0; i < 3; ++i) (void)idx.ApplyStored(kW1, std::nullopt, std::vector<StoredBlock>{{rng(), rng()}});
+  (void)idx.ClearWorker(kW1.worker_id);
+  std::vector<std::uint32_t> few(idx.free_node_numbers().begin(), idx.free_node_numbers().end());
+  idx.TidyFreeNodes();
+  EXPECT_TRUE(std::ranges::equal(idx.free_node_numbers(), few));
+
+  // Two workers' blocks interleaved, one worker cleared in the order of its random hashes.
+  for (int i = 0; i < 10000; ++i) {
+    (void)idx.ApplyStored(i % 2 ? kW1 : kW2, std::nullopt, std::vector<StoredBlock>{{rng(), rng()}});
+  }
+  (void)idx.ClearWorker(kW1.worker_id);
+  std::vector<std::uint32_t> freed(idx.free_node_numbers().begin(), idx.free_node_numbers().end());
+  ASSERT_EQ(freed.size(), 5000u);
+  idx.TidyFreeNodes();
+  std::vector<std::uint32_t> tidied(idx.free_node_numbers().begin(), idx.free_node_numbers().end());
+  EXPECT_TRUE(std::ranges::is_sorted(tidied, std::greater<>()));  // taken from the back: ascending
+  std::ranges::sort(freed);
+  std::ranges::sort(tidied);
+  EXPECT_EQ(tidied, freed);  // the same numbers
+  // The index is unchanged: worker 2 keeps all its blocks, and new ones take the freed nodes.
+  EXPECT_EQ(idx.TreeSize(kW2), 5000u);
+  const std::size_t numbers = idx.node_numbers();
+  for (int i = 0; i < 5000; ++i) (void)idx.ApplyStored(kW1, std::nullopt, std::vector<StoredBlock>{{rng(), rng()}});
+  EXPECT_EQ(idx.node_numbers(), numbers);
+  EXPECT_EQ(idx.TreeSize(kW1), 5000u);
+
+  // A few nodes taken and a few freed since: not worth another pass (the list keeps its order).
+  (void)idx.ClearWorker(kW1.worker_id);
+  idx.TidyFreeNodes();
+  for (int i = 0; i < 10; ++i) (void)idx.ApplyStored(kW1, std::nullopt, std::vector<StoredBlock>{{rng(), rng()}});
+  const auto some = idx.free_node_numbers();
+  const std::vector<std::uint32_t> before(some.begin(), some.end());
+  std::vector<BlockHash> three;
+  for (int i = 0; i < 3; ++i) {
+    three.push_back(rng());
+    (void)idx.ApplyStored(kW2, std::nullopt, std::vector<StoredBlock>{{three.back(), rng()}});
+  }
+  (void)idx.ApplyRemoved(kW2, three);  // three nodes freed after the tidy, in that order
+  const auto after = idx.free_node_numbers();
+  const std::vector<std::uint32_t> freed_late(after.begin(), after.end());
+  idx.TidyFreeNodes();
+  EXPECT_TRUE(std::ranges::equal(idx.free_node_numbers(), freed_late));
+  EXPECT_EQ(freed_late.size(), before.size());  // three taken from the list and three given back
+}
+
+// By default the sequence-hash table halves as blocks go (approximate mode's index relies on
+// it); ShrinkTablesLater keeps the capacity until ShrinkTables.
+TEST(BlockIndex, TheTableShrinksAsBlocksGoUnlessShrinkingIsLeftToTheOwner) {
+  auto fill_and_clear = [](BlockIndex& idx) {
+    for (std::uint64_t b = 1; b <= 5000; ++b) (void)idx.ApplyStored(kW1, std::nullopt, std::vector<StoredBlock>{{b, b}});
+    const std::size_t full = idx.Memory().table_bytes;
+    (void)idx.ClearWorker(kW1.worker_id);
+    return full;
+  };
+  BlockIndex eager;
+  const std::size_t full = fill_and_clear(eager);
+  EXPECT_GT(full, 5000u * 12);
+  EXPECT_LT(eager.Memory().table_bytes * 8, full);
+  BlockIndex later;
+  later.ShrinkTablesLater(true);
+  EXPECT_EQ(fill_and_clear(later), full);
+  EXPECT_EQ(later.Memory().table_bytes, full);
+  EXPECT_TRUE(later.TablesUnderfull());
+  later.ShrinkTables();
+  EXPECT_EQ(later.Memory().table_bytes, 0u);
+}
+
+// Worker 2 holds `other`; worker 1 stores `chain` and removes it a million times. The index's
+// memory before and after the million.
+std::pair<IndexMemory, IndexMemory> StoreAndRemoveAMillionTimes(const std::vector<StoredBlock>& chain,
+                                                                 const std::vector<StoredBlock>& other) {
+  BlockIndex idx;
+  std::vector<BlockHash> ids;
+  for (const auto& b : chain) ids.push_back(b.block_hash);
+  (void)idx.ApplyStored(kW2, std::nullopt, other);
+  (void)idx.ApplyStored(kW1, std::nullopt, chain);
+  (void)idx.ApplyRemoved(kW1, ids);
+  const IndexMemory before = idx.Memory();
+  for (int i = 0; i < 1'000'000; ++i) {
+    (void)idx.ApplyStored(kW1, std::nullopt, chain);
+    (void)idx.ApplyRemoved(kW1, ids);
+  }
+  return {before, idx.Memory()};
+}
+
+TEST(BlockIndex, MemoryDoesNotGrowWhenSameBlocksAreStoredAndRemovedAMillionTimes) {
+  const auto [before, after] = StoreAndRemoveAMillionTimes(Chain(100, {11, 12, 13, 14}), Chain(900, {11, 12}));
+  EXPECT_EQ(after.bytes, before.bytes);
+  EXPECT_EQ(after.nodes, 2u);
+  EXPECT_EQ(after.holdings, 2u);
+}
+
+// Reference model: each worker's blocks as full paths of local hashes.
+class ReferenceIndex {
+ public:
+  void Stored(WorkerKey w, std::optional<BlockHash> parent, const std::vector<StoredBlock>& bs) {
+    auto& blocks = workers_[w];
+    std::vector<LocalHash> path;
+    if (parent) {
+      auto it = blocks.find(*parent);
+      if (it == blocks.end()) return;
+      path = it->second;
+    }
+    for (const auto& b : bs) {
+      path.push_back(b.tokens_hash);
+      blocks[b.block_hash] = path;
+    }
+  }
+  void Removed(WorkerKey w, const std::vector<BlockHash>& hs) {
+    for (BlockHash h : hs) workers_[w].erase(h);
+  }
+  void Clear(std::uint64_t id) {
+    for (auto& [k, b] : workers_) if (k.worker_id == id) b.clear();
+  }
+  std::map<WorkerKey, std::uint32_t> Matches(const std::vector<LocalHash>& h) const {
+    std::map<WorkerKey, std::uint32_t> out;
+    for (const auto& [w, blocks] : workers_) {
+      std::set<std::vector<LocalHash>> held;
+      for (const auto& [id, path] : blocks) held.insert(path);
+      std::uint32_t n = 0;
+      std::vector<LocalHash> prefix;
+      for (LocalHash x : h) {
+        prefix.push_back(x);
+        if (!held.count(prefix)) break;
+        ++n;
+      }
+      if (n > 0) out[w] = n;
+    }
+    return out;
+  }
+  std::size_t Size(WorkerKey w) const {
+    auto it = workers_.find(w);
+    return it == workers_.end() ? 0 : it->second.size();
+  }
+  std::map<WorkerKey, std::map<BlockHash, std::vector<LocalHash>>> workers_;
+};
+
+// Random stores, removals and clears on 4 workers x 2 ranks, checked against the reference
+// after every step. canonical_percent: the share of stored blocks whose engine hash is their
+// sequence hash (as Dynamo's workers publish); the rest get small engine ids, which turn the
+// worker's slot from canonical to mapped part way.
+void RunAgainstReference(std::uint64_t seed, int canonical_percent) {
+  std::mt19937_64 rng(seed);
+  BlockIndex idx;
+  ReferenceIndex ref;
+  auto pick = [&](std::uint64_t n) { return rng() % n; };
+  for (int step = 0; step < 4000; ++step) {
+    const WorkerKey w{pick(4), static_cast<std::uint32_t>(pick(2))};
+    const std::uint64_t op = pick(100);
+    if (op < 55) {
+      std::optional<BlockHash> parent;
+      std::vector<LocalHash> path;
+      if (pick(2) == 0 && ref.Size(w) > 0) {
+        auto& blocks = ref.workers_[w];
+        auto it = blocks.begin();
+        std::advance(it, pick(blocks.size()));
+        parent = it->first;
+        path = it->second;
+      } else if (pick(10) == 0) {
+        parent = 10'000 + pick(50);  // probably unknown
+      }
+      std::vector<StoredBlock> bs;
+      const std::size_t len = 1 + pick(4);
+      for (std::size_t i = 0; i < len; ++i) {
+        const LocalHash local = pick(3);
+        path.push_back(local);
+        const bool canonical = static_cast<int>(pick(100)) < canonical_percent;
+        bs.push_back({canonical ? ComputeSequenceHashes(path).back() : pick(60), local});
+      }
+      ref.Stored(w, parent, bs);
+      (void)idx.ApplyStored(w, parent, bs);
+    } else if (op < 95) {
+      std::vector<BlockHash> hs;
+      auto& blocks = ref.workers_[w];
+      for (std::size_t i = 0, n = 1 + pick(3); i < n; ++i) {
+        if (pick(4) != 0 && !blocks.empty()) {
+          auto it = blocks.begin();
+          std::advance(it, pick(blocks.size()));
+          hs.push_back(it->first);  // a held one, whichever kind its hash is
+        } else {
+          hs.push_back(pick(60));
+        }
+      }
+      ref.Removed(w, hs);
+      (void)idx.ApplyRemoved(w, hs);
+    } else {
+      ref.Clear(w.worker_id);
+      (void)idx.ClearWorker(w.worker_id);
+    }
+    ASSERT_EQ(idx.TreeSize(w), ref.Size(w)) << "step " << step;
+    std::vector<LocalHash> q;
+    for (std::size_t i = 0, n = 1 + pick(6); i < n; ++i) q.push_back(pick(3));
+    ASSERT_EQ(Matches(idx, q), ref.Matches(q)) << "step " << step;
+  }
+}
+
+TEST(BlockIndex, AgreesWithReferenceModelUnderRandomEvents) {
+  for (std::uint64_t seed : {1u, 2u, 3u, 4u, 5u}) {
+    SCOPED_TRACE(seed);
+    RunAgainstReference(seed, 0);
+  }
+}
+
+TEST(BlockIndex, CanonicalWorkersAgreeWithReferenceModel) {
+  for (std::uint64_t seed : {1u, 2u, 3u, 4u, 5u}) {
+    SCOPED_TRACE(seed);
+    RunAgainstReference(seed, 100);
+  }
+}
+
+TEST(BlockIndex, WorkersTurningFromCanonicalToMappedAgreeWithReferenceModel) {
+  for (std::uint64_t seed : {1u, 2u, 3u, 4u, 5u}) {
+    SCOPED_TRACE(seed);
+    RunAgainstReference(seed, 97);
+  }
+}
+
+// Chains whose engine hashes are their sequence hashes.
+std::vector<StoredBlock> CanonicalChain(const std::vector<LocalHash>& locals) {
+  const auto seq = ComputeSequenceHashes(locals);
+  std::vector<StoredBlock> out;
+  for (std::size_t i = 0; i < locals.size(); ++i) out.push_back({seq[i], locals[i]});
+  return out;
+}
+
+TEST(BlockIndex, CanonicalWorkerIsFoundByParentAndRemovedByItsSequenceHash) {
+  BlockIndex idx;
+  const auto chain = CanonicalChain({1, 2, 3});
+  (void)idx.ApplyStored(kW1, std::nullopt, std::span(chain).first(2));
+  auto r = idx.ApplyStored(kW1, chain[1].block_hash, std::span(chain).subspan(2));
+  EXPECT_FALSE(r.parent_not_found);
+  EXPECT_EQ(r.blocks_stored, 1u);
+  // Another worker holding the same node does not make it this one's parent.
+  auto r2 = idx.ApplyStored(kW2, chain[1].block_hash, std::span(chain).subspan(2));
+  EXPECT_TRUE(r2.parent_not_found);
+  (void)idx.ApplyStored(kW2, std::nullopt, chain);
+  auto removed = idx.ApplyRemoved(kW1, std::vector<BlockHash>{chain[1].block_hash, chain[1].block_hash});
+  EXPECT_EQ(removed.blocks_removed, 1u);
+  EXPECT_EQ(removed.blocks_not_found, 1u);  // the repeat: already gone
+  EXPECT_EQ(Matches(idx, {1, 2, 3}), (std::map<WorkerKey, std::uint32_t>{{kW1, 1}, {kW2, 3}}));
+  EXPECT_EQ(idx.TreeSize(kW1), 2u);
+  EXPECT_EQ(idx.ClearWorker(1), 2u);
+  EXPECT_EQ(Matches(idx, {1, 2, 3}), (std::map<WorkerKey, std::uint32_t>{{kW2, 3}}));
+}
+
+TEST(BlockIndex, CanonicalWorkerKeepsNoMapAndTurnsMappedOnItsFirstOtherHash) {
+  BlockIndex idx;
+  std::vector<LocalHash> locals(1000);
+  for (std::size_t i = 0; i < locals.size(); ++i) locals[i] = 1000 + i;
+  (void)idx.ApplyStored(kW1, std::nullopt, CanonicalChain(locals));
+  const std::size_t canonical_bytes = idx.Memory().bytes;
+  // Now an engine id that is not a sequence hash: the worker keeps every block, under both kinds.
+  (void)idx.ApplyStored(kW1, std::nullopt, std::vector<StoredBlock>{{7, 5}});
+  EXPECT_EQ(idx.TreeSize(kW1), 1001u);
+  EXPECT_GE(idx.Memory().bytes, canonical_bytes + 1000 * 12);  // the map it did not need before
+  EXPECT_EQ(idx.ApplyRemoved(kW1, std::vector<BlockHash>{7, ComputeSequenceHashes(locals).back()}).blocks_removed, 2u);
+  EXPECT_EQ(Matches(idx, locals), (std::map<WorkerKey, std::uint32_t>{{kW1, 999}}));
+  // Cleared, it is canonical again.
+  EXPECT_EQ(idx.ClearWorker(1), 999u);
+  (void)idx.ApplyStored(kW1, std::nullopt, CanonicalChain(locals));
+  // No map any more (1,000 x 12 bytes and more); the list of free node numbers that the clear
+  // filled keeps its capacity (1,024 x 4 bytes).
+  EXPECT_GE(idx.Memory().bytes, canonical_bytes);
+  EXPECT_LE(idx.Memory().bytes, canonical_bytes + 1024 * sizeof(std::uint32_t));
+}
+
+TEST(BlockIndex, CanonicalWorkerMemoryStaysBoundedWhenTheSameBlocksComeAndGoAMillionTimes) {
+  const auto [before, after] = StoreAndRemoveAMillionTimes(CanonicalChain({11, 12, 13, 14}), CanonicalChain({11, 12}));
+  // The held list collects stale entries between compactions: at most 2 x live + 32 of them.
+  EXPECT_LE(after.bytes, before.bytes + 64 * sizeof(std::uint32_t));
+  EXPECT_EQ(after.nodes, 2u);
+  EXPECT_EQ(after.holdings, 2u);
+}
+
+}  // namespace
+}  // namespace kvrouter

@@ -1,0 +1,251 @@
+#include "router/scheduling/selector.h"
+
+#include "router/common/engine_model.h"
+
+#include <gtest/gtest.h>
+
+#include <map>
+
+namespace kvrouter {
+namespace {
+
+// A candidate with `prefill` active prefill blocks and `decode` active decode blocks.
+Candidate Loaded(std::uint64_t id, double prefill_blocks, std::uint64_t decode_blocks, std::uint32_t bs = 64) {
+  Candidate c;
+  c.worker = {id, 0};
+  c.active_prefill_tokens = static_cast<std::uint64_t>(prefill_blocks * bs);
+  c.active_blocks = decode_blocks;
+  return c;
+}
+
+TEST(KvCost, TableOfCases) {
+  struct Case {
+    const char* name;
+    Candidate c;
+    SelectionRequest req;
+    CostParams p;
+    double want;
+  };
+  Candidate overlap4 = Loaded(1, 0, 0);
+  overlap4.overlap_blocks = 4;
+  Candidate busy = Loaded(1, 2, 10);
+  Candidate active_prefix = Loaded(1, 0, 6);
+  active_prefix.active_prefix_blocks = 3;
+  const std::vector<Case> cases = {
+      {"idle, 4-block prompt", Loaded(1, 0, 0), {256, 4}, {}, 4 + 4},
+      {"cached prefix credits prefill", overlap4, {256, 4}, {}, 0 + 4},
+      {"credit never makes prefill negative", overlap4, {128, 2}, {}, 0 + 2},
+      {"half credit", overlap4, {256, 4}, {.overlap_score_credit = 0.5}, 2 + 4},
+      {"active prefill and decode load", busy, {128, 2}, {}, (2 + 2) + (10 + 2)},
+      {"prefill scale", busy, {128, 2}, {.prefill_load_scale = 2}, 2 * 4 + 12},
+      {"untracked prefill keeps the prompt", busy, {128, 2}, {.track_prefill_tokens = false}, 2 + 12},
+      {"partial block divides exactly", Loaded(1, 0, 0), {96, 2}, {}, 1.5 + 2},
+      {"active prefix is not double-counted", active_prefix, {256, 4}, {}, 4 + (6 + 4 - 3)},
+  };
+  for (const Case& k : cases) {
+    EXPECT_DOUBLE_EQ(KvCost(k.c, k.req, k.p), k.want) << k.name;
+  }
+}
+
+// The predicted cost (selector.h), case by case: 64-token blocks, 16,384-block workers and an
+// 8,192-token step budget unless a case says otherwise.
+TEST(PredictedCost, TableOfCases) {
+  struct Case {
+    const char* name;
+    Candidate c;
+    SelectionRequest req;
+    CostParams p;
+    double recent_excess;
+    double want;
+  };
+  const CostParams kP{.model = CostModel::kPredicted};
+  const SelectionRequest k4096{4096, 64};
+  auto ttft = [](double queued, double queued_sq, double uncached, double steps, double u) {
+    return 0.0152 * (queued + uncached) + 4.21e-7 * (queued_sq + uncached * uncached) + steps * (16.5 + DecodeStepMs(u));
+  };
+  Candidate idle = Loaded(1, 0, 0);
+  Candidate cached = idle;
+  cached.overlap_blocks = 48;
+  Candidate in_flight = idle;
+  in_flight.active_prefix_blocks = 48;  // being prefilled there now: counts as cached
+  Candidate queued = Loaded(1, 0, 0);
+  queued.active_prefill_tokens = 6000;
+  queued.active_prefill_squares = 6000ull * 6000ull;
+  Candidate running = Loaded(1, 0, 3000);
+  running.active_requests = 5;
+  Candidate small_cache = idle;
+  small_cache.total_kv_blocks = 128;
+  const std::vector<Case> cases = {
+      {"idle", idle, k4096, kP, 0, ttft(0, 0, 4096, 1, 64.0 / 16384)},
+      {"a cached prefix is not prefilled", cached, k4096, kP, 0, ttft(0, 0, 1024, 1, 64.0 / 16384)},
+      {"a prefix in flight there counts as cached", in_flight, k4096, kP, 0, ttft(0, 0, 1024, 1, 16.0 / 16384)},
+      {"queued prefill is waited for, one more step past the budget", queued, k4096, kP, 0,
+       ttft(6000, 36e6, 4096, 2, 64.0 / 16384)},
+      {"untracked prefill is not", queued, k4096, {.model = CostModel::kPredicted, .track_prefill_tokens = false}, 0,
+       ttft(0, 0, 4096, 1, 64.0 / 16384)},
+      {"running requests wait out the prefill", running, k4096, kP, 0,
+       ttft(0, 0, 4096, 1, 3064.0 / 16384) + 5 * (PrefillMs(4096) - 16.5)},
+      {"utilisation is of the announced cache, at most 1", small_cache, k4096, kP, 0, ttft(0, 0, 4096, 1, 0.5)},
+      {"recent excess spreads", idle, k4096, kP, 3, ttft(0, 0, 4096, 1, 64.0 / 16384) + 3 * 10},
+      {"a small prefill spreads less", idle, {64, 1}, kP, 3,
+       ttft(0, 0, 64, 1, 1.0 / 16384) + 3 * 0.15 * (PrefillMs(64) - 16.5)},
+      {"a cached prompt spreads as much as an uncached one", cached, k4096, kP, 3,
+       ttft(0, 0, 1024, 1, 64.0 / 16384) + 3 * 10},
+      {"an empty request", idle, {0, 0}, kP, 0, ttft(0, 0, 0, 1, 0)},
+  };
+  for (const Case& k : cases) {
+    EXPECT_NEAR(PredictedCostMs(k.c, k.req, k.p, k.recent_excess), k.want, 1e-9) << k.name;
+  }
+}
+
+// Decisions where the predicted cost and Dynamo's formula at scale 1 part ways.
+TEST(PredictedCost, StaysWithTheCacheWhereDynamosFormulaChasesDecodeLoad) {
+  // 6,400-token prompt: worker 1 holds 90 of its 100 blocks and decodes 1,500 blocks; worker 2
+  // is idle. Dynamo at scale 1: 10 + 1500 + 100 against 100 + 100 -> the idle one, re-prefilling.
+  std::vector<Candidate> c = {Loaded(1, 0, 1500), Loaded(2, 0, 0)};
+  c[0].overlap_blocks = 90;
+  c[0].active_requests = 3;
+  Selector sel;
+  std::mt19937_64 rng(1);
+  EXPECT_EQ(sel.Pick(RouterMode::kKv, {6400, 100}, c, {.model = CostModel::kDynamo}, rng), 1u);
+  EXPECT_EQ(sel.Pick(RouterMode::kKv, {6400, 100}, c, {.model = CostModel::kPredicted}, rng), 0u);
+}
+
+TEST(PredictedCost, AffinityYieldsToAWorkerThatIsBusyEnough) {
+  // The cached worker has 40 requests running and a long prefill queued: prefilling 3,200
+  // tokens elsewhere is cheaper than making all of them wait.
+  std::vector<Candidate> c = {Loaded(1, 0, 4000), Loaded(2, 0, 0)};
+  c[0].overlap_blocks = 40;
+  c[0].active_requests = 40;
+  c[0].active_prefill_tokens = 30000;
+  c[0].active_prefill_squares = 30000ull * 30000ull;
+  Selector sel;
+  std::mt19937_64 rng(1);
+  EXPECT_EQ(sel.Pick(RouterMode::kKv, {3200, 50}, c, {.model = CostModel::kPredicted}, rng), 1u);
+  // Lightly loaded, it keeps the request.
+  c[0].active_requests = 2;
+  c[0].active_prefill_tokens = 0;
+  c[0].active_prefill_squares = 0;
+  EXPECT_EQ(sel.Pick(RouterMode::kKv, {3200, 50}, c, {.model = CostModel::kPredicted}, rng), 0u);
+}
+
+TEST(PredictedCost, AHugePromptAvoidsAWorkerBusyWithAnotherHugePrefill) {
+  std::vector<Candidate> c = {Loaded(1, 0, 0), Loaded(2, 0, 0)};
+  c[0].active_prefill_tokens = 80000;
+  c[0].active_prefill_squares = 80000ull * 80000ull;
+  c[0].active_requests = 1;
+  c[1].active_requests = 1;
+  c[1].active_blocks = 1200;
+  Selector sel;
+  std::mt19937_64 rng(1);
+  EXPECT_EQ(sel.Pick(RouterMode::kKv, {90000, 1407}, c, {.model = CostModel::kPredicted}, rng), 1u);
+}
+
+TEST(PredictedCost, EqualCostsGoToTheWorkerWithFewerRecentRequests) {
+  std::vector<Candidate> c = {Loaded(1, 0, 0), Loaded(2, 0, 0), Loaded(3, 0, 0)};
+  c[0].recent_requests = 12;
+  c[1].recent_requests = 3;
+  c[2].recent_requests = 9;
+  Selector sel;
+  std::mt19937_64 rng(1);
+  for (int i = 0; i < 20; ++i) EXPECT_EQ(sel.Pick(RouterMode::kKv, {640, 10}, c, {.model = CostModel::kPredicted}, rng), 1u);
+}
+
+// DESIGN.md's worked example: prefill+decode blocks 8+10, 5+5, 2+9 -> the 5+5 worker.
+TEST(Selector, WorkedExamplePicksTheFivePlusFiveWorker) {
+  std::vector<Candidate> c = {Loaded(1, 8, 10), Loaded(2, 5, 5), Loaded(3, 2, 9)};
+  Selector sel;
+  std::mt19937_64 rng(1);
+  // An empty request (isl 0) leaves just the existing load: costs 18, 10, 11.
+  EXPECT_EQ(sel.Pick(RouterMode::kKv, {0, 0}, c, {}, rng), 1u);
+}
+
+TEST(Selector, KvPrefersTheCachedWorkerWhenLoadIsEqual) {
+  std::vector<Candidate> c = {Loaded(1, 0, 0), Loaded(2, 0, 0), Loaded(3, 0, 0)};
+  c[2].overlap_blocks = 3;
+  Selector sel;
+  std::mt19937_64 rng(1);
+  for (int i = 0; i < 20; ++i) EXPECT_EQ(sel.Pick(RouterMode::kKv, {256, 4}, c, {}, rng), 2u);
+}
+
+TEST(Selector, TiesAreBrokenUniformly) {
+  std::vector<Candidate> c = {Loaded(1, 0, 0), Loaded(2, 0, 0), Loaded(3, 0, 0), Loaded(4, 9, 9)};
+  Selector sel;
+  std::mt19937_64 rng(7);
+  std::map<std::size_t, int> hits;
+  for (int i = 0; i < 3000; ++i) ++hits[sel.Pick(RouterMode::kKv, {64, 1}, c, {}, rng)];
+  EXPECT_EQ(hits.count(3), 0u);
+  for (std::size_t i = 0; i < 3; ++i) EXPECT_NEAR(hits[i], 1000, 120) << i;
+}
+
+TEST(Selector, TemperatureSamplesBySoftmaxOfNormalisedCost) {
+  // Costs 0, 1, 2 (max - min = 2), T = 1: weights exp(0), exp(-0.5), exp(-1).
+  std::vector<Candidate> c = {Loaded(1, 0, 0), Loaded(2, 0, 1), Loaded(3, 0, 2)};
+  Selector sel;
+  std::mt19937_64 rng(12345);
+  std::map<std::size_t, int> hits;
+  constexpr int kN = 20000;
+  for (int i = 0; i < kN; ++i) ++hits[sel.Pick(RouterMode::kKv, {0, 0}, c, {.temperature = 1.0}, rng)];
+  const double w[3] = {1.0, std::exp(-0.5), std::exp(-1.0)};
+  const double sum = w[0] + w[1] + w[2];
+  for (std::size_t i = 0; i < 3; ++i) EXPECT_NEAR(hits[i] / double(kN), w[i] / sum, 0.015) << i;
+}
+
+TEST(Selector, ExtremeWeightsStillPickTheCheapestFiniteCandidate) {
+  // A scale of 1e308 makes every loaded candidate's cost inf; the idle cached one stays finite.
+  std::vector<Candidate> c = {Loaded(1, 4, 4), Loaded(2, 0, 0), Loaded(3, 9, 9)};
+  c[1].overlap_blocks = 4;
+  Selector sel;
+  std::mt19937_64 rng(3);
+  const CostParams huge{.prefill_load_scale = 1e308, .temperature = 1e308};
+  for (int i = 0; i < 50; ++i) EXPECT_EQ(sel.Pick(RouterMode::kKv, {256, 4}, c, huge, rng), 1u);
+  // Temperature 1e308 over finite costs: (max - min) * T overflows; sampling stays valid.
+  std::vector<Candidate> finite = {Loaded(1, 0, 0), Loaded(2, 0, 5)};
+  std::map<std::size_t, int> hits;
+  for (int i = 0; i < 200; ++i) ++hits[sel.Pick(RouterMode::kKv, {0, 0}, finite, {.temperature = 1e308}, rng)];
+  EXPECT_EQ(hits[0] + hits[1], 200);
+}
+
+TEST(Selector, RoundRobinCycles) {
+  std::vector<Candidate> c = {Loaded(1, 0, 0), Loaded(2, 0, 0), Loaded(3, 0, 0)};
+  Selector sel;
+  std::mt19937_64 rng(1);
+  std::vector<std::size_t> got;
+  for (int i = 0; i < 6; ++i) got.push_back(sel.Pick(RouterMode::kRoundRobin, {}, c, {}, rng));
+  EXPECT_EQ(got, (std::vector<std::size_t>{0, 1, 2, 0, 1, 2}));
+}
+
+TEST(Selector, RandomCoversEveryCandidate) {
+  std::vector<Candidate> c = {Loaded(1, 0, 0), Loaded(2, 0, 0), Loaded(3, 0, 0)};
+  Selector sel;
+  std::mt19937_64 rng(3);
+  std::map<std::size_t, int> hits;
+  for (int i = 0; i < 3000; ++i) ++hits[sel.Pick(RouterMode::kRandom, {}, c, {}, rng)];
+  for (std::size_t i = 0; i < 3; ++i) EXPECT_NEAR(hits[i], 1000, 120);
+}
+
+TEST(Selector, LeastLoadedAndPowerOfTwoAvoidTheBusiest) {
+  std::vector<Candidate> c = {Loaded(1, 0, 0), Loaded(2, 0, 0), Loaded(3, 0, 0)};
+  c[0].active_requests = 5;
+  c[1].active_requests = 1;
+  c[2].active_requests = 3;
+  Selector sel;
+  std::mt19937_64 rng(5);
+  for (int i = 0; i < 50; ++i) EXPECT_EQ(sel.Pick(RouterMode::kLeastLoaded, {}, c, {}, rng), 1u);
+  // Power of two never picks the busiest of three: it always loses its pair.
+  for (int i = 0; i < 200; ++i) EXPECT_NE(sel.Pick(RouterMode::kPowerOfTwo, {}, c, {}, rng), 0u);
+}
+
+TEST(Selector, DeviceAwareSplitsByRatioTimesCapacity) {
+  std::vector<Candidate> c = {Loaded(1, 0, 0), Loaded(2, 0, 0)};
+  c[0].is_cpu = true;
+  Selector sel;
+  std::mt19937_64 rng(11);
+  int cpu = 0;
+  constexpr int kN = 9000;
+  for (int i = 0; i < kN; ++i) cpu += sel.Pick(RouterMode::kDeviceAwareWeighted, {}, c, {.device_ratio = 8}, rng) == 0;
+  EXPECT_NEAR(cpu / double(kN), 1.0 / 9.0, 0.015);  // accelerator weight 8 x 1 vs CPU 1
+}
+
+}  // namespace
+}  // namespace kvrouter

@@ -1,0 +1,999 @@
+#include "router/service/kv_router_service.h"
+
+#include <gtest/gtest.h>
+#include <sched.h>
+
+#include <thread>
+
+#include "events/event_codec.h"
+#include "events/msgpack_reader.h"
+#include "events/vllm_codec.h"
+#include "events/worker_codec.h"
+#include "tests/router/service/service_fixture.h"
+#include "transport/memory_bus.h"
+
+namespace kvrouter {
+namespace {
+
+using std::chrono::milliseconds;
+using testing::ServiceTest;
+using testing::kBs;
+using testing::kTwelve;
+
+TEST_F(ServiceTest, KvModeRoutesToTheWorkerHoldingThePrefix) {
+  StartWith({"--router-mode", "kv"});
+  for (std::uint64_t id : {1, 2, 3}) Register(id);
+  StorePrompt(2, 1, {1, 2, 3, 4, 5, 6, 7, 8});
+  auto r = Route(Prompt(kTwelve));
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->worker_id, 2u);
+  EXPECT_EQ(r->overlap_blocks, 2u);
+  EXPECT_EQ(r->request_blocks, 3u);
+  EXPECT_EQ(r->cached_tokens, 8u);
+}
+
+// The thread that delivers events runs as ingestion (batch scheduling class), so that on a
+// busy machine it does not preempt a route's thread when it wakes; the threads that deliver
+// requests keep their class.
+TEST_F(ServiceTest, TheEventThreadRunsAsBatchAndTheRouteThreadDoesNot) {
+  StartWith({"--router-mode", "kv"});
+  Register(1);
+  int event_thread = -1, route_thread = -1;
+  // A new thread inherits its creator's class: start each one in the default class.
+  const auto fresh = [] {
+    const sched_param none{};
+    return sched_setscheduler(0, SCHED_OTHER, &none) == 0;
+  };
+  std::thread([&] {  // the in-memory bus delivers on the publishing thread
+    ASSERT_TRUE(fresh());
+    StorePrompt(1, 1, {1, 2, 3, 4});
+    event_thread = sched_getscheduler(0);
+  }).join();
+  std::thread([&] {
+    ASSERT_TRUE(fresh());
+    EXPECT_TRUE(Route(Prompt(kTwelve)).ok());
+    route_thread = sched_getscheduler(0);
+  }).join();
+  EXPECT_EQ(event_thread, SCHED_BATCH);
+  EXPECT_EQ(route_thread, SCHED_OTHER);
+}
+
+// Worker 1 holds all but the last block of a 4,000-token prompt and decodes two other requests
+// (1,000 blocks); worker 2 is idle. The default (predicted) cost keeps the prompt with its cache;
+// Dynamo's formula at scale 1 (2,001 blocks against 2,000) sends it to the idle worker, and
+// setting either of Dynamo's weights, by flag or per request, gives exactly that decision.
+class CostModelTest : public ServiceTest {
+ protected:
+  void SetUpFleet(std::vector<std::string> flags) {
+    flags.insert(flags.begin(), {"--router-mode", "kv"});
+    StartWith(flags);
+    Register(1);
+    Register(2);
+    StorePrompt(1, 1, std::vector<std::uint32_t>(prompt_.begin(), prompt_.end() - 4));
+    for (std::uint32_t r = 0; r < 2; ++r) {
+      std::vector<std::uint32_t> other(2000);
+      for (std::uint32_t k = 0; k < other.size(); ++k) other[k] = 100000 * (r + 1) + k;
+      RouteRequest pinned = Prompt(other, "decoding-" + std::to_string(r));
+      pinned.worker_id = 1;
+      ASSERT_TRUE(Route(pinned).ok());
+      (void)bus_.Request(svc_->subjects().mark_prefill, AsBytes(EncodeLifecycleRequest(pinned.request_id)));
+    }
+  }
+  std::uint64_t RouteThePrompt(RouterConfigOverride o = {}) {
+    RouteRequest r = Prompt(prompt_);
+    r.config_override = o;
+    auto reply = Route(r);
+    EXPECT_TRUE(reply.ok()) << reply.status().ToString();
+    return reply.ok() ? reply->worker_id : 0;
+  }
+  std::vector<std::uint32_t> prompt_ = [] {
+    std::vector<std::uint32_t> p(4000);
+    for (std::uint32_t k = 0; k < p.size(); ++k) p[k] = k + 1;
+    return p;
+  }();
+};
+
+TEST_F(CostModelTest, TheDefaultKeepsThePromptWithItsCache) {
+  SetUpFleet({});
+  EXPECT_EQ(RouteThePrompt(), 1u);
+}
+
+TEST_F(CostModelTest, DynamosWeightsInARequestGiveDynamosDecision) {
+  SetUpFleet({});
+  EXPECT_EQ(RouteThePrompt({.prefill_load_scale = 1.0}), 2u);
+  EXPECT_EQ(RouteThePrompt({.overlap_score_credit = 1.0}), 2u);
+  EXPECT_EQ(RouteThePrompt(), 1u);  // the next request without them: the default again
+}
+
+TEST_F(CostModelTest, DynamosWeightsAsFlagsGiveDynamosDecision) {
+  SetUpFleet({"--router-prefill-load-scale", "1"});
+  EXPECT_EQ(RouteThePrompt(), 2u);
+}
+
+TEST_F(ServiceTest, VllmEventsFromTheSubjectAreIndexed) {
+  StartWith({"--router-mode", "kv"});
+  Register(1);
+  Register(7);
+  VllmStoredEvent e{.block_hashes = {900, 901, 902}, .token_ids = kTwelve, .block_size = kBs};
+  auto body = EncodeVllmBatch(1.0, {e}, 0);
+  (void)bus_.PublishWithHeaders(svc_->subjects().vllm_events_prefix + "7.0", AsBytes(body), {{"Kv-Seq", "0"}});
+  svc_->index().Flush();
+  auto r = Route(Prompt(kTwelve));
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->worker_id, 7u);
+  EXPECT_EQ(r->overlap_blocks, 3u);
+}
+
+TEST_F(ServiceTest, WorkerSeenOnlyThroughEventsIsRoutable) {
+  StartWith({"--router-mode", "kv"});
+  StorePrompt(5, 1, {1, 2, 3, 4});
+  auto r = Route(Prompt(kTwelve));
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->worker_id, 5u);
+  // No lease: it does not expire.
+  now_ += std::chrono::hours(1);
+  svc_->Tick();
+  EXPECT_TRUE(Route(Prompt(kTwelve)).ok());
+}
+
+TEST_F(ServiceTest, BookingCountsAgainstTheWorkerUntilFreed) {
+  StartWith({"--router-mode", "kv"});
+  Register(1);
+  Register(2);
+  auto a = Route(Prompt(kTwelve, "a"));
+  ASSERT_TRUE(a.ok());
+  // The same prompt again goes to the other, idle worker: the first is busy with "a".
+  auto b = Route(Prompt(kTwelve, "b"));
+  ASSERT_TRUE(b.ok());
+  EXPECT_NE(a->worker_id, b->worker_id);
+  auto doc = Stats();
+  EXPECT_EQ(doc.counters.at("active_requests"), 2u);
+  for (const char* id : {"a", "b"}) {
+    auto reply = bus_.Request(svc_->subjects().free, AsBytes(EncodeLifecycleRequest(id)));
+    ASSERT_TRUE(reply.has_value());
+    EXPECT_TRUE(DecodeErrorReply(*reply).ok());
+  }
+  auto doc2 = Stats();
+  EXPECT_EQ(doc2.counters.at("active_requests"), 0u);
+  EXPECT_GT(bus_.published(svc_->subjects().kv_metrics), 0u);
+}
+
+TEST_F(ServiceTest, MarkPrefillRemovesPrefillTokensOnly) {
+  StartWith({"--router-mode", "kv"});
+  Register(1);
+  ASSERT_TRUE(Route(Prompt(kTwelve, "a")).ok());
+  auto workers = [&] {
+    auto ranks = Stats().workers;
+    EXPECT_EQ(ranks.size(), 1u);
+    return std::make_pair(ranks.at(0).active_prefill_tokens, ranks.at(0).active_blocks);
+  };
+  EXPECT_EQ(workers(), std::make_pair(std::uint64_t{12}, std::uint64_t{3}));
+  (void)bus_.Request(svc_->subjects().mark_prefill, AsBytes(EncodeLifecycleRequest("a")));
+  (void)bus_.Request(svc_->subjects().mark_prefill, AsBytes(EncodeLifecycleRequest("a")));  // idempotent
+  EXPECT_EQ(workers(), std::make_pair(std::uint64_t{0}, std::uint64_t{3}));
+}
+
+TEST_F(ServiceTest, BestWorkerBooksNothing) {
+  StartWith({"--router-mode", "kv"});
+  Register(1);
+  ASSERT_TRUE(Route(Prompt(kTwelve, "q"), /*best_worker=*/true).ok());
+  auto doc = Stats();
+  EXPECT_EQ(doc.counters.at("active_requests"), 0u);
+}
+
+TEST_F(ServiceTest, ErrorsCarryTheRightCodes) {
+  StartWith({"--router-mode", "kv"});
+  auto none = Route(Prompt(kTwelve));
+  EXPECT_EQ(none.status().code(), StatusCode::kNoWorkers);
+  Register(1, {.dp_size = 2});
+  RouteRequest pinned = Prompt(kTwelve);
+  pinned.worker_id = 99;
+  EXPECT_EQ(Route(pinned).status().code(), StatusCode::kNotFound);
+  pinned.worker_id = 1;
+  pinned.dp_rank = 5;
+  EXPECT_EQ(Route(pinned).status().code(), StatusCode::kNotFound);
+  pinned.dp_rank = 1;
+  auto ok = Route(pinned);
+  ASSERT_TRUE(ok.ok());
+  EXPECT_EQ(ok->dp_rank, 1u);
+  RouteRequest too_many = Prompt({});
+  too_many.has_token_ids = false;
+  too_many.block_hashes = {1, 2, 3};
+  too_many.isl = 4;
+  EXPECT_EQ(Route(too_many).status().code(), StatusCode::kInvalidArgument);
+  auto garbage = bus_.Request(svc_->subjects().route, AsBytes(std::string_view("\xc1garbage")));
+  ASSERT_TRUE(garbage.has_value());
+  EXPECT_EQ(DecodeErrorReply(*garbage).code(), StatusCode::kInvalidArgument);
+  auto bad_free = bus_.Request(svc_->subjects().free, AsBytes(std::string_view("\x93")));
+  ASSERT_TRUE(bad_free.has_value());
+  EXPECT_EQ(DecodeErrorReply(*bad_free).code(), StatusCode::kInvalidArgument);
+}
+
+TEST_F(ServiceTest, DirectModeNeedsAPin) {
+  StartWith({"--router-mode", "direct"});
+  Register(1);
+  Register(2);
+  EXPECT_EQ(Route(Prompt(kTwelve)).status().code(), StatusCode::kInvalidArgument);
+  RouteRequest r = Prompt(kTwelve);
+  r.worker_id = 2;
+  auto ok = Route(r);
+  ASSERT_TRUE(ok.ok());
+  EXPECT_EQ(ok->worker_id, 2u);
+}
+
+TEST_F(ServiceTest, AllowedWorkerIdsFilterCandidates) {
+  StartWith({"--router-mode", "round-robin"});
+  for (std::uint64_t id : {1, 2, 3}) Register(id);
+  RouteRequest r = Prompt(kTwelve);
+  r.allowed_worker_ids = std::vector<std::uint64_t>{3};
+  for (int i = 0; i < 5; ++i) EXPECT_EQ(Route(r)->worker_id, 3u);
+  r.allowed_worker_ids = std::vector<std::uint64_t>{42};
+  EXPECT_EQ(Route(r).status().code(), StatusCode::kNoWorkers);
+}
+
+TEST_F(ServiceTest, LeaseExpiryAndLeavingForgetTheWorker) {
+  StartWith({"--router-mode", "kv"});
+  Register(1, {.lease_ms = 1000});
+  Register(2, {.lease_ms = 5000});
+  StorePrompt(1, 1, kTwelve);
+  ASSERT_TRUE(Route(Prompt(kTwelve, "on-1")).ok());
+  now_ += milliseconds(1001);
+  svc_->Tick();
+  svc_->index().Flush();
+  for (int i = 0; i < 5; ++i) EXPECT_EQ(Route(Prompt(kTwelve))->worker_id, 2u);
+  auto doc = Stats();
+  EXPECT_EQ(doc.counters.at("leases_expired"), 1u);
+  EXPECT_EQ(doc.counters.at("active_requests"), 0u);  // the booking on 1 was released
+  Register(2, {.lease_ms = 5000, .leaving = true});
+  EXPECT_EQ(Route(Prompt(kTwelve)).status().code(), StatusCode::kNoWorkers);
+}
+
+TEST_F(ServiceTest, HeartbeatRenewsTheLease) {
+  StartWith({"--router-mode", "kv"});
+  Register(1, {.lease_ms = 1000});
+  now_ += milliseconds(900);
+  Register(1, {.lease_ms = 1000});
+  now_ += milliseconds(900);
+  svc_->Tick();
+  EXPECT_TRUE(Route(Prompt(kTwelve)).ok());
+}
+
+TEST_F(ServiceTest, WorkerWithOtherBlockSizeIsRefusedAndCounted) {
+  StartWith({"--router-mode", "kv"});
+  Register(1, {.block_size = 16});
+  EXPECT_EQ(Route(Prompt(kTwelve)).status().code(), StatusCode::kNoWorkers);
+  auto doc = Stats();
+  EXPECT_EQ(doc.counters.at("workers_refused"), 1u);
+}
+
+TEST_F(ServiceTest, GarbageOnEverySubjectLeavesTheIndexIntact) {
+  StartWith({"--router-mode", "kv"});
+  Register(1);
+  Register(2);
+  StorePrompt(2, 1, kTwelve);
+  const std::vector<std::string_view> junk = {std::string_view("\xc1", 1), std::string_view("\x92\x01", 2),
+                                              std::string_view("\xdd\xff\xff\xff\xff", 5), "", "plain text"};
+  for (auto j : junk) {
+    for (const std::string& s : {svc_->subjects().kv_events, svc_->subjects().vllm_events_prefix + "2.0",
+                                 svc_->subjects().vllm_events_prefix + "x.y", svc_->subjects().instances,
+                                 svc_->subjects().mark_prefill, svc_->subjects().free}) {
+      (void)bus_.Publish(s, AsBytes(j));
+    }
+    auto r = bus_.Request(svc_->subjects().route, AsBytes(j));
+    ASSERT_TRUE(r.has_value());
+    EXPECT_EQ(DecodeErrorReply(*r).code(), StatusCode::kInvalidArgument);
+  }
+  svc_->index().Flush();
+  auto r = Route(Prompt(kTwelve));
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->worker_id, 2u);
+  EXPECT_EQ(r->overlap_blocks, 3u);
+  EXPECT_GE(Dropped("decode_error"), 3 * junk.size() - 2);
+}
+
+// A backlog delivered the way a NATS subscription does (every message but the last marked
+// more_pending) reaches the index in bulks: nothing is lost, per-worker order holds, more than
+// one bulk's worth (256) is applied, and a last message that is garbage still hands the bulk on.
+TEST_F(ServiceTest, AnEventBacklogIsAppliedWholeAndInOrderWhateverItsLastMessage) {
+  StartWith({"--router-mode", "kv"});
+  std::vector<std::vector<std::byte>> burst;
+  auto add = [&](const msgpack::sbuffer& b) { burst.emplace_back(AsBytes(b).begin(), AsBytes(b).end()); };
+  std::uint64_t next_id[4] = {1, 1, 1, 1};
+  for (int i = 0; i < 300; ++i) {  // 300 stored prompts over 4 workers: more than one bulk
+    const std::uint64_t w = 1 + i % 4;
+    const std::vector<std::uint32_t> tokens = {static_cast<std::uint32_t>(1000 + i), 2, 3, 4};
+    add(EncodeDynamoEnvelope(StoredPromptBatch(w, next_id[w - 1]++, tokens, kBs), {}));
+  }
+  // Worker 1 stores the twelve tokens and removes their last block, in that order.
+  const KvEventBatch stored = StoredPromptBatch(1, next_id[0]++, kTwelve, kBs);
+  add(EncodeDynamoEnvelope(stored, {}));
+  KvEventBatch removed{.worker_id = 1, .sequence = {SequenceKind::kEventId, next_id[0]++}};
+  removed.ops.push_back(
+      {StorageTier::kDevice, KvRemoved{{std::get<KvStored>(stored.ops[0].data).blocks.back().block_hash}}});
+  add(EncodeDynamoEnvelope(removed, {}));
+  burst.push_back({std::byte{0xc1}});  // undecodable, and the last of the backlog
+  ASSERT_TRUE(bus_.PublishBurst(svc_->subjects().kv_events, burst).ok());
+  svc_->index().Flush();
+  EXPECT_EQ(svc_->index().Counters().batches_applied, 302u);
+  EXPECT_EQ(Dropped("decode_error"), 1u);
+  for (std::uint64_t w = 2; w <= 4; ++w) EXPECT_EQ(svc_->index().TreeSize({w, 0}), 75u) << w;
+  EXPECT_EQ(svc_->index().TreeSize({1, 0}), 75u + 2u);
+  auto r = Route(Prompt(kTwelve));
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->worker_id, 1u);
+  EXPECT_EQ(r->overlap_blocks, 2u);  // the removal came after the store
+}
+
+TEST_F(ServiceTest, ReplicaSyncSharesBookingsBetweenReplicas) {
+  StartWith({"--router-mode", "kv", "--router-replica-sync"});
+  std::vector<const char*> argv = {"kvrouter", "--block-size", "4", "--router-mode", "kv", "--router-replica-sync"};
+  auto cfg = ParseRouterConfig(static_cast<int>(argv.size()), argv.data(), [](const char*) { return nullptr; });
+  ASSERT_TRUE(cfg.ok());
+  KvRouterService other(cfg->config, bus_, [this] { return now_.now(); }, 43);
+  ASSERT_TRUE(other.Start().ok());
+  Register(1);
+  ASSERT_TRUE(Route(Prompt(kTwelve, "shared")).ok());  // answered by one replica of the group
+  // Each replica's stats (the group alternates between them) counts the booking exactly once.
+  for (int i = 0; i < 2; ++i) EXPECT_EQ(Counter("active_requests"), 1u);
+  (void)bus_.Publish(svc_->subjects().free, AsBytes(EncodeLifecycleRequest("shared")));
+  for (int i = 0; i < 2; ++i) EXPECT_EQ(Counter("active_requests"), 0u);
+  // Garbage on the sync subject is counted, not applied.
+  (void)bus_.Publish(svc_->subjects().active_sequences, AsBytes(std::string_view("\x81\xa1x\x01")));
+  std::uint64_t counted = 0;
+  for (int i = 0; i < 2; ++i) {
+    counted += Dropped("replica_sync_decode_error");
+  }
+  EXPECT_EQ(counted, 2u);  // both replicas received it
+  EXPECT_EQ(Counter("active_requests"), 0u);
+}
+
+TEST_F(ServiceTest, ADeadReplicasBookingsAreReleasedAfterItsHeartbeatsStop) {
+  StartWith({"--router-mode", "kv", "--router-replica-sync"});
+  Register(1, {.lease_ms = 3'600'000});
+  auto heartbeat = [&](std::uint64_t router_id) {
+    (void)bus_.Publish(svc_->subjects().router_heartbeats, AsBytes(EncodeRouterHeartbeat({.router_id = router_id})));
+  };
+  auto add = [&](std::uint64_t router_id, const std::string& id) {
+    const ActiveSequenceEvent e{.router_id = router_id, .request_id = id, .worker_id = 1, .seq_hashes = {11, 12},
+                                .isl = 8};
+    (void)bus_.Publish(svc_->subjects().active_sequences, AsBytes(EncodeActiveSequenceEvent(e)));
+  };
+  heartbeat(77);
+  add(77, "of-77");  // a replica that sends heartbeats
+  add(88, "of-88");  // one that never does (another implementation): never judged
+  EXPECT_EQ(Counter("active_requests"), 2u);
+  EXPECT_EQ(Counter("replica_peers"), 1u);
+  now_ += std::chrono::milliseconds(4000);
+  svc_->Tick();
+  EXPECT_EQ(Counter("active_requests"), 2u);  // silent, but not for long enough
+  // While this router's own connection is down nobody can be heard: nothing is judged.
+  svc_->OnEventsDisconnected();
+  now_ += std::chrono::seconds(30);
+  svc_->Tick();
+  EXPECT_EQ(Counter("active_requests"), 2u);
+  // Back: the peers' `free`s sent meanwhile are lost, so their bookings here go (they would
+  // otherwise stay for the 300 s sweep); every peer gets a fresh 5 s.
+  svc_->OnEventsReconnected();
+  EXPECT_EQ(Counter("active_requests"), 0u);
+  EXPECT_EQ(Counter("replica_bookings_released"), 2u);
+  add(77, "of-77-again");
+  add(88, "of-88-again");
+  now_ += std::chrono::milliseconds(4000);
+  svc_->Tick();
+  EXPECT_EQ(Counter("active_requests"), 2u);
+  now_ += std::chrono::milliseconds(1000);
+  svc_->Tick();
+  EXPECT_EQ(Counter("active_requests"), 1u);  // 77 is dead: its booking goes, 88's stays
+  EXPECT_EQ(Counter("replica_bookings_released"), 3u);
+  EXPECT_EQ(Counter("replica_peers_dead"), 1u);
+  EXPECT_EQ(Counter("replica_peers"), 0u);
+  // A live peer keeps its bookings; a heartbeat that cannot be decoded is counted.
+  heartbeat(99);
+  add(99, "of-99");
+  for (int i = 0; i < 10; ++i) {
+    now_ += std::chrono::milliseconds(1000);
+    heartbeat(99);
+    svc_->Tick();
+  }
+  EXPECT_EQ(Counter("active_requests"), 2u);
+  (void)bus_.Publish(svc_->subjects().router_heartbeats, AsBytes(std::string_view("\x81\xa1x\x01")));
+  EXPECT_EQ(Dropped("replica_heartbeat_decode_error"), 1u);
+}
+
+// A peer whose own connection came back says so with a later epoch: the frees it sent around
+// its outage may be lost, so its older bookings go (it sends its live ones again at the new
+// epoch), and this router sends its own bookings again (the peer dropped everything synced to it).
+TEST_F(ServiceTest, APeersNewEpochReleasesItsOlderBookingsWhicheverMessageSaysItFirst) {
+  StartWith({"--router-mode", "kv", "--router-replica-sync"});
+  Register(1, {.lease_ms = 3'600'000});
+  std::vector<ActiveSequenceEvent> sent;  // this router's sync messages
+  auto sub = bus_.Subscribe(svc_->subjects().active_sequences, "", [&](const BusMessage& m) {
+    auto e = DecodeActiveSequenceEvent(m.data);
+    ASSERT_TRUE(e.ok());
+    if (e->router_id != 77) sent.push_back(*e);
+  });
+  ASSERT_TRUE(sub.ok());
+  auto heartbeat = [&](std::uint32_t epoch) {
+    (void)bus_.Publish(svc_->subjects().router_heartbeats,
+                       AsBytes(EncodeRouterHeartbeat({.router_id = 77, .epoch = epoch})));
+  };
+  auto add = [&](const std::string& id, std::uint32_t epoch) {
+    const ActiveSequenceEvent e{.router_id = 77, .request_id = id, .worker_id = 1, .seq_hashes = {11, 12},
+                                .isl = 8, .epoch = epoch};
+    (void)bus_.Publish(svc_->subjects().active_sequences, AsBytes(EncodeActiveSequenceEvent(e)));
+  };
+  heartbeat(0);
+  add("a", 0);
+  add("b", 0);
+  ASSERT_TRUE(Route(Prompt(kTwelve, "ours")).ok());
+  ASSERT_EQ(Counter("active_requests"), 3u);
+  ASSERT_EQ(sent.size(), 1u);  // our own `add`
+  const std::uint32_t our_epoch = sent[0].epoch;
+  sent.clear();
+
+  heartbeat(1);  // 77 came back: "a" and "b" may have been freed meanwhile
+  EXPECT_EQ(Counter("active_requests"), 1u);
+  EXPECT_EQ(Counter("replica_bookings_released"), 2u);
+  ASSERT_EQ(sent.size(), 1u);  // ours again, for 77, with the prefill still to do
+  EXPECT_EQ(sent[0].request_id, "ours");
+  EXPECT_EQ(sent[0].kind, ActiveSequenceEvent::Kind::kAdd);
+  EXPECT_EQ(sent[0].isl, 12u);
+  EXPECT_EQ(sent[0].overlap_blocks, 0u);
+  EXPECT_EQ(sent[0].epoch, our_epoch);  // our own epoch did not change
+  add("b", 1);                   // 77's live one, sent again
+  heartbeat(1);                  // the same epoch again releases nothing
+  EXPECT_EQ(Counter("active_requests"), 2u);
+
+  // A sync message may be handled before the heartbeat that announces its epoch (they come on
+  // two subscriptions): it advances the epoch itself, and the heartbeat then releases nothing.
+  add("c", 2);
+  EXPECT_EQ(Counter("active_requests"), 2u);  // "b" (epoch 1) went, "c" came
+  EXPECT_EQ(Counter("replica_bookings_released"), 3u);
+  heartbeat(2);
+  EXPECT_EQ(Counter("active_requests"), 2u);
+  // A message of an older epoch, sent before the outage and handled late: its `free` still
+  // applies; its `add` does not (a live booking came again at the new epoch; this one may have
+  // been freed by a `free` that was lost).
+  const ActiveSequenceEvent late{.router_id = 77, .request_id = "c", .worker_id = 1,
+                                 .kind = ActiveSequenceEvent::Kind::kFree, .epoch = 1};
+  (void)bus_.Publish(svc_->subjects().active_sequences, AsBytes(EncodeActiveSequenceEvent(late)));
+  EXPECT_EQ(Counter("active_requests"), 1u);
+  add("stale", 1);
+  EXPECT_EQ(Counter("active_requests"), 1u);
+  sent.clear();
+
+  // 77 silent for 5 s is dead here; when it is back at a later epoch it is a peer not known any
+  // more, yet it dropped what was synced to it: ours go again. A new peer at epoch 0 gets nothing.
+  now_ += std::chrono::milliseconds(5000);
+  svc_->Tick();
+  EXPECT_EQ(Counter("replica_peers"), 0u);
+  heartbeat(3);
+  ASSERT_EQ(sent.size(), 1u);
+  EXPECT_EQ(sent[0].request_id, "ours");
+  sent.clear();
+  (void)bus_.Publish(svc_->subjects().router_heartbeats, AsBytes(EncodeRouterHeartbeat({.router_id = 78})));
+  EXPECT_TRUE(sent.empty());
+}
+
+// This router's own outage: afterwards it says so at once (a heartbeat at the next epoch) and
+// sends its live bookings again at that epoch, in that order.
+TEST_F(ServiceTest, AfterItsOwnOutageAReplicaAnnouncesANewEpochAndSendsItsBookingsAgain) {
+  StartWith({"--router-mode", "kv", "--router-replica-sync"});
+  Register(1, {.lease_ms = 3'600'000});
+  ASSERT_TRUE(Route(Prompt(kTwelve, "ours")).ok());
+  (void)bus_.Request(svc_->subjects().mark_prefill, AsBytes(EncodeLifecycleRequest("ours")));
+  std::vector<std::string> order;
+  auto hb = bus_.Subscribe(svc_->subjects().router_heartbeats, "", [&](const BusMessage& m) {
+    auto h = DecodeRouterHeartbeat(m.data);
+    ASSERT_TRUE(h.ok());
+    order.push_back(fmt::format("heartbeat {}", h->epoch));
+  });
+  auto sync = bus_.Subscribe(svc_->subjects().active_sequences, "", [&](const BusMessage& m) {
+    auto e = DecodeActiveSequenceEvent(m.data);
+    ASSERT_TRUE(e.ok());
+    order.push_back(fmt::format("add {} isl {} epoch {}", e->request_id, e->isl, e->epoch));
+  });
+  ASSERT_TRUE(hb.ok() && sync.ok());
+  svc_->Tick();  // a heartbeat at the epoch this router started with
+  ASSERT_EQ(order.size(), 1u);
+  const std::uint32_t e0 = static_cast<std::uint32_t>(std::stoul(order[0].substr(std::string("heartbeat ").size())));
+  EXPECT_GT(e0, 1'700'000'000u);  // the wall clock's seconds: a restart keeps counting up
+  order.clear();
+  svc_->OnEventsDisconnected();
+  svc_->OnEventsReconnected();
+  EXPECT_EQ(order, (std::vector<std::string>{fmt::format("heartbeat {}", e0 + 1),
+                                             fmt::format("add ours isl 0 epoch {}", e0 + 1)}));  // prefill done
+  EXPECT_EQ(Counter("active_requests"), 1u);
+  // The request connection publishes the sync messages: its own outage moves the epoch too,
+  // and releases nothing of the peers (their messages come on the event connection).
+  const ActiveSequenceEvent peer{.router_id = 77, .request_id = "theirs", .worker_id = 1, .seq_hashes = {9}, .isl = 4};
+  (void)bus_.Publish(svc_->subjects().active_sequences, AsBytes(EncodeActiveSequenceEvent(peer)));
+  order.clear();
+  svc_->OnRequestsReconnected();
+  EXPECT_EQ(order, (std::vector<std::string>{fmt::format("heartbeat {}", e0 + 2),
+                                             fmt::format("add ours isl 0 epoch {}", e0 + 2)}));
+  EXPECT_EQ(Counter("active_requests"), 2u);
+}
+
+TEST_F(ServiceTest, WithoutReplicaSyncAReconnectSendsNoSyncMessages) {
+  StartWith({"--router-mode", "kv"});
+  Register(1, {.lease_ms = 3'600'000});
+  ASSERT_TRUE(Route(Prompt(kTwelve, "ours")).ok());
+  int published = 0;
+  auto hb = bus_.Subscribe(svc_->subjects().router_heartbeats, "", [&](const BusMessage&) { ++published; });
+  auto sync = bus_.Subscribe(svc_->subjects().active_sequences, "", [&](const BusMessage&) { ++published; });
+  ASSERT_TRUE(hb.ok() && sync.ok());
+  svc_->OnEventsDisconnected();
+  svc_->OnEventsReconnected();
+  svc_->OnRequestsReconnected();
+  EXPECT_EQ(published, 0);
+  EXPECT_EQ(Counter("active_requests"), 1u);
+}
+
+TEST_F(ServiceTest, AReplicaWithSyncSendsAHeartbeatEverySecond) {
+  StartWith({"--router-mode", "kv", "--router-replica-sync"});
+  std::vector<RouterHeartbeat> seen;
+  auto sub = bus_.Subscribe(svc_->subjects().router_heartbeats, "", [&](const BusMessage& m) {
+    auto h = DecodeRouterHeartbeat(m.data);
+    ASSERT_TRUE(h.ok());
+    seen.push_back(*h);
+  });
+  ASSERT_TRUE(sub.ok());
+  for (int i = 0; i < 60; ++i) {  // 3 s of 50 ms ticks
+    svc_->Tick();
+    now_ += std::chrono::milliseconds(50);
+  }
+  ASSERT_EQ(seen.size(), 3u);
+  EXPECT_EQ(seen[0].interval_ms, 1000u);
+  EXPECT_NE(seen[0].router_id, 0u);
+  EXPECT_EQ(Counter("replica_peers"), 0u);  // its own heartbeats are not a peer
+}
+
+
+// ---- router.generate ----------------------------------------------------------------------
+
+class GenerateTest : public ServiceTest {
+ protected:
+  // A fake worker: records what it is asked and answers `responses` times (the last one final).
+  void FakeWorker(std::uint64_t id, int responses) {
+    worker_subs_.push_back(std::move(bus_.Subscribe(
+        "namespace.dynamo.component.backend.generate." + std::to_string(id), "", [this, id, responses](const BusMessage& m) {
+          auto req = GenerateRequest::Decode(m.data);
+          ASSERT_TRUE(req.ok()) << req.status().ToString();
+          seen_.push_back({id, req->request_id, req->max_tokens});
+          const std::string reply(m.reply);
+          for (int i = 0; i < responses; ++i) {
+            GenerateResponse r{.request_id = req->request_id, .token_ids = {7}, .index = static_cast<std::uint32_t>(i)};
+            if (i + 1 == responses) r.finish_reason = "length";
+            (void)bus_.Publish(reply, AsBytes(r.Encode()));
+          }
+        })).value());
+  }
+  // Sends a generate request; every response lands in `got`.
+  std::unique_ptr<BusSubscription> Generate(const RouteRequest& r, std::vector<std::vector<std::byte>>& got) {
+    const std::string inbox = "client.inbox." + std::to_string(++inboxes_);
+    auto sub = std::move(bus_.Subscribe(inbox, "", [&got](const BusMessage& m) { got.emplace_back(m.data.begin(), m.data.end()); })).value();
+    (void)bus_.PublishRequest(svc_->subjects().generate, inbox, AsBytes(EncodeRouteRequest(r)));
+    return sub;
+  }
+  struct Seen {
+    std::uint64_t worker;
+    std::string request_id;
+    std::uint32_t max_tokens;
+  };
+  std::vector<Seen> seen_;
+  std::vector<std::unique_ptr<BusSubscription>> worker_subs_;
+  int inboxes_ = 0;
+};
+
+TEST_F(GenerateTest, ForwardsToTheChosenWorkerRelaysEveryResponseAndFreesAtTheLast) {
+  StartWith({"--router-mode", "kv"});
+  Register(1);
+  FakeWorker(1, 3);
+  RouteRequest r = Prompt(kTwelve, "g1");
+  r.max_tokens = 7;
+  std::vector<std::vector<std::byte>> got;
+  auto sub = Generate(r, got);
+  ASSERT_EQ(seen_.size(), 1u);
+  EXPECT_EQ(seen_[0].request_id, "g1");
+  EXPECT_EQ(seen_[0].max_tokens, 7u);
+  ASSERT_EQ(got.size(), 3u);
+  auto last = ParseMsgpack(got.back());
+  ASSERT_TRUE(last.ok());
+  EXPECT_EQ(*ReadStr(FindKey(last->get(), "finish_reason"), "finish_reason"), "length");
+  EXPECT_EQ(Counter("active_requests"), 0u);
+}
+
+TEST_F(GenerateTest, UnfinishedGenerationTimesOutAndReleasesItsBooking) {
+  StartWith({"--router-mode", "kv"});
+  Register(1, {.lease_ms = 1u << 30});
+  // Answers once, never with finish_reason.
+  worker_subs_.push_back(std::move(bus_.Subscribe("namespace.dynamo.component.backend.generate.1", "",
+                                                  [this](const BusMessage& m) {
+                                                    const std::string reply(m.reply);
+                                                    (void)bus_.Publish(reply, AsBytes(EncodeOkReply()));
+                                                  })).value());
+  RouteRequest r = Prompt(kTwelve);  // no request_id: the router names it
+  r.timeout_ms = 1000;
+  std::vector<std::vector<std::byte>> got;
+  auto sub = Generate(r, got);
+  ASSERT_EQ(got.size(), 1u);
+  EXPECT_EQ(Counter("active_requests"), 1u);
+  now_ += milliseconds(1000);
+  svc_->Tick();
+  ASSERT_EQ(got.size(), 2u);
+  EXPECT_EQ(DecodeErrorReply(got.back()).code(), StatusCode::kTimeout);
+  EXPECT_EQ(Counter("active_requests"), 0u);
+}
+
+TEST_F(GenerateTest, AWorkerThatKeepsAnsweringIsNotCutOffAtTimeoutMs) {
+  StartWith({"--router-mode", "kv"});
+  Register(1, {.lease_ms = 1u << 30});
+  std::string relay_subject;
+  worker_subs_.push_back(std::move(bus_.Subscribe("namespace.dynamo.component.backend.generate.1", "",
+                                                  [&](const BusMessage& m) { relay_subject = std::string(m.reply); }))
+                             .value());
+  RouteRequest r = Prompt(kTwelve, "long");
+  r.timeout_ms = 1000;  // at most 1 s without a response
+  std::vector<std::vector<std::byte>> got;
+  auto sub = Generate(r, got);
+  ASSERT_FALSE(relay_subject.empty());
+  for (std::uint32_t i = 0; i < 3; ++i) {  // a token every 800 ms: 2.4 s in all
+    now_ += milliseconds(800);
+    svc_->Tick();
+    GenerateResponse token{.request_id = "long", .token_ids = {7}, .index = i};
+    (void)bus_.Publish(relay_subject, AsBytes(token.Encode()));
+  }
+  EXPECT_EQ(got.size(), 3u);  // all relayed, no timeout
+  EXPECT_EQ(Counter("active_requests"), 1u);
+  now_ += milliseconds(1000);  // then silence
+  svc_->Tick();
+  ASSERT_EQ(got.size(), 4u);
+  EXPECT_EQ(DecodeErrorReply(got.back()).code(), StatusCode::kTimeout);
+  EXPECT_EQ(Counter("active_requests"), 0u);
+}
+
+TEST_F(GenerateTest, NeedsTokenIds) {
+  StartWith({"--router-mode", "kv"});
+  Register(1);
+  RouteRequest r;
+  r.block_hashes = {1, 2};
+  r.isl = 8;
+  std::vector<std::vector<std::byte>> got;
+  auto sub = Generate(r, got);
+  ASSERT_EQ(got.size(), 1u);
+  EXPECT_EQ(DecodeErrorReply(got[0]).code(), StatusCode::kInvalidArgument);
+}
+
+TEST_F(GenerateTest, QueuedGenerateIsForwardedOnAdmission) {
+  StartWith({"--router-mode", "kv", "--router-queue-threshold", "1"});
+  Register(1, {.max_num_batched_tokens = 8});
+  FakeWorker(1, 1);
+  ASSERT_TRUE(Route(Prompt(kTwelve, "busy")).ok());  // fills worker 1
+  std::vector<std::vector<std::byte>> got;
+  auto sub = Generate(Prompt(kTwelve, "waiting"), got);
+  EXPECT_TRUE(seen_.empty());
+  (void)bus_.Request(svc_->subjects().mark_prefill, AsBytes(EncodeLifecycleRequest("busy")));
+  ASSERT_EQ(seen_.size(), 1u);
+  EXPECT_EQ(seen_[0].request_id, "waiting");
+  EXPECT_EQ(got.size(), 1u);
+}
+
+// ---- approximate mode (--no-router-kv-events) ----------------------------------------------
+
+class ApproxTest : public ServiceTest {
+ protected:
+  void SetUpApprox(std::vector<std::string> extra = {}) {
+    std::vector<std::string> flags = {"--router-mode", "kv", "--no-router-kv-events"};
+    flags.insert(flags.end(), extra.begin(), extra.end());
+    StartWith(flags);
+    Register(1, {.lease_ms = 1u << 30});
+    Register(2, {.lease_ms = 1u << 30});
+  }
+  void Finish(const std::string& id) {
+    (void)bus_.Request(svc_->subjects().free, AsBytes(EncodeLifecycleRequest(id)));
+  }
+};
+
+TEST_F(ApproxTest, EventsAreIgnoredAndRepeatedPrefixesStickToOneWorker) {
+  SetUpApprox();
+  StorePrompt(2, 1, kTwelve);  // nobody listens: no prediction comes from events
+  EXPECT_EQ(bus_.published(svc_->subjects().kv_events), 1u);
+  auto first = Route(Prompt(kTwelve, "a"));
+  ASSERT_TRUE(first.ok());
+  EXPECT_EQ(first->overlap_blocks, 0u);
+  Finish("a");
+  for (int i = 0; i < 5; ++i) {
+    const std::string id = "again-" + std::to_string(i);
+    auto r = Route(Prompt(kTwelve, id));
+    ASSERT_TRUE(r.ok());
+    EXPECT_EQ(r->worker_id, first->worker_id);
+    EXPECT_EQ(r->overlap_blocks, 3u);
+    Finish(id);
+  }
+  auto doc = Stats();
+  EXPECT_EQ(doc.counters.at("events_applied"), 0u);
+  EXPECT_EQ(doc.counters.at("predicted_blocks"), 3u);
+}
+
+TEST_F(ApproxTest, QueriesWithoutBookingPredictNothing) {
+  SetUpApprox();
+  ASSERT_TRUE(Route(Prompt(kTwelve, "q"), /*best_worker=*/true).ok());
+  RouteRequest no_update = Prompt(kTwelve, "n");
+  no_update.update_states = false;
+  ASSERT_TRUE(Route(no_update).ok());
+  ASSERT_TRUE(Route(Prompt(kTwelve)).ok());  // no request_id: nothing booked
+  EXPECT_EQ(Counter("predicted_blocks"), 0u);
+}
+
+TEST_F(ApproxTest, PredictionsExpireAfterTheTtlAndGoWithTheWorker) {
+  SetUpApprox({"--router-ttl-secs", "10"});
+  auto r = Route(Prompt(kTwelve, "a"));
+  ASSERT_TRUE(r.ok());
+  Finish("a");
+  now_ += std::chrono::seconds(9);
+  svc_->Tick();
+  EXPECT_EQ(Route(Prompt(kTwelve), true)->overlap_blocks, 3u);
+  now_ += std::chrono::seconds(1);
+  svc_->Tick();
+  EXPECT_EQ(Route(Prompt(kTwelve), true)->overlap_blocks, 0u);
+  ASSERT_TRUE(Route(Prompt(kTwelve, "b")).ok());
+  Finish("b");
+  EXPECT_EQ(Counter("predicted_blocks"), 3u);
+  Register(1, {.leaving = true});
+  Register(2, {.leaving = true});
+  EXPECT_EQ(Counter("predicted_blocks"), 0u);
+}
+
+TEST_F(ApproxTest, TreeLimitPrunesTheOldest) {
+  SetUpApprox({"--router-max-tree-size", "4", "--router-prune-target-ratio", "0.5"});
+  ASSERT_TRUE(Route(Prompt(kTwelve, "a")).ok());  // 3 blocks
+  now_ += std::chrono::seconds(1);
+  ASSERT_TRUE(Route(Prompt({50, 51, 52, 53, 54, 55, 56, 57}, "b")).ok());  // +2 = 5 > 4
+  auto doc = Stats();
+  EXPECT_EQ(doc.counters.at("predicted_blocks"), 2u);
+  EXPECT_EQ(doc.counters.at("predictions_pruned"), 3u);
+}
+
+// ---- queue (--router-queue-threshold) ------------------------------------------------------
+
+class QueueTest : public ServiceTest {
+ protected:
+  // Two workers whose rank is full above 8 prefill tokens (threshold 1 x 8); each 12-token
+  // request books 12 prefill tokens, so one request fills a worker.
+  void SetUpQueue(std::vector<std::string> extra = {}) {
+    std::vector<std::string> flags = {"--router-mode", "kv", "--router-queue-threshold", "1"};
+    flags.insert(flags.end(), extra.begin(), extra.end());
+    StartWith(flags);
+    Register(1, {.max_num_batched_tokens = 8});
+    Register(2, {.max_num_batched_tokens = 8});
+  }
+  static RouteRequest Prio(std::string id, std::int64_t priority, std::vector<std::uint32_t> tokens = kTwelve) {
+    RouteRequest r = Prompt(std::move(tokens), std::move(id));
+    r.priority = priority;
+    return r;
+  }
+  InMemoryBus::PendingRequest Send(const RouteRequest& r) {
+    return bus_.RequestAsync(svc_->subjects().route, AsBytes(EncodeRouteRequest(r)));
+  }
+  void MarkPrefill(const std::string& id) {
+    (void)bus_.Request(svc_->subjects().mark_prefill, AsBytes(EncodeLifecycleRequest(id)));
+  }
+  static Result<RouteReply> ReplyOf(const InMemoryBus::PendingRequest& p) {
+    if (!p.reply->has_value()) return Internal("no reply yet");
+    return DecodeRouteReply(**p.reply);
+  }
+};
+
+TEST_F(QueueTest, RequestsWaitWhileEveryRankIsFullAndLeaveInPriorityOrder) {
+  SetUpQueue();
+  ASSERT_TRUE(Route(Prio("r1", 0)).ok());
+  ASSERT_TRUE(Route(Prio("r2", 0)).ok());
+  auto low = Send(Prio("low", 0));
+  auto high = Send(Prio("high", 5));
+  auto mid = Send(Prio("mid", 2));
+  EXPECT_FALSE(low.reply->has_value() || high.reply->has_value() || mid.reply->has_value());
+  EXPECT_EQ(Counter("queue_length"), 3u);
+  now_ += milliseconds(40);
+  MarkPrefill("r1");  // one rank opens: exactly one admission, the highest priority
+  ASSERT_TRUE(ReplyOf(high).ok());
+  EXPECT_FALSE(mid.reply->has_value() || low.reply->has_value());
+  EXPECT_DOUBLE_EQ(ReplyOf(high)->queued_ms, 40.0);
+  MarkPrefill("r2");
+  ASSERT_TRUE(ReplyOf(mid).ok());
+  EXPECT_FALSE(low.reply->has_value());
+  MarkPrefill("high");
+  ASSERT_TRUE(ReplyOf(low).ok());
+  auto doc = Stats();
+  EXPECT_EQ(doc.counters.at("queue_length"), 0u);
+  EXPECT_EQ(doc.counters.at("queue_admitted"), 3u);
+}
+
+TEST_F(QueueTest, WsptAdmitsTheShortestRemainingPrefillFirst) {
+  SetUpQueue({"--router-queue-policy", "wspt"});
+  ASSERT_TRUE(Route(Prio("r1", 0)).ok());
+  ASSERT_TRUE(Route(Prio("r2", 0)).ok());
+  std::vector<std::uint32_t> long_prompt(64);
+  for (std::uint32_t i = 0; i < 64; ++i) long_prompt[i] = 1000 + i;
+  auto big = Send(Prio("big", 0, long_prompt));
+  auto small = Send(Prio("small", 0, {50, 51, 52, 53, 54, 55, 56, 57, 58}));
+  MarkPrefill("r1");
+  EXPECT_TRUE(ReplyOf(small).ok());
+  EXPECT_FALSE(big.reply->has_value());
+}
+
+TEST_F(QueueTest, ExactlyAtTheThresholdIsNotFull) {
+  StartWith({"--router-mode", "kv", "--router-queue-threshold", "1"});
+  Register(1, {.max_num_batched_tokens = 12});
+  ASSERT_TRUE(Route(Prio("r1", 0)).ok());  // 12 prefill tokens = 1 x 12: not full
+  auto second = Send(Prio("r2", 0));
+  EXPECT_TRUE(ReplyOf(second).ok());         // answered at once
+  auto third = Send(Prio("r3", 0));          // 24 > 12: full now
+  EXPECT_FALSE(third.reply->has_value());
+}
+
+// A worker past the threshold is no candidate while another is open, even when it holds the
+// whole prompt: without the threshold the predicted cost would keep the request there (2,000
+// cached tokens against 1,200 queued ones).
+TEST_F(QueueTest, AFullWorkerHoldingThePrefixIsPassedOverForAnOpenOne) {
+  std::vector<std::uint32_t> prompt(2000), other(1200);
+  for (std::uint32_t k = 0; k < prompt.size(); ++k) prompt[k] = k + 1;
+  for (std::uint32_t k = 0; k < other.size(); ++k) other[k] = 50000 + k;
+  for (const char* threshold : {"1", ""}) {
+    std::vector<std::string> flags = {"--router-mode", "kv"};
+    if (*threshold) flags.insert(flags.end(), {"--router-queue-threshold", threshold});
+    StartWith(flags);
+    Register(1, {.max_num_batched_tokens = 1000});
+    Register(2, {.max_num_batched_tokens = 1000});
+    StorePrompt(1, 1, prompt);
+    RouteRequest fill = Prio("fill", 0, other);
+    fill.worker_id = 1;
+    ASSERT_TRUE(Route(fill).ok());  // 1,200 prefill tokens > 1 x 1,000: worker 1 is full
+    auto r = Route(Prio("r", 0, prompt));
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    EXPECT_EQ(r->worker_id, *threshold ? 2u : 1u) << "threshold '" << threshold << "'";
+    svc_.reset();
+  }
+}
+
+TEST_F(QueueTest, BestWorkerNeverWaits) {
+  SetUpQueue();
+  ASSERT_TRUE(Route(Prio("r1", 0)).ok());
+  ASSERT_TRUE(Route(Prio("r2", 0)).ok());
+  EXPECT_TRUE(Route(Prompt(kTwelve), /*best_worker=*/true).ok());
+  EXPECT_EQ(Counter("queue_length"), 0u);
+}
+
+TEST_F(QueueTest, PinnedHeadDoesNotBlockOthers) {
+  SetUpQueue();
+  auto r1 = Route(Prio("r1", 0));
+  auto r2 = Route(Prio("r2", 0));
+  ASSERT_TRUE(r1.ok() && r2.ok());
+  ASSERT_NE(r1->worker_id, r2->worker_id);
+  RouteRequest pinned = Prio("pinned", 9);  // first in fcfs order, but pinned to r1's worker
+  pinned.worker_id = r1->worker_id;
+  auto head = Send(pinned);
+  auto other = Send(Prio("other", 0));
+  MarkPrefill("r2");  // opens r2's worker only
+  EXPECT_FALSE(head.reply->has_value());
+  ASSERT_TRUE(ReplyOf(other).ok());
+  EXPECT_EQ(ReplyOf(other)->worker_id, r2->worker_id);
+  MarkPrefill("r1");
+  ASSERT_TRUE(ReplyOf(head).ok());
+  EXPECT_EQ(ReplyOf(head)->worker_id, r1->worker_id);
+}
+
+TEST_F(QueueTest, BoundRefusesWithOverloaded) {
+  SetUpQueue({"--router-queue-max", "1"});
+  ASSERT_TRUE(Route(Prio("r1", 0)).ok());
+  ASSERT_TRUE(Route(Prio("r2", 0)).ok());
+  auto queued = Send(Prio("q1", 0));
+  EXPECT_FALSE(queued.reply->has_value());
+  EXPECT_EQ(Route(Prio("q2", 0)).status().code(), StatusCode::kOverloaded);
+  EXPECT_EQ(Counter("queue_refused"), 1u);
+}
+
+TEST_F(QueueTest, TimedOutRequestGetsTimeoutAndBooksNothing) {
+  SetUpQueue();
+  ASSERT_TRUE(Route(Prio("r1", 0)).ok());
+  ASSERT_TRUE(Route(Prio("r2", 0)).ok());
+  RouteRequest r = Prio("late", 0);
+  r.timeout_ms = 100;
+  auto late = Send(r);
+  now_ += milliseconds(100);
+  svc_->Tick();
+  EXPECT_FALSE(late.reply->has_value());  // at the deadline, not past it
+  now_ += milliseconds(1);
+  svc_->Tick();
+  ASSERT_TRUE(late.reply->has_value());
+  EXPECT_EQ(ReplyOf(late).status().code(), StatusCode::kTimeout);
+  auto doc = Stats();
+  EXPECT_EQ(doc.counters.at("queue_timed_out"), 1u);
+  EXPECT_EQ(doc.counters.at("active_requests"), 2u);  // r1, r2 only
+  MarkPrefill("r1");  // nothing left to admit
+  EXPECT_EQ(Counter("queue_admitted"), 0u);
+}
+
+TEST_F(QueueTest, RankFilteredHeadDoesNotStallTheQueue) {
+  StartWith({"--router-mode", "kv", "--router-queue-threshold", "1"});
+  Register(1, {.dp_size = 2, .max_num_batched_tokens = 8});
+  RouteRequest fill0 = Prio("fill0", 0);
+  fill0.dp_rank = 0;
+  RouteRequest fill1 = Prio("fill1", 0);
+  fill1.dp_rank = 1;
+  ASSERT_TRUE(Route(fill0).ok());
+  ASSERT_TRUE(Route(fill1).ok());
+  RouteRequest head = Prio("rank1-only", 9);
+  head.dp_rank = 1;
+  auto h = Send(head);
+  auto other = Send(Prio("any-rank", 0));
+  MarkPrefill("fill0");  // only rank 0 opens
+  EXPECT_FALSE(h.reply->has_value());
+  ASSERT_TRUE(ReplyOf(other).ok());
+  EXPECT_EQ(ReplyOf(other)->dp_rank, 0u);
+}
+
+TEST_F(QueueTest, FreeingAQueuedRequestCancelsIt) {
+  SetUpQueue();
+  ASSERT_TRUE(Route(Prio("r1", 0)).ok());
+  ASSERT_TRUE(Route(Prio("r2", 0)).ok());
+  auto gone = Send(Prio("gone", 0));
+  (void)bus_.Request(svc_->subjects().free, AsBytes(EncodeLifecycleRequest("gone")));
+  ASSERT_TRUE(gone.reply->has_value());
+  EXPECT_EQ(ReplyOf(gone).status().code(), StatusCode::kTimeout);
+  MarkPrefill("r1");
+  auto doc = Stats();
+  EXPECT_EQ(doc.counters.at("queue_length"), 0u);
+  EXPECT_EQ(doc.counters.at("active_requests"), 2u);  // r1 and r2 only: "gone" was never booked
+}
+
+TEST_F(QueueTest, LeavingWorkerFailsItsPinsEvenBehindABlockedHead) {
+  SetUpQueue();
+  ASSERT_TRUE(Route(Prio("r1", 0)).ok());
+  ASSERT_TRUE(Route(Prio("r2", 0)).ok());
+  auto head = Send(Prio("unpinned", 9));  // first in order, cannot go anywhere
+  RouteRequest pinned = Prio("pinned", 0);
+  pinned.worker_id = 2;
+  auto p = Send(pinned);
+  Register(2, {.max_num_batched_tokens = 8, .leaving = true});
+  ASSERT_TRUE(p.reply->has_value());
+  EXPECT_EQ(ReplyOf(p).status().code(), StatusCode::kNotFound);
+  EXPECT_FALSE(head.reply->has_value());
+}
+
+// Regression: replica sync used to publish while holding the routing mutex; with a bus that
+// delivers synchronously, replica B admitting a queued request on A's sync message published
+// back into A on the same thread, and A's handler locked A's mutex again.
+TEST_F(QueueTest, ReplicasWithSyncAndQueuesDoNotDeadlock) {
+  SetUpQueue({"--router-replica-sync"});
+  std::vector<const char*> argv = {"kvrouter", "--block-size", "4", "--router-mode", "kv",
+                                   "--router-queue-threshold", "1", "--router-replica-sync"};
+  auto cfg = ParseRouterConfig(static_cast<int>(argv.size()), argv.data(), [](const char*) { return nullptr; });
+  ASSERT_TRUE(cfg.ok());
+  KvRouterService other(cfg->config, bus_, [this] { return now_.now(); }, 43);
+  ASSERT_TRUE(other.Start().ok());
+  Register(1, {.max_num_batched_tokens = 8});
+  Register(2, {.max_num_batched_tokens = 8});
+  ASSERT_TRUE(Route(Prio("r1", 0)).ok());
+  ASSERT_TRUE(Route(Prio("r2", 0)).ok());
+  auto q1 = Send(Prio("q1", 0));  // the route group alternates: one queued on each replica
+  auto q2 = Send(Prio("q2", 0));
+  MarkPrefill("r1");
+  MarkPrefill("r2");
+  EXPECT_TRUE(q1.reply->has_value() || q2.reply->has_value());
+}
+
+TEST_F(QueueTest, LeavingWorkerFailsRequestsPinnedToIt) {
+  SetUpQueue();
+  ASSERT_TRUE(Route(Prio("r1", 0)).ok());
+  ASSERT_TRUE(Route(Prio("r2", 0)).ok());
+  RouteRequest pinned = Prio("pinned", 0);
+  pinned.worker_id = 1;
+  auto p = Send(pinned);
+  Register(1, {.max_num_batched_tokens = 8, .leaving = true});
+  ASSERT_TRUE(p.reply->has_value());
+  EXPECT_EQ(ReplyOf(p).status().code(), StatusCode::kNotFound);
+}
+
+}  // namespace
+}  // namespace kvrouter
