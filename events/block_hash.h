@@ -1,4 +1,4 @@
-// Block hashing of PROTOCOL.md section 1: local block hashes (XXH3-64, seed 1337, LoRA-adjusted
+// Block hashing of docs/protocol.md section 1: local block hashes (XXH3-64, seed 1337, LoRA-adjusted
 // seed) and sequence hashes that identify a whole prefix. Pure functions, thread-safe.
 //
 //   auto local = ComputeLocalHashes(tokens, 64, lora_name);

@@ -1,4 +1,4 @@
-// Codec for Dynamo-format KV events (PROTOCOL.md section 2), the body of
+// Codec for Dynamo-format KV events (docs/protocol.md section 2), the body of
 // `namespace.{ns}.component.{comp}.kv-events`.
 //
 // Grammar (msgpack maps keyed by field name; unknown keys ignored; integers of any width):

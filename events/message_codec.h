@@ -1,4 +1,4 @@
-// Codecs for worker registration (PROTOCOL.md section 4) and the router endpoints (section 5):
+// Codecs for worker registration (docs/protocol.md section 4) and the router endpoints (section 5):
 // route / best_worker requests and replies, lifecycle requests, error replies; and the router's
 // own messages of section 8 (replica sync, kv_metrics).
 //
@@ -118,7 +118,7 @@ Result<RouteReply> DecodeRouteReply(std::span<const std::byte> body);
 Result<std::string> DecodeLifecycleRequest(std::span<const std::byte> body);
 msgpack::sbuffer EncodeLifecycleRequest(std::string_view request_id);
 
-// Router replica sync (PROTOCOL.md section 8), on
+// Router replica sync (docs/protocol.md section 8), on
 // namespace.{ns}.component.{comp}.active_sequences_events:
 //   {router_id: u64, request_id: str, worker_id: u64, dp_rank: u32,
 //    kind: "add"|"prefill_done"|"free", seq_hashes?: [u64], isl?: u32, overlap_blocks?: u32,
@@ -154,7 +154,7 @@ struct RouterHeartbeat {
 Result<RouterHeartbeat> DecodeRouterHeartbeat(std::span<const std::byte> body);
 msgpack::sbuffer EncodeRouterHeartbeat(const RouterHeartbeat& heartbeat);
 
-// Load gauges of one worker rank (PROTOCOL.md section 8), on namespace.{ns}.kv_metrics:
+// Load gauges of one worker rank (docs/protocol.md section 8), on namespace.{ns}.kv_metrics:
 //   {worker_id: u64, dp_rank?: u32 (0), active_decode_blocks: u64, active_prefill_tokens: u64}
 // The encoder writes every field.
 struct KvMetrics {
@@ -167,7 +167,7 @@ struct KvMetrics {
 Result<KvMetrics> DecodeKvMetrics(std::span<const std::byte> body);
 msgpack::sbuffer EncodeKvMetrics(const KvMetrics& metrics);
 
-// router.stats (PROTOCOL.md section 5):
+// router.stats (docs/protocol.md section 5):
 //   stats_req   = {offset?: u64 (0), limit?: u32 (1000, at most 10000)}; an empty body or nil
 //                 is the defaults; a larger limit is read as 10000.
 //   stats_reply = {workers: [{worker_id: u64, dp_rank: u32, blocks: u64, active_blocks: u64,
@@ -175,7 +175,7 @@ msgpack::sbuffer EncodeKvMetrics(const KvMetrics& metrics);
 //                             routed_requests: u64}...],
 //                  workers_total: u64, offset: u64, next_offset?: u64,
 //                  <counter>: u64 ..., <breakdown>: {<name>: u64 ...} ...}
-//                 Counters and breakdowns are open-ended (PROTOCOL.md lists the required ones);
+//                 Counters and breakdowns are open-ended (docs/protocol.md lists the required ones);
 //                 next_offset is present when ranks after this page exist.
 struct StatsRequest {
   static constexpr std::uint32_t kDefaultLimit = 1000;

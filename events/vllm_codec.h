@@ -1,4 +1,4 @@
-// Codec for vLLM-format KV events (PROTOCOL.md section 3), the body of
+// Codec for vLLM-format KV events (docs/protocol.md section 3), the body of
 // `namespace.{ns}.component.{comp}.vllm-kv-events.{worker_id}.{dp_rank}`.
 //
 // Grammar:

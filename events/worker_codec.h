@@ -1,5 +1,5 @@
 // Codecs of the worker endpoints: the recovery query and reply of a worker's kv_indexer_query
-// endpoint (PROTOCOL.md section 6) and the generate request and responses of a (mock) worker's
+// endpoint (docs/protocol.md section 6) and the generate request and responses of a (mock) worker's
 // generate endpoint (section 7). Decoding never throws and allocates only in proportion to the
 // bytes read. Thread-safe (pure functions; the structs are plain values).
 // Bounds: a reply part is at most the max payload; a recovery's parts are applied as they come
@@ -16,7 +16,7 @@
 //                    A reply larger than the server's max payload goes as several messages on
 //                    the same reply subject, each a recovery_reply of the same kind and
 //                    last_event_id; every one but the last says more: true (an extension of
-//                    PROTOCOL.md section 6: a 1,000,000-block dump is ~34 MB). Parts split the
+//                    docs/protocol.md section 6: a 1,000,000-block dump is ~34 MB). Parts split the
 //                    event list in order; a dump's long chains may be cut into consecutive
 //                    chains (the second's parent is the first's last block).
 //   kv_event       = section 2's KvCacheEvent {event_id: u64, dp_rank?: u32 (0), data: data}

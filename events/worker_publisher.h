@@ -1,6 +1,6 @@
 // KvEventPublisher: the worker side of KV events for one (worker_id, dp_rank), as a library with
 // no threads, sockets or clock. It numbers what its engine emits (event ids from 1, +1 per event,
-// PROTOCOL.md section 2), keeps the last `event_buffer` (1,024) events and an index of the blocks
+// docs/protocol.md section 2), keeps the last `event_buffer` (1,024) events and an index of the blocks
 // the worker holds, and answers recovery queries (section 6) from them.
 // Thread contract: not thread-safe; the owner serialises every call (kvmocker: its engine mutex).
 // Owns its buffer and index; every batch and reply it returns is the caller's.
@@ -53,7 +53,7 @@ class KvEventPublisher {
   // as a batch of one op of `tier` for the caller to publish.
   KvEventBatch Publish(KvEventData data, StorageTier tier = StorageTier::kDevice);
 
-  // Recovery (PROTOCOL.md section 6), ids inclusive:
+  // Recovery (docs/protocol.md section 6), ids inclusive:
   //   end < start                                  -> "invalid_range" (with a message);
   //   start > last_event_id                        -> "too_new" (with a message);
   //   start nil, or older than the buffer          -> "tree_dump": one stored chain per event,

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs every benchmark of README's performance section, each beside its baseline from the same
+# Runs every benchmark of docs/performance.md, each beside its baseline from the same
 # run, and keeps the raw results (JSON) in one folder. About 1.5 minutes on a 2-core machine;
 # run it on an otherwise idle machine.
 #

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Routing quality of every router mode, offline (kvbench --offline: the real router and simulated
 # engines on virtual time, deterministic for a seed): the shared Mooncake trace and the synthetic
-# workload shapes, each as README's table and as a plot (SVG, gnuplot), plus the trace's TTFT
+# workload shapes, each as docs/performance.md's table and as a plot (SVG, gnuplot), plus the trace's TTFT
 # over several seeds (a p99 of 12,031 requests moves by tens of ms with the tie-break seed).
 # About 5 minutes on a 2-core machine.
 #

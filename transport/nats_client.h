@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "events/base/status.h"
+#include "transport/nats_security.h"
 
 // Opaque nats.c handle types, spelled as nats.h spells them so this header need not include it.
 typedef struct __natsMsg natsMsg;
@@ -43,16 +44,6 @@ namespace kvrouter {
 
 // How a client proves who it is, and TLS (every program's --nats-* flags). Empty = unused.
 // A user and password in the URL (nats://user:pass@host) work too.
-struct NatsSecurity {
-  std::string creds_file;      // --nats-creds: a JWT + nkey seed .creds file
-  std::string user, password;  // --nats-user / --nats-password
-  std::string token;           // --nats-token
-  std::string nkey_seed_file;  // --nats-nkey-seed: a file with the seed (S...) and its public key (U...)
-  std::string tls_ca;          // --nats-tls-ca: CA bundle to verify the server (turns TLS on)
-  std::string tls_cert, tls_key;  // --nats-tls-cert / --nats-tls-key: client certificate (mutual TLS)
-  bool tls() const { return !tls_ca.empty() || !tls_cert.empty(); }
-};
-
 struct NatsOptions {
   std::string url = "nats://127.0.0.1:4222";  // server URL (comma-separated list allowed)
   std::string name = "kvrouter";              // connection name shown by the server

@@ -1,4 +1,4 @@
-// vLLM's ZMQ KV event stream (PROTOCOL.md section 9), the input of kvrelay: a SUB socket on the
+// vLLM's ZMQ KV event stream (docs/protocol.md section 9), the input of kvrelay: a SUB socket on the
 // engine's PUB endpoint and a DEALER on its ROUTER replay endpoint. libzmq (cppzmq) stays inside
 // this file pair: the rest of the program sees ZmqBatch.
 //

@@ -21,6 +21,7 @@
 #include <unordered_map>
 #include <utility>
 
+#include "events/base/clock.h"
 #include "events/base/thread_annotations.h"
 
 #include <fmt/format.h>
@@ -34,7 +35,7 @@ std::string_view LogLevelLetter(LogLevel level);
 
 class RateLimitedLog {
  public:
-  using Clock = std::function<std::chrono::steady_clock::time_point()>;
+  using Clock = std::function<SteadyTime()>;
   // Receives one finished line without a trailing newline.
   using Sink = std::function<void(LogLevel, std::string_view line)>;
 
@@ -68,7 +69,7 @@ class RateLimitedLog {
 
  private:
   struct KeyState {
-    std::chrono::steady_clock::time_point last_written;
+    SteadyTime last_written;
     uint64_t suppressed = 0;
   };
 

@@ -1,7 +1,7 @@
 // Status and Result<T>: cheap error values used everywhere inside kvrouter.
 //
 // A Status is a code plus a message. Codes are chosen by what the caller should do next and map
-// one to one onto the wire error codes of PROTOCOL.md section 5. Result<T> holds a T or a non-OK
+// one to one onto the wire error codes of docs/protocol.md section 5. Result<T> holds a T or a non-OK
 // Status. Both are plain values: copy them, return them, never throw them. Thread-compatible.
 //
 //   Result<RouteRequest> r = DecodeRouteRequest(bytes);

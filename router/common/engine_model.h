@@ -1,4 +1,4 @@
-// EngineTiming: DESIGN.md's timing model of a vLLM-like engine (Dynamo's mocker fit), in ms.
+// EngineTiming: docs/design.md's timing model of a vLLM-like engine (Dynamo's mocker fit), in ms.
 // kvmocker's engines run on it, and the router's default cost (selector.h, "predicted") uses it
 // as its prior of how long a worker takes to prefill and to decode a step. Pure functions.
 //

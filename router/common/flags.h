@@ -16,7 +16,7 @@
 #include <string_view>
 
 #include "events/base/status.h"
-#include "transport/nats_client.h"
+#include "transport/nats_security.h"
 
 namespace kvrouter {
 

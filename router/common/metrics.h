@@ -1,4 +1,4 @@
-// Prometheus metrics (PROTOCOL.md section 10), text exposition for /metrics.
+// Prometheus metrics (docs/protocol.md section 10), text exposition for /metrics.
 //
 // MetricSet builds families at scrape time from a snapshot (the service's counters, every rank's
 // load; kvmocker's engines). RouterMetrics adds what must be observed as it happens - route

@@ -1,4 +1,4 @@
-// ApproxIndex: approximate mode's prediction of worker caches (DESIGN.md "Approximate mode").
+// ApproxIndex: approximate mode's prediction of worker caches (docs/design.md "Approximate mode").
 // Without KV events, every booked routing decision records the request's blocks as held by the
 // chosen (worker, dp_rank); a block expires `ttl` after its last use, and routing the same
 // prefix again refreshes it. Blocks live in one LRU list ordered by expiry (all share one ttl,
@@ -23,7 +23,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "router/scheduling/active_load.h"
+#include "events/base/clock.h"
 #include "router/index/block_index.h"
 #include "router/index/flat_table.h"
 

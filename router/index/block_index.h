@@ -6,7 +6,7 @@
 // whose block_hash differs turns the worker "mapped" for good: a map from engine block_hash to
 // node, as vLLM's own hashes need (12 bytes at load 0.375-0.75 per block).
 // A node is the prefix ending at a block; it is found by that prefix's sequence hash
-// (PROTOCOL.md section 1), computed here from its parent's and the stored block's local hash,
+// (docs/protocol.md section 1), computed here from its parent's and the stored block's local hash,
 // so every level of a request's path can be looked up (and prefetched) independently instead
 // of chasing parent links.
 //

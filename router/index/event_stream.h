@@ -1,5 +1,5 @@
 // EventStreams: per (worker_id, dp_rank), the order of its KV events and its recovery state
-// (DESIGN.md "Recovery and liveness", PROTOCOL.md section 6). It decides; the shard applies.
+// (docs/design.md "Recovery and liveness", docs/protocol.md section 6). It decides; the shard applies.
 //
 // A rank's cursor is the last event id (Dynamo) or Kv-Seq (vLLM) applied. With recovery on:
 //   first sight of a rank          -> hold the batch, ask for a tree dump;

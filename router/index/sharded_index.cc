@@ -14,6 +14,8 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "events/base/clock.h"
+
 #include "router/index/read_gate.h"
 #include "router/index/shard_lock.h"
 #include "events/base/thread_annotations.h"
@@ -409,7 +411,7 @@ class ShardedIndex::Shard {
   // The shard thread's upkeep, every kUpkeepEvery: the free nodes are put in order
   // (BlockIndex::TidyFreeNodes), and the sequence-hash table gives memory back once it has been
   // under an eighth full at every upkeep for shrink_after_ (see ShardedIndexOptions).
-  void Upkeep(std::chrono::steady_clock::time_point now) {
+  void Upkeep(SteadyTime now) {
     mu_.lock();
     index_.TidyFreeNodes();
     if (!index_.TablesUnderfull()) {
@@ -586,8 +588,8 @@ class ShardedIndex::Shard {
   const std::chrono::nanoseconds read_patience_;
   const std::chrono::milliseconds shrink_after_;
   static constexpr std::chrono::milliseconds kUpkeepEvery{100};
-  std::chrono::steady_clock::time_point last_upkeep_{};                    // thread_ only
-  std::optional<std::chrono::steady_clock::time_point> underfull_since_;  // thread_ only
+  SteadyTime last_upkeep_{};                    // thread_ only
+  std::optional<SteadyTime> underfull_since_;  // thread_ only
   std::atomic<std::uint64_t> upkeeps_{0};
   const std::uint64_t default_capacity_;
   std::unordered_map<std::uint64_t, std::uint64_t> capacity_of_;  // thread_ only: worker_id -> blocks per rank

@@ -48,7 +48,7 @@ struct ShardedIndexOptions {
   std::size_t num_shards = 2;          // fixed for the index's life; worker_id -> shard by hash
   std::size_t queue_capacity = 65536;  // batches waiting per shard before Submit refuses
   std::size_t max_bulk = 256;          // batches dequeued at once by a shard thread
-  // Recovery (PROTOCOL.md section 6, EventStreams): when set, a rank seen for the first time or
+  // Recovery (docs/protocol.md section 6, EventStreams): when set, a rank seen for the first time or
   // with a gap in its ids is held and this is called (on the shard thread; it must not block)
   // to ask its worker; the answer comes back through Recovered(). Unset: gaps are only counted.
   EventStreams::RecoveryNeeded on_recovery;
@@ -81,7 +81,7 @@ struct IndexCounters {
   std::uint64_t events_recovered = 0;       // events (a dump's chains) applied from recoveries
   std::uint64_t held_dropped = 0;           // held batches dropped when a rank's hold overflowed
   std::uint64_t restarts = 0;               // ids started again from the beginning
-  // Drop reasons (PROTOCOL.md names).
+  // Drop reasons (docs/protocol.md names).
   std::uint64_t parent_block_not_found = 0;
   std::uint64_t block_not_found = 0;
   std::uint64_t duplicate = 0;              // repeated event ids, dropped

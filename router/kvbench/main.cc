@@ -1,6 +1,6 @@
 // kvbench: replays a Mooncake-format trace (or a synthetic conversation workload) against the
 // router and reports KV hit rate, TTFT / end-to-end percentiles, throughput and per-worker
-// spread (DESIGN.md "Load generator"). Online (default): through a running router's
+// spread (docs/design.md "Load generator"). Online (default): through a running router's
 // `generate` endpoint to running workers over NATS (router/kvbench/online.h). --offline: the
 // router's own logic and simulated engines on virtual time in one process (offline.h).
 // Flags: router/kvbench/config.h (each also DYN_<FLAG>, NATS_SERVER).

@@ -52,7 +52,7 @@ class OfflineReplay {
 
  private:
   // The service, and engines registered as workers 1..N publishing their events through the
-  // bus. A publisher per worker numbers them and serves the recovery endpoint (PROTOCOL.md
+  // bus. A publisher per worker numbers them and serves the recovery endpoint (docs/protocol.md
   // section 6), as kvmocker does over NATS.
   Status Start() {
     std::vector<std::string> args = {"kvbench", "--block-size", std::to_string(o_.engine.block_size)};

@@ -1,4 +1,4 @@
-// What kvbench measured: per-request records in, the summary of DESIGN.md "Load generator" out
+// What kvbench measured: per-request records in, the summary of docs/design.md "Load generator" out
 // (table on stdout, JSON on request). Plain values; thread-compatible.
 #pragma once
 

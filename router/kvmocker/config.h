@@ -1,4 +1,4 @@
-// kvmocker's configuration: every flag of the kvmocker program (DESIGN.md "Mock worker") in one
+// kvmocker's configuration: every flag of the kvmocker program (docs/design.md "Mock worker") in one
 // typed struct, parsed once from the command line and the DYN_* environment (router/common/flags.h).
 // Thread-safe (pure; the environment is read through the caller's lookup).
 //

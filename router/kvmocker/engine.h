@@ -1,6 +1,6 @@
 // MockEngine: a simulated vLLM-like engine for kvmocker and offline replays: a paged KV cache with
 // prefix caching and LRU eviction, a FIFO scheduler bounded by max_num_seqs and
-// max_num_batched_tokens, DESIGN.md's timing model, and the cache changes (KvEventData) that a
+// max_num_batched_tokens, docs/design.md's timing model, and the cache changes (KvEventData) that a
 // KvEventPublisher (events/worker_publisher.h) numbers, buffers and serves recovery from.
 // Thread contract: not thread-safe, no threads, no clock: the owner drives it with virtual time
 // through Step(); the sink runs synchronously inside Step() and must not call back into the engine.
@@ -32,7 +32,7 @@ struct MockEngineConfig {
   double speedup_ratio = 1.0;                 // divides every duration (> 0)
 };
 
-// The timing model of DESIGN.md, in ms, divided by `speedup`.
+// The timing model of docs/design.md, in ms, divided by `speedup`.
 // Prefill of N uncached tokens: 4.21e-7 N^2 + 0.0152 N + 16.5.
 double MockPrefillMs(double uncached_tokens, double speedup);
 // One decode step at KV utilisation u in [0, 1]: max(1, -25.74 u^2 + 54.01 u + 5.74).
@@ -42,7 +42,7 @@ struct EngineRequest {
   std::string id;
   std::vector<std::uint32_t> tokens;  // the prompt
   std::uint32_t max_tokens = 1;       // tokens to generate; 0 is treated as 1
-  std::string lora_name;              // part of the block hashes (PROTOCOL.md section 1)
+  std::string lora_name;              // part of the block hashes (docs/protocol.md section 1)
 };
 
 // One per first-token, finish or rejection moment of a request.
@@ -92,7 +92,7 @@ class MockEngine {
   std::size_t CachedBlocks() const { return blocks_.size(); }  // holding content (active + evictable)
   std::size_t NumWaiting() const { return waiting_.size(); }
   std::size_t NumRunning() const { return running_.size(); }
-  // Leading blocks of a sequence (its sequence hashes, PROTOCOL.md section 1) in the cache.
+  // Leading blocks of a sequence (its sequence hashes, docs/protocol.md section 1) in the cache.
   std::size_t CachedPrefixBlocks(std::span<const SequenceHash> seq_hashes) const;
 
   // Inside the sink, while it receives a stored event: the prompt tokens of the chain's blocks

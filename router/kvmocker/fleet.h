@@ -1,5 +1,5 @@
 // MockWorkerFleet: kvmocker's simulated vLLM-like workers in one process, on NATS: registration
-// heartbeats (PROTOCOL.md section 4), KV events in the Dynamo (2) or vLLM (3) format, the
+// heartbeats (docs/protocol.md section 4), KV events in the Dynamo (2) or vLLM (3) format, the
 // recovery (6) and generate (7) endpoints; one MockEngine and one KvEventPublisher per rank.
 // Threads: see the class. Start and Stop are called from one controlling thread; the fleet
 // borrows the NatsClient, which must outlive it.
@@ -22,6 +22,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "events/base/clock.h"
 #include "events/base/status.h"
 #include "events/worker_codec.h"
 #include "events/worker_publisher.h"
@@ -115,7 +116,7 @@ class MockWorkerFleet {
   NatsClient& nats_;
   const std::string prefix_;  // "namespace.{ns}.component.{comp}."
   std::vector<std::uint64_t> worker_ids_;
-  const std::chrono::steady_clock::time_point start_;
+  const SteadyTime start_;
   RateLimitedLog log_;
 
   // Engine state: written by the engine thread; OnRecovery reads a publisher. Ranks are created by

@@ -1,4 +1,4 @@
-// kvmocker: N simulated vLLM-like workers on NATS (DESIGN.md "Mock worker", PROTOCOL.md 2-4, 6, 7).
+// kvmocker: N simulated vLLM-like workers on NATS (docs/design.md "Mock worker", docs/protocol.md 2-4, 6, 7).
 // Parses flags (and DYN_* environment), connects, runs a MockWorkerFleet until SIGINT/SIGTERM,
 // then announces "leaving", drains and exits 0.
 // Exit codes: 0 clean shutdown or --help, 2 bad flags, 1 NATS failure.

@@ -1,4 +1,4 @@
-// kvrelay: stands beside one live vLLM engine rank and puts its ZMQ KV event stream (PROTOCOL.md
+// kvrelay: stands beside one live vLLM engine rank and puts its ZMQ KV event stream (docs/protocol.md
 // section 9) on NATS as Dynamo RouterEvents (sections 2, 4, 6), so that kvrouter routes to it.
 // Exit codes: 0 clean shutdown (SIGINT/SIGTERM: `leaving` is published) or --help, 2 bad flags
 // or metrics port, 1 NATS or ZMQ failure at start.

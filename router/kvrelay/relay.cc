@@ -62,7 +62,7 @@ void KvRelay::Register(bool leaving) {
   }
 }
 
-void KvRelay::Tick(std::chrono::steady_clock::time_point now) {
+void KvRelay::Tick(SteadyTime now) {
   if (stopped_ || now < next_heartbeat_) return;
   next_heartbeat_ = now + std::chrono::milliseconds(options_.heartbeat_ms);
   Register(false);

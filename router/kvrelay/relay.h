@@ -1,5 +1,5 @@
 // KvRelay: one live vLLM engine rank on kvrouter (the vLLM bridge). It reads the engine's ZMQ
-// KV event stream (PROTOCOL.md section 9), turns each KVEventBatch into Dynamo RouterEvents
+// KV event stream (docs/protocol.md section 9), turns each KVEventBatch into Dynamo RouterEvents
 // (section 2: token hashes from token_ids per section 1, the engine's block hashes kept as
 // block_hash, its own increasing event ids from a KvEventPublisher) on ...kv-events, serves the
 // recovery endpoint (section 6) from that publisher, and registers the worker with heartbeats
@@ -29,6 +29,7 @@
 #include <string>
 #include <vector>
 
+#include "events/base/clock.h"
 #include "events/base/status.h"
 #include "events/worker_publisher.h"
 #include "events/base/log.h"
@@ -76,7 +77,7 @@ class KvRelay {
   // One batch from the engine's stream.
   void OnBatch(const ZmqBatch& batch);
   // Heartbeats when due.
-  void Tick(std::chrono::steady_clock::time_point now);
+  void Tick(SteadyTime now);
   // Publishes `leaving` and unsubscribes. Idempotent.
   void Stop();
 
@@ -102,7 +103,7 @@ class KvRelay {
   std::unique_ptr<BusSubscription> recovery_sub_;
   std::optional<std::int64_t> last_;  // the ZMQ loop's thread only
   std::atomic<std::int64_t> last_seen_{-1};  // last_ for other threads (metrics)
-  std::chrono::steady_clock::time_point next_heartbeat_{};
+  SteadyTime next_heartbeat_{};
   bool stopped_ = false;
   Counters counters_ KV_GUARDED_BY(mu_);
 };

@@ -1,5 +1,5 @@
 // kvrouter: the KV-cache-aware router service. Parses flags (and DYN_* environment), connects
-// to NATS, serves PROTOCOL.md sections 2-5 until SIGINT/SIGTERM, then drains and exits 0.
+// to NATS, serves docs/protocol.md sections 2-5 until SIGINT/SIGTERM, then drains and exits 0.
 // Exit codes: 0 clean shutdown or --help, 2 bad flags or a refused configuration, 1 NATS failure.
 #include <malloc.h>
 

@@ -1,5 +1,5 @@
 // ActiveLoad: the load the router itself has put on each (worker, dp_rank), from its own
-// bookings (DESIGN.md "Selection"): refcounted active blocks by sequence hash (shared prefixes
+// bookings (docs/design.md "Selection"): refcounted active blocks by sequence hash (shared prefixes
 // count once), active prefill tokens, active requests. mark_prefill removes a request's prefill
 // tokens, free removes everything it booked; both are idempotent. Requests older than the
 // sweep age (300 s) are released by Sweep().
@@ -20,11 +20,10 @@
 #include <vector>
 
 #include "events/block_hash.h"
+#include "events/base/clock.h"
 #include "router/index/worker_key.h"
 
 namespace kvrouter {
-
-using SteadyTime = std::chrono::steady_clock::time_point;
 
 struct WorkerLoad {
   std::uint64_t active_blocks = 0;          // distinct sequence hashes of active requests

@@ -3,7 +3,7 @@
 // it synced to the others; without this they would weigh on their workers for the 300 s sweep.
 //
 // Every replica publishes a heartbeat ({router_id, interval_ms}, kvrouter's extension of
-// PROTOCOL.md section 8, on ...component.{comp}.router_heartbeats) once a second. A peer that has
+// docs/protocol.md section 8, on ...component.{comp}.router_heartbeats) once a second. A peer that has
 // been heard once and then stays silent for kSilence is dead: its bookings are released. Peers
 // that never send heartbeats (other implementations) are never judged. While this router's own
 // connection is down, nobody can be heard: Pause stops the judging, Resume gives every peer a
@@ -30,11 +30,13 @@
 #include <unordered_map>
 #include <vector>
 
+#include "events/base/clock.h"
+
 namespace kvrouter {
 
 class ReplicaPeers {
  public:
-  using Time = std::chrono::steady_clock::time_point;
+  using Time = SteadyTime;
   static constexpr std::chrono::milliseconds kInterval{1000};  // a replica's heartbeat period
   static constexpr std::chrono::milliseconds kSilence{5000};   // silent this long: dead
   static constexpr std::size_t kMaxPeers = 4096;               // more are not tracked

@@ -1,5 +1,5 @@
 // RequestQueue: route requests held back while every eligible worker rank is full
-// (DESIGN.md "Queue"), kept in the order of the configured policy:
+// (docs/design.md "Queue"), kept in the order of the configured policy:
 //   fcfs  highest priority first, then earliest arrival (best tail TTFT);
 //   wspt  highest (1 + priority) / max(1, isl - best_overlap_tokens) first, then earliest
 //         (Smith's rule: best mean TTFT);
@@ -23,7 +23,8 @@
 #include <utility>
 #include <vector>
 
-#include "router/service/config.h"
+#include "events/base/clock.h"
+#include "router/scheduling/policy.h"
 
 namespace kvrouter {
 
@@ -39,7 +40,7 @@ enum class ScanStep { kKeep, kTake, kStop };
 template <typename T>
 class RequestQueue {
  public:
-  using Time = std::chrono::steady_clock::time_point;
+  using Time = SteadyTime;
   struct Entry {
     QueueKey key;
     std::uint64_t arrival = 0;  // monotonic arrival number

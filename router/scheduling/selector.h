@@ -1,4 +1,4 @@
-// Worker selection for every router mode (DESIGN.md "Selection"). Pure decision logic over a
+// Worker selection for every router mode (docs/design.md "Selection"). Pure decision logic over a
 // list of candidates that the service assembles (overlap from the index, load from ActiveLoad,
 // limits from registrations); randomness comes from the caller's seeded generator, so
 // decisions are reproducible in tests. Not thread-safe (round-robin keeps a cursor); the
@@ -12,7 +12,7 @@
 #include <span>
 #include <vector>
 
-#include "router/service/config.h"
+#include "router/scheduling/policy.h"
 #include "router/index/worker_key.h"
 
 namespace kvrouter {

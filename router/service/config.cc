@@ -13,40 +13,7 @@ namespace po = boost::program_options;
 
 namespace {
 
-constexpr std::pair<RouterMode, std::string_view> kModes[] = {
-    {RouterMode::kKv, "kv"},
-    {RouterMode::kRoundRobin, "round-robin"},
-    {RouterMode::kRandom, "random"},
-    {RouterMode::kPowerOfTwo, "power-of-two"},
-    {RouterMode::kLeastLoaded, "least-loaded"},
-    {RouterMode::kDeviceAwareWeighted, "device-aware-weighted"},
-    {RouterMode::kDirect, "direct"},
-};
-
 Status OutOfRange(std::string_view flag, std::string_view range) { return FlagOutOfRange(flag, range); }
-
-}  // namespace
-
-std::string_view RouterModeName(RouterMode mode) {
-  for (auto& [m, name] : kModes) if (m == mode) return name;
-  return "kv";
-}
-
-std::optional<RouterMode> RouterModeFromName(std::string_view name) {
-  for (auto& [m, n] : kModes) if (n == name) return m;
-  return std::nullopt;
-}
-
-std::string_view QueuePolicyName(QueuePolicy policy) {
-  switch (policy) {
-    case QueuePolicy::kFcfs: return "fcfs";
-    case QueuePolicy::kWspt: return "wspt";
-    case QueuePolicy::kLcfs: return "lcfs";
-  }
-  return "fcfs";
-}
-
-namespace {
 
 po::options_description Describe() {
   const RouterConfig d;
@@ -168,7 +135,7 @@ Status ReadLimits(const po::variables_map& vm, RouterConfig& c) {
   c.index_shards = vm["router-index-shards"].as<std::uint32_t>();
   if (c.index_shards < 1 || c.index_shards > 64) return OutOfRange("router-index-shards", "in [1, 64]");
   c.load_aware = vm["load-aware"].as<bool>();
-  if (c.load_aware) {  // DESIGN.md: pure load balancing on tracked load
+  if (c.load_aware) {  // docs/design.md: pure load balancing on tracked load
     c.mode = RouterMode::kKv;
     c.overlap_score_credit = 0;
     c.cost_model = CostModel::kDynamo;

@@ -17,28 +17,9 @@
 
 #include "events/base/status.h"
 #include "router/common/flags.h"
+#include "router/scheduling/policy.h"
 
 namespace kvrouter {
-
-enum class RouterMode {
-  kKv,                   // KV-cache-aware cost (DESIGN.md "Selection")
-  kRoundRobin,
-  kRandom,
-  kPowerOfTwo,           // two random candidates, fewer active requests wins
-  kLeastLoaded,          // fewest active requests
-  kDeviceAwareWeighted,  // CPU vs accelerator split by --device-ratio, then least-loaded
-  kDirect,               // the request pins worker_id
-};
-std::string_view RouterModeName(RouterMode mode);
-std::optional<RouterMode> RouterModeFromName(std::string_view name);
-
-enum class QueuePolicy { kFcfs, kWspt, kLcfs };
-std::string_view QueuePolicyName(QueuePolicy policy);
-
-// kDynamo: Dynamo's block formula (selector.h KvCost), chosen whenever
-// --router-kv-overlap-score-credit or --router-prefill-load-scale is set explicitly.
-// kPredicted: the router's default (selector.h PredictedCostMs).
-enum class CostModel { kDynamo, kPredicted };
 
 struct RouterConfig {
   // Connection and naming.
@@ -71,7 +52,7 @@ struct RouterConfig {
   std::uint64_t max_tree_size = 1 << 20;              // --router-max-tree-size >= 1
   double prune_target_ratio = 0.8;                    // --router-prune-target-ratio in (0, 1]
 
-  // Bounds on what peers can make the router hold (PROTOCOL.md sections 4 and 5).
+  // Bounds on what peers can make the router hold (docs/protocol.md sections 4 and 5).
   std::uint32_t max_dp_size = 1024;                   // --router-max-dp-size [1, 65536]: dp ranks per worker
   std::uint64_t max_worker_ranks = 1 << 18;           // --router-max-worker-ranks >= 1: (worker, dp_rank) pairs
   std::uint64_t max_workers = 1 << 16;                // --router-max-workers >= 1: known workers past
@@ -84,7 +65,7 @@ struct RouterConfig {
                                                       //   per rank of a worker that announces no
                                                       //   total_kv_blocks (else twice that)
 
-  // Recovery (PROTOCOL.md section 6): ask workers for what the router missed.
+  // Recovery (docs/protocol.md section 6): ask workers for what the router missed.
   bool recovery = true;                               // --no-router-recovery turns it off
   std::uint32_t recovery_wait_ms = 1000;              // --router-recovery-wait-ms: a route waits
                                                       //   this long at most for start-up dumps

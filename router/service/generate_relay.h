@@ -1,4 +1,4 @@
-// GenerateRelay: router.generate's second half (PROTOCOL.md sections 5 and 7). A routed
+// GenerateRelay: router.generate's second half (docs/protocol.md sections 5 and 7). A routed
 // request is forwarded to its worker's generate subject with a reply subject of this router's
 // own (`_KVR.<router id>.<n>`); the worker's responses come back there and are relayed unchanged
 // to the caller. The first response marks the request's prefill done, the final one (or NATS

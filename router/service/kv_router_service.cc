@@ -372,7 +372,7 @@ void KvRouterService::HandleRoute(const BusMessage& m, Routing::Kind kind) {
   struct Timed {
     RouterMetrics& metrics;
     Routing::Kind kind;
-    std::chrono::steady_clock::time_point arrived = std::chrono::steady_clock::now();
+    SteadyTime arrived = std::chrono::steady_clock::now();
     ~Timed() {
       metrics.ObserveRoute(Routing::KindName(kind),
                            std::chrono::duration<double>(std::chrono::steady_clock::now() - arrived).count());

@@ -1,4 +1,4 @@
-// KvRouterService: the kvrouter service of PROTOCOL.md sections 2-5 and 8 on a MessageBus. It
+// KvRouterService: the kvrouter service of docs/protocol.md sections 2-5 and 8 on a MessageBus. It
 // decodes what arrives and wires the parts that act on it:
 //   KV events (both formats) -> WorkerRegistry admission -> ShardedIndex (shard threads apply);
 //   registrations            -> WorkerRegistry (leases, bounds) -> Routing (forget, drain);
@@ -40,7 +40,7 @@
 
 namespace kvrouter {
 
-// Subject names for one namespace / component (PROTOCOL.md).
+// Subject names for one namespace / component (docs/protocol.md).
 struct Subjects {
   Subjects(const std::string& ns, const std::string& component);
   std::string kv_events, vllm_events_prefix, instances;
@@ -76,7 +76,7 @@ class KvRouterService {
   // The event connection dropped messages (slow consumer): recover every worker.
   void OnEventsDropped();
 
-  // /metrics (PROTOCOL.md section 10): the observed histograms and every counter and rank.
+  // /metrics (docs/protocol.md section 10): the observed histograms and every counter and rank.
   std::string MetricsText() const;
   // /ready: started, the event connection up, and the start-up dumps done (or given up on).
   bool Ready() const;

@@ -44,7 +44,7 @@ void RecoveryClient::Need(WorkerKey worker, SequenceKind numbering, std::optiona
 }
 
 std::vector<std::pair<std::uint64_t, RecoveryClient::Ask>> RecoveryClient::StartLocked(
-    std::chrono::steady_clock::time_point now) {
+    SteadyTime now) {
   std::vector<std::pair<std::uint64_t, Ask>> starts;
   for (auto it = waiting_.begin(); it != waiting_.end() && in_flight_.size() < options_.max_in_flight;) {
     const std::uint64_t n = ++next_;
@@ -100,7 +100,7 @@ std::vector<std::pair<std::uint64_t, RecoveryClient::Ask>> RecoveryClient::Fail(
   return starts;
 }
 
-void RecoveryClient::FinishLocked(std::uint64_t n, bool ok, std::chrono::steady_clock::time_point now) {
+void RecoveryClient::FinishLocked(std::uint64_t n, bool ok, SteadyTime now) {
   auto it = in_flight_.find(n);
   const double ms = std::chrono::duration<double, std::milli>(now - it->second.started).count();
   Backoff& b = backoff_[it->second.ask.worker.worker_id];

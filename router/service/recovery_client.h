@@ -1,4 +1,4 @@
-// RecoveryClient: the router's side of PROTOCOL.md section 6. The index's streams say which rank
+// RecoveryClient: the router's side of docs/protocol.md section 6. The index's streams say which rank
 // needs recovering (Need); this asks the worker's kv_indexer_query endpoint for a range or a tree
 // dump and hands every reply part back to the index (ShardedIndex::Recovered). A worker that
 // does not serve the endpoint - NATS "no responders", no reply (or no next part) within the
@@ -26,6 +26,7 @@
 #include <string>
 #include <unordered_map>
 
+#include "events/base/clock.h"
 #include "events/kv_event.h"
 #include "router/index/event_stream.h"
 #include "router/index/sharded_index.h"
@@ -50,7 +51,7 @@ struct RecoveryCounters {
 
 class RecoveryClient {
  public:
-  using Clock = std::function<std::chrono::steady_clock::time_point()>;
+  using Clock = std::function<SteadyTime()>;
   struct Options {
     std::string ns = "dynamo";
     std::string component = "backend";
@@ -86,19 +87,19 @@ class RecoveryClient {
   };
   struct InFlight {
     Ask ask;
-    std::chrono::steady_clock::time_point started, deadline;  // deadline: of the next part
+    SteadyTime started, deadline;  // deadline: of the next part
   };
   struct Backoff {
     std::chrono::milliseconds wait{0};
-    std::chrono::steady_clock::time_point until{};
+    SteadyTime until{};
   };
   // Moves what may start now from waiting_ to in_flight_; returns the queries to publish.
-  std::vector<std::pair<std::uint64_t, Ask>> StartLocked(std::chrono::steady_clock::time_point now) KV_REQUIRES(mu_);
+  std::vector<std::pair<std::uint64_t, Ask>> StartLocked(SteadyTime now) KV_REQUIRES(mu_);
   // Publishes the queries; one that cannot be sent fails its recovery, which may start others
   // (a loop, not a recursion).
   void Publish(std::vector<std::pair<std::uint64_t, Ask>> starts);
   // Ends a recovery (success or failure) and counts it.
-  void FinishLocked(std::uint64_t n, bool ok, std::chrono::steady_clock::time_point now) KV_REQUIRES(mu_);
+  void FinishLocked(std::uint64_t n, bool ok, SteadyTime now) KV_REQUIRES(mu_);
   // Fails recovery n (unless `only_if_late` and it is no longer late); returns what may start.
   // too_new: the worker answered so (it restarted); the index asks for a dump instead.
   std::vector<std::pair<std::uint64_t, Ask>> Fail(std::uint64_t n, const std::string& why, bool only_if_late = false,

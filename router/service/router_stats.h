@@ -1,4 +1,4 @@
-// The router.stats reply (PROTOCOL.md section 5) and the drop counters behind it.
+// The router.stats reply (docs/protocol.md section 5) and the drop counters behind it.
 //
 // DropCounters counts input the service dropped or refused, by a reason the code chooses (a
 // fixed string, never a peer's value, so the map stays small). It has its own mutex: the

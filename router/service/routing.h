@@ -1,4 +1,4 @@
-// Routing: the decision half of the router (DESIGN.md "Selection", "Queue", "Approximate
+// Routing: the decision half of the router (docs/design.md "Selection", "Queue", "Approximate
 // mode"): candidates from the worker registry, overlap from the index (or, in approximate mode,
 // from predictions), load from its own bookings, the selector, booking, the bounded queue of
 // held-back requests, replica sync of bookings and the per-rank routing counters.

@@ -1,4 +1,4 @@
-// Routing's replica sync (--router-replica-sync, PROTOCOL.md section 8): this router's bookings
+// Routing's replica sync (--router-replica-sync, docs/protocol.md section 8): this router's bookings
 // published to its peers, theirs applied here, peer heartbeats, and what an outage of this
 // router or of a peer releases. Same class and mutex as router/service/routing.cc.
 #include <fmt/format.h>

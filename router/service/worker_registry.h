@@ -1,4 +1,4 @@
-// WorkerRegistry: the workers the router knows (PROTOCOL.md section 4): registrations with
+// WorkerRegistry: the workers the router knows (docs/protocol.md section 4): registrations with
 // leases, `leaving`, their dp ranks, block-size refusals, workers seen only through their KV
 // events, and the bounds no peer may pass (--router-max-dp-size, --router-max-worker-ranks).
 //
@@ -28,11 +28,10 @@
 
 #include "events/message_codec.h"
 #include "events/base/thread_annotations.h"
+#include "events/base/clock.h"
 #include "router/index/worker_key.h"
 
 namespace kvrouter {
-
-using SteadyTime = std::chrono::steady_clock::time_point;
 
 struct RegistryLimits {
   std::uint32_t block_size = 64;              // a worker must use the router's

@@ -1,6 +1,6 @@
 // Index benchmarks (issue 2): apply throughput per shard thread, find_matches latency
 // percentiles with 64 and 1,000 workers of 16,384 blocks each while ingestion runs, and bytes
-// per indexed (block, worker) pair. Run: build/bin/index_bench (see README "Performance").
+// per indexed (block, worker) pair. Run: build/bin/index_bench (see docs/performance.md).
 //
 // Workload ("shared prefixes"): every cached sequence is 128 blocks = one of 8 system prompts
 // (32 blocks, shared fleet-wide) + one of 256 documents per system prompt (64 blocks, shared

@@ -1,9 +1,9 @@
 // Queue policies under overload (issue 4), simulated on virtual time: the real KvRouterService
 // (on an in-memory bus, with a virtual clock) routes a Poisson stream at twice the fleet's
 // prefill capacity to 4 simulated workers. A worker prefills its requests one after another
-// (DESIGN.md's prefill model: 4.21e-7 N^2 + 0.0152 N + 16.5 ms for N tokens), reports
+// (docs/design.md's prefill model: 4.21e-7 N^2 + 0.0152 N + 16.5 ms for N tokens), reports
 // mark_prefill when a prefill ends and free after a 2 s decode. TTFT = arrival to end of
-// prefill, per priority class. Run: build/bin/queue_bench (see README "Performance").
+// prefill, per priority class. Run: build/bin/queue_bench (see docs/performance.md).
 #include <benchmark/benchmark.h>
 
 #include <algorithm>

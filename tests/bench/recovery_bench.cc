@@ -1,9 +1,9 @@
 // Recovery time of a worker holding 1,000,000 blocks (the faults issue: under 2 s; Dynamo's users
 // report 50 s for 2.28 M dump events). In one process: the kvrouter service on an in-memory bus
 // with NATS's 1 MiB max payload, and a worker whose KvEventPublisher holds the blocks and serves
-// PROTOCOL.md section 6 in parts. Timed: from the worker's registration (the router's first
+// docs/protocol.md section 6 in parts. Timed: from the worker's registration (the router's first
 // sight: it asks for a tree dump) until every block is in the router's index.
-// Run: build/bin/recovery_bench (see README "Performance").
+// Run: build/bin/recovery_bench (see docs/performance.md).
 #include <benchmark/benchmark.h>
 
 #include <chrono>

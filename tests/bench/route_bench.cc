@@ -2,7 +2,7 @@
 // kvrouter binary (both started here on a free port), 64 registered workers with 1,024 indexed
 // blocks each, then sequential `route` requests of 256 tokens, idle and while a publisher
 // thread sends KV events at a fixed rate. Reports p50/p99 per request as counters.
-// Run: build/bin/route_bench (see README "Performance").
+// Run: build/bin/route_bench (see docs/performance.md).
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
@@ -494,7 +494,7 @@ class PhaseMeter {
   bool router_;
   MachineCpu machine_;
   std::uint64_t server_ = 0, bench_ = 0, receiver_ = 0;
-  std::chrono::steady_clock::time_point t0_;
+  SteadyTime t0_;
 };
 
 // Event ingest against its baseline, one run: `n` Dynamo envelopes of 4 stored blocks from 64

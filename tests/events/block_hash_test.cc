@@ -7,7 +7,7 @@
 namespace kvrouter {
 namespace {
 
-// Golden vectors of PROTOCOL.md section 1 (block_size 4).
+// Golden vectors of docs/protocol.md section 1 (block_size 4).
 TEST(BlockHash, LocalHashesMatchGoldenVectors) {
   std::vector<std::uint32_t> tokens = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12};
   auto local = ComputeLocalHashes(tokens, 4);

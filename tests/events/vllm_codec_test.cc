@@ -13,7 +13,7 @@ namespace {
 
 using ::testing::HasSubstr;
 
-// Golden local hashes of PROTOCOL.md section 1 (block_size 4).
+// Golden local hashes of docs/protocol.md section 1 (block_size 4).
 constexpr LocalHash kHash1234 = 14643705804678351452ull;
 constexpr LocalHash kHash5678 = 16777012769546811212ull;
 constexpr LocalHash kHash1234Lora = 15633847640104431966ull;  // lora_name "my-adapter"

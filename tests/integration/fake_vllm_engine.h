@@ -1,4 +1,4 @@
-// FakeVllmEngine: a vLLM engine's KV event sockets exactly as PROTOCOL.md section 9 describes
+// FakeVllmEngine: a vLLM engine's KV event sockets exactly as docs/protocol.md section 9 describes
 // them, for kvrelay's tests: a ZMQ PUB on 127.0.0.1 sending [topic, seq (8 bytes BE), payload]
 // and, optionally, a ROUTER replay socket answering ["", start_seq] with every buffered batch
 // from start_seq on, ["", seq, payload] each, then ["", -1, ""] (the end).

@@ -1,4 +1,4 @@
-// kvrelay end to end: a fake vLLM engine on real ZMQ sockets (PROTOCOL.md section 9), the real
+// kvrelay end to end: a fake vLLM engine on real ZMQ sockets (docs/protocol.md section 9), the real
 // kvrelay and kvrouter binaries and a real nats-server. What the engine stores, removes and
 // clears reaches the router's index; a batch the relay never got is replayed; an engine restart
 // clears; without a replay socket a lost batch clears the rank.

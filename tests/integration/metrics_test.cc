@@ -1,4 +1,4 @@
-// /metrics, /health and /ready of the real kvrouter (PROTOCOL.md section 10), scraped over HTTP
+// /metrics, /health and /ready of the real kvrouter (docs/protocol.md section 10), scraped over HTTP
 // while a real nats-server comes and goes.
 #include <gtest/gtest.h>
 

@@ -12,7 +12,7 @@ namespace {
 using namespace std::chrono_literals;
 
 struct FakeClockAndSink {
-  std::chrono::steady_clock::time_point now{};
+  SteadyTime now{};
   std::vector<std::string> lines;
 
   RateLimitedLog Make(std::chrono::milliseconds interval) {

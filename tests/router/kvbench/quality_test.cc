@@ -18,7 +18,7 @@ struct Runs {
 };
 
 Runs Replay(const std::vector<TraceRequest>& trace) {
-  OfflineOptions o;  // 8 workers x 16,384 blocks x 64 tokens, as in README
+  OfflineOptions o;  // 8 workers x 16,384 blocks x 64 tokens, as in docs/performance.md
   Runs r;
   r.pooled = PooledLruHitRate(trace, std::uint64_t{o.workers} * o.engine.num_gpu_blocks, o.engine.block_size);
   auto run = [&](std::vector<std::string> flags) {

@@ -1,7 +1,7 @@
 // KvRelay on an in-memory bus with a scripted engine: its batches become numbered Dynamo events,
 // a gap is filled from the replay, a gap the engine can no longer fill (or a missing replay
 // socket) and an engine restart publish `cleared`, bad batches are counted, and the recovery
-// endpoint and registrations follow PROTOCOL.md sections 4 and 6.
+// endpoint and registrations follow docs/protocol.md sections 4 and 6.
 #include <gtest/gtest.h>
 
 #include <map>

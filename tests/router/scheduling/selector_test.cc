@@ -151,7 +151,7 @@ TEST(PredictedCost, EqualCostsGoToTheWorkerWithFewerRecentRequests) {
   for (int i = 0; i < 20; ++i) EXPECT_EQ(sel.Pick(RouterMode::kKv, {640, 10}, c, {.model = CostModel::kPredicted}, rng), 1u);
 }
 
-// DESIGN.md's worked example: prefill+decode blocks 8+10, 5+5, 2+9 -> the 5+5 worker.
+// docs/design.md's worked example: prefill+decode blocks 8+10, 5+5, 2+9 -> the 5+5 worker.
 TEST(Selector, WorkedExamplePicksTheFivePlusFiveWorker) {
   std::vector<Candidate> c = {Loaded(1, 8, 10), Loaded(2, 5, 5), Loaded(3, 2, 9)};
   Selector sel;

@@ -1,6 +1,6 @@
 // FakeWorker: one worker rank for the service's tests: its events numbered by a
 // KvEventPublisher and published on an in-memory bus (or lost), its recovery endpoint
-// (PROTOCOL.md section 6) answered from the publisher in parts. Thread contract: the test thread
+// (docs/protocol.md section 6) answered from the publisher in parts. Thread contract: the test thread
 // publishes; the endpoint runs on whatever thread publishes the query (a shard thread), so a
 // mutex guards the publisher.
 #pragma once

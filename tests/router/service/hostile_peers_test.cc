@@ -1,4 +1,4 @@
-// The router's bounds against peers that send numbers it must not obey (PROTOCOL.md sections 4
+// The router's bounds against peers that send numbers it must not obey (docs/protocol.md sections 4
 // and 5, issue "one message takes the router down"): each test sends what a hostile or broken
 // peer could, then checks that it was refused or bounded, counted, and that honest workers keep
 // their caches and routing keeps working.

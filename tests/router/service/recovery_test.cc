@@ -1,4 +1,4 @@
-// Recovery (PROTOCOL.md section 6) of the service on an in-memory bus: workers that serve the
+// Recovery (docs/protocol.md section 6) of the service on an in-memory bus: workers that serve the
 // endpoint from a KvEventPublisher (as kvmocker does), workers that do not, lost events, a
 // restarted router, large dumps in parts, and a bus that drops, duplicates, reorders and delays
 // events - after which the router's index must equal what the workers hold, exactly.
