@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "router/kvmocker/engine.h"
+#include "router/engine/mock_engine.h"
 #include "router/kvbench/report.h"
 #include "router/kvbench/trace.h"
 

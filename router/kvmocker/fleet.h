@@ -27,7 +27,7 @@
 #include "events/worker_codec.h"
 #include "events/worker_publisher.h"
 #include "router/kvmocker/config.h"
-#include "router/kvmocker/engine.h"
+#include "router/engine/mock_engine.h"
 #include "events/base/log.h"
 #include "transport/nats_client.h"
 #include "events/base/thread_annotations.h"

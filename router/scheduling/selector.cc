@@ -4,7 +4,7 @@
 #include <cmath>
 #include <limits>
 
-#include "router/common/engine_model.h"
+#include "router/engine/engine_model.h"
 
 namespace kvrouter {
 namespace {

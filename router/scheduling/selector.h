@@ -62,7 +62,7 @@ double KvCost(const Candidate& c, const SelectionRequest& req, const CostParams&
 //               more requests than the candidates' mean it got lately (recent_requests); it
 //               spreads new sessions at equal cost, and tiny prompts barely pay it
 //   cost      = ttft + inflicted + spread
-// with the engine timing of router/common/engine_model.h as the prior. Selector::PickKv passes
+// with the engine timing of router/engine/engine_model.h as the prior. Selector::PickKv passes
 // recent_excess = max(0, recent_requests - mean over the candidates).
 double PredictedCostMs(const Candidate& c, const SelectionRequest& req, const CostParams& p,
                        double recent_excess = 0);

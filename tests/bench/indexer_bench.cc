@@ -38,7 +38,7 @@
 
 #include "events/block_hash.h"
 #include "router/kvbench/trace.h"
-#include "router/kvmocker/engine.h"
+#include "router/engine/mock_engine.h"
 #include "router/index/sharded_index.h"
 
 namespace kvrouter {

@@ -1,6 +1,6 @@
 #include "router/scheduling/selector.h"
 
-#include "router/common/engine_model.h"
+#include "router/engine/engine_model.h"
 
 #include <gtest/gtest.h>
 

@@ -1,4 +1,4 @@
-#include "router/kvmocker/engine.h"
+#include "router/engine/mock_engine.h"
 
 #include <gtest/gtest.h>
 

@@ -1,10 +1,10 @@
-#include "router/kvmocker/engine.h"
+#include "router/engine/mock_engine.h"
 
 #include <algorithm>
 #include <cassert>
 #include <utility>
 
-#include "router/common/engine_model.h"
+#include "router/engine/engine_model.h"
 
 namespace kvrouter {
 
