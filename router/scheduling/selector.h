@@ -17,6 +17,16 @@
 
 namespace kvrouter {
 
+// What the router needs of one rank to consider it for a request (the worker
+// registry's view of it).
+struct RankInfo {
+  WorkerKey worker;
+  bool is_cpu = false;
+  std::uint32_t max_num_seqs = 256;
+  std::uint32_t max_num_batched_tokens = 8192;
+  std::uint64_t total_kv_blocks = 0;  // 0 = not announced
+};
+
 struct Candidate {
   WorkerKey worker;
   std::uint32_t overlap_blocks = 0;         // leading request blocks cached there

@@ -171,4 +171,28 @@ Result<ParsedArgs> ParseRouterConfig(int argc, const char* const* argv, const En
                                     });
 }
 
+SchedulerOptions SchedulerOptionsOf(const RouterConfig& c) {
+  SchedulerOptions o{.mode = c.mode,
+                     .block_size = c.block_size,
+                     .cost = {.model = c.cost_model,
+                              .block_size = c.block_size,
+                              .overlap_score_credit = c.overlap_score_credit,
+                              .prefill_load_scale = c.prefill_load_scale,
+                              .temperature = c.temperature,
+                              .track_prefill_tokens = c.track_prefill_tokens,
+                              .device_ratio = c.device_ratio},
+                     .use_kv_events = c.use_kv_events,
+                     .queue_threshold = c.queue_threshold,
+                     .max_prompt_tokens = c.max_prompt_tokens,
+                     .max_active_requests = c.max_active_requests,
+                     .max_active_blocks = c.max_active_blocks};
+  if (!c.use_kv_events && !c.load_aware) {
+    o.predictions = SchedulerOptions::Predictions{
+        .ttl = std::chrono::milliseconds(static_cast<std::int64_t>(c.ttl_secs * 1000)),
+        .max_blocks = c.max_tree_size,
+        .prune_target_ratio = c.prune_target_ratio};
+  }
+  return o;
+}
+
 }  // namespace kvrouter

@@ -18,6 +18,7 @@
 #include "events/base/status.h"
 #include "router/common/flags.h"
 #include "router/scheduling/policy.h"
+#include "router/scheduling/scheduler.h"
 
 namespace kvrouter {
 
@@ -79,6 +80,9 @@ struct RouterConfig {
 // Parses argv (argv[0] is the program) and the environment. Unknown flags and bad values give
 // InvalidArgument naming the flag; --help gives help = true and the help text.
 using ParsedArgs = ProgramArgs<RouterConfig>;
+// The scheduling half of the configuration (mode, costs, queue threshold, bounds, approximate
+// mode's predictions when KV events are off and --load-aware is not set).
+SchedulerOptions SchedulerOptionsOf(const RouterConfig& config);
 Result<ParsedArgs> ParseRouterConfig(int argc, const char* const* argv, const EnvLookup& env);
 
 }  // namespace kvrouter

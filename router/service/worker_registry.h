@@ -30,6 +30,7 @@
 #include "events/base/thread_annotations.h"
 #include "events/base/clock.h"
 #include "router/index/worker_key.h"
+#include "router/scheduling/selector.h"
 
 namespace kvrouter {
 
@@ -38,15 +39,6 @@ struct RegistryLimits {
   std::uint32_t max_dp_size = 1024;           // ranks per worker
   std::uint64_t max_worker_ranks = 1 << 18;   // (worker, dp_rank) pairs in all
   std::uint64_t max_workers = 1 << 16;        // workers known before an unknown id's event is refused
-};
-
-// What the router needs of one rank to consider it for a request.
-struct RankInfo {
-  WorkerKey worker;
-  bool is_cpu = false;
-  std::uint32_t max_num_seqs = 256;
-  std::uint32_t max_num_batched_tokens = 8192;
-  std::uint64_t total_kv_blocks = 0;  // 0 = not announced
 };
 
 // One rank of a stats page.

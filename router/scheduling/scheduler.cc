@@ -1,0 +1,164 @@
+#include "router/scheduling/scheduler.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <limits>
+
+namespace kvrouter {
+
+std::string_view RouteKindName(RouteKind kind) {
+  switch (kind) {
+    case RouteKind::kRoute: return "route";
+    case RouteKind::kBestWorker: return "best_worker";
+    case RouteKind::kGenerate: return "generate";
+  }
+  return "route";
+}
+
+Scheduler::Scheduler(SchedulerOptions options, const ShardedIndex& index, Clock clock, std::uint64_t seed)
+    : options_(std::move(options)),
+      index_(index),
+      clock_(std::move(clock)),
+      rng_(seed),
+      approx_(options_.predictions ? std::make_unique<ApproxIndex>(options_.predictions->ttl,
+                                                                   options_.predictions->max_blocks,
+                                                                   options_.predictions->prune_target_ratio)
+                                   : nullptr) {}
+
+Result<PreparedRequest> PrepareRequest(const SchedulerOptions& options, const RouteRequest& req) {
+  const std::uint32_t bs = options.block_size;
+  PreparedRequest p;
+  std::vector<LocalHash> local;
+  std::uint32_t isl = req.isl;
+  const std::uint64_t prompt = req.has_token_ids ? req.token_ids.size() : req.isl;
+  if (prompt > options.max_prompt_tokens) {
+    return InvalidArgument(fmt::format("the prompt has {} tokens; the limit is {} (--router-max-prompt-tokens)",
+                                       prompt, options.max_prompt_tokens));
+  }
+  if (req.has_token_ids) {
+    local = ComputeLocalHashes(req.token_ids, bs, req.lora_name);
+    isl = static_cast<std::uint32_t>(req.token_ids.size());
+  } else {
+    if (req.block_hashes.size() > (std::uint64_t{isl} + bs - 1) / bs) {
+      return InvalidArgument(fmt::format("{} block_hashes do not fit in isl {} at block size {}",
+                                         req.block_hashes.size(), isl, bs));
+    }
+    local = req.block_hashes;
+  }
+  if (options.mode == RouterMode::kDirect && !req.worker_id) {
+    return InvalidArgument("router mode 'direct' needs worker_id in the request");
+  }
+  p.seq = ComputeSequenceHashes(local);
+  p.local = std::move(local);
+  p.sel = {isl, static_cast<std::uint32_t>((std::uint64_t{isl} + bs - 1) / bs)};
+  p.params = options.cost;
+  const auto& o = req.config_override;
+  // A request that sets Dynamo's weights gets Dynamo's formula with them.
+  if (o.overlap_score_credit || o.prefill_load_scale) p.params.model = CostModel::kDynamo;
+  if (o.overlap_score_credit) p.params.overlap_score_credit = *o.overlap_score_credit;
+  if (o.prefill_load_scale) p.params.prefill_load_scale = *o.prefill_load_scale;
+  if (o.router_temperature) p.params.temperature = *o.router_temperature;
+  return p;
+}
+
+void IndexOverlaps(const SchedulerOptions& options, const ShardedIndex& index, const PreparedRequest& p,
+                   OverlapScores& out) {
+  out.clear();
+  if (options.mode != RouterMode::kKv || p.seq.empty() || options.predictions || !options.use_kv_events) return;
+  index.FindMatches(p.seq, out);
+}
+
+void Scheduler::PredictedOverlaps(const PreparedRequest& p, OverlapScores& out) const {
+  out.clear();
+  if (options_.mode == RouterMode::kKv && approx_ && !p.seq.empty()) approx_->FindMatches(p.seq, out);
+}
+
+void Scheduler::FreshOverlaps(const PreparedRequest& p, OverlapScores& out) const {
+  if (approx_) {
+    PredictedOverlaps(p, out);
+  } else {
+    IndexOverlaps(options_, index_, p, out);
+  }
+}
+
+std::vector<Candidate> Scheduler::Candidates(std::span<const RankInfo> ranks, std::span<const SequenceHash> seq,
+                                             OverlapScores& overlaps) const {
+  // Ranks come in ascending (worker_id, dp_rank) order: merge the overlaps in sorted too.
+  std::sort(overlaps.begin(), overlaps.end(),
+            [](const OverlapScore& a, const OverlapScore& b) { return a.worker < b.worker; });
+  auto next = overlaps.begin();
+  std::vector<Candidate> cands;
+  cands.reserve(ranks.size());
+  const double recent_scale = load_.RecentScale(clock_());
+  for (const RankInfo& r : ranks) {
+    Candidate c;
+    c.worker = r.worker;
+    c.is_cpu = r.is_cpu;
+    c.capacity = r.max_num_seqs;
+    c.max_num_batched_tokens = r.max_num_batched_tokens;
+    c.total_kv_blocks = r.total_kv_blocks;
+    while (next != overlaps.end() && next->worker < c.worker) ++next;
+    if (next != overlaps.end() && next->worker == c.worker) c.overlap_blocks = next->blocks;
+    const WorkerLoad l = load_.Load(c.worker);
+    c.active_blocks = l.active_blocks;
+    c.active_prefill_tokens = l.active_prefill_tokens;
+    c.active_prefill_squares = l.active_prefill_squares;
+    c.active_requests = l.active_requests;
+    c.recent_requests = l.recent_scaled * recent_scale;
+    c.active_prefix_blocks = load_.ActivePrefix(c.worker, seq);
+    cands.push_back(c);
+  }
+  return cands;
+}
+
+std::vector<Candidate> Scheduler::OpenRanks(std::vector<Candidate> cands) const {
+  if (!options_.queue_threshold) return cands;
+  // Full: active prefill tokens above threshold x max_num_batched_tokens (at it is not full).
+  std::erase_if(cands, [&](const Candidate& c) {
+    return static_cast<double>(c.active_prefill_tokens) > *options_.queue_threshold * c.max_num_batched_tokens;
+  });
+  return cands;
+}
+
+Status Scheduler::BookingRoom(std::size_t blocks) const {
+  if (load_.requests() >= options_.max_active_requests) {
+    return Status(StatusCode::kOverloaded, fmt::format("{} requests are booked (--router-max-active-requests); free some",
+                                                       load_.requests()));
+  }
+  if (blocks > options_.max_active_blocks - std::min(options_.max_active_blocks, load_.booked_blocks())) {
+    return Status(StatusCode::kOverloaded, fmt::format("{} blocks are booked (--router-max-active-blocks); free some",
+                                                       load_.booked_blocks()));
+  }
+  return Status::Ok();
+}
+
+Result<Decision> Scheduler::Decide(const RouteRequest& req, const PreparedRequest& p,
+                                   std::span<const Candidate> cands) {
+  if (cands.empty()) return Status(StatusCode::kNoWorkers, "no registered worker can take this request");
+  const Candidate& chosen = cands[selector_.Pick(options_.mode, p.sel, cands, p.params, rng_)];
+  Decision d{.worker = chosen.worker, .overlap_blocks = std::min(chosen.overlap_blocks, p.sel.request_blocks)};
+  if (req.update_states && !req.request_id.empty()) {
+    if (Status full = BookingRoom(p.seq.size()); !full.ok()) return full;
+    const std::uint64_t cached = std::uint64_t{d.overlap_blocks} * options_.block_size;
+    const std::uint64_t prefill = p.sel.isl > cached ? p.sel.isl - cached : 0;
+    if (!load_.Book(req.request_id, chosen.worker, p.seq, prefill, clock_())) {
+      return InvalidArgument(fmt::format("request_id '{}' is already booked; free it first", req.request_id));
+    }
+    d.booked = true;
+    // Approximate mode: the chosen rank is about to hold this prompt's blocks.
+    if (approx_) approx_->Record(chosen.worker, p.local, p.seq, clock_());
+  }
+  return d;
+}
+
+std::size_t Scheduler::ForgetWorker(std::uint64_t worker_id) {
+  if (approx_) approx_->RemoveWorker(worker_id);
+  return load_.RemoveWorker(worker_id);
+}
+
+void Scheduler::ExpirePredictions(SteadyTime now) {
+  if (approx_) approx_->Expire(now);
+}
+
+}  // namespace kvrouter

@@ -1,0 +1,130 @@
+// Scheduler: the decision for one route request (docs/design.md "Selection", "Approximate mode").
+// Prepare hashes the prompt once and resolves its cost parameters; Candidates turns the ranks
+// the request may use into candidates with their overlap and load; OpenRanks drops the full
+// ones when the queue is on; Decide picks one and books it. It owns the bookings (ActiveLoad),
+// the selector with its random source, and approximate mode's predictions.
+// Prepare and IndexOverlaps are free functions: they read only the options and the event index
+// (lock-free), so Routing calls them before it takes its mutex.
+// Thread contract: none for Scheduler; Routing holds its routing mutex around every call.
+// Ownership: borrows the event index, which must outlive it.
+//
+//   auto p = PrepareRequest(opts, req);  IndexOverlaps(opts, index, *p, overlaps);
+//   auto booked = s.Decide(req, *p, s.OpenRanks(s.Candidates(ranks, p->seq, overlaps)));
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <random>
+#include <span>
+#include <string_view>
+#include <vector>
+
+#include "events/base/clock.h"
+#include "events/base/status.h"
+#include "events/block_hash.h"
+#include "events/message_codec.h"
+#include "router/index/approx_index.h"
+#include "router/index/sharded_index.h"
+#include "router/scheduling/active_load.h"
+#include "router/scheduling/policy.h"
+#include "router/scheduling/selector.h"
+
+namespace kvrouter {
+
+// Which endpoint a request came by: route books, best_worker only asks, generate books and is
+// forwarded to the worker (docs/protocol.md section 5).
+enum class RouteKind { kRoute, kBestWorker, kGenerate };
+std::string_view RouteKindName(RouteKind kind);  // "route", "best_worker", "generate"
+
+struct SchedulerOptions {
+  RouterMode mode = RouterMode::kRoundRobin;
+  std::uint32_t block_size = 64;
+  CostParams cost;                              // the defaults a request may override
+  bool use_kv_events = true;                    // overlaps from the event index
+  // Approximate mode: predictions of what a booked decision puts in a worker's cache.
+  struct Predictions {
+    std::chrono::milliseconds ttl{120'000};
+    std::uint64_t max_blocks = 1 << 20;
+    double prune_target_ratio = 0.8;
+  };
+  std::optional<Predictions> predictions;       // nullopt: no approximate mode
+  std::optional<double> queue_threshold;        // full: active prefill > threshold x max_num_batched_tokens
+  std::uint32_t max_prompt_tokens = 1 << 20;
+  std::uint32_t max_active_requests = 65536;    // bookings at most
+  std::uint64_t max_active_blocks = 1 << 22;    // booked blocks at most
+};
+
+// A decoded request made ready for selection: hashed once, its cost parameters resolved.
+struct PreparedRequest {
+  std::vector<LocalHash> local;
+  std::vector<SequenceHash> seq;
+  SelectionRequest sel;
+  CostParams params;
+};
+
+// What Decide chose.
+struct Decision {
+  WorkerKey worker;
+  std::uint32_t overlap_blocks = 0;  // of the request's blocks, cached there
+  bool booked = false;               // the request now weighs on that worker
+};
+
+// The request hashed and its cost parameters resolved. InvalidArgument for a prompt over
+// max_prompt_tokens, block hashes that do not fit isl, or mode direct without a pinned worker.
+Result<PreparedRequest> PrepareRequest(const SchedulerOptions& options, const RouteRequest& req);
+// Overlap per rank from the event index into `out` (empty outside mode kv, without events, or in
+// approximate mode). Callers keep `out` between calls: at thousands of matching workers a fresh
+// vector would be allocated per route.
+void IndexOverlaps(const SchedulerOptions& options, const ShardedIndex& index, const PreparedRequest& p,
+                   OverlapScores& out);
+
+class Scheduler {
+ public:
+  using Clock = std::function<SteadyTime()>;
+
+  Scheduler(SchedulerOptions options, const ShardedIndex& index, Clock clock, std::uint64_t seed);
+
+  const SchedulerOptions& options() const { return options_; }
+
+  // Overlap per rank from the predictions (approximate mode; else empty), into `out`.
+  void PredictedOverlaps(const PreparedRequest& p, OverlapScores& out) const;
+  // The overlaps a queued request is judged by again: predictions in approximate mode, else the
+  // event index.
+  void FreshOverlaps(const PreparedRequest& p, OverlapScores& out) const;
+
+  // `ranks` (ascending) as candidates with their load and overlap (`overlaps` is sorted in place).
+  std::vector<Candidate> Candidates(std::span<const RankInfo> ranks, std::span<const SequenceHash> seq,
+                                    OverlapScores& overlaps) const;
+  // The candidates that are not full (all of them when the queue is off).
+  std::vector<Candidate> OpenRanks(std::vector<Candidate> cands) const;
+  // OK when one more booking of `blocks` blocks fits the booking bounds, else `overloaded`.
+  Status BookingRoom(std::size_t blocks) const;
+  // Picks among `cands` (non-empty) and, when the request updates states and has an id, books
+  // it there (and records the prediction in approximate mode). `overloaded` past the booking
+  // bounds, InvalidArgument when the request_id is booked already.
+  Result<Decision> Decide(const RouteRequest& req, const PreparedRequest& p, std::span<const Candidate> cands);
+
+  // The worker left: its bookings and predictions go. Returns the bookings released.
+  std::size_t ForgetWorker(std::uint64_t worker_id);
+  // Prediction expiry (approximate mode).
+  void ExpirePredictions(SteadyTime now);
+
+  ActiveLoad& load() { return load_; }
+  const ActiveLoad& load() const { return load_; }
+  // Approximate mode's predictions; null outside it.
+  const ApproxIndex* predictions() const { return approx_.get(); }
+
+ private:
+  const SchedulerOptions options_;
+  const ShardedIndex& index_;
+  const Clock clock_;
+  ActiveLoad load_;
+  Selector selector_;
+  std::mt19937_64 rng_;
+  const std::unique_ptr<ApproxIndex> approx_;
+};
+
+}  // namespace kvrouter

@@ -1,0 +1,46 @@
+#include "router/service/route_counters.h"
+
+#include <fmt/format.h>
+
+namespace kvrouter {
+
+void RouteCounters::Answered(RouteKind kind, std::string_view result) {
+  char key[64];
+  const auto end = fmt::format_to_n(key, sizeof(key), "{}.{}", RouteKindName(kind), result).out;
+  Bump({key, static_cast<std::size_t>(end - key)});
+}
+
+void RouteCounters::Failed(RouteKind kind, StatusCode code) {
+  ++route_errors_[std::string(StatusCodeName(code))];
+  Answered(kind, StatusCodeName(code));
+}
+
+void RouteCounters::Routed(RouterMode mode, WorkerKey worker, bool update_states) {
+  ++routed_[std::string(RouterModeName(mode))];
+  if (update_states) ++routed_to_[worker];
+}
+
+void RouteCounters::ForgetWorker(std::uint64_t worker_id) {
+  for (auto r = routed_to_.lower_bound({worker_id, 0}); r != routed_to_.end() && r->first.worker_id == worker_id;) {
+    r = routed_to_.erase(r);
+  }
+}
+
+std::uint64_t RouteCounters::RoutedTo(WorkerKey worker) const {
+  auto it = routed_to_.find(worker);
+  return it == routed_to_.end() ? 0 : it->second;
+}
+
+void RouteCounters::Bump(std::string_view key) {
+  auto it = requests_.find(key);
+  if (it == requests_.end()) it = requests_.emplace(std::string(key), 0).first;
+  ++it->second;
+}
+
+void RouteCounters::Fill(StatsReply& r) const {
+  r.breakdowns["routed"] = routed_;
+  r.breakdowns["route_errors"] = route_errors_;
+  r.breakdowns["requests"] = {requests_.begin(), requests_.end()};
+}
+
+}  // namespace kvrouter
