@@ -1,0 +1,217 @@
+#include "router/scheduling/scheduler.h"
+
+#include <gtest/gtest.h>
+
+#include <numeric>
+
+namespace kvrouter {
+namespace {
+
+constexpr WorkerKey kA{1, 0};
+constexpr WorkerKey kB{2, 0};
+
+RouteRequest Prompt(std::string id, std::uint32_t tokens, std::uint32_t first_token = 0) {
+  RouteRequest r;
+  r.request_id = std::move(id);
+  r.token_ids.resize(tokens);
+  std::iota(r.token_ids.begin(), r.token_ids.end(), first_token);
+  r.has_token_ids = true;
+  r.isl = tokens;
+  return r;
+}
+
+class SchedulerTest : public ::testing::Test {
+ protected:
+  SchedulerOptions Options() {
+    SchedulerOptions o;
+    o.mode = RouterMode::kKv;
+    o.block_size = 4;
+    o.cost.block_size = 4;
+    return o;
+  }
+  std::unique_ptr<Scheduler> Make(SchedulerOptions o) {
+    return std::make_unique<Scheduler>(o, index_, [this] { return now_; }, 7);
+  }
+  PreparedRequest Prepared(const SchedulerOptions& o, const RouteRequest& r) {
+    auto p = PrepareRequest(o, r);
+    EXPECT_TRUE(p.ok()) << p.status().message();
+    return *p;
+  }
+  std::vector<RankInfo> ranks_ = {{.worker = kA}, {.worker = kB}};
+  ShardedIndex index_{{.num_shards = 1}};
+  SteadyTime now_{};
+};
+
+TEST_F(SchedulerTest, PrepareRefusesAPromptOverTheLimit) {
+  SchedulerOptions o = Options();
+  o.max_prompt_tokens = 8;
+  auto p = PrepareRequest(o, Prompt("r", 9));
+  ASSERT_FALSE(p.ok());
+  EXPECT_EQ(p.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(PrepareRequest(o, Prompt("r", 8)).ok());
+}
+
+TEST_F(SchedulerTest, PrepareRefusesBlockHashesThatDoNotFitTheirIsl) {
+  RouteRequest r;
+  r.isl = 5;                       // two blocks of 4 at most
+  r.block_hashes = {1, 2, 3};
+  auto p = PrepareRequest(Options(), r);
+  ASSERT_FALSE(p.ok());
+  EXPECT_EQ(p.status().code(), StatusCode::kInvalidArgument);
+  r.block_hashes = {1, 2};
+  ASSERT_TRUE(PrepareRequest(Options(), r).ok());
+}
+
+TEST_F(SchedulerTest, DirectModeNeedsAPinnedWorker) {
+  SchedulerOptions o = Options();
+  o.mode = RouterMode::kDirect;
+  RouteRequest r = Prompt("r", 8);
+  EXPECT_EQ(PrepareRequest(o, r).status().code(), StatusCode::kInvalidArgument);
+  r.worker_id = 1;
+  EXPECT_TRUE(PrepareRequest(o, r).ok());
+}
+
+TEST_F(SchedulerTest, PrepareHashesWholeBlocksAndARequestsWeightsSelectDynamosFormula) {
+  SchedulerOptions o = Options();
+  o.cost.model = CostModel::kPredicted;
+  RouteRequest r = Prompt("r", 10);  // 2 whole blocks of 4, 3 blocks to serve
+  PreparedRequest p = Prepared(o, r);
+  EXPECT_EQ(p.seq.size(), 2u);
+  EXPECT_EQ(p.sel.isl, 10u);
+  EXPECT_EQ(p.sel.request_blocks, 3u);
+  EXPECT_EQ(p.params.model, CostModel::kPredicted);
+  r.config_override.overlap_score_credit = 0.5;
+  p = Prepared(o, r);
+  EXPECT_EQ(p.params.model, CostModel::kDynamo);
+  EXPECT_EQ(p.params.overlap_score_credit, 0.5);
+}
+
+TEST_F(SchedulerTest, CandidatesCarryTheirRanksOverlapAndLoad) {
+  auto s = Make(Options());
+  ASSERT_TRUE(s->load().Book("old", kA, std::vector<SequenceHash>{99}, 40, now_));
+  OverlapScores overlaps;
+  overlaps.push_back({.worker = kB, .blocks = 2});
+  auto cands = s->Candidates(ranks_, {}, overlaps);
+  ASSERT_EQ(cands.size(), 2u);
+  EXPECT_EQ(cands[0].worker, kA);
+  EXPECT_EQ(cands[0].overlap_blocks, 0u);
+  EXPECT_EQ(cands[0].active_requests, 1u);
+  EXPECT_EQ(cands[0].active_prefill_tokens, 40u);
+  EXPECT_EQ(cands[1].worker, kB);
+  EXPECT_EQ(cands[1].overlap_blocks, 2u);
+  EXPECT_EQ(cands[1].active_requests, 0u);
+}
+
+TEST_F(SchedulerTest, OpenRanksDropsRanksAboveTheThresholdButNotAtIt) {
+  SchedulerOptions o = Options();
+  o.queue_threshold = 0.5;
+  auto s = Make(o);
+  std::vector<Candidate> cands(2);
+  cands[0].worker = kA;
+  cands[0].max_num_batched_tokens = 100;
+  cands[0].active_prefill_tokens = 50;  // at the threshold: open
+  cands[1].worker = kB;
+  cands[1].max_num_batched_tokens = 100;
+  cands[1].active_prefill_tokens = 51;
+  auto open = s->OpenRanks(cands);
+  ASSERT_EQ(open.size(), 1u);
+  EXPECT_EQ(open[0].worker, kA);
+  EXPECT_EQ(Make(Options())->OpenRanks(cands).size(), 2u);  // no threshold: nothing is full
+}
+
+TEST_F(SchedulerTest, DecideBooksTheUncachedPrefillOnTheChosenRank) {
+  auto s = Make(Options());
+  const RouteRequest r = Prompt("r", 12);
+  const PreparedRequest p = Prepared(Options(), r);
+  OverlapScores overlaps;
+  overlaps.push_back({.worker = kB, .blocks = 2});
+  auto cands = s->Candidates(ranks_, p.seq, overlaps);
+  auto d = s->Decide(r, p, cands);
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(d->worker, kB);
+  EXPECT_EQ(d->overlap_blocks, 2u);
+  EXPECT_TRUE(d->booked);
+  EXPECT_EQ(s->load().Load(kB).active_prefill_tokens, 12u - 2 * 4);
+  EXPECT_EQ(s->load().Load(kB).active_requests, 1u);
+}
+
+TEST_F(SchedulerTest, DecideBooksNothingWithoutStatesOrARequestId) {
+  auto s = Make(Options());
+  RouteRequest r = Prompt("r", 8);
+  r.update_states = false;
+  const PreparedRequest p = Prepared(Options(), r);
+  OverlapScores none;
+  auto d = s->Decide(r, p, s->Candidates(ranks_, p.seq, none));
+  ASSERT_TRUE(d.ok());
+  EXPECT_FALSE(d->booked);
+  r = Prompt("", 8);
+  d = s->Decide(r, p, s->Candidates(ranks_, p.seq, none));
+  ASSERT_TRUE(d.ok());
+  EXPECT_FALSE(d->booked);
+  EXPECT_EQ(s->load().requests(), 0u);
+}
+
+TEST_F(SchedulerTest, DecideRefusesARequestIdBookedAlready) {
+  auto s = Make(Options());
+  const RouteRequest r = Prompt("r", 8);
+  const PreparedRequest p = Prepared(Options(), r);
+  OverlapScores none;
+  ASSERT_TRUE(s->Decide(r, p, s->Candidates(ranks_, p.seq, none)).ok());
+  auto again = s->Decide(r, p, s->Candidates(ranks_, p.seq, none));
+  ASSERT_FALSE(again.ok());
+  EXPECT_EQ(again.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(s->load().requests(), 1u);
+}
+
+TEST_F(SchedulerTest, BookingsPastTheBoundsAreOverloaded) {
+  SchedulerOptions o = Options();
+  o.max_active_requests = 1;
+  auto s = Make(o);
+  OverlapScores none;
+  const RouteRequest first = Prompt("a", 8);
+  const PreparedRequest p = Prepared(o, first);
+  ASSERT_TRUE(s->Decide(first, p, s->Candidates(ranks_, p.seq, none)).ok());
+  auto second = s->Decide(Prompt("b", 8), p, s->Candidates(ranks_, p.seq, none));
+  ASSERT_FALSE(second.ok());
+  EXPECT_EQ(second.status().code(), StatusCode::kOverloaded);
+
+  o = Options();
+  o.max_active_blocks = 3;
+  auto blocks = Make(o);
+  EXPECT_TRUE(blocks->BookingRoom(3).ok());
+  EXPECT_EQ(blocks->BookingRoom(4).code(), StatusCode::kOverloaded);
+}
+
+TEST_F(SchedulerTest, InApproximateModeADecisionIsPredictedOnItsRank) {
+  SchedulerOptions o = Options();
+  o.predictions = SchedulerOptions::Predictions{};
+  auto s = Make(o);
+  const RouteRequest r = Prompt("r", 12);
+  const PreparedRequest p = Prepared(o, r);
+  OverlapScores overlaps;
+  s->PredictedOverlaps(p, overlaps);
+  EXPECT_TRUE(overlaps.empty());
+  auto d = s->Decide(r, p, s->Candidates(ranks_, p.seq, overlaps));
+  ASSERT_TRUE(d.ok());
+  s->FreshOverlaps(p, overlaps);
+  ASSERT_EQ(overlaps.size(), 1u);
+  EXPECT_EQ(overlaps[0].worker, d->worker);
+  EXPECT_EQ(overlaps[0].blocks, 3u);
+  // Approximate mode never reads the event index.
+  IndexOverlaps(o, index_, p, overlaps);
+  EXPECT_TRUE(overlaps.empty());
+  // The worker goes: its booking and its predictions with it.
+  EXPECT_EQ(s->ForgetWorker(d->worker.worker_id), 1u);
+  s->PredictedOverlaps(p, overlaps);
+  EXPECT_TRUE(overlaps.empty());
+  EXPECT_EQ(s->load().requests(), 0u);
+}
+
+TEST(RouteKind, NamesAreTheEndpoints) {
+  EXPECT_EQ(RouteKindName(RouteKind::kRoute), "route");
+  EXPECT_EQ(RouteKindName(RouteKind::kBestWorker), "best_worker");
+  EXPECT_EQ(RouteKindName(RouteKind::kGenerate), "generate");
+}
+
+}  // namespace
+}  // namespace kvrouter
