@@ -57,6 +57,9 @@ namespace kvrouter {
 inline constexpr std::uint32_t kMinLeaseMs = 100;
 inline constexpr std::uint32_t kMaxLeaseMs = 3'600'000;
 
+// A registration's `status` (section 4): a worker that is up, or one about to go.
+enum class WorkerStatus { kUp, kLeaving };
+
 struct WorkerRegistration {
   std::uint64_t worker_id = 0;
   std::uint32_t dp_start = 0;

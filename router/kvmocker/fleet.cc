@@ -147,7 +147,7 @@ Status MockWorkerFleet::Start() {
   // The endpoints are known to the server before the router hears of the workers (it may ask
   // for a dump at once). Not connected yet (retry_on_failed_connect): nats.c sends both later.
   (void)nats_.Flush(std::chrono::seconds(2));
-  PublishRegistrations(/*leaving=*/false);
+  PublishRegistrations(WorkerStatus::kUp);
   engine_thread_ = std::thread([this] { EngineLoop(); });
   return Status::Ok();
 }
@@ -163,7 +163,7 @@ void MockWorkerFleet::Stop() {
   }
   inbox_cv_.notify_all();
   if (engine_thread_.joinable()) engine_thread_.join();
-  PublishRegistrations(/*leaving=*/true);
+  PublishRegistrations(WorkerStatus::kLeaving);
   subscriptions_.clear();  // no handler runs after this
 
   // Nobody will finish these: tell their clients instead of letting them time out.
@@ -181,7 +181,7 @@ void MockWorkerFleet::Stop() {
   (void)nats_.Flush(std::chrono::seconds(2));
 }
 
-void MockWorkerFleet::PublishRegistrations(bool leaving) {
+void MockWorkerFleet::PublishRegistrations(WorkerStatus status) {
   for (std::uint64_t id : worker_ids_) {
     const WorkerRegistration reg{.worker_id = id,
                                  .dp_start = 0,
@@ -192,7 +192,7 @@ void MockWorkerFleet::PublishRegistrations(bool leaving) {
                                  .max_num_batched_tokens = config_.max_num_batched_tokens,
                                  .device = config_.device,
                                  .lease_ms = config_.lease_ms,
-                                 .leaving = leaving};
+                                 .leaving = status == WorkerStatus::kLeaving};
     CountPublish(nats_.Publish(prefix_ + "instances", AsBytes(EncodeWorkerRegistration(reg))),
                  "registration");
   }
@@ -300,7 +300,7 @@ void MockWorkerFleet::EngineLoop() {
     jobs.clear();
     const double now = NowMs();
     if (now >= next_heartbeat) {
-      PublishRegistrations(/*leaving=*/false);
+      PublishRegistrations(WorkerStatus::kUp);
       next_heartbeat += config_.heartbeat_ms;
       if (next_heartbeat <= now) next_heartbeat = now + config_.heartbeat_ms;  // fell behind
     }

@@ -24,6 +24,7 @@
 
 #include "events/base/clock.h"
 #include "events/base/status.h"
+#include "events/message_codec.h"
 #include "events/worker_codec.h"
 #include "events/worker_publisher.h"
 #include "router/kvmocker/config.h"
@@ -105,7 +106,7 @@ class MockWorkerFleet {
   void DeliverOutputs(Rank& rank) KV_REQUIRES(engine_mu_);
   // From the engine sink, which runs inside AdvanceEngines.
   void PublishEvent(Rank& rank, KvEventBatch&& batch) KV_REQUIRES(engine_mu_);
-  void PublishRegistrations(bool leaving);
+  void PublishRegistrations(WorkerStatus status);
   void OnGenerate(std::size_t worker_index, const IncomingMessage& m);
   void OnRecovery(std::size_t rank_index, const IncomingMessage& m);
   void Respond(std::string_view reply, const GenerateResponse& response);

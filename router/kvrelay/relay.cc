@@ -40,12 +40,12 @@ Status KvRelay::Start() {
       });
   if (!sub.ok()) return sub.status();
   recovery_sub_ = std::move(sub).value();
-  Register(false);
+  Register(WorkerStatus::kUp);
   next_heartbeat_ = std::chrono::steady_clock::now() + std::chrono::milliseconds(options_.heartbeat_ms);
   return Status::Ok();
 }
 
-void KvRelay::Register(bool leaving) {
+void KvRelay::Register(WorkerStatus status) {
   const WorkerRegistration reg{.worker_id = options_.worker_id,
                                .dp_start = options_.dp_rank,
                                .dp_size = 1,
@@ -55,7 +55,7 @@ void KvRelay::Register(bool leaving) {
                                .max_num_batched_tokens = options_.max_num_batched_tokens,
                                .device = options_.device,
                                .lease_ms = options_.lease_ms,
-                               .leaving = leaving};
+                               .leaving = status == WorkerStatus::kLeaving};
   if (!bus_.Publish(instances_subject_, AsBytes(EncodeWorkerRegistration(reg))).ok()) {
     KvMutexLock g(mu_);
     ++counters_.publish_failures;
@@ -65,14 +65,14 @@ void KvRelay::Register(bool leaving) {
 void KvRelay::Tick(SteadyTime now) {
   if (stopped_ || now < next_heartbeat_) return;
   next_heartbeat_ = now + std::chrono::milliseconds(options_.heartbeat_ms);
-  Register(false);
+  Register(WorkerStatus::kUp);
 }
 
 void KvRelay::Stop() {
   if (stopped_) return;
   stopped_ = true;
   recovery_sub_.reset();
-  Register(true);
+  Register(WorkerStatus::kLeaving);
   (void)bus_.Flush(std::chrono::seconds(1));
 }
 

@@ -31,6 +31,7 @@
 
 #include "events/base/clock.h"
 #include "events/base/status.h"
+#include "events/message_codec.h"
 #include "events/worker_publisher.h"
 #include "events/base/log.h"
 #include "transport/message_bus.h"
@@ -91,7 +92,7 @@ class KvRelay {
   void Repair(std::int64_t from, std::int64_t upto);
   void PublishCleared(std::string_view why);
   void Publish(KvEventData data, StorageTier tier);
-  void Register(bool leaving);
+  void Register(WorkerStatus status);
 
   const RelayOptions options_;
   MessageBus& bus_;

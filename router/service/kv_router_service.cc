@@ -109,8 +109,8 @@ std::vector<KvRouterService::Sub> KvRouterService::RequestSubscriptions() {
                     Send(out);
                   }});
   // Lifecycle messages go to every replica: each one's bookings must be released.
-  subs.push_back({subjects_.mark_prefill, "", [this](const BusMessage& m) { HandleLifecycle(m, false); }});
-  subs.push_back({subjects_.free, "", [this](const BusMessage& m) { HandleLifecycle(m, true); }});
+  subs.push_back({subjects_.mark_prefill, "", [this](const BusMessage& m) { HandleLifecycle(m, Lifecycle::kMarkPrefill); }});
+  subs.push_back({subjects_.free, "", [this](const BusMessage& m) { HandleLifecycle(m, Lifecycle::kFree); }});
   subs.push_back({subjects_.stats, "kvrouter", [this](const BusMessage& m) { HandleStats(m); }});
   // This replica's own stats, whichever the queue group would pick.
   subs.push_back({fmt::format("{}.{}", subjects_.stats, router_id_), "", [this](const BusMessage& m) { HandleStats(m); }});
@@ -397,14 +397,14 @@ void KvRouterService::HandleRoute(const BusMessage& m, Routing::Kind kind) {
   Send(out);
 }
 
-void KvRouterService::HandleLifecycle(const BusMessage& m, bool free) {
+void KvRouterService::HandleLifecycle(const BusMessage& m, Lifecycle change) {
   auto id = DecodeLifecycleRequest(m.data);
   if (!id.ok()) {
     ReplyError(m, id.status());
     return;
   }
   Outbox out;
-  (void)(free ? routing_.Free(*id, out) : routing_.MarkPrefill(*id, out));
+  (void)(change == Lifecycle::kFree ? routing_.Free(*id, out) : routing_.MarkPrefill(*id, out));
   Reply(m, EncodeOkReply());
   Send(out);
 }

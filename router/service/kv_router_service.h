@@ -115,7 +115,8 @@ class KvRouterService {
   void HandOver(std::optional<KvEventBatch> batch, bool more_pending, std::vector<KvEventBatch>& bulk);
   void HandleInstances(const BusMessage& m);
   void HandleRoute(const BusMessage& m, Routing::Kind kind);
-  void HandleLifecycle(const BusMessage& m, bool free);
+  enum class Lifecycle { kMarkPrefill, kFree };
+  void HandleLifecycle(const BusMessage& m, Lifecycle change);
   void HandleStats(const BusMessage& m);
   // One page of the stats reply, with the recovery counters.
   StatsReply Stats(const StatsRequest& page) const;

@@ -75,7 +75,8 @@ void RecoveryClient::Publish(std::vector<std::pair<std::uint64_t, Ask>> starts) 
 }
 
 std::vector<std::pair<std::uint64_t, RecoveryClient::Ask>> RecoveryClient::Fail(std::uint64_t n, const std::string& why,
-                                                                                 bool only_if_late, bool too_new) {
+                                                                                 Failure failure) {
+  const bool too_new = failure == Failure::kTooNew;
   RecoveryPart part;
   std::vector<std::pair<std::uint64_t, Ask>> starts;
   {
@@ -84,14 +85,14 @@ std::vector<std::pair<std::uint64_t, RecoveryClient::Ask>> RecoveryClient::Fail(
     if (it == in_flight_.end()) return {};
     const auto now = clock_();
     // A part may have come between the Tick that found it late and now.
-    if (only_if_late && now < it->second.deadline && now - it->second.started < options_.max_duration) return {};
+    if (failure == Failure::kLate && now < it->second.deadline && now - it->second.started < options_.max_duration) return {};
     part = {.worker = it->second.ask.worker,
             .numbering = it->second.ask.numbering,
             .kind = RecoveryPart::Kind::kFailed,
             .generation = it->second.ask.generation,
             .too_new = too_new};
     // A worker that answers too_new serves the endpoint: no backoff for it.
-    FinishLocked(n, too_new, now);
+    FinishLocked(n, too_new ? Outcome::kServed : Outcome::kFailed, now);
     starts = StartLocked(now);
   }
   log_.Log(LogLevel::kInfo, "recovery failed", "recovery of worker {} rank {} failed: {}", part.worker.worker_id,
@@ -100,11 +101,11 @@ std::vector<std::pair<std::uint64_t, RecoveryClient::Ask>> RecoveryClient::Fail(
   return starts;
 }
 
-void RecoveryClient::FinishLocked(std::uint64_t n, bool ok, SteadyTime now) {
+void RecoveryClient::FinishLocked(std::uint64_t n, Outcome outcome, SteadyTime now) {
   auto it = in_flight_.find(n);
   const double ms = std::chrono::duration<double, std::milli>(now - it->second.started).count();
   Backoff& b = backoff_[it->second.ask.worker.worker_id];
-  if (ok) {
+  if (outcome == Outcome::kServed) {
     ++counters_.succeeded;
     backoff_.erase(it->second.ask.worker.worker_id);
   } else {
@@ -137,7 +138,8 @@ void RecoveryClient::OnReply(const BusMessage& m) {
   if (reply->kind != "events" && reply->kind != "tree_dump") {
     // too_new answers a range only (a dump has no start): then the worker restarted.
     const bool too_new = reply->kind == "too_new" && ask.start.has_value();
-    return Publish(Fail(n, fmt::format("{}: {}", reply->kind, reply->message), false, too_new));
+    return Publish(Fail(n, fmt::format("{}: {}", reply->kind, reply->message),
+                        too_new ? Failure::kTooNew : Failure::kError));
   }
   RecoveryPart part{.worker = ask.worker,
                     .numbering = ask.numbering,
@@ -154,7 +156,7 @@ void RecoveryClient::OnReply(const BusMessage& m) {
     ++counters_.parts;
     const auto now = clock_();
     if (part.final) {
-      FinishLocked(n, true, now);
+      FinishLocked(n, Outcome::kServed, now);
       starts = StartLocked(now);
     } else {
       it->second.deadline = now + options_.timeout;  // the next part has as long
@@ -177,7 +179,7 @@ void RecoveryClient::Tick() {
     // it), then forgotten: the map stays as small as the workers failing lately.
     std::erase_if(backoff_, [&](const auto& b) { return now >= b.second.until + b.second.wait; });
   }
-  for (std::uint64_t n : late) Publish(Fail(n, "no reply in time", /*only_if_late=*/true));
+  for (std::uint64_t n : late) Publish(Fail(n, "no reply in time", Failure::kLate));
 }
 
 bool RecoveryClient::AwaitIdle(std::chrono::milliseconds timeout) {

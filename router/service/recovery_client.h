@@ -98,12 +98,21 @@ class RecoveryClient {
   // Publishes the queries; one that cannot be sent fails its recovery, which may start others
   // (a loop, not a recursion).
   void Publish(std::vector<std::pair<std::uint64_t, Ask>> starts);
-  // Ends a recovery (success or failure) and counts it.
-  void FinishLocked(std::uint64_t n, bool ok, SteadyTime now) KV_REQUIRES(mu_);
-  // Fails recovery n (unless `only_if_late` and it is no longer late); returns what may start.
-  // too_new: the worker answered so (it restarted); the index asks for a dump instead.
-  std::vector<std::pair<std::uint64_t, Ask>> Fail(std::uint64_t n, const std::string& why, bool only_if_late = false,
-                                                  bool too_new = false);
+  // How a recovery ended, for the counters and the worker's backoff.
+  enum class Outcome {
+    kServed,  // the worker answered (in full, or too_new): no backoff
+    kFailed,  // no answer, or an error: the worker's backoff grows
+  };
+  // Ends a recovery and counts it.
+  void FinishLocked(std::uint64_t n, Outcome outcome, SteadyTime now) KV_REQUIRES(mu_);
+  enum class Failure {
+    kError,   // the worker could not be asked or answered with an error
+    kTooNew,  // the worker answered too_new (it restarted): the index asks for a dump instead
+    kLate,    // no reply in time: fails only if it is still late when the lock is taken
+  };
+  // Fails recovery n; returns what may start.
+  std::vector<std::pair<std::uint64_t, Ask>> Fail(std::uint64_t n, const std::string& why,
+                                                  Failure failure = Failure::kError);
 
   const Options options_;
   MessageBus& bus_;
