@@ -100,7 +100,7 @@ msgpack::sbuffer EncodeWorkerRegistration(const WorkerRegistration& reg) {
 namespace {
 
 // token_ids is most of a route request (a 256-token prompt is 256 of its ~265 values), and
-// building msgpack's object tree for it costs ~20 ns a token. So a well-formed token_ids array
+// building msgpack's object tree for it costs an allocation-heavy node per token. So a well-formed token_ids array
 // (the first one, as FindKey finds it) is read straight from the bytes into `tokens`, and `rest`
 // becomes the message with that array replaced by nil, for the tree. Anything unusual (no such
 // array, a bad element, a non-string key before it) leaves `rest` empty: the whole message then

@@ -178,8 +178,8 @@ int main(int argc, char** argv) {
 
   // nats.c allocates each message on its reader thread and frees it on its collector thread:
   // with glibc's default trim threshold the reader's heap is returned to the kernel and grown
-  // again, page fault by page fault, all through an event flood (8 % of the router's CPU per
-  // event). Keep up to 64 MiB free per heap. Setting it fixes glibc's mmap threshold too (no
+  // again, page fault by page fault, all through an event flood (a visible share of the
+  // router's CPU per event). Keep up to 64 MiB free per heap. Setting it fixes glibc's mmap threshold too (no
   // longer adapted), so blocks up to 4 MiB (large payloads, results) stay on the heap as well.
   mallopt(M_TRIM_THRESHOLD, 64 << 20);
   mallopt(M_MMAP_THRESHOLD, 4 << 20);
