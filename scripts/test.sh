@@ -94,7 +94,7 @@ configure_build build-tsan "${tsan_targets[@]}" -- "${sanitizer_cc[@]}" "${tsan_
 # Older TSan runtimes cannot map memory under high ASLR entropy; run without ASLR.
 TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
   setarch "$(uname -m)" -R ctest --test-dir build-tsan --output-on-failure -j "$jobs" --timeout 600 \
-  -R '^(ShardedIndex|ReadGate|ConcurrentReads|TransportTest|InMemoryBus|ServiceThreads|RecoveryTest)\.'
+  -R '^(ShardedIndex|ReadGate|ConcurrentReads|TransportTest|InMemoryBus|ServiceThreads|RecoveryTest|RecoveryClientTest|GenerateRelayTest)\.'
 
 if command -v clang++ >/dev/null; then
   step "fuzzing the decoders (${FUZZ_SECONDS:-8} s each)"

@@ -1,0 +1,65 @@
+// The cost models on the service: the default (predicted) cost against Dynamo's formula, whose
+// weights come by flag or per request (config_override).
+#include <gtest/gtest.h>
+
+#include "tests/router/service/service_fixture.h"
+
+namespace kvrouter {
+namespace {
+
+using testing::ServiceTest;
+
+// Worker 1 holds all but the last block of a 4,000-token prompt and decodes two other requests
+// (1,000 blocks); worker 2 is idle. The default (predicted) cost keeps the prompt with its cache;
+// Dynamo's formula at scale 1 (2,001 blocks against 2,000) sends it to the idle worker, and
+// setting either of Dynamo's weights, by flag or per request, gives exactly that decision.
+class CostModelTest : public ServiceTest {
+ protected:
+  void SetUpFleet(std::vector<std::string> flags) {
+    flags.insert(flags.begin(), {"--router-mode", "kv"});
+    StartWith(flags);
+    Register(1);
+    Register(2);
+    StorePrompt(1, 1, std::vector<std::uint32_t>(prompt_.begin(), prompt_.end() - 4));
+    for (std::uint32_t r = 0; r < 2; ++r) {
+      std::vector<std::uint32_t> other(2000);
+      for (std::uint32_t k = 0; k < other.size(); ++k) other[k] = 100000 * (r + 1) + k;
+      RouteRequest pinned = Prompt(other, "decoding-" + std::to_string(r));
+      pinned.worker_id = 1;
+      ASSERT_TRUE(Route(pinned).ok());
+      (void)bus_.Request(svc_->subjects().mark_prefill, AsBytes(EncodeLifecycleRequest(pinned.request_id)));
+    }
+  }
+  std::uint64_t RouteThePrompt(RouterConfigOverride o = {}) {
+    RouteRequest r = Prompt(prompt_);
+    r.config_override = o;
+    auto reply = Route(r);
+    EXPECT_TRUE(reply.ok()) << reply.status().ToString();
+    return reply.ok() ? reply->worker_id : 0;
+  }
+  std::vector<std::uint32_t> prompt_ = [] {
+    std::vector<std::uint32_t> p(4000);
+    for (std::uint32_t k = 0; k < p.size(); ++k) p[k] = k + 1;
+    return p;
+  }();
+};
+
+TEST_F(CostModelTest, TheDefaultKeepsThePromptWithItsCache) {
+  SetUpFleet({});
+  EXPECT_EQ(RouteThePrompt(), 1u);
+}
+
+TEST_F(CostModelTest, DynamosWeightsInARequestGiveDynamosDecision) {
+  SetUpFleet({});
+  EXPECT_EQ(RouteThePrompt({.prefill_load_scale = 1.0}), 2u);
+  EXPECT_EQ(RouteThePrompt({.overlap_score_credit = 1.0}), 2u);
+  EXPECT_EQ(RouteThePrompt(), 1u);  // the next request without them: the default again
+}
+
+TEST_F(CostModelTest, DynamosWeightsAsFlagsGiveDynamosDecision) {
+  SetUpFleet({"--router-prefill-load-scale", "1"});
+  EXPECT_EQ(RouteThePrompt(), 2u);
+}
+
+}  // namespace
+}  // namespace kvrouter
