@@ -42,7 +42,7 @@ std::optional<StatsReply> StatsClient::Get(const StatsRequest& page) const {
   return std::move(stats).value();
 }
 
-bool StatsClient::Await(const std::function<bool(const StatsReply&)>& cond, std::chrono::milliseconds timeout,
+bool StatsClient::Await(const std::function<bool(StatsReply&)>& cond, std::chrono::milliseconds timeout,
                         std::chrono::milliseconds poll) const {
   return WaitFor([&] {
     auto s = Get();
@@ -86,7 +86,7 @@ void KvRouterProcessTest::SetUp() {
 }
 
 void KvRouterProcessTest::StartRouter() {
-  std::vector<std::string> args = {"--router-mode", "kv", "--block-size", std::to_string(kBs)};
+  std::vector<std::string> args = {"--router-mode", "kv", "--block-size", std::to_string(RouterBlockSize())};
   for (auto& a : ExtraArgs()) args.push_back(std::move(a));
   auto router = StartOnNats(KVROUTER_BIN, nats_->url(), std::move(args), log_, RouterMetrics());
   ASSERT_TRUE(router.ok()) << router.status().ToString();

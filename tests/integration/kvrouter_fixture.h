@@ -70,7 +70,8 @@ class StatsClient {
   // One page; nullopt when no answer came in time or it is not a stats reply.
   std::optional<StatsReply> Get(const StatsRequest& page = {}) const;
   // Polls (every `poll`) until an answer satisfies `cond` (true) or `timeout` passes (false).
-  bool Await(const std::function<bool(const StatsReply&)>& cond, std::chrono::milliseconds timeout,
+  // `cond` may read the answer's maps with [] (a counter it lacks reads 0).
+  bool Await(const std::function<bool(StatsReply&)>& cond, std::chrono::milliseconds timeout,
              std::chrono::milliseconds poll = 10ms) const;
   // The router answers at all (it is up and subscribed).
   bool AwaitAnswer(std::chrono::milliseconds timeout) const;
@@ -98,14 +99,17 @@ class NatsServerTest : public ::testing::Test {
   std::unique_ptr<NatsServerProcess> nats_;
 };
 
-// The real kvrouter on this test's server: --router-mode kv --block-size kBs plus ExtraArgs(),
-// with /metrics as RouterMetrics() says; and nc_, a client that plays workers and clients.
+// The real kvrouter on this test's server: --router-mode kv --block-size RouterBlockSize() plus
+// ExtraArgs(), with /metrics as RouterMetrics() says; and nc_, a client that plays workers and
+// clients.
 class KvRouterProcessTest : public NatsServerTest {
  protected:
   void SetUp() override;
   void TearDown() override;
   virtual std::vector<std::string> ExtraArgs() const { return {}; }
   virtual Metrics RouterMetrics() const { return Metrics::kOff; }
+  // Register, StoreDynamo and StoreVllm speak kBs: a test that changes this sends other workers.
+  virtual std::uint32_t RouterBlockSize() const { return kBs; }
 
   // Starts kvrouter (again after a Kill: the same log) and waits until it answers stats.
   void StartRouter();
@@ -123,7 +127,7 @@ class KvRouterProcessTest : public NatsServerTest {
   Result<RouteReply> RequestRoute(const std::string& endpoint, const msgpack::sbuffer& body);
 
   std::optional<StatsReply> Stats(const StatsRequest& page = {}) { return StatsClient(*nc_).Get(page); }
-  bool AwaitStats(const std::function<bool(const StatsReply&)>& cond, std::chrono::milliseconds timeout) {
+  bool AwaitStats(const std::function<bool(StatsReply&)>& cond, std::chrono::milliseconds timeout) {
     return StatsClient(*nc_).Await(cond, timeout);
   }
   // Registrations and events arrive on different subscriptions (no order between them).
