@@ -17,17 +17,8 @@
 #include "events/msgpack_reader.h"
 #include "tests/integration/kvrouter_fixture.h"
 
-namespace kvrouter {
+namespace kvrouter::testing {
 namespace {
-
-using namespace std::chrono_literals;
-using testing::ChildProcess;
-using testing::NatsServerProcess;
-using testing::PickFreePort;
-using testing::StartOnNats;
-using testing::StatsClient;
-using testing::WaitFor;
-using testing::kRouter;
 
 constexpr int kNodes = 3;
 constexpr std::size_t kRequests = 240;
@@ -206,4 +197,4 @@ TEST_F(ClusterTest, ARouterAndANatsNodeKilledMidReplayLoseNoRequestAndLeakNoBook
 }
 
 }  // namespace
-}  // namespace kvrouter
+}  // namespace kvrouter::testing

@@ -15,16 +15,9 @@
 #include "events/msgpack_reader.h"
 #include "tests/integration/kvrouter_fixture.h"
 
-namespace kvrouter {
+namespace kvrouter::testing {
 namespace {
 
-using namespace std::chrono_literals;
-using testing::KvRouterProcessTest;
-using testing::Tokens;
-using testing::WaitFor;
-using testing::kBs;
-using testing::kComp;
-using testing::kRouter;
 using Clock = std::chrono::steady_clock;
 
 // g++ names its sanitizers with macros, clang answers __has_feature.
@@ -345,4 +338,4 @@ TEST_F(HostileReplicaTest, TwentyThousandReplicaAddsForUnknownWorkers) {
 }
 
 }  // namespace
-}  // namespace kvrouter
+}  // namespace kvrouter::testing

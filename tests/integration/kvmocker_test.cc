@@ -21,20 +21,8 @@
 #include "events/worker_codec.h"
 #include "tests/integration/kvrouter_fixture.h"
 
-namespace kvrouter {
+namespace kvrouter::testing {
 namespace {
-
-using namespace std::chrono_literals;
-using testing::ChildProcess;
-using testing::HttpGet;
-using testing::Metrics;
-using testing::NatsServerTest;
-using testing::ReadFile;
-using testing::StartOnNats;
-using testing::Tokens;
-using testing::WaitFor;
-using testing::kBs;
-using testing::kComp;
 
 // ---------------------------------------------------------------------------------------------
 // The kvmocker process.
@@ -441,4 +429,4 @@ TEST_F(KvMockerProcessTest, SigtermAnnouncesLeavingAnswersInFlightRequestsAndExi
 }
 
 }  // namespace
-}  // namespace kvrouter
+}  // namespace kvrouter::testing

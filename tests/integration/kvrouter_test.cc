@@ -18,16 +18,8 @@
 #include "events/msgpack_reader.h"
 #include "tests/integration/kvrouter_fixture.h"
 
-namespace kvrouter {
+namespace kvrouter::testing {
 namespace {
-
-using namespace std::chrono_literals;
-using testing::KvRouterProcessTest;
-using testing::Tokens;
-using testing::WaitFor;
-using testing::kBs;
-using testing::kComp;
-using testing::kRouter;
 
 TEST_F(KvRouterProcessTest, RoutesByCachedPrefixFromBothEventFormats) {
   for (std::uint64_t id : {1, 2, 3}) Register(id);
@@ -264,4 +256,4 @@ TEST_F(KvRouterApproxTest, IgnoresEventsAndKeepsRepeatedPrefixesOnOneWorker) {
 }
 
 }  // namespace
-}  // namespace kvrouter
+}  // namespace kvrouter::testing

@@ -21,18 +21,8 @@
 #include "events/worker_codec.h"
 #include "tests/integration/kvrouter_fixture.h"
 
-namespace kvrouter {
+namespace kvrouter::testing {
 namespace {
-
-using namespace std::chrono_literals;
-using testing::ChildProcess;
-using testing::NatsServerTest;
-using testing::ReadFile;
-using testing::StartOnNats;
-using testing::StatsClient;
-using testing::WaitFor;
-using testing::kComp;
-using testing::kRouter;
 
 // Runs a command to completion; its exit status (0 = success).
 int RunToEnd(std::vector<std::string> argv, const std::string& log) {
@@ -175,4 +165,4 @@ TEST_F(SecurityTest, AWrongPasswordOrCaStopsAProgramNamingTheFlag) {
 }
 
 }  // namespace
-}  // namespace kvrouter
+}  // namespace kvrouter::testing

@@ -18,16 +18,10 @@
 #include "transport/nats_bus.h"
 #include "transport/nats_client.h"
 
-namespace kvrouter {
+namespace kvrouter::testing {
 namespace {
 
-using namespace std::chrono_literals;
-using testing::StatsClient;
-using testing::kBs;
-using testing::kComp;
-using testing::kRouter;
-
-std::vector<std::uint32_t> Prompt(std::uint32_t seed, std::size_t n) { return testing::Tokens(seed * 1000, n); }
+std::vector<std::uint32_t> Prompt(std::uint32_t seed, std::size_t n) { return Tokens(seed * 1000, n); }
 
 // Fails the test (and aborts it) if `done` is not set within `limit`: a deadlock must not hang
 // the suite.
@@ -57,7 +51,7 @@ class Watchdog {
   std::thread thread_;
 };
 
-class ServiceThreads : public testing::NatsServerTest {};
+class ServiceThreads : public NatsServerTest {};
 
 TEST_F(ServiceThreads, EveryPathRacesSafelyOverRealNats) {
   Watchdog watchdog(120s);
@@ -142,4 +136,4 @@ TEST_F(ServiceThreads, EveryPathRacesSafelyOverRealNats) {
 }
 
 }  // namespace
-}  // namespace kvrouter
+}  // namespace kvrouter::testing

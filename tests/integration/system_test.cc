@@ -13,15 +13,8 @@
 #include "events/worker_codec.h"
 #include "tests/integration/kvrouter_fixture.h"
 
-namespace kvrouter {
+namespace kvrouter::testing {
 namespace {
-
-using namespace std::chrono_literals;
-using testing::ChildProcess;
-using testing::KvRouterProcessTest;
-using testing::StartOnNats;
-using testing::WaitFor;
-using testing::kRouter;
 
 // kvmocker's default block size, which the router is given too: the prompts below count their
 // blocks in it (640 tokens: 10 blocks).
@@ -192,4 +185,4 @@ TEST_F(SystemTest, NatsRestartUnderLoadLosesNoCacheAndLeaksNoBooking) {
 }
 
 }  // namespace
-}  // namespace kvrouter
+}  // namespace kvrouter::testing

@@ -19,12 +19,8 @@
 
 #include "tests/integration/kvrouter_fixture.h"
 
-namespace kvrouter {
+namespace kvrouter::testing {
 namespace {
-
-using namespace std::chrono_literals;
-using testing::NatsServerProcess;
-using testing::WaitFor;
 
 std::span<const std::byte> Bytes(std::string_view s) {
   return {reinterpret_cast<const std::byte*>(s.data()), s.size()};
@@ -65,7 +61,7 @@ MessageHandler Collect(Inbox& inbox) {
   return [&inbox](const IncomingMessage& m) { inbox.Add(Text(m.data)); };
 }
 
-class TransportTest : public testing::NatsServerTest {};
+class TransportTest : public NatsServerTest {};
 
 TEST_F(TransportTest, PublishedMessageReachesSubscriber) {
   auto nc = Connect();
@@ -456,7 +452,7 @@ TEST_F(TransportTest, ReconnectAfterServerRestartResumesExistingSubscription) {
 }
 
 TEST_F(TransportTest, ConnectSucceedsBeforeServerIsUpAndConnectsInBackground) {
-  auto port = testing::PickFreePort();
+  auto port = PickFreePort();
   ASSERT_TRUE(port.ok());
   std::atomic<int> connected{0};
   NatsOptions options;
@@ -480,7 +476,7 @@ TEST_F(TransportTest, ConnectSucceedsBeforeServerIsUpAndConnectsInBackground) {
 }
 
 TEST_F(TransportTest, ClientDestroyedWhileStillConnectingReturnsPromptly) {
-  auto port = testing::PickFreePort();
+  auto port = PickFreePort();
   ASSERT_TRUE(port.ok());
   NatsOptions options;
   options.url = "nats://127.0.0.1:" + std::to_string(*port);
@@ -495,7 +491,7 @@ TEST_F(TransportTest, ClientDestroyedWhileStillConnectingReturnsPromptly) {
 }
 
 TEST_F(TransportTest, CommaSeparatedUrlListReachesTheLiveServer) {
-  auto dead_port = testing::PickFreePort();
+  auto dead_port = PickFreePort();
   ASSERT_TRUE(dead_port.ok());
   NatsOptions options;
   options.url = "nats://127.0.0.1:" + std::to_string(*dead_port) + ", " + nats_->url();
@@ -507,7 +503,7 @@ TEST_F(TransportTest, CommaSeparatedUrlListReachesTheLiveServer) {
 }
 
 TEST_F(TransportTest, ConnectWithoutRetryFailsWhenNoServer) {
-  auto port = testing::PickFreePort();
+  auto port = PickFreePort();
   ASSERT_TRUE(port.ok());
   NatsOptions options;
   options.url = "nats://127.0.0.1:" + std::to_string(*port);
@@ -584,4 +580,4 @@ TEST_F(TransportTest, InvalidSubjectIsInvalidArgument) {
 }
 
 }  // namespace
-}  // namespace kvrouter
+}  // namespace kvrouter::testing
