@@ -21,6 +21,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "events/base/status.h"
@@ -108,7 +109,8 @@ class KvRouterProcessTest : public NatsServerTest {
   void TearDown() override;
   virtual std::vector<std::string> ExtraArgs() const { return {}; }
   virtual Metrics RouterMetrics() const { return Metrics::kOff; }
-  // Register, StoreDynamo and StoreVllm speak kBs: a test that changes this sends other workers.
+  // Register, StoreDynamo and StoreVllm assume kBs: a test that gives the router another block
+  // size brings its own workers (SystemTest: kvmocker's).
   virtual std::uint32_t RouterBlockSize() const { return kBs; }
 
   // Starts kvrouter (again after a Kill: the same log) and waits until it answers stats.
