@@ -15,17 +15,10 @@
 
 #include "events/message_codec.h"
 #include "events/msgpack_reader.h"
-#include "tests/integration/process.h"
-#include "transport/nats_client.h"
+#include "tests/integration/kvrouter_fixture.h"
 
-namespace kvrouter {
+namespace kvrouter::testing {
 namespace {
-
-using namespace std::chrono_literals;
-using testing::ChildProcess;
-using testing::NatsServerProcess;
-using testing::PickFreePort;
-using testing::WaitFor;
 
 constexpr int kNodes = 3;
 constexpr std::size_t kRequests = 240;
@@ -91,23 +84,24 @@ class ClusterTest : public ::testing::Test {
   }
 
   void StartRouter(int i) {
-    auto r = ChildProcess::Start({KVROUTER_BIN, "--nats-server", nodes_[i]->url(), "--router-mode", "kv",
-                                  "--router-replica-sync", "--router-id", std::to_string(i + 1), "--metrics-port", "0"},
-                                 Log(fmt::format("kvrouter{}", i + 1)));
+    auto r = StartOnNats(KVROUTER_BIN, nodes_[i]->url(),
+                         {"--router-mode", "kv", "--router-replica-sync", "--router-id", std::to_string(i + 1)},
+                         Log(fmt::format("kvrouter{}", i + 1)));
     ASSERT_TRUE(r.ok()) << r.status().ToString();
-    routers_.push_back(std::move(r).value());
+    routers_.push_back(std::move(r->process));
   }
 
-  // Replica `id`'s own stats (router.stats.<id>), every page.
+  // Replica `id`'s own stats (router.stats.<id>).
+  StatsClient ReplicaStats(int id) {
+    return StatsClient(*nc_, {.subject = kRouter + "stats." + std::to_string(id), .timeout = 1s});
+  }
+  // Every page of them, the workers of all in one reply.
   std::optional<StatsReply> Stats(int id) {
     std::optional<StatsReply> all;
     std::optional<std::uint64_t> next = 0;
     while (next) {
-      auto reply = nc_->Request(fmt::format("namespace.dynamo.router.stats.{}", id),
-                                AsBytes(EncodeStatsRequest({.offset = *next})), 1s);
-      if (!reply.ok()) return std::nullopt;
-      auto s = DecodeStatsReply(*reply);
-      if (!s.ok()) return std::nullopt;
+      auto s = ReplicaStats(id).Get({.offset = *next});
+      if (!s) return std::nullopt;
       next = s->next_offset;
       if (!all) {
         all = std::move(s).value();
@@ -146,12 +140,12 @@ TEST_F(ClusterTest, ARouterAndANatsNodeKilledMidReplayLoseNoRequestAndLeakNoBook
     ASSERT_TRUE(WaitFor([&] { return Stats(id).has_value(); }, 15s)) << "replica " << id << " never answered";
   }
   // The workers live on node 3; kvbench and replica 1 on node 1, which will die.
-  auto mocker = ChildProcess::Start({KVMOCKER_BIN, "--nats-server", nodes_[2]->url(), "--num-workers",
-                                     std::to_string(kWorkers), "--num-gpu-blocks", "4096", "--speedup-ratio", "20",
-                                     "--worker-id-base", "100", "--metrics-port", "0"},
-                                    Log("kvmocker"));
-  ASSERT_TRUE(mocker.ok());
-  mocker_ = std::move(mocker).value();
+  auto mocker = StartOnNats(KVMOCKER_BIN, nodes_[2]->url(),
+                            {"--num-workers", std::to_string(kWorkers), "--num-gpu-blocks", "4096", "--speedup-ratio", "20",
+                             "--worker-id-base", "100"},
+                            Log("kvmocker"));
+  ASSERT_TRUE(mocker.ok()) << mocker.status().ToString();
+  mocker_ = std::move(mocker->process);
   for (int id = 1; id <= kNodes; ++id) {
     ASSERT_TRUE(WaitFor([&] { return Blocks(id).size() == kWorkers; }, 15s)) << "replica " << id;
   }
@@ -187,10 +181,8 @@ TEST_F(ClusterTest, ARouterAndANatsNodeKilledMidReplayLoseNoRequestAndLeakNoBook
   // No booking leaked on the survivors: the dead replica's are released once its heartbeats
   // stop, and relays cut off by the lost node end at the request's timeout.
   for (int id : {1, 2}) {
-    EXPECT_TRUE(WaitFor([&] {
-      auto s = Stats(id);
-      return s && s->counters.at("active_requests") == 0;
-    }, 30s)) << "replica " << id << " still holds bookings";
+    EXPECT_TRUE(ReplicaStats(id).Await([](const StatsReply& s) { return s.counters.at("active_requests") == 0; }, 30s))
+        << "replica " << id << " still holds bookings";
   }
   auto s2 = Stats(2);
   ASSERT_TRUE(s2);
@@ -205,4 +197,4 @@ TEST_F(ClusterTest, ARouterAndANatsNodeKilledMidReplayLoseNoRequestAndLeakNoBook
 }
 
 }  // namespace
-}  // namespace kvrouter
+}  // namespace kvrouter::testing

@@ -9,18 +9,15 @@
 #include <limits>
 #include <mutex>
 
+#include "events/event_codec.h"
+#include "events/kv_event.h"
+#include "events/message_codec.h"
+#include "events/msgpack_reader.h"
 #include "tests/integration/kvrouter_fixture.h"
 
-namespace kvrouter {
+namespace kvrouter::testing {
 namespace {
 
-using namespace std::chrono_literals;
-using testing::KvRouterProcessTest;
-using testing::Tokens;
-using testing::WaitFor;
-using testing::kBs;
-using testing::kComp;
-using testing::kRouter;
 using Clock = std::chrono::steady_clock;
 
 // g++ names its sanitizers with macros, clang answers __has_feature.
@@ -95,7 +92,7 @@ class HostileTest : public KvRouterProcessTest {
     // The honest worker still holds its prompt.
     RouteRequest q{.token_ids = Tokens(1, 12), .has_token_ids = true, .isl = 12, .update_states = false,
                    .allowed_worker_ids = std::vector<std::uint64_t>{kHonest}};
-    auto honest = RouteRaw(EncodeRouteRequest(q));
+    auto honest = RequestRoute("route", EncodeRouteRequest(q));
     ASSERT_TRUE(honest.ok()) << honest.status().ToString();
     EXPECT_EQ(honest->worker_id, kHonest);
     EXPECT_EQ(honest->overlap_blocks, 3u);
@@ -105,12 +102,6 @@ class HostileTest : public KvRouterProcessTest {
     }
   }
 
-  Result<RouteReply> RouteRaw(const msgpack::sbuffer& body, const std::string& endpoint = "route") {
-    auto reply = nc_->Request(kRouter + endpoint, AsBytes(body), 2s);
-    if (!reply.ok()) return reply.status();
-    return DecodeRouteReply(*reply);
-  }
-
   std::uint64_t Breakdown(const std::string& map, const std::string& key) {
     auto s = Stats();
     return s ? s->breakdowns[map][key] : 0;
@@ -118,9 +109,6 @@ class HostileTest : public KvRouterProcessTest {
   bool AwaitBreakdown(const std::string& map, const std::string& key, std::uint64_t n,
                       std::chrono::milliseconds timeout = 30s) {
     return WaitFor([&] { return Breakdown(map, key) >= n; }, timeout, 20ms);
-  }
-  bool AwaitWorkersTotal(std::uint64_t n, std::chrono::milliseconds timeout = 60s) {
-    return WaitFor([&] { auto s = Stats(); return s && s->workers_total == n; }, timeout, 20ms);
   }
 
   // Publishes `n` messages, pausing every `chunk` until `caught_up(sent)` says the router has
@@ -193,10 +181,10 @@ TEST_F(HostileTest, LeaseOfZeroOrTwoToThe63IsClamped) {
     return b;
   };
   ASSERT_TRUE(nc_->Publish(kComp + "instances", AsBytes(registration(2, std::uint64_t{1} << 63))).ok());
-  ASSERT_TRUE(AwaitWorkersTotal(2));
+  ASSERT_TRUE(AwaitWorkers(2, 60s));
   ASSERT_TRUE(nc_->Publish(kComp + "instances", AsBytes(registration(1, 0))).ok());
   // Lease 0 is read as 100 ms: worker 1 comes and goes; worker 2 (an hour) stays.
-  ASSERT_TRUE(WaitFor([&] { auto s = Stats(); return s && s->counters.at("leases_expired") == 1; }, 5s));
+  ASSERT_TRUE(AwaitStats([](const StatsReply& s) { return s.counters.at("leases_expired") == 1; }, 5s));
   EXPECT_EQ(Stats()->workers_total, 2u);
   ExpectHealthy();
 }
@@ -255,10 +243,10 @@ TEST_F(HostileTest, PinToTheLastRankWithTenThousandAllowedIdsIsNotFound) {
                  .dp_rank = std::numeric_limits<std::uint32_t>::max()};
   q.allowed_worker_ids.emplace();
   for (std::uint64_t i = 0; i < 10000; ++i) q.allowed_worker_ids->push_back(1000000 + i);
-  auto pinned = RouteRaw(EncodeRouteRequest(q));
+  auto pinned = RequestRoute("route", EncodeRouteRequest(q));
   EXPECT_EQ(pinned.status().code(), StatusCode::kNotFound);
   q.worker_id.reset();
-  EXPECT_EQ(RouteRaw(EncodeRouteRequest(q)).status().code(), StatusCode::kNoWorkers);
+  EXPECT_EQ(RequestRoute("route", EncodeRouteRequest(q)).status().code(), StatusCode::kNoWorkers);
   ExpectHealthy();
 }
 
@@ -267,7 +255,7 @@ TEST_F(HostileTest, HugeTemperatureAndNegativeScale) {
   ASSERT_TRUE(AwaitWorkers(2));
   RouteRequest q{.token_ids = Tokens(1, 12), .has_token_ids = true, .isl = 12};
   q.config_override.router_temperature = 1e308;
-  auto hot = RouteRaw(EncodeRouteRequest(q));
+  auto hot = RequestRoute("route", EncodeRouteRequest(q));
   ASSERT_TRUE(hot.ok()) << hot.status().ToString();
   msgpack::sbuffer b;
   msgpack::packer<msgpack::sbuffer> pk(b);
@@ -278,7 +266,7 @@ TEST_F(HostileTest, HugeTemperatureAndNegativeScale) {
   pk.pack_map(1);
   PackKey(pk, "prefill_load_scale");
   pk.pack_double(-2.5);
-  EXPECT_EQ(RouteRaw(b).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(RequestRoute("route", b).status().code(), StatusCode::kInvalidArgument);
   ExpectHealthy();
 }
 
@@ -350,4 +338,4 @@ TEST_F(HostileReplicaTest, TwentyThousandReplicaAddsForUnknownWorkers) {
 }
 
 }  // namespace
-}  // namespace kvrouter
+}  // namespace kvrouter::testing

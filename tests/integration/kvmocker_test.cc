@@ -10,10 +10,8 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <fstream>
 #include <map>
 #include <mutex>
-#include <sstream>
 
 #include "events/block_hash.h"
 #include "events/event_codec.h"
@@ -21,31 +19,15 @@
 #include "events/msgpack_reader.h"
 #include "events/vllm_codec.h"
 #include "events/worker_codec.h"
-#include "tests/integration/process.h"
-#include "transport/nats_client.h"
+#include "tests/integration/kvrouter_fixture.h"
 
-namespace kvrouter {
+namespace kvrouter::testing {
 namespace {
-
-using namespace std::chrono_literals;
-using testing::ChildProcess;
-using testing::HttpGet;
-using testing::NatsServerProcess;
-using testing::PickFreePort;
-using testing::WaitFor;
 
 // ---------------------------------------------------------------------------------------------
 // The kvmocker process.
 
-constexpr std::uint32_t kBs = 4;
 constexpr std::uint64_t kBase = 1000;  // worker ids 1000, 1001
-const std::string kComp = "namespace.dynamo.component.backend.";
-
-std::vector<std::uint32_t> Tokens(std::uint32_t first, std::size_t n) {
-  std::vector<std::uint32_t> t(n);
-  for (std::size_t i = 0; i < n; ++i) t[i] = first + static_cast<std::uint32_t>(i);
-  return t;
-}
 
 struct Received {
   std::string subject;
@@ -76,15 +58,13 @@ class Inbox {
   std::vector<Received> messages_;
 };
 
-class KvMockerProcessTest : public ::testing::Test {
+class KvMockerProcessTest : public NatsServerTest {
  protected:
   void SetUp() override {
-    auto nats = NatsServerProcess::Start();
-    ASSERT_TRUE(nats.ok()) << nats.status().ToString();
-    nats_ = std::move(nats).value();
-    auto nc = NatsClient::Connect({.url = nats_->url(), .name = "kvmocker-test", .send_asap = true}, {});
-    ASSERT_TRUE(nc.ok()) << nc.status().ToString();
-    nc_ = std::move(nc).value();
+    NatsServerTest::SetUp();
+    if (HasFatalFailure()) return;
+    nc_ = Connect({.name = "kvmocker-test", .send_asap = true});
+    ASSERT_NE(nc_, nullptr);
     // Subscribed before kvmocker starts, so its first messages are seen.
     Listen(kComp + "instances", instances_);
     Listen(kComp + "kv-events", dynamo_events_);
@@ -108,35 +88,26 @@ class KvMockerProcessTest : public ::testing::Test {
   }
 
   // Starts kvmocker (2 workers from id 1000, block size 4, 64 blocks, speedup 100, heartbeat
-  // 100 ms) and waits for the first registration of each worker.
+  // 100 ms, /metrics on a free port) and waits for the first registration of each worker.
   void StartMocker(std::vector<std::string> extra = {}) {
-    log_ = ::testing::TempDir() + "kvmocker-" + std::to_string(nats_->port()) + ".log";
-    std::vector<std::string> argv = {KVMOCKER_BIN, "--nats-server", nats_->url(),
-                                     "--worker-id-base", std::to_string(kBase),
+    log_ = LogPath("kvmocker");
+    std::vector<std::string> args = {"--worker-id-base", std::to_string(kBase),
                                      "--num-workers", "2", "--dp-size", "2",
                                      "--block-size", std::to_string(kBs),
                                      "--num-gpu-blocks", "64", "--max-num-seqs", "8",
                                      "--max-num-batched-tokens", "512", "--speedup-ratio", "100",
                                      "--heartbeat-ms", "100", "--lease-ms", "1000",
                                      "--device", "cpu"};
-    auto port = PickFreePort();
-    ASSERT_TRUE(port.ok());
-    metrics_port_ = *port;
-    argv.insert(argv.end(), {"--metrics-port", std::to_string(metrics_port_), "--metrics-host", "127.0.0.1"});
-    argv.insert(argv.end(), extra.begin(), extra.end());
-    auto p = ChildProcess::Start(argv, log_);
+    args.insert(args.end(), extra.begin(), extra.end());
+    auto p = StartOnNats(KVMOCKER_BIN, nats_->url(), std::move(args), log_, Metrics::kOnFreePort);
     ASSERT_TRUE(p.ok()) << p.status().ToString();
-    mocker_ = std::move(p).value();
+    mocker_ = std::move(p->process);
+    metrics_port_ = p->metrics_port;
     ASSERT_TRUE(WaitFor([&] { return Registrations().size() >= 2; }, 10s))
         << "kvmocker did not register; log: " << log_ << "\n" << Log();
   }
 
-  std::string Log() const {
-    std::ifstream f(log_);
-    std::stringstream ss;
-    ss << f.rdbuf();
-    return ss.str();
-  }
+  std::string Log() const { return ReadFile(log_); }
 
   std::vector<WorkerRegistration> Registrations() const {
     std::vector<WorkerRegistration> out;
@@ -190,7 +161,6 @@ class KvMockerProcessTest : public ::testing::Test {
     return out;
   }
 
-  std::unique_ptr<NatsServerProcess> nats_;
   std::unique_ptr<NatsClient> nc_;
   std::vector<std::unique_ptr<Subscription>> subs_;
   Inbox instances_, dynamo_events_, vllm_events_;
@@ -459,4 +429,4 @@ TEST_F(KvMockerProcessTest, SigtermAnnouncesLeavingAnswersInFlightRequestsAndExi
 }
 
 }  // namespace
-}  // namespace kvrouter
+}  // namespace kvrouter::testing

@@ -24,18 +24,14 @@ class KvRelayProcessTest : public KvRouterProcessTest {
  protected:
   void StartRelay(bool with_replay) {
     engine_ = std::make_unique<FakeVllmEngine>(with_replay);
-    std::vector<std::string> argv = {KVRELAY_BIN, "--nats-server", nats_->url(), "--zmq-endpoint", engine_->endpoint(),
-                                     "--worker-id", std::to_string(kWorker), "--block-size", std::to_string(kBs),
-                                     "--total-kv-blocks", "1000", "--heartbeat-ms", "100", "--lease-ms", "2000",
-                                     "--metrics-host", "127.0.0.1", "--metrics-port"};
-    auto port = PickFreePort();
-    ASSERT_TRUE(port.ok());
-    metrics_port_ = *port;
-    argv.push_back(std::to_string(metrics_port_));
-    if (with_replay) argv.insert(argv.end(), {"--zmq-replay-endpoint", engine_->replay_endpoint()});
-    auto relay = ChildProcess::Start(argv, ::testing::TempDir() + "kvrelay-" + std::to_string(nats_->port()) + ".log");
+    std::vector<std::string> args = {"--zmq-endpoint", engine_->endpoint(), "--worker-id", std::to_string(kWorker),
+                                     "--block-size", std::to_string(kBs), "--total-kv-blocks", "1000",
+                                     "--heartbeat-ms", "100", "--lease-ms", "2000"};
+    if (with_replay) args.insert(args.end(), {"--zmq-replay-endpoint", engine_->replay_endpoint()});
+    auto relay = StartOnNats(KVRELAY_BIN, nats_->url(), std::move(args), LogPath("kvrelay"), Metrics::kOnFreePort);
     ASSERT_TRUE(relay.ok()) << relay.status().ToString();
-    relay_ = std::move(relay).value();
+    relay_ = std::move(relay->process);
+    relay_metrics_port_ = relay->metrics_port;
     ASSERT_TRUE(AwaitWorkers(1)) << "kvrelay never registered";
   }
   void TearDown() override {
@@ -45,10 +41,7 @@ class KvRelayProcessTest : public KvRouterProcessTest {
 
   // The overlap the router credits worker kWorker with for `tokens`.
   std::uint32_t Overlap(const std::vector<std::uint32_t>& tokens) {
-    RouteRequest q{.token_ids = tokens, .has_token_ids = true, .isl = static_cast<std::uint32_t>(tokens.size())};
-    auto reply = nc_->Request(kRouter + "best_worker", AsBytes(EncodeRouteRequest(q)), 2s);
-    if (!reply.ok()) return 0;
-    auto r = DecodeRouteReply(*reply);
+    auto r = BestWorker(tokens);
     return r.ok() && r->worker_id == kWorker ? r->overlap_blocks : 0;
   }
   // The ZMQ subscription connects in the background: publish until the router shows `tokens`
@@ -62,7 +55,7 @@ class KvRelayProcessTest : public KvRouterProcessTest {
 
   std::unique_ptr<FakeVllmEngine> engine_;
   std::unique_ptr<ChildProcess> relay_;
-  int metrics_port_ = 0;
+  int relay_metrics_port_ = 0;
 };
 
 TEST_F(KvRelayProcessTest, StoredRemovedAndClearedReachTheRouter) {
@@ -84,7 +77,7 @@ TEST_F(KvRelayProcessTest, ABatchTheRelayNeverGotIsReplayed) {
   engine_->Publish({next});  // reveals the gap
   EXPECT_TRUE(WaitFor([&] { return Overlap(next.token_ids) == 2; }, 5s));
   EXPECT_EQ(Overlap(lost.token_ids), 4u);
-  auto m = HttpGet(metrics_port_, "/metrics");
+  auto m = HttpGet(relay_metrics_port_, "/metrics");
   ASSERT_TRUE(m.ok()) << m.status().ToString();
   // The lost batch was replayed. A slow ZMQ subscriber can also miss the first publish of
   // PublishUntilIndexed (the relay then replays from seq 0 too), so: at least one batch

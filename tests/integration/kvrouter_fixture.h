@@ -1,22 +1,31 @@
-// KvRouterProcessTest: a real nats-server on a free 127.0.0.1 port, the real `kvrouter` binary
-// (KVROUTER_BIN, --router-mode kv, block size kBs, plus ExtraArgs()), and a NATS client that
-// acts as workers and clients. Shared by the kvrouter integration test files. One test thread.
+// The integration tests' one fixture: a nats-server of the test's own, the programs under test
+// (kvrouter, kvmocker, kvrelay) on it, and router.stats asked over NATS.
+//
+// NatsServerTest starts a nats-server on a free 127.0.0.1 port before each test and connects
+// clients to it. KvRouterProcessTest adds the real kvrouter (--router-mode kv, block size kBs,
+// plus ExtraArgs()), answering stats when SetUp returns, and the client nc_ that plays workers
+// and clients. StartOnNats starts any of the programs on a server; StatsClient asks router.stats
+// (or one replica's router.stats.<id>) over any connection and waits on what it answers. One test
+// thread owns each object; Stats, Route and StatsClient may also be called from helper threads
+// (NatsClient's requests are thread-safe). The programs' paths come from CMake (KVROUTER_BIN ...).
+//
+//   class QueueTest : public KvRouterProcessTest { std::vector<std::string> ExtraArgs() const override; };
+//   TEST_F(QueueTest, X) { Register(1); ASSERT_TRUE(AwaitWorkers(1)); auto r = Route(Tokens(1, 12)); }
 #pragma once
 
 #include <gtest/gtest.h>
 
-#include <algorithm>
 #include <chrono>
+#include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
-#include "events/block_hash.h"
-#include "events/event_codec.h"
+#include "events/base/status.h"
 #include "events/message_codec.h"
-#include "events/msgpack_reader.h"
-#include "events/vllm_codec.h"
 #include "tests/integration/process.h"
 #include "transport/nats_client.h"
 
@@ -24,99 +33,115 @@ namespace kvrouter::testing {
 
 using namespace std::chrono_literals;
 
-
-inline constexpr std::uint32_t kBs = 4;
+inline constexpr std::uint32_t kBs = 4;  // the block size of KvRouterProcessTest's router
 inline const std::string kComp = "namespace.dynamo.component.backend.";
 inline const std::string kRouter = "namespace.dynamo.router.";
 
-inline std::vector<std::uint32_t> Tokens(std::uint32_t first, std::size_t n) {
-  std::vector<std::uint32_t> t(n);
-  for (std::size_t i = 0; i < n; ++i) t[i] = first + static_cast<std::uint32_t>(i);
-  return t;
-}
+// n consecutive token ids from `first`.
+std::vector<std::uint32_t> Tokens(std::uint32_t first, std::size_t n);
 
-class KvRouterProcessTest : public ::testing::Test {
+// Where a program started by StartOnNats serves /metrics.
+enum class Metrics {
+  kOff,         // --metrics-port 0: many programs run at once under ctest
+  kOnFreePort,  // a port free right now, on 127.0.0.1
+};
+
+struct ProgramOnNats {
+  std::unique_ptr<ChildProcess> process;
+  int metrics_port = 0;  // 0 with Metrics::kOff
+};
+
+// Starts `program` (KVROUTER_BIN, KVMOCKER_BIN, KVRELAY_BIN) as
+// `program --nats-server nats_url args... <metrics flags>`, its output appended to `log`.
+// `args` must not name a metrics port: `metrics` chooses it.
+Result<ProgramOnNats> StartOnNats(const std::string& program, const std::string& nats_url,
+                                  std::vector<std::string> args, const std::string& log,
+                                  Metrics metrics = Metrics::kOff);
+
+struct StatsEndpoint {
+  std::string subject = kRouter + "stats";  // one replica's own: kRouter + "stats.<router id>"
+  std::chrono::milliseconds timeout = 2s;   // of each request
+};
+
+// router.stats asked over a connection it borrows (which must outlive it).
+class StatsClient {
+ public:
+  explicit StatsClient(NatsClient& nc, StatsEndpoint endpoint = {}) : nc_(&nc), endpoint_(std::move(endpoint)) {}
+
+  // One page; nullopt when no answer came in time or it is not a stats reply.
+  std::optional<StatsReply> Get(const StatsRequest& page = {}) const;
+  // Polls (every `poll`) until an answer satisfies `cond` (true) or `timeout` passes (false).
+  // `cond` may read the answer's maps with [] (a counter it lacks reads 0).
+  bool Await(const std::function<bool(StatsReply&)>& cond, std::chrono::milliseconds timeout,
+             std::chrono::milliseconds poll = 10ms) const;
+  // The router answers at all (it is up and subscribed).
+  bool AwaitAnswer(std::chrono::milliseconds timeout) const;
+  // Exactly n worker ranks known (workers_total).
+  bool AwaitWorkers(std::uint64_t n, std::chrono::milliseconds timeout = 5s) const;
+
+ private:
+  NatsClient* nc_;
+  StatsEndpoint endpoint_;
+};
+
+// A nats-server of this test's own (NatsServerArgs() added to its command line), started in
+// SetUp and stopped when the test ends.
+class NatsServerTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    auto nats = NatsServerProcess::Start();
-    ASSERT_TRUE(nats.ok()) << nats.status().ToString();
-    nats_ = std::move(nats).value();
-    log_ = ::testing::TempDir() + "kvrouter-" + std::to_string(nats_->port()) + ".log";
-    std::vector<std::string> argv = {KVROUTER_BIN, "--nats-server", nats_->url(), "--router-mode", "kv",
-                                     "--block-size", std::to_string(kBs)};
-    const std::vector<std::string> extra = ExtraArgs();
-    // Many routers run at once under ctest: no metrics port unless a test asks for one.
-    if (std::find(extra.begin(), extra.end(), "--metrics-port") == extra.end()) {
-      argv.insert(argv.end(), {"--metrics-port", "0"});
-    }
-    for (auto& a : extra) argv.push_back(a);
-    auto router = ChildProcess::Start(argv, log_);
-    ASSERT_TRUE(router.ok()) << router.status().ToString();
-    router_ = std::move(router).value();
-    auto nc = NatsClient::Connect({.url = nats_->url(), .name = "kvrouter-test"}, {});
-    ASSERT_TRUE(nc.ok()) << nc.status().ToString();
-    nc_ = std::move(nc).value();
-    // Ready when the stats endpoint answers.
-    ASSERT_TRUE(WaitFor([&] { return nc_->Request(kRouter + "stats", AsBytes(std::string_view("\x80", 1)), 200ms).ok(); }, 10s))
-        << "kvrouter did not come up; log: " << log_;
-  }
+  void SetUp() override;
+  virtual std::vector<std::string> NatsServerArgs() const { return {}; }
 
-  virtual std::vector<std::string> ExtraArgs() const { return {}; }
-
-  void TearDown() override {
-    nc_.reset();
-    if (router_) router_->Stop();
-  }
-
-  void Register(std::uint64_t id, std::uint32_t lease_ms = 60000, bool leaving = false,
-                std::uint32_t block_size = kBs, std::uint32_t max_num_batched_tokens = 8192) {
-    WorkerRegistration r{.worker_id = id, .block_size = block_size,
-                         .max_num_batched_tokens = max_num_batched_tokens, .lease_ms = lease_ms, .leaving = leaving};
-    ASSERT_TRUE(nc_->Publish(kComp + "instances", AsBytes(EncodeWorkerRegistration(r))).ok());
-  }
-
-  void StoreDynamo(std::uint64_t worker, std::uint64_t event_id, const std::vector<std::uint32_t>& tokens) {
-    const KvEventBatch b = StoredPromptBatch(worker, event_id, tokens, kBs);
-    ASSERT_TRUE(nc_->Publish(kComp + "kv-events", AsBytes(EncodeDynamoEnvelope(b, {}))).ok());
-  }
-
-  void StoreVllm(std::uint64_t worker, std::uint32_t rank, std::uint64_t kv_seq,
-                 const std::vector<std::uint32_t>& tokens) {
-    VllmStoredEvent e{.token_ids = tokens, .block_size = kBs};
-    for (std::size_t i = 0; i < tokens.size() / kBs; ++i) e.block_hashes.push_back(7000 + i);
-    auto body = EncodeVllmBatch(1.0, {e}, rank);
-    ASSERT_TRUE(nc_->PublishWithHeaders(kComp + "vllm-kv-events." + std::to_string(worker) + "." + std::to_string(rank),
-                                        AsBytes(body), {{"Kv-Seq", std::to_string(kv_seq)}})
-                    .ok());
-  }
-
-  Result<RouteReply> Route(const std::vector<std::uint32_t>& tokens, std::string request_id = "",
-                           std::int64_t priority = 0) {
-    RouteRequest r{.request_id = std::move(request_id), .token_ids = tokens, .has_token_ids = true,
-                   .isl = static_cast<std::uint32_t>(tokens.size()), .priority = priority};
-    auto reply = nc_->Request(kRouter + "route", AsBytes(EncodeRouteRequest(r)), 2s);
-    if (!reply.ok()) return reply.status();
-    return DecodeRouteReply(*reply);
-  }
-
-  std::optional<StatsReply> Stats(StatsRequest page = {}) {
-    auto reply = nc_->Request(kRouter + "stats", AsBytes(EncodeStatsRequest(page)), 2s);
-    if (!reply.ok()) return std::nullopt;
-    auto stats = DecodeStatsReply(*reply);
-    return stats.ok() ? std::optional<StatsReply>(std::move(stats).value()) : std::nullopt;
-  }
-  // Registrations and events arrive on different subscriptions (no order between them).
-  bool AwaitWorkers(std::size_t n) {
-    return WaitFor([&] { auto s = Stats(); return s && s->workers_total == n; }, 5s);
-  }
-  bool AwaitEventsApplied(std::uint64_t n) {
-    return WaitFor([&] { auto s = Stats(); return s && s->counters.at("events_applied") >= n; }, 5s);
-  }
+  // A client of this test's server (options.url is replaced by the server's); nullptr, and a
+  // test failure, when it cannot connect.
+  std::unique_ptr<NatsClient> Connect(NatsOptions options = {}, NatsClient::Callbacks callbacks = {});
+  // <test temp dir>/<program>-<server port>.log: the place for a program's output.
+  std::string LogPath(const std::string& program) const;
 
   std::unique_ptr<NatsServerProcess> nats_;
+};
+
+// The real kvrouter on this test's server: --router-mode kv --block-size RouterBlockSize() plus
+// ExtraArgs(), with /metrics as RouterMetrics() says; and nc_, a client that plays workers and
+// clients.
+class KvRouterProcessTest : public NatsServerTest {
+ protected:
+  void SetUp() override;
+  void TearDown() override;
+  virtual std::vector<std::string> ExtraArgs() const { return {}; }
+  virtual Metrics RouterMetrics() const { return Metrics::kOff; }
+  // Register, StoreDynamo and StoreVllm assume kBs: a test that gives the router another block
+  // size brings its own workers (SystemTest: kvmocker's).
+  virtual std::uint32_t RouterBlockSize() const { return kBs; }
+
+  // Starts kvrouter (again after a Kill: the same log) and waits until it answers stats.
+  void StartRouter();
+
+  // What a worker sends: a registration, a stored prompt in Dynamo's format or vLLM's.
+  void Register(std::uint64_t id, std::uint32_t lease_ms = 60000, bool leaving = false,
+                std::uint32_t block_size = kBs, std::uint32_t max_num_batched_tokens = 8192);
+  void StoreDynamo(std::uint64_t worker, std::uint64_t event_id, const std::vector<std::uint32_t>& tokens);
+  void StoreVllm(std::uint64_t worker, std::uint32_t rank, std::uint64_t kv_seq, const std::vector<std::uint32_t>& tokens);
+
+  // route (books the request) and best_worker (does not), and any body to any such endpoint.
+  Result<RouteReply> Route(const std::vector<std::uint32_t>& tokens, std::string request_id = "",
+                           std::int64_t priority = 0);
+  Result<RouteReply> BestWorker(const std::vector<std::uint32_t>& tokens);
+  Result<RouteReply> RequestRoute(const std::string& endpoint, const msgpack::sbuffer& body);
+
+  std::optional<StatsReply> Stats(const StatsRequest& page = {}) { return StatsClient(*nc_).Get(page); }
+  bool AwaitStats(const std::function<bool(StatsReply&)>& cond, std::chrono::milliseconds timeout) {
+    return StatsClient(*nc_).Await(cond, timeout);
+  }
+  // Registrations and events arrive on different subscriptions (no order between them).
+  bool AwaitWorkers(std::uint64_t n, std::chrono::milliseconds timeout = 5s) {
+    return StatsClient(*nc_).AwaitWorkers(n, timeout);
+  }
+  bool AwaitEventsApplied(std::uint64_t n);
+
   std::unique_ptr<ChildProcess> router_;
+  int metrics_port_ = 0;  // the router's /metrics with Metrics::kOnFreePort
   std::unique_ptr<NatsClient> nc_;
-  std::string log_;
+  std::string log_;  // the router's output
 };
 
 }  // namespace kvrouter::testing

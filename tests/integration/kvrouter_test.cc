@@ -14,27 +14,12 @@
 #include <thread>
 #include <sys/wait.h>
 
-#include "events/block_hash.h"
-#include "events/event_codec.h"
 #include "events/message_codec.h"
 #include "events/msgpack_reader.h"
-#include "events/vllm_codec.h"
 #include "tests/integration/kvrouter_fixture.h"
-#include "tests/integration/process.h"
-#include "transport/nats_client.h"
 
-namespace kvrouter {
+namespace kvrouter::testing {
 namespace {
-
-using namespace std::chrono_literals;
-using testing::ChildProcess;
-using testing::KvRouterProcessTest;
-using testing::NatsServerProcess;
-using testing::Tokens;
-using testing::WaitFor;
-using testing::kBs;
-using testing::kComp;
-using testing::kRouter;
 
 TEST_F(KvRouterProcessTest, RoutesByCachedPrefixFromBothEventFormats) {
   for (std::uint64_t id : {1, 2, 3}) Register(id);
@@ -151,7 +136,7 @@ TEST_F(KvRouterProcessTest, GarbageOnEverySubjectGetsErrorsAndLeavesTheIndexInta
 
 TEST_F(KvRouterProcessTest, WorkerWithAnotherBlockSizeIsRefused) {
   Register(1, 60000, false, /*block_size=*/16);
-  ASSERT_TRUE(WaitFor([&] { auto s = Stats(); return s && s->counters.at("workers_refused") == 1; }, 5s));
+  ASSERT_TRUE(AwaitStats([](const StatsReply& s) { return s.counters.at("workers_refused") == 1; }, 5s));
   EXPECT_EQ(Route(Tokens(1, 8)).status().code(), StatusCode::kNoWorkers);
 }
 
@@ -212,7 +197,7 @@ TEST_F(KvRouterQueueTest, QueuedRequestsAreAdmittedInPriorityOrderAsLoadDrops) {
     });
     // Arrival order matters only for ties; wait until each is queued before sending the next.
     const std::uint64_t n = clients.size();
-    ASSERT_TRUE(WaitFor([&] { auto s = Stats(); return s && s->counters.at("queue_length") == n; }, 5s));
+    ASSERT_TRUE(AwaitStats([n](const StatsReply& s) { return s.counters.at("queue_length") == n; }, 5s));
   }
   auto admitted = [&](std::size_t n) {
     return WaitFor([&] { std::lock_guard g(mu); return done.size() >= n; }, 5s);
@@ -271,4 +256,4 @@ TEST_F(KvRouterApproxTest, IgnoresEventsAndKeepsRepeatedPrefixesOnOneWorker) {
 }
 
 }  // namespace
-}  // namespace kvrouter
+}  // namespace kvrouter::testing

@@ -6,10 +6,10 @@
 
 #include <fmt/format.h>
 
-#include <fstream>
-#include <iterator>
 #include <sstream>
 
+#include "events/message_codec.h"
+#include "events/msgpack_reader.h"
 #include "tests/integration/kvrouter_fixture.h"
 
 namespace kvrouter::testing {
@@ -28,33 +28,22 @@ std::optional<double> Value(const std::string& text, const std::string& series) 
 
 class MetricsTest : public KvRouterProcessTest {
  protected:
-  std::vector<std::string> ExtraArgs() const override {
-    if (port_ == 0) {
-      auto p = PickFreePort();
-      port_ = p.ok() ? *p : 1;
-    }
-    std::vector<std::string> args = {"--metrics-port", std::to_string(port_), "--metrics-host", "127.0.0.1"};
-    for (auto& a : MoreArgs()) args.push_back(a);
-    return args;
-  }
-  virtual std::vector<std::string> MoreArgs() const { return {}; }
+  Metrics RouterMetrics() const override { return Metrics::kOnFreePort; }
 
-  std::string Metrics() {
+  std::string Scrape() {
     // The HTTP server's first answer can lag the router's NATS side on a loaded machine: wait
     // for one (a scrape that never answers still fails below).
-    auto r = HttpGet(port_, "/metrics");
-    WaitFor([&] { return (r = HttpGet(port_, "/metrics")).ok(); }, 10s);
+    auto r = HttpGet(metrics_port_, "/metrics");
+    WaitFor([&] { return (r = HttpGet(metrics_port_, "/metrics")).ok(); }, 10s);
     EXPECT_TRUE(r.ok()) << r.status().ToString();
     if (!r.ok()) return "";
     EXPECT_EQ(r->status, 200);
     return r->body;
   }
   int StatusOf(const std::string& path) {
-    auto r = HttpGet(port_, path, 1s);
+    auto r = HttpGet(metrics_port_, path, 1s);
     return r.ok() ? r->status : 0;
   }
-
-  mutable int port_ = 0;
 };
 
 TEST_F(MetricsTest, ServesHealthReadinessAndMetricsThatFollowTheRouter) {
@@ -62,7 +51,7 @@ TEST_F(MetricsTest, ServesHealthReadinessAndMetricsThatFollowTheRouter) {
   EXPECT_TRUE(WaitFor([&] { return StatusOf("/health") == 200; }, 10s));
   ASSERT_TRUE(WaitFor([&] { return StatusOf("/ready") == 200; }, 5s));
   EXPECT_EQ(StatusOf("/nowhere"), 404);
-  std::string m = Metrics();
+  std::string m = Scrape();
   EXPECT_EQ(Value(m, R"(kvrouter_info{mode="kv",kv_events="true",recovery="true",replica_sync="false"})"), 1);
   EXPECT_EQ(Value(m, "kvrouter_approximate_mode"), 0);
   EXPECT_EQ(Value(m, R"(dynamo_component_kv_cache_events_applied{status="ok"})"), 0);
@@ -78,8 +67,8 @@ TEST_F(MetricsTest, ServesHealthReadinessAndMetricsThatFollowTheRouter) {
   EXPECT_EQ(DecodeRouteReply(*bad).status().code(), StatusCode::kInvalidArgument);
 
   // A request's duration is observed just after its reply leaves.
-  ASSERT_TRUE(WaitFor([&] { return Value(Metrics(), R"(kvrouter_route_duration_seconds_count{endpoint="route"})") == 2; }, 5s));
-  m = Metrics();
+  ASSERT_TRUE(WaitFor([&] { return Value(Scrape(), R"(kvrouter_route_duration_seconds_count{endpoint="route"})") == 2; }, 5s));
+  m = Scrape();
   EXPECT_EQ(Value(m, R"(dynamo_component_kv_cache_events_applied{status="ok"})"), 1);
   EXPECT_EQ(Value(m, R"(kvrouter_worker_cached_blocks{worker_id="1",dp_rank="0"})"), 2);
   EXPECT_EQ(Value(m, R"(kvrouter_worker_active_requests{worker_id="1",dp_rank="0"})"), 1);
@@ -105,38 +94,37 @@ TEST_F(MetricsTest, ReadinessFollowsTheNatsConnection) {
   // Each connection comes back on its own.
   for (const char* c : {"events", "requests"}) {
     const std::string series = fmt::format(R"(kvrouter_nats_reconnects_total{{connection="{}"}})", c);
-    EXPECT_TRUE(WaitFor([&] { return Value(Metrics(), series).value_or(0) >= 1; }, 10s)) << series;
+    EXPECT_TRUE(WaitFor([&] { return Value(Scrape(), series).value_or(0) >= 1; }, 10s)) << series;
   }
 }
 
 TEST_F(MetricsTest, AMetricsPortInUseStopsASecondRouterNamingTheFlag) {
-  const std::string log = ::testing::TempDir() + "kvrouter-port-in-use-" + std::to_string(port_) + ".log";
+  const std::string log = LogPath("kvrouter-port-in-use");
   auto second = ChildProcess::Start({KVROUTER_BIN, "--nats-server", nats_->url(), "--metrics-port",
-                                     std::to_string(port_), "--metrics-host", "127.0.0.1"},
+                                     std::to_string(metrics_port_), "--metrics-host", "127.0.0.1"},
                                     log);
   ASSERT_TRUE(second.ok());
   ASSERT_TRUE(WaitFor([&] { return !(*second)->Running(); }, 10s));
   EXPECT_TRUE(WIFEXITED((*second)->exit_status()));
   EXPECT_EQ(WEXITSTATUS((*second)->exit_status()), 2);
-  std::ifstream in(log);
-  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const std::string text = ReadFile(log);
   EXPECT_NE(text.find("--metrics-port"), std::string::npos) << text;
   EXPECT_EQ(StatusOf("/health"), 200);  // the first router is untouched
 }
 
 class ApproximateMetricsTest : public MetricsTest {
  protected:
-  std::vector<std::string> MoreArgs() const override { return {"--no-router-kv-events"}; }
+  std::vector<std::string> ExtraArgs() const override { return {"--no-router-kv-events"}; }
 };
 
 TEST_F(ApproximateMetricsTest, ApproximateModeIsPlainInTheMetrics) {
-  std::string m = Metrics();
+  std::string m = Scrape();
   EXPECT_EQ(Value(m, "kvrouter_approximate_mode"), 1);
   EXPECT_EQ(Value(m, R"(kvrouter_info{mode="kv",kv_events="false",recovery="false",replica_sync="false"})"), 1);
   Register(1);
   ASSERT_TRUE(AwaitWorkers(1));
   ASSERT_TRUE(Route(Tokens(100, 12), "req-1").ok());
-  m = Metrics();
+  m = Scrape();
   EXPECT_EQ(Value(m, "kvrouter_approx_predicted_blocks"), 3);
 }
 

@@ -68,6 +68,9 @@ std::string FindExecutable(const std::string& name, const std::vector<std::strin
 // A free TCP port on 127.0.0.1 right now (bind to port 0, read it, close).
 Result<int> PickFreePort();
 
+// The whole text of a file ("" when it cannot be read): a program's log in a failure message.
+std::string ReadFile(const std::string& path);
+
 // True when a TCP connect to 127.0.0.1:port succeeds.
 bool CanConnect(int port);
 

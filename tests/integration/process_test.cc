@@ -11,8 +11,6 @@
 
 #include <chrono>
 #include <filesystem>
-#include <fstream>
-#include <iterator>
 #include <string>
 
 #include <gtest/gtest.h>
@@ -27,11 +25,6 @@ std::string TempLog(const std::string& name) {
               ("kvrouter-harness-" + name + "-" + std::to_string(::getpid()) + ".log");
   std::filesystem::remove(path);
   return path.string();
-}
-
-std::string ReadFile(const std::string& path) {
-  std::ifstream in(path);
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
 }
 
 TEST(ChildProcessTest, ExitedChildIsReapedWithItsStatus) {

@@ -13,24 +13,16 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
-#include <iterator>
 
 #include "events/event_codec.h"
+#include "events/kv_event.h"
 #include "events/message_codec.h"
 #include "events/msgpack_reader.h"
 #include "events/worker_codec.h"
-#include "tests/integration/process.h"
-#include "transport/nats_client.h"
+#include "tests/integration/kvrouter_fixture.h"
 
-namespace kvrouter {
+namespace kvrouter::testing {
 namespace {
-
-using namespace std::chrono_literals;
-using testing::ChildProcess;
-using testing::NatsServerProcess;
-using testing::WaitFor;
-
-const std::string kRouter = "namespace.dynamo.router.";
 
 // Runs a command to completion; its exit status (0 = success).
 int RunToEnd(std::vector<std::string> argv, const std::string& log) {
@@ -40,12 +32,7 @@ int RunToEnd(std::vector<std::string> argv, const std::string& log) {
   return (*p)->exit_status();
 }
 
-std::string ReadFile(const std::string& path) {
-  std::ifstream in(path);
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-}
-
-class SecurityTest : public ::testing::Test {
+class SecurityTest : public NatsServerTest {
  protected:
   void SetUp() override {
     dir_ = ::testing::TempDir() + "kvrouter-security-" + std::to_string(::getpid());
@@ -75,60 +62,50 @@ class SecurityTest : public ::testing::Test {
     ::setenv("KVROUTER_NATS_ROUTER_PASSWORD", "router-secret", 1);
     ::setenv("KVROUTER_NATS_WORKER_PASSWORD", "worker-secret", 1);
     ::setenv("KVROUTER_NATS_CLIENT_PASSWORD", "client-secret", 1);
-    auto nats = NatsServerProcess::Start(0, {"-c", dir_ + "/server.conf"});
-    ASSERT_TRUE(nats.ok()) << nats.status().ToString();
-    nats_ = std::move(nats).value();
+    NatsServerTest::SetUp();
   }
+  std::vector<std::string> NatsServerArgs() const override { return {"-c", dir_ + "/server.conf"}; }
   void TearDown() override {
-    for (auto& c : clients_) c.reset();
+    client_.reset();
     if (mocker_) mocker_->Stop();
     if (router_) router_->Stop();
     nats_.reset();
     std::filesystem::remove_all(dir_);
   }
 
-  std::vector<std::string> Login(const std::string& user) const {
-    return {"--nats-server", nats_->url(), "--nats-user", user, "--nats-password", user + "-secret",
-            "--nats-tls-ca", dir_ + "/ca.pem", "--metrics-port", "0"};
+  // A program's flags to log in as `user` over TLS, then `more`.
+  std::vector<std::string> LoginFlags(const std::string& user, const std::vector<std::string>& more) const {
+    std::vector<std::string> flags = {"--nats-user", user, "--nats-password", user + "-secret", "--nats-tls-ca", dir_ + "/ca.pem"};
+    flags.insert(flags.end(), more.begin(), more.end());
+    return flags;
   }
-  Result<std::unique_ptr<NatsClient>> Connect(const std::string& user) {
-    return NatsClient::Connect({.url = nats_->url(),
-                                .name = "security-test-" + user,
-                                .retry_on_failed_connect = false,
-                                .security = {.user = user, .password = user + "-secret", .tls_ca = dir_ + "/ca.pem"}},
-                               {});
+  // This test's own client, logged in as `user` over TLS (nullptr and a failure when refused).
+  std::unique_ptr<NatsClient> LogIn(const std::string& user) {
+    return Connect({.name = "security-test-" + user,
+                    .retry_on_failed_connect = false,
+                    .security = {.user = user, .password = user + "-secret", .tls_ca = dir_ + "/ca.pem"}});
   }
   void StartSystem() {
-    std::vector<std::string> router = {KVROUTER_BIN, "--router-mode", "kv"};
-    for (auto& a : Login("router")) router.push_back(a);
-    auto r = ChildProcess::Start(router, dir_ + "/kvrouter.log");
-    ASSERT_TRUE(r.ok());
-    router_ = std::move(r).value();
-    std::vector<std::string> mocker = {KVMOCKER_BIN, "--num-workers", "2", "--num-gpu-blocks", "256",
-                                       "--speedup-ratio", "50", "--worker-id-base", "500"};
-    for (auto& a : Login("worker")) mocker.push_back(a);
-    auto m = ChildProcess::Start(mocker, dir_ + "/kvmocker.log");
-    ASSERT_TRUE(m.ok());
-    mocker_ = std::move(m).value();
-    auto c = Connect("client");
-    ASSERT_TRUE(c.ok()) << c.status().ToString();
-    client_ = c->get();
-    clients_.push_back(std::move(c).value());
-    ASSERT_TRUE(WaitFor([&] { auto s = Stats(); return s && s->workers_total == 2; }, 15s))
+    auto router = StartOnNats(KVROUTER_BIN, nats_->url(), LoginFlags("router", {"--router-mode", "kv"}), dir_ + "/kvrouter.log");
+    ASSERT_TRUE(router.ok()) << router.status().ToString();
+    router_ = std::move(router->process);
+    auto mocker = StartOnNats(KVMOCKER_BIN, nats_->url(),
+                              LoginFlags("worker", {"--num-workers", "2", "--num-gpu-blocks", "256", "--speedup-ratio", "50",
+                                                    "--worker-id-base", "500"}),
+                              dir_ + "/kvmocker.log");
+    ASSERT_TRUE(mocker.ok()) << mocker.status().ToString();
+    mocker_ = std::move(mocker->process);
+    client_ = LogIn("client");
+    ASSERT_NE(client_, nullptr);
+    ASSERT_TRUE(Stats().AwaitWorkers(2, 15s))
         << "the system never came up; logs in " << dir_ << "\n" << ReadFile(dir_ + "/kvrouter.log") << ReadFile(dir_ + "/kvmocker.log");
   }
-  std::optional<StatsReply> Stats() {
-    auto reply = client_->Request(kRouter + "stats", AsBytes(EncodeStatsRequest({})), 1s);
-    if (!reply.ok()) return std::nullopt;
-    auto s = DecodeStatsReply(*reply);
-    return s.ok() ? std::optional<StatsReply>(std::move(s).value()) : std::nullopt;
-  }
+  // router.stats, asked with the client's login.
+  StatsClient Stats() const { return StatsClient(*client_, {.timeout = 1s}); }
 
   std::string dir_;
-  std::unique_ptr<NatsServerProcess> nats_;
   std::unique_ptr<ChildProcess> router_, mocker_;
-  std::vector<std::unique_ptr<NatsClient>> clients_;
-  NatsClient* client_ = nullptr;
+  std::unique_ptr<NatsClient> client_;
 };
 
 TEST_F(SecurityTest, TheSystemRoutesOverTlsWithLeastPrivilegeUsers) {
@@ -147,29 +124,28 @@ TEST_F(SecurityTest, TheSystemRoutesOverTlsWithLeastPrivilegeUsers) {
   ASSERT_TRUE(client_->PublishRequest(kRouter + "generate", "_INBOX.security-test", AsBytes(EncodeRouteRequest(req))).ok());
   EXPECT_TRUE(WaitFor([&] { return final.load(); }, 10s)) << ReadFile(dir_ + "/kvrouter.log");
   // The worker's events reached the router.
-  EXPECT_TRUE(WaitFor([&] { auto s = Stats(); return s && s->counters.at("events_applied") > 0; }, 10s));
+  EXPECT_TRUE(Stats().Await([](const StatsReply& s) { return s.counters.at("events_applied") > 0; }, 10s));
 }
 
 TEST_F(SecurityTest, AWorkersLoginCannotCallRouteAndAClientsCannotPublishEvents) {
   StartSystem();
-  auto worker = Connect("worker");
-  ASSERT_TRUE(worker.ok()) << worker.status().ToString();
+  auto worker = LogIn("worker");
+  ASSERT_NE(worker, nullptr);
   RouteRequest q{.token_ids = {1, 2, 3, 4}, .has_token_ids = true, .isl = 4};
-  EXPECT_FALSE((*worker)->Request(kRouter + "route", AsBytes(EncodeRouteRequest(q)), 1s).ok());
+  EXPECT_FALSE(worker->Request(kRouter + "route", AsBytes(EncodeRouteRequest(q)), 1s).ok());
   EXPECT_TRUE(client_->Request(kRouter + "best_worker", AsBytes(EncodeRouteRequest(q)), 2s).ok());  // the client may
 
   const KvEventBatch forged = StoredPromptBatch(999, 1, std::vector<std::uint32_t>(64, 7), 64);
-  ASSERT_TRUE(client_->Publish("namespace.dynamo.component.backend.kv-events", AsBytes(EncodeDynamoEnvelope(forged, {}))).ok());
+  ASSERT_TRUE(client_->Publish(kComp + "kv-events", AsBytes(EncodeDynamoEnvelope(forged, {}))).ok());
   ASSERT_TRUE(client_->Flush(2s).ok());  // the server has judged it
   // A worker's event after it, on the same subject, reaches the router; the forged one, before
   // it, would have too had the server let it through.
   const KvEventBatch honest = StoredPromptBatch(998, 1, std::vector<std::uint32_t>(64, 8), 64);
-  ASSERT_TRUE((*worker)->Publish("namespace.dynamo.component.backend.kv-events", AsBytes(EncodeDynamoEnvelope(honest, {}))).ok());
-  ASSERT_TRUE(WaitFor([&] {
-    auto s = Stats();
-    return s && std::any_of(s->workers.begin(), s->workers.end(), [](const WorkerStats& w) { return w.worker_id == 998; });
+  ASSERT_TRUE(worker->Publish(kComp + "kv-events", AsBytes(EncodeDynamoEnvelope(honest, {}))).ok());
+  ASSERT_TRUE(Stats().Await([](const StatsReply& s) {
+    return std::any_of(s.workers.begin(), s.workers.end(), [](const WorkerStats& w) { return w.worker_id == 998; });
   }, 5s));
-  auto s = Stats();
+  auto s = Stats().Get();
   ASSERT_TRUE(s);
   for (const WorkerStats& w : s->workers) EXPECT_NE(w.worker_id, 999u);
 }
@@ -189,4 +165,4 @@ TEST_F(SecurityTest, AWrongPasswordOrCaStopsAProgramNamingTheFlag) {
 }
 
 }  // namespace
-}  // namespace kvrouter
+}  // namespace kvrouter::testing

@@ -14,23 +14,14 @@
 #include "events/message_codec.h"
 #include "events/msgpack_reader.h"
 #include "router/service/kv_router_service.h"
-#include "tests/integration/process.h"
+#include "tests/integration/kvrouter_fixture.h"
 #include "transport/nats_bus.h"
 #include "transport/nats_client.h"
 
-namespace kvrouter {
+namespace kvrouter::testing {
 namespace {
 
-using namespace std::chrono_literals;
-constexpr std::uint32_t kBs = 4;
-const std::string kComp = "namespace.dynamo.component.backend.";
-const std::string kRouter = "namespace.dynamo.router.";
-
-std::vector<std::uint32_t> Prompt(std::uint32_t seed, std::size_t n) {
-  std::vector<std::uint32_t> t(n);
-  for (std::size_t i = 0; i < n; ++i) t[i] = seed * 1000 + static_cast<std::uint32_t>(i);
-  return t;
-}
+std::vector<std::uint32_t> Prompt(std::uint32_t seed, std::size_t n) { return Tokens(seed * 1000, n); }
 
 // Fails the test (and aborts it) if `done` is not set within `limit`: a deadlock must not hang
 // the suite.
@@ -60,35 +51,31 @@ class Watchdog {
   std::thread thread_;
 };
 
-TEST(ServiceThreads, EveryPathRacesSafelyOverRealNats) {
+class ServiceThreads : public NatsServerTest {};
+
+TEST_F(ServiceThreads, EveryPathRacesSafelyOverRealNats) {
   Watchdog watchdog(120s);
-  auto nats = testing::NatsServerProcess::Start();
-  ASSERT_TRUE(nats.ok()) << nats.status().ToString();
-  auto server_side = NatsClient::Connect({.url = (*nats)->url(), .name = "router", .send_asap = true}, {});
-  ASSERT_TRUE(server_side.ok());
-  NatsBus bus(**server_side);
+  auto server_side = Connect({.name = "router", .send_asap = true});
+  ASSERT_NE(server_side, nullptr);
+  NatsBus bus(*server_side);
   const char* argv[] = {"kvrouter", "--router-mode", "kv", "--block-size", "4", "--router-queue-threshold", "4"};
   auto cfg = ParseRouterConfig(7, argv, [](const char*) { return nullptr; });
   ASSERT_TRUE(cfg.ok());
   KvRouterService svc(cfg->config, bus);
   ASSERT_TRUE(svc.Start().ok());
-  auto workers = NatsClient::Connect({.url = (*nats)->url(), .name = "workers"}, {});
-  auto clients = NatsClient::Connect({.url = (*nats)->url(), .name = "clients", .send_asap = true}, {});
-  ASSERT_TRUE(workers.ok() && clients.ok());
+  auto workers = Connect({.name = "workers"});
+  auto clients = Connect({.name = "clients", .send_asap = true});
+  ASSERT_TRUE(workers && clients);
 
   constexpr int kWorkers = 8;
   auto register_all = [&] {
     for (int w = 1; w <= kWorkers; ++w) {
       WorkerRegistration r{.worker_id = static_cast<std::uint64_t>(w), .block_size = kBs, .lease_ms = 60000};
-      (void)(*workers)->Publish(kComp + "instances", AsBytes(EncodeWorkerRegistration(r)));
+      (void)workers->Publish(kComp + "instances", AsBytes(EncodeWorkerRegistration(r)));
     }
   };
   register_all();
-  ASSERT_TRUE(testing::WaitFor([&] {
-    auto reply = (*clients)->Request(kRouter + "stats", AsBytes(EncodeStatsRequest({})), 1s);
-    auto s = reply.ok() ? DecodeStatsReply(*reply) : Result<StatsReply>(Internal("no reply"));
-    return s.ok() && s->workers_total == kWorkers;
-  }, 10s));
+  ASSERT_TRUE(StatsClient(*clients, {.timeout = 1s}).AwaitWorkers(kWorkers, 10s));
 
   std::atomic<bool> stop{false};
   std::atomic<int> routed{0}, failed{0};
@@ -98,7 +85,7 @@ TEST(ServiceThreads, EveryPathRacesSafelyOverRealNats) {
     for (std::uint32_t i = 0; !stop; ++i) {
       const int w = 1 + static_cast<int>(i % kWorkers);
       auto b = StoredPromptBatch(w, next_id[w]++, Prompt(i % 50, 16), kBs);
-      (void)(*workers)->Publish(kComp + "kv-events", AsBytes(EncodeDynamoEnvelope(b, {})));
+      (void)workers->Publish(kComp + "kv-events", AsBytes(EncodeDynamoEnvelope(b, {})));
       if (i % 100 == 0) register_all();
     }
   });
@@ -107,22 +94,22 @@ TEST(ServiceThreads, EveryPathRacesSafelyOverRealNats) {
       for (int i = 0; i < 150; ++i) {
         const std::string id = "t" + std::to_string(t) + "-" + std::to_string(i);
         RouteRequest r{.request_id = id, .token_ids = Prompt(i % 50, 24), .has_token_ids = true, .isl = 24};
-        auto reply = (*clients)->Request(kRouter + "route", AsBytes(EncodeRouteRequest(r)), 5s);
+        auto reply = clients->Request(kRouter + "route", AsBytes(EncodeRouteRequest(r)), 5s);
         if (reply.ok() && DecodeRouteReply(*reply).ok()) {
           ++routed;
         } else {
           ++failed;
         }
-        (void)(*clients)->Request(kRouter + "mark_prefill", AsBytes(EncodeLifecycleRequest(id)), 5s);
-        (void)(*clients)->Request(kRouter + "free", AsBytes(EncodeLifecycleRequest(id)), 5s);
+        (void)clients->Request(kRouter + "mark_prefill", AsBytes(EncodeLifecycleRequest(id)), 5s);
+        (void)clients->Request(kRouter + "free", AsBytes(EncodeLifecycleRequest(id)), 5s);
       }
     });
   }
   threads.emplace_back([&] {  // stats and best_worker meanwhile
     while (!stop) {
-      (void)(*clients)->Request(kRouter + "stats", AsBytes(EncodeStatsRequest({.offset = 2, .limit = 3})), 5s);
+      (void)StatsClient(*clients, {.timeout = 5s}).Get({.offset = 2, .limit = 3});
       RouteRequest q{.token_ids = Prompt(3, 16), .has_token_ids = true, .isl = 16};
-      (void)(*clients)->Request(kRouter + "best_worker", AsBytes(EncodeRouteRequest(q)), 5s);
+      (void)clients->Request(kRouter + "best_worker", AsBytes(EncodeRouteRequest(q)), 5s);
     }
   });
   threads.emplace_back([&] {  // the ticker
@@ -140,10 +127,8 @@ TEST(ServiceThreads, EveryPathRacesSafelyOverRealNats) {
   EXPECT_EQ(routed.load(), 300);
   EXPECT_EQ(failed.load(), 0);
   // Every booking was freed; nothing is left queued.
-  auto reply = (*clients)->Request(kRouter + "stats", AsBytes(EncodeStatsRequest({})), 5s);
-  ASSERT_TRUE(reply.ok());
-  auto s = DecodeStatsReply(*reply);
-  ASSERT_TRUE(s.ok()) << s.status().ToString();
+  auto s = StatsClient(*clients, {.timeout = 5s}).Get();
+  ASSERT_TRUE(s.has_value());
   EXPECT_EQ(s->counters.at("active_requests"), 0u);
   EXPECT_EQ(s->counters.at("queue_length"), 0u);
   EXPECT_GT(s->counters.at("events_applied"), 0u);
@@ -151,4 +136,4 @@ TEST(ServiceThreads, EveryPathRacesSafelyOverRealNats) {
 }
 
 }  // namespace
-}  // namespace kvrouter
+}  // namespace kvrouter::testing

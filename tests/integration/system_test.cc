@@ -11,55 +11,34 @@
 #include "events/message_codec.h"
 #include "events/msgpack_reader.h"
 #include "events/worker_codec.h"
-#include "tests/integration/process.h"
-#include "transport/nats_client.h"
+#include "tests/integration/kvrouter_fixture.h"
 
-namespace kvrouter {
+namespace kvrouter::testing {
 namespace {
 
-using namespace std::chrono_literals;
-using testing::ChildProcess;
-using testing::NatsServerProcess;
-using testing::WaitFor;
+// kvmocker's default block size, which the router is given too: the prompts below count their
+// blocks in it (640 tokens: 10 blocks).
+constexpr std::uint32_t kBlockSize = 64;
 
-class SystemTest : public ::testing::Test {
+class SystemTest : public KvRouterProcessTest {
  protected:
+  std::uint32_t RouterBlockSize() const override { return kBlockSize; }
   void SetUp() override {
-    auto nats = NatsServerProcess::Start();
-    ASSERT_TRUE(nats.ok()) << nats.status().ToString();
-    nats_ = std::move(nats).value();
-    const std::string tag = std::to_string(nats_->port());
-    StartRouter();
-    auto mocker = ChildProcess::Start({KVMOCKER_BIN, "--nats-server", nats_->url(), "--num-workers", "3",
-                                       "--num-gpu-blocks", "1024", "--speedup-ratio", "50", "--worker-id-base", "10",
-                                       "--metrics-port", "0"},
-                                      ::testing::TempDir() + "system-kvmocker-" + tag + ".log");
-    ASSERT_TRUE(mocker.ok());
-    mocker_ = std::move(mocker).value();
-    auto nc = NatsClient::Connect({.url = nats_->url(), .name = "system-test", .send_asap = true}, {});
-    ASSERT_TRUE(nc.ok());
-    nc_ = std::move(nc).value();
-    ASSERT_TRUE(WaitFor([&] { return RouterWorkers() == 3; }, 15s)) << "workers never registered";
-  }
-  void StartRouter() {
-    auto router = ChildProcess::Start({KVROUTER_BIN, "--nats-server", nats_->url(), "--router-mode", "kv", "--metrics-port", "0"},
-                                      ::testing::TempDir() + "system-kvrouter-" + std::to_string(nats_->port()) +
-                                          "-" + std::to_string(++routers_) + ".log");
-    ASSERT_TRUE(router.ok());
-    router_ = std::move(router).value();
+    KvRouterProcessTest::SetUp();
+    if (HasFatalFailure()) return;
+    auto mocker = StartOnNats(KVMOCKER_BIN, nats_->url(),
+                              {"--num-workers", "3", "--num-gpu-blocks", "1024", "--speedup-ratio", "50",
+                               "--worker-id-base", "10"},
+                              LogPath("system-kvmocker"));
+    ASSERT_TRUE(mocker.ok()) << mocker.status().ToString();
+    mocker_ = std::move(mocker->process);
+    ASSERT_TRUE(AwaitWorkers(3, 15s)) << "workers never registered";
   }
   void TearDown() override {
-    nc_.reset();
     if (mocker_) mocker_->Stop();
-    if (router_) router_->Stop();
+    KvRouterProcessTest::TearDown();
   }
 
-  std::optional<StatsReply> Stats() {
-    auto reply = nc_->Request("namespace.dynamo.router.stats", AsBytes(EncodeStatsRequest({})), 500ms);
-    if (!reply.ok()) return std::nullopt;
-    auto stats = DecodeStatsReply(*reply);
-    return stats.ok() ? std::optional<StatsReply>(std::move(stats).value()) : std::nullopt;
-  }
   std::size_t RouterWorkers() {
     auto s = Stats();
     return s ? s->workers_total : 0;
@@ -67,6 +46,12 @@ class SystemTest : public ::testing::Test {
   std::uint64_t ActiveRequests() {
     auto s = Stats();
     return s ? s->counters.at("active_requests") : ~0ull;
+  }
+  // What the router credits for a prompt: (worker, overlap) from best_worker; {0, 0} without
+  // an answer.
+  std::pair<std::uint64_t, std::uint32_t> Decision(const std::vector<std::uint32_t>& tokens) {
+    auto r = BestWorker(tokens);
+    return r.ok() ? std::make_pair(r->worker_id, r->overlap_blocks) : std::make_pair(std::uint64_t{0}, 0u);
   }
 
   // Sends one generate request and collects its responses until the final one.
@@ -90,16 +75,13 @@ class SystemTest : public ::testing::Test {
     EXPECT_TRUE(sub.ok());
     RouteRequest req{.request_id = id, .token_ids = tokens, .has_token_ids = true,
                      .isl = static_cast<std::uint32_t>(tokens.size()), .max_tokens = 8};
-    EXPECT_TRUE(nc_->PublishRequest("namespace.dynamo.router.generate", inbox, AsBytes(EncodeRouteRequest(req))).ok());
+    EXPECT_TRUE(nc_->PublishRequest(kRouter + "generate", inbox, AsBytes(EncodeRouteRequest(req))).ok());
     std::unique_lock lk(mu);
     EXPECT_TRUE(cv.wait_for(lk, 10s, [&] { return final; })) << id;
     return got;
   }
 
-  std::unique_ptr<NatsServerProcess> nats_;
-  std::unique_ptr<ChildProcess> router_, mocker_;
-  std::unique_ptr<NatsClient> nc_;
-  int routers_ = 0;
+  std::unique_ptr<ChildProcess> mocker_;
 };
 
 TEST_F(SystemTest, GenerateStreamsThroughTheRouterAndTheSecondTurnHitsTheCache) {
@@ -120,15 +102,6 @@ TEST_F(SystemTest, GenerateStreamsThroughTheRouterAndTheSecondTurnHitsTheCache) 
   ASSERT_TRUE(WaitFor([&] { return ActiveRequests() == 0; }, 5s));  // every booking freed
 }
 
-// What the router credits for a prompt: (worker, overlap) from best_worker.
-std::pair<std::uint64_t, std::uint32_t> BestWorker(NatsClient& nc, const std::vector<std::uint32_t>& tokens) {
-  RouteRequest q{.token_ids = tokens, .has_token_ids = true, .isl = static_cast<std::uint32_t>(tokens.size())};
-  auto reply = nc.Request("namespace.dynamo.router.best_worker", AsBytes(EncodeRouteRequest(q)), 2s);
-  if (!reply.ok()) return {0, 0};
-  auto r = DecodeRouteReply(*reply);
-  return r.ok() ? std::make_pair(r->worker_id, r->overlap_blocks) : std::make_pair(std::uint64_t{0}, 0u);
-}
-
 TEST_F(SystemTest, RouterKilledAndStartedAgainKnowsEveryCacheBeforeAnyNewEvent) {
   std::vector<std::vector<std::uint32_t>> prompts;
   for (std::uint32_t p = 0; p < 6; ++p) {
@@ -140,24 +113,21 @@ TEST_F(SystemTest, RouterKilledAndStartedAgainKnowsEveryCacheBeforeAnyNewEvent) 
   ASSERT_TRUE(WaitFor([&] { return ActiveRequests() == 0; }, 5s));
   // What the router knew before it died: blocks per worker, and its decision for every prompt.
   std::map<std::uint64_t, std::uint64_t> blocks_before;
-  ASSERT_TRUE(WaitFor([&] {
-    auto s = Stats();
-    if (!s) return false;
+  ASSERT_TRUE(AwaitStats([&](const StatsReply& s) {
     blocks_before.clear();
     std::uint64_t total = 0;
-    for (const WorkerStats& w : s->workers) total += blocks_before[w.worker_id] = w.blocks;
+    for (const WorkerStats& w : s.workers) total += blocks_before[w.worker_id] = w.blocks;
     return total >= 6 * 10;  // every prompt's 10 blocks are indexed
   }, 5s));
   std::vector<std::pair<std::uint64_t, std::uint32_t>> decisions;
-  for (const auto& p : prompts) decisions.push_back(BestWorker(*nc_, p));
+  for (const auto& p : prompts) decisions.push_back(Decision(p));
 
   router_->Kill();  // kill -9: nothing saved, nothing said
   StartRouter();
   // Up again, and recovered from the workers' dumps (no new traffic meanwhile).
-  ASSERT_TRUE(WaitFor([&] {
-    auto s = Stats();
-    return s && s->workers_total == 3 && s->counters["recovery_dumps"] >= 3 && s->counters["recoveries_in_flight"] == 0 &&
-           s->counters["recoveries_waiting"] == 0;
+  ASSERT_TRUE(AwaitStats([](StatsReply& s) {
+    return s.workers_total == 3 && s.counters["recovery_dumps"] >= 3 && s.counters["recoveries_in_flight"] == 0 &&
+           s.counters["recoveries_waiting"] == 0;
   }, 15s));
   auto s = Stats();
   ASSERT_TRUE(s.has_value());
@@ -166,7 +136,7 @@ TEST_F(SystemTest, RouterKilledAndStartedAgainKnowsEveryCacheBeforeAnyNewEvent) 
   for (const WorkerStats& w : s->workers) blocks_after[w.worker_id] = w.blocks;
   EXPECT_EQ(blocks_after, blocks_before);
   for (std::size_t p = 0; p < prompts.size(); ++p) {
-    EXPECT_EQ(BestWorker(*nc_, prompts[p]), decisions[p]) << "prompt " << p;
+    EXPECT_EQ(Decision(prompts[p]), decisions[p]) << "prompt " << p;
   }
 }
 
@@ -174,8 +144,8 @@ TEST_F(SystemTest, NatsRestartUnderLoadLosesNoCacheAndLeaksNoBooking) {
   std::vector<std::uint32_t> warm(640);
   for (std::size_t i = 0; i < warm.size(); ++i) warm[i] = static_cast<std::uint32_t>(i * 5 + 2);
   ASSERT_FALSE(Generate("warm", warm).empty());
-  ASSERT_TRUE(WaitFor([&] { return BestWorker(*nc_, warm).second == 10; }, 5s));
-  const auto before = BestWorker(*nc_, warm);
+  ASSERT_TRUE(WaitFor([&] { return Decision(warm).second == 10; }, 5s));
+  const auto before = Decision(warm);
   const std::uint64_t dumps_before = Stats()->counters["recovery_dumps"];
   // Load: generate requests, each given 3 s, sent without pause from another thread; those that
   // meet the outage fail, the rest must go through.
@@ -189,7 +159,7 @@ TEST_F(SystemTest, NatsRestartUnderLoadLosesNoCacheAndLeaksNoBooking) {
       for (std::size_t k = 0; k < t.size(); ++k) t[k] = static_cast<std::uint32_t>(i * 1000 + k);
       RouteRequest r{.request_id = "load-" + std::to_string(i), .token_ids = t, .has_token_ids = true, .isl = 256,
                      .timeout_ms = 3000, .max_tokens = 4};
-      (void)(*client)->PublishRequest("namespace.dynamo.router.generate", "_LOAD." + std::to_string(i),
+      (void)(*client)->PublishRequest(kRouter + "generate", "_LOAD." + std::to_string(i),
                                       AsBytes(EncodeRouteRequest(r)));
       ++sent;
       std::this_thread::sleep_for(5ms);  // a steady request rate, not a wait for a condition
@@ -206,14 +176,13 @@ TEST_F(SystemTest, NatsRestartUnderLoadLosesNoCacheAndLeaksNoBooking) {
   load.join();
   // Every worker was dumped again after the reconnect, the cache from before is still known,
   // and every booking ends (answered, or freed by its 3 s timeout).
-  ASSERT_TRUE(WaitFor([&] {
-    auto s = Stats();
-    return s && s->counters["recovery_dumps"] >= dumps_before + 3 && s->counters["recoveries_in_flight"] == 0;
+  ASSERT_TRUE(AwaitStats([&](StatsReply& s) {
+    return s.counters["recovery_dumps"] >= dumps_before + 3 && s.counters["recoveries_in_flight"] == 0;
   }, 10s));
-  EXPECT_EQ(BestWorker(*nc_, warm), before);
+  EXPECT_EQ(Decision(warm), before);
   EXPECT_TRUE(WaitFor([&] { return ActiveRequests() == 0; }, 10s)) << ActiveRequests() << " bookings left";
   EXPECT_EQ(RouterWorkers(), 3u);
 }
 
 }  // namespace
-}  // namespace kvrouter
+}  // namespace kvrouter::testing

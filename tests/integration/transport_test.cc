@@ -17,14 +17,10 @@
 
 #include <gtest/gtest.h>
 
-#include "tests/integration/process.h"
+#include "tests/integration/kvrouter_fixture.h"
 
-namespace kvrouter {
+namespace kvrouter::testing {
 namespace {
-
-using namespace std::chrono_literals;
-using testing::NatsServerProcess;
-using testing::WaitFor;
 
 std::span<const std::byte> Bytes(std::string_view s) {
   return {reinterpret_cast<const std::byte*>(s.data()), s.size()};
@@ -65,27 +61,7 @@ MessageHandler Collect(Inbox& inbox) {
   return [&inbox](const IncomingMessage& m) { inbox.Add(Text(m.data)); };
 }
 
-class TransportTest : public ::testing::Test {
- protected:
-  void SetUp() override {
-    auto server = NatsServerProcess::Start();
-    ASSERT_TRUE(server.ok()) << server.status().ToString();
-    server_ = std::move(server).value();
-  }
-
-  std::unique_ptr<NatsClient> Connect(NatsClient::Callbacks callbacks = {},
-                                      std::string name = "transport_test") {
-    NatsOptions options;
-    options.url = server_->url();
-    options.name = std::move(name);
-    auto client = NatsClient::Connect(options, std::move(callbacks));
-    EXPECT_TRUE(client.ok()) << client.status().ToString();
-    if (!client.ok()) return nullptr;
-    return std::move(client).value();
-  }
-
-  std::unique_ptr<NatsServerProcess> server_;
-};
+class TransportTest : public NatsServerTest {};
 
 TEST_F(TransportTest, PublishedMessageReachesSubscriber) {
   auto nc = Connect();
@@ -173,9 +149,9 @@ TEST_F(TransportTest, MorePendingIsSetForEveryQueuedMessageButTheLast) {
 
 TEST_F(TransportTest, QueueGroupMembersShareRequestsAndEachIsHandledOnce) {
   // Two router replicas, each with its own connection, in queue group "kvrouter".
-  auto replica_a = Connect({}, "replica-a");
-  auto replica_b = Connect({}, "replica-b");
-  auto client = Connect({}, "client");
+  auto replica_a = Connect({.name = "replica-a"});
+  auto replica_b = Connect({.name = "replica-b"});
+  auto client = Connect({.name = "client"});
   ASSERT_TRUE(replica_a && replica_b && client);
 
   std::mutex mu;
@@ -426,9 +402,9 @@ TEST_F(TransportTest, ThrowingConnectionCallbackIsCounted) {
     ++reconnected;
     throw std::runtime_error("on_reconnected failed");
   };
-  auto nc = Connect(std::move(callbacks));
+  auto nc = Connect({}, std::move(callbacks));
   ASSERT_NE(nc, nullptr);
-  ASSERT_TRUE(server_->Restart().ok());
+  ASSERT_TRUE(nats_->Restart().ok());
   ASSERT_TRUE(WaitFor([&] { return reconnected.load() >= 1; }, 10s));
   ASSERT_TRUE(WaitFor([&] { return nc->Stats().callback_errors >= 2; }, 5s));
 }
@@ -439,8 +415,8 @@ TEST_F(TransportTest, ReconnectAfterServerRestartResumesExistingSubscription) {
   NatsClient::Callbacks callbacks;
   callbacks.on_reconnected = [&] { ++reconnected; };
   callbacks.on_disconnected = [&] { ++disconnected; };
-  auto nc = Connect(std::move(callbacks), "subscriber");
-  auto publisher = Connect({}, "publisher");
+  auto nc = Connect({.name = "subscriber"}, std::move(callbacks));
+  auto publisher = Connect({.name = "publisher"});
   ASSERT_TRUE(nc && publisher);
 
   Inbox inbox;
@@ -450,9 +426,9 @@ TEST_F(TransportTest, ReconnectAfterServerRestartResumesExistingSubscription) {
   ASSERT_TRUE(publisher->Publish("kv.events", Bytes("before")).ok());
   ASSERT_TRUE(WaitFor([&] { return inbox.Contains("before"); }, 5s));
 
-  const int port = server_->port();
-  ASSERT_TRUE(server_->Restart().ok());
-  EXPECT_EQ(server_->port(), port);
+  const int port = nats_->port();
+  ASSERT_TRUE(nats_->Restart().ok());
+  EXPECT_EQ(nats_->port(), port);
 
   ASSERT_TRUE(WaitFor([&] { return reconnected.load() >= 1; }, 10s));
   EXPECT_GE(disconnected.load(), 1);
@@ -476,7 +452,7 @@ TEST_F(TransportTest, ReconnectAfterServerRestartResumesExistingSubscription) {
 }
 
 TEST_F(TransportTest, ConnectSucceedsBeforeServerIsUpAndConnectsInBackground) {
-  auto port = testing::PickFreePort();
+  auto port = PickFreePort();
   ASSERT_TRUE(port.ok());
   std::atomic<int> connected{0};
   NatsOptions options;
@@ -500,7 +476,7 @@ TEST_F(TransportTest, ConnectSucceedsBeforeServerIsUpAndConnectsInBackground) {
 }
 
 TEST_F(TransportTest, ClientDestroyedWhileStillConnectingReturnsPromptly) {
-  auto port = testing::PickFreePort();
+  auto port = PickFreePort();
   ASSERT_TRUE(port.ok());
   NatsOptions options;
   options.url = "nats://127.0.0.1:" + std::to_string(*port);
@@ -515,10 +491,10 @@ TEST_F(TransportTest, ClientDestroyedWhileStillConnectingReturnsPromptly) {
 }
 
 TEST_F(TransportTest, CommaSeparatedUrlListReachesTheLiveServer) {
-  auto dead_port = testing::PickFreePort();
+  auto dead_port = PickFreePort();
   ASSERT_TRUE(dead_port.ok());
   NatsOptions options;
-  options.url = "nats://127.0.0.1:" + std::to_string(*dead_port) + ", " + server_->url();
+  options.url = "nats://127.0.0.1:" + std::to_string(*dead_port) + ", " + nats_->url();
   options.retry_on_failed_connect = false;  // must connect now, to the live one
   auto nc = NatsClient::Connect(options, {});
   ASSERT_TRUE(nc.ok()) << nc.status().ToString();
@@ -527,7 +503,7 @@ TEST_F(TransportTest, CommaSeparatedUrlListReachesTheLiveServer) {
 }
 
 TEST_F(TransportTest, ConnectWithoutRetryFailsWhenNoServer) {
-  auto port = testing::PickFreePort();
+  auto port = PickFreePort();
   ASSERT_TRUE(port.ok());
   NatsOptions options;
   options.url = "nats://127.0.0.1:" + std::to_string(*port);
@@ -571,7 +547,7 @@ TEST_F(TransportTest, SubscriptionOutlivingItsClientIsSafe) {
 // freed under it, and the ones kept back must be freed in bounded batches, not piled up.
 TEST_F(TransportTest, SubscriptionsDestroyedDuringAFloodAreFreedInBoundedBatches) {
   auto nc = Connect();
-  auto publisher = Connect({}, "flood");
+  auto publisher = Connect({.name = "flood"});
   ASSERT_NE(nc, nullptr);
   ASSERT_NE(publisher, nullptr);
   std::atomic<bool> stop{false};
@@ -604,4 +580,4 @@ TEST_F(TransportTest, InvalidSubjectIsInvalidArgument) {
 }
 
 }  // namespace
-}  // namespace kvrouter
+}  // namespace kvrouter::testing
