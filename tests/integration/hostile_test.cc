@@ -163,7 +163,7 @@ TEST_F(HostileTest, RegistrationWithFourBillionDpRanksIsRefused) {
   WorkerRegistration r{.worker_id = 99, .dp_size = std::numeric_limits<std::uint32_t>::max(), .block_size = kBs};
   ASSERT_TRUE(nc_->Publish(kComp + "instances", AsBytes(EncodeWorkerRegistration(r))).ok());
   ASSERT_TRUE(AwaitBreakdown("registrations_refused", "dp_size", 1));
-  EXPECT_EQ(Stats()->workers_total, 1u);
+  EXPECT_EQ(Stats().value().workers_total, 1u);
   ExpectHealthy();
 }
 
@@ -185,7 +185,7 @@ TEST_F(HostileTest, LeaseOfZeroOrTwoToThe63IsClamped) {
   ASSERT_TRUE(nc_->Publish(kComp + "instances", AsBytes(registration(1, 0))).ok());
   // Lease 0 is read as 100 ms: worker 1 comes and goes; worker 2 (an hour) stays.
   ASSERT_TRUE(AwaitStats([](const StatsReply& s) { return s.counters.at("leases_expired") == 1; }, 5s));
-  EXPECT_EQ(Stats()->workers_total, 2u);
+  EXPECT_EQ(Stats().value().workers_total, 2u);
   ExpectHealthy();
 }
 
@@ -209,7 +209,7 @@ TEST_F(HostileTest, UnregisteredWorkersEventOnTheLastRankIsDropped) {
   b.dp_rank = std::numeric_limits<std::uint32_t>::max();
   ASSERT_TRUE(nc_->Publish(kComp + "kv-events", AsBytes(EncodeDynamoEnvelope(b, {}))).ok());
   ASSERT_TRUE(AwaitBreakdown("events_dropped", "dp_rank_out_of_range", 1));
-  EXPECT_EQ(Stats()->workers_total, 1u);
+  EXPECT_EQ(Stats().value().workers_total, 1u);
   ExpectHealthy();
 }
 
@@ -305,7 +305,7 @@ TEST_F(HostileTest, SeventyThousandBookingsNeverFreed) {
   });
   EXPECT_EQ(codes["ok"], kBookingBound);
   EXPECT_EQ(codes["overloaded"], kN - kBookingBound);
-  EXPECT_EQ(Stats()->counters.at("active_requests"), kBookingBound);
+  EXPECT_EQ(Stats().value().counters.at("active_requests"), kBookingBound);
   ExpectHealthy();
 }
 

@@ -146,7 +146,7 @@ TEST_F(SystemTest, NatsRestartUnderLoadLosesNoCacheAndLeaksNoBooking) {
   ASSERT_FALSE(Generate("warm", warm).empty());
   ASSERT_TRUE(WaitFor([&] { return Decision(warm).second == 10; }, 5s));
   const auto before = Decision(warm);
-  const std::uint64_t dumps_before = Stats()->counters["recovery_dumps"];
+  const std::uint64_t dumps_before = Stats().value().counters["recovery_dumps"];
   // Load: generate requests, each given 3 s, sent without pause from another thread; those that
   // meet the outage fail, the rest must go through.
   std::atomic<bool> stop{false};
