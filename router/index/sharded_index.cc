@@ -1,33 +1,19 @@
 #include "router/index/sharded_index.h"
 
-#include <concurrentqueue/blockingconcurrentqueue.h>
-
-#include <pthread.h>
 #include <sched.h>
 
 #include <algorithm>
-#include <chrono>
-#include <condition_variable>
-#include <map>
-#include <optional>
-#include <thread>
-#include <unordered_map>
-#include <unordered_set>
+#include <limits>
 
-#include "events/base/clock.h"
-
-#include "router/index/read_gate.h"
 #include "router/index/shard.h"
-#include "router/index/shard_lock.h"
 #include "router/index/spare_batches.h"
-#include "events/base/thread_annotations.h"
 
 namespace kvrouter {
 
 ShardedIndex::ShardedIndex(ShardedIndexOptions options)
     : spares_(std::make_unique<SpareBatches>()), apply_on_submit_(options.apply_on_submit) {
   const std::size_t n = options.num_shards == 0 ? 1 : options.num_shards;
-  for (std::size_t i = 0; i < n; ++i) shards_.push_back(std::make_unique<Shard>(options, *spares_, i));
+  for (std::size_t i = 0; i < n; ++i) shards_.push_back(std::make_unique<IndexShard>(options, *spares_, i));
 }
 
 ShardedIndex::~ShardedIndex() = default;
@@ -37,7 +23,7 @@ std::size_t ShardedIndex::ShardOf(std::uint64_t worker_id) const {
 }
 
 bool ShardedIndex::Submit(KvEventBatch&& batch) {
-  Shard& shard = *shards_[ShardOf(batch.worker_id)];
+  IndexShard& shard = *shards_[ShardOf(batch.worker_id)];
   KvEventBatch* const one[] = {&batch};
   if (apply_on_submit_ && shard.ApplyHere(one)) return true;
   return shard.Submit(std::move(batch));

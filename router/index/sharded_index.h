@@ -44,6 +44,9 @@
 
 namespace kvrouter {
 
+class IndexShard;    // router/index/shard.h
+class SpareBatches;  // router/index/spare_batches.h
+
 struct ShardedIndexOptions {
   std::size_t num_shards = 2;          // fixed for the index's life; worker_id -> shard by hash
   std::size_t queue_capacity = 65536;  // batches waiting per shard before Submit refuses
@@ -166,10 +169,8 @@ class ShardedIndex {
   std::size_t ShardOf(std::uint64_t worker_id) const;
 
  private:
-  class Shard;
-  class SpareBatches;
   std::unique_ptr<SpareBatches> spares_;  // before shards_: their threads give to it until joined
-  std::vector<std::unique_ptr<Shard>> shards_;
+  std::vector<std::unique_ptr<IndexShard>> shards_;
   const bool apply_on_submit_;
   mutable std::atomic<std::size_t> last_matches_{0};  // size of the last FindMatches result
 };

@@ -1,3 +1,12 @@
+// SpareBatches: applied batches, handed back by the shard threads for their memory
+// (ShardedIndex::Spare). Both sides move them in bulk: a shard thread gives a bulk's worth at
+// once, and a taking thread keeps a few dozen of its own, so the queue and the shared count are
+// touched once per bulk rather than once per event (per event, that count's cache line crossing
+// between the cores was a sixth of the shard thread's own time).
+// Thread contract: every method from any thread. Ownership: the ShardedIndex owns it and its
+// shards borrow it (declared before them, so it outlives their threads).
+//
+//   spares.GiveAll(applied);  KvEventBatch b = spares.Take();  // b: empty, or with memory to reuse
 #pragma once
 
 #include <concurrentqueue/concurrentqueue.h>
@@ -10,16 +19,10 @@
 #include <vector>
 
 #include "events/kv_event.h"
-#include "router/index/sharded_index.h"
 
 namespace kvrouter {
 
-// Applied batches, handed back by the shard threads for their memory (ShardedIndex::Spare).
-// Both sides move them in bulk: a shard thread gives a bulk's worth at once, and a taking
-// thread keeps a few dozen of its own, so the queue and the shared count are touched once per
-// bulk rather than once per event (per event, that count's cache line crossing between the
-// cores was a sixth of the shard thread's own time).
-class ShardedIndex::SpareBatches {
+class SpareBatches {
  public:
   static constexpr std::size_t kMaxSpares = 4096;  // in the queue
   static constexpr std::size_t kMaxOps = 4;
