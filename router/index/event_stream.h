@@ -24,27 +24,15 @@
 
 #include <cstdint>
 #include <deque>
-#include <functional>
 #include <map>
 #include <optional>
 #include <vector>
 
 #include "events/kv_event.h"
+#include "router/index/recovery_part.h"
 #include "router/index/worker_key.h"
 
 namespace kvrouter {
-
-struct RecoveryPart {
-  WorkerKey worker;
-  SequenceKind numbering = SequenceKind::kEventId;  // what last_event_id counts
-  enum class Kind { kEvents, kDump, kFailed } kind = Kind::kFailed;
-  std::vector<KvEventBatch> events;  // in order; a dump's are stored chains
-  std::uint64_t last_event_id = 0;   // the worker's newest id when it answered
-  bool final = true;                 // the last part of the reply
-  std::uint64_t generation = 0;      // the ask it answers (EventStreams ignores older ones)
-  bool too_new = false;              // kFailed because the worker's ids are behind the cursor:
-                                     // it restarted; a dump follows instead of giving up
-};
 
 struct StreamCounters {
   std::uint64_t gaps = 0;
@@ -59,12 +47,7 @@ class EventStreams {
     bool recover = false;          // ask for recoveries (else only count gaps)
     std::size_t max_held = 4096;   // batches held per rank while its recovery is in flight
   };
-  // Called when a rank needs recovering: start nullopt = a tree dump, else the first §6 event id
-  // wanted. `generation` names this ask; its reply parts must carry it back. For a vLLM-numbered
-  // rank (Kv-Seq from 0, one batch per number) §6 ids count its batches from 1: id = Kv-Seq + 1.
-  using RecoveryNeeded = std::function<void(WorkerKey, SequenceKind, std::optional<std::uint64_t> start,
-                                            std::uint64_t generation)>;
-
+  // `on_recovery` is called when a rank needs recovering (recovery_part.h).
   EventStreams(Options options, RecoveryNeeded on_recovery)
       : options_(options), on_recovery_(std::move(on_recovery)) {}
 

@@ -30,6 +30,7 @@
 #include "router/index/block_index.h"
 #include "router/index/event_stream.h"
 #include "router/index/read_gate.h"
+#include "router/index/recovery_part.h"
 #include "router/index/shard_lock.h"
 #include "router/index/sharded_index.h"
 #include "router/index/spare_batches.h"
@@ -176,7 +177,7 @@ class IndexShard {
   const std::uint64_t default_capacity_;
   std::unordered_map<std::uint64_t, std::uint64_t> capacity_of_;  // thread_ only: worker_id -> blocks per rank
   const bool recover_;
-  const EventStreams::RecoveryNeeded on_recovery_;
+  const RecoveryNeeded on_recovery_;
   // Recoveries asked while applying, made once the write lock is released. Empty whenever a
   // writer releases the lock (each release takes them first, and a writer with asks pending
   // does not yield to readers), so each writer makes the asks its own events raised before it

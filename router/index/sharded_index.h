@@ -38,8 +38,8 @@
 
 #include "events/kv_event.h"
 #include "router/index/block_index.h"
-#include "router/index/event_stream.h"
 #include "router/index/read_gate.h"
+#include "router/index/recovery_part.h"
 #include "router/index/worker_key.h"
 
 namespace kvrouter {
@@ -54,7 +54,7 @@ struct ShardedIndexOptions {
   // Recovery (docs/protocol.md section 6, EventStreams): when set, a rank seen for the first time or
   // with a gap in its ids is held and this is called (on the shard thread; it must not block)
   // to ask its worker; the answer comes back through Recovered(). Unset: gaps are only counted.
-  EventStreams::RecoveryNeeded on_recovery;
+  RecoveryNeeded on_recovery;
   std::size_t max_held = 4096;         // batches held per rank while it recovers
   // Indexed blocks per (worker, dp_rank) unless SetCapacity says otherwise; a stored event that
   // would pass it is dropped (over_capacity): a worker flooding more than its cache cannot grow
