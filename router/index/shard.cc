@@ -100,14 +100,12 @@ void IndexShard::Control(bool remove, std::uint64_t worker_id) {
 
 void IndexShard::SetCapacity(std::uint64_t worker_id, std::uint64_t blocks) {
   submitted_.fetch_add(1, std::memory_order_relaxed);
-  Item it{Item::kSetCapacity, {}, worker_id, std::make_unique<RecoveryPart>()};
-  it.part->last_event_id = blocks;
-  queue_.enqueue(std::move(it));
+  queue_.enqueue(Item{.kind = Item::kSetCapacity, .worker_id = worker_id, .blocks_per_rank = blocks});
 }
 
 void IndexShard::RequestDump(WorkerKey worker, SequenceKind numbering) {
   submitted_.fetch_add(1, std::memory_order_relaxed);
-  Item it{Item::kRequestDump, {}, worker.worker_id, std::make_unique<RecoveryPart>()};
+  Item it{.kind = Item::kRequestDump, .worker_id = worker.worker_id, .part = std::make_unique<RecoveryPart>()};
   it.part->worker = worker;
   it.part->numbering = numbering;
   queue_.enqueue(std::move(it));
@@ -116,7 +114,7 @@ void IndexShard::RequestDump(WorkerKey worker, SequenceKind numbering) {
 void IndexShard::Recovered(RecoveryPart part) {
   submitted_.fetch_add(1, std::memory_order_relaxed);
   const std::uint64_t worker_id = part.worker.worker_id;
-  queue_.enqueue(Item{Item::kRecovered, {}, worker_id, std::make_unique<RecoveryPart>(std::move(part))});
+  queue_.enqueue(Item{.kind = Item::kRecovered, .worker_id = worker_id, .part = std::make_unique<RecoveryPart>(std::move(part))});
 }
 
 void IndexShard::Flush() {
@@ -223,7 +221,7 @@ void IndexShard::Run() {
             ++done;
             break;
           case Item::kSetCapacity:
-            capacity_of_[it.worker_id] = it.part->last_event_id;
+            capacity_of_[it.worker_id] = it.blocks_per_rank;
             ++done;
             break;
           case Item::kRequestDump:

@@ -90,8 +90,9 @@ class IndexShard {
     } kind = kWake;
     KvEventBatch batch;
     std::uint64_t worker_id = 0;
+    std::uint64_t blocks_per_rank = 0;  // kSetCapacity
     // Out of line, so the queue moves small items: kRequestDump (its worker, numbering),
-    // kRecovered; kSetCapacity: last_event_id.
+    // kRecovered.
     std::unique_ptr<RecoveryPart> part;
   };
 
