@@ -45,14 +45,14 @@ IndexShard::IndexShard(const ShardedIndexOptions& o, SpareBatches& spares, std::
 
 IndexShard::~IndexShard() {
   stop_.store(true);
-  queue_.enqueue(Item{Item::kWake, {}, 0});
+  queue_.enqueue(Item{.kind = Item::kWake});
   thread_.join();
 }
 
 bool IndexShard::Submit(KvEventBatch&& batch) {
   if (!TakeRoom(batch)) return false;
   submitted_.fetch_add(1, std::memory_order_relaxed);
-  queue_.enqueue(Item{Item::kBatch, std::move(batch), 0});
+  queue_.enqueue(Item{.kind = Item::kBatch, .batch = std::move(batch)});
   return true;
 }
 
@@ -60,7 +60,7 @@ void IndexShard::SubmitMany(std::span<KvEventBatch* const> batches, std::vector<
   thread_local std::vector<Item> items;
   for (KvEventBatch* b : batches) {
     if (TakeRoom(*b)) {
-      items.push_back(Item{Item::kBatch, std::move(*b), 0});
+      items.push_back(Item{.kind = Item::kBatch, .batch = std::move(*b)});
     } else {
       refused.push_back(b->worker_id);
     }
@@ -95,7 +95,7 @@ bool IndexShard::ApplyHere(std::span<KvEventBatch* const> batches) {
 
 void IndexShard::Control(bool remove, std::uint64_t worker_id) {
   submitted_.fetch_add(1, std::memory_order_relaxed);
-  queue_.enqueue(Item{remove ? Item::kRemoveWorker : Item::kClearWorker, {}, worker_id});
+  queue_.enqueue(Item{.kind = remove ? Item::kRemoveWorker : Item::kClearWorker, .worker_id = worker_id});
 }
 
 void IndexShard::SetCapacity(std::uint64_t worker_id, std::uint64_t blocks) {
@@ -105,10 +105,8 @@ void IndexShard::SetCapacity(std::uint64_t worker_id, std::uint64_t blocks) {
 
 void IndexShard::RequestDump(WorkerKey worker, SequenceKind numbering) {
   submitted_.fetch_add(1, std::memory_order_relaxed);
-  Item it{.kind = Item::kRequestDump, .worker_id = worker.worker_id, .part = std::make_unique<RecoveryPart>()};
-  it.part->worker = worker;
-  it.part->numbering = numbering;
-  queue_.enqueue(std::move(it));
+  queue_.enqueue(Item{.kind = Item::kRequestDump, .numbering = numbering, .dp_rank = worker.dp_rank,
+                      .worker_id = worker.worker_id});
 }
 
 void IndexShard::Recovered(RecoveryPart part) {
@@ -225,7 +223,7 @@ void IndexShard::Run() {
             ++done;
             break;
           case Item::kRequestDump:
-            streams_.RequestDump(it.part->worker, it.part->numbering);
+            streams_.RequestDump({it.worker_id, it.dp_rank}, it.numbering);
             ++done;
             break;
           case Item::kRecovered:

@@ -88,12 +88,12 @@ class IndexShard {
     enum Kind : std::uint8_t {
       kBatch, kClearWorker, kRemoveWorker, kRequestDump, kRecovered, kSetCapacity, kWake
     } kind = kWake;
+    SequenceKind numbering = SequenceKind::kEventId;  // kRequestDump (beside kind, in its padding)
+    std::uint32_t dp_rank = 0;                         // kRequestDump
     KvEventBatch batch;
     std::uint64_t worker_id = 0;
     std::uint64_t blocks_per_rank = 0;  // kSetCapacity
-    // Out of line, so the queue moves small items: kRequestDump (its worker, numbering),
-    // kRecovered.
-    std::unique_ptr<RecoveryPart> part;
+    std::unique_ptr<RecoveryPart> part;  // kRecovered: out of line, so the queue moves small items
   };
 
   // Counts a batch into the queue's depth; a full queue refuses it (counted, worker flagged).
