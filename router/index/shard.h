@@ -71,12 +71,15 @@ class IndexShard {
   std::size_t TreeSize(WorkerKey worker) const;
   IndexMemory Memory() const;
   std::uint64_t upkeeps() const { return upkeeps_.load(std::memory_order_relaxed); }
-  void AddCounters(IndexCounters& c) const;  // adds this shard's counters to `c`
+  // Adds this shard's counters to `c`. Reads them without mu_ (they are atomics written by one
+  // writer at a time; see the counters), which the lock analysis cannot follow.
+  void AddCounters(IndexCounters& c) const KV_NO_THREAD_SAFETY_ANALYSIS;
   // Appends the workers flagged stale since the last call and forgets them.
   void TakeStale(std::vector<WorkerKey>& out);
 
  private:
-  // Single-writer counter: the owner thread adds without a locked instruction; readers load.
+  // A counter with one writer at a time (the shard's writer, see mu_): Add is a load and a
+  // store, no locked instruction; any thread may Get.
   struct OwnerCounter {
     std::atomic<std::uint64_t> v{0};
     void Add(std::uint64_t n) { v.store(v.load(std::memory_order_relaxed) + n, std::memory_order_relaxed); }
@@ -136,15 +139,16 @@ class IndexShard {
   // Nothing queued or being applied by the shard thread.
   bool Idle() const { return applied_.load() == submitted_.load(); }
 
-  // Owner thread, write lock held: a live batch, judged by the rank's stream first.
+  // The writer (see mu_): a live batch, judged by the rank's stream first.
   void ApplyBatch(KvEventBatch& b) KV_REQUIRES(mu_);
 
-  // Owner thread, write lock held: a recovery reply part; returns the blocks it touched.
+  // The writer: a recovery reply part; returns the blocks it touched.
   std::size_t ApplyRecovered(RecoveryPart& part) KV_REQUIRES(mu_);
 
-  void PublishStreamCounters();
+  // The writer: the streams' counters into the shard's.
+  void PublishStreamCounters() KV_REQUIRES(mu_);
 
-  // Owner thread, write lock held: the ops of one batch, on `key`'s index.
+  // The writer: the ops of one batch, on `key`'s index.
   void ApplyOps(WorkerKey key, const KvEventBatch& b) KV_REQUIRES(mu_);
 
   SpareBatches& spares_;
@@ -164,19 +168,24 @@ class IndexShard {
   // thread contract), which the lock analysis cannot follow.
   const BlockIndex& GatedIndex() const KV_NO_THREAD_SAFETY_ANALYSIS { return index_; }
 
-  // mu_ orders the shard thread with the bookkeeping readers (TreeSizes, Memory); gate_ orders
-  // it with FindMatches, which reads the tree without mu_. The shard thread writes under both.
+  // The writer is the thread holding mu_ exclusively: the shard thread (Run, Upkeep), or a
+  // delivery thread applying its own batches while the shard is idle (ApplyHere). mu_ orders
+  // writers with each other and with the bookkeeping readers (TreeSizes, Memory); gate_ orders
+  // the writer with FindMatches, which reads the tree without mu_. Each event is written under
+  // both.
   mutable ShardLock mu_;
-  BlockIndex index_ KV_GUARDED_BY(mu_);  // written only by thread_, under the write lock
+  BlockIndex index_ KV_GUARDED_BY(mu_);  // written by the writer; FindMatches: GatedIndex()
   mutable ReadGate gate_;
   const std::chrono::nanoseconds read_patience_;
   const std::chrono::milliseconds shrink_after_;
   static constexpr std::chrono::milliseconds kUpkeepEvery{100};
-  SteadyTime last_upkeep_{};                    // thread_ only
-  std::optional<SteadyTime> underfull_since_;  // thread_ only
+  SteadyTime last_upkeep_{};  // the shard thread only (Run), no lock
+  std::optional<SteadyTime> underfull_since_ KV_GUARDED_BY(mu_);  // the shard thread (Upkeep)
   std::atomic<std::uint64_t> upkeeps_{0};
   const std::uint64_t default_capacity_;
-  std::unordered_map<std::uint64_t, std::uint64_t> capacity_of_;  // thread_ only: worker_id -> blocks per rank
+  // worker_id -> blocks per rank: set and erased by the shard thread (its work items), read by
+  // either writer (ApplyOps).
+  std::unordered_map<std::uint64_t, std::uint64_t> capacity_of_ KV_GUARDED_BY(mu_);
   const bool recover_;
   const RecoveryNeeded on_recovery_;
   // Recoveries asked while applying, made once the write lock is released. Empty whenever a
@@ -184,7 +193,7 @@ class IndexShard {
   // does not yield to readers), so each writer makes the asks its own events raised before it
   // counts them applied or returns from Submit: Flush sees them submitted.
   std::vector<Ask> asks_ KV_GUARDED_BY(mu_);
-  EventStreams streams_;   // thread_ only
+  EventStreams streams_ KV_GUARDED_BY(mu_);  // used by either writer (EventStreams' contract)
 
   KvMutex flush_mu_;
   std::condition_variable_any flush_cv_;
@@ -193,10 +202,15 @@ class IndexShard {
   KvMutex stale_mu_;
   std::unordered_set<WorkerKey, WorkerKeyHash> stale_ KV_GUARDED_BY(stale_mu_);
 
-  OwnerCounter batches_applied_, ops_applied_, blocks_stored_, blocks_removed_, non_device_ops_,
-      gaps_, restarts_, parent_block_not_found_, block_not_found_, duplicate_, events_recovered_, held_dropped_,
-      over_capacity_;
-  std::atomic<std::uint64_t> queue_full_{0};
+  // Written only by the writer, one writer at a time (so OwnerCounter::Add needs no locked
+  // instruction, and mu_ hands the values from one writer to the next); AddCounters reads them
+  // on any thread without mu_.
+  OwnerCounter batches_applied_ KV_GUARDED_BY(mu_), ops_applied_ KV_GUARDED_BY(mu_),
+      blocks_stored_ KV_GUARDED_BY(mu_), blocks_removed_ KV_GUARDED_BY(mu_), non_device_ops_ KV_GUARDED_BY(mu_),
+      gaps_ KV_GUARDED_BY(mu_), restarts_ KV_GUARDED_BY(mu_), parent_block_not_found_ KV_GUARDED_BY(mu_),
+      block_not_found_ KV_GUARDED_BY(mu_), duplicate_ KV_GUARDED_BY(mu_), events_recovered_ KV_GUARDED_BY(mu_),
+      held_dropped_ KV_GUARDED_BY(mu_), over_capacity_ KV_GUARDED_BY(mu_);
+  std::atomic<std::uint64_t> queue_full_{0};  // any thread (TakeRoom)
 
   std::thread thread_;  // last: starts after every member above is constructed
 };

@@ -52,8 +52,10 @@ struct ShardedIndexOptions {
   std::size_t queue_capacity = 65536;  // batches waiting per shard before Submit refuses
   std::size_t max_bulk = 256;          // batches dequeued at once by a shard thread
   // Recovery (docs/protocol.md section 6, EventStreams): when set, a rank seen for the first time or
-  // with a gap in its ids is held and this is called (on the shard thread; it must not block)
-  // to ask its worker; the answer comes back through Recovered(). Unset: gaps are only counted.
+  // with a gap in its ids is held and this is called to ask its worker; the answer comes back
+  // through Recovered(). Unset: gaps are only counted. It is called on the thread that applied
+  // the event (a shard thread, or with apply_on_submit a submitting thread) once the shard's lock
+  // is released, and must not block: that thread's next events wait for it.
   RecoveryNeeded on_recovery;
   std::size_t max_held = 4096;         // batches held per rank while it recovers
   // Indexed blocks per (worker, dp_rank) unless SetCapacity says otherwise; a stored event that
