@@ -86,8 +86,10 @@ class EventStreams {
     std::uint64_t generation = 0;  // of the ask in flight
     std::deque<KvEventBatch> held;
   };
-  // `from_cursor`: a range after the cursor (else a dump).
-  void Ask(WorkerKey worker, Stream& s, bool from_cursor, std::uint64_t past_cursor = 1);
+  // What an ask wants: a tree dump, or the events from the id `past_cursor` after the cursor on
+  // (a dump when the stream has no cursor).
+  enum class AskFor : std::uint8_t { kDump, kRange };
+  void Ask(WorkerKey worker, Stream& s, AskFor what, std::uint64_t past_cursor = 1);
   // The cursor a §6 id means for this stream (vLLM: Kv-Seq = id - 1; id 0: none yet).
   static std::optional<std::uint64_t> CursorOf(const Stream& s, std::uint64_t id);
   static std::uint64_t FirstId(SequenceKind k) { return k == SequenceKind::kVllmSeq ? 0 : 1; }

@@ -93,9 +93,10 @@ bool IndexShard::ApplyHere(std::span<KvEventBatch* const> batches) {
   return true;
 }
 
-void IndexShard::Control(bool remove, std::uint64_t worker_id) {
+void IndexShard::Control(WorkerControl what, std::uint64_t worker_id) {
   submitted_.fetch_add(1, std::memory_order_relaxed);
-  queue_.enqueue(Item{.kind = remove ? Item::kRemoveWorker : Item::kClearWorker, .worker_id = worker_id});
+  const Item::Kind kind = what == WorkerControl::kRemove ? Item::kRemoveWorker : Item::kClearWorker;
+  queue_.enqueue(Item{.kind = kind, .worker_id = worker_id});
 }
 
 void IndexShard::SetCapacity(std::uint64_t worker_id, std::uint64_t blocks) {

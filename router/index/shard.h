@@ -55,7 +55,10 @@ class IndexShard {
   // False: nothing was applied (the caller queues them).
   bool ApplyHere(std::span<KvEventBatch* const> batches);
   // Work items applied in order with the batches queued before them (never refused).
-  void Control(bool remove, std::uint64_t worker_id);
+  // Control: kClear drops the worker's blocks (every rank) and keeps its streams' cursors;
+  // kRemove drops its blocks, its streams and its capacity.
+  enum class WorkerControl : std::uint8_t { kClear, kRemove };
+  void Control(WorkerControl what, std::uint64_t worker_id);
   void SetCapacity(std::uint64_t worker_id, std::uint64_t blocks);
   void RequestDump(WorkerKey worker, SequenceKind numbering);
   void Recovered(RecoveryPart part);

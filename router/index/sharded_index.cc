@@ -30,11 +30,11 @@ bool ShardedIndex::Submit(KvEventBatch&& batch) {
 }
 
 void ShardedIndex::ClearWorker(std::uint64_t worker_id) {
-  shards_[ShardOf(worker_id)]->Control(false, worker_id);
+  shards_[ShardOf(worker_id)]->Control(IndexShard::WorkerControl::kClear, worker_id);
 }
 
 void ShardedIndex::RemoveWorker(std::uint64_t worker_id) {
-  shards_[ShardOf(worker_id)]->Control(true, worker_id);
+  shards_[ShardOf(worker_id)]->Control(IndexShard::WorkerControl::kRemove, worker_id);
 }
 
 void ShardedIndex::SubmitAll(std::vector<KvEventBatch>& batches, std::vector<std::uint64_t>& refused) {
