@@ -14,12 +14,13 @@
 // sets the cursor to last_event_id and releases the held batches, each judged again (what the
 // reply covered is dropped). A failed recovery releases them as they are, accepting the gap; the
 // next gap asks again. `cleared` needs nothing special: it is applied in order like any event.
-// With recovery off, gaps are only counted and batches applied (the old behaviour).
+// With recovery off, gaps are only counted and batches applied.
 // Thread contract: owned by one shard, used under its write lock; `on_recovery` is called there
 // and must not block.
 //
-//   EventStreams s({.recover = true}, [&](WorkerKey k, SequenceKind kind, auto start) { ask(k); });
-//   switch (s.Live(batch)) { case EventStreams::Verdict::kApply: Apply(batch); ... }
+//   EventStreams s({.recover = true}, [&](WorkerKey k, SequenceKind n, std::optional<std::uint64_t> start,
+//                                         std::uint64_t generation) { asks.push_back({k, n, start, generation}); });
+//   switch (s.Live(batch)) { case EventStreams::Verdict::kApply: Apply(batch); break; ... }
 #pragma once
 
 #include <cstdint>

@@ -117,10 +117,10 @@ class ShardedIndex {
   void SubmitAll(std::vector<KvEventBatch>& batches, std::vector<std::uint64_t>& refused);
   // A batch to decode the next event into (DecodeDynamoEventInto): one the shards applied and
   // handed back with its vectors' memory, or an empty one. So the delivery thread does not
-  // allocate what a shard thread frees for every event (on two cores, malloc and free across
-  // threads took about a sixth of the router's ingest time). At most 4,096 wait, and only small
-  // ones (one or a few ops of up to 64 blocks); a thread that takes them holds up to 64 of its
-  // own, taken at once. Any thread.
+  // allocate, for every event, memory that a shard thread then frees: malloc and free on
+  // different threads are a real share of the ingest path's cost. At most 4,096 wait, and only
+  // small ones (one or a few ops of up to 64 blocks); a thread that takes them holds up to 64 of
+  // its own, taken at once. Any thread.
   KvEventBatch Spare();
   // Control operations; never refused, applied in order with the worker's events.
   void ClearWorker(std::uint64_t worker_id);   // all dp ranks, keeps sequence tracking
@@ -154,17 +154,15 @@ class ShardedIndex {
   // CPU, but it does not preempt a running thread when it wakes up). Shard threads run so, and
   // the service marks the threads that deliver events to them: on a machine with fewer cores
   // than busy threads, a route's thread is then not preempted by ingestion waking up in the
-  // middle of a query (index_bench, 2 cores, 1 M blocks/s ingested: find_matches p99 50-116 us
-  // -> 16-55 us). `tid` 0 is the calling thread; another thread of this process by its Linux
-  // thread id. False when the system refused (the thread keeps its class).
+  // middle of a query. `tid` 0 is the calling thread; another thread of this process by its
+  // Linux thread id. False when the system refused (the thread keeps its class).
   static bool MarkIngestThread(int tid = 0);
 
   // Whether this process has fewer CPUs than the threads an event flood keeps busy with
   // `num_shards` shards (the shard threads, the thread delivering events, nats.c's socket
   // reader). A batch handed to a shard thread then waits for that thread to win a CPU and is
   // read on another core than the one that decoded it: applying it on the delivery thread
-  // costs less (2 cores, route_bench's ingest flood: router CPU per event 1.89-2.17 us ->
-  // 1.74-2.09 us, five alternating pairs).
+  // costs less.
   static bool ApplyOnSubmitPays(std::size_t num_shards);
 
   std::size_t num_shards() const { return shards_.size(); }

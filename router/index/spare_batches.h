@@ -1,8 +1,8 @@
 // SpareBatches: applied batches, handed back by the shard threads for their memory
 // (ShardedIndex::Spare). Both sides move them in bulk: a shard thread gives a bulk's worth at
 // once, and a taking thread keeps a few dozen of its own, so the queue and the shared count are
-// touched once per bulk rather than once per event (per event, that count's cache line crossing
-// between the cores was a sixth of the shard thread's own time).
+// touched once per bulk rather than once per event: each touch moves the count's cache line
+// between the cores.
 // Thread contract: every method from any thread. Ownership: the ShardedIndex owns it and its
 // shards borrow it (declared before them, so it outlives their threads).
 //
