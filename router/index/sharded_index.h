@@ -18,8 +18,9 @@
 // asked (dump or range), then applied with the reply. A full queue drops the batch, counts it
 // and flags the worker (TakeStaleWorkers: its index is now wrong, not late).
 //
-// Thread contract: Submit/RemoveWorker/ClearWorker/RequestDump/Recovered from any thread; FindMatches, TreeSizes,
-// Counters, TakeStaleWorkers, Flush from any thread. Destruction stops and joins the shards.
+// Thread contract: every method from any thread, except Flush from inside on_recovery (a shard
+// thread calls it before it counts its bulk applied, so Flush would wait for itself).
+// Destruction applies what is queued, then stops and joins the shards.
 //
 //   ShardedIndex index({.num_shards = 2});
 //   index.Submit(std::move(batch));          // NATS thread
@@ -120,7 +121,7 @@ class ShardedIndex {
   // allocate, for every event, memory that a shard thread then frees: malloc and free on
   // different threads are a real share of the ingest path's cost. At most 4,096 wait, and only
   // small ones (one or a few ops of up to 64 blocks); a thread that takes them holds up to 64 of
-  // its own, taken at once. Any thread.
+  // its own, taken at once, and with apply_on_submit up to 256 it applied itself. Any thread.
   KvEventBatch Spare();
   // Control operations; never refused, applied in order with the worker's events.
   void ClearWorker(std::uint64_t worker_id);   // all dp ranks, keeps sequence tracking
