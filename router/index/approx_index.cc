@@ -60,9 +60,9 @@ void ApproxIndex::PushBack(std::uint32_t i) {
   tail_ = i;
 }
 
-void ApproxIndex::Drop(std::uint32_t i, bool from_index) {
+void ApproxIndex::Drop(std::uint32_t i, IndexBlock block) {
   Entry& e = at(i);
-  if (from_index) {
+  if (block == IndexBlock::kRemove) {
     const BlockHash h = e.seq;
     (void)index_.ApplyRemoved(workers_[e.worker], std::span<const BlockHash>(&h, 1));
   }
@@ -99,7 +99,7 @@ void ApproxIndex::Record(WorkerKey worker, std::span<const LocalHash> local, std
   }
   if (live_ > max_blocks_) {
     while (live_ > prune_to_) {
-      Drop(head_, true);
+      Drop(head_, IndexBlock::kRemove);
       ++pruned_;
     }
   }
@@ -111,7 +111,7 @@ std::size_t ApproxIndex::Expire(SteadyTime now) {
   std::size_t n = 0;
   // A clock that went back expires nothing.
   while (head_ != kNil && tick >= at(head_).last_use && tick - at(head_).last_use >= ttl_ms_) {
-    Drop(head_, true);
+    Drop(head_, IndexBlock::kRemove);
     ++n;
   }
   expired_ += n;
@@ -121,7 +121,7 @@ std::size_t ApproxIndex::Expire(SteadyTime now) {
 void ApproxIndex::RemoveWorker(std::uint64_t worker_id) {
   for (std::uint32_t i = head_; i != kNil;) {
     const std::uint32_t next = at(i).next;
-    if (workers_[at(i).worker].worker_id == worker_id) Drop(i, false);  // the index forgets all below
+    if (workers_[at(i).worker].worker_id == worker_id) Drop(i, IndexBlock::kLeave);  // the index forgets all below
     i = next;
   }
   index_.RemoveWorker(worker_id);

@@ -91,8 +91,10 @@ class ApproxIndex {
   std::uint32_t Allocate();
   void Unlink(std::uint32_t i);
   void PushBack(std::uint32_t i);
-  // Forgets entry i; `from_index` also removes the block from the index.
-  void Drop(std::uint32_t i, bool from_index);
+  // Forgets entry i; kRemove also removes its block from the index, kLeave leaves the index
+  // to the caller.
+  enum class IndexBlock : std::uint8_t { kRemove, kLeave };
+  void Drop(std::uint32_t i, IndexBlock block);
   std::uint32_t WorkerNumber(WorkerKey worker);
   // ms since base_; moves base_ (and every entry) forward before the count could overflow.
   std::uint32_t Tick(SteadyTime now);

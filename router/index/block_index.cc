@@ -76,8 +76,8 @@ std::uint32_t BlockIndex::SlotFor(WorkerKey worker) {
 void BlockIndex::TidyFreeNodes() {
   constexpr std::size_t kWorthSorting = 4096;  // freed nodes waiting past the sorted part
   if (free_nodes_.size() - free_sorted_ < kWorthSorting) return;
-  // Node numbers are dense: a bitmap orders them in one pass (std::sort of a shard's 600,000
-  // freed nodes took ~45 ms of the shard thread in route_bench).
+  // Node numbers are dense: a bitmap orders them in one linear pass, where sorting hundreds of
+  // thousands of freed nodes would hold up the shard thread's events.
   std::vector<std::uint64_t> bits((num_node_slots_ + 63) / 64);
   for (std::uint32_t n : free_nodes_) bits[n >> 6] |= std::uint64_t{1} << (n & 63);
   std::size_t k = 0;
@@ -420,8 +420,8 @@ void BlockIndex::FindMatches(std::span<const SequenceHash> hashes, OverlapScores
   }
 }
 
-// One function on purpose (about 90 lines): the route's hot path, with the prefetch pipeline,
-// the holder-set walk and its fallback sharing locals that splitting would pass around.
+// One function on purpose: the route's hot path, with the prefetch pipeline, the holder-set
+// walk and its fallback sharing locals that splitting would pass around.
 // Everything is read through snapshots and atomic loads, so it may run while the owner writes
 // (see the header comment): a node found by hash is used only if it carries that hash.
 template <bool kTolerant>

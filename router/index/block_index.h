@@ -57,7 +57,7 @@ static_assert(sizeof(OverlapScore) == 16);
 
 // An allocator whose resize(n) leaves new elements unwritten (value-initialisation is skipped,
 // so vector(n) and emplace_back() do the same): FindMatches sizes its result for every holder
-// of the request's first block (7,000 in Dynamo's benchmark fleet) and writes each score
+// of the request's first block (thousands in a large fleet) and writes each score
 // itself, so zeroing them first would write the whole result twice. Every other construction
 // is the ordinary one.
 template <typename T>

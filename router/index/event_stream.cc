@@ -4,12 +4,12 @@
 
 namespace kvrouter {
 
-void EventStreams::Ask(WorkerKey worker, Stream& s, bool from_cursor, std::uint64_t past_cursor) {
+void EventStreams::Ask(WorkerKey worker, Stream& s, AskFor what, std::uint64_t past_cursor) {
   s.recovering = true;
   s.dump_started = false;
   s.generation = ++next_generation_;
   std::optional<std::uint64_t> start;
-  if (from_cursor && s.cursor) {
+  if (what == AskFor::kRange && s.cursor) {
     // The id `past_cursor` after the cursor, in §6 terms (vLLM: Kv-Seq + 1).
     start = *s.cursor + past_cursor + (s.numbering == SequenceKind::kVllmSeq ? 1 : 0);
   }
@@ -43,7 +43,7 @@ EventStreams::Verdict EventStreams::Live(KvEventBatch& b) {
   if (!s.cursor) {
     if (options_.recover && !s.asked_once) {
       hold();
-      Ask(key, s, /*from_cursor=*/false);  // first sight: what did it hold before?
+      Ask(key, s, AskFor::kDump);  // first sight: what did it hold before?
       return Verdict::kHeld;
     }
     s.cursor = id;
@@ -57,7 +57,7 @@ EventStreams::Verdict EventStreams::Live(KvEventBatch& b) {
     ++counters_.gaps;
     if (options_.recover) {
       hold();
-      Ask(key, s, /*from_cursor=*/true);
+      Ask(key, s, AskFor::kRange);
       return Verdict::kHeld;
     }
     s.cursor = id;
@@ -75,7 +75,7 @@ EventStreams::Verdict EventStreams::Live(KvEventBatch& b) {
     // settles it cheaply: a worker that did not restart sends a few events (the late one is
     // covered and dropped); a restarted one answers too_new, and a dump follows.
     hold();
-    Ask(key, s, /*from_cursor=*/true, /*past_cursor=*/0);
+    Ask(key, s, AskFor::kRange, /*past_cursor=*/0);
     return Verdict::kHeld;
   }
   return Verdict::kDrop;
@@ -89,7 +89,7 @@ void EventStreams::RequestDump(WorkerKey worker, SequenceKind numbering) {
     s.dump_pending = true;
     return;
   }
-  Ask(worker, s, /*from_cursor=*/false);
+  Ask(worker, s, AskFor::kDump);
 }
 
 EventStreams::Outcome EventStreams::Recovered(RecoveryPart& part) {
@@ -107,7 +107,7 @@ EventStreams::Outcome EventStreams::Recovered(RecoveryPart& part) {
     part.events.clear();
     s.held.clear();
     s.cursor.reset();
-    Ask(part.worker, s, /*from_cursor=*/false);
+    Ask(part.worker, s, AskFor::kDump);
     return out;
   }
   if (part.kind == RecoveryPart::Kind::kFailed) {
@@ -127,7 +127,7 @@ EventStreams::Outcome EventStreams::Recovered(RecoveryPart& part) {
     s.held.clear();
     if (s.dump_pending) {
       s.dump_pending = false;
-      Ask(part.worker, s, /*from_cursor=*/false);
+      Ask(part.worker, s, AskFor::kDump);
     }
     return out;
   }
@@ -151,7 +151,7 @@ EventStreams::Outcome EventStreams::Recovered(RecoveryPart& part) {
   s.dump_started = false;
   if (s.dump_pending) {  // held batches overflowed meanwhile: a dump covers them
     s.dump_pending = false;
-    Ask(part.worker, s, /*from_cursor=*/false);
+    Ask(part.worker, s, AskFor::kDump);
     return out;
   }
   // What the reply covered goes (judged again, an old id 1 would look like a restart); the rest

@@ -14,37 +14,26 @@
 // sets the cursor to last_event_id and releases the held batches, each judged again (what the
 // reply covered is dropped). A failed recovery releases them as they are, accepting the gap; the
 // next gap asks again. `cleared` needs nothing special: it is applied in order like any event.
-// With recovery off, gaps are only counted and batches applied (the old behaviour).
+// With recovery off, gaps are only counted and batches applied.
 // Thread contract: owned by one shard, used under its write lock; `on_recovery` is called there
 // and must not block.
 //
-//   EventStreams s({.recover = true}, [&](WorkerKey k, SequenceKind kind, auto start) { ask(k); });
-//   switch (s.Live(batch)) { case EventStreams::Verdict::kApply: Apply(batch); ... }
+//   EventStreams s({.recover = true}, [&](WorkerKey k, SequenceKind n, std::optional<std::uint64_t> start,
+//                                         std::uint64_t generation) { asks.push_back({k, n, start, generation}); });
+//   switch (s.Live(batch)) { case EventStreams::Verdict::kApply: Apply(batch); break; ... }
 #pragma once
 
 #include <cstdint>
 #include <deque>
-#include <functional>
 #include <map>
 #include <optional>
 #include <vector>
 
 #include "events/kv_event.h"
+#include "router/index/recovery_part.h"
 #include "router/index/worker_key.h"
 
 namespace kvrouter {
-
-struct RecoveryPart {
-  WorkerKey worker;
-  SequenceKind numbering = SequenceKind::kEventId;  // what last_event_id counts
-  enum class Kind { kEvents, kDump, kFailed } kind = Kind::kFailed;
-  std::vector<KvEventBatch> events;  // in order; a dump's are stored chains
-  std::uint64_t last_event_id = 0;   // the worker's newest id when it answered
-  bool final = true;                 // the last part of the reply
-  std::uint64_t generation = 0;      // the ask it answers (EventStreams ignores older ones)
-  bool too_new = false;              // kFailed because the worker's ids are behind the cursor:
-                                     // it restarted; a dump follows instead of giving up
-};
 
 struct StreamCounters {
   std::uint64_t gaps = 0;
@@ -59,12 +48,7 @@ class EventStreams {
     bool recover = false;          // ask for recoveries (else only count gaps)
     std::size_t max_held = 4096;   // batches held per rank while its recovery is in flight
   };
-  // Called when a rank needs recovering: start nullopt = a tree dump, else the first §6 event id
-  // wanted. `generation` names this ask; its reply parts must carry it back. For a vLLM-numbered
-  // rank (Kv-Seq from 0, one batch per number) §6 ids count its batches from 1: id = Kv-Seq + 1.
-  using RecoveryNeeded = std::function<void(WorkerKey, SequenceKind, std::optional<std::uint64_t> start,
-                                            std::uint64_t generation)>;
-
+  // `on_recovery` is called when a rank needs recovering (recovery_part.h).
   EventStreams(Options options, RecoveryNeeded on_recovery)
       : options_(options), on_recovery_(std::move(on_recovery)) {}
 
@@ -103,8 +87,10 @@ class EventStreams {
     std::uint64_t generation = 0;  // of the ask in flight
     std::deque<KvEventBatch> held;
   };
-  // `from_cursor`: a range after the cursor (else a dump).
-  void Ask(WorkerKey worker, Stream& s, bool from_cursor, std::uint64_t past_cursor = 1);
+  // What an ask wants: a tree dump, or the events from the id `past_cursor` after the cursor on
+  // (a dump when the stream has no cursor).
+  enum class AskFor : std::uint8_t { kDump, kRange };
+  void Ask(WorkerKey worker, Stream& s, AskFor what, std::uint64_t past_cursor = 1);
   // The cursor a §6 id means for this stream (vLLM: Kv-Seq = id - 1; id 0: none yet).
   static std::optional<std::uint64_t> CursorOf(const Stream& s, std::uint64_t id);
   static std::uint64_t FirstId(SequenceKind k) { return k == SequenceKind::kVllmSeq ? 0 : 1; }

@@ -58,9 +58,9 @@ inline void CpuRelax() {
 class ReadGate {
  public:
   // A route waits this long for a half-applied event before reading around it: an event takes
-  // a microsecond or two unless its thread lost its CPU. Measured on 2 cores (index_bench,
-  // 1,000 workers, 1 M blocks/s ingested): 3 µs gave find_matches p99 17-23 µs; 10 µs, 75-78
-  // µs; a spinning reader also keeps a CPU from the writer it waits for.
+  // a microsecond or two unless its thread lost its CPU, so a longer wait mostly waits for a
+  // preempted thread, and a spinning reader also keeps a CPU from the writer it waits for.
+  // Chosen against the find_matches p99 goal of docs/performance.md (index_bench).
   static constexpr std::chrono::microseconds kDefaultPatience{3};
 
   // How long an event holds back for readers that waited out the previous one (a reader that
@@ -69,9 +69,9 @@ class ReadGate {
 
   // Writer: an event starts. Readers that waited for the previous event get in first, then it
   // waits for exact readers inside to leave (they read for microseconds); readers arriving now
-  // wait for EndWrite or read tolerantly. Tolerant readers inside are not waited for: on 2
-  // cores, with queries meeting events all the time (indexer_bench), 30-57 % of events waited
-  // for a reader, most of them tolerant; 6-21 % now.
+  // wait for EndWrite or read tolerantly. Tolerant readers inside are not waited for: they
+  // read around writes by design, and where queries meet events all the time, waiting for
+  // them would hold up a large share of the events.
   void BeginWrite() {
     if (waiting_.load(std::memory_order_seq_cst) != 0) {
       // Without this a writer with a backlog starts its next event within nanoseconds of the

@@ -18,8 +18,9 @@
 // asked (dump or range), then applied with the reply. A full queue drops the batch, counts it
 // and flags the worker (TakeStaleWorkers: its index is now wrong, not late).
 //
-// Thread contract: Submit/RemoveWorker/ClearWorker/RequestDump/Recovered from any thread; FindMatches, TreeSizes,
-// Counters, TakeStaleWorkers, Flush from any thread. Destruction stops and joins the shards.
+// Thread contract: every method from any thread, except Flush from inside on_recovery (a shard
+// thread calls it before it counts its bulk applied, so Flush would wait for itself).
+// Destruction applies what is queued, then stops and joins the shards.
 //
 //   ShardedIndex index({.num_shards = 2});
 //   index.Submit(std::move(batch));          // NATS thread
@@ -38,20 +39,25 @@
 
 #include "events/kv_event.h"
 #include "router/index/block_index.h"
-#include "router/index/event_stream.h"
 #include "router/index/read_gate.h"
+#include "router/index/recovery_part.h"
 #include "router/index/worker_key.h"
 
 namespace kvrouter {
+
+class IndexShard;    // router/index/shard.h
+class SpareBatches;  // router/index/spare_batches.h
 
 struct ShardedIndexOptions {
   std::size_t num_shards = 2;          // fixed for the index's life; worker_id -> shard by hash
   std::size_t queue_capacity = 65536;  // batches waiting per shard before Submit refuses
   std::size_t max_bulk = 256;          // batches dequeued at once by a shard thread
   // Recovery (docs/protocol.md section 6, EventStreams): when set, a rank seen for the first time or
-  // with a gap in its ids is held and this is called (on the shard thread; it must not block)
-  // to ask its worker; the answer comes back through Recovered(). Unset: gaps are only counted.
-  EventStreams::RecoveryNeeded on_recovery;
+  // with a gap in its ids is held and this is called to ask its worker; the answer comes back
+  // through Recovered(). Unset: gaps are only counted. It is called on the thread that applied
+  // the event (a shard thread, or with apply_on_submit a submitting thread) once the shard's lock
+  // is released, and must not block: that thread's next events wait for it.
+  RecoveryNeeded on_recovery;
   std::size_t max_held = 4096;         // batches held per rank while it recovers
   // Indexed blocks per (worker, dp_rank) unless SetCapacity says otherwise; a stored event that
   // would pass it is dropped (over_capacity): a worker flooding more than its cache cannot grow
@@ -112,10 +118,10 @@ class ShardedIndex {
   void SubmitAll(std::vector<KvEventBatch>& batches, std::vector<std::uint64_t>& refused);
   // A batch to decode the next event into (DecodeDynamoEventInto): one the shards applied and
   // handed back with its vectors' memory, or an empty one. So the delivery thread does not
-  // allocate what a shard thread frees for every event (on two cores, malloc and free across
-  // threads took about a sixth of the router's ingest time). At most 4,096 wait, and only small
-  // ones (one or a few ops of up to 64 blocks); a thread that takes them holds up to 64 of its
-  // own, taken at once. Any thread.
+  // allocate, for every event, memory that a shard thread then frees: malloc and free on
+  // different threads are a real share of the ingest path's cost. At most 4,096 wait, and only
+  // small ones (one or a few ops of up to 64 blocks); a thread that takes them holds up to 64 of
+  // its own, taken at once, and with apply_on_submit up to 256 it applied itself. Any thread.
   KvEventBatch Spare();
   // Control operations; never refused, applied in order with the worker's events.
   void ClearWorker(std::uint64_t worker_id);   // all dp ranks, keeps sequence tracking
@@ -149,27 +155,23 @@ class ShardedIndex {
   // CPU, but it does not preempt a running thread when it wakes up). Shard threads run so, and
   // the service marks the threads that deliver events to them: on a machine with fewer cores
   // than busy threads, a route's thread is then not preempted by ingestion waking up in the
-  // middle of a query (index_bench, 2 cores, 1 M blocks/s ingested: find_matches p99 50-116 us
-  // -> 16-55 us). `tid` 0 is the calling thread; another thread of this process by its Linux
-  // thread id. False when the system refused (the thread keeps its class).
+  // middle of a query. `tid` 0 is the calling thread; another thread of this process by its
+  // Linux thread id. False when the system refused (the thread keeps its class).
   static bool MarkIngestThread(int tid = 0);
 
   // Whether this process has fewer CPUs than the threads an event flood keeps busy with
   // `num_shards` shards (the shard threads, the thread delivering events, nats.c's socket
   // reader). A batch handed to a shard thread then waits for that thread to win a CPU and is
   // read on another core than the one that decoded it: applying it on the delivery thread
-  // costs less (2 cores, route_bench's ingest flood: router CPU per event 1.89-2.17 us ->
-  // 1.74-2.09 us, five alternating pairs).
+  // costs less.
   static bool ApplyOnSubmitPays(std::size_t num_shards);
 
   std::size_t num_shards() const { return shards_.size(); }
   std::size_t ShardOf(std::uint64_t worker_id) const;
 
  private:
-  class Shard;
-  class SpareBatches;
   std::unique_ptr<SpareBatches> spares_;  // before shards_: their threads give to it until joined
-  std::vector<std::unique_ptr<Shard>> shards_;
+  std::vector<std::unique_ptr<IndexShard>> shards_;
   const bool apply_on_submit_;
   mutable std::atomic<std::size_t> last_matches_{0};  // size of the last FindMatches result
 };

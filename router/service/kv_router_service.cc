@@ -56,7 +56,7 @@ KvRouterService::KvRouterService(RouterConfig config, MessageBus& bus, Clock clo
       router_id_(config_.router_id ? config_.router_id : std::random_device{}() * 0x9E3779B97F4A7C15ULL ^ seed),
       index_({.num_shards = config_.index_shards,
               .on_recovery = config_.recovery && config_.use_kv_events
-                                 ? EventStreams::RecoveryNeeded(
+                                 ? RecoveryNeeded(
                                        [this](WorkerKey w, SequenceKind k, std::optional<std::uint64_t> start,
                                               std::uint64_t generation) { recovery_->Need(w, k, start, generation); })
                                  : nullptr,

@@ -28,7 +28,7 @@
 
 #include "events/base/clock.h"
 #include "events/kv_event.h"
-#include "router/index/event_stream.h"
+#include "router/index/recovery_part.h"
 #include "router/index/sharded_index.h"
 #include "events/base/log.h"
 #include "transport/message_bus.h"
