@@ -8,8 +8,9 @@
 // backoff ends (100 ms doubling to 10 s; a success resets it): a recovery it needs meanwhile
 // fails at once (counted as backed off), so its events are applied rather than held.
 //
-// Thread contract: every method may be called from any thread (Need from shard threads,
-// OnReply from the bus's delivery thread, Tick from the timer). One mutex guards the state; it is
+// Thread contract: every method may be called from any thread (Need from the thread that applied
+// the event: a shard thread, or a delivery thread applying its own; OnReply from the bus's
+// delivery thread, Tick from the timer). One mutex guards the state; it is
 // never held while publishing or calling the index.
 // Ownership: borrows the bus and the index, which must outlive it.
 //
