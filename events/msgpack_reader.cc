@@ -57,6 +57,7 @@ Result<Head> ReadHead(const unsigned char* p, std::size_t avail) {
   std::size_t len_width = 0;  // bytes of the big-endian length that follows the type byte
   enum { kPayload, kChildren, kPairs } len_is = kPayload;
   std::size_t ext_type_byte = 0;
+  // clang-format off: one row per msgpack type byte, as the spec's table has them
   if (b <= 0x7f || b >= 0xe0) return h;                        // fixint
   if (b <= 0x8f) { h.children = 2u * (b & 0x0f); return h; }  // fixmap
   if (b <= 0x9f) { h.children = b & 0x0f; return h; }        // fixarray
@@ -85,6 +86,7 @@ Result<Head> ReadHead(const unsigned char* p, std::size_t avail) {
     case 0xdf: len_width = 4; len_is = kPairs; break;        // map32
     default: return InvalidArgument(fmt::format("malformed msgpack: reserved byte 0x{:02x}", b));
   }
+  // clang-format on
   h.header = 1 + len_width + ext_type_byte;
   if (h.header > avail) return InvalidArgument("truncated msgpack");
   const std::uint64_t len = LoadBigEndian(p + 1, len_width);
