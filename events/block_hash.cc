@@ -19,8 +19,8 @@ LocalHash HashBlockTokens(std::span<const std::uint32_t> block_tokens, std::uint
   return XXH3_64bits_withSeed(block_tokens.data(), block_tokens.size_bytes(), seed);
 }
 
-std::vector<LocalHash> ComputeLocalHashes(std::span<const std::uint32_t> tokens,
-                                          std::uint32_t block_size, std::string_view lora_name) {
+std::vector<LocalHash> ComputeLocalHashes(std::span<const std::uint32_t> tokens, std::uint32_t block_size,
+                                          std::string_view lora_name) {
   std::vector<LocalHash> out;
   if (block_size == 0) return out;
   const std::uint64_t seed = LoraSeed(lora_name);

@@ -26,8 +26,7 @@ LocalHash HashBlockTokens(std::span<const std::uint32_t> block_tokens, std::uint
 
 // Local hashes of every full block of `tokens`; a trailing partial block is not hashed.
 // block_size must be > 0.
-std::vector<LocalHash> ComputeLocalHashes(std::span<const std::uint32_t> tokens,
-                                          std::uint32_t block_size,
+std::vector<LocalHash> ComputeLocalHashes(std::span<const std::uint32_t> tokens, std::uint32_t block_size,
                                           std::string_view lora_name = {});
 
 // seq[0] = local[0]; seq[i] = XXH3-64(LE(seq[i-1]) || LE(local[i]), seed 1337).

@@ -337,8 +337,7 @@ void PackKvCacheEvent(msgpack::sbuffer& out, const KvEventBatch& batch) {
   event.AppendTo(out);
 }
 
-Result<KvEventBatch> DecodeKvCacheEvent(const msgpack::object& event, std::uint64_t worker_id,
-                                        StorageTier tier) {
+Result<KvEventBatch> DecodeKvCacheEvent(const msgpack::object& event, std::uint64_t worker_id, StorageTier tier) {
   if (!IsMap(event)) return InvalidArgument("field 'event' must be a map");
   KvEventBatch batch{.worker_id = worker_id};
   KvOp op{.tier = tier};
@@ -382,8 +381,7 @@ Result<KvEventBatch> DecodeDynamoEventTree(std::span<const std::byte> body) {
   // Envelope: only the payload matters; publisher_id, sequence, published_at and topic are
   // informational and not checked. The payload's objects join the envelope's in the zone.
   if (payload->type != msgpack::type::BIN) return InvalidArgument("field 'payload' must be bin");
-  auto inner = ParseMsgpackIn(zone, {reinterpret_cast<const std::byte*>(payload->via.bin.ptr),
-                                     payload->via.bin.size});
+  auto inner = ParseMsgpackIn(zone, {reinterpret_cast<const std::byte*>(payload->via.bin.ptr), payload->via.bin.size});
   if (!inner.ok()) return InvalidArgument("field 'payload': " + inner.status().message());
   return DecodeRouterEvent(*inner);
 }

@@ -66,8 +66,7 @@ void PackKvCacheEvent(msgpack::sbuffer& out, const KvEventBatch& batch);
 
 // Decodes a KvCacheEvent map into a batch of `worker_id` with exactly one op of `tier` and
 // sequence {kEventId, event_id}. Allocates only in proportion to the parsed object.
-Result<KvEventBatch> DecodeKvCacheEvent(const msgpack::object& event, std::uint64_t worker_id,
-                                        StorageTier tier);
+Result<KvEventBatch> DecodeKvCacheEvent(const msgpack::object& event, std::uint64_t worker_id, StorageTier tier);
 
 // Encodes a bare RouterEvent map. `batch` must hold exactly one op; its sequence value is
 // written as event_id.

@@ -20,9 +20,8 @@ std::optional<StorageTier> StorageTierFromName(std::string_view name) {
   return std::nullopt;
 }
 
-KvEventBatch StoredPromptBatch(std::uint64_t worker_id, std::uint64_t event_id,
-                               std::span<const std::uint32_t> tokens, std::uint32_t block_size,
-                               std::string_view lora_name) {
+KvEventBatch StoredPromptBatch(std::uint64_t worker_id, std::uint64_t event_id, std::span<const std::uint32_t> tokens,
+                               std::uint32_t block_size, std::string_view lora_name) {
   const auto local = ComputeLocalHashes(tokens, block_size, lora_name);
   const auto seq = ComputeSequenceHashes(local);
   KvStored stored;

@@ -79,8 +79,7 @@ struct KvEventBatch {
 // A batch storing a whole prompt as one chain from the start of a sequence, the way a Dynamo
 // worker publishes it: engine block ids are the sequence hashes, tokens_hash the local hashes
 // (docs/protocol.md section 1). For workers, tests and load generators.
-KvEventBatch StoredPromptBatch(std::uint64_t worker_id, std::uint64_t event_id,
-                               std::span<const std::uint32_t> tokens, std::uint32_t block_size,
-                               std::string_view lora_name = {});
+KvEventBatch StoredPromptBatch(std::uint64_t worker_id, std::uint64_t event_id, std::span<const std::uint32_t> tokens,
+                               std::uint32_t block_size, std::string_view lora_name = {});
 
 }  // namespace kvrouter

@@ -17,8 +17,8 @@ Result<bool> ReadLeaving(const msgpack::object* o, std::string_view field) {
   if (!status.ok()) return status.status();
   if (*status == "up") return false;
   if (*status == "leaving") return true;
-  return InvalidArgument(fmt::format("field '{}' must be \"up\" or \"leaving\", not '{}'", field,
-                                     status->substr(0, 32)));
+  return InvalidArgument(
+      fmt::format("field '{}' must be \"up\" or \"leaving\", not '{}'", field, status->substr(0, 32)));
 }
 
 // A router_config_override weight: a finite, non-negative number (float or int).
@@ -32,8 +32,7 @@ Result<double> ReadWeight(const msgpack::object* o, std::string_view field) {
 }
 
 // The map under `key`, or nullptr when absent or nil; a non-map is an error.
-Result<const msgpack::object*> ReadOptionalMap(const msgpack::object& parent,
-                                               std::string_view key) {
+Result<const msgpack::object*> ReadOptionalMap(const msgpack::object& parent, std::string_view key) {
   const msgpack::object* o = FindKey(parent, key);
   if (IsNil(o)) return static_cast<const msgpack::object*>(nullptr);
   if (!IsMap(*o)) return InvalidArgument(fmt::format("field '{}' must be a map", key));
@@ -184,10 +183,8 @@ Result<RouteRequest> DecodeRouteRequest(std::span<const std::byte> body) {
     auto hints = ReadOptionalMap(**nvext, "agent_hints");
     if (!hints.ok()) return InvalidArgument("nvext: " + hints.status().message());
     if (*hints != nullptr) {
-      reads.Optional(FindKey(**hints, "priority"), "nvext.agent_hints.priority", ReadI64,
-                     req.priority);
-      reads.Optional(FindKey(**hints, "osl"), "nvext.agent_hints.osl", ReadU32,
-                     req.expected_output_tokens);
+      reads.Optional(FindKey(**hints, "priority"), "nvext.agent_hints.priority", ReadI64, req.priority);
+      reads.Optional(FindKey(**hints, "osl"), "nvext.agent_hints.osl", ReadU32, req.expected_output_tokens);
     }
   }
   reads.Optional(m, "priority", ReadI64, req.priority);
@@ -295,10 +292,14 @@ Result<ActiveSequenceEvent> DecodeActiveSequenceEvent(std::span<const std::byte>
   if (!reads.ok()) return reads.status();
   if (request_id.empty()) return InvalidArgument("field 'request_id' must not be empty");
   e.request_id = std::string(request_id);
-  if (kind == "add") e.kind = ActiveSequenceEvent::Kind::kAdd;
-  else if (kind == "prefill_done") e.kind = ActiveSequenceEvent::Kind::kPrefillDone;
-  else if (kind == "free") e.kind = ActiveSequenceEvent::Kind::kFree;
-  else return InvalidArgument(fmt::format("field 'kind' must be add, prefill_done or free, not '{}'", kind.substr(0, 32)));
+  if (kind == "add")
+    e.kind = ActiveSequenceEvent::Kind::kAdd;
+  else if (kind == "prefill_done")
+    e.kind = ActiveSequenceEvent::Kind::kPrefillDone;
+  else if (kind == "free")
+    e.kind = ActiveSequenceEvent::Kind::kFree;
+  else
+    return InvalidArgument(fmt::format("field 'kind' must be add, prefill_done or free, not '{}'", kind.substr(0, 32)));
   return e;
 }
 
@@ -416,8 +417,8 @@ Result<msgpack::sbuffer> EncodeStatsReply(StatsReply& r, std::size_t max_bytes) 
   for (const WorkerStats& s : r.workers) entries.push_back(EncodeWorkerStats(s));
   // Worst case for the fixed part: next_offset present, the map header at its widest.
   if (!r.next_offset && !r.workers.empty()) r.next_offset = r.offset + r.workers.size();
-  const std::size_t head = StatsHead(r).body_size() + 5 /* map header */ + 10 /* "workers" key */ +
-                           5 /* array header */;
+  const std::size_t head =
+      StatsHead(r).body_size() + 5 /* map header */ + 10 /* "workers" key */ + 5 /* array header */;
   if (head > max_bytes) {
     return Internal(fmt::format("the stats reply needs {} bytes without workers; the limit is {}", head, max_bytes));
   }

@@ -63,14 +63,14 @@ enum class WorkerStatus { kUp, kLeaving };
 struct WorkerRegistration {
   std::uint64_t worker_id = 0;
   std::uint32_t dp_start = 0;
-  std::uint32_t dp_size = 1;                    // must be >= 1
-  std::optional<std::uint32_t> block_size;      // absent = the router's
-  std::uint64_t total_kv_blocks = 0;            // 0 = unknown
+  std::uint32_t dp_size = 1;                // must be >= 1
+  std::optional<std::uint32_t> block_size;  // absent = the router's
+  std::uint64_t total_kv_blocks = 0;        // 0 = unknown
   std::uint32_t max_num_seqs = 256;
   std::uint32_t max_num_batched_tokens = 8192;
   std::string device = "gpu";
   std::uint32_t lease_ms = 3000;
-  bool leaving = false;                         // status "leaving"
+  bool leaving = false;  // status "leaving"
   bool operator==(const WorkerRegistration&) const = default;
 };
 Result<WorkerRegistration> DecodeWorkerRegistration(std::span<const std::byte> body);
@@ -84,21 +84,21 @@ struct RouterConfigOverride {
 };
 
 struct RouteRequest {
-  std::string request_id;                       // empty = nothing is booked
-  std::vector<std::uint32_t> token_ids;         // used when has_token_ids
+  std::string request_id;                // empty = nothing is booked
+  std::vector<std::uint32_t> token_ids;  // used when has_token_ids
   bool has_token_ids = false;
-  std::vector<std::uint64_t> block_hashes;      // local hashes, when no token_ids
-  std::uint32_t isl = 0;                        // token_ids.size() when has_token_ids
+  std::vector<std::uint64_t> block_hashes;  // local hashes, when no token_ids
+  std::uint32_t isl = 0;                    // token_ids.size() when has_token_ids
   std::string lora_name;
   bool update_states = true;
   std::int64_t priority = 0;
   std::optional<std::uint32_t> expected_output_tokens;
-  std::optional<std::uint64_t> worker_id;       // pin
+  std::optional<std::uint64_t> worker_id;  // pin
   std::optional<std::uint32_t> dp_rank;
   std::optional<std::vector<std::uint64_t>> allowed_worker_ids;
   RouterConfigOverride config_override;
   std::optional<std::uint32_t> timeout_ms;
-  std::optional<std::uint32_t> max_tokens;      // router.generate: tokens to generate
+  std::optional<std::uint32_t> max_tokens;  // router.generate: tokens to generate
   bool operator==(const RouteRequest&) const = default;
 };
 Result<RouteRequest> DecodeRouteRequest(std::span<const std::byte> body);
@@ -129,7 +129,7 @@ msgpack::sbuffer EncodeLifecycleRequest(std::string_view request_id);
 struct ActiveSequenceEvent {
   enum class Kind { kAdd, kPrefillDone, kFree };
   std::uint64_t router_id = 0;
-  std::string request_id;   // non-empty
+  std::string request_id;  // non-empty
   std::uint64_t worker_id = 0;
   std::uint32_t dp_rank = 0;
   Kind kind = Kind::kAdd;
@@ -221,7 +221,7 @@ Result<StatsReply> DecodeStatsReply(std::span<const std::byte> body);
 // {error: {code, message}}; the message is cut to kMaxErrorMessageBytes. status must not be OK.
 inline constexpr std::size_t kMaxErrorMessageBytes = 1024;
 msgpack::sbuffer EncodeErrorReply(const Status& status);
-msgpack::sbuffer EncodeOkReply();                          // {"ok": true}
+msgpack::sbuffer EncodeOkReply();  // {"ok": true}
 // The error carried by a reply body, or OK when it is not an error reply (a body that is not a
 // msgpack map gives InvalidArgument).
 Status DecodeErrorReply(std::span<const std::byte> body);

@@ -16,14 +16,11 @@ Status TypeError(std::string_view field, std::string_view want) {
   return InvalidArgument(fmt::format("field '{}' must be {}", field, want));
 }
 
-Status Missing(std::string_view field) {
-  return InvalidArgument(fmt::format("missing field '{}'", field));
-}
+Status Missing(std::string_view field) { return InvalidArgument(fmt::format("missing field '{}'", field)); }
 
 std::uint64_t LoadBigEndian(const unsigned char* p, std::size_t width) {
   switch (width) {
-    case 2:
-      return (std::uint64_t{p[0]} << 8) | p[1];
+    case 2: return (std::uint64_t{p[0]} << 8) | p[1];
     case 4: {
       std::uint32_t v;
       std::memcpy(&v, p, sizeof v);
@@ -58,32 +55,75 @@ Result<Head> ReadHead(const unsigned char* p, std::size_t avail) {
   enum { kPayload, kChildren, kPairs } len_is = kPayload;
   std::size_t ext_type_byte = 0;
   // clang-format off: one row per msgpack type byte, as the spec's table has them
-  if (b <= 0x7f || b >= 0xe0) return h;                        // fixint
-  if (b <= 0x8f) { h.children = 2u * (b & 0x0f); return h; }  // fixmap
-  if (b <= 0x9f) { h.children = b & 0x0f; return h; }        // fixarray
-  if (b <= 0xbf) { h.payload = b & 0x1f; return h; }         // fixstr
+  if (b <= 0x7f || b >= 0xe0) return h;  // fixint
+  if (b <= 0x8f) {
+    h.children = 2u * (b & 0x0f);
+    return h;
+  }  // fixmap
+  if (b <= 0x9f) {
+    h.children = b & 0x0f;
+    return h;
+  }  // fixarray
+  if (b <= 0xbf) {
+    h.payload = b & 0x1f;
+    return h;
+  }  // fixstr
   switch (b) {
-    case 0xc0: case 0xc2: case 0xc3: return h;               // nil, false, true
-    case 0xc4: case 0xd9: len_width = 1; break;              // bin8, str8
-    case 0xc5: case 0xda: len_width = 2; break;              // bin16, str16
-    case 0xc6: case 0xdb: len_width = 4; break;              // bin32, str32
-    case 0xc7: len_width = 1; ext_type_byte = 1; break;      // ext8
-    case 0xc8: len_width = 2; ext_type_byte = 1; break;      // ext16
-    case 0xc9: len_width = 4; ext_type_byte = 1; break;      // ext32
-    case 0xca: h.payload = 4; return h;                      // float32
-    case 0xcb: h.payload = 8; return h;                      // float64
-    case 0xcc: case 0xd0: h.payload = 1; return h;           // (u)int8
-    case 0xcd: case 0xd1: h.payload = 2; return h;           // (u)int16
-    case 0xce: case 0xd2: h.payload = 4; return h;           // (u)int32
-    case 0xcf: case 0xd3: h.payload = 8; return h;           // (u)int64
-    case 0xd4: case 0xd5: case 0xd6: case 0xd7: case 0xd8:   // fixext 1..16
+    case 0xc0:
+    case 0xc2:
+    case 0xc3: return h;  // nil, false, true
+    case 0xc4:
+    case 0xd9: len_width = 1; break;  // bin8, str8
+    case 0xc5:
+    case 0xda: len_width = 2; break;  // bin16, str16
+    case 0xc6:
+    case 0xdb: len_width = 4; break;  // bin32, str32
+    case 0xc7:
+      len_width = 1;
+      ext_type_byte = 1;
+      break;  // ext8
+    case 0xc8:
+      len_width = 2;
+      ext_type_byte = 1;
+      break;  // ext16
+    case 0xc9:
+      len_width = 4;
+      ext_type_byte = 1;
+      break;                             // ext32
+    case 0xca: h.payload = 4; return h;  // float32
+    case 0xcb: h.payload = 8; return h;  // float64
+    case 0xcc:
+    case 0xd0: h.payload = 1; return h;  // (u)int8
+    case 0xcd:
+    case 0xd1: h.payload = 2; return h;  // (u)int16
+    case 0xce:
+    case 0xd2: h.payload = 4; return h;  // (u)int32
+    case 0xcf:
+    case 0xd3: h.payload = 8; return h;  // (u)int64
+    case 0xd4:
+    case 0xd5:
+    case 0xd6:
+    case 0xd7:
+    case 0xd8:  // fixext 1..16
       h.header = 2;
       h.payload = std::uint64_t{1} << (b - 0xd4);
       return h;
-    case 0xdc: len_width = 2; len_is = kChildren; break;     // array16
-    case 0xdd: len_width = 4; len_is = kChildren; break;     // array32
-    case 0xde: len_width = 2; len_is = kPairs; break;        // map16
-    case 0xdf: len_width = 4; len_is = kPairs; break;        // map32
+    case 0xdc:
+      len_width = 2;
+      len_is = kChildren;
+      break;  // array16
+    case 0xdd:
+      len_width = 4;
+      len_is = kChildren;
+      break;  // array32
+    case 0xde:
+      len_width = 2;
+      len_is = kPairs;
+      break;  // map16
+    case 0xdf:
+      len_width = 4;
+      len_is = kPairs;
+      break;  // map32
     default: return InvalidArgument(fmt::format("malformed msgpack: reserved byte 0x{:02x}", b));
   }
   // clang-format on
@@ -136,8 +176,7 @@ Status CheckShape(std::span<const std::byte> bytes) {
 }
 
 template <typename T>
-Result<std::vector<T>> ReadEach(const msgpack::object* o, std::string_view field,
-                                FieldReader<T> read_one) {
+Result<std::vector<T>> ReadEach(const msgpack::object* o, std::string_view field, FieldReader<T> read_one) {
   auto items = ReadArray(o, field);
   if (!items.ok()) return items.status();
   std::vector<T> out;
@@ -157,8 +196,7 @@ Result<std::vector<T>> ReadEach(const msgpack::object* o, std::string_view field
 Result<msgpack::object> ParseMsgpackIn(msgpack::zone& zone, std::span<const std::byte> bytes) {
   if (bytes.empty()) return InvalidArgument("empty message");
   if (bytes.size() > kMaxMessageBytes) {
-    return InvalidArgument(fmt::format("message of {} bytes exceeds {}", bytes.size(),
-                                       kMaxMessageBytes));
+    return InvalidArgument(fmt::format("message of {} bytes exceeds {}", bytes.size(), kMaxMessageBytes));
   }
   if (Status shape = CheckShape(bytes); !shape.ok()) return shape;
   const std::size_t n = bytes.size();
@@ -166,8 +204,8 @@ Result<msgpack::object> ParseMsgpackIn(msgpack::zone& zone, std::span<const std:
   msgpack::unpack_limit limit(n, n / 2, n, n, n, kMaxDepth);
   try {
     std::size_t off = 0;
-    msgpack::object obj = msgpack::unpack(zone, reinterpret_cast<const char*>(bytes.data()), n, off,
-                                          &ReferenceAll, nullptr, limit);
+    msgpack::object obj =
+        msgpack::unpack(zone, reinterpret_cast<const char*>(bytes.data()), n, off, &ReferenceAll, nullptr, limit);
     if (off != n) {
       return InvalidArgument(fmt::format("{} trailing bytes after the msgpack value", n - off));
     }
@@ -276,8 +314,7 @@ Result<std::string_view> ReadName(const msgpack::object* o, std::string_view fie
   return s;
 }
 
-Result<std::span<const msgpack::object>> ReadArray(const msgpack::object* o,
-                                                   std::string_view field) {
+Result<std::span<const msgpack::object>> ReadArray(const msgpack::object* o, std::string_view field) {
   if (o == nullptr) return Missing(field);
   if (o->type != msgpack::type::ARRAY) return TypeError(field, "an array");
   return std::span<const msgpack::object>(o->via.array.ptr, o->via.array.size);
@@ -288,11 +325,9 @@ Result<std::uint64_t> ReadHashIntOrBin(const msgpack::object* o, std::string_vie
     const std::size_t size = o->via.bin.size;
     if (size == 0) return TypeError(field, "an integer or a non-empty bin");
     const std::size_t width = std::min<std::size_t>(size, 8);
-    return LoadBigEndian(reinterpret_cast<const unsigned char*>(o->via.bin.ptr) + size - width,
-                         width);
+    return LoadBigEndian(reinterpret_cast<const unsigned char*>(o->via.bin.ptr) + size - width, width);
   }
-  if (o != nullptr && o->type != msgpack::type::POSITIVE_INTEGER &&
-      o->type != msgpack::type::NEGATIVE_INTEGER) {
+  if (o != nullptr && o->type != msgpack::type::POSITIVE_INTEGER && o->type != msgpack::type::NEGATIVE_INTEGER) {
     return TypeError(field, "an integer or a bin");
   }
   return ReadU64Bits(o, field);
@@ -306,28 +341,23 @@ Result<std::vector<std::uint64_t>> ReadU64Array(const msgpack::object* o, std::s
   return ReadEach<std::uint64_t>(o, field, ReadU64);
 }
 
-Result<std::vector<std::uint64_t>> ReadU64BitsArray(const msgpack::object* o,
-                                                    std::string_view field) {
+Result<std::vector<std::uint64_t>> ReadU64BitsArray(const msgpack::object* o, std::string_view field) {
   return ReadEach<std::uint64_t>(o, field, ReadU64Bits);
 }
 
-Result<std::vector<std::uint64_t>> ReadHashIntOrBinArray(const msgpack::object* o,
-                                                         std::string_view field) {
+Result<std::vector<std::uint64_t>> ReadHashIntOrBinArray(const msgpack::object* o, std::string_view field) {
   return ReadEach<std::uint64_t>(o, field, ReadHashIntOrBin);
 }
 
-Result<std::uint64_t> ReadU64Or(const msgpack::object* o, std::string_view field,
-                                std::uint64_t fallback) {
+Result<std::uint64_t> ReadU64Or(const msgpack::object* o, std::string_view field, std::uint64_t fallback) {
   return IsNil(o) ? Result<std::uint64_t>(fallback) : ReadU64(o, field);
 }
 
-Result<std::uint32_t> ReadU32Or(const msgpack::object* o, std::string_view field,
-                                std::uint32_t fallback) {
+Result<std::uint32_t> ReadU32Or(const msgpack::object* o, std::string_view field, std::uint32_t fallback) {
   return IsNil(o) ? Result<std::uint32_t>(fallback) : ReadU32(o, field);
 }
 
-Result<std::string_view> ReadStrOr(const msgpack::object* o, std::string_view field,
-                                   std::string_view fallback) {
+Result<std::string_view> ReadStrOr(const msgpack::object* o, std::string_view field, std::string_view fallback) {
   return IsNil(o) ? Result<std::string_view>(fallback) : ReadStr(o, field);
 }
 

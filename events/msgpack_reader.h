@@ -66,8 +66,7 @@ Result<std::string_view> ReadStr(const msgpack::object* o, std::string_view fiel
 inline constexpr std::size_t kMaxNameBytes = 256;
 Result<std::string_view> ReadName(const msgpack::object* o, std::string_view field);
 // Array elements; an error when o is missing or not an array.
-Result<std::span<const msgpack::object>> ReadArray(const msgpack::object* o,
-                                                   std::string_view field);
+Result<std::span<const msgpack::object>> ReadArray(const msgpack::object* o, std::string_view field);
 // A block hash sent as an integer (its u64 bit pattern) or as bin: the last 8 bytes read
 // big-endian; a bin shorter than 8 bytes is read big-endian as it is (zero-extended), an empty
 // bin is an error.
@@ -77,18 +76,13 @@ Result<std::uint64_t> ReadHashIntOrBin(const msgpack::object* o, std::string_vie
 // the field and the index of the first bad element.
 Result<std::vector<std::uint32_t>> ReadU32Array(const msgpack::object* o, std::string_view field);
 Result<std::vector<std::uint64_t>> ReadU64Array(const msgpack::object* o, std::string_view field);
-Result<std::vector<std::uint64_t>> ReadU64BitsArray(const msgpack::object* o,
-                                                    std::string_view field);
-Result<std::vector<std::uint64_t>> ReadHashIntOrBinArray(const msgpack::object* o,
-                                                         std::string_view field);
+Result<std::vector<std::uint64_t>> ReadU64BitsArray(const msgpack::object* o, std::string_view field);
+Result<std::vector<std::uint64_t>> ReadHashIntOrBinArray(const msgpack::object* o, std::string_view field);
 
 // Optional variants: absent or nil -> fallback.
-Result<std::uint64_t> ReadU64Or(const msgpack::object* o, std::string_view field,
-                                std::uint64_t fallback);
-Result<std::uint32_t> ReadU32Or(const msgpack::object* o, std::string_view field,
-                                std::uint32_t fallback);
-Result<std::string_view> ReadStrOr(const msgpack::object* o, std::string_view field,
-                                   std::string_view fallback);
+Result<std::uint64_t> ReadU64Or(const msgpack::object* o, std::string_view field, std::uint64_t fallback);
+Result<std::uint32_t> ReadU32Or(const msgpack::object* o, std::string_view field, std::uint32_t fallback);
+Result<std::string_view> ReadStrOr(const msgpack::object* o, std::string_view field, std::string_view fallback);
 
 // Any of the readers above that take (object, field name).
 template <typename T>
@@ -170,8 +164,8 @@ class MsgpackPull {
     return WideStr(s);
   }
   bool Bin(std::span<const std::byte>& b);
-  bool U64(std::uint64_t& v);      // any integer form with a value >= 0 (ReadU64)
-  bool U32(std::uint32_t& v);      // ... and <= 2^32-1 (ReadU32)
+  bool U64(std::uint64_t& v);  // any integer form with a value >= 0 (ReadU64)
+  bool U32(std::uint32_t& v);  // ... and <= 2^32-1 (ReadU32)
   // Any integer; a negative one as its bit pattern (ReadU64Bits).
   bool U64Bits(std::uint64_t& v) {
     if (p_ != end_) {
@@ -187,8 +181,8 @@ class MsgpackPull {
     }
     return AnyU64Bits(v);
   }
-  bool TakeNil();                  // true (and consumed) when the next value is nil
-  bool Skip();                     // one value of any kind
+  bool TakeNil();  // true (and consumed) when the next value is nil
+  bool Skip();     // one value of any kind
   bool AtEnd() const { return p_ == end_; }
   std::size_t Offset() const { return static_cast<std::size_t>(p_ - begin_); }  // bytes read so far
 

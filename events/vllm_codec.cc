@@ -79,8 +79,7 @@ Result<KvOp> DecodeStored(const EventFields& f, const VllmBatchContext& ctx, boo
   KvOp op;
   FieldReads reads;
   reads.Required(f.Get(0, "block_hashes"), "block_hashes", ReadHashIntOrBinArray, hashes);
-  reads.Optional(f.Get(1, "parent_block_hash"), "parent_block_hash", ReadHashIntOrBin,
-                 stored.parent_hash);
+  reads.Optional(f.Get(1, "parent_block_hash"), "parent_block_hash", ReadHashIntOrBin, stored.parent_hash);
   reads.Required(f.Get(2, "token_ids"), "token_ids", ReadU32Array, tokens);
   reads.Required(f.Get(3, "block_size"), "block_size", ReadU32, block_size);
   // Field 4, lora_id, is not used: lora_name names the adapter that seeds the hash.
@@ -98,8 +97,7 @@ Result<KvOp> DecodeStored(const EventFields& f, const VllmBatchContext& ctx, boo
   const std::span<const std::uint32_t> all_tokens(tokens);
   stored.blocks.reserve(good);
   for (std::size_t k = 0; k < good; ++k) {
-    stored.blocks.push_back(
-        {hashes[k], HashBlockTokens(all_tokens.subspan(k * block_size, block_size), seed)});
+    stored.blocks.push_back({hashes[k], HashBlockTokens(all_tokens.subspan(k * block_size, block_size), seed)});
   }
   op.data = std::move(stored);
   return op;
@@ -110,16 +108,14 @@ Result<KvOp> DecodeRemoved(const EventFields& f) {
   KvRemoved removed;
   KvOp op;
   FieldReads reads;
-  reads.Required(f.Get(0, "block_hashes"), "block_hashes", ReadHashIntOrBinArray,
-                 removed.block_hashes);
+  reads.Required(f.Get(0, "block_hashes"), "block_hashes", ReadHashIntOrBinArray, removed.block_hashes);
   reads.Optional(f.Get(1, "medium"), "medium", ReadMedium, op.tier);
   if (!reads.ok()) return reads.status();
   op.data = std::move(removed);
   return op;
 }
 
-Result<KvOp> DecodeEvent(const msgpack::object& event, const VllmBatchContext& ctx,
-                         bool& cut_short) {
+Result<KvOp> DecodeEvent(const msgpack::object& event, const VllmBatchContext& ctx, bool& cut_short) {
   auto fields = EventFields::Of(event);
   if (!fields.ok()) return fields.status();
   const std::string_view tag = fields->tag();

@@ -47,15 +47,15 @@
 namespace kvrouter {
 
 struct VllmBatchContext {
-  std::uint64_t worker_id = 0;            // from the subject
-  std::uint32_t dp_rank = 0;              // from the subject
-  std::optional<std::uint64_t> kv_seq;    // Kv-Seq header; sequence kind kNone when absent
-  std::uint32_t block_size = 64;          // the router's block size
+  std::uint64_t worker_id = 0;          // from the subject
+  std::uint32_t dp_rank = 0;            // from the subject
+  std::optional<std::uint64_t> kv_seq;  // Kv-Seq header; sequence kind kNone when absent
+  std::uint32_t block_size = 64;        // the router's block size
 };
 
 struct VllmDecoded {
-  KvEventBatch batch;                      // sequence {kVllmSeq, kv_seq} when kv_seq is set
-  std::uint32_t block_size_mismatches = 0; // stored events cut short
+  KvEventBatch batch;                       // sequence {kVllmSeq, kv_seq} when kv_seq is set
+  std::uint32_t block_size_mismatches = 0;  // stored events cut short
 };
 
 Result<VllmDecoded> DecodeVllmBatch(std::span<const std::byte> body, const VllmBatchContext& ctx);
@@ -69,8 +69,8 @@ struct VllmStoredEvent {
   std::optional<std::uint64_t> parent_block_hash;
   std::vector<std::uint32_t> token_ids;
   std::uint32_t block_size = 64;
-  std::string lora_name;                  // empty = none
-  std::optional<std::string> medium;      // nullopt = nil (GPU)
+  std::string lora_name;              // empty = none
+  std::optional<std::string> medium;  // nullopt = nil (GPU)
 };
 struct VllmRemovedEvent {
   std::vector<std::uint64_t> block_hashes;
@@ -80,7 +80,6 @@ struct VllmClearedEvent {};
 using VllmEvent = std::variant<VllmStoredEvent, VllmRemovedEvent, VllmClearedEvent>;
 
 // Encodes [ts, [events as tagged arrays], dp_rank] (the form vLLM's msgspec encoder emits).
-msgpack::sbuffer EncodeVllmBatch(double ts, const std::vector<VllmEvent>& events,
-                                 std::optional<std::uint32_t> dp_rank);
+msgpack::sbuffer EncodeVllmBatch(double ts, const std::vector<VllmEvent>& events, std::optional<std::uint32_t> dp_rank);
 
 }  // namespace kvrouter

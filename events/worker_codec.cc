@@ -15,8 +15,7 @@ namespace kvrouter {
 
 std::string RecoverySubject(std::string_view ns, std::string_view component, std::uint64_t worker_id,
                             std::uint32_t dp_rank) {
-  return fmt::format("namespace.{}.component.{}.kv_indexer_query.{}.{}", ns, component, worker_id,
-                     dp_rank);
+  return fmt::format("namespace.{}.component.{}.kv_indexer_query.{}.{}", ns, component, worker_id, dp_rank);
 }
 
 msgpack::sbuffer RecoveryQuery::Encode() const {

@@ -11,9 +11,8 @@ KvEventPublisher::KvEventPublisher(PublisherConfig config) : config_(config), no
 }
 
 KvEventBatch KvEventPublisher::Batch(std::uint64_t event_id, KvOp op) const {
-  KvEventBatch batch{.worker_id = config_.worker_id,
-                     .dp_rank = config_.dp_rank,
-                     .sequence = {SequenceKind::kEventId, event_id}};
+  KvEventBatch batch{
+      .worker_id = config_.worker_id, .dp_rank = config_.dp_rank, .sequence = {SequenceKind::kEventId, event_id}};
   batch.ops.push_back(std::move(op));
   return batch;
 }
@@ -39,9 +38,7 @@ void KvEventPublisher::Remember(const KvEventBatch& batch) {
   ring_first_ = (ring_first_ + 1) % capacity;
 }
 
-const KvEventBatch& KvEventPublisher::Buffered(std::size_t i) const {
-  return ring_[(ring_first_ + i) % ring_.size()];
-}
+const KvEventBatch& KvEventPublisher::Buffered(std::size_t i) const { return ring_[(ring_first_ + i) % ring_.size()]; }
 
 // ---------------------------------------------------------------------------------------------
 // Index.
@@ -148,8 +145,7 @@ std::vector<HeldBlock> KvEventPublisher::HeldBlocks() const {
     if (node.parent != kRoot) b.parent_hash = nodes_[node.parent].block_hash;
     out.push_back(b);
   }
-  std::sort(out.begin(), out.end(),
-            [](const HeldBlock& a, const HeldBlock& b) { return a.block_hash < b.block_hash; });
+  std::sort(out.begin(), out.end(), [](const HeldBlock& a, const HeldBlock& b) { return a.block_hash < b.block_hash; });
   return out;
 }
 
@@ -161,20 +157,17 @@ RecoveryReply KvEventPublisher::Answer(const Result<RecoveryQuery>& query) const
   return {.kind = "error", .last_event_id = last_event_id_, .message = query.status().message()};
 }
 
-RecoveryReply KvEventPublisher::Recover(std::optional<std::uint64_t> start,
-                                        std::optional<std::uint64_t> end) const {
+RecoveryReply KvEventPublisher::Recover(std::optional<std::uint64_t> start, std::optional<std::uint64_t> end) const {
   RecoveryReply reply;
   reply.last_event_id = last_event_id_;
   if (start && end && *end < *start) {
     reply.kind = "invalid_range";
-    reply.message = "end_event_id " + std::to_string(*end) + " < start_event_id " +
-                    std::to_string(*start);
+    reply.message = "end_event_id " + std::to_string(*end) + " < start_event_id " + std::to_string(*start);
     return reply;
   }
   if (start && *start > last_event_id_) {
     reply.kind = "too_new";
-    reply.message = "start_event_id " + std::to_string(*start) + " > last_event_id " +
-                    std::to_string(last_event_id_);
+    reply.message = "start_event_id " + std::to_string(*start) + " > last_event_id " + std::to_string(last_event_id_);
     return reply;
   }
   const std::uint64_t oldest = last_event_id_ - ring_.size() + 1;  // the buffer ends at last
@@ -202,8 +195,7 @@ RecoveryReply KvEventPublisher::Recover(std::optional<std::uint64_t> start,
       const Node& node = nodes_[cur];
       chain.blocks.push_back({node.block_hash, node.tokens_hash});
       if (node.first_child == kNone) break;
-      for (std::uint32_t s = nodes_[node.first_child].next_sibling; s != kNone;
-           s = nodes_[s].next_sibling) {
+      for (std::uint32_t s = nodes_[node.first_child].next_sibling; s != kNone; s = nodes_[s].next_sibling) {
         heads.push_back(s);
       }
       cur = node.first_child;

@@ -33,8 +33,7 @@ namespace kvrouter {
 
 class InMemoryBus : public MessageBus {
  public:
-  Result<std::unique_ptr<BusSubscription>> Subscribe(std::string subject, std::string group,
-                                                      Handler handler) override {
+  Result<std::unique_ptr<BusSubscription>> Subscribe(std::string subject, std::string group, Handler handler) override {
     auto entry = std::make_shared<Entry>(std::move(subject), std::move(group), std::move(handler));
     KvMutexLock g(state_->mu);
     state_->subs.push_back(entry);
@@ -90,8 +89,9 @@ class InMemoryBus : public MessageBus {
     const std::string inbox = NewInbox();
     PendingRequest p{nullptr, std::make_shared<std::optional<std::vector<std::byte>>>()};
     auto slot = p.reply;
-    p.sub = std::move(Subscribe(inbox, "", [slot](const BusMessage& m) { slot->emplace(m.data.begin(), m.data.end()); }))
-                .value();
+    p.sub = std::move(Subscribe(inbox, "", [slot](const BusMessage& m) {
+              slot->emplace(m.data.begin(), m.data.end());
+            })).value();
     (void)Deliver(subject, data, inbox, {});
     return p;
   }
@@ -121,7 +121,8 @@ class InMemoryBus : public MessageBus {
  private:
   struct State;
   struct Entry {
-    Entry(std::string s, std::string g, Handler h) : subject(std::move(s)), group(std::move(g)), handler(std::move(h)) {}
+    Entry(std::string s, std::string g, Handler h)
+        : subject(std::move(s)), group(std::move(g)), handler(std::move(h)) {}
     const std::string subject, group;
     const Handler handler;
     bool live = true;  // guarded by State::mu

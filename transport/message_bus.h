@@ -50,13 +50,11 @@ class MessageBus {
   virtual ~MessageBus() = default;
 
   // queue_group empty = every subscriber gets every message; otherwise one member of the group.
-  virtual Result<std::unique_ptr<BusSubscription>> Subscribe(std::string subject,
-                                                              std::string queue_group,
-                                                              Handler handler) = 0;
+  virtual Result<std::unique_ptr<BusSubscription>> Subscribe(std::string subject, std::string queue_group,
+                                                             Handler handler) = 0;
   virtual Status Publish(std::string_view subject, std::span<const std::byte> data) = 0;
   // Publishes with a reply subject for the receiver to answer on (possibly many times).
-  virtual Status PublishRequest(std::string_view subject, std::string_view reply,
-                                std::span<const std::byte> data) = 0;
+  virtual Status PublishRequest(std::string_view subject, std::string_view reply, std::span<const std::byte> data) = 0;
   // The largest message body the bus carries now (NATS: the server's max_payload, 1 MiB by
   // default); a larger publish fails.
   virtual std::size_t MaxPayload() const = 0;

@@ -18,13 +18,13 @@ std::optional<std::string> HeaderOf(const void* ctx, std::string_view key) {
 }  // namespace
 
 Result<std::unique_ptr<BusSubscription>> NatsBus::Subscribe(std::string subject, std::string queue_group,
-                                                             Handler handler) {
-  auto sub = client_.Subscribe(std::move(subject), std::move(queue_group),
-                               [h = std::move(handler)](const IncomingMessage& m) {
-                                 BusMessage bm{m.subject, m.data, m.reply, &HeaderOf, &m};
-                                 bm.more_pending = m.more_pending;
-                                 h(bm);
-                               });
+                                                            Handler handler) {
+  auto sub =
+      client_.Subscribe(std::move(subject), std::move(queue_group), [h = std::move(handler)](const IncomingMessage& m) {
+        BusMessage bm{m.subject, m.data, m.reply, &HeaderOf, &m};
+        bm.more_pending = m.more_pending;
+        h(bm);
+      });
   if (!sub.ok()) return sub.status();
   return std::unique_ptr<BusSubscription>(new NatsBusSubscription(std::move(sub).value()));
 }

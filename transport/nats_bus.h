@@ -15,7 +15,7 @@ class NatsBus : public MessageBus {
   explicit NatsBus(NatsClient& client) : client_(client) {}
 
   Result<std::unique_ptr<BusSubscription>> Subscribe(std::string subject, std::string queue_group,
-                                                      Handler handler) override;
+                                                     Handler handler) override;
   Status Publish(std::string_view subject, std::span<const std::byte> data) override;
   Status PublishRequest(std::string_view subject, std::string_view reply, std::span<const std::byte> data) override;
   std::size_t MaxPayload() const override { return client_.MaxPayload(); }

@@ -58,8 +58,7 @@ Status FromNats(natsStatus s, std::string_view what) {
   std::string message = fmt::format("{}: {}", what, natsStatus_GetText(s));
   natsStatus last = NATS_OK;
   const char* detail = nats_GetLastError(&last);
-  if (last == s && detail != nullptr && *detail != '\0' &&
-      std::strcmp(detail, natsStatus_GetText(s)) != 0) {
+  if (last == s && detail != nullptr && *detail != '\0' && std::strcmp(detail, natsStatus_GetText(s)) != 0) {
     message += fmt::format(" ({})", detail);
   }
   return Status(CodeFor(s), std::move(message));
@@ -118,10 +117,8 @@ void OnReconnected(natsConnection* nc, void* closure) {
   auto* shared = static_cast<ClientShared*>(closure);
   try {
     const uint64_t n = shared->reconnects.fetch_add(1) + 1;
-    shared->log.Log(LogLevel::kInfo, "nats.reconnected", "reconnected to {} ({} so far)",
-                    ConnectedUrl(nc), n);
-  } catch (...) {
-  }
+    shared->log.Log(LogLevel::kInfo, "nats.reconnected", "reconnected to {} ({} so far)", ConnectedUrl(nc), n);
+  } catch (...) {}
   RunUserCallback(shared, shared->callbacks.on_reconnected, "on_reconnected");
 }
 
@@ -132,8 +129,7 @@ void OnConnectedLate(natsConnection* nc, void* closure) {
   try {
     shared->reconnects.fetch_add(1);
     shared->log.Log(LogLevel::kInfo, "nats.connected", "connected to {}", ConnectedUrl(nc));
-  } catch (...) {
-  }
+  } catch (...) {}
   RunUserCallback(shared, shared->callbacks.on_reconnected, "on_reconnected");
 }
 
@@ -158,15 +154,15 @@ void OnAsyncError(natsConnection* /*nc*/, natsSubscription* sub, natsStatus err,
                       subject, n);
       if (shared->callbacks.on_slow_consumer) {
         const std::string_view dropped_on(subject);
-        RunUserCallback(shared, [&] { shared->callbacks.on_slow_consumer(dropped_on); }, "on_slow_consumer");
+        RunUserCallback(
+            shared, [&] { shared->callbacks.on_slow_consumer(dropped_on); }, "on_slow_consumer");
       }
     } else {
       shared->async_errors.fetch_add(1);
-      shared->log.Log(LogLevel::kWarning, "nats.async_error", "asynchronous error on '{}': {}",
-                      subject, natsStatus_GetText(err));
+      shared->log.Log(LogLevel::kWarning, "nats.async_error", "asynchronous error on '{}': {}", subject,
+                      natsStatus_GetText(err));
     }
-  } catch (...) {
-  }
+  } catch (...) {}
 }
 
 // "a, b,c" -> {"a", "b", "c"} (blanks trimmed, empty entries dropped).
@@ -191,11 +187,13 @@ Result<std::string> NkeyPublicKey(const std::string& file) {
   if (!in) return InvalidArgument(fmt::format("--nats-nkey-seed {}: cannot read the file", file));
   for (std::string line; std::getline(in, line);) {
     const auto first = line.find_first_not_of(" \t");
-    if (first != std::string::npos && line[first] == 'U') return line.substr(first, line.find_first_of(" \t\r", first) - first);
+    if (first != std::string::npos && line[first] == 'U')
+      return line.substr(first, line.find_first_of(" \t\r", first) - first);
   }
-  return InvalidArgument(fmt::format("--nats-nkey-seed {}: no public key (U...) in the file; write it beside the seed "
-                                     "(nk -gen user -pubout)",
-                                     file));
+  return InvalidArgument(
+      fmt::format("--nats-nkey-seed {}: no public key (U...) in the file; write it beside the seed "
+                  "(nk -gen user -pubout)",
+                  file));
 }
 
 // Applies the credentials and TLS; a file that cannot be used is an error naming its flag.
@@ -206,13 +204,17 @@ Status ApplySecurity(natsOptions* opts, const NatsSecurity& sec) {
     return InvalidArgument(fmt::format("{} {}: {}", flag, value, last && *last ? last : natsStatus_GetText(s)));
   };
   if (!sec.user.empty()) {
-    if (Status s = check(natsOptions_SetUserInfo(opts, sec.user.c_str(), sec.password.c_str()), "--nats-user", sec.user); !s.ok()) return s;
+    if (Status s =
+            check(natsOptions_SetUserInfo(opts, sec.user.c_str(), sec.password.c_str()), "--nats-user", sec.user);
+        !s.ok())
+      return s;
   }
   if (!sec.token.empty()) {
     if (Status s = check(natsOptions_SetToken(opts, sec.token.c_str()), "--nats-token", "(hidden)"); !s.ok()) return s;
   }
   if (!sec.creds_file.empty()) {
-    if (!std::ifstream(sec.creds_file)) return InvalidArgument(fmt::format("--nats-creds {}: cannot read the file", sec.creds_file));
+    if (!std::ifstream(sec.creds_file))
+      return InvalidArgument(fmt::format("--nats-creds {}: cannot read the file", sec.creds_file));
     if (Status s = check(natsOptions_SetUserCredentialsFromFiles(opts, sec.creds_file.c_str(), nullptr), "--nats-creds",
                          sec.creds_file);
         !s.ok()) {
@@ -222,8 +224,8 @@ Status ApplySecurity(natsOptions* opts, const NatsSecurity& sec) {
   if (!sec.nkey_seed_file.empty()) {
     auto pub = NkeyPublicKey(sec.nkey_seed_file);
     if (!pub.ok()) return pub.status();
-    if (Status s = check(natsOptions_SetNKeyFromSeed(opts, pub->c_str(), sec.nkey_seed_file.c_str()), "--nats-nkey-seed",
-                         sec.nkey_seed_file);
+    if (Status s = check(natsOptions_SetNKeyFromSeed(opts, pub->c_str(), sec.nkey_seed_file.c_str()),
+                         "--nats-nkey-seed", sec.nkey_seed_file);
         !s.ok()) {
       return s;
     }
@@ -232,7 +234,8 @@ Status ApplySecurity(natsOptions* opts, const NatsSecurity& sec) {
     if (Status s = check(natsOptions_SetSecure(opts, true), "--nats-tls-ca", sec.tls_ca); !s.ok()) return s;
   }
   if (!sec.tls_ca.empty()) {
-    if (Status s = check(natsOptions_LoadCATrustedCertificates(opts, sec.tls_ca.c_str()), "--nats-tls-ca", sec.tls_ca); !s.ok()) {
+    if (Status s = check(natsOptions_LoadCATrustedCertificates(opts, sec.tls_ca.c_str()), "--nats-tls-ca", sec.tls_ca);
+        !s.ok()) {
       return s;
     }
   }
@@ -280,9 +283,7 @@ Result<OptionsPtr> BuildOptions(const NatsOptions& options, void* closure) {
     // retries in the background; without one nats.c would block here (forever, since the
     // number of attempts is unlimited).
     s = natsOptions_SetRetryOnFailedConnect(opts.get(), options.retry_on_failed_connect,
-                                            options.retry_on_failed_connect ? OnConnectedLate
-                                                                            : nullptr,
-                                            closure);
+                                            options.retry_on_failed_connect ? OnConnectedLate : nullptr, closure);
   }
   if (s != NATS_OK) return FromNats(s, "nats options");
   if (Status sec = ApplySecurity(opts.get(), options.security); !sec.ok()) return sec;
@@ -303,8 +304,7 @@ Status NatsClient::OpenLibrary() {
   return s == NATS_OK ? Status::Ok() : transport_detail::FromNats(s, "nats_Open");
 }
 
-Result<std::unique_ptr<NatsClient>> NatsClient::Connect(const NatsOptions& options,
-                                                        Callbacks callbacks) {
+Result<std::unique_ptr<NatsClient>> NatsClient::Connect(const NatsOptions& options, Callbacks callbacks) {
   if (options.reconnect_wait_ms < 0 || options.connect_timeout_ms <= 0) {
     return InvalidArgument("reconnect_wait_ms must be >= 0 and connect_timeout_ms > 0");
   }
@@ -345,8 +345,8 @@ Result<std::unique_ptr<NatsClient>> NatsClient::Connect(const NatsOptions& optio
                               options.url, natsStatus_GetText(s)));
   }
   if (s == NATS_NOT_YET_CONNECTED) {
-    shared->log.Log(LogLevel::kWarning, "nats.connecting",
-                    "no NATS server at {} yet; connecting in the background", options.url);
+    shared->log.Log(LogLevel::kWarning, "nats.connecting", "no NATS server at {} yet; connecting in the background",
+                    options.url);
   } else if (s != NATS_OK) {
     return FromNats(s, fmt::format("connect to {}", options.url));
   }
@@ -376,8 +376,7 @@ void NatsClient::AwaitClosed(std::chrono::milliseconds timeout) {
     return;
   }
   lock.Unlock();
-  shared_->log.Log(LogLevel::kError, "nats.close",
-                   "connection to {} did not report closed within {} ms", shared_->url,
+  shared_->log.Log(LogLevel::kError, "nats.close", "connection to {} did not report closed within {} ms", shared_->url,
                    timeout.count());
   // nats.c may still call back into `shared_` later. Keep it alive for good: a small leak
   // instead of a use-after-free.
@@ -387,31 +386,27 @@ void NatsClient::AwaitClosed(std::chrono::milliseconds timeout) {
 Status NatsClient::Publish(std::string_view subject, std::span<const std::byte> data) {
   if (data.size() > static_cast<size_t>(INT_MAX)) return InvalidArgument("payload too large");
   CString subj(subject);
-  const natsStatus s = natsConnection_Publish(conn_.get(), subj.c_str(), data.data(),
-                                              static_cast<int>(data.size()));
+  const natsStatus s = natsConnection_Publish(conn_.get(), subj.c_str(), data.data(), static_cast<int>(data.size()));
   if (s != NATS_OK) return FromNats(s, fmt::format("publish to '{}'", subject));
   return Status::Ok();
 }
 
-Status NatsClient::PublishRequest(std::string_view subject, std::string_view reply,
-                                  std::span<const std::byte> data) {
+Status NatsClient::PublishRequest(std::string_view subject, std::string_view reply, std::span<const std::byte> data) {
   if (data.size() > static_cast<size_t>(INT_MAX)) return InvalidArgument("payload too large");
   CString subj(subject);
   CString rep(reply);
-  const natsStatus s = natsConnection_PublishRequest(conn_.get(), subj.c_str(), rep.c_str(), data.data(),
-                                                     static_cast<int>(data.size()));
+  const natsStatus s =
+      natsConnection_PublishRequest(conn_.get(), subj.c_str(), rep.c_str(), data.data(), static_cast<int>(data.size()));
   if (s != NATS_OK) return FromNats(s, fmt::format("publish to '{}'", subject));
   return Status::Ok();
 }
 
-Status NatsClient::PublishWithHeaders(
-    std::string_view subject, std::span<const std::byte> data,
-    const std::vector<std::pair<std::string, std::string>>& headers) {
+Status NatsClient::PublishWithHeaders(std::string_view subject, std::span<const std::byte> data,
+                                      const std::vector<std::pair<std::string, std::string>>& headers) {
   if (data.size() > static_cast<size_t>(INT_MAX)) return InvalidArgument("payload too large");
   CString subj(subject);
   natsMsg* raw = nullptr;
-  natsStatus s = natsMsg_Create(&raw, subj.c_str(), nullptr,
-                                reinterpret_cast<const char*>(data.data()),
+  natsStatus s = natsMsg_Create(&raw, subj.c_str(), nullptr, reinterpret_cast<const char*>(data.data()),
                                 static_cast<int>(data.size()));
   if (s != NATS_OK) return FromNats(s, fmt::format("publish to '{}'", subject));
   MsgPtr msg(raw);
@@ -431,8 +426,7 @@ Status NatsClient::Respond(const IncomingMessage& request, std::span<const std::
   return Publish(request.reply, data);
 }
 
-Result<std::vector<std::byte>> NatsClient::Request(std::string_view subject,
-                                                   std::span<const std::byte> data,
+Result<std::vector<std::byte>> NatsClient::Request(std::string_view subject, std::span<const std::byte> data,
                                                    std::chrono::milliseconds timeout) {
   if (data.size() > static_cast<size_t>(INT_MAX)) return InvalidArgument("payload too large");
   CString subj(subject);
@@ -459,17 +453,14 @@ void NatsClient::Drain(std::chrono::milliseconds timeout) {
   if (s != NATS_OK) {
     // Already closed, or not connected (nothing can be flushed): just close.
     if (s != NATS_CONNECTION_CLOSED) {
-      shared_->log.Log(LogLevel::kWarning, "nats.drain", "drain failed ({}); closing",
-                       natsStatus_GetText(s));
+      shared_->log.Log(LogLevel::kWarning, "nats.drain", "drain failed ({}); closing", natsStatus_GetText(s));
     }
     natsConnection_Close(conn_.get());
   }
   AwaitClosed(timeout + kCloseGrace);
 }
 
-bool NatsClient::IsConnected() const {
-  return natsConnection_Status(conn_.get()) == NATS_CONN_STATUS_CONNECTED;
-}
+bool NatsClient::IsConnected() const { return natsConnection_Status(conn_.get()) == NATS_CONN_STATUS_CONNECTED; }
 
 std::size_t NatsClient::MaxPayload() const {
   const std::int64_t max = natsConnection_GetMaxPayload(conn_.get());

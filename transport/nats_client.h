@@ -103,8 +103,12 @@ using MessageHandler = std::function<void(const IncomingMessage&)>;
 namespace transport_detail {
 struct ClientShared;
 struct SubscriptionState;
-struct ConnectionDeleter { void operator()(natsConnection* nc) const; };
-struct SubscriptionDeleter { void operator()(natsSubscription* sub) const; };
+struct ConnectionDeleter {
+  void operator()(natsConnection* nc) const;
+};
+struct SubscriptionDeleter {
+  void operator()(natsSubscription* sub) const;
+};
 }  // namespace transport_detail
 
 // Interest in a subject. Destroying it unsubscribes with this guarantee: when the destructor
@@ -145,8 +149,7 @@ class NatsClient {
   };
 
   // Connects (or, with retry_on_failed_connect, starts connecting in the background).
-  static Result<std::unique_ptr<NatsClient>> Connect(const NatsOptions& options,
-                                                     Callbacks callbacks);
+  static Result<std::unique_ptr<NatsClient>> Connect(const NatsOptions& options, Callbacks callbacks);
 
   // Starts nats.c's library threads (timers, callbacks, and the collector that frees every
   // delivered message) if the first Connect has not yet: a caller that treats them specially
@@ -163,8 +166,7 @@ class NatsClient {
 
   // queue_group empty = plain subscription; otherwise each message goes to one member of the
   // group. Pending limits are raised to 1M messages / 1 GiB per subscription.
-  Result<std::unique_ptr<Subscription>> Subscribe(std::string subject, std::string queue_group,
-                                                  MessageHandler handler);
+  Result<std::unique_ptr<Subscription>> Subscribe(std::string subject, std::string queue_group, MessageHandler handler);
 
   Status Publish(std::string_view subject, std::span<const std::byte> data);
   // Publishes with a reply subject: the receiver answers there (streams of replies, relays).
@@ -176,8 +178,7 @@ class NatsClient {
   Status Respond(const IncomingMessage& request, std::span<const std::byte> data);
   // Sends a request and waits for the first reply. kNotFound: nobody is subscribed to `subject`
   // (NATS "no responders", returned at once); kTimeout: no reply within `timeout`.
-  Result<std::vector<std::byte>> Request(std::string_view subject,
-                                         std::span<const std::byte> data,
+  Result<std::vector<std::byte>> Request(std::string_view subject, std::span<const std::byte> data,
                                          std::chrono::milliseconds timeout);
 
   // Round trip to the server: everything published before has reached it. kTimeout if not

@@ -25,7 +25,7 @@ namespace kvrouter::transport_detail {
 struct ClientShared {
   NatsClient::Callbacks callbacks;
   std::string url;
-  int pending_msgs_limit = 0;   // per subscription (NatsOptions)
+  int pending_msgs_limit = 0;  // per subscription (NatsOptions)
   int pending_bytes_limit = 0;
   RateLimitedLog log{std::chrono::seconds(5)};
 
@@ -60,8 +60,8 @@ struct ClientShared {
 
   void CountCallbackError(std::string_view where, std::string_view what) {
     callback_errors.fetch_add(1, std::memory_order_relaxed);
-    log.Log(LogLevel::kError, "nats.callback_error", "{} threw: {} ({} callback errors so far)",
-            where, what, callback_errors.load(std::memory_order_relaxed));
+    log.Log(LogLevel::kError, "nats.callback_error", "{} threw: {} ({} callback errors so far)", where, what,
+            callback_errors.load(std::memory_order_relaxed));
   }
 };
 
@@ -82,7 +82,6 @@ struct MsgDeleter {
   void operator()(natsMsg* m) const { natsMsg_Destroy(m); }
 };
 using MsgPtr = std::unique_ptr<natsMsg, MsgDeleter>;
-
 
 // The subscription whose handler is running on this thread (a delivery thread runs exactly one
 // subscription's handler), so that a Subscription destroyed from inside its own handler does
@@ -119,10 +118,8 @@ class CString {
 };
 
 inline bool EqualsIgnoreCase(std::string_view a, std::string_view b) {
-  return a.size() == b.size() &&
-         std::equal(a.begin(), a.end(), b.begin(), [](char x, char y) {
-           return std::tolower(static_cast<unsigned char>(x)) ==
-                  std::tolower(static_cast<unsigned char>(y));
+  return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin(), [](char x, char y) {
+           return std::tolower(static_cast<unsigned char>(x)) == std::tolower(static_cast<unsigned char>(y));
          });
 }
 

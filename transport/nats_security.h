@@ -8,11 +8,11 @@
 namespace kvrouter {
 
 struct NatsSecurity {
-  std::string creds_file;      // --nats-creds: a JWT + nkey seed .creds file
-  std::string user, password;  // --nats-user / --nats-password
-  std::string token;           // --nats-token
-  std::string nkey_seed_file;  // --nats-nkey-seed: a file with the seed (S...) and its public key (U...)
-  std::string tls_ca;          // --nats-tls-ca: CA bundle to verify the server (turns TLS on)
+  std::string creds_file;         // --nats-creds: a JWT + nkey seed .creds file
+  std::string user, password;     // --nats-user / --nats-password
+  std::string token;              // --nats-token
+  std::string nkey_seed_file;     // --nats-nkey-seed: a file with the seed (S...) and its public key (U...)
+  std::string tls_ca;             // --nats-tls-ca: CA bundle to verify the server (turns TLS on)
   std::string tls_cert, tls_key;  // --nats-tls-cert / --nats-tls-key: client certificate (mutual TLS)
   bool tls() const { return !tls_ca.empty() || !tls_cert.empty(); }
 };

@@ -49,8 +49,7 @@ void OnMessage(natsConnection* /*nc*/, natsSubscription* sub, natsMsg* raw, void
   } catch (const std::exception& e) {
     state->client->CountCallbackError(fmt::format("handler for '{}'", state->subject), e.what());
   } catch (...) {
-    state->client->CountCallbackError(fmt::format("handler for '{}'", state->subject),
-                                      "unknown exception");
+    state->client->CountCallbackError(fmt::format("handler for '{}'", state->subject), "unknown exception");
   }
   // `state` is still alive here even if the handler destroyed its Subscription (see
   // ~Subscription): only OnSubscriptionComplete frees an orphaned state.
@@ -97,8 +96,7 @@ std::optional<std::string> IncomingMessage::Header(std::string_view key) const {
   }
   std::optional<std::string> found;
   for (int i = 0; i < count && !found; ++i) {
-    if (keys[i] != nullptr && EqualsIgnoreCase(keys[i], key) &&
-        natsMsgHeader_Get(native, keys[i], &value) == NATS_OK) {
+    if (keys[i] != nullptr && EqualsIgnoreCase(keys[i], key) && natsMsgHeader_Get(native, keys[i], &value) == NATS_OK) {
       found = std::string(value != nullptr ? value : "");
     }
   }
@@ -109,9 +107,8 @@ std::optional<std::string> IncomingMessage::Header(std::string_view key) const {
 // ---------------------------------------------------------------------------------------------
 // Subscription
 
-Subscription::Subscription(
-    std::unique_ptr<transport_detail::SubscriptionState> state,
-    std::unique_ptr<natsSubscription, transport_detail::SubscriptionDeleter> sub)
+Subscription::Subscription(std::unique_ptr<transport_detail::SubscriptionState> state,
+                           std::unique_ptr<natsSubscription, transport_detail::SubscriptionDeleter> sub)
     : state_(std::move(state)), sub_(std::move(sub)) {}
 
 Subscription::~Subscription() {
@@ -120,8 +117,8 @@ Subscription::~Subscription() {
   // already closed the subscription was closed with it, and this reports an error we ignore.
   const natsStatus s = natsSubscription_Unsubscribe(sub_.get());
   if (s != NATS_OK && s != NATS_CONNECTION_CLOSED && s != NATS_INVALID_SUBSCRIPTION) {
-    state_->client->log.Log(LogLevel::kWarning, "nats.unsubscribe", "unsubscribe '{}': {}",
-                            state_->subject, natsStatus_GetText(s));
+    state_->client->log.Log(LogLevel::kWarning, "nats.unsubscribe", "unsubscribe '{}': {}", state_->subject,
+                            natsStatus_GetText(s));
   }
   if (tls_dispatching == state_.get()) {
     // Called from inside this subscription's own handler: the current call is on this very
@@ -170,8 +167,7 @@ int64_t Subscription::dropped() const {
   return n;
 }
 
-Result<std::unique_ptr<Subscription>> NatsClient::Subscribe(std::string subject,
-                                                            std::string queue_group,
+Result<std::unique_ptr<Subscription>> NatsClient::Subscribe(std::string subject, std::string queue_group,
                                                             MessageHandler handler) {
   if (!handler) return InvalidArgument("subscribe " + subject + ": empty handler");
   FreeRetiredSubscriptions();
@@ -182,10 +178,9 @@ Result<std::unique_ptr<Subscription>> NatsClient::Subscribe(std::string subject,
 
   natsSubscription* raw = nullptr;
   natsStatus s = queue_group.empty()
-                     ? natsConnection_Subscribe(&raw, conn_.get(), subject.c_str(), OnMessage,
-                                                state.get())
-                     : natsConnection_QueueSubscribe(&raw, conn_.get(), subject.c_str(),
-                                                     queue_group.c_str(), OnMessage, state.get());
+                     ? natsConnection_Subscribe(&raw, conn_.get(), subject.c_str(), OnMessage, state.get())
+                     : natsConnection_QueueSubscribe(&raw, conn_.get(), subject.c_str(), queue_group.c_str(), OnMessage,
+                                                     state.get());
   if (s != NATS_OK) return FromNats(s, fmt::format("subscribe '{}'", subject));
   std::unique_ptr<natsSubscription, transport_detail::SubscriptionDeleter> sub(raw);
 
@@ -201,8 +196,8 @@ Result<std::unique_ptr<Subscription>> NatsClient::Subscribe(std::string subject,
   }
   s = natsSubscription_SetPendingLimits(raw, shared_->pending_msgs_limit, shared_->pending_bytes_limit);
   if (s != NATS_OK) {
-    shared_->log.Log(LogLevel::kWarning, "nats.pending_limits",
-                     "could not set pending limits of '{}': {}", subject, natsStatus_GetText(s));
+    shared_->log.Log(LogLevel::kWarning, "nats.pending_limits", "could not set pending limits of '{}': {}", subject,
+                     natsStatus_GetText(s));
   }
   return std::unique_ptr<Subscription>(new Subscription(std::move(state), std::move(sub)));
 }

@@ -88,7 +88,8 @@ Result<std::vector<ZmqBatch>> ZmqEngineStream::Replay(std::int64_t start_seq, st
     s_->dealer->send(zmq::message_t(), zmq::send_flags::sndmore);
     s_->dealer->send(zmq::buffer(seq, 8), zmq::send_flags::none);
     while (true) {
-      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+      const auto left =
+          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
       std::vector<zmq::message_t> parts;
       s_->dealer->set(zmq::sockopt::rcvtimeo, static_cast<int>(std::max<std::int64_t>(1, left.count())));
       if (left.count() <= 0 || !zmq::recv_multipart(*s_->dealer, std::back_inserter(parts))) {

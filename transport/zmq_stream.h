@@ -22,14 +22,14 @@ namespace kvrouter {
 
 struct ZmqBatch {
   std::string topic;
-  std::int64_t seq = 0;           // 8 bytes, big-endian, signed on the wire
-  std::vector<std::byte> payload; // the KVEventBatch (section 3)
+  std::int64_t seq = 0;            // 8 bytes, big-endian, signed on the wire
+  std::vector<std::byte> payload;  // the KVEventBatch (section 3)
 };
 
 struct ZmqStreamOptions {
-  std::string endpoint;                       // the engine's PUB socket
-  std::optional<std::string> replay_endpoint; // its ROUTER replay socket, if it has one
-  std::string topic;                          // subscription prefix ("" = everything)
+  std::string endpoint;                        // the engine's PUB socket
+  std::optional<std::string> replay_endpoint;  // its ROUTER replay socket, if it has one
+  std::string topic;                           // subscription prefix ("" = everything)
 };
 
 class ZmqEngineStream {

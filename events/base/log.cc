@@ -50,8 +50,7 @@ uint64_t RateLimitedLog::suppressed_total() const {
   return suppressed_total_;
 }
 
-void RateLimitedLog::Emit(LogLevel level, std::string_view key, const std::string& message,
-                          uint64_t suppressed) {
+void RateLimitedLog::Emit(LogLevel level, std::string_view key, const std::string& message, uint64_t suppressed) {
   std::string line = fmt::format("kvrouter {} [{}] {}", LogLevelLetter(level), key, message);
   if (suppressed > 0) line += fmt::format(" ({} similar suppressed)", suppressed);
   sink_(level, line);

@@ -41,15 +41,14 @@ class RateLimitedLog {
 
   // interval: minimum time between two lines of the same key (default 10 s).
   // clock: defaults to std::chrono::steady_clock::now. sink: defaults to stderr.
-  explicit RateLimitedLog(std::chrono::milliseconds interval = std::chrono::seconds(10),
-                          Clock clock = nullptr, Sink sink = nullptr);
+  explicit RateLimitedLog(std::chrono::milliseconds interval = std::chrono::seconds(10), Clock clock = nullptr,
+                          Sink sink = nullptr);
 
   // Formats and writes the line if `key` has not been written within the interval, else counts
   // it as suppressed. Returns whether the line was written. The formatting cost is paid only
   // for lines that are written.
   template <typename... Args>
-  bool Log(LogLevel level, std::string_view key, fmt::format_string<Args...> format,
-           Args&&... args) {
+  bool Log(LogLevel level, std::string_view key, fmt::format_string<Args...> format, Args&&... args) {
     uint64_t suppressed = 0;
     if (!Admit(key, &suppressed)) return false;
     Emit(level, key, fmt::format(format, std::forward<Args>(args)...), suppressed);
@@ -73,8 +72,7 @@ class RateLimitedLog {
     uint64_t suppressed = 0;
   };
 
-  void Emit(LogLevel level, std::string_view key, const std::string& message,
-            uint64_t suppressed);
+  void Emit(LogLevel level, std::string_view key, const std::string& message, uint64_t suppressed);
 
   const std::chrono::milliseconds interval_;
   const Clock clock_;

@@ -18,8 +18,8 @@ std::string_view StatusCodeName(StatusCode code) {
 }
 
 StatusCode StatusCodeFromName(std::string_view name) {
-  for (StatusCode c : {StatusCode::kOk, StatusCode::kInvalidArgument, StatusCode::kNoWorkers,
-                       StatusCode::kOverloaded, StatusCode::kTimeout, StatusCode::kNotFound}) {
+  for (StatusCode c : {StatusCode::kOk, StatusCode::kInvalidArgument, StatusCode::kNoWorkers, StatusCode::kOverloaded,
+                       StatusCode::kTimeout, StatusCode::kNotFound}) {
     if (StatusCodeName(c) == name) return c;
   }
   return StatusCode::kInternal;

@@ -13,7 +13,8 @@ namespace po = boost::program_options;
 std::string EnvNameForFlag(std::string_view flag) {
   if (flag.starts_with("nats-")) {  // NATS_SERVER, NATS_CREDS, NATS_TLS_CA, ...
     std::string out = "NATS_";
-    for (char c : flag.substr(5)) out += c == '-' ? '_' : static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+    for (char c : flag.substr(5))
+      out += c == '-' ? '_' : static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
     return out;
   }
   std::string out = "DYN_";
@@ -109,7 +110,8 @@ Status FillFromEnvironment(const po::options_description& desc, po::variables_ma
     }
     if (!arg) continue;
     // The flag the argument sets (a rule may set another one, e.g. --no-x for x=false).
-    const std::string target = arg->substr(2, arg->find('=') == std::string::npos ? std::string::npos : arg->find('=') - 2);
+    const std::string target =
+        arg->substr(2, arg->find('=') == std::string::npos ? std::string::npos : arg->find('=') - 2);
     if (vm.count(target) && !vm[target].defaulted()) continue;  // the command line wins
     const char* eargv[] = {"env", arg->c_str()};
     po::variables_map env_vm;

@@ -20,10 +20,10 @@ std::string_view Reason(int status) {
 }
 
 void Respond(mg_connection* conn, const HttpResponse& r) {
-  const std::string head =
-      fmt::format("HTTP/1.1 {} {}\r\nContent-Type: {}\r\nContent-Length: {}\r\nCache-Control: no-store\r\n"
-                  "Connection: close\r\n\r\n",
-                  r.status, Reason(r.status), r.content_type, r.body.size());
+  const std::string head = fmt::format(
+      "HTTP/1.1 {} {}\r\nContent-Type: {}\r\nContent-Length: {}\r\nCache-Control: no-store\r\n"
+      "Connection: close\r\n\r\n",
+      r.status, Reason(r.status), r.content_type, r.body.size());
   mg_write(conn, head.data(), head.size());
   mg_write(conn, r.body.data(), r.body.size());
 }
@@ -57,7 +57,8 @@ Result<std::unique_ptr<HttpServer>> HttpServer::Start(const std::string& host, i
   callbacks.log_message = [](const mg_connection*, const char*) { return 1; };
   mg_context* ctx = mg_start(&callbacks, nullptr, options);
   if (ctx == nullptr) {
-    return Status(StatusCode::kInternal, fmt::format("cannot listen on {} (in use, or not an address of this host)", listen));
+    return Status(StatusCode::kInternal,
+                  fmt::format("cannot listen on {} (in use, or not an address of this host)", listen));
   }
   std::unique_ptr<HttpServer> server(new HttpServer());
   server->ctx_ = ctx;
@@ -71,11 +72,18 @@ Result<std::unique_ptr<HttpServer>> HttpServer::Start(const std::string& host, i
 Result<std::unique_ptr<HttpServer>> StartMetricsServer(const std::string& host, int port,
                                                        std::function<std::string()> metrics,
                                                        std::function<bool()> ready) {
-  return HttpServer::Start(
-      host, port,
-      {{"/metrics", [metrics] { return HttpResponse{200, metrics(), "text/plain; version=0.0.4; charset=utf-8"}; }},
-       {"/health", [] { return HttpResponse{200, "ok\n"}; }},
-       {"/ready", [ready] { return ready() ? HttpResponse{200, "ready\n"} : HttpResponse{503, "not ready\n"}; }}});
+  return HttpServer::Start(host, port,
+                           {{"/metrics",
+                             [metrics] {
+                               return HttpResponse{200, metrics(), "text/plain; version=0.0.4; charset=utf-8"};
+                             }},
+                            {"/health",
+                             [] {
+                               return HttpResponse{200, "ok\n"};
+                             }},
+                            {"/ready", [ready] {
+                               return ready() ? HttpResponse{200, "ready\n"} : HttpResponse{503, "not ready\n"};
+                             }}});
 }
 
 HttpServer::~HttpServer() {

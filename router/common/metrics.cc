@@ -29,7 +29,8 @@ void AddEvents(MetricSet& m, const StatsReply& s) {
   for (const auto& [reason, n] : BreakdownOf(s, "events_dropped")) {
     m.Counter(applied, applied_help, static_cast<double>(n), {{"status", reason}});
   }
-  m.Counter("kvrouter_event_gaps_total", "gaps in a worker's event ids", static_cast<double>(CounterOf(s, "event_gaps")));
+  m.Counter("kvrouter_event_gaps_total", "gaps in a worker's event ids",
+            static_cast<double>(CounterOf(s, "event_gaps")));
   m.Counter("kvrouter_event_restarts_total", "worker event streams that started over",
             static_cast<double>(CounterOf(s, "event_restarts")));
   const char* rec = "kvrouter_recoveries_total";
@@ -68,7 +69,8 @@ void AddQueueAndLoad(MetricSet& m, const StatsReply& s) {
   m.Counter(rej, rej_help, static_cast<double>(CounterOf(s, "queue_timed_out")), {{"reason", "timeout"}});
   m.Counter("kvrouter_queue_admitted_total", "queued requests that got a worker",
             static_cast<double>(CounterOf(s, "queue_admitted")));
-  m.Gauge("kvrouter_active_requests", "booked requests (all workers)", static_cast<double>(CounterOf(s, "active_requests")));
+  m.Gauge("kvrouter_active_requests", "booked requests (all workers)",
+          static_cast<double>(CounterOf(s, "active_requests")));
   m.Gauge("kvrouter_approx_predicted_blocks", "approximate mode: blocks predicted cached (0 otherwise)",
           static_cast<double>(CounterOf(s, "predicted_blocks")));
   m.Gauge("kvrouter_worker_ranks", "(worker, dp_rank) pairs known", static_cast<double>(s.workers_total));
@@ -78,12 +80,16 @@ void AddQueueAndLoad(MetricSet& m, const StatsReply& s) {
   for (const WorkerStats& w : s.workers) {
     if (++n > RouterMetrics::kMaxRankSeries) break;
     const MetricLabels l = {{"worker_id", std::to_string(w.worker_id)}, {"dp_rank", std::to_string(w.dp_rank)}};
-    m.Gauge("kvrouter_worker_active_blocks", "blocks of the requests booked on the rank", static_cast<double>(w.active_blocks), l);
+    m.Gauge("kvrouter_worker_active_blocks", "blocks of the requests booked on the rank",
+            static_cast<double>(w.active_blocks), l);
     m.Gauge("kvrouter_worker_active_prefill_tokens", "prompt tokens booked on the rank and not yet prefilled",
             static_cast<double>(w.active_prefill_tokens), l);
-    m.Gauge("kvrouter_worker_active_requests", "requests booked on the rank", static_cast<double>(w.active_requests), l);
-    m.Gauge("kvrouter_worker_cached_blocks", "blocks the router believes cached on the rank", static_cast<double>(w.blocks), l);
-    m.Counter("kvrouter_worker_routed_requests_total", "requests routed to the rank", static_cast<double>(w.routed_requests), l);
+    m.Gauge("kvrouter_worker_active_requests", "requests booked on the rank", static_cast<double>(w.active_requests),
+            l);
+    m.Gauge("kvrouter_worker_cached_blocks", "blocks the router believes cached on the rank",
+            static_cast<double>(w.blocks), l);
+    m.Counter("kvrouter_worker_routed_requests_total", "requests routed to the rank",
+              static_cast<double>(w.routed_requests), l);
   }
 }
 
@@ -125,16 +131,18 @@ RouterMetrics::RouterMetrics() : registry_(std::make_shared<prometheus::Registry
   const prometheus::Histogram::BucketBoundaries latency = {0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005,
                                                            0.01,   0.025,   0.05,   0.1,   0.25,   1.0};
   for (const char* e : {"route", "best_worker", "generate"}) route_seconds_[e] = &route.Add({{"endpoint", e}}, latency);
-  hit_rate_ = &prometheus::BuildHistogram()
-                   .Name("dynamo_component_router_kv_hit_rate")
-                   .Help("share of a routed request's blocks already cached on the chosen worker, per decision")
-                   .Register(*registry_)
-                   .Add({}, prometheus::Histogram::BucketBoundaries{0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0});
-  queue_wait_ = &prometheus::BuildHistogram()
-                     .Name("dynamo_frontend_router_queue_wait_seconds")
-                     .Help("time a request waited in the router's queue before a worker had room")
-                     .Register(*registry_)
-                     .Add({}, prometheus::Histogram::BucketBoundaries{0.001, 0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60});
+  hit_rate_ =
+      &prometheus::BuildHistogram()
+           .Name("dynamo_component_router_kv_hit_rate")
+           .Help("share of a routed request's blocks already cached on the chosen worker, per decision")
+           .Register(*registry_)
+           .Add({}, prometheus::Histogram::BucketBoundaries{0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0});
+  queue_wait_ =
+      &prometheus::BuildHistogram()
+           .Name("dynamo_frontend_router_queue_wait_seconds")
+           .Help("time a request waited in the router's queue before a worker had room")
+           .Register(*registry_)
+           .Add({}, prometheus::Histogram::BucketBoundaries{0.001, 0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60});
   auto& reconnects = prometheus::BuildCounter()
                          .Name("kvrouter_nats_reconnects_total")
                          .Help("NATS reconnections, by connection")
@@ -159,11 +167,11 @@ void RouterMetrics::CountReconnect(std::string_view connection) {
 
 std::string RouterMetrics::Render(const StatsReply& stats, const RouterInfo& info) const {
   MetricSet m;
-  m.Gauge("kvrouter_info", "what this router does (labels); always 1",
-          1, {{"mode", info.mode},
-              {"kv_events", info.kv_events ? "true" : "false"},
-              {"recovery", info.recovery ? "true" : "false"},
-              {"replica_sync", info.replica_sync ? "true" : "false"}});
+  m.Gauge("kvrouter_info", "what this router does (labels); always 1", 1,
+          {{"mode", info.mode},
+           {"kv_events", info.kv_events ? "true" : "false"},
+           {"recovery", info.recovery ? "true" : "false"},
+           {"replica_sync", info.replica_sync ? "true" : "false"}});
   m.Gauge("kvrouter_approximate_mode",
           "1: no KV events are read; caches are predicted from the router's own decisions (--no-router-kv-events)",
           info.approximate ? 1 : 0);

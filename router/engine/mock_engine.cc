@@ -12,8 +12,7 @@ double MockPrefillMs(double uncached_tokens, double speedup) { return PrefillMs(
 
 double MockDecodeStepMs(double kv_utilization, double speedup) { return DecodeStepMs(kv_utilization) / speedup; }
 
-MockEngine::MockEngine(MockEngineConfig config, EventSink sink)
-    : config_(config), sink_(std::move(sink)) {
+MockEngine::MockEngine(MockEngineConfig config, EventSink sink) : config_(config), sink_(std::move(sink)) {
   assert(config_.block_size > 0);
   assert(config_.speedup_ratio > 0);
   if (config_.max_num_seqs == 0) config_.max_num_seqs = 1;  // else nothing could ever run
@@ -112,8 +111,7 @@ std::size_t MockEngine::Admit(std::vector<EngineOutput>& rejected) {
     Waiting& w = waiting_.front();
     const auto prompt = static_cast<std::uint32_t>(w.request.tokens.size());
     if (w.seq.size() > config_.num_gpu_blocks) {
-      rejected.push_back({.id = std::move(w.request.id), .kind = EngineOutput::kRejected,
-                          .prompt_tokens = prompt});
+      rejected.push_back({.id = std::move(w.request.id), .kind = EngineOutput::kRejected, .prompt_tokens = prompt});
       waiting_.pop_front();
       continue;
     }
@@ -122,8 +120,7 @@ std::size_t MockEngine::Admit(std::vector<EngineOutput>& rejected) {
     const std::size_t uncached = prompt - cached;
     if (admitted_any && prefill_tokens + uncached > budget) break;
     const std::size_t fresh = w.seq.size() - hits;
-    const std::size_t room =
-        (config_.num_gpu_blocks - blocks_.size()) + lru_.size() - EvictableAmong(w, hits);
+    const std::size_t room = (config_.num_gpu_blocks - blocks_.size()) + lru_.size() - EvictableAmong(w, hits);
     if (fresh > room) break;  // waits until running requests release blocks
 
     Allocate(w, hits);
@@ -147,7 +144,8 @@ double MockEngine::Step(double now_ms, std::vector<EngineOutput>& outputs) {
   const std::size_t prefill_tokens = Admit(rejected);  // FIFO
 
   double duration = 0;
-  if (prefill_tokens != kNoneAdmitted) duration += MockPrefillMs(static_cast<double>(prefill_tokens), config_.speedup_ratio);
+  if (prefill_tokens != kNoneAdmitted)
+    duration += MockPrefillMs(static_cast<double>(prefill_tokens), config_.speedup_ratio);
   if (decoding > 0) duration += MockDecodeStepMs(Utilization(), config_.speedup_ratio);
   const double at = now_ms + duration;
 
@@ -156,8 +154,12 @@ double MockEngine::Step(double now_ms, std::vector<EngineOutput>& outputs) {
     outputs.push_back(std::move(o));
   }
   auto output = [&](const Running& r, EngineOutput::Kind kind) {
-    outputs.push_back({.id = r.id, .kind = kind, .at_ms = at, .prompt_tokens = r.prompt_tokens,
-                       .cached_tokens = r.cached_tokens, .output_tokens = r.output_tokens});
+    outputs.push_back({.id = r.id,
+                       .kind = kind,
+                       .at_ms = at,
+                       .prompt_tokens = r.prompt_tokens,
+                       .cached_tokens = r.cached_tokens,
+                       .output_tokens = r.output_tokens});
   };
   for (std::size_t i = 0; i < running_.size(); ++i) {
     Running& r = running_[i];

@@ -25,11 +25,11 @@
 namespace kvrouter {
 
 struct MockEngineConfig {
-  std::uint32_t num_gpu_blocks = 16384;       // KV cache capacity in blocks
-  std::uint32_t block_size = 64;              // tokens per block (> 0)
-  std::uint32_t max_num_seqs = 256;           // running requests at most
+  std::uint32_t num_gpu_blocks = 16384;         // KV cache capacity in blocks
+  std::uint32_t block_size = 64;                // tokens per block (> 0)
+  std::uint32_t max_num_seqs = 256;             // running requests at most
   std::uint32_t max_num_batched_tokens = 8192;  // uncached prompt tokens prefilled per step
-  double speedup_ratio = 1.0;                 // divides every duration (> 0)
+  double speedup_ratio = 1.0;                   // divides every duration (> 0)
 };
 
 // The timing model of docs/design.md, in ms, divided by `speedup`.
@@ -104,8 +104,8 @@ class MockEngine {
  private:
   struct Block {
     LocalHash local = 0;
-    std::optional<SequenceHash> parent;  // nullopt for a sequence's first block
-    std::uint32_t refs = 0;              // running requests holding it; 0 = evictable
+    std::optional<SequenceHash> parent;     // nullopt for a sequence's first block
+    std::uint32_t refs = 0;                 // running requests holding it; 0 = evictable
     std::list<SequenceHash>::iterator lru;  // position in lru_, valid while refs == 0
   };
   struct Waiting {

@@ -37,8 +37,7 @@ class ApproxIndex {
 
   // The worker now holds the prompt's blocks (local and sequence hashes of its full blocks).
   // Prunes to prune_target_ratio * max_blocks when the total passes max_blocks.
-  void Record(WorkerKey worker, std::span<const LocalHash> local, std::span<const SequenceHash> seq,
-              SteadyTime now);
+  void Record(WorkerKey worker, std::span<const LocalHash> local, std::span<const SequenceHash> seq, SteadyTime now);
   // Drops blocks whose last use is at least ttl ago; returns how many.
   std::size_t Expire(SteadyTime now);
   // Forgets every prediction for worker_id (all dp ranks); walks every prediction (rare: a

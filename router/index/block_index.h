@@ -81,18 +81,18 @@ using OverlapScores = std::vector<OverlapScore, UninitializedResizeAllocator<Ove
 
 // What applying one operation did; the caller turns it into counters.
 struct ApplyOutcome {
-  std::uint32_t blocks_stored = 0;        // new (worker, block) holdings
+  std::uint32_t blocks_stored = 0;  // new (worker, block) holdings
   std::uint32_t blocks_removed = 0;
-  bool parent_not_found = false;          // stored chain dropped whole
-  bool over_capacity = false;             // stored chain dropped whole: it would pass max_blocks
-  std::uint32_t blocks_not_found = 0;     // removals of unknown blocks (rest still applied)
+  bool parent_not_found = false;       // stored chain dropped whole
+  bool over_capacity = false;          // stored chain dropped whole: it would pass max_blocks
+  std::uint32_t blocks_not_found = 0;  // removals of unknown blocks (rest still applied)
 };
 
 struct IndexMemory {
-  std::size_t bytes = 0;          // everything the index allocated (capacities, not sizes)
-  std::size_t nodes = 0;          // live tree nodes (without the root)
-  std::size_t holdings = 0;       // (block, worker) pairs = sum of tree sizes
-  std::size_t table_bytes = 0;    // of `bytes`: the sequence-hash table's slots
+  std::size_t bytes = 0;        // everything the index allocated (capacities, not sizes)
+  std::size_t nodes = 0;        // live tree nodes (without the root)
+  std::size_t holdings = 0;     // (block, worker) pairs = sum of tree sizes
+  std::size_t table_bytes = 0;  // of `bytes`: the sequence-hash table's slots
 };
 
 class BlockIndex {
@@ -105,8 +105,7 @@ class BlockIndex {
   // Stores a chain for `worker`. An unknown parent drops the whole chain, and so does a chain
   // that would take the worker's blocks past max_blocks; re-storing a known block is
   // idempotent; a known block_hash stored at a new position moves there.
-  ApplyOutcome ApplyStored(WorkerKey worker, std::optional<BlockHash> parent,
-                           std::span<const StoredBlock> blocks,
+  ApplyOutcome ApplyStored(WorkerKey worker, std::optional<BlockHash> parent, std::span<const StoredBlock> blocks,
                            std::uint64_t max_blocks = std::numeric_limits<std::uint64_t>::max());
   // Starts loading what ApplyStored of this chain will look up first, so that its cache misses
   // overlap the work before it (the caller applies the previous event meanwhile). Assumes the
@@ -163,8 +162,8 @@ class BlockIndex {
   static constexpr std::uint32_t kRoot = 0;
 
   struct Node {
-    SequenceHash seq = 0;                  // identifies the prefix ending here
-    std::uint32_t parent = kRoot;          // owner only
+    SequenceHash seq = 0;          // identifies the prefix ending here
+    std::uint32_t parent = kRoot;  // owner only
     // Bit 0, "orphan risk": set when a holder left this node while it had children: a child may
     // then hold a worker this node does not, so FindMatches must intersect explicitly below it.
     // Sticky until the node is freed (rare: engines evict leaves first). Bits 1-31: children.
@@ -201,21 +200,21 @@ class BlockIndex {
   struct WorkerSlot {
     WorkerKey key;
     bool in_use = false;
-    bool mapped = false;             // see the header comment; back to canonical when cleared
+    bool mapped = false;  // see the header comment; back to canonical when cleared
     // Canonical: the nodes held, appended on every new holding and never erased one by one; an
     // entry is stale when the node no longer holds this slot (or holds it through a later
     // entry). Compacted when stale entries outnumber live ones.
     std::vector<std::uint32_t> held;
     std::uint32_t canonical_blocks = 0;  // canonical: live holdings
-    FlatTable<U64MapTraits> blocks;  // mapped: engine block_hash -> node
+    FlatTable<U64MapTraits> blocks;      // mapped: engine block_hash -> node
     // Mapped: nodes this worker reaches through more than one block_hash: extra references
     // beyond the one its holder entry stands for. Almost always empty.
     std::unordered_map<std::uint32_t, std::uint32_t> extra_refs;
     std::size_t holdings() const { return mapped ? blocks.size() : canonical_blocks; }
   };
 
-  std::uint32_t SlotFor(WorkerKey worker);          // creates on first use
-  std::uint32_t FindSlot(WorkerKey worker) const;   // kFlatEmpty when unknown
+  std::uint32_t SlotFor(WorkerKey worker);         // creates on first use
+  std::uint32_t FindSlot(WorkerKey worker) const;  // kFlatEmpty when unknown
   // The node of sequence hash seq (a child of parent), created when new.
   std::uint32_t ChildOrCreate(std::uint32_t parent, SequenceHash seq);
   // The node the slot holds under engine hash h, or kFlatEmpty.
@@ -241,17 +240,17 @@ class BlockIndex {
   const Node& node(std::uint32_t i) const { return chunks_[i >> kChunkBits][i & (kChunkSize - 1)]; }
 
   std::vector<LargeArray<Node>> chunks_;  // node 0 (kRoot) is the root
-  PublishedArray<Node*> chunk_dir_;        // chunks_[c]'s nodes, for FindMatches
-  std::uint32_t num_node_slots_ = 0;        // slots handed out so far
+  PublishedArray<Node*> chunk_dir_;       // chunks_[c]'s nodes, for FindMatches
+  std::uint32_t num_node_slots_ = 0;      // slots handed out so far
   // Freed node numbers, reused last freed first. A list of numbers rather than one linked
   // through the nodes: taking one touches no node, and the next few can be prefetched.
   std::vector<std::uint32_t> free_nodes_;
-  std::size_t free_sorted_ = 0;  // free_nodes_[0, free_sorted_) is in descending order
+  std::size_t free_sorted_ = 0;               // free_nodes_[0, free_sorted_) is in descending order
   std::vector<std::uint32_t> retired_nodes_;  // freed while readers may read: free at FreeRetired
   std::size_t live_nodes_ = 0;
-  FlatTable<U64MapTraits> node_of_;         // sequence hash -> node
+  FlatTable<U64MapTraits> node_of_;  // sequence hash -> node
   HolderHeap holder_heap_;
-  std::vector<void*> retired_holders_;      // holder buffers replaced while readers may read
+  std::vector<void*> retired_holders_;  // holder buffers replaced while readers may read
 
   std::vector<WorkerSlot> slots_;
   // slots_[i].key for FindMatches: words 3i, 3i+1 (worker_id, low and high), 3i+2 (dp_rank).

@@ -45,18 +45,17 @@ struct StreamCounters {
 class EventStreams {
  public:
   struct Options {
-    bool recover = false;          // ask for recoveries (else only count gaps)
-    std::size_t max_held = 4096;   // batches held per rank while its recovery is in flight
+    bool recover = false;         // ask for recoveries (else only count gaps)
+    std::size_t max_held = 4096;  // batches held per rank while its recovery is in flight
   };
   // `on_recovery` is called when a rank needs recovering (recovery_part.h).
-  EventStreams(Options options, RecoveryNeeded on_recovery)
-      : options_(options), on_recovery_(std::move(on_recovery)) {}
+  EventStreams(Options options, RecoveryNeeded on_recovery) : options_(options), on_recovery_(std::move(on_recovery)) {}
 
   enum class Verdict {
-    kApply,            // apply it now
-    kClearThenApply,   // the publisher restarted: clear the rank, then apply
-    kHeld,             // kept until the rank's recovery ends
-    kDrop,             // a repeat
+    kApply,           // apply it now
+    kClearThenApply,  // the publisher restarted: clear the rank, then apply
+    kHeld,            // kept until the rank's recovery ends
+    kDrop,            // a repeat
   };
   Verdict Live(KvEventBatch& batch);  // may move the batch into the hold
 
@@ -66,9 +65,9 @@ class EventStreams {
 
   // What a reply part means for its rank. Its events are trimmed to those still to apply.
   struct Outcome {
-    bool clear_first = false;               // clear the rank before applying the part's events
-    std::vector<KvEventBatch> apply;        // after a failure: held batches to apply as they are
-    std::vector<KvEventBatch> rejudge;      // after the last part: held batches for Live() again
+    bool clear_first = false;           // clear the rank before applying the part's events
+    std::vector<KvEventBatch> apply;    // after a failure: held batches to apply as they are
+    std::vector<KvEventBatch> rejudge;  // after the last part: held batches for Live() again
   };
   Outcome Recovered(RecoveryPart& part);
 
@@ -81,9 +80,9 @@ class EventStreams {
     SequenceKind numbering = SequenceKind::kNone;
     std::optional<std::uint64_t> cursor;  // last id applied
     bool recovering = false;
-    bool dump_pending = false;  // a dump must follow the reply in flight (hold overflowed)
-    bool dump_started = false;  // a dump reply's first part has been seen
-    bool asked_once = false;    // a recovery has ended (a failed first-sight dump is not retried)
+    bool dump_pending = false;     // a dump must follow the reply in flight (hold overflowed)
+    bool dump_started = false;     // a dump reply's first part has been seen
+    bool asked_once = false;       // a recovery has ended (a failed first-sight dump is not retried)
     std::uint64_t generation = 0;  // of the ask in flight
     std::deque<KvEventBatch> held;
   };

@@ -270,8 +270,8 @@ class FlatTable {
   }
 
   [[no_unique_address]] Traits traits_{};
-  std::unique_ptr<Storage> st_;       // the slot array (huge pages when large); null when empty
-  Storage* published_ = nullptr;      // st_.get(), for readers (atomic accesses)
+  std::unique_ptr<Storage> st_;   // the slot array (huge pages when large); null when empty
+  Storage* published_ = nullptr;  // st_.get(), for readers (atomic accesses)
   std::size_t size_ = 0;
   std::uint32_t erasing_ = 0;  // odd while Erase moves entries (atomic accesses)
   bool defer_frees_ = false;

@@ -172,7 +172,7 @@ class HolderSet {
 
  private:
   static constexpr std::uint32_t kAbsent = 0xffffffffu;  // an absent inline slot
-  static constexpr std::size_t kHeader = 2;               // capacity, size
+  static constexpr std::size_t kHeader = 2;              // capacity, size
 
   static std::uint64_t Inline(std::uint32_t s0, std::uint32_t s1) {
     return (std::uint64_t{s1} << 32) | (std::uint64_t{s0 & 0x7fffffffu} << 1) | 1;

@@ -153,7 +153,7 @@ class ReadGate {
       exact_.fetch_add(1, std::memory_order_seq_cst);
       const std::uint64_t now = version_.load(std::memory_order_seq_cst);
       if ((now & 1) == 0) break;  // counted in between events: exact
-      if (late) {  // counted in during the event: read around it
+      if (late) {                 // counted in during the event: read around it
         tolerant = true;
         late_.store(v, std::memory_order_relaxed);
         GoTolerant();

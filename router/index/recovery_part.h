@@ -31,7 +31,7 @@ struct RecoveryPart {
 // Called when a rank needs recovering: start nullopt = a tree dump, else the first §6 event id
 // wanted. `generation` names this ask; its reply parts must carry it back. For a vLLM-numbered
 // rank (Kv-Seq from 0, one batch per number) §6 ids count its batches from 1: id = Kv-Seq + 1.
-using RecoveryNeeded = std::function<void(WorkerKey, SequenceKind, std::optional<std::uint64_t> start,
-                                          std::uint64_t generation)>;
+using RecoveryNeeded =
+    std::function<void(WorkerKey, SequenceKind, std::optional<std::uint64_t> start, std::uint64_t generation)>;
 
 }  // namespace kvrouter

@@ -14,9 +14,12 @@ constexpr std::size_t kMaxBlocksPerLock = 64;
 std::size_t BlocksIn(const KvEventBatch& b) {
   std::size_t n = 0;
   for (const KvOp& op : b.ops) {
-    if (auto* s = std::get_if<KvStored>(&op.data)) n += s->blocks.size();
-    else if (auto* r = std::get_if<KvRemoved>(&op.data)) n += r->block_hashes.size();
-    else n += 1;
+    if (auto* s = std::get_if<KvStored>(&op.data))
+      n += s->blocks.size();
+    else if (auto* r = std::get_if<KvRemoved>(&op.data))
+      n += r->block_hashes.size();
+    else
+      n += 1;
   }
   return n;
 }
@@ -106,14 +109,15 @@ void IndexShard::SetCapacity(std::uint64_t worker_id, std::uint64_t blocks) {
 
 void IndexShard::RequestDump(WorkerKey worker, SequenceKind numbering) {
   submitted_.fetch_add(1, std::memory_order_relaxed);
-  queue_.enqueue(Item{.kind = Item::kRequestDump, .numbering = numbering, .dp_rank = worker.dp_rank,
-                      .worker_id = worker.worker_id});
+  queue_.enqueue(Item{
+      .kind = Item::kRequestDump, .numbering = numbering, .dp_rank = worker.dp_rank, .worker_id = worker.worker_id});
 }
 
 void IndexShard::Recovered(RecoveryPart part) {
   submitted_.fetch_add(1, std::memory_order_relaxed);
   const std::uint64_t worker_id = part.worker.worker_id;
-  queue_.enqueue(Item{.kind = Item::kRecovered, .worker_id = worker_id, .part = std::make_unique<RecoveryPart>(std::move(part))});
+  queue_.enqueue(
+      Item{.kind = Item::kRecovered, .worker_id = worker_id, .part = std::make_unique<RecoveryPart>(std::move(part))});
 }
 
 void IndexShard::Flush() {
@@ -188,8 +192,7 @@ void IndexShard::Run() {
   std::vector<KvEventBatch> giving;  // applied batches, given back after each bulk
   giving.reserve(max_bulk_);
   while (true) {
-    const std::size_t n =
-        queue_.wait_dequeue_bulk_timed(items.begin(), max_bulk_, std::chrono::milliseconds(100));
+    const std::size_t n = queue_.wait_dequeue_bulk_timed(items.begin(), max_bulk_, std::chrono::milliseconds(100));
     std::size_t batches = 0;
     std::size_t done = 0;
     {
@@ -231,8 +234,7 @@ void IndexShard::Run() {
             slice += ApplyRecovered(*it.part);
             ++done;
             break;
-          case Item::kWake:
-            break;
+          case Item::kWake: break;
         }
         if (writes && gate_.EndWrite() && index_.HasRetired()) index_.FreeRetired();
         if (it.kind == Item::kBatch && SpareBatches::Keep(it.batch)) giving.push_back(std::move(it.batch));
@@ -306,7 +308,9 @@ const KvStored* IndexShard::FirstStored(const KvEventBatch& b) {
   return b.ops.empty() ? nullptr : std::get_if<KvStored>(&b.ops.front().data);
 }
 
-const KvStored* IndexShard::FirstStored(const Item& it) { return it.kind == Item::kBatch ? FirstStored(it.batch) : nullptr; }
+const KvStored* IndexShard::FirstStored(const Item& it) {
+  return it.kind == Item::kBatch ? FirstStored(it.batch) : nullptr;
+}
 
 void IndexShard::PrefetchOps(const Item& it) {
   if (it.kind == Item::kBatch && !it.batch.ops.empty()) PrefetchLine(it.batch.ops.data());
@@ -335,16 +339,13 @@ void IndexShard::ApplyBatch(KvEventBatch& b) {
   // Without recovery a gap leaves the rank wrong: flag it (with recovery it is being asked).
   if (!recover_ && streams_.counters().gaps > gaps_before) MarkStale(key);
   switch (verdict) {
-    case EventStreams::Verdict::kApply:
-      ApplyOps(key, b);
-      break;
+    case EventStreams::Verdict::kApply: ApplyOps(key, b); break;
     case EventStreams::Verdict::kClearThenApply:
       index_.ClearRank(key);
       ApplyOps(key, b);
       break;
     case EventStreams::Verdict::kHeld:
-    case EventStreams::Verdict::kDrop:
-      break;
+    case EventStreams::Verdict::kDrop: break;
   }
   PublishStreamCounters();
 }

@@ -92,13 +92,19 @@ class IndexShard {
 
   struct Item {
     enum Kind : std::uint8_t {
-      kBatch, kClearWorker, kRemoveWorker, kRequestDump, kRecovered, kSetCapacity, kWake
+      kBatch,
+      kClearWorker,
+      kRemoveWorker,
+      kRequestDump,
+      kRecovered,
+      kSetCapacity,
+      kWake
     } kind = kWake;
     SequenceKind numbering = SequenceKind::kEventId;  // kRequestDump (beside kind, in its padding)
-    std::uint32_t dp_rank = 0;                         // kRequestDump
+    std::uint32_t dp_rank = 0;                        // kRequestDump
     KvEventBatch batch;
     std::uint64_t worker_id = 0;
-    std::uint64_t blocks_per_rank = 0;  // kSetCapacity
+    std::uint64_t blocks_per_rank = 0;   // kSetCapacity
     std::unique_ptr<RecoveryPart> part;  // kRecovered: out of line, so the queue moves small items
   };
 
@@ -182,7 +188,7 @@ class IndexShard {
   const std::chrono::nanoseconds read_patience_;
   const std::chrono::milliseconds shrink_after_;
   static constexpr std::chrono::milliseconds kUpkeepEvery{100};
-  SteadyTime last_upkeep_{};  // the shard thread only (Run), no lock
+  SteadyTime last_upkeep_{};                                      // the shard thread only (Run), no lock
   std::optional<SteadyTime> underfull_since_ KV_GUARDED_BY(mu_);  // the shard thread (Upkeep)
   std::atomic<std::uint64_t> upkeeps_{0};
   const std::uint64_t default_capacity_;
@@ -208,11 +214,11 @@ class IndexShard {
   // Written only by the writer, one writer at a time (so OwnerCounter::Add needs no locked
   // instruction, and mu_ hands the values from one writer to the next); AddCounters reads them
   // on any thread without mu_.
-  OwnerCounter batches_applied_ KV_GUARDED_BY(mu_), ops_applied_ KV_GUARDED_BY(mu_),
-      blocks_stored_ KV_GUARDED_BY(mu_), blocks_removed_ KV_GUARDED_BY(mu_), non_device_ops_ KV_GUARDED_BY(mu_),
-      gaps_ KV_GUARDED_BY(mu_), restarts_ KV_GUARDED_BY(mu_), parent_block_not_found_ KV_GUARDED_BY(mu_),
-      block_not_found_ KV_GUARDED_BY(mu_), duplicate_ KV_GUARDED_BY(mu_), events_recovered_ KV_GUARDED_BY(mu_),
-      held_dropped_ KV_GUARDED_BY(mu_), over_capacity_ KV_GUARDED_BY(mu_);
+  OwnerCounter batches_applied_ KV_GUARDED_BY(mu_), ops_applied_ KV_GUARDED_BY(mu_), blocks_stored_ KV_GUARDED_BY(mu_),
+      blocks_removed_ KV_GUARDED_BY(mu_),
+      non_device_ops_ KV_GUARDED_BY(mu_), gaps_ KV_GUARDED_BY(mu_), restarts_ KV_GUARDED_BY(mu_),
+      parent_block_not_found_ KV_GUARDED_BY(mu_), block_not_found_ KV_GUARDED_BY(mu_), duplicate_ KV_GUARDED_BY(mu_),
+      events_recovered_ KV_GUARDED_BY(mu_), held_dropped_ KV_GUARDED_BY(mu_), over_capacity_ KV_GUARDED_BY(mu_);
   std::atomic<std::uint64_t> queue_full_{0};  // any thread (TakeRoom)
 
   std::thread thread_;  // last: starts after every member above is constructed

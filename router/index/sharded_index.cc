@@ -18,9 +18,7 @@ ShardedIndex::ShardedIndex(ShardedIndexOptions options)
 
 ShardedIndex::~ShardedIndex() = default;
 
-std::size_t ShardedIndex::ShardOf(std::uint64_t worker_id) const {
-  return Mix64(worker_id) % shards_.size();
-}
+std::size_t ShardedIndex::ShardOf(std::uint64_t worker_id) const { return Mix64(worker_id) % shards_.size(); }
 
 bool ShardedIndex::Submit(KvEventBatch&& batch) {
   IndexShard& shard = *shards_[ShardOf(batch.worker_id)];
@@ -94,7 +92,9 @@ void ShardedIndex::Recovered(RecoveryPart part) {
   shards_[shard]->Recovered(std::move(part));
 }
 
-std::size_t ShardedIndex::TreeSize(WorkerKey worker) const { return shards_[ShardOf(worker.worker_id)]->TreeSize(worker); }
+std::size_t ShardedIndex::TreeSize(WorkerKey worker) const {
+  return shards_[ShardOf(worker.worker_id)]->TreeSize(worker);
+}
 
 IndexCounters ShardedIndex::Counters() const {
   IndexCounters c;

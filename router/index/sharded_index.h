@@ -58,7 +58,7 @@ struct ShardedIndexOptions {
   // the event (a shard thread, or with apply_on_submit a submitting thread) once the shard's lock
   // is released, and must not block: that thread's next events wait for it.
   RecoveryNeeded on_recovery;
-  std::size_t max_held = 4096;         // batches held per rank while it recovers
+  std::size_t max_held = 4096;  // batches held per rank while it recovers
   // Indexed blocks per (worker, dp_rank) unless SetCapacity says otherwise; a stored event that
   // would pass it is dropped (over_capacity): a worker flooding more than its cache cannot grow
   // the index without bound.
@@ -79,19 +79,19 @@ struct ShardedIndexOptions {
 // Event counters summed over shards (monotonic).
 struct IndexCounters {
   std::uint64_t batches_applied = 0;
-  std::uint64_t ops_applied = 0;            // stored/removed/cleared operations applied
+  std::uint64_t ops_applied = 0;  // stored/removed/cleared operations applied
   std::uint64_t blocks_stored = 0;
   std::uint64_t blocks_removed = 0;
-  std::uint64_t non_device_ops = 0;         // accepted, not matched
-  std::uint64_t gaps = 0;                   // event_id / Kv-Seq jumped forward
-  std::uint64_t events_recovered = 0;       // events (a dump's chains) applied from recoveries
-  std::uint64_t held_dropped = 0;           // held batches dropped when a rank's hold overflowed
-  std::uint64_t restarts = 0;               // ids started again from the beginning
+  std::uint64_t non_device_ops = 0;    // accepted, not matched
+  std::uint64_t gaps = 0;              // event_id / Kv-Seq jumped forward
+  std::uint64_t events_recovered = 0;  // events (a dump's chains) applied from recoveries
+  std::uint64_t held_dropped = 0;      // held batches dropped when a rank's hold overflowed
+  std::uint64_t restarts = 0;          // ids started again from the beginning
   // Drop reasons (docs/protocol.md names).
   std::uint64_t parent_block_not_found = 0;
   std::uint64_t block_not_found = 0;
-  std::uint64_t duplicate = 0;              // repeated event ids, dropped
-  std::uint64_t over_capacity = 0;          // stored events dropped: the rank was full
+  std::uint64_t duplicate = 0;      // repeated event ids, dropped
+  std::uint64_t over_capacity = 0;  // stored events dropped: the rank was full
   std::uint64_t queue_full = 0;
   // Route queries that read a shard while its thread, preempted in the middle of an event, had
   // not finished it within read_patience (router/index/read_gate.h).

@@ -27,7 +27,7 @@ class SpareBatches {
   static constexpr std::size_t kMaxSpares = 4096;  // in the queue
   static constexpr std::size_t kMaxOps = 4;
   static constexpr std::size_t kMaxBlocks = 64;
-  static constexpr std::size_t kTakeBulk = 64;     // taken from the queue at once
+  static constexpr std::size_t kTakeBulk = 64;      // taken from the queue at once
   static constexpr std::size_t kMaxKeptHere = 256;  // kept by a thread that applied them
 
   // Worth keeping: small (one or a few ops of up to 64 blocks). Others are freed.

@@ -92,8 +92,9 @@ std::vector<BenchRun> Runs(const po::variables_map& vm) {
 Status ReadBenchConfig(const po::variables_map& vm, BenchConfig& c) {
   c.offline = vm["offline"].as<bool>();
   if (!c.offline && vm["compare"].as<bool>()) {
-    return InvalidArgument("--compare runs several router modes and needs --offline (online, the running router's "
-                           "mode is what you measure)");
+    return InvalidArgument(
+        "--compare runs several router modes and needs --offline (online, the running router's "
+        "mode is what you measure)");
   }
   const bool workload_given = !vm["workload"].defaulted();
   if (vm.count("trace")) {

@@ -27,17 +27,17 @@ struct BenchRun {
 };
 
 struct BenchConfig {
-  bool offline = false;                      // --offline
-  std::optional<std::string> trace_path;     // --trace (else --synthetic)
-  SyntheticOptions synthetic;                // --sessions, --turns, --rate, --seed
-  std::size_t max_requests = 0;              // --max-requests (0 = all)
-  double speedup = 1;                        // --speedup: trace time divided by it (> 0)
-  OnlineOptions online;                      // --nats-server, --namespace, --concurrency, ...
-  OfflineOptions offline_base;               // --workers and the engine flags, --seed
-  std::vector<BenchRun> runs;                // offline: one, or four with --compare
-  std::optional<std::string> json_path;      // --json
-  std::optional<std::string> plot_path;      // --plot (.svg or .png)
-  std::string workload_name;                 // the trace's file name or the synthetic shape
+  bool offline = false;                   // --offline
+  std::optional<std::string> trace_path;  // --trace (else --synthetic)
+  SyntheticOptions synthetic;             // --sessions, --turns, --rate, --seed
+  std::size_t max_requests = 0;           // --max-requests (0 = all)
+  double speedup = 1;                     // --speedup: trace time divided by it (> 0)
+  OnlineOptions online;                   // --nats-server, --namespace, --concurrency, ...
+  OfflineOptions offline_base;            // --workers and the engine flags, --seed
+  std::vector<BenchRun> runs;             // offline: one, or four with --compare
+  std::optional<std::string> json_path;   // --json
+  std::optional<std::string> plot_path;   // --plot (.svg or .png)
+  std::string workload_name;              // the trace's file name or the synthetic shape
 };
 
 using ParsedBenchArgs = ProgramArgs<BenchConfig>;

@@ -37,10 +37,10 @@ int Report(const BenchConfig& c, const std::vector<Summary>& results) {
     }
   }
   if (c.plot_path) {
-    const std::string title = c.offline
-        ? fmt::format("{}: {} requests, {} workers x {} blocks", c.workload_name, results.front().requests,
-                      c.offline_base.workers, c.offline_base.engine.num_gpu_blocks)
-        : fmt::format("{}: {} requests", c.workload_name, results.front().requests);
+    const std::string title =
+        c.offline ? fmt::format("{}: {} requests, {} workers x {} blocks", c.workload_name, results.front().requests,
+                                c.offline_base.workers, c.offline_base.engine.num_gpu_blocks)
+                  : fmt::format("{}: {} requests", c.workload_name, results.front().requests);
     if (Status s = PlotSummaries(results, title, *c.plot_path); !s.ok()) {
       fmt::print(stderr, "kvbench: {}\n", s.message());
       return 1;
@@ -51,8 +51,8 @@ int Report(const BenchConfig& c, const std::vector<Summary>& results) {
 
 int RunOfflineModes(const BenchConfig& c, const std::vector<TraceRequest>& trace) {
   const OfflineOptions& base = c.offline_base;
-  const double pooled = PooledLruHitRate(trace, std::uint64_t{base.workers} * base.engine.num_gpu_blocks,
-                                         base.engine.block_size);
+  const double pooled =
+      PooledLruHitRate(trace, std::uint64_t{base.workers} * base.engine.num_gpu_blocks, base.engine.block_size);
   std::vector<Summary> results;
   for (const BenchRun& run : c.runs) {
     OfflineOptions o = base;

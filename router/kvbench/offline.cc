@@ -64,8 +64,8 @@ class OfflineReplay {
     svc_ = std::make_unique<KvRouterService>(
         cfg->config, bus_,
         [this] {
-          return SteadyTime{} + std::chrono::duration_cast<SteadyTime::duration>(
-                                    std::chrono::duration<double, std::milli>(now_ms_));
+          return SteadyTime{} +
+                 std::chrono::duration_cast<SteadyTime::duration>(std::chrono::duration<double, std::milli>(now_ms_));
         },
         o_.seed);
     if (Status s = svc_->Start(); !s.ok()) return s;
@@ -86,13 +86,14 @@ class OfflineReplay {
     }));
     stepping_.push_back(false);
     outputs_.emplace_back();
-    auto sub = bus_.Subscribe(RecoverySubject(rc.ns, rc.component, worker_id, 0), "", [this, &pub](const BusMessage& m) {
-      if (m.reply.empty()) return;
-      const RecoveryReply r = pub.Answer(RecoveryQuery::Decode(m.data));
-      auto parts = EncodeRecoveryReplyParts(r, bus_.MaxPayload());
-      if (!parts.ok()) return;
-      for (const auto& part : *parts) (void)bus_.Publish(m.reply, AsBytes(part));
-    });
+    auto sub =
+        bus_.Subscribe(RecoverySubject(rc.ns, rc.component, worker_id, 0), "", [this, &pub](const BusMessage& m) {
+          if (m.reply.empty()) return;
+          const RecoveryReply r = pub.Answer(RecoveryQuery::Decode(m.data));
+          auto parts = EncodeRecoveryReplyParts(r, bus_.MaxPayload());
+          if (!parts.ok()) return;
+          for (const auto& part : *parts) (void)bus_.Publish(m.reply, AsBytes(part));
+        });
     if (!sub.ok()) return sub.status();
     recovery_.push_back(std::move(sub).value());
     WorkerRegistration reg{.worker_id = worker_id,
@@ -170,7 +171,8 @@ class OfflineReplay {
       }
       const std::size_t e = static_cast<std::size_t>(r->worker_id - 1);
       records_[i].worker_id = r->worker_id;
-      engines_[e]->Add({fmt::format("r{}", i), TokensFor(trace_[i]), std::max<std::uint32_t>(1, trace_[i].output_length), ""});
+      engines_[e]->Add(
+          {fmt::format("r{}", i), TokensFor(trace_[i]), std::max<std::uint32_t>(1, trace_[i].output_length), ""});
       StartStep(e);
     }
   }

@@ -21,9 +21,9 @@ struct OfflineOptions {
   std::string label;                      // the run's name in reports
   std::vector<std::string> router_flags;  // kvrouter flags, e.g. {"--router-mode", "kv"}
   std::uint32_t workers = 8;
-  MockEngineConfig engine;                // per worker (workers are 1..workers, dp rank 0)
+  MockEngineConfig engine;  // per worker (workers are 1..workers, dp rank 0)
   std::uint64_t seed = 1;
-  bool progress = false;                  // progress lines on stderr
+  bool progress = false;  // progress lines on stderr
 };
 
 // Replays `trace` (timestamps relative to its first request). Fails on bad router flags.
@@ -31,7 +31,6 @@ Result<Summary> RunOffline(const std::vector<TraceRequest>& trace, const Offline
 
 // Hit rate of one LRU prefix cache of `total_blocks` blocks serving every request in order:
 // the bound a router over the same total cache can approach.
-double PooledLruHitRate(const std::vector<TraceRequest>& trace, std::uint64_t total_blocks,
-                        std::uint32_t block_size);
+double PooledLruHitRate(const std::vector<TraceRequest>& trace, std::uint64_t total_blocks, std::uint32_t block_size);
 
 }  // namespace kvrouter::bench

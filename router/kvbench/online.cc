@@ -114,7 +114,8 @@ class OnlineReplay {
   bool Send(std::size_t i) {
     const double t0 = trace_.front().timestamp_ms;
     // Pacing a load generator on the wall clock is its job, not a wait for a condition.
-    std::this_thread::sleep_until(start_ + std::chrono::microseconds(static_cast<std::int64_t>((trace_[i].timestamp_ms - t0) * 1000)));
+    std::this_thread::sleep_until(
+        start_ + std::chrono::microseconds(static_cast<std::int64_t>((trace_[i].timestamp_ms - t0) * 1000)));
     {
       KvMutexLock lk(mu_);
       // Responses that never come (a worker killed, messages dropped) must not hang the run:
@@ -201,7 +202,8 @@ class OnlineReplay {
       const auto status = m.Header("Status");
       const Status err = DecodeErrorReply(m.data);
       const bool no_responders = m.data.empty() && status && status->starts_with("503");
-      const bool retryable = no_responders || err.code() == StatusCode::kNoWorkers || err.code() == StatusCode::kTimeout;
+      const bool retryable =
+          no_responders || err.code() == StatusCode::kNoWorkers || err.code() == StatusCode::kTimeout;
       auto resp = GenerateResponse::Decode(m.data);
       if (retryable) {
         if (RetryOrFail(i)) again = attempt_[i];
@@ -270,9 +272,12 @@ class OnlineReplay {
 }  // namespace
 
 Result<Summary> RunOnline(const std::vector<TraceRequest>& trace, const OnlineOptions& o) {
-  auto nc = NatsClient::Connect(
-      {.url = o.nats_url, .name = "kvbench", .retry_on_failed_connect = false, .send_asap = true, .security = o.nats_security},
-      {});
+  auto nc = NatsClient::Connect({.url = o.nats_url,
+                                 .name = "kvbench",
+                                 .retry_on_failed_connect = false,
+                                 .send_asap = true,
+                                 .security = o.nats_security},
+                                {});
   if (!nc.ok()) return nc.status();
   NatsClient& client = **nc;
   if (o.wait_workers > 0) {

@@ -19,15 +19,15 @@ namespace kvrouter::bench {
 struct OnlineOptions {
   std::string label = "online";
   std::string nats_url = "nats://127.0.0.1:4222";
-  NatsSecurity nats_security;     // --nats-creds, --nats-user, ... --nats-tls-*
+  NatsSecurity nats_security;  // --nats-creds, --nats-user, ... --nats-tls-*
   std::string ns = "dynamo";
-  std::size_t concurrency = 64;   // requests in flight at most
-  double timeout_s = 600;         // give up on requests still open after this long
-  bool progress = true;           // progress lines on stderr
-  std::size_t wait_workers = 0;   // first wait (up to 30 s) until the router knows this many ranks
-  double request_timeout_s = 0;   // > 0: a request silent this long is tried again (or fails)
-  std::uint32_t retries = 0;      // attempts after the first, on no responders / no_workers /
-                                  //   timeout / silence
+  std::size_t concurrency = 64;  // requests in flight at most
+  double timeout_s = 600;        // give up on requests still open after this long
+  bool progress = true;          // progress lines on stderr
+  std::size_t wait_workers = 0;  // first wait (up to 30 s) until the router knows this many ranks
+  double request_timeout_s = 0;  // > 0: a request silent this long is tried again (or fails)
+  std::uint32_t retries = 0;     // attempts after the first, on no responders / no_workers /
+                                 //   timeout / silence
 };
 
 Result<Summary> RunOnline(const std::vector<TraceRequest>& trace, const OnlineOptions& options);

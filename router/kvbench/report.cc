@@ -85,16 +85,17 @@ double BusiestShare(const Summary& s) {
 }
 
 std::string SummaryTable(const std::vector<Summary>& runs) {
-  std::string out = fmt::format("{:<22} {:>8} {:>6} {:>8} {:>8} {:>10} {:>10} {:>10} {:>10} {:>8} {:>10}\n", "mode",
-                                "requests", "errors", "kv_hit", "of_bound", "ttft_p50", "ttft_p99", "e2e_p50",
-                                "e2e_p99", "req/s", "max/share");
+  std::string out =
+      fmt::format("{:<22} {:>8} {:>6} {:>8} {:>8} {:>10} {:>10} {:>10} {:>10} {:>8} {:>10}\n", "mode", "requests",
+                  "errors", "kv_hit", "of_bound", "ttft_p50", "ttft_p99", "e2e_p50", "e2e_p99", "req/s", "max/share");
   for (const auto& s : runs) {
     const std::string of_bound = s.pooled_lru_hit_rate && *s.pooled_lru_hit_rate > 0
                                      ? fmt::format("{:.2f}x", s.kv_hit_rate / *s.pooled_lru_hit_rate)
                                      : "-";
-    out += fmt::format("{:<22} {:>8} {:>6} {:>7.1f}% {:>8} {:>8.0f}ms {:>8.0f}ms {:>8.0f}ms {:>8.0f}ms {:>8.2f} {:>9.2f}x\n",
-                       s.mode, s.requests, s.errors, 100 * s.kv_hit_rate, of_bound, s.ttft_p50, s.ttft_p99, s.e2e_p50,
-                       s.e2e_p99, s.throughput_rps, BusiestShare(s));
+    out += fmt::format(
+        "{:<22} {:>8} {:>6} {:>7.1f}% {:>8} {:>8.0f}ms {:>8.0f}ms {:>8.0f}ms {:>8.0f}ms {:>8.2f} {:>9.2f}x\n", s.mode,
+        s.requests, s.errors, 100 * s.kv_hit_rate, of_bound, s.ttft_p50, s.ttft_p99, s.e2e_p50, s.e2e_p99,
+        s.throughput_rps, BusiestShare(s));
   }
   if (!runs.empty() && runs.front().pooled_lru_hit_rate) {
     out += fmt::format("pooled LRU bound (one cache as large as the fleet): {:.1f}%\n",

@@ -29,9 +29,9 @@ struct Summary {
   double ttft_p50 = 0, ttft_p90 = 0, ttft_p99 = 0;
   double e2e_p50 = 0, e2e_p90 = 0, e2e_p99 = 0;
   double throughput_rps = 0;
-  std::size_t retries = 0;                      // online: requests sent again
-  std::vector<std::uint64_t> worker_requests;   // per worker, in worker order
-  std::optional<double> pooled_lru_hit_rate;    // offline only
+  std::size_t retries = 0;                     // online: requests sent again
+  std::vector<std::uint64_t> worker_requests;  // per worker, in worker order
+  std::optional<double> pooled_lru_hit_rate;   // offline only
 };
 
 Summary Summarize(std::string mode, const std::vector<RequestRecord>& records,

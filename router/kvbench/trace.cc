@@ -75,8 +75,9 @@ std::vector<std::uint32_t> TokensFor(const TraceRequest& r) {
   tokens.reserve(r.input_length);
   for (std::size_t i = 0; tokens.size() < r.input_length; ++i) {
     // Past the listed ids the prompt continues with content unique to this request.
-    const std::uint64_t id = i < r.hash_ids.size() ? r.hash_ids[i]
-                                                   : Mix64(static_cast<std::uint64_t>(r.timestamp_ms * 1000) ^ i) | (1ull << 63);
+    const std::uint64_t id = i < r.hash_ids.size()
+                                 ? r.hash_ids[i]
+                                 : Mix64(static_cast<std::uint64_t>(r.timestamp_ms * 1000) ^ i) | (1ull << 63);
     for (std::uint32_t k = 0; k < kTraceBlockTokens && tokens.size() < r.input_length; ++k) {
       tokens.push_back(static_cast<std::uint32_t>(Mix64(id * 0x9E3779B97F4A7C15ULL + k) % 100000));
     }
@@ -105,19 +106,35 @@ std::optional<WorkloadShape> WorkloadFromName(std::string_view name) {
 
 SyntheticOptions WorkloadDefaults(WorkloadShape shape) {
   switch (shape) {
-    case WorkloadShape::kChat:
-      return {};
+    case WorkloadShape::kChat: return {};
     case WorkloadShape::kSystemPrompts:
-      return {.shape = shape, .sessions = 400, .turns = 3, .system_blocks = 8, .first_turn_blocks = 1,
-              .blocks_per_turn = 1, .system_prompts = 16, .requests_per_second = 20};
+      return {.shape = shape,
+              .sessions = 400,
+              .turns = 3,
+              .system_blocks = 8,
+              .first_turn_blocks = 1,
+              .blocks_per_turn = 1,
+              .system_prompts = 16,
+              .requests_per_second = 20};
     case WorkloadShape::kAgentic:
-      return {.shape = shape, .sessions = 24, .turns = 30, .system_blocks = 2, .first_turn_blocks = 8,
-              .blocks_per_turn = 4, .min_output = 100, .max_output = 300, .requests_per_second = 2};
-    case WorkloadShape::kBursts:
-      return {.shape = shape, .burst_size = 40};
+      return {.shape = shape,
+              .sessions = 24,
+              .turns = 30,
+              .system_blocks = 2,
+              .first_turn_blocks = 8,
+              .blocks_per_turn = 4,
+              .min_output = 100,
+              .max_output = 300,
+              .requests_per_second = 2};
+    case WorkloadShape::kBursts: return {.shape = shape, .burst_size = 40};
     case WorkloadShape::kFanout:
-      return {.shape = shape, .sessions = 40, .turns = 32, .system_blocks = 16, .first_turn_blocks = 1,
-              .blocks_per_turn = 1, .requests_per_second = 8};
+      return {.shape = shape,
+              .sessions = 40,
+              .turns = 32,
+              .system_blocks = 16,
+              .first_turn_blocks = 1,
+              .blocks_per_turn = 1,
+              .requests_per_second = 8};
   }
   return {};
 }

@@ -48,15 +48,15 @@ std::optional<WorkloadShape> WorkloadFromName(std::string_view name);
 
 struct SyntheticOptions {
   WorkloadShape shape = WorkloadShape::kChat;
-  std::uint32_t sessions = 200;          // conversations (system prompts: users; bursts: bursts)
-  std::uint32_t turns = 6;               // requests per conversation (bursts: per burst)
-  std::uint32_t system_blocks = 2;       // 512-token blocks every request starts with
-  std::uint32_t first_turn_blocks = 0;   // new blocks of a session's first turn (0: blocks_per_turn)
-  std::uint32_t blocks_per_turn = 3;     // new blocks each later turn adds to its conversation
-  std::uint32_t system_prompts = 1;      // distinct system prompts (documents, for bursts)
+  std::uint32_t sessions = 200;                     // conversations (system prompts: users; bursts: bursts)
+  std::uint32_t turns = 6;                          // requests per conversation (bursts: per burst)
+  std::uint32_t system_blocks = 2;                  // 512-token blocks every request starts with
+  std::uint32_t first_turn_blocks = 0;              // new blocks of a session's first turn (0: blocks_per_turn)
+  std::uint32_t blocks_per_turn = 3;                // new blocks each later turn adds to its conversation
+  std::uint32_t system_prompts = 1;                 // distinct system prompts (documents, for bursts)
   std::uint32_t min_output = 64, max_output = 512;  // output tokens, uniform
-  std::uint32_t burst_size = 0;          // bursts: requests per burst (0 = Poisson arrivals)
-  double requests_per_second = 10;       // mean arrival rate
+  std::uint32_t burst_size = 0;                     // bursts: requests per burst (0 = Poisson arrivals)
+  double requests_per_second = 10;                  // mean arrival rate
   std::uint64_t seed = 1;
 };
 // The defaults of each shape (kvbench's flags override sessions, turns, rate and seed):

@@ -17,13 +17,11 @@ namespace {
 Status OutOfRange(std::string_view flag, std::string_view range) { return FlagOutOfRange(flag, range); }
 
 // An integer flag in [lo, hi] (read as int64 so "-1" is refused rather than wrapped).
-Result<std::uint32_t> U32Flag(const po::variables_map& vm, const char* flag, std::int64_t lo,
-                              std::int64_t hi) {
+Result<std::uint32_t> U32Flag(const po::variables_map& vm, const char* flag, std::int64_t lo, std::int64_t hi) {
   const std::int64_t v = vm[flag].as<std::int64_t>();
   if (v < lo || v > hi) {
-    return hi == std::numeric_limits<std::uint32_t>::max()
-               ? OutOfRange(flag, fmt::format(">= {}", lo))
-               : OutOfRange(flag, fmt::format("in [{}, {}]", lo, hi));
+    return hi == std::numeric_limits<std::uint32_t>::max() ? OutOfRange(flag, fmt::format(">= {}", lo))
+                                                           : OutOfRange(flag, fmt::format("in [{}, {}]", lo, hi));
   }
   return static_cast<std::uint32_t>(v);
 }
@@ -72,26 +70,24 @@ Status ReadMockerConfig(const po::variables_map& vm, MockerConfig& c) {
     std::int64_t lo, hi;
     std::uint32_t& out;
   };
-  for (const U32Field& f : {U32Field{"num-workers", 1, kMaxMockRanks, c.num_workers},
-                            U32Field{"dp-size", 1, 64, c.dp_size},
-                            U32Field{"num-gpu-blocks", 1, kU32Max, c.num_gpu_blocks},
-                            U32Field{"block-size", 1, 65536, c.block_size},
-                            U32Field{"max-num-seqs", 1, kU32Max, c.max_num_seqs},
-                            U32Field{"max-num-batched-tokens", 1, kU32Max, c.max_num_batched_tokens},
-                            U32Field{"heartbeat-ms", 10, kU32Max, c.heartbeat_ms},
-                            U32Field{"lease-ms", 1, kU32Max, c.lease_ms},
-                            U32Field{"metrics-port", 0, 65535, c.metrics_port}}) {
+  for (const U32Field& f :
+       {U32Field{"num-workers", 1, kMaxMockRanks, c.num_workers}, U32Field{"dp-size", 1, 64, c.dp_size},
+        U32Field{"num-gpu-blocks", 1, kU32Max, c.num_gpu_blocks}, U32Field{"block-size", 1, 65536, c.block_size},
+        U32Field{"max-num-seqs", 1, kU32Max, c.max_num_seqs},
+        U32Field{"max-num-batched-tokens", 1, kU32Max, c.max_num_batched_tokens},
+        U32Field{"heartbeat-ms", 10, kU32Max, c.heartbeat_ms}, U32Field{"lease-ms", 1, kU32Max, c.lease_ms},
+        U32Field{"metrics-port", 0, 65535, c.metrics_port}}) {
     auto v = U32Flag(vm, f.flag, f.lo, f.hi);
     if (!v.ok()) return v.status();
     f.out = *v;
   }
   if (static_cast<std::uint64_t>(c.num_workers) * c.dp_size > kMaxMockRanks) {
-    return InvalidArgument(fmt::format("--num-workers * --dp-size must be at most {} (got {} * {})",
-                                       kMaxMockRanks, c.num_workers, c.dp_size));
+    return InvalidArgument(fmt::format("--num-workers * --dp-size must be at most {} (got {} * {})", kMaxMockRanks,
+                                       c.num_workers, c.dp_size));
   }
   if (c.lease_ms <= c.heartbeat_ms) {
-    return InvalidArgument(fmt::format("--lease-ms ({}) must be greater than --heartbeat-ms ({})",
-                                       c.lease_ms, c.heartbeat_ms));
+    return InvalidArgument(
+        fmt::format("--lease-ms ({}) must be greater than --heartbeat-ms ({})", c.lease_ms, c.heartbeat_ms));
   }
   if (vm.count("worker-id-base")) {
     const std::string s = vm["worker-id-base"].as<std::string>();

@@ -27,18 +27,18 @@ struct MockerConfig {
   // --worker-id-base: worker i has id base + i. nullopt (the default): a random number in
   // [1, 2^48) chosen by the fleet, so two processes do not collide.
   std::optional<std::uint64_t> worker_id_base;
-  std::uint32_t dp_size = 1;                          // --dp-size [1, 64]: ranks [0, dp_size)
-  std::uint32_t num_gpu_blocks = 16384;               // --num-gpu-blocks >= 1, per rank
-  std::uint32_t block_size = 64;                      // --block-size [1, 65536]
-  std::uint32_t max_num_seqs = 256;                   // --max-num-seqs >= 1
-  std::uint32_t max_num_batched_tokens = 8192;        // --max-num-batched-tokens >= 1
-  double speedup_ratio = 1.0;                         // --speedup-ratio > 0 (divides durations)
+  std::uint32_t dp_size = 1;                                // --dp-size [1, 64]: ranks [0, dp_size)
+  std::uint32_t num_gpu_blocks = 16384;                     // --num-gpu-blocks >= 1, per rank
+  std::uint32_t block_size = 64;                            // --block-size [1, 65536]
+  std::uint32_t max_num_seqs = 256;                         // --max-num-seqs >= 1
+  std::uint32_t max_num_batched_tokens = 8192;              // --max-num-batched-tokens >= 1
+  double speedup_ratio = 1.0;                               // --speedup-ratio > 0 (divides durations)
   MockEventFormat event_format = MockEventFormat::kDynamo;  // --event-format dynamo|vllm
-  std::uint32_t heartbeat_ms = 1000;                  // --heartbeat-ms >= 10
-  std::uint32_t lease_ms = 3000;                      // --lease-ms > heartbeat-ms
-  std::string device = "gpu";                         // --device, non-empty
-  std::uint32_t metrics_port = 9092;                  // --metrics-port: /metrics, /health (0: off)
-  std::string metrics_host = "0.0.0.0";               // --metrics-host
+  std::uint32_t heartbeat_ms = 1000;                        // --heartbeat-ms >= 10
+  std::uint32_t lease_ms = 3000;                            // --lease-ms > heartbeat-ms
+  std::string device = "gpu";                               // --device, non-empty
+  std::uint32_t metrics_port = 9092;                        // --metrics-port: /metrics, /health (0: off)
+  std::string metrics_host = "0.0.0.0";                     // --metrics-host
 };
 // num_workers * dp_size is at most this: every rank costs a subscription (a nats.c thread).
 inline constexpr std::uint32_t kMaxMockRanks = 1024;

@@ -24,9 +24,9 @@ double UnixSeconds() {
 }
 
 std::uint64_t UnixMs() {
-  return static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::milliseconds>(
-                                        std::chrono::system_clock::now().time_since_epoch())
-                                        .count());
+  return static_cast<std::uint64_t>(
+      std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
+          .count());
 }
 
 // The k-th generated token of every request (the mock generates no real text).
@@ -72,8 +72,7 @@ MockWorkerFleet::MockWorkerFleet(MockerConfig config, NatsClient& nats)
       rank->worker_index = w;
       rank->dp_rank = d;
       Rank* r = rank.get();
-      rank->publisher =
-          std::make_unique<KvEventPublisher>(PublisherConfig{.worker_id = base + w, .dp_rank = d});
+      rank->publisher = std::make_unique<KvEventPublisher>(PublisherConfig{.worker_id = base + w, .dp_rank = d});
       rank->engine = std::make_unique<MockEngine>(
           MockEngineConfig{.num_gpu_blocks = config_.num_gpu_blocks,
                            .block_size = config_.block_size,
@@ -120,7 +119,8 @@ std::string MockWorkerFleet::MetricsText() {
                             {"dp_rank", std::to_string(r->dp_rank)}};
     m.Gauge("kvmocker_cached_blocks", "KV blocks holding content (active and evictable)",
             static_cast<double>(r->engine->CachedBlocks()), l);
-    m.Gauge("kvmocker_active_blocks", "KV blocks referenced by running requests", static_cast<double>(r->engine->ActiveBlocks()), l);
+    m.Gauge("kvmocker_active_blocks", "KV blocks referenced by running requests",
+            static_cast<double>(r->engine->ActiveBlocks()), l);
     m.Gauge("kvmocker_running_requests", "requests running", static_cast<double>(r->engine->NumRunning()), l);
     m.Gauge("kvmocker_waiting_requests", "requests waiting for room", static_cast<double>(r->engine->NumWaiting()), l);
   }
@@ -137,9 +137,8 @@ Status MockWorkerFleet::Start() {
     subscriptions_.push_back(std::move(sub).value());
     for (std::uint32_t d = 0; d < config_.dp_size; ++d) {
       const std::size_t index = w * config_.dp_size + d;
-      auto q = nats_.Subscribe(
-          RecoverySubject(config_.ns, config_.component, worker_ids_[w], d), "",
-          [this, index](const IncomingMessage& m) { OnRecovery(index, m); });
+      auto q = nats_.Subscribe(RecoverySubject(config_.ns, config_.component, worker_ids_[w], d), "",
+                               [this, index](const IncomingMessage& m) { OnRecovery(index, m); });
       if (!q.ok()) return q.status();
       subscriptions_.push_back(std::move(q).value());
     }
@@ -193,16 +192,14 @@ void MockWorkerFleet::PublishRegistrations(WorkerStatus status) {
                                  .device = config_.device,
                                  .lease_ms = config_.lease_ms,
                                  .leaving = status == WorkerStatus::kLeaving};
-    CountPublish(nats_.Publish(prefix_ + "instances", AsBytes(EncodeWorkerRegistration(reg))),
-                 "registration");
+    CountPublish(nats_.Publish(prefix_ + "instances", AsBytes(EncodeWorkerRegistration(reg))), "registration");
   }
 }
 
 void MockWorkerFleet::CountPublish(const Status& s, std::string_view what) {
   if (s.ok()) return;
   ++publish_failures_;
-  log_.Log(LogLevel::kWarning, fmt::format("publish-{}", what), "cannot publish {}: {}",
-           what, s.message());
+  log_.Log(LogLevel::kWarning, fmt::format("publish-{}", what), "cannot publish {}: {}", what, s.message());
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -211,19 +208,17 @@ void MockWorkerFleet::CountPublish(const Status& s, std::string_view what) {
 void MockWorkerFleet::OnGenerate(std::size_t worker_index, const IncomingMessage& m) {
   if (m.reply.empty()) {
     ++bad_requests_;
-    log_.Log(LogLevel::kWarning, "generate-no-reply",
-             "dropped a generate request on {} without a reply subject", m.subject);
+    log_.Log(LogLevel::kWarning, "generate-no-reply", "dropped a generate request on {} without a reply subject",
+             m.subject);
     return;
   }
   auto req = GenerateRequest::Decode(m.data);
   if (req.ok() && req->dp_rank >= config_.dp_size) {
-    req = InvalidArgument(
-        fmt::format("dp_rank {} is not served (dp_size {})", req->dp_rank, config_.dp_size));
+    req = InvalidArgument(fmt::format("dp_rank {} is not served (dp_size {})", req->dp_rank, config_.dp_size));
   }
   if (!req.ok()) {
     ++bad_requests_;
-    log_.Log(LogLevel::kWarning, "generate-bad", "bad generate request on {}: {}",
-             m.subject, req.status().message());
+    log_.Log(LogLevel::kWarning, "generate-bad", "bad generate request on {}: {}", m.subject, req.status().message());
     RespondError(m.reply, PeekRequestId(m.data), req.status().message());
     return;
   }
@@ -265,8 +260,7 @@ void MockWorkerFleet::OnRecovery(std::size_t rank_index, const IncomingMessage& 
   }
   if (!query.ok()) {
     ++bad_requests_;
-    log_.Log(LogLevel::kWarning, "recovery-bad", "bad recovery query on {}: {}",
-             m.subject, query.status().message());
+    log_.Log(LogLevel::kWarning, "recovery-bad", "bad recovery query on {}: {}", m.subject, query.status().message());
   }
   // A large dump goes in parts that each fit the server's max payload.
   auto parts = EncodeRecoveryReplyParts(reply, nats_.MaxPayload());
@@ -274,9 +268,8 @@ void MockWorkerFleet::OnRecovery(std::size_t rank_index, const IncomingMessage& 
   for (std::size_t i = 0; s.ok() && i < parts->size(); ++i) s = nats_.Respond(m, AsBytes((*parts)[i]));
   if (!s.ok()) {
     CountPublish(s, "recovery-reply");
-    RecoveryReply error{.kind = "error",
-                        .last_event_id = reply.last_event_id,
-                        .message = "cannot send the reply: " + s.message()};
+    RecoveryReply error{
+        .kind = "error", .last_event_id = reply.last_event_id, .message = "cannot send the reply: " + s.message()};
     (void)nats_.Respond(m, AsBytes(EncodeRecoveryReply(error)));
   }
 }
@@ -395,9 +388,8 @@ void MockWorkerFleet::PublishEvent(Rank& rank, KvEventBatch&& batch) {
   const std::uint64_t worker_id = worker_ids_[rank.worker_index];
   Status s;
   if (config_.event_format == MockEventFormat::kDynamo) {
-    const EnvelopeHeader header{.publisher_id = worker_id,
-                                .sequence = envelope_seq_[rank.worker_index]++,
-                                .published_at_ms = UnixMs()};
+    const EnvelopeHeader header{
+        .publisher_id = worker_id, .sequence = envelope_seq_[rank.worker_index]++, .published_at_ms = UnixMs()};
     s = nats_.Publish(prefix_ + "kv-events", AsBytes(EncodeDynamoEnvelope(batch, header)));
   } else {
     std::vector<VllmEvent> events;
@@ -415,10 +407,9 @@ void MockWorkerFleet::PublishEvent(Rank& rank, KvEventBatch&& batch) {
         events.emplace_back(VllmClearedEvent{});
       }
     }
-    s = nats_.PublishWithHeaders(
-        fmt::format("{}vllm-kv-events.{}.{}", prefix_, worker_id, rank.dp_rank),
-        AsBytes(EncodeVllmBatch(UnixSeconds(), events, rank.dp_rank)),
-        {{"Kv-Seq", std::to_string(rank.vllm_seq++)}});
+    s = nats_.PublishWithHeaders(fmt::format("{}vllm-kv-events.{}.{}", prefix_, worker_id, rank.dp_rank),
+                                 AsBytes(EncodeVllmBatch(UnixSeconds(), events, rank.dp_rank)),
+                                 {{"Kv-Seq", std::to_string(rank.vllm_seq++)}});
   }
   if (s.ok()) ++events_;
   CountPublish(s, "kv-event");
@@ -428,11 +419,8 @@ void MockWorkerFleet::Respond(std::string_view reply, const GenerateResponse& re
   CountPublish(nats_.Publish(reply, AsBytes(response.Encode())), "response");
 }
 
-void MockWorkerFleet::RespondError(std::string_view reply, std::string request_id,
-                                   std::string message) {
-  Respond(reply, {.request_id = std::move(request_id),
-                  .finish_reason = "error",
-                  .message = std::move(message)});
+void MockWorkerFleet::RespondError(std::string_view reply, std::string request_id, std::string message) {
+  Respond(reply, {.request_id = std::move(request_id), .finish_reason = "error", .message = std::move(message)});
 }
 
 }  // namespace kvrouter

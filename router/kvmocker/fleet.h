@@ -79,10 +79,10 @@ class MockWorkerFleet {
     std::uint32_t dp_rank = 0;
     std::unique_ptr<KvEventPublisher> publisher;  // numbers the engine's events, serves recovery
     std::unique_ptr<MockEngine> engine;
-    bool stepping = false;                // a step is in progress until step_end_ms
+    bool stepping = false;  // a step is in progress until step_end_ms
     double step_end_ms = 0;
-    std::vector<EngineOutput> outputs;    // of the step in progress, delivered at step_end_ms
-    std::uint64_t vllm_seq = 0;           // next Kv-Seq (vLLM format)
+    std::vector<EngineOutput> outputs;  // of the step in progress, delivered at step_end_ms
+    std::uint64_t vllm_seq = 0;         // next Kv-Seq (vLLM format)
   };
   struct GenerateJob {
     std::size_t rank_index = 0;
@@ -140,8 +140,7 @@ class MockWorkerFleet {
   bool started_ = false;
   bool stopped_ = false;
 
-  std::atomic<std::uint64_t> requests_{0}, bad_requests_{0}, inbox_full_{0}, events_{0},
-      publish_failures_{0};
+  std::atomic<std::uint64_t> requests_{0}, bad_requests_{0}, inbox_full_{0}, events_{0}, publish_failures_{0};
 };
 
 }  // namespace kvrouter

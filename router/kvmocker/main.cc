@@ -40,10 +40,13 @@ int main(int argc, char** argv) {
 
   StopSignals stop;  // before any thread starts: they inherit the blocked mask
 
-  auto nc = NatsClient::Connect(
-      {.url = cfg.nats_server, .name = "kvmocker", .send_asap = true, .security = cfg.nats_security},  // responses without delay
-      {.on_reconnected = [] { fmt::print(stderr, "kvmocker I connected to NATS\n"); },
-       .on_disconnected = [] { fmt::print(stderr, "kvmocker W lost NATS; reconnecting\n"); }});
+  auto nc =
+      NatsClient::Connect({.url = cfg.nats_server,
+                           .name = "kvmocker",
+                           .send_asap = true,
+                           .security = cfg.nats_security},  // responses without delay
+                          {.on_reconnected = [] { fmt::print(stderr, "kvmocker I connected to NATS\n"); },
+                           .on_disconnected = [] { fmt::print(stderr, "kvmocker W lost NATS; reconnecting\n"); }});
   if (!nc.ok()) {
     fmt::print(stderr, "kvmocker: cannot connect to {}: {}\n", cfg.nats_server, nc.status().message());
     return 1;
@@ -56,15 +59,15 @@ int main(int argc, char** argv) {
   fmt::print(stderr,
              "kvmocker I serving {} worker(s) [{}] x dp_size {} on {} namespace '{}' component '{}' "
              "({} blocks of {} tokens, speedup {}, {} events)\n",
-             cfg.num_workers, DescribeIds(fleet->worker_ids()), cfg.dp_size, cfg.nats_server, cfg.ns,
-             cfg.component, cfg.num_gpu_blocks, cfg.block_size, cfg.speedup_ratio,
+             cfg.num_workers, DescribeIds(fleet->worker_ids()), cfg.dp_size, cfg.nats_server, cfg.ns, cfg.component,
+             cfg.num_gpu_blocks, cfg.block_size, cfg.speedup_ratio,
              cfg.event_format == MockEventFormat::kDynamo ? "dynamo" : "vllm");
 
   std::unique_ptr<HttpServer> http;
   if (cfg.metrics_port > 0) {
     MockWorkerFleet* f = fleet.get();
-    auto started = StartMetricsServer(cfg.metrics_host, static_cast<int>(cfg.metrics_port),
-                                      [f] { return f->MetricsText(); }, [] { return true; });
+    auto started = StartMetricsServer(
+        cfg.metrics_host, static_cast<int>(cfg.metrics_port), [f] { return f->MetricsText(); }, [] { return true; });
     if (!started.ok()) {
       fmt::print(stderr, "kvmocker: --metrics-port {}: {}\n", cfg.metrics_port, started.status().message());
       fleet->Stop();
@@ -78,7 +81,8 @@ int main(int argc, char** argv) {
   fmt::print(stderr, "kvmocker I signal {}: leaving\n", sig);
   fleet->Stop();
   const auto c = fleet->counters();
-  fmt::print(stderr, "kvmocker I served {} requests, published {} events ({} bad requests, {} refused, {} publish failures)\n",
+  fmt::print(stderr,
+             "kvmocker I served {} requests, published {} events ({} bad requests, {} refused, {} publish failures)\n",
              c.requests, c.events, c.bad_requests, c.inbox_full, c.publish_failures);
   (*nc)->Drain(std::chrono::seconds(2));
   fleet.reset();

@@ -15,12 +15,12 @@ namespace kvrouter {
 
 struct RelayConfig {
   std::string nats_server = "nats://127.0.0.1:4222";
-  NatsSecurity nats_security;                      // --nats-creds, --nats-user, ... --nats-tls-*
-  std::string zmq_endpoint;                        // required
+  NatsSecurity nats_security;  // --nats-creds, --nats-user, ... --nats-tls-*
+  std::string zmq_endpoint;    // required
   std::optional<std::string> zmq_replay_endpoint;
   std::string zmq_topic;
-  RelayOptions relay;                              // worker_id and block_size required
-  std::uint32_t metrics_port = 9093;               // /metrics, /health, /ready (0: off)
+  RelayOptions relay;                 // worker_id and block_size required
+  std::uint32_t metrics_port = 9093;  // /metrics, /health, /ready (0: off)
   std::string metrics_host = "0.0.0.0";
 };
 

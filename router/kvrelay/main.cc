@@ -38,8 +38,7 @@ std::string MetricsText(const KvRelay& relay, std::uint64_t stream_errors) {
   m.Counter("kvrelay_bad_messages_total", "ZMQ messages that are not [topic, seq, payload]",
             static_cast<double>(stream_errors));
   m.Counter("kvrelay_publish_failures_total", "NATS publishes that failed", static_cast<double>(c.publish_failures));
-  m.Gauge("kvrelay_last_seq", "the engine's last seq applied (-1: none yet)",
-          static_cast<double>(relay.last_seq()));
+  m.Gauge("kvrelay_last_seq", "the engine's last seq applied (-1: none yet)", static_cast<double>(relay.last_seq()));
   return RenderMetrics(m.Take());
 }
 

@@ -22,22 +22,22 @@ KvRelay::KvRelay(RelayOptions options, MessageBus& bus, Replay replay, RateLimit
 KvRelay::~KvRelay() { Stop(); }
 
 Status KvRelay::Start() {
-  auto sub = bus_.Subscribe(
-      RecoverySubject(options_.ns, options_.component, options_.worker_id, options_.dp_rank), "",
-      [this](const BusMessage& m) {
-        if (m.reply.empty()) return;
-        RecoveryReply reply;
-        {
-          KvMutexLock g(mu_);
-          reply = publisher_.Answer(RecoveryQuery::Decode(m.data));
-        }
-        auto parts = EncodeRecoveryReplyParts(reply, bus_.MaxPayload());
-        if (!parts.ok()) {
-          log_.Log(LogLevel::kWarning, "recovery reply", "cannot answer a recovery query: {}", parts.status().message());
-          return;
-        }
-        for (const auto& part : *parts) (void)bus_.Publish(m.reply, AsBytes(part));
-      });
+  auto sub = bus_.Subscribe(RecoverySubject(options_.ns, options_.component, options_.worker_id, options_.dp_rank), "",
+                            [this](const BusMessage& m) {
+                              if (m.reply.empty()) return;
+                              RecoveryReply reply;
+                              {
+                                KvMutexLock g(mu_);
+                                reply = publisher_.Answer(RecoveryQuery::Decode(m.data));
+                              }
+                              auto parts = EncodeRecoveryReplyParts(reply, bus_.MaxPayload());
+                              if (!parts.ok()) {
+                                log_.Log(LogLevel::kWarning, "recovery reply", "cannot answer a recovery query: {}",
+                                         parts.status().message());
+                                return;
+                              }
+                              for (const auto& part : *parts) (void)bus_.Publish(m.reply, AsBytes(part));
+                            });
   if (!sub.ok()) return sub.status();
   recovery_sub_ = std::move(sub).value();
   Register(WorkerStatus::kUp);
@@ -120,9 +120,8 @@ void KvRelay::Repair(std::int64_t from, std::int64_t upto) {
 void KvRelay::Apply(const ZmqBatch& batch) {
   last_ = batch.seq;
   last_seen_ = batch.seq;
-  auto decoded = DecodeVllmBatch(batch.payload, {.worker_id = options_.worker_id,
-                                                 .dp_rank = options_.dp_rank,
-                                                 .block_size = options_.block_size});
+  auto decoded = DecodeVllmBatch(
+      batch.payload, {.worker_id = options_.worker_id, .dp_rank = options_.dp_rank, .block_size = options_.block_size});
   if (!decoded.ok()) {
     {
       KvMutexLock g(mu_);
@@ -137,8 +136,9 @@ void KvRelay::Apply(const ZmqBatch& batch) {
       KvMutexLock g(mu_);
       counters_.block_size_mismatches += decoded->block_size_mismatches;
     }
-    log_.Log(LogLevel::kWarning, "block size", "batch seq {}: {} stored event(s) not in blocks of {} tokens (--block-size)",
-             batch.seq, decoded->block_size_mismatches, options_.block_size);
+    log_.Log(LogLevel::kWarning, "block size",
+             "batch seq {}: {} stored event(s) not in blocks of {} tokens (--block-size)", batch.seq,
+             decoded->block_size_mismatches, options_.block_size);
   }
   for (KvOp& op : decoded->batch.ops) Publish(std::move(op.data), op.tier);
   KvMutexLock g(mu_);

@@ -45,8 +45,8 @@ struct RelayOptions {
   std::string component = "backend";
   std::uint64_t worker_id = 0;
   std::uint32_t dp_rank = 0;
-  std::uint32_t block_size = 64;          // the engine's, and the router's
-  std::uint64_t total_kv_blocks = 0;      // announced (0 = unknown)
+  std::uint32_t block_size = 64;      // the engine's, and the router's
+  std::uint64_t total_kv_blocks = 0;  // announced (0 = unknown)
   std::uint32_t max_num_seqs = 256;
   std::uint32_t max_num_batched_tokens = 8192;
   std::string device = "gpu";
@@ -102,7 +102,7 @@ class KvRelay {
   mutable KvMutex mu_;
   KvEventPublisher publisher_ KV_GUARDED_BY(mu_);
   std::unique_ptr<BusSubscription> recovery_sub_;
-  std::optional<std::int64_t> last_;  // the ZMQ loop's thread only
+  std::optional<std::int64_t> last_;         // the ZMQ loop's thread only
   std::atomic<std::int64_t> last_seen_{-1};  // last_ for other threads (metrics)
   SteadyTime next_heartbeat_{};
   bool stopped_ = false;

@@ -37,7 +37,9 @@ std::atomic<KvRouterService*> g_live{nullptr};
 
 Result<std::unique_ptr<NatsClient>> ConnectRequests(const RouterConfig& cfg) {
   return NatsClient::Connect(
-      {.url = cfg.nats_server, .name = "kvrouter-requests", .send_asap = true,  // replies without delay
+      {.url = cfg.nats_server,
+       .name = "kvrouter-requests",
+       .send_asap = true,  // replies without delay
        .security = cfg.nats_security},
       {.on_reconnected =
            [] {
@@ -52,29 +54,29 @@ Result<std::unique_ptr<NatsClient>> ConnectRequests(const RouterConfig& cfg) {
 
 // Its state drives lease pausing and recovery.
 Result<std::unique_ptr<NatsClient>> ConnectEvents(const RouterConfig& cfg) {
-  return NatsClient::Connect(
-      {.url = cfg.nats_server,
-       .name = "kvrouter-events",
-       .pending_msgs_limit = 262144,       // events waiting for the decoder, at most
-       .pending_bytes_limit = 256 << 20,  // (an overflow is counted and answered with dumps)
-       .security = cfg.nats_security},
-      {.on_reconnected =
-           [] {
-             fmt::print(stderr, "kvrouter I event connection up\n");
-             if (auto* s = g_live.load()) {
-               s->CountReconnect("events");
-               s->OnEventsReconnected();
-             }
-           },
-       .on_disconnected =
-           [] {
-             fmt::print(stderr, "kvrouter W lost the event connection; leases paused, reconnecting\n");
-             if (auto* s = g_live.load()) s->OnEventsDisconnected();
-           },
-       .on_slow_consumer =
-           [](std::string_view) {
-             if (auto* s = g_live.load()) s->OnEventsDropped();
-           }});
+  return NatsClient::Connect({.url = cfg.nats_server,
+                              .name = "kvrouter-events",
+                              .pending_msgs_limit = 262144,      // events waiting for the decoder, at most
+                              .pending_bytes_limit = 256 << 20,  // (an overflow is counted and answered with dumps)
+                              .security = cfg.nats_security},
+                             {.on_reconnected =
+                                  [] {
+                                    fmt::print(stderr, "kvrouter I event connection up\n");
+                                    if (auto* s = g_live.load()) {
+                                      s->CountReconnect("events");
+                                      s->OnEventsReconnected();
+                                    }
+                                  },
+                              .on_disconnected =
+                                  [] {
+                                    fmt::print(stderr,
+                                               "kvrouter W lost the event connection; leases paused, reconnecting\n");
+                                    if (auto* s = g_live.load()) s->OnEventsDisconnected();
+                                  },
+                              .on_slow_consumer =
+                                  [](std::string_view) {
+                                    if (auto* s = g_live.load()) s->OnEventsDropped();
+                                  }});
 }
 
 // Lease expiry, timeouts and sweeps every 50 ms (expiry lands within 250 ms of a deadline), until
@@ -208,13 +210,14 @@ int main(int argc, char** argv) {
     (*events)->Drain(std::chrono::seconds(1));  // no callback reaches the service after this
     return 2;
   }
-  fmt::print(stderr, "kvrouter I serving namespace '{}' component '{}' on {} (mode {}, block size {})\n",
-             cfg.ns, cfg.component, cfg.nats_server, RouterModeName(cfg.mode), cfg.block_size);
+  fmt::print(stderr, "kvrouter I serving namespace '{}' component '{}' on {} (mode {}, block size {})\n", cfg.ns,
+             cfg.component, cfg.nats_server, RouterModeName(cfg.mode), cfg.block_size);
   LogEventSource(cfg);
   if (cfg.mode == RouterMode::kKv) {
     if (cfg.cost_model == CostModel::kPredicted) {
-      fmt::print(stderr, "kvrouter I kv cost: predicted time (the default; set --router-prefill-load-scale or "
-                         "--router-kv-overlap-score-credit for Dynamo's formula)\n");
+      fmt::print(stderr,
+                 "kvrouter I kv cost: predicted time (the default; set --router-prefill-load-scale or "
+                 "--router-kv-overlap-score-credit for Dynamo's formula)\n");
     } else {
       fmt::print(stderr, "kvrouter I kv cost: Dynamo's formula, overlap credit {}, prefill load scale {}\n",
                  cfg.overlap_score_credit, cfg.prefill_load_scale);
@@ -223,8 +226,9 @@ int main(int argc, char** argv) {
   std::unique_ptr<HttpServer> http;
   if (cfg.metrics_port > 0) {
     KvRouterService* svc = service.get();
-    auto started = StartMetricsServer(cfg.metrics_host, static_cast<int>(cfg.metrics_port),
-                                      [svc] { return svc->MetricsText(); }, [svc] { return svc->Ready(); });
+    auto started = StartMetricsServer(
+        cfg.metrics_host, static_cast<int>(cfg.metrics_port), [svc] { return svc->MetricsText(); },
+        [svc] { return svc->Ready(); });
     if (!started.ok()) {
       fmt::print(stderr, "kvrouter: --metrics-port {}: {}\n", cfg.metrics_port, started.status().message());
       service->Stop();
@@ -233,7 +237,8 @@ int main(int argc, char** argv) {
       return 2;
     }
     http = std::move(started).value();
-    fmt::print(stderr, "kvrouter I metrics on http://{}:{}/metrics (/health, /ready)\n", cfg.metrics_host, cfg.metrics_port);
+    fmt::print(stderr, "kvrouter I metrics on http://{}:{}/metrics (/health, /ready)\n", cfg.metrics_host,
+               cfg.metrics_port);
   }
   {
     Ticker ticker(*service);

@@ -19,9 +19,8 @@ std::uint64_t Square(std::uint64_t tokens) {
 
 }  // namespace
 
-bool ActiveLoad::Book(const std::string& request_id, WorkerKey worker,
-                      std::span<const SequenceHash> seq, std::uint64_t prefill_tokens,
-                      SteadyTime now) {
+bool ActiveLoad::Book(const std::string& request_id, WorkerKey worker, std::span<const SequenceHash> seq,
+                      std::uint64_t prefill_tokens, SteadyTime now) {
   auto [it, inserted] = requests_.try_emplace(request_id);
   if (!inserted) return false;
   Booking& b = it->second;
@@ -142,8 +141,8 @@ const WorkerKey* ActiveLoad::WorkerOf(const std::string& request_id) const {
   return it == requests_.end() ? nullptr : &it->second.worker;
 }
 
-void ActiveLoad::ForEach(const std::function<void(const std::string&, WorkerKey, std::span<const SequenceHash>,
-                                                  std::uint64_t)>& f) const {
+void ActiveLoad::ForEach(
+    const std::function<void(const std::string&, WorkerKey, std::span<const SequenceHash>, std::uint64_t)>& f) const {
   for (const auto& [id, b] : requests_) f(id, b.worker, b.seq, b.prefill_tokens);
 }
 

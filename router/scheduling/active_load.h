@@ -61,8 +61,8 @@ class ActiveLoad {
   // Where a booked request went, if it is booked.
   const WorkerKey* WorkerOf(const std::string& request_id) const;
   // Calls f(request_id, worker, seq_hashes, prefill_tokens still booked) for every booking.
-  void ForEach(const std::function<void(const std::string&, WorkerKey, std::span<const SequenceHash>,
-                                        std::uint64_t)>& f) const;
+  void ForEach(
+      const std::function<void(const std::string&, WorkerKey, std::span<const SequenceHash>, std::uint64_t)>& f) const;
   std::size_t requests() const { return requests_.size(); }
   // Sequence hashes held by all bookings together (a shared prefix counts once per booking).
   std::uint64_t booked_blocks() const { return booked_blocks_; }

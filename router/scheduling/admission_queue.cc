@@ -13,9 +13,8 @@ AdmissionQueue::AdmissionQueue(QueuePolicy policy, std::size_t max_requests, std
 Status AdmissionQueue::Push(RouteRequest req, PreparedRequest prepared, std::uint64_t best_overlap_blocks,
                             std::string reply, RouteKind kind, SteadyTime now) {
   const auto wait = req.timeout_ms ? std::chrono::milliseconds(*req.timeout_ms) : kDefaultWait;
-  const QueueKey key{.priority = req.priority,
-                     .isl = prepared.sel.isl,
-                     .best_overlap_tokens = best_overlap_blocks * block_size_};
+  const QueueKey key{
+      .priority = req.priority, .isl = prepared.sel.isl, .best_overlap_tokens = best_overlap_blocks * block_size_};
   const std::string id = req.request_id;
   // What a queued request holds grows with its prompt: the queue is bounded in blocks too.
   const std::uint64_t blocks = std::max<std::uint64_t>(1, prepared.sel.request_blocks);
@@ -42,13 +41,9 @@ void AdmissionQueue::Drain(const TryAdmit& try_admit, const Sink& taken) {
   queue_.Scan(
       [&](Queue::Entry& e) {
         switch (try_admit(e.payload, e.enqueued)) {
-          case Admission::kAdmitted:
-            ++admitted_;
-            return ScanStep::kTake;
-          case Admission::kFailed:
-            return ScanStep::kTake;
-          case Admission::kNoRoom:
-            break;
+          case Admission::kAdmitted: ++admitted_; return ScanStep::kTake;
+          case Admission::kFailed: return ScanStep::kTake;
+          case Admission::kNoRoom: break;
         }
         // An unrestricted request sees every rank: if it cannot go, nothing else can.
         const RouteRequest& r = e.payload.req;
@@ -72,7 +67,8 @@ void AdmissionQueue::Expire(SteadyTime now, const Sink& expired) {
 void AdmissionQueue::FailPinned(std::span<const std::uint64_t> worker_ids, const Sink& failed) {
   if (queue_.empty() || worker_ids.empty()) return;
   auto gone = [&](const Queue::Entry& e) {
-    return e.payload.req.worker_id && std::binary_search(worker_ids.begin(), worker_ids.end(), *e.payload.req.worker_id);
+    return e.payload.req.worker_id &&
+           std::binary_search(worker_ids.begin(), worker_ids.end(), *e.payload.req.worker_id);
   };
   queue_.Scan([&](const Queue::Entry& e) { return gone(e) ? ScanStep::kTake : ScanStep::kKeep; },
               [&](Queue::Entry&& e) {

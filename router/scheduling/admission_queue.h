@@ -27,7 +27,7 @@ namespace kvrouter {
 
 // A held-back request and where its answer goes once it leaves the queue.
 struct QueuedRoute {
-  RouteRequest req;           // without token_ids unless it is a generate (hashed already)
+  RouteRequest req;  // without token_ids unless it is a generate (hashed already)
   PreparedRequest prepared;
   std::string reply;
   RouteKind kind = RouteKind::kRoute;  // kRoute or kGenerate (best_worker never waits)

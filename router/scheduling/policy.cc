@@ -18,12 +18,14 @@ constexpr std::pair<RouterMode, std::string_view> kModes[] = {
 }  // namespace
 
 std::string_view RouterModeName(RouterMode mode) {
-  for (auto& [m, name] : kModes) if (m == mode) return name;
+  for (auto& [m, name] : kModes)
+    if (m == mode) return name;
   return "kv";
 }
 
 std::optional<RouterMode> RouterModeFromName(std::string_view name) {
-  for (auto& [m, n] : kModes) if (n == name) return m;
+  for (auto& [m, n] : kModes)
+    if (n == name) return m;
   return std::nullopt;
 }
 

@@ -10,7 +10,7 @@
 namespace kvrouter {
 
 enum class RouterMode {
-  kKv,                   // KV-cache-aware cost (docs/design.md "Selection")
+  kKv,  // KV-cache-aware cost (docs/design.md "Selection")
   kRoundRobin,
   kRandom,
   kPowerOfTwo,           // two random candidates, fewer active requests wins

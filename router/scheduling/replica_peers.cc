@@ -46,7 +46,8 @@ std::vector<std::string> ReplicaPeers::TakeSilent(Time now) {
     epoch_.erase(id);
   }
   dead_ += silent.size();
-  return TakeBookings([&](std::uint64_t peer) { return std::find(silent.begin(), silent.end(), peer) != silent.end(); });
+  return TakeBookings(
+      [&](std::uint64_t peer) { return std::find(silent.begin(), silent.end(), peer) != silent.end(); });
 }
 
 std::vector<std::string> ReplicaPeers::TakeBookings(const std::function<bool(std::uint64_t)>& take) {

@@ -81,11 +81,11 @@ class ReplicaPeers {
   // Takes out of origin_ the bookings of the peers for which `take` is true.
   std::vector<std::string> TakeBookings(const std::function<bool(std::uint64_t router_id)>& take);
 
-  std::unordered_map<std::uint64_t, Time> last_heard_;       // peers that send heartbeats
-  std::unordered_map<std::uint64_t, std::uint32_t> epoch_;   // latest epoch of each peer
-  std::unordered_map<std::string, std::uint64_t> origin_;    // booking -> the peer that made it
+  std::unordered_map<std::uint64_t, Time> last_heard_;      // peers that send heartbeats
+  std::unordered_map<std::uint64_t, std::uint32_t> epoch_;  // latest epoch of each peer
+  std::unordered_map<std::string, std::uint64_t> origin_;   // booking -> the peer that made it
   bool paused_ = false;
-  std::uint64_t dead_ = 0;                                   // peers found dead so far
+  std::uint64_t dead_ = 0;  // peers found dead so far
 };
 
 }  // namespace kvrouter

@@ -31,12 +31,12 @@ void ReplicaSync::Send(ActiveSequenceEvent::Kind kind, const std::string& reques
 
 void ReplicaSync::SendOwnBookings(const ActiveLoad& load) {
   if (!on()) return;
-  load.ForEach([&](const std::string& id, WorkerKey worker, std::span<const SequenceHash> seq,
-                   std::uint64_t prefill_tokens) {
-    if (peers_.IsPeerBooking(id)) return;
-    Send(ActiveSequenceEvent::Kind::kAdd, id, worker, seq,
-         static_cast<std::uint32_t>(std::min<std::uint64_t>(prefill_tokens, UINT32_MAX)), 0);
-  });
+  load.ForEach(
+      [&](const std::string& id, WorkerKey worker, std::span<const SequenceHash> seq, std::uint64_t prefill_tokens) {
+        if (peers_.IsPeerBooking(id)) return;
+        Send(ActiveSequenceEvent::Kind::kAdd, id, worker, seq,
+             static_cast<std::uint32_t>(std::min<std::uint64_t>(prefill_tokens, UINT32_MAX)), 0);
+      });
 }
 
 void ReplicaSync::NextEpoch(const ActiveLoad& load) {

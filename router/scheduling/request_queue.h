@@ -126,8 +126,7 @@ class RequestQueue {
         if (sa != sb) return sa > sb;
         return a.arrival < b.arrival;
       }
-      case QueuePolicy::kLcfs:
-        return a.arrival > b.arrival;
+      case QueuePolicy::kLcfs: return a.arrival > b.arrival;
     }
     return a.arrival < b.arrival;
   }

@@ -21,10 +21,10 @@ Scheduler::Scheduler(SchedulerOptions options, const ShardedIndex& index, Clock 
       index_(index),
       clock_(std::move(clock)),
       rng_(seed),
-      approx_(options_.predictions ? std::make_unique<ApproxIndex>(options_.predictions->ttl,
-                                                                   options_.predictions->max_blocks,
-                                                                   options_.predictions->prune_target_ratio)
-                                   : nullptr) {}
+      approx_(options_.predictions
+                  ? std::make_unique<ApproxIndex>(options_.predictions->ttl, options_.predictions->max_blocks,
+                                                  options_.predictions->prune_target_ratio)
+                  : nullptr) {}
 
 Result<PreparedRequest> PrepareRequest(const SchedulerOptions& options, const RouteRequest& req) {
   const std::uint32_t bs = options.block_size;
@@ -33,16 +33,16 @@ Result<PreparedRequest> PrepareRequest(const SchedulerOptions& options, const Ro
   std::uint32_t isl = req.isl;
   const std::uint64_t prompt = req.has_token_ids ? req.token_ids.size() : req.isl;
   if (prompt > options.max_prompt_tokens) {
-    return InvalidArgument(fmt::format("the prompt has {} tokens; the limit is {} (--router-max-prompt-tokens)",
-                                       prompt, options.max_prompt_tokens));
+    return InvalidArgument(fmt::format("the prompt has {} tokens; the limit is {} (--router-max-prompt-tokens)", prompt,
+                                       options.max_prompt_tokens));
   }
   if (req.has_token_ids) {
     local = ComputeLocalHashes(req.token_ids, bs, req.lora_name);
     isl = static_cast<std::uint32_t>(req.token_ids.size());
   } else {
     if (req.block_hashes.size() > (std::uint64_t{isl} + bs - 1) / bs) {
-      return InvalidArgument(fmt::format("{} block_hashes do not fit in isl {} at block size {}",
-                                         req.block_hashes.size(), isl, bs));
+      return InvalidArgument(
+          fmt::format("{} block_hashes do not fit in isl {} at block size {}", req.block_hashes.size(), isl, bs));
     }
     local = req.block_hashes;
   }
@@ -123,12 +123,12 @@ std::vector<Candidate> Scheduler::OpenRanks(std::vector<Candidate> cands) const 
 
 Status Scheduler::BookingRoom(std::size_t blocks) const {
   if (load_.requests() >= options_.max_active_requests) {
-    return Status(StatusCode::kOverloaded, fmt::format("{} requests are booked (--router-max-active-requests); free some",
-                                                       load_.requests()));
+    return Status(StatusCode::kOverloaded,
+                  fmt::format("{} requests are booked (--router-max-active-requests); free some", load_.requests()));
   }
   if (blocks > options_.max_active_blocks - std::min(options_.max_active_blocks, load_.booked_blocks())) {
-    return Status(StatusCode::kOverloaded, fmt::format("{} blocks are booked (--router-max-active-blocks); free some",
-                                                       load_.booked_blocks()));
+    return Status(StatusCode::kOverloaded,
+                  fmt::format("{} blocks are booked (--router-max-active-blocks); free some", load_.booked_blocks()));
   }
   return Status::Ok();
 }

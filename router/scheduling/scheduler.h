@@ -42,19 +42,19 @@ std::string_view RouteKindName(RouteKind kind);  // "route", "best_worker", "gen
 struct SchedulerOptions {
   RouterMode mode = RouterMode::kRoundRobin;
   std::uint32_t block_size = 64;
-  CostParams cost;                              // the defaults a request may override
-  bool use_kv_events = true;                    // overlaps from the event index
+  CostParams cost;            // the defaults a request may override
+  bool use_kv_events = true;  // overlaps from the event index
   // Approximate mode: predictions of what a booked decision puts in a worker's cache.
   struct Predictions {
     std::chrono::milliseconds ttl{120'000};
     std::uint64_t max_blocks = 1 << 20;
     double prune_target_ratio = 0.8;
   };
-  std::optional<Predictions> predictions;       // nullopt: no approximate mode
-  std::optional<double> queue_threshold;        // full: active prefill > threshold x max_num_batched_tokens
+  std::optional<Predictions> predictions;  // nullopt: no approximate mode
+  std::optional<double> queue_threshold;   // full: active prefill > threshold x max_num_batched_tokens
   std::uint32_t max_prompt_tokens = 1 << 20;
-  std::uint32_t max_active_requests = 65536;    // bookings at most
-  std::uint64_t max_active_blocks = 1 << 22;    // booked blocks at most
+  std::uint32_t max_active_requests = 65536;  // bookings at most
+  std::uint64_t max_active_blocks = 1 << 22;  // booked blocks at most
 };
 
 // A decoded request made ready for selection: hashed once, its cost parameters resolved.

@@ -27,12 +27,11 @@ std::size_t Uniform(std::size_t n, std::mt19937_64& rng) {
 
 double KvCost(const Candidate& c, const SelectionRequest& req, const CostParams& p) {
   const double bs = p.block_size;
-  const double prefill_tokens =
-      (p.track_prefill_tokens ? static_cast<double>(c.active_prefill_tokens) : 0.0) + req.isl;
+  const double prefill_tokens = (p.track_prefill_tokens ? static_cast<double>(c.active_prefill_tokens) : 0.0) + req.isl;
   const double prefill_blocks = prefill_tokens / bs;
   const double adjusted = std::max(prefill_blocks - p.overlap_score_credit * c.overlap_blocks, 0.0);
-  const double decode_blocks = static_cast<double>(c.active_blocks) + req.request_blocks -
-                               std::min(c.active_prefix_blocks, req.request_blocks);
+  const double decode_blocks =
+      static_cast<double>(c.active_blocks) + req.request_blocks - std::min(c.active_prefix_blocks, req.request_blocks);
   return p.prefill_load_scale * adjusted + decode_blocks;
 }
 
@@ -70,8 +69,8 @@ double PredictedCostMs(const Candidate& c, const SelectionRequest& req, const Co
   return PredictedCostPricedMs(c, req, p, recent_excess * SpreadPriceMs(req));
 }
 
-std::size_t Selector::PickKv(const SelectionRequest& req, std::span<const Candidate> cands,
-                             const CostParams& p, std::mt19937_64& rng) const {
+std::size_t Selector::PickKv(const SelectionRequest& req, std::span<const Candidate> cands, const CostParams& p,
+                             std::mt19937_64& rng) const {
   std::vector<double> cost(cands.size());
   double lo = std::numeric_limits<double>::infinity();
   double hi = -lo;
@@ -134,12 +133,9 @@ std::size_t Selector::Pick(RouterMode mode, const SelectionRequest& req, std::sp
   std::vector<std::size_t> all(n);
   for (std::size_t i = 0; i < n; ++i) all[i] = i;
   switch (mode) {
-    case RouterMode::kKv:
-      return PickKv(req, cands, params, rng);
-    case RouterMode::kRoundRobin:
-      return round_robin_++ % n;
-    case RouterMode::kRandom:
-      return Uniform(n, rng);
+    case RouterMode::kKv: return PickKv(req, cands, params, rng);
+    case RouterMode::kRoundRobin: return round_robin_++ % n;
+    case RouterMode::kRandom: return Uniform(n, rng);
     case RouterMode::kPowerOfTwo: {
       const std::size_t a = Uniform(n, rng);
       std::size_t b = Uniform(n - 1, rng);
@@ -149,8 +145,7 @@ std::size_t Selector::Pick(RouterMode mode, const SelectionRequest& req, std::sp
       }
       return rng() & 1 ? a : b;
     }
-    case RouterMode::kLeastLoaded:
-      return LeastLoaded(cands, all, rng);
+    case RouterMode::kLeastLoaded: return LeastLoaded(cands, all, rng);
     case RouterMode::kDeviceAwareWeighted: {
       std::vector<std::size_t> cpu, accel;
       double cpu_cap = 0, accel_cap = 0;
@@ -164,8 +159,7 @@ std::size_t Selector::Pick(RouterMode mode, const SelectionRequest& req, std::sp
       const bool pick_accel = std::uniform_real_distribution<double>(0, accel_weight + cpu_cap)(rng) < accel_weight;
       return LeastLoaded(cands, pick_accel ? accel : cpu, rng);
     }
-    case RouterMode::kDirect:
-      return 0;
+    case RouterMode::kDirect: return 0;
   }
   return 0;
 }

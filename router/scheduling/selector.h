@@ -29,17 +29,17 @@ struct RankInfo {
 
 struct Candidate {
   WorkerKey worker;
-  std::uint32_t overlap_blocks = 0;         // leading request blocks cached there
-  std::uint32_t active_prefix_blocks = 0;   // leading request blocks already active there
-  std::uint64_t active_blocks = 0;          // decode blocks of active requests
+  std::uint32_t overlap_blocks = 0;        // leading request blocks cached there
+  std::uint32_t active_prefix_blocks = 0;  // leading request blocks already active there
+  std::uint64_t active_blocks = 0;         // decode blocks of active requests
   std::uint64_t active_prefill_tokens = 0;
-  std::uint64_t active_prefill_squares = 0; // sum of the squares of their prefill tokens
+  std::uint64_t active_prefill_squares = 0;  // sum of the squares of their prefill tokens
   std::uint32_t active_requests = 0;
-  double recent_requests = 0;               // routed there lately (ActiveLoad::RecentRequests)
-  bool is_cpu = false;                      // registration device == "cpu"
-  std::uint32_t capacity = 1;               // max_num_seqs, for device-aware weighting
+  double recent_requests = 0;                   // routed there lately (ActiveLoad::RecentRequests)
+  bool is_cpu = false;                          // registration device == "cpu"
+  std::uint32_t capacity = 1;                   // max_num_seqs, for device-aware weighting
   std::uint32_t max_num_batched_tokens = 8192;  // for the queue's "full" test and prefill steps
-  std::uint64_t total_kv_blocks = 0;        // registration's cache size (0 = unknown)
+  std::uint64_t total_kv_blocks = 0;            // registration's cache size (0 = unknown)
 };
 
 struct SelectionRequest {
@@ -74,8 +74,7 @@ double KvCost(const Candidate& c, const SelectionRequest& req, const CostParams&
 //   cost      = ttft + inflicted + spread
 // with the engine timing of router/engine/engine_model.h as the prior. Selector::PickKv passes
 // recent_excess = max(0, recent_requests - mean over the candidates).
-double PredictedCostMs(const Candidate& c, const SelectionRequest& req, const CostParams& p,
-                       double recent_excess = 0);
+double PredictedCostMs(const Candidate& c, const SelectionRequest& req, const CostParams& p, double recent_excess = 0);
 
 class Selector {
  public:
@@ -85,8 +84,8 @@ class Selector {
                    const CostParams& params, std::mt19937_64& rng);
 
  private:
-  std::size_t PickKv(const SelectionRequest& req, std::span<const Candidate> cands,
-                     const CostParams& params, std::mt19937_64& rng) const;
+  std::size_t PickKv(const SelectionRequest& req, std::span<const Candidate> cands, const CostParams& params,
+                     std::mt19937_64& rng) const;
   static std::size_t LeastLoaded(std::span<const Candidate> cands, const std::vector<std::size_t>& among,
                                  std::mt19937_64& rng);
   std::uint64_t round_robin_ = 0;

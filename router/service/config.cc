@@ -72,7 +72,9 @@ Status ReadRouting(const po::variables_map& vm, RouterConfig& c) {
   c.block_size = vm["block-size"].as<std::uint32_t>();
   if (c.block_size < 1 || c.block_size > 65536) return OutOfRange("block-size", "in [1, 65536]");
   auto m = RouterModeFromName(vm["router-mode"].as<std::string>());
-  if (!m) return OutOfRange("router-mode", "one of kv, round-robin, random, power-of-two, least-loaded, device-aware-weighted, direct");
+  if (!m)
+    return OutOfRange("router-mode",
+                      "one of kv, round-robin, random, power-of-two, least-loaded, device-aware-weighted, direct");
   c.mode = *m;
   // Either of Dynamo's weights, given on the command line or in the environment, selects Dynamo's
   // formula with exactly those values (a user migrating from Dynamo gets Dynamo's decisions).
@@ -95,10 +97,14 @@ Status ReadRouting(const po::variables_map& vm, RouterConfig& c) {
     if (!(*c.queue_threshold > 0)) return OutOfRange("router-queue-threshold", "> 0");
   }
   const std::string policy = vm["router-queue-policy"].as<std::string>();
-  if (policy == "fcfs") c.queue_policy = QueuePolicy::kFcfs;
-  else if (policy == "wspt") c.queue_policy = QueuePolicy::kWspt;
-  else if (policy == "lcfs") c.queue_policy = QueuePolicy::kLcfs;
-  else return OutOfRange("router-queue-policy", "one of fcfs, wspt, lcfs");
+  if (policy == "fcfs")
+    c.queue_policy = QueuePolicy::kFcfs;
+  else if (policy == "wspt")
+    c.queue_policy = QueuePolicy::kWspt;
+  else if (policy == "lcfs")
+    c.queue_policy = QueuePolicy::kLcfs;
+  else
+    return OutOfRange("router-queue-policy", "one of fcfs, wspt, lcfs");
   c.queue_max = vm["router-queue-max"].as<std::uint32_t>();
   if (c.queue_max < 1) return OutOfRange("router-queue-max", ">= 1");
   return Status::Ok();
@@ -111,7 +117,8 @@ Status ReadLimits(const po::variables_map& vm, RouterConfig& c) {
   c.max_tree_size = vm["router-max-tree-size"].as<std::uint64_t>();
   if (c.max_tree_size < 1) return OutOfRange("router-max-tree-size", ">= 1");
   c.prune_target_ratio = vm["router-prune-target-ratio"].as<double>();
-  if (!(c.prune_target_ratio > 0 && c.prune_target_ratio <= 1)) return OutOfRange("router-prune-target-ratio", "in (0, 1]");
+  if (!(c.prune_target_ratio > 0 && c.prune_target_ratio <= 1))
+    return OutOfRange("router-prune-target-ratio", "in (0, 1]");
   c.max_dp_size = vm["router-max-dp-size"].as<std::uint32_t>();
   if (c.max_dp_size < 1 || c.max_dp_size > 65536) return OutOfRange("router-max-dp-size", "in [1, 65536]");
   c.max_worker_ranks = vm["router-max-worker-ranks"].as<std::uint64_t>();
@@ -150,13 +157,14 @@ Result<ParsedArgs> ParseRouterConfig(int argc, const char* const* argv, const En
   // Environment values for flags not given on the command line. Two flags read Dynamo's
   // variable names: DYN_ROUTER_USE_KV_EVENTS=true|false, DYN_ROUTER_TRACK_PREFILL_TOKENS=false.
   auto boolean_rule = [](std::string variable, std::string if_true, std::string if_false) {
-    return EnvRule{std::move(variable), [t = std::move(if_true), f = std::move(if_false)](std::string_view v)
-                                            -> Result<std::optional<std::string>> {
-                     auto b = ParseBoolValue(std::string(v));
-                     if (!b) return InvalidArgument("must be true or false");
-                     const std::string& arg = *b ? t : f;
-                     return arg.empty() ? std::nullopt : std::optional<std::string>(arg);
-                   }};
+    return EnvRule{
+        std::move(variable),
+        [t = std::move(if_true), f = std::move(if_false)](std::string_view v) -> Result<std::optional<std::string>> {
+          auto b = ParseBoolValue(std::string(v));
+          if (!b) return InvalidArgument("must be true or false");
+          const std::string& arg = *b ? t : f;
+          return arg.empty() ? std::nullopt : std::optional<std::string>(arg);
+        }};
   };
   const std::map<std::string, EnvRule> rules = {
       {"router-kv-events", boolean_rule("DYN_ROUTER_USE_KV_EVENTS", "--router-kv-events", "--no-router-kv-events")},
@@ -187,10 +195,10 @@ SchedulerOptions SchedulerOptionsOf(const RouterConfig& c) {
                      .max_active_requests = c.max_active_requests,
                      .max_active_blocks = c.max_active_blocks};
   if (!c.use_kv_events && !c.load_aware) {
-    o.predictions = SchedulerOptions::Predictions{
-        .ttl = std::chrono::milliseconds(static_cast<std::int64_t>(c.ttl_secs * 1000)),
-        .max_blocks = c.max_tree_size,
-        .prune_target_ratio = c.prune_target_ratio};
+    o.predictions =
+        SchedulerOptions::Predictions{.ttl = std::chrono::milliseconds(static_cast<std::int64_t>(c.ttl_secs * 1000)),
+                                      .max_blocks = c.max_tree_size,
+                                      .prune_target_ratio = c.prune_target_ratio};
   }
   return o;
 }

@@ -15,19 +15,20 @@ GenerateRelay::GenerateRelay(MessageBus& bus, Routing& routing, std::string repl
 
 void GenerateRelay::Forward(Outbox::Forward f, const std::string& worker_subject, Outbox& out) {
   const RouteRequest& req = f.request;
-  const auto timeout = req.timeout_ms ? std::chrono::milliseconds(*req.timeout_ms)
-                                      : std::chrono::milliseconds(kDefaultTimeout);
+  const auto timeout =
+      req.timeout_ms ? std::chrono::milliseconds(*req.timeout_ms) : std::chrono::milliseconds(kDefaultTimeout);
   std::uint64_t n = 0;
   {
     KvMutexLock g(mu_);
     n = ++next_;
     inflight_[n] = InFlight{req.request_id, f.caller_reply, clock_() + timeout, timeout, false};
   }
-  const msgpack::sbuffer body = GenerateRequest{.request_id = req.request_id,
-                                                .token_ids = req.token_ids,
-                                                .max_tokens = req.max_tokens.value_or(req.expected_output_tokens.value_or(16)),
-                                                .dp_rank = f.routed.dp_rank}
-                                    .Encode();
+  const msgpack::sbuffer body =
+      GenerateRequest{.request_id = req.request_id,
+                      .token_ids = req.token_ids,
+                      .max_tokens = req.max_tokens.value_or(req.expected_output_tokens.value_or(16)),
+                      .dp_rank = f.routed.dp_rank}
+          .Encode();
   const Status s = bus_.PublishRequest(worker_subject, reply_prefix_ + std::to_string(n), AsBytes(body));
   if (s.ok()) return;
   log_.Log(LogLevel::kWarning, "forward", "forwarding to {} failed: {}", worker_subject, s.message());
@@ -91,7 +92,8 @@ void GenerateRelay::Expire(Outbox& out) {
   }
   for (InFlight& f : expired) {
     (void)routing_.Free(f.request_id, out);
-    out.errors.emplace_back(std::move(f.caller_reply), Status(StatusCode::kTimeout, "the worker did not finish in time"));
+    out.errors.emplace_back(std::move(f.caller_reply),
+                            Status(StatusCode::kTimeout, "the worker did not finish in time"));
   }
 }
 

@@ -31,8 +31,7 @@ class GenerateRelay {
   // nothing for timeout_ms (the request's; this long without one).
   static constexpr std::chrono::seconds kDefaultTimeout{300};
 
-  GenerateRelay(MessageBus& bus, Routing& routing, std::string reply_prefix, Routing::Clock clock,
-                RateLimitedLog& log);
+  GenerateRelay(MessageBus& bus, Routing& routing, std::string reply_prefix, Routing::Clock clock, RateLimitedLog& log);
 
   // What the relay subscribes to: reply_prefix + "*".
   std::string subject_pattern() const { return reply_prefix_ + "*"; }
@@ -52,8 +51,8 @@ class GenerateRelay {
   struct InFlight {
     std::string request_id;
     std::string caller_reply;
-    SteadyTime deadline;                 // no response from the worker by then: abandoned
-    std::chrono::milliseconds idle{};    // each response moves the deadline this far
+    SteadyTime deadline;               // no response from the worker by then: abandoned
+    std::chrono::milliseconds idle{};  // each response moves the deadline this far
     bool first_seen = false;
   };
 

@@ -55,11 +55,11 @@ KvRouterService::KvRouterService(RouterConfig config, MessageBus& bus, Clock clo
       subjects_(config_.ns, config_.component),
       router_id_(config_.router_id ? config_.router_id : std::random_device{}() * 0x9E3779B97F4A7C15ULL ^ seed),
       index_({.num_shards = config_.index_shards,
-              .on_recovery = config_.recovery && config_.use_kv_events
-                                 ? RecoveryNeeded(
-                                       [this](WorkerKey w, SequenceKind k, std::optional<std::uint64_t> start,
+              .on_recovery =
+                  config_.recovery && config_.use_kv_events
+                      ? RecoveryNeeded([this](WorkerKey w, SequenceKind k, std::optional<std::uint64_t> start,
                                               std::uint64_t generation) { recovery_->Need(w, k, start, generation); })
-                                 : nullptr,
+                      : nullptr,
               .default_capacity = config_.max_worker_blocks,
               .apply_on_submit = ShardedIndex::ApplyOnSubmitPays(config_.index_shards)}),
       registry_({.block_size = config_.block_size,
@@ -101,7 +101,8 @@ std::vector<KvRouterService::Sub> KvRouterService::RequestSubscriptions() {
   using Kind = Routing::Kind;
   std::vector<Sub> subs;
   subs.push_back({subjects_.route, "kvrouter", [this](const BusMessage& m) { HandleRoute(m, Kind::kRoute); }});
-  subs.push_back({subjects_.best_worker, "kvrouter", [this](const BusMessage& m) { HandleRoute(m, Kind::kBestWorker); }});
+  subs.push_back(
+      {subjects_.best_worker, "kvrouter", [this](const BusMessage& m) { HandleRoute(m, Kind::kBestWorker); }});
   subs.push_back({subjects_.generate, "kvrouter", [this](const BusMessage& m) { HandleRoute(m, Kind::kGenerate); }});
   subs.push_back({relay_.subject_pattern(), "", [this](const BusMessage& m) {
                     Outbox out;
@@ -109,11 +110,13 @@ std::vector<KvRouterService::Sub> KvRouterService::RequestSubscriptions() {
                     Send(out);
                   }});
   // Lifecycle messages go to every replica: each one's bookings must be released.
-  subs.push_back({subjects_.mark_prefill, "", [this](const BusMessage& m) { HandleLifecycle(m, Lifecycle::kMarkPrefill); }});
+  subs.push_back(
+      {subjects_.mark_prefill, "", [this](const BusMessage& m) { HandleLifecycle(m, Lifecycle::kMarkPrefill); }});
   subs.push_back({subjects_.free, "", [this](const BusMessage& m) { HandleLifecycle(m, Lifecycle::kFree); }});
   subs.push_back({subjects_.stats, "kvrouter", [this](const BusMessage& m) { HandleStats(m); }});
   // This replica's own stats, whichever the queue group would pick.
-  subs.push_back({fmt::format("{}.{}", subjects_.stats, router_id_), "", [this](const BusMessage& m) { HandleStats(m); }});
+  subs.push_back(
+      {fmt::format("{}.{}", subjects_.stats, router_id_), "", [this](const BusMessage& m) { HandleStats(m); }});
   return subs;
 }
 
@@ -266,13 +269,11 @@ void KvRouterService::HandleInstances(const BusMessage& m) {
       Forget(gone, out);  // its queued pins get not_found now
       break;
     }
-    case WorkerRegistry::Outcome::kUpdated:
-      index_.SetCapacity(reg->worker_id, CapacityOf(*reg));
-      return;
+    case WorkerRegistry::Outcome::kUpdated: index_.SetCapacity(reg->worker_id, CapacityOf(*reg)); return;
     case WorkerRegistry::Outcome::kNew:
-      log_.Log(LogLevel::kInfo, "worker registered", "worker {} registered: dp ranks [{}, {}), {} KV blocks, lease {} ms",
-               reg->worker_id, reg->dp_start, std::uint64_t{reg->dp_start} + reg->dp_size, reg->total_kv_blocks,
-               reg->lease_ms);
+      log_.Log(LogLevel::kInfo, "worker registered",
+               "worker {} registered: dp ranks [{}, {}), {} KV blocks, lease {} ms", reg->worker_id, reg->dp_start,
+               std::uint64_t{reg->dp_start} + reg->dp_size, reg->total_kv_blocks, reg->lease_ms);
       index_.SetCapacity(reg->worker_id, CapacityOf(*reg));
       // First sight of a worker: what does it hold already (the router may have restarted)?
       if (recovery_) {
@@ -282,8 +283,7 @@ void KvRouterService::HandleInstances(const BusMessage& m) {
       }
       routing_.Drain(out);  // new capacity
       break;
-    case WorkerRegistry::Outcome::kRenewed:
-      return;
+    case WorkerRegistry::Outcome::kRenewed: return;
   }
   Send(out);
 }

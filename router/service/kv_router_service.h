@@ -162,7 +162,7 @@ class KvRouterService {
   RouterMetrics metrics_;
   std::atomic<bool> started_{false};
   std::atomic<bool> events_up_{true};
-  SteadyTime next_heartbeat_{};   // Tick's thread only: when this replica next says it is alive
+  SteadyTime next_heartbeat_{};    // Tick's thread only: when this replica next says it is alive
   SteadyTime startup_deadline_{};  // routes before it wait for in-flight start-up dumps
 };
 

@@ -37,14 +37,13 @@ void RecoveryClient::Need(WorkerKey worker, SequenceKind numbering, std::optiona
   }
   // It failed recently: do not hold its events for another try now.
   if (backed_off) {
-    index_.Recovered({.worker = worker, .numbering = numbering, .kind = RecoveryPart::Kind::kFailed,
-                      .generation = generation});
+    index_.Recovered(
+        {.worker = worker, .numbering = numbering, .kind = RecoveryPart::Kind::kFailed, .generation = generation});
   }
   Publish(std::move(starts));
 }
 
-std::vector<std::pair<std::uint64_t, RecoveryClient::Ask>> RecoveryClient::StartLocked(
-    SteadyTime now) {
+std::vector<std::pair<std::uint64_t, RecoveryClient::Ask>> RecoveryClient::StartLocked(SteadyTime now) {
   std::vector<std::pair<std::uint64_t, Ask>> starts;
   for (auto it = waiting_.begin(); it != waiting_.end() && in_flight_.size() < options_.max_in_flight;) {
     const std::uint64_t n = ++next_;
@@ -75,7 +74,7 @@ void RecoveryClient::Publish(std::vector<std::pair<std::uint64_t, Ask>> starts) 
 }
 
 std::vector<std::pair<std::uint64_t, RecoveryClient::Ask>> RecoveryClient::Fail(std::uint64_t n, const std::string& why,
-                                                                                 Failure failure) {
+                                                                                Failure failure) {
   const bool too_new = failure == Failure::kTooNew;
   RecoveryPart part;
   std::vector<std::pair<std::uint64_t, Ask>> starts;
@@ -85,7 +84,8 @@ std::vector<std::pair<std::uint64_t, RecoveryClient::Ask>> RecoveryClient::Fail(
     if (it == in_flight_.end()) return {};
     const auto now = clock_();
     // A part may have come between the Tick that found it late and now.
-    if (failure == Failure::kLate && now < it->second.deadline && now - it->second.started < options_.max_duration) return {};
+    if (failure == Failure::kLate && now < it->second.deadline && now - it->second.started < options_.max_duration)
+      return {};
     part = {.worker = it->second.ask.worker,
             .numbering = it->second.ask.numbering,
             .kind = RecoveryPart::Kind::kFailed,
@@ -138,8 +138,8 @@ void RecoveryClient::OnReply(const BusMessage& m) {
   if (reply->kind != "events" && reply->kind != "tree_dump") {
     // too_new answers a range only (a dump has no start): then the worker restarted.
     const bool too_new = reply->kind == "too_new" && ask.start.has_value();
-    return Publish(Fail(n, fmt::format("{}: {}", reply->kind, reply->message),
-                        too_new ? Failure::kTooNew : Failure::kError));
+    return Publish(
+        Fail(n, fmt::format("{}: {}", reply->kind, reply->message), too_new ? Failure::kTooNew : Failure::kError));
   }
   RecoveryPart part{.worker = ask.worker,
                     .numbering = ask.numbering,

@@ -41,13 +41,13 @@ struct RecoveryCounters {
   std::uint64_t started = 0;
   std::uint64_t succeeded = 0;
   std::uint64_t failed = 0;
-  std::uint64_t dumps = 0;           // of the started, tree dumps
-  std::uint64_t parts = 0;           // reply messages received
-  std::uint64_t in_flight = 0;       // now
-  std::uint64_t waiting = 0;         // now, beyond max_in_flight
-  std::uint64_t backed_off = 0;      // needed while the worker's backoff ran: not asked
-  double total_ms = 0;               // summed time of finished recoveries
-  double max_ms = 0;                 // the longest
+  std::uint64_t dumps = 0;       // of the started, tree dumps
+  std::uint64_t parts = 0;       // reply messages received
+  std::uint64_t in_flight = 0;   // now
+  std::uint64_t waiting = 0;     // now, beyond max_in_flight
+  std::uint64_t backed_off = 0;  // needed while the worker's backoff ran: not asked
+  double total_ms = 0;           // summed time of finished recoveries
+  double max_ms = 0;             // the longest
 };
 
 class RecoveryClient {
@@ -56,9 +56,9 @@ class RecoveryClient {
   struct Options {
     std::string ns = "dynamo";
     std::string component = "backend";
-    std::string reply_prefix;                        // unique per router: "<prefix><n>" replies
-    std::chrono::milliseconds timeout{1000};         // for the reply, and for each next part
-    std::chrono::milliseconds max_duration{30000};   // a recovery however many parts it sends
+    std::string reply_prefix;                       // unique per router: "<prefix><n>" replies
+    std::chrono::milliseconds timeout{1000};        // for the reply, and for each next part
+    std::chrono::milliseconds max_duration{30000};  // a recovery however many parts it sends
     std::size_t max_in_flight = 16;
   };
 

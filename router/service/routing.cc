@@ -84,8 +84,7 @@ void Routing::Route(RouteRequest req, Kind kind, std::string reply, Outbox& out)
     } else {
       // best_worker answers as things stand; route and generate wait when every eligible rank
       // is full.
-      std::vector<Candidate> open =
-          kind == Kind::kBestWorker ? std::move(cands).value() : scheduler_.OpenRanks(*cands);
+      std::vector<Candidate> open = kind == Kind::kBestWorker ? std::move(cands).value() : scheduler_.OpenRanks(*cands);
       if (open.empty()) {
         std::uint64_t best_overlap = 0;
         for (const Candidate& c : *cands) best_overlap = std::max<std::uint64_t>(best_overlap, c.overlap_blocks);

@@ -104,8 +104,7 @@ class Routing {
   static void Deliver(RouteRequest req, const RouteReply& routed, std::string reply, Kind kind, Outbox& out);
   // Admits, in policy order, the queued requests that fit now.
   void DrainLocked(Outbox& out) KV_REQUIRES(mu_);
-  bool LifecycleLocked(const std::string& request_id, ActiveSequenceEvent::Kind change, Outbox& out)
-      KV_REQUIRES(mu_);
+  bool LifecycleLocked(const std::string& request_id, ActiveSequenceEvent::Kind change, Outbox& out) KV_REQUIRES(mu_);
   // A heartbeat or sync message says `router_id` is at `epoch`: see ReplicaHeartbeat.
   void PeerEpochLocked(std::uint64_t router_id, std::uint32_t epoch, Outbox& out) KV_REQUIRES(mu_);
   // Why a peer's `add` is refused here (its counter key), or nullptr; `detail` says more.
@@ -127,7 +126,7 @@ class Routing {
   AdmissionQueue queue_ KV_GUARDED_BY(mu_);
   ReplicaSync sync_ KV_GUARDED_BY(mu_);
   RouteCounters counters_ KV_GUARDED_BY(mu_);
-  std::uint64_t generated_ids_ KV_GUARDED_BY(mu_) = 0;      // request ids made up for generate
+  std::uint64_t generated_ids_ KV_GUARDED_BY(mu_) = 0;       // request ids made up for generate
   std::vector<WorkerKey> metrics_dirty_ KV_GUARDED_BY(mu_);  // loads to publish
 };
 

@@ -119,7 +119,8 @@ bool WorkerRegistry::AdmittedHere(WorkerKey key) const {
 
 const char* WorkerRegistry::AdmitAndRemember(std::uint64_t worker_id, std::uint32_t dp_rank, SteadyTime now) {
   const char* refused = AdmitEventUncached(worker_id, dp_rank, now);
-  if (refused == nullptr && admitted.ranks.size() < kMaxAdmittedCached) (void)admitted.ranks.Insert({worker_id, dp_rank}, 1);
+  if (refused == nullptr && admitted.ranks.size() < kMaxAdmittedCached)
+    (void)admitted.ranks.Insert({worker_id, dp_rank}, 1);
   return refused;
 }
 
@@ -242,7 +243,8 @@ Result<std::vector<RankInfo>> WorkerRegistry::Ranks(std::optional<std::uint64_t>
     }
   };
   KvReaderLock g(mu_);
-  if (!pin) out.reserve(allowed ? std::min(allowed->size(), workers_.size()) : workers_.size());  // a rank a worker, mostly
+  if (!pin)
+    out.reserve(allowed ? std::min(allowed->size(), workers_.size()) : workers_.size());  // a rank a worker, mostly
   if (pin) {
     auto it = workers_.find(*pin);
     if (it == workers_.end()) return NotFound(fmt::format("worker {} is not registered", *pin));

@@ -35,10 +35,10 @@
 namespace kvrouter {
 
 struct RegistryLimits {
-  std::uint32_t block_size = 64;              // a worker must use the router's
-  std::uint32_t max_dp_size = 1024;           // ranks per worker
-  std::uint64_t max_worker_ranks = 1 << 18;   // (worker, dp_rank) pairs in all
-  std::uint64_t max_workers = 1 << 16;        // workers known before an unknown id's event is refused
+  std::uint32_t block_size = 64;             // a worker must use the router's
+  std::uint32_t max_dp_size = 1024;          // ranks per worker
+  std::uint64_t max_worker_ranks = 1 << 18;  // (worker, dp_rank) pairs in all
+  std::uint64_t max_workers = 1 << 16;       // workers known before an unknown id's event is refused
 };
 
 // One rank of a stats page.
@@ -52,11 +52,11 @@ class WorkerRegistry {
   explicit WorkerRegistry(RegistryLimits limits) : limits_(limits) {}
 
   enum class Outcome {
-    kNew,       // a worker not heard from before (or only through events): new capacity
-    kRenewed,   // a known worker's heartbeat, unchanged (its lease runs again)
-    kUpdated,   // a known worker's heartbeat with a changed registration
-    kLeaving,   // status "leaving": forgotten
-    kRefused,   // outside the bounds; nothing changed
+    kNew,      // a worker not heard from before (or only through events): new capacity
+    kRenewed,  // a known worker's heartbeat, unchanged (its lease runs again)
+    kUpdated,  // a known worker's heartbeat with a changed registration
+    kLeaving,  // status "leaving": forgotten
+    kRefused,  // outside the bounds; nothing changed
   };
   struct Registered {
     Outcome outcome = Outcome::kRefused;
@@ -83,7 +83,7 @@ class WorkerRegistry {
     return AdmitEvent(worker_id, dp_rank, [now] { return now; });
   }
   template <typename Now>
-    requires std::is_invocable_r_v<SteadyTime, Now&>
+  requires std::is_invocable_r_v<SteadyTime, Now&>
   const char* AdmitEvent(std::uint64_t worker_id, std::uint32_t dp_rank, Now&& now) {
     if (AdmittedHere({worker_id, dp_rank})) return nullptr;
     return AdmitAndRemember(worker_id, dp_rank, now());
@@ -120,7 +120,7 @@ class WorkerRegistry {
  private:
   struct Worker {
     WorkerRegistration reg;
-    bool has_lease = false;  // false until the first heartbeat (event-only workers)
+    bool has_lease = false;                       // false until the first heartbeat (event-only workers)
     std::atomic<std::int64_t> lease_deadline{0};  // steady ticks; renewed under the shared lock
   };
   // mu_ held (exclusive): the reason `reg` must be refused, or nullptr.
@@ -137,7 +137,7 @@ class WorkerRegistry {
   void Revoke() KV_REQUIRES(mu_);
   static std::uint64_t NextId();
 
-  const std::uint64_t id_ = NextId();  // tells registries apart in a thread's memory
+  const std::uint64_t id_ = NextId();       // tells registries apart in a thread's memory
   std::atomic<std::uint64_t> revision_{0};  // Revoke() calls
 
   const RegistryLimits limits_;

@@ -81,8 +81,8 @@ void FillWorker(std::uint64_t worker, std::mt19937_64& rng, Apply&& apply) {
 
 // A request: a system prompt and document some workers hold, plus a new 104-block tail.
 std::vector<LocalHash> RequestLocals(std::mt19937_64& rng) {
-  auto h = SequenceLocals(static_cast<int>(rng() % kSystemPrompts),
-                          static_cast<int>(rng() % kDocsPerSystem), 0xfffff0 + rng() % 8);
+  auto h = SequenceLocals(static_cast<int>(rng() % kSystemPrompts), static_cast<int>(rng() % kDocsPerSystem),
+                          0xfffff0 + rng() % 8);
   while (h.size() < 200) h.push_back(rng());
   return h;
 }
@@ -296,7 +296,8 @@ void BM_FindMatches200(benchmark::State& state) {
   OverlapScores scores;
   const auto t0 = std::chrono::steady_clock::now();
   for (auto _ : state) {
-    if (query_rate > 0) std::this_thread::sleep_until(t0 + std::chrono::nanoseconds(static_cast<std::int64_t>(i * 1e9 / query_rate)));
+    if (query_rate > 0)
+      std::this_thread::sleep_until(t0 + std::chrono::nanoseconds(static_cast<std::int64_t>(i * 1e9 / query_rate)));
     const auto a = std::chrono::steady_clock::now();
     fleet.index->FindMatches(requests[i++ % requests.size()], scores);  // the route's reused buffer
     const auto b = std::chrono::steady_clock::now();
@@ -315,9 +316,14 @@ void BM_FindMatches200(benchmark::State& state) {
   state.counters["tolerant_reads"] = static_cast<double>(fleet.index->Counters().tolerant_reads - tolerant0);
 }
 BENCHMARK(BM_FindMatches200)
-    ->Args({64, 0, 0})->Args({64, 1'000'000, 0})->Args({1000, 0, 0})->Args({1000, 1'000'000, 0})
-    ->Args({1000, 1'000'000, 10'000})->Args({1000, -1, 0})
-    ->Unit(benchmark::kMicrosecond)->Iterations(20000);
+    ->Args({64, 0, 0})
+    ->Args({64, 1'000'000, 0})
+    ->Args({1000, 0, 0})
+    ->Args({1000, 1'000'000, 0})
+    ->Args({1000, 1'000'000, 10'000})
+    ->Args({1000, -1, 0})
+    ->Unit(benchmark::kMicrosecond)
+    ->Iterations(20000);
 
 // A query that matches every worker, as in Dynamo's indexer benchmark (7,000 workers all hold
 // the trace's first block): 7,000 workers hold one root block; in 64 groups of about 109 they
@@ -347,8 +353,8 @@ void BM_FindMatchesEveryWorker(benchmark::State& state) {
     benchmark::DoNotOptimize(scores.data());
   }
   if (scores.size() != kWorkers) state.SkipWithError("every worker must be reported once");
-  state.counters["ns_per_worker"] = benchmark::Counter(
-      static_cast<double>(state.iterations()) * kWorkers, benchmark::Counter::kIsRate | benchmark::Counter::kInvert);
+  state.counters["ns_per_worker"] = benchmark::Counter(static_cast<double>(state.iterations()) * kWorkers,
+                                                       benchmark::Counter::kIsRate | benchmark::Counter::kInvert);
 }
 BENCHMARK(BM_FindMatchesEveryWorker)->Arg(0)->Arg(1)->Unit(benchmark::kMicrosecond);
 
@@ -452,7 +458,8 @@ void BM_Decision1000Workers(benchmark::State& state) {
   for (auto& a : args) argv.push_back(a.c_str());
   auto cfg = ParseRouterConfig(static_cast<int>(argv.size()), argv.data(), [](const char*) { return nullptr; });
   SteadyTime now{};
-  KvRouterService svc(cfg->config, bus, [&] { return now; }, 1);
+  KvRouterService svc(
+      cfg->config, bus, [&] { return now; }, 1);
   if (!svc.Start().ok()) return state.SkipWithError("service did not start");
   auto prompt = [](std::uint64_t w) {
     std::vector<std::uint32_t> t(2048);
@@ -462,10 +469,13 @@ void BM_Decision1000Workers(benchmark::State& state) {
   for (std::uint64_t w = 1; w <= kFleet; ++w) {
     WorkerRegistration reg{.worker_id = w, .block_size = 64, .total_kv_blocks = 16384};
     (void)bus.Publish(svc.subjects().instances, AsBytes(EncodeWorkerRegistration(reg)));
-    (void)bus.Publish(svc.subjects().kv_events, AsBytes(EncodeDynamoEnvelope(StoredPromptBatch(w, 1, prompt(w), 64), {})));
+    (void)bus.Publish(svc.subjects().kv_events,
+                      AsBytes(EncodeDynamoEnvelope(StoredPromptBatch(w, 1, prompt(w), 64), {})));
     for (int r = 0; r < 4; ++r) {
-      RouteRequest busy{.request_id = fmt::format("busy-{}-{}", w, r), .token_ids = prompt(w + kFleet * (r + 1)),
-                        .has_token_ids = true, .worker_id = w};
+      RouteRequest busy{.request_id = fmt::format("busy-{}-{}", w, r),
+                        .token_ids = prompt(w + kFleet * (r + 1)),
+                        .has_token_ids = true,
+                        .worker_id = w};
       busy.isl = static_cast<std::uint32_t>(busy.token_ids.size());
       (void)bus.Request(svc.subjects().route, AsBytes(EncodeRouteRequest(busy)));
     }

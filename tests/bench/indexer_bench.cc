@@ -57,7 +57,7 @@ struct Options {
   std::size_t drivers = 2;       // threads issuing the ops (Dynamo: a task per worker)
   std::size_t max_requests = 0;  // 0 = the whole trace
   std::uint64_t seed = 42;
-  std::vector<double> offered;   // ops/s; empty with --sweep
+  std::vector<double> offered;  // ops/s; empty with --sweep
   bool sweep = false;
   double sweep_min = 20000, sweep_max = 1000000;
   std::uint32_t sweep_steps = 10;
@@ -67,11 +67,11 @@ struct Options {
 // ---- 1. the recorded stream --------------------------------------------------------------------
 
 struct Entry {
-  double t_ms = 0;            // virtual trace time
-  std::uint32_t worker = 0;   // unique worker
+  double t_ms = 0;           // virtual trace time
+  std::uint32_t worker = 0;  // unique worker
   bool query = false;
-  std::uint32_t index = 0;    // into Stream::queries or Stream::events
-  std::uint64_t event_id = 0; // the worker's event number (events)
+  std::uint32_t index = 0;     // into Stream::queries or Stream::events
+  std::uint64_t event_id = 0;  // the worker's event number (events)
 };
 
 struct Stream {
@@ -82,8 +82,7 @@ struct Stream {
 };
 
 // Replays one worker's requests (trace order) through its engine, appending to the stream.
-void RecordWorker(std::uint32_t w, const std::vector<const bench::TraceRequest*>& reqs, const Options& o,
-                  Stream& s) {
+void RecordWorker(std::uint32_t w, const std::vector<const bench::TraceRequest*>& reqs, const Options& o, Stream& s) {
   double now = 0;
   std::uint64_t event_id = 0;
   MockEngine engine({.num_gpu_blocks = o.num_gpu_blocks,
@@ -127,7 +126,8 @@ Stream Record(const std::vector<bench::TraceRequest>& trace, const Options& o) {
   Stream s;
   for (std::uint32_t w = 0; w < o.workers; ++w) RecordWorker(w, share[w], o, s);
   // Trace order; at equal times a worker's own entries keep their order.
-  std::stable_sort(s.timeline.begin(), s.timeline.end(), [](const Entry& a, const Entry& b) { return a.t_ms < b.t_ms; });
+  std::stable_sort(s.timeline.begin(), s.timeline.end(),
+                   [](const Entry& a, const Entry& b) { return a.t_ms < b.t_ms; });
   return s;
 }
 
@@ -162,9 +162,9 @@ std::uint64_t WorkerId(const Options& o, std::uint32_t unique, std::uint32_t rep
 
 // One driver thread's share of a run: the entries of its workers, in trace order.
 struct DriverOp {
-  double due_s = 0;            // since the start of the run
+  double due_s = 0;  // since the start of the run
   std::uint32_t query = kNoQuery;
-  KvEventBatch batch;          // events
+  KvEventBatch batch;  // events
   static constexpr std::uint32_t kNoQuery = ~0u;
 };
 
@@ -269,22 +269,22 @@ Row Run(const Stream& s, const Options& o, double offered) {
 std::optional<Options> Parse(int argc, char** argv) {
   Options o;
   po::options_description desc("indexer_bench");
-  desc.add_options()("help", "this text")
-      ("trace", po::value(&o.trace)->default_value(KVROUTER_TRACE), "Mooncake-format trace (JSON lines)")
-      ("workers", po::value(&o.workers)->default_value(o.workers), "unique workers the trace is dealt to")
-      ("duplication", po::value(&o.duplication)->default_value(o.duplication), "copies of each unique worker")
-      ("block-size", po::value(&o.block_size)->default_value(o.block_size), "tokens per KV block")
-      ("num-gpu-blocks", po::value(&o.num_gpu_blocks)->default_value(o.num_gpu_blocks), "each engine's cache")
-      ("shards", po::value(&o.shards)->default_value(o.shards), "index shards (one thread each)")
-      ("drivers", po::value(&o.drivers)->default_value(o.drivers), "threads issuing events and queries")
-      ("max-requests", po::value(&o.max_requests)->default_value(0), "first N trace requests (0: all)")
-      ("seed", po::value(&o.seed)->default_value(o.seed), "how requests are dealt to workers")
-      ("offered", po::value(&o.offered)->multitoken(), "offered ops/s (one run each)")
-      ("sweep", po::bool_switch(&o.sweep), "log-spaced offered rates from --sweep-min to --sweep-max")
-      ("sweep-min", po::value(&o.sweep_min)->default_value(o.sweep_min), "ops/s")
-      ("sweep-max", po::value(&o.sweep_max)->default_value(o.sweep_max), "ops/s")
-      ("sweep-steps", po::value(&o.sweep_steps)->default_value(o.sweep_steps), "runs in a sweep")
-      ("json", po::value(&o.json), "write the rows and the peak here");
+  desc.add_options()("help", "this text")("trace", po::value(&o.trace)->default_value(KVROUTER_TRACE),
+                                          "Mooncake-format trace (JSON lines)")(
+      "workers", po::value(&o.workers)->default_value(o.workers), "unique workers the trace is dealt to")(
+      "duplication", po::value(&o.duplication)->default_value(o.duplication), "copies of each unique worker")(
+      "block-size", po::value(&o.block_size)->default_value(o.block_size), "tokens per KV block")(
+      "num-gpu-blocks", po::value(&o.num_gpu_blocks)->default_value(o.num_gpu_blocks), "each engine's cache")(
+      "shards", po::value(&o.shards)->default_value(o.shards), "index shards (one thread each)")(
+      "drivers", po::value(&o.drivers)->default_value(o.drivers), "threads issuing events and queries")(
+      "max-requests", po::value(&o.max_requests)->default_value(0), "first N trace requests (0: all)")(
+      "seed", po::value(&o.seed)->default_value(o.seed), "how requests are dealt to workers")(
+      "offered", po::value(&o.offered)->multitoken(), "offered ops/s (one run each)")(
+      "sweep", po::bool_switch(&o.sweep), "log-spaced offered rates from --sweep-min to --sweep-max")(
+      "sweep-min", po::value(&o.sweep_min)->default_value(o.sweep_min), "ops/s")(
+      "sweep-max", po::value(&o.sweep_max)->default_value(o.sweep_max), "ops/s")(
+      "sweep-steps", po::value(&o.sweep_steps)->default_value(o.sweep_steps), "runs in a sweep")(
+      "json", po::value(&o.json), "write the rows and the peak here");
   po::variables_map vm;
   try {
     po::store(po::parse_command_line(argc, argv, desc), vm);
@@ -297,8 +297,8 @@ std::optional<Options> Parse(int argc, char** argv) {
     std::cout << desc;
     std::exit(0);
   }
-  if (o.workers == 0 || o.duplication == 0 || o.block_size == 0 || o.shards == 0 || o.drivers == 0 || o.sweep_steps == 0 ||
-      o.sweep_min <= 0 || o.sweep_max < o.sweep_min) {
+  if (o.workers == 0 || o.duplication == 0 || o.block_size == 0 || o.shards == 0 || o.drivers == 0 ||
+      o.sweep_steps == 0 || o.sweep_min <= 0 || o.sweep_max < o.sweep_min) {
     fmt::print(stderr, "indexer_bench: --workers, --duplication, --block-size, --shards and the sweep must be > 0\n");
     return std::nullopt;
   }
@@ -321,21 +321,38 @@ std::optional<Options> Parse(int argc, char** argv) {
 void WriteJson(const Options& o, const Stream& s, const std::vector<Row>& rows, const Row& peak,
                const Row* peak_current) {
   nlohmann::json j;
-  j["setup"] = {{"trace", o.trace}, {"workers", o.workers}, {"duplication", o.duplication},
-                {"block_size", o.block_size}, {"num_gpu_blocks", o.num_gpu_blocks}, {"shards", o.shards}, {"drivers", o.drivers},
-                {"seed", o.seed}, {"queries", s.queries.size() * o.duplication},
-                {"events", s.events.size() * o.duplication}, {"hardware_threads", std::thread::hardware_concurrency()}};
+  j["setup"] = {{"trace", o.trace},
+                {"workers", o.workers},
+                {"duplication", o.duplication},
+                {"block_size", o.block_size},
+                {"num_gpu_blocks", o.num_gpu_blocks},
+                {"shards", o.shards},
+                {"drivers", o.drivers},
+                {"seed", o.seed},
+                {"queries", s.queries.size() * o.duplication},
+                {"events", s.events.size() * o.duplication},
+                {"hardware_threads", std::thread::hardware_concurrency()}};
   j["rows"] = nlohmann::json::array();
   for (const Row& r : rows) {
-    j["rows"].push_back({{"offered", r.offered}, {"achieved_ops", r.achieved_ops}, {"block_ops", r.block_ops},
-                         {"p50_us", r.p50_us}, {"p99_us", r.p99_us}, {"max_us", r.max_us}, {"seconds", r.seconds},
-                         {"kept_up", r.achieved_ops >= 0.95 * r.offered}, {"dropped", r.dropped},
-                         {"refused", r.refused}, {"matched_blocks", r.matched_blocks}, {"lag_p50_ms", r.lag_p50_ms},
-                         {"lag_p99_ms", r.lag_p99_ms}, {"current", r.current}});
+    j["rows"].push_back({{"offered", r.offered},
+                         {"achieved_ops", r.achieved_ops},
+                         {"block_ops", r.block_ops},
+                         {"p50_us", r.p50_us},
+                         {"p99_us", r.p99_us},
+                         {"max_us", r.max_us},
+                         {"seconds", r.seconds},
+                         {"kept_up", r.achieved_ops >= 0.95 * r.offered},
+                         {"dropped", r.dropped},
+                         {"refused", r.refused},
+                         {"matched_blocks", r.matched_blocks},
+                         {"lag_p50_ms", r.lag_p50_ms},
+                         {"lag_p99_ms", r.lag_p99_ms},
+                         {"current", r.current}});
   }
   j["peak"] = {{"achieved_ops", peak.achieved_ops}, {"p99_us", peak.p99_us}, {"offered", peak.offered}};
   if (peak_current != nullptr) {
-    j["peak_current"] = {{"achieved_ops", peak_current->achieved_ops}, {"p99_us", peak_current->p99_us},
+    j["peak_current"] = {{"achieved_ops", peak_current->achieved_ops},
+                         {"p99_us", peak_current->p99_us},
                          {"offered", peak_current->offered}};
   }
   std::ofstream(o.json) << j.dump(1) << "\n";
@@ -356,11 +373,12 @@ int Main(int argc, char** argv) {
   }
   const auto r0 = Clock::now();
   const Stream s = Record(*trace, *o);
-  fmt::print("recorded {} requests on {} workers x {} ({} ms): {} queries, {} events ({} blocks stored, {} removed) "
-             "per copy\n",
-             trace->size(), o->workers, o->duplication,
-             std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - r0).count(), s.queries.size(),
-             s.events.size(), s.stored_blocks, s.removed_blocks);
+  fmt::print(
+      "recorded {} requests on {} workers x {} ({} ms): {} queries, {} events ({} blocks stored, {} removed) "
+      "per copy\n",
+      trace->size(), o->workers, o->duplication,
+      std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - r0).count(), s.queries.size(),
+      s.events.size(), s.stored_blocks, s.removed_blocks);
   fmt::print("{:>10} {:>12} {:>12} {:>9} {:>9} {:>9} {:>7} {:>8} {:>10} {:>10} {:>8}\n", "offered", "achieved_ops",
              "block_ops", "p50_us", "p99_us", "max_us", "kept_up", "matched", "lag50_ms", "lag99_ms", "dropped");
   std::vector<Row> rows;

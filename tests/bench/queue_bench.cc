@@ -63,11 +63,13 @@ std::vector<Request> Run(const std::vector<std::string>& queue_flags, std::uint6
   for (auto& a : args) argv.push_back(a.c_str());
   auto cfg = ParseRouterConfig(static_cast<int>(argv.size()), argv.data(), [](const char*) { return nullptr; });
   if (!cfg.ok()) return {};
-  KvRouterService svc(cfg->config, bus, [&] { return Clock::time_point{} + std::chrono::duration_cast<Clock::duration>(Ms(sim.now_ms)); }, seed);
+  KvRouterService svc(
+      cfg->config, bus,
+      [&] { return Clock::time_point{} + std::chrono::duration_cast<Clock::duration>(Ms(sim.now_ms)); }, seed);
   if (!svc.Start().ok()) return {};
   for (int w = 1; w <= kWorkers; ++w) {
-    WorkerRegistration r{.worker_id = static_cast<std::uint64_t>(w), .max_num_batched_tokens = kBatchedTokens,
-                         .lease_ms = 1u << 30};
+    WorkerRegistration r{
+        .worker_id = static_cast<std::uint64_t>(w), .max_num_batched_tokens = kBatchedTokens, .lease_ms = 1u << 30};
     (void)bus.Publish(svc.subjects().instances, AsBytes(EncodeWorkerRegistration(r)));
   }
 
@@ -122,9 +124,7 @@ std::vector<Request> Run(const std::vector<std::string>& queue_flags, std::uint6
         (void)bus.Request(svc.subjects().mark_prefill, AsBytes(EncodeLifecycleRequest(r.id)));
         sim.events.push({sim.now_ms + 2000, Sim::kFree, ev.req});
         break;
-      case Sim::kFree:
-        (void)bus.Request(svc.subjects().free, AsBytes(EncodeLifecycleRequest(r.id)));
-        break;
+      case Sim::kFree: (void)bus.Request(svc.subjects().free, AsBytes(EncodeLifecycleRequest(r.id))); break;
       case Sim::kTick:  // the service's 50 ms timer: queue timeouts (60 s without timeout_ms)
         svc.Tick();
         if (!waiting.empty() || sim.events.size() > 0) sim.events.push({sim.now_ms + 50, Sim::kTick, 0});
@@ -164,12 +164,18 @@ void BM_QueuePolicy(benchmark::State& state, std::vector<std::string> flags) {
   for (auto _ : state) Report(state, Run(flags, 17));
 }
 BENCHMARK_CAPTURE(BM_QueuePolicy, no_queue, std::vector<std::string>{})->Iterations(1)->Unit(benchmark::kSecond);
-BENCHMARK_CAPTURE(BM_QueuePolicy, fcfs, std::vector<std::string>{"--router-queue-threshold", "1", "--router-queue-policy", "fcfs"})
-    ->Iterations(1)->Unit(benchmark::kSecond);
-BENCHMARK_CAPTURE(BM_QueuePolicy, wspt, std::vector<std::string>{"--router-queue-threshold", "1", "--router-queue-policy", "wspt"})
-    ->Iterations(1)->Unit(benchmark::kSecond);
-BENCHMARK_CAPTURE(BM_QueuePolicy, lcfs, std::vector<std::string>{"--router-queue-threshold", "1", "--router-queue-policy", "lcfs"})
-    ->Iterations(1)->Unit(benchmark::kSecond);
+BENCHMARK_CAPTURE(BM_QueuePolicy, fcfs,
+                  std::vector<std::string>{"--router-queue-threshold", "1", "--router-queue-policy", "fcfs"})
+    ->Iterations(1)
+    ->Unit(benchmark::kSecond);
+BENCHMARK_CAPTURE(BM_QueuePolicy, wspt,
+                  std::vector<std::string>{"--router-queue-threshold", "1", "--router-queue-policy", "wspt"})
+    ->Iterations(1)
+    ->Unit(benchmark::kSecond);
+BENCHMARK_CAPTURE(BM_QueuePolicy, lcfs,
+                  std::vector<std::string>{"--router-queue-threshold", "1", "--router-queue-policy", "lcfs"})
+    ->Iterations(1)
+    ->Unit(benchmark::kSecond);
 
 }  // namespace
 }  // namespace kvrouter

@@ -28,7 +28,8 @@ void BM_DumpRecovery(benchmark::State& state) {
   BlockHash next = 1;
   for (std::uint64_t held = 0; held < blocks; held += per_sequence) {
     KvStored chain;
-    for (std::uint64_t i = 0; i < per_sequence; ++i) chain.blocks.push_back({next + i, (next + i) * 0x9E3779B97F4A7C15ULL});
+    for (std::uint64_t i = 0; i < per_sequence; ++i)
+      chain.blocks.push_back({next + i, (next + i) * 0x9E3779B97F4A7C15ULL});
     next += per_sequence;
     (void)pub.Publish(std::move(chain));
   }

@@ -67,7 +67,8 @@ Rig& TheRig() {
   // To compare routers in one build: ROUTE_BENCH_KVROUTER, another kvrouter binary;
   // ROUTE_BENCH_ROUTER_ARGS, more kvrouter flags (space-separated).
   const char* bin = std::getenv("ROUTE_BENCH_KVROUTER");
-  std::vector<std::string> argv = {bin != nullptr ? bin : KVROUTER_BIN, "--nats-server", rig.nats->url(), "--router-mode", "kv"};
+  std::vector<std::string> argv = {bin != nullptr ? bin : KVROUTER_BIN, "--nats-server", rig.nats->url(),
+                                   "--router-mode", "kv"};
   if (const char* extra = std::getenv("ROUTE_BENCH_ROUTER_ARGS"); extra != nullptr) {
     std::istringstream words(extra);
     for (std::string w; words >> w;) argv.push_back(w);
@@ -82,7 +83,8 @@ Rig& TheRig() {
   if (!pub.ok()) return rig;
   rig.publisher = std::move(pub).value();
   const std::string stats = "namespace.dynamo.router.stats";
-  if (!testing::WaitFor([&] { return rig.nc->Request(stats, AsBytes(std::string_view("\x80", 1)), 200ms).ok(); }, 10s)) return rig;
+  if (!testing::WaitFor([&] { return rig.nc->Request(stats, AsBytes(std::string_view("\x80", 1)), 200ms).ok(); }, 10s))
+    return rig;
   std::mt19937 rng(3);
   for (int p = 0; p < 64; ++p) {
     std::vector<std::uint32_t> t(1024 * kBs / 16);  // 64 blocks
@@ -99,12 +101,14 @@ Rig& TheRig() {
     }
   }
   (void)rig.nc->Flush(5s);
-  rig.ok = testing::WaitFor([&] {
-    auto reply = rig.nc->Request(stats, AsBytes(std::string_view("\x80", 1)), 1s);
-    if (!reply.ok()) return false;
-    auto page = DecodeStatsReply(*reply);
-    return page.ok() && page->counters["events_applied"] >= kWorkers * 16;
-  }, 30s);
+  rig.ok = testing::WaitFor(
+      [&] {
+        auto reply = rig.nc->Request(stats, AsBytes(std::string_view("\x80", 1)), 1s);
+        if (!reply.ok()) return false;
+        auto page = DecodeStatsReply(*reply);
+        return page.ok() && page->counters["events_applied"] >= kWorkers * 16;
+      },
+      30s);
   return rig;
 }
 
@@ -130,7 +134,8 @@ class EventFlood {
             (void)rig.publisher->Publish(kComp + "kv-events", AsBytes(EncodeDynamoEnvelope(b, {})));
             KvEventBatch r{.worker_id = 1000 + w, .sequence = {SequenceKind::kEventId, next_id[w]++}};
             KvRemoved removed;
-            for (const auto& blk : std::get<KvStored>(b.ops[0].data).blocks) removed.block_hashes.push_back(blk.block_hash);
+            for (const auto& blk : std::get<KvStored>(b.ops[0].data).blocks)
+              removed.block_hashes.push_back(blk.block_hash);
             r.ops.push_back({StorageTier::kDevice, std::move(removed)});
             (void)rig.publisher->Publish(kComp + "kv-events", AsBytes(EncodeDynamoEnvelope(r, {})));
             n += 2;
@@ -218,7 +223,8 @@ void BM_EchoRoundTrip(benchmark::State& state) {
   std::size_t i = 0;
   for (auto _ : state) {
     const auto& p = rig.prompts[i++ % rig.prompts.size()];
-    RouteRequest req{.token_ids = std::vector<std::uint32_t>(p.begin(), p.begin() + 256), .has_token_ids = true, .isl = 256};
+    RouteRequest req{
+        .token_ids = std::vector<std::uint32_t>(p.begin(), p.begin() + 256), .has_token_ids = true, .isl = 256};
     const auto body = EncodeRouteRequest(req);
     const auto a = std::chrono::steady_clock::now();
     auto got = rig.nc->Request("bench.echo", AsBytes(body), 2s);
@@ -292,7 +298,8 @@ void BM_RouteVsEcho(benchmark::State& state) {
       break;
     }
     const auto& p = rig.prompts[i++ % rig.prompts.size()];
-    RouteRequest req{.token_ids = std::vector<std::uint32_t>(p.begin(), p.begin() + 256), .has_token_ids = true, .isl = 256};
+    RouteRequest req{
+        .token_ids = std::vector<std::uint32_t>(p.begin(), p.begin() + 256), .has_token_ids = true, .isl = 256};
     const auto body = EncodeRouteRequest(req);
     const auto a = std::chrono::steady_clock::now();
     if (!rig.nc->Request("bench.echo", AsBytes(body), 2s).ok()) {
@@ -304,7 +311,9 @@ void BM_RouteVsEcho(benchmark::State& state) {
   if (route_us.empty() || echo_us.empty()) return;
   std::sort(route_us.begin(), route_us.end());
   std::sort(echo_us.begin(), echo_us.end());
-  auto at = [](const std::vector<double>& v, std::size_t permille) { return v[std::min(v.size() - 1, v.size() * permille / 1000)]; };
+  auto at = [](const std::vector<double>& v, std::size_t permille) {
+    return v[std::min(v.size() - 1, v.size() * permille / 1000)];
+  };
   state.counters["route_p50_us"] = at(route_us, 500);
   state.counters["route_p99_us"] = at(route_us, 990);
   state.counters["echo_p50_us"] = at(echo_us, 500);
@@ -348,7 +357,8 @@ void BM_RouteInProcess(benchmark::State& state) {
   svc.index().Flush();
   std::vector<msgpack::sbuffer> bodies;
   for (const auto& p : prompts) {
-    RouteRequest req{.token_ids = std::vector<std::uint32_t>(p.begin(), p.begin() + 256), .has_token_ids = true, .isl = 256};
+    RouteRequest req{
+        .token_ids = std::vector<std::uint32_t>(p.begin(), p.begin() + 256), .has_token_ids = true, .isl = 256};
     bodies.push_back(EncodeRouteRequest(req));
   }
   std::size_t i = 0;
@@ -425,7 +435,6 @@ BENCHMARK(BM_BestWorkerDuringFlood)->Arg(300000)->Iterations(1)->Unit(benchmark:
 
 // ---- baselines in the same run: a bare nats.c echo, a bare nats.c counting subscriber ----------
 
-
 std::uint64_t EventsApplied(Rig& rig) {
   auto reply = rig.nc->Request("namespace.dynamo.router.stats", AsBytes(std::string_view("\x80", 1)), 2s);
   if (!reply.ok()) return 0;
@@ -462,11 +471,11 @@ MachineCpu ReadMachineCpu() {
 
 // Where one phase of BM_IngestVsBareSubscriber spent the machine's CPU, per message.
 struct PhaseCpu {
-  double cores_busy = 0;    // busy CPU time / wall time (at most the machine's cores)
-  double steal_pct = 0;     // of the phase's wall time × cores, taken by the host
-  double server_ns = 0;     // nats-server
-  double bench_ns = 0;      // this process: the publisher, and the bare subscriber or stats polls
-  double receiver_ns = 0;   // the router process (router phase only)
+  double cores_busy = 0;   // busy CPU time / wall time (at most the machine's cores)
+  double steal_pct = 0;    // of the phase's wall time × cores, taken by the host
+  double server_ns = 0;    // nats-server
+  double bench_ns = 0;     // this process: the publisher, and the bare subscriber or stats polls
+  double receiver_ns = 0;  // the router process (router phase only)
 };
 class PhaseMeter {
  public:
@@ -519,9 +528,11 @@ void BM_IngestVsBareSubscriber(benchmark::State& state) {
     const std::uint64_t before = EventsApplied(rig);
     std::vector<std::uint32_t> first(std::size_t{kBs} * 4, 7);
     for (std::uint64_t w = 0; w < kIngestWorkers; ++w) {
-      WorkerRegistration r{.worker_id = kFirstId + w, .block_size = kBs, .total_kv_blocks = 1u << 22, .lease_ms = 600000};
+      WorkerRegistration r{
+          .worker_id = kFirstId + w, .block_size = kBs, .total_kv_blocks = 1u << 22, .lease_ms = 600000};
       (void)rig.nc->Publish(kComp + "instances", AsBytes(EncodeWorkerRegistration(r)));
-      (void)rig.nc->Publish(kComp + "kv-events", AsBytes(EncodeDynamoEnvelope(Stored(kFirstId + w, next_event, first), {})));
+      (void)rig.nc->Publish(kComp + "kv-events",
+                            AsBytes(EncodeDynamoEnvelope(Stored(kFirstId + w, next_event, first), {})));
     }
     ++next_event;
     (void)rig.nc->Flush(5s);

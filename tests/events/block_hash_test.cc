@@ -41,9 +41,7 @@ TEST(BlockHash, TrailingPartialBlockIsNotHashed) {
   EXPECT_TRUE(ComputeLocalHashes(tokens, 0).empty());
 }
 
-TEST(BlockHash, EmptyLoraNameKeepsDefaultSeed) {
-  EXPECT_EQ(LoraSeed(""), kBlockHashSeed);
-}
+TEST(BlockHash, EmptyLoraNameKeepsDefaultSeed) { EXPECT_EQ(LoraSeed(""), kBlockHashSeed); }
 
 }  // namespace
 }  // namespace kvrouter

@@ -15,8 +15,7 @@ using ::testing::HasSubstr;
 
 KvEventBatch StoredBatch() {
   KvEventBatch b{.worker_id = 42, .dp_rank = 3, .sequence = {SequenceKind::kEventId, 17}};
-  b.ops.push_back({StorageTier::kDevice,
-                   KvStored{0x1111, {{0xa1, 0xb1}, {0xa2, 0xb2}, {0xffffffffffffffffull, 0}}}});
+  b.ops.push_back({StorageTier::kDevice, KvStored{0x1111, {{0xa1, 0xb1}, {0xa2, 0xb2}, {0xffffffffffffffffull, 0}}}});
   return b;
 }
 
@@ -58,10 +57,9 @@ TEST(DynamoEventCodec, StoredChainRoundTrips) {
 }
 
 TEST(DynamoEventCodec, RemovedAndClearedRoundTrip) {
-  for (const KvEventBatch& batch :
-       {WithData(KvRemoved{{1, 2, 0x8000000000000000ull}}), WithData(KvCleared{}),
-        WithData(KvStored{std::nullopt, {{1, 2}}}, StorageTier::kHostPinned),
-        WithData(KvRemoved{{7}}, StorageTier::kExternal)}) {
+  for (const KvEventBatch& batch : {WithData(KvRemoved{{1, 2, 0x8000000000000000ull}}), WithData(KvCleared{}),
+                                    WithData(KvStored{std::nullopt, {{1, 2}}}, StorageTier::kHostPinned),
+                                    WithData(KvRemoved{{7}}, StorageTier::kExternal)}) {
     auto decoded = DecodeDynamoEvent(AsBytes(EncodeDynamoEnvelope(batch, {})));
     ASSERT_TRUE(decoded.ok()) << decoded.status().ToString();
     EXPECT_EQ(*decoded, batch);
@@ -112,9 +110,8 @@ TEST(KvCacheEventCodec, NonMapEventIsAnError) {
 }
 
 TEST(DynamoEventCodec, EnvelopeCarriesTheHeader) {
-  auto body = EncodeDynamoEnvelope(StoredBatch(), {.publisher_id = 42, .sequence = 3,
-                                                   .published_at_ms = 1700000000000,
-                                                   .topic = "t"});
+  auto body = EncodeDynamoEnvelope(StoredBatch(),
+                                   {.publisher_id = 42, .sequence = 3, .published_at_ms = 1700000000000, .topic = "t"});
   auto doc = ParseMsgpack(AsBytes(body));
   ASSERT_TRUE(doc.ok());
   EXPECT_EQ(*ReadU64(FindKey(doc->get(), "publisher_id"), "publisher_id"), 42u);
@@ -474,8 +471,28 @@ TEST(DynamoEventPull, NeverAcceptsWhatTheTreeDecoderRefusesOrReadsDifferently) {
       bodies.push_back(shape.substr(0, i));
       // The boundaries of every form the pull reader reads inline (fixmap, fixstr, fixint,
       // uint64, the scalars Skip passes over) and of the general forms.
-      for (unsigned v : {0x00u, 0x01u, 0x7fu, 0x80u, 0x81u, 0x8fu, 0x90u, 0xa1u, 0xbfu, 0xc0u, 0xc1u, 0xc2u,
-                         0xc4u, 0xccu, 0xcdu, 0xcfu, 0xd0u, 0xd3u, 0xd9u, 0xdeu, 0xe0u, 0xffu,
+      for (unsigned v : {0x00u,
+                         0x01u,
+                         0x7fu,
+                         0x80u,
+                         0x81u,
+                         0x8fu,
+                         0x90u,
+                         0xa1u,
+                         0xbfu,
+                         0xc0u,
+                         0xc1u,
+                         0xc2u,
+                         0xc4u,
+                         0xccu,
+                         0xcdu,
+                         0xcfu,
+                         0xd0u,
+                         0xd3u,
+                         0xd9u,
+                         0xdeu,
+                         0xe0u,
+                         0xffu,
                          (static_cast<unsigned char>(shape[i]) + 1u) & 0xffu}) {
         std::string b = shape;
         b[i] = static_cast<char>(v);

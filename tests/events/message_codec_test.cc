@@ -33,9 +33,15 @@ std::string RouteRequestWith(std::uint32_t n, PackFields pack_fields) {
 // ---- Worker registration ----
 
 TEST(WorkerRegistrationCodec, RegistrationRoundTrips) {
-  WorkerRegistration reg{.worker_id = 0xfedcba9876543210ull, .dp_start = 2, .dp_size = 4,
-                         .block_size = 32, .total_kv_blocks = 100000, .max_num_seqs = 64,
-                         .max_num_batched_tokens = 4096, .device = "cpu", .lease_ms = 1500,
+  WorkerRegistration reg{.worker_id = 0xfedcba9876543210ull,
+                         .dp_start = 2,
+                         .dp_size = 4,
+                         .block_size = 32,
+                         .total_kv_blocks = 100000,
+                         .max_num_seqs = 64,
+                         .max_num_batched_tokens = 4096,
+                         .device = "cpu",
+                         .lease_ms = 1500,
                          .leaving = true};
   auto r = DecodeWorkerRegistration(AsBytes(EncodeWorkerRegistration(reg)));
   ASSERT_TRUE(r.ok()) << r.status().ToString();
@@ -183,13 +189,20 @@ TEST(WorkerRegistrationCodec, TruncatedBodyIsAnError) {
 // ---- Route request ----
 
 TEST(RouteRequestCodec, TokenRequestRoundTrips) {
-  RouteRequest req{.request_id = "req-1", .token_ids = {1, 2, 3, 0xffffffffu},
-                   .has_token_ids = true, .isl = 4, .lora_name = "my-adapter",
-                   .update_states = false, .priority = -3, .expected_output_tokens = 128,
-                   .worker_id = 0xffffffffffffffffull, .dp_rank = 2,
+  RouteRequest req{.request_id = "req-1",
+                   .token_ids = {1, 2, 3, 0xffffffffu},
+                   .has_token_ids = true,
+                   .isl = 4,
+                   .lora_name = "my-adapter",
+                   .update_states = false,
+                   .priority = -3,
+                   .expected_output_tokens = 128,
+                   .worker_id = 0xffffffffffffffffull,
+                   .dp_rank = 2,
                    .allowed_worker_ids = std::vector<std::uint64_t>{5, 6},
                    .config_override = {.overlap_score_credit = 1.5, .router_temperature = 0},
-                   .timeout_ms = 2500, .max_tokens = 64};
+                   .timeout_ms = 2500,
+                   .max_tokens = 64};
   auto r = DecodeRouteRequest(AsBytes(EncodeRouteRequest(req)));
   ASSERT_TRUE(r.ok()) << r.status().ToString();
   EXPECT_EQ(*r, req);
@@ -336,8 +349,7 @@ TEST(RouteRequestCodec, ConfigOverrideAcceptsIntsAndFloats) {
 }
 
 TEST(RouteRequestCodec, NegativeConfigOverrideIsInvalidArgument) {
-  for (std::string_view field :
-       {"overlap_score_credit", "prefill_load_scale", "router_temperature"}) {
+  for (std::string_view field : {"overlap_score_credit", "prefill_load_scale", "router_temperature"}) {
     auto body = RouteRequestWith(1, [&](TestPacker& p) {
       p.Key("router_config_override");
       p.pk.pack_map(1);
@@ -394,14 +406,14 @@ TEST(RouteRequestCodec, TokenIdsDecodeAlikeInEveryIntegerFormAndPlace) {
   auto tokens = [](TestPacker& p) {
     p.Key("token_ids");
     p.pk.pack_array(8);
-    p.pk.pack_fix_uint8(5);      // 0xcc
-    p.pk.pack_fix_uint16(300);   // 0xcd
-    p.pk.pack_fix_uint32(70000); // 0xce
-    p.pk.pack_fix_uint64(9);     // 0xcf
-    p.pk.pack_fix_int8(7);       // 0xd0, not negative
-    p.pk.pack_fix_int32(123456); // 0xd2
-    p.pk.pack(3);                // positive fixint
-    p.pk.pack(4294967295u);      // the largest u32
+    p.pk.pack_fix_uint8(5);       // 0xcc
+    p.pk.pack_fix_uint16(300);    // 0xcd
+    p.pk.pack_fix_uint32(70000);  // 0xce
+    p.pk.pack_fix_uint64(9);      // 0xcf
+    p.pk.pack_fix_int8(7);        // 0xd0, not negative
+    p.pk.pack_fix_int32(123456);  // 0xd2
+    p.pk.pack(3);                 // positive fixint
+    p.pk.pack(4294967295u);       // the largest u32
   };
   const std::vector<std::uint32_t> want = {5, 300, 70000, 9, 7, 123456, 3, 4294967295u};
   auto others = [](TestPacker& p) {
@@ -410,8 +422,14 @@ TEST(RouteRequestCodec, TokenIdsDecodeAlikeInEveryIntegerFormAndPlace) {
     p.Key("priority");
     p.pk.pack(-2);
   };
-  const std::string first = MapOf(3, [&](TestPacker& p) { tokens(p); others(p); });
-  const std::string last = MapOf(3, [&](TestPacker& p) { others(p); tokens(p); });
+  const std::string first = MapOf(3, [&](TestPacker& p) {
+    tokens(p);
+    others(p);
+  });
+  const std::string last = MapOf(3, [&](TestPacker& p) {
+    others(p);
+    tokens(p);
+  });
   const std::string twice = MapOf(4, [&](TestPacker& p) {  // a second token_ids is ignored
     tokens(p);
     others(p);
@@ -475,8 +493,12 @@ TEST(RouteRequestCodec, UnknownKeysAreIgnored) {
 }
 
 TEST(RouteRequestCodec, TruncatedBodyIsAnError) {
-  RouteRequest req{.request_id = "r", .token_ids = {1, 2, 3}, .has_token_ids = true, .isl = 3,
-                   .priority = 1, .config_override = {.prefill_load_scale = 2}};
+  RouteRequest req{.request_id = "r",
+                   .token_ids = {1, 2, 3},
+                   .has_token_ids = true,
+                   .isl = 3,
+                   .priority = 1,
+                   .config_override = {.prefill_load_scale = 2}};
   ExpectEveryTruncationFails(AsBytes(EncodeRouteRequest(req)), DecodeRouteRequest);
 }
 
@@ -509,8 +531,12 @@ TEST(RouteRequestCodec, BodyThatIsNotAMapIsInvalidArgument) {
 // ---- Route reply, error replies, lifecycle ----
 
 TEST(RouteReplyCodec, RouteReplyRoundTrips) {
-  RouteReply reply{.worker_id = 0xffffffffffffffffull, .dp_rank = 1, .overlap_blocks = 3,
-                   .request_blocks = 5, .cached_tokens = 192, .queued_ms = 1.25};
+  RouteReply reply{.worker_id = 0xffffffffffffffffull,
+                   .dp_rank = 1,
+                   .overlap_blocks = 3,
+                   .request_blocks = 5,
+                   .cached_tokens = 192,
+                   .queued_ms = 1.25};
   auto r = DecodeRouteReply(AsBytes(EncodeRouteReply(reply)));
   ASSERT_TRUE(r.ok()) << r.status().ToString();
   EXPECT_EQ(*r, reply);
@@ -526,9 +552,8 @@ TEST(RouteReplyCodec, RouteReplyMissingAFieldIsInvalidArgument) {
 }
 
 TEST(RouteReplyCodec, ErrorReplyRoundTrips) {
-  for (StatusCode code : {StatusCode::kInvalidArgument, StatusCode::kNoWorkers,
-                          StatusCode::kOverloaded, StatusCode::kTimeout, StatusCode::kNotFound,
-                          StatusCode::kInternal}) {
+  for (StatusCode code : {StatusCode::kInvalidArgument, StatusCode::kNoWorkers, StatusCode::kOverloaded,
+                          StatusCode::kTimeout, StatusCode::kNotFound, StatusCode::kInternal}) {
     const Status sent(code, "because");
     auto body = EncodeErrorReply(sent);
     Status got = DecodeErrorReply(AsBytes(body));
@@ -580,8 +605,7 @@ TEST(RouteReplyCodec, OkReplyIsNotAnError) {
 }
 
 TEST(RouteReplyCodec, UndecodableReplyIsInvalidArgument) {
-  EXPECT_EQ(DecodeErrorReply(AsBytes(std::string_view("\x92\x01", 2))).code(),
-            StatusCode::kInvalidArgument);
+  EXPECT_EQ(DecodeErrorReply(AsBytes(std::string_view("\x92\x01", 2))).code(), StatusCode::kInvalidArgument);
   ExpectEveryTruncationFails(AsBytes(EncodeRouteReply({})), DecodeRouteReply);
 }
 
@@ -616,10 +640,17 @@ namespace kvrouter {
 namespace {
 
 TEST(ActiveSequenceCodec, RoundTripsEveryKind) {
-  for (auto kind : {ActiveSequenceEvent::Kind::kAdd, ActiveSequenceEvent::Kind::kPrefillDone,
-                    ActiveSequenceEvent::Kind::kFree}) {
-    ActiveSequenceEvent e{.router_id = 9, .request_id = "r", .worker_id = 3, .dp_rank = 1, .kind = kind,
-                          .seq_hashes = {1, ~0ull}, .isl = 100, .overlap_blocks = 2, .epoch = 7};
+  for (auto kind :
+       {ActiveSequenceEvent::Kind::kAdd, ActiveSequenceEvent::Kind::kPrefillDone, ActiveSequenceEvent::Kind::kFree}) {
+    ActiveSequenceEvent e{.router_id = 9,
+                          .request_id = "r",
+                          .worker_id = 3,
+                          .dp_rank = 1,
+                          .kind = kind,
+                          .seq_hashes = {1, ~0ull},
+                          .isl = 100,
+                          .overlap_blocks = 2,
+                          .epoch = 7};
     auto back = DecodeActiveSequenceEvent(AsBytes(EncodeActiveSequenceEvent(e)));
     ASSERT_TRUE(back.ok()) << back.status().ToString();
     EXPECT_EQ(*back, e);
@@ -630,10 +661,14 @@ TEST(ActiveSequenceCodec, UnknownKindAndMissingFieldsAreInvalidArgument) {
   msgpack::sbuffer buf;
   msgpack::packer<msgpack::sbuffer> pk(buf);
   pk.pack_map(4);
-  PackKey(pk, "router_id"); pk.pack(1);
-  PackKey(pk, "request_id"); pk.pack("r");
-  PackKey(pk, "worker_id"); pk.pack(2);
-  PackKey(pk, "kind"); pk.pack("teleport");
+  PackKey(pk, "router_id");
+  pk.pack(1);
+  PackKey(pk, "request_id");
+  pk.pack("r");
+  PackKey(pk, "worker_id");
+  pk.pack(2);
+  PackKey(pk, "kind");
+  pk.pack("teleport");
   auto r = DecodeActiveSequenceEvent(AsBytes(buf));
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
@@ -653,8 +688,10 @@ TEST(RouterHeartbeatCodec, RoundTripsAndNeedsARouterId) {
     msgpack::sbuffer old;
     msgpack::packer<msgpack::sbuffer> pk(old);
     pk.pack_map(2);
-    PackKey(pk, "router_id"); pk.pack(5);
-    PackKey(pk, "interval_ms"); pk.pack(1000);
+    PackKey(pk, "router_id");
+    pk.pack(5);
+    PackKey(pk, "interval_ms");
+    pk.pack(1000);
     auto r = DecodeRouterHeartbeat(AsBytes(old));
     ASSERT_TRUE(r.ok()) << r.status().ToString();
     EXPECT_EQ(*r, (RouterHeartbeat{.router_id = 5, .interval_ms = 1000, .epoch = 0}));
@@ -662,7 +699,8 @@ TEST(RouterHeartbeatCodec, RoundTripsAndNeedsARouterId) {
   msgpack::sbuffer buf;
   msgpack::packer<msgpack::sbuffer> pk(buf);
   pk.pack_map(1);
-  PackKey(pk, "interval_ms"); pk.pack(1000);
+  PackKey(pk, "interval_ms");
+  pk.pack(1000);
   auto r = DecodeRouterHeartbeat(AsBytes(buf));
   ASSERT_FALSE(r.ok());
   EXPECT_NE(r.status().message().find("router_id"), std::string::npos);
@@ -671,9 +709,10 @@ TEST(RouterHeartbeatCodec, RoundTripsAndNeedsARouterId) {
 // ---- kv_metrics ----
 
 TEST(KvMetricsCodec, RoundTripsAtEveryIntegerWidth) {
-  for (const KvMetrics& m : {KvMetrics{.worker_id = 7},
-                             KvMetrics{.worker_id = ~0ull, .dp_rank = 3, .active_decode_blocks = 70000,
-                                       .active_prefill_tokens = 1ull << 40}}) {
+  for (const KvMetrics& m :
+       {KvMetrics{.worker_id = 7},
+        KvMetrics{
+            .worker_id = ~0ull, .dp_rank = 3, .active_decode_blocks = 70000, .active_prefill_tokens = 1ull << 40}}) {
     auto back = DecodeKvMetrics(AsBytes(EncodeKvMetrics(m)));
     ASSERT_TRUE(back.ok()) << back.status().ToString();
     EXPECT_EQ(*back, m);
@@ -727,9 +766,13 @@ namespace {
 StatsReply SampleStats(std::size_t ranks) {
   StatsReply r;
   for (std::size_t i = 0; i < ranks; ++i) {
-    r.workers.push_back({.worker_id = 1000 + i, .dp_rank = static_cast<std::uint32_t>(i % 3), .blocks = i,
-                         .active_blocks = 2 * i, .active_prefill_tokens = 3 * i,
-                         .active_requests = static_cast<std::uint32_t>(i), .device = "gpu",
+    r.workers.push_back({.worker_id = 1000 + i,
+                         .dp_rank = static_cast<std::uint32_t>(i % 3),
+                         .blocks = i,
+                         .active_blocks = 2 * i,
+                         .active_prefill_tokens = 3 * i,
+                         .active_requests = static_cast<std::uint32_t>(i),
+                         .device = "gpu",
                          .routed_requests = 5 * i});
   }
   r.workers_total = ranks;

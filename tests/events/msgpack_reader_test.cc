@@ -22,9 +22,7 @@ msgpack::object_handle Parse(const TestPacker& p) {
 }
 
 // `levels` arrays nested in one another around a single integer.
-std::string NestedArrays(int levels) {
-  return std::string(static_cast<std::size_t>(levels), '\x91') + '\x01';
-}
+std::string NestedArrays(int levels) { return std::string(static_cast<std::size_t>(levels), '\x91') + '\x01'; }
 
 TEST(MsgpackReader, ParsesOneValueSpanningTheInput) {
   TestPacker p;
@@ -78,8 +76,8 @@ TEST(MsgpackReader, HugeDeclaredArrayIsRefusedWithoutAllocating) {
 }
 
 TEST(MsgpackReader, HugeDeclaredMapStrBinAndExtAreRefused) {
-  for (std::string_view header : {"\xdf\xff\xff\xff\xff", "\xdb\xff\xff\xff\xff",
-                                  "\xc6\xff\xff\xff\xff", "\xc9\xff\xff\xff\xff\x01"}) {
+  for (std::string_view header :
+       {"\xdf\xff\xff\xff\xff", "\xdb\xff\xff\xff\xff", "\xc6\xff\xff\xff\xff", "\xc9\xff\xff\xff\xff\x01"}) {
     std::string body = std::string(header) + "\x01\x02";
     auto doc = ParseMsgpack(AsBytes(body));
     ASSERT_FALSE(doc.ok());

@@ -30,8 +30,7 @@ Result<VllmDecoded> Decode(const msgpack::sbuffer& body, const VllmBatchContext&
 
 VllmStoredEvent Stored(std::vector<std::uint64_t> hashes, std::vector<std::uint32_t> tokens,
                        std::uint32_t block_size = 4) {
-  return {.block_hashes = std::move(hashes), .token_ids = std::move(tokens),
-          .block_size = block_size};
+  return {.block_hashes = std::move(hashes), .token_ids = std::move(tokens), .block_size = block_size};
 }
 
 // Packs [ts, [<one event written by pack_event>], nil].
@@ -58,8 +57,7 @@ TEST(VllmCodec, StoredEventHashesTokensAtTheRouterBlockSize) {
   ASSERT_TRUE(r.ok()) << r.status().ToString();
   EXPECT_EQ(r->block_size_mismatches, 0u);
   KvEventBatch want{.worker_id = 3, .dp_rank = 1, .sequence = {SequenceKind::kVllmSeq, 12}};
-  want.ops.push_back({StorageTier::kDevice, KvStored{std::nullopt, {{100, kHash1234},
-                                                                    {200, kHash5678}}}});
+  want.ops.push_back({StorageTier::kDevice, KvStored{std::nullopt, {{100, kHash1234}, {200, kHash5678}}}});
   EXPECT_EQ(r->batch, want);
 }
 
@@ -74,13 +72,12 @@ TEST(VllmCodec, LoraNameSeedsTheTokensHash) {
 TEST(VllmCodec, AllEventKindsRoundTripInOrder) {
   VllmStoredEvent stored = Stored({7}, {1, 2, 3, 4});
   stored.parent_block_hash = 6;
-  auto r = Decode(EncodeVllmBatch(
-      2.0, {stored, VllmRemovedEvent{{7, 0xffffffffffffffffull}, "CPU"}, VllmClearedEvent{}}, 0));
+  auto r = Decode(
+      EncodeVllmBatch(2.0, {stored, VllmRemovedEvent{{7, 0xffffffffffffffffull}, "CPU"}, VllmClearedEvent{}}, 0));
   ASSERT_TRUE(r.ok()) << r.status().ToString();
   ASSERT_EQ(r->batch.ops.size(), 3u);
   EXPECT_EQ(r->batch.ops[0], (KvOp{StorageTier::kDevice, KvStored{6, {{7, kHash1234}}}}));
-  EXPECT_EQ(r->batch.ops[1],
-            (KvOp{StorageTier::kHostPinned, KvRemoved{{7, 0xffffffffffffffffull}}}));
+  EXPECT_EQ(r->batch.ops[1], (KvOp{StorageTier::kHostPinned, KvRemoved{{7, 0xffffffffffffffffull}}}));
   EXPECT_EQ(r->batch.ops[2], (KvOp{StorageTier::kDevice, KvCleared{}}));
 }
 
@@ -194,15 +191,15 @@ TEST(VllmCodec, TrailingUnknownFieldsAreIgnored) {
     p.pk.pack(8);
     p.pk.pack(std::vector<std::uint32_t>{1, 2, 3, 4});
     p.pk.pack(4);
-    p.pk.pack(3);            // lora_id
-    p.pk.pack_nil();         // medium
-    p.pk.pack_nil();         // lora_name
-    p.pk.pack_array(0);      // extra_keys
-    p.pk.pack(0);            // group_idx
-    p.pk.pack("full");       // kv_cache_spec_kind
-    p.pk.pack_nil();         // kv_cache_spec_sliding_window
-    p.pk.pack_map(0);        // unknown
-    p.pk.pack(1.5);          // unknown
+    p.pk.pack(3);        // lora_id
+    p.pk.pack_nil();     // medium
+    p.pk.pack_nil();     // lora_name
+    p.pk.pack_array(0);  // extra_keys
+    p.pk.pack(0);        // group_idx
+    p.pk.pack("full");   // kv_cache_spec_kind
+    p.pk.pack_nil();     // kv_cache_spec_sliding_window
+    p.pk.pack_map(0);    // unknown
+    p.pk.pack(1.5);      // unknown
   });
   auto r = Decode(AsBytes(body));
   ASSERT_TRUE(r.ok()) << r.status().ToString();
@@ -241,8 +238,7 @@ TEST(VllmCodec, NegativeHashIsReinterpreted) {
 
 TEST(VllmCodec, BlockSizeMismatchStopsAtFirstBadBlock) {
   // Every block is bad at another block size: the op stays, with no blocks.
-  auto r = Decode(EncodeVllmBatch(
-      1.0, {Stored({1, 2}, {1, 2, 3, 4, 5, 6, 7, 8}, 8), Stored({3}, {1, 2, 3, 4})}, 0));
+  auto r = Decode(EncodeVllmBatch(1.0, {Stored({1, 2}, {1, 2, 3, 4, 5, 6, 7, 8}, 8), Stored({3}, {1, 2, 3, 4})}, 0));
   ASSERT_TRUE(r.ok()) << r.status().ToString();
   EXPECT_EQ(r->block_size_mismatches, 1u);
   ASSERT_EQ(r->batch.ops.size(), 2u);
@@ -259,9 +255,8 @@ TEST(VllmCodec, TooFewTokensStopsAtFirstBadBlock) {
 }
 
 TEST(VllmCodec, MismatchesAreCountedOncePerEvent) {
-  auto r = Decode(EncodeVllmBatch(
-      1.0, {Stored({1, 2, 3}, {1, 2, 3, 4}), Stored({4, 5}, {}), Stored({6}, {1, 2, 3, 4}, 2)},
-      0));
+  auto r = Decode(
+      EncodeVllmBatch(1.0, {Stored({1, 2, 3}, {1, 2, 3, 4}), Stored({4, 5}, {}), Stored({6}, {1, 2, 3, 4}, 2)}, 0));
   ASSERT_TRUE(r.ok()) << r.status().ToString();
   EXPECT_EQ(r->block_size_mismatches, 3u);
   EXPECT_EQ(std::get<KvStored>(r->batch.ops[0].data).blocks.size(), 1u);
@@ -276,11 +271,9 @@ TEST(VllmCodec, ExtraTokensAfterTheLastBlockAreIgnored) {
 
 TEST(VllmCodec, MediumMapsToTier) {
   const std::pair<std::optional<std::string>, StorageTier> cases[] = {
-      {std::nullopt, StorageTier::kDevice}, {"GPU", StorageTier::kDevice},
-      {"CPU", StorageTier::kHostPinned},    {"cpu", StorageTier::kHostPinned},
-      {"DISK", StorageTier::kDisk},         {"disk", StorageTier::kDisk},
-      {"NVME", StorageTier::kExternal},     {"gpu", StorageTier::kExternal},
-      {"", StorageTier::kExternal},
+      {std::nullopt, StorageTier::kDevice}, {"GPU", StorageTier::kDevice},   {"CPU", StorageTier::kHostPinned},
+      {"cpu", StorageTier::kHostPinned},    {"DISK", StorageTier::kDisk},    {"disk", StorageTier::kDisk},
+      {"NVME", StorageTier::kExternal},     {"gpu", StorageTier::kExternal}, {"", StorageTier::kExternal},
   };
   for (const auto& [medium, tier] : cases) {
     auto r = Decode(EncodeVllmBatch(1.0, {VllmRemovedEvent{{1}, medium}}, 0));
@@ -311,8 +304,7 @@ TEST(VllmCodec, UnknownEventKindIsAnError) {
 TEST(VllmCodec, MalformedEventsAreErrors) {
   ExpectInvalid(AsBytes(BatchWith([](TestPacker& p) { p.pk.pack(5); })), "array or a map");
   ExpectInvalid(AsBytes(BatchWith([](TestPacker& p) { p.pk.pack_array(0); })), "no tag");
-  ExpectInvalid(AsBytes(BatchWith([](TestPacker& p) { p.pk.pack_map(0); })),
-                "missing field 'type'");
+  ExpectInvalid(AsBytes(BatchWith([](TestPacker& p) { p.pk.pack_map(0); })), "missing field 'type'");
   ExpectInvalid(AsBytes(BatchWith([](TestPacker& p) {
                   p.pk.pack_array(1);
                   p.pk.pack(1);

@@ -26,9 +26,13 @@ bool HasKey(std::span<const std::byte> body, std::string_view key) {
 
 TEST(GenerateCodecTest, OnlyTheFinalResponseCarriesFinishReason) {
   const GenerateResponse first{.request_id = "r", .token_ids = {5}, .index = 0};
-  const GenerateResponse last{.request_id = "r", .token_ids = {6, 7}, .index = 1,
-                              .finish_reason = "length", .cached_tokens = 64,
-                              .prompt_tokens = 100, .ttft_ms = 12.5};
+  const GenerateResponse last{.request_id = "r",
+                              .token_ids = {6, 7},
+                              .index = 1,
+                              .finish_reason = "length",
+                              .cached_tokens = 64,
+                              .prompt_tokens = 100,
+                              .ttft_ms = 12.5};
   const auto a = first.Encode(), b = last.Encode();
   EXPECT_FALSE(HasKey(AsBytes(a), "finish_reason"));
   EXPECT_TRUE(HasKey(AsBytes(b), "finish_reason"));
@@ -87,7 +91,6 @@ TEST(RecoveryCodecTest, ReplyRoundTripsThroughTheDynamoEventGrammar) {
   EXPECT_EQ(tn->message, "m");
   EXPECT_TRUE(tn->events.empty());
 }
-
 
 // ---- Recovery query ----
 
@@ -231,15 +234,14 @@ TEST(RecoveryCodecTest, EveryTruncatedReplyFails) {
       .kind = "tree_dump",
       .events = {StoredPromptBatch(3, 2, std::vector<std::uint32_t>{1, 2, 3, 4}, 4), Removed(3, 2, {9})},
       .last_event_id = 2};
-  ExpectEveryTruncationFails(AsBytes(EncodeRecoveryReply(reply)),
-                             [](auto b) { return DecodeRecoveryReply(b, 3); });
+  ExpectEveryTruncationFails(AsBytes(EncodeRecoveryReply(reply)), [](auto b) { return DecodeRecoveryReply(b, 3); });
 }
 
 // ---- Generate ----
 
 TEST(GenerateCodecTest, ErrorResponseCarriesItsMessage) {
-  const GenerateResponse error{.request_id = "r", .finish_reason = "error", .prompt_tokens = 9,
-                               .message = "prompt too long"};
+  const GenerateResponse error{
+      .request_id = "r", .finish_reason = "error", .prompt_tokens = 9, .message = "prompt too long"};
   const auto body = error.Encode();
   EXPECT_TRUE(HasKey(AsBytes(body), "message"));
   auto back = GenerateResponse::Decode(AsBytes(body));
@@ -275,8 +277,8 @@ TEST(GenerateCodecTest, BadRequestsAreInvalidArgumentNamingTheField) {
 
   const GenerateRequest req{.request_id = "abc", .token_ids = {1, 70000}, .max_tokens = 3};
   ExpectEveryTruncationFails(AsBytes(req.Encode()), [](auto b) { return GenerateRequest::Decode(b); });
-  const GenerateResponse fin{.request_id = "abc", .token_ids = {2}, .index = 1, .finish_reason = "stop",
-                             .ttft_ms = 3.5};
+  const GenerateResponse fin{
+      .request_id = "abc", .token_ids = {2}, .index = 1, .finish_reason = "stop", .ttft_ms = 3.5};
   ExpectEveryTruncationFails(AsBytes(fin.Encode()), [](auto b) { return GenerateResponse::Decode(b); });
 }
 

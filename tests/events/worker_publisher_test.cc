@@ -102,9 +102,8 @@ TEST_F(KvEventPublisherRecovery, RangesInsideTheBufferAreTheEventsAsPublished) {
 }
 
 TEST_F(KvEventPublisherRecovery, StartOlderThanTheBufferOrNilGetsATreeDump) {
-  for (const std::optional<std::uint64_t>& start : {std::optional<std::uint64_t>(5),
-                                                    std::optional<std::uint64_t>(0),
-                                                    std::optional<std::uint64_t>()}) {
+  for (const std::optional<std::uint64_t>& start :
+       {std::optional<std::uint64_t>(5), std::optional<std::uint64_t>(0), std::optional<std::uint64_t>()}) {
     auto r = p_.Recover(start, std::nullopt);
     EXPECT_EQ(r.kind, "tree_dump");
     EXPECT_EQ(r.last_event_id, 9u);
@@ -189,7 +188,7 @@ TEST(KvEventPublisherIndex, RemovingAnInteriorBlockDropsItsDescendantsAndKeepsTh
   p.Publish(Chain(std::nullopt, 1, 4));  // 1 2 3 4
   p.Publish(Chain(2, 10, 2));            // 1 2 {3 4, 10 11}
   p.Publish(Chain(std::nullopt, 20, 1));
-  p.Publish(KvRemoved{{3, 12345}});      // an unknown hash does not stop the rest
+  p.Publish(KvRemoved{{3, 12345}});  // an unknown hash does not stop the rest
   EXPECT_EQ(HeldHashes(p), (std::vector<BlockHash>{1, 2, 10, 11, 20}));
   ExpectDumpRebuilds(p);
   p.Publish(KvRemoved{{1}});

@@ -96,37 +96,42 @@ msgpack::sbuffer RouteRequestWithAgentHints() {
 
 bool WriteAll(SeedWriter& w) {
   bool ok = true;
-  const KvEventBatch stored =
-      DynamoBatch(StorageTier::kDevice, KvStored{3, {{10, 20}, {11, 21}}});
+  const KvEventBatch stored = DynamoBatch(StorageTier::kDevice, KvStored{3, {{10, 20}, {11, 21}}});
   ok &= w.Write("fuzz_dynamo_event", EncodeDynamoEnvelope(stored, {.publisher_id = 5}));
   ok &= w.Write("fuzz_dynamo_event", EncodeRouterEvent(stored));
-  ok &= w.Write("fuzz_dynamo_event",
-                EncodeRouterEvent(DynamoBatch(StorageTier::kDisk, KvRemoved{{10, 11}})));
-  ok &= w.Write("fuzz_dynamo_event",
-                EncodeRouterEvent(DynamoBatch(StorageTier::kDevice, KvCleared{})));
+  ok &= w.Write("fuzz_dynamo_event", EncodeRouterEvent(DynamoBatch(StorageTier::kDisk, KvRemoved{{10, 11}})));
+  ok &= w.Write("fuzz_dynamo_event", EncodeRouterEvent(DynamoBatch(StorageTier::kDevice, KvCleared{})));
 
-  VllmStoredEvent vllm_stored{.block_hashes = {1, 2}, .parent_block_hash = 9,
-                              .token_ids = {1, 2, 3, 4, 5, 6, 7, 8}, .block_size = 4,
-                              .lora_name = "my-adapter", .medium = std::nullopt};
+  VllmStoredEvent vllm_stored{.block_hashes = {1, 2},
+                              .parent_block_hash = 9,
+                              .token_ids = {1, 2, 3, 4, 5, 6, 7, 8},
+                              .block_size = 4,
+                              .lora_name = "my-adapter",
+                              .medium = std::nullopt};
   ok &= w.Write("fuzz_vllm_batch",
-                EncodeVllmBatch(1.5,
-                                {vllm_stored, VllmRemovedEvent{{1}, "GPU"}, VllmClearedEvent{}},
-                                0));
+                EncodeVllmBatch(1.5, {vllm_stored, VllmRemovedEvent{{1}, "GPU"}, VllmClearedEvent{}}, 0));
   ok &= w.Write("fuzz_vllm_batch", EncodeVllmBatch(2.0, {VllmClearedEvent{}}, std::nullopt));
   ok &= w.Write("fuzz_vllm_batch", VllmMapFormBatch());
 
-  ok &= w.Write("fuzz_registration",
-                EncodeWorkerRegistration({.worker_id = 1, .dp_start = 0, .dp_size = 2,
-                                          .block_size = 64, .total_kv_blocks = 1000,
-                                          .max_num_seqs = 256, .max_num_batched_tokens = 8192,
-                                          .device = "gpu", .lease_ms = 3000, .leaving = false}));
-  ok &= w.Write("fuzz_registration", EncodeWorkerRegistration({.worker_id = 2, .dp_start = 0,
+  ok &= w.Write("fuzz_registration", EncodeWorkerRegistration({.worker_id = 1,
+                                                               .dp_start = 0,
+                                                               .dp_size = 2,
+                                                               .block_size = 64,
+                                                               .total_kv_blocks = 1000,
+                                                               .max_num_seqs = 256,
+                                                               .max_num_batched_tokens = 8192,
+                                                               .device = "gpu",
+                                                               .lease_ms = 3000,
+                                                               .leaving = false}));
+  ok &= w.Write("fuzz_registration", EncodeWorkerRegistration({.worker_id = 2,
+                                                               .dp_start = 0,
                                                                .dp_size = 1,
                                                                .block_size = std::nullopt,
                                                                .total_kv_blocks = 0,
                                                                .max_num_seqs = 1,
                                                                .max_num_batched_tokens = 1,
-                                                               .device = "cpu", .lease_ms = 1,
+                                                               .device = "cpu",
+                                                               .lease_ms = 1,
                                                                .leaving = true}));
 
   RouteRequest tokens;
@@ -149,9 +154,12 @@ bool WriteAll(SeedWriter& w) {
   hashes.update_states = false;
   ok &= w.Write("fuzz_route_request", EncodeRouteRequest(hashes));
   ok &= w.Write("fuzz_route_request", RouteRequestWithAgentHints());
-  ok &= w.Write("fuzz_route_request",
-                EncodeRouteReply({.worker_id = 5, .dp_rank = 0, .overlap_blocks = 2,
-                                  .request_blocks = 3, .cached_tokens = 128, .queued_ms = 0.5}));
+  ok &= w.Write("fuzz_route_request", EncodeRouteReply({.worker_id = 5,
+                                                        .dp_rank = 0,
+                                                        .overlap_blocks = 2,
+                                                        .request_blocks = 3,
+                                                        .cached_tokens = 128,
+                                                        .queued_ms = 0.5}));
   ok &= w.Write("fuzz_route_request", EncodeErrorReply(Status(StatusCode::kTimeout, "late")));
   ok &= w.Write("fuzz_route_request", EncodeLifecycleRequest("r1"));
 
@@ -161,23 +169,25 @@ bool WriteAll(SeedWriter& w) {
   const KvEventBatch child = DynamoBatch(StorageTier::kDevice, KvStored{11, {{12, 22}}});
   ok &= w.Write("fuzz_worker_codec",
                 EncodeRecoveryReply({.kind = "tree_dump", .events = {chain, child}, .last_event_id = 9}));
-  ok &= w.Write("fuzz_worker_codec",
-                EncodeRecoveryReply({.kind = "events",
-                                     .events = {DynamoBatch(StorageTier::kDevice, KvRemoved{{10}}),
-                                                DynamoBatch(StorageTier::kDevice, KvCleared{})},
-                                     .last_event_id = 9}));
-  ok &= w.Write("fuzz_worker_codec",
-                EncodeRecoveryReply({.kind = "too_new", .last_event_id = 2, .message = "later"}));
+  ok &= w.Write("fuzz_worker_codec", EncodeRecoveryReply({.kind = "events",
+                                                          .events = {DynamoBatch(StorageTier::kDevice, KvRemoved{{10}}),
+                                                                     DynamoBatch(StorageTier::kDevice, KvCleared{})},
+                                                          .last_event_id = 9}));
+  ok &= w.Write("fuzz_worker_codec", EncodeRecoveryReply({.kind = "too_new", .last_event_id = 2, .message = "later"}));
   const GenerateRequest generate{.request_id = "g1", .token_ids = {1, 2, 3}, .max_tokens = 4, .dp_rank = 1};
   ok &= w.Write("fuzz_worker_codec", generate.Encode());
   ok &= w.Write("fuzz_worker_codec", GenerateResponse{.request_id = "g1", .token_ids = {5}}.Encode());
-  const GenerateResponse final_response{.request_id = "g1", .token_ids = {6, 7}, .index = 1,
-                                        .finish_reason = "length", .cached_tokens = 64,
-                                        .prompt_tokens = 70, .ttft_ms = 3.5};
+  const GenerateResponse final_response{.request_id = "g1",
+                                        .token_ids = {6, 7},
+                                        .index = 1,
+                                        .finish_reason = "length",
+                                        .cached_tokens = 64,
+                                        .prompt_tokens = 70,
+                                        .ttft_ms = 3.5};
   ok &= w.Write("fuzz_worker_codec", final_response.Encode());
-  ok &= w.Write("fuzz_worker_codec",
-                EncodeKvMetrics({.worker_id = 5, .dp_rank = 1, .active_decode_blocks = 300,
-                                 .active_prefill_tokens = 4096}));
+  ok &= w.Write(
+      "fuzz_worker_codec",
+      EncodeKvMetrics({.worker_id = 5, .dp_rank = 1, .active_decode_blocks = 300, .active_prefill_tokens = 4096}));
   return ok;
 }
 

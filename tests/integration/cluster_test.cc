@@ -39,8 +39,9 @@ class ClusterTest : public ::testing::Test {
         if (j == i) continue;
         routes += std::string(routes.empty() ? "" : ",") + fmt::format("nats://127.0.0.1:{}", cluster_ports[j]);
       }
-      auto node = NatsServerProcess::Start(0, {"--cluster_name", "kvrouter-test", "--cluster",
-                                               fmt::format("nats://127.0.0.1:{}", cluster_ports[i]), "--routes", routes});
+      auto node =
+          NatsServerProcess::Start(0, {"--cluster_name", "kvrouter-test", "--cluster",
+                                       fmt::format("nats://127.0.0.1:{}", cluster_ports[i]), "--routes", routes});
       ASSERT_TRUE(node.ok()) << node.status().ToString();
       nodes_.push_back(std::move(node).value());
     }
@@ -60,7 +61,9 @@ class ClusterTest : public ::testing::Test {
     if (mocker_) mocker_->Stop();
   }
 
-  std::string Log(const std::string& what) const { return ::testing::TempDir() + "cluster-" + what + "-" + tag_ + ".log"; }
+  std::string Log(const std::string& what) const {
+    return ::testing::TempDir() + "cluster-" + what + "-" + tag_ + ".log";
+  }
 
   // A message published on each node reaches a subscriber on every other node.
   bool ClusterFormed() {
@@ -141,8 +144,8 @@ TEST_F(ClusterTest, ARouterAndANatsNodeKilledMidReplayLoseNoRequestAndLeakNoBook
   }
   // The workers live on node 3; kvbench and replica 1 on node 1, which will die.
   auto mocker = StartOnNats(KVMOCKER_BIN, nodes_[2]->url(),
-                            {"--num-workers", std::to_string(kWorkers), "--num-gpu-blocks", "4096", "--speedup-ratio", "20",
-                             "--worker-id-base", "100"},
+                            {"--num-workers", std::to_string(kWorkers), "--num-gpu-blocks", "4096", "--speedup-ratio",
+                             "20", "--worker-id-base", "100"},
                             Log("kvmocker"));
   ASSERT_TRUE(mocker.ok()) << mocker.status().ToString();
   mocker_ = std::move(mocker->process);
@@ -151,9 +154,23 @@ TEST_F(ClusterTest, ARouterAndANatsNodeKilledMidReplayLoseNoRequestAndLeakNoBook
   }
 
   const std::string json = Log("kvbench") + ".json";
-  std::vector<std::string> bench = {KVBENCH_BIN, "--nats-server", nodes_[0]->url(), "--max-requests",
-                                    std::to_string(kRequests), "--concurrency", "32", "--request-timeout", "10",
-                                    "--retries", "5", "--timeout", "120", "--label", "cluster", "--json", json};
+  std::vector<std::string> bench = {KVBENCH_BIN,
+                                    "--nats-server",
+                                    nodes_[0]->url(),
+                                    "--max-requests",
+                                    std::to_string(kRequests),
+                                    "--concurrency",
+                                    "32",
+                                    "--request-timeout",
+                                    "10",
+                                    "--retries",
+                                    "5",
+                                    "--timeout",
+                                    "120",
+                                    "--label",
+                                    "cluster",
+                                    "--json",
+                                    json};
   if (std::filesystem::exists(KVROUTER_TRACE)) {
     bench.insert(bench.end(), {"--trace", KVROUTER_TRACE, "--speedup", "8"});
   } else {  // a checkout without the shared trace: the synthetic conversations
@@ -189,11 +206,14 @@ TEST_F(ClusterTest, ARouterAndANatsNodeKilledMidReplayLoseNoRequestAndLeakNoBook
   EXPECT_EQ(s2->counters.at("replica_peers_dead"), 1u);  // replica 3, and only it
   // Both survivors know every worker's cache, and know it alike (replica 1 missed the events
   // sent while its node was gone and recovered them with dumps).
-  EXPECT_TRUE(WaitFor([&] {
-    auto a = Blocks(1), b = Blocks(2);
-    return a.size() == kWorkers && a == b &&
-           std::all_of(a.begin(), a.end(), [](const auto& w) { return w.second > 0; });
-  }, 20s)) << "replica 1 and 2 disagree on the caches";
+  EXPECT_TRUE(WaitFor(
+      [&] {
+        auto a = Blocks(1), b = Blocks(2);
+        return a.size() == kWorkers && a == b &&
+               std::all_of(a.begin(), a.end(), [](const auto& w) { return w.second > 0; });
+      },
+      20s))
+      << "replica 1 and 2 disagree on the caches";
 }
 
 }  // namespace

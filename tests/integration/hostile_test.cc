@@ -90,7 +90,10 @@ class HostileTest : public KvRouterProcessTest {
     ASSERT_TRUE(stats.has_value()) << "no stats reply";
     EXPECT_LT(stats_time, kAnswerWithin);
     // The honest worker still holds its prompt.
-    RouteRequest q{.token_ids = Tokens(1, 12), .has_token_ids = true, .isl = 12, .update_states = false,
+    RouteRequest q{.token_ids = Tokens(1, 12),
+                   .has_token_ids = true,
+                   .isl = 12,
+                   .update_states = false,
                    .allowed_worker_ids = std::vector<std::uint64_t>{kHonest}};
     auto honest = RequestRoute("route", EncodeRouteRequest(q));
     ASSERT_TRUE(honest.ok()) << honest.status().ToString();
@@ -239,7 +242,10 @@ TEST_F(HostileTest, RouteOf250000TokensIsAnswered) {
 }
 
 TEST_F(HostileTest, PinToTheLastRankWithTenThousandAllowedIdsIsNotFound) {
-  RouteRequest q{.token_ids = Tokens(1, 12), .has_token_ids = true, .isl = 12, .worker_id = kHonest,
+  RouteRequest q{.token_ids = Tokens(1, 12),
+                 .has_token_ids = true,
+                 .isl = 12,
+                 .worker_id = kHonest,
                  .dp_rank = std::numeric_limits<std::uint32_t>::max()};
   q.allowed_worker_ids.emplace();
   for (std::uint64_t i = 0; i < 10000; ++i) q.allowed_worker_ids->push_back(1000000 + i);
@@ -272,11 +278,15 @@ TEST_F(HostileTest, HugeTemperatureAndNegativeScale) {
 
 TEST_F(HostileTest, HundredThousandRegistrations) {
   constexpr std::size_t kN = 100000 / kScale;
-  PublishMany(kComp + "instances", kN, 10000,
-              [](std::size_t i) {
-                return EncodeWorkerRegistration({.worker_id = 1000000 + i, .block_size = kBs, .lease_ms = 600000});
-              },
-              [&](std::size_t sent) { auto s = Stats(); return s && s->workers_total == 1 + sent; });
+  PublishMany(
+      kComp + "instances", kN, 10000,
+      [](std::size_t i) {
+        return EncodeWorkerRegistration({.worker_id = 1000000 + i, .block_size = kBs, .lease_ms = 600000});
+      },
+      [&](std::size_t sent) {
+        auto s = Stats();
+        return s && s->workers_total == 1 + sent;
+      });
   auto page = Stats({.offset = kN / 2, .limit = StatsRequest::kMaxLimit});
   ASSERT_TRUE(page.has_value());
   EXPECT_EQ(page->workers_total, 1 + kN);
@@ -289,11 +299,13 @@ TEST_F(HostileTest, HundredThousandRegistrations) {
 
 TEST_F(HostileTest, FiftyThousandUnregisteredEventWorkers) {
   constexpr std::size_t kN = 50000 / kScale;
-  PublishMany(kComp + "kv-events", kN, 10000,
-              [](std::size_t i) {
-                return EncodeDynamoEnvelope(StoredPromptBatch(2000000 + i, 1, Tokens(9000, 4), kBs), {});
-              },
-              [&](std::size_t sent) { auto s = Stats(); return s && s->workers_total == 1 + sent; });
+  PublishMany(
+      kComp + "kv-events", kN, 10000,
+      [](std::size_t i) { return EncodeDynamoEnvelope(StoredPromptBatch(2000000 + i, 1, Tokens(9000, 4), kBs), {}); },
+      [&](std::size_t sent) {
+        auto s = Stats();
+        return s && s->workers_total == 1 + sent;
+      });
   ExpectHealthy();
 }
 
@@ -320,16 +332,17 @@ class HostileReplicaTest : public HostileTest {
 
 TEST_F(HostileReplicaTest, TwentyThousandReplicaAddsForUnknownWorkers) {
   constexpr std::size_t kN = 20000 / kScale;
-  PublishMany(kComp + "active_sequences_events", kN, 5000,
-              [](std::size_t i) {
-                return EncodeActiveSequenceEvent({.router_id = 1234,
-                                                  .request_id = "phantom-" + std::to_string(i),
-                                                  .worker_id = 5000000 + i,
-                                                  .kind = ActiveSequenceEvent::Kind::kAdd,
-                                                  .seq_hashes = std::vector<std::uint64_t>(64, i),
-                                                  .isl = 256});
-              },
-              [&](std::size_t sent) { return Breakdown("replica_sync_refused", "unknown_worker") == sent; });
+  PublishMany(
+      kComp + "active_sequences_events", kN, 5000,
+      [](std::size_t i) {
+        return EncodeActiveSequenceEvent({.router_id = 1234,
+                                          .request_id = "phantom-" + std::to_string(i),
+                                          .worker_id = 5000000 + i,
+                                          .kind = ActiveSequenceEvent::Kind::kAdd,
+                                          .seq_hashes = std::vector<std::uint64_t>(64, i),
+                                          .isl = 256});
+      },
+      [&](std::size_t sent) { return Breakdown("replica_sync_refused", "unknown_worker") == sent; });
   auto s = Stats();
   ASSERT_TRUE(s.has_value());
   EXPECT_EQ(s->counters.at("active_requests"), 0u);

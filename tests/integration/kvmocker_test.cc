@@ -91,20 +91,36 @@ class KvMockerProcessTest : public NatsServerTest {
   // 100 ms, /metrics on a free port) and waits for the first registration of each worker.
   void StartMocker(std::vector<std::string> extra = {}) {
     log_ = LogPath("kvmocker");
-    std::vector<std::string> args = {"--worker-id-base", std::to_string(kBase),
-                                     "--num-workers", "2", "--dp-size", "2",
-                                     "--block-size", std::to_string(kBs),
-                                     "--num-gpu-blocks", "64", "--max-num-seqs", "8",
-                                     "--max-num-batched-tokens", "512", "--speedup-ratio", "100",
-                                     "--heartbeat-ms", "100", "--lease-ms", "1000",
-                                     "--device", "cpu"};
+    std::vector<std::string> args = {"--worker-id-base",
+                                     std::to_string(kBase),
+                                     "--num-workers",
+                                     "2",
+                                     "--dp-size",
+                                     "2",
+                                     "--block-size",
+                                     std::to_string(kBs),
+                                     "--num-gpu-blocks",
+                                     "64",
+                                     "--max-num-seqs",
+                                     "8",
+                                     "--max-num-batched-tokens",
+                                     "512",
+                                     "--speedup-ratio",
+                                     "100",
+                                     "--heartbeat-ms",
+                                     "100",
+                                     "--lease-ms",
+                                     "1000",
+                                     "--device",
+                                     "cpu"};
     args.insert(args.end(), extra.begin(), extra.end());
     auto p = StartOnNats(KVMOCKER_BIN, nats_->url(), std::move(args), log_, Metrics::kOnFreePort);
     ASSERT_TRUE(p.ok()) << p.status().ToString();
     mocker_ = std::move(p->process);
     metrics_port_ = p->metrics_port;
     ASSERT_TRUE(WaitFor([&] { return Registrations().size() >= 2; }, 10s))
-        << "kvmocker did not register; log: " << log_ << "\n" << Log();
+        << "kvmocker did not register; log: " << log_ << "\n"
+        << Log();
   }
 
   std::string Log() const { return ReadFile(log_); }
@@ -129,15 +145,17 @@ class KvMockerProcessTest : public NatsServerTest {
     if (!sub.ok()) return {};
     EXPECT_TRUE(nc_->PublishRequest(kComp + "generate." + std::to_string(worker), inbox_subject, body).ok());
     std::vector<GenerateResponse> out;
-    WaitFor([&] {
-      out.clear();
-      for (const Received& m : inbox.Snapshot()) {
-        auto r = GenerateResponse::Decode(m.data);
-        EXPECT_TRUE(r.ok()) << r.status().ToString();
-        if (r.ok()) out.push_back(*r);
-      }
-      return !out.empty() && out.back().is_final();
-    }, 5s);
+    WaitFor(
+        [&] {
+          out.clear();
+          for (const Received& m : inbox.Snapshot()) {
+            auto r = GenerateResponse::Decode(m.data);
+            EXPECT_TRUE(r.ok()) << r.status().ToString();
+            if (r.ok()) out.push_back(*r);
+          }
+          return !out.empty() && out.back().is_final();
+        },
+        5s);
     return out;
   }
   std::vector<GenerateResponse> Generate(std::uint64_t worker, const GenerateRequest& req) {
@@ -217,7 +235,8 @@ TEST_F(KvMockerProcessTest, GenerateStreamsFirstAndFinalResponsesAndTheRepeatHit
   EXPECT_EQ(again[1].cached_tokens, 8u);
 
   // The other rank (and the other worker) has its own cache.
-  auto other_rank = Generate(kBase, GenerateRequest{.request_id = "c", .token_ids = prompt, .max_tokens = 1, .dp_rank = 1});
+  auto other_rank =
+      Generate(kBase, GenerateRequest{.request_id = "c", .token_ids = prompt, .max_tokens = 1, .dp_rank = 1});
   ASSERT_EQ(other_rank.size(), 2u);
   EXPECT_EQ(other_rank[1].cached_tokens, 0u);
   auto other_worker = Generate(kBase + 1, GenerateRequest{.request_id = "d", .token_ids = prompt, .max_tokens = 1});
@@ -279,7 +298,9 @@ TEST_F(KvMockerProcessTest, BadRequestsGetOneErrorResponse) {
 TEST_F(KvMockerProcessTest, PublishesDynamoStoredEventsForThePrompt) {
   StartMocker();
   const auto prompt = Tokens(1, 10);
-  ASSERT_EQ(Generate(kBase + 1, GenerateRequest{.request_id = "a", .token_ids = prompt, .max_tokens = 1, .dp_rank = 1}).size(), 2u);
+  ASSERT_EQ(Generate(kBase + 1, GenerateRequest{.request_id = "a", .token_ids = prompt, .max_tokens = 1, .dp_rank = 1})
+                .size(),
+            2u);
   ASSERT_TRUE(WaitFor([&] { return dynamo_events_.size() >= 1; }, 2s));
   const auto events = DynamoEvents();
   ASSERT_EQ(events.size(), 1u);
@@ -312,8 +333,14 @@ TEST_F(KvMockerProcessTest, PublishesDynamoStoredEventsForThePrompt) {
   EXPECT_GT(field("published_at"), 1600000000000u);
 
   // A second prompt sharing the first block chains below it.
-  const auto second = [&] { auto t = Tokens(1, 4); for (auto x : Tokens(500, 4)) t.push_back(x); return t; }();
-  ASSERT_EQ(Generate(kBase + 1, GenerateRequest{.request_id = "b", .token_ids = second, .max_tokens = 1, .dp_rank = 1}).size(), 2u);
+  const auto second = [&] {
+    auto t = Tokens(1, 4);
+    for (auto x : Tokens(500, 4)) t.push_back(x);
+    return t;
+  }();
+  ASSERT_EQ(Generate(kBase + 1, GenerateRequest{.request_id = "b", .token_ids = second, .max_tokens = 1, .dp_rank = 1})
+                .size(),
+            2u);
   ASSERT_TRUE(WaitFor([&] { return dynamo_events_.size() >= 2; }, 2s));
   const auto events2 = DynamoEvents();
   ASSERT_EQ(events2.size(), 2u);
@@ -329,7 +356,11 @@ TEST_F(KvMockerProcessTest, RecoveryServesADumpAndEventRanges) {
   StartMocker();
   // Three prompts on worker 1000 rank 0; the cache of 64 blocks holds them all.
   for (std::uint32_t i = 0; i < 3; ++i) {
-    ASSERT_EQ(Generate(kBase, GenerateRequest{.request_id = std::to_string(i), .token_ids = Tokens(100 * i, 12), .max_tokens = 1}).size(), 2u);
+    ASSERT_EQ(
+        Generate(kBase,
+                 GenerateRequest{.request_id = std::to_string(i), .token_ids = Tokens(100 * i, 12), .max_tokens = 1})
+            .size(),
+        2u);
   }
   auto dump = Recover(kBase, 0, {});
   ASSERT_TRUE(dump.ok()) << dump.status().ToString();
@@ -367,9 +398,17 @@ TEST_F(KvMockerProcessTest, RecoveryServesADumpAndEventRanges) {
 TEST_F(KvMockerProcessTest, VllmFormatPublishesOnTheRankSubjectWithKvSeq) {
   StartMocker({"--event-format", "vllm"});
   const auto prompt = Tokens(1, 10);
-  ASSERT_EQ(Generate(kBase, GenerateRequest{.request_id = "a", .token_ids = prompt, .max_tokens = 1, .dp_rank = 1}).size(), 2u);
-  const auto second = [&] { auto t = Tokens(1, 8); for (auto x : Tokens(500, 4)) t.push_back(x); return t; }();
-  ASSERT_EQ(Generate(kBase, GenerateRequest{.request_id = "b", .token_ids = second, .max_tokens = 1, .dp_rank = 1}).size(), 2u);
+  ASSERT_EQ(
+      Generate(kBase, GenerateRequest{.request_id = "a", .token_ids = prompt, .max_tokens = 1, .dp_rank = 1}).size(),
+      2u);
+  const auto second = [&] {
+    auto t = Tokens(1, 8);
+    for (auto x : Tokens(500, 4)) t.push_back(x);
+    return t;
+  }();
+  ASSERT_EQ(
+      Generate(kBase, GenerateRequest{.request_id = "b", .token_ids = second, .max_tokens = 1, .dp_rank = 1}).size(),
+      2u);
   ASSERT_TRUE(WaitFor([&] { return vllm_events_.size() >= 2; }, 2s));
   const auto msgs = vllm_events_.Snapshot();
   ASSERT_EQ(msgs.size(), 2u);
@@ -379,8 +418,9 @@ TEST_F(KvMockerProcessTest, VllmFormatPublishesOnTheRankSubjectWithKvSeq) {
     EXPECT_EQ(msgs[i].subject, kComp + "vllm-kv-events." + std::to_string(kBase) + ".1");
     ASSERT_TRUE(msgs[i].kv_seq.has_value());
     EXPECT_EQ(*msgs[i].kv_seq, std::to_string(i));
-    auto d = DecodeVllmBatch(msgs[i].data, {.worker_id = kBase, .dp_rank = 1,
-                                            .kv_seq = ParseKvSeqHeader(*msgs[i].kv_seq), .block_size = kBs});
+    auto d = DecodeVllmBatch(
+        msgs[i].data,
+        {.worker_id = kBase, .dp_rank = 1, .kv_seq = ParseKvSeqHeader(*msgs[i].kv_seq), .block_size = kBs});
     ASSERT_TRUE(d.ok()) << d.status().ToString();
     EXPECT_EQ(d->block_size_mismatches, 0u);
     ASSERT_EQ(d->batch.ops.size(), 1u);
@@ -406,18 +446,21 @@ TEST_F(KvMockerProcessTest, SigtermAnnouncesLeavingAnswersInFlightRequestsAndExi
   auto sub = nc_->Subscribe(inbox_subject, "", inbox.Handler());
   ASSERT_TRUE(sub.ok());
   const GenerateRequest long_req{.request_id = "long", .token_ids = Tokens(1, 8), .max_tokens = kMaxGenerateTokens};
-  ASSERT_TRUE(nc_->PublishRequest(kComp + "generate." + std::to_string(kBase), inbox_subject, AsBytes(long_req.Encode())).ok());
+  ASSERT_TRUE(
+      nc_->PublishRequest(kComp + "generate." + std::to_string(kBase), inbox_subject, AsBytes(long_req.Encode())).ok());
   ASSERT_TRUE(WaitFor([&] { return inbox.size() >= 1; }, 5s));  // its first token
 
   mocker_->Stop();
   ASSERT_TRUE(WIFEXITED(mocker_->exit_status())) << Log();
   EXPECT_EQ(WEXITSTATUS(mocker_->exit_status()), 0);
   std::map<std::uint64_t, int> leaving;
-  ASSERT_TRUE(WaitFor([&] {
-    leaving.clear();
-    for (const WorkerRegistration& r : Registrations()) leaving[r.worker_id] += r.leaving;
-    return leaving[kBase] >= 1 && leaving[kBase + 1] >= 1;
-  }, 2s));
+  ASSERT_TRUE(WaitFor(
+      [&] {
+        leaving.clear();
+        for (const WorkerRegistration& r : Registrations()) leaving[r.worker_id] += r.leaving;
+        return leaving[kBase] >= 1 && leaving[kBase + 1] >= 1;
+      },
+      2s));
   EXPECT_EQ(leaving[kBase], 1);
   EXPECT_EQ(leaving[kBase + 1], 1);
 

@@ -24,9 +24,12 @@ class KvRelayProcessTest : public KvRouterProcessTest {
  protected:
   void StartRelay(bool with_replay) {
     engine_ = std::make_unique<FakeVllmEngine>(with_replay);
-    std::vector<std::string> args = {"--zmq-endpoint", engine_->endpoint(), "--worker-id", std::to_string(kWorker),
-                                     "--block-size", std::to_string(kBs), "--total-kv-blocks", "1000",
-                                     "--heartbeat-ms", "100", "--lease-ms", "2000"};
+    std::vector<std::string> args = {"--zmq-endpoint",    engine_->endpoint(),
+                                     "--worker-id",       std::to_string(kWorker),
+                                     "--block-size",      std::to_string(kBs),
+                                     "--total-kv-blocks", "1000",
+                                     "--heartbeat-ms",    "100",
+                                     "--lease-ms",        "2000"};
     if (with_replay) args.insert(args.end(), {"--zmq-replay-endpoint", engine_->replay_endpoint()});
     auto relay = StartOnNats(KVRELAY_BIN, nats_->url(), std::move(args), LogPath("kvrelay"), Metrics::kOnFreePort);
     ASSERT_TRUE(relay.ok()) << relay.status().ToString();
@@ -47,10 +50,12 @@ class KvRelayProcessTest : public KvRouterProcessTest {
   // The ZMQ subscription connects in the background: publish until the router shows `tokens`
   // (an early batch the relay missed comes back by replay, or is lost without one).
   bool PublishUntilIndexed(const VllmStoredEvent& e, std::uint32_t blocks) {
-    return WaitFor([&] {
-      engine_->Publish({e});
-      return Overlap(e.token_ids) == blocks;
-    }, 10s, 200ms);
+    return WaitFor(
+        [&] {
+          engine_->Publish({e});
+          return Overlap(e.token_ids) == blocks;
+        },
+        10s, 200ms);
   }
 
   std::unique_ptr<FakeVllmEngine> engine_;

@@ -44,10 +44,12 @@ std::optional<StatsReply> StatsClient::Get(const StatsRequest& page) const {
 
 bool StatsClient::Await(const std::function<bool(StatsReply&)>& cond, std::chrono::milliseconds timeout,
                         std::chrono::milliseconds poll) const {
-  return WaitFor([&] {
-    auto s = Get();
-    return s.has_value() && cond(*s);
-  }, timeout, poll);
+  return WaitFor(
+      [&] {
+        auto s = Get();
+        return s.has_value() && cond(*s);
+      },
+      timeout, poll);
 }
 
 bool StatsClient::AwaitAnswer(std::chrono::milliseconds timeout) const {
@@ -102,8 +104,11 @@ void KvRouterProcessTest::TearDown() {
 
 void KvRouterProcessTest::Register(std::uint64_t id, std::uint32_t lease_ms, bool leaving, std::uint32_t block_size,
                                    std::uint32_t max_num_batched_tokens) {
-  WorkerRegistration r{.worker_id = id, .block_size = block_size,
-                       .max_num_batched_tokens = max_num_batched_tokens, .lease_ms = lease_ms, .leaving = leaving};
+  WorkerRegistration r{.worker_id = id,
+                       .block_size = block_size,
+                       .max_num_batched_tokens = max_num_batched_tokens,
+                       .lease_ms = lease_ms,
+                       .leaving = leaving};
   ASSERT_TRUE(nc_->Publish(kComp + "instances", AsBytes(EncodeWorkerRegistration(r))).ok());
 }
 
@@ -125,8 +130,11 @@ void KvRouterProcessTest::StoreVllm(std::uint64_t worker, std::uint32_t rank, st
 
 Result<RouteReply> KvRouterProcessTest::Route(const std::vector<std::uint32_t>& tokens, std::string request_id,
                                               std::int64_t priority) {
-  RouteRequest r{.request_id = std::move(request_id), .token_ids = tokens, .has_token_ids = true,
-                 .isl = static_cast<std::uint32_t>(tokens.size()), .priority = priority};
+  RouteRequest r{.request_id = std::move(request_id),
+                 .token_ids = tokens,
+                 .has_token_ids = true,
+                 .isl = static_cast<std::uint32_t>(tokens.size()),
+                 .priority = priority};
   return RequestRoute("route", EncodeRouteRequest(r));
 }
 

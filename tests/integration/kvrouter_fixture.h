@@ -117,10 +117,11 @@ class KvRouterProcessTest : public NatsServerTest {
   void StartRouter();
 
   // What a worker sends: a registration, a stored prompt in Dynamo's format or vLLM's.
-  void Register(std::uint64_t id, std::uint32_t lease_ms = 60000, bool leaving = false,
-                std::uint32_t block_size = kBs, std::uint32_t max_num_batched_tokens = 8192);
+  void Register(std::uint64_t id, std::uint32_t lease_ms = 60000, bool leaving = false, std::uint32_t block_size = kBs,
+                std::uint32_t max_num_batched_tokens = 8192);
   void StoreDynamo(std::uint64_t worker, std::uint64_t event_id, const std::vector<std::uint32_t>& tokens);
-  void StoreVllm(std::uint64_t worker, std::uint32_t rank, std::uint64_t kv_seq, const std::vector<std::uint32_t>& tokens);
+  void StoreVllm(std::uint64_t worker, std::uint32_t rank, std::uint64_t kv_seq,
+                 const std::vector<std::uint32_t>& tokens);
 
   // route (books the request) and best_worker (does not), and any body to any such endpoint.
   Result<RouteReply> Route(const std::vector<std::uint32_t>& tokens, std::string request_id = "",

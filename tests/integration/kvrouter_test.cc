@@ -200,7 +200,12 @@ TEST_F(KvRouterQueueTest, QueuedRequestsAreAdmittedInPriorityOrderAsLoadDrops) {
     ASSERT_TRUE(AwaitStats([n](const StatsReply& s) { return s.counters.at("queue_length") == n; }, 5s));
   }
   auto admitted = [&](std::size_t n) {
-    return WaitFor([&] { std::lock_guard g(mu); return done.size() >= n; }, 5s);
+    return WaitFor(
+        [&] {
+          std::lock_guard g(mu);
+          return done.size() >= n;
+        },
+        5s);
   };
   auto mark_prefill = [&](const std::string& id) {
     ASSERT_TRUE(nc_->Request(kRouter + "mark_prefill", AsBytes(EncodeLifecycleRequest(id)), 2s).ok());

@@ -67,7 +67,8 @@ TEST_F(MetricsTest, ServesHealthReadinessAndMetricsThatFollowTheRouter) {
   EXPECT_EQ(DecodeRouteReply(*bad).status().code(), StatusCode::kInvalidArgument);
 
   // A request's duration is observed just after its reply leaves.
-  ASSERT_TRUE(WaitFor([&] { return Value(Scrape(), R"(kvrouter_route_duration_seconds_count{endpoint="route"})") == 2; }, 5s));
+  ASSERT_TRUE(
+      WaitFor([&] { return Value(Scrape(), R"(kvrouter_route_duration_seconds_count{endpoint="route"})") == 2; }, 5s));
   m = Scrape();
   EXPECT_EQ(Value(m, R"(dynamo_component_kv_cache_events_applied{status="ok"})"), 1);
   EXPECT_EQ(Value(m, R"(kvrouter_worker_cached_blocks{worker_id="1",dp_rank="0"})"), 2);

@@ -32,9 +32,7 @@ namespace {
 constexpr auto kPoll = std::chrono::milliseconds(10);
 constexpr auto kServerReadyTimeout = std::chrono::seconds(10);
 
-std::string ErrnoText(const char* what) {
-  return fmt::format("{}: {}", what, std::strerror(errno));
-}
+std::string ErrnoText(const char* what) { return fmt::format("{}: {}", what, std::strerror(errno)); }
 
 bool IsExecutable(const std::string& path) {
   struct stat st {};
@@ -52,8 +50,7 @@ bool FileContainsAfter(const std::string& path, uintmax_t offset, std::string_vi
 
 }  // namespace
 
-bool WaitFor(const std::function<bool()>& cond, std::chrono::milliseconds timeout,
-             std::chrono::milliseconds poll) {
+bool WaitFor(const std::function<bool()>& cond, std::chrono::milliseconds timeout, std::chrono::milliseconds poll) {
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   while (std::chrono::steady_clock::now() < deadline) {
     if (cond()) return true;
@@ -80,9 +77,8 @@ std::string FindExecutable(const std::string& name, const std::vector<std::strin
   return "";
 }
 
-Result<std::unique_ptr<ChildProcess>> ChildProcess::Start(
-    std::vector<std::string> argv, std::string log_path,
-    std::vector<std::pair<std::string, std::string>> extra_env) {
+Result<std::unique_ptr<ChildProcess>> ChildProcess::Start(std::vector<std::string> argv, std::string log_path,
+                                                          std::vector<std::pair<std::string, std::string>> extra_env) {
   if (argv.empty()) return InvalidArgument("empty argv");
   const std::string exe = FindExecutable(argv[0], {});
   if (exe.empty()) return NotFound(fmt::format("executable '{}' not found", argv[0]));
@@ -121,7 +117,7 @@ Result<std::unique_ptr<ChildProcess>> ChildProcess::Start(
     // Child: async-signal-safe calls only.
     ::prctl(PR_SET_PDEATHSIG, SIGKILL);
     if (::getppid() != parent) ::_exit(127);  // the parent died before prctl took effect
-    ::setpgid(0, 0);  // own process group: a terminal's Ctrl-C goes to the test, not to it
+    ::setpgid(0, 0);                          // own process group: a terminal's Ctrl-C goes to the test, not to it
     const int devnull = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
     if (devnull >= 0) ::dup2(devnull, STDIN_FILENO);
     ::dup2(log_fd, STDOUT_FILENO);
@@ -162,8 +158,7 @@ void ChildProcess::Kill() {
   if (!Running()) return;
   ::kill(pid_, SIGKILL);
   int status = 0;
-  while (::waitpid(pid_, &status, 0) < 0 && errno == EINTR) {
-  }
+  while (::waitpid(pid_, &status, 0) < 0 && errno == EINTR) {}
   exit_status_ = status;
   pid_ = -1;
 }
@@ -232,8 +227,7 @@ Result<HttpAnswer> HttpGet(int port, const std::string& path, std::chrono::milli
   return HttpAnswer{std::atoi(answer.substr(9, 3).c_str()), answer.substr(head_end + 4)};
 }
 
-Result<std::unique_ptr<NatsServerProcess>> NatsServerProcess::Start(
-    int port, std::vector<std::string> extra_args) {
+Result<std::unique_ptr<NatsServerProcess>> NatsServerProcess::Start(int port, std::vector<std::string> extra_args) {
   // A port picked free can be taken by someone else before the server binds it; then the
   // server exits at once and another port is tried (only when the caller did not ask for one).
   const int attempts = port > 0 ? 1 : 3;
@@ -245,9 +239,8 @@ Result<std::unique_ptr<NatsServerProcess>> NatsServerProcess::Start(
       if (!free_port.ok()) return free_port.status();
       p = *free_port;
     }
-    const std::string log = (std::filesystem::temp_directory_path() /
-                             fmt::format("kvrouter-nats-{}-{}.log", p, ::getpid()))
-                                .string();
+    const std::string log =
+        (std::filesystem::temp_directory_path() / fmt::format("kvrouter-nats-{}-{}.log", p, ::getpid())).string();
     std::unique_ptr<NatsServerProcess> server(new NatsServerProcess(p, extra_args, log));
     last = server->Launch();
     if (last.ok()) return server;
@@ -258,8 +251,7 @@ Result<std::unique_ptr<NatsServerProcess>> NatsServerProcess::Start(
 std::string NatsServerProcess::url() const { return fmt::format("nats://127.0.0.1:{}", port_); }
 
 Status NatsServerProcess::Launch() {
-  const std::string exe =
-      FindExecutable("nats-server", {"/usr/bin", "/usr/sbin", "/usr/local/bin"});
+  const std::string exe = FindExecutable("nats-server", {"/usr/bin", "/usr/sbin", "/usr/local/bin"});
   if (exe.empty()) return NotFound("nats-server not found in PATH, /usr/bin, /usr/sbin");
   std::vector<std::string> argv = {exe, "-a", "127.0.0.1", "-p", std::to_string(port_)};
   argv.insert(argv.end(), extra_args_.begin(), extra_args_.end());
@@ -275,19 +267,15 @@ Status NatsServerProcess::Launch() {
   // the port first, a TCP connect would succeed against *that* server while ours is failing to
   // bind (it then logs a fatal error and exits).
   const auto up = [&] {
-    return !process_->Running() ||
-           (FileContainsAfter(log_path_, log_offset, "Server is ready") && CanConnect(port_));
+    return !process_->Running() || (FileContainsAfter(log_path_, log_offset, "Server is ready") && CanConnect(port_));
   };
-  const bool ready =
-      WaitFor(up, std::chrono::duration_cast<std::chrono::milliseconds>(kServerReadyTimeout),
-              kPoll) &&
-      process_->Running();
+  const bool ready = WaitFor(up, std::chrono::duration_cast<std::chrono::milliseconds>(kServerReadyTimeout), kPoll) &&
+                     process_->Running();
   if (!ready) {
     process_->Stop();
     process_.reset();
     keep_log_ = true;
-    return Internal(fmt::format("nats-server on port {} did not become ready; see {}", port_,
-                                log_path_));
+    return Internal(fmt::format("nats-server on port {} did not become ready; see {}", port_, log_path_));
   }
   return Status::Ok();
 }

@@ -33,9 +33,8 @@ class ChildProcess {
  public:
   // Starts argv[0] (a path; looked up in PATH when it has no '/') with the current environment
   // plus `extra_env` (NAME, value; overrides). stdout and stderr are appended to `log_path`.
-  static Result<std::unique_ptr<ChildProcess>> Start(
-      std::vector<std::string> argv, std::string log_path,
-      std::vector<std::pair<std::string, std::string>> extra_env = {});
+  static Result<std::unique_ptr<ChildProcess>> Start(std::vector<std::string> argv, std::string log_path,
+                                                     std::vector<std::pair<std::string, std::string>> extra_env = {});
 
   // Stops the process (Stop()).
   ~ChildProcess();
@@ -80,7 +79,8 @@ struct HttpAnswer {
   int status = 0;
   std::string body;
 };
-Result<HttpAnswer> HttpGet(int port, const std::string& path, std::chrono::milliseconds timeout = std::chrono::seconds(5));
+Result<HttpAnswer> HttpGet(int port, const std::string& path,
+                           std::chrono::milliseconds timeout = std::chrono::seconds(5));
 
 class NatsServerProcess {
  public:
@@ -89,8 +89,7 @@ class NatsServerProcess {
   // server fails to start or when KVROUTER_KEEP_TEST_LOGS is set, else removed on destruction.
   // Readiness is read from that log ("Server is ready"), so extra_args must not redirect it
   // (no -l / --log).
-  static Result<std::unique_ptr<NatsServerProcess>> Start(int port = 0,
-                                                          std::vector<std::string> extra_args = {});
+  static Result<std::unique_ptr<NatsServerProcess>> Start(int port = 0, std::vector<std::string> extra_args = {});
 
   // Stops the server; removes its log (see Start).
   ~NatsServerProcess();

@@ -21,8 +21,8 @@ namespace {
 using namespace std::chrono_literals;
 
 std::string TempLog(const std::string& name) {
-  auto path = std::filesystem::temp_directory_path() /
-              ("kvrouter-harness-" + name + "-" + std::to_string(::getpid()) + ".log");
+  auto path =
+      std::filesystem::temp_directory_path() / ("kvrouter-harness-" + name + "-" + std::to_string(::getpid()) + ".log");
   std::filesystem::remove(path);
   return path.string();
 }
@@ -111,8 +111,7 @@ TEST(NatsServerProcessTest, PortHeldBySomeoneElseIsNotMistakenForOurServer) {
   ::close(fd);
   // The failed start keeps its log (it says why); clean it up here.
   std::filesystem::remove(std::filesystem::temp_directory_path() /
-                          ("kvrouter-nats-" + std::to_string(port) + "-" +
-                           std::to_string(::getpid()) + ".log"));
+                          ("kvrouter-nats-" + std::to_string(port) + "-" + std::to_string(::getpid()) + ".log"));
 }
 
 }  // namespace

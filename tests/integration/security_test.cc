@@ -45,13 +45,17 @@ class SecurityTest : public NatsServerTest {
       argv.insert(argv.end(), args.begin(), args.end());
       return RunToEnd(argv, log);
     };
-    ASSERT_EQ(req({"-x509", "-keyout", dir_ + "/ca.key", "-out", dir_ + "/ca.pem", "-days", "2", "-subj", "/CN=kvrouter-test-ca"}), 0)
+    ASSERT_EQ(req({"-x509", "-keyout", dir_ + "/ca.key", "-out", dir_ + "/ca.pem", "-days", "2", "-subj",
+                   "/CN=kvrouter-test-ca"}),
+              0)
         << ReadFile(log);
-    ASSERT_EQ(req({"-keyout", dir_ + "/server.key", "-out", dir_ + "/server.csr", "-subj", "/CN=127.0.0.1"}), 0) << ReadFile(log);
+    ASSERT_EQ(req({"-keyout", dir_ + "/server.key", "-out", dir_ + "/server.csr", "-subj", "/CN=127.0.0.1"}), 0)
+        << ReadFile(log);
     std::ofstream(dir_ + "/ext.cnf") << "subjectAltName=IP:127.0.0.1\n";
-    ASSERT_EQ(RunToEnd({"openssl", "x509", "-req", "-in", dir_ + "/server.csr", "-CA", dir_ + "/ca.pem", "-CAkey", dir_ + "/ca.key",
-                   "-CAcreateserial", "-out", dir_ + "/server.pem", "-days", "2", "-extfile", dir_ + "/ext.cnf"},
-                  log),
+    ASSERT_EQ(RunToEnd({"openssl", "x509", "-req", "-in", dir_ + "/server.csr", "-CA", dir_ + "/ca.pem", "-CAkey",
+                        dir_ + "/ca.key", "-CAcreateserial", "-out", dir_ + "/server.pem", "-days", "2", "-extfile",
+                        dir_ + "/ext.cnf"},
+                       log),
               0)
         << ReadFile(log);
     // The repo's users, beside a TLS block (includes are relative to the including file).
@@ -75,7 +79,8 @@ class SecurityTest : public NatsServerTest {
 
   // A program's flags to log in as `user` over TLS, then `more`.
   std::vector<std::string> LoginFlags(const std::string& user, const std::vector<std::string>& more) const {
-    std::vector<std::string> flags = {"--nats-user", user, "--nats-password", user + "-secret", "--nats-tls-ca", dir_ + "/ca.pem"};
+    std::vector<std::string> flags = {"--nats-user",   user, "--nats-password", user + "-secret", "--nats-tls-ca",
+                                      dir_ + "/ca.pem"};
     flags.insert(flags.end(), more.begin(), more.end());
     return flags;
   }
@@ -86,19 +91,20 @@ class SecurityTest : public NatsServerTest {
                     .security = {.user = user, .password = user + "-secret", .tls_ca = dir_ + "/ca.pem"}});
   }
   void StartSystem() {
-    auto router = StartOnNats(KVROUTER_BIN, nats_->url(), LoginFlags("router", {"--router-mode", "kv"}), dir_ + "/kvrouter.log");
+    auto router =
+        StartOnNats(KVROUTER_BIN, nats_->url(), LoginFlags("router", {"--router-mode", "kv"}), dir_ + "/kvrouter.log");
     ASSERT_TRUE(router.ok()) << router.status().ToString();
     router_ = std::move(router->process);
     auto mocker = StartOnNats(KVMOCKER_BIN, nats_->url(),
-                              LoginFlags("worker", {"--num-workers", "2", "--num-gpu-blocks", "256", "--speedup-ratio", "50",
-                                                    "--worker-id-base", "500"}),
+                              LoginFlags("worker", {"--num-workers", "2", "--num-gpu-blocks", "256", "--speedup-ratio",
+                                                    "50", "--worker-id-base", "500"}),
                               dir_ + "/kvmocker.log");
     ASSERT_TRUE(mocker.ok()) << mocker.status().ToString();
     mocker_ = std::move(mocker->process);
     client_ = LogIn("client");
     ASSERT_NE(client_, nullptr);
-    ASSERT_TRUE(Stats().AwaitWorkers(2, 15s))
-        << "the system never came up; logs in " << dir_ << "\n" << ReadFile(dir_ + "/kvrouter.log") << ReadFile(dir_ + "/kvmocker.log");
+    ASSERT_TRUE(Stats().AwaitWorkers(2, 15s)) << "the system never came up; logs in " << dir_ << "\n"
+                                              << ReadFile(dir_ + "/kvrouter.log") << ReadFile(dir_ + "/kvmocker.log");
   }
   // router.stats, asked with the client's login.
   StatsClient Stats() const { return StatsClient(*client_, {.timeout = 1s}); }
@@ -121,7 +127,8 @@ TEST_F(SecurityTest, TheSystemRoutesOverTlsWithLeastPrivilegeUsers) {
     if (r.ok() && r->is_final()) final = true;
   });
   ASSERT_TRUE(sub.ok());
-  ASSERT_TRUE(client_->PublishRequest(kRouter + "generate", "_INBOX.security-test", AsBytes(EncodeRouteRequest(req))).ok());
+  ASSERT_TRUE(
+      client_->PublishRequest(kRouter + "generate", "_INBOX.security-test", AsBytes(EncodeRouteRequest(req))).ok());
   EXPECT_TRUE(WaitFor([&] { return final.load(); }, 10s)) << ReadFile(dir_ + "/kvrouter.log");
   // The worker's events reached the router.
   EXPECT_TRUE(Stats().Await([](const StatsReply& s) { return s.counters.at("events_applied") > 0; }, 10s));
@@ -142,24 +149,26 @@ TEST_F(SecurityTest, AWorkersLoginCannotCallRouteAndAClientsCannotPublishEvents)
   // it, would have too had the server let it through.
   const KvEventBatch honest = StoredPromptBatch(998, 1, std::vector<std::uint32_t>(64, 8), 64);
   ASSERT_TRUE(worker->Publish(kComp + "kv-events", AsBytes(EncodeDynamoEnvelope(honest, {}))).ok());
-  ASSERT_TRUE(Stats().Await([](const StatsReply& s) {
-    return std::any_of(s.workers.begin(), s.workers.end(), [](const WorkerStats& w) { return w.worker_id == 998; });
-  }, 5s));
+  ASSERT_TRUE(Stats().Await(
+      [](const StatsReply& s) {
+        return std::any_of(s.workers.begin(), s.workers.end(), [](const WorkerStats& w) { return w.worker_id == 998; });
+      },
+      5s));
   auto s = Stats().Get();
   ASSERT_TRUE(s);
   for (const WorkerStats& w : s->workers) EXPECT_NE(w.worker_id, 999u);
 }
 
 TEST_F(SecurityTest, AWrongPasswordOrCaStopsAProgramNamingTheFlag) {
-  std::vector<std::string> bad_password = {KVROUTER_BIN, "--nats-server", nats_->url(), "--nats-user", "router",
-                                           "--nats-password", "guess", "--nats-tls-ca", dir_ + "/ca.pem",
-                                           "--metrics-port", "0"};
+  std::vector<std::string> bad_password = {KVROUTER_BIN,     "--nats-server",   nats_->url(), "--nats-user",
+                                           "router",         "--nats-password", "guess",      "--nats-tls-ca",
+                                           dir_ + "/ca.pem", "--metrics-port",  "0"};
   EXPECT_EQ(WEXITSTATUS(RunToEnd(bad_password, dir_ + "/bad-password.log")), 1);
   EXPECT_NE(ReadFile(dir_ + "/bad-password.log").find("--nats-password"), std::string::npos)
       << ReadFile(dir_ + "/bad-password.log");
-  std::vector<std::string> bad_ca = {KVMOCKER_BIN, "--nats-server", nats_->url(), "--nats-user", "worker",
-                                     "--nats-password", "worker-secret", "--nats-tls-ca", dir_ + "/missing.pem",
-                                     "--metrics-port", "0"};
+  std::vector<std::string> bad_ca = {
+      KVMOCKER_BIN,    "--nats-server", nats_->url(),          "--nats-user",    "worker", "--nats-password",
+      "worker-secret", "--nats-tls-ca", dir_ + "/missing.pem", "--metrics-port", "0"};
   EXPECT_NE(RunToEnd(bad_ca, dir_ + "/bad-ca.log"), 0);
   EXPECT_NE(ReadFile(dir_ + "/bad-ca.log").find("--nats-tls-ca"), std::string::npos) << ReadFile(dir_ + "/bad-ca.log");
 }

@@ -26,10 +26,10 @@ class SystemTest : public KvRouterProcessTest {
   void SetUp() override {
     KvRouterProcessTest::SetUp();
     if (HasFatalFailure()) return;
-    auto mocker = StartOnNats(KVMOCKER_BIN, nats_->url(),
-                              {"--num-workers", "3", "--num-gpu-blocks", "1024", "--speedup-ratio", "50",
-                               "--worker-id-base", "10"},
-                              LogPath("system-kvmocker"));
+    auto mocker = StartOnNats(
+        KVMOCKER_BIN, nats_->url(),
+        {"--num-workers", "3", "--num-gpu-blocks", "1024", "--speedup-ratio", "50", "--worker-id-base", "10"},
+        LogPath("system-kvmocker"));
     ASSERT_TRUE(mocker.ok()) << mocker.status().ToString();
     mocker_ = std::move(mocker->process);
     ASSERT_TRUE(AwaitWorkers(3, 15s)) << "workers never registered";
@@ -73,8 +73,11 @@ class SystemTest : public KvRouterProcessTest {
       cv.notify_all();
     });
     EXPECT_TRUE(sub.ok());
-    RouteRequest req{.request_id = id, .token_ids = tokens, .has_token_ids = true,
-                     .isl = static_cast<std::uint32_t>(tokens.size()), .max_tokens = 8};
+    RouteRequest req{.request_id = id,
+                     .token_ids = tokens,
+                     .has_token_ids = true,
+                     .isl = static_cast<std::uint32_t>(tokens.size()),
+                     .max_tokens = 8};
     EXPECT_TRUE(nc_->PublishRequest(kRouter + "generate", inbox, AsBytes(EncodeRouteRequest(req))).ok());
     std::unique_lock lk(mu);
     EXPECT_TRUE(cv.wait_for(lk, 10s, [&] { return final; })) << id;
@@ -95,10 +98,12 @@ TEST_F(SystemTest, GenerateStreamsThroughTheRouterAndTheSecondTurnHitsTheCache) 
   // The router learns the cache from the worker's events; the next turn extends the prompt.
   prompt.resize(1024, 5);
   int probes = 0;
-  ASSERT_TRUE(WaitFor([&] {
-    auto second = Generate("turn-2-" + std::to_string(++probes), prompt);
-    return !second.empty() && second.back().cached_tokens >= 640;
-  }, 10s));
+  ASSERT_TRUE(WaitFor(
+      [&] {
+        auto second = Generate("turn-2-" + std::to_string(++probes), prompt);
+        return !second.empty() && second.back().cached_tokens >= 640;
+      },
+      10s));
   ASSERT_TRUE(WaitFor([&] { return ActiveRequests() == 0; }, 5s));  // every booking freed
 }
 
@@ -113,22 +118,26 @@ TEST_F(SystemTest, RouterKilledAndStartedAgainKnowsEveryCacheBeforeAnyNewEvent) 
   ASSERT_TRUE(WaitFor([&] { return ActiveRequests() == 0; }, 5s));
   // What the router knew before it died: blocks per worker, and its decision for every prompt.
   std::map<std::uint64_t, std::uint64_t> blocks_before;
-  ASSERT_TRUE(AwaitStats([&](const StatsReply& s) {
-    blocks_before.clear();
-    std::uint64_t total = 0;
-    for (const WorkerStats& w : s.workers) total += blocks_before[w.worker_id] = w.blocks;
-    return total >= 6 * 10;  // every prompt's 10 blocks are indexed
-  }, 5s));
+  ASSERT_TRUE(AwaitStats(
+      [&](const StatsReply& s) {
+        blocks_before.clear();
+        std::uint64_t total = 0;
+        for (const WorkerStats& w : s.workers) total += blocks_before[w.worker_id] = w.blocks;
+        return total >= 6 * 10;  // every prompt's 10 blocks are indexed
+      },
+      5s));
   std::vector<std::pair<std::uint64_t, std::uint32_t>> decisions;
   for (const auto& p : prompts) decisions.push_back(Decision(p));
 
   router_->Kill();  // kill -9: nothing saved, nothing said
   StartRouter();
   // Up again, and recovered from the workers' dumps (no new traffic meanwhile).
-  ASSERT_TRUE(AwaitStats([](StatsReply& s) {
-    return s.workers_total == 3 && s.counters["recovery_dumps"] >= 3 && s.counters["recoveries_in_flight"] == 0 &&
-           s.counters["recoveries_waiting"] == 0;
-  }, 15s));
+  ASSERT_TRUE(AwaitStats(
+      [](StatsReply& s) {
+        return s.workers_total == 3 && s.counters["recovery_dumps"] >= 3 && s.counters["recoveries_in_flight"] == 0 &&
+               s.counters["recoveries_waiting"] == 0;
+      },
+      15s));
   auto s = Stats();
   ASSERT_TRUE(s.has_value());
   EXPECT_EQ(s->counters.at("recoveries_failed"), 0u);
@@ -157,8 +166,12 @@ TEST_F(SystemTest, NatsRestartUnderLoadLosesNoCacheAndLeaksNoBooking) {
     for (int i = 0; !stop; ++i) {
       std::vector<std::uint32_t> t(256);
       for (std::size_t k = 0; k < t.size(); ++k) t[k] = static_cast<std::uint32_t>(i * 1000 + k);
-      RouteRequest r{.request_id = "load-" + std::to_string(i), .token_ids = t, .has_token_ids = true, .isl = 256,
-                     .timeout_ms = 3000, .max_tokens = 4};
+      RouteRequest r{.request_id = "load-" + std::to_string(i),
+                     .token_ids = t,
+                     .has_token_ids = true,
+                     .isl = 256,
+                     .timeout_ms = 3000,
+                     .max_tokens = 4};
       (void)(*client)->PublishRequest(kRouter + "generate", "_LOAD." + std::to_string(i),
                                       AsBytes(EncodeRouteRequest(r)));
       ++sent;
@@ -176,9 +189,11 @@ TEST_F(SystemTest, NatsRestartUnderLoadLosesNoCacheAndLeaksNoBooking) {
   load.join();
   // Every worker was dumped again after the reconnect, the cache from before is still known,
   // and every booking ends (answered, or freed by its 3 s timeout).
-  ASSERT_TRUE(AwaitStats([&](StatsReply& s) {
-    return s.counters["recovery_dumps"] >= dumps_before + 3 && s.counters["recoveries_in_flight"] == 0;
-  }, 10s));
+  ASSERT_TRUE(AwaitStats(
+      [&](StatsReply& s) {
+        return s.counters["recovery_dumps"] >= dumps_before + 3 && s.counters["recoveries_in_flight"] == 0;
+      },
+      10s));
   EXPECT_EQ(Decision(warm), before);
   EXPECT_TRUE(WaitFor([&] { return ActiveRequests() == 0; }, 10s)) << ActiveRequests() << " bookings left";
   EXPECT_EQ(RouterWorkers(), 3u);

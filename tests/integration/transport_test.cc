@@ -25,9 +25,7 @@ namespace {
 std::span<const std::byte> Bytes(std::string_view s) {
   return {reinterpret_cast<const std::byte*>(s.data()), s.size()};
 }
-std::string Text(std::span<const std::byte> b) {
-  return {reinterpret_cast<const char*>(b.data()), b.size()};
-}
+std::string Text(std::span<const std::byte> b) { return {reinterpret_cast<const char*>(b.data()), b.size()}; }
 
 // Thread-safe bag of received payloads.
 class Inbox {
@@ -131,10 +129,12 @@ TEST_F(TransportTest, MorePendingIsSetForEveryQueuedMessageButTheLast) {
     for (std::size_t i = 0; i < n; ++i) ASSERT_TRUE(publisher->Publish("kv.test.burst", Bytes("x")).ok());
     ASSERT_TRUE(publisher->Publish("kv.test.marker", Bytes("")).ok());
     total += n;
-    ASSERT_TRUE(WaitFor([&] {
-      std::lock_guard<std::mutex> lock(mu);
-      return more.size() == total;
-    }, 5s));
+    ASSERT_TRUE(WaitFor(
+        [&] {
+          std::lock_guard<std::mutex> lock(mu);
+          return more.size() == total;
+        },
+        5s));
   }
   std::vector<bool> expected, seen;
   std::lock_guard<std::mutex> lock(mu);
@@ -167,10 +167,8 @@ TEST_F(TransportTest, QueueGroupMembersShareRequestsAndEachIsHandledOnce) {
       EXPECT_TRUE(nc->Respond(m, Bytes(name)).ok());
     };
   };
-  auto sub_a =
-      replica_a->Subscribe("ns.router.route", "kvrouter", make_handler(replica_a.get(), "a"));
-  auto sub_b =
-      replica_b->Subscribe("ns.router.route", "kvrouter", make_handler(replica_b.get(), "b"));
+  auto sub_a = replica_a->Subscribe("ns.router.route", "kvrouter", make_handler(replica_a.get(), "a"));
+  auto sub_b = replica_b->Subscribe("ns.router.route", "kvrouter", make_handler(replica_b.get(), "b"));
   ASSERT_TRUE(sub_a.ok() && sub_b.ok());
   ASSERT_TRUE(replica_a->Flush(2s).ok());
   ASSERT_TRUE(replica_b->Flush(2s).ok());
@@ -225,9 +223,8 @@ TEST_F(TransportTest, RespondToMessageWithoutReplySubjectIsInvalidArgument) {
   auto nc = Connect();
   ASSERT_NE(nc, nullptr);
   std::atomic<int> code{-1};
-  auto sub = nc->Subscribe("no.reply", "", [&](const IncomingMessage& m) {
-    code = static_cast<int>(nc->Respond(m, Bytes("x")).code());
-  });
+  auto sub = nc->Subscribe(
+      "no.reply", "", [&](const IncomingMessage& m) { code = static_cast<int>(nc->Respond(m, Bytes("x")).code()); });
   ASSERT_TRUE(sub.ok());
   ASSERT_TRUE(nc->Flush(2s).ok());
   ASSERT_TRUE(nc->Publish("no.reply", Bytes("fire-and-forget")).ok());
@@ -241,23 +238,19 @@ TEST_F(TransportTest, HeadersRoundTripIncludingVllmKvSeq) {
   std::mutex mu;
   std::optional<std::string> kv_seq, kv_seq_lower, missing, repeated, body;
   std::atomic<bool> got{false};
-  auto sub = nc->Subscribe("namespace.dynamo.component.backend.vllm-kv-events.7.0", "",
-                           [&](const IncomingMessage& m) {
-                             std::lock_guard<std::mutex> lock(mu);
-                             kv_seq = m.Header("Kv-Seq");
-                             kv_seq_lower = m.Header("kv-seq");
-                             missing = m.Header("Absent");
-                             repeated = m.Header("Multi");
-                             body = Text(m.data);
-                             got = true;
-                           });
+  auto sub = nc->Subscribe("namespace.dynamo.component.backend.vllm-kv-events.7.0", "", [&](const IncomingMessage& m) {
+    std::lock_guard<std::mutex> lock(mu);
+    kv_seq = m.Header("Kv-Seq");
+    kv_seq_lower = m.Header("kv-seq");
+    missing = m.Header("Absent");
+    repeated = m.Header("Multi");
+    body = Text(m.data);
+    got = true;
+  });
   ASSERT_TRUE(sub.ok());
   ASSERT_TRUE(nc->Flush(2s).ok());
-  ASSERT_TRUE(nc->PublishWithHeaders("namespace.dynamo.component.backend.vllm-kv-events.7.0",
-                                     Bytes("batch"),
-                                     {{"Kv-Seq", "18446744073709551615"},
-                                      {"Multi", "first"},
-                                      {"Multi", "second"}})
+  ASSERT_TRUE(nc->PublishWithHeaders("namespace.dynamo.component.backend.vllm-kv-events.7.0", Bytes("batch"),
+                                     {{"Kv-Seq", "18446744073709551615"}, {"Multi", "first"}, {"Multi", "second"}})
                   .ok());
   ASSERT_TRUE(WaitFor([&] { return got.load(); }, 5s));
   std::lock_guard<std::mutex> lock(mu);
@@ -272,9 +265,8 @@ TEST_F(TransportTest, MessageWithoutHeadersHasNoHeader) {
   auto nc = Connect();
   ASSERT_NE(nc, nullptr);
   std::atomic<int> state{0};  // 1 = no header, 2 = header found
-  auto sub = nc->Subscribe("plain", "", [&](const IncomingMessage& m) {
-    state = m.Header("Kv-Seq").has_value() ? 2 : 1;
-  });
+  auto sub =
+      nc->Subscribe("plain", "", [&](const IncomingMessage& m) { state = m.Header("Kv-Seq").has_value() ? 2 : 1; });
   ASSERT_TRUE(sub.ok());
   ASSERT_TRUE(nc->Flush(2s).ok());
   ASSERT_TRUE(nc->Publish("plain", Bytes("x")).ok());
@@ -485,7 +477,7 @@ TEST_F(TransportTest, ClientDestroyedWhileStillConnectingReturnsPromptly) {
   auto sub = (*nc)->Subscribe("never", "", [](const IncomingMessage&) {});
   ASSERT_TRUE(sub.ok());
   const auto start = std::chrono::steady_clock::now();
-  nc->reset();   // closes while reconnect attempts are under way
+  nc->reset();  // closes while reconnect attempts are under way
   sub->reset();
   EXPECT_LT(std::chrono::steady_clock::now() - start, 2s);
 }

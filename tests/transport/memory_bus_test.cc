@@ -14,7 +14,9 @@
 namespace kvrouter {
 namespace {
 
-std::span<const std::byte> Bytes(std::string_view s) { return {reinterpret_cast<const std::byte*>(s.data()), s.size()}; }
+std::span<const std::byte> Bytes(std::string_view s) {
+  return {reinterpret_cast<const std::byte*>(s.data()), s.size()};
+}
 std::string Text(std::span<const std::byte> b) { return {reinterpret_cast<const char*>(b.data()), b.size()}; }
 
 TEST(InMemoryBus, DeliversByWildcardAndOneMemberPerQueueGroup) {
@@ -45,10 +47,9 @@ TEST(InMemoryBus, HandlerMayDropItsOwnSubscription) {
   std::unique_ptr<BusSubscription> sub;
   int calls = 0;
   sub = std::move(bus.Subscribe("s", "", [&](const BusMessage&) {
-                       ++calls;
-                       sub.reset();  // must not wait for itself
-                     }))
-            .value();
+          ++calls;
+          sub.reset();  // must not wait for itself
+        })).value();
   ASSERT_TRUE(bus.Publish("s", Bytes("1")).ok());
   ASSERT_TRUE(bus.Publish("s", Bytes("2")).ok());
   EXPECT_EQ(calls, 1);
@@ -62,16 +63,15 @@ TEST(InMemoryBus, DroppingASubscriptionWaitsForItsRunningHandler) {
   std::atomic<bool> in_handler{false}, handler_done{false};
   std::atomic<int> probes{0};
   auto sub = std::move(bus.Subscribe("s", "", [&](const BusMessage& m) {
-                          if (Text(m.data) != "block") {
-                            ++probes;
-                            return;
-                          }
-                          in_handler = true;
-                          std::unique_lock lk(mu);
-                          cv.wait(lk, [&] { return release; });
-                          handler_done = true;
-                        }))
-                 .value();
+               if (Text(m.data) != "block") {
+                 ++probes;
+                 return;
+               }
+               in_handler = true;
+               std::unique_lock lk(mu);
+               cv.wait(lk, [&] { return release; });
+               handler_done = true;
+             })).value();
   std::thread publisher([&] { (void)bus.Publish("s", Bytes("block")); });
   AwaitTrue([&] { return in_handler.load(); });
   std::atomic<bool> dropped{false};
@@ -101,10 +101,8 @@ TEST(InMemoryBus, DroppingASubscriptionWaitsForItsRunningHandler) {
 
 TEST(InMemoryBus, ConcurrentRequestsEachGetTheirOwnReply) {
   InMemoryBus bus;
-  auto echo = std::move(bus.Subscribe("echo", "", [&](const BusMessage& m) {
-                          (void)bus.Publish(m.reply, m.data);
-                        }))
-                  .value();
+  auto echo =
+      std::move(bus.Subscribe("echo", "", [&](const BusMessage& m) { (void)bus.Publish(m.reply, m.data); })).value();
   std::atomic<int> wrong{0};
   std::vector<std::thread> threads;
   for (int t = 0; t < 4; ++t) {

@@ -17,8 +17,7 @@ struct FakeClockAndSink {
 
   RateLimitedLog Make(std::chrono::milliseconds interval) {
     return RateLimitedLog(
-        interval, [this] { return now; },
-        [this](LogLevel, std::string_view line) { lines.emplace_back(line); });
+        interval, [this] { return now; }, [this](LogLevel, std::string_view line) { lines.emplace_back(line); });
   }
 };
 

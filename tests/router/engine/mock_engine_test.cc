@@ -40,17 +40,14 @@ class EngineHarness {
  public:
   explicit EngineHarness(MockEngineConfig config, std::size_t event_buffer = 1024)
       : publisher_({.worker_id = kWorker, .dp_rank = kRank, .event_buffer = event_buffer}),
-        engine_(config, [this](KvEventData&& d) {
-          events.push_back(publisher_.Publish(std::move(d)));
-        }) {}
+        engine_(config, [this](KvEventData&& d) { events.push_back(publisher_.Publish(std::move(d))); }) {}
 
   MockEngine& engine() { return engine_; }
   KvEventPublisher& publisher() { return publisher_; }
 
-  void Add(std::string id, std::vector<std::uint32_t> tokens, std::uint32_t max_tokens = 1,
-           std::string lora = {}) {
-    engine_.Add({.id = std::move(id), .tokens = std::move(tokens), .max_tokens = max_tokens,
-                 .lora_name = std::move(lora)});
+  void Add(std::string id, std::vector<std::uint32_t> tokens, std::uint32_t max_tokens = 1, std::string lora = {}) {
+    engine_.Add(
+        {.id = std::move(id), .tokens = std::move(tokens), .max_tokens = max_tokens, .lora_name = std::move(lora)});
   }
   // One step at the current virtual time; returns its duration.
   double Step() {
@@ -168,7 +165,7 @@ TEST(MockEngine, RepeatedPromptHitsItsCachedBlocksAndPublishesNothing) {
 
 TEST(MockEngine, SharedPrefixPublishesAChainWhoseParentIsTheLastSharedBlock) {
   EngineHarness h({.block_size = 4});
-  const auto a = Tokens(1, 12);                        // blocks A0 A1 A2
+  const auto a = Tokens(1, 12);                         // blocks A0 A1 A2
   const auto b = Concat(Tokens(1, 8), Tokens(100, 9));  // blocks A0 A1 B2 B3 + partial
   h.Add("a", a);
   h.RunUntilIdle();
@@ -200,11 +197,13 @@ TEST(MockEngine, StoredTokensInsideTheSinkAreTheTokensOfTheNewBlocksOnly) {
   });
   engine = &e;
   std::vector<EngineOutput> out;
-  auto run = [&] { for (double now = 0; !e.Idle();) now += e.Step(now, out); };
+  auto run = [&] {
+    for (double now = 0; !e.Idle();) now += e.Step(now, out);
+  };
   e.Add({.id = "a", .tokens = Tokens(1, 14)});  // 3 full blocks + a partial one
   run();
   e.Add({.id = "b", .tokens = Concat(Tokens(1, 8), Tokens(100, 10))});  // A0 A1 B2 B3 + partial
-  run();                                                                 // evicts A2
+  run();                                                                // evicts A2
   ASSERT_EQ(stored_tokens.size(), 2u);
   EXPECT_EQ(stored_tokens[0], Tokens(1, 12));
   EXPECT_EQ(stored_tokens[1], Tokens(100, 8));
@@ -220,8 +219,7 @@ TEST(MockEngine, LoraNameSeparatesCachedBlocks) {
   h.RunUntilIdle();
   EXPECT_EQ(h.Find("b", EngineOutput::kFirstToken)->cached_tokens, 0u);
   ASSERT_EQ(h.events.size(), 2u);
-  EXPECT_EQ(StoredOf(h.events[1]).blocks[0].tokens_hash,
-            ComputeLocalHashes(prompt, 4, "my-adapter")[0]);
+  EXPECT_EQ(StoredOf(h.events[1]).blocks[0].tokens_hash, ComputeLocalHashes(prompt, 4, "my-adapter")[0]);
   EXPECT_EQ(h.engine().CachedBlocks(), 4u);
 }
 
@@ -263,8 +261,8 @@ TEST(MockEngine, EvictsLeastRecentlyReleasedBlocksFirstAndPublishesRemovals) {
 
 TEST(MockEngine, EvictionTakesAReleasedTailBeforeItsSharedPrefix) {
   EngineHarness h({.num_gpu_blocks = 4, .block_size = 4});
-  const auto a = Tokens(1, 12);                        // A0 A1 A2
-  const auto x = Tokens(500, 4);                       // X0
+  const auto a = Tokens(1, 12);   // A0 A1 A2
+  const auto x = Tokens(500, 4);  // X0
   h.Add("a", a);
   h.RunUntilIdle();
   h.Add("x", x);
@@ -297,8 +295,7 @@ TEST(MockEngine, RequestThatCannotGetBlocksWaitsUntilOthersFinish) {
   EXPECT_GT(b_first->at_ms, h.Find("a", EngineOutput::kFinished)->at_ms);
   // b evicted one of a's blocks (a's last one, released first).
   ASSERT_EQ(h.events.size(), 3u);
-  EXPECT_EQ(RemovedOf(h.events[1]).block_hashes,
-            (std::vector<BlockHash>{SeqHashes(Tokens(1, 12), 4)[2]}));
+  EXPECT_EQ(RemovedOf(h.events[1]).block_hashes, (std::vector<BlockHash>{SeqHashes(Tokens(1, 12), 4)[2]}));
   EXPECT_TRUE(h.engine().Idle());
 }
 
@@ -352,7 +349,7 @@ TEST(MockEngine, CachedTokensDoNotCountAgainstTheTokenBudget) {
   EngineHarness h({.block_size = 4, .max_num_batched_tokens = 16});
   h.Add("warm", Tokens(1, 16));
   h.RunUntilIdle();
-  h.Add("a", Tokens(1, 16));                        // fully cached: 0 uncached tokens
+  h.Add("a", Tokens(1, 16));                         // fully cached: 0 uncached tokens
   h.Add("b", Concat(Tokens(1, 12), Tokens(50, 4)));  // 4 uncached
   h.Add("c", Tokens(100, 12));                       // 12 uncached: 16 in all
   h.Add("d", Tokens(200, 4));                        // over the budget
@@ -432,8 +429,7 @@ TEST(MockEngine, ReplayingEveryEventIntoABlockIndexReproducesTheCache) {
   std::uint64_t next_id = 1;
   std::size_t removed = 0, stored = 0;
   KvEventPublisher publisher({.worker_id = kWorker, .dp_rank = kRank});
-  MockEngine engine({.num_gpu_blocks = 48, .block_size = kBs, .max_num_seqs = 6,
-                     .max_num_batched_tokens = 64},
+  MockEngine engine({.num_gpu_blocks = 48, .block_size = kBs, .max_num_seqs = 6, .max_num_batched_tokens = 64},
                     [&](KvEventData&& d) {
                       const KvEventBatch b = publisher.Publish(std::move(d));
                       ASSERT_EQ(b.worker_id, kWorker);

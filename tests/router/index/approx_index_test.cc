@@ -60,7 +60,7 @@ TEST(ApproxIndex, RoutingTheSamePrefixAgainRefreshesIt) {
   a.Record(kA, p.local, p.seq, kT0);
   const Prompt prefix = MakePrompt(10, 2);
   a.Record(kA, prefix.local, prefix.seq, kT0 + seconds(100));  // refreshes the first two
-  EXPECT_EQ(a.Expire(kT0 + seconds(150)), 1u);                  // only the third was stale
+  EXPECT_EQ(a.Expire(kT0 + seconds(150)), 1u);                 // only the third was stale
   EXPECT_EQ(Matches(a, p), (std::map<WorkerKey, std::uint32_t>{{kA, 2}}));
   EXPECT_EQ(a.Expire(kT0 + seconds(220)), 2u);
 }

@@ -253,7 +253,8 @@ TEST(BlockIndex, TidiedFreeNodesAreTakenInAddressOrder) {
 // it); ShrinkTablesLater keeps the capacity until ShrinkTables.
 TEST(BlockIndex, TheTableShrinksAsBlocksGoUnlessShrinkingIsLeftToTheOwner) {
   auto fill_and_clear = [](BlockIndex& idx) {
-    for (std::uint64_t b = 1; b <= 5000; ++b) (void)idx.ApplyStored(kW1, std::nullopt, std::vector<StoredBlock>{{b, b}});
+    for (std::uint64_t b = 1; b <= 5000; ++b)
+      (void)idx.ApplyStored(kW1, std::nullopt, std::vector<StoredBlock>{{b, b}});
     const std::size_t full = idx.Memory().table_bytes;
     (void)idx.ClearWorker(kW1.worker_id);
     return full;
@@ -274,7 +275,7 @@ TEST(BlockIndex, TheTableShrinksAsBlocksGoUnlessShrinkingIsLeftToTheOwner) {
 // Worker 2 holds `other`; worker 1 stores `chain` and removes it a million times. The index's
 // memory before and after the million.
 std::pair<IndexMemory, IndexMemory> StoreAndRemoveAMillionTimes(const std::vector<StoredBlock>& chain,
-                                                                 const std::vector<StoredBlock>& other) {
+                                                                const std::vector<StoredBlock>& other) {
   BlockIndex idx;
   std::vector<BlockHash> ids;
   for (const auto& b : chain) ids.push_back(b.block_hash);
@@ -316,7 +317,8 @@ class ReferenceIndex {
     for (BlockHash h : hs) workers_[w].erase(h);
   }
   void Clear(std::uint64_t id) {
-    for (auto& [k, b] : workers_) if (k.worker_id == id) b.clear();
+    for (auto& [k, b] : workers_)
+      if (k.worker_id == id) b.clear();
   }
   std::map<WorkerKey, std::uint32_t> Matches(const std::vector<LocalHash>& h) const {
     std::map<WorkerKey, std::uint32_t> out;

@@ -202,11 +202,8 @@ TEST(ConcurrentReads, TolerantFindMatchesStayInBoundsWhileTheOwnerWrites) {
           event([&] { idx.ApplyRemoved(key, gone); });
           break;
         }
-        case 1:
-          event([&] { idx.ClearWorker(w); });
-          break;
-        default:
-          event([&] { idx.RemoveWorker(w); });  // it returns next round, under a new slot
+        case 1: event([&] { idx.ClearWorker(w); }); break;
+        default: event([&] { idx.RemoveWorker(w); });  // it returns next round, under a new slot
       }
     }
   }

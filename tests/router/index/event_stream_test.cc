@@ -119,7 +119,7 @@ TEST_F(EventStreamsTest, AFailedRecoveryAppliesWhatWasHeldAndTheNextGapAsksAgain
 }
 
 TEST_F(EventStreamsTest, AnOverflowingHoldEndsInAFreshDump) {
-  EXPECT_EQ(Live(1), V::kHeld);  // dump 1 asked
+  EXPECT_EQ(Live(1), V::kHeld);                                             // dump 1 asked
   for (std::uint64_t id = 2; id <= 6; ++id) EXPECT_EQ(Live(id), V::kHeld);  // 5 > max_held 4
   EXPECT_EQ(streams_.counters().held_dropped, 4u);
   auto reply = Part(RecoveryPart::Kind::kDump, {}, 1);
@@ -149,7 +149,7 @@ TEST_F(EventStreamsTest, ADumpRequestedDuringARecoveryFollowsIt) {
   auto dump = Part(RecoveryPart::Kind::kDump, {}, 0);
   for (auto& b : streams_.Recovered(dump).rejudge) EXPECT_EQ(streams_.Live(b), V::kApply);
   EXPECT_EQ(Live(3), V::kHeld);  // gap: asks [2, ...]
-  streams_.RequestDump(kW);       // e.g. NATS reconnected meanwhile
+  streams_.RequestDump(kW);      // e.g. NATS reconnected meanwhile
   auto range = Part(RecoveryPart::Kind::kEvents, {2, 3}, 3);
   auto o = streams_.Recovered(range);
   EXPECT_TRUE(o.rejudge.empty());
@@ -162,9 +162,9 @@ TEST_F(EventStreamsTest, AReplyToAnOlderAskIsIgnored) {
   EXPECT_EQ(Live(1), V::kHeld);  // ask 1: a dump
   auto stale = Part(RecoveryPart::Kind::kDump, {1}, 1);
   streams_.RemoveWorker(kW.worker_id);  // its lease ran out...
-  EXPECT_EQ(Live(1), V::kHeld);          // ...and it is back: ask 2
+  EXPECT_EQ(Live(1), V::kHeld);         // ...and it is back: ask 2
   EXPECT_NE(stale.generation, generation_);
-  auto o = streams_.Recovered(stale);    // the answer to ask 1 arrives late
+  auto o = streams_.Recovered(stale);  // the answer to ask 1 arrives late
   EXPECT_TRUE(stale.events.empty());
   EXPECT_FALSE(o.clear_first);
   EXPECT_TRUE(streams_.Recovering(kW));  // still waiting for ask 2
@@ -177,7 +177,7 @@ TEST_F(EventStreamsTest, AReplyToAnOlderAskIsIgnored) {
 TEST_F(EventStreamsTest, VllmRanksCountTheirSection6IdsFromOne) {
   // Kv-Seq starts at 0; §6 ids count the same batches from 1 (id = Kv-Seq + 1).
   KvEventBatch first = Event(0, SequenceKind::kVllmSeq);
-  EXPECT_EQ(streams_.Live(first), V::kHeld);  // first sight: a dump
+  EXPECT_EQ(streams_.Live(first), V::kHeld);           // first sight: a dump
   auto dump = Part(RecoveryPart::Kind::kDump, {}, 3);  // the worker has published 3 batches: Kv-Seq 0..2
   auto o = streams_.Recovered(dump);
   EXPECT_TRUE(o.rejudge.empty());  // Kv-Seq 0 was in the dump (not a restart)

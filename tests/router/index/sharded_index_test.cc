@@ -38,7 +38,8 @@ KvEventBatch RemovedBatch(std::uint64_t worker, std::uint64_t event_id, std::vec
 }
 
 std::uint32_t OverlapOf(const OverlapScores& s, WorkerKey w) {
-  for (const auto& e : s) if (e.worker == w) return e.blocks;
+  for (const auto& e : s)
+    if (e.worker == w) return e.blocks;
   return 0;
 }
 
@@ -117,8 +118,8 @@ TEST(ShardedIndex, AppliedBatchesComeBackAsSpares) {
   KvEventBatch spare = idx.Spare();
   ASSERT_EQ(spare.ops.size(), 1u);
   EXPECT_EQ(std::get<KvStored>(spare.ops[0].data).blocks.data(), blocks);  // the same memory
-  EXPECT_TRUE(idx.Spare().ops.empty());  // the 65-block batch was freed, not kept
-  spare.ops.clear();  // reusing it changes nothing indexed
+  EXPECT_TRUE(idx.Spare().ops.empty());                                    // the 65-block batch was freed, not kept
+  spare.ops.clear();                                                       // reusing it changes nothing indexed
   const std::vector<LocalHash> q = {1, 2};
   EXPECT_EQ(OverlapOf(idx.FindMatches(ComputeSequenceHashes(q)), {1, 0}), 2u);
 
@@ -182,7 +183,8 @@ TEST(ShardedIndex, ARefilledTableIsNotShrunkByAnEarlierEmptySpell) {
   ShardedIndex idx({.num_shards = 1, .shrink_after = std::chrono::seconds(1)});
   std::uint64_t event = 1;
   auto store = [&](std::uint64_t from, std::uint64_t to) {
-    for (std::uint64_t b = from; b < to; ++b) ASSERT_TRUE(idx.Submit(StoredBatch(1, 0, event++, std::nullopt, {{b, b}})));
+    for (std::uint64_t b = from; b < to; ++b)
+      ASSERT_TRUE(idx.Submit(StoredBatch(1, 0, event++, std::nullopt, {{b, b}})));
     idx.Flush();
   };
   store(1, 20001);
@@ -289,7 +291,8 @@ TEST(ShardedIndex, ApplyOnSubmitNeverOvertakesWhatTheShardThreadHasYetToApply) {
   // Worker 1's rank goes live: its dump (empty) answered, the next event id is 1.
   idx.RequestDump({1, 0});
   idx.Flush();
-  idx.Recovered({.worker = {1, 0}, .kind = RecoveryPart::Kind::kDump, .last_event_id = 0, .generation = generation_of_1});
+  idx.Recovered(
+      {.worker = {1, 0}, .kind = RecoveryPart::Kind::kDump, .last_event_id = 0, .generation = generation_of_1});
   idx.Flush();
   idx.RequestDump({99, 0});
   {
@@ -316,7 +319,7 @@ TEST(ShardedIndex, DuplicateEventIdIsDroppedAndGapIsFlagged) {
   ShardedIndex idx({.num_shards = 2});
   ASSERT_TRUE(idx.Submit(StoredBatch(5, 0, 1, std::nullopt, {{100, 1}})));
   ASSERT_TRUE(idx.Submit(StoredBatch(5, 0, 1, std::nullopt, {{200, 9}})));  // repeat of id 1
-  ASSERT_TRUE(idx.Submit(StoredBatch(5, 0, 4, 100, {{101, 2}})));            // ids 2, 3 missing
+  ASSERT_TRUE(idx.Submit(StoredBatch(5, 0, 4, 100, {{101, 2}})));           // ids 2, 3 missing
   idx.Flush();
   auto c = idx.Counters();
   EXPECT_EQ(c.duplicate, 1u);

@@ -64,8 +64,8 @@ TEST(BenchConfig, AWorkloadShapeBringsItsDefaultsAndExplicitFlagsWin) {
   EXPECT_EQ(fewer->config.synthetic.sessions, 3u);
   EXPECT_EQ(fewer->config.synthetic.turns, WorkloadDefaults(WorkloadShape::kAgentic).turns);
   EXPECT_EQ(fewer->config.plot_path, "out.svg");
-  for (const auto& args : std::vector<std::vector<std::string>>{{"--workload", "poisson"},
-                                                                {"--trace", "t.jsonl", "--workload", "chat"}}) {
+  for (const auto& args :
+       std::vector<std::vector<std::string>>{{"--workload", "poisson"}, {"--trace", "t.jsonl", "--workload", "chat"}}) {
     auto bad = Parse(args);
     ASSERT_FALSE(bad.ok());
     EXPECT_NE(bad.status().message().find("workload"), std::string::npos) << bad.status().message();

@@ -8,8 +8,8 @@ namespace {
 // A small conversation workload on 4 small workers: big enough for routing to matter, small
 // enough to run in well under a second.
 std::vector<TraceRequest> Workload() {
-  return SyntheticConversations({.sessions = 40, .turns = 4, .system_blocks = 1, .blocks_per_turn = 2,
-                                 .requests_per_second = 20, .seed = 3});
+  return SyntheticConversations(
+      {.sessions = 40, .turns = 4, .system_blocks = 1, .blocks_per_turn = 2, .requests_per_second = 20, .seed = 3});
 }
 
 OfflineOptions Options(std::vector<std::string> flags) {
@@ -41,8 +41,8 @@ TEST(OfflineReplay, CacheAwareRoutingHitsMoreThanRoundRobin) {
   const auto trace = Workload();
   auto rr = RunOffline(trace, Options({"--router-mode", "round-robin"}));
   auto kv = RunOffline(trace, Options({"--router-mode", "kv", "--router-prefill-load-scale", "4"}));
-  auto approx = RunOffline(trace, Options({"--router-mode", "kv", "--router-prefill-load-scale", "4",
-                                           "--no-router-kv-events"}));
+  auto approx =
+      RunOffline(trace, Options({"--router-mode", "kv", "--router-prefill-load-scale", "4", "--no-router-kv-events"}));
   ASSERT_TRUE(rr.ok() && kv.ok() && approx.ok());
   EXPECT_GT(kv->kv_hit_rate, rr->kv_hit_rate + 0.1);
   EXPECT_GT(approx->kv_hit_rate, rr->kv_hit_rate + 0.1);

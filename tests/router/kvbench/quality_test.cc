@@ -53,8 +53,8 @@ TEST_P(QualityByShape, TheDefaultMeetsTheGoal) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Workloads, QualityByShape,
-                         ::testing::Values(WorkloadShape::kChat, WorkloadShape::kSystemPrompts,
-                                           WorkloadShape::kAgentic, WorkloadShape::kBursts),
+                         ::testing::Values(WorkloadShape::kChat, WorkloadShape::kSystemPrompts, WorkloadShape::kAgentic,
+                                           WorkloadShape::kBursts),
                          [](const ::testing::TestParamInfo<WorkloadShape>& shape) {
                            std::string n = WorkloadName(shape.param);
                            std::erase(n, '-');

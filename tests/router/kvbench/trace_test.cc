@@ -37,8 +37,8 @@ TEST(MooncakeTrace, NestedValuesAreSkippedAndLargeIdsStayExact) {
 }
 
 TEST(MooncakeTrace, MalformedLinesAreInvalidArgument) {
-  for (const char* bad : {"", "[1,2]", R"({"hash_ids": [1, -2]})", R"({"input_length": "x"})",
-                          R"({"timestamp": 1,)", R"({"hash_ids": [1 2]})"}) {
+  for (const char* bad : {"", "[1,2]", R"({"hash_ids": [1, -2]})", R"({"input_length": "x"})", R"({"timestamp": 1,)",
+                          R"({"hash_ids": [1 2]})"}) {
     auto r = ParseMooncakeLine(bad);
     EXPECT_FALSE(r.ok()) << bad;
     if (!r.ok()) {
@@ -89,8 +89,8 @@ TEST(SyntheticConversations, TurnsExtendTheirConversationAndShareTheSystemPrompt
 }
 
 TEST(SyntheticWorkloads, NamesRoundTripAndUnknownOnesAreRefused) {
-  for (auto shape : {WorkloadShape::kChat, WorkloadShape::kSystemPrompts, WorkloadShape::kAgentic, WorkloadShape::kBursts,
-                     WorkloadShape::kFanout}) {
+  for (auto shape : {WorkloadShape::kChat, WorkloadShape::kSystemPrompts, WorkloadShape::kAgentic,
+                     WorkloadShape::kBursts, WorkloadShape::kFanout}) {
     EXPECT_EQ(WorkloadFromName(WorkloadName(shape)), shape);
     EXPECT_EQ(WorkloadDefaults(shape).shape, shape);
   }
@@ -165,8 +165,18 @@ TEST(SyntheticWorkloads, FanoutBurstsShareAFreshDocumentAtOneInstant) {
 
 TEST(Summary, HitRatePercentilesAndSpread) {
   std::vector<RequestRecord> recs = {
-      {.arrival_ms = 0, .first_token_ms = 100, .finished_ms = 1000, .prompt_tokens = 1000, .cached_tokens = 500, .worker_id = 1},
-      {.arrival_ms = 0, .first_token_ms = 300, .finished_ms = 2000, .prompt_tokens = 1000, .cached_tokens = 0, .worker_id = 2},
+      {.arrival_ms = 0,
+       .first_token_ms = 100,
+       .finished_ms = 1000,
+       .prompt_tokens = 1000,
+       .cached_tokens = 500,
+       .worker_id = 1},
+      {.arrival_ms = 0,
+       .first_token_ms = 300,
+       .finished_ms = 2000,
+       .prompt_tokens = 1000,
+       .cached_tokens = 0,
+       .worker_id = 2},
       {.arrival_ms = 0, .error = true},
   };
   const Summary s = Summarize("kv", recs, {1, 2, 3});
@@ -191,9 +201,17 @@ TEST(Summary, JsonEscapesTheLabel) {
 }
 
 TEST(Plot, DrawsEveryRunAndTheBoundIntoAnSvg) {
-  Summary a{.mode = "kv (default)", .requests = 10, .kv_hit_rate = 0.5, .ttft_p50 = 40, .ttft_p99 = 90,
+  Summary a{.mode = "kv (default)",
+            .requests = 10,
+            .kv_hit_rate = 0.5,
+            .ttft_p50 = 40,
+            .ttft_p99 = 90,
             .pooled_lru_hit_rate = 0.6};
-  Summary b{.mode = "kv, Dynamo's cost", .requests = 10, .kv_hit_rate = 0.3, .ttft_p50 = 60, .ttft_p99 = 200,
+  Summary b{.mode = "kv, Dynamo's cost",
+            .requests = 10,
+            .kv_hit_rate = 0.3,
+            .ttft_p50 = 60,
+            .ttft_p99 = 200,
             .pooled_lru_hit_rate = 0.6};
   const std::string path = ::testing::TempDir() + "kvbench-plot-test.svg";
   std::filesystem::remove(path);

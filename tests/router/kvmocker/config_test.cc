@@ -10,8 +10,7 @@
 namespace kvrouter {
 namespace {
 
-Result<ParsedMockerArgs> Parse(std::vector<std::string> args,
-                               std::map<std::string, std::string> env = {}) {
+Result<ParsedMockerArgs> Parse(std::vector<std::string> args, std::map<std::string, std::string> env = {}) {
   args.insert(args.begin(), "kvmocker");
   std::vector<const char*> argv;
   for (auto& a : args) argv.push_back(a.c_str());

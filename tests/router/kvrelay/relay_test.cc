@@ -31,16 +31,20 @@ ZmqBatch Stored(std::int64_t seq, std::uint64_t hash, std::uint32_t first) {
 class KvRelayTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    events_sub_ = bus_.Subscribe("namespace.dynamo.component.backend.kv-events", "", [this](const BusMessage& m) {
-                        auto b = DecodeDynamoEvent(m.data);
-                        ASSERT_TRUE(b.ok()) << b.status().ToString();
-                        events_.push_back(std::move(b).value());
-                      }).value();
-    regs_sub_ = bus_.Subscribe("namespace.dynamo.component.backend.instances", "", [this](const BusMessage& m) {
-                      auto r = DecodeWorkerRegistration(m.data);
-                      ASSERT_TRUE(r.ok());
-                      regs_.push_back(*r);
-                    }).value();
+    events_sub_ = bus_.Subscribe("namespace.dynamo.component.backend.kv-events", "",
+                                 [this](const BusMessage& m) {
+                                   auto b = DecodeDynamoEvent(m.data);
+                                   ASSERT_TRUE(b.ok()) << b.status().ToString();
+                                   events_.push_back(std::move(b).value());
+                                 })
+                      .value();
+    regs_sub_ = bus_.Subscribe("namespace.dynamo.component.backend.instances", "",
+                               [this](const BusMessage& m) {
+                                 auto r = DecodeWorkerRegistration(m.data);
+                                 ASSERT_TRUE(r.ok());
+                                 regs_.push_back(*r);
+                               })
+                    .value();
   }
   void Make(bool with_replay) {
     KvRelay::Replay replay;

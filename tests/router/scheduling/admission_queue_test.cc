@@ -34,7 +34,8 @@ class AdmissionQueueTest : public ::testing::Test {
     return q.Push(std::move(r), Blocks(blocks), 0, "reply." + r.request_id, kind, kT0);
   }
   // Drains, admitting the requests `admit` says yes to; returns the ids taken, in order.
-  std::vector<std::string> Drain(AdmissionQueue& q, const std::function<AdmissionQueue::Admission(const QueuedRoute&)>& admit) {
+  std::vector<std::string> Drain(AdmissionQueue& q,
+                                 const std::function<AdmissionQueue::Admission(const QueuedRoute&)>& admit) {
     std::vector<std::string> taken;
     q.Drain([&](QueuedRoute& r, SteadyTime) { return admit(r); },
             [&](QueuedRoute&& r) { taken.push_back(r.req.request_id); });
@@ -147,7 +148,7 @@ TEST_F(AdmissionQueueTest, ARouteWaitsWithoutItsTokensAGenerateKeepsThem) {
     tokens[r.req.request_id] = r.req.token_ids.size();
     return AdmissionQueue::Admission::kAdmitted;
   });
-  EXPECT_EQ(tokens["route"], 0u);     // hashed already: only a forward needs them
+  EXPECT_EQ(tokens["route"], 0u);  // hashed already: only a forward needs them
   EXPECT_EQ(tokens["generate"], 4u);
 }
 

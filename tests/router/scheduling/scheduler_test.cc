@@ -30,7 +30,8 @@ class SchedulerTest : public ::testing::Test {
     return o;
   }
   std::unique_ptr<Scheduler> Make(SchedulerOptions o) {
-    return std::make_unique<Scheduler>(o, index_, [this] { return now_; }, 7);
+    return std::make_unique<Scheduler>(
+        o, index_, [this] { return now_; }, 7);
   }
   PreparedRequest Prepared(const SchedulerOptions& o, const RouteRequest& r) {
     auto p = PrepareRequest(o, r);
@@ -53,7 +54,7 @@ TEST_F(SchedulerTest, PrepareRefusesAPromptOverTheLimit) {
 
 TEST_F(SchedulerTest, PrepareRefusesBlockHashesThatDoNotFitTheirIsl) {
   RouteRequest r;
-  r.isl = 5;                       // two blocks of 4 at most
+  r.isl = 5;  // two blocks of 4 at most
   r.block_hashes = {1, 2, 3};
   auto p = PrepareRequest(Options(), r);
   ASSERT_FALSE(p.ok());

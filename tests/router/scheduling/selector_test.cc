@@ -61,7 +61,8 @@ TEST(PredictedCost, TableOfCases) {
   const CostParams kP{.model = CostModel::kPredicted};
   const SelectionRequest k4096{4096, 64};
   auto ttft = [](double queued, double queued_sq, double uncached, double steps, double u) {
-    return 0.0152 * (queued + uncached) + 4.21e-7 * (queued_sq + uncached * uncached) + steps * (16.5 + DecodeStepMs(u));
+    return 0.0152 * (queued + uncached) + 4.21e-7 * (queued_sq + uncached * uncached) +
+           steps * (16.5 + DecodeStepMs(u));
   };
   Candidate idle = Loaded(1, 0, 0);
   Candidate cached = idle;
@@ -81,13 +82,21 @@ TEST(PredictedCost, TableOfCases) {
       {"a prefix in flight there counts as cached", in_flight, k4096, kP, 0, ttft(0, 0, 1024, 1, 16.0 / 16384)},
       {"queued prefill is waited for, one more step past the budget", queued, k4096, kP, 0,
        ttft(6000, 36e6, 4096, 2, 64.0 / 16384)},
-      {"untracked prefill is not", queued, k4096, {.model = CostModel::kPredicted, .track_prefill_tokens = false}, 0,
+      {"untracked prefill is not",
+       queued,
+       k4096,
+       {.model = CostModel::kPredicted, .track_prefill_tokens = false},
+       0,
        ttft(0, 0, 4096, 1, 64.0 / 16384)},
       {"running requests wait out the prefill", running, k4096, kP, 0,
        ttft(0, 0, 4096, 1, 3064.0 / 16384) + 5 * (PrefillMs(4096) - 16.5)},
       {"utilisation is of the announced cache, at most 1", small_cache, k4096, kP, 0, ttft(0, 0, 4096, 1, 0.5)},
       {"recent excess spreads", idle, k4096, kP, 3, ttft(0, 0, 4096, 1, 64.0 / 16384) + 3 * 10},
-      {"a small prefill spreads less", idle, {64, 1}, kP, 3,
+      {"a small prefill spreads less",
+       idle,
+       {64, 1},
+       kP,
+       3,
        ttft(0, 0, 64, 1, 1.0 / 16384) + 3 * 0.15 * (PrefillMs(64) - 16.5)},
       {"a cached prompt spreads as much as an uncached one", cached, k4096, kP, 3,
        ttft(0, 0, 1024, 1, 64.0 / 16384) + 3 * 10},
@@ -148,7 +157,8 @@ TEST(PredictedCost, EqualCostsGoToTheWorkerWithFewerRecentRequests) {
   c[2].recent_requests = 9;
   Selector sel;
   std::mt19937_64 rng(1);
-  for (int i = 0; i < 20; ++i) EXPECT_EQ(sel.Pick(RouterMode::kKv, {640, 10}, c, {.model = CostModel::kPredicted}, rng), 1u);
+  for (int i = 0; i < 20; ++i)
+    EXPECT_EQ(sel.Pick(RouterMode::kKv, {640, 10}, c, {.model = CostModel::kPredicted}, rng), 1u);
 }
 
 // docs/design.md's worked example: prefill+decode blocks 8+10, 5+5, 2+9 -> the 5+5 worker.

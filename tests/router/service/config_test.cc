@@ -47,9 +47,10 @@ TEST(RouterConfig, DefaultsMatchDynamo) {
 }
 
 TEST(RouterConfig, FlagsAreParsed) {
-  auto r = Args{{"--router-mode", "kv", "--block-size=16", "--router-temperature", "0.5",
-                 "--no-router-kv-events", "--router-queue-threshold", "1.5",
-                 "--router-queue-policy", "wspt", "--no-router-track-prefill-tokens"}}.Parse();
+  auto r =
+      Args{{"--router-mode", "kv", "--block-size=16", "--router-temperature", "0.5", "--no-router-kv-events",
+            "--router-queue-threshold", "1.5", "--router-queue-policy", "wspt", "--no-router-track-prefill-tokens"}}
+          .Parse();
   ASSERT_TRUE(r.ok()) << r.status().ToString();
   EXPECT_EQ(r->config.mode, RouterMode::kKv);
   EXPECT_EQ(r->config.block_size, 16u);
@@ -62,9 +63,12 @@ TEST(RouterConfig, FlagsAreParsed) {
 
 TEST(RouterConfig, EnvironmentFillsFlagsNotGivenOnTheCommandLine) {
   auto r = Args{{"--namespace", "cli"},
-                {{"DYN_ROUTER_MODE", "least-loaded"}, {"NATS_SERVER", "nats://10.0.0.1:4222"},
-                 {"DYN_NAMESPACE", "env"}, {"DYN_ROUTER_QUEUE_THRESHOLD", "2"},
-                 {"DYN_ROUTER_USE_KV_EVENTS", "false"}, {"DYN_ROUTER_TRACK_PREFILL_TOKENS", "false"}}}
+                {{"DYN_ROUTER_MODE", "least-loaded"},
+                 {"NATS_SERVER", "nats://10.0.0.1:4222"},
+                 {"DYN_NAMESPACE", "env"},
+                 {"DYN_ROUTER_QUEUE_THRESHOLD", "2"},
+                 {"DYN_ROUTER_USE_KV_EVENTS", "false"},
+                 {"DYN_ROUTER_TRACK_PREFILL_TOKENS", "false"}}}
                .Parse();
   ASSERT_TRUE(r.ok()) << r.status().ToString();
   EXPECT_EQ(r->config.mode, RouterMode::kLeastLoaded);
@@ -97,7 +101,8 @@ TEST(RouterConfig, DynamosWeightsSetExplicitlySelectDynamosFormula) {
       {"nothing set", Args{{"--router-mode", "kv"}}, CostModel::kPredicted, 1.0, 1.0},
       {"scale flag at its default", Args{{"--router-prefill-load-scale", "1"}}, CostModel::kDynamo, 1.0, 1.0},
       {"credit flag", Args{{"--router-kv-overlap-score-credit=0.5"}}, CostModel::kDynamo, 0.5, 1.0},
-      {"scale from the environment", Args{{}, {{"DYN_ROUTER_PREFILL_LOAD_SCALE", "16"}}}, CostModel::kDynamo, 1.0, 16.0},
+      {"scale from the environment", Args{{}, {{"DYN_ROUTER_PREFILL_LOAD_SCALE", "16"}}}, CostModel::kDynamo, 1.0,
+       16.0},
       {"credit from the environment", Args{{}, {{"DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT", "2"}}}, CostModel::kDynamo, 2.0,
        1.0},
       {"an unrelated flag", Args{{"--router-temperature", "0.5"}}, CostModel::kPredicted, 1.0, 1.0},
@@ -142,9 +147,9 @@ TEST(RouterConfig, BadValuesAreRefusedNamingTheFlag) {
 TEST(RouterConfig, NegativeValuesOfUnsignedFlagsAreRefused) {
   // Boost alone would wrap -1 to 4294967295.
   for (const auto& argv : std::vector<std::vector<std::string>>{{"--router-queue-max=-1"},
-                                                               {"--router-queue-max", "-1"},
-                                                               {"--router-max-active-blocks=-5"},
-                                                               {"--block-size=-64"}}) {
+                                                                {"--router-queue-max", "-1"},
+                                                                {"--router-max-active-blocks=-5"},
+                                                                {"--block-size=-64"}}) {
     auto r = Args{argv}.Parse();
     ASSERT_FALSE(r.ok()) << argv[0];
     EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
@@ -162,8 +167,8 @@ TEST(RouterConfig, HelpListsEveryFlagWithDefaults) {
   auto r = Args{{"--help"}}.Parse();
   ASSERT_TRUE(r.ok());
   EXPECT_TRUE(r->help);
-  for (const char* flag : {"--nats-server", "--router-mode", "--router-queue-threshold",
-                           "--no-router-kv-events", "--router-ttl-secs", "--device-ratio"}) {
+  for (const char* flag : {"--nats-server", "--router-mode", "--router-queue-threshold", "--no-router-kv-events",
+                           "--router-ttl-secs", "--device-ratio"}) {
     EXPECT_NE(r->help_text.find(flag), std::string::npos) << flag;
   }
   EXPECT_NE(r->help_text.find("round-robin"), std::string::npos);

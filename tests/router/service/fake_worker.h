@@ -35,20 +35,22 @@ inline std::vector<std::uint32_t> PromptTokens(std::uint32_t p, std::size_t bloc
 class FakeWorker {
  public:
   FakeWorker(InMemoryBus& bus, std::uint64_t id, bool serve = true, std::size_t buffer = 1024)
-      : bus_(bus), id_(id), buffer_(buffer), pub_(std::make_unique<KvEventPublisher>(PublisherConfig{.worker_id = id, .event_buffer = buffer})) {
+      : bus_(bus),
+        id_(id),
+        buffer_(buffer),
+        pub_(std::make_unique<KvEventPublisher>(PublisherConfig{.worker_id = id, .event_buffer = buffer})) {
     if (serve) {
       sub_ = std::move(bus.Subscribe(RecoverySubject("dynamo", "backend", id, 0), "", [this](const BusMessage& m) {
-                         if (!answer_) return;  // a worker that hangs
-                         RecoveryReply reply;
-                         {
-                           std::lock_guard g(mu_);
-                           reply = pub_->Answer(RecoveryQuery::Decode(m.data));
-                         }
-                         auto parts = EncodeRecoveryReplyParts(reply, bus_.MaxPayload());
-                         ASSERT_TRUE(parts.ok()) << parts.status().ToString();
-                         for (const auto& part : *parts) (void)bus_.Publish(m.reply, AsBytes(part));
-                       }))
-                 .value();
+               if (!answer_) return;  // a worker that hangs
+               RecoveryReply reply;
+               {
+                 std::lock_guard g(mu_);
+                 reply = pub_->Answer(RecoveryQuery::Decode(m.data));
+               }
+               auto parts = EncodeRecoveryReplyParts(reply, bus_.MaxPayload());
+               ASSERT_TRUE(parts.ok()) << parts.status().ToString();
+               for (const auto& part : *parts) (void)bus_.Publish(m.reply, AsBytes(part));
+             })).value();
     }
   }
   // Stores a prompt; returns the message (published unless `publish` is false: a lost event).

@@ -22,8 +22,8 @@ namespace kvrouter {
 namespace {
 
 using std::chrono::milliseconds;
-using testing::ServiceTest;
 using testing::kTwelve;
+using testing::ServiceTest;
 
 // ---- the relay on its own -----------------------------------------------------------------
 
@@ -33,8 +33,9 @@ class GenerateRelayTest : public ::testing::Test {
   static constexpr const char* kWorkerSubject = "worker.generate.1";
 
   GenerateRelayTest() {
-    EXPECT_EQ(registry_.Register({.worker_id = kWorker, .block_size = testing::kBs, .lease_ms = 1u << 30}, now_).outcome,
-              WorkerRegistry::Outcome::kNew);
+    EXPECT_EQ(
+        registry_.Register({.worker_id = kWorker, .block_size = testing::kBs, .lease_ms = 1u << 30}, now_).outcome,
+        WorkerRegistry::Outcome::kNew);
     // The worker records what it is asked and where to answer; the test answers.
     worker_sub_ = std::move(bus_.Subscribe(kWorkerSubject, "", [this](const BusMessage& m) {
                     auto req = GenerateRequest::Decode(m.data);
@@ -42,9 +43,9 @@ class GenerateRelayTest : public ::testing::Test {
                     asked_.push_back(*req);
                     reply_to_.emplace_back(m.reply);
                   })).value();
-    relay_sub_ = std::move(bus_.Subscribe(relay_.subject_pattern(), "",
-                                          [this](const BusMessage& m) { relay_.OnResponse(m, out_); }))
-                     .value();
+    relay_sub_ = std::move(bus_.Subscribe(relay_.subject_pattern(), "", [this](const BusMessage& m) {
+                   relay_.OnResponse(m, out_);
+                 })).value();
     callers_sub_ = std::move(bus_.Subscribe("caller.>", "", [this](const BusMessage& m) {
                      relayed_[std::string(m.subject)].emplace_back(m.data.begin(), m.data.end());
                    })).value();
@@ -268,23 +269,29 @@ class GenerateTest : public ServiceTest {
  protected:
   // A fake worker: records what it is asked and answers `responses` times (the last one final).
   void FakeWorker(std::uint64_t id, int responses) {
-    worker_subs_.push_back(std::move(bus_.Subscribe(
-        "namespace.dynamo.component.backend.generate." + std::to_string(id), "", [this, id, responses](const BusMessage& m) {
-          auto req = GenerateRequest::Decode(m.data);
-          ASSERT_TRUE(req.ok()) << req.status().ToString();
-          seen_.push_back({id, req->request_id, req->max_tokens});
-          const std::string reply(m.reply);
-          for (int i = 0; i < responses; ++i) {
-            GenerateResponse r{.request_id = req->request_id, .token_ids = {7}, .index = static_cast<std::uint32_t>(i)};
-            if (i + 1 == responses) r.finish_reason = "length";
-            (void)bus_.Publish(reply, AsBytes(r.Encode()));
-          }
-        })).value());
+    worker_subs_.push_back(
+        std::move(bus_.Subscribe("namespace.dynamo.component.backend.generate." + std::to_string(id), "",
+                                 [this, id, responses](const BusMessage& m) {
+                                   auto req = GenerateRequest::Decode(m.data);
+                                   ASSERT_TRUE(req.ok()) << req.status().ToString();
+                                   seen_.push_back({id, req->request_id, req->max_tokens});
+                                   const std::string reply(m.reply);
+                                   for (int i = 0; i < responses; ++i) {
+                                     GenerateResponse r{.request_id = req->request_id,
+                                                        .token_ids = {7},
+                                                        .index = static_cast<std::uint32_t>(i)};
+                                     if (i + 1 == responses) r.finish_reason = "length";
+                                     (void)bus_.Publish(reply, AsBytes(r.Encode()));
+                                   }
+                                 }))
+            .value());
   }
   // Sends a generate request; every response lands in `got`.
   std::unique_ptr<BusSubscription> Generate(const RouteRequest& r, std::vector<std::vector<std::byte>>& got) {
     const std::string inbox = "client.inbox." + std::to_string(++inboxes_);
-    auto sub = std::move(bus_.Subscribe(inbox, "", [&got](const BusMessage& m) { got.emplace_back(m.data.begin(), m.data.end()); })).value();
+    auto sub = std::move(bus_.Subscribe(inbox, "", [&got](const BusMessage& m) {
+                 got.emplace_back(m.data.begin(), m.data.end());
+               })).value();
     (void)bus_.PublishRequest(svc_->subjects().generate, inbox, AsBytes(EncodeRouteRequest(r)));
     return sub;
   }
@@ -320,11 +327,11 @@ TEST_F(GenerateTest, UnfinishedGenerationTimesOutAndReleasesItsBooking) {
   StartWith({"--router-mode", "kv"});
   Register(1, {.lease_ms = 1u << 30});
   // Answers once, never with finish_reason.
-  worker_subs_.push_back(std::move(bus_.Subscribe("namespace.dynamo.component.backend.generate.1", "",
-                                                  [this](const BusMessage& m) {
-                                                    const std::string reply(m.reply);
-                                                    (void)bus_.Publish(reply, AsBytes(EncodeOkReply()));
-                                                  })).value());
+  worker_subs_.push_back(
+      std::move(bus_.Subscribe("namespace.dynamo.component.backend.generate.1", "", [this](const BusMessage& m) {
+        const std::string reply(m.reply);
+        (void)bus_.Publish(reply, AsBytes(EncodeOkReply()));
+      })).value());
   RouteRequest r = Prompt(kTwelve);  // no request_id: the router names it
   r.timeout_ms = 1000;
   std::vector<std::vector<std::byte>> got;
@@ -342,9 +349,10 @@ TEST_F(GenerateTest, AWorkerThatKeepsAnsweringIsNotCutOffAtTimeoutMs) {
   StartWith({"--router-mode", "kv"});
   Register(1, {.lease_ms = 1u << 30});
   std::string relay_subject;
-  worker_subs_.push_back(std::move(bus_.Subscribe("namespace.dynamo.component.backend.generate.1", "",
-                                                  [&](const BusMessage& m) { relay_subject = std::string(m.reply); }))
-                             .value());
+  worker_subs_.push_back(
+      std::move(bus_.Subscribe("namespace.dynamo.component.backend.generate.1", "", [&](const BusMessage& m) {
+        relay_subject = std::string(m.reply);
+      })).value());
   RouteRequest r = Prompt(kTwelve, "long");
   r.timeout_ms = 1000;  // at most 1 s without a response
   std::vector<std::vector<std::byte>> got;

@@ -273,11 +273,15 @@ TEST_F(HostilePeerTest, ExtremeOverridesAreSafe) {
 }
 
 TEST_F(HostilePeerTest, ReplicaSyncNamesOnlyKnownWorkersAndObeysTheBounds) {
-  StartWithHonestWorker({"--router-replica-sync", "--router-max-active-requests", "2",
-                         "--router-max-prompt-tokens", "8"});
+  StartWithHonestWorker(
+      {"--router-replica-sync", "--router-max-active-requests", "2", "--router-max-prompt-tokens", "8"});
   auto add = [&](std::string id, std::uint64_t worker, std::uint32_t rank, std::size_t blocks) {
-    ActiveSequenceEvent e{.router_id = 555, .request_id = std::move(id), .worker_id = worker, .dp_rank = rank,
-                          .kind = ActiveSequenceEvent::Kind::kAdd, .isl = static_cast<std::uint32_t>(blocks * kBs)};
+    ActiveSequenceEvent e{.router_id = 555,
+                          .request_id = std::move(id),
+                          .worker_id = worker,
+                          .dp_rank = rank,
+                          .kind = ActiveSequenceEvent::Kind::kAdd,
+                          .isl = static_cast<std::uint32_t>(blocks * kBs)};
     for (std::size_t i = 0; i < blocks; ++i) e.seq_hashes.push_back(1000 + i);
     (void)bus_.Publish(svc_->subjects().active_sequences, AsBytes(EncodeActiveSequenceEvent(e)));
   };
@@ -297,8 +301,7 @@ TEST_F(HostilePeerTest, ReplicaSyncNamesOnlyKnownWorkersAndObeysTheBounds) {
 
 TEST_F(HostilePeerTest, OverlongRequestIdIsAnInvalidArgument) {
   StartWithHonestWorker();
-  EXPECT_EQ(Route(Prompt(kTwelve, std::string(kMaxNameBytes + 1, 'r'))).status().code(),
-            StatusCode::kInvalidArgument);
+  EXPECT_EQ(Route(Prompt(kTwelve, std::string(kMaxNameBytes + 1, 'r'))).status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(Counter("active_requests"), 0u);
 }
 
@@ -327,7 +330,7 @@ TEST_F(HostilePeerTest, AnEventLateBehindLeavingDoesNotBringTheWorkerBack) {
   StartWithHonestWorker();
   Register(2);
   Register(2, {.leaving = true});
-  StorePrompt(2, 5, {40, 41, 42, 43});  // still in flight when it left
+  StorePrompt(2, 5, {40, 41, 42, 43});   // still in flight when it left
   EXPECT_EQ(Stats().workers_total, 1u);  // not back as an event-only worker that never expires
   EXPECT_EQ(Dropped("worker_left"), 1u);
   Register(2);  // it really is back: registered again

@@ -18,9 +18,9 @@ namespace kvrouter {
 namespace {
 
 using std::chrono::milliseconds;
-using testing::ServiceTest;
 using testing::kBs;
 using testing::kTwelve;
+using testing::ServiceTest;
 
 TEST_F(ServiceTest, KvModeRoutesToTheWorkerHoldingThePrefix) {
   StartWith({"--router-mode", "kv"});
@@ -50,7 +50,8 @@ TEST_F(ServiceTest, TheEventThreadRunsAsBatchAndTheRouteThreadDoesNot) {
     ASSERT_TRUE(fresh());
     StorePrompt(1, 1, {1, 2, 3, 4});
     event_thread = sched_getscheduler(0);
-  }).join();
+  })
+      .join();
   std::thread([&] {
     ASSERT_TRUE(fresh());
     EXPECT_TRUE(Route(Prompt(kTwelve)).ok());

@@ -54,21 +54,21 @@ class RecoveryClientTest : public ::testing::Test {
   void Start(RecoveryClient::Options options) {
     options.reply_prefix = "_REC.";
     client_sub_.reset();
-    client_ = std::make_unique<RecoveryClient>(options, bus_, index_, [this] { return now_; }, log_);
-    client_sub_ = std::move(bus_.Subscribe(client_->subject_pattern(), "",
-                                           [this](const BusMessage& m) { client_->OnReply(m); }))
-                      .value();
+    client_ = std::make_unique<RecoveryClient>(
+        options, bus_, index_, [this] { return now_; }, log_);
+    client_sub_ = std::move(bus_.Subscribe(client_->subject_pattern(), "", [this](const BusMessage& m) {
+                    client_->OnReply(m);
+                  })).value();
   }
 
   // Serves worker `id`'s rank 0 endpoint: records each query, answers none (the test does).
   void Serve(std::uint64_t id) {
-    endpoints_[id] = std::move(bus_.Subscribe(RecoverySubject("dynamo", "backend", id, 0), "",
-                                              [this, id](const BusMessage& m) {
-                                                auto q = RecoveryQuery::Decode(m.data);
-                                                ASSERT_TRUE(q.ok()) << q.status().ToString();
-                                                queries_[id].push_back({*q, std::string(m.reply)});
-                                              }))
-                         .value();
+    endpoints_[id] =
+        std::move(bus_.Subscribe(RecoverySubject("dynamo", "backend", id, 0), "", [this, id](const BusMessage& m) {
+          auto q = RecoveryQuery::Decode(m.data);
+          ASSERT_TRUE(q.ok()) << q.status().ToString();
+          queries_[id].push_back({*q, std::string(m.reply)});
+        })).value();
   }
   void StopServing(std::uint64_t id) { endpoints_.erase(id); }
 
@@ -416,7 +416,7 @@ TEST_F(RecoveryClientTest, TooNewToARangeIsNotBackedOffAndTheIndexAsksADumpInste
   index_.RequestDump({7, 0});
   HandAsksToTheClient();
   Answer(Last(7).reply_to, {.kind = "tree_dump", .last_event_id = 10});  // the cursor is 10
-  KvEventBatch gap = StoredPromptBatch(7, 12, Tokens(1), kBs);  // 11 is missing
+  KvEventBatch gap = StoredPromptBatch(7, 12, Tokens(1), kBs);           // 11 is missing
   index_.Submit(std::move(gap));
   HandAsksToTheClient();
   ASSERT_EQ(handed_.size(), 2u);

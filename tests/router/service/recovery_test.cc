@@ -21,9 +21,8 @@ namespace {
 
 using std::chrono::milliseconds;
 using testing::FakeWorker;
-using testing::PromptTokens;
 using testing::kBs;
-
+using testing::PromptTokens;
 
 class RecoveryTest : public testing::ServiceTest {
  protected:
@@ -81,9 +80,9 @@ TEST_F(RecoveryTest, ARestartedWorkerWhoseFirstEventWasLostIsRecoveredFromADump)
   svc_->index().Flush();
   // First sight asks a dump (one or two, as the registration and the first event race).
   const std::uint64_t dumps_before = Counter("recovery_dumps");
-  w.Restart();                              // an empty cache, ids from 1 again
-  w.Store(PromptTokens(10), nullptr);       // id 1, lost: the router never sees the restart
-  w.Store(PromptTokens(11), &bus_);         // id 2, below the cursor (5): not a repeat of it
+  w.Restart();                                  // an empty cache, ids from 1 again
+  w.Store(PromptTokens(10), nullptr);           // id 1, lost: the router never sees the restart
+  w.Store(PromptTokens(11), &bus_);             // id 2, below the cursor (5): not a repeat of it
   EXPECT_EQ(Overlap(1, PromptTokens(1)), 0u);   // the old cache is gone
   EXPECT_EQ(Overlap(1, PromptTokens(10)), 4u);  // the lost event came back with the dump
   EXPECT_EQ(Overlap(1, PromptTokens(11)), 4u);

@@ -7,8 +7,8 @@
 namespace kvrouter {
 namespace {
 
-using testing::ServiceTest;
 using testing::kTwelve;
+using testing::ServiceTest;
 
 class ApproxTest : public ServiceTest {
  protected:
@@ -19,9 +19,7 @@ class ApproxTest : public ServiceTest {
     Register(1, {.lease_ms = 1u << 30});
     Register(2, {.lease_ms = 1u << 30});
   }
-  void Finish(const std::string& id) {
-    (void)bus_.Request(svc_->subjects().free, AsBytes(EncodeLifecycleRequest(id)));
-  }
+  void Finish(const std::string& id) { (void)bus_.Request(svc_->subjects().free, AsBytes(EncodeLifecycleRequest(id))); }
 };
 
 TEST_F(ApproxTest, EventsAreIgnoredAndRepeatedPrefixesStickToOneWorker) {

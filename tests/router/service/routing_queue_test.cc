@@ -8,8 +8,8 @@ namespace kvrouter {
 namespace {
 
 using std::chrono::milliseconds;
-using testing::ServiceTest;
 using testing::kTwelve;
+using testing::ServiceTest;
 
 class QueueTest : public ServiceTest {
  protected:
@@ -81,8 +81,8 @@ TEST_F(QueueTest, ExactlyAtTheThresholdIsNotFull) {
   Register(1, {.max_num_batched_tokens = 12});
   ASSERT_TRUE(Route(Prio("r1", 0)).ok());  // 12 prefill tokens = 1 x 12: not full
   auto second = Send(Prio("r2", 0));
-  EXPECT_TRUE(ReplyOf(second).ok());         // answered at once
-  auto third = Send(Prio("r3", 0));          // 24 > 12: full now
+  EXPECT_TRUE(ReplyOf(second).ok());  // answered at once
+  auto third = Send(Prio("r3", 0));   // 24 > 12: full now
   EXPECT_FALSE(third.reply->has_value());
 }
 
@@ -164,7 +164,7 @@ TEST_F(QueueTest, TimedOutRequestGetsTimeoutAndBooksNothing) {
   auto doc = Stats();
   EXPECT_EQ(doc.counters.at("queue_timed_out"), 1u);
   EXPECT_EQ(doc.counters.at("active_requests"), 2u);  // r1, r2 only
-  MarkPrefill("r1");  // nothing left to admit
+  MarkPrefill("r1");                                  // nothing left to admit
   EXPECT_EQ(Counter("queue_admitted"), 0u);
 }
 
@@ -220,11 +220,12 @@ TEST_F(QueueTest, LeavingWorkerFailsItsPinsEvenBehindABlockedHead) {
 // back into A on the same thread, and A's handler locked A's mutex again.
 TEST_F(QueueTest, ReplicasWithSyncAndQueuesDoNotDeadlock) {
   SetUpQueue({"--router-replica-sync"});
-  std::vector<const char*> argv = {"kvrouter", "--block-size", "4", "--router-mode", "kv",
-                                   "--router-queue-threshold", "1", "--router-replica-sync"};
+  std::vector<const char*> argv = {
+      "kvrouter", "--block-size", "4", "--router-mode", "kv", "--router-queue-threshold", "1", "--router-replica-sync"};
   auto cfg = ParseRouterConfig(static_cast<int>(argv.size()), argv.data(), [](const char*) { return nullptr; });
   ASSERT_TRUE(cfg.ok());
-  KvRouterService other(cfg->config, bus_, [this] { return now_.now(); }, 43);
+  KvRouterService other(
+      cfg->config, bus_, [this] { return now_.now(); }, 43);
   ASSERT_TRUE(other.Start().ok());
   Register(1, {.max_num_batched_tokens = 8});
   Register(2, {.max_num_batched_tokens = 8});

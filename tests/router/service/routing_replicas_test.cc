@@ -9,15 +9,16 @@
 namespace kvrouter {
 namespace {
 
-using testing::ServiceTest;
 using testing::kTwelve;
+using testing::ServiceTest;
 
 TEST_F(ServiceTest, ReplicaSyncSharesBookingsBetweenReplicas) {
   StartWith({"--router-mode", "kv", "--router-replica-sync"});
   std::vector<const char*> argv = {"kvrouter", "--block-size", "4", "--router-mode", "kv", "--router-replica-sync"};
   auto cfg = ParseRouterConfig(static_cast<int>(argv.size()), argv.data(), [](const char*) { return nullptr; });
   ASSERT_TRUE(cfg.ok());
-  KvRouterService other(cfg->config, bus_, [this] { return now_.now(); }, 43);
+  KvRouterService other(
+      cfg->config, bus_, [this] { return now_.now(); }, 43);
   ASSERT_TRUE(other.Start().ok());
   Register(1);
   ASSERT_TRUE(Route(Prompt(kTwelve, "shared")).ok());  // answered by one replica of the group
@@ -42,8 +43,8 @@ TEST_F(ServiceTest, ADeadReplicasBookingsAreReleasedAfterItsHeartbeatsStop) {
     (void)bus_.Publish(svc_->subjects().router_heartbeats, AsBytes(EncodeRouterHeartbeat({.router_id = router_id})));
   };
   auto add = [&](std::uint64_t router_id, const std::string& id) {
-    const ActiveSequenceEvent e{.router_id = router_id, .request_id = id, .worker_id = 1, .seq_hashes = {11, 12},
-                                .isl = 8};
+    const ActiveSequenceEvent e{
+        .router_id = router_id, .request_id = id, .worker_id = 1, .seq_hashes = {11, 12}, .isl = 8};
     (void)bus_.Publish(svc_->subjects().active_sequences, AsBytes(EncodeActiveSequenceEvent(e)));
   };
   heartbeat(77);
@@ -106,8 +107,8 @@ TEST_F(ServiceTest, APeersNewEpochReleasesItsOlderBookingsWhicheverMessageSaysIt
                        AsBytes(EncodeRouterHeartbeat({.router_id = 77, .epoch = epoch})));
   };
   auto add = [&](const std::string& id, std::uint32_t epoch) {
-    const ActiveSequenceEvent e{.router_id = 77, .request_id = id, .worker_id = 1, .seq_hashes = {11, 12},
-                                .isl = 8, .epoch = epoch};
+    const ActiveSequenceEvent e{
+        .router_id = 77, .request_id = id, .worker_id = 1, .seq_hashes = {11, 12}, .isl = 8, .epoch = epoch};
     (void)bus_.Publish(svc_->subjects().active_sequences, AsBytes(EncodeActiveSequenceEvent(e)));
   };
   heartbeat(0);
@@ -128,8 +129,8 @@ TEST_F(ServiceTest, APeersNewEpochReleasesItsOlderBookingsWhicheverMessageSaysIt
   EXPECT_EQ(sent[0].isl, 12u);
   EXPECT_EQ(sent[0].overlap_blocks, 0u);
   EXPECT_EQ(sent[0].epoch, our_epoch);  // our own epoch did not change
-  add("b", 1);                   // 77's live one, sent again
-  heartbeat(1);                  // the same epoch again releases nothing
+  add("b", 1);                          // 77's live one, sent again
+  heartbeat(1);                         // the same epoch again releases nothing
   EXPECT_EQ(Counter("active_requests"), 2u);
 
   // A sync message may be handled before the heartbeat that announces its epoch (they come on
@@ -142,8 +143,8 @@ TEST_F(ServiceTest, APeersNewEpochReleasesItsOlderBookingsWhicheverMessageSaysIt
   // A message of an older epoch, sent before the outage and handled late: its `free` still
   // applies; its `add` does not (a live booking came again at the new epoch; this one may have
   // been freed by a `free` that was lost).
-  const ActiveSequenceEvent late{.router_id = 77, .request_id = "c", .worker_id = 1,
-                                 .kind = ActiveSequenceEvent::Kind::kFree, .epoch = 1};
+  const ActiveSequenceEvent late{
+      .router_id = 77, .request_id = "c", .worker_id = 1, .kind = ActiveSequenceEvent::Kind::kFree, .epoch = 1};
   (void)bus_.Publish(svc_->subjects().active_sequences, AsBytes(EncodeActiveSequenceEvent(late)));
   EXPECT_EQ(Counter("active_requests"), 1u);
   add("stale", 1);

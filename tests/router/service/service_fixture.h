@@ -27,7 +27,8 @@ class ServiceTest : public ::testing::Test {
     for (auto& f : flags) argv.push_back(f.c_str());
     auto cfg = ParseRouterConfig(static_cast<int>(argv.size()), argv.data(), [](const char*) { return nullptr; });
     ASSERT_TRUE(cfg.ok()) << cfg.status().ToString();
-    svc_ = std::make_unique<KvRouterService>(cfg->config, bus_, [this] { return now_.now(); }, 42);
+    svc_ = std::make_unique<KvRouterService>(
+        cfg->config, bus_, [this] { return now_.now(); }, 42);
     ASSERT_TRUE(svc_->Start().ok());
   }
 

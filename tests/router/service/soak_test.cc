@@ -15,8 +15,8 @@ namespace {
 
 using std::chrono::milliseconds;
 using testing::FakeWorker;
-using testing::PromptTokens;
 using testing::kBs;
+using testing::PromptTokens;
 
 class SoakTest : public testing::ServiceTest {};
 
@@ -78,8 +78,8 @@ TEST_F(SoakTest, AnHourOfChurnKeepsTheIndexExactAndItsMemoryFlat) {
   EXPECT_GT(s.counters.at("recoveries_succeeded"), 100u);
   EXPECT_GT(s.counters.at("event_restarts"), 0u);
   ASSERT_GT(memory_at_10_min, 0u);
-  EXPECT_LE(most_after_30_min, memory_at_10_min * 5 / 4) << "the index grew: " << memory_at_10_min << " -> "
-                                                         << most_after_30_min;
+  EXPECT_LE(most_after_30_min, memory_at_10_min * 5 / 4)
+      << "the index grew: " << memory_at_10_min << " -> " << most_after_30_min;
 }
 
 }  // namespace

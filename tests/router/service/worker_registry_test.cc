@@ -48,7 +48,7 @@ TEST(WorkerRegistryAdmission, AnAdmittedRankIsRefusedOnceItsLeaseExpires) {
 
 TEST(WorkerRegistryAdmission, WhatOneRegistryAdmittedIsNotAdmittedByAnother) {
   WorkerRegistry first({});
-  WorkerRegistry full({.max_workers = 0});  // takes no event-only worker
+  WorkerRegistry full({.max_workers = 0});          // takes no event-only worker
   EXPECT_EQ(first.AdmitEvent(7, 0, kT0), nullptr);  // an event-only worker
   EXPECT_STREQ(full.AdmitEvent(7, 0, kT0), "too_many_workers");
   EXPECT_EQ(first.AdmitEvent(7, 0, kT0), nullptr);
