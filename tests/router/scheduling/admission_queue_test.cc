@@ -31,7 +31,8 @@ PreparedRequest Blocks(std::uint32_t blocks) {
 class AdmissionQueueTest : public ::testing::Test {
  protected:
   Status Push(AdmissionQueue& q, RouteRequest r, RouteKind kind = RouteKind::kRoute, std::uint32_t blocks = 1) {
-    return q.Push(std::move(r), Blocks(blocks), 0, "reply." + r.request_id, kind, kT0);
+    std::string reply = "reply." + r.request_id;  // before r is moved from
+    return q.Push(std::move(r), Blocks(blocks), 0, std::move(reply), kind, kT0);
   }
   // Drains, admitting the requests `admit` says yes to; returns the ids taken, in order.
   std::vector<std::string> Drain(AdmissionQueue& q,
