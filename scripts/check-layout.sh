@@ -18,8 +18,9 @@ forbid() {  # folder, regex of included paths it must not name, reason
 forbid events/base 'events/[a-z_]+\.h|transport/|router/' "kv_base is the bottom of the graph"
 forbid events 'transport/|router/' "the wire has no sockets and no router"
 forbid transport 'router/|events/[a-z_]+\.h' "transport needs only kv_base"
-forbid router/common 'router/(index|scheduling|service|kv[a-z]+)/' "common sits under every router library"
-forbid router/index 'router/(scheduling|service|kv[a-z]+)/' "the index knows nothing of scheduling"
+forbid router/common 'router/(engine|index|scheduling|service|kv[a-z]+)/' "common sits under every router library"
+forbid router/engine 'router/(common|index|scheduling|service|kv[a-z]+)/' "the engine model stands alone"
+forbid router/index 'router/(common|engine|scheduling|service|kv[a-z]+)/' "the index knows nothing of scheduling"
 forbid router/scheduling 'router/(service|kv[a-z]+)/' "scheduling sits under the service"
 forbid router/service 'router/kv[a-z]+/' "libraries do not reach into programs"
 for p in kvrouter kvmocker kvrelay kvbench; do

@@ -25,6 +25,8 @@ step() { printf '\n== %s  [%d:%02d]\n' "$*" $((SECONDS / 60)) $((SECONDS % 60));
 # 16 s -> 11 s) while still optimised (TSan asks for -O1 or more). The demo, the benchmarks and
 # a user's build stay at -O2 (CMake's RelWithDebInfo).
 g1=(-DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1 -DNDEBUG" -DCMAKE_CXX_FLAGS_DEBUG="-g1")
+# Every build here treats warnings as errors (a user's build does not: KVROUTER_WERROR is off).
+g1+=(-DKVROUTER_WERROR=ON)
 
 configure_build() {  # dir, targets..., -- cmake args...
   local dir=$1; shift

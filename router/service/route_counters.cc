@@ -15,9 +15,9 @@ void RouteCounters::Failed(RouteKind kind, StatusCode code) {
   Answered(kind, StatusCodeName(code));
 }
 
-void RouteCounters::Routed(RouterMode mode, WorkerKey worker, bool update_states) {
+void RouteCounters::Routed(RouterMode mode, std::optional<WorkerKey> rank) {
   ++routed_[std::string(RouterModeName(mode))];
-  if (update_states) ++routed_to_[worker];
+  if (rank) ++routed_to_[*rank];
 }
 
 void RouteCounters::ForgetWorker(std::uint64_t worker_id) {

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -29,8 +30,9 @@ class RouteCounters {
   void Answered(RouteKind kind, std::string_view result);
   // It failed on arrival with `code` (also counted by code in route_errors).
   void Failed(RouteKind kind, StatusCode code);
-  // A decision in `mode`; one that updates states (route, generate) counts for its rank.
-  void Routed(RouterMode mode, WorkerKey worker, bool update_states);
+  // A decision in `mode`; one that updates states (route, generate) names its rank, whose count
+  // goes up.
+  void Routed(RouterMode mode, std::optional<WorkerKey> rank);
   // The worker left: its ranks' counts go.
   void ForgetWorker(std::uint64_t worker_id);
 

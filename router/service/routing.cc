@@ -39,7 +39,7 @@ Result<RouteReply> Routing::DecideLocked(Kind kind, const RouteRequest& req, con
     sync_.Send(ActiveSequenceEvent::Kind::kAdd, req.request_id, d.worker, p.seq, p.sel.isl, d.overlap_blocks);
     metrics_dirty_.push_back(d.worker);
   }
-  counters_.Routed(config_.mode, d.worker, req.update_states);
+  counters_.Routed(config_.mode, req.update_states ? std::optional<WorkerKey>(d.worker) : std::nullopt);
   counters_.Answered(kind, "ok");
   const std::uint32_t bs = config_.block_size;
   const RouteReply reply{.worker_id = d.worker.worker_id,
@@ -229,7 +229,9 @@ void Routing::Tick(Outbox& out) {
     sync_.peers().Prune([&](const std::string& id) { return load.WorkerOf(id) == nullptr; });
   }
   scheduler_.ExpirePredictions(now);
-  queue_.Expire(now, [&](QueuedRoute&& q) {
+  // The clock again: `now` was read before the mutex, and a deadline passed while waiting for
+  // it must count.
+  queue_.Expire(clock_(), [&](QueuedRoute&& q) {
     mu_.AssertHeld();
     counters_.Answered(q.kind, StatusCodeName(StatusCode::kTimeout));
     out.errors.emplace_back(std::move(q.reply), Status(StatusCode::kTimeout, "no worker had room before timeout_ms"));

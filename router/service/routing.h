@@ -18,12 +18,8 @@
 
 #include <cstdint>
 #include <functional>
-#include <map>
-#include <memory>
-#include <random>
 #include <span>
 #include <string>
-#include <unordered_map>
 #include <vector>
 
 #include "events/message_codec.h"

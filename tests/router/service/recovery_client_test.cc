@@ -36,7 +36,7 @@ std::vector<std::uint32_t> Tokens(std::uint32_t p) {
 
 class RecoveryClientTest : public ::testing::Test {
  protected:
-  // What the index asked to recover (EventStreams::RecoveryNeeded's arguments).
+  // What the index asked to recover (RecoveryNeeded's arguments).
   struct Ask {
     WorkerKey worker;
     SequenceKind numbering;
