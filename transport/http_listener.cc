@@ -43,7 +43,7 @@ class Session;
 }  // namespace
 
 struct HttpListener::State : std::enable_shared_from_this<HttpListener::State> {
-  State(HttpIo& io, HttpListenerOptions o, HttpHandler h)
+  State(HttpIo& io, HttpListenerOptions o, HttpRequestHandler h)
       : ioc(io.impl().ioc), options(std::move(o)), handler(std::move(h)), acceptor(net::make_strand(ioc)) {}
 
   void Accept();
@@ -54,7 +54,7 @@ struct HttpListener::State : std::enable_shared_from_this<HttpListener::State> {
 
   net::io_context& ioc;
   const HttpListenerOptions options;
-  const HttpHandler handler;
+  const HttpRequestHandler handler;
   tcp::acceptor acceptor;
   std::atomic<bool> stopped{false};
   std::mutex mu;
@@ -440,7 +440,7 @@ void HttpListener::State::Accept() {
 HttpListener::HttpListener(std::shared_ptr<State> state) : state_(std::move(state)) {}
 
 Result<std::unique_ptr<HttpListener>> HttpListener::Start(HttpIo& io, HttpListenerOptions options,
-                                                         HttpHandler handler) {
+                                                         HttpRequestHandler handler) {
   auto state = std::make_shared<State>(io, std::move(options), std::move(handler));
   beast::error_code ec;
   const auto address = net::ip::make_address(state->options.host, ec);

@@ -66,7 +66,7 @@ class HttpReply {
   virtual std::size_t Backlog() const = 0;
 };
 
-using HttpHandler = std::function<void(HttpRequest request, std::shared_ptr<HttpReply> reply)>;
+using HttpRequestHandler = std::function<void(HttpRequest request, std::shared_ptr<HttpReply> reply)>;
 
 struct HttpListenerOptions {
   std::string host = "0.0.0.0";
@@ -87,7 +87,7 @@ struct HttpListenerOptions {
 class HttpListener {
  public:
   // Binds and listens; InvalidArgument for a bad address, Internal when the port is taken.
-  static Result<std::unique_ptr<HttpListener>> Start(HttpIo& io, HttpListenerOptions options, HttpHandler handler);
+  static Result<std::unique_ptr<HttpListener>> Start(HttpIo& io, HttpListenerOptions options, HttpRequestHandler handler);
   ~HttpListener();  // Stop()
   HttpListener(const HttpListener&) = delete;
   HttpListener& operator=(const HttpListener&) = delete;

@@ -57,7 +57,7 @@ class RawClient {
 
 class HttpTest : public ::testing::Test {
  protected:
-  void Listen(HttpListenerOptions o, HttpHandler h) {
+  void Listen(HttpListenerOptions o, HttpRequestHandler h) {
     o.host = "127.0.0.1";
     auto l = HttpListener::Start(io_, std::move(o), std::move(h));
     ASSERT_TRUE(l.ok()) << l.status().ToString();
