@@ -234,24 +234,18 @@ void Gateway::Render(const std::shared_ptr<Exchange>& x, std::size_t candidate, 
     x->render_status = 0;
     x->render_body.clear();
   }
-  std::weak_ptr<Exchange> weak = x;
+  // The callbacks own the exchange while the call runs (the call drops them when it is done).
   auto call = client_.Start(
       x->render_at[candidate], std::move(spec),
-      {.on_head = [weak](int status, const HttpHeaders&) {
-         if (auto ex = weak.lock()) {
-           std::lock_guard g(ex->mu);
-           ex->render_status = status;
-         }
+      {.on_head = [x](int status, const HttpHeaders&) {
+         std::lock_guard g(x->mu);
+         x->render_status = status;
        },
-       .on_data = [weak](std::string_view d) {
-         if (auto ex = weak.lock()) {
-           std::lock_guard g(ex->mu);
-           if (ex->render_body.size() + d.size() <= kMaxRenderBytes) ex->render_body.append(d);
-         }
+       .on_data = [x](std::string_view d) {
+         std::lock_guard g(x->mu);
+         if (x->render_body.size() + d.size() <= kMaxRenderBytes) x->render_body.append(d);
        },
-       .on_done = [this, weak, candidate, tokenize](const Status& s) {
-         auto ex = weak.lock();
-         if (!ex) return;
+       .on_done = [this, ex = x, candidate, tokenize](const Status& s) {
          int status = 0;
          std::string body;
          {
@@ -297,14 +291,8 @@ void Gateway::Route(const std::shared_ptr<Exchange>& x) {
     if (!x->excluded.empty()) r.excluded_worker_ids = x->excluded;
     r.session_id = x->session_id;
   }
-  std::weak_ptr<Exchange> weak = x;
   const std::string booking = r.request_id;
-  link_.Route(r, [this, weak, booking](Result<RouteReply> routed) {
-    auto ex = weak.lock();
-    if (!ex) {
-      if (routed.ok()) link_.Free(booking);
-      return;
-    }
+  link_.Route(r, [this, ex = x, booking](Result<RouteReply> routed) {
     {
       std::lock_guard g(ex->mu);
       if (ex->done) {
@@ -353,12 +341,9 @@ void Gateway::Forward(const std::shared_ptr<Exchange>& x) {
                     .head_timeout = std::chrono::milliseconds(config_.engine_timeout_ms),
                     .read_timeout = std::chrono::milliseconds(config_.engine_timeout_ms)};
   if (auto accept = x->http.Header("accept")) spec.headers.emplace_back("accept", std::string(*accept));
-  std::weak_ptr<Exchange> weak = x;
   auto call = client_.Start(
       *endpoint, std::move(spec),
-      {.on_head = [weak](int status, const HttpHeaders& headers) {
-         auto ex = weak.lock();
-         if (!ex) return;
+      {.on_head = [ex = x](int status, const HttpHeaders& headers) {
          std::lock_guard g(ex->mu);
          ex->engine_status = status;
          ex->engine_headers.clear();
@@ -366,9 +351,7 @@ void Gateway::Forward(const std::shared_ptr<Exchange>& x) {
            if (k == "content-type" || k == "cache-control") ex->engine_headers.emplace_back(k, v);
          }
        },
-       .on_data = [this, weak](std::string_view d) {
-         auto ex = weak.lock();
-         if (!ex) return;
+       .on_data = [this, ex = x](std::string_view d) {
          bool first = false;
          bool slow = false;
          std::shared_ptr<HttpCall> engine_call;
@@ -410,9 +393,7 @@ void Gateway::Forward(const std::shared_ptr<Exchange>& x) {
            in_flight_->Decrement();
          }
        },
-       .on_done = [this, weak](const Status& s) {
-         auto ex = weak.lock();
-         if (!ex) return;
+       .on_done = [this, ex = x](const Status& s) {
          bool began = false;
          int status = 0;
          std::string error;

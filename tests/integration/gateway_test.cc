@@ -1,0 +1,351 @@
+// kvgateway as a process between a real HTTP client and engines, with a real nats-server and
+// kvrouter: engines here are stand-ins in the test process (HttpListener) whose behaviour each
+// test sets (answer, stream, fail with 500, hold a request open, notice a client leaving), and
+// whose registrations the test publishes. The same paths against kvmocker's HTTP face are in
+// gateway_kvmocker_test.cc.
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <atomic>
+#include <condition_variable>
+#include <mutex>
+#include <set>
+
+#include "events/msgpack_reader.h"
+#include "tests/await.h"
+#include "tests/integration/kvrouter_fixture.h"
+#include "transport/http_client.h"
+#include "transport/http_listener.h"
+
+namespace kvrouter::testing {
+namespace {
+
+using json = nlohmann::json;
+
+// An engine's HTTP face, as much as the gateway uses: render, chat completions (plain or
+// streamed), registration on NATS with its http_url.
+class FakeEngine {
+ public:
+  enum class Mode { kAnswer, kFail500, kHold };
+
+  explicit FakeEngine(HttpIo& io) {
+    auto l = HttpListener::Start(io, {.host = "127.0.0.1"}, [this](HttpRequest r, std::shared_ptr<HttpReply> reply) {
+      Serve(std::move(r), std::move(reply));
+    });
+    EXPECT_TRUE(l.ok()) << l.status().ToString();
+    listener_ = std::move(l).value();
+  }
+  ~FakeEngine() { Release(); }
+  std::string url() const { return fmt::format("http://127.0.0.1:{}", listener_->port()); }
+  void set_mode(Mode m) { mode_ = m; }
+  int completions() const { return completions_.load(); }
+  int renders() const { return renders_.load(); }
+  int gone() const { return gone_.load(); }
+  int held() {
+    std::lock_guard g(mu_);
+    return static_cast<int>(held_.size());
+  }
+  // Answers every held request.
+  void Release() {
+    std::vector<std::shared_ptr<HttpReply>> held;
+    {
+      std::lock_guard g(mu_);
+      held.swap(held_);
+    }
+    for (auto& r : held) r->Send(200, {{"content-type", "application/json"}}, R"({"choices":[]})");
+  }
+  std::string last_request_id() {
+    std::lock_guard g(mu_);
+    return last_request_id_;
+  }
+
+ private:
+  void Serve(HttpRequest r, std::shared_ptr<HttpReply> reply) {
+    const json body = json::parse(r.body, nullptr, false);
+    if (r.Path() == "/v1/chat/completions/render") {
+      ++renders_;
+      // One token per byte of the messages, as kvmocker's tokenizer does.
+      json ids = json::array();
+      for (unsigned char c : body["messages"].dump()) ids.push_back(c);
+      return reply->Send(200, {{"content-type", "application/json"}}, json{{"token_ids", ids}}.dump());
+    }
+    if (r.Path() != "/v1/chat/completions") return reply->Send(404, {}, "");
+    ++completions_;
+    {
+      std::lock_guard g(mu_);
+      last_request_id_ = std::string(r.Header("x-request-id").value_or(""));
+    }
+    reply->OnClientGone([this] { ++gone_; });
+    switch (mode_.load()) {
+      case Mode::kFail500: return reply->Send(500, {{"content-type", "application/json"}}, R"({"error":"boom"})");
+      case Mode::kHold: {
+        std::lock_guard g(mu_);
+        held_.push_back(std::move(reply));
+        return;
+      }
+      case Mode::kAnswer: break;
+    }
+    if (body.value("stream", false)) {
+      reply->Begin(200, {{"content-type", "text/event-stream"}});
+      for (int i = 0; i < 3; ++i) reply->Write(fmt::format("data: {{\"choices\":[{{\"delta\":{{\"content\":\"t{}\"}}}}]}}\n\n", i));
+      reply->Write("data: [DONE]\n\n");
+      return reply->End();
+    }
+    reply->Send(200, {{"content-type", "application/json"}},
+                json{{"object", "chat.completion"}, {"choices", {{{"message", {{"content", "hi"}}}}}}}.dump());
+  }
+
+  std::unique_ptr<HttpListener> listener_;
+  std::atomic<Mode> mode_{Mode::kAnswer};
+  std::atomic<int> completions_{0}, renders_{0}, gone_{0};
+  std::mutex mu_;
+  std::vector<std::shared_ptr<HttpReply>> held_;
+  std::string last_request_id_;
+};
+
+class GatewayTest : public KvRouterProcessTest {
+ protected:
+  void SetUp() override {
+    KvRouterProcessTest::SetUp();
+    if (HasFatalFailure()) return;
+    auto port = PickFreePort();
+    ASSERT_TRUE(port.ok());
+    gateway_port_ = *port;
+    std::vector<std::string> args = {"--http-port", std::to_string(gateway_port_), "--http-host", "127.0.0.1",
+                                     "--route-timeout-ms", "3000"};
+    for (auto& a : GatewayArgs()) args.push_back(a);
+    auto gw = StartOnNats(KVGATEWAY_BIN, nats_->url(), std::move(args), LogPath("kvgateway"));
+    ASSERT_TRUE(gw.ok()) << gw.status().ToString();
+    gateway_ = std::move(gw->process);
+    ASSERT_TRUE(AwaitTrue([&] { return CanConnect(gateway_port_); })) << ReadFile(LogPath("kvgateway"));
+    endpoint_ = {.host = "127.0.0.1", .port = static_cast<std::uint16_t>(gateway_port_)};
+  }
+  void TearDown() override {
+    engines_.clear();
+    client_.reset();
+    io_.Stop();
+    gateway_.reset();
+    KvRouterProcessTest::TearDown();
+  }
+  virtual std::vector<std::string> GatewayArgs() const { return {}; }
+
+  // An engine registered as worker `id` serving model "m" (at `url` when given: a dead one).
+  FakeEngine& AddEngine(std::uint64_t id) {
+    engines_.push_back(std::make_unique<FakeEngine>(io_));
+    Announce(id, engines_.back()->url());
+    return *engines_.back();
+  }
+  void Announce(std::uint64_t id, const std::string& url, std::uint32_t max_num_batched_tokens = 8192) {
+    WorkerRegistration r{.worker_id = id,
+                         .block_size = kBs,
+                         .max_num_batched_tokens = max_num_batched_tokens,
+                         .lease_ms = 60000,
+                         .http_url = url,
+                         .models = {"m"}};
+    ASSERT_TRUE(nc_->Publish(kComp + "instances", AsBytes(EncodeWorkerRegistration(r))).ok());
+  }
+  // The gateway knows `n` engines (and the router has answered it): /ready says so.
+  bool AwaitReady(std::size_t n) {
+    return AwaitTrue([&] {
+      auto ready = client_->Fetch(endpoint_, {.method = "GET", .target = "/ready"});
+      auto metrics = client_->Fetch(endpoint_, {.method = "GET", .target = "/metrics"});
+      return ready.ok() && ready->status == 200 && metrics.ok() &&
+             metrics->body.find(fmt::format("kvgateway_engines {}", n)) != std::string::npos;
+    });
+  }
+  static std::string Chat(const std::string& text, bool stream = false) {
+    return json{{"model", "m"}, {"stream", stream}, {"messages", {{{"role", "user"}, {"content", text}}}}}.dump();
+  }
+  Result<HttpClient::Response> Post(const std::string& body, HttpHeaders headers = {},
+                                    std::string target = "/v1/chat/completions") {
+    headers.emplace_back("content-type", "application/json");
+    return client_->Fetch(endpoint_, {.target = std::move(target), .headers = std::move(headers), .body = body});
+  }
+  static std::string HeaderOf(const HttpClient::Response& r, std::string_view name) {
+    for (const auto& [k, v] : r.headers) {
+      if (k == name) return v;
+    }
+    return "";
+  }
+  std::uint64_t ActiveRequests() {
+    auto s = Stats();
+    return s ? s->counters["active_requests"] : ~0ull;
+  }
+
+  HttpIo io_{2};
+  std::unique_ptr<HttpClient> client_ = std::make_unique<HttpClient>(io_, HttpClient::Options{});
+  std::vector<std::unique_ptr<FakeEngine>> engines_;
+  std::unique_ptr<ChildProcess> gateway_;
+  int gateway_port_ = 0;
+  HttpEndpoint endpoint_;
+};
+
+TEST_F(GatewayTest, APlainChatCompletionGoesThroughWithTheRoutersHeadersAndFreesItsBooking) {
+  FakeEngine& e = AddEngine(1);
+  ASSERT_TRUE(AwaitReady(1));
+  auto r = Post(Chat("hello there"), {{"x-request-id", "client-7"}});
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->status, 200) << r->body;
+  EXPECT_EQ(json::parse(r->body)["choices"][0]["message"]["content"], "hi");
+  EXPECT_EQ(HeaderOf(*r, "x-request-id"), "client-7");
+  EXPECT_EQ(HeaderOf(*r, "x-kvrouter-worker-id"), "1");
+  EXPECT_FALSE(HeaderOf(*r, "x-kvrouter-cached-tokens").empty());
+  EXPECT_EQ(e.renders(), 1);
+  EXPECT_EQ(e.last_request_id(), "client-7");
+  EXPECT_TRUE(AwaitStats([](StatsReply& s) { return s.breakdowns["requests"]["route.ok"] == 1 && s.counters["active_requests"] == 0; }, 5s));
+}
+
+TEST_F(GatewayTest, AStreamIsPassedThroughEventByEvent) {
+  AddEngine(1);
+  ASSERT_TRUE(AwaitReady(1));
+  auto r = Post(Chat("stream me", true));
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->status, 200);
+  EXPECT_EQ(HeaderOf(*r, "content-type"), "text/event-stream");
+  EXPECT_NE(r->body.find("t0"), std::string::npos);
+  EXPECT_TRUE(r->body.ends_with("data: [DONE]\n\n")) << r->body;
+  EXPECT_TRUE(AwaitStats([](StatsReply& s) { return s.counters["active_requests"] == 0; }, 5s));
+}
+
+TEST_F(GatewayTest, ModelsListsWhatTheEnginesServeAndAnUnknownModelIs404) {
+  AddEngine(1);
+  ASSERT_TRUE(AwaitReady(1));
+  auto models = client_->Fetch(endpoint_, {.method = "GET", .target = "/v1/models"});
+  ASSERT_TRUE(models.ok());
+  EXPECT_EQ(json::parse(models->body)["data"][0]["id"], "m");
+  auto r = Post(R"({"model":"other","messages":[{"role":"user","content":"x"}]})");
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->status, 404);
+  EXPECT_EQ(json::parse(r->body)["error"]["code"], "model_not_found");
+}
+
+TEST_F(GatewayTest, EveryErrorIsOpenAiShapedWithItsStatus) {
+  AddEngine(1);
+  ASSERT_TRUE(AwaitReady(1));
+  auto bad_json = Post("{not json");
+  ASSERT_TRUE(bad_json.ok());
+  EXPECT_EQ(bad_json->status, 400);
+  EXPECT_TRUE(json::parse(bad_json->body)["error"]["message"].is_string());
+  EXPECT_EQ(Post(R"({"messages":[]})")->status, 400);                     // no model
+  EXPECT_EQ(Post(R"({"model":"m"})")->status, 400);                       // no messages
+  EXPECT_EQ(Post(R"({"model":"m"})", {}, "/v1/completions")->status, 400);  // no prompt
+  EXPECT_EQ(client_->Fetch(endpoint_, {.method = "GET", .target = "/v1/nothing"})->status, 404);
+  EXPECT_EQ(client_->Fetch(endpoint_, {.method = "GET", .target = "/v1/chat/completions"})->status, 405);
+}
+
+TEST_F(GatewayTest, AnEngineThatRefusesConnectionsIsRetriedAwayFrom) {
+  // Worker 1 is registered at a port where nothing listens; worker 2 works.
+  auto dead = PickFreePort();
+  ASSERT_TRUE(dead.ok());
+  Announce(1, fmt::format("http://127.0.0.1:{}", *dead));
+  FakeEngine& live = AddEngine(2);
+  ASSERT_TRUE(AwaitReady(2));
+  for (int i = 0; i < 4; ++i) {
+    auto r = Post(Chat(fmt::format("request {}", i)));
+    ASSERT_TRUE(r.ok());
+    EXPECT_EQ(r->status, 200) << r->body;
+    EXPECT_EQ(HeaderOf(*r, "x-kvrouter-worker-id"), "2");
+  }
+  EXPECT_EQ(live.completions(), 4);
+  EXPECT_TRUE(AwaitStats([](StatsReply& s) { return s.counters["active_requests"] == 0; }, 5s));
+}
+
+TEST_F(GatewayTest, AnEngineAnswering500BeforeItsFirstByteIsRetriedAndAllFailingIs502) {
+  FakeEngine& bad = AddEngine(1);
+  bad.set_mode(FakeEngine::Mode::kFail500);
+  FakeEngine& good = AddEngine(2);
+  ASSERT_TRUE(AwaitReady(2));
+  auto r = Post(Chat("retry me"));
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->status, 200);
+  EXPECT_EQ(HeaderOf(*r, "x-kvrouter-worker-id"), "2");
+  good.set_mode(FakeEngine::Mode::kFail500);
+  r = Post(Chat("nobody can"));
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->status, 502);
+  EXPECT_EQ(json::parse(r->body)["error"]["type"], "server_error");
+  EXPECT_TRUE(AwaitStats([](StatsReply& s) { return s.counters["active_requests"] == 0; }, 5s));
+}
+
+TEST_F(GatewayTest, AClientThatGoesAwayClosesTheEngineConnectionAndFreesTheBooking) {
+  FakeEngine& e = AddEngine(1);
+  e.set_mode(FakeEngine::Mode::kHold);
+  ASSERT_TRUE(AwaitReady(1));
+  auto call = client_->Start(endpoint_, {.target = "/v1/chat/completions", .body = Chat("long one", true)}, {});
+  ASSERT_TRUE(AwaitTrue([&] { return e.held() == 1; }));
+  EXPECT_EQ(ActiveRequests(), 1u);
+  call->Cancel();
+  ASSERT_TRUE(AwaitTrue([&] { return e.gone() == 1; }));  // the engine saw its client go
+  EXPECT_TRUE(AwaitStats([](StatsReply& s) { return s.counters["active_requests"] == 0; }, 5s));
+}
+
+TEST_F(GatewayTest, WithoutEnginesTheGatewayIsNotReadyAndAnswers404OrThe503OfNoWorkers) {
+  auto ready = client_->Fetch(endpoint_, {.method = "GET", .target = "/ready"});
+  ASSERT_TRUE(ready.ok());
+  EXPECT_EQ(ready->status, 503);
+  EXPECT_EQ(client_->Fetch(endpoint_, {.method = "GET", .target = "/health"})->status, 200);
+  EXPECT_EQ(Post(Chat("x"))->status, 404);  // no worker serves "m"
+  // An engine the gateway knows but the router refuses (another block size): no_workers.
+  auto e = std::make_unique<FakeEngine>(io_);
+  WorkerRegistration r{.worker_id = 9, .block_size = kBs * 2, .lease_ms = 60000, .http_url = e->url(), .models = {"m"}};
+  ASSERT_TRUE(nc_->Publish(kComp + "instances", AsBytes(EncodeWorkerRegistration(r))).ok());
+  ASSERT_TRUE(AwaitTrue([&] {
+    auto m = client_->Fetch(endpoint_, {.method = "GET", .target = "/v1/models"});
+    return m.ok() && m->body.find("\"m\"") != std::string::npos;
+  }));
+  auto answer = Post(Chat("x"));
+  ASSERT_TRUE(answer.ok());
+  EXPECT_EQ(answer->status, 503) << answer->body;
+}
+
+class GatewayOverloadTest : public GatewayTest {
+ protected:
+  std::vector<std::string> ExtraArgs() const override {
+    return {"--router-queue-threshold", "1", "--router-queue-max", "1"};
+  }
+};
+
+TEST_F(GatewayOverloadTest, OverloadIs429WithRetryAfter) {
+  auto e = std::make_unique<FakeEngine>(io_);
+  e->set_mode(FakeEngine::Mode::kHold);
+  Announce(1, e->url(), /*max_num_batched_tokens=*/8);  // one prompt fills it
+  ASSERT_TRUE(AwaitReady(1));
+  auto first = client_->Start(endpoint_, {.target = "/v1/chat/completions", .body = Chat("fills the worker")}, {});
+  ASSERT_TRUE(AwaitTrue([&] { return e->held() == 1; }));
+  // The next waits in the router's queue (its one place), the one after is refused.
+  auto queued = client_->Start(endpoint_, {.target = "/v1/chat/completions", .body = Chat("waits")}, {});
+  ASSERT_TRUE(AwaitStats([](StatsReply& s) { return s.counters["queue_length"] == 1; }, 5s));
+  auto r = Post(Chat("refused"));
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->status, 429) << r->body;
+  EXPECT_EQ(HeaderOf(*r, "retry-after"), "1");
+  e->Release();
+  first->Cancel();
+  queued->Cancel();
+}
+
+class GatewaySessionTest : public GatewayTest {
+ protected:
+  std::vector<std::string> ExtraArgs() const override { return {"--router-session-affinity-ttl-secs", "30"}; }
+};
+
+TEST_F(GatewaySessionTest, ASessionHeaderKeepsAConversationOnOneEngine) {
+  AddEngine(1);
+  AddEngine(2);
+  ASSERT_TRUE(AwaitReady(2));
+  std::set<std::string> workers;
+  for (int turn = 0; turn < 6; ++turn) {
+    // Different prompts each turn: only the session can keep them together.
+    auto r = Post(Chat(fmt::format("turn {} of a conversation", turn)), {{"x-session-id", "conv-1"}});
+    ASSERT_TRUE(r.ok());
+    ASSERT_EQ(r->status, 200);
+    workers.insert(HeaderOf(*r, "x-kvrouter-worker-id"));
+  }
+  EXPECT_EQ(workers.size(), 1u);
+  auto s = Stats();
+  ASSERT_TRUE(s);
+  EXPECT_EQ(s->counters["session_hits"], 5u);
+}
+
+}  // namespace
+}  // namespace kvrouter::testing
