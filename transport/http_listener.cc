@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cctype>
+#include <climits>
 #include <deque>
 #include <mutex>
 #include <unordered_set>
@@ -40,7 +41,50 @@ namespace {
 
 class Session;
 
+// A parsed Beast request as the handler sees it: header names in lower case.
+HttpRequest ToRequest(http::request<http::string_body>&& req) {
+  HttpRequest r;
+  r.method = std::string(req.method_string());
+  r.target = std::string(req.target());
+  r.headers.reserve(std::distance(req.begin(), req.end()));
+  for (const auto& f : req) {
+    std::string name(f.name_string());
+    std::transform(name.begin(), name.end(), name.begin(), [](unsigned char c) { return std::tolower(c); });
+    r.headers.emplace_back(std::move(name), std::string(f.value()));
+  }
+  r.body = std::move(req.body());
+  return r;
+}
+
+void Limit(http::request_parser<http::string_body>& p, std::size_t max_header_bytes, std::size_t max_body_bytes) {
+  p.header_limit(static_cast<std::uint32_t>(std::min<std::size_t>(max_header_bytes, UINT32_MAX)));
+  p.body_limit(max_body_bytes);
+}
+
 }  // namespace
+
+Result<HttpRequest> ParseHttpRequest(std::string_view bytes, std::size_t max_header_bytes, std::size_t max_body_bytes) {
+  http::request_parser<http::string_body> p;
+  Limit(p, max_header_bytes, max_body_bytes);
+  p.eager(true);
+  beast::error_code ec;
+  std::size_t used = 0;
+  while (!p.is_done() && used < bytes.size()) {
+    const std::size_t n = p.put(net::buffer(bytes.data() + used, bytes.size() - used), ec);
+    if (ec == http::error::need_more) break;
+    if (ec == http::error::header_limit || ec == http::error::body_limit) {
+      return Status(StatusCode::kOverloaded, ec.message());
+    }
+    if (ec) return InvalidArgument(ec.message());
+    if (n == 0) break;
+    used += n;
+  }
+  if (!p.is_done()) {
+    p.put_eof(ec);
+    if (ec || !p.is_done()) return InvalidArgument("incomplete request");
+  }
+  return ToRequest(p.release());
+}
 
 struct HttpListener::State : std::enable_shared_from_this<HttpListener::State> {
   State(HttpIo& io, HttpListenerOptions o, HttpRequestHandler h)
@@ -190,8 +234,7 @@ class ReplyImpl final : public HttpReply {
 void Session::ReadHeader() {
   if (closed_) return;
   parser_.emplace();
-  parser_->header_limit(static_cast<std::uint32_t>(state_->options.max_header_bytes));
-  parser_->body_limit(state_->options.max_body_bytes);
+  Limit(*parser_, state_->options.max_header_bytes, state_->options.max_body_bytes);
   stream_.expires_after(first_ ? state_->options.header_timeout : state_->options.idle_timeout);
   http::async_read_header(stream_, buffer_, *parser_,
                           [self = shared_from_this()](beast::error_code ec, std::size_t) { self->OnHeader(ec); });
@@ -266,17 +309,7 @@ void Session::Refuse(int status, std::string_view message) {
 }
 
 void Session::Dispatch() {
-  http::request<http::string_body> req = parser_->release();
-  HttpRequest r;
-  r.method = std::string(req.method_string());
-  r.target = std::string(req.target());
-  r.headers.reserve(std::distance(req.begin(), req.end()));
-  for (const auto& f : req) {
-    std::string name(f.name_string());
-    std::transform(name.begin(), name.end(), name.begin(), [](unsigned char c) { return std::tolower(c); });
-    r.headers.emplace_back(std::move(name), std::string(f.value()));
-  }
-  r.body = std::move(req.body());
+  HttpRequest r = ToRequest(parser_->release());
   responding_ = true;
   head_sent_ = false;
   finishing_ = false;

@@ -68,6 +68,11 @@ class HttpReply {
 
 using HttpRequestHandler = std::function<void(HttpRequest request, std::shared_ptr<HttpReply> reply)>;
 
+// The listener's request parser over a whole buffer (for fuzzing and tests): one request, with
+// the same limits. InvalidArgument for a malformed or incomplete request, kOverloaded for one
+// past a limit (header or body size).
+Result<HttpRequest> ParseHttpRequest(std::string_view bytes, std::size_t max_header_bytes, std::size_t max_body_bytes);
+
 struct HttpListenerOptions {
   std::string host = "0.0.0.0";
   std::uint16_t port = 0;                       // 0: any free port (see port())

@@ -254,3 +254,24 @@ TEST_F(HttpTest, APooledConnectionTheServerClosedIsReplacedOnce) {
 
 }  // namespace
 }  // namespace kvrouter
+
+namespace kvrouter {
+namespace {
+
+TEST(ParseHttpRequest, ParsesAWholeRequestWithTheListenersLimits) {
+  auto r = ParseHttpRequest("POST /v1/x?q=1 HTTP/1.1\r\nHost: h\r\nX-Request-Id: r1\r\nContent-Length: 2\r\n\r\nhi", 1024, 16);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->method, "POST");
+  EXPECT_EQ(r->Path(), "/v1/x");
+  EXPECT_EQ(r->Header("x-request-id"), "r1");
+  EXPECT_EQ(r->body, "hi");
+  EXPECT_EQ(ParseHttpRequest("GET / HTTP/1.1\r\nX: " + std::string(2048, 'a') + "\r\n\r\n", 1024, 16).status().code(),
+            StatusCode::kOverloaded);
+  EXPECT_EQ(ParseHttpRequest("POST / HTTP/1.1\r\nContent-Length: 17\r\n\r\n", 1024, 16).status().code(),
+            StatusCode::kOverloaded);
+  EXPECT_EQ(ParseHttpRequest("NOT HTTP\r\n\r\n", 1024, 16).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_FALSE(ParseHttpRequest("POST / HTTP/1.1\r\nContent-Length: 5\r\n\r\nab", 1024, 16).ok());  // incomplete
+}
+
+}  // namespace
+}  // namespace kvrouter
