@@ -310,6 +310,31 @@ msgpack::sbuffer EncodeLifecycleRequest(std::string_view request_id) {
   return std::move(w).Finish();
 }
 
+msgpack::sbuffer EncodeLifecycleRequest(std::string_view request_id, const ResponseTiming& t) {
+  MapWriter w;
+  w.Field("request_id", request_id)
+      .Field("ttfb_ms", t.ttfb_ms)
+      .Field("chunks", t.chunks)
+      .Field("inter_chunk_ms_mean", t.inter_chunk_ms_mean)
+      .Field("inter_chunk_ms_max", t.inter_chunk_ms_max);
+  return std::move(w).Finish();
+}
+
+std::optional<ResponseTiming> DecodeResponseTiming(std::span<const std::byte> body) {
+  auto doc = ParseMsgpackMap(body, "lifecycle request");
+  if (!doc.ok()) return std::nullopt;
+  const msgpack::object& m = doc->get();
+  if (IsNil(FindKey(m, "ttfb_ms"))) return std::nullopt;
+  ResponseTiming t;
+  FieldReads reads;
+  reads.Required(m, "ttfb_ms", ReadWeight, t.ttfb_ms);
+  reads.Optional(m, "chunks", ReadU32, t.chunks);
+  reads.Optional(m, "inter_chunk_ms_mean", ReadWeight, t.inter_chunk_ms_mean);
+  reads.Optional(m, "inter_chunk_ms_max", ReadWeight, t.inter_chunk_ms_max);
+  if (!reads.ok()) return std::nullopt;
+  return t;
+}
+
 Result<ActiveSequenceEvent> DecodeActiveSequenceEvent(std::span<const std::byte> body) {
   auto doc = ParseMsgpackMap(body, "active sequence event");
   if (!doc.ok()) return doc.status();

@@ -136,6 +136,21 @@ Result<RouteReply> DecodeRouteReply(std::span<const std::byte> body);
 Result<std::string> DecodeLifecycleRequest(std::span<const std::byte> body);
 msgpack::sbuffer EncodeLifecycleRequest(std::string_view request_id);
 
+// How an engine answered a request, as a gateway saw it (section 11), carried by its `free`:
+//   {request_id, ttfb_ms?: f64, chunks?: u32, inter_chunk_ms_mean?: f64, inter_chunk_ms_max?: f64}
+// ttfb_ms: from the engine call to its first response byte; the inter-chunk times are between
+// the response's chunks. The learned engine rates will read them; the router counts them now.
+struct ResponseTiming {
+  double ttfb_ms = 0;
+  std::uint32_t chunks = 0;
+  double inter_chunk_ms_mean = 0;
+  double inter_chunk_ms_max = 0;
+  bool operator==(const ResponseTiming&) const = default;
+};
+msgpack::sbuffer EncodeLifecycleRequest(std::string_view request_id, const ResponseTiming& timing);
+// The timing of a `free`, when it carries one (ttfb_ms present, every number finite and >= 0).
+std::optional<ResponseTiming> DecodeResponseTiming(std::span<const std::byte> body);
+
 // Router replica sync (docs/protocol.md section 8), on
 // namespace.{ns}.component.{comp}.active_sequences_events:
 //   {router_id: u64, request_id: str, worker_id: u64, dp_rank: u32,

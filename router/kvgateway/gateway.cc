@@ -47,7 +47,9 @@ struct Gateway::Exchange {
   std::string engine_error;  // the body of a 5xx answer, for the message
   bool began = false;        // the response head went to the client
   bool done = false;         // answered, failed or gone: nothing more is sent
+  SteadyTime called;         // the engine call started
   SteadyTime last_chunk;
+  ResponseTiming timing;     // of the engine's response so far (ttfb_ms once it began)
   // Render.
   int render_status = 0;
   std::string render_body;
@@ -341,6 +343,11 @@ void Gateway::Forward(const std::shared_ptr<Exchange>& x) {
                     .head_timeout = std::chrono::milliseconds(config_.engine_timeout_ms),
                     .read_timeout = std::chrono::milliseconds(config_.engine_timeout_ms)};
   if (auto accept = x->http.Header("accept")) spec.headers.emplace_back("accept", std::string(*accept));
+  {
+    std::lock_guard g(x->mu);
+    x->called = std::chrono::steady_clock::now();
+    x->timing = {};
+  }
   auto call = client_.Start(
       *endpoint, std::move(spec),
       {.on_head = [ex = x](int status, const HttpHeaders& headers) {
@@ -372,9 +379,15 @@ void Gateway::Forward(const std::shared_ptr<Exchange>& x) {
              h.emplace_back("x-kvrouter-cached-tokens", std::to_string(ex->routed.cached_tokens));
              ex->reply->Begin(ex->engine_status, std::move(h));
              ttfb_->Observe(Seconds(now - ex->arrival));
+             ex->timing.ttfb_ms = Seconds(now - ex->called) * 1000;
            } else {
-             inter_chunk_->Observe(Seconds(now - ex->last_chunk));
+             const double gap = Seconds(now - ex->last_chunk);
+             inter_chunk_->Observe(gap);
+             ResponseTiming& t = ex->timing;
+             t.inter_chunk_ms_mean += (gap * 1000 - t.inter_chunk_ms_mean) / static_cast<double>(t.chunks);
+             t.inter_chunk_ms_max = std::max(t.inter_chunk_ms_max, gap * 1000);
            }
+           ++ex->timing.chunks;
            ex->last_chunk = now;
            ex->reply->Write(std::string(d));
            if (ex->reply->Backlog() > kMaxClientBacklog) {
@@ -472,13 +485,15 @@ void Gateway::Fail(const std::shared_ptr<Exchange>& x, int status, std::string_v
 
 void Gateway::Free(const std::shared_ptr<Exchange>& x) {
   std::string booking;
+  std::optional<ResponseTiming> timing;
   {
     std::lock_guard g(x->mu);
     if (!x->booked) return;
     x->booked = false;
     booking = x->booking;
+    if (x->began) timing = x->timing;
   }
-  link_.Free(booking);
+  link_.Free(booking, timing);
 }
 
 std::string Gateway::MetricsText(const HttpListener::Counters& http) const {

@@ -58,8 +58,9 @@ void RouterLink::MarkPrefill(const std::string& request_id) {
   (void)nats_.Publish(prefix_ + "mark_prefill", AsBytes(EncodeLifecycleRequest(request_id)));
 }
 
-void RouterLink::Free(const std::string& request_id) {
-  (void)nats_.Publish(prefix_ + "free", AsBytes(EncodeLifecycleRequest(request_id)));
+void RouterLink::Free(const std::string& request_id, const std::optional<ResponseTiming>& timing) {
+  (void)nats_.Publish(prefix_ + "free", AsBytes(timing ? EncodeLifecycleRequest(request_id, *timing)
+                                                       : EncodeLifecycleRequest(request_id)));
 }
 
 void RouterLink::OnAnswer(const IncomingMessage& m) {

@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <unordered_map>
 
@@ -37,7 +38,8 @@ class RouterLink {
 
   void Route(const RouteRequest& request, Done done);
   void MarkPrefill(const std::string& request_id);
-  void Free(const std::string& request_id);
+  // With the engine's timing when the response came (it goes to the router with the free).
+  void Free(const std::string& request_id, const std::optional<ResponseTiming>& timing = std::nullopt);
   // Fails the requests older than the timeout, and asks the router for its stats now and then to
   // know it answers (for Answering).
   void Tick(SteadyTime now);

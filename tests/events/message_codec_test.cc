@@ -672,6 +672,15 @@ TEST(LifecycleCodec, TruncatedBodyIsAnError) {
 namespace kvrouter {
 namespace {
 
+TEST(LifecycleCodec, AFreeCarriesTheEnginesTimingAndAPlainOneDoesNot) {
+  const ResponseTiming t{.ttfb_ms = 12.5, .chunks = 17, .inter_chunk_ms_mean = 3.25, .inter_chunk_ms_max = 9};
+  const auto body = EncodeLifecycleRequest("r1", t);
+  EXPECT_EQ(*DecodeLifecycleRequest(AsBytes(body)), "r1");
+  EXPECT_EQ(DecodeResponseTiming(AsBytes(body)), t);
+  EXPECT_FALSE(DecodeResponseTiming(AsBytes(EncodeLifecycleRequest("r1"))));
+  EXPECT_FALSE(DecodeResponseTiming(AsBytes(EncodeLifecycleRequest("r1", {.ttfb_ms = -1}))));  // not a time
+}
+
 TEST(ActiveSequenceCodec, RoundTripsEveryKind) {
   for (auto kind :
        {ActiveSequenceEvent::Kind::kAdd, ActiveSequenceEvent::Kind::kPrefillDone, ActiveSequenceEvent::Kind::kFree}) {

