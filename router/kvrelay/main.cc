@@ -4,6 +4,7 @@
 // or metrics port, 1 NATS or ZMQ failure at start.
 #include <atomic>
 #include <cstdlib>
+#include <stop_token>
 #include <thread>
 
 #include <fmt/format.h>
@@ -73,9 +74,13 @@ int main(int argc, char** argv) {
   NatsBus bus(**nc);
   RateLimitedLog log;
   ZmqEngineStream* engine = stream->get();
+  // Ends the ZMQ loop, and a replay it may be waiting for.
+  std::stop_source stopping;
   KvRelay::Replay replay;
   if (engine->has_replay()) {
-    replay = [engine](std::int64_t start) { return engine->Replay(start, std::chrono::seconds(2)); };
+    replay = [engine, stop = stopping.get_token()](std::int64_t start) {
+      return engine->Replay(start, std::chrono::seconds(2), stop);
+    };
   } else {
     fmt::print(stderr, "kvrelay W no --zmq-replay-endpoint: a lost batch clears this rank at the router\n");
   }
@@ -102,9 +107,8 @@ int main(int argc, char** argv) {
              cfg.relay.block_size);
 
   // The ZMQ loop owns the sockets from here on.
-  std::atomic<bool> stopping{false};
-  std::thread loop([&] {
-    while (!stopping.load()) {
+  std::thread loop([&, stop = stopping.get_token()] {
+    while (!stop.stop_requested()) {
       auto got = engine->Receive(std::chrono::milliseconds(100));
       if (!got.ok()) {
         ++stream_errors;
@@ -117,10 +121,12 @@ int main(int argc, char** argv) {
   });
   const int sig = stop.Wait();
   fmt::print(stderr, "kvrelay I signal {}: leaving\n", sig);
-  stopping = true;
+  // `leaving` first, from this thread: the router must stop routing here at once, not when the
+  // loop's replay wait for the engine (up to 2 s) or the metrics server's shutdown has ended.
+  relay.Stop();
+  stopping.request_stop();
   loop.join();
   http.reset();
-  relay.Stop();
   (*nc)->Drain(std::chrono::seconds(2));
   return 0;
 }

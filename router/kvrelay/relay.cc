@@ -40,6 +40,7 @@ Status KvRelay::Start() {
                             });
   if (!sub.ok()) return sub.status();
   recovery_sub_ = std::move(sub).value();
+  KvMutexLock g(reg_mu_);
   Register(WorkerStatus::kUp);
   next_heartbeat_ = std::chrono::steady_clock::now() + std::chrono::milliseconds(options_.heartbeat_ms);
   return Status::Ok();
@@ -63,20 +64,26 @@ void KvRelay::Register(WorkerStatus status) {
 }
 
 void KvRelay::Tick(SteadyTime now) {
-  if (stopped_ || now < next_heartbeat_) return;
+  KvMutexLock g(reg_mu_);
+  if (state_.load() != State::kUp || now < next_heartbeat_) return;
   next_heartbeat_ = now + std::chrono::milliseconds(options_.heartbeat_ms);
   Register(WorkerStatus::kUp);
 }
 
 void KvRelay::Stop() {
-  if (stopped_) return;
-  stopped_ = true;
-  recovery_sub_.reset();
-  Register(WorkerStatus::kLeaving);
+  {
+    // Under reg_mu_: a heartbeat either went out before `leaving` or sees kStopped and stays home.
+    KvMutexLock g(reg_mu_);
+    if (state_.load() == State::kStopped) return;
+    state_ = State::kStopped;
+    Register(WorkerStatus::kLeaving);
+  }
   (void)bus_.Flush(std::chrono::seconds(1));
+  recovery_sub_.reset();
 }
 
 void KvRelay::OnBatch(const ZmqBatch& batch) {
+  if (stopped()) return;
   if (last_ && batch.seq <= *last_) {
     {
       KvMutexLock g(mu_);
@@ -99,6 +106,7 @@ void KvRelay::Repair(std::int64_t from, std::int64_t upto) {
     ++counters_.gaps;
   }
   Result<std::vector<ZmqBatch>> got = replay_ ? replay_(from) : NotFound("no replay endpoint");
+  if (stopped()) return;  // Stop came while the replay waited: the worker has left
   const bool whole = got.ok() && !got->empty() && got->front().seq <= from;
   if (!whole) {
     {
@@ -152,6 +160,7 @@ void KvRelay::PublishCleared(std::string_view why) {
 }
 
 void KvRelay::Publish(KvEventData data, StorageTier tier) {
+  if (stopped()) return;  // after `leaving` the router would count the event as worker_left
   msgpack::sbuffer body;
   {
     KvMutexLock g(mu_);

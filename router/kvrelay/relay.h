@@ -13,10 +13,14 @@
 // Bad input (an undecodable batch, a block size other than --block-size) is counted and logged
 // at a limited rate, never fatal.
 //
-// Thread contract: OnBatch and Tick on one thread (the ZMQ loop); the recovery endpoint runs on
-// the bus's delivery thread; a mutex guards the publisher. Ownership: borrows the bus and the log.
+// Thread contract: Start, then OnBatch and Tick on one thread (the ZMQ loop); Stop from any
+// thread, also while that thread is inside OnBatch (waiting for a replay): `leaving` goes out at
+// once and nothing is published for the worker after it. The recovery endpoint runs on the bus's
+// delivery thread. mu_ guards the publisher and the counters, reg_mu_ the registration state (held
+// while a registration is published, so the wire sees them in the order of the state changes).
+// Ownership: borrows the bus and the log.
 //
-//   KvRelay relay(options, bus, [&](std::int64_t s) { return stream.Replay(s, 2s); }, log);
+//   KvRelay relay(options, bus, [&](std::int64_t s) { return stream.Replay(s, 2s, stop); }, log);
 //   relay.Start();  while (...) { if (batch) relay.OnBatch(*batch); relay.Tick(now); }  relay.Stop();
 #pragma once
 
@@ -79,7 +83,8 @@ class KvRelay {
   void OnBatch(const ZmqBatch& batch);
   // Heartbeats when due.
   void Tick(SteadyTime now);
-  // Publishes `leaving` and unsubscribes. Idempotent.
+  // Publishes `leaving` (at once, whatever the ZMQ loop is doing), then unsubscribes; heartbeats,
+  // events and replays in progress publish nothing for the worker after it. Idempotent.
   void Stop();
 
   Counters counters() const;
@@ -92,7 +97,11 @@ class KvRelay {
   void Repair(std::int64_t from, std::int64_t upto);
   void PublishCleared(std::string_view why);
   void Publish(KvEventData data, StorageTier tier);
-  void Register(WorkerStatus status);
+  void Register(WorkerStatus status) KV_REQUIRES(reg_mu_);
+  bool stopped() const { return state_.load() == State::kStopped; }
+
+  // kUp: registered, heartbeating; kStopped: `leaving` said (Stop).
+  enum class State { kUp, kStopped };
 
   const RelayOptions options_;
   MessageBus& bus_;
@@ -104,8 +113,10 @@ class KvRelay {
   std::unique_ptr<BusSubscription> recovery_sub_;
   std::optional<std::int64_t> last_;         // the ZMQ loop's thread only
   std::atomic<std::int64_t> last_seen_{-1};  // last_ for other threads (metrics)
-  SteadyTime next_heartbeat_{};
-  bool stopped_ = false;
+  KvMutex reg_mu_;
+  // Written only under reg_mu_ (read without it: an atomic, so the ZMQ loop can tell cheaply).
+  std::atomic<State> state_{State::kUp};
+  SteadyTime next_heartbeat_ KV_GUARDED_BY(reg_mu_){};
   Counters counters_ KV_GUARDED_BY(mu_);
 };
 

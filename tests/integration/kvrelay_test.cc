@@ -4,6 +4,14 @@
 // clears; without a replay socket a lost batch clears the rank.
 #include <gtest/gtest.h>
 
+#include <signal.h>
+
+#include <mutex>
+#include <optional>
+
+#include "events/base/clock.h"
+#include "events/message_codec.h"
+
 #include "tests/integration/fake_vllm_engine.h"
 #include "tests/integration/kvrouter_fixture.h"
 
@@ -125,6 +133,46 @@ TEST_F(KvRelayProcessTest, SigtermSaysLeaving) {
   relay_->Stop();
   EXPECT_EQ(relay_->exit_status(), 0);
   EXPECT_TRUE(AwaitWorkers(0));  // forgotten at once, not after the lease
+}
+
+// Regression: SIGTERM while the relay waited for a replay the engine never answered published
+// `leaving` only when that wait ran out (2 s), so the router kept routing to a relay on its way out.
+TEST_F(KvRelayProcessTest, SigtermDuringAReplaySaysLeavingAtOnce) {
+  StartRelay(true);
+  ASSERT_TRUE(PublishUntilIndexed(StoredPrompt(100, 2, 5000), 2));
+  std::mutex mu;
+  std::optional<SteadyTime> leaving_at;  // when the `leaving` registration reached this test
+  auto sub = nc_->Subscribe(kComp + "instances", "", [&](const IncomingMessage& m) {
+    auto reg = DecodeWorkerRegistration(m.data);
+    if (!reg.ok() || reg->worker_id != kWorker || !reg->leaving) return;
+    std::lock_guard g(mu);
+    if (!leaving_at) leaving_at = std::chrono::steady_clock::now();
+  });
+  ASSERT_TRUE(sub.ok()) << sub.status().ToString();
+  ASSERT_TRUE(nc_->Flush(2s).ok());
+
+  engine_->MuteReplays();
+  const int asked = engine_->replay_requests();
+  engine_->Publish({StoredPrompt(200, 2, 6000)}, /*deliver=*/false);
+  engine_->Publish({StoredPrompt(300, 2, 7000)});  // reveals the gap: the relay asks, nothing comes
+  ASSERT_TRUE(WaitFor([&] { return engine_->replay_requests() > asked; }, 5s)) << "the relay never asked";
+
+  const SteadyTime signalled = std::chrono::steady_clock::now();
+  ASSERT_EQ(::kill(relay_->pid(), SIGTERM), 0);
+  ASSERT_TRUE(WaitFor(
+      [&] {
+        std::lock_guard g(mu);
+        return leaving_at.has_value();
+      },
+      5s))
+      << "no `leaving` registration";
+  {
+    std::lock_guard g(mu);
+    EXPECT_LT(*leaving_at - signalled, 500ms);
+  }
+  EXPECT_TRUE(AwaitWorkers(0));
+  relay_->Stop();  // reaps it
+  EXPECT_EQ(relay_->exit_status(), 0);
 }
 
 }  // namespace

@@ -4,7 +4,10 @@
 // endpoint and registrations follow docs/protocol.md sections 4 and 6.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <map>
+#include <mutex>
+#include <thread>
 
 #include "events/event_codec.h"
 #include "events/message_codec.h"
@@ -12,6 +15,7 @@
 #include "events/vllm_codec.h"
 #include "events/worker_codec.h"
 #include "router/kvrelay/relay.h"
+#include "tests/await.h"
 #include "transport/memory_bus.h"
 
 namespace kvrouter {
@@ -35,6 +39,7 @@ class KvRelayTest : public ::testing::Test {
                                  [this](const BusMessage& m) {
                                    auto b = DecodeDynamoEvent(m.data);
                                    ASSERT_TRUE(b.ok()) << b.status().ToString();
+                                   std::lock_guard g(mu_);
                                    events_.push_back(std::move(b).value());
                                  })
                       .value();
@@ -42,6 +47,7 @@ class KvRelayTest : public ::testing::Test {
                                [this](const BusMessage& m) {
                                  auto r = DecodeWorkerRegistration(m.data);
                                  ASSERT_TRUE(r.ok());
+                                 std::lock_guard g(mu_);
                                  regs_.push_back(*r);
                                })
                     .value();
@@ -51,6 +57,10 @@ class KvRelayTest : public ::testing::Test {
     if (with_replay) {
       replay = [this](std::int64_t start) -> Result<std::vector<ZmqBatch>> {
         ++replays_;
+        if (hold_replays_) {  // an engine slow to answer: until the test lets it
+          in_replay_ = true;
+          while (hold_replays_.load()) std::this_thread::yield();
+        }
         std::vector<ZmqBatch> out;
         for (auto it = engine_.lower_bound(start); it != engine_.end(); ++it) out.push_back(it->second);
         return out;
@@ -85,10 +95,14 @@ class KvRelayTest : public ::testing::Test {
   InMemoryBus bus_;
   RateLimitedLog log_{std::chrono::seconds(10), nullptr, [](LogLevel, std::string_view) {}};
   std::unique_ptr<BusSubscription> events_sub_, regs_sub_;
+  // events_ and regs_ are filled on the publishing thread: a test that publishes from two
+  // threads reads them under mu_ (the others once their single thread is done).
+  std::mutex mu_;
   std::vector<KvEventBatch> events_;
   std::vector<WorkerRegistration> regs_;
   std::map<std::int64_t, ZmqBatch> engine_;
-  int replays_ = 0;
+  std::atomic<int> replays_{0};
+  std::atomic<bool> hold_replays_{false}, in_replay_{false};
   std::unique_ptr<KvRelay> relay_;
 };
 
@@ -201,6 +215,32 @@ TEST_F(KvRelayTest, ServesRecoveryAndRegistersWithHeartbeatsThenLeaves) {
   relay_->Stop();
   ASSERT_EQ(regs_.size(), 3u);
   EXPECT_TRUE(regs_.back().leaving);
+}
+
+// Regression (with kvrelay_test's SigtermDuringAReplaySaysLeavingAtOnce): kvrelay now calls Stop
+// from its signal thread while the ZMQ loop may wait in a replay; `leaving` goes out at once and
+// the loop, when the replay returns, publishes nothing more for the worker.
+TEST_F(KvRelayTest, StopDuringAReplaySaysLeavingAndPublishesNothingAfter) {
+  Make(true);
+  Engine(Stored(0, 7001, 10));
+  Engine(Stored(1, 7002, 20), /*deliver=*/false);
+  hold_replays_ = true;
+  std::thread zmq_loop([&] { Engine(Stored(2, 7003, 30)); });  // a gap: waits in the replay
+  ASSERT_TRUE(AwaitTrue([&] { return in_replay_.load(); }));
+  relay_->Stop();  // another thread, the replay still waiting
+  std::size_t events_at_stop = 0;
+  {
+    std::lock_guard g(mu_);
+    ASSERT_FALSE(regs_.empty());
+    EXPECT_TRUE(regs_.back().leaving);
+    events_at_stop = events_.size();
+  }
+  hold_replays_ = false;
+  zmq_loop.join();
+  relay_->Tick(std::chrono::steady_clock::now() + std::chrono::hours(1));
+  relay_->OnBatch(Stored(3, 7004, 40));
+  EXPECT_TRUE(regs_.back().leaving);          // no heartbeat after it
+  EXPECT_EQ(events_.size(), events_at_stop);  // neither the replayed batches nor later ones
 }
 
 }  // namespace
