@@ -8,6 +8,7 @@
 #include <thread>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "router/common/http_server.h"
 #include "router/kvrelay/config.h"
@@ -105,6 +106,9 @@ int main(int argc, char** argv) {
   fmt::print(stderr, "kvrelay I worker {} rank {}: {} (replay {}) -> {} (block size {})\n", cfg.relay.worker_id,
              cfg.relay.dp_rank, cfg.zmq_endpoint, cfg.zmq_replay_endpoint.value_or("none"), cfg.nats_server,
              cfg.relay.block_size);
+  if (!cfg.relay.http_url.empty()) {
+    fmt::print(stderr, "kvrelay I engine {} serving {}\n", cfg.relay.http_url, fmt::join(cfg.relay.models, ", "));
+  }
 
   // The ZMQ loop owns the sockets from here on.
   std::thread loop([&, stop = stopping.get_token()] {

@@ -56,7 +56,9 @@ void KvRelay::Register(WorkerStatus status) {
                                .max_num_batched_tokens = options_.max_num_batched_tokens,
                                .device = options_.device,
                                .lease_ms = options_.lease_ms,
-                               .leaving = status == WorkerStatus::kLeaving};
+                               .leaving = status == WorkerStatus::kLeaving,
+                               .http_url = options_.http_url,
+                               .models = options_.models};
   if (!bus_.Publish(instances_subject_, AsBytes(EncodeWorkerRegistration(reg))).ok()) {
     KvMutexLock g(mu_);
     ++counters_.publish_failures;

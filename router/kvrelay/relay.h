@@ -56,6 +56,8 @@ struct RelayOptions {
   std::string device = "gpu";
   std::uint32_t heartbeat_ms = 1000;
   std::uint32_t lease_ms = 3000;
+  std::string http_url;             // the engine's OpenAI base URL (section 11; "" = not announced)
+  std::vector<std::string> models;  // the model names it serves
 };
 
 class KvRelay {

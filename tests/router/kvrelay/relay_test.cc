@@ -52,7 +52,8 @@ class KvRelayTest : public ::testing::Test {
                                })
                     .value();
   }
-  void Make(bool with_replay) {
+  void Make(bool with_replay,
+            RelayOptions options = {.worker_id = kWorker, .block_size = kBs, .total_kv_blocks = 100}) {
     KvRelay::Replay replay;
     if (with_replay) {
       replay = [this](std::int64_t start) -> Result<std::vector<ZmqBatch>> {
@@ -66,8 +67,7 @@ class KvRelayTest : public ::testing::Test {
         return out;
       };
     }
-    relay_ = std::make_unique<KvRelay>(RelayOptions{.worker_id = kWorker, .block_size = kBs, .total_kv_blocks = 100},
-                                       bus_, replay, log_);
+    relay_ = std::make_unique<KvRelay>(std::move(options), bus_, replay, log_);
     ASSERT_TRUE(relay_->Start().ok());
   }
   // The engine publishes batch `b` (kept for replays); `deliver` false: lost on the way.
@@ -215,6 +215,25 @@ TEST_F(KvRelayTest, ServesRecoveryAndRegistersWithHeartbeatsThenLeaves) {
   relay_->Stop();
   ASSERT_EQ(regs_.size(), 3u);
   EXPECT_TRUE(regs_.back().leaving);
+}
+
+TEST_F(KvRelayTest, RegistrationsCarryTheEnginesUrlAndModels) {
+  Make(true,
+       {.worker_id = kWorker, .block_size = kBs, .http_url = "http://127.0.0.1:8001", .models = {"llama", "qwen"}});
+  relay_->Tick(std::chrono::steady_clock::now() + std::chrono::seconds(2));
+  relay_->Stop();
+  ASSERT_EQ(regs_.size(), 3u);  // the first, a heartbeat, `leaving`
+  for (const WorkerRegistration& r : regs_) {
+    EXPECT_EQ(r.http_url, "http://127.0.0.1:8001");
+    EXPECT_EQ(r.models, (std::vector<std::string>{"llama", "qwen"}));
+  }
+}
+
+TEST_F(KvRelayTest, WithoutAnEngineUrlRegistrationsCarryNone) {
+  Make(true);
+  ASSERT_EQ(regs_.size(), 1u);
+  EXPECT_EQ(regs_[0].http_url, "");
+  EXPECT_TRUE(regs_[0].models.empty());
 }
 
 // Regression (with kvrelay_test's SigtermDuringAReplaySaysLeavingAtOnce): kvrelay now calls Stop
