@@ -13,7 +13,7 @@
 // the check function (and what it captures) must outlive the watch; the log is borrowed.
 //
 //   EngineWatch watch({.interval = 1s, .timeout = 1s, .failures = 2}, checks.check(), log, url);
-//   if (watch.Poll(now) == EngineTransition::kDown) relay.EngineDown(now, watch.last_failure().message());
+//   if (watch.Poll(now) == EngineTransition::kDown) relay.EngineDown(watch.last_failure().message());
 #pragma once
 
 #include <chrono>

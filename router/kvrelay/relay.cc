@@ -17,7 +17,8 @@ KvRelay::KvRelay(RelayOptions options, MessageBus& bus, Replay replay, RateLimit
       log_(log),
       events_subject_(fmt::format("namespace.{}.component.{}.kv-events", options_.ns, options_.component)),
       instances_subject_(fmt::format("namespace.{}.component.{}.instances", options_.ns, options_.component)),
-      publisher_(PublisherConfig{.worker_id = options_.worker_id, .dp_rank = options_.dp_rank}) {}
+      publisher_(PublisherConfig{.worker_id = options_.worker_id, .dp_rank = options_.dp_rank}),
+      state_(options_.register_when == RegisterWhen::kAtStart ? State::kUp : State::kEngineDown) {}
 
 KvRelay::~KvRelay() { Stop(); }
 
@@ -41,6 +42,7 @@ Status KvRelay::Start() {
   if (!sub.ok()) return sub.status();
   recovery_sub_ = std::move(sub).value();
   KvMutexLock g(reg_mu_);
+  if (state_.load() != State::kUp) return Status::Ok();  // EngineUp registers
   Register(WorkerStatus::kUp);
   next_heartbeat_ = std::chrono::steady_clock::now() + std::chrono::milliseconds(options_.heartbeat_ms);
   return Status::Ok();
@@ -72,6 +74,32 @@ void KvRelay::Tick(SteadyTime now) {
   Register(WorkerStatus::kUp);
 }
 
+bool KvRelay::EngineUp(SteadyTime now) {
+  KvMutexLock g(reg_mu_);
+  if (state_.load() != State::kEngineDown) return false;
+  state_ = State::kUp;
+  Register(WorkerStatus::kUp);
+  next_heartbeat_ = now + std::chrono::milliseconds(options_.heartbeat_ms);
+  return true;
+}
+
+bool KvRelay::EngineDown(std::string_view why) {
+  if (state_.load() != State::kUp) return false;  // Stop aside, only this thread changes it
+  // `cleared` while the router still knows the worker, so it forgets the cache at once; the
+  // publisher's index empties too, so the dump the router asks for at the next registration is
+  // empty. Event ids go on.
+  PublishCleared(fmt::format("the engine stopped answering ({})", why));
+  {
+    KvMutexLock g(reg_mu_);
+    if (state_.load() != State::kUp) return false;  // Stop came meanwhile and said `leaving`
+    state_ = State::kEngineDown;
+    Register(WorkerStatus::kLeaving);
+  }
+  last_.reset();  // the next batch is judged as at first sight
+  last_seen_ = -1;
+  return true;
+}
+
 void KvRelay::Stop() {
   {
     // Under reg_mu_: a heartbeat either went out before `leaving` or sees kStopped and stays home.
@@ -85,7 +113,13 @@ void KvRelay::Stop() {
 }
 
 void KvRelay::OnBatch(const ZmqBatch& batch) {
-  if (stopped()) return;
+  if (const State state = state_.load(); state != State::kUp) {
+    if (state == State::kEngineDown) {
+      KvMutexLock g(mu_);
+      ++counters_.batches_engine_down;
+    }
+    return;
+  }
   if (last_ && batch.seq <= *last_) {
     {
       KvMutexLock g(mu_);

@@ -13,7 +13,14 @@
 // Bad input (an undecodable batch, a block size other than --block-size) is counted and logged
 // at a limited rate, never fatal.
 //
-// Thread contract: Start, then OnBatch and Tick on one thread (the ZMQ loop); Stop from any
+// The engine's liveness (RegisterWhen::kEngineUp, kvrelay --engine-url): the worker registers
+// only between EngineUp and EngineDown, as the engine's health checks say (EngineWatch). On
+// EngineDown the relay publishes `cleared` (a dead engine's cache is gone; the router and this
+// relay's own section 6 index start again from nothing), then `leaving`, stops heartbeating,
+// forgets the last seq and drops the engine's batches until EngineUp registers it again; the first
+// batch after that is judged as at first sight (replayed from seq 0 when it is not seq 0).
+//
+// Thread contract: Start, then OnBatch, Tick, EngineUp and EngineDown on one thread (the ZMQ loop); Stop from any
 // thread, also while that thread is inside OnBatch (waiting for a replay): `leaving` goes out at
 // once and nothing is published for the worker after it. The recovery endpoint runs on the bus's
 // delivery thread. mu_ guards the publisher and the counters, reg_mu_ the registration state (held
@@ -44,6 +51,12 @@
 
 namespace kvrouter {
 
+// When the worker is registered.
+enum class RegisterWhen {
+  kAtStart,   // from Start to Stop
+  kEngineUp,  // from EngineUp to EngineDown (and again), the engine's health being watched
+};
+
 struct RelayOptions {
   std::string ns = "dynamo";
   std::string component = "backend";
@@ -58,6 +71,7 @@ struct RelayOptions {
   std::uint32_t lease_ms = 3000;
   std::string http_url;             // the engine's OpenAI base URL (section 11; "" = not announced)
   std::vector<std::string> models;  // the model names it serves
+  RegisterWhen register_when = RegisterWhen::kAtStart;
 };
 
 class KvRelay {
@@ -74,22 +88,31 @@ class KvRelay {
     std::uint64_t bad_batches = 0;            // undecodable
     std::uint64_t block_size_mismatches = 0;  // stored events cut short
     std::uint64_t publish_failures = 0;
+    std::uint64_t batches_engine_down = 0;  // dropped: the engine was not up (kEngineUp)
   };
 
   KvRelay(RelayOptions options, MessageBus& bus, Replay replay, RateLimitedLog& log);
   ~KvRelay();
 
-  // Subscribes the recovery endpoint and publishes the first registration.
+  // Subscribes the recovery endpoint and publishes the first registration (kAtStart).
   Status Start();
   // One batch from the engine's stream.
   void OnBatch(const ZmqBatch& batch);
   // Heartbeats when due.
   void Tick(SteadyTime now);
+  // The engine answers its health checks (again): registers `up` and heartbeats from `now` on.
+  // False when it already was registered, or after Stop.
+  bool EngineUp(SteadyTime now);
+  // The engine stopped answering (`why`, for the log): `cleared`, `leaving`, no heartbeats, its
+  // batches dropped until EngineUp. False when it was not registered.
+  bool EngineDown(std::string_view why);
   // Publishes `leaving` (at once, whatever the ZMQ loop is doing), then unsubscribes; heartbeats,
   // events and replays in progress publish nothing for the worker after it. Idempotent.
   void Stop();
 
   Counters counters() const;
+  // Registered `up` now (any thread).
+  bool registered() const { return state_.load() == State::kUp; }
   // The last seq applied (any thread; -1: none yet).
   std::int64_t last_seq() const { return last_seen_.load(); }
 
@@ -102,8 +125,9 @@ class KvRelay {
   void Register(WorkerStatus status) KV_REQUIRES(reg_mu_);
   bool stopped() const { return state_.load() == State::kStopped; }
 
-  // kUp: registered, heartbeating; kStopped: `leaving` said (Stop).
-  enum class State { kUp, kStopped };
+  // kUp: registered, heartbeating; kEngineDown: not registered (the engine is not up yet, or no
+  // longer); kStopped: `leaving` said (Stop).
+  enum class State { kUp, kEngineDown, kStopped };
 
   const RelayOptions options_;
   MessageBus& bus_;
@@ -117,7 +141,7 @@ class KvRelay {
   std::atomic<std::int64_t> last_seen_{-1};  // last_ for other threads (metrics)
   KvMutex reg_mu_;
   // Written only under reg_mu_ (read without it: an atomic, so the ZMQ loop can tell cheaply).
-  std::atomic<State> state_{State::kUp};
+  std::atomic<State> state_;
   SteadyTime next_heartbeat_ KV_GUARDED_BY(reg_mu_){};
   Counters counters_ KV_GUARDED_BY(mu_);
 };

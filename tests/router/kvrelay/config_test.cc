@@ -70,6 +70,47 @@ TEST(RelayConfigTest, EngineUrlAndModelGoTogether) {
   EXPECT_NE(Refusal({"--model", "m"}).find("--engine-url"), std::string::npos);
 }
 
+TEST(RelayConfigTest, AnEngineUrlWatchesTheEngineWithTheDefaults) {
+  auto p = Parse({"--engine-url", "http://127.0.0.1:8001", "--model", "m"});
+  ASSERT_TRUE(p.ok()) << p.status().ToString();
+  EXPECT_EQ(p->config.relay.register_when, RegisterWhen::kEngineUp);
+  EXPECT_EQ(p->config.health.interval, std::chrono::milliseconds(1000));
+  EXPECT_EQ(p->config.health.timeout, std::chrono::milliseconds(1000));
+  EXPECT_EQ(p->config.health.failures, 2u);
+  auto plain = Parse({});
+  ASSERT_TRUE(plain.ok());
+  EXPECT_EQ(plain->config.relay.register_when, RegisterWhen::kAtStart);  // nothing changes without it
+}
+
+TEST(RelayConfigTest, HealthFlagsAndTheTimeoutFollowingTheInterval) {
+  auto p = Parse({"--engine-url", "http://127.0.0.1:8001", "--model", "m", "--health-interval-ms", "250",
+                  "--health-failures", "3"});
+  ASSERT_TRUE(p.ok()) << p.status().ToString();
+  EXPECT_EQ(p->config.health.interval, std::chrono::milliseconds(250));
+  EXPECT_EQ(p->config.health.timeout, std::chrono::milliseconds(250));  // = the interval unless given
+  EXPECT_EQ(p->config.health.failures, 3u);
+  auto t = Parse({"--engine-url", "http://127.0.0.1:8001", "--model", "m", "--health-timeout-ms", "5000"},
+                 {{"DYN_HEALTH_INTERVAL_MS", "2000"}});
+  ASSERT_TRUE(t.ok()) << t.status().ToString();
+  EXPECT_EQ(t->config.health.interval, std::chrono::milliseconds(2000));
+  EXPECT_EQ(t->config.health.timeout, std::chrono::milliseconds(5000));
+}
+
+TEST(RelayConfigTest, BadHealthFlagsAreRefusedNamingTheFlag) {
+  const std::vector<std::string> engine = {"--engine-url", "http://127.0.0.1:8001", "--model", "m"};
+  auto with = [&](std::vector<std::string> more) {
+    more.insert(more.begin(), engine.begin(), engine.end());
+    return Refusal(more);
+  };
+  EXPECT_NE(with({"--health-interval-ms", "9"}).find("--health-interval-ms"), std::string::npos);
+  EXPECT_NE(with({"--health-timeout-ms", "0"}).find("--health-timeout-ms"), std::string::npos);
+  EXPECT_NE(with({"--health-failures", "0"}).find("--health-failures"), std::string::npos);
+  EXPECT_NE(with({"--health-failures", "-1"}).find("--health-failures"), std::string::npos);
+  // Without an engine to check they mean nothing: refused, not ignored.
+  EXPECT_NE(Refusal({"--health-failures", "3"}).find("needs --engine-url"), std::string::npos);
+  EXPECT_NE(Refusal({"--health-timeout-ms", "300"}).find("needs --engine-url"), std::string::npos);
+}
+
 TEST(RelayConfigTest, ModelNamesAreBounded) {
   const std::vector<std::string> url = {"--engine-url", "http://127.0.0.1:8001"};
   auto with = [&](std::string models) {

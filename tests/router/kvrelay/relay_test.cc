@@ -236,6 +236,105 @@ TEST_F(KvRelayTest, WithoutAnEngineUrlRegistrationsCarryNone) {
   EXPECT_TRUE(regs_[0].models.empty());
 }
 
+RelayOptions Watched() {
+  return {.worker_id = kWorker,
+          .block_size = kBs,
+          .http_url = "http://127.0.0.1:8001",
+          .models = {"m"},
+          .register_when = RegisterWhen::kEngineUp};
+}
+
+TEST_F(KvRelayTest, AWatchedEngineIsRegisteredOnlyOnceItIsUp) {
+  Make(true, Watched());
+  const SteadyTime now = std::chrono::steady_clock::now();
+  relay_->Tick(now + std::chrono::hours(1));
+  Engine(Stored(0, 7001, 10));  // an engine still starting: nothing goes out for it
+  EXPECT_TRUE(regs_.empty());
+  EXPECT_TRUE(events_.empty());
+  EXPECT_FALSE(relay_->registered());
+  EXPECT_EQ(relay_->counters().batches_engine_down, 1u);
+
+  EXPECT_TRUE(relay_->EngineUp(now));
+  EXPECT_FALSE(relay_->EngineUp(now));  // once
+  ASSERT_EQ(regs_.size(), 1u);
+  EXPECT_FALSE(regs_[0].leaving);
+  EXPECT_EQ(regs_[0].http_url, "http://127.0.0.1:8001");
+  relay_->Tick(now + std::chrono::seconds(2));
+  EXPECT_EQ(regs_.size(), 2u);  // heartbeats
+  Engine(Stored(1, 7002, 20));  // seq 0 was dropped: replayed
+  EXPECT_EQ(Ops(), (std::vector<std::string>{"S7001", "S7002"}));
+}
+
+TEST_F(KvRelayTest, AnEngineThatGoesDownIsClearedAndLeavesAndItsBatchesAreDropped) {
+  Make(true, Watched());
+  const SteadyTime now = std::chrono::steady_clock::now();
+  ASSERT_TRUE(relay_->EngineUp(now));
+  Engine(Stored(0, 7001, 10));
+  Engine(Stored(1, 7002, 20));
+  EXPECT_TRUE(relay_->EngineDown("connection refused"));
+  EXPECT_FALSE(relay_->EngineDown("again"));                            // once
+  EXPECT_EQ(Ops(), (std::vector<std::string>{"S7001", "S7002", "C"}));  // cleared, then
+  ASSERT_EQ(regs_.size(), 2u);
+  EXPECT_TRUE(regs_.back().leaving);  // leaving
+  EXPECT_FALSE(relay_->registered());
+  EXPECT_EQ(relay_->last_seq(), -1);
+  relay_->Tick(now + std::chrono::hours(1));
+  EXPECT_EQ(regs_.size(), 2u);  // no heartbeat
+  Engine(Stored(2, 7003, 30));
+  EXPECT_EQ(events_.size(), 3u);  // dropped
+  EXPECT_EQ(relay_->counters().batches_engine_down, 1u);
+  // The section 6 index is empty: what a router asks when the worker comes back is a fresh view.
+  const auto reply = bus_.Request(RecoverySubject("dynamo", "backend", kWorker, 0), AsBytes(RecoveryQuery{}.Encode()));
+  ASSERT_TRUE(reply.has_value());
+  auto r = DecodeRecoveryReply(*reply, kWorker);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->kind, "tree_dump");
+  EXPECT_TRUE(r->events.empty());
+  EXPECT_EQ(r->last_event_id, 3u);  // event ids go on
+}
+
+TEST_F(KvRelayTest, AnEngineBackUpRegistersAgainAndItsStreamIsReadAsNew) {
+  Make(true, Watched());
+  const SteadyTime now = std::chrono::steady_clock::now();
+  ASSERT_TRUE(relay_->EngineUp(now));
+  Engine(Stored(0, 7001, 10));
+  Engine(Stored(1, 7002, 20));
+  ASSERT_TRUE(relay_->EngineDown("timeout"));
+  // The engine restarted: seq from 0, an empty cache. Its first batch reached the relay while the
+  // health checks had not yet said so; the second comes after.
+  engine_.clear();
+  Engine(Stored(0, 7101, 50));
+  EXPECT_TRUE(relay_->EngineUp(now));
+  EXPECT_FALSE(regs_.back().leaving);
+  Engine(Stored(1, 7102, 60));  // first sight past 0: replayed from 0
+  EXPECT_EQ(Ops(), (std::vector<std::string>{"S7001", "S7002", "C", "S7101", "S7102"}));
+  EXPECT_EQ(relay_->counters().restarts, 0u);  // no second `cleared`: the engine's going down said it
+  EXPECT_EQ(relay_->last_seq(), 1);
+}
+
+TEST_F(KvRelayTest, AHiccupThatKeptTheEnginesCacheIsReplayedFromItsStart) {
+  Make(true, Watched());
+  const SteadyTime now = std::chrono::steady_clock::now();
+  ASSERT_TRUE(relay_->EngineUp(now));
+  Engine(Stored(0, 7001, 10));
+  ASSERT_TRUE(relay_->EngineDown("timeout"));
+  ASSERT_TRUE(relay_->EngineUp(now));
+  Engine(Stored(1, 7002, 20));  // the same engine, seq going on: its whole history is replayed
+  EXPECT_EQ(Ops(), (std::vector<std::string>{"S7001", "C", "S7001", "S7002"}));
+  EXPECT_EQ(relay_->counters().gaps_unrepaired, 0u);
+}
+
+TEST_F(KvRelayTest, StopAfterTheEngineWentDownStillSaysLeavingAndEngineUpIsRefused) {
+  Make(true, Watched());
+  const SteadyTime now = std::chrono::steady_clock::now();
+  ASSERT_TRUE(relay_->EngineUp(now));
+  ASSERT_TRUE(relay_->EngineDown("refused"));
+  relay_->Stop();
+  EXPECT_TRUE(regs_.back().leaving);
+  EXPECT_FALSE(relay_->EngineUp(now));
+  EXPECT_TRUE(regs_.back().leaving);
+}
+
 // Regression (with kvrelay_test's SigtermDuringAReplaySaysLeavingAtOnce): kvrelay now calls Stop
 // from its signal thread while the ZMQ loop may wait in a replay; `leaving` goes out at once and
 // the loop, when the replay returns, publishes nothing more for the worker.
