@@ -20,11 +20,12 @@
 // forgets the last seq and drops the engine's batches until EngineUp registers it again; the first
 // batch after that is judged as at first sight (replayed from seq 0 when it is not seq 0).
 //
-// Thread contract: Start, then OnBatch, Tick, EngineUp and EngineDown on one thread (the ZMQ loop); Stop from any
-// thread, also while that thread is inside OnBatch (waiting for a replay): `leaving` goes out at
-// once and nothing is published for the worker after it. The recovery endpoint runs on the bus's
-// delivery thread. mu_ guards the publisher and the counters, reg_mu_ the registration state (held
-// while a registration is published, so the wire sees them in the order of the state changes).
+// Thread contract: Start, then OnBatch, Tick, EngineUp and EngineDown on one thread (the ZMQ
+// loop); Stop from any thread, also while that thread is inside OnBatch (waiting for a replay):
+// `leaving` goes out at once and nothing is published for the worker after it. counters(),
+// registered() and last_seq() from any thread. The recovery endpoint runs on the bus's delivery
+// thread. mu_ guards the publisher and the counters, reg_mu_ the registration state (held while a
+// registration is published, so the wire sees them in the order of the state changes).
 // Ownership: borrows the bus and the log.
 //
 //   KvRelay relay(options, bus, [&](std::int64_t s) { return stream.Replay(s, 2s, stop); }, log);
