@@ -2,6 +2,7 @@
 
 #include <arpa/inet.h>
 #include <fcntl.h>
+#include <linux/close_range.h>
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/prctl.h>
@@ -122,6 +123,10 @@ Result<std::unique_ptr<ChildProcess>> ChildProcess::Start(std::vector<std::strin
     if (devnull >= 0) ::dup2(devnull, STDIN_FILENO);
     ::dup2(log_fd, STDOUT_FILENO);
     ::dup2(log_fd, STDERR_FILENO);
+    // Nothing else crosses the exec: a descriptor the test opened without close-on-exec (Asio's
+    // sockets, e.g. an HttpListener's acceptor) would keep its port bound in the child after the
+    // test closed it.
+    ::close_range(3, ~0U, CLOSE_RANGE_CLOEXEC);
     ::execve(exe.c_str(), args.data(), envp.data());
     ::_exit(127);
   }

@@ -32,7 +32,8 @@ bool WaitFor(const std::function<bool()>& cond, std::chrono::milliseconds timeou
 class ChildProcess {
  public:
   // Starts argv[0] (a path; looked up in PATH when it has no '/') with the current environment
-  // plus `extra_env` (NAME, value; overrides). stdout and stderr are appended to `log_path`.
+  // plus `extra_env` (NAME, value; overrides). stdout and stderr are appended to `log_path`; stdin
+  // is /dev/null, and no other descriptor of the test reaches the child.
   static Result<std::unique_ptr<ChildProcess>> Start(std::vector<std::string> argv, std::string log_path,
                                                      std::vector<std::pair<std::string, std::string>> extra_env = {});
 
