@@ -12,6 +12,7 @@
 #include <atomic>
 #include <cctype>
 #include <charconv>
+#include <condition_variable>
 #include <deque>
 #include <future>
 #include <limits>
@@ -21,6 +22,13 @@
 #include "events/base/clock.h"
 #include "transport/http_io_impl.h"
 
+#include <fcntl.h>
+
+#include <boost/asio/steady_timer.hpp>
+
+#include <optional>
+#include <unordered_set>
+
 namespace kvrouter {
 
 namespace beast = boost::beast;
@@ -28,38 +36,46 @@ namespace http = beast::http;
 namespace net = boost::asio;
 using tcp = net::ip::tcp;
 
-std::string HttpEndpoint::Key() const { return fmt::format("{}:{}", host, port); }
+std::string HttpEndpoint::Key() const {
+  return host.find(':') != std::string::npos ? fmt::format("[{}]:{}", host, port) : fmt::format("{}:{}", host, port);
+}
 
 Result<HttpEndpoint> ParseHttpUrl(std::string_view url) {
   constexpr std::string_view kScheme = "http://";
-  if (!url.starts_with(kScheme)) return InvalidArgument(fmt::format("'{}' is not an http:// URL", url));
+  const auto bad = [&](std::string_view why) { return InvalidArgument(fmt::format("'{}' {}", url.substr(0, 256), why)); };
+  const std::string_view scheme = url.substr(0, kScheme.size());
+  if (!beast::iequals(beast::string_view(scheme.data(), scheme.size()), beast::string_view(kScheme.data(), kScheme.size()))) {
+    return bad("is not an http:// URL");
+  }
   std::string_view rest = url.substr(kScheme.size());
   while (rest.ends_with('/')) rest.remove_suffix(1);
-  if (rest.find('/') != std::string_view::npos) {
-    return InvalidArgument(fmt::format("'{}' has a path; give the base URL, http://host:port", url));
+  if (rest.find_first_of("/?#") != std::string_view::npos) {
+    return bad("has a path, query or fragment; give the base URL, http://host:port");
   }
+  if (rest.find('@') != std::string_view::npos) return bad("has user information");
   HttpEndpoint e;
   std::string_view host = rest;
-  std::string_view port;
+  std::optional<std::string_view> port;
   if (rest.starts_with('[')) {  // [v6]:port
     const auto close = rest.find(']');
-    if (close == std::string_view::npos) return InvalidArgument(fmt::format("'{}': unclosed [", url));
+    if (close == std::string_view::npos) return bad("has an unclosed [");
     host = rest.substr(1, close - 1);
     if (close + 1 < rest.size()) {
-      if (rest[close + 1] != ':') return InvalidArgument(fmt::format("'{}': junk after ]", url));
+      if (rest[close + 1] != ':') return bad("has something after ] that is not :port");
       port = rest.substr(close + 2);
     }
-  } else if (const auto colon = rest.rfind(':'); colon != std::string_view::npos) {
+  } else if (const auto colon = rest.find(':'); colon != std::string_view::npos) {
+    if (rest.find(':', colon + 1) != std::string_view::npos) return bad("has an IPv6 address without [ ]");
     host = rest.substr(0, colon);
     port = rest.substr(colon + 1);
   }
-  if (host.empty()) return InvalidArgument(fmt::format("'{}' has no host", url));
+  if (host.empty()) return bad("has no host");
   e.host = std::string(host);
-  if (!port.empty()) {
+  if (port) {
     unsigned p = 0;
-    const auto [end, ec] = std::from_chars(port.data(), port.data() + port.size(), p);
-    if (ec != std::errc() || end != port.data() + port.size() || p == 0 || p > 65535) {
-      return InvalidArgument(fmt::format("'{}' has a bad port", url));
+    const auto [end, ec] = std::from_chars(port->data(), port->data() + port->size(), p);
+    if (port->empty() || ec != std::errc() || end != port->data() + port->size() || p == 0 || p > 65535) {
+      return bad("has a bad port");
     }
     e.port = static_cast<std::uint16_t>(p);
   }
@@ -105,10 +121,18 @@ struct HttpClient::Pool {
   const Options options;
   std::mutex mu;
   std::unordered_map<std::string, std::vector<Idle>> idle;  // guarded by mu
+  // Calls not yet done (for Stop), guarded by mu; `no_calls` is signalled when it empties.
+  std::unordered_map<HttpCall*, std::weak_ptr<HttpCall>> live;
+  std::condition_variable no_calls;
   std::atomic<std::uint64_t> connects{0}, reused{0}, retried{0}, failed{0};
 };
 
 namespace {
+
+// Sockets are not handed to programs this one starts (Asio opens them without FD_CLOEXEC).
+void CloseOnExec(int fd) {
+  if (fd >= 0) (void)::fcntl(fd, F_SETFD, ::fcntl(fd, F_GETFD) | FD_CLOEXEC);
+}
 
 class Call final : public HttpCall, public std::enable_shared_from_this<Call> {
  public:
@@ -125,6 +149,10 @@ class Call final : public HttpCall, public std::enable_shared_from_this<Call> {
   }
 
   void Run() {
+    {
+      std::lock_guard g(pool_->mu);
+      pool_->live.emplace(this, weak_from_this());
+    }
     net::post(executor_, [self = shared_from_this()] {
       self->stream_->expires_after(self->spec_.head_timeout);
       if (self->reused_) {
@@ -141,19 +169,39 @@ class Call final : public HttpCall, public std::enable_shared_from_this<Call> {
 
  private:
   void Resolve() {
+    // An address needs no lookup; a name is looked up within the head timeout too.
+    beast::error_code ec;
+    const auto address = net::ip::make_address(endpoint_.host, ec);
+    if (!ec) return Connect(tcp::resolver::results_type::create(tcp::endpoint(address, endpoint_.port), endpoint_.host,
+                                                                std::to_string(endpoint_.port)));
     resolver_.emplace(executor_);
+    resolve_timer_.emplace(executor_);
+    resolve_timer_->expires_after(spec_.head_timeout);
+    resolve_timer_->async_wait([self = shared_from_this()](beast::error_code e) {
+      if (!e && self->resolver_) self->resolver_->cancel();
+    });
     resolver_->async_resolve(endpoint_.host, std::to_string(endpoint_.port),
-                             [self = shared_from_this()](beast::error_code ec, tcp::resolver::results_type results) {
+                             [self = shared_from_this()](beast::error_code e, tcp::resolver::results_type results) {
+                               self->resolve_timer_->cancel();
                                if (self->done_) return;
-                               if (ec) return self->Fail(Internal("cannot resolve " + self->endpoint_.host + ": " + ec.message()));
-                               self->stream_->async_connect(results, [self](beast::error_code e, const tcp::endpoint&) {
-                                 if (self->done_) return;
-                                 if (e) return self->Fail(self->ErrorOf("cannot connect to", e));
-                                 ++self->pool_->connects;
-                                 self->stream_->socket().set_option(tcp::no_delay(true));
-                                 self->Send();
-                               });
+                               if (e == net::error::operation_aborted) {
+                                 return self->Fail(Status(StatusCode::kTimeout, "cannot resolve " + self->endpoint_.host + " in time"));
+                               }
+                               if (e) return self->Fail(Internal("cannot resolve " + self->endpoint_.host + ": " + e.message()));
+                               self->Connect(std::move(results));
                              });
+  }
+
+  void Connect(tcp::resolver::results_type results) {
+    stream_->async_connect(results, [self = shared_from_this()](beast::error_code e, const tcp::endpoint&) {
+      if (self->done_) return;
+      if (e) return self->Fail(self->ErrorOf("cannot connect to", e));
+      ++self->pool_->connects;
+      CloseOnExec(self->stream_->socket().native_handle());
+      beast::error_code ignored;
+      self->stream_->socket().set_option(tcp::no_delay(true), ignored);
+      self->Send();
+    });
   }
 
   void Send() {
@@ -206,6 +254,13 @@ class Call final : public HttpCall, public std::enable_shared_from_this<Call> {
     });
   }
 
+  // Leaves the client's list of live calls (Stop waits for it to empty).
+  void Settled() {
+    std::lock_guard g(pool_->mu);
+    pool_->live.erase(this);
+    if (pool_->live.empty()) pool_->no_calls.notify_all();
+  }
+
   void Finish() {
     done_ = true;
     if (parser_->keep_alive() && buffer_.size() == 0) {
@@ -215,6 +270,7 @@ class Call final : public HttpCall, public std::enable_shared_from_this<Call> {
     }
     if (cb_.on_done) cb_.on_done(Status::Ok());
     cb_ = {};
+    Settled();
   }
 
   // A pooled connection the engine closed while it idled: once, a fresh connection instead.
@@ -244,6 +300,7 @@ class Call final : public HttpCall, public std::enable_shared_from_this<Call> {
     Close();
     if (cb_.on_done) cb_.on_done(s);
     cb_ = {};
+    Settled();
   }
 
   void Close() {
@@ -262,6 +319,7 @@ class Call final : public HttpCall, public std::enable_shared_from_this<Call> {
   bool reused_ = false;
   bool done_ = false;
   std::optional<tcp::resolver> resolver_;
+  std::optional<net::steady_timer> resolve_timer_;
   http::request<http::string_body> req_;
   beast::flat_buffer buffer_;
   std::optional<http::response_parser<http::buffer_body>> parser_;
@@ -273,6 +331,7 @@ class Call final : public HttpCall, public std::enable_shared_from_this<Call> {
 HttpClient::HttpClient(HttpIo& io, Options options) : pool_(std::make_shared<Pool>(io.impl().ioc, options)) {}
 
 HttpClient::~HttpClient() {
+  Stop();
   std::lock_guard g(pool_->mu);
   for (auto& [key, q] : pool_->idle) {
     for (auto& i : q) {
@@ -281,6 +340,21 @@ HttpClient::~HttpClient() {
     }
   }
   pool_->idle.clear();
+}
+
+void HttpClient::Stop() {
+  std::vector<std::shared_ptr<HttpCall>> calls;
+  {
+    std::lock_guard g(pool_->mu);
+    for (auto& [raw, weak] : pool_->live) {
+      if (auto c = weak.lock()) calls.push_back(std::move(c));
+    }
+  }
+  for (auto& c : calls) c->Cancel();
+  calls.clear();
+  if (pool_->ioc.get_executor().running_in_this_thread() || pool_->ioc.stopped()) return;
+  std::unique_lock g(pool_->mu);
+  pool_->no_calls.wait_for(g, std::chrono::seconds(5), [&] { return pool_->live.empty(); });
 }
 
 std::shared_ptr<HttpCall> HttpClient::Start(const HttpEndpoint& endpoint, HttpCallSpec spec, HttpCallbacks callbacks) {

@@ -29,11 +29,12 @@
 
 namespace kvrouter {
 
-// An engine's base URL: "http://host[:port]" (port 80 by default), without a path.
+// An engine's base URL: "http://host[:port]" (port 80 by default; an IPv6 address in [ ]),
+// without a path, query, fragment or user information; the scheme in any case.
 struct HttpEndpoint {
   std::string host;
   std::uint16_t port = 80;
-  std::string Key() const;  // "host:port", the pool's key
+  std::string Key() const;  // "host:port" ("[v6]:port"), the pool's key and the Host header
 };
 Result<HttpEndpoint> ParseHttpUrl(std::string_view url);
 
@@ -75,6 +76,9 @@ class HttpClient {
   HttpClient& operator=(const HttpClient&) = delete;
 
   std::shared_ptr<HttpCall> Start(const HttpEndpoint& endpoint, HttpCallSpec spec, HttpCallbacks callbacks);
+  // Cancels every call not yet done and (off the HttpIo threads) waits until their on_done ran.
+  // Before HttpIo::Stop; the destructor does it too.
+  void Stop();
 
   // The whole response, waiting for it (not on an HttpIo thread).
   struct Response {

@@ -18,6 +18,10 @@
 
 #include "transport/http_io_impl.h"
 
+#include <fcntl.h>
+
+#include <future>
+
 namespace kvrouter {
 
 namespace beast = boost::beast;
@@ -40,6 +44,11 @@ std::string_view HttpRequest::Path() const {
 namespace {
 
 class Session;
+
+// Sockets are not handed to programs this one starts (Asio opens them without FD_CLOEXEC).
+void CloseOnExec(int fd) {
+  if (fd >= 0) (void)::fcntl(fd, F_SETFD, ::fcntl(fd, F_GETFD) | FD_CLOEXEC);
+}
 
 // A parsed Beast request as the handler sees it: header names in lower case.
 HttpRequest ToRequest(http::request<http::string_body>&& req) {
@@ -100,6 +109,7 @@ struct HttpListener::State : std::enable_shared_from_this<HttpListener::State> {
   const HttpListenerOptions options;
   const HttpRequestHandler handler;
   tcp::acceptor acceptor;
+  std::uint16_t port = 0;  // bound port, read at Start
   std::atomic<bool> stopped{false};
   std::mutex mu;
   std::unordered_set<Session*> sessions;  // guarded by mu; each erases itself when destroyed
@@ -451,6 +461,7 @@ void HttpListener::State::Accept() {
     if (self->stopped.load()) return;
     if (!ec) {
       ++self->connections;
+      CloseOnExec(socket.native_handle());
       if (self->open.load() >= self->options.max_connections) {
         ++self->refused;
         beast::error_code ignored;
@@ -462,6 +473,8 @@ void HttpListener::State::Accept() {
           std::lock_guard g(self->mu);
           self->sessions.insert(session.get());
         }
+        // Stop may have taken its list of sessions before this one joined it.
+        if (self->stopped.load()) return session->Close();
         session->Run();
       }
     }
@@ -480,29 +493,36 @@ Result<std::unique_ptr<HttpListener>> HttpListener::Start(HttpIo& io, HttpListen
   if (ec) return InvalidArgument(fmt::format("bad listen address '{}': {}", state->options.host, ec.message()));
   const tcp::endpoint endpoint(address, state->options.port);
   state->acceptor.open(endpoint.protocol(), ec);
+  if (!ec) CloseOnExec(state->acceptor.native_handle());
   if (!ec) state->acceptor.set_option(net::socket_base::reuse_address(true), ec);
   if (!ec) state->acceptor.bind(endpoint, ec);
   if (!ec) state->acceptor.listen(net::socket_base::max_listen_connections, ec);
   if (ec) {
     return Internal(fmt::format("cannot listen on {}:{}: {}", state->options.host, state->options.port, ec.message()));
   }
+  state->port = state->acceptor.local_endpoint(ec).port();
   net::post(state->acceptor.get_executor(), [state] { state->Accept(); });
   return std::unique_ptr<HttpListener>(new HttpListener(std::move(state)));
 }
 
 HttpListener::~HttpListener() { Stop(); }
 
-std::uint16_t HttpListener::port() const {
-  beast::error_code ec;
-  return state_->acceptor.local_endpoint(ec).port();
-}
+std::uint16_t HttpListener::port() const { return state_->port; }
 
 void HttpListener::Stop() {
   if (state_->stopped.exchange(true)) return;
-  net::post(state_->acceptor.get_executor(), [state = state_] {
+  // The acceptor is closed on its strand; off the io threads Stop waits for it, so the port is
+  // free when Stop returns.
+  auto closed = std::make_shared<std::promise<void>>();
+  auto done = closed->get_future();
+  net::post(state_->acceptor.get_executor(), [state = state_, closed] {
     beast::error_code ignored;
     state->acceptor.close(ignored);
+    closed->set_value();
   });
+  if (!state_->ioc.get_executor().running_in_this_thread() && !state_->ioc.stopped()) {
+    (void)done.wait_for(std::chrono::seconds(5));
+  }
   std::vector<std::shared_ptr<Session>> live;
   {
     std::lock_guard g(state_->mu);

@@ -97,9 +97,9 @@ class HttpListener {
   HttpListener(const HttpListener&) = delete;
   HttpListener& operator=(const HttpListener&) = delete;
 
-  std::uint16_t port() const;
-  // Stops accepting and closes every connection (asynchronously, on their strands; HttpIo::Stop
-  // afterwards guarantees no handler runs any more).
+  std::uint16_t port() const;  // the bound port (also after Stop)
+  // Stops accepting (the port is free when it returns, unless called on an HttpIo thread) and
+  // closes every connection on its strand (HttpIo::Stop afterwards: no handler runs any more).
   void Stop();
 
   struct Counters {

@@ -132,6 +132,7 @@ int main(int argc, char** argv) {
   ticker.join();
   metrics.reset();
   (*listener)->Stop();
+  client.Stop();
   io.Stop();
   gateway = nullptr;
   registrations->reset();

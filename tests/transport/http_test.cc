@@ -86,6 +86,14 @@ TEST(ParseHttpUrl, TakesHostAndPortAndRefusesAPathOrAnotherScheme) {
   EXPECT_FALSE(ParseHttpUrl("http://engine:8000/v1").ok());
   EXPECT_FALSE(ParseHttpUrl("http://engine:0").ok());
   EXPECT_FALSE(ParseHttpUrl("http://:80").ok());
+  EXPECT_EQ(ParseHttpUrl("HTTP://Engine:81")->port, 81);  // the scheme in any case
+  EXPECT_FALSE(ParseHttpUrl("http://host:").ok());
+  EXPECT_FALSE(ParseHttpUrl("http://user@host:80").ok());
+  EXPECT_FALSE(ParseHttpUrl("http://::1").ok());          // IPv6 needs [ ]
+  EXPECT_FALSE(ParseHttpUrl("http://host:80?x=1").ok());
+  EXPECT_FALSE(ParseHttpUrl("http://host:80#f").ok());
+  EXPECT_EQ(ParseHttpUrl("http://[::1]:8000")->Key(), "[::1]:8000");
+  EXPECT_EQ(ParseHttpUrl("http://e:8000")->Key(), "e:8000");
 }
 
 TEST_F(HttpTest, AWholeResponseArrivesAndTheConnectionIsKeptForTheNextCall) {
@@ -215,6 +223,44 @@ TEST_F(HttpTest, AClientThatGoesAwayMidResponseIsReportedOnce) {
   held->Write("more");  // into a closed connection: ignored
   held->End();
   EXPECT_EQ(gone.load(), 1);
+}
+
+TEST_F(HttpTest, StopCancelsTheCallsInFlightAndFreesThePortAtOnce) {
+  std::vector<std::shared_ptr<HttpReply>> held;
+  std::mutex mu;
+  Listen({}, [&](HttpRequest, std::shared_ptr<HttpReply> r) {
+    std::lock_guard g(mu);
+    held.push_back(std::move(r));  // never answered
+  });
+  std::atomic<int> done{0};
+  Status last;
+  std::mutex last_mu;
+  for (int i = 0; i < 3; ++i) {
+    client_->Start(endpoint_, {.target = "/"}, {.on_done = [&](const Status& s) {
+                     std::lock_guard g(last_mu);
+                     last = s;
+                     ++done;
+                   }});
+  }
+  ASSERT_TRUE(AwaitTrue([&] {
+    std::lock_guard g(mu);
+    return held.size() == 3;
+  }));
+  client_->Stop();
+  EXPECT_EQ(done.load(), 3);  // every call ended before Stop returned
+  {
+    std::lock_guard g(last_mu);
+    EXPECT_NE(last.message().find("cancelled"), std::string::npos);
+  }
+  const std::uint16_t port = listener_->port();
+  listener_->Stop();
+  EXPECT_EQ(listener_->port(), port);
+  // The port is free again as soon as Stop returned.
+  auto again = HttpListener::Start(io_, {.host = "127.0.0.1", .port = port}, [](HttpRequest, std::shared_ptr<HttpReply>) {});
+  EXPECT_TRUE(again.ok()) << again.status().ToString();
+  if (again.ok()) (*again)->Stop();
+  std::lock_guard g(mu);
+  held.clear();
 }
 
 TEST_F(HttpTest, Expect100ContinueIsAnsweredBeforeTheBody) {
