@@ -353,6 +353,7 @@ void MockWorkerFleet::DeliverOutputs(Rank& rank) {
         f.first_token_ms = o.at_ms;
         Respond(f.reply, {.request_id = f.request_id, .token_ids = {FakeToken(0)}, .index = 0});
         break;
+      case EngineOutput::kToken: break;  // not asked for
       case EngineOutput::kFinished: {
         GenerateResponse fin{.request_id = f.request_id,
                              .index = 1,
