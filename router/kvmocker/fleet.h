@@ -39,7 +39,7 @@
 namespace kvrouter {
 
 // transport/http_listener.h stays out of this header: router/common/http_server.h, which
-// kvmocker's main includes, declares another kvrouter::HttpHandler.
+// kvmocker's main includes, declares another kvrouter::HttpRequestHandler.
 class HttpIo;
 class HttpListener;
 class HttpReply;
