@@ -19,6 +19,9 @@
 #include "transport/http_io_impl.h"
 
 #include <fcntl.h>
+#include <sys/socket.h>
+
+#include <cerrno>
 
 #include <future>
 
@@ -331,12 +334,16 @@ void Session::Dispatch() {
 }
 
 void Session::WatchClient() {
-  // Readable while a response is pending: the client closed (or sent the next request early).
+  // Readable while a response is pending: the client closed, or sent its next request early, or
+  // the readiness was stale (an edge for bytes already read). A peek tells them apart.
   stream_.socket().async_wait(tcp::socket::wait_read, [self = shared_from_this(), r = request_](beast::error_code ec) {
     if (!self->Current(r) || self->closed_) return;
-    beast::error_code avail_ec;
-    const std::size_t n = self->stream_.socket().available(avail_ec);
-    if (ec || avail_ec || n == 0) self->ClientGone();
+    if (ec) return self->ClientGone();
+    char byte;
+    const ssize_t n = ::recv(self->stream_.socket().native_handle(), &byte, 1, MSG_PEEK | MSG_DONTWAIT);
+    if (n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) return self->ClientGone();
+    if (n < 0) self->WatchClient();  // nothing there: watch on
+    // n > 0: the next request came early; it is read once this response is done.
   });
 }
 
@@ -411,9 +418,10 @@ void Session::WriteNext() {
 void Session::OnWritten(beast::error_code ec, Out::Kind kind) {
   writing_ = false;
   if (!out_.empty()) {
-    if (kind == Out::kChunk) backlog_ -= out_.front().data.size();
+    if (kind == Out::kChunk && !closed_) backlog_ -= out_.front().data.size();
     out_.pop_front();
   }
+  if (closed_) return;
   if (ec) {
     if (ec == beast::error::timeout) ++state_->timeouts;
     return ClientGone();
@@ -447,7 +455,9 @@ void Session::Shutdown() {
   if (closed_) return;
   closed_ = true;
   responding_ = false;
-  out_.clear();
+  // The piece being written stays until its write completes (aborted by the close below): the
+  // write reads its buffers until then.
+  while (out_.size() > (writing_ ? 1u : 0u)) out_.pop_back();
   backlog_ = 0;
   beast::error_code ignored;
   stream_.socket().shutdown(tcp::socket::shutdown_both, ignored);

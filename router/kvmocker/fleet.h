@@ -38,8 +38,8 @@
 
 namespace kvrouter {
 
-// transport/http_listener.h stays out of this header: router/common/http_server.h, which
-// kvmocker's main includes, declares another kvrouter::HttpRequestHandler.
+// The HTTP face's types are only named here (fleet_http.cc has them): Asio and Beast stay out
+// of every file that includes the fleet.
 class HttpIo;
 class HttpListener;
 class HttpReply;

@@ -82,9 +82,11 @@ int main(int argc, char** argv) {
   }
 
   const int sig = stop.Wait();
-  http.reset();
   fmt::print(stderr, "kvmocker I signal {}: leaving\n", sig);
+  // The workers leave and their clients are answered first: stopping the metrics server can
+  // take its poll interval (up to 2 s).
   fleet->Stop();
+  http.reset();
   const auto c = fleet->counters();
   fmt::print(stderr,
              "kvmocker I served {} requests and {} over HTTP, published {} events ({} bad requests, {} HTTP errors, "

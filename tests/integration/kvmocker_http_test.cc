@@ -531,7 +531,7 @@ TEST_F(KvMockerHttpTest, SigtermEndsAStreamWithAnErrorEventAndAnswersWaitingRequ
       [&] { return Metric(fmt::format(R"(kvmocker_waiting_requests{{worker_id="{}",dp_rank="0"}})", kBase)) == "1"; },
       5s));
 
-  mocker_->Stop();
+  mocker_->Stop(10s);  // its metrics server takes up to 2 s to stop, more under sanitizers
   ASSERT_TRUE(WIFEXITED(mocker_->exit_status())) << ReadFile(log_);
   EXPECT_EQ(WEXITSTATUS(mocker_->exit_status()), 0);
   ASSERT_TRUE(WaitFor([&] { return stream.done.load() && waiting.done.load(); }, 5s));
