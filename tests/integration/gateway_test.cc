@@ -136,17 +136,25 @@ class GatewayTest : public KvRouterProcessTest {
     return *engines_.back();
   }
   void Announce(std::uint64_t id, const std::string& url, std::uint32_t max_num_batched_tokens = 8192) {
-    WorkerRegistration r{.worker_id = id,
-                         .block_size = kBs,
-                         .max_num_batched_tokens = max_num_batched_tokens,
-                         .lease_ms = 60000,
-                         .http_url = url,
-                         .models = {"m"}};
-    ASSERT_TRUE(nc_->Publish(kComp + "instances", AsBytes(EncodeWorkerRegistration(r))).ok());
+    announced_.push_back({.worker_id = id,
+                          .block_size = kBs,
+                          .max_num_batched_tokens = max_num_batched_tokens,
+                          .lease_ms = 60000,
+                          .http_url = url,
+                          .models = {"m"}});
+    Heartbeat();
   }
-  // The gateway knows `n` engines (and the router has answered it): /ready says so.
+  // Every announced engine registers again, as its heartbeat would.
+  void Heartbeat() {
+    for (const WorkerRegistration& r : announced_) {
+      ASSERT_TRUE(nc_->Publish(kComp + "instances", AsBytes(EncodeWorkerRegistration(r))).ok());
+    }
+  }
+  // The gateway knows `n` engines (and the router has answered it): /ready says so. The engines'
+  // heartbeats go on meanwhile (a registration sent before the gateway subscribed is not lost).
   bool AwaitReady(std::size_t n) {
     return AwaitTrue([&] {
+      Heartbeat();
       auto ready = client_->Fetch(endpoint_, {.method = "GET", .target = "/ready"});
       auto metrics = client_->Fetch(endpoint_, {.method = "GET", .target = "/metrics"});
       return ready.ok() && ready->status == 200 && metrics.ok() &&
@@ -175,6 +183,7 @@ class GatewayTest : public KvRouterProcessTest {
   HttpIo io_{2};
   std::unique_ptr<HttpClient> client_ = std::make_unique<HttpClient>(io_, HttpClient::Options{});
   std::vector<std::unique_ptr<FakeEngine>> engines_;
+  std::vector<WorkerRegistration> announced_;
   std::unique_ptr<ChildProcess> gateway_;
   int gateway_port_ = 0;
   HttpEndpoint endpoint_;
