@@ -26,13 +26,29 @@ cleanup() {
 }
 trap cleanup EXIT INT TERM
 free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+free_ports() {  # n: the first of n consecutive ports free right now
+  python3 - "$1" <<'PY'
+import socket, sys
+n = int(sys.argv[1])
+for base in range(20000, 60000, n):
+    socks = []
+    try:
+        for p in range(base, base + n):
+            s = socket.socket(); s.bind(("127.0.0.1", p)); socks.append(s)
+        print(base); break
+    except OSError:
+        pass
+    finally:
+        for s in socks: s.close()
+PY
+}
 await() {  # url: until it answers 200 (10 s at most)
   for _ in $(seq 100); do [ "$(curl -s -o /dev/null -w '%{http_code}' "$1")" = 200 ] && return 0; sleep 0.1; done
   echo "gateway-bench: $1 did not answer"; exit 1
 }
 
 nats_port=$(free_port); gw_port=$(free_port); nginx_port=$(free_port)
-engine_base=$(free_port)  # the engines take base .. base+3
+engine_base=$(free_ports 4)  # the engines take base .. base+3
 nats="nats://127.0.0.1:$nats_port"
 nats-server -a 127.0.0.1 -p "$nats_port" >"$work/nats.log" 2>&1 & pids+=($!)
 for _ in $(seq 100); do (echo >"/dev/tcp/127.0.0.1/$nats_port") 2>/dev/null && break; sleep 0.1; done

@@ -472,6 +472,9 @@ void HttpListener::State::Accept() {
     if (!ec) {
       ++self->connections;
       CloseOnExec(socket.native_handle());
+      // Responses go out in pieces (head, chunks): no waiting for the client's delayed ACKs.
+      beast::error_code nodelay_ec;
+      socket.set_option(tcp::no_delay(true), nodelay_ec);
       if (self->open.load() >= self->options.max_connections) {
         ++self->refused;
         beast::error_code ignored;
