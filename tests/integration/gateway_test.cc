@@ -3,6 +3,11 @@
 // test sets (answer, stream, fail with 500, hold a request open, notice a client leaving), and
 // whose registrations the test publishes. The same paths against kvmocker's HTTP face are in
 // gateway_kvmocker_test.cc.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
@@ -357,6 +362,101 @@ TEST_F(GatewaySessionTest, ASessionHeaderKeepsAConversationOnOneEngine) {
   auto s = Stats();
   ASSERT_TRUE(s);
   EXPECT_GE(s->counters["session_hits"], 5u);  // every turn after the first followed the binding
+}
+
+}  // namespace
+}  // namespace kvrouter::testing
+
+namespace kvrouter::testing {
+namespace {
+
+// A TCP client that sends what it is told, as slowly or as wrongly as it likes.
+class RawSocket {
+ public:
+  explicit RawSocket(int port) {
+    fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(static_cast<std::uint16_t>(port));
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ok_ = ::connect(fd_, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
+    timeval tv{.tv_sec = 10, .tv_usec = 0};
+    ::setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  }
+  RawSocket(RawSocket&& o) noexcept : fd_(std::exchange(o.fd_, -1)), ok_(o.ok_) {}
+  ~RawSocket() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  bool ok() const { return ok_; }
+  void Send(std::string_view b) { (void)::send(fd_, b.data(), b.size(), MSG_NOSIGNAL); }
+  std::string ReadAll() {
+    std::string out;
+    char buf[4096];
+    for (ssize_t n; (n = ::recv(fd_, buf, sizeof(buf), 0)) > 0;) out.append(buf, static_cast<std::size_t>(n));
+    return out;
+  }
+
+ private:
+  int fd_ = -1;
+  bool ok_ = false;
+};
+
+class GatewayHostileTest : public GatewayTest {
+ protected:
+  std::vector<std::string> GatewayArgs() const override { return {"--max-body-bytes", "4096"}; }
+  bool StillServes() {
+    auto r = Post(Chat("are you still there?"));
+    return r.ok() && r->status == 200;
+  }
+};
+
+TEST_F(GatewayHostileTest, OversizedHeadersBigBodiesAndBadChunksAreRefusedAndNothingLeaks) {
+  FakeEngine& e = AddEngine(1);
+  ASSERT_TRUE(AwaitReady(1));
+  {
+    RawSocket s(gateway_port_);
+    s.Send("POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Big: " + std::string(64 * 1024, 'a') + "\r\n\r\n");
+    EXPECT_TRUE(s.ReadAll().starts_with("HTTP/1.1 431")) << "oversized headers";
+  }
+  {
+    RawSocket s(gateway_port_);  // announced past --max-body-bytes, and never sent
+    s.Send("POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n");
+    const std::string a = s.ReadAll();
+    EXPECT_TRUE(a.starts_with("HTTP/1.1 413")) << a;
+    EXPECT_NE(a.find("\"error\""), std::string::npos);  // OpenAI-shaped
+  }
+  {
+    RawSocket s(gateway_port_);
+    s.Send("POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nnothex\r\n{}\r\n");
+    EXPECT_TRUE(s.ReadAll().starts_with("HTTP/1.1 400")) << "malformed chunks";
+  }
+  {
+    RawSocket s(gateway_port_);  // a slow client: half a request, then silence
+    s.Send("POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 50\r\n\r\n{\"model\":");
+    EXPECT_TRUE(StillServes());  // others are served meanwhile
+  }
+  EXPECT_EQ(e.completions(), 1);  // only the real request reached an engine
+  EXPECT_TRUE(AwaitStats([](StatsReply& s) { return s.counters["active_requests"] == 0; }, 5s));
+}
+
+TEST_F(GatewayHostileTest, TenThousandIdleConnectionsDoNotStopIt) {
+  AddEngine(1);
+  ASSERT_TRUE(AwaitReady(1));
+  std::vector<RawSocket> idle;
+  idle.reserve(10000);
+  for (int i = 0; i < 10000; ++i) {
+    idle.emplace_back(gateway_port_);
+    ASSERT_TRUE(idle.back().ok()) << "connection " << i;
+  }
+  ASSERT_TRUE(AwaitTrue([&] {
+    auto m = client_->Fetch(endpoint_, {.method = "GET", .target = "/metrics"});
+    const auto at = m.ok() ? m->body.find("\nkvgateway_connections_open ") : std::string::npos;
+    return at != std::string::npos && std::stod(m->body.substr(at + 28)) >= 10000;
+  }));
+  EXPECT_TRUE(StillServes());
+  idle.clear();
+  EXPECT_TRUE(StillServes());
+  EXPECT_TRUE(AwaitStats([](StatsReply& s) { return s.counters["active_requests"] == 0; }, 5s));
 }
 
 }  // namespace
