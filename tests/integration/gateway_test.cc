@@ -13,6 +13,7 @@
 
 #include <atomic>
 #include <condition_variable>
+#include <future>
 #include <mutex>
 #include <set>
 
@@ -457,6 +458,88 @@ TEST_F(GatewayHostileTest, TenThousandIdleConnectionsDoNotStopIt) {
   idle.clear();
   EXPECT_TRUE(StillServes());
   EXPECT_TRUE(AwaitStats([](StatsReply& s) { return s.counters["active_requests"] == 0; }, 5s));
+}
+
+}  // namespace
+}  // namespace kvrouter::testing
+
+namespace kvrouter::testing {
+namespace {
+
+// The whole system with real processes: kvrouter, kvmocker's HTTP faces (2 workers, the router's
+// block size), kvgateway, and an HTTP client.
+class GatewayKvmockerTest : public GatewayTest {
+ protected:
+  void SetUp() override {
+    GatewayTest::SetUp();
+    if (HasFatalFailure()) return;
+    auto base = PickFreePortRun(2);
+    ASSERT_TRUE(base.ok());
+    auto m = StartOnNats(KVMOCKER_BIN, nats_->url(),
+                         {"--num-workers", "2", "--worker-id-base", "1", "--block-size", std::to_string(kBs),
+                          "--num-gpu-blocks", "4096", "--speedup-ratio", "100", "--http-port", std::to_string(*base),
+                          "--http-host", "127.0.0.1", "--model", "mock"},
+                         LogPath("kvmocker"));
+    ASSERT_TRUE(m.ok()) << m.status().ToString();
+    mocker_ = std::move(m->process);
+    ASSERT_TRUE(AwaitReady(2)) << ReadFile(LogPath("kvmocker"));
+  }
+  void TearDown() override {
+    mocker_.reset();
+    GatewayTest::TearDown();
+  }
+  static std::string MockChat(const std::string& text, bool stream, int max_tokens = 8) {
+    return json{{"model", "mock"}, {"stream", stream}, {"max_tokens", max_tokens},
+                {"messages", {{{"role", "user"}, {"content", text}}}}}.dump();
+  }
+  std::unique_ptr<ChildProcess> mocker_;
+};
+
+TEST_F(GatewayKvmockerTest, APlainChatCompletionComesWithItsUsage) {
+  auto r = Post(MockChat("Hello, engine!", false));
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  ASSERT_EQ(r->status, 200) << r->body;
+  const json body = json::parse(r->body);
+  EXPECT_EQ(body["object"], "chat.completion");
+  EXPECT_EQ(body["usage"]["completion_tokens"], 8);
+  EXPECT_GT(body["usage"]["prompt_tokens"].get<int>(), 10);
+  EXPECT_TRUE(AwaitStats([](StatsReply& s) { return s.counters["active_requests"] == 0 && s.counters["timing_reports"] == 1; }, 5s));
+}
+
+TEST_F(GatewayKvmockerTest, AStreamedCompletionArrivesAsEventsEndingInDone) {
+  std::mutex mu;
+  std::vector<std::string> reads;
+  std::promise<Status> done;
+  client_->Start(endpoint_, {.target = "/v1/chat/completions", .headers = {{"content-type", "application/json"}},
+                             .body = MockChat("Stream to me", true, 32)},
+                 {.on_data = [&](std::string_view d) {
+                    std::lock_guard g(mu);
+                    reads.emplace_back(d);
+                  },
+                  .on_done = [&](const Status& s) { done.set_value(s); }});
+  ASSERT_TRUE(done.get_future().get().ok());
+  std::lock_guard g(mu);
+  std::string all;
+  for (const auto& r : reads) all += r;
+  EXPECT_GT(reads.size(), 4u);  // passed through as the engine produced it, not as one piece
+  EXPECT_TRUE(all.ends_with("data: [DONE]\n\n")) << all.substr(all.size() > 200 ? all.size() - 200 : 0);
+  EXPECT_EQ(reads.front().find("[DONE]"), std::string::npos);
+}
+
+TEST_F(GatewayKvmockerTest, TheEnginesCachedTokensRiseOnARepeatedLongPrefix) {
+  const std::string prefix(2000, 'p');
+  auto first = Post(MockChat(prefix + " first question", false));
+  ASSERT_TRUE(first.ok());
+  ASSERT_EQ(first->status, 200) << first->body;
+  EXPECT_EQ(json::parse(first->body)["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+  // The router learns the engine's blocks from its KV events; the same prefix goes back there.
+  ASSERT_TRUE(AwaitStats([](StatsReply& s) { return s.counters["events_applied"] > 0; }, 5s));
+  auto second = Post(MockChat(prefix + " second question", false));
+  ASSERT_TRUE(second.ok());
+  ASSERT_EQ(second->status, 200);
+  EXPECT_EQ(HeaderOf(*second, "x-kvrouter-worker-id"), HeaderOf(*first, "x-kvrouter-worker-id"));
+  EXPECT_GT(std::stoi(HeaderOf(*second, "x-kvrouter-cached-tokens")), 1900);
+  EXPECT_GT(json::parse(second->body)["usage"]["prompt_tokens_details"]["cached_tokens"].get<int>(), 1900);
 }
 
 }  // namespace

@@ -35,30 +35,6 @@ constexpr std::uint64_t kBase = 1000;  // worker ids 1000, 1001, ...
 constexpr std::uint32_t kMockBs = 4;   // kvmocker's block size here
 const std::string kModel = "mock-model";
 
-bool PortBindable(int port) {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_port = htons(static_cast<std::uint16_t>(port));
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
-  ::close(fd);
-  return ok;
-}
-
-// n consecutive ports free on 127.0.0.1 right now: kvmocker's worker i listens on the first + i.
-Result<int> FreePortRun(int n) {
-  for (int attempt = 0; attempt < 100; ++attempt) {
-    auto p = PickFreePort();
-    if (!p.ok()) return p.status();
-    if (*p + n - 1 > 65535) continue;
-    bool all = true;
-    for (int i = 1; i < n && all; ++i) all = PortBindable(*p + i);
-    if (all) return *p;
-  }
-  return Internal("no run of free ports");
-}
-
 // Sends `bytes` on a fresh connection to 127.0.0.1:port and reads until the server closes.
 std::string RawExchange(int port, std::string_view bytes) {
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
@@ -189,7 +165,7 @@ class KvMockerHttpTest : public NatsServerTest {
   // run on 127.0.0.1 with model kModel, bodies up to 16 KiB, /metrics on a free port; waits until
   // every worker registered and its port answers.
   void StartMocker(std::vector<std::string> extra = {}, int workers = 1, double speedup = 10) {
-    auto port = FreePortRun(workers);
+    auto port = PickFreePortRun(workers);
     ASSERT_TRUE(port.ok()) << port.status().ToString();
     http_port_ = *port;
     log_ = LogPath("kvmocker-http");

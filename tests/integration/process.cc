@@ -303,4 +303,31 @@ Status NatsServerProcess::Restart() {
   return Launch();
 }
 
+namespace {
+
+bool PortBindable(int port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<std::uint16_t>(port));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
+  ::close(fd);
+  return ok;
+}
+
+}  // namespace
+
+Result<int> PickFreePortRun(int n) {
+  for (int attempt = 0; attempt < 100; ++attempt) {
+    auto p = PickFreePort();
+    if (!p.ok()) return p.status();
+    if (*p + n - 1 > 65535) continue;
+    bool all = true;
+    for (int i = 1; i < n && all; ++i) all = PortBindable(*p + i);
+    if (all) return *p;
+  }
+  return Internal("no run of free ports");
+}
+
 }  // namespace kvrouter::testing
