@@ -2,6 +2,7 @@
 
 #include <boost/asio/ip/tcp.hpp>
 #include <boost/asio/post.hpp>
+#include <boost/asio/steady_timer.hpp>
 #include <boost/asio/strand.hpp>
 #include <boost/asio/write.hpp>
 #include <boost/beast/core.hpp>
@@ -189,8 +190,8 @@ class Session : public std::enable_shared_from_this<Session> {
   std::optional<http::request_parser<http::string_body>> parser_;
   unsigned version_ = 11;
   bool keep_alive_ = false;
-  bool first_ = true;          // no request read yet on this connection
-  bool responding_ = false;    // a request was handed to the handler and its reply is not done
+  bool first_ = true;        // no request read yet on this connection
+  bool responding_ = false;  // a request was handed to the handler and its reply is not done
   bool closed_ = false;
   bool writing_ = false;
   bool head_sent_ = false;
@@ -368,8 +369,10 @@ void Session::Send(std::uint64_t request, int status, HttpHeaders headers, std::
 void Session::Begin(std::uint64_t request, int status, HttpHeaders headers) {
   if (!Current(request) || finishing_ || head_sent_) return;
   auto res = std::make_shared<http::response<http::empty_body>>();
+  // HTTP/1.0 has no chunked encoding: the body runs until the connection closes.
+  if (version_ < 11) keep_alive_ = false;
   Fill(*res, status, std::move(headers));
-  res->chunked(true);
+  res->chunked(version_ >= 11);
   head_sent_ = true;
   auto writer = std::make_shared<http::response_serializer<http::empty_body>>(*res);
   Enqueue({.kind = Out::kHead, .head = std::move(res), .head_writer = std::move(writer)});
@@ -410,8 +413,20 @@ void Session::WriteNext() {
   switch (o.kind) {
     case Out::kWhole: http::async_write(stream_, *o.whole, std::move(done)); break;
     case Out::kHead: http::async_write_header(stream_, *o.head_writer, std::move(done)); break;
-    case Out::kChunk: net::async_write(stream_, http::make_chunk(net::buffer(o.data)), std::move(done)); break;
-    case Out::kLast: net::async_write(stream_, http::make_chunk_last(), std::move(done)); break;
+    case Out::kChunk:
+      if (version_ >= 11) {
+        net::async_write(stream_, http::make_chunk(net::buffer(o.data)), std::move(done));
+      } else {
+        net::async_write(stream_, net::buffer(o.data), std::move(done));
+      }
+      break;
+    case Out::kLast:
+      if (version_ >= 11) {
+        net::async_write(stream_, http::make_chunk_last(), std::move(done));
+      } else {
+        net::async_write(stream_, net::const_buffer(), std::move(done));  // the close ends it
+      }
+      break;
   }
 }
 
@@ -491,7 +506,14 @@ void HttpListener::State::Accept() {
         session->Run();
       }
     }
-    // Out of descriptors (EMFILE) and the like: keep accepting; the next try may succeed.
+    if (ec && ec != net::error::operation_aborted) {
+      // Out of descriptors (EMFILE) and the like: the error would repeat at once, so the next
+      // try waits a little instead of spinning a thread.
+      auto pause = std::make_shared<net::steady_timer>(self->acceptor.get_executor(), std::chrono::milliseconds(50));
+      return pause->async_wait([self, pause](beast::error_code) {
+        if (!self->stopped.load()) self->Accept();
+      });
+    }
     self->Accept();
   });
 }
@@ -499,7 +521,7 @@ void HttpListener::State::Accept() {
 HttpListener::HttpListener(std::shared_ptr<State> state) : state_(std::move(state)) {}
 
 Result<std::unique_ptr<HttpListener>> HttpListener::Start(HttpIo& io, HttpListenerOptions options,
-                                                         HttpRequestHandler handler) {
+                                                          HttpRequestHandler handler) {
   auto state = std::make_shared<State>(io, std::move(options), std::move(handler));
   beast::error_code ec;
   const auto address = net::ip::make_address(state->options.host, ec);

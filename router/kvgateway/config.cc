@@ -2,6 +2,8 @@
 
 #include <boost/program_options.hpp>
 
+#include "transport/http_client.h"
+
 namespace kvrouter {
 namespace po = boost::program_options;
 
@@ -47,10 +49,10 @@ Status ReadGatewayConfig(const po::variables_map& vm, GatewayConfig& c) {
   if (c.metrics_port > 65535) return FlagOutOfRange("metrics-port", "in [0, 65535]");
   c.metrics_host = vm["metrics-host"].as<std::string>();
   c.render_url = vm["render-url"].as<std::string>();
-  if (!c.render_url.empty() && !c.render_url.starts_with("http://")) {
-    return FlagOutOfRange("render-url", "an http:// base URL");
-  }
   while (c.render_url.ends_with('/')) c.render_url.pop_back();
+  if (!c.render_url.empty() && !ParseHttpUrl(c.render_url).ok()) {
+    return FlagOutOfRange("render-url", "an http://host[:port] base URL without a path");
+  }
   c.retries = vm["retries"].as<std::uint32_t>();
   if (c.retries > 16) return FlagOutOfRange("retries", "in [0, 16]");
   c.max_body_bytes = vm["max-body-bytes"].as<std::uint64_t>();

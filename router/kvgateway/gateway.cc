@@ -21,6 +21,21 @@ std::string_view ErrorType(int status) {
 
 double Seconds(SteadyTime::duration d) { return std::chrono::duration<double>(d).count(); }
 
+// The client's x-request-id when it has a usable one (non-empty, at most kMaxIdBytes).
+std::optional<std::string> ClientRequestId(const HttpRequest& request) {
+  auto id = request.Header("x-request-id");
+  if (!id || id->empty() || id->size() > kMaxIdBytes) return std::nullopt;
+  return std::string(*id);
+}
+
+// The client's headers an engine needs as well: its API key (vLLM's --api-key) and the formats
+// it accepts.
+void PassClientHeaders(const HttpRequest& request, HttpHeaders& to) {
+  for (std::string_view name : {"authorization", "accept"}) {
+    if (auto v = request.Header(name)) to.emplace_back(std::string(name), std::string(*v));
+  }
+}
+
 }  // namespace
 
 struct Gateway::Exchange {
@@ -28,8 +43,9 @@ struct Gateway::Exchange {
   std::shared_ptr<HttpReply> reply;
   HttpRequest http;
   OpenAiRequest request;
-  std::string endpoint;    // "chat" or "completions", for the counters
-  std::string request_id;  // the client's x-request-id, or ours
+  std::string endpoint;      // "chat" or "completions", for the counters
+  std::string request_id;    // the client's x-request-id, or ours (echoed, sent to the engine)
+  std::string booking_base;  // ours, unique per exchange: the router's request id
   std::string session_id;
   std::vector<std::uint32_t> token_ids;
   std::vector<std::uint64_t> allowed;   // workers serving the model
@@ -38,10 +54,11 @@ struct Gateway::Exchange {
   SteadyTime arrival;
   // The current attempt.
   std::uint32_t attempt = 0;
-  std::string booking;  // request id of the attempt's booking (ids differ per attempt)
+  std::string booking;  // request id of the attempt's booking: booking_base, "#n" on a retry
   bool booked = false;  // a route reply booked `booking` and it is not freed yet
   RouteReply routed;
-  std::shared_ptr<HttpCall> call;
+  std::shared_ptr<HttpCall> call;  // the engine call running now (render or completion)
+  std::uint64_t call_seq = 0;      // of the latest call started
   int engine_status = 0;
   HttpHeaders engine_headers;
   std::string engine_error;  // the body of a 5xx answer, for the message
@@ -49,7 +66,7 @@ struct Gateway::Exchange {
   bool done = false;         // answered, failed or gone: nothing more is sent
   SteadyTime called;         // the engine call started
   SteadyTime last_chunk;
-  ResponseTiming timing;     // of the engine's response so far (ttfb_ms once it began)
+  ResponseTiming timing;  // of the engine's response so far (ttfb_ms once it began)
   // Render.
   int render_status = 0;
   std::string render_body;
@@ -113,7 +130,8 @@ Gateway::Gateway(const GatewayConfig& config, HttpClient& client, RouterLink& li
 }
 
 HttpRequestHandler Gateway::Handler() {
-  return [this](HttpRequest request, std::shared_ptr<HttpReply> reply) { Handle(std::move(request), std::move(reply)); };
+  return
+      [this](HttpRequest request, std::shared_ptr<HttpReply> reply) { Handle(std::move(request), std::move(reply)); };
 }
 
 bool Gateway::Ready(SteadyTime now) const {
@@ -130,7 +148,7 @@ void Gateway::Models(const std::shared_ptr<HttpReply>& reply) const {
     data.push_back({{"id", m}, {"object", "model"}, {"owned_by", "kvrouter"}});
   }
   reply->Send(200, {{"content-type", "application/json"}},
-              nlohmann::json{{"object", "list"}, {"data", std::move(data)}}.dump());
+              DumpJson(nlohmann::json{{"object", "list"}, {"data", std::move(data)}}));
 }
 
 void Gateway::Handle(HttpRequest request, std::shared_ptr<HttpReply> reply) {
@@ -138,7 +156,9 @@ void Gateway::Handle(HttpRequest request, std::shared_ptr<HttpReply> reply) {
   const bool get = request.method == "GET";
   const bool post = request.method == "POST";
   auto error = [&](int status, std::string_view code, std::string_view message) {
-    reply->Send(status, {{"content-type", "application/json"}}, OpenAiError(message, ErrorType(status), code));
+    HttpHeaders h = {{"content-type", "application/json"}};
+    if (auto id = ClientRequestId(request)) h.emplace_back("x-request-id", *id);
+    reply->Send(status, std::move(h), OpenAiError(message, ErrorType(status), code));
   };
   if (path == "/health") return reply->Send(get ? 200 : 405, {{"content-type", "text/plain"}}, "ok\n");
   if (path == "/ready") {
@@ -146,7 +166,8 @@ void Gateway::Handle(HttpRequest request, std::shared_ptr<HttpReply> reply) {
     return reply->Send(ready ? 200 : 503, {{"content-type", "text/plain"}}, ready ? "ready\n" : "not ready\n");
   }
   if (path == "/metrics") {
-    return reply->Send(200, {{"content-type", "text/plain; version=0.0.4"}}, MetricsText(http_counters_ ? http_counters_() : HttpListener::Counters{}));
+    return reply->Send(200, {{"content-type", "text/plain; version=0.0.4"}},
+                       MetricsText(http_counters_ ? http_counters_() : HttpListener::Counters{}));
   }
   if (path == "/v1/models") {
     if (!get) return error(405, "method_not_allowed", "use GET");
@@ -174,17 +195,15 @@ void Gateway::Handle(HttpRequest request, std::shared_ptr<HttpReply> reply) {
   x->allowed = directory_.Serving(parsed->model);
   if (x->allowed.empty()) {
     Count(endpoint, 404);
-    return error(404, "model_not_found", fmt::format("no registered worker serves the model '{}'", parsed->model.substr(0, 256)));
+    return error(404, "model_not_found",
+                 fmt::format("no registered worker serves the model '{}'", parsed->model.substr(0, 256)));
   }
   x->reply = std::move(reply);
   x->request = std::move(parsed).value();
   x->endpoint = endpoint;
   x->arrival = std::chrono::steady_clock::now();
-  if (auto id = request.Header("x-request-id"); id && !id->empty() && id->size() <= kMaxIdBytes) {
-    x->request_id = std::string(*id);
-  } else {
-    x->request_id = id_prefix_ + std::to_string(++next_id_);
-  }
+  x->booking_base = id_prefix_ + std::to_string(++next_id_);
+  x->request_id = ClientRequestId(request).value_or(x->booking_base);
   auto session = request.Header("x-session-id");
   if (!session) session = request.Header("x-dynamo-session-id");
   if (session && session->size() <= kMaxIdBytes) x->session_id = std::string(*session);
@@ -230,53 +249,60 @@ void Gateway::Render(const std::shared_ptr<Exchange>& x, std::size_t candidate, 
                     .body = tokenize ? x->request.tokenize_body : x->http.body,
                     .head_timeout = std::chrono::milliseconds(config_.engine_timeout_ms),
                     .read_timeout = std::chrono::milliseconds(config_.engine_timeout_ms)};
+  PassClientHeaders(x->http, spec.headers);
+  std::uint64_t seq = 0;
   {
     std::lock_guard g(x->mu);
     if (x->done) return;
     x->render_status = 0;
     x->render_body.clear();
+    seq = ++x->call_seq;
   }
   // The callbacks own the exchange while the call runs (the call drops them when it is done).
   auto call = client_.Start(
       x->render_at[candidate], std::move(spec),
-      {.on_head = [x](int status, const HttpHeaders&) {
-         std::lock_guard g(x->mu);
-         x->render_status = status;
-       },
-       .on_data = [x](std::string_view d) {
-         std::lock_guard g(x->mu);
-         if (x->render_body.size() + d.size() <= kMaxRenderBytes) x->render_body.append(d);
-       },
-       .on_done = [this, ex = x, candidate, tokenize](const Status& s) {
-         int status = 0;
-         std::string body;
-         {
-           std::lock_guard g(ex->mu);
-           if (ex->done) return;
-           ex->call.reset();
-           status = ex->render_status;
-           body = std::move(ex->render_body);
-         }
-         if (!s.ok() || status >= 500) {  // that engine cannot render now: another one may
-           if (candidate + 1 < ex->render_at.size()) return Render(ex, candidate + 1, tokenize);
-           return Fail(ex, 502, "render_failed",
-                       fmt::format("no engine could render the prompt: {}", s.ok() ? fmt::format("status {}", status) : s.message()));
-         }
-         if (status == 404 && !tokenize) {
-           render_fallbacks_->Increment();
-           return Render(ex, candidate, true);
-         }
-         if (status != 200) {
-           return Fail(ex, status == 404 ? 502 : 400, "invalid_request",
-                       fmt::format("the engine refused the prompt ({}): {}", status, body.substr(0, 512)));
-         }
-         auto ids = tokenize ? ParseTokenizeAnswer(body) : ParseRenderAnswer(ex->request.kind, body);
-         if (!ids.ok()) return Fail(ex, 502, "render_failed", ids.status().message());
-         ex->token_ids = std::move(ids).value();
-         Route(ex);
-       }});
-  std::lock_guard g(x->mu);
-  x->call = std::move(call);
+      {.on_head =
+           [x](int status, const HttpHeaders&) {
+             std::lock_guard g(x->mu);
+             x->render_status = status;
+           },
+       .on_data =
+           [x](std::string_view d) {
+             std::lock_guard g(x->mu);
+             if (x->render_body.size() + d.size() <= kMaxRenderBytes) x->render_body.append(d);
+           },
+       .on_done =
+           [this, ex = x, candidate, tokenize](const Status& s) {
+             int status = 0;
+             std::string body;
+             {
+               std::lock_guard g(ex->mu);
+               if (ex->done) return;
+               ex->call.reset();
+               status = ex->render_status;
+               body = std::move(ex->render_body);
+             }
+             if (!s.ok() || status >= 500) {  // that engine cannot render now: another one may
+               if (candidate + 1 < ex->render_at.size() && !stopping_.load())
+                 return Render(ex, candidate + 1, tokenize);
+               return Fail(ex, 502, "render_failed",
+                           fmt::format("no engine could render the prompt: {}",
+                                       s.ok() ? fmt::format("status {}", status) : s.message()));
+             }
+             if (status == 404 && !tokenize) {
+               render_fallbacks_->Increment();
+               return Render(ex, candidate, true);
+             }
+             if (status != 200) {
+               return Fail(ex, status == 404 ? 502 : 400, "invalid_request",
+                           fmt::format("the engine refused the prompt ({}): {}", status, body.substr(0, 512)));
+             }
+             auto ids = tokenize ? ParseTokenizeAnswer(body) : ParseRenderAnswer(ex->request.kind, body);
+             if (!ids.ok()) return Fail(ex, 502, "render_failed", ids.status().message());
+             ex->token_ids = std::move(ids).value();
+             Route(ex);
+           }});
+  KeepCall(x, seq, std::move(call));
 }
 
 void Gateway::Route(const std::shared_ptr<Exchange>& x) {
@@ -284,7 +310,7 @@ void Gateway::Route(const std::shared_ptr<Exchange>& x) {
   {
     std::lock_guard g(x->mu);
     if (x->done) return;
-    x->booking = x->attempt == 0 ? x->request_id : fmt::format("{}#{}", x->request_id, x->attempt);
+    x->booking = x->attempt == 0 ? x->booking_base : fmt::format("{}#{}", x->booking_base, x->attempt);
     r.request_id = x->booking;
     r.token_ids = x->token_ids;
     r.has_token_ids = true;
@@ -307,6 +333,7 @@ void Gateway::Route(const std::shared_ptr<Exchange>& x) {
       }
     }
     if (routed.ok()) {
+      if (stopping_.load()) return Fail(ex, 503, "shutting_down", "the gateway is stopping");
       route_time_->Observe(Seconds(std::chrono::steady_clock::now() - ex->arrival));
       return Forward(ex);
     }
@@ -342,111 +369,131 @@ void Gateway::Forward(const std::shared_ptr<Exchange>& x) {
                     .body = x->http.body,
                     .head_timeout = std::chrono::milliseconds(config_.engine_timeout_ms),
                     .read_timeout = std::chrono::milliseconds(config_.engine_timeout_ms)};
-  if (auto accept = x->http.Header("accept")) spec.headers.emplace_back("accept", std::string(*accept));
+  PassClientHeaders(x->http, spec.headers);
+  std::uint64_t seq = 0;
   {
     std::lock_guard g(x->mu);
+    if (x->done) return;
     x->called = std::chrono::steady_clock::now();
     x->timing = {};
+    seq = ++x->call_seq;
   }
   auto call = client_.Start(
       *endpoint, std::move(spec),
-      {.on_head = [ex = x](int status, const HttpHeaders& headers) {
-         std::lock_guard g(ex->mu);
-         ex->engine_status = status;
-         ex->engine_headers.clear();
-         for (const auto& [k, v] : headers) {
-           if (k == "content-type" || k == "cache-control") ex->engine_headers.emplace_back(k, v);
-         }
-       },
-       .on_data = [this, ex = x](std::string_view d) {
-         bool first = false;
-         bool slow = false;
-         std::shared_ptr<HttpCall> engine_call;
-         {
-           std::lock_guard g(ex->mu);
-           if (ex->done) return;
-           if (ex->engine_status >= 500) {  // not for the client: the request goes elsewhere
-             if (ex->engine_error.size() < 4096) ex->engine_error.append(d.substr(0, 4096));
-             return;
-           }
-           const SteadyTime now = std::chrono::steady_clock::now();
-           if (!ex->began) {
-             ex->began = true;
-             first = true;
-             HttpHeaders h = ex->engine_headers;
-             h.emplace_back("x-request-id", ex->request_id);
-             h.emplace_back("x-kvrouter-worker-id", std::to_string(ex->routed.worker_id));
-             h.emplace_back("x-kvrouter-cached-tokens", std::to_string(ex->routed.cached_tokens));
-             ex->reply->Begin(ex->engine_status, std::move(h));
-             ttfb_->Observe(Seconds(now - ex->arrival));
-             ex->timing.ttfb_ms = Seconds(now - ex->called) * 1000;
-           } else {
-             const double gap = Seconds(now - ex->last_chunk);
-             inter_chunk_->Observe(gap);
-             ResponseTiming& t = ex->timing;
-             t.inter_chunk_ms_mean += (gap * 1000 - t.inter_chunk_ms_mean) / static_cast<double>(t.chunks);
-             t.inter_chunk_ms_max = std::max(t.inter_chunk_ms_max, gap * 1000);
-           }
-           ++ex->timing.chunks;
-           ex->last_chunk = now;
-           ex->reply->Write(std::string(d));
-           if (ex->reply->Backlog() > kMaxClientBacklog) {
-             slow = true;
-             ex->done = true;
-             engine_call = ex->call;
-             ex->reply->Abort();
-           }
-         }
-         if (first) link_.MarkPrefill(ex->booking);
-         if (slow) {
-           slow_clients_->Increment();
-           if (engine_call) engine_call->Cancel();
-           Free(ex);
-           Count(ex->endpoint, 499);
-           in_flight_->Decrement();
-         }
-       },
-       .on_done = [this, ex = x](const Status& s) {
-         bool began = false;
-         int status = 0;
-         std::string error;
-         {
-           std::lock_guard g(ex->mu);
-           if (ex->done) return;
-           ex->call.reset();
-           began = ex->began;
-           status = ex->engine_status;
-           error = std::move(ex->engine_error);
-         }
-         if (!began && (!s.ok() || status >= 500)) {
-           return Retry(ex, s.ok() ? fmt::format("the engine answered {}: {}", status, error.substr(0, 256)) : s.message());
-         }
-         {
-           std::lock_guard g(ex->mu);
-           ex->done = true;
-           if (!s.ok()) {
-             ex->reply->Abort();  // cut off mid-response: the client sees the connection end
-           } else {
-             if (!ex->began) {  // an empty body
-               HttpHeaders h = ex->engine_headers;
-               h.emplace_back("x-request-id", ex->request_id);
-               h.emplace_back("x-kvrouter-worker-id", std::to_string(ex->routed.worker_id));
-               h.emplace_back("x-kvrouter-cached-tokens", std::to_string(ex->routed.cached_tokens));
-               ex->reply->Begin(status, std::move(h));
+      {.on_head =
+           [ex = x](int status, const HttpHeaders& headers) {
+             std::lock_guard g(ex->mu);
+             ex->engine_status = status;
+             ex->engine_headers.clear();
+             for (const auto& [k, v] : headers) {
+               if (k == "content-type" || k == "cache-control") ex->engine_headers.emplace_back(k, v);
              }
-             ex->reply->End();
-           }
-         }
-         Free(ex);
-         Count(ex->endpoint, s.ok() ? status : 502);
-         in_flight_->Decrement();
-       }});
-  std::lock_guard g(x->mu);
-  x->call = std::move(call);
+           },
+       .on_data =
+           [this, ex = x](std::string_view d) {
+             bool first = false;
+             bool slow = false;
+             std::shared_ptr<HttpCall> engine_call;
+             {
+               std::lock_guard g(ex->mu);
+               if (ex->done) return;
+               if (ex->engine_status >= 500) {  // not for the client: the request goes elsewhere
+                 if (ex->engine_error.size() < 4096) ex->engine_error.append(d.substr(0, 4096));
+                 return;
+               }
+               const SteadyTime now = std::chrono::steady_clock::now();
+               if (!ex->began) {
+                 ex->began = true;
+                 first = true;
+                 HttpHeaders h = ex->engine_headers;
+                 h.emplace_back("x-request-id", ex->request_id);
+                 h.emplace_back("x-kvrouter-worker-id", std::to_string(ex->routed.worker_id));
+                 h.emplace_back("x-kvrouter-cached-tokens", std::to_string(ex->routed.cached_tokens));
+                 ex->reply->Begin(ex->engine_status, std::move(h));
+                 ttfb_->Observe(Seconds(now - ex->arrival));
+                 ex->timing.ttfb_ms = Seconds(now - ex->called) * 1000;
+               } else {
+                 const double gap = Seconds(now - ex->last_chunk);
+                 inter_chunk_->Observe(gap);
+                 ResponseTiming& t = ex->timing;
+                 t.inter_chunk_ms_mean += (gap * 1000 - t.inter_chunk_ms_mean) / static_cast<double>(t.chunks);
+                 t.inter_chunk_ms_max = std::max(t.inter_chunk_ms_max, gap * 1000);
+               }
+               ++ex->timing.chunks;
+               ex->last_chunk = now;
+               ex->reply->Write(std::string(d));
+               if (ex->reply->Backlog() > kMaxClientBacklog) {
+                 slow = true;
+                 ex->done = true;
+                 engine_call = ex->call;
+                 ex->reply->Abort();
+               }
+             }
+             if (first) link_.MarkPrefill(ex->booking);
+             if (slow) {
+               slow_clients_->Increment();
+               if (engine_call) engine_call->Cancel();
+               Free(ex);
+               Count(ex->endpoint, 499);
+               in_flight_->Decrement();
+             }
+           },
+       .on_done =
+           [this, ex = x](const Status& s) {
+             bool began = false;
+             int status = 0;
+             std::string error;
+             {
+               std::lock_guard g(ex->mu);
+               if (ex->done) return;
+               ex->call.reset();
+               began = ex->began;
+               status = ex->engine_status;
+               error = std::move(ex->engine_error);
+             }
+             if (!began && (!s.ok() || status >= 500)) {
+               return Retry(
+                   ex, s.ok() ? fmt::format("the engine answered {}: {}", status, error.substr(0, 256)) : s.message());
+             }
+             {
+               std::lock_guard g(ex->mu);
+               ex->done = true;
+               if (!s.ok()) {
+                 ex->reply->Abort();  // cut off mid-response: the client sees the connection end
+               } else {
+                 if (!ex->began) {  // an empty body
+                   HttpHeaders h = ex->engine_headers;
+                   h.emplace_back("x-request-id", ex->request_id);
+                   h.emplace_back("x-kvrouter-worker-id", std::to_string(ex->routed.worker_id));
+                   h.emplace_back("x-kvrouter-cached-tokens", std::to_string(ex->routed.cached_tokens));
+                   ex->reply->Begin(status, std::move(h));
+                 }
+                 ex->reply->End();
+               }
+             }
+             Free(ex);
+             Count(ex->endpoint, s.ok() ? status : 502);
+             in_flight_->Decrement();
+           }});
+  KeepCall(x, seq, std::move(call));
+}
+
+void Gateway::KeepCall(const std::shared_ptr<Exchange>& x, std::uint64_t seq, std::shared_ptr<HttpCall> call) {
+  {
+    std::lock_guard g(x->mu);
+    if (!x->done) {
+      // A later call started meanwhile (this one ended already and the exchange went on): that
+      // one is the call to cancel.
+      if (x->call_seq == seq) x->call = std::move(call);
+      return;
+    }
+  }
+  call->Cancel();  // the client went (or the exchange ended) while the call was being started
 }
 
 void Gateway::Retry(const std::shared_ptr<Exchange>& x, const std::string& why) {
   Free(x);
+  if (stopping_.load()) return Fail(x, 503, "shutting_down", "the gateway is stopping");
   std::uint32_t attempt = 0;
   {
     std::lock_guard g(x->mu);
@@ -456,7 +503,8 @@ void Gateway::Retry(const std::shared_ptr<Exchange>& x, const std::string& why) 
     x->engine_status = 0;
     x->engine_headers.clear();
   }
-  log_.Log(LogLevel::kWarning, "engine-failed", "request {}: worker failed before its first byte: {}", x->request_id, why);
+  log_.Log(LogLevel::kWarning, "engine-failed", "request {}: worker failed before its first byte: {}", x->request_id,
+           why);
   if (attempt > config_.retries) {
     return Fail(x, 502, "engine_failed", fmt::format("the engine failed after {} tries: {}", attempt, why));
   }
@@ -500,9 +548,12 @@ std::string Gateway::MetricsText(const HttpListener::Counters& http) const {
   MetricSet m;
   m.Counter("kvgateway_connections_total", "client connections accepted", double(http.connections));
   m.Gauge("kvgateway_connections_open", "client connections open", double(http.open));
-  m.Counter("kvgateway_connections_refused_total", "connections closed at accept (--max-connections)", double(http.refused));
-  m.Counter("kvgateway_bad_requests_total", "requests refused before the handler (400, 413, 431)", double(http.bad_requests));
-  m.Counter("kvgateway_timeouts_total", "connections cut off: slow headers, body or writes, or idle", double(http.timeouts));
+  m.Counter("kvgateway_connections_refused_total", "connections closed at accept (--max-connections)",
+            double(http.refused));
+  m.Counter("kvgateway_bad_requests_total", "requests refused before the handler (400, 413, 431)",
+            double(http.bad_requests));
+  m.Counter("kvgateway_timeouts_total", "connections cut off: slow headers, body or writes, or idle",
+            double(http.timeouts));
   m.Gauge("kvgateway_engines", "engines with an http_url known from registrations", double(directory_.size()));
   m.Gauge("kvgateway_router_pending", "route requests waiting for the router", double(link_.pending()));
   auto families = registry_->Collect();

@@ -54,6 +54,10 @@ class Gateway {
   // NATS connected, the router answering, an engine known.
   bool Ready(SteadyTime now) const;
   void SetNatsConnected(bool connected) { nats_connected_ = connected; }
+  // From now on nothing is routed again or forwarded: a request whose engine call ends (the
+  // client's Stop cancels them) or whose route answer comes is answered 503 "shutting_down" and
+  // its booking freed. Before HttpClient::Stop, while NATS is still up for the frees.
+  void Stop() { stopping_ = true; }
   const WorkerDirectory& directory() const { return directory_; }
 
   // kvgateway_* families as Prometheus text, with the listener's counters.
@@ -71,6 +75,9 @@ class Gateway {
   void Forward(const std::shared_ptr<Exchange>& x);
   // The engine failed before its first byte reached the client: another worker, or 502.
   void Retry(const std::shared_ptr<Exchange>& x, const std::string& why);
+  // Records the engine call `seq` as the one a client going away cancels, or cancels it at once
+  // when the exchange ended meanwhile.
+  void KeepCall(const std::shared_ptr<Exchange>& x, std::uint64_t seq, std::shared_ptr<HttpCall> call);
   // Answers with an OpenAI-shaped error (unless the response has begun) and frees what is booked.
   void Fail(const std::shared_ptr<Exchange>& x, int status, std::string_view code, const std::string& message,
             HttpHeaders extra = {});
@@ -83,6 +90,7 @@ class Gateway {
   WorkerDirectory directory_;
   std::optional<HttpEndpoint> render_endpoint_;  // --render-url
   std::atomic<bool> nats_connected_{false};
+  std::atomic<bool> stopping_{false};
   std::atomic<std::uint64_t> next_id_{0};
   const std::string id_prefix_;
   RateLimitedLog log_;

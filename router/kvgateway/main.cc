@@ -5,6 +5,7 @@
 // failure at start.
 #include <sys/resource.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <thread>
@@ -26,13 +27,22 @@ namespace {
 
 using namespace kvrouter;
 
-// Every idle client connection is a descriptor: take the hard limit.
-void RaiseDescriptorLimit() {
+// Every client connection is a descriptor: takes the hard limit, and returns how many client
+// connections fit beside the engine connections and the process's own.
+std::uint32_t RaiseDescriptorLimit(std::uint32_t wanted) {
   rlimit r{};
-  if (getrlimit(RLIMIT_NOFILE, &r) == 0 && r.rlim_cur < r.rlim_max) {
+  if (getrlimit(RLIMIT_NOFILE, &r) != 0) return wanted;
+  if (r.rlim_cur < r.rlim_max) {
     r.rlim_cur = r.rlim_max;
     (void)setrlimit(RLIMIT_NOFILE, &r);
+    (void)getrlimit(RLIMIT_NOFILE, &r);
   }
+  if (r.rlim_cur == RLIM_INFINITY) return wanted;
+  // An eighth of the descriptors (256 to 4096) stays for engine connections, NATS and files: the
+  // accept loop then meets --max-connections before EMFILE.
+  const rlim_t reserve = std::clamp<rlim_t>(r.rlim_cur / 8, 256, 4096);
+  const rlim_t fit = r.rlim_cur > 2 * reserve ? r.rlim_cur - reserve : r.rlim_cur / 2;
+  return static_cast<std::uint32_t>(std::min<rlim_t>(wanted, fit));
 }
 
 }  // namespace
@@ -47,9 +57,13 @@ int main(int argc, char** argv) {
     fmt::print("{}", parsed->help_text);
     return 0;
   }
-  const GatewayConfig& cfg = parsed->config;
+  GatewayConfig& cfg = parsed->config;
   StopSignals stop;  // before any thread starts
-  RaiseDescriptorLimit();
+  if (const std::uint32_t fit = RaiseDescriptorLimit(cfg.max_connections); fit < cfg.max_connections) {
+    fmt::print(stderr, "kvgateway W --max-connections {} lowered to {}: the descriptor limit allows no more\n",
+               cfg.max_connections, fit);
+    cfg.max_connections = fit;
+  }
 
   std::atomic<Gateway*> gateway{nullptr};
   auto nc = NatsClient::Connect(
@@ -78,26 +92,31 @@ int main(int argc, char** argv) {
   Gateway gw(cfg, client, link);
   gw.SetNatsConnected((*nc)->IsConnected());
   gateway = &gw;
-  auto registrations = (*nc)->Subscribe(
-      fmt::format("namespace.{}.component.{}.instances", cfg.ns, cfg.component), "", [&](const IncomingMessage& m) {
-        if (auto reg = DecodeWorkerRegistration(m.data); reg.ok()) gw.OnRegistration(*reg, std::chrono::steady_clock::now());
-      });
+  auto registrations = (*nc)->Subscribe(fmt::format("namespace.{}.component.{}.instances", cfg.ns, cfg.component), "",
+                                        [&](const IncomingMessage& m) {
+                                          if (auto reg = DecodeWorkerRegistration(m.data); reg.ok())
+                                            gw.OnRegistration(*reg, std::chrono::steady_clock::now());
+                                        });
   if (!registrations.ok()) {
     fmt::print(stderr, "kvgateway: {}\n", registrations.status().message());
     return 1;
   }
-  auto listener = HttpListener::Start(
-      io,
-      {.host = cfg.http_host,
-       .port = static_cast<std::uint16_t>(cfg.http_port),
-       .max_body_bytes = cfg.max_body_bytes,
-       .max_connections = cfg.max_connections,
-       .server_name = "kvgateway",
-       .error_body = [](int status, std::string_view message) {
-         const std::string_view code = status == 413 ? "body_too_large" : status == 431 ? "headers_too_large" : "bad_request";
-         return std::pair<std::string, std::string>("application/json", OpenAiError(message, "invalid_request_error", code));
-       }},
-      gw.Handler());
+  auto listener =
+      HttpListener::Start(io,
+                          {.host = cfg.http_host,
+                           .port = static_cast<std::uint16_t>(cfg.http_port),
+                           .max_body_bytes = cfg.max_body_bytes,
+                           .max_connections = cfg.max_connections,
+                           .server_name = "kvgateway",
+                           .error_body =
+                               [](int status, std::string_view message) {
+                                 const std::string_view code = status == 413   ? "body_too_large"
+                                                               : status == 431 ? "headers_too_large"
+                                                                               : "bad_request";
+                                 return std::pair<std::string, std::string>(
+                                     "application/json", OpenAiError(message, "invalid_request_error", code));
+                               }},
+                          gw.Handler());
   if (!listener.ok()) {
     fmt::print(stderr, "kvgateway: --http-port {}: {}\n", cfg.http_port, listener.status().message());
     return 2;
@@ -131,6 +150,7 @@ int main(int argc, char** argv) {
   stopping = true;
   ticker.join();
   metrics.reset();
+  gw.Stop();
   (*listener)->Stop();
   client.Stop();
   io.Stop();

@@ -55,7 +55,7 @@ Result<OpenAiRequest> ParseOpenAiRequest(ApiKind kind, std::string_view body) {
     }
     tokenize["prompt"] = *prompt;
   }
-  r.tokenize_body = tokenize.dump();
+  r.tokenize_body = DumpJson(tokenize);
   return r;
 }
 
@@ -81,8 +81,10 @@ Result<std::vector<std::uint32_t>> ParseTokenizeAnswer(std::string_view body) {
   return TokenIds(*tokens, "tokens");
 }
 
+std::string DumpJson(const json& doc) { return doc.dump(-1, ' ', false, json::error_handler_t::replace); }
+
 std::string OpenAiError(std::string_view message, std::string_view type, std::string_view code) {
-  return json{{"error", {{"message", message}, {"type", type}, {"code", code}}}}.dump();
+  return DumpJson(json{{"error", {{"message", message}, {"type", type}, {"code", code}}}});
 }
 
 std::string_view RenderPath(ApiKind kind) {

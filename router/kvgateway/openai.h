@@ -12,6 +12,8 @@
 #include <string_view>
 #include <vector>
 
+#include <nlohmann/json_fwd.hpp>
+
 #include "events/base/status.h"
 
 namespace kvrouter {
@@ -35,7 +37,11 @@ Result<OpenAiRequest> ParseOpenAiRequest(ApiKind kind, std::string_view body);
 Result<std::vector<std::uint32_t>> ParseRenderAnswer(ApiKind kind, std::string_view body);
 Result<std::vector<std::uint32_t>> ParseTokenizeAnswer(std::string_view body);
 
-// {"error": {"message", "type", "code"}} as JSON text. `type` follows OpenAI
+// JSON text of a document whose strings may hold invalid UTF-8 (a client's or an engine's bytes
+// cut anywhere, a model name from a registration): such bytes become U+FFFD instead of throwing.
+std::string DumpJson(const nlohmann::json& doc);
+
+// {"error": {"message", "type", "code"}} as JSON text (DumpJson). `type` follows OpenAI
 // ("invalid_request_error", ...); `code` is a short machine-readable reason.
 std::string OpenAiError(std::string_view message, std::string_view type, std::string_view code);
 

@@ -38,9 +38,11 @@ void RouterLink::Route(const RouteRequest& request, Done done) {
       return done(Status(StatusCode::kOverloaded, "too many requests wait for the router"));
     }
     id = ++next_;
-    pending_.emplace(id, Pending{std::move(done), std::chrono::steady_clock::now() + timeout_});
+    pending_.emplace(id, Pending{std::move(done), std::chrono::steady_clock::now() + timeout_, request.request_id});
   }
-  const auto body = EncodeRouteRequest(request);
+  RouteRequest timed = request;
+  timed.timeout_ms = static_cast<std::uint32_t>(timeout_.count());
+  const auto body = EncodeRouteRequest(timed);
   if (Status s = nats_.PublishRequest(prefix_ + "route", inbox_ + std::to_string(id), AsBytes(body)); !s.ok()) {
     Done failed;
     {
@@ -71,12 +73,22 @@ void RouterLink::OnAnswer(const IncomingMessage& m) {
   if (!no_responders) last_answer_ = std::chrono::steady_clock::now().time_since_epoch().count();
   if (id == kProbe) return;
   Done done;
+  std::string late;
   {
     KvMutexLock g(mu_);
-    auto it = pending_.find(id);
-    if (it == pending_.end()) return;  // timed out already
-    done = std::move(it->second.done);
-    pending_.erase(it);
+    if (auto it = pending_.find(id); it != pending_.end()) {
+      done = std::move(it->second.done);
+      pending_.erase(it);
+    } else if (auto e = expired_.find(id); e != expired_.end()) {
+      late = std::move(e->second.request_id);
+      expired_.erase(e);
+    } else {
+      return;
+    }
+  }
+  if (!done) {  // its caller gave up: a booking made anyway is freed
+    if (!no_responders && DecodeRouteReply(m.data).ok()) Free(late);
+    return;
   }
   if (no_responders) return done(Status(StatusCode::kNoWorkers, "no router answers"));
   done(DecodeRouteReply(m.data));
@@ -87,9 +99,13 @@ void RouterLink::Tick(SteadyTime now) {
   bool probe = false;
   {
     KvMutexLock g(mu_);
+    std::erase_if(expired_, [&](const auto& e) { return e.second.forget_at < now; });
     for (auto it = pending_.begin(); it != pending_.end();) {
       if (it->second.deadline < now) {
         late.push_back(std::move(it->second.done));
+        if (expired_.size() < kMaxPending) {
+          expired_.emplace(it->first, Expired{std::move(it->second.request_id), now + timeout_});
+        }
         it = pending_.erase(it);
       } else {
         ++it;
@@ -109,7 +125,8 @@ void RouterLink::Tick(SteadyTime now) {
 
 bool RouterLink::Answering(SteadyTime now) const {
   const SteadyTime last{SteadyTime::duration(last_answer_.load())};
-  return last.time_since_epoch().count() != std::numeric_limits<SteadyTime::rep>::min() && now - last < kAnsweringWindow;
+  return last.time_since_epoch().count() != std::numeric_limits<SteadyTime::rep>::min() &&
+         now - last < kAnsweringWindow;
 }
 
 std::size_t RouterLink::pending() const {

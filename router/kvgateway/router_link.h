@@ -1,8 +1,10 @@
 // RouterLink: the gateway's side of the router's NATS endpoints (docs/protocol.md section 5):
 // `route` asked asynchronously (one inbox subscription for every answer, no thread waiting per
 // request), `mark_prefill` and `free` published without waiting, and whether the router has
-// answered lately (for /ready). Requests left unanswered past their timeout fail with `timeout`
-// on Tick; at most kMaxPending wait at once (more fail with `overloaded` at once).
+// answered lately (for /ready). A route request carries the timeout as its `timeout_ms` (the
+// router's queue gives up then too); one left unanswered past it fails with `timeout` on Tick,
+// and a booking the router answers after that is freed here, so nothing stays booked for a
+// request nobody waits for. At most kMaxPending wait at once (more fail with `overloaded` at once).
 // Thread contract: every method may be called from any thread; `done` callbacks run on the
 // NATS delivery thread of the inbox or on the thread calling Tick, never under the link's lock.
 // Ownership: borrows the NatsClient, which must outlive it.
@@ -51,6 +53,12 @@ class RouterLink {
   struct Pending {
     Done done;
     SteadyTime deadline;
+    std::string request_id;
+  };
+  // Timed out here, kept one more timeout for a late answer to free (bounded by kMaxPending).
+  struct Expired {
+    std::string request_id;
+    SteadyTime forget_at;
   };
   void OnAnswer(const IncomingMessage& m);
 
@@ -61,6 +69,7 @@ class RouterLink {
   std::unique_ptr<Subscription> sub_;
   mutable KvMutex mu_;
   std::unordered_map<std::uint64_t, Pending> pending_ KV_GUARDED_BY(mu_);
+  std::unordered_map<std::uint64_t, Expired> expired_ KV_GUARDED_BY(mu_);
   std::uint64_t next_ KV_GUARDED_BY(mu_) = 0;
   SteadyTime next_probe_ KV_GUARDED_BY(mu_){};
   std::atomic<SteadyTime::rep> last_answer_{std::numeric_limits<SteadyTime::rep>::min()};

@@ -5,6 +5,7 @@
 // gateway_kvmocker_test.cc.
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -64,6 +65,10 @@ class FakeEngine {
     std::lock_guard g(mu_);
     return last_request_id_;
   }
+  std::string last_authorization() {
+    std::lock_guard g(mu_);
+    return last_authorization_;
+  }
 
  private:
   void Serve(HttpRequest r, std::shared_ptr<HttpReply> reply) {
@@ -80,6 +85,7 @@ class FakeEngine {
     {
       std::lock_guard g(mu_);
       last_request_id_ = std::string(r.Header("x-request-id").value_or(""));
+      last_authorization_ = std::string(r.Header("authorization").value_or(""));
     }
     reply->OnClientGone([this] { ++gone_; });
     switch (mode_.load()) {
@@ -93,7 +99,8 @@ class FakeEngine {
     }
     if (body.value("stream", false)) {
       reply->Begin(200, {{"content-type", "text/event-stream"}});
-      for (int i = 0; i < 3; ++i) reply->Write(fmt::format("data: {{\"choices\":[{{\"delta\":{{\"content\":\"t{}\"}}}}]}}\n\n", i));
+      for (int i = 0; i < 3; ++i)
+        reply->Write(fmt::format("data: {{\"choices\":[{{\"delta\":{{\"content\":\"t{}\"}}}}]}}\n\n", i));
       reply->Write("data: [DONE]\n\n");
       return reply->End();
     }
@@ -107,6 +114,7 @@ class FakeEngine {
   std::mutex mu_;
   std::vector<std::shared_ptr<HttpReply>> held_;
   std::string last_request_id_;
+  std::string last_authorization_;
 };
 
 class GatewayTest : public KvRouterProcessTest {
@@ -117,8 +125,8 @@ class GatewayTest : public KvRouterProcessTest {
     auto port = PickFreePort();
     ASSERT_TRUE(port.ok());
     gateway_port_ = *port;
-    std::vector<std::string> args = {"--http-port", std::to_string(gateway_port_), "--http-host", "127.0.0.1",
-                                     "--route-timeout-ms", "3000"};
+    std::vector<std::string> args = {"--http-port", std::to_string(gateway_port_), "--http-host",
+                                     "127.0.0.1",   "--route-timeout-ms",          "3000"};
     for (auto& a : GatewayArgs()) args.push_back(a);
     auto gw = StartOnNats(KVGATEWAY_BIN, nats_->url(), std::move(args), LogPath("kvgateway"));
     ASSERT_TRUE(gw.ok()) << gw.status().ToString();
@@ -208,9 +216,12 @@ TEST_F(GatewayTest, APlainChatCompletionGoesThroughWithTheRoutersHeadersAndFrees
   EXPECT_EQ(e.renders(), 1);
   EXPECT_EQ(e.last_request_id(), "client-7");
   // Freed, with the engine's timing for the router.
-  EXPECT_TRUE(AwaitStats([](StatsReply& s) {
-    return s.breakdowns["requests"]["route.ok"] == 1 && s.counters["active_requests"] == 0 && s.counters["timing_reports"] == 1;
-  }, 5s));
+  EXPECT_TRUE(AwaitStats(
+      [](StatsReply& s) {
+        return s.breakdowns["requests"]["route.ok"] == 1 && s.counters["active_requests"] == 0 &&
+               s.counters["timing_reports"] == 1;
+      },
+      5s));
 }
 
 TEST_F(GatewayTest, AStreamIsPassedThroughEventByEvent) {
@@ -244,11 +255,32 @@ TEST_F(GatewayTest, EveryErrorIsOpenAiShapedWithItsStatus) {
   ASSERT_TRUE(bad_json.ok());
   EXPECT_EQ(bad_json->status, 400);
   EXPECT_TRUE(json::parse(bad_json->body)["error"]["message"].is_string());
-  EXPECT_EQ(Post(R"({"messages":[]})")->status, 400);                     // no model
-  EXPECT_EQ(Post(R"({"model":"m"})")->status, 400);                       // no messages
+  EXPECT_EQ(Post(R"({"messages":[]})")->status, 400);                       // no model
+  EXPECT_EQ(Post(R"({"model":"m"})")->status, 400);                         // no messages
   EXPECT_EQ(Post(R"({"model":"m"})", {}, "/v1/completions")->status, 400);  // no prompt
   EXPECT_EQ(client_->Fetch(endpoint_, {.method = "GET", .target = "/v1/nothing"})->status, 404);
   EXPECT_EQ(client_->Fetch(endpoint_, {.method = "GET", .target = "/v1/chat/completions"})->status, 405);
+  // Refused before routing, still with the client's request id.
+  auto named = Post("{not json", {{"x-request-id", "early-1"}});
+  ASSERT_TRUE(named.ok());
+  EXPECT_EQ(HeaderOf(*named, "x-request-id"), "early-1");
+}
+
+TEST_F(GatewayTest, TwoRequestsWithOneClientRequestIdAreBookedApartAndCarryTheApiKey) {
+  FakeEngine& e = AddEngine(1);
+  e.set_mode(FakeEngine::Mode::kHold);
+  ASSERT_TRUE(AwaitReady(1));
+  const HttpHeaders headers = {
+      {"x-request-id", "same"}, {"authorization", "Bearer sk-test"}, {"content-type", "application/json"}};
+  auto a = client_->Start(endpoint_, {.target = "/v1/chat/completions", .headers = headers, .body = Chat("first")}, {});
+  auto b =
+      client_->Start(endpoint_, {.target = "/v1/chat/completions", .headers = headers, .body = Chat("second")}, {});
+  ASSERT_TRUE(AwaitTrue([&] { return e.held() == 2; }));
+  EXPECT_EQ(ActiveRequests(), 2u);  // two bookings, not one overwritten
+  EXPECT_EQ(e.last_request_id(), "same");
+  EXPECT_EQ(e.last_authorization(), "Bearer sk-test");
+  e.Release();
+  EXPECT_TRUE(AwaitStats([](StatsReply& s) { return s.counters["active_requests"] == 0; }, 5s));
 }
 
 TEST_F(GatewayTest, AnEngineThatRefusesConnectionsIsRetriedAwayFrom) {
@@ -421,7 +453,9 @@ TEST_F(GatewayHostileTest, OversizedHeadersBigBodiesAndBadChunksAreRefusedAndNot
   }
   {
     RawSocket s(gateway_port_);  // announced past --max-body-bytes, and never sent
-    s.Send("POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n");
+    s.Send(
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: "
+        "100000\r\n\r\n");
     const std::string a = s.ReadAll();
     EXPECT_TRUE(a.starts_with("HTTP/1.1 413")) << a;
     EXPECT_NE(a.find("\"error\""), std::string::npos);  // OpenAI-shaped
@@ -440,7 +474,31 @@ TEST_F(GatewayHostileTest, OversizedHeadersBigBodiesAndBadChunksAreRefusedAndNot
   EXPECT_TRUE(AwaitStats([](StatsReply& s) { return s.counters["active_requests"] == 0; }, 5s));
 }
 
+TEST_F(GatewayHostileTest, AnHttp10ClientGetsAStreamWithoutChunksEndedByTheClose) {
+  AddEngine(1);
+  ASSERT_TRUE(AwaitReady(1));
+  RawSocket old(gateway_port_);
+  const std::string body = Chat("old client", true);
+  old.Send(fmt::format(
+      "POST /v1/chat/completions HTTP/1.0\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{}",
+      body.size(), body));
+  const std::string answer = old.ReadAll();  // returns at the close
+  ASSERT_TRUE(answer.starts_with("HTTP/1.0 200")) << answer;
+  EXPECT_EQ(answer.find("chunked"), std::string::npos) << answer;
+  EXPECT_TRUE(answer.ends_with("data: [DONE]\n\n")) << answer;
+  EXPECT_TRUE(AwaitStats([](StatsReply& s) { return s.counters["active_requests"] == 0; }, 5s));
+}
+
 TEST_F(GatewayHostileTest, TenThousandIdleConnectionsDoNotStopIt) {
+  // This process and the gateway each hold 10,000 descriptors (the gateway keeps an eighth of its
+  // limit, at least 256, for engines and NATS).
+  rlimit r{};
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &r), 0);
+  r.rlim_cur = r.rlim_max;
+  (void)setrlimit(RLIMIT_NOFILE, &r);
+  if (r.rlim_max != RLIM_INFINITY && r.rlim_max < 12000) {
+    GTEST_SKIP() << "the descriptor limit (" << r.rlim_max << ") is below what 10,000 connections need";
+  }
   AddEngine(1);
   ASSERT_TRUE(AwaitReady(1));
   std::vector<RawSocket> idle;
@@ -475,11 +533,11 @@ class GatewayKvmockerTest : public GatewayTest {
     if (HasFatalFailure()) return;
     auto base = PickFreePortRun(2);
     ASSERT_TRUE(base.ok());
-    auto m = StartOnNats(KVMOCKER_BIN, nats_->url(),
-                         {"--num-workers", "2", "--worker-id-base", "1", "--block-size", std::to_string(kBs),
-                          "--num-gpu-blocks", "4096", "--speedup-ratio", "100", "--http-port", std::to_string(*base),
-                          "--http-host", "127.0.0.1", "--model", "mock"},
-                         LogPath("kvmocker"));
+    auto m = StartOnNats(
+        KVMOCKER_BIN, nats_->url(),
+        {"--num-workers", "2", "--worker-id-base", "1", "--block-size", std::to_string(kBs), "--num-gpu-blocks", "4096",
+         "--speedup-ratio", "100", "--http-port", std::to_string(*base), "--http-host", "127.0.0.1", "--model", "mock"},
+        LogPath("kvmocker"));
     ASSERT_TRUE(m.ok()) << m.status().ToString();
     mocker_ = std::move(m->process);
     ASSERT_TRUE(AwaitReady(2)) << ReadFile(LogPath("kvmocker"));
@@ -489,8 +547,11 @@ class GatewayKvmockerTest : public GatewayTest {
     GatewayTest::TearDown();
   }
   static std::string MockChat(const std::string& text, bool stream, int max_tokens = 8) {
-    return json{{"model", "mock"}, {"stream", stream}, {"max_tokens", max_tokens},
-                {"messages", {{{"role", "user"}, {"content", text}}}}}.dump();
+    return json{{"model", "mock"},
+                {"stream", stream},
+                {"max_tokens", max_tokens},
+                {"messages", {{{"role", "user"}, {"content", text}}}}}
+        .dump();
   }
   std::unique_ptr<ChildProcess> mocker_;
 };
@@ -503,19 +564,23 @@ TEST_F(GatewayKvmockerTest, APlainChatCompletionComesWithItsUsage) {
   EXPECT_EQ(body["object"], "chat.completion");
   EXPECT_EQ(body["usage"]["completion_tokens"], 8);
   EXPECT_GT(body["usage"]["prompt_tokens"].get<int>(), 10);
-  EXPECT_TRUE(AwaitStats([](StatsReply& s) { return s.counters["active_requests"] == 0 && s.counters["timing_reports"] == 1; }, 5s));
+  EXPECT_TRUE(AwaitStats(
+      [](StatsReply& s) { return s.counters["active_requests"] == 0 && s.counters["timing_reports"] == 1; }, 5s));
 }
 
 TEST_F(GatewayKvmockerTest, AStreamedCompletionArrivesAsEventsEndingInDone) {
   std::mutex mu;
   std::vector<std::string> reads;
   std::promise<Status> done;
-  client_->Start(endpoint_, {.target = "/v1/chat/completions", .headers = {{"content-type", "application/json"}},
-                             .body = MockChat("Stream to me", true, 32)},
-                 {.on_data = [&](std::string_view d) {
-                    std::lock_guard g(mu);
-                    reads.emplace_back(d);
-                  },
+  client_->Start(endpoint_,
+                 {.target = "/v1/chat/completions",
+                  .headers = {{"content-type", "application/json"}},
+                  .body = MockChat("Stream to me", true, 32)},
+                 {.on_data =
+                      [&](std::string_view d) {
+                        std::lock_guard g(mu);
+                        reads.emplace_back(d);
+                      },
                   .on_done = [&](const Status& s) { done.set_value(s); }});
   ASSERT_TRUE(done.get_future().get().ok());
   std::lock_guard g(mu);

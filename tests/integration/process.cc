@@ -19,6 +19,7 @@
 #include <fstream>
 #include <iterator>
 #include <map>
+#include <random>
 #include <sstream>
 #include <thread>
 
@@ -316,16 +317,28 @@ bool PortBindable(int port) {
   return ok;
 }
 
+// The kernel's first ephemeral port: outgoing connections take ports from there on, so a run
+// picked below it cannot be taken by a client socket between the pick and the listener's bind.
+int FirstEphemeralPort() {
+  std::ifstream in("/proc/sys/net/ipv4/ip_local_port_range");
+  int low = 0;
+  if (in >> low && low > 2048) return low;
+  return 32768;
+}
+
 }  // namespace
 
 Result<int> PickFreePortRun(int n) {
-  for (int attempt = 0; attempt < 100; ++attempt) {
-    auto p = PickFreePort();
-    if (!p.ok()) return p.status();
-    if (*p + n - 1 > 65535) continue;
+  const int top = FirstEphemeralPort() - n;
+  constexpr int kBottom = 20000;
+  if (top <= kBottom) return Internal("no room for a run of ports below the ephemeral range");
+  std::mt19937 rng(std::random_device{}());
+  std::uniform_int_distribution<int> pick(kBottom, top);
+  for (int attempt = 0; attempt < 200; ++attempt) {
+    const int base = pick(rng);
     bool all = true;
-    for (int i = 1; i < n && all; ++i) all = PortBindable(*p + i);
-    if (all) return *p;
+    for (int i = 0; i < n && all; ++i) all = PortBindable(base + i);
+    if (all) return base;
   }
   return Internal("no run of free ports");
 }

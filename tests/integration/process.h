@@ -68,7 +68,8 @@ std::string FindExecutable(const std::string& name, const std::vector<std::strin
 // A free TCP port on 127.0.0.1 right now (bind to port 0, read it, close).
 Result<int> PickFreePort();
 // The first of n consecutive ports free on 127.0.0.1 right now (kvmocker's worker i listens on
-// the first + i).
+// the first + i), taken at random below the kernel's ephemeral range so that no client socket of
+// a test running beside it takes one before the program binds it.
 Result<int> PickFreePortRun(int n);
 
 // The whole text of a file ("" when it cannot be read): a program's log in a failure message.

@@ -69,5 +69,16 @@ TEST(OpenAiError, IsTheShapeOpenAiClientsRead) {
   EXPECT_EQ(e["error"]["code"], "bad");
 }
 
+TEST(OpenAiError, BytesThatAreNotUtf8BecomeReplacementCharactersInsteadOfThrowing) {
+  // A model name or an engine's answer cut in the middle of a character.
+  const std::string cut = std::string("caf\xC3", 4) + "\xFF!";
+  std::string text;
+  ASSERT_NO_THROW(text = OpenAiError("no model '" + cut + "'", "invalid_request_error", "model_not_found"));
+  const json e = json::parse(text, nullptr, false);
+  ASSERT_FALSE(e.is_discarded()) << text;
+  EXPECT_EQ(e["error"]["message"], "no model 'caf\uFFFD\uFFFD!'");
+  EXPECT_EQ(DumpJson(json{{"id", std::string("\x80")}}), "{\"id\":\"\xEF\xBF\xBD\"}");
+}
+
 }  // namespace
 }  // namespace kvrouter
