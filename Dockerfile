@@ -1,4 +1,4 @@
-# kvrouter, kvmocker, kvbench and kvrelay on Debian 12, from Debian's packages only.
+# kvrouter, kvgateway, kvmocker, kvbench and kvrelay on Debian 12, from Debian's packages only.
 # Three stages: `runtime` holds only the shared libraries the programs load; `build` has the
 # toolchain and compiles; the final image is `runtime` plus the stripped binaries (about
 # 110 MB; scripts/compose-check.sh fails it above 200 MB).
@@ -16,15 +16,15 @@ FROM debian:12 AS build
 ENV DEBIAN_FRONTEND=noninteractive
 RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends \
       cmake g++ ninja-build pkg-config ca-certificates \
-      libnats-dev libmsgpack-cxx-dev libconcurrentqueue-dev libfmt-dev libboost-program-options-dev \
+      libnats-dev libmsgpack-cxx-dev libconcurrentqueue-dev libfmt-dev libboost-dev libboost-program-options-dev \
       libgtest-dev libgmock-dev libxxhash-dev nlohmann-json3-dev \
       prometheus-cpp-dev libcivetweb-dev libzmq3-dev cppzmq-dev \
     && rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin
 WORKDIR /src
 COPY . .
 RUN cmake -S . -B /build -G Ninja -DCMAKE_BUILD_TYPE=Release -DKVROUTER_BENCH=OFF \
-    && cmake --build /build --target kvrouter kvmocker kvbench kvrelay \
-    && mkdir /out && for p in kvrouter kvmocker kvbench kvrelay; do strip -o /out/$p /build/bin/$p; done
+    && cmake --build /build --target kvrouter kvgateway kvmocker kvbench kvrelay \
+    && mkdir /out && for p in kvrouter kvgateway kvmocker kvbench kvrelay; do strip -o /out/$p /build/bin/$p; done
 
 FROM runtime
 COPY --from=build /out/ /usr/local/bin/

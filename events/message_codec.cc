@@ -21,6 +21,33 @@ Result<bool> ReadLeaving(const msgpack::object* o, std::string_view field) {
       fmt::format("field '{}' must be \"up\" or \"leaving\", not '{}'", field, status->substr(0, 32)));
 }
 
+// An engine's OpenAI base URL: http://, at most kMaxUrlBytes, trailing slashes dropped.
+Result<std::string> ReadHttpUrl(const msgpack::object* o, std::string_view field) {
+  auto s = ReadStr(o, field);
+  if (!s.ok()) return s.status();
+  if (s->size() > kMaxUrlBytes) return InvalidArgument(fmt::format("field '{}' is longer than {} bytes", field, kMaxUrlBytes));
+  if (!s->empty() && !s->starts_with("http://")) {
+    return InvalidArgument(fmt::format("field '{}' must start with http://", field));
+  }
+  std::string url(*s);
+  while (url.ends_with('/')) url.pop_back();
+  return url;
+}
+
+// Model names: at most kMaxModels, each a name (ReadName).
+Result<std::vector<std::string>> ReadModels(const msgpack::object* o, std::string_view field) {
+  auto items = ReadArray(o, field);
+  if (!items.ok()) return items.status();
+  if (items->size() > kMaxModels) return InvalidArgument(fmt::format("field '{}' has more than {} names", field, kMaxModels));
+  std::vector<std::string> names;
+  for (const msgpack::object& item : *items) {
+    auto name = ReadName(&item, field);
+    if (!name.ok()) return name.status();
+    names.emplace_back(*name);
+  }
+  return names;
+}
+
 // A router_config_override weight: a finite, non-negative number (float or int).
 Result<double> ReadWeight(const msgpack::object* o, std::string_view field) {
   auto v = ReadF64(o, field);
@@ -74,6 +101,8 @@ Result<WorkerRegistration> DecodeWorkerRegistration(std::span<const std::byte> b
   std::uint64_t lease_ms = reg.lease_ms;
   reads.Optional(m, "lease_ms", ReadU64, lease_ms);
   reads.Optional(m, "status", ReadLeaving, reg.leaving);
+  reads.Optional(m, "http_url", ReadHttpUrl, reg.http_url);
+  reads.Optional(m, "models", ReadModels, reg.models);
   if (!reads.ok()) return reads.status();
   if (reg.dp_size == 0) return InvalidArgument("field 'dp_size' must be at least 1");
   if (std::uint64_t{reg.dp_start} + reg.dp_size > std::numeric_limits<std::uint32_t>::max()) {
@@ -93,6 +122,8 @@ msgpack::sbuffer EncodeWorkerRegistration(const WorkerRegistration& reg) {
       .Field("device", reg.device)
       .Field("lease_ms", reg.lease_ms)
       .Field("status", std::string_view(reg.leaving ? "leaving" : "up"));
+  if (!reg.http_url.empty()) w.Field("http_url", reg.http_url);
+  if (!reg.models.empty()) w.Field("models", reg.models);
   return std::move(w).Finish();
 }
 
@@ -174,6 +205,8 @@ Result<RouteRequest> DecodeRouteRequest(std::span<const std::byte> body) {
   reads.Optional(m, "allowed_worker_ids", ReadU64Array, req.allowed_worker_ids);
   reads.Optional(m, "timeout_ms", ReadU32, req.timeout_ms);
   reads.Optional(m, "max_tokens", ReadU32, req.max_tokens);
+  reads.Optional(m, "session_id", ReadName, req.session_id);
+  reads.Optional(m, "excluded_worker_ids", ReadU64Array, req.excluded_worker_ids);
   if (!reads.ok()) return reads.status();
 
   // Top-level priority / expected_output_tokens win over nvext.agent_hints.priority / osl.
@@ -227,6 +260,8 @@ msgpack::sbuffer EncodeRouteRequest(const RouteRequest& req) {
   if (overrides.fields() > 0) w.Map("router_config_override", overrides);
   if (req.timeout_ms) w.Field("timeout_ms", *req.timeout_ms);
   if (req.max_tokens) w.Field("max_tokens", *req.max_tokens);
+  if (!req.session_id.empty()) w.Field("session_id", req.session_id);
+  if (req.excluded_worker_ids) w.Field("excluded_worker_ids", *req.excluded_worker_ids);
   return std::move(w).Finish();
 }
 
@@ -238,6 +273,7 @@ msgpack::sbuffer EncodeRouteReply(const RouteReply& reply) {
       .Field("request_blocks", reply.request_blocks)
       .Field("cached_tokens", reply.cached_tokens)
       .Field("queued_ms", reply.queued_ms);
+  if (!reply.http_url.empty()) w.Field("http_url", reply.http_url);
   return std::move(w).Finish();
 }
 
@@ -254,6 +290,7 @@ Result<RouteReply> DecodeRouteReply(std::span<const std::byte> body) {
   reads.Required(m, "request_blocks", ReadU32, reply.request_blocks);
   reads.Required(m, "cached_tokens", ReadU32, reply.cached_tokens);
   reads.Required(m, "queued_ms", ReadF64, reply.queued_ms);
+  reads.Optional(m, "http_url", ReadStr, reply.http_url);
   if (!reads.ok()) return reads.status();
   return reply;
 }
@@ -273,6 +310,31 @@ msgpack::sbuffer EncodeLifecycleRequest(std::string_view request_id) {
   return std::move(w).Finish();
 }
 
+msgpack::sbuffer EncodeLifecycleRequest(std::string_view request_id, const ResponseTiming& t) {
+  MapWriter w;
+  w.Field("request_id", request_id)
+      .Field("ttfb_ms", t.ttfb_ms)
+      .Field("chunks", t.chunks)
+      .Field("inter_chunk_ms_mean", t.inter_chunk_ms_mean)
+      .Field("inter_chunk_ms_max", t.inter_chunk_ms_max);
+  return std::move(w).Finish();
+}
+
+std::optional<ResponseTiming> DecodeResponseTiming(std::span<const std::byte> body) {
+  auto doc = ParseMsgpackMap(body, "lifecycle request");
+  if (!doc.ok()) return std::nullopt;
+  const msgpack::object& m = doc->get();
+  if (IsNil(FindKey(m, "ttfb_ms"))) return std::nullopt;
+  ResponseTiming t;
+  FieldReads reads;
+  reads.Required(m, "ttfb_ms", ReadWeight, t.ttfb_ms);
+  reads.Optional(m, "chunks", ReadU32, t.chunks);
+  reads.Optional(m, "inter_chunk_ms_mean", ReadWeight, t.inter_chunk_ms_mean);
+  reads.Optional(m, "inter_chunk_ms_max", ReadWeight, t.inter_chunk_ms_max);
+  if (!reads.ok()) return std::nullopt;
+  return t;
+}
+
 Result<ActiveSequenceEvent> DecodeActiveSequenceEvent(std::span<const std::byte> body) {
   auto doc = ParseMsgpackMap(body, "active sequence event");
   if (!doc.ok()) return doc.status();
@@ -289,6 +351,7 @@ Result<ActiveSequenceEvent> DecodeActiveSequenceEvent(std::span<const std::byte>
   reads.Optional(m, "isl", ReadU32, e.isl);
   reads.Optional(m, "overlap_blocks", ReadU32, e.overlap_blocks);
   reads.Optional(m, "epoch", ReadU32, e.epoch);
+  reads.Optional(m, "session_id", ReadName, e.session_id);
   if (!reads.ok()) return reads.status();
   if (request_id.empty()) return InvalidArgument("field 'request_id' must not be empty");
   e.request_id = std::string(request_id);
@@ -335,6 +398,7 @@ msgpack::sbuffer EncodeActiveSequenceEvent(const ActiveSequenceEvent& e) {
       .Field("isl", e.isl)
       .Field("overlap_blocks", e.overlap_blocks)
       .Field("epoch", e.epoch);
+  if (!e.session_id.empty()) w.Field("session_id", e.session_id);
   return std::move(w).Finish();
 }
 

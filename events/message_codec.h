@@ -6,11 +6,13 @@
 //   registration = {worker_id: u64, dp_start?: u32 (0), dp_size?: u32 (1), block_size?: u32,
 //                   total_kv_blocks?: u64 (0), max_num_seqs?: u32 (256),
 //                   max_num_batched_tokens?: u32 (8192), device?: str ("gpu"),
-//                   lease_ms?: u32 (3000), status?: "up"|"leaving" ("up")}
+//                   lease_ms?: u32 (3000), status?: "up"|"leaving" ("up"),
+//                   http_url?: str (""), models?: [str]}                          (section 11)
 //   route_req    = {request_id?: str, token_ids?: [u32], block_hashes?: [u64], isl?: u32,
 //                   lora_name?: str, update_states?: bool (true), priority?: int,
 //                   expected_output_tokens?: u32, worker_id?: u64, dp_rank?: u32,
 //                   allowed_worker_ids?: [u64], timeout_ms?: u32, max_tokens?: u32 (generate),
+//                   session_id?: str, excluded_worker_ids?: [u64]              (section 11),
 //                   router_config_override?: {overlap_score_credit?: f64,
 //                                             prefill_load_scale?: f64, router_temperature?: f64},
 //                   nvext?: {agent_hints?: {priority?: int, osl?: u32}}}
@@ -19,13 +21,15 @@
 //                  expected_output_tokens win over nvext.agent_hints. router_config_override
 //                  values are floats or ints, finite and >= 0.
 //   route_reply  = {worker_id: u64, dp_rank: u32, overlap_blocks: u32, request_blocks: u32,
-//                   cached_tokens: u32, queued_ms: f64}          (all required)
+//                   cached_tokens: u32, queued_ms: f64,          (all required)
+//                   http_url?: str}                              (section 11)
 //   lifecycle    = {request_id: str}                             (non-empty)
 //   error_reply  = {error: {code: str, message?: str}}
 // Registration: dp_size 0, dp_start + dp_size above 2^32-1, or another status is an
 // InvalidArgument; lease_ms (any u64) is clamped to [kMinLeaseMs, kMaxLeaseMs]. The router's own
 // bound on dp_size (--router-max-dp-size) is checked by the registry, not here. request_id and
-// device are at most kMaxNameBytes bytes. Error replies: an unknown code, or "ok", reads as kInternal; a malformed
+// device are at most kMaxNameBytes bytes; http_url starts with http:// and is at most kMaxUrlBytes
+// (trailing slashes dropped), models at most kMaxModels names of kMaxNameBytes. Error replies: an unknown code, or "ok", reads as kInternal; a malformed
 // error map (not a map, no string code) is kInternal too. Encoders leave out unset optionals
 // and fields equal to their default.
 // Decoding never throws. Thread-safe (pure functions).
@@ -60,6 +64,10 @@ inline constexpr std::uint32_t kMaxLeaseMs = 3'600'000;
 // A registration's `status` (section 4): a worker that is up, or one about to go.
 enum class WorkerStatus { kUp, kLeaving };
 
+// Bounds on what a registration may carry (section 11), so a peer cannot grow a worker's entry.
+inline constexpr std::size_t kMaxUrlBytes = 2048;
+inline constexpr std::size_t kMaxModels = 64;
+
 struct WorkerRegistration {
   std::uint64_t worker_id = 0;
   std::uint32_t dp_start = 0;
@@ -71,6 +79,10 @@ struct WorkerRegistration {
   std::string device = "gpu";
   std::uint32_t lease_ms = 3000;
   bool leaving = false;  // status "leaving"
+  // Section 11: the engine's OpenAI base URL ("http://host:port", no trailing slash; empty: it
+  // serves no HTTP) and the model names it serves.
+  std::string http_url;
+  std::vector<std::string> models;
   bool operator==(const WorkerRegistration&) const = default;
 };
 Result<WorkerRegistration> DecodeWorkerRegistration(std::span<const std::byte> body);
@@ -99,6 +111,8 @@ struct RouteRequest {
   RouterConfigOverride config_override;
   std::optional<std::uint32_t> timeout_ms;
   std::optional<std::uint32_t> max_tokens;  // router.generate: tokens to generate
+  std::string session_id;                   // section 11 session affinity (empty: none)
+  std::optional<std::vector<std::uint64_t>> excluded_worker_ids;  // never these workers
   bool operator==(const RouteRequest&) const = default;
 };
 Result<RouteRequest> DecodeRouteRequest(std::span<const std::byte> body);
@@ -111,6 +125,7 @@ struct RouteReply {
   std::uint32_t request_blocks = 0;
   std::uint32_t cached_tokens = 0;
   double queued_ms = 0;
+  std::string http_url;  // the chosen worker's, when it announced one (section 11)
   bool operator==(const RouteReply&) const = default;
 };
 msgpack::sbuffer EncodeRouteReply(const RouteReply& reply);
@@ -120,6 +135,21 @@ Result<RouteReply> DecodeRouteReply(std::span<const std::byte> body);
 // {request_id} of mark_prefill / free.
 Result<std::string> DecodeLifecycleRequest(std::span<const std::byte> body);
 msgpack::sbuffer EncodeLifecycleRequest(std::string_view request_id);
+
+// How an engine answered a request, as a gateway saw it (section 11), carried by its `free`:
+//   {request_id, ttfb_ms?: f64, chunks?: u32, inter_chunk_ms_mean?: f64, inter_chunk_ms_max?: f64}
+// ttfb_ms: from the engine call to its first response byte; the inter-chunk times are between
+// the response's chunks. The learned engine rates will read them; the router counts them now.
+struct ResponseTiming {
+  double ttfb_ms = 0;
+  std::uint32_t chunks = 0;
+  double inter_chunk_ms_mean = 0;
+  double inter_chunk_ms_max = 0;
+  bool operator==(const ResponseTiming&) const = default;
+};
+msgpack::sbuffer EncodeLifecycleRequest(std::string_view request_id, const ResponseTiming& timing);
+// The timing of a `free`, when it carries one (ttfb_ms present, every number finite and >= 0).
+std::optional<ResponseTiming> DecodeResponseTiming(std::span<const std::byte> body);
 
 // Router replica sync (docs/protocol.md section 8), on
 // namespace.{ns}.component.{comp}.active_sequences_events:
@@ -137,6 +167,7 @@ struct ActiveSequenceEvent {
   std::uint32_t isl = 0;
   std::uint32_t overlap_blocks = 0;
   std::uint32_t epoch = 0;
+  std::string session_id;  // kAdd: the session the booking binds to its worker (empty: none)
   bool operator==(const ActiveSequenceEvent&) const = default;
 };
 Result<ActiveSequenceEvent> DecodeActiveSequenceEvent(std::span<const std::byte> body);

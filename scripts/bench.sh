@@ -14,7 +14,8 @@ gen=()
 command -v ninja >/dev/null && gen=(-G Ninja)
 cmake -S . -B build "${gen[@]}" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVROUTER_BENCH=ON >/dev/null
 cmake --build build -j "$(nproc 2>/dev/null || echo 2)" \
-  --target index_bench route_bench queue_bench recovery_bench indexer_bench kvrouter >/dev/null
+  --target index_bench route_bench queue_bench recovery_bench indexer_bench gateway_bench kvrouter kvgateway kvmocker \
+  >/dev/null
 
 out=${BENCH_OUT:-bench-results/$(date -u +%Y%m%dT%H%M%SZ)}
 mkdir -p "$out"
@@ -46,6 +47,11 @@ if [ -f "$trace" ] && [ "$filter" = . ]; then
   # The sweep, and two rates just past Dynamo's published peak (255,316 ops/s).
   build/bin/indexer_bench --trace "$trace" --offered 260000 --offered 300000 \
     --sweep --sweep-min 25000 --sweep-max 400000 --sweep-steps 7 --json "$out/indexer_bench.json"
+fi
+if [ "$filter" = . ]; then
+  echo
+  echo "== kvgateway against nginx and against the engines (scripts/gateway-bench.sh)"
+  BENCH_OUT="$out/gateway" bash scripts/gateway-bench.sh build
 fi
 echo
 echo "raw results: $out"

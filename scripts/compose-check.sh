@@ -4,6 +4,7 @@
 # (`debian:12` by debootstrap from the mirror this machine's apt configuration names, `nats:2.9`
 # from Debian's nats-server), builds kvrouter's image, then
 #   docker-compose up -d        until the router serves and 4 mock workers are registered,
+#   a plain and a streamed chat completion through the gateway container (curl),
 #   ... --profile bench run --rm kvbench       200 requests, 0 errors,
 #   the same with DYN_ROUTER_USE_KV_EVENTS=false (approximate mode, checked on /metrics),
 #   docker-compose down,
@@ -21,7 +22,7 @@ cd "$(dirname "$0")/.."
 
 binaries=""
 if [ "${1:-}" = "--binaries" ]; then binaries=$(cd "$2" && pwd); fi
-programs=(kvrouter kvmocker kvbench kvrelay)
+programs=(kvrouter kvgateway kvmocker kvbench kvrelay)
 project=kvrouter-check
 max_image_mb=200
 
@@ -193,8 +194,9 @@ say "kvrouter:local is $size_mb MB"
 
 # --- up, bench, down -------------------------------------------------------------------------
 free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
-KVROUTER_NATS_PORT=$(free_port); KVROUTER_METRICS_PORT=$(free_port)
-export KVROUTER_NATS_PORT KVROUTER_METRICS_PORT
+KVROUTER_NATS_PORT=$(free_port); KVROUTER_METRICS_PORT=$(free_port); KVROUTER_HTTP_PORT=$(free_port)
+export KVROUTER_NATS_PORT KVROUTER_METRICS_PORT KVROUTER_HTTP_PORT
+gateway_url="http://127.0.0.1:$KVROUTER_HTTP_PORT"
 metrics_url="http://127.0.0.1:$KVROUTER_METRICS_PORT/metrics"
 
 metric() {  # name -> value ("" when the router does not answer)
@@ -211,6 +213,30 @@ await_router() {  # approximate-mode value expected (0 or 1)
   done
   fail "the router did not show 4 worker ranks with kvrouter_approximate_mode $1 (ranks '$ranks', mode '$mode')"
 }
+chat() {  # stream (true|false): a chat completion through the gateway, the body on stdout
+  curl -fsS --max-time 20 "$gateway_url/v1/chat/completions" -H 'content-type: application/json' \
+    -d "{\"model\": \"mock\", \"stream\": $1, \"max_tokens\": 8,
+         \"messages\": [{\"role\": \"user\", \"content\": \"Hello from compose-check\"}]}"
+}
+await_gateway() {  # the gateway is ready: it knows 4 engines and the router answers it
+  for _ in $(seq 300); do
+    [ "$(curl -s -o /dev/null -w '%{http_code}' --max-time 2 "$gateway_url/ready")" = 200 ] &&
+      curl -fsS --max-time 2 "$gateway_url/metrics" | grep -qx 'kvgateway_engines 4' && return 0
+    sleep 0.2
+  done
+  fail "the gateway did not become ready with 4 engines"
+}
+gateway_checks() {
+  await_gateway
+  local plain stream
+  plain=$(chat false) || fail "a plain chat completion through the gateway failed"
+  grep -q '"chat.completion"' <<<"$plain" && grep -q '"cached_tokens"' <<<"$plain" ||
+    fail "the plain chat completion is not one: $plain"
+  stream=$(chat true) || fail "a streamed chat completion through the gateway failed"
+  [ "$(grep -c '^data: ' <<<"$stream")" -ge 3 ] && grep -q '^data: \[DONE\]' <<<"$stream" ||
+    fail "the streamed chat completion is not a stream of events ending in [DONE]: $stream"
+  say "gateway: a plain and a streamed chat completion on $gateway_url ($(grep -c '^data: ' <<<"$stream") events)"
+}
 bench() {  # label
   local out="$work/bench-$1.txt"
   compose --profile bench run --rm kvbench >"$out" 2>"$work/bench-$1.err" \
@@ -226,10 +252,11 @@ compose_up=1
 compose up -d --no-build >/dev/null 2>&1 || { compose up -d --no-build; fail "docker-compose up"; }
 await_router 0
 say "router serves with 4 workers registered ($((SECONDS - t0)) s after up)"
+gateway_checks
 bench kv-events
 DYN_ROUTER_USE_KV_EVENTS=false compose up -d --no-build >/dev/null 2>&1 || fail "docker-compose up (approximate)"
 await_router 1
 bench approximate
 compose --profile bench down -v --remove-orphans >/dev/null 2>&1 || fail "docker-compose down"
 compose_up=0
-say "docker-compose.yml proven: up, 2 x 200 requests with 0 errors (events and approximate mode), down"
+say "docker-compose.yml proven: up, the gateway's plain and streamed chat, 2 x 200 requests with 0 errors (events and approximate mode), down"

@@ -6,16 +6,17 @@ set -euo pipefail
 packages=(
   cmake g++ ninja-build pkg-config
   libnats-dev nats-server
-  libmsgpack-cxx-dev libconcurrentqueue-dev libfmt-dev libboost-program-options-dev
+  libmsgpack-cxx-dev libconcurrentqueue-dev libfmt-dev libboost-dev libboost-program-options-dev
   libgtest-dev libgmock-dev libbenchmark-dev libxxhash-dev nlohmann-json3-dev
   prometheus-cpp-dev libcivetweb-dev libzmq3-dev cppzmq-dev
   gnuplot-nox
   clang libclang-rt-14-dev
   python3
 )
-# Only scripts/compose-check.sh (docker-compose.yml run for real) needs these; without them
-# that one step is skipped, loudly.
-optional=(docker-compose docker.io debootstrap curl)
+# Only scripts/compose-check.sh (docker-compose.yml run for real) needs docker and debootstrap;
+# without them that one step is skipped, loudly. scripts/bench.sh's gateway baseline and load
+# generator are nginx and wrk.
+optional=(docker-compose docker.io debootstrap curl nginx-light wrk)
 
 missing=()
 for p in "${packages[@]}" "${optional[@]}"; do

@@ -77,7 +77,8 @@ Result<std::optional<ZmqBatch>> ZmqEngineStream::Receive(std::chrono::millisecon
   return std::optional<ZmqBatch>(ZmqBatch{parts[0].to_string(), ReadSeq(parts[1]), Bytes(parts[2])});
 }
 
-Result<std::vector<ZmqBatch>> ZmqEngineStream::Replay(std::int64_t start_seq, std::chrono::milliseconds timeout) {
+Result<std::vector<ZmqBatch>> ZmqEngineStream::Replay(std::int64_t start_seq, std::chrono::milliseconds timeout,
+                                                      std::stop_token stop) {
   if (!s_->dealer) return NotFound("the engine has no replay endpoint (--zmq-replay-endpoint)");
   std::vector<ZmqBatch> out;
   const auto deadline = std::chrono::steady_clock::now() + timeout;
@@ -88,13 +89,22 @@ Result<std::vector<ZmqBatch>> ZmqEngineStream::Replay(std::int64_t start_seq, st
     s_->dealer->send(zmq::message_t(), zmq::send_flags::sndmore);
     s_->dealer->send(zmq::buffer(seq, 8), zmq::send_flags::none);
     while (true) {
-      const auto left =
-          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+      // Wait in slices, so that a stop request ends the wait within kReplayStopCheck.
       std::vector<zmq::message_t> parts;
-      s_->dealer->set(zmq::sockopt::rcvtimeo, static_cast<int>(std::max<std::int64_t>(1, left.count())));
-      if (left.count() <= 0 || !zmq::recv_multipart(*s_->dealer, std::back_inserter(parts))) {
-        s_->OpenDealer();  // a late answer must not be read as the next one's
-        return Status(StatusCode::kTimeout, fmt::format("no end of replay within {} ms", timeout.count()));
+      while (true) {
+        if (stop.stop_requested()) {
+          s_->OpenDealer();  // a late answer must not be read as the next one's
+          return Status(StatusCode::kTimeout, "replay abandoned: stopping");
+        }
+        const auto left =
+            std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+        if (left.count() <= 0) {
+          s_->OpenDealer();
+          return Status(StatusCode::kTimeout, fmt::format("no end of replay within {} ms", timeout.count()));
+        }
+        const auto slice = std::min<std::int64_t>(left.count(), kReplayStopCheck.count());
+        s_->dealer->set(zmq::sockopt::rcvtimeo, static_cast<int>(std::max<std::int64_t>(1, slice)));
+        if (zmq::recv_multipart(*s_->dealer, std::back_inserter(parts))) break;
       }
       // ["", seq, payload] or ["", topic, seq, payload]; an empty payload ends the replay.
       if (parts.size() < 3 || parts.size() > 4 || parts[parts.size() - 2].size() != 8) {

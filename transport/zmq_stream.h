@@ -2,10 +2,11 @@
 // engine's PUB endpoint and a DEALER on its ROUTER replay endpoint. libzmq (cppzmq) stays inside
 // this file pair: the rest of the program sees ZmqBatch.
 //
-// Thread contract: one thread owns a ZmqEngineStream (ZMQ sockets are not thread-safe).
+// Thread contract: one thread owns a ZmqEngineStream (ZMQ sockets are not thread-safe); another
+// thread may end a Replay early through its stop token.
 //
 //   auto s = ZmqEngineStream::Connect({.endpoint = "tcp://127.0.0.1:5557", .replay_endpoint = "tcp://127.0.0.1:5558"});
-//   while (auto b = (*s)->Receive(100ms)) ...;   auto missed = (*s)->Replay(12, 2s);
+//   while (auto b = (*s)->Receive(100ms)) ...;   auto missed = (*s)->Replay(12, 2s, stop.get_token());
 #pragma once
 
 #include <chrono>
@@ -13,6 +14,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <stop_token>
 #include <string>
 #include <vector>
 
@@ -45,8 +47,11 @@ class ZmqEngineStream {
   bool has_replay() const;
   // Every batch the engine still has from `start_seq` on, in order (both reply shapes of
   // section 9), up to the end marker. NotFound without a replay endpoint; Timeout when the
-  // engine does not finish within `timeout` (the socket is then recreated).
-  Result<std::vector<ZmqBatch>> Replay(std::int64_t start_seq, std::chrono::milliseconds timeout);
+  // engine does not finish within `timeout`, or when `stop` is requested meanwhile (seen within
+  // kReplayStopCheck; the message says which). After either the socket is recreated.
+  Result<std::vector<ZmqBatch>> Replay(std::int64_t start_seq, std::chrono::milliseconds timeout,
+                                       std::stop_token stop = {});
+  static constexpr std::chrono::milliseconds kReplayStopCheck{50};
 
  private:
   struct Sockets;

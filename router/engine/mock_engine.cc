@@ -26,6 +26,20 @@ void MockEngine::Add(EngineRequest request) {
   waiting_.push_back(std::move(w));
 }
 
+bool MockEngine::Abort(std::string_view id) {
+  const auto waiting =
+      std::find_if(waiting_.begin(), waiting_.end(), [&](const Waiting& w) { return w.request.id == id; });
+  if (waiting != waiting_.end()) {
+    waiting_.erase(waiting);  // nothing of it is in the cache yet
+    return true;
+  }
+  const auto running = std::find_if(running_.begin(), running_.end(), [&](const Running& r) { return r.id == id; });
+  if (running == running_.end()) return false;
+  ReleaseAll(*running);
+  running_.erase(running);
+  return true;
+}
+
 double MockEngine::Utilization() const {
   if (config_.num_gpu_blocks == 0) return 0;
   return static_cast<double>(active_blocks_) / config_.num_gpu_blocks;
@@ -60,6 +74,10 @@ void MockEngine::Release(SequenceHash seq) {
     b.lru = lru_.insert(lru_.end(), seq);
     --active_blocks_;
   }
+}
+
+void MockEngine::ReleaseAll(const Running& r) {
+  for (auto it = r.blocks.rbegin(); it != r.blocks.rend(); ++it) Release(*it);
 }
 
 void MockEngine::Allocate(const Waiting& w, std::size_t hits) {
@@ -161,16 +179,21 @@ double MockEngine::Step(double now_ms, std::vector<EngineOutput>& outputs) {
                        .cached_tokens = r.cached_tokens,
                        .output_tokens = r.output_tokens});
   };
+  const bool every_token = config_.outputs == EngineOutputs::kEveryToken;
   for (std::size_t i = 0; i < running_.size(); ++i) {
     Running& r = running_[i];
     ++r.output_tokens;
-    if (i >= decoding) output(r, EngineOutput::kFirstToken);
+    if (i >= decoding) {
+      output(r, EngineOutput::kFirstToken);
+    } else if (every_token) {
+      output(r, EngineOutput::kToken);
+    }
     if (r.output_tokens >= r.max_tokens) output(r, EngineOutput::kFinished);
   }
   // Finished requests release their blocks last to first (see lru_), in admission order.
   std::erase_if(running_, [&](Running& r) {
     if (r.output_tokens < r.max_tokens) return false;
-    for (auto it = r.blocks.rbegin(); it != r.blocks.rend(); ++it) Release(*it);
+    ReleaseAll(r);
     return true;
   });
   return duration;

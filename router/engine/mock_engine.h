@@ -16,6 +16,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <unordered_map>
 #include <vector>
 
@@ -24,12 +25,19 @@
 
 namespace kvrouter {
 
+// Which outputs Step() reports for a request that runs (EngineOutput::Kind).
+enum class EngineOutputs {
+  kFirstAndFinish,  // kFirstToken and kFinished only: offline replays need no more
+  kEveryToken,      // also kToken for every later token, for a front that streams them
+};
+
 struct MockEngineConfig {
-  std::uint32_t num_gpu_blocks = 16384;         // KV cache capacity in blocks
-  std::uint32_t block_size = 64;                // tokens per block (> 0)
-  std::uint32_t max_num_seqs = 256;             // running requests at most
-  std::uint32_t max_num_batched_tokens = 8192;  // uncached prompt tokens prefilled per step
-  double speedup_ratio = 1.0;                   // divides every duration (> 0)
+  std::uint32_t num_gpu_blocks = 16384;                    // KV cache capacity in blocks
+  std::uint32_t block_size = 64;                           // tokens per block (> 0)
+  std::uint32_t max_num_seqs = 256;                        // running requests at most
+  std::uint32_t max_num_batched_tokens = 8192;             // uncached prompt tokens prefilled per step
+  double speedup_ratio = 1.0;                              // divides every duration (> 0)
+  EngineOutputs outputs = EngineOutputs::kFirstAndFinish;  // kToken outputs only when asked
 };
 
 // The timing model of docs/design.md, in ms, divided by `speedup`.
@@ -45,12 +53,14 @@ struct EngineRequest {
   std::string lora_name;              // part of the block hashes (docs/protocol.md section 1)
 };
 
-// One per first-token, finish or rejection moment of a request.
+// One per first-token, later token (when asked), finish or rejection moment of a request.
 struct EngineOutput {
-  // kFirstToken then kFinished (both from the same step when max_tokens <= 1). kRejected: the
-  // prompt has more full blocks than the whole cache, so it can never be admitted; it is
-  // dropped from the queue without touching the cache and gets no other output.
-  enum Kind { kFirstToken, kFinished, kRejected };
+  // kFirstToken then kFinished (both from the same step when max_tokens <= 1). With
+  // EngineOutputs::kEveryToken, each later token gets a kToken (output_tokens 2, 3, ...,
+  // max_tokens) between them; the step of the last token reports its kToken, then kFinished.
+  // kRejected: the prompt has more full blocks than the whole cache, so it can never be
+  // admitted; it is dropped from the queue without touching the cache and gets no other output.
+  enum Kind { kFirstToken, kToken, kFinished, kRejected };
   std::string id;
   Kind kind = kFirstToken;
   double at_ms = 0;  // virtual time at the end of the step that produced it
@@ -73,6 +83,11 @@ class MockEngine {
 
   // Joins the waiting queue (FIFO). Hashes the prompt now; nothing else happens until Step().
   void Add(EngineRequest request);
+  // The request leaves the engine at once, waiting or running (its client went away), and gets
+  // no more outputs from later steps. A running request releases its blocks, which stay cached
+  // (evictable), as vLLM keeps an aborted request's computed blocks. False when the engine does
+  // not hold `id` (unknown, finished or rejected).
+  bool Abort(std::string_view id);
   bool Idle() const { return waiting_.empty() && running_.empty(); }
 
   // Runs one scheduler step starting at now_ms and returns its duration in ms (0 when idle).
@@ -131,6 +146,8 @@ class MockEngine {
   std::size_t EvictableAmong(const Waiting& w, std::size_t hits) const;
   void Reference(SequenceHash seq);
   void Release(SequenceHash seq);
+  // Releases a leaving running request's blocks last to first (see lru_).
+  void ReleaseAll(const Running& r);
   // References the hits, evicts for and inserts the new blocks, publishes removed + stored.
   void Allocate(const Waiting& w, std::size_t hits);
   void Publish(KvEventData data);

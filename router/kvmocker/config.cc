@@ -3,10 +3,13 @@
 #include <boost/program_options.hpp>
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <cctype>
 #include <charconv>
 #include <cmath>
 #include <limits>
 
+#include "events/msgpack_reader.h"
 #include "router/common/flags.h"
 
 namespace kvrouter {
@@ -24,6 +27,49 @@ Result<std::uint32_t> U32Flag(const po::variables_map& vm, const char* flag, std
                                                            : OutOfRange(flag, fmt::format("in [{}, {}]", lo, hi));
   }
   return static_cast<std::uint32_t>(v);
+}
+
+// A host name or address as it may stand in a URL: no scheme, path, user, port or spaces.
+bool PlainHost(std::string_view host) {
+  if (host.empty() || host.size() > 253 + 2) return false;
+  if (host.find(':') != std::string_view::npos && std::count(host.begin(), host.end(), ':') < 2) {
+    return false;  // host:port (an IPv6 literal has at least two colons)
+  }
+  return std::all_of(host.begin(), host.end(), [](unsigned char ch) {
+    return std::isalnum(ch) || ch == '-' || ch == '.' || ch == '_' || ch == ':' || ch == '[' || ch == ']';
+  });
+}
+
+// --http-port, --http-host, --http-advertise-host, --http-max-body-bytes, --model; after
+// --num-workers is read.
+Status ReadHttpFlags(const po::variables_map& vm, MockerConfig& c) {
+  const std::int64_t max_base = 65535 - static_cast<std::int64_t>(c.num_workers - 1);
+  auto port = U32Flag(vm, "http-port", 0, max_base);
+  if (!port.ok()) {
+    return OutOfRange("http-port", fmt::format("in [0, {}] (worker i listens on --http-port + i, {} workers)", max_base,
+                                               c.num_workers));
+  }
+  c.http_port = *port;
+  c.http_host = vm["http-host"].as<std::string>();
+  if (c.http_host.empty()) return OutOfRange("http-host", "non-empty");
+  if (vm.count("http-advertise-host")) {
+    c.http_advertise_host = vm["http-advertise-host"].as<std::string>();
+  } else if (c.http_host == "0.0.0.0" || c.http_host == "::" || c.http_host == "127.0.0.1") {
+    c.http_advertise_host = "127.0.0.1";
+  } else {
+    c.http_advertise_host = c.http_host;
+  }
+  if (!PlainHost(c.http_advertise_host)) {
+    return OutOfRange("http-advertise-host", "a host name or address (no scheme, port or path)");
+  }
+  const std::int64_t body = vm["http-max-body-bytes"].as<std::int64_t>();
+  if (body < 1) return OutOfRange("http-max-body-bytes", ">= 1");
+  c.http_max_body_bytes = static_cast<std::uint64_t>(body);
+  c.model = vm["model"].as<std::string>();
+  if (c.model.empty() || c.model.size() > kMaxNameBytes) {
+    return OutOfRange("model", fmt::format("a name of 1 to {} bytes", kMaxNameBytes));
+  }
+  return Status::Ok();
 }
 
 po::options_description Describe() {
@@ -50,7 +96,12 @@ po::options_description Describe() {
     ("lease-ms", po::value<std::int64_t>()->default_value(d.lease_ms), "lease announced to the router in ms (> heartbeat-ms)")
     ("device", po::value<std::string>()->default_value(d.device), "device announced to the router (gpu, cpu, ...)")
     ("metrics-port", po::value<std::int64_t>()->default_value(d.metrics_port), "HTTP port of /metrics, /health and /ready (0 turns it off) [0, 65535]")
-    ("metrics-host", po::value<std::string>()->default_value(d.metrics_host), "address the metrics port listens on");
+    ("metrics-host", po::value<std::string>()->default_value(d.metrics_host), "address the metrics port listens on")
+    ("http-port", po::value<std::int64_t>()->default_value(d.http_port), "OpenAI HTTP port of worker 0; worker i listens on it + i (0 turns it off) [0, 65535]")
+    ("http-host", po::value<std::string>()->default_value(d.http_host), "address the HTTP ports listen on")
+    ("http-advertise-host", po::value<std::string>(), "host of the http_url announced to the router (default: 127.0.0.1 when --http-host is 0.0.0.0, :: or 127.0.0.1, else --http-host)")
+    ("http-max-body-bytes", po::value<std::int64_t>()->default_value(static_cast<std::int64_t>(d.http_max_body_bytes)), "largest HTTP request body; larger ones get 413 (>= 1)")
+    ("model", po::value<std::string>()->default_value(d.model), "model name served over HTTP and announced to the router");
   // clang-format on
   AddNatsSecurityFlags(desc);
   return desc;
@@ -113,10 +164,17 @@ Status ReadMockerConfig(const po::variables_map& vm, MockerConfig& c) {
   }
   c.device = vm["device"].as<std::string>();
   if (c.device.empty()) return OutOfRange("device", "non-empty");
-  return Status::Ok();
+  return ReadHttpFlags(vm, c);
 }
 
 }  // namespace
+
+std::string WorkerHttpUrl(const MockerConfig& config, std::uint32_t worker_index) {
+  if (config.http_port == 0) return {};
+  const std::string& host = config.http_advertise_host;
+  const bool v6 = host.find(':') != std::string::npos && !host.starts_with('[');
+  return fmt::format("http://{}{}{}:{}", v6 ? "[" : "", host, v6 ? "]" : "", config.http_port + worker_index);
+}
 
 Result<ParsedMockerArgs> ParseMockerConfig(int argc, const char* const* argv, const EnvLookup& env) {
   // The command line, then DYN_<FLAG> / NATS_SERVER for flags it does not give.

@@ -39,9 +39,24 @@ struct MockerConfig {
   std::string device = "gpu";                               // --device, non-empty
   std::uint32_t metrics_port = 9092;                        // --metrics-port: /metrics, /health (0: off)
   std::string metrics_host = "0.0.0.0";                     // --metrics-host
+
+  // The OpenAI HTTP face (docs/protocol.md section 11, design.md "Mock worker"): worker i of the
+  // process listens on http_port + i and announces http_url and models in its registration.
+  std::uint32_t http_port = 0;        // --http-port [0, 65535]: 0 = off; http_port + num_workers - 1 <= 65535
+  std::string http_host = "0.0.0.0";  // --http-host: the address the HTTP ports listen on
+  // --http-advertise-host: the host in the announced http_url (a docker-compose service name,
+  // say). Default: 127.0.0.1 when http_host is a wildcard (0.0.0.0, ::) or 127.0.0.1, else
+  // http_host. Filled in by the parser, so it is never empty after it.
+  std::string http_advertise_host;
+  std::string model = "mock";                            // --model: the served model name, 1..256 bytes
+  std::uint64_t http_max_body_bytes = 16 * 1024 * 1024;  // --http-max-body-bytes >= 1: above it, 413
 };
 // num_workers * dp_size is at most this: every rank costs a subscription (a nats.c thread).
 inline constexpr std::uint32_t kMaxMockRanks = 1024;
+
+// Worker `worker_index`'s OpenAI base URL, "http://{advertise host}:{http_port + worker_index}"
+// (an IPv6 literal in brackets); "" when the HTTP face is off.
+std::string WorkerHttpUrl(const MockerConfig& config, std::uint32_t worker_index);
 
 using ParsedMockerArgs = ProgramArgs<MockerConfig>;
 // Parses argv (argv[0] is the program) and the environment. Unknown flags and bad values give

@@ -12,6 +12,8 @@
 #include "events/msgpack_reader.h"
 #include "router/common/metrics.h"
 #include "events/vllm_codec.h"
+#include "transport/http_io.h"
+#include "transport/http_listener.h"
 
 namespace kvrouter {
 
@@ -29,8 +31,14 @@ std::uint64_t UnixMs() {
           .count());
 }
 
-// The k-th generated token of every request (the mock generates no real text).
+// The k-th generated token of every NATS request (the mock generates no real text).
 std::uint32_t FakeToken(std::uint32_t k) { return 1 + k % 127; }
+
+// The longest prompt an engine can ever admit, for the HTTP face's context-length check.
+std::uint32_t MaxModelLen(const MockerConfig& c) {
+  return static_cast<std::uint32_t>(std::min<std::uint64_t>(std::uint64_t{c.num_gpu_blocks} * c.block_size,
+                                                            std::numeric_limits<std::uint32_t>::max()));
+}
 
 // request_id of an undecodable request when it can still be read, else "".
 std::string PeekRequestId(std::span<const std::byte> body) {
@@ -50,11 +58,13 @@ MockWorkerFleet::MockWorkerFleet(MockerConfig config, NatsClient& nats)
       nats_(nats),
       prefix_(fmt::format("namespace.{}.component.{}.", config_.ns, config_.component)),
       start_(std::chrono::steady_clock::now()),
-      log_(std::chrono::seconds(10), nullptr, [](LogLevel, std::string_view line) {
-        // RateLimitedLog writes "kvrouter <level> [key] ...": this process is kvmocker.
-        if (line.starts_with("kvrouter ")) line.remove_prefix(9);
-        fmt::print(stderr, "kvmocker {}\n", line);
-      }) {
+      log_(std::chrono::seconds(10), nullptr,
+           [](LogLevel, std::string_view line) {
+             // RateLimitedLog writes "kvrouter <level> [key] ...": this process is kvmocker.
+             if (line.starts_with("kvrouter ")) line.remove_prefix(9);
+             fmt::print(stderr, "kvmocker {}\n", line);
+           }),
+      face_({.model = config_.model, .max_model_len = MaxModelLen(config_)}) {
   std::uint64_t base = 0;
   if (config_.worker_id_base) {
     base = *config_.worker_id_base;
@@ -74,11 +84,14 @@ MockWorkerFleet::MockWorkerFleet(MockerConfig config, NatsClient& nats)
       Rank* r = rank.get();
       rank->publisher = std::make_unique<KvEventPublisher>(PublisherConfig{.worker_id = base + w, .dp_rank = d});
       rank->engine = std::make_unique<MockEngine>(
-          MockEngineConfig{.num_gpu_blocks = config_.num_gpu_blocks,
-                           .block_size = config_.block_size,
-                           .max_num_seqs = config_.max_num_seqs,
-                           .max_num_batched_tokens = config_.max_num_batched_tokens,
-                           .speedup_ratio = config_.speedup_ratio},
+          MockEngineConfig{
+              .num_gpu_blocks = config_.num_gpu_blocks,
+              .block_size = config_.block_size,
+              .max_num_seqs = config_.max_num_seqs,
+              .max_num_batched_tokens = config_.max_num_batched_tokens,
+              .speedup_ratio = config_.speedup_ratio,
+              // Streamed HTTP answers send each token as it comes.
+              .outputs = config_.http_port > 0 ? EngineOutputs::kEveryToken : EngineOutputs::kFirstAndFinish},
           [this, r](KvEventData&& data) {
             engine_mu_.AssertHeld();  // the engine calls its sink from Step, under engine_mu_
             PublishEvent(*r, r->publisher->Publish(std::move(data)));
@@ -99,7 +112,10 @@ MockWorkerFleet::Counters MockWorkerFleet::counters() const {
           .bad_requests = bad_requests_.load(),
           .inbox_full = inbox_full_.load(),
           .events = events_.load(),
-          .publish_failures = publish_failures_.load()};
+          .publish_failures = publish_failures_.load(),
+          .http_requests = http_requests_.load(),
+          .http_errors = http_errors_.load(),
+          .aborted = aborted_.load()};
 }
 
 std::string MockWorkerFleet::MetricsText() {
@@ -112,6 +128,11 @@ std::string MockWorkerFleet::MetricsText() {
             static_cast<double>(c.inbox_full));
   m.Counter("kvmocker_events_published_total", "KV event messages published", static_cast<double>(c.events));
   m.Counter("kvmocker_publish_failures_total", "publishes that failed", static_cast<double>(c.publish_failures));
+  m.Counter("kvmocker_http_requests_total", "HTTP generations accepted", static_cast<double>(c.http_requests));
+  m.Counter("kvmocker_http_errors_total", "HTTP requests answered with an error status",
+            static_cast<double>(c.http_errors));
+  m.Counter("kvmocker_requests_aborted_total", "HTTP generations whose client went away before the end",
+            static_cast<double>(c.aborted));
   m.Gauge("kvmocker_outstanding_requests", "generate requests not finished", static_cast<double>(outstanding_.load()));
   KvMutexLock g(engine_mu_);
   for (const auto& r : ranks_) {
@@ -129,6 +150,8 @@ std::string MockWorkerFleet::MetricsText() {
 
 Status MockWorkerFleet::Start() {
   if (started_) return Internal("MockWorkerFleet already started");
+  // The ports listen before any registration names them.
+  if (Status s = StartHttp(); !s.ok()) return s;
   started_ = true;
   for (std::size_t w = 0; w < worker_ids_.size(); ++w) {
     auto sub = nats_.Subscribe(prefix_ + "generate." + std::to_string(worker_ids_[w]), "",
@@ -155,7 +178,7 @@ void MockWorkerFleet::Stop() {
   if (!started_ || stopped_) return;
   stopped_ = true;
   // The engine thread (which also sends heartbeats) stops first, so no heartbeat can follow
-  // `leaving`. Requests arriving meanwhile wait in the inbox and are answered below.
+  // `leaving`. From here on the inbox takes nothing: requests are answered where they arrive.
   {
     KvMutexLock g(inbox_mu_);
     stopping_ = true;
@@ -170,28 +193,71 @@ void MockWorkerFleet::Stop() {
   {
     KvMutexLock g(inbox_mu_);
     queued.swap(inbox_);
+    aborts_.clear();
   }
-  for (GenerateJob& j : queued) {
-    RespondError(j.reply, j.request.request_id, "worker shutting down");
+  std::size_t http_answers = 0;
+  for (GenerateJob& j : queued) http_answers += AnswerShutdown(j.target);
+  {
+    KvMutexLock g(engine_mu_);
+    for (auto& [id, f] : in_flight_) http_answers += AnswerShutdown(f.target);
+    in_flight_.clear();
   }
-  KvMutexLock g(engine_mu_);
-  for (auto& [id, f] : in_flight_) RespondError(f.reply, f.request_id, "worker shutting down");
-  in_flight_.clear();
+  queued.clear();
+  StopHttp(http_answers > 0 ? kHttpAnswerGrace : std::chrono::milliseconds(0));
   (void)nats_.Flush(std::chrono::seconds(2));
 }
 
+void MockWorkerFleet::AnswerOverloaded(ReplyTarget& target) {
+  if (auto* nats = std::get_if<NatsTarget>(&target)) {
+    RespondError(nats->reply, nats->request_id, "overloaded: worker inbox full");
+  } else {
+    FailHttp(std::get<HttpTarget>(target), 503, "overloaded", "worker inbox full: retry later");
+  }
+}
+
+bool MockWorkerFleet::AnswerShutdown(ReplyTarget& target) {
+  if (auto* nats = std::get_if<NatsTarget>(&target)) {
+    RespondError(nats->reply, nats->request_id, "worker shutting down");
+    return false;
+  }
+  FailHttp(std::get<HttpTarget>(target), 503, "unavailable", "worker shutting down");
+  return true;
+}
+
+MockWorkerFleet::Admission MockWorkerFleet::Enqueue(GenerateJob& job) {
+  {
+    KvMutexLock g(inbox_mu_);
+    if (stopping_) return Admission::kStopping;
+    // Bounded by every request not yet finished, wherever it is (inbox, engine queue, running).
+    if (outstanding_.load() >= kMaxOutstanding) {
+      ++inbox_full_;
+    } else {
+      ++outstanding_;
+      inbox_.push_back(std::move(job));
+      inbox_cv_.notify_one();
+      return Admission::kQueued;
+    }
+  }
+  log_.Log(LogLevel::kWarning, "inbox-full", "{} requests outstanding: refusing", kMaxOutstanding);
+  return Admission::kFull;
+}
+
 void MockWorkerFleet::PublishRegistrations(WorkerStatus status) {
-  for (std::uint64_t id : worker_ids_) {
-    const WorkerRegistration reg{.worker_id = id,
-                                 .dp_start = 0,
-                                 .dp_size = config_.dp_size,
-                                 .block_size = config_.block_size,
-                                 .total_kv_blocks = config_.num_gpu_blocks,
-                                 .max_num_seqs = config_.max_num_seqs,
-                                 .max_num_batched_tokens = config_.max_num_batched_tokens,
-                                 .device = config_.device,
-                                 .lease_ms = config_.lease_ms,
-                                 .leaving = status == WorkerStatus::kLeaving};
+  for (std::uint32_t worker = 0; worker < worker_ids_.size(); ++worker) {
+    const std::uint64_t id = worker_ids_[worker];
+    const WorkerRegistration reg{
+        .worker_id = id,
+        .dp_start = 0,
+        .dp_size = config_.dp_size,
+        .block_size = config_.block_size,
+        .total_kv_blocks = config_.num_gpu_blocks,
+        .max_num_seqs = config_.max_num_seqs,
+        .max_num_batched_tokens = config_.max_num_batched_tokens,
+        .device = config_.device,
+        .lease_ms = config_.lease_ms,
+        .leaving = status == WorkerStatus::kLeaving,
+        .http_url = WorkerHttpUrl(config_, worker),
+        .models = config_.http_port > 0 ? std::vector<std::string>{config_.model} : std::vector<std::string>{}};
     CountPublish(nats_.Publish(prefix_ + "instances", AsBytes(EncodeWorkerRegistration(reg))), "registration");
   }
 }
@@ -222,29 +288,18 @@ void MockWorkerFleet::OnGenerate(std::size_t worker_index, const IncomingMessage
     RespondError(m.reply, PeekRequestId(m.data), req.status().message());
     return;
   }
-  GenerateJob job{.rank_index = worker_index * config_.dp_size + req->dp_rank,
-                  .request = std::move(req).value(),
-                  .reply = std::string(m.reply),
+  GenerateJob job{.id = ++next_job_id_,
+                  .worker_index = worker_index,
+                  .dp_rank = req->dp_rank,
+                  .tokens = std::move(req->token_ids),
+                  .max_tokens = req->max_tokens,
+                  .target = NatsTarget{.reply = std::string(m.reply), .request_id = std::move(req->request_id)},
                   .arrival_ms = NowMs()};
-  bool full = false;
-  {
-    KvMutexLock g(inbox_mu_);
-    // Bounded by every request not yet finished, wherever it is (inbox, engine queue, running).
-    if (outstanding_.load() >= kMaxOutstanding) {
-      full = true;
-    } else {
-      ++outstanding_;
-      inbox_.push_back(std::move(job));
-    }
+  switch (Enqueue(job)) {  // moved from only when queued
+    case Admission::kQueued: ++requests_; break;
+    case Admission::kFull: AnswerOverloaded(job.target); break;
+    case Admission::kStopping: AnswerShutdown(job.target); break;
   }
-  if (full) {
-    ++inbox_full_;
-    log_.Log(LogLevel::kWarning, "inbox-full", "{} requests outstanding: refusing", kMaxOutstanding);
-    RespondError(m.reply, job.request.request_id, "overloaded: worker inbox full");
-    return;
-  }
-  ++requests_;
-  inbox_cv_.notify_one();
 }
 
 void MockWorkerFleet::OnRecovery(std::size_t rank_index, const IncomingMessage& m) {
@@ -280,17 +335,20 @@ void MockWorkerFleet::OnRecovery(std::size_t rank_index, const IncomingMessage& 
 void MockWorkerFleet::EngineLoop() {
   using Ms = std::chrono::duration<double, std::milli>;
   std::vector<GenerateJob> jobs;
+  std::vector<std::uint64_t> aborts;
   double next_heartbeat = NowMs() + config_.heartbeat_ms;
   inbox_mu_.lock();  // explicit lock / unlock: the thread-safety analysis follows them
   while (!stopping_) {
     jobs.swap(inbox_);
+    aborts.swap(aborts_);
     inbox_mu_.unlock();
     double wake = 0;
     {
       KvMutexLock g(engine_mu_);
-      wake = AdvanceEngines(jobs, NowMs());
+      wake = AdvanceEngines(jobs, aborts, NowMs());
     }
     jobs.clear();
+    aborts.clear();
     const double now = NowMs();
     if (now >= next_heartbeat) {
       PublishRegistrations(WorkerStatus::kUp);
@@ -302,21 +360,33 @@ void MockWorkerFleet::EngineLoop() {
     inbox_cv_.wait_until(inbox_mu_, start_ + std::chrono::duration_cast<std::chrono::steady_clock::duration>(Ms(wake)),
                          [&] {
                            inbox_mu_.AssertHeld();
-                           return stopping_ || !inbox_.empty();
+                           return stopping_ || !inbox_.empty() || !aborts_.empty();
                          });
   }
   inbox_mu_.unlock();
 }
 
-double MockWorkerFleet::AdvanceEngines(std::vector<GenerateJob>& jobs, double now_ms) {
+double MockWorkerFleet::AdvanceEngines(std::vector<GenerateJob>& jobs, const std::vector<std::uint64_t>& aborts,
+                                       double now_ms) {
   for (GenerateJob& j : jobs) {
-    const std::string id = std::to_string(++next_engine_request_);
-    in_flight_.emplace(id, InFlight{.request_id = std::move(j.request.request_id),
-                                    .reply = std::move(j.reply),
+    const std::string id = std::to_string(j.id);
+    const std::size_t rank_index =
+        j.dp_rank ? j.worker_index * config_.dp_size + *j.dp_rank : LeastBusyRank(j.worker_index);
+    in_flight_.emplace(id, InFlight{.rank_index = rank_index,
+                                    .target = std::move(j.target),
                                     .arrival_ms = j.arrival_ms,
-                                    .max_tokens = j.request.max_tokens});
-    ranks_[j.rank_index]->engine->Add(
-        {.id = id, .tokens = std::move(j.request.token_ids), .max_tokens = j.request.max_tokens});
+                                    .max_tokens = j.max_tokens});
+    ranks_[rank_index]->engine->Add({.id = id, .tokens = std::move(j.tokens), .max_tokens = j.max_tokens});
+  }
+  // After the jobs: a job and its abort may come in the same batch.
+  for (std::uint64_t job : aborts) {
+    const auto it = in_flight_.find(std::to_string(job));
+    if (it == in_flight_.end()) continue;  // finished before its client went away
+    // Its outputs of a step in progress find no InFlight and are dropped.
+    (void)ranks_[it->second.rank_index]->engine->Abort(it->first);
+    in_flight_.erase(it);
+    --outstanding_;
+    ++aborted_;
   }
 
   double earliest = kInfinity;
@@ -343,45 +413,68 @@ double MockWorkerFleet::AdvanceEngines(std::vector<GenerateJob>& jobs, double no
   return earliest;
 }
 
+std::size_t MockWorkerFleet::LeastBusyRank(std::size_t worker_index) {
+  const std::size_t first = worker_index * config_.dp_size;
+  std::size_t best = first;
+  std::size_t best_load = std::numeric_limits<std::size_t>::max();
+  for (std::size_t r = first; r < first + config_.dp_size; ++r) {
+    const MockEngine& e = *ranks_[r]->engine;
+    if (const std::size_t load = e.NumRunning() + e.NumWaiting(); load < best_load) {
+      best = r;
+      best_load = load;
+    }
+  }
+  return best;
+}
+
 void MockWorkerFleet::DeliverOutputs(Rank& rank) {
   for (const EngineOutput& o : rank.outputs) {
     auto it = in_flight_.find(o.id);
-    if (it == in_flight_.end()) continue;  // cannot happen: every engine request is in flight
+    if (it == in_flight_.end()) continue;  // aborted while its step ran
     InFlight& f = it->second;
-    switch (o.kind) {
-      case EngineOutput::kFirstToken:
-        f.first_token_ms = o.at_ms;
-        Respond(f.reply, {.request_id = f.request_id, .token_ids = {FakeToken(0)}, .index = 0});
-        break;
-      case EngineOutput::kFinished: {
-        GenerateResponse fin{.request_id = f.request_id,
-                             .index = 1,
-                             .finish_reason = "length",
-                             .cached_tokens = o.cached_tokens,
-                             .prompt_tokens = o.prompt_tokens,
-                             // A late engine thread may start a step a little before a
-                             // request it admits arrived: never report a negative TTFT.
-                             .ttft_ms = std::max(0.0, f.first_token_ms - f.arrival_ms)};
-        fin.token_ids.reserve(f.max_tokens - 1);
-        for (std::uint32_t k = 1; k < f.max_tokens; ++k) fin.token_ids.push_back(FakeToken(k));
-        Respond(f.reply, fin);
-        in_flight_.erase(it);
-        --outstanding_;
-        break;
-      }
-      case EngineOutput::kRejected:
-        Respond(f.reply, {.request_id = f.request_id,
-                          .finish_reason = "error",
-                          .prompt_tokens = o.prompt_tokens,
-                          .message = fmt::format("prompt of {} tokens needs more than the {} "
-                                                 "blocks of the KV cache",
-                                                 o.prompt_tokens, config_.num_gpu_blocks)});
-        in_flight_.erase(it);
-        --outstanding_;
-        break;
+    if (o.kind == EngineOutput::kFirstToken) f.first_token_ms = o.at_ms;
+    if (auto* nats = std::get_if<NatsTarget>(&f.target)) {
+      AnswerNats(*nats, f, o);
+    } else {
+      AnswerHttp(std::get<HttpTarget>(f.target), f, o);
+    }
+    if (o.kind == EngineOutput::kFinished || o.kind == EngineOutput::kRejected) {
+      in_flight_.erase(it);
+      --outstanding_;
     }
   }
   rank.outputs.clear();
+}
+
+void MockWorkerFleet::AnswerNats(const NatsTarget& target, const InFlight& f, const EngineOutput& o) {
+  switch (o.kind) {
+    case EngineOutput::kFirstToken:
+      Respond(target.reply, {.request_id = target.request_id, .token_ids = {FakeToken(0)}, .index = 0});
+      break;
+    case EngineOutput::kToken: break;  // section 7 answers the first token and the rest at the end
+    case EngineOutput::kFinished: {
+      GenerateResponse fin{.request_id = target.request_id,
+                           .index = 1,
+                           .finish_reason = "length",
+                           .cached_tokens = o.cached_tokens,
+                           .prompt_tokens = o.prompt_tokens,
+                           // A late engine thread may start a step a little before a
+                           // request it admits arrived: never report a negative TTFT.
+                           .ttft_ms = std::max(0.0, f.first_token_ms - f.arrival_ms)};
+      fin.token_ids.reserve(f.max_tokens - 1);
+      for (std::uint32_t k = 1; k < f.max_tokens; ++k) fin.token_ids.push_back(FakeToken(k));
+      Respond(target.reply, fin);
+      break;
+    }
+    case EngineOutput::kRejected:
+      Respond(target.reply, {.request_id = target.request_id,
+                             .finish_reason = "error",
+                             .prompt_tokens = o.prompt_tokens,
+                             .message = fmt::format("prompt of {} tokens needs more than the {} "
+                                                    "blocks of the KV cache",
+                                                    o.prompt_tokens, config_.num_gpu_blocks)});
+      break;
+  }
 }
 
 void MockWorkerFleet::PublishEvent(Rank& rank, KvEventBatch&& batch) {

@@ -1,6 +1,7 @@
 // MockWorkerFleet: kvmocker's simulated vLLM-like workers in one process, on NATS: registration
 // heartbeats (docs/protocol.md section 4), KV events in the Dynamo (2) or vLLM (3) format, the
-// recovery (6) and generate (7) endpoints; one MockEngine and one KvEventPublisher per rank.
+// recovery (6) and generate (7) endpoints; one MockEngine and one KvEventPublisher per rank; with
+// --http-port, each worker's OpenAI HTTP face (section 11, openai_face.h) on the same engines.
 // Threads: see the class. Start and Stop are called from one controlling thread; the fleet
 // borrows the NatsClient, which must outlive it.
 //
@@ -20,6 +21,7 @@
 #include <string_view>
 #include <thread>
 #include <unordered_map>
+#include <variant>
 #include <vector>
 
 #include "events/base/clock.h"
@@ -28,6 +30,7 @@
 #include "events/worker_codec.h"
 #include "events/worker_publisher.h"
 #include "router/kvmocker/config.h"
+#include "router/kvmocker/openai_face.h"
 #include "router/engine/mock_engine.h"
 #include "events/base/log.h"
 #include "transport/nats_client.h"
@@ -35,24 +38,38 @@
 
 namespace kvrouter {
 
-// num_workers workers of dp_size ranks each. NATS delivery threads (one per subscription) only
-// decode generate requests and push them into a bounded inbox. One engine thread owns the
-// engines: it sleeps until the earliest step end, a heartbeat or a new request, steps every
-// engine whose previous step has ended on real time (virtual ms = steady-clock ms since Start;
-// engine durations are already divided by the speedup ratio), and publishes events (as they
-// happen), responses (at the step's end) and heartbeats. A recovery request reads its rank's
-// publisher under engine_mu_ from its delivery thread.
+// The HTTP face's types are only named here (fleet_http.cc has them): Asio and Beast stay out
+// of every file that includes the fleet.
+class HttpIo;
+class HttpListener;
+class HttpReply;
+struct HttpRequest;
+
+// num_workers workers of dp_size ranks each. NATS delivery threads (one per subscription) and the
+// HTTP threads (one HttpIo of two threads for every worker's listener) only decode requests and
+// push them, and the aborts of HTTP clients that went away, into a bounded inbox; the HTTP
+// threads answer what needs no engine (models, render, errors) themselves. One engine thread
+// owns the engines: it sleeps until the earliest step end, a heartbeat or a new request, steps
+// every engine whose previous step has ended on real time (virtual ms = steady-clock ms since
+// Start; engine durations are already divided by the speedup ratio), and publishes events (as
+// they happen), responses (at the step's end: NATS messages, or HTTP responses and streamed
+// tokens through HttpReply, which never blocks) and heartbeats. A recovery request reads its
+// rank's publisher under engine_mu_ from its delivery thread.
 class MockWorkerFleet {
  public:
   // Counters since construction (a snapshot).
   struct Counters {
-    std::uint64_t requests = 0;          // generate requests accepted into the inbox
+    std::uint64_t requests = 0;          // NATS generate requests accepted into the inbox
     std::uint64_t bad_requests = 0;      // undecodable / out-of-range requests and queries
     std::uint64_t inbox_full = 0;        // requests refused because the inbox was full
     std::uint64_t events = 0;            // KV event messages published
     std::uint64_t publish_failures = 0;  // any publish that failed
+    std::uint64_t http_requests = 0;     // HTTP generations accepted into the inbox
+    std::uint64_t http_errors = 0;       // HTTP requests answered with an error status
+    std::uint64_t aborted = 0;           // HTTP generations whose client went away before the end
   };
-  // Generate requests not yet finished (inbox, engine queues, running) before refusing more.
+  // Generate requests (NATS and HTTP) not yet finished (inbox, engine queues, running) before
+  // refusing more (NATS: an "overloaded" error; HTTP: 503 with Retry-After).
   static constexpr std::size_t kMaxOutstanding = 65536;
   std::atomic<std::size_t> outstanding_{0};
 
@@ -61,11 +78,13 @@ class MockWorkerFleet {
   MockWorkerFleet(const MockWorkerFleet&) = delete;
   MockWorkerFleet& operator=(const MockWorkerFleet&) = delete;
 
-  // Subscribes the generate and recovery endpoints, publishes the first registration of every
-  // worker and starts the engine thread.
+  // Opens the HTTP ports (with --http-port; Internal when one is taken), subscribes the generate
+  // and recovery endpoints, publishes the first registration of every worker and starts the
+  // engine thread.
   Status Start();
-  // Publishes status "leaving" for every worker, unsubscribes, stops the engine thread, answers
-  // every unfinished request with finish_reason "error" and flushes. Idempotent.
+  // Stops the engine thread, publishes status "leaving" for every worker, unsubscribes, answers
+  // every unfinished request (NATS: finish_reason "error"; HTTP: 503, or an error event when the
+  // stream had begun), closes the HTTP ports and flushes. Idempotent.
   void Stop();
 
   const std::vector<std::uint64_t>& worker_ids() const { return worker_ids_; }
@@ -84,26 +103,51 @@ class MockWorkerFleet {
     std::vector<EngineOutput> outputs;  // of the step in progress, delivered at step_end_ms
     std::uint64_t vllm_seq = 0;         // next Kv-Seq (vLLM format)
   };
+  // Where a request's answers go: a NATS reply subject (protocol.md section 7) or an HTTP
+  // client (section 11).
+  struct NatsTarget {
+    std::string reply;       // the subject
+    std::string request_id;  // the client's
+  };
+  struct HttpTarget {
+    std::shared_ptr<HttpReply> reply;
+    OpenAiAnswer answer;
+    bool begun = false;  // a stream's head was sent: errors now go as an event
+  };
+  using ReplyTarget = std::variant<NatsTarget, HttpTarget>;
+
   struct GenerateJob {
-    std::size_t rank_index = 0;
-    GenerateRequest request;
-    std::string reply;
+    std::uint64_t id = 0;  // the fleet's, unique: the engine's request id
+    std::size_t worker_index = 0;
+    std::optional<std::uint32_t> dp_rank;  // nullopt: the worker's least busy rank
+    std::vector<std::uint32_t> tokens;
+    std::uint32_t max_tokens = 1;
+    ReplyTarget target;
     double arrival_ms = 0;
   };
   struct InFlight {
-    std::string request_id;  // the client's
-    std::string reply;
+    std::size_t rank_index = 0;
+    ReplyTarget target;
     double arrival_ms = 0;
     double first_token_ms = 0;
     std::uint32_t max_tokens = 1;
   };
+  enum class Admission { kQueued, kFull, kStopping };
 
   double NowMs() const;
   void EngineLoop();
-  // Adds the jobs to their engines and runs every engine whose step has ended; returns the
-  // earliest end of a step in progress (infinity when all are idle). Under engine_mu_.
-  double AdvanceEngines(std::vector<GenerateJob>& jobs, double now_ms) KV_REQUIRES(engine_mu_);
+  // Adds the jobs to their engines, aborts the aborted ones and runs every engine whose step has
+  // ended; returns the earliest end of a step in progress (infinity when all are idle).
+  double AdvanceEngines(std::vector<GenerateJob>& jobs, const std::vector<std::uint64_t>& aborts, double now_ms)
+      KV_REQUIRES(engine_mu_);
+  std::size_t LeastBusyRank(std::size_t worker_index) KV_REQUIRES(engine_mu_);
   void DeliverOutputs(Rank& rank) KV_REQUIRES(engine_mu_);
+  void AnswerNats(const NatsTarget& target, const InFlight& f, const EngineOutput& o);
+  // Into the inbox unless it is full or the fleet stops; `job` is moved from only when queued.
+  Admission Enqueue(GenerateJob& job);
+  // Tells a request that the inbox is full, or that the fleet stops (true for an HTTP client).
+  void AnswerOverloaded(ReplyTarget& target);
+  bool AnswerShutdown(ReplyTarget& target);
   // From the engine sink, which runs inside AdvanceEngines.
   void PublishEvent(Rank& rank, KvEventBatch&& batch) KV_REQUIRES(engine_mu_);
   void PublishRegistrations(WorkerStatus status);
@@ -112,6 +156,21 @@ class MockWorkerFleet {
   void Respond(std::string_view reply, const GenerateResponse& response);
   void RespondError(std::string_view reply, std::string request_id, std::string message);
   void CountPublish(const Status& s, std::string_view what);
+
+  // The HTTP face (fleet_http.cc).
+  Status StartHttp();
+  // Ends the HTTP threads `grace` after the last answers were handed over, then the listeners.
+  void StopHttp(std::chrono::milliseconds grace);
+  // How long Stop lets the HTTP threads write the answers it gave to unfinished requests.
+  static constexpr std::chrono::milliseconds kHttpAnswerGrace{200};
+  // On an HttpIo thread: answers at once, or queues a generation for the worker's engine.
+  void OnHttp(std::size_t worker_index, HttpRequest&& request, std::shared_ptr<HttpReply> reply);
+  // On an HttpIo thread: the client of job `id` went away.
+  void AbortJob(std::uint64_t id);
+  // On the engine thread: one engine output for an HTTP client.
+  void AnswerHttp(HttpTarget& target, const InFlight& f, const EngineOutput& o) KV_REQUIRES(engine_mu_);
+  // An error for an HTTP client: the whole response, or an error event and the stream's end.
+  static void FailHttp(HttpTarget& target, int status, std::string_view code, std::string_view message);
 
   const MockerConfig config_;
   NatsClient& nats_;
@@ -127,20 +186,28 @@ class MockWorkerFleet {
   std::vector<std::unique_ptr<Rank>> ranks_ KV_GUARDED_BY(engine_mu_);
   std::vector<std::uint64_t> envelope_seq_ KV_GUARDED_BY(engine_mu_);              // per worker
   std::unordered_map<std::string, InFlight> in_flight_ KV_GUARDED_BY(engine_mu_);  // engine id ->
-  std::uint64_t next_engine_request_ KV_GUARDED_BY(engine_mu_) = 0;
 
   KvMutex inbox_mu_;
   std::condition_variable_any inbox_cv_;
   std::vector<GenerateJob> inbox_ KV_GUARDED_BY(inbox_mu_);
+  // Jobs whose HTTP client went away: at most one per job, so bounded with the jobs.
+  std::vector<std::uint64_t> aborts_ KV_GUARDED_BY(inbox_mu_);
   bool stopping_ KV_GUARDED_BY(inbox_mu_) = false;
+  std::atomic<std::uint64_t> next_job_id_{0};
 
-  // Owned by the controlling thread (Start / Stop).
+  // Thread-safe (OpenAiFace::Handle); built from the config.
+  OpenAiFace face_;
+
+  // Owned by the controlling thread (Start / Stop). The listeners go before the HttpIo they use.
   std::vector<std::unique_ptr<Subscription>> subscriptions_;
+  std::unique_ptr<HttpIo> http_io_;
+  std::vector<std::unique_ptr<HttpListener>> listeners_;
   std::thread engine_thread_;
   bool started_ = false;
   bool stopped_ = false;
 
-  std::atomic<std::uint64_t> requests_{0}, bad_requests_{0}, inbox_full_{0}, events_{0}, publish_failures_{0};
+  std::atomic<std::uint64_t> requests_{0}, bad_requests_{0}, inbox_full_{0}, events_{0}, publish_failures_{0},
+      http_requests_{0}, http_errors_{0}, aborted_{0};
 };
 
 }  // namespace kvrouter

@@ -1,4 +1,5 @@
-// kvmocker: N simulated vLLM-like workers on NATS (docs/design.md "Mock worker", docs/protocol.md 2-4, 6, 7).
+// kvmocker: N simulated vLLM-like workers on NATS (docs/design.md "Mock worker", docs/protocol.md 2-4, 6, 7),
+// with --http-port each with an OpenAI HTTP face (section 11).
 // Parses flags (and DYN_* environment), connects, runs a MockWorkerFleet until SIGINT/SIGTERM,
 // then announces "leaving", drains and exits 0.
 // Exit codes: 0 clean shutdown or --help, 2 bad flags, 1 NATS failure.
@@ -62,6 +63,10 @@ int main(int argc, char** argv) {
              cfg.num_workers, DescribeIds(fleet->worker_ids()), cfg.dp_size, cfg.nats_server, cfg.ns, cfg.component,
              cfg.num_gpu_blocks, cfg.block_size, cfg.speedup_ratio,
              cfg.event_format == MockEventFormat::kDynamo ? "dynamo" : "vllm");
+  if (cfg.http_port > 0) {
+    fmt::print(stderr, "kvmocker I OpenAI HTTP on {}:{}..{} as {}..., model '{}'\n", cfg.http_host, cfg.http_port,
+               cfg.http_port + cfg.num_workers - 1, WorkerHttpUrl(cfg, 0), cfg.model);
+  }
 
   std::unique_ptr<HttpServer> http;
   if (cfg.metrics_port > 0) {
@@ -77,13 +82,17 @@ int main(int argc, char** argv) {
   }
 
   const int sig = stop.Wait();
-  http.reset();
   fmt::print(stderr, "kvmocker I signal {}: leaving\n", sig);
+  // The workers leave and their clients are answered first: stopping the metrics server can
+  // take its poll interval (up to 2 s).
   fleet->Stop();
+  http.reset();
   const auto c = fleet->counters();
   fmt::print(stderr,
-             "kvmocker I served {} requests, published {} events ({} bad requests, {} refused, {} publish failures)\n",
-             c.requests, c.events, c.bad_requests, c.inbox_full, c.publish_failures);
+             "kvmocker I served {} requests and {} over HTTP, published {} events ({} bad requests, {} HTTP errors, "
+             "{} refused, {} aborted, {} publish failures)\n",
+             c.requests, c.http_requests, c.events, c.bad_requests, c.http_errors, c.inbox_full, c.aborted,
+             c.publish_failures);
   (*nc)->Drain(std::chrono::seconds(2));
   fleet.reset();
   return 0;

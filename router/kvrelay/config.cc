@@ -3,7 +3,15 @@
 #include <boost/program_options.hpp>
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <cctype>
 #include <limits>
+#include <string_view>
+#include <vector>
+
+#include "events/message_codec.h"
+#include "events/msgpack_reader.h"
+#include "transport/http_client.h"
 
 namespace kvrouter {
 namespace po = boost::program_options;
@@ -32,11 +40,79 @@ po::options_description Describe() {
     ("device", po::value<std::string>()->default_value(d.relay.device), "device announced to the router")
     ("heartbeat-ms", po::value<std::uint32_t>()->default_value(d.relay.heartbeat_ms), "registration period in ms (>= 10)")
     ("lease-ms", po::value<std::uint32_t>()->default_value(d.relay.lease_ms), "lease announced to the router in ms (> heartbeat-ms)")
+    ("engine-url", po::value<std::string>(), "the engine's OpenAI base URL, http://host:port (no path), announced to the router")
+    ("model", po::value<std::vector<std::string>>()->composing(), "a model the engine serves, announced with --engine-url (required with it): repeat the flag or separate names with commas")
+    ("health-interval-ms", po::value<std::uint32_t>()->default_value(static_cast<std::uint32_t>(d.health.interval.count())), "with --engine-url: a GET {engine-url}/health starts this often, in ms (>= 10)")
+    ("health-timeout-ms", po::value<std::uint32_t>(), "with --engine-url: a health check not answered (2xx) within this many ms fails (>= 10; default: --health-interval-ms)")
+    ("health-failures", po::value<std::uint32_t>()->default_value(d.health.failures), "with --engine-url: failed health checks in a row after which the worker says `leaving` until the engine answers again (>= 1)")
     ("metrics-port", po::value<std::uint32_t>()->default_value(d.metrics_port), "HTTP port of /metrics, /health and /ready (0 turns it off)")
     ("metrics-host", po::value<std::string>()->default_value(d.metrics_host), "address the metrics port listens on");
   // clang-format on
   AddNatsSecurityFlags(desc);
   return desc;
+}
+
+// --model NAME, any number of times, each a comma-separated list: the names in order, blanks
+// around them trimmed, each once.
+Result<std::vector<std::string>> ReadModels(const std::vector<std::string>& given) {
+  std::vector<std::string> models;
+  for (const std::string& list : given) {
+    std::string_view rest = list;
+    while (true) {
+      const std::size_t comma = rest.find(',');
+      std::string_view name = rest.substr(0, comma);
+      while (!name.empty() && std::isspace(static_cast<unsigned char>(name.front()))) name.remove_prefix(1);
+      while (!name.empty() && std::isspace(static_cast<unsigned char>(name.back()))) name.remove_suffix(1);
+      if (name.empty()) return FlagOutOfRange("model", "a non-empty name (or comma-separated names)");
+      if (name.size() > kMaxNameBytes) {
+        return FlagOutOfRange("model", fmt::format("at most {} bytes per name", kMaxNameBytes));
+      }
+      if (std::find(models.begin(), models.end(), name) == models.end()) models.emplace_back(name);
+      if (comma == std::string_view::npos) break;
+      rest.remove_prefix(comma + 1);
+    }
+  }
+  if (models.size() > kMaxModels) return FlagOutOfRange("model", fmt::format("at most {} names", kMaxModels));
+  return models;
+}
+
+// --engine-url and --model: both or neither; the --health-* flags only with them.
+Status ReadEngine(const po::variables_map& vm, RelayConfig& c) {
+  const bool has_models = vm.count("model") > 0;
+  if (!vm.count("engine-url")) {
+    if (has_models) return InvalidArgument("--model needs --engine-url (the engine that serves it)");
+    for (const char* flag : {"health-interval-ms", "health-timeout-ms", "health-failures"}) {
+      if (vm.count(flag) && !vm[flag].defaulted()) {
+        return InvalidArgument(fmt::format("--{} needs --engine-url (the engine whose health is checked)", flag));
+      }
+    }
+    return Status::Ok();
+  }
+  constexpr std::uint32_t kMaxMs = 3'600'000;
+  const std::uint32_t interval = vm["health-interval-ms"].as<std::uint32_t>();
+  if (interval < 10 || interval > kMaxMs) return FlagOutOfRange("health-interval-ms", "in [10, 3600000]");
+  const std::uint32_t timeout = vm.count("health-timeout-ms") ? vm["health-timeout-ms"].as<std::uint32_t>() : interval;
+  if (timeout < 10 || timeout > kMaxMs) return FlagOutOfRange("health-timeout-ms", "in [10, 3600000]");
+  const std::uint32_t failures = vm["health-failures"].as<std::uint32_t>();
+  if (failures < 1 || failures > 1000) return FlagOutOfRange("health-failures", "in [1, 1000]");
+  c.health = {.interval = std::chrono::milliseconds(interval),
+              .timeout = std::chrono::milliseconds(timeout),
+              .failures = failures};
+  std::string url = vm["engine-url"].as<std::string>();
+  while (url.ends_with('/')) url.pop_back();  // protocol.md section 4: no trailing slash
+  if (auto endpoint = ParseHttpUrl(url); !endpoint.ok()) {
+    return InvalidArgument(fmt::format("--engine-url: {}", endpoint.status().message()));
+  }
+  if (url.size() > kMaxUrlBytes) {
+    return FlagOutOfRange("engine-url", fmt::format("at most {} bytes", kMaxUrlBytes));
+  }
+  if (!has_models) return InvalidArgument("--engine-url needs --model (the names the engine serves)");
+  auto models = ReadModels(vm["model"].as<std::vector<std::string>>());
+  if (!models.ok()) return models.status();
+  c.relay.http_url = std::move(url);
+  c.relay.models = std::move(models).value();
+  c.relay.register_when = RegisterWhen::kEngineUp;
+  return Status::Ok();
 }
 
 Status ReadRelayConfig(const po::variables_map& vm, RelayConfig& c) {
@@ -70,6 +146,7 @@ Status ReadRelayConfig(const po::variables_map& vm, RelayConfig& c) {
   c.relay.lease_ms = vm["lease-ms"].as<std::uint32_t>();
   if (c.relay.heartbeat_ms < 10) return FlagOutOfRange("heartbeat-ms", ">= 10");
   if (c.relay.lease_ms <= c.relay.heartbeat_ms) return FlagOutOfRange("lease-ms", "> --heartbeat-ms");
+  if (Status s = ReadEngine(vm, c); !s.ok()) return s;
   c.metrics_port = vm["metrics-port"].as<std::uint32_t>();
   if (c.metrics_port > 65535) return FlagOutOfRange("metrics-port", "in [0, 65535]");
   c.metrics_host = vm["metrics-host"].as<std::string>();

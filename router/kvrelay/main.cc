@@ -4,12 +4,16 @@
 // or metrics port, 1 NATS or ZMQ failure at start.
 #include <atomic>
 #include <cstdlib>
+#include <stop_token>
 #include <thread>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "router/common/http_server.h"
 #include "router/kvrelay/config.h"
+#include "router/kvrelay/engine_watch.h"
+#include "router/kvrelay/health_check.h"
 #include "router/kvrelay/relay.h"
 #include "router/common/metrics.h"
 #include "transport/nats_bus.h"
@@ -21,7 +25,8 @@ namespace {
 
 using namespace kvrouter;
 
-std::string MetricsText(const KvRelay& relay, std::uint64_t stream_errors) {
+// `watch`: the engine's health watch (--engine-url), or null.
+std::string MetricsText(const KvRelay& relay, const EngineWatch* watch, std::uint64_t stream_errors) {
   const KvRelay::Counters c = relay.counters();
   MetricSet m;
   m.Counter("kvrelay_batches_total", "engine batches applied", static_cast<double>(c.batches));
@@ -39,6 +44,21 @@ std::string MetricsText(const KvRelay& relay, std::uint64_t stream_errors) {
             static_cast<double>(stream_errors));
   m.Counter("kvrelay_publish_failures_total", "NATS publishes that failed", static_cast<double>(c.publish_failures));
   m.Gauge("kvrelay_last_seq", "the engine's last seq applied (-1: none yet)", static_cast<double>(relay.last_seq()));
+  if (watch != nullptr) {
+    const EngineWatch::Counters w = watch->counters();
+    m.Gauge("kvrelay_engine_up", "1 while the engine answers its health checks and the worker is registered",
+            relay.registered() ? 1.0 : 0.0);
+    m.Counter("kvrelay_engine_transitions_total", "the engine found up (the first time included) or down",
+              static_cast<double>(w.ups), {{"to", "up"}});
+    m.Counter("kvrelay_engine_transitions_total", "the engine found up (the first time included) or down",
+              static_cast<double>(w.downs), {{"to", "down"}});
+    m.Counter("kvrelay_engine_health_checks_total", "GET /health checks started", static_cast<double>(w.checks));
+    m.Counter("kvrelay_engine_health_checks_failed_total", "checks refused, timed out or answered other than 2xx",
+              static_cast<double>(w.checks_failed));
+    m.Counter("kvrelay_batches_dropped_engine_down_total",
+              "engine batches dropped while the engine was not up (replayed from seq 0 once it is)",
+              static_cast<double>(c.batches_engine_down));
+  }
   return RenderMetrics(m.Take());
 }
 
@@ -73,9 +93,13 @@ int main(int argc, char** argv) {
   NatsBus bus(**nc);
   RateLimitedLog log;
   ZmqEngineStream* engine = stream->get();
+  // Ends the ZMQ loop, and a replay it may be waiting for.
+  std::stop_source stopping;
   KvRelay::Replay replay;
   if (engine->has_replay()) {
-    replay = [engine](std::int64_t start) { return engine->Replay(start, std::chrono::seconds(2)); };
+    replay = [engine, stop = stopping.get_token()](std::int64_t start) {
+      return engine->Replay(start, std::chrono::seconds(2), stop);
+    };
   } else {
     fmt::print(stderr, "kvrelay W no --zmq-replay-endpoint: a lost batch clears this rank at the router\n");
   }
@@ -84,12 +108,24 @@ int main(int argc, char** argv) {
     fmt::print(stderr, "kvrelay: {}\n", s.message());
     return 1;
   }
+  // With --engine-url the worker is registered while the engine answers GET /health.
+  std::unique_ptr<HttpHealthChecks> health_checks;
+  std::unique_ptr<EngineWatch> watch;
+  if (!cfg.relay.http_url.empty()) {
+    auto checks = HttpHealthChecks::Create(cfg.relay.http_url, cfg.health.timeout);
+    if (!checks.ok()) {  // the flag parser took it: not expected
+      fmt::print(stderr, "kvrelay: --engine-url: {}\n", checks.status().message());
+      return 2;
+    }
+    health_checks = std::move(checks).value();
+    watch = std::make_unique<EngineWatch>(cfg.health, health_checks->check(), log, cfg.relay.http_url);
+  }
   std::atomic<std::uint64_t> stream_errors{0};
   std::unique_ptr<HttpServer> http;
   if (cfg.metrics_port > 0) {
     auto started = StartMetricsServer(
-        cfg.metrics_host, static_cast<int>(cfg.metrics_port), [&] { return MetricsText(relay, stream_errors.load()); },
-        [&] { return (*nc)->IsConnected(); });
+        cfg.metrics_host, static_cast<int>(cfg.metrics_port),
+        [&] { return MetricsText(relay, watch.get(), stream_errors.load()); }, [&] { return (*nc)->IsConnected(); });
     if (!started.ok()) {
       fmt::print(stderr, "kvrelay: --metrics-port {}: {}\n", cfg.metrics_port, started.status().message());
       relay.Stop();
@@ -100,11 +136,16 @@ int main(int argc, char** argv) {
   fmt::print(stderr, "kvrelay I worker {} rank {}: {} (replay {}) -> {} (block size {})\n", cfg.relay.worker_id,
              cfg.relay.dp_rank, cfg.zmq_endpoint, cfg.zmq_replay_endpoint.value_or("none"), cfg.nats_server,
              cfg.relay.block_size);
+  if (!cfg.relay.http_url.empty()) {
+    fmt::print(stderr,
+               "kvrelay I engine {} serving {}: registered while GET /health answers (every {} ms, "
+               "{} failures in a row = down)\n",
+               cfg.relay.http_url, fmt::join(cfg.relay.models, ", "), cfg.health.interval.count(), cfg.health.failures);
+  }
 
   // The ZMQ loop owns the sockets from here on.
-  std::atomic<bool> stopping{false};
-  std::thread loop([&] {
-    while (!stopping.load()) {
+  std::thread loop([&, stop = stopping.get_token()] {
+    while (!stop.stop_requested()) {
       auto got = engine->Receive(std::chrono::milliseconds(100));
       if (!got.ok()) {
         ++stream_errors;
@@ -112,15 +153,27 @@ int main(int argc, char** argv) {
       } else if (*got) {
         relay.OnBatch(**got);
       }
-      relay.Tick(std::chrono::steady_clock::now());
+      const SteadyTime now = std::chrono::steady_clock::now();
+      if (watch) {
+        switch (watch->Poll(now)) {
+          case EngineTransition::kUp: relay.EngineUp(now); break;
+          case EngineTransition::kDown: relay.EngineDown(watch->last_failure().message()); break;
+          case EngineTransition::kNone: break;
+        }
+      }
+      relay.Tick(now);
     }
   });
   const int sig = stop.Wait();
   fmt::print(stderr, "kvrelay I signal {}: leaving\n", sig);
-  stopping = true;
+  // `leaving` first, from this thread: the router must stop routing here at once, not when the
+  // loop's replay wait for the engine (up to 2 s) or the metrics server's shutdown has ended.
+  relay.Stop();
+  stopping.request_stop();
   loop.join();
   http.reset();
-  relay.Stop();
+  watch.reset();
+  health_checks.reset();  // its thread stops: no check answers after this
   (*nc)->Drain(std::chrono::seconds(2));
   return 0;
 }

@@ -17,7 +17,8 @@ KvRelay::KvRelay(RelayOptions options, MessageBus& bus, Replay replay, RateLimit
       log_(log),
       events_subject_(fmt::format("namespace.{}.component.{}.kv-events", options_.ns, options_.component)),
       instances_subject_(fmt::format("namespace.{}.component.{}.instances", options_.ns, options_.component)),
-      publisher_(PublisherConfig{.worker_id = options_.worker_id, .dp_rank = options_.dp_rank}) {}
+      publisher_(PublisherConfig{.worker_id = options_.worker_id, .dp_rank = options_.dp_rank}),
+      state_(options_.register_when == RegisterWhen::kAtStart ? State::kUp : State::kEngineDown) {}
 
 KvRelay::~KvRelay() { Stop(); }
 
@@ -40,6 +41,8 @@ Status KvRelay::Start() {
                             });
   if (!sub.ok()) return sub.status();
   recovery_sub_ = std::move(sub).value();
+  KvMutexLock g(reg_mu_);
+  if (state_.load() != State::kUp) return Status::Ok();  // EngineUp registers
   Register(WorkerStatus::kUp);
   next_heartbeat_ = std::chrono::steady_clock::now() + std::chrono::milliseconds(options_.heartbeat_ms);
   return Status::Ok();
@@ -55,7 +58,9 @@ void KvRelay::Register(WorkerStatus status) {
                                .max_num_batched_tokens = options_.max_num_batched_tokens,
                                .device = options_.device,
                                .lease_ms = options_.lease_ms,
-                               .leaving = status == WorkerStatus::kLeaving};
+                               .leaving = status == WorkerStatus::kLeaving,
+                               .http_url = options_.http_url,
+                               .models = options_.models};
   if (!bus_.Publish(instances_subject_, AsBytes(EncodeWorkerRegistration(reg))).ok()) {
     KvMutexLock g(mu_);
     ++counters_.publish_failures;
@@ -63,20 +68,58 @@ void KvRelay::Register(WorkerStatus status) {
 }
 
 void KvRelay::Tick(SteadyTime now) {
-  if (stopped_ || now < next_heartbeat_) return;
+  KvMutexLock g(reg_mu_);
+  if (state_.load() != State::kUp || now < next_heartbeat_) return;
   next_heartbeat_ = now + std::chrono::milliseconds(options_.heartbeat_ms);
   Register(WorkerStatus::kUp);
 }
 
+bool KvRelay::EngineUp(SteadyTime now) {
+  KvMutexLock g(reg_mu_);
+  if (state_.load() != State::kEngineDown) return false;
+  state_ = State::kUp;
+  Register(WorkerStatus::kUp);
+  next_heartbeat_ = now + std::chrono::milliseconds(options_.heartbeat_ms);
+  return true;
+}
+
+bool KvRelay::EngineDown(std::string_view why) {
+  if (state_.load() != State::kUp) return false;  // Stop aside, only this thread changes it
+  // `cleared` while the router still knows the worker, so it forgets the cache at once; the
+  // publisher's index empties too, so the dump the router asks for at the next registration is
+  // empty. Event ids go on.
+  PublishCleared(fmt::format("the engine stopped answering ({})", why));
+  {
+    KvMutexLock g(reg_mu_);
+    if (state_.load() != State::kUp) return false;  // Stop came meanwhile and said `leaving`
+    state_ = State::kEngineDown;
+    Register(WorkerStatus::kLeaving);
+  }
+  last_.reset();  // the next batch is judged as at first sight
+  last_seen_ = -1;
+  return true;
+}
+
 void KvRelay::Stop() {
-  if (stopped_) return;
-  stopped_ = true;
-  recovery_sub_.reset();
-  Register(WorkerStatus::kLeaving);
+  {
+    // Under reg_mu_: a heartbeat either went out before `leaving` or sees kStopped and stays home.
+    KvMutexLock g(reg_mu_);
+    if (state_.load() == State::kStopped) return;
+    state_ = State::kStopped;
+    Register(WorkerStatus::kLeaving);
+  }
   (void)bus_.Flush(std::chrono::seconds(1));
+  recovery_sub_.reset();
 }
 
 void KvRelay::OnBatch(const ZmqBatch& batch) {
+  if (const State state = state_.load(); state != State::kUp) {
+    if (state == State::kEngineDown) {
+      KvMutexLock g(mu_);
+      ++counters_.batches_engine_down;
+    }
+    return;
+  }
   if (last_ && batch.seq <= *last_) {
     {
       KvMutexLock g(mu_);
@@ -99,6 +142,7 @@ void KvRelay::Repair(std::int64_t from, std::int64_t upto) {
     ++counters_.gaps;
   }
   Result<std::vector<ZmqBatch>> got = replay_ ? replay_(from) : NotFound("no replay endpoint");
+  if (stopped()) return;  // Stop came while the replay waited: the worker has left
   const bool whole = got.ok() && !got->empty() && got->front().seq <= from;
   if (!whole) {
     {
@@ -152,6 +196,7 @@ void KvRelay::PublishCleared(std::string_view why) {
 }
 
 void KvRelay::Publish(KvEventData data, StorageTier tier) {
+  if (stopped()) return;  // after `leaving` the router would count the event as worker_left
   msgpack::sbuffer body;
   {
     KvMutexLock g(mu_);

@@ -13,10 +13,22 @@
 // Bad input (an undecodable batch, a block size other than --block-size) is counted and logged
 // at a limited rate, never fatal.
 //
-// Thread contract: OnBatch and Tick on one thread (the ZMQ loop); the recovery endpoint runs on
-// the bus's delivery thread; a mutex guards the publisher. Ownership: borrows the bus and the log.
+// The engine's liveness (RegisterWhen::kEngineUp, kvrelay --engine-url): the worker registers
+// only between EngineUp and EngineDown, as the engine's health checks say (EngineWatch). On
+// EngineDown the relay publishes `cleared` (a dead engine's cache is gone; the router and this
+// relay's own section 6 index start again from nothing), then `leaving`, stops heartbeating,
+// forgets the last seq and drops the engine's batches until EngineUp registers it again; the first
+// batch after that is judged as at first sight (replayed from seq 0 when it is not seq 0).
 //
-//   KvRelay relay(options, bus, [&](std::int64_t s) { return stream.Replay(s, 2s); }, log);
+// Thread contract: Start, then OnBatch, Tick, EngineUp and EngineDown on one thread (the ZMQ
+// loop); Stop from any thread, also while that thread is inside OnBatch (waiting for a replay):
+// `leaving` goes out at once and nothing is published for the worker after it. counters(),
+// registered() and last_seq() from any thread. The recovery endpoint runs on the bus's delivery
+// thread. mu_ guards the publisher and the counters, reg_mu_ the registration state (held while a
+// registration is published, so the wire sees them in the order of the state changes).
+// Ownership: borrows the bus and the log.
+//
+//   KvRelay relay(options, bus, [&](std::int64_t s) { return stream.Replay(s, 2s, stop); }, log);
 //   relay.Start();  while (...) { if (batch) relay.OnBatch(*batch); relay.Tick(now); }  relay.Stop();
 #pragma once
 
@@ -40,6 +52,12 @@
 
 namespace kvrouter {
 
+// When the worker is registered.
+enum class RegisterWhen {
+  kAtStart,   // from Start to Stop
+  kEngineUp,  // from EngineUp to EngineDown (and again), the engine's health being watched
+};
+
 struct RelayOptions {
   std::string ns = "dynamo";
   std::string component = "backend";
@@ -52,6 +70,9 @@ struct RelayOptions {
   std::string device = "gpu";
   std::uint32_t heartbeat_ms = 1000;
   std::uint32_t lease_ms = 3000;
+  std::string http_url;             // the engine's OpenAI base URL (section 11; "" = not announced)
+  std::vector<std::string> models;  // the model names it serves
+  RegisterWhen register_when = RegisterWhen::kAtStart;
 };
 
 class KvRelay {
@@ -68,21 +89,31 @@ class KvRelay {
     std::uint64_t bad_batches = 0;            // undecodable
     std::uint64_t block_size_mismatches = 0;  // stored events cut short
     std::uint64_t publish_failures = 0;
+    std::uint64_t batches_engine_down = 0;  // dropped: the engine was not up (kEngineUp)
   };
 
   KvRelay(RelayOptions options, MessageBus& bus, Replay replay, RateLimitedLog& log);
   ~KvRelay();
 
-  // Subscribes the recovery endpoint and publishes the first registration.
+  // Subscribes the recovery endpoint and publishes the first registration (kAtStart).
   Status Start();
   // One batch from the engine's stream.
   void OnBatch(const ZmqBatch& batch);
   // Heartbeats when due.
   void Tick(SteadyTime now);
-  // Publishes `leaving` and unsubscribes. Idempotent.
+  // The engine answers its health checks (again): registers `up` and heartbeats from `now` on.
+  // False when it already was registered, or after Stop.
+  bool EngineUp(SteadyTime now);
+  // The engine stopped answering (`why`, for the log): `cleared`, `leaving`, no heartbeats, its
+  // batches dropped until EngineUp. False when it was not registered.
+  bool EngineDown(std::string_view why);
+  // Publishes `leaving` (at once, whatever the ZMQ loop is doing), then unsubscribes; heartbeats,
+  // events and replays in progress publish nothing for the worker after it. Idempotent.
   void Stop();
 
   Counters counters() const;
+  // Registered `up` now (any thread).
+  bool registered() const { return state_.load() == State::kUp; }
   // The last seq applied (any thread; -1: none yet).
   std::int64_t last_seq() const { return last_seen_.load(); }
 
@@ -92,7 +123,12 @@ class KvRelay {
   void Repair(std::int64_t from, std::int64_t upto);
   void PublishCleared(std::string_view why);
   void Publish(KvEventData data, StorageTier tier);
-  void Register(WorkerStatus status);
+  void Register(WorkerStatus status) KV_REQUIRES(reg_mu_);
+  bool stopped() const { return state_.load() == State::kStopped; }
+
+  // kUp: registered, heartbeating; kEngineDown: not registered (the engine is not up yet, or no
+  // longer); kStopped: `leaving` said (Stop).
+  enum class State { kUp, kEngineDown, kStopped };
 
   const RelayOptions options_;
   MessageBus& bus_;
@@ -104,8 +140,10 @@ class KvRelay {
   std::unique_ptr<BusSubscription> recovery_sub_;
   std::optional<std::int64_t> last_;         // the ZMQ loop's thread only
   std::atomic<std::int64_t> last_seen_{-1};  // last_ for other threads (metrics)
-  SteadyTime next_heartbeat_{};
-  bool stopped_ = false;
+  KvMutex reg_mu_;
+  // Written only under reg_mu_ (read without it: an atomic, so the ZMQ loop can tell cheaply).
+  std::atomic<State> state_;
+  SteadyTime next_heartbeat_ KV_GUARDED_BY(reg_mu_){};
   Counters counters_ KV_GUARDED_BY(mu_);
 };
 

@@ -15,7 +15,8 @@ std::uint32_t ReplicaSync::StartEpoch() {
 }
 
 void ReplicaSync::Send(ActiveSequenceEvent::Kind kind, const std::string& request_id, WorkerKey worker,
-                       std::span<const SequenceHash> seq, std::uint32_t isl, std::uint32_t overlap) {
+                       std::span<const SequenceHash> seq, std::uint32_t isl, std::uint32_t overlap,
+                       std::string_view session_id) {
   if (!on()) return;
   const ActiveSequenceEvent e{.router_id = router_id_,
                               .request_id = request_id,
@@ -25,7 +26,8 @@ void ReplicaSync::Send(ActiveSequenceEvent::Kind kind, const std::string& reques
                               .seq_hashes = {seq.begin(), seq.end()},
                               .isl = isl,
                               .overlap_blocks = overlap,
-                              .epoch = epoch_};
+                              .epoch = epoch_,
+                              .session_id = std::string(session_id)};
   pending_.push_back(EncodeActiveSequenceEvent(e));
 }
 

@@ -42,7 +42,8 @@ class ReplicaSync {
 
   // Queues a message about one of this router's booking changes (when on), at the current epoch.
   void Send(ActiveSequenceEvent::Kind kind, const std::string& request_id, WorkerKey worker,
-            std::span<const SequenceHash> seq = {}, std::uint32_t isl = 0, std::uint32_t overlap = 0);
+            std::span<const SequenceHash> seq = {}, std::uint32_t isl = 0, std::uint32_t overlap = 0,
+            std::string_view session_id = {});
   // Queues an `add` for each of this router's own bookings in `load` (not the peers'), at what
   // is left to prefill as a prompt with nothing cached (when on).
   void SendOwnBookings(const ActiveLoad& load);

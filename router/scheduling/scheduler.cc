@@ -112,12 +112,14 @@ std::vector<Candidate> Scheduler::Candidates(std::span<const RankInfo> ranks, st
   return cands;
 }
 
+bool Scheduler::Full(const Candidate& c) const {
+  return options_.queue_threshold &&
+         static_cast<double>(c.active_prefill_tokens) > *options_.queue_threshold * c.max_num_batched_tokens;
+}
+
 std::vector<Candidate> Scheduler::OpenRanks(std::vector<Candidate> cands) const {
   if (!options_.queue_threshold) return cands;
-  // Full: active prefill tokens above threshold x max_num_batched_tokens (at it is not full).
-  std::erase_if(cands, [&](const Candidate& c) {
-    return static_cast<double>(c.active_prefill_tokens) > *options_.queue_threshold * c.max_num_batched_tokens;
-  });
+  std::erase_if(cands, [&](const Candidate& c) { return Full(c); });
   return cands;
 }
 

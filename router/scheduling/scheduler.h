@@ -98,6 +98,9 @@ class Scheduler {
   // `ranks` (ascending) as candidates with their load and overlap (`overlaps` is sorted in place).
   std::vector<Candidate> Candidates(std::span<const RankInfo> ranks, std::span<const SequenceHash> seq,
                                     OverlapScores& overlaps) const;
+  // Full: active prefill tokens above threshold x max_num_batched_tokens (never when the queue is
+  // off; at the threshold it is not full).
+  bool Full(const Candidate& c) const;
   // The candidates that are not full (all of them when the queue is off).
   std::vector<Candidate> OpenRanks(std::vector<Candidate> cands) const;
   // OK when one more booking of `blocks` blocks fits the booking bounds, else `overloaded`.

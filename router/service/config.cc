@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cctype>
 #include <sstream>
 #include <vector>
@@ -41,6 +42,8 @@ po::options_description Describe() {
     ("router-queue-max", po::value<std::uint32_t>()->default_value(d.queue_max), "queued requests before 'overloaded' (>= 1)")
     ("router-ttl-secs", po::value<double>()->default_value(d.ttl_secs), "approximate mode: seconds a predicted block lives (> 0)")
     ("router-max-tree-size", po::value<std::uint64_t>()->default_value(d.max_tree_size), "approximate mode: predicted blocks before pruning (>= 1)")
+    ("router-session-affinity-ttl-secs", po::value<double>()->default_value(d.session_affinity_ttl_secs), "a session_id sticks to its worker this long after its last use (0: off; >= 0)")
+    ("router-max-sessions", po::value<std::uint64_t>()->default_value(d.max_sessions), "session bindings kept, the least recently used dropped first (>= 1)")
     ("router-prune-target-ratio", po::value<double>()->default_value(d.prune_target_ratio), "approximate mode: prune down to ratio * max (0, 1]")
     ("router-max-dp-size", po::value<std::uint32_t>()->default_value(d.max_dp_size), "dp ranks a worker may register; larger registrations are refused [1, 65536]")
     ("router-max-worker-ranks", po::value<std::uint64_t>()->default_value(d.max_worker_ranks), "(worker, dp_rank) pairs tracked; new workers beyond it are refused (>= 1)")
@@ -116,6 +119,12 @@ Status ReadLimits(const po::variables_map& vm, RouterConfig& c) {
   if (!(c.ttl_secs > 0)) return OutOfRange("router-ttl-secs", "> 0");
   c.max_tree_size = vm["router-max-tree-size"].as<std::uint64_t>();
   if (c.max_tree_size < 1) return OutOfRange("router-max-tree-size", ">= 1");
+  c.session_affinity_ttl_secs = vm["router-session-affinity-ttl-secs"].as<double>();
+  if (!(c.session_affinity_ttl_secs >= 0) || !std::isfinite(c.session_affinity_ttl_secs)) {
+    return OutOfRange("router-session-affinity-ttl-secs", ">= 0");
+  }
+  c.max_sessions = vm["router-max-sessions"].as<std::uint64_t>();
+  if (c.max_sessions < 1) return OutOfRange("router-max-sessions", ">= 1");
   c.prune_target_ratio = vm["router-prune-target-ratio"].as<double>();
   if (!(c.prune_target_ratio > 0 && c.prune_target_ratio <= 1))
     return OutOfRange("router-prune-target-ratio", "in (0, 1]");

@@ -403,6 +403,7 @@ void KvRouterService::HandleLifecycle(const BusMessage& m, Lifecycle change) {
     ReplyError(m, id.status());
     return;
   }
+  if (change == Lifecycle::kFree && DecodeResponseTiming(m.data)) ++timing_reports_;
   Outbox out;
   (void)(change == Lifecycle::kFree ? routing_.Free(*id, out) : routing_.MarkPrefill(*id, out));
   Reply(m, EncodeOkReply());
@@ -427,6 +428,7 @@ void KvRouterService::HandleStats(const BusMessage& m) {
 StatsReply KvRouterService::Stats(const StatsRequest& page) const {
   StatsReply r = BuildStats(page, registry_, routing_, index_, drops_);
   r.counters["router_id"] = router_id_;
+  r.counters["timing_reports"] = timing_reports_.load();
   if (recovery_) {
     const RecoveryCounters c = recovery_->counters();
     r.counters["recoveries_started"] = c.started;

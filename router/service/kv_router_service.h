@@ -146,6 +146,8 @@ class KvRouterService {
   const Clock clock_;
   const Subjects subjects_;
   const std::uint64_t router_id_;  // tells this replica's sync messages from the others'
+  // `free`s that carried a gateway's timing of the engine (docs/protocol.md section 11).
+  std::atomic<std::uint64_t> timing_reports_{0};
   RateLimitedLog log_;
   // Declared before the index: shard threads call it until the index is destroyed. Null when
   // recovery is off or there are no KV events.

@@ -18,11 +18,13 @@ Routing::Routing(const RouterConfig& config, const WorkerRegistry& registry, con
       log_(log),
       scheduler_(options_, index, std::move(clock), seed),
       queue_(config.queue_policy, config.queue_max, config.max_active_blocks, config.block_size),
-      sync_(config.replica_sync ? ReplicaSync::Mode::kOn : ReplicaSync::Mode::kOff, router_id) {}
+      sync_(config.replica_sync ? ReplicaSync::Mode::kOn : ReplicaSync::Mode::kOff, router_id),
+      affinity_(std::chrono::milliseconds(static_cast<std::int64_t>(config.session_affinity_ttl_secs * 1000)),
+                config.max_sessions) {}
 
 Result<std::vector<Candidate>> Routing::CandidatesLocked(const RouteRequest& req, std::span<const SequenceHash> seq,
                                                          OverlapScores& overlaps) const {
-  auto ranks = registry_.Ranks(req.worker_id, req.dp_rank, req.allowed_worker_ids);
+  auto ranks = registry_.Ranks(req.worker_id, req.dp_rank, req.allowed_worker_ids, req.excluded_worker_ids);
   if (!ranks.ok()) return ranks.status();
   if (ranks->empty()) return Status(StatusCode::kNoWorkers, "no registered worker can take this request");
   return scheduler_.Candidates(*ranks, seq, overlaps);
@@ -30,25 +32,41 @@ Result<std::vector<Candidate>> Routing::CandidatesLocked(const RouteRequest& req
 
 Result<RouteReply> Routing::DecideLocked(Kind kind, const RouteRequest& req, const PreparedRequest& p,
                                          std::span<const Candidate> cands, double queued_ms) {
-  auto decided = scheduler_.Decide(req, p, cands);
+  std::span<const Candidate> pick = cands;
+  const bool session = affinity_.on() && !req.session_id.empty();
+  if (session) {
+    if (auto bound = affinity_.Find(req.session_id, clock_())) {
+      auto it = std::find_if(cands.begin(), cands.end(), [&](const Candidate& c) { return c.worker == *bound; });
+      // A binding yields when its rank is past the queue threshold (or no longer a candidate).
+      if (it != cands.end() && !scheduler_.Full(*it)) {
+        pick = {&*it, 1};
+        ++session_hits_;
+      }
+    }
+  }
+  auto decided = scheduler_.Decide(req, p, pick);
   if (!decided.ok()) return decided.status();
   const Decision& d = *decided;
+  // best_worker reads a binding but never makes one.
+  if (session && req.update_states) affinity_.Bind(req.session_id, d.worker, clock_());
   if (d.booked) {
     sync_.peers().Released(req.request_id);  // ours now: no dead replica's release may touch it
     // Queued under mu_ so replicas see bookings in this replica's order.
-    sync_.Send(ActiveSequenceEvent::Kind::kAdd, req.request_id, d.worker, p.seq, p.sel.isl, d.overlap_blocks);
+    sync_.Send(ActiveSequenceEvent::Kind::kAdd, req.request_id, d.worker, p.seq, p.sel.isl, d.overlap_blocks,
+               session ? std::string_view(req.session_id) : std::string_view());
     metrics_dirty_.push_back(d.worker);
   }
   counters_.Routed(config_.mode, req.update_states ? std::optional<WorkerKey>(d.worker) : std::nullopt);
   counters_.Answered(kind, "ok");
   const std::uint32_t bs = config_.block_size;
-  const RouteReply reply{.worker_id = d.worker.worker_id,
+  RouteReply reply{.worker_id = d.worker.worker_id,
                          .dp_rank = d.worker.dp_rank,
                          .overlap_blocks = d.overlap_blocks,
                          .request_blocks = p.sel.request_blocks,
                          .cached_tokens = static_cast<std::uint32_t>(std::min<std::uint64_t>(
                              std::uint64_t{d.overlap_blocks} * bs, std::numeric_limits<std::uint32_t>::max())),
-                         .queued_ms = queued_ms};
+                         .queued_ms = queued_ms,
+                         .http_url = registry_.HttpUrl(d.worker.worker_id)};
   if (observer_) observer_(kind, reply);
   return reply;
 }
@@ -229,6 +247,7 @@ void Routing::Tick(Outbox& out) {
     sync_.peers().Prune([&](const std::string& id) { return load.WorkerOf(id) == nullptr; });
   }
   scheduler_.ExpirePredictions(now);
+  affinity_.Expire(now);
   // The clock again: `now` was read before the mutex, and a deadline passed while waiting for
   // it must count.
   queue_.Expire(clock_(), [&](QueuedRoute&& q) {
@@ -267,6 +286,9 @@ void Routing::FillStats(StatsReply& r) const {
   r.counters["predicted_blocks"] = approx ? approx->size() : 0;
   r.counters["predictions_expired"] = approx ? approx->expired() : 0;
   r.counters["predictions_pruned"] = approx ? approx->pruned() : 0;
+  r.counters["session_bindings"] = affinity_.size();
+  r.counters["session_hits"] = session_hits_;
+  r.counters["session_bindings_evicted"] = affinity_.evicted();
 }
 
 }  // namespace kvrouter

@@ -1,7 +1,8 @@
 // Routing: the decision half of the router (docs/design.md "Selection", "Queue", "Approximate
-// mode"), one routing mutex over four pieces with one job each: the Scheduler (candidates,
-// selection, booking, predictions), the AdmissionQueue (requests held back while their ranks are
-// full), ReplicaSync (bookings shared with other replicas) and RouteCounters. Routing takes the
+// mode"), one routing mutex over pieces with one job each: the Scheduler (candidates, selection,
+// booking, predictions), the AdmissionQueue (requests held back while their ranks are full),
+// SessionAffinity (the rank each session last went to), ReplicaSync (bookings shared with other
+// replicas) and RouteCounters. Routing takes the
 // ranks from the worker registry, reads the event index before its mutex, and wires the pieces:
 // a decision books, syncs, counts and answers; a drop in load drains the queue.
 //
@@ -27,6 +28,7 @@
 #include "router/scheduling/admission_queue.h"
 #include "router/scheduling/replica_sync.h"
 #include "router/scheduling/scheduler.h"
+#include "router/scheduling/session_affinity.h"
 #include "router/service/config.h"
 #include "router/service/outbox.h"
 #include "router/service/route_counters.h"
@@ -93,7 +95,8 @@ class Routing {
   // The ranks `req` may go to as candidates (overlaps sorted in place); `no_workers` when none.
   Result<std::vector<Candidate>> CandidatesLocked(const RouteRequest& req, std::span<const SequenceHash> seq,
                                                   OverlapScores& overlaps) const KV_REQUIRES(mu_);
-  // Select among `cands`, book, sync, count, observe.
+  // Select among `cands` (the session's bound rank when it is one of them and not full), book,
+  // bind the session, sync, count, observe.
   Result<RouteReply> DecideLocked(Kind kind, const RouteRequest& req, const PreparedRequest& p,
                                   std::span<const Candidate> cands, double queued_ms) KV_REQUIRES(mu_);
   // A decided request: its reply, or for router.generate its forward.
@@ -121,7 +124,9 @@ class Routing {
   Scheduler scheduler_ KV_GUARDED_BY(mu_);
   AdmissionQueue queue_ KV_GUARDED_BY(mu_);
   ReplicaSync sync_ KV_GUARDED_BY(mu_);
+  SessionAffinity affinity_ KV_GUARDED_BY(mu_);
   RouteCounters counters_ KV_GUARDED_BY(mu_);
+  std::uint64_t session_hits_ KV_GUARDED_BY(mu_) = 0;  // decisions that followed a session's binding
   std::uint64_t generated_ids_ KV_GUARDED_BY(mu_) = 0;       // request ids made up for generate
   std::vector<WorkerKey> metrics_dirty_ KV_GUARDED_BY(mu_);  // loads to publish
 };

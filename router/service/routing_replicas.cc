@@ -52,6 +52,8 @@ void Routing::ApplyReplica(const ActiveSequenceEvent& e, Outbox& out) {
                     clock_())) {
         peers.Booked(e.router_id, e.request_id, clock_());
       }
+      // The peer bound the session: so does this replica, whichever one its next request reaches.
+      if (!e.session_id.empty()) affinity_.Bind(e.session_id, {e.worker_id, e.dp_rank}, clock_());
       return;
     }
     case ActiveSequenceEvent::Kind::kPrefillDone:

@@ -221,9 +221,13 @@ std::vector<std::uint64_t> WorkerRegistry::ExpireLeases(SteadyTime now) {
 
 Result<std::vector<RankInfo>> WorkerRegistry::Ranks(std::optional<std::uint64_t> pin,
                                                     std::optional<std::uint32_t> dp_rank,
-                                                    const std::optional<std::vector<std::uint64_t>>& allowed) const {
+                                                    const std::optional<std::vector<std::uint64_t>>& allowed,
+                                                    const std::optional<std::vector<std::uint64_t>>& excluded) const {
   std::vector<RankInfo> out;
+  std::vector<std::uint64_t> skip = excluded.value_or(std::vector<std::uint64_t>{});
+  std::sort(skip.begin(), skip.end());
   auto add_worker = [&](const Worker& w) {
+    if (std::binary_search(skip.begin(), skip.end(), w.reg.worker_id)) return;
     const std::uint64_t end = std::uint64_t{w.reg.dp_start} + w.reg.dp_size;
     RankInfo r{.worker = {w.reg.worker_id, 0},
                .is_cpu = w.reg.device == "cpu",
@@ -248,8 +252,10 @@ Result<std::vector<RankInfo>> WorkerRegistry::Ranks(std::optional<std::uint64_t>
   if (pin) {
     auto it = workers_.find(*pin);
     if (it == workers_.end()) return NotFound(fmt::format("worker {} is not registered", *pin));
+    if (dp_rank && !Serves(it->second.reg, *dp_rank)) {
+      return NotFound(fmt::format("worker {} has no dp rank {}", *pin, *dp_rank));
+    }
     add_worker(it->second);
-    if (out.empty()) return NotFound(fmt::format("worker {} has no dp rank {}", *pin, *dp_rank));
   } else if (allowed) {
     // Look the allowed ids up (ascending, each once) rather than test every worker against them.
     std::vector<std::uint64_t> ids = *allowed;
@@ -262,6 +268,12 @@ Result<std::vector<RankInfo>> WorkerRegistry::Ranks(std::optional<std::uint64_t>
     for (const auto& [id, w] : workers_) add_worker(w);
   }
   return out;
+}
+
+std::string WorkerRegistry::HttpUrl(std::uint64_t worker_id) const {
+  KvReaderLock g(mu_);
+  auto it = workers_.find(worker_id);
+  return it == workers_.end() ? std::string() : it->second.reg.http_url;
 }
 
 bool WorkerRegistry::HasRank(WorkerKey worker) const {

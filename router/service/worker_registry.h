@@ -104,11 +104,15 @@ class WorkerRegistry {
   bool leases_paused() const { return paused_.load(); }
 
   // Ranks a request may go to, ascending by (worker_id, dp_rank): a pinned worker (and rank),
-  // else the allowed ids (each looked up), else every worker; `dp_rank` filters ranks.
-  // NotFound for an unknown pinned worker or rank; an empty result is not an error here.
+  // else the allowed ids (each looked up), else every worker; `dp_rank` filters ranks and
+  // `excluded` workers are left out. NotFound for an unknown pinned worker or rank; an empty
+  // result is not an error here.
   Result<std::vector<RankInfo>> Ranks(std::optional<std::uint64_t> pin, std::optional<std::uint32_t> dp_rank,
-                                      const std::optional<std::vector<std::uint64_t>>& allowed) const;
+                                      const std::optional<std::vector<std::uint64_t>>& allowed,
+                                      const std::optional<std::vector<std::uint64_t>>& excluded = std::nullopt) const;
   bool HasRank(WorkerKey worker) const;
+  // The worker's announced OpenAI base URL (section 11); empty when unknown or none.
+  std::string HttpUrl(std::uint64_t worker_id) const;
   // Ranks [offset, offset + limit) in ascending order, and the number of ranks in all.
   std::vector<RankEntry> Page(std::uint64_t offset, std::uint32_t limit, std::uint64_t* total) const;
 

@@ -54,6 +54,33 @@ TEST(WorkerRegistrationCodec, RegistrationRoundTrips) {
   EXPECT_EQ(*r, reg);
 }
 
+TEST(WorkerRegistrationCodec, HttpUrlAndModelsRoundTripAndATrailingSlashIsDropped) {
+  WorkerRegistration reg{.worker_id = 3, .http_url = "http://10.0.0.7:8000/", .models = {"llama", "qwen"}};
+  auto r = DecodeWorkerRegistration(AsBytes(EncodeWorkerRegistration(reg)));
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->http_url, "http://10.0.0.7:8000");
+  EXPECT_EQ(r->models, (std::vector<std::string>{"llama", "qwen"}));
+  reg = {.worker_id = 3};
+  r = DecodeWorkerRegistration(AsBytes(EncodeWorkerRegistration(reg)));
+  ASSERT_TRUE(r.ok());
+  EXPECT_TRUE(r->http_url.empty());
+  EXPECT_TRUE(r->models.empty());
+}
+
+TEST(WorkerRegistrationCodec, AnHttpUrlOrModelListOutOfBoundsIsInvalidArgument) {
+  auto decode = [](WorkerRegistration reg) { return DecodeWorkerRegistration(AsBytes(EncodeWorkerRegistration(reg))); };
+  EXPECT_EQ(decode({.worker_id = 1, .http_url = "ftp://x"}).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(decode({.worker_id = 1, .http_url = "http://" + std::string(kMaxUrlBytes, 'a')}).status().code(),
+            StatusCode::kInvalidArgument);
+  WorkerRegistration many{.worker_id = 1};
+  many.models.assign(kMaxModels + 1, "m");
+  EXPECT_EQ(decode(many).status().code(), StatusCode::kInvalidArgument);
+  many.models.assign(kMaxModels, "m");
+  EXPECT_TRUE(decode(many).ok());
+  EXPECT_EQ(decode({.worker_id = 1, .models = {std::string(kMaxNameBytes + 1, 'm')}}).status().code(),
+            StatusCode::kInvalidArgument);
+}
+
 TEST(WorkerRegistrationCodec, DefaultsApplyToAbsentFields) {
   auto body = MapOf(2, [](TestPacker& p) {
     p.Key("worker_id");
@@ -202,7 +229,9 @@ TEST(RouteRequestCodec, TokenRequestRoundTrips) {
                    .allowed_worker_ids = std::vector<std::uint64_t>{5, 6},
                    .config_override = {.overlap_score_credit = 1.5, .router_temperature = 0},
                    .timeout_ms = 2500,
-                   .max_tokens = 64};
+                   .max_tokens = 64,
+                   .session_id = "chat-7",
+                   .excluded_worker_ids = std::vector<std::uint64_t>{9}};
   auto r = DecodeRouteRequest(AsBytes(EncodeRouteRequest(req)));
   ASSERT_TRUE(r.ok()) << r.status().ToString();
   EXPECT_EQ(*r, req);
@@ -540,6 +569,10 @@ TEST(RouteReplyCodec, RouteReplyRoundTrips) {
   auto r = DecodeRouteReply(AsBytes(EncodeRouteReply(reply)));
   ASSERT_TRUE(r.ok()) << r.status().ToString();
   EXPECT_EQ(*r, reply);
+  reply.http_url = "http://engine-3:8000";
+  r = DecodeRouteReply(AsBytes(EncodeRouteReply(reply)));
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(*r, reply);
   EXPECT_TRUE(DecodeErrorReply(AsBytes(EncodeRouteReply(reply))).ok());
 }
 
@@ -639,6 +672,15 @@ TEST(LifecycleCodec, TruncatedBodyIsAnError) {
 namespace kvrouter {
 namespace {
 
+TEST(LifecycleCodec, AFreeCarriesTheEnginesTimingAndAPlainOneDoesNot) {
+  const ResponseTiming t{.ttfb_ms = 12.5, .chunks = 17, .inter_chunk_ms_mean = 3.25, .inter_chunk_ms_max = 9};
+  const auto body = EncodeLifecycleRequest("r1", t);
+  EXPECT_EQ(*DecodeLifecycleRequest(AsBytes(body)), "r1");
+  EXPECT_EQ(DecodeResponseTiming(AsBytes(body)), t);
+  EXPECT_FALSE(DecodeResponseTiming(AsBytes(EncodeLifecycleRequest("r1"))));
+  EXPECT_FALSE(DecodeResponseTiming(AsBytes(EncodeLifecycleRequest("r1", {.ttfb_ms = -1}))));  // not a time
+}
+
 TEST(ActiveSequenceCodec, RoundTripsEveryKind) {
   for (auto kind :
        {ActiveSequenceEvent::Kind::kAdd, ActiveSequenceEvent::Kind::kPrefillDone, ActiveSequenceEvent::Kind::kFree}) {
@@ -650,7 +692,8 @@ TEST(ActiveSequenceCodec, RoundTripsEveryKind) {
                           .seq_hashes = {1, ~0ull},
                           .isl = 100,
                           .overlap_blocks = 2,
-                          .epoch = 7};
+                          .epoch = 7,
+                          .session_id = kind == ActiveSequenceEvent::Kind::kAdd ? "chat-7" : ""};
     auto back = DecodeActiveSequenceEvent(AsBytes(EncodeActiveSequenceEvent(e)));
     ASSERT_TRUE(back.ok()) << back.status().ToString();
     EXPECT_EQ(*back, e);

@@ -27,6 +27,9 @@ class SeedWriter {
   explicit SeedWriter(fs::path root) : root_(std::move(root)) {}
 
   bool Write(std::string_view target, const msgpack::sbuffer& body) {
+    return Write(target, std::string_view(body.data(), body.size()));
+  }
+  bool Write(std::string_view target, std::string_view body) {
     const fs::path dir = root_ / target;
     std::error_code ec;
     fs::create_directories(dir, ec);
@@ -188,6 +191,16 @@ bool WriteAll(SeedWriter& w) {
   ok &= w.Write(
       "fuzz_worker_codec",
       EncodeKvMetrics({.worker_id = 5, .dp_rank = 1, .active_decode_blocks = 300, .active_prefill_tokens = 4096}));
+  // The gateway: whole HTTP requests as clients send them, and engines' render answers.
+  ok &= w.Write("fuzz_gateway_request",
+                std::string_view("POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+                                 "x-request-id: r1\r\nContent-Length: 71\r\n\r\n"
+                                 "{\"model\":\"m\",\"stream\":true,\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]}"));
+  ok &= w.Write("fuzz_gateway_request",
+                std::string_view("POST /v1/completions HTTP/1.1\r\nHost: gw\r\nTransfer-Encoding: chunked\r\n\r\n"
+                                 "1b\r\n{\"model\":\"m\",\"prompt\":\"ab\"}\r\n0\r\n\r\n"));
+  ok &= w.Write("fuzz_gateway_request", std::string_view("{\"token_ids\":[1,2,3]}"));
+  ok &= w.Write("fuzz_gateway_request", std::string_view("[{\"token_ids\":[4]}]"));
   return ok;
 }
 

@@ -89,6 +89,8 @@ void FakeVllmEngine::ServeReplays() {
     std::vector<zmq::message_t> req;
     if (!zmq::recv_multipart(*s_->router, std::back_inserter(req))) continue;  // 50 ms timeout
     if (req.size() != 3) continue;                                             // [identity, "", start_seq]
+    ++replay_requests_;
+    if (replays_muted_) continue;
     const std::string identity = req[0].to_string();
     const std::int64_t start = ReadSeq(req[2]);
     std::vector<std::pair<std::int64_t, std::string>> batches;

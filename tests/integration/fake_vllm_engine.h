@@ -3,8 +3,8 @@
 // and, optionally, a ROUTER replay socket answering ["", start_seq] with every buffered batch
 // from start_seq on, ["", seq, payload] each, then ["", -1, ""] (the end).
 //
-// Thread contract: Publish/Restart/Forget from the test thread; the replay socket is served by
-// the engine's own thread; a mutex guards the buffer.
+// Thread contract: Publish, Restart, Forget and MuteReplays from the test thread, replay_requests
+// from any; the replay socket is served by the engine's own thread; a mutex guards the buffer.
 //
 //   FakeVllmEngine engine(/*with_replay=*/true);  engine.Publish({stored}, /*deliver=*/false);
 #pragma once
@@ -37,6 +37,10 @@ class FakeVllmEngine {
   void Restart();
   // Batches up to `seq` leave the buffer (replays no longer have them).
   void Forget(std::int64_t seq);
+  // From now on replay requests are read (and counted) but never answered: an engine that hangs.
+  void MuteReplays() { replays_muted_ = true; }
+  // Replay requests received so far.
+  int replay_requests() const { return replay_requests_.load(); }
 
  private:
   struct Sockets;
@@ -49,6 +53,8 @@ class FakeVllmEngine {
   std::map<std::int64_t, std::string> buffer_;  // seq -> payload
   std::int64_t next_seq_ = 0;
   std::atomic<bool> stopping_{false};
+  std::atomic<bool> replays_muted_{false};
+  std::atomic<int> replay_requests_{0};
   std::thread replay_thread_;
 };
 

@@ -2,6 +2,7 @@
 
 #include <arpa/inet.h>
 #include <fcntl.h>
+#include <linux/close_range.h>
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/prctl.h>
@@ -18,6 +19,7 @@
 #include <fstream>
 #include <iterator>
 #include <map>
+#include <random>
 #include <sstream>
 #include <thread>
 
@@ -122,6 +124,10 @@ Result<std::unique_ptr<ChildProcess>> ChildProcess::Start(std::vector<std::strin
     if (devnull >= 0) ::dup2(devnull, STDIN_FILENO);
     ::dup2(log_fd, STDOUT_FILENO);
     ::dup2(log_fd, STDERR_FILENO);
+    // Nothing else crosses the exec: a descriptor the test opened without close-on-exec (Asio's
+    // sockets, e.g. an HttpListener's acceptor) would keep its port bound in the child after the
+    // test closed it.
+    ::close_range(3, ~0U, CLOSE_RANGE_CLOEXEC);
     ::execve(exe.c_str(), args.data(), envp.data());
     ::_exit(127);
   }
@@ -296,6 +302,45 @@ void NatsServerProcess::Stop() {
 Status NatsServerProcess::Restart() {
   Stop();
   return Launch();
+}
+
+namespace {
+
+bool PortBindable(int port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<std::uint16_t>(port));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
+  ::close(fd);
+  return ok;
+}
+
+// The kernel's first ephemeral port: outgoing connections take ports from there on, so a run
+// picked below it cannot be taken by a client socket between the pick and the listener's bind.
+int FirstEphemeralPort() {
+  std::ifstream in("/proc/sys/net/ipv4/ip_local_port_range");
+  int low = 0;
+  if (in >> low && low > 2048) return low;
+  return 32768;
+}
+
+}  // namespace
+
+Result<int> PickFreePortRun(int n) {
+  const int top = FirstEphemeralPort() - n;
+  constexpr int kBottom = 20000;
+  if (top <= kBottom) return Internal("no room for a run of ports below the ephemeral range");
+  std::mt19937 rng(std::random_device{}());
+  std::uniform_int_distribution<int> pick(kBottom, top);
+  for (int attempt = 0; attempt < 200; ++attempt) {
+    const int base = pick(rng);
+    bool all = true;
+    for (int i = 0; i < n && all; ++i) all = PortBindable(base + i);
+    if (all) return base;
+  }
+  return Internal("no run of free ports");
 }
 
 }  // namespace kvrouter::testing

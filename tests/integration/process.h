@@ -32,7 +32,8 @@ bool WaitFor(const std::function<bool()>& cond, std::chrono::milliseconds timeou
 class ChildProcess {
  public:
   // Starts argv[0] (a path; looked up in PATH when it has no '/') with the current environment
-  // plus `extra_env` (NAME, value; overrides). stdout and stderr are appended to `log_path`.
+  // plus `extra_env` (NAME, value; overrides). stdout and stderr are appended to `log_path`; stdin
+  // is /dev/null, and no other descriptor of the test reaches the child.
   static Result<std::unique_ptr<ChildProcess>> Start(std::vector<std::string> argv, std::string log_path,
                                                      std::vector<std::pair<std::string, std::string>> extra_env = {});
 
@@ -66,6 +67,10 @@ std::string FindExecutable(const std::string& name, const std::vector<std::strin
 
 // A free TCP port on 127.0.0.1 right now (bind to port 0, read it, close).
 Result<int> PickFreePort();
+// The first of n consecutive ports free on 127.0.0.1 right now (kvmocker's worker i listens on
+// the first + i), taken at random below the kernel's ephemeral range so that no client socket of
+// a test running beside it takes one before the program binds it.
+Result<int> PickFreePortRun(int n);
 
 // The whole text of a file ("" when it cannot be read): a program's log in a failure message.
 std::string ReadFile(const std::string& path);

@@ -3,6 +3,7 @@
 #include "tests/integration/process.h"
 
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/socket.h>
@@ -47,6 +48,25 @@ TEST(ChildProcessTest, OutputAndExtraEnvironmentGoToTheLog) {
   const std::string text = ReadFile(log);
   EXPECT_NE(text.find("out=forty-two"), std::string::npos) << text;
   EXPECT_NE(text.find("err"), std::string::npos) << text;
+  std::filesystem::remove(log);
+}
+
+TEST(ChildProcessTest, AChildInheritsNoDescriptorButItsStandardOnes) {
+  const std::string log = TempLog("fds");
+  // A listening socket without close-on-exec, as Asio opens them, at a number the shell never uses.
+  const int s = ::socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(s, 0);
+  const int high = ::fcntl(s, F_DUPFD, 100);
+  ASSERT_GE(high, 100);
+  auto child = ChildProcess::Start(
+      {"sh", "-c", "if [ -e /proc/$$/fd/" + std::to_string(high) + " ]; then echo inherited; else echo closed; fi"},
+      log);
+  ASSERT_TRUE(child.ok()) << child.status().ToString();
+  ASSERT_TRUE(WaitFor([&] { return !(*child)->Running(); }, 5s));
+  const std::string text = ReadFile(log);
+  EXPECT_NE(text.find("closed"), std::string::npos) << text;
+  ::close(high);
+  ::close(s);
   std::filesystem::remove(log);
 }
 

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "events/worker_publisher.h"
@@ -417,6 +418,116 @@ TEST(MockEngine, PrefillsAdmittedTogetherAreBatchedIntoOneStep) {
   EXPECT_DOUBLE_EQ(d, MockPrefillMs(800, 1));
   EXPECT_DOUBLE_EQ(h.Find("a", EngineOutput::kFirstToken)->at_ms, d);
   EXPECT_DOUBLE_EQ(h.Find("b", EngineOutput::kFirstToken)->at_ms, d);
+}
+
+// ---- Per-token outputs and aborts ----
+
+TEST(MockEngine, ByDefaultOnlyTheFirstTokenAndTheFinishAreReported) {
+  EngineHarness h({.block_size = 4});
+  h.Add("a", Tokens(1, 8), 5);
+  h.RunUntilIdle();
+  EXPECT_EQ(h.CountKind(EngineOutput::kToken), 0u);
+  EXPECT_EQ(h.CountKind(EngineOutput::kFirstToken), 1u);
+  EXPECT_EQ(h.CountKind(EngineOutput::kFinished), 1u);
+  EXPECT_EQ(h.outputs.size(), 2u);
+}
+
+TEST(MockEngine, EveryTokenOutputsReportEachLaterTokenAtTheEndOfItsStep) {
+  EngineHarness h({.block_size = 4, .outputs = EngineOutputs::kEveryToken});
+  h.Add("a", Tokens(1, 8), 4);
+  std::vector<double> step_ends;
+  while (!h.engine().Idle()) {
+    h.Step();
+    step_ends.push_back(h.now);
+  }
+  ASSERT_EQ(step_ends.size(), 4u);  // one token per step
+  // kFirstToken (token 1), kToken for tokens 2, 3, 4, then kFinished after the last kToken.
+  ASSERT_EQ(h.outputs.size(), 5u);
+  EXPECT_EQ(h.outputs[0].kind, EngineOutput::kFirstToken);
+  EXPECT_EQ(h.outputs[0].output_tokens, 1u);
+  for (std::uint32_t k = 1; k < 4; ++k) {
+    EXPECT_EQ(h.outputs[k].kind, EngineOutput::kToken);
+    EXPECT_EQ(h.outputs[k].output_tokens, k + 1);
+    EXPECT_DOUBLE_EQ(h.outputs[k].at_ms, step_ends[k]);
+  }
+  EXPECT_EQ(h.outputs[4].kind, EngineOutput::kFinished);
+  EXPECT_EQ(h.outputs[4].output_tokens, 4u);
+  EXPECT_DOUBLE_EQ(h.outputs[4].at_ms, step_ends[3]);
+}
+
+TEST(MockEngine, EveryTokenOutputsChangeNeitherTimingNorEvents) {
+  const auto run = [](EngineOutputs outputs) {
+    EngineHarness h({.num_gpu_blocks = 12, .block_size = 4, .max_num_seqs = 3, .outputs = outputs});
+    for (std::uint32_t i = 0; i < 6; ++i) h.Add(std::to_string(i), Tokens(1 + 100 * (i % 4), 9), 2 + i);
+    std::vector<double> steps;
+    while (!h.engine().Idle()) steps.push_back(h.Step());
+    std::erase_if(h.outputs, [](const EngineOutput& o) { return o.kind == EngineOutput::kToken; });
+    std::vector<std::pair<std::string, double>> outs;
+    for (const auto& o : h.outputs) outs.emplace_back(o.id + "/" + std::to_string(o.kind), o.at_ms);
+    return std::tuple(steps, outs, h.events);
+  };
+  EXPECT_EQ(run(EngineOutputs::kFirstAndFinish), run(EngineOutputs::kEveryToken));
+}
+
+TEST(MockEngine, AbortingAWaitingRequestRemovesItWithoutTouchingTheCache) {
+  EngineHarness h({.num_gpu_blocks = 16, .block_size = 4, .max_num_seqs = 1});
+  h.Add("a", Tokens(1, 8), 3);
+  h.Step();  // a runs; b waits behind max_num_seqs
+  h.Add("b", Tokens(100, 8), 3);
+  EXPECT_EQ(h.engine().NumWaiting(), 1u);
+  EXPECT_TRUE(h.engine().Abort("b"));
+  EXPECT_EQ(h.engine().NumWaiting(), 0u);
+  h.RunUntilIdle();
+  EXPECT_EQ(h.Find("b", EngineOutput::kFirstToken), nullptr);
+  EXPECT_EQ(h.Find("b", EngineOutput::kFinished), nullptr);
+  EXPECT_EQ(h.engine().CachedBlocks(), 2u);  // a's only
+  EXPECT_EQ(h.events.size(), 1u);
+}
+
+TEST(MockEngine, AbortingARunningRequestReleasesItsBlocksWhichStayCached) {
+  EngineHarness h({.num_gpu_blocks = 16, .block_size = 4, .outputs = EngineOutputs::kEveryToken});
+  const auto prompt = Tokens(1, 10);
+  h.Add("a", prompt, 100);
+  h.Step();
+  h.Step();
+  ASSERT_EQ(h.engine().NumRunning(), 1u);
+  EXPECT_EQ(h.engine().ActiveBlocks(), 2u);
+  EXPECT_TRUE(h.engine().Abort("a"));
+  EXPECT_TRUE(h.engine().Idle());
+  EXPECT_EQ(h.engine().ActiveBlocks(), 0u);
+  EXPECT_EQ(h.engine().CachedBlocks(), 2u);
+  EXPECT_EQ(h.Step(), 0.0);  // nothing more for it
+  EXPECT_EQ(h.Find("a", EngineOutput::kFinished), nullptr);
+  EXPECT_FALSE(h.engine().Abort("a"));
+
+  // The same prompt again finds both blocks; they were released, not removed.
+  h.Add("a2", prompt, 1);
+  h.RunUntilIdle();
+  ASSERT_NE(h.Find("a2", EngineOutput::kFinished), nullptr);
+  EXPECT_EQ(h.Find("a2", EngineOutput::kFinished)->cached_tokens, 8u);
+  EXPECT_EQ(h.events.size(), 1u);
+}
+
+TEST(MockEngine, AbortedBlocksAreEvictableLeavesFirst) {
+  EngineHarness h({.num_gpu_blocks = 3, .block_size = 4});
+  h.Add("a", Tokens(1, 12), 100);  // all three blocks
+  h.Step();
+  EXPECT_TRUE(h.engine().Abort("a"));
+  h.Add("b", Tokens(1, 4), 1);    // shares a's first block
+  h.Add("c", Tokens(500, 8), 1);  // needs two: a's tail goes, deepest first
+  h.RunUntilIdle();
+  ASSERT_NE(h.Find("c", EngineOutput::kFinished), nullptr);
+  ASSERT_EQ(h.events.size(), 3u);
+  const auto seq = SeqHashes(Tokens(1, 12), 4);
+  EXPECT_EQ(RemovedOf(h.events[1]).block_hashes, (std::vector<SequenceHash>{seq[2], seq[1]}));
+}
+
+TEST(MockEngine, AbortOfAnUnknownIdIsRefused) {
+  EngineHarness h({.block_size = 4});
+  EXPECT_FALSE(h.engine().Abort("nobody"));
+  h.Add("a", Tokens(1, 4), 1);
+  h.RunUntilIdle();
+  EXPECT_FALSE(h.engine().Abort("a"));  // finished
 }
 
 // ---- Events replay exactly ----

@@ -39,6 +39,44 @@ TEST(MockerConfigTest, DefaultsMatchTheDesign) {
   EXPECT_EQ(c.heartbeat_ms, 1000u);
   EXPECT_EQ(c.lease_ms, 3000u);
   EXPECT_EQ(c.device, "gpu");
+  EXPECT_EQ(c.http_port, 0u);
+  EXPECT_EQ(c.http_host, "0.0.0.0");
+  EXPECT_EQ(c.http_advertise_host, "127.0.0.1");
+  EXPECT_EQ(c.model, "mock");
+  EXPECT_EQ(c.http_max_body_bytes, 16u << 20);
+  EXPECT_EQ(WorkerHttpUrl(c, 0), "");  // the HTTP face is off
+}
+
+TEST(MockerConfigTest, WorkerIListensOnHttpPortPlusIAndAnnouncesTheAdvertisedHost) {
+  auto p = Parse({"--http-port", "8100", "--num-workers", "3", "--model", "llama"});
+  ASSERT_TRUE(p.ok()) << p.status().ToString();
+  EXPECT_EQ(p->config.model, "llama");
+  EXPECT_EQ(WorkerHttpUrl(p->config, 0), "http://127.0.0.1:8100");
+  EXPECT_EQ(WorkerHttpUrl(p->config, 2), "http://127.0.0.1:8102");
+
+  auto compose = Parse({"--http-port", "8000"}, {{"DYN_HTTP_ADVERTISE_HOST", "mocker-1"}});
+  ASSERT_TRUE(compose.ok()) << compose.status().ToString();
+  EXPECT_EQ(WorkerHttpUrl(compose->config, 0), "http://mocker-1:8000");
+
+  auto host = Parse({"--http-port", "8000", "--http-host", "10.1.2.3"});
+  ASSERT_TRUE(host.ok());
+  EXPECT_EQ(host->config.http_advertise_host, "10.1.2.3");  // not a wildcard: itself
+  EXPECT_EQ(WorkerHttpUrl(host->config, 0), "http://10.1.2.3:8000");
+
+  auto loopback = Parse({"--http-port", "8000", "--http-host", "127.0.0.1"});
+  ASSERT_TRUE(loopback.ok());
+  EXPECT_EQ(loopback->config.http_advertise_host, "127.0.0.1");
+  auto any6 = Parse({"--http-port", "8000", "--http-host", "::"});
+  ASSERT_TRUE(any6.ok());
+  EXPECT_EQ(any6->config.http_advertise_host, "127.0.0.1");
+  auto v6 = Parse({"--http-port", "8000", "--http-host", "::1"});
+  ASSERT_TRUE(v6.ok());
+  EXPECT_EQ(WorkerHttpUrl(v6->config, 0), "http://[::1]:8000");
+
+  // The last worker's port is at most 65535.
+  auto top = Parse({"--http-port", "65534", "--num-workers", "2"});
+  ASSERT_TRUE(top.ok()) << top.status().ToString();
+  EXPECT_EQ(WorkerHttpUrl(top->config, 1), "http://127.0.0.1:65535");
 }
 
 TEST(MockerConfigTest, EnvironmentFillsFlagsAndTheCommandLineWins) {
@@ -66,6 +104,16 @@ TEST(MockerConfigTest, BadValuesAreRefusedNamingTheFlag) {
       {{"--worker-id-base", "12x"}, "--worker-id-base"},
       {{"--max-num-seqs", "many"}, "--max-num-seqs"},
       {{"--no-such-flag"}, "--no-such-flag"},
+      {{"--http-port", "65536"}, "--http-port"},
+      {{"--http-port", "65535", "--num-workers", "2"}, "--http-port"},
+      {{"--http-port", "-1"}, "--http-port"},
+      {{"--http-host", ""}, "--http-host"},
+      {{"--http-advertise-host", "http://x"}, "--http-advertise-host"},
+      {{"--http-advertise-host", "x:80"}, "--http-advertise-host"},
+      {{"--http-advertise-host", ""}, "--http-advertise-host"},
+      {{"--http-max-body-bytes", "0"}, "--http-max-body-bytes"},
+      {{"--model", ""}, "--model"},
+      {{"--model", std::string(257, 'm')}, "--model"},
   };
   for (const auto& [args, flag] : cases) {
     auto p = Parse(args);

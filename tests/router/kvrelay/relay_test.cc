@@ -4,7 +4,10 @@
 // endpoint and registrations follow docs/protocol.md sections 4 and 6.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <map>
+#include <mutex>
+#include <thread>
 
 #include "events/event_codec.h"
 #include "events/message_codec.h"
@@ -12,6 +15,7 @@
 #include "events/vllm_codec.h"
 #include "events/worker_codec.h"
 #include "router/kvrelay/relay.h"
+#include "tests/await.h"
 #include "transport/memory_bus.h"
 
 namespace kvrouter {
@@ -35,6 +39,7 @@ class KvRelayTest : public ::testing::Test {
                                  [this](const BusMessage& m) {
                                    auto b = DecodeDynamoEvent(m.data);
                                    ASSERT_TRUE(b.ok()) << b.status().ToString();
+                                   std::lock_guard g(mu_);
                                    events_.push_back(std::move(b).value());
                                  })
                       .value();
@@ -42,22 +47,27 @@ class KvRelayTest : public ::testing::Test {
                                [this](const BusMessage& m) {
                                  auto r = DecodeWorkerRegistration(m.data);
                                  ASSERT_TRUE(r.ok());
+                                 std::lock_guard g(mu_);
                                  regs_.push_back(*r);
                                })
                     .value();
   }
-  void Make(bool with_replay) {
+  void Make(bool with_replay,
+            RelayOptions options = {.worker_id = kWorker, .block_size = kBs, .total_kv_blocks = 100}) {
     KvRelay::Replay replay;
     if (with_replay) {
       replay = [this](std::int64_t start) -> Result<std::vector<ZmqBatch>> {
         ++replays_;
+        if (hold_replays_) {  // an engine slow to answer: until the test lets it
+          in_replay_ = true;
+          while (hold_replays_.load()) std::this_thread::yield();
+        }
         std::vector<ZmqBatch> out;
         for (auto it = engine_.lower_bound(start); it != engine_.end(); ++it) out.push_back(it->second);
         return out;
       };
     }
-    relay_ = std::make_unique<KvRelay>(RelayOptions{.worker_id = kWorker, .block_size = kBs, .total_kv_blocks = 100},
-                                       bus_, replay, log_);
+    relay_ = std::make_unique<KvRelay>(std::move(options), bus_, replay, log_);
     ASSERT_TRUE(relay_->Start().ok());
   }
   // The engine publishes batch `b` (kept for replays); `deliver` false: lost on the way.
@@ -85,10 +95,14 @@ class KvRelayTest : public ::testing::Test {
   InMemoryBus bus_;
   RateLimitedLog log_{std::chrono::seconds(10), nullptr, [](LogLevel, std::string_view) {}};
   std::unique_ptr<BusSubscription> events_sub_, regs_sub_;
+  // events_ and regs_ are filled on the publishing thread: a test that publishes from two
+  // threads reads them under mu_ (the others once their single thread is done).
+  std::mutex mu_;
   std::vector<KvEventBatch> events_;
   std::vector<WorkerRegistration> regs_;
   std::map<std::int64_t, ZmqBatch> engine_;
-  int replays_ = 0;
+  std::atomic<int> replays_{0};
+  std::atomic<bool> hold_replays_{false}, in_replay_{false};
   std::unique_ptr<KvRelay> relay_;
 };
 
@@ -201,6 +215,150 @@ TEST_F(KvRelayTest, ServesRecoveryAndRegistersWithHeartbeatsThenLeaves) {
   relay_->Stop();
   ASSERT_EQ(regs_.size(), 3u);
   EXPECT_TRUE(regs_.back().leaving);
+}
+
+TEST_F(KvRelayTest, RegistrationsCarryTheEnginesUrlAndModels) {
+  Make(true,
+       {.worker_id = kWorker, .block_size = kBs, .http_url = "http://127.0.0.1:8001", .models = {"llama", "qwen"}});
+  relay_->Tick(std::chrono::steady_clock::now() + std::chrono::seconds(2));
+  relay_->Stop();
+  ASSERT_EQ(regs_.size(), 3u);  // the first, a heartbeat, `leaving`
+  for (const WorkerRegistration& r : regs_) {
+    EXPECT_EQ(r.http_url, "http://127.0.0.1:8001");
+    EXPECT_EQ(r.models, (std::vector<std::string>{"llama", "qwen"}));
+  }
+}
+
+TEST_F(KvRelayTest, WithoutAnEngineUrlRegistrationsCarryNone) {
+  Make(true);
+  ASSERT_EQ(regs_.size(), 1u);
+  EXPECT_EQ(regs_[0].http_url, "");
+  EXPECT_TRUE(regs_[0].models.empty());
+}
+
+RelayOptions Watched() {
+  return {.worker_id = kWorker,
+          .block_size = kBs,
+          .http_url = "http://127.0.0.1:8001",
+          .models = {"m"},
+          .register_when = RegisterWhen::kEngineUp};
+}
+
+TEST_F(KvRelayTest, AWatchedEngineIsRegisteredOnlyOnceItIsUp) {
+  Make(true, Watched());
+  const SteadyTime now = std::chrono::steady_clock::now();
+  relay_->Tick(now + std::chrono::hours(1));
+  Engine(Stored(0, 7001, 10));  // an engine still starting: nothing goes out for it
+  EXPECT_TRUE(regs_.empty());
+  EXPECT_TRUE(events_.empty());
+  EXPECT_FALSE(relay_->registered());
+  EXPECT_EQ(relay_->counters().batches_engine_down, 1u);
+
+  EXPECT_TRUE(relay_->EngineUp(now));
+  EXPECT_FALSE(relay_->EngineUp(now));  // once
+  ASSERT_EQ(regs_.size(), 1u);
+  EXPECT_FALSE(regs_[0].leaving);
+  EXPECT_EQ(regs_[0].http_url, "http://127.0.0.1:8001");
+  relay_->Tick(now + std::chrono::seconds(2));
+  EXPECT_EQ(regs_.size(), 2u);  // heartbeats
+  Engine(Stored(1, 7002, 20));  // seq 0 was dropped: replayed
+  EXPECT_EQ(Ops(), (std::vector<std::string>{"S7001", "S7002"}));
+}
+
+TEST_F(KvRelayTest, AnEngineThatGoesDownIsClearedAndLeavesAndItsBatchesAreDropped) {
+  Make(true, Watched());
+  const SteadyTime now = std::chrono::steady_clock::now();
+  ASSERT_TRUE(relay_->EngineUp(now));
+  Engine(Stored(0, 7001, 10));
+  Engine(Stored(1, 7002, 20));
+  EXPECT_TRUE(relay_->EngineDown("connection refused"));
+  EXPECT_FALSE(relay_->EngineDown("again"));                            // once
+  EXPECT_EQ(Ops(), (std::vector<std::string>{"S7001", "S7002", "C"}));  // cleared, then
+  ASSERT_EQ(regs_.size(), 2u);
+  EXPECT_TRUE(regs_.back().leaving);  // leaving
+  EXPECT_FALSE(relay_->registered());
+  EXPECT_EQ(relay_->last_seq(), -1);
+  relay_->Tick(now + std::chrono::hours(1));
+  EXPECT_EQ(regs_.size(), 2u);  // no heartbeat
+  Engine(Stored(2, 7003, 30));
+  EXPECT_EQ(events_.size(), 3u);  // dropped
+  EXPECT_EQ(relay_->counters().batches_engine_down, 1u);
+  // The section 6 index is empty: what a router asks when the worker comes back is a fresh view.
+  const auto reply = bus_.Request(RecoverySubject("dynamo", "backend", kWorker, 0), AsBytes(RecoveryQuery{}.Encode()));
+  ASSERT_TRUE(reply.has_value());
+  auto r = DecodeRecoveryReply(*reply, kWorker);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->kind, "tree_dump");
+  EXPECT_TRUE(r->events.empty());
+  EXPECT_EQ(r->last_event_id, 3u);  // event ids go on
+}
+
+TEST_F(KvRelayTest, AnEngineBackUpRegistersAgainAndItsStreamIsReadAsNew) {
+  Make(true, Watched());
+  const SteadyTime now = std::chrono::steady_clock::now();
+  ASSERT_TRUE(relay_->EngineUp(now));
+  Engine(Stored(0, 7001, 10));
+  Engine(Stored(1, 7002, 20));
+  ASSERT_TRUE(relay_->EngineDown("timeout"));
+  // The engine restarted: seq from 0, an empty cache. Its first batch reached the relay while the
+  // health checks had not yet said so; the second comes after.
+  engine_.clear();
+  Engine(Stored(0, 7101, 50));
+  EXPECT_TRUE(relay_->EngineUp(now));
+  EXPECT_FALSE(regs_.back().leaving);
+  Engine(Stored(1, 7102, 60));  // first sight past 0: replayed from 0
+  EXPECT_EQ(Ops(), (std::vector<std::string>{"S7001", "S7002", "C", "S7101", "S7102"}));
+  EXPECT_EQ(relay_->counters().restarts, 0u);  // no second `cleared`: the engine's going down said it
+  EXPECT_EQ(relay_->last_seq(), 1);
+}
+
+TEST_F(KvRelayTest, AHiccupThatKeptTheEnginesCacheIsReplayedFromItsStart) {
+  Make(true, Watched());
+  const SteadyTime now = std::chrono::steady_clock::now();
+  ASSERT_TRUE(relay_->EngineUp(now));
+  Engine(Stored(0, 7001, 10));
+  ASSERT_TRUE(relay_->EngineDown("timeout"));
+  ASSERT_TRUE(relay_->EngineUp(now));
+  Engine(Stored(1, 7002, 20));  // the same engine, seq going on: its whole history is replayed
+  EXPECT_EQ(Ops(), (std::vector<std::string>{"S7001", "C", "S7001", "S7002"}));
+  EXPECT_EQ(relay_->counters().gaps_unrepaired, 0u);
+}
+
+TEST_F(KvRelayTest, StopAfterTheEngineWentDownStillSaysLeavingAndEngineUpIsRefused) {
+  Make(true, Watched());
+  const SteadyTime now = std::chrono::steady_clock::now();
+  ASSERT_TRUE(relay_->EngineUp(now));
+  ASSERT_TRUE(relay_->EngineDown("refused"));
+  relay_->Stop();
+  EXPECT_TRUE(regs_.back().leaving);
+  EXPECT_FALSE(relay_->EngineUp(now));
+  EXPECT_TRUE(regs_.back().leaving);
+}
+
+// Regression (with kvrelay_test's SigtermDuringAReplaySaysLeavingAtOnce): kvrelay now calls Stop
+// from its signal thread while the ZMQ loop may wait in a replay; `leaving` goes out at once and
+// the loop, when the replay returns, publishes nothing more for the worker.
+TEST_F(KvRelayTest, StopDuringAReplaySaysLeavingAndPublishesNothingAfter) {
+  Make(true);
+  Engine(Stored(0, 7001, 10));
+  Engine(Stored(1, 7002, 20), /*deliver=*/false);
+  hold_replays_ = true;
+  std::thread zmq_loop([&] { Engine(Stored(2, 7003, 30)); });  // a gap: waits in the replay
+  ASSERT_TRUE(AwaitTrue([&] { return in_replay_.load(); }));
+  relay_->Stop();  // another thread, the replay still waiting
+  std::size_t events_at_stop = 0;
+  {
+    std::lock_guard g(mu_);
+    ASSERT_FALSE(regs_.empty());
+    EXPECT_TRUE(regs_.back().leaving);
+    events_at_stop = events_.size();
+  }
+  hold_replays_ = false;
+  zmq_loop.join();
+  relay_->Tick(std::chrono::steady_clock::now() + std::chrono::hours(1));
+  relay_->OnBatch(Stored(3, 7004, 40));
+  EXPECT_TRUE(regs_.back().leaving);          // no heartbeat after it
+  EXPECT_EQ(events_.size(), events_at_stop);  // neither the replayed batches nor later ones
 }
 
 }  // namespace

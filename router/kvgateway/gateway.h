@@ -1,0 +1,111 @@
+// Gateway: kvgateway's request path (docs/protocol.md section 11, docs/design.md "Gateway").
+// For POST /v1/chat/completions and /v1/completions: parse just enough of the body (model,
+// stream, the prompt), get the engine's exact token ids from a render endpoint (falling back to
+// /tokenize), ask the router (`route`, with the request id, the session, the workers serving the
+// model and the ones already tried), forward the body unchanged to the chosen engine over a
+// pooled keep-alive connection, and pass its response through as it arrives. mark_prefill goes
+// at the engine's first response byte, free when the response ends, fails or the client goes
+// away (the engine connection is then closed, so the engine aborts). A failure before the first
+// byte reached the client frees the booking and routes again away from that worker, at most
+// --retries times. Also GET /v1/models, /health, /ready and /metrics.
+//
+// Thread contract: Handle runs on HTTP threads; OnRegistration on a NATS thread; Tick on the
+// caller's timer. Each request's state has its own mutex; callbacks never block. Ownership:
+// borrows the HttpClient and the RouterLink, which must outlive it.
+//
+//   Gateway gw(config, client, link);  listener = HttpListener::Start(io, opts, gw.Handler());
+#pragma once
+
+#include <prometheus/counter.h>
+#include <prometheus/gauge.h>
+#include <prometheus/histogram.h>
+#include <prometheus/registry.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "events/base/clock.h"
+#include "events/base/log.h"
+#include "router/kvgateway/config.h"
+#include "router/kvgateway/openai.h"
+#include "router/kvgateway/router_link.h"
+#include "router/kvgateway/worker_directory.h"
+#include "transport/http_client.h"
+#include "transport/http_listener.h"
+
+namespace kvrouter {
+
+class Gateway {
+ public:
+  // A slow client that lets this much of a streamed response pile up is cut off.
+  static constexpr std::size_t kMaxClientBacklog = 8 << 20;
+  // A render or /tokenize answer larger than this is refused (a prompt's ids, not a stream).
+  static constexpr std::size_t kMaxRenderBytes = 64 << 20;
+
+  Gateway(const GatewayConfig& config, HttpClient& client, RouterLink& link);
+
+  HttpRequestHandler Handler();
+  void OnRegistration(const WorkerRegistration& reg, SteadyTime now) { directory_.Apply(reg, now); }
+  void Tick(SteadyTime now) { directory_.Expire(now); }
+  // NATS connected, the router answering, an engine known.
+  bool Ready(SteadyTime now) const;
+  void SetNatsConnected(bool connected) { nats_connected_ = connected; }
+  // From now on nothing is routed again or forwarded: a request whose engine call ends (the
+  // client's Stop cancels them) or whose route answer comes is answered 503 "shutting_down" and
+  // its booking freed. Before HttpClient::Stop, while NATS is still up for the frees.
+  void Stop() { stopping_ = true; }
+  const WorkerDirectory& directory() const { return directory_; }
+
+  // kvgateway_* families as Prometheus text, with the listener's counters.
+  std::string MetricsText(const HttpListener::Counters& http) const;
+  // Where /metrics reads the listener's counters (set once the listener exists).
+  void SetHttpCounters(std::function<HttpListener::Counters()> counters) { http_counters_ = std::move(counters); }
+
+  struct Exchange;  // one client request in flight (gateway.cc)
+
+ private:
+  void Handle(HttpRequest request, std::shared_ptr<HttpReply> reply);
+  void Models(const std::shared_ptr<HttpReply>& reply) const;
+  void Render(const std::shared_ptr<Exchange>& x, std::size_t candidate, bool tokenize);
+  void Route(const std::shared_ptr<Exchange>& x);
+  void Forward(const std::shared_ptr<Exchange>& x);
+  // The engine failed before its first byte reached the client: another worker, or 502.
+  void Retry(const std::shared_ptr<Exchange>& x, const std::string& why);
+  // Records the engine call `seq` as the one a client going away cancels, or cancels it at once
+  // when the exchange ended meanwhile.
+  void KeepCall(const std::shared_ptr<Exchange>& x, std::uint64_t seq, std::shared_ptr<HttpCall> call);
+  // Answers with an OpenAI-shaped error (unless the response has begun) and frees what is booked.
+  void Fail(const std::shared_ptr<Exchange>& x, int status, std::string_view code, const std::string& message,
+            HttpHeaders extra = {});
+  void Free(const std::shared_ptr<Exchange>& x);
+  void Count(std::string_view endpoint, int status);
+
+  const GatewayConfig& config_;
+  HttpClient& client_;
+  RouterLink& link_;
+  WorkerDirectory directory_;
+  std::optional<HttpEndpoint> render_endpoint_;  // --render-url
+  std::atomic<bool> nats_connected_{false};
+  std::atomic<bool> stopping_{false};
+  std::atomic<std::uint64_t> next_id_{0};
+  const std::string id_prefix_;
+  RateLimitedLog log_;
+  std::function<HttpListener::Counters()> http_counters_;
+
+  std::shared_ptr<prometheus::Registry> registry_;
+  prometheus::Family<prometheus::Counter>* requests_ = nullptr;  // {endpoint, code}
+  prometheus::Counter* retries_ = nullptr;
+  prometheus::Counter* clients_gone_ = nullptr;
+  prometheus::Counter* slow_clients_ = nullptr;
+  prometheus::Counter* render_fallbacks_ = nullptr;
+  prometheus::Gauge* in_flight_ = nullptr;
+  prometheus::Histogram* ttfb_ = nullptr;        // request arrival -> engine's first byte
+  prometheus::Histogram* route_time_ = nullptr;  // render + route, before the engine is called
+  prometheus::Histogram* inter_chunk_ = nullptr;
+};
+
+}  // namespace kvrouter

@@ -1,0 +1,161 @@
+// kvgateway: an OpenAI-compatible HTTP front for a fleet of engines behind kvrouter
+// (docs/protocol.md section 11). Clients call /v1/chat/completions or /v1/completions as they
+// would call vLLM; each request is routed by kvrouter (over NATS) and proxied to the chosen
+// engine. Exit codes: 0 clean shutdown (SIGINT/SIGTERM) or --help, 2 bad flags or ports, 1 NATS
+// failure at start.
+#include <sys/resource.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <thread>
+
+#include <fmt/format.h>
+
+#include "router/common/http_server.h"
+#include "router/kvgateway/config.h"
+#include "router/kvgateway/gateway.h"
+#include "router/kvgateway/openai.h"
+#include "router/kvgateway/router_link.h"
+#include "transport/http_client.h"
+#include "transport/http_io.h"
+#include "transport/http_listener.h"
+#include "transport/nats_client.h"
+#include "transport/stop_signals.h"
+
+namespace {
+
+using namespace kvrouter;
+
+// Every client connection is a descriptor: takes the hard limit, and returns how many client
+// connections fit beside the engine connections and the process's own.
+std::uint32_t RaiseDescriptorLimit(std::uint32_t wanted) {
+  rlimit r{};
+  if (getrlimit(RLIMIT_NOFILE, &r) != 0) return wanted;
+  if (r.rlim_cur < r.rlim_max) {
+    r.rlim_cur = r.rlim_max;
+    (void)setrlimit(RLIMIT_NOFILE, &r);
+    (void)getrlimit(RLIMIT_NOFILE, &r);
+  }
+  if (r.rlim_cur == RLIM_INFINITY) return wanted;
+  // An eighth of the descriptors (256 to 4096) stays for engine connections, NATS and files: the
+  // accept loop then meets --max-connections before EMFILE.
+  const rlim_t reserve = std::clamp<rlim_t>(r.rlim_cur / 8, 256, 4096);
+  const rlim_t fit = r.rlim_cur > 2 * reserve ? r.rlim_cur - reserve : r.rlim_cur / 2;
+  return static_cast<std::uint32_t>(std::min<rlim_t>(wanted, fit));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  auto parsed = ParseGatewayConfig(argc, argv, [](const char* name) { return std::getenv(name); });
+  if (!parsed.ok()) {
+    fmt::print(stderr, "kvgateway: {}\n(see kvgateway --help)\n", parsed.status().message());
+    return 2;
+  }
+  if (parsed->help) {
+    fmt::print("{}", parsed->help_text);
+    return 0;
+  }
+  GatewayConfig& cfg = parsed->config;
+  StopSignals stop;  // before any thread starts
+  if (const std::uint32_t fit = RaiseDescriptorLimit(cfg.max_connections); fit < cfg.max_connections) {
+    fmt::print(stderr, "kvgateway W --max-connections {} lowered to {}: the descriptor limit allows no more\n",
+               cfg.max_connections, fit);
+    cfg.max_connections = fit;
+  }
+
+  std::atomic<Gateway*> gateway{nullptr};
+  auto nc = NatsClient::Connect(
+      {.url = cfg.nats_server, .name = "kvgateway", .send_asap = true, .security = cfg.nats_security},
+      {.on_reconnected =
+           [&] {
+             fmt::print(stderr, "kvgateway I NATS connection up\n");
+             if (Gateway* g = gateway.load()) g->SetNatsConnected(true);
+           },
+       .on_disconnected =
+           [&] {
+             fmt::print(stderr, "kvgateway W lost NATS; reconnecting\n");
+             if (Gateway* g = gateway.load()) g->SetNatsConnected(false);
+           }});
+  if (!nc.ok()) {
+    fmt::print(stderr, "kvgateway: cannot connect to {}: {}\n", cfg.nats_server, nc.status().message());
+    return 1;
+  }
+  RouterLink link(**nc, fmt::format("namespace.{}.router.", cfg.ns), std::chrono::milliseconds(cfg.route_timeout_ms));
+  if (Status s = link.Start(); !s.ok()) {
+    fmt::print(stderr, "kvgateway: {}\n", s.message());
+    return 1;
+  }
+  HttpIo io(cfg.io_threads);
+  HttpClient client(io, {});
+  Gateway gw(cfg, client, link);
+  gw.SetNatsConnected((*nc)->IsConnected());
+  gateway = &gw;
+  auto registrations = (*nc)->Subscribe(fmt::format("namespace.{}.component.{}.instances", cfg.ns, cfg.component), "",
+                                        [&](const IncomingMessage& m) {
+                                          if (auto reg = DecodeWorkerRegistration(m.data); reg.ok())
+                                            gw.OnRegistration(*reg, std::chrono::steady_clock::now());
+                                        });
+  if (!registrations.ok()) {
+    fmt::print(stderr, "kvgateway: {}\n", registrations.status().message());
+    return 1;
+  }
+  auto listener =
+      HttpListener::Start(io,
+                          {.host = cfg.http_host,
+                           .port = static_cast<std::uint16_t>(cfg.http_port),
+                           .max_body_bytes = cfg.max_body_bytes,
+                           .max_connections = cfg.max_connections,
+                           .server_name = "kvgateway",
+                           .error_body =
+                               [](int status, std::string_view message) {
+                                 const std::string_view code = status == 413   ? "body_too_large"
+                                                               : status == 431 ? "headers_too_large"
+                                                                               : "bad_request";
+                                 return std::pair<std::string, std::string>(
+                                     "application/json", OpenAiError(message, "invalid_request_error", code));
+                               }},
+                          gw.Handler());
+  if (!listener.ok()) {
+    fmt::print(stderr, "kvgateway: --http-port {}: {}\n", cfg.http_port, listener.status().message());
+    return 2;
+  }
+  HttpListener* http = listener->get();
+  gw.SetHttpCounters([http] { return http->counters(); });
+  std::unique_ptr<HttpServer> metrics;
+  if (cfg.metrics_port > 0) {
+    auto started = StartMetricsServer(
+        cfg.metrics_host, static_cast<int>(cfg.metrics_port), [&] { return gw.MetricsText(http->counters()); },
+        [&] { return gw.Ready(std::chrono::steady_clock::now()); });
+    if (!started.ok()) {
+      fmt::print(stderr, "kvgateway: --metrics-port {}: {}\n", cfg.metrics_port, started.status().message());
+      return 2;
+    }
+    metrics = std::move(started).value();
+  }
+  fmt::print(stderr, "kvgateway I listening on {}:{} (router over {})\n", cfg.http_host, http->port(), cfg.nats_server);
+
+  std::atomic<bool> stopping{false};
+  std::thread ticker([&] {
+    while (!stopping.load()) {
+      const SteadyTime now = std::chrono::steady_clock::now();
+      link.Tick(now);
+      gw.Tick(now);
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));  // the timer's period, not a wait for a state
+    }
+  });
+  const int sig = stop.Wait();
+  fmt::print(stderr, "kvgateway I signal {}: stopping\n", sig);
+  stopping = true;
+  ticker.join();
+  metrics.reset();
+  gw.Stop();
+  (*listener)->Stop();
+  client.Stop();
+  io.Stop();
+  gateway = nullptr;
+  registrations->reset();
+  (*nc)->Drain(std::chrono::seconds(2));
+  return 0;
+}

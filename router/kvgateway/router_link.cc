@@ -1,0 +1,137 @@
+#include "router/kvgateway/router_link.h"
+
+#include <fmt/format.h>
+
+#include <charconv>
+#include <random>
+#include <vector>
+
+#include "events/msgpack_reader.h"
+
+namespace kvrouter {
+
+namespace {
+constexpr std::chrono::seconds kAnsweringWindow{5};
+constexpr std::chrono::seconds kProbeEvery{1};
+constexpr std::uint64_t kProbe = 0;  // the inbox id of stats probes (route ids start at 1)
+}  // namespace
+
+RouterLink::RouterLink(NatsClient& nats, std::string router_prefix, std::chrono::milliseconds timeout)
+    : nats_(nats),
+      prefix_(std::move(router_prefix)),
+      inbox_(fmt::format("_KVGW.{:x}.", std::random_device{}() * 0x9E3779B97F4A7C15ULL ^ std::random_device{}())),
+      timeout_(timeout) {}
+
+Status RouterLink::Start() {
+  auto sub = nats_.Subscribe(inbox_ + "*", "", [this](const IncomingMessage& m) { OnAnswer(m); });
+  if (!sub.ok()) return sub.status();
+  sub_ = std::move(sub).value();
+  return Status::Ok();
+}
+
+void RouterLink::Route(const RouteRequest& request, Done done) {
+  std::uint64_t id = 0;
+  {
+    KvMutexLock g(mu_);
+    if (pending_.size() >= kMaxPending) {
+      g.Unlock();
+      return done(Status(StatusCode::kOverloaded, "too many requests wait for the router"));
+    }
+    id = ++next_;
+    pending_.emplace(id, Pending{std::move(done), std::chrono::steady_clock::now() + timeout_, request.request_id});
+  }
+  RouteRequest timed = request;
+  timed.timeout_ms = static_cast<std::uint32_t>(timeout_.count());
+  const auto body = EncodeRouteRequest(timed);
+  if (Status s = nats_.PublishRequest(prefix_ + "route", inbox_ + std::to_string(id), AsBytes(body)); !s.ok()) {
+    Done failed;
+    {
+      KvMutexLock g(mu_);
+      if (auto it = pending_.find(id); it != pending_.end()) {
+        failed = std::move(it->second.done);
+        pending_.erase(it);
+      }
+    }
+    if (failed) failed(Status(StatusCode::kNoWorkers, "cannot reach the router: " + s.message()));
+  }
+}
+
+void RouterLink::MarkPrefill(const std::string& request_id) {
+  (void)nats_.Publish(prefix_ + "mark_prefill", AsBytes(EncodeLifecycleRequest(request_id)));
+}
+
+void RouterLink::Free(const std::string& request_id, const std::optional<ResponseTiming>& timing) {
+  (void)nats_.Publish(prefix_ + "free", AsBytes(timing ? EncodeLifecycleRequest(request_id, *timing)
+                                                       : EncodeLifecycleRequest(request_id)));
+}
+
+void RouterLink::OnAnswer(const IncomingMessage& m) {
+  const std::string_view tail = m.subject.substr(std::min(m.subject.size(), inbox_.size()));
+  std::uint64_t id = 0;
+  if (std::from_chars(tail.data(), tail.data() + tail.size(), id).ec != std::errc()) return;
+  const bool no_responders = m.data.empty();  // NATS' 503: no router subscribes
+  if (!no_responders) last_answer_ = std::chrono::steady_clock::now().time_since_epoch().count();
+  if (id == kProbe) return;
+  Done done;
+  std::string late;
+  {
+    KvMutexLock g(mu_);
+    if (auto it = pending_.find(id); it != pending_.end()) {
+      done = std::move(it->second.done);
+      pending_.erase(it);
+    } else if (auto e = expired_.find(id); e != expired_.end()) {
+      late = std::move(e->second.request_id);
+      expired_.erase(e);
+    } else {
+      return;
+    }
+  }
+  if (!done) {  // its caller gave up: a booking made anyway is freed
+    if (!no_responders && DecodeRouteReply(m.data).ok()) Free(late);
+    return;
+  }
+  if (no_responders) return done(Status(StatusCode::kNoWorkers, "no router answers"));
+  done(DecodeRouteReply(m.data));
+}
+
+void RouterLink::Tick(SteadyTime now) {
+  std::vector<Done> late;
+  bool probe = false;
+  {
+    KvMutexLock g(mu_);
+    std::erase_if(expired_, [&](const auto& e) { return e.second.forget_at < now; });
+    for (auto it = pending_.begin(); it != pending_.end();) {
+      if (it->second.deadline < now) {
+        late.push_back(std::move(it->second.done));
+        if (expired_.size() < kMaxPending) {
+          expired_.emplace(it->first, Expired{std::move(it->second.request_id), now + timeout_});
+        }
+        it = pending_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    if (now >= next_probe_) {
+      next_probe_ = now + kProbeEvery;
+      probe = true;
+    }
+  }
+  if (probe) {
+    (void)nats_.PublishRequest(prefix_ + "stats", inbox_ + std::to_string(kProbe),
+                               AsBytes(EncodeStatsRequest({.offset = 0, .limit = 1})));
+  }
+  for (Done& d : late) d(Status(StatusCode::kTimeout, "the router did not answer in time"));
+}
+
+bool RouterLink::Answering(SteadyTime now) const {
+  const SteadyTime last{SteadyTime::duration(last_answer_.load())};
+  return last.time_since_epoch().count() != std::numeric_limits<SteadyTime::rep>::min() &&
+         now - last < kAnsweringWindow;
+}
+
+std::size_t RouterLink::pending() const {
+  KvMutexLock g(mu_);
+  return pending_.size();
+}
+
+}  // namespace kvrouter

@@ -1,0 +1,78 @@
+// RouterLink: the gateway's side of the router's NATS endpoints (docs/protocol.md section 5):
+// `route` asked asynchronously (one inbox subscription for every answer, no thread waiting per
+// request), `mark_prefill` and `free` published without waiting, and whether the router has
+// answered lately (for /ready). A route request carries the timeout as its `timeout_ms` (the
+// router's queue gives up then too); one left unanswered past it fails with `timeout` on Tick,
+// and a booking the router answers after that is freed here, so nothing stays booked for a
+// request nobody waits for. At most kMaxPending wait at once (more fail with `overloaded` at once).
+// Thread contract: every method may be called from any thread; `done` callbacks run on the
+// NATS delivery thread of the inbox or on the thread calling Tick, never under the link's lock.
+// Ownership: borrows the NatsClient, which must outlive it.
+//
+//   link.Route(req, [](Result<RouteReply> r) { ... });  link.Free("req-1");  link.Tick(now);
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <unordered_map>
+
+#include "events/base/clock.h"
+#include "events/base/status.h"
+#include "events/base/thread_annotations.h"
+#include "events/message_codec.h"
+#include "transport/nats_client.h"
+
+namespace kvrouter {
+
+class RouterLink {
+ public:
+  static constexpr std::size_t kMaxPending = 1 << 16;
+  using Done = std::function<void(Result<RouteReply>)>;
+
+  RouterLink(NatsClient& nats, std::string router_prefix, std::chrono::milliseconds timeout);
+  // Subscribes the inbox.
+  Status Start();
+
+  void Route(const RouteRequest& request, Done done);
+  void MarkPrefill(const std::string& request_id);
+  // With the engine's timing when the response came (it goes to the router with the free).
+  void Free(const std::string& request_id, const std::optional<ResponseTiming>& timing = std::nullopt);
+  // Fails the requests older than the timeout, and asks the router for its stats now and then to
+  // know it answers (for Answering).
+  void Tick(SteadyTime now);
+  // The router answered something within the last few seconds.
+  bool Answering(SteadyTime now) const;
+  std::size_t pending() const;
+
+ private:
+  struct Pending {
+    Done done;
+    SteadyTime deadline;
+    std::string request_id;
+  };
+  // Timed out here, kept one more timeout for a late answer to free (bounded by kMaxPending).
+  struct Expired {
+    std::string request_id;
+    SteadyTime forget_at;
+  };
+  void OnAnswer(const IncomingMessage& m);
+
+  NatsClient& nats_;
+  const std::string prefix_;  // "namespace.{ns}.router."
+  const std::string inbox_;   // "_KVGW.<random>."
+  const std::chrono::milliseconds timeout_;
+  std::unique_ptr<Subscription> sub_;
+  mutable KvMutex mu_;
+  std::unordered_map<std::uint64_t, Pending> pending_ KV_GUARDED_BY(mu_);
+  std::unordered_map<std::uint64_t, Expired> expired_ KV_GUARDED_BY(mu_);
+  std::uint64_t next_ KV_GUARDED_BY(mu_) = 0;
+  SteadyTime next_probe_ KV_GUARDED_BY(mu_){};
+  std::atomic<SteadyTime::rep> last_answer_{std::numeric_limits<SteadyTime::rep>::min()};
+};
+
+}  // namespace kvrouter

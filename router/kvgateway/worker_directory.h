@@ -1,0 +1,52 @@
+// WorkerDirectory: the engines the gateway can send requests to, learned from the workers'
+// registrations on NATS (docs/protocol.md section 4, with section 11's http_url and models):
+// which workers serve a model, at what base URL, and which models exist at all. A worker goes
+// with its `leaving`, or when its lease ends unheard. Bounded: at most kMaxWorkers workers.
+// Thread contract: every method may be called from any thread (one mutex; registrations come on
+// a NATS thread, lookups on the HTTP threads).
+//
+//   dir.Apply(reg, now);  auto ids = dir.Serving("llama");  auto url = dir.HttpUrl(ids[0]);
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "events/base/clock.h"
+#include "events/base/thread_annotations.h"
+#include "events/message_codec.h"
+
+namespace kvrouter {
+
+class WorkerDirectory {
+ public:
+  static constexpr std::size_t kMaxWorkers = 1 << 16;
+
+  // A registration (up: added or renewed; leaving: removed). Workers without an http_url are
+  // not kept: the gateway cannot reach them.
+  void Apply(const WorkerRegistration& reg, SteadyTime now);
+  // Forgets the workers whose lease ended before `now`.
+  void Expire(SteadyTime now);
+
+  // Workers with an http_url that list `model`, ascending.
+  std::vector<std::uint64_t> Serving(std::string_view model) const;
+  std::optional<std::string> HttpUrl(std::uint64_t worker_id) const;
+  // Every model some worker serves, sorted, each once.
+  std::vector<std::string> Models() const;
+  std::size_t size() const;
+
+ private:
+  struct Worker {
+    std::string http_url;
+    std::vector<std::string> models;
+    SteadyTime lease_end;
+  };
+  mutable KvMutex mu_;
+  std::map<std::uint64_t, Worker> workers_ KV_GUARDED_BY(mu_);
+};
+
+}  // namespace kvrouter

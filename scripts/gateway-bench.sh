@@ -1,0 +1,138 @@
+#!/usr/bin/env bash
+# The gateway's goals (docs/performance.md), each against a baseline in the same run:
+#   requests/s, short non-streamed chat requests, 32 connections (wrk): kvgateway against nginx
+#     as a plain round-robin reverse proxy (keep-alive upstreams) in front of the same engines,
+#     alternating, two runs each;
+#   added latency at p50, streaming cost per chunk, memory per idle connection (gateway_bench:
+#     against the engine the gateway chose, alternating request by request).
+# The engines are kvmocker's HTTP faces (4 workers, --speedup-ratio 1000: the engine's own time is
+# small next to the proxies'). Everything runs on 127.0.0.1 ports chosen free here and is stopped
+# at the end (also on Ctrl-C).
+#   scripts/gateway-bench.sh [build-dir]     results in $BENCH_OUT (default bench-results/gateway)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+build=${1:-build}
+out=${BENCH_OUT:-bench-results/gateway}
+mkdir -p "$out"
+for t in nginx wrk nats-server; do command -v "$t" >/dev/null || { echo "gateway-bench: $t is not installed (scripts/setup.sh)"; exit 1; }; done
+for b in kvrouter kvgateway kvmocker gateway_bench; do [ -x "$build/bin/$b" ] || { echo "gateway-bench: $build/bin/$b not built"; exit 1; }; done
+
+work=$(mktemp -d /tmp/kvgateway-bench.XXXXXX)
+pids=()
+cleanup() {
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  for p in "${pids[@]}"; do wait "$p" 2>/dev/null || true; done
+  rm -rf "$work"
+}
+trap cleanup EXIT INT TERM
+free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+free_ports() {  # n: the first of n consecutive ports free right now
+  python3 - "$1" <<'PY'
+import socket, sys
+n = int(sys.argv[1])
+for base in range(20000, 60000, n):
+    socks = []
+    try:
+        for p in range(base, base + n):
+            s = socket.socket(); s.bind(("127.0.0.1", p)); socks.append(s)
+        print(base); break
+    except OSError:
+        pass
+    finally:
+        for s in socks: s.close()
+PY
+}
+await() {  # url: until it answers 200 (10 s at most)
+  for _ in $(seq 100); do [ "$(curl -s -o /dev/null -w '%{http_code}' "$1")" = 200 ] && return 0; sleep 0.1; done
+  echo "gateway-bench: $1 did not answer"; exit 1
+}
+
+nats_port=$(free_port); gw_port=$(free_port); nginx_port=$(free_port)
+engine_base=$(free_ports 4)  # the engines take base .. base+3
+nats="nats://127.0.0.1:$nats_port"
+nats-server -a 127.0.0.1 -p "$nats_port" >"$work/nats.log" 2>&1 & pids+=($!)
+for _ in $(seq 100); do (echo >"/dev/tcp/127.0.0.1/$nats_port") 2>/dev/null && break; sleep 0.1; done
+"$build/bin/kvrouter" --nats-server "$nats" --router-mode kv --metrics-port 0 >"$work/kvrouter.log" 2>&1 & pids+=($!)
+"$build/bin/kvmocker" --nats-server "$nats" --num-workers 4 --worker-id-base 1 --speedup-ratio 1000 --metrics-port 0 \
+  --http-port "$engine_base" --http-host 127.0.0.1 --model mock >"$work/kvmocker.log" 2>&1 & pids+=($!)
+"$build/bin/kvgateway" --nats-server "$nats" --http-port "$gw_port" --http-host 127.0.0.1 --metrics-port 0 \
+  >"$work/kvgateway.log" 2>&1 & gw_pid=$!; pids+=($gw_pid)
+engines=()
+upstreams=""
+for i in 0 1 2 3; do
+  engines+=("http://127.0.0.1:$((engine_base + i))")
+  upstreams+="    server 127.0.0.1:$((engine_base + i));"$'\n'
+done
+mkdir -p "$work/nginx/logs"
+cat >"$work/nginx/nginx.conf" <<CONF
+worker_processes 1;
+pid $work/nginx/nginx.pid;
+error_log $work/nginx/logs/error.log;
+events { worker_connections 4096; }
+http {
+  access_log off;
+  upstream engines {
+$upstreams    keepalive 64;
+  }
+  server {
+    listen 127.0.0.1:$nginx_port;
+    location / {
+      proxy_pass http://engines;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+      proxy_buffering off;
+    }
+  }
+}
+CONF
+nginx -p "$work/nginx" -c "$work/nginx/nginx.conf" -g 'daemon off;' 2>"$work/nginx/stderr" & pids+=($!)
+for i in 0 1 2 3; do await "http://127.0.0.1:$((engine_base + i))/health"; done
+await "http://127.0.0.1:$gw_port/ready"
+await "http://127.0.0.1:$nginx_port/health"
+
+# wrk: a short chat request, a different prompt each time (so routing has something to decide).
+cat >"$work/chat.lua" <<'LUA'
+local n = 0
+request = function()
+  n = n + 1
+  local body = '{"model":"mock","max_tokens":1,"messages":[{"role":"user","content":"request ' .. n .. ' of the benchmark: hello"}]}'
+  return wrk.format("POST", "/v1/chat/completions", {["Content-Type"] = "application/json"}, body)
+end
+LUA
+rate() {  # url -> requests/s (wrk, 32 connections, 2 threads, 8 s)
+  wrk -t2 -c32 -d8s --latency -s "$work/chat.lua" "$1" >"$work/wrk.txt" 2>&1
+  grep -q "Non-2xx" "$work/wrk.txt" && { cat "$work/wrk.txt"; echo "gateway-bench: errors under load"; exit 1; }
+  awk '/^Requests\/sec:/ {print $2}' "$work/wrk.txt"
+}
+echo "== requests/s at 32 connections (wrk), alternating"
+gw_rates=(); nginx_rates=()
+for round in 1 2; do
+  g=$(rate "http://127.0.0.1:$gw_port"); n=$(rate "http://127.0.0.1:$nginx_port")
+  gw_rates+=("$g"); nginx_rates+=("$n")
+  awk -v r="$round" -v g="$g" -v n="$n" 'BEGIN { printf "round %d: kvgateway %s req/s, nginx %s req/s, ratio %.2f\n", r, g, n, g / n }'
+done
+
+echo "== added latency, streaming cost, idle connections (gateway_bench)"
+"$build/bin/gateway_bench" --gateway "http://127.0.0.1:$gw_port" --gateway-pid "$gw_pid" --model mock \
+  --engines "${engines[@]}" --worker-id-base 1 \
+  --json "$out/gateway_bench.json" >/dev/null
+python3 - "$out/gateway_bench.json" "${gw_rates[*]}" "${nginx_rates[*]}" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+gw = [float(x) for x in sys.argv[2].split()]; ng = [float(x) for x in sys.argv[3].split()]
+ratios = [g / n for g, n in zip(gw, ng)]
+print(f"requests/s vs nginx       goal >= 0.5x   measured {min(ratios):.2f}-{max(ratios):.2f}x  "
+      f"(kvgateway {min(gw):.0f}-{max(gw):.0f}, nginx {min(ng):.0f}-{max(ng):.0f} req/s)")
+l = r["latency"]
+print(f"added latency at p50      goal <= 1 ms   measured {l['added_p50_ms']:.3f} ms  "
+      f"(gateway p50 {l['gateway_p50_ms']:.3f} ms, direct {l['direct_p50_ms']:.3f} ms)")
+s = r["streaming"]
+print(f"streaming cost per chunk  goal <= 100 us measured {s['overhead_per_chunk_us']:.1f} us  "
+      f"({s['chunks']} chunks; mean gap {s['gateway_gap_mean_ms']:.3f} ms vs {s['direct_gap_mean_ms']:.3f} ms)")
+if "idle" in r:
+    i = r["idle"]
+    print(f"memory per idle connection goal <= 16 KB measured {i['bytes_per_connection'] / 1024:.1f} KB  "
+          f"({i['connections']} connections, RSS {i['rss_before_kb']} -> {i['rss_after_kb']} KB)")
+json.dump({"gateway_req_s": gw, "nginx_req_s": ng, **r}, open(sys.argv[1], "w"), indent=2)
+PY
+echo "raw results: $out"

@@ -1,0 +1,611 @@
+// kvgateway as a process between a real HTTP client and engines, with a real nats-server and
+// kvrouter: engines here are stand-ins in the test process (HttpListener) whose behaviour each
+// test sets (answer, stream, fail with 500, hold a request open, notice a client leaving), and
+// whose registrations the test publishes. The same paths against kvmocker's HTTP face are in
+// gateway_kvmocker_test.cc.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <atomic>
+#include <condition_variable>
+#include <future>
+#include <mutex>
+#include <set>
+
+#include "events/msgpack_reader.h"
+#include "tests/await.h"
+#include "tests/integration/kvrouter_fixture.h"
+#include "transport/http_client.h"
+#include "transport/http_listener.h"
+
+namespace kvrouter::testing {
+namespace {
+
+using json = nlohmann::json;
+
+// An engine's HTTP face, as much as the gateway uses: render, chat completions (plain or
+// streamed), registration on NATS with its http_url.
+class FakeEngine {
+ public:
+  enum class Mode { kAnswer, kFail500, kHold };
+
+  explicit FakeEngine(HttpIo& io) {
+    auto l = HttpListener::Start(io, {.host = "127.0.0.1"}, [this](HttpRequest r, std::shared_ptr<HttpReply> reply) {
+      Serve(std::move(r), std::move(reply));
+    });
+    EXPECT_TRUE(l.ok()) << l.status().ToString();
+    listener_ = std::move(l).value();
+  }
+  ~FakeEngine() { Release(); }
+  std::string url() const { return fmt::format("http://127.0.0.1:{}", listener_->port()); }
+  void set_mode(Mode m) { mode_ = m; }
+  int completions() const { return completions_.load(); }
+  int renders() const { return renders_.load(); }
+  int gone() const { return gone_.load(); }
+  int held() {
+    std::lock_guard g(mu_);
+    return static_cast<int>(held_.size());
+  }
+  // Answers every held request.
+  void Release() {
+    std::vector<std::shared_ptr<HttpReply>> held;
+    {
+      std::lock_guard g(mu_);
+      held.swap(held_);
+    }
+    for (auto& r : held) r->Send(200, {{"content-type", "application/json"}}, R"({"choices":[]})");
+  }
+  std::string last_request_id() {
+    std::lock_guard g(mu_);
+    return last_request_id_;
+  }
+  std::string last_authorization() {
+    std::lock_guard g(mu_);
+    return last_authorization_;
+  }
+
+ private:
+  void Serve(HttpRequest r, std::shared_ptr<HttpReply> reply) {
+    const json body = json::parse(r.body, nullptr, false);
+    if (r.Path() == "/v1/chat/completions/render") {
+      ++renders_;
+      // One token per byte of the messages, as kvmocker's tokenizer does.
+      json ids = json::array();
+      for (unsigned char c : body["messages"].dump()) ids.push_back(c);
+      return reply->Send(200, {{"content-type", "application/json"}}, json{{"token_ids", ids}}.dump());
+    }
+    if (r.Path() != "/v1/chat/completions") return reply->Send(404, {}, "");
+    ++completions_;
+    {
+      std::lock_guard g(mu_);
+      last_request_id_ = std::string(r.Header("x-request-id").value_or(""));
+      last_authorization_ = std::string(r.Header("authorization").value_or(""));
+    }
+    reply->OnClientGone([this] { ++gone_; });
+    switch (mode_.load()) {
+      case Mode::kFail500: return reply->Send(500, {{"content-type", "application/json"}}, R"({"error":"boom"})");
+      case Mode::kHold: {
+        std::lock_guard g(mu_);
+        held_.push_back(std::move(reply));
+        return;
+      }
+      case Mode::kAnswer: break;
+    }
+    if (body.value("stream", false)) {
+      reply->Begin(200, {{"content-type", "text/event-stream"}});
+      for (int i = 0; i < 3; ++i)
+        reply->Write(fmt::format("data: {{\"choices\":[{{\"delta\":{{\"content\":\"t{}\"}}}}]}}\n\n", i));
+      reply->Write("data: [DONE]\n\n");
+      return reply->End();
+    }
+    reply->Send(200, {{"content-type", "application/json"}},
+                json{{"object", "chat.completion"}, {"choices", {{{"message", {{"content", "hi"}}}}}}}.dump());
+  }
+
+  std::unique_ptr<HttpListener> listener_;
+  std::atomic<Mode> mode_{Mode::kAnswer};
+  std::atomic<int> completions_{0}, renders_{0}, gone_{0};
+  std::mutex mu_;
+  std::vector<std::shared_ptr<HttpReply>> held_;
+  std::string last_request_id_;
+  std::string last_authorization_;
+};
+
+class GatewayTest : public KvRouterProcessTest {
+ protected:
+  void SetUp() override {
+    KvRouterProcessTest::SetUp();
+    if (HasFatalFailure()) return;
+    auto port = PickFreePort();
+    ASSERT_TRUE(port.ok());
+    gateway_port_ = *port;
+    std::vector<std::string> args = {"--http-port", std::to_string(gateway_port_), "--http-host",
+                                     "127.0.0.1",   "--route-timeout-ms",          "3000"};
+    for (auto& a : GatewayArgs()) args.push_back(a);
+    auto gw = StartOnNats(KVGATEWAY_BIN, nats_->url(), std::move(args), LogPath("kvgateway"));
+    ASSERT_TRUE(gw.ok()) << gw.status().ToString();
+    gateway_ = std::move(gw->process);
+    ASSERT_TRUE(AwaitTrue([&] { return CanConnect(gateway_port_); })) << ReadFile(LogPath("kvgateway"));
+    endpoint_ = {.host = "127.0.0.1", .port = static_cast<std::uint16_t>(gateway_port_)};
+  }
+  void TearDown() override {
+    engines_.clear();
+    client_.reset();
+    io_.Stop();
+    gateway_.reset();
+    KvRouterProcessTest::TearDown();
+  }
+  virtual std::vector<std::string> GatewayArgs() const { return {}; }
+
+  // An engine registered as worker `id` serving model "m" (at `url` when given: a dead one).
+  FakeEngine& AddEngine(std::uint64_t id) {
+    engines_.push_back(std::make_unique<FakeEngine>(io_));
+    Announce(id, engines_.back()->url());
+    return *engines_.back();
+  }
+  void Announce(std::uint64_t id, const std::string& url, std::uint32_t max_num_batched_tokens = 8192) {
+    announced_.push_back({.worker_id = id,
+                          .block_size = kBs,
+                          .max_num_batched_tokens = max_num_batched_tokens,
+                          .lease_ms = 60000,
+                          .http_url = url,
+                          .models = {"m"}});
+    Heartbeat();
+  }
+  // Every announced engine registers again, as its heartbeat would.
+  void Heartbeat() {
+    for (const WorkerRegistration& r : announced_) {
+      ASSERT_TRUE(nc_->Publish(kComp + "instances", AsBytes(EncodeWorkerRegistration(r))).ok());
+    }
+  }
+  // The gateway knows `n` engines (and the router has answered it): /ready says so. The engines'
+  // heartbeats go on meanwhile (a registration sent before the gateway subscribed is not lost).
+  bool AwaitReady(std::size_t n) {
+    return AwaitTrue([&] {
+      Heartbeat();
+      auto ready = client_->Fetch(endpoint_, {.method = "GET", .target = "/ready"});
+      auto metrics = client_->Fetch(endpoint_, {.method = "GET", .target = "/metrics"});
+      return ready.ok() && ready->status == 200 && metrics.ok() &&
+             metrics->body.find(fmt::format("kvgateway_engines {}", n)) != std::string::npos;
+    });
+  }
+  static std::string Chat(const std::string& text, bool stream = false) {
+    return json{{"model", "m"}, {"stream", stream}, {"messages", {{{"role", "user"}, {"content", text}}}}}.dump();
+  }
+  Result<HttpClient::Response> Post(const std::string& body, HttpHeaders headers = {},
+                                    std::string target = "/v1/chat/completions") {
+    headers.emplace_back("content-type", "application/json");
+    return client_->Fetch(endpoint_, {.target = std::move(target), .headers = std::move(headers), .body = body});
+  }
+  static std::string HeaderOf(const HttpClient::Response& r, std::string_view name) {
+    for (const auto& [k, v] : r.headers) {
+      if (k == name) return v;
+    }
+    return "";
+  }
+  std::uint64_t ActiveRequests() {
+    auto s = Stats();
+    return s ? s->counters["active_requests"] : ~0ull;
+  }
+
+  HttpIo io_{2};
+  std::unique_ptr<HttpClient> client_ = std::make_unique<HttpClient>(io_, HttpClient::Options{});
+  std::vector<std::unique_ptr<FakeEngine>> engines_;
+  std::vector<WorkerRegistration> announced_;
+  std::unique_ptr<ChildProcess> gateway_;
+  int gateway_port_ = 0;
+  HttpEndpoint endpoint_;
+};
+
+TEST_F(GatewayTest, APlainChatCompletionGoesThroughWithTheRoutersHeadersAndFreesItsBooking) {
+  FakeEngine& e = AddEngine(1);
+  ASSERT_TRUE(AwaitReady(1));
+  auto r = Post(Chat("hello there"), {{"x-request-id", "client-7"}});
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->status, 200) << r->body;
+  EXPECT_EQ(json::parse(r->body)["choices"][0]["message"]["content"], "hi");
+  EXPECT_EQ(HeaderOf(*r, "x-request-id"), "client-7");
+  EXPECT_EQ(HeaderOf(*r, "x-kvrouter-worker-id"), "1");
+  EXPECT_FALSE(HeaderOf(*r, "x-kvrouter-cached-tokens").empty());
+  EXPECT_EQ(e.renders(), 1);
+  EXPECT_EQ(e.last_request_id(), "client-7");
+  // Freed, with the engine's timing for the router.
+  EXPECT_TRUE(AwaitStats(
+      [](StatsReply& s) {
+        return s.breakdowns["requests"]["route.ok"] == 1 && s.counters["active_requests"] == 0 &&
+               s.counters["timing_reports"] == 1;
+      },
+      5s));
+}
+
+TEST_F(GatewayTest, AStreamIsPassedThroughEventByEvent) {
+  AddEngine(1);
+  ASSERT_TRUE(AwaitReady(1));
+  auto r = Post(Chat("stream me", true));
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->status, 200);
+  EXPECT_EQ(HeaderOf(*r, "content-type"), "text/event-stream");
+  EXPECT_NE(r->body.find("t0"), std::string::npos);
+  EXPECT_TRUE(r->body.ends_with("data: [DONE]\n\n")) << r->body;
+  EXPECT_TRUE(AwaitStats([](StatsReply& s) { return s.counters["active_requests"] == 0; }, 5s));
+}
+
+TEST_F(GatewayTest, ModelsListsWhatTheEnginesServeAndAnUnknownModelIs404) {
+  AddEngine(1);
+  ASSERT_TRUE(AwaitReady(1));
+  auto models = client_->Fetch(endpoint_, {.method = "GET", .target = "/v1/models"});
+  ASSERT_TRUE(models.ok());
+  EXPECT_EQ(json::parse(models->body)["data"][0]["id"], "m");
+  auto r = Post(R"({"model":"other","messages":[{"role":"user","content":"x"}]})");
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->status, 404);
+  EXPECT_EQ(json::parse(r->body)["error"]["code"], "model_not_found");
+}
+
+TEST_F(GatewayTest, EveryErrorIsOpenAiShapedWithItsStatus) {
+  AddEngine(1);
+  ASSERT_TRUE(AwaitReady(1));
+  auto bad_json = Post("{not json");
+  ASSERT_TRUE(bad_json.ok());
+  EXPECT_EQ(bad_json->status, 400);
+  EXPECT_TRUE(json::parse(bad_json->body)["error"]["message"].is_string());
+  EXPECT_EQ(Post(R"({"messages":[]})")->status, 400);                       // no model
+  EXPECT_EQ(Post(R"({"model":"m"})")->status, 400);                         // no messages
+  EXPECT_EQ(Post(R"({"model":"m"})", {}, "/v1/completions")->status, 400);  // no prompt
+  EXPECT_EQ(client_->Fetch(endpoint_, {.method = "GET", .target = "/v1/nothing"})->status, 404);
+  EXPECT_EQ(client_->Fetch(endpoint_, {.method = "GET", .target = "/v1/chat/completions"})->status, 405);
+  // Refused before routing, still with the client's request id.
+  auto named = Post("{not json", {{"x-request-id", "early-1"}});
+  ASSERT_TRUE(named.ok());
+  EXPECT_EQ(HeaderOf(*named, "x-request-id"), "early-1");
+}
+
+TEST_F(GatewayTest, TwoRequestsWithOneClientRequestIdAreBookedApartAndCarryTheApiKey) {
+  FakeEngine& e = AddEngine(1);
+  e.set_mode(FakeEngine::Mode::kHold);
+  ASSERT_TRUE(AwaitReady(1));
+  const HttpHeaders headers = {
+      {"x-request-id", "same"}, {"authorization", "Bearer sk-test"}, {"content-type", "application/json"}};
+  auto a = client_->Start(endpoint_, {.target = "/v1/chat/completions", .headers = headers, .body = Chat("first")}, {});
+  auto b =
+      client_->Start(endpoint_, {.target = "/v1/chat/completions", .headers = headers, .body = Chat("second")}, {});
+  ASSERT_TRUE(AwaitTrue([&] { return e.held() == 2; }));
+  EXPECT_EQ(ActiveRequests(), 2u);  // two bookings, not one overwritten
+  EXPECT_EQ(e.last_request_id(), "same");
+  EXPECT_EQ(e.last_authorization(), "Bearer sk-test");
+  e.Release();
+  EXPECT_TRUE(AwaitStats([](StatsReply& s) { return s.counters["active_requests"] == 0; }, 5s));
+}
+
+TEST_F(GatewayTest, AnEngineThatRefusesConnectionsIsRetriedAwayFrom) {
+  // Worker 1 is registered at a port where nothing listens; worker 2 works.
+  auto dead = PickFreePort();
+  ASSERT_TRUE(dead.ok());
+  Announce(1, fmt::format("http://127.0.0.1:{}", *dead));
+  FakeEngine& live = AddEngine(2);
+  ASSERT_TRUE(AwaitReady(2));
+  for (int i = 0; i < 4; ++i) {
+    auto r = Post(Chat(fmt::format("request {}", i)));
+    ASSERT_TRUE(r.ok());
+    EXPECT_EQ(r->status, 200) << r->body;
+    EXPECT_EQ(HeaderOf(*r, "x-kvrouter-worker-id"), "2");
+  }
+  EXPECT_EQ(live.completions(), 4);
+  EXPECT_TRUE(AwaitStats([](StatsReply& s) { return s.counters["active_requests"] == 0; }, 5s));
+}
+
+TEST_F(GatewayTest, AnEngineAnswering500BeforeItsFirstByteIsRetriedAndAllFailingIs502) {
+  FakeEngine& bad = AddEngine(1);
+  bad.set_mode(FakeEngine::Mode::kFail500);
+  FakeEngine& good = AddEngine(2);
+  ASSERT_TRUE(AwaitReady(2));
+  auto r = Post(Chat("retry me"));
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->status, 200);
+  EXPECT_EQ(HeaderOf(*r, "x-kvrouter-worker-id"), "2");
+  good.set_mode(FakeEngine::Mode::kFail500);
+  r = Post(Chat("nobody can"));
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->status, 502);
+  EXPECT_EQ(json::parse(r->body)["error"]["type"], "server_error");
+  EXPECT_TRUE(AwaitStats([](StatsReply& s) { return s.counters["active_requests"] == 0; }, 5s));
+}
+
+TEST_F(GatewayTest, AClientThatGoesAwayClosesTheEngineConnectionAndFreesTheBooking) {
+  FakeEngine& e = AddEngine(1);
+  e.set_mode(FakeEngine::Mode::kHold);
+  ASSERT_TRUE(AwaitReady(1));
+  auto call = client_->Start(endpoint_, {.target = "/v1/chat/completions", .body = Chat("long one", true)}, {});
+  ASSERT_TRUE(AwaitTrue([&] { return e.held() == 1; }));
+  EXPECT_EQ(ActiveRequests(), 1u);
+  call->Cancel();
+  ASSERT_TRUE(AwaitTrue([&] { return e.gone() == 1; }));  // the engine saw its client go
+  EXPECT_TRUE(AwaitStats([](StatsReply& s) { return s.counters["active_requests"] == 0; }, 5s));
+}
+
+TEST_F(GatewayTest, WithoutEnginesTheGatewayIsNotReadyAndAnswers404OrThe503OfNoWorkers) {
+  auto ready = client_->Fetch(endpoint_, {.method = "GET", .target = "/ready"});
+  ASSERT_TRUE(ready.ok());
+  EXPECT_EQ(ready->status, 503);
+  EXPECT_EQ(client_->Fetch(endpoint_, {.method = "GET", .target = "/health"})->status, 200);
+  EXPECT_EQ(Post(Chat("x"))->status, 404);  // no worker serves "m"
+  // An engine the gateway knows but the router refuses (another block size): no_workers.
+  auto e = std::make_unique<FakeEngine>(io_);
+  WorkerRegistration r{.worker_id = 9, .block_size = kBs * 2, .lease_ms = 60000, .http_url = e->url(), .models = {"m"}};
+  ASSERT_TRUE(nc_->Publish(kComp + "instances", AsBytes(EncodeWorkerRegistration(r))).ok());
+  ASSERT_TRUE(AwaitTrue([&] {
+    auto m = client_->Fetch(endpoint_, {.method = "GET", .target = "/v1/models"});
+    return m.ok() && m->body.find("\"m\"") != std::string::npos;
+  }));
+  auto answer = Post(Chat("x"));
+  ASSERT_TRUE(answer.ok());
+  EXPECT_EQ(answer->status, 503) << answer->body;
+}
+
+class GatewayOverloadTest : public GatewayTest {
+ protected:
+  std::vector<std::string> ExtraArgs() const override {
+    return {"--router-queue-threshold", "1", "--router-queue-max", "1"};
+  }
+};
+
+TEST_F(GatewayOverloadTest, OverloadIs429WithRetryAfter) {
+  auto e = std::make_unique<FakeEngine>(io_);
+  e->set_mode(FakeEngine::Mode::kHold);
+  Announce(1, e->url(), /*max_num_batched_tokens=*/8);  // one prompt fills it
+  ASSERT_TRUE(AwaitReady(1));
+  auto first = client_->Start(endpoint_, {.target = "/v1/chat/completions", .body = Chat("fills the worker")}, {});
+  ASSERT_TRUE(AwaitTrue([&] { return e->held() == 1; }));
+  // The next waits in the router's queue (its one place), the one after is refused.
+  auto queued = client_->Start(endpoint_, {.target = "/v1/chat/completions", .body = Chat("waits")}, {});
+  ASSERT_TRUE(AwaitStats([](StatsReply& s) { return s.counters["queue_length"] == 1; }, 5s));
+  auto r = Post(Chat("refused"));
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->status, 429) << r->body;
+  EXPECT_EQ(HeaderOf(*r, "retry-after"), "1");
+  e->Release();
+  first->Cancel();
+  queued->Cancel();
+}
+
+class GatewaySessionTest : public GatewayTest {
+ protected:
+  std::vector<std::string> ExtraArgs() const override { return {"--router-session-affinity-ttl-secs", "30"}; }
+};
+
+TEST_F(GatewaySessionTest, ASessionHeaderKeepsAConversationOnOneEngine) {
+  AddEngine(1);
+  AddEngine(2);
+  ASSERT_TRUE(AwaitReady(2));
+  std::set<std::string> workers;
+  for (int turn = 0; turn < 6; ++turn) {
+    // Different prompts each turn: only the session can keep them together.
+    auto r = Post(Chat(fmt::format("turn {} of a conversation", turn)), {{"x-session-id", "conv-1"}});
+    ASSERT_TRUE(r.ok());
+    ASSERT_EQ(r->status, 200);
+    workers.insert(HeaderOf(*r, "x-kvrouter-worker-id"));
+  }
+  EXPECT_EQ(workers.size(), 1u);
+  auto s = Stats();
+  ASSERT_TRUE(s);
+  EXPECT_GE(s->counters["session_hits"], 5u);  // every turn after the first followed the binding
+}
+
+}  // namespace
+}  // namespace kvrouter::testing
+
+namespace kvrouter::testing {
+namespace {
+
+// A TCP client that sends what it is told, as slowly or as wrongly as it likes.
+class RawSocket {
+ public:
+  explicit RawSocket(int port) {
+    fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(static_cast<std::uint16_t>(port));
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ok_ = ::connect(fd_, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
+    timeval tv{.tv_sec = 10, .tv_usec = 0};
+    ::setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  }
+  RawSocket(RawSocket&& o) noexcept : fd_(std::exchange(o.fd_, -1)), ok_(o.ok_) {}
+  ~RawSocket() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  bool ok() const { return ok_; }
+  void Send(std::string_view b) { (void)::send(fd_, b.data(), b.size(), MSG_NOSIGNAL); }
+  std::string ReadAll() {
+    std::string out;
+    char buf[4096];
+    for (ssize_t n; (n = ::recv(fd_, buf, sizeof(buf), 0)) > 0;) out.append(buf, static_cast<std::size_t>(n));
+    return out;
+  }
+
+ private:
+  int fd_ = -1;
+  bool ok_ = false;
+};
+
+class GatewayHostileTest : public GatewayTest {
+ protected:
+  std::vector<std::string> GatewayArgs() const override { return {"--max-body-bytes", "4096"}; }
+  bool StillServes() {
+    auto r = Post(Chat("are you still there?"));
+    return r.ok() && r->status == 200;
+  }
+};
+
+TEST_F(GatewayHostileTest, OversizedHeadersBigBodiesAndBadChunksAreRefusedAndNothingLeaks) {
+  FakeEngine& e = AddEngine(1);
+  ASSERT_TRUE(AwaitReady(1));
+  {
+    RawSocket s(gateway_port_);
+    s.Send("POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Big: " + std::string(64 * 1024, 'a') + "\r\n\r\n");
+    EXPECT_TRUE(s.ReadAll().starts_with("HTTP/1.1 431")) << "oversized headers";
+  }
+  {
+    RawSocket s(gateway_port_);  // announced past --max-body-bytes, and never sent
+    s.Send(
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: "
+        "100000\r\n\r\n");
+    const std::string a = s.ReadAll();
+    EXPECT_TRUE(a.starts_with("HTTP/1.1 413")) << a;
+    EXPECT_NE(a.find("\"error\""), std::string::npos);  // OpenAI-shaped
+  }
+  {
+    RawSocket s(gateway_port_);
+    s.Send("POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nnothex\r\n{}\r\n");
+    EXPECT_TRUE(s.ReadAll().starts_with("HTTP/1.1 400")) << "malformed chunks";
+  }
+  {
+    RawSocket s(gateway_port_);  // a slow client: half a request, then silence
+    s.Send("POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 50\r\n\r\n{\"model\":");
+    EXPECT_TRUE(StillServes());  // others are served meanwhile
+  }
+  EXPECT_EQ(e.completions(), 1);  // only the real request reached an engine
+  EXPECT_TRUE(AwaitStats([](StatsReply& s) { return s.counters["active_requests"] == 0; }, 5s));
+}
+
+TEST_F(GatewayHostileTest, AnHttp10ClientGetsAStreamWithoutChunksEndedByTheClose) {
+  AddEngine(1);
+  ASSERT_TRUE(AwaitReady(1));
+  RawSocket old(gateway_port_);
+  const std::string body = Chat("old client", true);
+  old.Send(fmt::format(
+      "POST /v1/chat/completions HTTP/1.0\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{}",
+      body.size(), body));
+  const std::string answer = old.ReadAll();  // returns at the close
+  ASSERT_TRUE(answer.starts_with("HTTP/1.0 200")) << answer;
+  EXPECT_EQ(answer.find("chunked"), std::string::npos) << answer;
+  EXPECT_TRUE(answer.ends_with("data: [DONE]\n\n")) << answer;
+  EXPECT_TRUE(AwaitStats([](StatsReply& s) { return s.counters["active_requests"] == 0; }, 5s));
+}
+
+TEST_F(GatewayHostileTest, TenThousandIdleConnectionsDoNotStopIt) {
+  // This process and the gateway each hold 10,000 descriptors (the gateway keeps an eighth of its
+  // limit, at least 256, for engines and NATS).
+  rlimit r{};
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &r), 0);
+  r.rlim_cur = r.rlim_max;
+  (void)setrlimit(RLIMIT_NOFILE, &r);
+  if (r.rlim_max != RLIM_INFINITY && r.rlim_max < 12000) {
+    GTEST_SKIP() << "the descriptor limit (" << r.rlim_max << ") is below what 10,000 connections need";
+  }
+  AddEngine(1);
+  ASSERT_TRUE(AwaitReady(1));
+  std::vector<RawSocket> idle;
+  idle.reserve(10000);
+  for (int i = 0; i < 10000; ++i) {
+    idle.emplace_back(gateway_port_);
+    ASSERT_TRUE(idle.back().ok()) << "connection " << i;
+  }
+  ASSERT_TRUE(AwaitTrue([&] {
+    auto m = client_->Fetch(endpoint_, {.method = "GET", .target = "/metrics"});
+    const auto at = m.ok() ? m->body.find("\nkvgateway_connections_open ") : std::string::npos;
+    return at != std::string::npos && std::stod(m->body.substr(at + 28)) >= 10000;
+  }));
+  EXPECT_TRUE(StillServes());
+  idle.clear();
+  EXPECT_TRUE(StillServes());
+  EXPECT_TRUE(AwaitStats([](StatsReply& s) { return s.counters["active_requests"] == 0; }, 5s));
+}
+
+}  // namespace
+}  // namespace kvrouter::testing
+
+namespace kvrouter::testing {
+namespace {
+
+// The whole system with real processes: kvrouter, kvmocker's HTTP faces (2 workers, the router's
+// block size), kvgateway, and an HTTP client.
+class GatewayKvmockerTest : public GatewayTest {
+ protected:
+  void SetUp() override {
+    GatewayTest::SetUp();
+    if (HasFatalFailure()) return;
+    auto base = PickFreePortRun(2);
+    ASSERT_TRUE(base.ok());
+    auto m = StartOnNats(
+        KVMOCKER_BIN, nats_->url(),
+        {"--num-workers", "2", "--worker-id-base", "1", "--block-size", std::to_string(kBs), "--num-gpu-blocks", "4096",
+         "--speedup-ratio", "100", "--http-port", std::to_string(*base), "--http-host", "127.0.0.1", "--model", "mock"},
+        LogPath("kvmocker"));
+    ASSERT_TRUE(m.ok()) << m.status().ToString();
+    mocker_ = std::move(m->process);
+    ASSERT_TRUE(AwaitReady(2)) << ReadFile(LogPath("kvmocker"));
+  }
+  void TearDown() override {
+    mocker_.reset();
+    GatewayTest::TearDown();
+  }
+  static std::string MockChat(const std::string& text, bool stream, int max_tokens = 8) {
+    return json{{"model", "mock"},
+                {"stream", stream},
+                {"max_tokens", max_tokens},
+                {"messages", {{{"role", "user"}, {"content", text}}}}}
+        .dump();
+  }
+  std::unique_ptr<ChildProcess> mocker_;
+};
+
+TEST_F(GatewayKvmockerTest, APlainChatCompletionComesWithItsUsage) {
+  auto r = Post(MockChat("Hello, engine!", false));
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  ASSERT_EQ(r->status, 200) << r->body;
+  const json body = json::parse(r->body);
+  EXPECT_EQ(body["object"], "chat.completion");
+  EXPECT_EQ(body["usage"]["completion_tokens"], 8);
+  EXPECT_GT(body["usage"]["prompt_tokens"].get<int>(), 10);
+  EXPECT_TRUE(AwaitStats(
+      [](StatsReply& s) { return s.counters["active_requests"] == 0 && s.counters["timing_reports"] == 1; }, 5s));
+}
+
+TEST_F(GatewayKvmockerTest, AStreamedCompletionArrivesAsEventsEndingInDone) {
+  std::mutex mu;
+  std::vector<std::string> reads;
+  std::promise<Status> done;
+  client_->Start(endpoint_,
+                 {.target = "/v1/chat/completions",
+                  .headers = {{"content-type", "application/json"}},
+                  .body = MockChat("Stream to me", true, 32)},
+                 {.on_data =
+                      [&](std::string_view d) {
+                        std::lock_guard g(mu);
+                        reads.emplace_back(d);
+                      },
+                  .on_done = [&](const Status& s) { done.set_value(s); }});
+  ASSERT_TRUE(done.get_future().get().ok());
+  std::lock_guard g(mu);
+  std::string all;
+  for (const auto& r : reads) all += r;
+  EXPECT_GT(reads.size(), 4u);  // passed through as the engine produced it, not as one piece
+  EXPECT_TRUE(all.ends_with("data: [DONE]\n\n")) << all.substr(all.size() > 200 ? all.size() - 200 : 0);
+  EXPECT_EQ(reads.front().find("[DONE]"), std::string::npos);
+}
+
+TEST_F(GatewayKvmockerTest, TheEnginesCachedTokensRiseOnARepeatedLongPrefix) {
+  const std::string prefix(2000, 'p');
+  auto first = Post(MockChat(prefix + " first question", false));
+  ASSERT_TRUE(first.ok());
+  ASSERT_EQ(first->status, 200) << first->body;
+  EXPECT_EQ(json::parse(first->body)["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+  // The router learns the engine's blocks from its KV events; the same prefix goes back there.
+  ASSERT_TRUE(AwaitStats([](StatsReply& s) { return s.counters["events_applied"] > 0; }, 5s));
+  auto second = Post(MockChat(prefix + " second question", false));
+  ASSERT_TRUE(second.ok());
+  ASSERT_EQ(second->status, 200);
+  EXPECT_EQ(HeaderOf(*second, "x-kvrouter-worker-id"), HeaderOf(*first, "x-kvrouter-worker-id"));
+  EXPECT_GT(std::stoi(HeaderOf(*second, "x-kvrouter-cached-tokens")), 1900);
+  EXPECT_GT(json::parse(second->body)["usage"]["prompt_tokens_details"]["cached_tokens"].get<int>(), 1900);
+}
+
+}  // namespace
+}  // namespace kvrouter::testing

@@ -1,0 +1,84 @@
+#include "router/kvgateway/openai.h"
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+namespace kvrouter {
+namespace {
+
+using json = nlohmann::json;
+
+TEST(OpenAiRequest, AChatRequestGivesItsModelStreamAndATokenizeBody) {
+  auto r = ParseOpenAiRequest(ApiKind::kChat,
+                              R"({"model":"llama","stream":true,"messages":[{"role":"user","content":"hi"}],"n":1})");
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->model, "llama");
+  EXPECT_TRUE(r->stream);
+  const json t = json::parse(r->tokenize_body);
+  EXPECT_EQ(t["model"], "llama");
+  EXPECT_EQ(t["messages"][0]["content"], "hi");
+  EXPECT_FALSE(t.contains("n"));  // only what /tokenize takes
+}
+
+TEST(OpenAiRequest, ACompletionsPromptMayBeAStringOrAnArray) {
+  auto s = ParseOpenAiRequest(ApiKind::kCompletions, R"({"model":"m","prompt":"once upon"})");
+  ASSERT_TRUE(s.ok());
+  EXPECT_FALSE(s->stream);
+  EXPECT_EQ(json::parse(s->tokenize_body)["prompt"], "once upon");
+  EXPECT_TRUE(ParseOpenAiRequest(ApiKind::kCompletions, R"({"model":"m","prompt":[1,2,3]})").ok());
+  EXPECT_EQ(ParseOpenAiRequest(ApiKind::kCompletions, R"({"model":"m","prompt":7})").status().code(),
+            StatusCode::kInvalidArgument);
+}
+
+TEST(OpenAiRequest, WhatIsMissingOrMalformedIsNamed) {
+  auto expect = [](ApiKind kind, std::string_view body, std::string_view says) {
+    auto r = ParseOpenAiRequest(kind, body);
+    ASSERT_FALSE(r.ok()) << body;
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(r.status().message().find(says), std::string::npos) << r.status().message();
+  };
+  expect(ApiKind::kChat, "{", "JSON");
+  expect(ApiKind::kChat, "[1]", "object");
+  expect(ApiKind::kChat, R"({"messages":[{"role":"user","content":"x"}]})", "'model'");
+  expect(ApiKind::kChat, R"({"model":"","messages":[{"role":"user","content":"x"}]})", "'model'");
+  expect(ApiKind::kChat, R"({"model":"m"})", "'messages'");
+  expect(ApiKind::kChat, R"({"model":"m","messages":[]})", "'messages'");
+  expect(ApiKind::kChat, R"({"model":"m","messages":[{}],"stream":"yes"})", "'stream'");
+  expect(ApiKind::kCompletions, R"({"model":"m"})", "'prompt'");
+}
+
+TEST(RenderAnswer, ChatAndCompletionsShapesAndTokenize) {
+  EXPECT_EQ(*ParseRenderAnswer(ApiKind::kChat, R"({"token_ids":[1,2,3],"other":0})"),
+            (std::vector<std::uint32_t>{1, 2, 3}));
+  EXPECT_EQ(*ParseRenderAnswer(ApiKind::kCompletions, R"([{"token_ids":[4,5]},{"token_ids":[6]}])"),
+            (std::vector<std::uint32_t>{4, 5}));
+  EXPECT_EQ(*ParseTokenizeAnswer(R"({"tokens":[7],"count":1})"), std::vector<std::uint32_t>{7});
+  EXPECT_FALSE(ParseRenderAnswer(ApiKind::kChat, R"({"token_ids":[-1]})").ok());
+  EXPECT_FALSE(ParseRenderAnswer(ApiKind::kChat, R"({"token_ids":[4294967296]})").ok());
+  EXPECT_FALSE(ParseRenderAnswer(ApiKind::kChat, R"({"token_ids":"x"})").ok());
+  EXPECT_FALSE(ParseRenderAnswer(ApiKind::kCompletions, R"([])").ok());
+  EXPECT_FALSE(ParseRenderAnswer(ApiKind::kCompletions, R"({"token_ids":[1]})").ok());
+  EXPECT_FALSE(ParseTokenizeAnswer(R"({"ids":[1]})").ok());
+  EXPECT_FALSE(ParseTokenizeAnswer("nope").ok());
+}
+
+TEST(OpenAiError, IsTheShapeOpenAiClientsRead) {
+  const json e = json::parse(OpenAiError("bad \"thing\"", "invalid_request_error", "bad"));
+  EXPECT_EQ(e["error"]["message"], "bad \"thing\"");
+  EXPECT_EQ(e["error"]["type"], "invalid_request_error");
+  EXPECT_EQ(e["error"]["code"], "bad");
+}
+
+TEST(OpenAiError, BytesThatAreNotUtf8BecomeReplacementCharactersInsteadOfThrowing) {
+  // A model name or an engine's answer cut in the middle of a character.
+  const std::string cut = std::string("caf\xC3", 4) + "\xFF!";
+  std::string text;
+  ASSERT_NO_THROW(text = OpenAiError("no model '" + cut + "'", "invalid_request_error", "model_not_found"));
+  const json e = json::parse(text, nullptr, false);
+  ASSERT_FALSE(e.is_discarded()) << text;
+  EXPECT_EQ(e["error"]["message"], "no model 'caf\uFFFD\uFFFD!'");
+  EXPECT_EQ(DumpJson(json{{"id", std::string("\x80")}}), "{\"id\":\"\xEF\xBF\xBD\"}");
+}
+
+}  // namespace
+}  // namespace kvrouter

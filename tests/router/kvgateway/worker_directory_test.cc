@@ -1,0 +1,48 @@
+#include "router/kvgateway/worker_directory.h"
+
+#include <gtest/gtest.h>
+
+namespace kvrouter {
+namespace {
+
+using std::chrono::milliseconds;
+const SteadyTime kT0{};
+
+WorkerRegistration Engine(std::uint64_t id, std::vector<std::string> models, std::string url = "http://e:8000") {
+  return {.worker_id = id, .lease_ms = 1000, .http_url = std::move(url), .models = std::move(models)};
+}
+
+TEST(WorkerDirectory, FindsTheEnginesServingAModel) {
+  WorkerDirectory d;
+  d.Apply(Engine(2, {"llama", "qwen"}), kT0);
+  d.Apply(Engine(1, {"llama"}, "http://one:1"), kT0);
+  d.Apply(Engine(3, {"qwen"}), kT0);
+  EXPECT_EQ(d.Serving("llama"), (std::vector<std::uint64_t>{1, 2}));
+  EXPECT_TRUE(d.Serving("mistral").empty());
+  EXPECT_EQ(d.HttpUrl(1), "http://one:1");
+  EXPECT_EQ(d.Models(), (std::vector<std::string>{"llama", "qwen"}));
+}
+
+TEST(WorkerDirectory, AWorkerWithoutHttpUrlIsNotKeptAndLeavingRemoves) {
+  WorkerDirectory d;
+  d.Apply(Engine(1, {"m"}, ""), kT0);
+  EXPECT_EQ(d.size(), 0u);
+  d.Apply(Engine(2, {"m"}), kT0);
+  WorkerRegistration leaving = Engine(2, {"m"});
+  leaving.leaving = true;
+  d.Apply(leaving, kT0);
+  EXPECT_EQ(d.size(), 0u);
+  EXPECT_FALSE(d.HttpUrl(2));
+}
+
+TEST(WorkerDirectory, AWorkerUnheardForItsLeaseGoesAndAHeartbeatKeepsIt) {
+  WorkerDirectory d;
+  d.Apply(Engine(1, {"m"}), kT0);
+  d.Apply(Engine(2, {"m"}), kT0);
+  d.Apply(Engine(2, {"m"}), kT0 + milliseconds(800));  // heartbeat
+  d.Expire(kT0 + milliseconds(1500));
+  EXPECT_EQ(d.Serving("m"), std::vector<std::uint64_t>{2});
+}
+
+}  // namespace
+}  // namespace kvrouter

@@ -1,0 +1,581 @@
+#include "transport/http_listener.h"
+
+#include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/post.hpp>
+#include <boost/asio/steady_timer.hpp>
+#include <boost/asio/strand.hpp>
+#include <boost/asio/write.hpp>
+#include <boost/beast/core.hpp>
+#include <boost/beast/http.hpp>
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cctype>
+#include <climits>
+#include <deque>
+#include <mutex>
+#include <unordered_set>
+
+#include "transport/http_io_impl.h"
+
+#include <fcntl.h>
+#include <sys/socket.h>
+
+#include <cerrno>
+
+#include <future>
+
+namespace kvrouter {
+
+namespace beast = boost::beast;
+namespace http = beast::http;
+namespace net = boost::asio;
+using tcp = net::ip::tcp;
+
+std::optional<std::string_view> HttpRequest::Header(std::string_view name) const {
+  for (const auto& [k, v] : headers) {
+    if (k == name) return std::string_view(v);
+  }
+  return std::nullopt;
+}
+
+std::string_view HttpRequest::Path() const {
+  const std::string_view t = target;
+  return t.substr(0, t.find('?'));
+}
+
+namespace {
+
+class Session;
+
+// Sockets are not handed to programs this one starts (Asio opens them without FD_CLOEXEC).
+void CloseOnExec(int fd) {
+  if (fd >= 0) (void)::fcntl(fd, F_SETFD, ::fcntl(fd, F_GETFD) | FD_CLOEXEC);
+}
+
+// A parsed Beast request as the handler sees it: header names in lower case.
+HttpRequest ToRequest(http::request<http::string_body>&& req) {
+  HttpRequest r;
+  r.method = std::string(req.method_string());
+  r.target = std::string(req.target());
+  r.headers.reserve(std::distance(req.begin(), req.end()));
+  for (const auto& f : req) {
+    std::string name(f.name_string());
+    std::transform(name.begin(), name.end(), name.begin(), [](unsigned char c) { return std::tolower(c); });
+    r.headers.emplace_back(std::move(name), std::string(f.value()));
+  }
+  r.body = std::move(req.body());
+  return r;
+}
+
+void Limit(http::request_parser<http::string_body>& p, std::size_t max_header_bytes, std::size_t max_body_bytes) {
+  p.header_limit(static_cast<std::uint32_t>(std::min<std::size_t>(max_header_bytes, UINT32_MAX)));
+  p.body_limit(max_body_bytes);
+}
+
+}  // namespace
+
+Result<HttpRequest> ParseHttpRequest(std::string_view bytes, std::size_t max_header_bytes, std::size_t max_body_bytes) {
+  http::request_parser<http::string_body> p;
+  Limit(p, max_header_bytes, max_body_bytes);
+  p.eager(true);
+  beast::error_code ec;
+  std::size_t used = 0;
+  while (!p.is_done() && used < bytes.size()) {
+    const std::size_t n = p.put(net::buffer(bytes.data() + used, bytes.size() - used), ec);
+    if (ec == http::error::need_more) break;
+    if (ec == http::error::header_limit || ec == http::error::body_limit) {
+      return Status(StatusCode::kOverloaded, ec.message());
+    }
+    if (ec) return InvalidArgument(ec.message());
+    if (n == 0) break;
+    used += n;
+  }
+  if (!p.is_done()) {
+    p.put_eof(ec);
+    if (ec || !p.is_done()) return InvalidArgument("incomplete request");
+  }
+  return ToRequest(p.release());
+}
+
+struct HttpListener::State : std::enable_shared_from_this<HttpListener::State> {
+  State(HttpIo& io, HttpListenerOptions o, HttpRequestHandler h)
+      : ioc(io.impl().ioc), options(std::move(o)), handler(std::move(h)), acceptor(net::make_strand(ioc)) {}
+
+  void Accept();
+  void Forget(Session* s) {
+    std::lock_guard g(mu);
+    sessions.erase(s);
+  }
+
+  net::io_context& ioc;
+  const HttpListenerOptions options;
+  const HttpRequestHandler handler;
+  tcp::acceptor acceptor;
+  std::uint16_t port = 0;  // bound port, read at Start
+  std::atomic<bool> stopped{false};
+  std::mutex mu;
+  std::unordered_set<Session*> sessions;  // guarded by mu; each erases itself when destroyed
+  std::atomic<std::uint64_t> connections{0}, open{0}, refused{0}, requests{0}, bad_requests{0}, timeouts{0},
+      clients_gone{0};
+};
+
+namespace {
+
+// One connection: reads a request, hands it to the handler, writes its reply, and again while
+// the client keeps the connection alive. Every member is touched only on the connection's strand.
+class Session : public std::enable_shared_from_this<Session> {
+ public:
+  Session(std::shared_ptr<HttpListener::State> state, tcp::socket socket)
+      : state_(std::move(state)), stream_(std::move(socket)) {}
+  ~Session() {
+    state_->open.fetch_sub(1);
+    state_->Forget(this);
+  }
+
+  void Run() { ReadHeader(); }
+  // Closes the connection (from Stop, on any thread).
+  void Close() {
+    net::post(stream_.get_executor(), [self = shared_from_this()] { self->Shutdown(); });
+  }
+
+  // The reply's calls, posted onto the strand; `request` names the request they answer.
+  void Send(std::uint64_t request, int status, HttpHeaders headers, std::string body);
+  void Begin(std::uint64_t request, int status, HttpHeaders headers);
+  void Write(std::uint64_t request, std::string chunk);
+  void End(std::uint64_t request);
+  void Abort(std::uint64_t request);
+  void SetGone(std::uint64_t request, std::function<void()> gone);
+  std::size_t Backlog() const { return backlog_.load(); }
+  net::any_io_executor executor() { return stream_.get_executor(); }
+
+ private:
+  struct Out {
+    enum Kind { kWhole, kHead, kChunk, kLast } kind = kWhole;
+    std::shared_ptr<http::response<http::string_body>> whole;
+    std::shared_ptr<http::response<http::empty_body>> head;
+    std::shared_ptr<http::response_serializer<http::empty_body>> head_writer;
+    std::string data;
+  };
+
+  void ReadHeader();
+  void OnHeader(beast::error_code ec);
+  void ReadBody();
+  void OnBody(beast::error_code ec);
+  // Answers a request the handler never saw, then closes.
+  void Refuse(int status, std::string_view message);
+  void Dispatch();
+  void WatchClient();
+  void Enqueue(Out out);
+  void WriteNext();
+  void OnWritten(beast::error_code ec, Out::Kind kind);
+  void ResponseDone();
+  void ClientGone();
+  void Shutdown();
+  bool Current(std::uint64_t request) const { return request == request_ && responding_; }
+
+  template <typename Response>
+  void Fill(Response& res, int status, HttpHeaders&& headers) {
+    res.result(static_cast<unsigned>(status));
+    res.version(version_);
+    res.set(http::field::server, state_->options.server_name);
+    for (auto& [k, v] : headers) res.set(k, v);
+    res.keep_alive(keep_alive_);
+  }
+
+  const std::shared_ptr<HttpListener::State> state_;
+  beast::tcp_stream stream_;
+  beast::flat_buffer buffer_;
+  std::optional<http::request_parser<http::string_body>> parser_;
+  unsigned version_ = 11;
+  bool keep_alive_ = false;
+  bool first_ = true;        // no request read yet on this connection
+  bool responding_ = false;  // a request was handed to the handler and its reply is not done
+  bool closed_ = false;
+  bool writing_ = false;
+  bool head_sent_ = false;
+  bool finishing_ = false;     // the last piece of the reply is queued
+  std::uint64_t request_ = 0;  // number of the request being answered
+  std::deque<Out> out_;
+  std::atomic<std::size_t> backlog_{0};
+  std::function<void()> gone_;
+};
+
+class ReplyImpl final : public HttpReply {
+ public:
+  ReplyImpl(std::shared_ptr<Session> s, std::uint64_t request) : s_(std::move(s)), request_(request) {}
+  ~ReplyImpl() override {
+    // Dropped without a complete answer: the connection ends (Abort is a no-op after End/Send).
+    if (!finished_.load()) Abort();
+  }
+  void Send(int status, HttpHeaders headers, std::string body) override {
+    finished_ = true;
+    Post([status, h = std::move(headers), b = std::move(body)](Session& s, std::uint64_t r) mutable {
+      s.Send(r, status, std::move(h), std::move(b));
+    });
+  }
+  void Begin(int status, HttpHeaders headers) override {
+    Post([status, h = std::move(headers)](Session& s, std::uint64_t r) mutable { s.Begin(r, status, std::move(h)); });
+  }
+  void Write(std::string chunk) override {
+    if (chunk.empty()) return;  // an empty chunk would end the stream
+    Post([c = std::move(chunk)](Session& s, std::uint64_t r) mutable { s.Write(r, std::move(c)); });
+  }
+  void End() override {
+    finished_ = true;
+    Post([](Session& s, std::uint64_t r) { s.End(r); });
+  }
+  void Abort() override {
+    finished_ = true;
+    Post([](Session& s, std::uint64_t r) { s.Abort(r); });
+  }
+  void OnClientGone(std::function<void()> gone) override {
+    Post([g = std::move(gone)](Session& s, std::uint64_t r) mutable { s.SetGone(r, std::move(g)); });
+  }
+  std::size_t Backlog() const override { return s_->Backlog(); }
+
+ private:
+  template <typename F>
+  void Post(F&& f) {
+    net::post(s_->executor(), [s = s_, r = request_, f = std::forward<F>(f)]() mutable { f(*s, r); });
+  }
+  const std::shared_ptr<Session> s_;
+  const std::uint64_t request_;
+  std::atomic<bool> finished_{false};
+};
+
+void Session::ReadHeader() {
+  if (closed_) return;
+  parser_.emplace();
+  Limit(*parser_, state_->options.max_header_bytes, state_->options.max_body_bytes);
+  stream_.expires_after(first_ ? state_->options.header_timeout : state_->options.idle_timeout);
+  http::async_read_header(stream_, buffer_, *parser_,
+                          [self = shared_from_this()](beast::error_code ec, std::size_t) { self->OnHeader(ec); });
+}
+
+void Session::OnHeader(beast::error_code ec) {
+  first_ = false;
+  if (ec == http::error::header_limit) return Refuse(431, "the request's headers are too large");
+  if (ec == http::error::body_limit) {  // its Content-Length, checked before any of the body is read
+    return Refuse(413, fmt::format("the body is over the limit of {} bytes", state_->options.max_body_bytes));
+  }
+  if (ec == beast::error::timeout) {
+    ++state_->timeouts;
+    return Shutdown();
+  }
+  if (ec == http::error::end_of_stream || ec == net::error::eof || ec == net::error::connection_reset ||
+      ec == net::error::operation_aborted) {
+    return Shutdown();
+  }
+  if (ec) return Refuse(400, fmt::format("malformed request: {}", ec.message()));
+  const auto& req = parser_->get();
+  version_ = req.version();
+  keep_alive_ = req.keep_alive();
+  if (beast::iequals(req[http::field::expect], "100-continue")) {
+    auto cont = std::make_shared<http::response<http::empty_body>>(http::status::continue_, version_);
+    stream_.expires_after(state_->options.write_timeout);
+    http::async_write(stream_, *cont, [self = shared_from_this(), cont](beast::error_code e, std::size_t) {
+      if (e) return self->Shutdown();
+      self->ReadBody();
+    });
+    return;
+  }
+  ReadBody();
+}
+
+void Session::ReadBody() {
+  stream_.expires_after(state_->options.body_timeout);
+  http::async_read(stream_, buffer_, *parser_,
+                   [self = shared_from_this()](beast::error_code ec, std::size_t) { self->OnBody(ec); });
+}
+
+void Session::OnBody(beast::error_code ec) {
+  if (ec == http::error::body_limit) {
+    return Refuse(413, fmt::format("the body is over the limit of {} bytes", state_->options.max_body_bytes));
+  }
+  if (ec == beast::error::timeout) {
+    ++state_->timeouts;
+    return Shutdown();
+  }
+  if (ec == http::error::end_of_stream || ec == net::error::eof || ec == net::error::connection_reset ||
+      ec == net::error::operation_aborted) {
+    return Shutdown();
+  }
+  if (ec) return Refuse(400, fmt::format("malformed request: {}", ec.message()));
+  Dispatch();
+}
+
+void Session::Refuse(int status, std::string_view message) {
+  ++state_->bad_requests;
+  keep_alive_ = false;
+  auto res = std::make_shared<http::response<http::string_body>>();
+  std::string type = "text/plain; charset=utf-8";
+  std::string body = std::string(message) + "\n";
+  if (state_->options.error_body) std::tie(type, body) = state_->options.error_body(status, message);
+  Fill(*res, status, {{"content-type", type}});
+  res->body() = std::move(body);
+  res->prepare_payload();
+  responding_ = true;
+  ++request_;
+  finishing_ = true;
+  Enqueue({.kind = Out::kWhole, .whole = std::move(res)});
+}
+
+void Session::Dispatch() {
+  HttpRequest r = ToRequest(parser_->release());
+  responding_ = true;
+  head_sent_ = false;
+  finishing_ = false;
+  ++request_;
+  ++state_->requests;
+  stream_.expires_never();  // the handler may take its time; writes set their own deadline
+  WatchClient();
+  state_->handler(std::move(r), std::make_shared<ReplyImpl>(shared_from_this(), request_));
+}
+
+void Session::WatchClient() {
+  // Readable while a response is pending: the client closed, or sent its next request early, or
+  // the readiness was stale (an edge for bytes already read). A peek tells them apart.
+  stream_.socket().async_wait(tcp::socket::wait_read, [self = shared_from_this(), r = request_](beast::error_code ec) {
+    if (!self->Current(r) || self->closed_) return;
+    if (ec) return self->ClientGone();
+    char byte;
+    const ssize_t n = ::recv(self->stream_.socket().native_handle(), &byte, 1, MSG_PEEK | MSG_DONTWAIT);
+    if (n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) return self->ClientGone();
+    if (n < 0) self->WatchClient();  // nothing there: watch on
+    // n > 0: the next request came early; it is read once this response is done.
+  });
+}
+
+void Session::SetGone(std::uint64_t request, std::function<void()> gone) {
+  if (!Current(request)) {
+    if (closed_ && request == request_) gone();  // it already went
+    return;
+  }
+  gone_ = std::move(gone);
+}
+
+void Session::Send(std::uint64_t request, int status, HttpHeaders headers, std::string body) {
+  if (!Current(request) || finishing_ || head_sent_) return;
+  auto res = std::make_shared<http::response<http::string_body>>();
+  Fill(*res, status, std::move(headers));
+  res->body() = std::move(body);
+  res->prepare_payload();
+  finishing_ = true;
+  Enqueue({.kind = Out::kWhole, .whole = std::move(res)});
+}
+
+void Session::Begin(std::uint64_t request, int status, HttpHeaders headers) {
+  if (!Current(request) || finishing_ || head_sent_) return;
+  auto res = std::make_shared<http::response<http::empty_body>>();
+  // HTTP/1.0 has no chunked encoding: the body runs until the connection closes.
+  if (version_ < 11) keep_alive_ = false;
+  Fill(*res, status, std::move(headers));
+  res->chunked(version_ >= 11);
+  head_sent_ = true;
+  auto writer = std::make_shared<http::response_serializer<http::empty_body>>(*res);
+  Enqueue({.kind = Out::kHead, .head = std::move(res), .head_writer = std::move(writer)});
+}
+
+void Session::Write(std::uint64_t request, std::string chunk) {
+  if (!Current(request) || finishing_ || !head_sent_) return;
+  backlog_ += chunk.size();
+  Enqueue({.kind = Out::kChunk, .data = std::move(chunk)});
+}
+
+void Session::End(std::uint64_t request) {
+  if (!Current(request) || finishing_) return;
+  if (!head_sent_) return Abort(request);  // End without Begin: nothing sensible to send
+  finishing_ = true;
+  Enqueue({.kind = Out::kLast});
+}
+
+void Session::Abort(std::uint64_t request) {
+  if (request != request_ || closed_) return;
+  if (!responding_) return;  // already answered
+  Shutdown();
+}
+
+void Session::Enqueue(Out out) {
+  out_.push_back(std::move(out));
+  if (!writing_) WriteNext();
+}
+
+void Session::WriteNext() {
+  if (out_.empty() || closed_) return;
+  writing_ = true;
+  Out& o = out_.front();
+  stream_.expires_after(state_->options.write_timeout);
+  auto done = [self = shared_from_this(), kind = o.kind](beast::error_code ec, std::size_t) {
+    self->OnWritten(ec, kind);
+  };
+  switch (o.kind) {
+    case Out::kWhole: http::async_write(stream_, *o.whole, std::move(done)); break;
+    case Out::kHead: http::async_write_header(stream_, *o.head_writer, std::move(done)); break;
+    case Out::kChunk:
+      if (version_ >= 11) {
+        net::async_write(stream_, http::make_chunk(net::buffer(o.data)), std::move(done));
+      } else {
+        net::async_write(stream_, net::buffer(o.data), std::move(done));
+      }
+      break;
+    case Out::kLast:
+      if (version_ >= 11) {
+        net::async_write(stream_, http::make_chunk_last(), std::move(done));
+      } else {
+        net::async_write(stream_, net::const_buffer(), std::move(done));  // the close ends it
+      }
+      break;
+  }
+}
+
+void Session::OnWritten(beast::error_code ec, Out::Kind kind) {
+  writing_ = false;
+  if (!out_.empty()) {
+    if (kind == Out::kChunk && !closed_) backlog_ -= out_.front().data.size();
+    out_.pop_front();
+  }
+  if (closed_) return;
+  if (ec) {
+    if (ec == beast::error::timeout) ++state_->timeouts;
+    return ClientGone();
+  }
+  if (kind == Out::kWhole || kind == Out::kLast) return ResponseDone();
+  WriteNext();
+}
+
+void Session::ResponseDone() {
+  responding_ = false;
+  gone_ = nullptr;
+  if (!keep_alive_) return Shutdown();
+  // The client-gone watch may still be pending: cancel it before reading again.
+  beast::error_code ignored;
+  stream_.socket().cancel(ignored);
+  ReadHeader();
+}
+
+void Session::ClientGone() {
+  if (closed_) return;
+  const bool mid_response = responding_;
+  auto gone = std::move(gone_);
+  Shutdown();
+  if (mid_response) {
+    ++state_->clients_gone;
+    if (gone) gone();
+  }
+}
+
+void Session::Shutdown() {
+  if (closed_) return;
+  closed_ = true;
+  responding_ = false;
+  // The piece being written stays until its write completes (aborted by the close below): the
+  // write reads its buffers until then.
+  while (out_.size() > (writing_ ? 1u : 0u)) out_.pop_back();
+  backlog_ = 0;
+  beast::error_code ignored;
+  stream_.socket().shutdown(tcp::socket::shutdown_both, ignored);
+  stream_.close();
+}
+
+}  // namespace
+
+void HttpListener::State::Accept() {
+  acceptor.async_accept(net::make_strand(ioc), [self = shared_from_this()](beast::error_code ec, tcp::socket socket) {
+    if (self->stopped.load()) return;
+    if (!ec) {
+      ++self->connections;
+      CloseOnExec(socket.native_handle());
+      // Responses go out in pieces (head, chunks): no waiting for the client's delayed ACKs.
+      beast::error_code nodelay_ec;
+      socket.set_option(tcp::no_delay(true), nodelay_ec);
+      if (self->open.load() >= self->options.max_connections) {
+        ++self->refused;
+        beast::error_code ignored;
+        socket.close(ignored);
+      } else {
+        ++self->open;
+        auto session = std::make_shared<Session>(self, std::move(socket));
+        {
+          std::lock_guard g(self->mu);
+          self->sessions.insert(session.get());
+        }
+        // Stop may have taken its list of sessions before this one joined it.
+        if (self->stopped.load()) return session->Close();
+        session->Run();
+      }
+    }
+    if (ec && ec != net::error::operation_aborted) {
+      // Out of descriptors (EMFILE) and the like: the error would repeat at once, so the next
+      // try waits a little instead of spinning a thread.
+      auto pause = std::make_shared<net::steady_timer>(self->acceptor.get_executor(), std::chrono::milliseconds(50));
+      return pause->async_wait([self, pause](beast::error_code) {
+        if (!self->stopped.load()) self->Accept();
+      });
+    }
+    self->Accept();
+  });
+}
+
+HttpListener::HttpListener(std::shared_ptr<State> state) : state_(std::move(state)) {}
+
+Result<std::unique_ptr<HttpListener>> HttpListener::Start(HttpIo& io, HttpListenerOptions options,
+                                                          HttpRequestHandler handler) {
+  auto state = std::make_shared<State>(io, std::move(options), std::move(handler));
+  beast::error_code ec;
+  const auto address = net::ip::make_address(state->options.host, ec);
+  if (ec) return InvalidArgument(fmt::format("bad listen address '{}': {}", state->options.host, ec.message()));
+  const tcp::endpoint endpoint(address, state->options.port);
+  state->acceptor.open(endpoint.protocol(), ec);
+  if (!ec) CloseOnExec(state->acceptor.native_handle());
+  if (!ec) state->acceptor.set_option(net::socket_base::reuse_address(true), ec);
+  if (!ec) state->acceptor.bind(endpoint, ec);
+  if (!ec) state->acceptor.listen(net::socket_base::max_listen_connections, ec);
+  if (ec) {
+    return Internal(fmt::format("cannot listen on {}:{}: {}", state->options.host, state->options.port, ec.message()));
+  }
+  state->port = state->acceptor.local_endpoint(ec).port();
+  net::post(state->acceptor.get_executor(), [state] { state->Accept(); });
+  return std::unique_ptr<HttpListener>(new HttpListener(std::move(state)));
+}
+
+HttpListener::~HttpListener() { Stop(); }
+
+std::uint16_t HttpListener::port() const { return state_->port; }
+
+void HttpListener::Stop() {
+  if (state_->stopped.exchange(true)) return;
+  // The acceptor is closed on its strand; off the io threads Stop waits for it, so the port is
+  // free when Stop returns.
+  auto closed = std::make_shared<std::promise<void>>();
+  auto done = closed->get_future();
+  net::post(state_->acceptor.get_executor(), [state = state_, closed] {
+    beast::error_code ignored;
+    state->acceptor.close(ignored);
+    closed->set_value();
+  });
+  if (!state_->ioc.get_executor().running_in_this_thread() && !state_->ioc.stopped()) {
+    (void)done.wait_for(std::chrono::seconds(5));
+  }
+  std::vector<std::shared_ptr<Session>> live;
+  {
+    std::lock_guard g(state_->mu);
+    for (Session* s : state_->sessions) {
+      if (auto p = s->weak_from_this().lock()) live.push_back(std::move(p));
+    }
+  }
+  for (auto& s : live) s->Close();
+}
+
+HttpListener::Counters HttpListener::counters() const {
+  return {.connections = state_->connections.load(),
+          .open = state_->open.load(),
+          .refused = state_->refused.load(),
+          .requests = state_->requests.load(),
+          .bad_requests = state_->bad_requests.load(),
+          .timeouts = state_->timeouts.load(),
+          .clients_gone = state_->clients_gone.load()};
+}
+
+}  // namespace kvrouter

@@ -1,0 +1,123 @@
+// HttpListener: an asynchronous HTTP/1.1 server (Boost.Beast) for the gateway and the mock
+// engines' HTTP face. One session object per connection, all on HttpIo's threads; keep-alive;
+// limits set before anything is read: headers above max_header_bytes get 431, a Content-Length
+// above max_body_bytes gets 413 before the body is read, a malformed request 400; a client that
+// is slow to send its headers or body is cut off after its timeout, an idle keep-alive
+// connection after idle_timeout, and connections past max_connections are closed at once.
+// `Expect: 100-continue` is answered before the body is read. Requests on one connection are
+// answered in order, one at a time.
+//
+// Thread contract: the handler runs on an HttpIo thread and must not block; it answers through
+// its HttpReply, from any thread, now or later. Ownership: the listener owns its sessions; a
+// session lives until its reply is finished and the connection closes. Stop() closes the
+// acceptor and every connection (their replies see the client gone).
+//
+//   auto l = HttpListener::Start(io, {.port = 8000}, [](HttpRequest req, std::shared_ptr<HttpReply> r) {
+//     r->Send(200, {{"content-type", "text/plain"}}, "ok\n"); });
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "events/base/status.h"
+#include "transport/http_io.h"
+
+namespace kvrouter {
+
+using HttpHeaders = std::vector<std::pair<std::string, std::string>>;
+
+struct HttpRequest {
+  std::string method;   // "GET", "POST", ...
+  std::string target;   // path and query, as sent
+  HttpHeaders headers;  // names in lower case, in the order sent
+  std::string body;
+  // The first header of that name (lower case), if any.
+  std::optional<std::string_view> Header(std::string_view name) const;
+  std::string_view Path() const;  // target without its query
+};
+
+// The answer to one request. Any thread may call any method; the calls take effect in order on
+// the connection's strand. Either Send once, or Begin, Write..., End. A reply dropped without
+// either closes the connection (the client sees it end).
+class HttpReply {
+ public:
+  virtual ~HttpReply() = default;
+  // The whole response, with Content-Length.
+  virtual void Send(int status, HttpHeaders headers, std::string body) = 0;
+  // A streamed response: the head now (Transfer-Encoding: chunked), each Write a chunk sent as
+  // soon as the socket takes it, End the last chunk.
+  virtual void Begin(int status, HttpHeaders headers) = 0;
+  virtual void Write(std::string chunk) = 0;
+  virtual void End() = 0;
+  // Closes the connection, mid-response or not.
+  virtual void Abort() = 0;
+  // `gone` runs once, on an HttpIo thread, if the client closes the connection (or a write to it
+  // fails) before the response is finished. Set it before the first Write.
+  virtual void OnClientGone(std::function<void()> gone) = 0;
+  // Bytes written by Write and not yet taken by the socket: a slow client's backlog.
+  virtual std::size_t Backlog() const = 0;
+};
+
+using HttpRequestHandler = std::function<void(HttpRequest request, std::shared_ptr<HttpReply> reply)>;
+
+// The listener's request parser over a whole buffer (for fuzzing and tests): one request, with
+// the same limits. InvalidArgument for a malformed or incomplete request, kOverloaded for one
+// past a limit (header or body size).
+Result<HttpRequest> ParseHttpRequest(std::string_view bytes, std::size_t max_header_bytes, std::size_t max_body_bytes);
+
+struct HttpListenerOptions {
+  std::string host = "0.0.0.0";
+  std::uint16_t port = 0;                       // 0: any free port (see port())
+  std::size_t max_header_bytes = 16 * 1024;     // request line and headers
+  std::size_t max_body_bytes = 16 << 20;
+  std::chrono::milliseconds header_timeout{10'000};  // to receive a request's headers
+  std::chrono::milliseconds body_timeout{30'000};    // to receive its body
+  std::chrono::milliseconds idle_timeout{60'000};    // keep-alive: between requests
+  std::chrono::milliseconds write_timeout{60'000};   // a client that takes no bytes this long goes
+  std::size_t max_connections = 50'000;
+  std::string server_name = "kvrouter";
+  // Formats the body of an error the listener answers itself (400, 413, 431): (status, message)
+  // -> (content type, body). Plain text when unset.
+  std::function<std::pair<std::string, std::string>(int status, std::string_view message)> error_body;
+};
+
+class HttpListener {
+ public:
+  // Binds and listens; InvalidArgument for a bad address, Internal when the port is taken.
+  static Result<std::unique_ptr<HttpListener>> Start(HttpIo& io, HttpListenerOptions options, HttpRequestHandler handler);
+  ~HttpListener();  // Stop()
+  HttpListener(const HttpListener&) = delete;
+  HttpListener& operator=(const HttpListener&) = delete;
+
+  std::uint16_t port() const;  // the bound port (also after Stop)
+  // Stops accepting (the port is free when it returns, unless called on an HttpIo thread) and
+  // closes every connection on its strand (HttpIo::Stop afterwards: no handler runs any more).
+  void Stop();
+
+  struct Counters {
+    std::uint64_t connections = 0;      // accepted in all
+    std::uint64_t open = 0;             // open now
+    std::uint64_t refused = 0;          // closed at once: past max_connections
+    std::uint64_t requests = 0;         // handed to the handler
+    std::uint64_t bad_requests = 0;     // answered 400 / 413 / 431 by the listener
+    std::uint64_t timeouts = 0;         // cut off: slow headers, body or writes, or idle
+    std::uint64_t clients_gone = 0;     // closed by the client before the response ended
+  };
+  Counters counters() const;
+
+  struct State;  // http_listener.cc
+
+ private:
+  explicit HttpListener(std::shared_ptr<State> state);
+  std::shared_ptr<State> state_;
+};
+
+}  // namespace kvrouter
