@@ -135,10 +135,20 @@ class OfflineReplay {
       }
       if (out.kind == EngineOutput::kRejected) {
         records_[i].error = true;  // larger than the whole cache
+        (void)bus_.Request(subj.free, AsBytes(EncodeLifecycleRequest(out.id)));
       } else {
         records_[i].finished_ms = out.at_ms;
+        // Freed with the engine's timing, as the gateway and the generate relay free theirs:
+        // from the engine taking the request to its first token, then the mean token gap.
+        const RequestRecord& rec = records_[i];
+        const std::uint32_t tokens = std::max<std::uint32_t>(1, trace_[i].output_length);
+        const double gap = tokens > 1 ? (rec.finished_ms - rec.first_token_ms) / (tokens - 1) : 0;
+        const ResponseTiming timing{.ttfb_ms = rec.first_token_ms - routed_ms_[i],
+                                    .chunks = tokens,
+                                    .inter_chunk_ms_mean = gap,
+                                    .inter_chunk_ms_max = gap};
+        (void)bus_.Request(subj.free, AsBytes(EncodeLifecycleRequest(out.id, timing)));
       }
-      (void)bus_.Request(subj.free, AsBytes(EncodeLifecycleRequest(out.id)));
       if (o_.progress && ++done_ % std::max<std::size_t>(1, trace_.size() / 10) == 0) {
         fmt::print(stderr, "kvbench {}: {}/{} requests done\n", o_.label, done_, trace_.size());
       }
@@ -171,6 +181,7 @@ class OfflineReplay {
       }
       const std::size_t e = static_cast<std::size_t>(r->worker_id - 1);
       records_[i].worker_id = r->worker_id;
+      routed_ms_[i] = now_ms_;
       engines_[e]->Add(
           {fmt::format("r{}", i), TokensFor(trace_[i]), std::max<std::uint32_t>(1, trace_[i].output_length), ""});
       StartStep(e);
@@ -187,6 +198,7 @@ class OfflineReplay {
   std::vector<std::unique_ptr<BusSubscription>> recovery_;  // after publishers: destroyed first
   std::vector<std::uint64_t> worker_ids_;
   std::vector<RequestRecord> records_;
+  std::unordered_map<std::size_t, double> routed_ms_;  // when the engine took request i
   std::unordered_map<std::string, std::size_t> index_of_;
   using StepEnd = std::pair<double, std::size_t>;  // (time, engine), earliest first
   std::priority_queue<StepEnd, std::vector<StepEnd>, std::greater<StepEnd>> steps_;
