@@ -22,7 +22,7 @@ po::options_description Describe() {
   // clang-format off
   desc.add_options()
     ("help,h", "print this help")
-    ("offline", po::bool_switch(), "simulate the router and engines on virtual time in this process")
+    ("offline", po::bool_switch(), "simulate the router and engines on virtual time in this process; only then does the report have each worker's busy time (its engine steps summed) and busy_max/mean: online runs do not see the engines' steps")
     ("nats-server", po::value<std::string>()->default_value(on.nats_url), "online: NATS URL (env NATS_SERVER)")
     ("namespace", po::value<std::string>()->default_value(on.ns), "online: the router's namespace")
     ("concurrency", po::value<std::uint32_t>()->default_value(static_cast<std::uint32_t>(on.concurrency)), "online: requests in flight at most (>= 1)")
@@ -54,7 +54,7 @@ po::options_description Describe() {
     ("router-queue-threshold", po::value<std::string>(), "offline: passed to the router")
     ("router-queue-policy", po::value<std::string>(), "offline: passed to the router")
     ("compare", po::bool_switch(), "offline: run kv, round-robin, random and approximate mode and print one table")
-    ("json", po::value<std::string>(), "write the summary (an array with --compare) as JSON here")
+    ("json", po::value<std::string>(), "write the summary (an array with --compare) as JSON here (worker_busy_ms and busy_time_max_over_mean offline only)")
     ("plot", po::value<std::string>(), "draw kv hit rate and TTFT p50/p99 by mode into this file (.svg, else PNG) with gnuplot")
     ("seed", po::value<std::uint64_t>()->default_value(syn.seed), "random seed (router tie-breaks, synthetic workload)");
   // clang-format on

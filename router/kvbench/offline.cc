@@ -49,7 +49,9 @@ class OfflineReplay {
       }
     }
     for (auto& [i, p] : waiting_) records_[i].error = true;  // still queued when everything stopped
-    return Summarize(o_.label, records_, worker_ids_);
+    Summary summary = Summarize(o_.label, records_, worker_ids_);
+    summary.worker_busy_ms = busy_ms_;
+    return summary;
   }
 
  private:
@@ -91,6 +93,7 @@ class OfflineReplay {
       (void)bus_.Publish(subj.kv_events, AsBytes(EncodeDynamoEnvelope(pub.Publish(std::move(d)), {})));
     }));
     stepping_.push_back(false);
+    busy_ms_.push_back(0);
     outputs_.emplace_back();
     auto sub =
         bus_.Subscribe(RecoverySubject(rc.ns, rc.component, worker_id, 0), "", [this, &pub](const BusMessage& m) {
@@ -157,6 +160,7 @@ class OfflineReplay {
     outputs_[e].clear();
     const double d = engines_[e]->Step(now_ms_, outputs_[e]);
     if (d <= 0) return;  // nothing could run (a prompt larger than the whole cache waits forever)
+    busy_ms_[e] += d;
     stepping_[e] = true;
     steps_.push({now_ms_ + d, e});
   }
@@ -197,6 +201,7 @@ class OfflineReplay {
   using StepEnd = std::pair<double, std::size_t>;  // (time, engine), earliest first
   std::priority_queue<StepEnd, std::vector<StepEnd>, std::greater<StepEnd>> steps_;
   std::vector<bool> stepping_;
+  std::vector<double> busy_ms_;  // per engine: the durations of the steps it ran, summed
   std::vector<std::vector<EngineOutput>> outputs_;
   std::map<std::size_t, InMemoryBus::PendingRequest> waiting_;  // queued in the router
   std::size_t next_ = 0;

@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <limits>
 
 namespace kvrouter::bench {
@@ -83,9 +84,10 @@ TEST(OfflineReplay, WorkerSpeedupsMultiplyTheSpeedupRatio) {
   EXPECT_EQ(SummaryJson(*a), SummaryJson(*c));
 }
 
-TEST(OfflineReplay, SlowWorkersAnswerLater) {
+TEST(OfflineReplay, SlowWorkersAnswerLaterAndAreBusier) {
   // Round-robin gives every worker the same share, so a fleet with two workers at a quarter of
-  // the speed answers its slowest requests later than a uniform one.
+  // the speed answers its slowest requests later than a uniform one, and those two workers spend
+  // longer in engine steps than the others.
   const auto trace = Workload();
   OfflineOptions uniform = Options({"--router-mode", "round-robin"});
   OfflineOptions mixed = uniform;
@@ -98,6 +100,39 @@ TEST(OfflineReplay, SlowWorkersAnswerLater) {
   EXPECT_GT(m->ttft_p90, u->ttft_p90);
   EXPECT_GT(m->e2e_p90, u->e2e_p90);
   EXPECT_GE(m->ttft_p50, u->ttft_p50);
+
+  ASSERT_EQ(m->worker_busy_ms.size(), 4u);
+  const double slowest_fast = std::max(m->worker_busy_ms[0], m->worker_busy_ms[1]);
+  EXPECT_GT(m->worker_busy_ms[2], slowest_fast);
+  EXPECT_GT(m->worker_busy_ms[3], slowest_fast);
+  for (std::size_t w = 0; w < 2; ++w) EXPECT_DOUBLE_EQ(m->worker_busy_ms[w], u->worker_busy_ms[w]) << w;
+  ASSERT_TRUE(BusyTimeMaxOverMean(*u) && BusyTimeMaxOverMean(*m));
+  EXPECT_GT(*BusyTimeMaxOverMean(*m), *BusyTimeMaxOverMean(*u));
+}
+
+TEST(OfflineReplay, BusyTimeIsTheSumOfTheEngineStepDurations) {
+  // Three distinct one-token requests far apart: each is one engine step, a prefill of its
+  // whole prompt, on a worker that is otherwise idle.
+  std::vector<TraceRequest> trace;
+  for (std::uint64_t i = 0; i < 3; ++i) {
+    trace.push_back({.timestamp_ms = 10000.0 * static_cast<double>(i),
+                     .input_length = 1024,
+                     .output_length = 1,
+                     .hash_ids = {10 * i + 1, 10 * i + 2}});
+  }
+  OfflineOptions o = Options({"--router-mode", "round-robin"});
+  o.workers = 2;
+  o.engine.speedup_ratio = 2;
+  o.worker_speedups = {1, 0.25};
+  auto s = RunOffline(trace, o);
+  ASSERT_TRUE(s.ok()) << s.status().ToString();
+  ASSERT_EQ(s->errors, 0u);
+  ASSERT_EQ(s->worker_busy_ms.size(), 2u);
+  for (std::size_t w = 0; w < 2; ++w) {
+    const double speedup = o.engine.speedup_ratio * o.worker_speedups[w];
+    EXPECT_DOUBLE_EQ(s->worker_busy_ms[w], static_cast<double>(s->worker_requests[w]) * MockPrefillMs(1024, speedup))
+        << w;
+  }
 }
 
 TEST(OfflineReplay, WorkerSpeedupsNeedOnePositiveValuePerWorker) {

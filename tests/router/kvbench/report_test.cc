@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 
 #include <nlohmann/json.hpp>
 
@@ -39,6 +40,52 @@ TEST(Summary, HitRatePercentilesAndSpread) {
   EXPECT_DOUBLE_EQ(json["kv_hit_rate"].get<double>(), 0.25);
   EXPECT_DOUBLE_EQ(json["ttft_ms"]["p99"].get<double>(), s.ttft_p99);
   EXPECT_EQ(json["worker_requests"], nlohmann::json::parse("[1, 1, 0]"));
+}
+
+// The last two columns of the table row that starts with `mode` (the header: "mode").
+std::vector<std::string> LastTwoColumns(const std::string& table, const std::string& mode) {
+  std::istringstream lines(table);
+  for (std::string line; std::getline(lines, line);) {
+    if (!line.starts_with(mode + " ")) continue;
+    std::istringstream words(line);
+    std::vector<std::string> columns;
+    for (std::string w; words >> w;) columns.push_back(w);
+    if (columns.size() < 2) break;
+    return {columns.end() - 2, columns.end()};
+  }
+  return {};
+}
+
+TEST(Summary, BusyTimeBalanceIsTheBusiestWorkerOverTheMean) {
+  Summary s{.mode = "offline", .worker_requests = {1, 3, 2}, .worker_busy_ms = {100, 300, 200}};
+  ASSERT_TRUE(BusyTimeMaxOverMean(s).has_value());
+  EXPECT_DOUBLE_EQ(*BusyTimeMaxOverMean(s), 1.5);  // 300 over a mean of 200
+  const auto json = nlohmann::json::parse(SummaryJson(s));
+  EXPECT_DOUBLE_EQ(json["busy_time_max_over_mean"].get<double>(), 1.5);
+  EXPECT_EQ(json["worker_busy_ms"], nlohmann::json::parse("[100.0, 300.0, 200.0]"));
+  EXPECT_EQ(json["worker_requests"], nlohmann::json::parse("[1, 3, 2]"));
+
+  // The table keeps the request share and puts the busy-time balance beside it.
+  Summary even{.mode = "even", .worker_requests = {2, 2}, .worker_busy_ms = {50, 50}};
+  const std::string table = SummaryTable({s, even});
+  using Columns = std::vector<std::string>;
+  EXPECT_EQ(LastTwoColumns(table, "mode"), (Columns{"max/share", "busy_max/mean"})) << table;
+  EXPECT_EQ(LastTwoColumns(table, "offline"), (Columns{"1.50x", "1.50x"})) << table;
+  EXPECT_EQ(LastTwoColumns(table, "even"), (Columns{"1.00x", "1.00x"})) << table;
+
+  // Workers that never ran a step: no imbalance to report.
+  Summary idle{.mode = "idle", .worker_busy_ms = {0, 0}};
+  EXPECT_EQ(BusyTimeMaxOverMean(idle), 0.0);
+}
+
+TEST(Summary, OnlineRunsHaveNoBusyTime) {
+  Summary s{.mode = "online", .requests = 4, .worker_requests = {3, 1}};  // no engine steps seen
+  EXPECT_FALSE(BusyTimeMaxOverMean(s).has_value());
+  const auto json = nlohmann::json::parse(SummaryJson(s));
+  EXPECT_FALSE(json.contains("busy_time_max_over_mean")) << json.dump();
+  EXPECT_FALSE(json.contains("worker_busy_ms")) << json.dump();
+  // The request share still shows.
+  EXPECT_EQ(LastTwoColumns(SummaryTable({s}), "online"), (std::vector<std::string>{"1.50x", "-"})) << SummaryTable({s});
 }
 
 TEST(Summary, JsonEscapesTheLabel) {
