@@ -25,7 +25,8 @@ Result<bool> ReadLeaving(const msgpack::object* o, std::string_view field) {
 Result<std::string> ReadHttpUrl(const msgpack::object* o, std::string_view field) {
   auto s = ReadStr(o, field);
   if (!s.ok()) return s.status();
-  if (s->size() > kMaxUrlBytes) return InvalidArgument(fmt::format("field '{}' is longer than {} bytes", field, kMaxUrlBytes));
+  if (s->size() > kMaxUrlBytes)
+    return InvalidArgument(fmt::format("field '{}' is longer than {} bytes", field, kMaxUrlBytes));
   if (!s->empty() && !s->starts_with("http://")) {
     return InvalidArgument(fmt::format("field '{}' must start with http://", field));
   }
@@ -38,7 +39,8 @@ Result<std::string> ReadHttpUrl(const msgpack::object* o, std::string_view field
 Result<std::vector<std::string>> ReadModels(const msgpack::object* o, std::string_view field) {
   auto items = ReadArray(o, field);
   if (!items.ok()) return items.status();
-  if (items->size() > kMaxModels) return InvalidArgument(fmt::format("field '{}' has more than {} names", field, kMaxModels));
+  if (items->size() > kMaxModels)
+    return InvalidArgument(fmt::format("field '{}' has more than {} names", field, kMaxModels));
   std::vector<std::string> names;
   for (const msgpack::object& item : *items) {
     auto name = ReadName(&item, field);
@@ -459,7 +461,10 @@ msgpack::sbuffer EncodeWorkerStats(const WorkerStats& s) {
       .Field("active_prefill_tokens", s.active_prefill_tokens)
       .Field("active_requests", s.active_requests)
       .Field("device", s.device)
-      .Field("routed_requests", s.routed_requests);
+      .Field("routed_requests", s.routed_requests)
+      .Field("prefill_tokens_per_second", s.prefill_tokens_per_second)
+      .Field("decode_step_seconds", s.decode_step_seconds)
+      .Field("rate_observations", s.rate_observations);
   return std::move(w).Finish();
 }
 
@@ -527,6 +532,9 @@ Result<StatsReply> DecodeStatsReply(std::span<const std::byte> body) {
     reads.Optional(o, "active_requests", ReadU32, w.active_requests);
     reads.Optional(o, "device", ReadStr, w.device);
     reads.Optional(o, "routed_requests", ReadU64, w.routed_requests);
+    reads.Optional(o, "prefill_tokens_per_second", ReadF64, w.prefill_tokens_per_second);
+    reads.Optional(o, "decode_step_seconds", ReadF64, w.decode_step_seconds);
+    reads.Optional(o, "rate_observations", ReadU64, w.rate_observations);
     if (!reads.ok()) return InvalidArgument("workers: " + reads.status().message());
     r.workers.push_back(std::move(w));
   }

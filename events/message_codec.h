@@ -110,8 +110,8 @@ struct RouteRequest {
   std::optional<std::vector<std::uint64_t>> allowed_worker_ids;
   RouterConfigOverride config_override;
   std::optional<std::uint32_t> timeout_ms;
-  std::optional<std::uint32_t> max_tokens;  // router.generate: tokens to generate
-  std::string session_id;                   // section 11 session affinity (empty: none)
+  std::optional<std::uint32_t> max_tokens;                        // router.generate: tokens to generate
+  std::string session_id;                                         // section 11 session affinity (empty: none)
   std::optional<std::vector<std::uint64_t>> excluded_worker_ids;  // never these workers
   bool operator==(const RouteRequest&) const = default;
 };
@@ -139,7 +139,7 @@ msgpack::sbuffer EncodeLifecycleRequest(std::string_view request_id);
 // How an engine answered a request, as a gateway saw it (section 11), carried by its `free`:
 //   {request_id, ttfb_ms?: f64, chunks?: u32, inter_chunk_ms_mean?: f64, inter_chunk_ms_max?: f64}
 // ttfb_ms: from the engine call to its first response byte; the inter-chunk times are between
-// the response's chunks. The learned engine rates will read them; the router counts them now.
+// the response's chunks. The rank's learned rates are taught by them (WorkerRates).
 struct ResponseTiming {
   double ttfb_ms = 0;
   std::uint32_t chunks = 0;
@@ -206,7 +206,8 @@ msgpack::sbuffer EncodeKvMetrics(const KvMetrics& metrics);
 //                 is the defaults; a larger limit is read as 10000.
 //   stats_reply = {workers: [{worker_id: u64, dp_rank: u32, blocks: u64, active_blocks: u64,
 //                             active_prefill_tokens: u64, active_requests: u32, device: str,
-//                             routed_requests: u64}...],
+//                             routed_requests: u64, prefill_tokens_per_second: f64,
+//                             decode_step_seconds: f64, rate_observations: u64}...],
 //                  workers_total: u64, offset: u64, next_offset?: u64,
 //                  <counter>: u64 ..., <breakdown>: {<name>: u64 ...} ...}
 //                 Counters and breakdowns are open-ended (docs/protocol.md lists the required ones);
@@ -230,6 +231,11 @@ struct WorkerStats {
   std::uint32_t active_requests = 0;
   std::string device;
   std::uint64_t routed_requests = 0;
+  // Learned speed (docs/design.md "Learned rates"): the prior's marginal prefill rate and low-load
+  // decode step scaled by the rank's factors, and how many requests taught them.
+  double prefill_tokens_per_second = 0;
+  double decode_step_seconds = 0;
+  std::uint64_t rate_observations = 0;
   bool operator==(const WorkerStats&) const = default;
 };
 

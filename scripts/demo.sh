@@ -88,7 +88,8 @@ head -n 1 "$work/kv.txt"
 printf '%s\n' "${rows[@]}"
 echo
 echo "kv = the default cost (predicted time); kv-dynamo-cost = Dynamo's formula (--router-prefill-load-scale 1)."
-echo "kv_hit = cached prompt tokens / prompt tokens; max/share = busiest worker's requests / a fair share."
+echo "kv_hit = cached prompt tokens / prompt tokens; max/share = busiest worker's requests / a fair share;"
+echo "busy_max/mean = busiest worker's engine busy time / the mean (kvbench --offline only: '-' online)."
 [ -n "${DEMO_JSON_DIR:-}" ] && mkdir -p "$DEMO_JSON_DIR" && cp "$work"/*.json "$DEMO_JSON_DIR"/ \
   && echo "JSON per mode: $DEMO_JSON_DIR"
 exit 0

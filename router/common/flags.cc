@@ -2,8 +2,11 @@
 
 #include <fmt/format.h>
 
+#include <fmt/ranges.h>
+
 #include <algorithm>
 #include <cctype>
+#include <charconv>
 #include <sstream>
 #include <vector>
 
@@ -59,6 +62,34 @@ std::optional<bool> ParseBoolValue(std::string v) {
   if (v == "0" || v == "false" || v == "no" || v == "off") return false;
   return std::nullopt;
 }
+
+void validate(boost::any& out, const std::vector<std::string>& tokens, NumberList*, int) {
+  po::validators::check_first_occurrence(out);
+  const std::string& token = po::validators::get_single_string(tokens);
+  NumberList list;
+  std::string_view rest = token;
+  for (;;) {
+    const std::size_t comma = rest.find(',');
+    std::string_view item = rest.substr(0, comma);
+    while (!item.empty() && std::isspace(static_cast<unsigned char>(item.front()))) item.remove_prefix(1);
+    while (!item.empty() && std::isspace(static_cast<unsigned char>(item.back()))) item.remove_suffix(1);
+    double v = 0;
+    const auto [end, ec] = std::from_chars(item.data(), item.data() + item.size(), v);
+    if (item.empty() || ec != std::errc() || end != item.data() + item.size()) {
+      po::error_with_option_name e(
+          "the argument ('%value%') for option '%canonical_option%' is invalid: expected a number or numbers separated "
+          "by commas");
+      e.set_substitute("value", token);
+      throw e;
+    }
+    list.values.push_back(v);
+    if (comma == std::string_view::npos) break;
+    rest.remove_prefix(comma + 1);
+  }
+  out = std::move(list);
+}
+
+std::string FormatNumberList(const std::vector<double>& values) { return fmt::format("{}", fmt::join(values, ",")); }
 
 namespace {
 

@@ -14,6 +14,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "events/base/status.h"
 #include "transport/nats_security.h"
@@ -33,6 +34,18 @@ NatsSecurity ReadNatsSecurity(const boost::program_options::variables_map& vm);
 Status FlagOutOfRange(std::string_view flag, std::string_view range);
 // "1/true/yes/on" or "0/false/no/off" (any case); nullopt otherwise.
 std::optional<bool> ParseBoolValue(std::string value);
+
+// The value of a flag that takes one number or a comma-separated list of them ("8,8,2,2"),
+// declared as po::value<NumberList>(). Every item must be a whole number (spaces around it are
+// allowed); an empty item or anything else is refused while parsing, like any unparsable value,
+// naming the flag (or its variable). Ranges and the length are the reading program's to check.
+struct NumberList {
+  std::vector<double> values;
+};
+// Boost.Program_options' conversion of a NumberList value (found by argument-dependent lookup).
+void validate(boost::any& out, const std::vector<std::string>& tokens, NumberList*, int);
+// The list as a flag would give it: "8,8,2,2".
+std::string FormatNumberList(const std::vector<double>& values);
 
 // How one flag reads the environment when the default is not right: its variable, and the
 // command-line argument a value turns into (nullopt = none; an error names the variable).

@@ -3,6 +3,7 @@
 #include <boost/program_options.hpp>
 #include <fmt/format.h>
 
+#include <cmath>
 #include <filesystem>
 
 namespace kvrouter::bench {
@@ -21,7 +22,7 @@ po::options_description Describe() {
   // clang-format off
   desc.add_options()
     ("help,h", "print this help")
-    ("offline", po::bool_switch(), "simulate the router and engines on virtual time in this process")
+    ("offline", po::bool_switch(), "simulate the router and engines on virtual time in this process; only then does the report have each worker's busy time (its engine steps summed) and busy_max/mean: online runs do not see the engines' steps")
     ("nats-server", po::value<std::string>()->default_value(on.nats_url), "online: NATS URL (env NATS_SERVER)")
     ("namespace", po::value<std::string>()->default_value(on.ns), "online: the router's namespace")
     ("concurrency", po::value<std::uint32_t>()->default_value(static_cast<std::uint32_t>(on.concurrency)), "online: requests in flight at most (>= 1)")
@@ -43,7 +44,8 @@ po::options_description Describe() {
     ("block-size", po::value<std::uint32_t>()->default_value(off.engine.block_size), "offline: tokens per KV block")
     ("max-num-seqs", po::value<std::uint32_t>()->default_value(off.engine.max_num_seqs), "offline: running sequences per worker")
     ("max-num-batched-tokens", po::value<std::uint32_t>()->default_value(off.engine.max_num_batched_tokens), "offline: tokens per engine step")
-    ("speedup-ratio", po::value<double>()->default_value(off.engine.speedup_ratio), "offline: engine speed-up (divides every duration)")
+    ("speedup-ratio", po::value<double>()->default_value(off.engine.speedup_ratio), "offline: engine speed-up of every worker (divides every duration; finite, > 0)")
+    ("worker-speedups", po::value<NumberList>(), "offline: one speed per worker, separated by commas, exactly --workers of them (1,1,0.25,0.25 with --workers 4): worker i's engine speedup is --speedup-ratio x the i-th value (each finite, > 0; default: 1 for every worker)")
     ("router-mode", po::value<std::string>()->default_value("kv"), "offline: router mode of the run")
     ("no-router-kv-events", po::bool_switch(), "offline: approximate mode")
     ("router-kv-overlap-score-credit", po::value<std::string>(), "offline: passed to the router")
@@ -52,7 +54,7 @@ po::options_description Describe() {
     ("router-queue-threshold", po::value<std::string>(), "offline: passed to the router")
     ("router-queue-policy", po::value<std::string>(), "offline: passed to the router")
     ("compare", po::bool_switch(), "offline: run kv, round-robin, random and approximate mode and print one table")
-    ("json", po::value<std::string>(), "write the summary (an array with --compare) as JSON here")
+    ("json", po::value<std::string>(), "write the summary (an array with --compare) as JSON here (worker_busy_ms and busy_time_max_over_mean offline only)")
     ("plot", po::value<std::string>(), "draw kv hit rate and TTFT p50/p99 by mode into this file (.svg, else PNG) with gnuplot")
     ("seed", po::value<std::uint64_t>()->default_value(syn.seed), "random seed (router tie-breaks, synthetic workload)");
   // clang-format on
@@ -140,7 +142,13 @@ Status ReadBenchConfig(const po::variables_map& vm, BenchConfig& c) {
   off.engine.speedup_ratio = vm["speedup-ratio"].as<double>();
   if (off.engine.num_gpu_blocks < 1) return FlagOutOfRange("num-gpu-blocks", ">= 1");
   if (off.engine.block_size < 1) return FlagOutOfRange("block-size", ">= 1");
-  if (!(off.engine.speedup_ratio > 0)) return FlagOutOfRange("speedup-ratio", "> 0");
+  if (!(off.engine.speedup_ratio > 0) || !std::isfinite(off.engine.speedup_ratio)) {
+    return FlagOutOfRange("speedup-ratio", "a finite number > 0");
+  }
+  if (vm.count("worker-speedups")) {
+    off.worker_speedups = vm["worker-speedups"].as<NumberList>().values;
+    if (Status s = CheckWorkerSpeedups(off); !s.ok()) return s;
+  }
   off.seed = vm["seed"].as<std::uint64_t>();
   off.progress = true;
   c.runs = Runs(vm);

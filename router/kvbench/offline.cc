@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <cmath>
 #include <limits>
 #include <list>
 #include <map>
@@ -14,6 +15,7 @@
 #include "events/msgpack_reader.h"
 #include "events/worker_codec.h"
 #include "events/worker_publisher.h"
+#include "router/common/flags.h"
 #include "router/service/kv_router_service.h"
 #include "transport/memory_bus.h"
 
@@ -47,7 +49,9 @@ class OfflineReplay {
       }
     }
     for (auto& [i, p] : waiting_) records_[i].error = true;  // still queued when everything stopped
-    return Summarize(o_.label, records_, worker_ids_);
+    Summary summary = Summarize(o_.label, records_, worker_ids_);
+    summary.worker_busy_ms = busy_ms_;
+    return summary;
   }
 
  private:
@@ -55,6 +59,7 @@ class OfflineReplay {
   // bus. A publisher per worker numbers them and serves the recovery endpoint (docs/protocol.md
   // section 6), as kvmocker does over NATS.
   Status Start() {
+    if (Status s = CheckWorkerSpeedups(o_); !s.ok()) return s;
     std::vector<std::string> args = {"kvbench", "--block-size", std::to_string(o_.engine.block_size)};
     args.insert(args.end(), o_.router_flags.begin(), o_.router_flags.end());
     std::vector<const char*> argv;
@@ -70,14 +75,17 @@ class OfflineReplay {
         o_.seed);
     if (Status s = svc_->Start(); !s.ok()) return s;
     for (std::uint32_t w = 0; w < o_.workers; ++w) {
-      if (Status s = AddWorker(w + 1, cfg->config); !s.ok()) return s;
+      if (Status s = AddWorker(w, cfg->config); !s.ok()) return s;
     }
     return Status::Ok();
   }
 
-  Status AddWorker(std::uint64_t worker_id, const RouterConfig& rc) {
+  // Worker `index` (0-based) has id index + 1 and its own engine speed.
+  Status AddWorker(std::uint32_t index, const RouterConfig& rc) {
     const Subjects& subj = svc_->subjects();
-    const MockEngineConfig& ec = o_.engine;
+    const std::uint64_t worker_id = std::uint64_t{index} + 1;
+    MockEngineConfig ec = o_.engine;
+    if (!o_.worker_speedups.empty()) ec.speedup_ratio *= o_.worker_speedups[index];
     worker_ids_.push_back(worker_id);
     KvEventPublisher& pub =
         *publishers_.emplace_back(std::make_unique<KvEventPublisher>(PublisherConfig{.worker_id = worker_id}));
@@ -85,6 +93,7 @@ class OfflineReplay {
       (void)bus_.Publish(subj.kv_events, AsBytes(EncodeDynamoEnvelope(pub.Publish(std::move(d)), {})));
     }));
     stepping_.push_back(false);
+    busy_ms_.push_back(0);
     outputs_.emplace_back();
     auto sub =
         bus_.Subscribe(RecoverySubject(rc.ns, rc.component, worker_id, 0), "", [this, &pub](const BusMessage& m) {
@@ -135,10 +144,20 @@ class OfflineReplay {
       }
       if (out.kind == EngineOutput::kRejected) {
         records_[i].error = true;  // larger than the whole cache
+        (void)bus_.Request(subj.free, AsBytes(EncodeLifecycleRequest(out.id)));
       } else {
         records_[i].finished_ms = out.at_ms;
+        // Freed with the engine's timing, as the gateway and the generate relay free theirs:
+        // from the engine taking the request to its first token, then the mean token gap.
+        const RequestRecord& rec = records_[i];
+        const std::uint32_t tokens = std::max<std::uint32_t>(1, trace_[i].output_length);
+        const double gap = tokens > 1 ? (rec.finished_ms - rec.first_token_ms) / (tokens - 1) : 0;
+        const ResponseTiming timing{.ttfb_ms = rec.first_token_ms - routed_ms_[i],
+                                    .chunks = tokens,
+                                    .inter_chunk_ms_mean = gap,
+                                    .inter_chunk_ms_max = gap};
+        (void)bus_.Request(subj.free, AsBytes(EncodeLifecycleRequest(out.id, timing)));
       }
-      (void)bus_.Request(subj.free, AsBytes(EncodeLifecycleRequest(out.id)));
       if (o_.progress && ++done_ % std::max<std::size_t>(1, trace_.size() / 10) == 0) {
         fmt::print(stderr, "kvbench {}: {}/{} requests done\n", o_.label, done_, trace_.size());
       }
@@ -151,6 +170,7 @@ class OfflineReplay {
     outputs_[e].clear();
     const double d = engines_[e]->Step(now_ms_, outputs_[e]);
     if (d <= 0) return;  // nothing could run (a prompt larger than the whole cache waits forever)
+    busy_ms_[e] += d;
     stepping_[e] = true;
     steps_.push({now_ms_ + d, e});
   }
@@ -171,6 +191,7 @@ class OfflineReplay {
       }
       const std::size_t e = static_cast<std::size_t>(r->worker_id - 1);
       records_[i].worker_id = r->worker_id;
+      routed_ms_[i] = now_ms_;
       engines_[e]->Add(
           {fmt::format("r{}", i), TokensFor(trace_[i]), std::max<std::uint32_t>(1, trace_[i].output_length), ""});
       StartStep(e);
@@ -187,10 +208,12 @@ class OfflineReplay {
   std::vector<std::unique_ptr<BusSubscription>> recovery_;  // after publishers: destroyed first
   std::vector<std::uint64_t> worker_ids_;
   std::vector<RequestRecord> records_;
+  std::unordered_map<std::size_t, double> routed_ms_;  // when the engine took request i
   std::unordered_map<std::string, std::size_t> index_of_;
   using StepEnd = std::pair<double, std::size_t>;  // (time, engine), earliest first
   std::priority_queue<StepEnd, std::vector<StepEnd>, std::greater<StepEnd>> steps_;
   std::vector<bool> stepping_;
+  std::vector<double> busy_ms_;  // per engine: the durations of the steps it ran, summed
   std::vector<std::vector<EngineOutput>> outputs_;
   std::map<std::size_t, InMemoryBus::PendingRequest> waiting_;  // queued in the router
   std::size_t next_ = 0;
@@ -198,6 +221,21 @@ class OfflineReplay {
 };
 
 }  // namespace
+
+Status CheckWorkerSpeedups(const OfflineOptions& o) {
+  if (o.worker_speedups.empty()) return Status::Ok();
+  if (o.worker_speedups.size() != o.workers) {
+    return InvalidArgument(
+        fmt::format("--worker-speedups has {} values for {} workers (--workers): give one per worker",
+                    o.worker_speedups.size(), o.workers));
+  }
+  for (double v : o.worker_speedups) {
+    if (!(v > 0) || !std::isfinite(v) || !std::isfinite(v * o.engine.speedup_ratio)) {
+      return FlagOutOfRange("worker-speedups", fmt::format("a finite number > 0 for every worker (got {})", v));
+    }
+  }
+  return Status::Ok();
+}
 
 Result<Summary> RunOffline(const std::vector<TraceRequest>& trace, const OfflineOptions& options) {
   return OfflineReplay(trace, options).Run();

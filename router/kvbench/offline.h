@@ -21,12 +21,21 @@ struct OfflineOptions {
   std::string label;                      // the run's name in reports
   std::vector<std::string> router_flags;  // kvrouter flags, e.g. {"--router-mode", "kv"}
   std::uint32_t workers = 8;
-  MockEngineConfig engine;  // per worker (workers are 1..workers, dp rank 0)
+  MockEngineConfig engine;  // every worker's (workers are 1..workers, dp rank 0), but for its speed:
+  // Each worker's speed relative to engine.speedup_ratio: worker i's engine runs at
+  // engine.speedup_ratio * worker_speedups[i]. Empty: every worker at engine.speedup_ratio; else
+  // one finite value > 0 per worker (RunOffline refuses another count).
+  std::vector<double> worker_speedups;
   std::uint64_t seed = 1;
   bool progress = false;  // progress lines on stderr
 };
 
-// Replays `trace` (timestamps relative to its first request). Fails on bad router flags.
+// InvalidArgument naming --worker-speedups unless worker_speedups is empty or has one finite
+// value > 0 per worker (and each times engine.speedup_ratio is finite).
+Status CheckWorkerSpeedups(const OfflineOptions& options);
+
+// Replays `trace` (timestamps relative to its first request). Fails on bad router flags or
+// worker speedups.
 Result<Summary> RunOffline(const std::vector<TraceRequest>& trace, const OfflineOptions& options);
 
 // Hit rate of one LRU prefix cache of `total_blocks` blocks serving every request in order:

@@ -1,7 +1,8 @@
 // kvbench's online mode: replays a trace through a running router's `generate` endpoint
 // (which forwards to running workers, e.g. kvmocker) over NATS, on real time. Requests leave
 // at their trace time (divided by the speedup) with at most `concurrency` in flight; responses
-// stream back on this client's inbox. Per-worker spread comes from the router's stats.
+// stream back on this client's inbox. Per-worker spread comes from the router's stats; the
+// engines' steps are not seen, so the summary has no busy times (worker_busy_ms stays empty).
 //
 //   auto s = RunOnline(trace, {.nats_url = "nats://127.0.0.1:4222", .concurrency = 64});
 #pragma once

@@ -70,6 +70,10 @@ std::string SummaryJson(const Summary& s) {
   j["e2e_ms"] = {{"p50", s.e2e_p50}, {"p90", s.e2e_p90}, {"p99", s.e2e_p99}};
   j["throughput_rps"] = s.throughput_rps;
   j["worker_requests"] = s.worker_requests;
+  if (const auto busy = BusyTimeMaxOverMean(s)) {
+    j["worker_busy_ms"] = s.worker_busy_ms;
+    j["busy_time_max_over_mean"] = *busy;
+  }
   if (s.pooled_lru_hit_rate) j["pooled_lru_hit_rate"] = *s.pooled_lru_hit_rate;
   return j.dump();
 }
@@ -84,18 +88,30 @@ double BusiestShare(const Summary& s) {
   return static_cast<double>(most) / (static_cast<double>(total) / static_cast<double>(s.worker_requests.size()));
 }
 
+std::optional<double> BusyTimeMaxOverMean(const Summary& s) {
+  if (s.worker_busy_ms.empty()) return std::nullopt;
+  double total = 0, most = 0;
+  for (double b : s.worker_busy_ms) {
+    total += b;
+    most = std::max(most, b);
+  }
+  if (!(total > 0)) return 0.0;
+  return most / (total / static_cast<double>(s.worker_busy_ms.size()));
+}
+
 std::string SummaryTable(const std::vector<Summary>& runs) {
-  std::string out =
-      fmt::format("{:<22} {:>8} {:>6} {:>8} {:>8} {:>10} {:>10} {:>10} {:>10} {:>8} {:>10}\n", "mode", "requests",
-                  "errors", "kv_hit", "of_bound", "ttft_p50", "ttft_p99", "e2e_p50", "e2e_p99", "req/s", "max/share");
+  std::string out = fmt::format("{:<22} {:>8} {:>6} {:>8} {:>8} {:>10} {:>10} {:>10} {:>10} {:>8} {:>10} {:>13}\n",
+                                "mode", "requests", "errors", "kv_hit", "of_bound", "ttft_p50", "ttft_p99", "e2e_p50",
+                                "e2e_p99", "req/s", "max/share", "busy_max/mean");
   for (const auto& s : runs) {
     const std::string of_bound = s.pooled_lru_hit_rate && *s.pooled_lru_hit_rate > 0
                                      ? fmt::format("{:.2f}x", s.kv_hit_rate / *s.pooled_lru_hit_rate)
                                      : "-";
+    const auto busy = BusyTimeMaxOverMean(s);
     out += fmt::format(
-        "{:<22} {:>8} {:>6} {:>7.1f}% {:>8} {:>8.0f}ms {:>8.0f}ms {:>8.0f}ms {:>8.0f}ms {:>8.2f} {:>9.2f}x\n", s.mode,
-        s.requests, s.errors, 100 * s.kv_hit_rate, of_bound, s.ttft_p50, s.ttft_p99, s.e2e_p50, s.e2e_p99,
-        s.throughput_rps, BusiestShare(s));
+        "{:<22} {:>8} {:>6} {:>7.1f}% {:>8} {:>8.0f}ms {:>8.0f}ms {:>8.0f}ms {:>8.0f}ms {:>8.2f} {:>9.2f}x {:>13}\n",
+        s.mode, s.requests, s.errors, 100 * s.kv_hit_rate, of_bound, s.ttft_p50, s.ttft_p99, s.e2e_p50, s.e2e_p99,
+        s.throughput_rps, BusiestShare(s), busy ? fmt::format("{:.2f}x", *busy) : "-");
   }
   if (!runs.empty() && runs.front().pooled_lru_hit_rate) {
     out += fmt::format("pooled LRU bound (one cache as large as the fleet): {:.1f}%\n",

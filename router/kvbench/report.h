@@ -31,17 +31,24 @@ struct Summary {
   double throughput_rps = 0;
   std::size_t retries = 0;                     // online: requests sent again
   std::vector<std::uint64_t> worker_requests;  // per worker, in worker order
-  std::optional<double> pooled_lru_hit_rate;   // offline only
+  // Per worker, in worker order: its busy time in ms, the summed durations of the engine steps
+  // it ran (prefill and decode). Offline only; empty online, where kvbench sees no engine steps.
+  std::vector<double> worker_busy_ms;
+  std::optional<double> pooled_lru_hit_rate;  // offline only
 };
 
 Summary Summarize(std::string mode, const std::vector<RequestRecord>& records,
                   const std::vector<std::uint64_t>& worker_ids);
 std::string SummaryJson(const Summary& s);
 // One table for several runs side by side (with each hit rate's share of the pooled-LRU bound
-// when the runs know it).
+// when the runs know it). Balance has two columns: max/share (BusiestShare) and busy_max/mean
+// (BusyTimeMaxOverMean, "-" when unknown).
 std::string SummaryTable(const std::vector<Summary>& runs);
 // The busiest worker's requests over a fair share (total / workers); 0 without requests.
 double BusiestShare(const Summary& s);
+// The busiest worker's busy time over the mean busy time (1 = even, up to the number of
+// workers); nullopt when the busy times are unknown (online), 0 when no worker was busy.
+std::optional<double> BusyTimeMaxOverMean(const Summary& s);
 
 // Draws kv hit rate (with the pooled-LRU bound) and TTFT p50 / p99 by run with gnuplot
 // (gnuplot-nox from Debian) into path: SVG when it ends in .svg, else PNG. A missing gnuplot or

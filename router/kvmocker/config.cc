@@ -90,7 +90,7 @@ po::options_description Describe() {
     ("block-size", po::value<std::int64_t>()->default_value(d.block_size), "tokens per KV block [1, 65536]")
     ("max-num-seqs", po::value<std::int64_t>()->default_value(d.max_num_seqs), "running requests per rank (>= 1)")
     ("max-num-batched-tokens", po::value<std::int64_t>()->default_value(d.max_num_batched_tokens), "uncached prompt tokens prefilled per step (>= 1)")
-    ("speedup-ratio", po::value<double>()->default_value(d.speedup_ratio), "divides every simulated duration (> 0)")
+    ("speedup-ratio", po::value<NumberList>()->default_value(NumberList{d.speedup_ratio}, FormatNumberList(d.speedup_ratio)), "divides every simulated duration (finite, > 0): one value for every worker, or one per worker separated by commas (8,8,2,2 with --num-workers 4)")
     ("event-format", po::value<std::string>()->default_value("dynamo"), "dynamo | vllm")
     ("heartbeat-ms", po::value<std::int64_t>()->default_value(d.heartbeat_ms), "registration period in ms (>= 10)")
     ("lease-ms", po::value<std::int64_t>()->default_value(d.lease_ms), "lease announced to the router in ms (> heartbeat-ms)")
@@ -150,9 +150,17 @@ Status ReadMockerConfig(const po::variables_map& vm, MockerConfig& c) {
     }
     c.worker_id_base = base;
   }
-  c.speedup_ratio = vm["speedup-ratio"].as<double>();
-  if (!(c.speedup_ratio > 0) || !std::isfinite(c.speedup_ratio)) {
-    return OutOfRange("speedup-ratio", "a finite number > 0");
+  c.speedup_ratio = vm["speedup-ratio"].as<NumberList>().values;
+  if (c.speedup_ratio.size() != 1 && c.speedup_ratio.size() != c.num_workers) {
+    return InvalidArgument(fmt::format(
+        "--speedup-ratio has {} values for {} workers (--num-workers): give one value for all of them, or one "
+        "per worker",
+        c.speedup_ratio.size(), c.num_workers));
+  }
+  for (double r : c.speedup_ratio) {
+    if (!(r > 0) || !std::isfinite(r)) {
+      return OutOfRange("speedup-ratio", fmt::format("a finite number > 0 for every worker (got {})", r));
+    }
   }
   const std::string format = vm["event-format"].as<std::string>();
   if (format == "dynamo") {
@@ -174,6 +182,17 @@ std::string WorkerHttpUrl(const MockerConfig& config, std::uint32_t worker_index
   const std::string& host = config.http_advertise_host;
   const bool v6 = host.find(':') != std::string::npos && !host.starts_with('[');
   return fmt::format("http://{}{}{}:{}", v6 ? "[" : "", host, v6 ? "]" : "", config.http_port + worker_index);
+}
+
+MockEngineConfig WorkerEngineConfig(const MockerConfig& config, std::uint32_t worker_index) {
+  const std::vector<double>& ratios = config.speedup_ratio;
+  return {.num_gpu_blocks = config.num_gpu_blocks,
+          .block_size = config.block_size,
+          .max_num_seqs = config.max_num_seqs,
+          .max_num_batched_tokens = config.max_num_batched_tokens,
+          .speedup_ratio = ratios.size() == 1 ? ratios.front() : ratios.at(worker_index),
+          // Streamed HTTP answers send each token as it comes.
+          .outputs = config.http_port > 0 ? EngineOutputs::kEveryToken : EngineOutputs::kFirstAndFinish};
 }
 
 Result<ParsedMockerArgs> ParseMockerConfig(int argc, const char* const* argv, const EnvLookup& env) {

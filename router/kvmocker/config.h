@@ -8,9 +8,11 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "events/base/status.h"
 #include "router/common/flags.h"
+#include "router/engine/mock_engine.h"
 
 namespace kvrouter {
 
@@ -27,12 +29,15 @@ struct MockerConfig {
   // --worker-id-base: worker i has id base + i. nullopt (the default): a random number in
   // [1, 2^48) chosen by the fleet, so two processes do not collide.
   std::optional<std::uint64_t> worker_id_base;
-  std::uint32_t dp_size = 1;                                // --dp-size [1, 64]: ranks [0, dp_size)
-  std::uint32_t num_gpu_blocks = 16384;                     // --num-gpu-blocks >= 1, per rank
-  std::uint32_t block_size = 64;                            // --block-size [1, 65536]
-  std::uint32_t max_num_seqs = 256;                         // --max-num-seqs >= 1
-  std::uint32_t max_num_batched_tokens = 8192;              // --max-num-batched-tokens >= 1
-  double speedup_ratio = 1.0;                               // --speedup-ratio > 0 (divides durations)
+  std::uint32_t dp_size = 1;                    // --dp-size [1, 64]: ranks [0, dp_size)
+  std::uint32_t num_gpu_blocks = 16384;         // --num-gpu-blocks >= 1, per rank
+  std::uint32_t block_size = 64;                // --block-size [1, 65536]
+  std::uint32_t max_num_seqs = 256;             // --max-num-seqs >= 1
+  std::uint32_t max_num_batched_tokens = 8192;  // --max-num-batched-tokens >= 1
+  // --speedup-ratio: divides every simulated duration; each value finite and > 0. One value
+  // applies to every worker; a comma-separated list has exactly num_workers values, worker i
+  // running at the i-th ("8,8,2,2": a mixed fleet in one process). WorkerEngineConfig reads it.
+  std::vector<double> speedup_ratio = {1.0};
   MockEventFormat event_format = MockEventFormat::kDynamo;  // --event-format dynamo|vllm
   std::uint32_t heartbeat_ms = 1000;                        // --heartbeat-ms >= 10
   std::uint32_t lease_ms = 3000;                            // --lease-ms > heartbeat-ms
@@ -57,6 +62,10 @@ inline constexpr std::uint32_t kMaxMockRanks = 1024;
 // Worker `worker_index`'s OpenAI base URL, "http://{advertise host}:{http_port + worker_index}"
 // (an IPv6 literal in brackets); "" when the HTTP face is off.
 std::string WorkerHttpUrl(const MockerConfig& config, std::uint32_t worker_index);
+
+// The engine of every rank of worker `worker_index` (< num_workers): the cache and scheduler
+// flags, the worker's own speedup ratio, and every token reported when the HTTP face streams.
+MockEngineConfig WorkerEngineConfig(const MockerConfig& config, std::uint32_t worker_index);
 
 using ParsedMockerArgs = ProgramArgs<MockerConfig>;
 // Parses argv (argv[0] is the program) and the environment. Unknown flags and bad values give

@@ -83,19 +83,10 @@ MockWorkerFleet::MockWorkerFleet(MockerConfig config, NatsClient& nats)
       rank->dp_rank = d;
       Rank* r = rank.get();
       rank->publisher = std::make_unique<KvEventPublisher>(PublisherConfig{.worker_id = base + w, .dp_rank = d});
-      rank->engine = std::make_unique<MockEngine>(
-          MockEngineConfig{
-              .num_gpu_blocks = config_.num_gpu_blocks,
-              .block_size = config_.block_size,
-              .max_num_seqs = config_.max_num_seqs,
-              .max_num_batched_tokens = config_.max_num_batched_tokens,
-              .speedup_ratio = config_.speedup_ratio,
-              // Streamed HTTP answers send each token as it comes.
-              .outputs = config_.http_port > 0 ? EngineOutputs::kEveryToken : EngineOutputs::kFirstAndFinish},
-          [this, r](KvEventData&& data) {
-            engine_mu_.AssertHeld();  // the engine calls its sink from Step, under engine_mu_
-            PublishEvent(*r, r->publisher->Publish(std::move(data)));
-          });
+      rank->engine = std::make_unique<MockEngine>(WorkerEngineConfig(config_, w), [this, r](KvEventData&& data) {
+        engine_mu_.AssertHeld();  // the engine calls its sink from Step, under engine_mu_
+        PublishEvent(*r, r->publisher->Publish(std::move(data)));
+      });
       ranks_.push_back(std::move(rank));
     }
   }

@@ -51,7 +51,7 @@ struct HttpRequest;
 // threads answer what needs no engine (models, render, errors) themselves. One engine thread
 // owns the engines: it sleeps until the earliest step end, a heartbeat or a new request, steps
 // every engine whose previous step has ended on real time (virtual ms = steady-clock ms since
-// Start; engine durations are already divided by the speedup ratio), and publishes events (as
+// Start; engine durations are already divided by their worker's speedup ratio), and publishes events (as
 // they happen), responses (at the step's end: NATS messages, or HTTP responses and streamed
 // tokens through HttpReply, which never blocks) and heartbeats. A recovery request reads its
 // rank's publisher under engine_mu_ from its delivery thread.

@@ -61,7 +61,7 @@ int main(int argc, char** argv) {
              "kvmocker I serving {} worker(s) [{}] x dp_size {} on {} namespace '{}' component '{}' "
              "({} blocks of {} tokens, speedup {}, {} events)\n",
              cfg.num_workers, DescribeIds(fleet->worker_ids()), cfg.dp_size, cfg.nats_server, cfg.ns, cfg.component,
-             cfg.num_gpu_blocks, cfg.block_size, cfg.speedup_ratio,
+             cfg.num_gpu_blocks, cfg.block_size, FormatNumberList(cfg.speedup_ratio),
              cfg.event_format == MockEventFormat::kDynamo ? "dynamo" : "vllm");
   if (cfg.http_port > 0) {
     fmt::print(stderr, "kvmocker I OpenAI HTTP on {}:{}..{} as {}..., model '{}'\n", cfg.http_host, cfg.http_port,

@@ -136,6 +136,18 @@ std::uint32_t ActiveLoad::ActivePrefix(WorkerKey worker, std::span<const Sequenc
   return n;
 }
 
+void ActiveLoad::SetPrior(const std::string& request_id, const PriorTtft& prior) {
+  auto it = requests_.find(request_id);
+  if (it == requests_.end()) return;
+  it->second.prior = prior;
+  it->second.has_prior = true;
+}
+
+const PriorTtft* ActiveLoad::PriorOf(const std::string& request_id) const {
+  auto it = requests_.find(request_id);
+  return it != requests_.end() && it->second.has_prior ? &it->second.prior : nullptr;
+}
+
 const WorkerKey* ActiveLoad::WorkerOf(const std::string& request_id) const {
   auto it = requests_.find(request_id);
   return it == requests_.end() ? nullptr : &it->second.worker;

@@ -22,6 +22,7 @@
 #include "events/block_hash.h"
 #include "events/base/clock.h"
 #include "router/index/worker_key.h"
+#include "router/scheduling/worker_rates.h"
 
 namespace kvrouter {
 
@@ -60,6 +61,11 @@ class ActiveLoad {
   static constexpr std::chrono::seconds kRecentHalfLife{60};
   // Where a booked request went, if it is booked.
   const WorkerKey* WorkerOf(const std::string& request_id) const;
+  // What the prior predicted for a booked request where it went (kept until it is released;
+  // WorkerRates learns from it at its free). PriorOf is null for unknown ids and bookings
+  // without one (another replica's).
+  void SetPrior(const std::string& request_id, const PriorTtft& prior);
+  const PriorTtft* PriorOf(const std::string& request_id) const;
   // Calls f(request_id, worker, seq_hashes, prefill_tokens still booked) for every booking.
   void ForEach(
       const std::function<void(const std::string&, WorkerKey, std::span<const SequenceHash>, std::uint64_t)>& f) const;
@@ -73,6 +79,8 @@ class ActiveLoad {
     std::vector<SequenceHash> seq;
     std::uint64_t prefill_tokens = 0;  // 0 once marked
     SteadyTime booked_at;
+    PriorTtft prior;
+    bool has_prior = false;
   };
   struct PerWorker {  // kept while idle (it holds recent_scaled), erased by RemoveWorker
     std::unordered_map<SequenceHash, std::uint32_t> blocks;  // refcounts

@@ -107,6 +107,9 @@ std::vector<Candidate> Scheduler::Candidates(std::span<const RankInfo> ranks, st
     c.active_requests = l.active_requests;
     c.recent_requests = l.recent_scaled * recent_scale;
     c.active_prefix_blocks = load_.ActivePrefix(c.worker, seq);
+    const WorkerRates::Rates rate = rates_.Of(c.worker);
+    c.prefill_factor = rate.prefill;
+    c.decode_factor = rate.decode;
     cands.push_back(c);
   }
   return cands;
@@ -148,14 +151,24 @@ Result<Decision> Scheduler::Decide(const RouteRequest& req, const PreparedReques
       return InvalidArgument(fmt::format("request_id '{}' is already booked; free it first", req.request_id));
     }
     d.booked = true;
+    load_.SetPrior(req.request_id, PriorTtftOf(chosen, p.sel, p.params));
     // Approximate mode: the chosen rank is about to hold this prompt's blocks.
     if (approx_) approx_->Record(chosen.worker, p.local, p.seq, clock_());
   }
   return d;
 }
 
+bool Scheduler::Learn(const std::string& request_id, const ResponseTiming& timing) {
+  const WorkerKey* worker = load_.WorkerOf(request_id);
+  const PriorTtft* prior = load_.PriorOf(request_id);
+  const SteadyTime now = clock_();
+  rates_.Drift(now);  // also where nothing calls DriftRates (kvbench's offline replay)
+  return worker && prior && rates_.Observe(*worker, *prior, timing, now);
+}
+
 std::size_t Scheduler::ForgetWorker(std::uint64_t worker_id) {
   if (approx_) approx_->RemoveWorker(worker_id);
+  rates_.RemoveWorker(worker_id);
   return load_.RemoveWorker(worker_id);
 }
 

@@ -2,7 +2,8 @@
 // Prepare hashes the prompt once and resolves its cost parameters; Candidates turns the ranks
 // the request may use into candidates with their overlap and load; OpenRanks drops the full
 // ones when the queue is on; Decide picks one and books it. It owns the bookings (ActiveLoad),
-// the selector with its random source, and approximate mode's predictions.
+// the selector with its random source, approximate mode's predictions, and each rank's learned
+// speed (WorkerRates: Learn at a free with the engine's timing, read by Candidates).
 // Prepare and IndexOverlaps are free functions: they read only the options and the event index
 // (lock-free), so Routing calls them before it takes its mutex.
 // Thread contract: none for Scheduler; Routing holds its routing mutex around every call.
@@ -31,6 +32,7 @@
 #include "router/scheduling/active_load.h"
 #include "router/scheduling/policy.h"
 #include "router/scheduling/selector.h"
+#include "router/scheduling/worker_rates.h"
 
 namespace kvrouter {
 
@@ -110,7 +112,14 @@ class Scheduler {
   // bounds, InvalidArgument when the request_id is booked already.
   Result<Decision> Decide(const RouteRequest& req, const PreparedRequest& p, std::span<const Candidate> cands);
 
-  // The worker left: its bookings and predictions go. Returns the bookings released.
+  // The engine's timing of a booked request, before its free: its rank's rates learn from it
+  // (against the prior recorded when it was booked). False when nothing was learned.
+  bool Learn(const std::string& request_id, const ResponseTiming& timing);
+  // The learned rates of ranks not heard of lately drift toward the fleet's (WorkerRates::Drift).
+  void DriftRates(SteadyTime now) { rates_.Drift(now); }
+  const WorkerRates& rates() const { return rates_; }
+
+  // The worker left: its bookings, predictions and learned rates go. Returns the bookings released.
   std::size_t ForgetWorker(std::uint64_t worker_id);
   // Prediction expiry (approximate mode).
   void ExpirePredictions(SteadyTime now);
@@ -125,6 +134,7 @@ class Scheduler {
   const ShardedIndex& index_;
   const Clock clock_;
   ActiveLoad load_;
+  WorkerRates rates_;
   Selector selector_;
   std::mt19937_64 rng_;
   const std::unique_ptr<ApproxIndex> approx_;

@@ -42,8 +42,12 @@ double SpreadPriceMs(const SelectionRequest& req) {
   return std::min(kSpreadMs, kSpreadOfPrefill * (PrefillMs(req.isl) - kStepOverheadMs));
 }
 
-// PredictedCostMs with its spread term already priced.
-double PredictedCostPricedMs(const Candidate& c, const SelectionRequest& req, const CostParams& p, double spread) {
+struct Prediction {
+  PriorTtft prior;
+  double uncached = 0;  // prompt tokens to prefill there
+};
+
+Prediction Predict(const Candidate& c, const SelectionRequest& req, const CostParams& p) {
   const double bs = p.block_size;
   const std::uint32_t active_prefix = std::min(c.active_prefix_blocks, req.request_blocks);
   const double cached_blocks = std::min<double>(std::max(c.overlap_blocks, active_prefix), req.request_blocks);
@@ -55,11 +59,21 @@ double PredictedCostPricedMs(const Candidate& c, const SelectionRequest& req, co
   const double capacity = c.total_kv_blocks > 0 ? AsDouble(c.total_kv_blocks) : 16384.0;
   const double decode_blocks = AsDouble(c.active_blocks) + req.request_blocks - active_prefix;
   const double u = std::min(1.0, decode_blocks / capacity);
-  const double ttft = kPrefillMsPerToken * (queued + uncached) +
-                      kPrefillMsPerTokenSquared * (queued_squares + uncached * uncached) +
-                      steps * (kStepOverheadMs + DecodeStepMs(u));
+  const double step = DecodeStepMs(u);
+  return {.prior = {.prefill_ms = kPrefillMsPerToken * (queued + uncached) +
+                                  kPrefillMsPerTokenSquared * (queued_squares + uncached * uncached) +
+                                  steps * kStepOverheadMs,
+                    .decode_ms = steps * step,
+                    .decode_step_ms = step},
+          .uncached = uncached};
+}
+
+// PredictedCostMs with its spread term already priced.
+double PredictedCostPricedMs(const Candidate& c, const SelectionRequest& req, const CostParams& p, double spread) {
+  const Prediction x = Predict(c, req, p);
+  const double ttft = c.prefill_factor * x.prior.prefill_ms + c.decode_factor * x.prior.decode_ms;
   // Each request running there waits out this prefill.
-  const double inflicted = c.active_requests * (PrefillMs(uncached) - kStepOverheadMs);
+  const double inflicted = c.active_requests * c.prefill_factor * (PrefillMs(x.uncached) - kStepOverheadMs);
   return ttft + (inflicted + spread);
 }
 
@@ -67,6 +81,10 @@ double PredictedCostPricedMs(const Candidate& c, const SelectionRequest& req, co
 
 double PredictedCostMs(const Candidate& c, const SelectionRequest& req, const CostParams& p, double recent_excess) {
   return PredictedCostPricedMs(c, req, p, recent_excess * SpreadPriceMs(req));
+}
+
+PriorTtft PriorTtftOf(const Candidate& c, const SelectionRequest& req, const CostParams& p) {
+  return Predict(c, req, p).prior;
 }
 
 std::size_t Selector::PickKv(const SelectionRequest& req, std::span<const Candidate> cands, const CostParams& p,

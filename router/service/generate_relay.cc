@@ -2,7 +2,9 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <charconv>
+#include <optional>
 
 #include "events/msgpack_reader.h"
 #include "events/worker_codec.h"
@@ -21,7 +23,12 @@ void GenerateRelay::Forward(Outbox::Forward f, const std::string& worker_subject
   {
     KvMutexLock g(mu_);
     n = ++next_;
-    inflight_[n] = InFlight{req.request_id, f.caller_reply, clock_() + timeout, timeout, false};
+    const SteadyTime now = clock_();
+    inflight_[n] = InFlight{.request_id = req.request_id,
+                            .caller_reply = f.caller_reply,
+                            .deadline = now + timeout,
+                            .idle = timeout,
+                            .forwarded = now};
   }
   const msgpack::sbuffer body =
       GenerateRequest{.request_id = req.request_id,
@@ -56,19 +63,35 @@ void GenerateRelay::OnResponse(const BusMessage& m, Outbox& out) {
   }
   std::string caller, request_id;
   bool first = false;
+  std::optional<ResponseTiming> timing;
   {
     KvMutexLock g(mu_);
     auto it = inflight_.find(n);
     if (it == inflight_.end()) return;  // late, after a timeout
-    caller = it->second.caller_reply;
-    request_id = it->second.request_id;
-    first = !it->second.first_seen;
-    it->second.first_seen = true;
-    it->second.deadline = clock_() + it->second.idle;  // the worker is alive: as long again
+    InFlight& f = it->second;
+    caller = f.caller_reply;
+    request_id = f.request_id;
+    first = !f.first_seen;
+    f.first_seen = true;
+    const SteadyTime now = clock_();
+    f.deadline = now + f.idle;  // the worker is alive: as long again
+    if (!no_responders) {
+      ResponseTiming& t = f.timing;
+      if (first) {
+        t.ttfb_ms = std::chrono::duration<double, std::milli>(now - f.forwarded).count();
+      } else {
+        const double gap = std::chrono::duration<double, std::milli>(now - f.last_response).count();
+        t.inter_chunk_ms_mean += (gap - t.inter_chunk_ms_mean) / static_cast<double>(t.chunks);
+        t.inter_chunk_ms_max = std::max(t.inter_chunk_ms_max, gap);
+      }
+      ++t.chunks;
+      f.last_response = now;
+      if (final) timing = t;
+    }
     if (final) inflight_.erase(it);
   }
   if (first) (void)routing_.MarkPrefill(request_id, out);  // first response: prefill is done
-  if (final) (void)routing_.Free(request_id, out);
+  if (final) (void)routing_.Free(request_id, out, timing);
   if (no_responders) {
     out.errors.emplace_back(caller, Status(StatusCode::kNoWorkers, "the chosen worker did not answer"));
   } else if (!caller.empty()) {

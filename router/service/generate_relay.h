@@ -2,7 +2,9 @@
 // request is forwarded to its worker's generate subject with a reply subject of this router's
 // own (`_KVR.<router id>.<n>`); the worker's responses come back there and are relayed unchanged
 // to the caller. The first response marks the request's prefill done, the final one (or NATS
-// "no responders", or timeout_ms without a response) frees it.
+// "no responders", or timeout_ms without a response) frees it. A request that ended with its
+// final response is freed with its timing as seen here (from the forward to the first response,
+// and between responses), which teaches the rank's learned rates.
 //
 // Thread contract: any thread. One mutex guards the in-flight table and is never held while
 // calling Routing or publishing (Routing's mutex is never taken under it).
@@ -54,6 +56,9 @@ class GenerateRelay {
     SteadyTime deadline;               // no response from the worker by then: abandoned
     std::chrono::milliseconds idle{};  // each response moves the deadline this far
     bool first_seen = false;
+    SteadyTime forwarded{};
+    SteadyTime last_response{};
+    ResponseTiming timing;  // of the responses so far
   };
 
   MessageBus& bus_;

@@ -403,9 +403,11 @@ void KvRouterService::HandleLifecycle(const BusMessage& m, Lifecycle change) {
     ReplyError(m, id.status());
     return;
   }
-  if (change == Lifecycle::kFree && DecodeResponseTiming(m.data)) ++timing_reports_;
+  std::optional<ResponseTiming> timing;
+  if (change == Lifecycle::kFree) timing = DecodeResponseTiming(m.data);
+  if (timing) ++timing_reports_;
   Outbox out;
-  (void)(change == Lifecycle::kFree ? routing_.Free(*id, out) : routing_.MarkPrefill(*id, out));
+  (void)(change == Lifecycle::kFree ? routing_.Free(*id, out, timing) : routing_.MarkPrefill(*id, out));
   Reply(m, EncodeOkReply());
   Send(out);
 }

@@ -60,13 +60,13 @@ Result<RouteReply> Routing::DecideLocked(Kind kind, const RouteRequest& req, con
   counters_.Answered(kind, "ok");
   const std::uint32_t bs = config_.block_size;
   RouteReply reply{.worker_id = d.worker.worker_id,
-                         .dp_rank = d.worker.dp_rank,
-                         .overlap_blocks = d.overlap_blocks,
-                         .request_blocks = p.sel.request_blocks,
-                         .cached_tokens = static_cast<std::uint32_t>(std::min<std::uint64_t>(
-                             std::uint64_t{d.overlap_blocks} * bs, std::numeric_limits<std::uint32_t>::max())),
-                         .queued_ms = queued_ms,
-                         .http_url = registry_.HttpUrl(d.worker.worker_id)};
+                   .dp_rank = d.worker.dp_rank,
+                   .overlap_blocks = d.overlap_blocks,
+                   .request_blocks = p.sel.request_blocks,
+                   .cached_tokens = static_cast<std::uint32_t>(std::min<std::uint64_t>(
+                       std::uint64_t{d.overlap_blocks} * bs, std::numeric_limits<std::uint32_t>::max())),
+                   .queued_ms = queued_ms,
+                   .http_url = registry_.HttpUrl(d.worker.worker_id)};
   if (observer_) observer_(kind, reply);
   return reply;
 }
@@ -215,8 +215,9 @@ bool Routing::MarkPrefill(const std::string& request_id, Outbox& out) {
   return LifecycleLocked(request_id, ActiveSequenceEvent::Kind::kPrefillDone, out);
 }
 
-bool Routing::Free(const std::string& request_id, Outbox& out) {
+bool Routing::Free(const std::string& request_id, Outbox& out, const std::optional<ResponseTiming>& timing) {
   KvMutexLock g(mu_);
+  if (timing) (void)scheduler_.Learn(request_id, *timing);
   return LifecycleLocked(request_id, ActiveSequenceEvent::Kind::kFree, out);
 }
 
@@ -247,6 +248,7 @@ void Routing::Tick(Outbox& out) {
     sync_.peers().Prune([&](const std::string& id) { return load.WorkerOf(id) == nullptr; });
   }
   scheduler_.ExpirePredictions(now);
+  scheduler_.DriftRates(now);
   affinity_.Expire(now);
   // The clock again: `now` was read before the mutex, and a deadline passed while waiting for
   // it must count.
@@ -270,7 +272,12 @@ void Routing::FillStats(StatsReply& r) const {
     w.active_requests = l.active_requests;
     if (approx) w.blocks = approx->TreeSize(k);
     w.routed_requests = counters_.RoutedTo(k);
+    const WorkerRates::Rates rate = scheduler_.rates().Of(k);
+    w.prefill_tokens_per_second = PrefillTokensPerSecond(rate.prefill);
+    w.decode_step_seconds = DecodeStepSeconds(rate.decode);
+    w.rate_observations = rate.observations;
   }
+  r.counters["rate_observations"] = scheduler_.rates().observations();
   counters_.Fill(r);
   r.breakdowns["replica_sync_refused"] = sync_.refused();
   r.counters["replica_peers"] = sync_.peers().peers();

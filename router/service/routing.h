@@ -58,9 +58,10 @@ class Routing {
   void SetDecisionObserver(DecisionObserver observer) { observer_ = std::move(observer); }
 
   // Lifecycle of a booked request (idempotent); true when something changed. Freeing a request
-  // that is still queued cancels it (its caller gets `timeout`).
+  // that is still queued cancels it (its caller gets `timeout`). A free with the engine's timing
+  // teaches its rank's learned rates first.
   bool MarkPrefill(const std::string& request_id, Outbox& out);
-  bool Free(const std::string& request_id, Outbox& out);
+  bool Free(const std::string& request_id, Outbox& out, const std::optional<ResponseTiming>& timing = std::nullopt);
 
   // The registry has forgotten these workers (ascending ids): release their bookings and
   // predictions; queued requests pinned to them get `not_found`; the rest may now fit.
@@ -126,7 +127,7 @@ class Routing {
   ReplicaSync sync_ KV_GUARDED_BY(mu_);
   SessionAffinity affinity_ KV_GUARDED_BY(mu_);
   RouteCounters counters_ KV_GUARDED_BY(mu_);
-  std::uint64_t session_hits_ KV_GUARDED_BY(mu_) = 0;  // decisions that followed a session's binding
+  std::uint64_t session_hits_ KV_GUARDED_BY(mu_) = 0;        // decisions that followed a session's binding
   std::uint64_t generated_ids_ KV_GUARDED_BY(mu_) = 0;       // request ids made up for generate
   std::vector<WorkerKey> metrics_dirty_ KV_GUARDED_BY(mu_);  // loads to publish
 };

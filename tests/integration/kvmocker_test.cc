@@ -19,6 +19,7 @@
 #include "events/msgpack_reader.h"
 #include "events/vllm_codec.h"
 #include "events/worker_codec.h"
+#include "router/engine/mock_engine.h"
 #include "tests/integration/kvrouter_fixture.h"
 
 namespace kvrouter::testing {
@@ -87,9 +88,9 @@ class KvMockerProcessTest : public NatsServerTest {
     subs_.push_back(std::move(sub).value());
   }
 
-  // Starts kvmocker (2 workers from id 1000, block size 4, 64 blocks, speedup 100, heartbeat
-  // 100 ms, /metrics on a free port) and waits for the first registration of each worker.
-  void StartMocker(std::vector<std::string> extra = {}) {
+  // Starts kvmocker (2 workers from id 1000, block size 4, 64 blocks, speedup `speedup_ratio`,
+  // heartbeat 100 ms, /metrics on a free port) and waits for the first registration of each worker.
+  void StartMocker(std::vector<std::string> extra = {}, std::string speedup_ratio = "100") {
     log_ = LogPath("kvmocker");
     std::vector<std::string> args = {"--worker-id-base",
                                      std::to_string(kBase),
@@ -106,7 +107,7 @@ class KvMockerProcessTest : public NatsServerTest {
                                      "--max-num-batched-tokens",
                                      "512",
                                      "--speedup-ratio",
-                                     "100",
+                                     speedup_ratio,
                                      "--heartbeat-ms",
                                      "100",
                                      "--lease-ms",
@@ -242,6 +243,21 @@ TEST_F(KvMockerProcessTest, GenerateStreamsFirstAndFinalResponsesAndTheRepeatHit
   auto other_worker = Generate(kBase + 1, GenerateRequest{.request_id = "d", .token_ids = prompt, .max_tokens = 1});
   ASSERT_EQ(other_worker.size(), 2u);
   EXPECT_EQ(other_worker[1].cached_tokens, 0u);
+}
+
+TEST_F(KvMockerProcessTest, EachWorkerRunsAtItsOwnSpeedupRatio) {
+  StartMocker({}, "0.1,100");
+  // The same uncached prompt on each worker: a prefill takes at least 16.5 ms / speedup.
+  const auto prompt = Tokens(1, 12 * kBs);
+  auto slow = Generate(kBase, GenerateRequest{.request_id = "slow", .token_ids = prompt, .max_tokens = 1});
+  auto fast = Generate(kBase + 1, GenerateRequest{.request_id = "fast", .token_ids = prompt, .max_tokens = 1});
+  ASSERT_EQ(slow.size(), 2u) << Log();
+  ASSERT_EQ(fast.size(), 2u) << Log();
+  EXPECT_EQ(slow[1].cached_tokens, 0u);
+  EXPECT_EQ(fast[1].cached_tokens, 0u);
+  EXPECT_GE(slow[1].ttft_ms, MockPrefillMs(12 * kBs, 0.1));
+  EXPECT_LT(fast[1].ttft_ms, slow[1].ttft_ms);
+  EXPECT_NE(Log().find("speedup 0.1,100"), std::string::npos) << Log();
 }
 
 TEST_F(KvMockerProcessTest, MetricsShowEachRanksEngine) {

@@ -31,12 +31,34 @@ TEST(BenchConfig, BadValuesAreRefusedNamingTheFlag) {
            {{"--synthetic", "--max-requests=-5"}, "max-requests"},
            {{"--synthetic", "--speedup", "0"}, "speedup"},
            {{"--synthetic", "--compare"}, "--offline"},
+           {{"--synthetic", "--speedup-ratio", "inf"}, "--speedup-ratio"},
+           {{"--synthetic", "--workers", "4", "--worker-speedups", "1,1"}, "--worker-speedups"},
+           {{"--synthetic", "--worker-speedups", "1"}, "--worker-speedups"},  // 8 workers by default
+           {{"--synthetic", "--workers", "2", "--worker-speedups", "1,0"}, "--worker-speedups"},
+           {{"--synthetic", "--workers", "2", "--worker-speedups", "1,-0.5"}, "--worker-speedups"},
+           {{"--synthetic", "--workers", "2", "--worker-speedups", "1,nan"}, "--worker-speedups"},
+           {{"--synthetic", "--workers", "2", "--worker-speedups", "1,,"}, "--worker-speedups"},
+           {{"--synthetic", "--workers", "2", "--worker-speedups", "fast,1"}, "--worker-speedups"},
            {{}, "--trace"}}) {
     auto c = Parse(args);
     ASSERT_FALSE(c.ok()) << args.size();
     EXPECT_EQ(c.status().code(), StatusCode::kInvalidArgument);
     EXPECT_NE(c.status().message().find(flag), std::string::npos) << c.status().message();
   }
+}
+
+TEST(BenchConfig, WorkerSpeedupsGiveEachOfflineWorkerItsSpeed) {
+  auto c = Parse(
+      {"--offline", "--synthetic", "--workers", "4", "--speedup-ratio", "2", "--worker-speedups", "1,1,0.25,0.25"});
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->config.offline_base.engine.speedup_ratio, 2.0);
+  EXPECT_EQ(c->config.offline_base.worker_speedups, (std::vector<double>{1, 1, 0.25, 0.25}));
+  auto env = Parse({"--offline", "--synthetic"}, {{"DYN_WORKERS", "2"}, {"DYN_WORKER_SPEEDUPS", "3,1"}});
+  ASSERT_TRUE(env.ok()) << env.status().ToString();
+  EXPECT_EQ(env->config.offline_base.worker_speedups, (std::vector<double>{3, 1}));
+  auto none = Parse({"--offline", "--synthetic"});
+  ASSERT_TRUE(none.ok());
+  EXPECT_TRUE(none->config.offline_base.worker_speedups.empty());  // every worker at --speedup-ratio
 }
 
 TEST(BenchConfig, CompareRunsFiveModesWithTheTuningFlags) {

@@ -2,6 +2,9 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <limits>
+
 namespace kvrouter::bench {
 namespace {
 
@@ -52,10 +55,96 @@ TEST(OfflineReplay, CacheAwareRoutingHitsMoreThanRoundRobin) {
 
 TEST(OfflineReplay, SameSeedSameResult) {
   const auto trace = Workload();
-  auto a = RunOffline(trace, Options({"--router-mode", "kv"}));
-  auto b = RunOffline(trace, Options({"--router-mode", "kv"}));
+  OfflineOptions o = Options({"--router-mode", "kv"});
+  auto a = RunOffline(trace, o);
+  auto b = RunOffline(trace, o);
   ASSERT_TRUE(a.ok() && b.ok());
   EXPECT_EQ(SummaryJson(*a), SummaryJson(*b));
+  o.worker_speedups = {1, 1, 0.25, 0.25};  // a mixed fleet too
+  auto c = RunOffline(trace, o);
+  auto d = RunOffline(trace, o);
+  ASSERT_TRUE(c.ok() && d.ok());
+  EXPECT_EQ(SummaryJson(*c), SummaryJson(*d));
+}
+
+TEST(OfflineReplay, WorkerSpeedupsMultiplyTheSpeedupRatio) {
+  const auto trace = Workload();
+  OfflineOptions global = Options({"--router-mode", "kv"});
+  global.engine.speedup_ratio = 2;
+  OfflineOptions per_worker = Options({"--router-mode", "kv"});
+  per_worker.worker_speedups = {2, 2, 2, 2};
+  OfflineOptions both = Options({"--router-mode", "kv"});
+  both.engine.speedup_ratio = 4;
+  both.worker_speedups = {0.5, 0.5, 0.5, 0.5};
+  auto a = RunOffline(trace, global);
+  auto b = RunOffline(trace, per_worker);
+  auto c = RunOffline(trace, both);
+  ASSERT_TRUE(a.ok() && b.ok() && c.ok());
+  EXPECT_EQ(SummaryJson(*a), SummaryJson(*b));
+  EXPECT_EQ(SummaryJson(*a), SummaryJson(*c));
+}
+
+TEST(OfflineReplay, SlowWorkersAnswerLaterAndAreBusier) {
+  // Round-robin gives every worker the same share, so a fleet with two workers at a quarter of
+  // the speed answers its slowest requests later than a uniform one, and those two workers spend
+  // longer in engine steps than the others.
+  const auto trace = Workload();
+  OfflineOptions uniform = Options({"--router-mode", "round-robin"});
+  OfflineOptions mixed = uniform;
+  mixed.worker_speedups = {1, 1, 0.25, 0.25};
+  auto u = RunOffline(trace, uniform);
+  auto m = RunOffline(trace, mixed);
+  ASSERT_TRUE(u.ok() && m.ok());
+  EXPECT_EQ(m->errors, 0u);
+  EXPECT_EQ(m->worker_requests, u->worker_requests);
+  EXPECT_GT(m->ttft_p90, u->ttft_p90);
+  EXPECT_GT(m->e2e_p90, u->e2e_p90);
+  EXPECT_GE(m->ttft_p50, u->ttft_p50);
+
+  ASSERT_EQ(m->worker_busy_ms.size(), 4u);
+  const double slowest_fast = std::max(m->worker_busy_ms[0], m->worker_busy_ms[1]);
+  EXPECT_GT(m->worker_busy_ms[2], slowest_fast);
+  EXPECT_GT(m->worker_busy_ms[3], slowest_fast);
+  for (std::size_t w = 0; w < 2; ++w) EXPECT_DOUBLE_EQ(m->worker_busy_ms[w], u->worker_busy_ms[w]) << w;
+  ASSERT_TRUE(BusyTimeMaxOverMean(*u) && BusyTimeMaxOverMean(*m));
+  EXPECT_GT(*BusyTimeMaxOverMean(*m), *BusyTimeMaxOverMean(*u));
+}
+
+TEST(OfflineReplay, BusyTimeIsTheSumOfTheEngineStepDurations) {
+  // Three distinct one-token requests far apart: each is one engine step, a prefill of its
+  // whole prompt, on a worker that is otherwise idle.
+  std::vector<TraceRequest> trace;
+  for (std::uint64_t i = 0; i < 3; ++i) {
+    trace.push_back({.timestamp_ms = 10000.0 * static_cast<double>(i),
+                     .input_length = 1024,
+                     .output_length = 1,
+                     .hash_ids = {10 * i + 1, 10 * i + 2}});
+  }
+  OfflineOptions o = Options({"--router-mode", "round-robin"});
+  o.workers = 2;
+  o.engine.speedup_ratio = 2;
+  o.worker_speedups = {1, 0.25};
+  auto s = RunOffline(trace, o);
+  ASSERT_TRUE(s.ok()) << s.status().ToString();
+  ASSERT_EQ(s->errors, 0u);
+  ASSERT_EQ(s->worker_busy_ms.size(), 2u);
+  for (std::size_t w = 0; w < 2; ++w) {
+    const double speedup = o.engine.speedup_ratio * o.worker_speedups[w];
+    EXPECT_DOUBLE_EQ(s->worker_busy_ms[w], static_cast<double>(s->worker_requests[w]) * MockPrefillMs(1024, speedup))
+        << w;
+  }
+}
+
+TEST(OfflineReplay, WorkerSpeedupsNeedOnePositiveValuePerWorker) {
+  for (const std::vector<double>& bad : std::vector<std::vector<double>>{
+           {1, 1}, {1, 1, 1, 1, 1}, {1, 1, 1, 0}, {1, 1, 1, -1}, {1, 1, 1, std::numeric_limits<double>::infinity()}}) {
+    OfflineOptions o = Options({"--router-mode", "kv"});
+    o.worker_speedups = bad;
+    auto s = RunOffline(Workload(), o);
+    ASSERT_FALSE(s.ok()) << bad.size();
+    EXPECT_EQ(s.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(s.status().message().find("--worker-speedups"), std::string::npos) << s.status().message();
+  }
 }
 
 TEST(OfflineReplay, BadRouterFlagsAreRefused) {

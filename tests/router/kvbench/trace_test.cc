@@ -2,15 +2,8 @@
 
 #include <gtest/gtest.h>
 
-#include <filesystem>
-#include <fstream>
-#include <cstdlib>
 #include <map>
 #include <set>
-
-#include <nlohmann/json.hpp>
-
-#include "router/kvbench/report.h"
 
 namespace kvrouter::bench {
 namespace {
@@ -161,78 +154,6 @@ TEST(SyntheticWorkloads, FanoutBurstsShareAFreshDocumentAtOneInstant) {
       EXPECT_NE(r.hash_ids.back(), first.hash_ids.back());
     }
   }
-}
-
-TEST(Summary, HitRatePercentilesAndSpread) {
-  std::vector<RequestRecord> recs = {
-      {.arrival_ms = 0,
-       .first_token_ms = 100,
-       .finished_ms = 1000,
-       .prompt_tokens = 1000,
-       .cached_tokens = 500,
-       .worker_id = 1},
-      {.arrival_ms = 0,
-       .first_token_ms = 300,
-       .finished_ms = 2000,
-       .prompt_tokens = 1000,
-       .cached_tokens = 0,
-       .worker_id = 2},
-      {.arrival_ms = 0, .error = true},
-  };
-  const Summary s = Summarize("kv", recs, {1, 2, 3});
-  EXPECT_EQ(s.requests, 3u);
-  EXPECT_EQ(s.errors, 1u);
-  EXPECT_DOUBLE_EQ(s.kv_hit_rate, 0.25);
-  EXPECT_DOUBLE_EQ(s.ttft_p50, 300);
-  EXPECT_DOUBLE_EQ(s.throughput_rps, 1.0);  // 2 finished over 2 s
-  EXPECT_EQ(s.worker_requests, (std::vector<std::uint64_t>{1, 1, 0}));
-  const auto json = nlohmann::json::parse(SummaryJson(s));
-  EXPECT_EQ(json["mode"], "kv");
-  EXPECT_DOUBLE_EQ(json["kv_hit_rate"].get<double>(), 0.25);
-  EXPECT_DOUBLE_EQ(json["ttft_ms"]["p99"].get<double>(), s.ttft_p99);
-  EXPECT_EQ(json["worker_requests"], nlohmann::json::parse("[1, 1, 0]"));
-}
-
-TEST(Summary, JsonEscapesTheLabel) {
-  Summary s;
-  s.mode = "kv \"quoted\"\n";
-  const auto json = nlohmann::json::parse(SummaryJson(s));  // would throw on a broken document
-  EXPECT_EQ(json["mode"], s.mode);
-}
-
-TEST(Plot, DrawsEveryRunAndTheBoundIntoAnSvg) {
-  Summary a{.mode = "kv (default)",
-            .requests = 10,
-            .kv_hit_rate = 0.5,
-            .ttft_p50 = 40,
-            .ttft_p99 = 90,
-            .pooled_lru_hit_rate = 0.6};
-  Summary b{.mode = "kv, Dynamo's cost",
-            .requests = 10,
-            .kv_hit_rate = 0.3,
-            .ttft_p50 = 60,
-            .ttft_p99 = 200,
-            .pooled_lru_hit_rate = 0.6};
-  const std::string path = ::testing::TempDir() + "kvbench-plot-test.svg";
-  std::filesystem::remove(path);
-  ASSERT_TRUE(PlotSummaries({a, b}, "a \"quoted\" title", path).ok());
-  std::ifstream in(path);
-  const std::string svg((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  EXPECT_NE(svg.find("<svg"), std::string::npos);
-  for (const char* text : {"kv (default)", "Dynamo", "pooled-LRU bound", "p99", "quoted"}) {
-    EXPECT_NE(svg.find(text), std::string::npos) << text;
-  }
-  std::filesystem::remove(path);
-}
-
-TEST(Plot, WithoutGnuplotTheErrorSaysWhatToInstall) {
-  const std::string old_path = std::getenv("PATH") ? std::getenv("PATH") : "";
-  setenv("PATH", "/nonexistent", 1);
-  const Status s = PlotSummaries({Summary{.mode = "kv"}}, "t", ::testing::TempDir() + "never.svg");
-  setenv("PATH", old_path.c_str(), 1);
-  ASSERT_FALSE(s.ok());
-  EXPECT_NE(s.message().find("gnuplot-nox"), std::string::npos) << s.message();
-  EXPECT_FALSE(PlotSummaries({}, "t", "x.svg").ok());
 }
 
 }  // namespace

@@ -34,7 +34,8 @@ TEST(MockerConfigTest, DefaultsMatchTheDesign) {
   EXPECT_EQ(c.block_size, 64u);
   EXPECT_EQ(c.max_num_seqs, 256u);
   EXPECT_EQ(c.max_num_batched_tokens, 8192u);
-  EXPECT_EQ(c.speedup_ratio, 1.0);
+  EXPECT_EQ(c.speedup_ratio, std::vector<double>{1.0});
+  EXPECT_EQ(WorkerEngineConfig(c, 0).speedup_ratio, 1.0);
   EXPECT_EQ(c.event_format, MockEventFormat::kDynamo);
   EXPECT_EQ(c.heartbeat_ms, 1000u);
   EXPECT_EQ(c.lease_ms, 3000u);
@@ -79,6 +80,44 @@ TEST(MockerConfigTest, WorkerIListensOnHttpPortPlusIAndAnnouncesTheAdvertisedHos
   EXPECT_EQ(WorkerHttpUrl(top->config, 1), "http://127.0.0.1:65535");
 }
 
+TEST(MockerConfigTest, ASpeedupRatioListGivesEachWorkerItsOwnEngineSpeed) {
+  auto p = Parse({"--num-workers", "4", "--speedup-ratio", "8,8,2,0.5", "--num-gpu-blocks", "512"});
+  ASSERT_TRUE(p.ok()) << p.status().ToString();
+  EXPECT_EQ(p->config.speedup_ratio, (std::vector<double>{8, 8, 2, 0.5}));
+  const std::vector<double> expected = {8, 8, 2, 0.5};
+  for (std::uint32_t w = 0; w < 4; ++w) {
+    const MockEngineConfig e = WorkerEngineConfig(p->config, w);
+    EXPECT_EQ(e.speedup_ratio, expected[w]) << w;
+    EXPECT_EQ(e.num_gpu_blocks, 512u);  // the other engine flags stay shared
+  }
+  // The engines' durations follow: worker 3 (0.5) prefills 16 times slower than worker 0 (8).
+  EXPECT_DOUBLE_EQ(MockPrefillMs(1000, WorkerEngineConfig(p->config, 3).speedup_ratio),
+                   16 * MockPrefillMs(1000, WorkerEngineConfig(p->config, 0).speedup_ratio));
+
+  // Spaces around the items are fine; so is the environment.
+  auto spaced = Parse({"--num-workers", "2", "--speedup-ratio", "1, 3"});
+  ASSERT_TRUE(spaced.ok()) << spaced.status().ToString();
+  EXPECT_EQ(spaced->config.speedup_ratio, (std::vector<double>{1, 3}));
+  auto env = Parse({}, {{"DYN_NUM_WORKERS", "3"}, {"DYN_SPEEDUP_RATIO", "1,2,3"}});
+  ASSERT_TRUE(env.ok()) << env.status().ToString();
+  EXPECT_EQ(WorkerEngineConfig(env->config, 2).speedup_ratio, 3.0);
+}
+
+TEST(MockerConfigTest, OneSpeedupRatioAppliesToEveryWorker) {
+  auto p = Parse({"--num-workers", "3", "--speedup-ratio", "10"});
+  ASSERT_TRUE(p.ok()) << p.status().ToString();
+  EXPECT_EQ(p->config.speedup_ratio, std::vector<double>{10});
+  for (std::uint32_t w = 0; w < 3; ++w) EXPECT_EQ(WorkerEngineConfig(p->config, w).speedup_ratio, 10.0) << w;
+}
+
+TEST(MockerConfigTest, EngineReportsEveryTokenOnlyForTheHttpFace) {
+  auto nats = Parse({});
+  auto http = Parse({"--http-port", "8100"});
+  ASSERT_TRUE(nats.ok() && http.ok());
+  EXPECT_EQ(WorkerEngineConfig(nats->config, 0).outputs, EngineOutputs::kFirstAndFinish);
+  EXPECT_EQ(WorkerEngineConfig(http->config, 0).outputs, EngineOutputs::kEveryToken);
+}
+
 TEST(MockerConfigTest, EnvironmentFillsFlagsAndTheCommandLineWins) {
   auto p = Parse({"--num-workers", "3"}, {{"DYN_NUM_WORKERS", "5"},
                                           {"DYN_EVENT_FORMAT", "vllm"},
@@ -97,6 +136,16 @@ TEST(MockerConfigTest, BadValuesAreRefusedNamingTheFlag) {
       {{"--num-gpu-blocks", "-1"}, "--num-gpu-blocks"},
       {{"--block-size", "65537"}, "--block-size"},
       {{"--speedup-ratio", "0"}, "--speedup-ratio"},
+      {{"--speedup-ratio", "inf"}, "--speedup-ratio"},
+      {{"--speedup-ratio", "nan"}, "--speedup-ratio"},
+      {{"--num-workers", "3", "--speedup-ratio", "1,2"}, "--speedup-ratio"},
+      {{"--num-workers", "2", "--speedup-ratio", "1,2,3"}, "--speedup-ratio"},
+      {{"--num-workers", "2", "--speedup-ratio", "1,-2"}, "--speedup-ratio"},
+      {{"--num-workers", "2", "--speedup-ratio", "1,0"}, "--speedup-ratio"},
+      {{"--num-workers", "2", "--speedup-ratio", "1,"}, "--speedup-ratio"},
+      {{"--num-workers", "3", "--speedup-ratio", "1,,2"}, "--speedup-ratio"},
+      {{"--num-workers", "2", "--speedup-ratio", "1;2"}, "--speedup-ratio"},
+      {{"--num-workers", "2", "--speedup-ratio", "2x,1"}, "--speedup-ratio"},
       {{"--event-format", "kafka"}, "--event-format"},
       {{"--heartbeat-ms", "1000", "--lease-ms", "1000"}, "--lease-ms"},
       {{"--num-workers", "64", "--dp-size", "32"}, "--dp-size"},

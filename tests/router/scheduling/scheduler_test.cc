@@ -214,5 +214,29 @@ TEST(RouteKind, NamesAreTheEndpoints) {
   EXPECT_EQ(RouteKindName(RouteKind::kGenerate), "generate");
 }
 
+TEST_F(SchedulerTest, AFreeWithTimingTeachesTheRankItWasBookedOnAndCandidatesCarryIt) {
+  auto s = Make(Options());
+  std::vector<RankInfo> only_a = {{.worker = kA}};
+  for (int i = 0; i < 40; ++i) {
+    const RouteRequest r = Prompt("r" + std::to_string(i), 64, static_cast<std::uint32_t>(i) * 1000);
+    const PreparedRequest p = Prepared(Options(), r);
+    OverlapScores none;
+    auto d = s->Decide(r, p, s->Candidates(only_a, p.seq, none));
+    ASSERT_TRUE(d.ok() && d->booked);
+    const PriorTtft* prior = s->load().PriorOf(r.request_id);
+    ASSERT_NE(prior, nullptr);
+    // Rank A prefills at a third of the prior's speed.
+    ASSERT_TRUE(s->Learn(r.request_id, {.ttfb_ms = 3 * prior->prefill_ms + prior->decode_ms}));
+    ASSERT_TRUE(s->load().Free(r.request_id));
+  }
+  EXPECT_NEAR(s->rates().Of(kA).prefill, 3, 0.3);
+  OverlapScores none;
+  const auto cands = s->Candidates(ranks_, Prepared(Options(), Prompt("x", 8)).seq, none);
+  EXPECT_NEAR(cands[0].prefill_factor, 3, 0.3);
+  EXPECT_FALSE(s->Learn("unknown", {.ttfb_ms = 5}));
+  s->ForgetWorker(kA.worker_id);
+  EXPECT_EQ(s->rates().Of(kA).observations, 0u);
+}
+
 }  // namespace
 }  // namespace kvrouter

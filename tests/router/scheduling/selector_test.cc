@@ -161,6 +161,42 @@ TEST(PredictedCost, EqualCostsGoToTheWorkerWithFewerRecentRequests) {
     EXPECT_EQ(sel.Pick(RouterMode::kKv, {640, 10}, c, {.model = CostModel::kPredicted}, rng), 1u);
 }
 
+TEST(PredictedCost, LearnedFactorsScaleThePriorsPrefillAndDecodeParts) {
+  Candidate c = Loaded(1, 0, 100);
+  c.active_prefill_tokens = 2000;
+  c.active_prefill_squares = 2000ull * 2000ull;
+  c.active_requests = 2;
+  const SelectionRequest req{1000, 16};
+  const CostParams p{.model = CostModel::kPredicted};
+  const PriorTtft prior = PriorTtftOf(c, req, p);
+  const double inflicted = 2 * (PrefillMs(1000) - kStepOverheadMs);
+  // Factors of 1: the prior's ttft (its two parts) plus the prefill it inflicts.
+  EXPECT_NEAR(PredictedCostMs(c, req, p), prior.prefill_ms + prior.decode_ms + inflicted, 1e-9);
+  EXPECT_NEAR(prior.decode_step_ms, DecodeStepMs((100.0 + 16) / 16384), 1e-12);
+  c.prefill_factor = 3;
+  c.decode_factor = 0.5;
+  EXPECT_NEAR(PredictedCostMs(c, req, p), 3 * prior.prefill_ms + 0.5 * prior.decode_ms + 3 * inflicted, 1e-9);
+  EXPECT_EQ(PriorTtftOf(c, req, p).prefill_ms, prior.prefill_ms);  // the prior does not learn
+}
+
+TEST(PredictedCost, AtEqualCacheAndLoadTheFasterRankWinsAndDynamosFormulaIgnoresSpeed) {
+  std::vector<Candidate> c = {Loaded(1, 0, 0), Loaded(2, 0, 0)};
+  c[0].prefill_factor = 4;
+  c[0].decode_factor = 4;
+  Selector sel;
+  std::mt19937_64 rng(1);
+  for (int i = 0; i < 10; ++i) {
+    EXPECT_EQ(sel.Pick(RouterMode::kKv, {640, 10}, c, {.model = CostModel::kPredicted}, rng), 1u);
+  }
+  // A slow rank holding a long prompt still beats a fast one that must prefill all of it.
+  c[0].overlap_blocks = 125;
+  EXPECT_EQ(sel.Pick(RouterMode::kKv, {8000, 125}, c, {.model = CostModel::kPredicted}, rng), 0u);
+  // Dynamo's block formula: the factors change nothing.
+  Candidate same_unlearned = Loaded(1, 0, 0);
+  same_unlearned.overlap_blocks = 125;
+  EXPECT_EQ(KvCost(c[0], {8000, 125}, {}), KvCost(same_unlearned, {8000, 125}, {}));
+}
+
 // docs/design.md's worked example: prefill+decode blocks 8+10, 5+5, 2+9 -> the 5+5 worker.
 TEST(Selector, WorkedExamplePicksTheFivePlusFiveWorker) {
   std::vector<Candidate> c = {Loaded(1, 8, 10), Loaded(2, 5, 5), Loaded(3, 2, 9)};
