@@ -22,8 +22,9 @@ struct Runs {
   double pooled = 0;
 };
 
-Runs Replay(const std::vector<TraceRequest>& trace) {
-  OfflineOptions o;  // 8 workers x 16,384 blocks x 64 tokens, as in docs/performance.md
+// The default, Dynamo's formula and round-robin (and, when asked, least-loaded) on `trace`.
+Runs Replay(const std::vector<TraceRequest>& trace, OfflineOptions o = {}, Summary* least_loaded = nullptr) {
+  // Default options: 8 workers x 16,384 blocks x 64 tokens, as in docs/performance.md.
   Runs r;
   r.pooled = PooledLruHitRate(trace, std::uint64_t{o.workers} * o.engine.num_gpu_blocks, o.engine.block_size);
   auto run = [&](std::vector<std::string> flags) {
@@ -36,6 +37,7 @@ Runs Replay(const std::vector<TraceRequest>& trace) {
   r.ours = run({"--router-mode", "kv"});
   r.dynamo = run({"--router-mode", "kv", "--router-prefill-load-scale", "1"});
   r.round_robin = run({"--router-mode", "round-robin"});
+  if (least_loaded) *least_loaded = run({"--router-mode", "least-loaded"});
   return r;
 }
 
@@ -86,37 +88,18 @@ TEST(Quality, FanoutIsNoWorseThanTheOthers) {
   EXPECT_LE(r.ours.ttft_p50, 1.01 * r.dynamo.ttft_p50);
 }
 
-// Four workers at full speed, four 4x slower.
-Runs ReplayMixed(const std::vector<TraceRequest>& trace, Summary& least_loaded) {
-  OfflineOptions o;
-  o.worker_speedups = {1, 1, 1, 1, 0.25, 0.25, 0.25, 0.25};
-  Runs r;
-  r.pooled = PooledLruHitRate(trace, std::uint64_t{o.workers} * o.engine.num_gpu_blocks, o.engine.block_size);
-  auto run = [&](std::vector<std::string> flags) {
-    o.router_flags = std::move(flags);
-    auto s = RunOffline(trace, o);
-    EXPECT_TRUE(s.ok()) << s.status().ToString();
-    EXPECT_EQ(s.ok() ? s->errors : 1, 0u);
-    return s.ok() ? *s : Summary{};
-  };
-  r.ours = run({"--router-mode", "kv"});
-  r.dynamo = run({"--router-mode", "kv", "--router-prefill-load-scale", "1"});
-  r.round_robin = run({"--router-mode", "round-robin"});
-  least_loaded = run({"--router-mode", "least-loaded"});
-  return r;
-}
-
 void ExpectTheMixedFleetGoal(const std::vector<TraceRequest>& trace) {
+  // Four workers at full speed, four 4x slower.
   Summary least_loaded;
-  const Runs r = ReplayMixed(trace, least_loaded);
+  const Runs r = Replay(trace, {.worker_speedups = {1, 1, 1, 1, 0.25, 0.25, 0.25, 0.25}}, &least_loaded);
   EXPECT_GE(r.ours.kv_hit_rate, r.dynamo.kv_hit_rate);
   const auto busy = BusyTimeMaxOverMean(r.ours);
   ASSERT_TRUE(busy.has_value());
   EXPECT_LE(*busy, 1.3);
   // The fast half serves most of the traffic (it is learned fast; the prior says all are equal).
   ASSERT_EQ(r.ours.worker_requests.size(), 8u);
-  const std::uint64_t fast = r.ours.worker_requests[0] + r.ours.worker_requests[1] + r.ours.worker_requests[2] +
-                             r.ours.worker_requests[3];
+  const std::uint64_t fast =
+      r.ours.worker_requests[0] + r.ours.worker_requests[1] + r.ours.worker_requests[2] + r.ours.worker_requests[3];
   std::printf("mixed fleet: fast half served %.1f %% of the requests\n", 100.0 * fast / r.ours.requests);
   EXPECT_GE(static_cast<double>(fast), 0.7 * r.ours.requests);
   for (const Summary* other : {&r.dynamo, &r.round_robin, static_cast<const Summary*>(&least_loaded)}) {
@@ -139,8 +122,7 @@ TEST_P(MixedFleetByShape, TheDefaultLearnsTheSlowWorkersAndMeetsTheGoal) {
   ExpectTheMixedFleetGoal(SyntheticConversations(WorkloadDefaults(GetParam())));
 }
 
-INSTANTIATE_TEST_SUITE_P(Workloads, MixedFleetByShape,
-                         ::testing::Values(WorkloadShape::kChat, WorkloadShape::kAgentic),
+INSTANTIATE_TEST_SUITE_P(Workloads, MixedFleetByShape, ::testing::Values(WorkloadShape::kChat, WorkloadShape::kAgentic),
                          [](const ::testing::TestParamInfo<WorkloadShape>& shape) {
                            std::string n = WorkloadName(shape.param);
                            std::erase(n, '-');
