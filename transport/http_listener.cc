@@ -506,7 +506,8 @@ void HttpListener::State::Accept() {
         session->Run();
       }
     }
-    if (ec && ec != net::error::operation_aborted) {
+    if (ec == net::error::no_descriptors || ec == net::error::no_buffer_space || ec == net::error::no_memory ||
+        ec.value() == ENFILE) {
       // Out of descriptors (EMFILE) and the like: the error would repeat at once, so the next
       // try waits a little instead of spinning a thread.
       auto pause = std::make_shared<net::steady_timer>(self->acceptor.get_executor(), std::chrono::milliseconds(50));

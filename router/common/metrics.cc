@@ -90,6 +90,7 @@ void AddQueueAndLoad(MetricSet& m, const StatsReply& s) {
             static_cast<double>(w.blocks), l);
     m.Counter("kvrouter_worker_routed_requests_total", "requests routed to the rank",
               static_cast<double>(w.routed_requests), l);
+    if (w.prefill_tokens_per_second <= 0) continue;  // a router that learns no rates
     m.Gauge("kvrouter_worker_prefill_tokens_per_second",
             "the rank's learned prefill rate (the prior's marginal rate over its learned prefill factor)",
             w.prefill_tokens_per_second, l);

@@ -539,7 +539,9 @@ void Gateway::Free(const std::shared_ptr<Exchange>& x) {
     if (!x->booked) return;
     x->booked = false;
     booking = x->booking;
-    if (x->began) timing = x->timing;
+    // A streamed 200 only: a plain response's first byte comes after the whole generation, an
+    // error's says nothing of the engine's speed.
+    if (x->began && x->request.stream && x->engine_status == 200) timing = x->timing;
   }
   link_.Free(booking, timing);
 }

@@ -71,7 +71,7 @@ Prediction Predict(const Candidate& c, const SelectionRequest& req, const CostPa
 // PredictedCostMs with its spread term already priced.
 double PredictedCostPricedMs(const Candidate& c, const SelectionRequest& req, const CostParams& p, double spread) {
   const Prediction x = Predict(c, req, p);
-  const double ttft = c.prefill_factor * x.prior.prefill_ms + c.decode_factor * x.prior.decode_ms;
+  const double ttft = c.prefill_factor * (x.prior.prefill_ms + x.prior.decode_ms);
   // Each request running there waits out this prefill.
   const double inflicted = c.active_requests * c.prefill_factor * (PrefillMs(x.uncached) - kStepOverheadMs);
   return ttft + (inflicted + spread);

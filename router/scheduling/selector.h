@@ -42,7 +42,7 @@ struct Candidate {
   std::uint32_t max_num_batched_tokens = 8192;  // for the queue's "full" test and prefill steps
   std::uint64_t total_kv_blocks = 0;            // registration's cache size (0 = unknown)
   double prefill_factor = 1;                    // learned (WorkerRates): times the prior's prefill time
-  double decode_factor = 1;                     // learned: times the prior's decode step
+  double decode_factor = 1;                     // learned: times the prior's decode step (not in costs)
 };
 
 struct SelectionRequest {
@@ -76,10 +76,9 @@ double KvCost(const Candidate& c, const SelectionRequest& req, const CostParams&
 //               spreads new sessions at equal cost, and tiny prompts barely pay it
 //   cost      = ttft + inflicted + spread
 // with the engine timing of router/engine/engine_model.h as the prior, scaled per rank by what
-// was learned of it (WorkerRates): ttft's prefill part (the token terms and the step overheads)
-// and `inflicted` by c.prefill_factor, its decode part (steps * DecodeStepMs(u)) by
-// c.decode_factor. Selector::PickKv passes recent_excess = max(0, recent_requests - mean over
-// the candidates).
+// was learned of it (WorkerRates): ttft and `inflicted` by c.prefill_factor (learned from
+// observed times to first token). Selector::PickKv passes recent_excess = max(0,
+// recent_requests - mean over the candidates).
 double PredictedCostMs(const Candidate& c, const SelectionRequest& req, const CostParams& p, double recent_excess = 0);
 // The prior's parts of `ttft` above for c (unscaled): what WorkerRates compares the observed
 // time to first token and decode steps with.

@@ -21,7 +21,8 @@ double Median(std::vector<double>& v) {
   if (v.empty()) return 0;
   const auto mid = v.begin() + static_cast<std::ptrdiff_t>(v.size() / 2);
   std::nth_element(v.begin(), mid, v.end());
-  return *mid;
+  if (v.size() % 2 == 1) return *mid;
+  return (*mid + *std::max_element(v.begin(), mid)) / 2;  // an even count: the two middle ones
 }
 
 bool Positive(double v) { return std::isfinite(v) && v > 0; }
@@ -42,15 +43,16 @@ bool WorkerRates::Observe(WorkerKey worker, const PriorTtft& prior, const Respon
     l.log_prefill = std::log(typical_.prefill);
     l.log_decode = std::log(typical_.decode);
   }
-  if (timing.chunks >= 2 && Positive(timing.inter_chunk_ms_mean) && Positive(prior.decode_step_ms)) {
+  // A few chunks at least: a response's first and last chunks (a role, usage, [DONE]) come
+  // close together and say little of a step.
+  if (timing.chunks >= kMinChunks && Positive(timing.inter_chunk_ms_mean) && Positive(prior.decode_step_ms)) {
     Learn(l.log_decode, timing.inter_chunk_ms_mean / prior.decode_step_ms);
     l.has_decode = true;
   }
-  // The time to first token less the decode work the prior put in it, at this rank's decode
-  // speed, is what its prefill took.
-  const double decode_part = std::exp(l.log_decode) * std::max(0.0, prior.decode_ms);
-  const double prefill_part = std::max(timing.ttfb_ms - decode_part, timing.ttfb_ms * 0.05);
-  Learn(l.log_prefill, prefill_part / prior.prefill_ms);
+  // The whole time to first token against the prior's: a step's decode work and the prefills
+  // batched with it are not told apart by what a caller sees (a step that decodes also prefills
+  // others' chunks), so the observed inter-chunk time cannot be taken out of it.
+  Learn(l.log_prefill, timing.ttfb_ms / (prior.prefill_ms + std::max(0.0, prior.decode_ms)));
   ++l.observations;
   l.last = now;
   ++observations_;
@@ -70,16 +72,19 @@ void WorkerRates::UpdateTypical() {
 }
 
 void WorkerRates::Drift(SteadyTime now) {
-  if (last_drift_ == SteadyTime{}) last_drift_ = now;
-  const double dt = std::chrono::duration<double>(now - last_drift_).count();
+  if (!last_drift_) last_drift_ = now;
+  const double dt = std::chrono::duration<double>(now - *last_drift_).count();
   if (dt < 1.0) return;
   last_drift_ = now;
   UpdateTypical();
-  const double keep = std::exp2(-std::min(dt, 3600.0) / std::chrono::duration<double>(kDriftHalfLife).count());
+  const double half_life = std::chrono::duration<double>(kDriftHalfLife).count();
   const double log_prefill = std::log(typical_.prefill);
   const double log_decode = std::log(typical_.decode);
   for (auto& [k, l] : ranks_) {
     if (now - l.last < kDriftAfter) continue;
+    // Only the time it has been unheard of past kDriftAfter counts (Drift may run rarely).
+    const double quiet = std::chrono::duration<double>(now - l.last - kDriftAfter).count();
+    const double keep = std::exp2(-std::min({dt, quiet, 3600.0}) / half_life);
     l.log_prefill = log_prefill + (l.log_prefill - log_prefill) * keep;
     l.log_decode = log_decode + (l.log_decode - log_decode) * keep;
   }

@@ -1,11 +1,14 @@
 // WorkerRates: each rank's speed learned online (docs/design.md "Learned rates"). The predicted
 // cost (selector.h) prices a rank's time with engine_model.h's timing as a prior; here two
 // factors per rank scale that prior to what the rank really does:
-//   prefill factor: observed time to first token / predicted, less the predicted decode work;
-//   decode factor:  observed time between response chunks / the predicted decode step.
+//   prefill factor: observed time to first token / the prior's (its prefill and decode parts:
+//                   a caller cannot tell a step's decode work from the prefills batched with it);
+//   decode factor:  observed time between response chunks / the predicted decode step (reported;
+//                   the time-to-first-token cost uses the prefill factor only).
 // An observation is the `free` of a request booked here with the engine's timing (the gateway's
-// ResponseTiming, or the generate relay's own): the prediction made when it was booked (its
-// PriorTtft: what it had to wait for and prefill there) against what the caller saw.
+// ResponseTiming of a streamed 200, or the generate relay's own of a response that did not end
+// in an error): the prediction made when it was booked (its PriorTtft: what it had to wait for
+// and prefill there) against what the caller saw.
 //
 // Learning is in log space: each observation moves log(factor) a fraction kLearnRate of the way
 // to the observed log ratio, the move clipped to kMaxJump, so one stalled or cancelled request
@@ -23,6 +26,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <unordered_map>
 
 #include "events/base/clock.h"
@@ -46,6 +50,7 @@ class WorkerRates {
   static constexpr double kMaxJump = 0.693;  // ln 2
   static constexpr double kMinFactor = 1.0 / 64;
   static constexpr double kMaxFactor = 64;
+  static constexpr std::uint32_t kMinChunks = 4;  // fewer teach no decode factor
   static constexpr std::chrono::seconds kDriftAfter{10};
   static constexpr std::chrono::seconds kDriftHalfLife{30};
 
@@ -81,7 +86,7 @@ class WorkerRates {
   std::unordered_map<WorkerKey, Learned, WorkerKeyHash> ranks_;
   Rates typical_;
   std::uint64_t observations_ = 0;
-  SteadyTime last_drift_{};
+  std::optional<SteadyTime> last_drift_;
 };
 
 // Reported forms of a rank's factors (stats, /metrics): the prior's marginal prefill rate and

@@ -86,7 +86,12 @@ void GenerateRelay::OnResponse(const BusMessage& m, Outbox& out) {
       }
       ++t.chunks;
       f.last_response = now;
-      if (final) timing = t;
+      if (final) {
+        // A worker that fails at once must not look fast: only a final response that decodes
+        // and did not end in an error teaches its rank's rates.
+        auto done = GenerateResponse::Decode(m.data);
+        if (done.ok() && done->finish_reason != "error") timing = t;
+      }
     }
     if (final) inflight_.erase(it);
   }

@@ -215,11 +215,11 @@ TEST_F(GatewayTest, APlainChatCompletionGoesThroughWithTheRoutersHeadersAndFrees
   EXPECT_FALSE(HeaderOf(*r, "x-kvrouter-cached-tokens").empty());
   EXPECT_EQ(e.renders(), 1);
   EXPECT_EQ(e.last_request_id(), "client-7");
-  // Freed, with the engine's timing for the router.
+  // Freed; a plain response's first byte came after its whole generation: no timing to learn from.
   EXPECT_TRUE(AwaitStats(
       [](StatsReply& s) {
         return s.breakdowns["requests"]["route.ok"] == 1 && s.counters["active_requests"] == 0 &&
-               s.counters["timing_reports"] == 1;
+               s.counters["timing_reports"] == 0;
       },
       5s));
 }
@@ -233,7 +233,13 @@ TEST_F(GatewayTest, AStreamIsPassedThroughEventByEvent) {
   EXPECT_EQ(HeaderOf(*r, "content-type"), "text/event-stream");
   EXPECT_NE(r->body.find("t0"), std::string::npos);
   EXPECT_TRUE(r->body.ends_with("data: [DONE]\n\n")) << r->body;
-  EXPECT_TRUE(AwaitStats([](StatsReply& s) { return s.counters["active_requests"] == 0; }, 5s));
+  // Freed with the engine's timing, which teaches worker 1's rates.
+  EXPECT_TRUE(AwaitStats(
+      [](StatsReply& s) {
+        return s.counters["active_requests"] == 0 && s.counters["timing_reports"] == 1 &&
+               s.counters["rate_observations"] == 1 && s.workers.at(0).rate_observations == 1;
+      },
+      5s));
 }
 
 TEST_F(GatewayTest, ModelsListsWhatTheEnginesServeAndAnUnknownModelIs404) {
@@ -565,7 +571,7 @@ TEST_F(GatewayKvmockerTest, APlainChatCompletionComesWithItsUsage) {
   EXPECT_EQ(body["usage"]["completion_tokens"], 8);
   EXPECT_GT(body["usage"]["prompt_tokens"].get<int>(), 10);
   EXPECT_TRUE(AwaitStats(
-      [](StatsReply& s) { return s.counters["active_requests"] == 0 && s.counters["timing_reports"] == 1; }, 5s));
+      [](StatsReply& s) { return s.counters["active_requests"] == 0 && s.counters["timing_reports"] == 0; }, 5s));
 }
 
 TEST_F(GatewayKvmockerTest, AStreamedCompletionArrivesAsEventsEndingInDone) {
@@ -589,6 +595,14 @@ TEST_F(GatewayKvmockerTest, AStreamedCompletionArrivesAsEventsEndingInDone) {
   EXPECT_GT(reads.size(), 4u);  // passed through as the engine produced it, not as one piece
   EXPECT_TRUE(all.ends_with("data: [DONE]\n\n")) << all.substr(all.size() > 200 ? all.size() - 200 : 0);
   EXPECT_EQ(reads.front().find("[DONE]"), std::string::npos);
+  // The stream's timing went to the router with its free, and taught the engine's rank.
+  EXPECT_TRUE(AwaitStats(
+      [](StatsReply& st) {
+        std::uint64_t taught = 0;
+        for (const WorkerStats& w : st.workers) taught += w.rate_observations;
+        return st.counters["timing_reports"] == 1 && taught == 1;
+      },
+      5s));
 }
 
 TEST_F(GatewayKvmockerTest, TheEnginesCachedTokensRiseOnARepeatedLongPrefix) {

@@ -225,8 +225,8 @@ TEST_F(SchedulerTest, AFreeWithTimingTeachesTheRankItWasBookedOnAndCandidatesCar
     ASSERT_TRUE(d.ok() && d->booked);
     const PriorTtft* prior = s->load().PriorOf(r.request_id);
     ASSERT_NE(prior, nullptr);
-    // Rank A prefills at a third of the prior's speed.
-    ASSERT_TRUE(s->Learn(r.request_id, {.ttfb_ms = 3 * prior->prefill_ms + prior->decode_ms}));
+    // Rank A takes three times the prior's time to first token.
+    ASSERT_TRUE(s->Learn(r.request_id, {.ttfb_ms = 3 * (prior->prefill_ms + prior->decode_ms)}));
     ASSERT_TRUE(s->load().Free(r.request_id));
   }
   EXPECT_NEAR(s->rates().Of(kA).prefill, 3, 0.3);

@@ -161,7 +161,7 @@ TEST(PredictedCost, EqualCostsGoToTheWorkerWithFewerRecentRequests) {
     EXPECT_EQ(sel.Pick(RouterMode::kKv, {640, 10}, c, {.model = CostModel::kPredicted}, rng), 1u);
 }
 
-TEST(PredictedCost, LearnedFactorsScaleThePriorsPrefillAndDecodeParts) {
+TEST(PredictedCost, TheLearnedPrefillFactorScalesThePriorsTimeToFirstToken) {
   Candidate c = Loaded(1, 0, 100);
   c.active_prefill_tokens = 2000;
   c.active_prefill_squares = 2000ull * 2000ull;
@@ -174,8 +174,8 @@ TEST(PredictedCost, LearnedFactorsScaleThePriorsPrefillAndDecodeParts) {
   EXPECT_NEAR(PredictedCostMs(c, req, p), prior.prefill_ms + prior.decode_ms + inflicted, 1e-9);
   EXPECT_NEAR(prior.decode_step_ms, DecodeStepMs((100.0 + 16) / 16384), 1e-12);
   c.prefill_factor = 3;
-  c.decode_factor = 0.5;
-  EXPECT_NEAR(PredictedCostMs(c, req, p), 3 * prior.prefill_ms + 0.5 * prior.decode_ms + 3 * inflicted, 1e-9);
+  c.decode_factor = 0.5;  // reported, not priced
+  EXPECT_NEAR(PredictedCostMs(c, req, p), 3 * (prior.prefill_ms + prior.decode_ms) + 3 * inflicted, 1e-9);
   EXPECT_EQ(PriorTtftOf(c, req, p).prefill_ms, prior.prefill_ms);  // the prior does not learn
 }
 

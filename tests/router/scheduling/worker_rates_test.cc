@@ -35,9 +35,9 @@ TEST(WorkerRates, ARankFourTimesSlowerThanThePriorIsLearnedWithinFiftyRequests) 
   EXPECT_NEAR(r.Of(kA).prefill, 4, 0.2);
   EXPECT_NEAR(r.Of(kA).decode, 4, 0.2);
   EXPECT_EQ(r.Of(kA).observations, 50u);
-  for (int i = 0; i < 50; ++i) ASSERT_TRUE(r.Observe(kB, kPrior, Seen(0.25, 0.5), t));
+  for (int i = 0; i < 50; ++i) ASSERT_TRUE(r.Observe(kB, kPrior, Seen(0.25, 0.25), t));
   EXPECT_NEAR(r.Of(kB).prefill, 0.25, 0.02);
-  EXPECT_NEAR(r.Of(kB).decode, 0.5, 0.03);
+  EXPECT_NEAR(r.Of(kB).decode, 0.25, 0.02);
 }
 
 TEST(WorkerRates, OneStalledRequestMovesARankByABoundedAmount) {
@@ -99,10 +99,33 @@ TEST(WorkerRates, TimingsThatSayNothingTeachNothing) {
   EXPECT_FALSE(r.Observe(kA, PriorTtft{}, Seen(2, 2), {}));
   EXPECT_EQ(r.observations(), 0u);
   EXPECT_EQ(r.Of(kA).prefill, 1);
-  // One chunk: no inter-chunk time, so the decode factor stays; the prefill one learns.
-  ASSERT_TRUE(r.Observe(kA, kPrior, {.ttfb_ms = 400, .chunks = 1, .inter_chunk_ms_mean = 0}, {}));
+  // Too few chunks to tell a step: the decode factor stays; the prefill one learns.
+  ASSERT_TRUE(r.Observe(kA, kPrior, {.ttfb_ms = 400, .chunks = 3, .inter_chunk_ms_mean = 40}, {}));
   EXPECT_EQ(r.Of(kA).decode, 1);
   EXPECT_GT(r.Of(kA).prefill, 1);
+}
+
+TEST(WorkerRates, TheFleetsTypicalRateIsTheMedianAndDriftCountsOnlyTheQuietTime) {
+  WorkerRates r;
+  SteadyTime t{};
+  for (int i = 0; i < 80; ++i) {  // two fast ranks, two slow ones
+    r.Observe(kA, kPrior, Seen(1, 1), t);
+    r.Observe(kB, kPrior, Seen(1, 1), t);
+    r.Observe(kC, kPrior, Seen(4, 4), t);
+    r.Observe({4, 0}, kPrior, Seen(4, 4), t);
+  }
+  r.Drift(t);
+  t += seconds(2);
+  r.Drift(t);
+  EXPECT_NEAR(r.Typical().prefill, 2, 0.1);  // between the halves (geometric), not one of them
+  // Drift that runs after a long pause moves a rank by what it was quiet past kDriftAfter only.
+  const double before = r.Of(kC).prefill;
+  t += WorkerRates::kDriftAfter + seconds(1);
+  r.Observe(kA, kPrior, Seen(1, 1), t);
+  r.Drift(t);
+  // C was last heard at 0: quiet 3 s past kDriftAfter at 13 s (not the 11 s since the last Drift).
+  const double moved = std::log(before / r.Of(kC).prefill);
+  EXPECT_NEAR(moved, std::log(before / r.Typical().prefill) * (1 - std::exp2(-3.0 / 30)), 1e-6);
 }
 
 TEST(WorkerRates, ReportedRatesFollowTheFactors) {

@@ -176,6 +176,28 @@ TEST_F(GenerateRelayTest, ResponsesAreRelayedUnchangedTheFirstEndsThePrefillAndT
   EXPECT_EQ(relayed_["caller.g1"].size(), 3u);
 }
 
+TEST_F(GenerateRelayTest, AFinishedRequestTeachesItsRanksRateWithTheTimesSeenHereAnErrorDoesNot) {
+  using std::chrono::milliseconds;
+  const std::string a = Forwarded("g1");
+  now_ += milliseconds(400);  // four times the prior for a 12-token prompt on an idle rank, about
+  Respond(a, Token("g1", 0));
+  for (std::uint32_t i = 1; i < 6; ++i) {
+    now_ += milliseconds(20);
+    Respond(a, Token("g1", i));
+  }
+  Respond(a, Final("g1"));
+  const WorkerStats taught = Load();
+  EXPECT_EQ(taught.rate_observations, 1u);
+  EXPECT_LT(taught.prefill_tokens_per_second, PrefillTokensPerSecond(1));  // slower than the prior
+  EXPECT_GT(taught.decode_step_seconds, DecodeStepSeconds(1));
+  // A worker that fails at once must not look fast.
+  const std::string b = Forwarded("g2");
+  now_ += milliseconds(1);
+  Respond(b, {.request_id = "g2", .finish_reason = "error", .message = "boom"});
+  EXPECT_EQ(Load().rate_observations, 1u);
+  EXPECT_EQ(Load().active_requests, 0u);
+}
+
 TEST_F(GenerateRelayTest, AnUndecodableResponseIsRelayedAsItCameAndEndsTheRequest) {
   const std::string reply_to = Forwarded("g1");
   ASSERT_TRUE(bus_.Publish(reply_to, AsBytes(std::string_view("\xc1", 1))).ok());
