@@ -10,6 +10,9 @@
 #   scripts/demo.sh                 about 3 minutes on a 2-core machine
 #   DEMO_REQUESTS=600 scripts/demo.sh
 #   DEMO_JSON_DIR=out scripts/demo.sh   also keeps each mode's kvbench JSON
+#   DEMO_FLEET=mixed scripts/demo.sh    two kvmocker processes, 4 workers 4x slower than the other
+#                                       4 (unannounced: the router learns it); least-loaded too,
+#                                       the fast half's share of requests and the learned rates
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
@@ -60,28 +63,61 @@ else
   echo "demo: no trace at $trace; replaying $requests synthetic multi-turn conversation requests"
 fi
 
+fleet=${DEMO_FLEET:-uniform}
+case "$fleet" in
+  uniform) workers=4 ;;
+  mixed) workers=8 ;;
+  *) echo "demo: DEMO_FLEET is uniform or mixed, not '$fleet'" >&2; exit 2 ;;
+esac
+
 rows=()
+shares=()
 run() {  # label, router flags...
   local label=$1; shift
   "$nats_server" -a 127.0.0.1 -p "$port" >"$work/nats.log" 2>&1 &
   pids+=($!)
   wait_port "$port"
-  "$bin/kvrouter" --nats-server "$url" --metrics-port 0 "$@" >"$work/kvrouter-$label.log" 2>&1 &
+  local metrics_port
+  metrics_port=$(free_port)
+  "$bin/kvrouter" --nats-server "$url" --metrics-port "$metrics_port" "$@" >"$work/kvrouter-$label.log" 2>&1 &
   pids+=($!)
-  "$bin/kvmocker" --nats-server "$url" --metrics-port 0 --num-workers 4 --num-gpu-blocks 16384 --speedup-ratio 10 \
-    >"$work/kvmocker-$label.log" 2>&1 &
-  pids+=($!)
+  if [ "$fleet" = mixed ]; then
+    # Workers 1-4 at speed 20, workers 101-104 at speed 5: one process each, as two machine types.
+    "$bin/kvmocker" --nats-server "$url" --metrics-port 0 --num-workers 4 --worker-id-base 1 --num-gpu-blocks 16384 \
+      --speedup-ratio 20 >"$work/kvmocker-fast-$label.log" 2>&1 &
+    pids+=($!)
+    "$bin/kvmocker" --nats-server "$url" --metrics-port 0 --num-workers 4 --worker-id-base 101 --num-gpu-blocks 16384 \
+      --speedup-ratio 5 >"$work/kvmocker-slow-$label.log" 2>&1 &
+    pids+=($!)
+  else
+    "$bin/kvmocker" --nats-server "$url" --metrics-port 0 --num-workers 4 --num-gpu-blocks 16384 --speedup-ratio 10 \
+      >"$work/kvmocker-$label.log" 2>&1 &
+    pids+=($!)
+  fi
   echo "demo: $label ..."
-  "$bin/kvbench" --nats-server "$url" --wait-workers 4 --label "$label" --concurrency 64 "${workload[@]}" \
+  "$bin/kvbench" --nats-server "$url" --wait-workers "$workers" --label "$label" --concurrency 64 "${workload[@]}" \
     --json "$work/$label.json" >"$work/$label.txt" 2>"$work/kvbench-$label.log"
   rows+=("$(tail -n 1 "$work/$label.txt")")
+  if [ "$fleet" = mixed ]; then
+    # Workers come in id order: the first four are the fast ones.
+    shares+=("$(python3 -c 'import json, sys
+w = json.load(open(sys.argv[1]))["worker_requests"]
+print(f"{sys.argv[2]:<16} fast half served {100 * sum(w[:4]) / max(1, sum(w)):.1f} % of the requests")' \
+      "$work/$label.json" "$label")")
+    [ "$label" = kv ] && curl -s "http://127.0.0.1:$metrics_port/metrics" \
+      | grep -E '^kvrouter_worker_(prefill_tokens_per_second|decode_step_seconds)' >"$work/rates.txt" || true
+  fi
   stop_all  # a fresh NATS, router and cold workers for the next mode
 }
 
 run kv --router-mode kv
 run kv-dynamo-cost --router-mode kv --router-prefill-load-scale 1
 run round-robin --router-mode round-robin
-run kv-approx --router-mode kv --no-router-kv-events
+if [ "$fleet" = mixed ]; then
+  run least-loaded --router-mode least-loaded
+else
+  run kv-approx --router-mode kv --no-router-kv-events
+fi
 
 echo
 head -n 1 "$work/kv.txt"
@@ -90,6 +126,12 @@ echo
 echo "kv = the default cost (predicted time); kv-dynamo-cost = Dynamo's formula (--router-prefill-load-scale 1)."
 echo "kv_hit = cached prompt tokens / prompt tokens; max/share = busiest worker's requests / a fair share;"
 echo "busy_max/mean = busiest worker's engine busy time / the mean (kvbench --offline only: '-' online)."
+if [ "$fleet" = mixed ]; then
+  echo
+  printf '%s\n' "${shares[@]}"
+  echo "learned by the kv router (workers 1-4 run 4x faster than 101-104; the prior says 65789 tokens/s):"
+  sed 's/^/  /' "$work/rates.txt"
+fi
 [ -n "${DEMO_JSON_DIR:-}" ] && mkdir -p "$DEMO_JSON_DIR" && cp "$work"/*.json "$DEMO_JSON_DIR"/ \
   && echo "JSON per mode: $DEMO_JSON_DIR"
 exit 0
