@@ -163,6 +163,8 @@ class Session : public std::enable_shared_from_this<Session> {
   void OnHeader(beast::error_code ec);
   void ReadBody();
   void OnBody(beast::error_code ec);
+  // A read of the request that failed: answered (413, 400) or closed. False when ec is no error.
+  bool ReadFailed(beast::error_code ec);
   // Answers a request the handler never saw, then closes.
   void Refuse(int status, std::string_view message);
   void Dispatch();
@@ -254,21 +256,26 @@ void Session::ReadHeader() {
                           [self = shared_from_this()](beast::error_code ec, std::size_t) { self->OnHeader(ec); });
 }
 
+bool Session::ReadFailed(beast::error_code ec) {
+  if (!ec) return false;
+  if (ec == http::error::body_limit) {  // from Content-Length in the headers, before any of the body
+    Refuse(413, fmt::format("the body is over the limit of {} bytes", state_->options.max_body_bytes));
+  } else if (ec == beast::error::timeout) {
+    ++state_->timeouts;
+    Shutdown();
+  } else if (ec == http::error::end_of_stream || ec == net::error::eof || ec == net::error::connection_reset ||
+             ec == net::error::operation_aborted) {
+    Shutdown();
+  } else {
+    Refuse(400, fmt::format("malformed request: {}", ec.message()));
+  }
+  return true;
+}
+
 void Session::OnHeader(beast::error_code ec) {
   first_ = false;
   if (ec == http::error::header_limit) return Refuse(431, "the request's headers are too large");
-  if (ec == http::error::body_limit) {  // its Content-Length, checked before any of the body is read
-    return Refuse(413, fmt::format("the body is over the limit of {} bytes", state_->options.max_body_bytes));
-  }
-  if (ec == beast::error::timeout) {
-    ++state_->timeouts;
-    return Shutdown();
-  }
-  if (ec == http::error::end_of_stream || ec == net::error::eof || ec == net::error::connection_reset ||
-      ec == net::error::operation_aborted) {
-    return Shutdown();
-  }
-  if (ec) return Refuse(400, fmt::format("malformed request: {}", ec.message()));
+  if (ReadFailed(ec)) return;
   const auto& req = parser_->get();
   version_ = req.version();
   keep_alive_ = req.keep_alive();
@@ -291,18 +298,7 @@ void Session::ReadBody() {
 }
 
 void Session::OnBody(beast::error_code ec) {
-  if (ec == http::error::body_limit) {
-    return Refuse(413, fmt::format("the body is over the limit of {} bytes", state_->options.max_body_bytes));
-  }
-  if (ec == beast::error::timeout) {
-    ++state_->timeouts;
-    return Shutdown();
-  }
-  if (ec == http::error::end_of_stream || ec == net::error::eof || ec == net::error::connection_reset ||
-      ec == net::error::operation_aborted) {
-    return Shutdown();
-  }
-  if (ec) return Refuse(400, fmt::format("malformed request: {}", ec.message()));
+  if (ReadFailed(ec)) return;
   Dispatch();
 }
 

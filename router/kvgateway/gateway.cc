@@ -85,26 +85,15 @@ Gateway::Gateway(const GatewayConfig& config, HttpClient& client, RouterLink& li
                    .Name("kvgateway_requests_total")
                    .Help("requests answered, by endpoint and HTTP status")
                    .Register(*registry_);
-  retries_ = &prometheus::BuildCounter()
-                  .Name("kvgateway_retries_total")
-                  .Help("requests routed again after an engine failed before its first byte")
-                  .Register(*registry_)
-                  .Add({});
-  clients_gone_ = &prometheus::BuildCounter()
-                       .Name("kvgateway_clients_gone_total")
-                       .Help("clients that went away before their response ended (the engine connection is closed)")
-                       .Register(*registry_)
-                       .Add({});
-  slow_clients_ = &prometheus::BuildCounter()
-                       .Name("kvgateway_slow_clients_total")
-                       .Help("clients cut off for letting a streamed response pile up")
-                       .Register(*registry_)
-                       .Add({});
-  render_fallbacks_ = &prometheus::BuildCounter()
-                           .Name("kvgateway_render_fallbacks_total")
-                           .Help("token ids taken from /tokenize because the render endpoint was missing")
-                           .Register(*registry_)
-                           .Add({});
+  auto counter = [&](const char* name, const char* help) {
+    return &prometheus::BuildCounter().Name(name).Help(help).Register(*registry_).Add({});
+  };
+  retries_ = counter("kvgateway_retries_total", "requests routed again after an engine failed before its first byte");
+  clients_gone_ = counter("kvgateway_clients_gone_total",
+                          "clients that went away before their response ended (the engine connection is closed)");
+  slow_clients_ = counter("kvgateway_slow_clients_total", "clients cut off for letting a streamed response pile up");
+  render_fallbacks_ = counter("kvgateway_render_fallbacks_total",
+                              "token ids taken from /tokenize because the render endpoint was missing");
   in_flight_ = &prometheus::BuildGauge()
                     .Name("kvgateway_requests_in_flight")
                     .Help("completion requests being served")
@@ -112,21 +101,14 @@ Gateway::Gateway(const GatewayConfig& config, HttpClient& client, RouterLink& li
                     .Add({});
   const prometheus::Histogram::BucketBoundaries latency = {0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
                                                            0.1,    0.25,  0.5,    1,     2.5,  5,     10};
-  ttfb_ = &prometheus::BuildHistogram()
-               .Name("kvgateway_time_to_first_byte_seconds")
-               .Help("from a completion request's arrival to the engine's first response byte")
-               .Register(*registry_)
-               .Add({}, latency);
-  route_time_ = &prometheus::BuildHistogram()
-                     .Name("kvgateway_route_seconds")
-                     .Help("from a completion request's arrival to the engine call: render and route")
-                     .Register(*registry_)
-                     .Add({}, latency);
-  inter_chunk_ = &prometheus::BuildHistogram()
-                      .Name("kvgateway_inter_chunk_seconds")
-                      .Help("time between two response chunks of an engine")
-                      .Register(*registry_)
-                      .Add({}, latency);
+  auto histogram = [&](const char* name, const char* help) {
+    return &prometheus::BuildHistogram().Name(name).Help(help).Register(*registry_).Add({}, latency);
+  };
+  ttfb_ = histogram("kvgateway_time_to_first_byte_seconds",
+                    "from a completion request's arrival to the engine's first response byte");
+  route_time_ =
+      histogram("kvgateway_route_seconds", "from a completion request's arrival to the engine call: render and route");
+  inter_chunk_ = histogram("kvgateway_inter_chunk_seconds", "time between two response chunks of an engine");
 }
 
 HttpRequestHandler Gateway::Handler() {
