@@ -61,6 +61,8 @@ void GenerateRelay::OnResponse(const BusMessage& m, Outbox& out) {
     auto is_final = IsFinalGenerateResponse(m.data);
     final = !is_final.ok() || *is_final;
   }
+  // Its tokens, for the timing (a worker may send several in one response).
+  const auto decoded = no_responders ? Result<GenerateResponse>(Internal("none")) : GenerateResponse::Decode(m.data);
   std::string caller, request_id;
   bool first = false;
   std::optional<ResponseTiming> timing;
@@ -79,19 +81,22 @@ void GenerateRelay::OnResponse(const BusMessage& m, Outbox& out) {
       ResponseTiming& t = f.timing;
       if (first) {
         t.ttfb_ms = std::chrono::duration<double, std::milli>(now - f.forwarded).count();
+        f.first_response = now;
+        t.chunks = 1;
       } else {
-        const double gap = std::chrono::duration<double, std::milli>(now - f.last_response).count();
-        t.inter_chunk_ms_mean += (gap - t.inter_chunk_ms_mean) / static_cast<double>(t.chunks);
-        t.inter_chunk_ms_max = std::max(t.inter_chunk_ms_max, gap);
+        t.inter_chunk_ms_max =
+            std::max(t.inter_chunk_ms_max, std::chrono::duration<double, std::milli>(now - f.last_response).count());
+        // Chunks are tokens here: the mean time per token after the first response.
+        t.chunks += decoded.ok() ? static_cast<std::uint32_t>(decoded->token_ids.size()) : 0;
+        if (t.chunks > 1) {
+          t.inter_chunk_ms_mean =
+              std::chrono::duration<double, std::milli>(now - f.first_response).count() / (t.chunks - 1);
+        }
       }
-      ++t.chunks;
       f.last_response = now;
-      if (final) {
-        // A worker that fails at once must not look fast: only a final response that decodes
-        // and did not end in an error teaches its rank's rates.
-        auto done = GenerateResponse::Decode(m.data);
-        if (done.ok() && done->finish_reason != "error") timing = t;
-      }
+      // A worker that fails at once must not look fast: only a final response that decodes and
+      // did not end in an error teaches its rank's rates.
+      if (final && decoded.ok() && decoded->finish_reason != "error") timing = t;
     }
     if (final) inflight_.erase(it);
   }

@@ -57,8 +57,11 @@ class GenerateRelay {
     std::chrono::milliseconds idle{};  // each response moves the deadline this far
     bool first_seen = false;
     SteadyTime forwarded{};
+    SteadyTime first_response{};
     SteadyTime last_response{};
-    ResponseTiming timing;  // of the responses so far
+    // Of the responses so far: chunks counts tokens (the first response's as one), the mean is
+    // per token after the first response, the max is between responses.
+    ResponseTiming timing;
   };
 
   MessageBus& bus_;

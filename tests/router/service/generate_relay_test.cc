@@ -190,11 +190,18 @@ TEST_F(GenerateRelayTest, AFinishedRequestTeachesItsRanksRateWithTheTimesSeenHer
   EXPECT_EQ(taught.rate_observations, 1u);
   EXPECT_LT(taught.prefill_tokens_per_second, PrefillTokensPerSecond(1));  // slower than the prior
   EXPECT_GT(taught.decode_step_seconds, DecodeStepSeconds(1));
+  // A worker sending several tokens per response is timed per token: 1 + 8 tokens, 80 ms apart.
+  const std::string c = Forwarded("g3");
+  now_ += milliseconds(100);
+  Respond(c, Token("g3", 0));
+  now_ += milliseconds(80);
+  Respond(c, {.request_id = "g3", .token_ids = {1, 2, 3, 4, 5, 6, 7, 8}, .index = 1, .finish_reason = "length"});
+  EXPECT_EQ(Load().rate_observations, 2u);
   // A worker that fails at once must not look fast.
   const std::string b = Forwarded("g2");
   now_ += milliseconds(1);
   Respond(b, {.request_id = "g2", .finish_reason = "error", .message = "boom"});
-  EXPECT_EQ(Load().rate_observations, 1u);
+  EXPECT_EQ(Load().rate_observations, 2u);
   EXPECT_EQ(Load().active_requests, 0u);
 }
 
