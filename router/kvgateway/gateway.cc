@@ -334,6 +334,19 @@ void Gateway::Route(const std::shared_ptr<Exchange>& x) {
   });
 }
 
+namespace {
+
+// The engine's headers passed on, with the request id and the router's choice (under ex.mu).
+HttpHeaders ResponseHead(const Gateway::Exchange& ex) {
+  HttpHeaders h = ex.engine_headers;
+  h.emplace_back("x-request-id", ex.request_id);
+  h.emplace_back("x-kvrouter-worker-id", std::to_string(ex.routed.worker_id));
+  h.emplace_back("x-kvrouter-cached-tokens", std::to_string(ex.routed.cached_tokens));
+  return h;
+}
+
+}  // namespace
+
 void Gateway::Forward(const std::shared_ptr<Exchange>& x) {
   std::string url;
   std::uint64_t worker = 0;
@@ -387,11 +400,7 @@ void Gateway::Forward(const std::shared_ptr<Exchange>& x) {
                if (!ex->began) {
                  ex->began = true;
                  first = true;
-                 HttpHeaders h = ex->engine_headers;
-                 h.emplace_back("x-request-id", ex->request_id);
-                 h.emplace_back("x-kvrouter-worker-id", std::to_string(ex->routed.worker_id));
-                 h.emplace_back("x-kvrouter-cached-tokens", std::to_string(ex->routed.cached_tokens));
-                 ex->reply->Begin(ex->engine_status, std::move(h));
+                 ex->reply->Begin(ex->engine_status, ResponseHead(*ex));
                  ttfb_->Observe(Seconds(now - ex->arrival));
                  ex->timing.ttfb_ms = Seconds(now - ex->called) * 1000;
                } else {
@@ -444,11 +453,7 @@ void Gateway::Forward(const std::shared_ptr<Exchange>& x) {
                  ex->reply->Abort();  // cut off mid-response: the client sees the connection end
                } else {
                  if (!ex->began) {  // an empty body
-                   HttpHeaders h = ex->engine_headers;
-                   h.emplace_back("x-request-id", ex->request_id);
-                   h.emplace_back("x-kvrouter-worker-id", std::to_string(ex->routed.worker_id));
-                   h.emplace_back("x-kvrouter-cached-tokens", std::to_string(ex->routed.cached_tokens));
-                   ex->reply->Begin(status, std::move(h));
+                   ex->reply->Begin(status, ResponseHead(*ex));
                  }
                  ex->reply->End();
                }

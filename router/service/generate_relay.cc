@@ -55,14 +55,19 @@ void GenerateRelay::OnResponse(const BusMessage& m, Outbox& out) {
   // A worker that is gone shows as NATS "no responders" (status 503, empty body).
   const auto status = m.Header("Status");
   const bool no_responders = m.data.empty() && status && status->starts_with("503");
+  // Its tokens, for the timing (a worker may send several in one response), and whether it is
+  // the final one. An undecodable response ends the request too (the caller gets it as it came),
+  // unless it is a map without finish_reason.
+  const auto decoded = no_responders ? Result<GenerateResponse>(Internal("none")) : GenerateResponse::Decode(m.data);
   bool final = no_responders;
   if (!final) {
-    // An undecodable response ends the request too (the caller gets it as it came).
-    auto is_final = IsFinalGenerateResponse(m.data);
-    final = !is_final.ok() || *is_final;
+    if (decoded.ok()) {
+      final = decoded->is_final();
+    } else {
+      auto is_final = IsFinalGenerateResponse(m.data);
+      final = !is_final.ok() || *is_final;
+    }
   }
-  // Its tokens, for the timing (a worker may send several in one response).
-  const auto decoded = no_responders ? Result<GenerateResponse>(Internal("none")) : GenerateResponse::Decode(m.data);
   std::string caller, request_id;
   bool first = false;
   std::optional<ResponseTiming> timing;
