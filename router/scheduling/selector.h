@@ -70,7 +70,9 @@ double KvCost(const Candidate& c, const SelectionRequest& req, const CostParams&
 //   u         = KV utilisation with this request: (decode_blocks of KvCost) / total_kv_blocks
 //   ttft      = 0.0152 (Q + U) + 4.21e-7 (sum of queued prefills' squares + U^2)
 //               + steps * (16.5 + DecodeStepMs(u))
-//   inflicted = active_requests * (PrefillMs(U) - 16.5): each running request waits out this prefill
+//   inflicted = min(active_requests * (PrefillMs(U) - 16.5), 8 ttft): each running request waits
+//               out this prefill; capped, so a prompt long to prefill anywhere is not placed
+//               behind a long queue by whom it stalls alone
 //   spread    = recent_excess * min(10, 0.15 * (PrefillMs(isl) - 16.5)): recent_excess = how many
 //               more requests than the candidates' mean it got lately (recent_requests); it
 //               spreads new sessions at equal cost, and tiny prompts barely pay it

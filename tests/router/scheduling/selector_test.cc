@@ -74,6 +74,8 @@ TEST(PredictedCost, TableOfCases) {
   queued.active_prefill_squares = 6000ull * 6000ull;
   Candidate running = Loaded(1, 0, 3000);
   running.active_requests = 5;
+  Candidate crowded = idle;
+  crowded.active_requests = 200;  // 200 * 69 ms of prefill inflicted is over 8 * 92 ms
   Candidate small_cache = idle;
   small_cache.total_kv_blocks = 128;
   const std::vector<Case> cases = {
@@ -90,6 +92,8 @@ TEST(PredictedCost, TableOfCases) {
        ttft(0, 0, 4096, 1, 64.0 / 16384)},
       {"running requests wait out the prefill", running, k4096, kP, 0,
        ttft(0, 0, 4096, 1, 3064.0 / 16384) + 5 * (PrefillMs(4096) - 16.5)},
+      {"the waits inflicted count up to 8 times the request's own ttft", crowded, k4096, kP, 0,
+       9 * ttft(0, 0, 4096, 1, 64.0 / 16384)},
       {"utilisation is of the announced cache, at most 1", small_cache, k4096, kP, 0, ttft(0, 0, 4096, 1, 0.5)},
       {"recent excess spreads", idle, k4096, kP, 3, ttft(0, 0, 4096, 1, 64.0 / 16384) + 3 * 10},
       {"a small prefill spreads less",
@@ -148,6 +152,26 @@ TEST(PredictedCost, AHugePromptAvoidsAWorkerBusyWithAnotherHugePrefill) {
   Selector sel;
   std::mt19937_64 rng(1);
   EXPECT_EQ(sel.Pick(RouterMode::kKv, {90000, 1407}, c, {.model = CostModel::kPredicted}, rng), 1u);
+}
+
+TEST(PredictedCost, AHugePromptIsNotPlacedBehindALongQueueByWhomItStalls) {
+  // A 100k-token prompt, cached nowhere: worker 1 has 8 requests, 4 of them 50k-token prompts
+  // still queued (about 8 s of prefill ahead); worker 2 has 12 requests running and no queue.
+  // Counting every wait it inflicts, worker 1 stalls 4 fewer and wins by the queue it makes the
+  // prompt wait out; with the inflicted waits bounded by 8 times its own time to first token,
+  // the prompt goes where it starts at once.
+  std::vector<Candidate> c = {Loaded(1, 0, 0), Loaded(2, 0, 0)};
+  c[0].active_requests = 8;
+  c[0].active_prefill_tokens = 4 * 50000;
+  c[0].active_prefill_squares = 4 * 50000ull * 50000ull;
+  c[1].active_requests = 12;
+  Selector sel;
+  std::mt19937_64 rng(1);
+  EXPECT_EQ(sel.Pick(RouterMode::kKv, {100000, 1563}, c, {.model = CostModel::kPredicted}, rng), 1u);
+  // A short prompt is far below the bound: the fewer it stalls, the better.
+  c[0].active_prefill_tokens = 0;
+  c[0].active_prefill_squares = 0;
+  EXPECT_EQ(sel.Pick(RouterMode::kKv, {4096, 64}, c, {.model = CostModel::kPredicted}, rng), 0u);
 }
 
 TEST(PredictedCost, EqualCostsGoToTheWorkerWithFewerRecentRequests) {
