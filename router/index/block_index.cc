@@ -188,10 +188,13 @@ void BlockIndex::MaybeCompact(std::uint32_t slot) {
   if (w.held.capacity() > 4 * w.held.size() + 64) w.held.shrink_to_fit();
 }
 
-void BlockIndex::PrefetchStored(std::optional<BlockHash> parent, std::span<const StoredBlock> blocks) const {
+void BlockIndex::PrefetchStored(WorkerKey worker, std::optional<BlockHash> parent,
+                                std::span<const StoredBlock> blocks) const {
   constexpr std::size_t kMaxBlocks = 8;
-  if (parent) node_of_.Prefetch(*parent);
-  for (std::size_t i = 0; i < std::min(kMaxBlocks, blocks.size()); ++i) node_of_.Prefetch(blocks[i].block_hash);
+  const std::uint32_t slot = FindSlot(worker);
+  const auto& table = slot != kFlatEmpty && slots_[slot].mapped ? slots_[slot].blocks : node_of_;
+  if (parent) table.Prefetch(*parent);
+  for (std::size_t i = 0; i < std::min(kMaxBlocks, blocks.size()); ++i) table.Prefetch(blocks[i].block_hash);
 }
 
 ApplyOutcome BlockIndex::ApplyStored(WorkerKey worker, std::optional<BlockHash> parent_hash,
@@ -272,6 +275,18 @@ ApplyOutcome BlockIndex::ApplyRemoved(WorkerKey worker, std::span<const BlockHas
   return out;
 }
 
+bool BlockIndex::TablesUnderfull() const {
+  if (node_of_.Underfull()) return true;
+  return std::any_of(slots_.begin(), slots_.end(), [](const WorkerSlot& w) { return w.blocks.Underfull(); });
+}
+
+void BlockIndex::ShrinkTables() {
+  if (node_of_.Underfull()) node_of_.ShrinkToFit();
+  for (WorkerSlot& w : slots_) {
+    if (w.blocks.Underfull()) w.blocks.ShrinkToFit();
+  }
+}
+
 std::size_t BlockIndex::ClearSlot(std::uint32_t slot) {
   WorkerSlot& w = slots_[slot];
   const std::size_t dropped = w.holdings();
@@ -298,7 +313,11 @@ std::size_t BlockIndex::ClearSlot(std::uint32_t slot) {
   }
   w.held = {};
   w.canonical_blocks = 0;
-  w.blocks.Clear();
+  if (shrink_later_) {
+    w.blocks.ClearKeepingCapacity();  // no reader reads a worker's map
+  } else {
+    w.blocks.Clear();
+  }
   w.extra_refs.clear();
   w.mapped = false;
   return dropped;
@@ -539,6 +558,7 @@ IndexMemory BlockIndex::Memory() const {
             slots_.capacity() * sizeof(WorkerSlot) + chunk_dir_.memory_bytes() + key_words_.memory_bytes() +
             (free_nodes_.capacity() + retired_nodes_.capacity()) * sizeof(std::uint32_t);
   for (const WorkerSlot& w : slots_) {
+    m.map_bytes += w.blocks.memory_bytes();
     m.bytes += w.blocks.memory_bytes() + w.held.capacity() * sizeof(std::uint32_t);
     m.holdings += w.holdings();
   }

@@ -93,6 +93,7 @@ struct IndexMemory {
   std::size_t nodes = 0;        // live tree nodes (without the root)
   std::size_t holdings = 0;     // (block, worker) pairs = sum of tree sizes
   std::size_t table_bytes = 0;  // of `bytes`: the sequence-hash table's slots
+  std::size_t map_bytes = 0;    // of `bytes`: the slots of workers' maps of engine hashes
 };
 
 class BlockIndex {
@@ -108,9 +109,10 @@ class BlockIndex {
   ApplyOutcome ApplyStored(WorkerKey worker, std::optional<BlockHash> parent, std::span<const StoredBlock> blocks,
                            std::uint64_t max_blocks = std::numeric_limits<std::uint64_t>::max());
   // Starts loading what ApplyStored of this chain will look up first, so that its cache misses
-  // overlap the work before it (the caller applies the previous event meanwhile). Assumes the
-  // engine hashes are sequence hashes (Dynamo's workers): for others it only wastes a few loads.
-  void PrefetchStored(std::optional<BlockHash> parent, std::span<const StoredBlock> blocks) const;
+  // overlap the work before it (the caller applies the previous event meanwhile): the table
+  // slots of its engine hashes, in the worker's own map when its engine hashes are not sequence
+  // hashes (vLLM's), else in the sequence-hash table (Dynamo's and kvmocker's workers).
+  void PrefetchStored(WorkerKey worker, std::optional<BlockHash> parent, std::span<const StoredBlock> blocks) const;
   // Removes blocks by engine hash; unknown ones are counted and skipped.
   ApplyOutcome ApplyRemoved(WorkerKey worker, std::span<const BlockHash> block_hashes);
   // Drops every block of one (worker, dp_rank); the worker stays known.
@@ -133,13 +135,16 @@ class BlockIndex {
   // Owner, when no reader can hold replaced memory any more (ReadGate::EndWrite said quiet).
   void FreeRetired();
 
-  // On: the sequence-hash table keeps its capacity when blocks go (a cleared fleet refills
-  // without growing it again step by step), and the owner gives memory back with ShrinkTables
-  // once it has stayed under an eighth full a while (TablesUnderfull). Off (the default): the
-  // table halves as it empties.
-  void ShrinkTablesLater(bool on) { node_of_.ShrinkOnErase(!on); }
-  bool TablesUnderfull() const { return node_of_.Underfull(); }
-  void ShrinkTables() { node_of_.ShrinkToFit(); }
+  // On: the sequence-hash table keeps its capacity when blocks go, and so does a worker's map of
+  // engine hashes when it is cleared (a cleared fleet refills without growing them again step by
+  // step); the owner gives memory back with ShrinkTables once one has stayed under an eighth full
+  // a while (TablesUnderfull). Off (the default): the table halves as it empties.
+  void ShrinkTablesLater(bool on) {
+    shrink_later_ = on;
+    node_of_.ShrinkOnErase(!on);
+  }
+  bool TablesUnderfull() const;
+  void ShrinkTables();
   // Owner, now and then (a shard thread's upkeep, every 100 ms): when many freed nodes wait
   // unsorted (a worker cleared), orders the free list so that new nodes are taken in address
   // order, neighbours sharing cache lines and pages, rather than all over the node chunks.
@@ -253,6 +258,7 @@ class BlockIndex {
   std::vector<void*> retired_holders_;  // holder buffers replaced while readers may read
 
   std::vector<WorkerSlot> slots_;
+  bool shrink_later_ = false;  // ShrinkTablesLater
   // slots_[i].key for FindMatches: words 3i, 3i+1 (worker_id, low and high), 3i+2 (dp_rank).
   PublishedArray<std::uint32_t> key_words_;
   std::vector<std::uint32_t> free_slots_;

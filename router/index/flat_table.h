@@ -213,6 +213,12 @@ class FlatTable {
     ReleaseStore(published_, nullptr);
     size_ = 0;
   }
+  // Empty, keeping the capacity: a table refilled at once then never rehashes. Only for a table
+  // no reader reads (its slots are overwritten in place).
+  void ClearKeepingCapacity() {
+    for (std::size_t i = 0; i < capacity(); ++i) st_->slots[i].value = kFlatEmpty;
+    size_ = 0;
+  }
 
   template <typename F>  // f(const Entry&)
   void ForEach(F&& f) const {

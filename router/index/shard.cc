@@ -324,7 +324,7 @@ void IndexShard::PrefetchBlocks(const Item& it) {
 }
 
 void IndexShard::PrefetchSlots(const KvEventBatch& b) const {
-  if (const KvStored* st = FirstStored(b)) index_.PrefetchStored(st->parent_hash, st->blocks);
+  if (const KvStored* st = FirstStored(b)) index_.PrefetchStored({b.worker_id, b.dp_rank}, st->parent_hash, st->blocks);
 }
 
 void IndexShard::PrefetchSlots(const Item& it) const {

@@ -127,14 +127,22 @@ BENCHMARK(BM_ApplyChains16)->Unit(benchmark::kMillisecond);
 // and without the queue: 300,000 stored events of 4 new blocks each (a new prompt: no parent)
 // from 64 workers, into an index that readers may read (as a shard's is), then, untimed, every
 // worker cleared as that benchmark does between runs, and the free nodes put in order as an
-// idle shard thread does. items_per_second = events.
+// idle shard thread does. items_per_second = events. Arg 0/1: without/with the prefetch of the
+// next event's slots. Second arg 1: engine block ids that are not sequence hashes, each event
+// continuing its worker's chain (a vLLM engine's events, as route_bench's /1 sends them).
 void BM_ApplyIngestEvents(benchmark::State& state) {
   constexpr int kWorkers = 64, kEvents = 300000, kBlocks = 4;
+  const bool engine_hashes = state.range(1) != 0;
   std::vector<std::vector<StoredBlock>> events(kEvents);
+  std::vector<std::optional<BlockHash>> parents(kEvents);
   for (int e = 0; e < kEvents; ++e) {
     std::vector<LocalHash> locals;
     for (int b = 0; b < kBlocks; ++b) locals.push_back(Mix64((std::uint64_t(e) << 3) + b + 1));
     events[e] = AsChain(locals);
+    if (engine_hashes) {
+      for (int b = 0; b < kBlocks; ++b) events[e][b].block_hash = Mix64((std::uint64_t(e) << 3) + b + (1ull << 40));
+      if (e >= kWorkers) parents[e] = events[e - kWorkers].back().block_hash;
+    }
   }
   BlockIndex idx;
   idx.SetConcurrentReaders(true);
@@ -142,8 +150,10 @@ void BM_ApplyIngestEvents(benchmark::State& state) {
   const bool prefetch = state.range(0) != 0;
   for (auto _ : state) {
     for (int e = 0; e < kEvents; ++e) {
-      if (prefetch && e + 1 < kEvents) idx.PrefetchStored(std::nullopt, events[e + 1]);
-      benchmark::DoNotOptimize(idx.ApplyStored({std::uint64_t(e % kWorkers), 0}, std::nullopt, events[e]));
+      if (prefetch && e + 1 < kEvents) {
+        idx.PrefetchStored({std::uint64_t((e + 1) % kWorkers), 0}, parents[e + 1], events[e + 1]);
+      }
+      benchmark::DoNotOptimize(idx.ApplyStored({std::uint64_t(e % kWorkers), 0}, parents[e], events[e]));
     }
     state.PauseTiming();
     if (idx.Memory().holdings != std::size_t{kEvents} * kBlocks) state.SkipWithError("blocks were lost");
@@ -154,7 +164,7 @@ void BM_ApplyIngestEvents(benchmark::State& state) {
   }
   state.SetItemsProcessed(state.iterations() * kEvents);
 }
-BENCHMARK(BM_ApplyIngestEvents)->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond)->Iterations(10);
+BENCHMARK(BM_ApplyIngestEvents)->ArgsProduct({{0, 1}, {0, 1}})->Unit(benchmark::kMillisecond)->Iterations(10);
 
 // End to end through one shard: a producer thread Submit()s Dynamo-style batches (16-block
 // stored chains and their removals) and the shard thread dequeues in bulk and applies them.

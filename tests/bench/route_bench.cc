@@ -507,7 +507,11 @@ class PhaseMeter {
 };
 
 // Event ingest against its baseline, one run: `n` Dynamo envelopes of 4 stored blocks from 64
-// registered workers, published as fast as one connection can, (a) to a bare nats.c
+// registered workers, published as fast as one connection can. Arg 1 of the second range: the
+// blocks as a real engine (vLLM, through kvrelay) names them: engine block ids that are not the
+// sequence hashes, each message continuing its worker's chain from the last one (parent_hash);
+// arg 0: the block ids are the sequence hashes and every message a fresh chain (Dynamo's and
+// kvmocker's workers). Sent (a) to a bare nats.c
 // subscriber that only counts them (time: first publish to the last message counted), then
 // (b) to the router (time: first publish until its stats show every event applied). Counters:
 // bare_msgs_per_s, router_msgs_per_s (medians of 5 alternating runs) and their ratio, and
@@ -519,6 +523,7 @@ void BM_IngestVsBareSubscriber(benchmark::State& state) {
     return;
   }
   const std::uint64_t n = static_cast<std::uint64_t>(state.range(0));
+  const bool engine_hashes = state.range(1) != 0;
   constexpr std::uint64_t kIngestWorkers = 64, kFirstId = 5000;
   static std::uint64_t next_event = 1;  // per worker, continued across iterations
   // The workers register and store a first chain; recovery of their first sight settles here.
@@ -562,10 +567,20 @@ void BM_IngestVsBareSubscriber(benchmark::State& state) {
     std::vector<msgpack::sbuffer> msgs;
     msgs.reserve(n);
     std::vector<std::uint32_t> tokens(std::size_t{kBs} * 4);
+    std::vector<std::optional<BlockHash>> chain_end(kIngestWorkers);  // each worker starts cleared
     for (std::uint64_t i = 0; i < n; ++i) {
       const std::uint64_t w = i % kIngestWorkers;
       for (std::size_t k = 0; k < tokens.size(); k += kBs) tokens[k] = static_cast<std::uint32_t>(i * 4 + k);
-      msgs.push_back(EncodeDynamoEnvelope(Stored(kFirstId + w, next_event + i / kIngestWorkers, tokens), {}));
+      KvEventBatch b = Stored(kFirstId + w, next_event + i / kIngestWorkers, tokens);
+      if (engine_hashes) {
+        auto& stored = std::get<KvStored>(b.ops[0].data);
+        stored.parent_hash = chain_end[w];
+        for (std::size_t k = 0; k < stored.blocks.size(); ++k) {
+          stored.blocks[k].block_hash = (next_event << 32) ^ (i * 4 + k) ^ 0x5bd1e995'00000000ull;
+        }
+        chain_end[w] = stored.blocks.back().block_hash;
+      }
+      msgs.push_back(EncodeDynamoEnvelope(b, {}));
       bytes += static_cast<double>(msgs.back().size());
     }
     next_event += (n + kIngestWorkers - 1) / kIngestWorkers;
@@ -630,7 +645,12 @@ void BM_IngestVsBareSubscriber(benchmark::State& state) {
     state.counters[p + "_bench_ns_per_msg"] = median_of(*phase, &PhaseCpu::bench_ns);
   }
 }
-BENCHMARK(BM_IngestVsBareSubscriber)->Arg(300000)->Iterations(5)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_IngestVsBareSubscriber)
+    ->Args({300000, 0})
+    ->Args({300000, 1})
+    ->Iterations(5)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
 
 // `route_bench --echo-responder URL`: BM_EchoRoundTrip/1's responder, until it is stopped.
 int RunEchoResponder(const char* url) {

@@ -272,6 +272,38 @@ TEST(BlockIndex, TheTableShrinksAsBlocksGoUnlessShrinkingIsLeftToTheOwner) {
   EXPECT_EQ(later.Memory().table_bytes, 0u);
 }
 
+// A worker whose engine hashes are not sequence hashes keeps its map of them through a clear
+// too, when shrinking is left to the owner, and refills it without growing it again.
+TEST(BlockIndex, AClearedWorkersMapOfEngineHashesIsKeptUntilTheOwnerShrinks) {
+  auto fill = [](BlockIndex& idx) {
+    std::optional<BlockHash> parent;
+    for (std::uint64_t b = 1; b <= 5000; ++b) {
+      const BlockHash engine = b + (1ull << 40);
+      (void)idx.ApplyStored(kW1, parent, std::vector<StoredBlock>{{engine, b}});
+      parent = engine;
+    }
+    return idx.Memory().map_bytes;
+  };
+  BlockIndex later;
+  later.ShrinkTablesLater(true);
+  const std::size_t full = fill(later);
+  EXPECT_GT(full, 5000u * 12);
+  (void)later.ClearWorker(kW1.worker_id);
+  EXPECT_EQ(later.Memory().map_bytes, full);
+  EXPECT_EQ(later.Memory().holdings, 0u);
+  EXPECT_TRUE(later.TablesUnderfull());
+  EXPECT_EQ(fill(later), full);  // refilled without growing
+  EXPECT_EQ(later.Memory().holdings, 5000u);
+  (void)later.ClearWorker(kW1.worker_id);
+  later.ShrinkTables();
+  EXPECT_EQ(later.Memory().map_bytes, 0u);
+  EXPECT_FALSE(later.TablesUnderfull());
+  BlockIndex eager;  // without ShrinkTablesLater the map goes with the clear
+  EXPECT_EQ(fill(eager), full);
+  (void)eager.ClearWorker(kW1.worker_id);
+  EXPECT_EQ(eager.Memory().map_bytes, 0u);
+}
+
 // Worker 2 holds `other`; worker 1 stores `chain` and removes it a million times. The index's
 // memory before and after the million.
 std::pair<IndexMemory, IndexMemory> StoreAndRemoveAMillionTimes(const std::vector<StoredBlock>& chain,
