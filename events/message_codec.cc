@@ -427,6 +427,21 @@ msgpack::sbuffer EncodeKvMetrics(const KvMetrics& k) {
   return std::move(w).Finish();
 }
 
+namespace {
+
+// A paged request's offset and limit (a larger limit reads as StatsRequest::kMaxLimit).
+Status ReadPage(const msgpack::object& m, std::uint64_t& offset, std::uint32_t& limit) {
+  FieldReads reads;
+  reads.Optional(m, "offset", ReadU64, offset);
+  std::uint64_t wanted = limit;
+  reads.Optional(m, "limit", ReadU64, wanted);
+  if (!reads.ok()) return reads.status();
+  limit = static_cast<std::uint32_t>(std::min<std::uint64_t>(wanted, StatsRequest::kMaxLimit));
+  return Status::Ok();
+}
+
+}  // namespace
+
 Result<StatsRequest> DecodeStatsRequest(std::span<const std::byte> body) {
   StatsRequest req;
   if (body.empty()) return req;  // a bare request: the defaults
@@ -434,13 +449,33 @@ Result<StatsRequest> DecodeStatsRequest(std::span<const std::byte> body) {
   if (!doc.ok()) return doc.status();
   if (doc->get().type == msgpack::type::NIL) return req;
   if (!IsMap(doc->get())) return InvalidArgument("stats request must be a map");
-  FieldReads reads;
-  reads.Optional(doc->get(), "offset", ReadU64, req.offset);
-  std::uint64_t limit = req.limit;
-  reads.Optional(doc->get(), "limit", ReadU64, limit);
-  if (!reads.ok()) return reads.status();
-  req.limit = static_cast<std::uint32_t>(std::min<std::uint64_t>(limit, StatsRequest::kMaxLimit));
+  if (Status s = ReadPage(doc->get(), req.offset, req.limit); !s.ok()) return s;
   return req;
+}
+
+Result<OverlapScoresRequest> DecodeOverlapScoresRequest(std::span<const std::byte> body) {
+  OverlapScoresRequest req;
+  auto prompt = DecodeRouteRequest(body);
+  if (!prompt.ok()) return prompt.status();
+  req.prompt = std::move(prompt).value();
+  auto doc = ParseMsgpackMap(body, "overlap_scores request");
+  if (!doc.ok()) return doc.status();
+  if (Status s = ReadPage(doc->get(), req.offset, req.limit); !s.ok()) return s;
+  return req;
+}
+
+msgpack::sbuffer EncodeOverlapScoresRequest(const OverlapScoresRequest& req) {
+  MapWriter w;
+  const RouteRequest& p = req.prompt;
+  if (p.has_token_ids) {
+    w.Field("token_ids", p.token_ids);
+  } else {
+    w.Field("block_hashes", p.block_hashes).Field("isl", p.isl);
+  }
+  if (!p.lora_name.empty()) w.Field("lora_name", p.lora_name);
+  if (req.offset != 0) w.Field("offset", req.offset);
+  if (req.limit != StatsRequest::kDefaultLimit) w.Field("limit", req.limit);
+  return std::move(w).Finish();
 }
 
 msgpack::sbuffer EncodeStatsRequest(const StatsRequest& req) {
@@ -480,32 +515,109 @@ MapWriter StatsHead(const StatsReply& r) {
 
 }  // namespace
 
+namespace {
+
+// One page of a paged reply: its head (head() reads the reply's next_offset) and, under `key`,
+// as many of `entries` (encoded, in order) as fit in max_bytes. Sets next_offset to the first
+// rank left out, or resets it when the page reaches the last rank; `keep` is how many went in.
+template <typename Head>
+Result<msgpack::sbuffer> EncodePage(std::string_view what, std::string_view key,
+                                    const std::vector<msgpack::sbuffer>& entries, std::uint64_t offset,
+                                    std::uint64_t total, std::optional<std::uint64_t>& next_offset,
+                                    std::size_t max_bytes, const Head& head_of, std::size_t& keep) {
+  // Worst case for the fixed part: next_offset present, the map header at its widest.
+  if (!next_offset && !entries.empty()) next_offset = offset + entries.size();
+  const std::size_t head = head_of().body_size() + 5 /* map header */ + key.size() + 2 + 5 /* array header */;
+  if (head > max_bytes) {
+    return Internal(fmt::format("the {} reply needs {} bytes without {}; the limit is {}", what, head, key, max_bytes));
+  }
+  std::size_t used = head;
+  keep = 0;
+  while (keep < entries.size() && used + entries[keep].size() <= max_bytes) used += entries[keep++].size();
+  if (offset + keep >= total) {
+    next_offset.reset();
+  } else {
+    next_offset = offset + keep;
+  }
+  msgpack::sbuffer array(used - head + 5);
+  msgpack::packer<msgpack::sbuffer>(array).pack_array(static_cast<std::uint32_t>(keep));
+  for (std::size_t i = 0; i < keep; ++i) array.write(entries[i].data(), entries[i].size());
+  MapWriter w = head_of();
+  w.Packed(key, AsBytes(array));
+  return std::move(w).Finish();
+}
+
+}  // namespace
+
 Result<msgpack::sbuffer> EncodeStatsReply(StatsReply& r, std::size_t max_bytes) {
   std::vector<msgpack::sbuffer> entries;
   entries.reserve(r.workers.size());
   for (const WorkerStats& s : r.workers) entries.push_back(EncodeWorkerStats(s));
-  // Worst case for the fixed part: next_offset present, the map header at its widest.
-  if (!r.next_offset && !r.workers.empty()) r.next_offset = r.offset + r.workers.size();
-  const std::size_t head =
-      StatsHead(r).body_size() + 5 /* map header */ + 10 /* "workers" key */ + 5 /* array header */;
-  if (head > max_bytes) {
-    return Internal(fmt::format("the stats reply needs {} bytes without workers; the limit is {}", head, max_bytes));
-  }
-  std::size_t used = head;
   std::size_t keep = 0;
-  while (keep < entries.size() && used + entries[keep].size() <= max_bytes) used += entries[keep++].size();
-  r.workers.resize(keep);
-  if (r.offset + keep >= r.workers_total) {
-    r.next_offset.reset();
-  } else {
-    r.next_offset = r.offset + keep;
+  auto body = EncodePage(
+      "stats", "workers", entries, r.offset, r.workers_total, r.next_offset, max_bytes, [&] { return StatsHead(r); },
+      keep);
+  r.workers.resize(std::min(keep, r.workers.size()));
+  return body;
+}
+
+Result<msgpack::sbuffer> EncodeOverlapScoresReply(OverlapScoresReply& r, std::size_t max_bytes) {
+  std::vector<msgpack::sbuffer> entries;
+  entries.reserve(r.scores.size());
+  for (const RankOverlap& o : r.scores) {
+    MapWriter tiers;
+    tiers.Field("device", o.overlap_by_tier.device)
+        .Field("host_pinned", o.overlap_by_tier.host_pinned)
+        .Field("disk", o.overlap_by_tier.disk);
+    const msgpack::sbuffer t = std::move(tiers).Finish();
+    MapWriter w;
+    w.Field("worker_id", o.worker_id).Field("dp_rank", o.dp_rank).Field("overlap_blocks", o.overlap_blocks);
+    w.Packed("overlap_by_tier", AsBytes(t));
+    entries.push_back(std::move(w).Finish());
   }
-  msgpack::sbuffer workers(used - head + 5);
-  msgpack::packer<msgpack::sbuffer>(workers).pack_array(static_cast<std::uint32_t>(keep));
-  for (std::size_t i = 0; i < keep; ++i) workers.write(entries[i].data(), entries[i].size());
-  MapWriter w = StatsHead(r);
-  w.Packed("workers", AsBytes(workers));
-  return std::move(w).Finish();
+  std::size_t keep = 0;
+  auto body = EncodePage(
+      "overlap_scores", "scores", entries, r.offset, r.workers_total, r.next_offset, max_bytes,
+      [&] {
+        MapWriter w;
+        w.Field("workers_total", r.workers_total).Field("offset", r.offset);
+        if (r.next_offset) w.Field("next_offset", *r.next_offset);
+        return w;
+      },
+      keep);
+  r.scores.resize(std::min(keep, r.scores.size()));
+  return body;
+}
+
+Result<OverlapScoresReply> DecodeOverlapScoresReply(std::span<const std::byte> body) {
+  auto doc = ParseMsgpackMap(body, "overlap_scores reply");
+  if (!doc.ok()) return doc.status();
+  const msgpack::object& m = doc->get();
+  if (Status error = ErrorOfReply(m); !error.ok()) return error;
+  OverlapScoresReply r;
+  FieldReads reads;
+  reads.Required(m, "workers_total", ReadU64, r.workers_total);
+  reads.Optional(m, "offset", ReadU64, r.offset);
+  reads.Optional(m, "next_offset", ReadU64, r.next_offset);
+  auto scores = ReadArray(FindKey(m, "scores"), "scores");
+  if (!scores.ok()) reads.Fail(scores.status());
+  if (!reads.ok()) return reads.status();
+  for (const msgpack::object& o : *scores) {
+    RankOverlap x;
+    reads.Required(o, "worker_id", ReadU64, x.worker_id);
+    reads.Required(o, "dp_rank", ReadU32, x.dp_rank);
+    reads.Required(o, "overlap_blocks", ReadU32, x.overlap_blocks);
+    auto tiers = ReadOptionalMap(o, "overlap_by_tier");
+    if (!tiers.ok()) reads.Fail(tiers.status());
+    if (reads.ok() && *tiers != nullptr) {
+      reads.Required(**tiers, "device", ReadU32, x.overlap_by_tier.device);
+      reads.Required(**tiers, "host_pinned", ReadU32, x.overlap_by_tier.host_pinned);
+      reads.Required(**tiers, "disk", ReadU32, x.overlap_by_tier.disk);
+    }
+    if (!reads.ok()) return InvalidArgument("scores: " + reads.status().message());
+    r.scores.push_back(x);
+  }
+  return r;
 }
 
 Result<StatsReply> DecodeStatsReply(std::span<const std::byte> body) {

@@ -255,6 +255,50 @@ Result<msgpack::sbuffer> EncodeStatsReply(StatsReply& reply, std::size_t max_byt
 // Unknown keys are ignored, as are values of other shapes; an error reply gives its Status.
 Result<StatsReply> DecodeStatsReply(std::span<const std::byte> body);
 
+// router.overlap_scores (docs/protocol.md section 12), Dynamo's get_overlap_scores:
+//   request = {token_ids | block_hashes (+ isl), lora_name?, offset?: u64 (0), limit?: u32 (1000,
+//              at most 10000; larger reads as 10000)}: the prompt as in a route request
+//   reply   = {scores: [{worker_id: u64, dp_rank: u32, overlap_blocks: u32,
+//                        overlap_by_tier: {device: u32, host_pinned: u32, disk: u32}}...],
+//              workers_total: u64, offset: u64, next_offset?: u64}
+//   Every known rank, ascending (worker_id, dp_rank), paged as stats is (next_offset present when
+//   ranks after this page exist). overlap_by_tier is cumulative: on device; on device or host;
+//   on any tier.
+struct OverlapScoresRequest {
+  RouteRequest prompt;  // token_ids, or block_hashes with isl, and lora_name; nothing else read
+  std::uint64_t offset = 0;
+  std::uint32_t limit = StatsRequest::kDefaultLimit;  // <= StatsRequest::kMaxLimit
+};
+Result<OverlapScoresRequest> DecodeOverlapScoresRequest(std::span<const std::byte> body);
+msgpack::sbuffer EncodeOverlapScoresRequest(const OverlapScoresRequest& req);
+
+struct OverlapByTier {
+  std::uint32_t device = 0;
+  std::uint32_t host_pinned = 0;
+  std::uint32_t disk = 0;
+  bool operator==(const OverlapByTier&) const = default;
+};
+
+struct RankOverlap {
+  std::uint64_t worker_id = 0;
+  std::uint32_t dp_rank = 0;
+  std::uint32_t overlap_blocks = 0;  // on device
+  OverlapByTier overlap_by_tier;
+  bool operator==(const RankOverlap&) const = default;
+};
+
+struct OverlapScoresReply {
+  std::vector<RankOverlap> scores;  // one page, ascending (worker_id, dp_rank)
+  std::uint64_t workers_total = 0;
+  std::uint64_t offset = 0;
+  std::optional<std::uint64_t> next_offset;
+  bool operator==(const OverlapScoresReply&) const = default;
+};
+// Encodes `reply` in at most max_bytes as EncodeStatsReply does: the scores that fit are kept
+// and next_offset points at the first one dropped.
+Result<msgpack::sbuffer> EncodeOverlapScoresReply(OverlapScoresReply& reply, std::size_t max_bytes);
+Result<OverlapScoresReply> DecodeOverlapScoresReply(std::span<const std::byte> body);
+
 // {error: {code, message}}; the message is cut to kMaxErrorMessageBytes. status must not be OK.
 inline constexpr std::size_t kMaxErrorMessageBytes = 1024;
 msgpack::sbuffer EncodeErrorReply(const Status& status);

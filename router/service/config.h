@@ -73,8 +73,8 @@ struct RouterConfig {
 
   // Session affinity (docs/protocol.md section 11): a route's session_id goes to the rank the
   // session last went to while the binding is younger than this (0: off).
-  double session_affinity_ttl_secs = 0;                // --router-session-affinity-ttl-secs >= 0
-  std::uint64_t max_sessions = 100000;                 // --router-max-sessions >= 1: bindings kept (LRU)
+  double session_affinity_ttl_secs = 0;  // --router-session-affinity-ttl-secs >= 0
+  std::uint64_t max_sessions = 100000;   // --router-max-sessions >= 1: bindings kept (LRU)
 
   bool replica_sync = false;       // --router-replica-sync
   std::uint64_t router_id = 0;     // --router-id: this replica's id (0: random)

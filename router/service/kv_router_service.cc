@@ -41,6 +41,7 @@ Subjects::Subjects(const std::string& ns, const std::string& comp) {
   mark_prefill = r + "mark_prefill";
   free = r + "free";
   stats = r + "stats";
+  overlap_scores = r + "overlap_scores";
   kv_metrics = fmt::format("namespace.{}.kv_metrics", ns);
   generate = r + "generate";
   worker_generate_prefix = c + "generate.";
@@ -114,6 +115,7 @@ std::vector<KvRouterService::Sub> KvRouterService::RequestSubscriptions() {
       {subjects_.mark_prefill, "", [this](const BusMessage& m) { HandleLifecycle(m, Lifecycle::kMarkPrefill); }});
   subs.push_back({subjects_.free, "", [this](const BusMessage& m) { HandleLifecycle(m, Lifecycle::kFree); }});
   subs.push_back({subjects_.stats, "kvrouter", [this](const BusMessage& m) { HandleStats(m); }});
+  subs.push_back({subjects_.overlap_scores, "kvrouter", [this](const BusMessage& m) { HandleOverlapScores(m); }});
   // This replica's own stats, whichever the queue group would pick.
   subs.push_back(
       {fmt::format("{}.{}", subjects_.stats, router_id_), "", [this](const BusMessage& m) { HandleStats(m); }});
@@ -410,6 +412,40 @@ void KvRouterService::HandleLifecycle(const BusMessage& m, Lifecycle change) {
   (void)(change == Lifecycle::kFree ? routing_.Free(*id, out, timing) : routing_.MarkPrefill(*id, out));
   Reply(m, EncodeOkReply());
   Send(out);
+}
+
+void KvRouterService::HandleOverlapScores(const BusMessage& m) {
+  auto req = DecodeOverlapScoresRequest(m.data);
+  if (!req.ok()) {
+    ReplyError(m, req.status());
+    return;
+  }
+  OverlapScores overlaps;
+  auto blocks = routing_.Overlaps(req->prompt, overlaps);
+  if (!blocks.ok()) {
+    ReplyError(m, blocks.status());
+    return;
+  }
+  std::sort(overlaps.begin(), overlaps.end(),
+            [](const OverlapScore& a, const OverlapScore& b) { return a.worker < b.worker; });
+  OverlapScoresReply r;
+  r.offset = req->offset;
+  auto next = overlaps.begin();
+  for (const RankEntry& e : registry_.Page(req->offset, req->limit, &r.workers_total)) {
+    while (next != overlaps.end() && next->worker < e.worker) ++next;
+    const std::uint32_t n = next != overlaps.end() && next->worker == e.worker ? std::min(next->blocks, *blocks) : 0;
+    // Only the device tier is indexed: the cumulative host and any-tier overlaps equal it.
+    r.scores.push_back({.worker_id = e.worker.worker_id,
+                        .dp_rank = e.worker.dp_rank,
+                        .overlap_blocks = n,
+                        .overlap_by_tier = {.device = n, .host_pinned = n, .disk = n}});
+  }
+  auto body = EncodeOverlapScoresReply(r, bus_.MaxPayload());
+  if (!body.ok()) {
+    ReplyError(m, body.status());
+    return;
+  }
+  Reply(m, *body);
 }
 
 void KvRouterService::HandleStats(const BusMessage& m) {

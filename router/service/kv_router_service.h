@@ -45,7 +45,7 @@ struct Subjects {
   Subjects(const std::string& ns, const std::string& component);
   std::string kv_events, vllm_events_prefix, instances;
   std::string active_sequences, router_heartbeats;
-  std::string route, best_worker, mark_prefill, free, stats, kv_metrics, generate;
+  std::string route, best_worker, mark_prefill, free, stats, overlap_scores, kv_metrics, generate;
   std::string worker_generate_prefix;  // + worker_id
 };
 
@@ -118,6 +118,7 @@ class KvRouterService {
   enum class Lifecycle { kMarkPrefill, kFree };
   void HandleLifecycle(const BusMessage& m, Lifecycle change);
   void HandleStats(const BusMessage& m);
+  void HandleOverlapScores(const BusMessage& m);
   // One page of the stats reply, with the recovery counters.
   StatsReply Stats(const StatsRequest& page) const;
   void HandleReplicaSync(const BusMessage& m);

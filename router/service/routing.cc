@@ -260,6 +260,23 @@ void Routing::Tick(Outbox& out) {
   DrainLocked(out);
 }
 
+Result<std::uint32_t> Routing::Overlaps(const RouteRequest& prompt, OverlapScores& out) const {
+  SchedulerOptions kv = options_;
+  kv.mode = RouterMode::kKv;  // the overlaps are asked for, whichever mode routes
+  auto p = PrepareRequest(kv, prompt);
+  if (!p.ok()) return p.status();
+  {
+    KvMutexLock g(mu_);
+    if (const ApproxIndex* approx = scheduler_.predictions()) {
+      out.clear();
+      approx->FindMatches(p->seq, out);
+      return p->sel.request_blocks;
+    }
+  }
+  IndexOverlaps(kv, index_, *p, out);  // lock-free
+  return p->sel.request_blocks;
+}
+
 void Routing::FillStats(StatsReply& r) const {
   KvMutexLock g(mu_);
   const ActiveLoad& load = scheduler_.load();

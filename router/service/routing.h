@@ -91,6 +91,10 @@ class Routing {
   // Fills, for the ranks already in reply.workers, their load, routed count and (approximate
   // mode) predicted blocks; and the routing counters and breakdowns.
   void FillStats(StatsReply& reply) const;
+  // The prompt's overlap per rank (overlap_scores), whatever the router mode: from the event
+  // index, or approximate mode's predictions (nothing without either). Returns the prompt's
+  // blocks; InvalidArgument for a prompt a route would refuse.
+  Result<std::uint32_t> Overlaps(const RouteRequest& prompt, OverlapScores& out) const;
 
  private:
   // The ranks `req` may go to as candidates (overlaps sorted in place); `no_workers` when none.

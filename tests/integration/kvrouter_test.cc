@@ -39,6 +39,47 @@ TEST_F(KvRouterProcessTest, RoutesByCachedPrefixFromBothEventFormats) {
   EXPECT_EQ(b->overlap_blocks, 3u);
 }
 
+// overlap_scores over NATS: 20,000 ranks paged at the largest limit (each page trimmed under
+// the max payload), every rank once and in order, with the overlap of the ranks holding the prompt.
+TEST_F(KvRouterProcessTest, OverlapScoresPageThroughTwentyThousandRanks) {
+  constexpr std::uint64_t kRanks = 20000;
+  for (std::uint64_t id = 1; id <= kRanks; ++id) Register(id);
+  ASSERT_TRUE(AwaitWorkers(kRanks, 30s));
+  std::uint64_t events = 0;
+  for (std::uint64_t id = 1000; id <= kRanks; id += 1000) {
+    StoreDynamo(id, 1, Tokens(1, id % 3000 == 0 ? 12 : 8));  // 3 blocks on every third, else 2
+    ++events;
+  }
+  ASSERT_TRUE(AwaitEventsApplied(events));
+  const OverlapScoresRequest first{.prompt = {.token_ids = Tokens(1, 16), .has_token_ids = true, .isl = 16},
+                                   .limit = StatsRequest::kMaxLimit};
+  std::uint64_t next_id = 1;
+  std::uint64_t pages = 0;
+  std::optional<std::uint64_t> offset = 0;
+  while (offset) {
+    OverlapScoresRequest page = first;
+    page.offset = *offset;
+    auto reply = nc_->Request(kRouter + "overlap_scores", AsBytes(EncodeOverlapScoresRequest(page)), 5s);
+    ASSERT_TRUE(reply.ok()) << reply.status().ToString();
+    auto scores = DecodeOverlapScoresReply(*reply);
+    ASSERT_TRUE(scores.ok()) << scores.status().ToString();
+    ASSERT_EQ(scores->workers_total, kRanks);
+    ASSERT_EQ(scores->offset, *offset);
+    ASSERT_FALSE(scores->scores.empty());
+    for (const RankOverlap& o : scores->scores) {
+      ASSERT_EQ(o.worker_id, next_id);
+      const std::uint32_t want = o.worker_id % 1000 != 0 ? 0 : o.worker_id % 3000 == 0 ? 3 : 2;
+      EXPECT_EQ(o.overlap_blocks, want) << o.worker_id;
+      EXPECT_EQ(o.overlap_by_tier.disk, want) << o.worker_id;
+      ++next_id;
+    }
+    offset = scores->next_offset;
+    ++pages;
+  }
+  EXPECT_EQ(next_id, kRanks + 1);
+  EXPECT_GE(pages, 2u);
+}
+
 // Ingestion yields to routes: the shard threads, the thread delivering Dynamo events, the
 // event connection's own threads (its socket reader) and nats.c's message collector run in the
 // batch scheduling class; the rest (main, the request connection, the route subscription's

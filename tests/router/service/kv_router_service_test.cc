@@ -34,6 +34,45 @@ TEST_F(ServiceTest, KvModeRoutesToTheWorkerHoldingThePrefix) {
   EXPECT_EQ(r->cached_tokens, 8u);
 }
 
+// overlap_scores: every known rank in order, its overlap with the prompt (also outside mode kv),
+// paged; a LoRA prompt hashes apart; a bad prompt is an error reply.
+TEST_F(ServiceTest, OverlapScoresGivesEveryRankItsOverlapInPages) {
+  StartWith({"--router-mode", "round-robin"});
+  for (std::uint64_t id : {1, 2, 3}) Register(id);
+  StorePrompt(2, 1, {1, 2, 3, 4, 5, 6, 7, 8});
+  StorePrompt(3, 1, {1, 2, 3, 4});
+  auto all = OverlapScoresOf(Prompt(kTwelve));
+  ASSERT_TRUE(all.ok()) << all.status().ToString();
+  ASSERT_EQ(all->scores.size(), 3u);
+  EXPECT_EQ(all->workers_total, 3u);
+  EXPECT_FALSE(all->next_offset.has_value());
+  const std::vector<std::uint32_t> want = {0, 2, 1};
+  for (std::size_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(all->scores[i].worker_id, i + 1);
+    EXPECT_EQ(all->scores[i].overlap_blocks, want[i]);
+    EXPECT_EQ(all->scores[i].overlap_by_tier, (OverlapByTier{want[i], want[i], want[i]}));
+  }
+  auto first = OverlapScoresOf(Prompt(kTwelve), 0, 2);
+  ASSERT_TRUE(first.ok());
+  ASSERT_EQ(first->scores.size(), 2u);
+  ASSERT_TRUE(first->next_offset.has_value());
+  auto second = OverlapScoresOf(Prompt(kTwelve), *first->next_offset, 2);
+  ASSERT_TRUE(second.ok());
+  ASSERT_EQ(second->scores.size(), 1u);
+  EXPECT_EQ(second->scores[0].worker_id, 3u);
+  EXPECT_EQ(second->scores[0].overlap_blocks, 1u);
+  EXPECT_FALSE(second->next_offset.has_value());
+  RouteRequest lora = Prompt(kTwelve);
+  lora.lora_name = "adapter";
+  auto other = OverlapScoresOf(lora);
+  ASSERT_TRUE(other.ok());
+  for (const RankOverlap& o : other->scores) EXPECT_EQ(o.overlap_blocks, 0u) << o.worker_id;
+  RouteRequest bad;
+  bad.block_hashes = {1, 2, 3};
+  bad.isl = 4;  // three blocks cannot fit in four tokens at block size 4
+  EXPECT_EQ(OverlapScoresOf(bad).status().code(), StatusCode::kInvalidArgument);
+}
+
 // The thread that delivers events runs as ingestion (batch scheduling class), so that on a
 // busy machine it does not preempt a route's thread when it wakes; the threads that deliver
 // requests keep their class.

@@ -22,6 +22,21 @@ class ApproxTest : public ServiceTest {
   void Finish(const std::string& id) { (void)bus_.Request(svc_->subjects().free, AsBytes(EncodeLifecycleRequest(id))); }
 };
 
+TEST_F(ApproxTest, OverlapScoresAreThePredictions) {
+  SetUpApprox();
+  auto before = OverlapScoresOf(Prompt(kTwelve));
+  ASSERT_TRUE(before.ok()) << before.status().ToString();
+  ASSERT_EQ(before->scores.size(), 2u);
+  for (const RankOverlap& o : before->scores) EXPECT_EQ(o.overlap_blocks, 0u);
+  auto routed = Route(Prompt(kTwelve, "a"));
+  ASSERT_TRUE(routed.ok());
+  auto after = OverlapScoresOf(Prompt(kTwelve));
+  ASSERT_TRUE(after.ok());
+  for (const RankOverlap& o : after->scores) {
+    EXPECT_EQ(o.overlap_blocks, o.worker_id == routed->worker_id ? 3u : 0u) << o.worker_id;
+  }
+}
+
 TEST_F(ApproxTest, EventsAreIgnoredAndRepeatedPrefixesStickToOneWorker) {
   SetUpApprox();
   StorePrompt(2, 1, kTwelve);  // nobody listens: no prediction comes from events

@@ -70,6 +70,14 @@ class ServiceTest : public ::testing::Test {
     EXPECT_TRUE(stats.ok()) << stats.status().ToString();
     return stats.ok() ? std::move(stats).value() : StatsReply{};
   }
+  // One page of overlap_scores for the prompt.
+  Result<OverlapScoresReply> OverlapScoresOf(RouteRequest prompt, std::uint64_t offset = 0,
+                                             std::uint32_t limit = StatsRequest::kDefaultLimit) {
+    const OverlapScoresRequest req{.prompt = std::move(prompt), .offset = offset, .limit = limit};
+    auto reply = bus_.Request(svc_->subjects().overlap_scores, AsBytes(EncodeOverlapScoresRequest(req)));
+    if (!reply) return Internal("no reply");
+    return DecodeOverlapScoresReply(*reply);
+  }
   std::uint64_t Counter(std::string_view name) {
     StatsReply s = Stats();
     auto it = s.counters.find(std::string(name));
