@@ -267,6 +267,28 @@ msgpack::sbuffer EncodeRouteRequest(const RouteRequest& req) {
   return std::move(w).Finish();
 }
 
+namespace {
+
+msgpack::sbuffer EncodeOverlapByTier(const OverlapByTier& t) {
+  MapWriter w;
+  w.Field("device", t.device).Field("host_pinned", t.host_pinned).Field("disk", t.disk);
+  return std::move(w).Finish();
+}
+
+// m's overlap_by_tier, when present, into `to`.
+Status ReadOverlapByTier(const msgpack::object& m, OverlapByTier& to) {
+  auto tiers = ReadOptionalMap(m, "overlap_by_tier");
+  if (!tiers.ok()) return tiers.status();
+  if (*tiers == nullptr) return Status::Ok();
+  FieldReads reads;
+  reads.Required(**tiers, "device", ReadU32, to.device);
+  reads.Required(**tiers, "host_pinned", ReadU32, to.host_pinned);
+  reads.Required(**tiers, "disk", ReadU32, to.disk);
+  return reads.ok() ? Status::Ok() : InvalidArgument("overlap_by_tier: " + reads.status().message());
+}
+
+}  // namespace
+
 msgpack::sbuffer EncodeRouteReply(const RouteReply& reply) {
   MapWriter w;
   w.Field("worker_id", reply.worker_id)
@@ -276,6 +298,9 @@ msgpack::sbuffer EncodeRouteReply(const RouteReply& reply) {
       .Field("cached_tokens", reply.cached_tokens)
       .Field("queued_ms", reply.queued_ms);
   if (!reply.http_url.empty()) w.Field("http_url", reply.http_url);
+  const std::uint32_t device = std::max(reply.overlap_by_tier.device, reply.overlap_blocks);
+  const std::uint32_t host = std::max(reply.overlap_by_tier.host_pinned, device);
+  w.Packed("overlap_by_tier", AsBytes(EncodeOverlapByTier({device, host, std::max(reply.overlap_by_tier.disk, host)})));
   return std::move(w).Finish();
 }
 
@@ -293,6 +318,10 @@ Result<RouteReply> DecodeRouteReply(std::span<const std::byte> body) {
   reads.Required(m, "cached_tokens", ReadU32, reply.cached_tokens);
   reads.Required(m, "queued_ms", ReadF64, reply.queued_ms);
   reads.Optional(m, "http_url", ReadStr, reply.http_url);
+  reply.overlap_by_tier = {reply.overlap_blocks, reply.overlap_blocks, reply.overlap_blocks};
+  if (reads.ok()) {
+    if (Status s = ReadOverlapByTier(m, reply.overlap_by_tier); !s.ok()) reads.Fail(s);
+  }
   if (!reads.ok()) return reads.status();
   return reply;
 }
@@ -565,11 +594,7 @@ Result<msgpack::sbuffer> EncodeOverlapScoresReply(OverlapScoresReply& r, std::si
   std::vector<msgpack::sbuffer> entries;
   entries.reserve(r.scores.size());
   for (const RankOverlap& o : r.scores) {
-    MapWriter tiers;
-    tiers.Field("device", o.overlap_by_tier.device)
-        .Field("host_pinned", o.overlap_by_tier.host_pinned)
-        .Field("disk", o.overlap_by_tier.disk);
-    const msgpack::sbuffer t = std::move(tiers).Finish();
+    const msgpack::sbuffer t = EncodeOverlapByTier(o.overlap_by_tier);
     MapWriter w;
     w.Field("worker_id", o.worker_id).Field("dp_rank", o.dp_rank).Field("overlap_blocks", o.overlap_blocks);
     w.Packed("overlap_by_tier", AsBytes(t));
@@ -607,12 +632,8 @@ Result<OverlapScoresReply> DecodeOverlapScoresReply(std::span<const std::byte> b
     reads.Required(o, "worker_id", ReadU64, x.worker_id);
     reads.Required(o, "dp_rank", ReadU32, x.dp_rank);
     reads.Required(o, "overlap_blocks", ReadU32, x.overlap_blocks);
-    auto tiers = ReadOptionalMap(o, "overlap_by_tier");
-    if (!tiers.ok()) reads.Fail(tiers.status());
-    if (reads.ok() && *tiers != nullptr) {
-      reads.Required(**tiers, "device", ReadU32, x.overlap_by_tier.device);
-      reads.Required(**tiers, "host_pinned", ReadU32, x.overlap_by_tier.host_pinned);
-      reads.Required(**tiers, "disk", ReadU32, x.overlap_by_tier.disk);
+    if (reads.ok()) {
+      if (Status s = ReadOverlapByTier(o, x.overlap_by_tier); !s.ok()) reads.Fail(s);
     }
     if (!reads.ok()) return InvalidArgument("scores: " + reads.status().message());
     r.scores.push_back(x);

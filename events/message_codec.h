@@ -118,10 +118,21 @@ struct RouteRequest {
 Result<RouteRequest> DecodeRouteRequest(std::span<const std::byte> body);
 msgpack::sbuffer EncodeRouteRequest(const RouteRequest& req);
 
+struct OverlapByTier {
+  std::uint32_t device = 0;
+  std::uint32_t host_pinned = 0;
+  std::uint32_t disk = 0;
+  bool operator==(const OverlapByTier&) const = default;
+};
+
 struct RouteReply {
   std::uint64_t worker_id = 0;
   std::uint32_t dp_rank = 0;
-  std::uint32_t overlap_blocks = 0;
+  std::uint32_t overlap_blocks = 0;  // on device
+  // Cumulative per tier (section 12): on device; on device or host; on any tier. Sent never
+  // below overlap_blocks (the encoder lifts each figure to it and to the one before); decoded
+  // as overlap_blocks three times from routers that do not send it.
+  OverlapByTier overlap_by_tier;
   std::uint32_t request_blocks = 0;
   std::uint32_t cached_tokens = 0;
   double queued_ms = 0;
@@ -271,13 +282,6 @@ struct OverlapScoresRequest {
 };
 Result<OverlapScoresRequest> DecodeOverlapScoresRequest(std::span<const std::byte> body);
 msgpack::sbuffer EncodeOverlapScoresRequest(const OverlapScoresRequest& req);
-
-struct OverlapByTier {
-  std::uint32_t device = 0;
-  std::uint32_t host_pinned = 0;
-  std::uint32_t disk = 0;
-  bool operator==(const OverlapByTier&) const = default;
-};
 
 struct RankOverlap {
   std::uint64_t worker_id = 0;

@@ -57,15 +57,19 @@ bool EqualsIgnoringCase(std::string_view a, std::string_view b) {
   });
 }
 
-// medium: nil (handled by the caller) or "GPU" -> device; CPU -> host pinned; DISK -> disk
-// (CPU and DISK in any case); any other string -> external.
+// medium (docs/protocol.md section 12), case-insensitive: GPU, DEVICE -> device; CPU, CPU_PINNED,
+// CPU_TIER1 -> host pinned; CPU_TIER2, DISK, NVME, STORAGE -> disk; EXTERNAL, NETWORK, REMOTE,
+// SHARED -> external; anything else -> device. nil is handled by the caller.
 Result<StorageTier> ReadMedium(const msgpack::object* o, std::string_view field) {
   auto medium = ReadStr(o, field);
   if (!medium.ok()) return medium.status();
-  if (*medium == "GPU") return StorageTier::kDevice;
-  if (EqualsIgnoringCase(*medium, "cpu")) return StorageTier::kHostPinned;
-  if (EqualsIgnoringCase(*medium, "disk")) return StorageTier::kDisk;
-  return StorageTier::kExternal;
+  auto is = [&](std::initializer_list<std::string_view> names) {
+    return std::any_of(names.begin(), names.end(), [&](std::string_view n) { return EqualsIgnoringCase(*medium, n); });
+  };
+  if (is({"cpu", "cpu_pinned", "cpu_tier1"})) return StorageTier::kHostPinned;
+  if (is({"cpu_tier2", "disk", "nvme", "storage"})) return StorageTier::kDisk;
+  if (is({"external", "network", "remote", "shared"})) return StorageTier::kExternal;
+  return StorageTier::kDevice;
 }
 
 // BlockStored: block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,

@@ -197,6 +197,44 @@ void BlockIndex::PrefetchStored(WorkerKey worker, std::optional<BlockHash> paren
   for (std::size_t i = 0; i < std::min(kMaxBlocks, blocks.size()); ++i) table.Prefetch(blocks[i].block_hash);
 }
 
+WorkerKey TierRank(WorkerKey worker, StorageTier tier) {
+  switch (tier) {
+    case StorageTier::kDevice: return worker;
+    case StorageTier::kHostPinned: return {worker.worker_id, worker.dp_rank | kHostTierRank};
+    case StorageTier::kDisk:
+    case StorageTier::kExternal: return {worker.worker_id, worker.dp_rank | kDiskTierRank};
+  }
+  return worker;
+}
+
+void SplitTiers(OverlapScores& scores, std::unordered_map<WorkerKey, TieredOverlap, WorkerKeyHash>& tiers) {
+  tiers.clear();
+  std::size_t kept = 0;
+  for (std::size_t i = 0; i < scores.size(); ++i) {
+    const OverlapScore s = scores[i];
+    if ((s.worker.dp_rank & kTierRankBits) == 0) {
+      scores[kept++] = s;
+      continue;
+    }
+    TieredOverlap& t = tiers[{s.worker.worker_id, s.worker.dp_rank & ~kTierRankBits}];
+    if (s.worker.dp_rank & kHostTierRank) {
+      t.host = std::max(t.host, s.blocks);
+    } else {
+      t.any = std::max(t.any, s.blocks);
+    }
+  }
+  scores.resize(kept);
+  if (tiers.empty()) return;
+  // Fold in the device figures and make the three cumulative.
+  for (const OverlapScore& s : scores) {
+    if (auto it = tiers.find(s.worker); it != tiers.end()) it->second.device = s.blocks;
+  }
+  for (auto& [key, t] : tiers) {
+    t.host = std::max(t.host, t.device);
+    t.any = std::max(t.any, t.host);
+  }
+}
+
 ApplyOutcome BlockIndex::ApplyStored(WorkerKey worker, std::optional<BlockHash> parent_hash,
                                      std::span<const StoredBlock> blocks, std::uint64_t max_blocks) {
   ApplyOutcome out;
@@ -209,6 +247,16 @@ ApplyOutcome BlockIndex::ApplyStored(WorkerKey worker, std::optional<BlockHash> 
   std::uint32_t parent = kRoot;
   if (parent_hash) {
     parent = HeldNode(slot, *parent_hash);
+    const WorkerKey device{worker.worker_id, worker.dp_rank & ~kTierRankBits};
+    for (const WorkerKey other :
+         {device, TierRank(device, StorageTier::kHostPinned), TierRank(device, StorageTier::kDisk)}) {
+      if (parent != kFlatEmpty) break;
+      if (other == worker) continue;
+      parent = HeldNode(FindSlot(other), *parent_hash);
+      // This rank will hold children of a node it does not hold: FindMatches must intersect
+      // below it (the node's orphan risk, sticky until it is freed).
+      if (parent != kFlatEmpty) RelaxedStore(node(parent).meta, node(parent).meta | 1);
+    }
     if (parent == kFlatEmpty) {
       out.parent_not_found = true;
       return out;

@@ -79,6 +79,28 @@ struct UninitializedResizeAllocator : std::allocator<T> {
 };
 using OverlapScores = std::vector<OverlapScore, UninitializedResizeAllocator<OverlapScore>>;
 
+// Storage tiers (docs/protocol.md section 12). The index keeps a rank's blocks on each tier apart,
+// as ranks of their own: device blocks under the rank itself, host-pinned blocks with
+// kHostTierRank set in dp_rank, disk and external ones with kDiskTierRank (real dp ranks stay
+// below 2^16: --router-max-dp-size). FindMatches reports them as such; SplitTiers folds them back.
+inline constexpr std::uint32_t kHostTierRank = 1u << 30;
+inline constexpr std::uint32_t kDiskTierRank = 1u << 31;
+inline constexpr std::uint32_t kTierRankBits = kHostTierRank | kDiskTierRank;
+// Where the index keeps `worker`'s blocks on `tier`.
+WorkerKey TierRank(WorkerKey worker, StorageTier tier);
+
+// A rank's overlap with a prompt on each tier, cumulative: the longest prefix held on device; on
+// device or host; on any tier.
+struct TieredOverlap {
+  std::uint32_t device = 0, host = 0, any = 0;
+  bool operator==(const TieredOverlap&) const = default;
+};
+// Takes the entries of tier ranks out of `scores` (FindMatches' output; the device entries stay,
+// in their order) into `tiers`, keyed by their device rank, each with its cumulative overlaps
+// (device taken from `scores`). `tiers` is cleared first; it stays empty when no rank holds a
+// prompt block off device.
+void SplitTiers(OverlapScores& scores, std::unordered_map<WorkerKey, TieredOverlap, WorkerKeyHash>& tiers);
+
 // What applying one operation did; the caller turns it into counters.
 struct ApplyOutcome {
   std::uint32_t blocks_stored = 0;  // new (worker, block) holdings
@@ -103,7 +125,9 @@ class BlockIndex {
   BlockIndex(const BlockIndex&) = delete;
   BlockIndex& operator=(const BlockIndex&) = delete;
 
-  // Stores a chain for `worker`. An unknown parent drops the whole chain, and so does a chain
+  // Stores a chain for `worker`. A parent this rank does not hold is looked for on its other
+  // storage tiers (a block offloaded from GPU to CPU names its parent wherever that is). An
+  // unknown parent drops the whole chain, and so does a chain
   // that would take the worker's blocks past max_blocks; re-storing a known block is
   // idempotent; a known block_hash stored at a new position moves there.
   ApplyOutcome ApplyStored(WorkerKey worker, std::optional<BlockHash> parent, std::span<const StoredBlock> blocks,

@@ -379,12 +379,10 @@ void IndexShard::PublishStreamCounters() {
   held_dropped_.Set(c.held_dropped);
 }
 
-void IndexShard::ApplyOps(WorkerKey key, const KvEventBatch& b) {
+void IndexShard::ApplyOps(WorkerKey rank, const KvEventBatch& b) {
   for (const KvOp& op : b.ops) {
-    if (op.tier != StorageTier::kDevice) {
-      non_device_ops_.Add(1);
-      continue;
-    }
+    if (op.tier != StorageTier::kDevice) non_device_ops_.Add(1);
+    const WorkerKey key = TierRank(rank, op.tier);
     ApplyOutcome r;
     if (auto* s = std::get_if<KvStored>(&op.data)) {
       auto cap = capacity_of_.find(key.worker_id);

@@ -84,6 +84,9 @@ void Scheduler::FreshOverlaps(const PreparedRequest& p, OverlapScores& out) cons
 
 std::vector<Candidate> Scheduler::Candidates(std::span<const RankInfo> ranks, std::span<const SequenceHash> seq,
                                              OverlapScores& overlaps) const {
+  // Blocks held off device come as ranks of their own (TierRank): folded into their rank's.
+  std::unordered_map<WorkerKey, TieredOverlap, WorkerKeyHash> tiers;
+  SplitTiers(overlaps, tiers);
   // Ranks come in ascending (worker_id, dp_rank) order: merge the overlaps in sorted too.
   std::sort(overlaps.begin(), overlaps.end(),
             [](const OverlapScore& a, const OverlapScore& b) { return a.worker < b.worker; });
@@ -100,6 +103,12 @@ std::vector<Candidate> Scheduler::Candidates(std::span<const RankInfo> ranks, st
     c.total_kv_blocks = r.total_kv_blocks;
     while (next != overlaps.end() && next->worker < c.worker) ++next;
     if (next != overlaps.end() && next->worker == c.worker) c.overlap_blocks = next->blocks;
+    if (!tiers.empty()) {
+      if (auto t = tiers.find(c.worker); t != tiers.end()) {
+        c.host_overlap_blocks = t->second.host;
+        c.any_overlap_blocks = t->second.any;
+      }
+    }
     const WorkerLoad l = load_.Load(c.worker);
     c.active_blocks = l.active_blocks;
     c.active_prefill_tokens = l.active_prefill_tokens;
@@ -142,7 +151,12 @@ Result<Decision> Scheduler::Decide(const RouteRequest& req, const PreparedReques
                                    std::span<const Candidate> cands) {
   if (cands.empty()) return Status(StatusCode::kNoWorkers, "no registered worker can take this request");
   const Candidate& chosen = cands[selector_.Pick(options_.mode, p.sel, cands, p.params, rng_)];
-  Decision d{.worker = chosen.worker, .overlap_blocks = std::min(chosen.overlap_blocks, p.sel.request_blocks)};
+  const std::uint32_t host = std::max(chosen.host_overlap_blocks, chosen.overlap_blocks);
+  Decision d{.worker = chosen.worker,
+             .overlap_blocks = std::min(chosen.overlap_blocks, p.sel.request_blocks),
+             .overlap_by_tier = {.device = std::min(chosen.overlap_blocks, p.sel.request_blocks),
+                                 .host = std::min(host, p.sel.request_blocks),
+                                 .any = std::min(std::max(chosen.any_overlap_blocks, host), p.sel.request_blocks)}};
   if (req.update_states && !req.request_id.empty()) {
     if (Status full = BookingRoom(p.seq.size()); !full.ok()) return full;
     const std::uint64_t cached = std::uint64_t{d.overlap_blocks} * options_.block_size;

@@ -70,7 +70,8 @@ struct PreparedRequest {
 // What Decide chose.
 struct Decision {
   WorkerKey worker;
-  std::uint32_t overlap_blocks = 0;  // of the request's blocks, cached there
+  std::uint32_t overlap_blocks = 0;  // of the request's blocks, cached there (on device)
+  TieredOverlap overlap_by_tier;     // the same per tier, cumulative
   bool booked = false;               // the request now weighs on that worker
 };
 

@@ -31,11 +31,18 @@ std::size_t Uniform(std::size_t n, std::mt19937_64& rng) {
 
 }  // namespace
 
+double CreditedBlocks(const Candidate& c, const CostParams& p) {
+  const std::uint32_t host = std::max(c.host_overlap_blocks, c.overlap_blocks);
+  const std::uint32_t any = std::max(c.any_overlap_blocks, host);
+  if (any == c.overlap_blocks) return c.overlap_blocks;
+  return c.overlap_blocks + p.host_weight * (host - c.overlap_blocks) + p.disk_weight * (any - host);
+}
+
 double KvCost(const Candidate& c, const SelectionRequest& req, const CostParams& p) {
   const double bs = p.block_size;
   const double prefill_tokens = (p.track_prefill_tokens ? static_cast<double>(c.active_prefill_tokens) : 0.0) + req.isl;
   const double prefill_blocks = prefill_tokens / bs;
-  const double adjusted = std::max(prefill_blocks - p.overlap_score_credit * c.overlap_blocks, 0.0);
+  const double adjusted = std::max(prefill_blocks - p.overlap_score_credit * CreditedBlocks(c, p), 0.0);
   const double decode_blocks =
       static_cast<double>(c.active_blocks) + req.request_blocks - std::min(c.active_prefix_blocks, req.request_blocks);
   return p.prefill_load_scale * adjusted + decode_blocks;
@@ -56,7 +63,8 @@ struct Prediction {
 Prediction Predict(const Candidate& c, const SelectionRequest& req, const CostParams& p) {
   const double bs = p.block_size;
   const std::uint32_t active_prefix = std::min(c.active_prefix_blocks, req.request_blocks);
-  const double cached_blocks = std::min<double>(std::max(c.overlap_blocks, active_prefix), req.request_blocks);
+  const double cached_blocks =
+      std::min<double>(std::max<double>(CreditedBlocks(c, p), active_prefix), req.request_blocks);
   const double uncached = std::max(static_cast<double>(req.isl) - cached_blocks * bs, 0.0);
   const double queued = p.track_prefill_tokens ? AsDouble(c.active_prefill_tokens) : 0.0;
   const double queued_squares = p.track_prefill_tokens ? AsDouble(c.active_prefill_squares) : 0.0;

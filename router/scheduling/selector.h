@@ -30,7 +30,11 @@ struct RankInfo {
 
 struct Candidate {
   WorkerKey worker;
-  std::uint32_t overlap_blocks = 0;        // leading request blocks cached there
+  std::uint32_t overlap_blocks = 0;  // leading request blocks cached there (on device)
+  // The same on device or host, and on any tier (cumulative, so >= overlap_blocks): blocks
+  // offloaded from GPU still save prefill, credited at CostParams' tier weights.
+  std::uint32_t host_overlap_blocks = 0;
+  std::uint32_t any_overlap_blocks = 0;
   std::uint32_t active_prefix_blocks = 0;  // leading request blocks already active there
   std::uint64_t active_blocks = 0;         // decode blocks of active requests
   std::uint64_t active_prefill_tokens = 0;
@@ -58,13 +62,21 @@ struct CostParams {
   double temperature = 0.0;
   bool track_prefill_tokens = true;
   double device_ratio = 8.0;
+  double host_weight = 0.75;  // --router-host-cache-hit-weight: a block held on host only
+  double disk_weight = 0.25;  // --router-disk-cache-hit-weight: on disk or external only
 };
 
-// The kv cost of one candidate: P * max(prefill_blocks - C * overlap, 0) + decode_blocks.
+// The overlap credited to c: its device blocks, plus host_weight per block it holds on host
+// beyond them and disk_weight per block on disk beyond those. Exactly overlap_blocks when it
+// holds nothing off device (or the cumulative counts are left 0).
+double CreditedBlocks(const Candidate& c, const CostParams& p);
+
+// The kv cost of one candidate: P * max(prefill_blocks - C * overlap, 0) + decode_blocks, with
+// overlap = CreditedBlocks.
 double KvCost(const Candidate& c, const SelectionRequest& req, const CostParams& p);
 
 // The predicted cost, in milliseconds of the fleet's time, of sending the request to c:
-//   cached    = max(overlap, active prefix) blocks (a prefix being prefilled there now will be
+//   cached    = max(CreditedBlocks, active prefix) blocks (a prefix being prefilled there now will be
 //               cached by the time this request runs), U = isl - cached * bs uncached tokens
 //   Q         = active prefill tokens queued there; steps = ceil((Q + U) / max_num_batched_tokens)
 //   u         = KV utilisation with this request: (decode_blocks of KvCost) / total_kv_blocks

@@ -57,6 +57,8 @@ po::options_description Describe() {
     ("router-replica-sync", po::bool_switch(), "share active-request bookings with other router replicas")
     ("router-id", po::value<std::uint64_t>()->default_value(0), "this replica's id in replica sync and on its own stats subject router.stats.<id> (0: random)")
     ("device-ratio", po::value<double>()->default_value(d.device_ratio), "device-aware-weighted: accelerator weight vs CPU (> 0)")
+    ("router-host-cache-hit-weight", po::value<double>()->default_value(d.host_cache_hit_weight), "overlap credit of a block a worker holds on host (CPU) only, against 1 on device [0, 1]")
+    ("router-disk-cache-hit-weight", po::value<double>()->default_value(d.disk_cache_hit_weight), "overlap credit of a block a worker holds on disk or external storage only [0, 1]")
     ("router-index-shards", po::value<std::uint32_t>()->default_value(d.index_shards), "index shards, one thread each [1, 64]");
   // clang-format on
   AddNatsSecurityFlags(desc);
@@ -148,6 +150,12 @@ Status ReadLimits(const po::variables_map& vm, RouterConfig& c) {
   c.router_id = vm["router-id"].as<std::uint64_t>();
   c.device_ratio = vm["device-ratio"].as<double>();
   if (!(c.device_ratio > 0)) return OutOfRange("device-ratio", "> 0");
+  c.host_cache_hit_weight = vm["router-host-cache-hit-weight"].as<double>();
+  if (!(c.host_cache_hit_weight >= 0 && c.host_cache_hit_weight <= 1))
+    return OutOfRange("router-host-cache-hit-weight", "in [0, 1]");
+  c.disk_cache_hit_weight = vm["router-disk-cache-hit-weight"].as<double>();
+  if (!(c.disk_cache_hit_weight >= 0 && c.disk_cache_hit_weight <= 1))
+    return OutOfRange("router-disk-cache-hit-weight", "in [0, 1]");
   c.index_shards = vm["router-index-shards"].as<std::uint32_t>();
   if (c.index_shards < 1 || c.index_shards > 64) return OutOfRange("router-index-shards", "in [1, 64]");
   c.load_aware = vm["load-aware"].as<bool>();
@@ -197,7 +205,9 @@ SchedulerOptions SchedulerOptionsOf(const RouterConfig& c) {
                               .prefill_load_scale = c.prefill_load_scale,
                               .temperature = c.temperature,
                               .track_prefill_tokens = c.track_prefill_tokens,
-                              .device_ratio = c.device_ratio},
+                              .device_ratio = c.device_ratio,
+                              .host_weight = c.host_cache_hit_weight,
+                              .disk_weight = c.disk_cache_hit_weight},
                      .use_kv_events = c.use_kv_events,
                      .queue_threshold = c.queue_threshold,
                      .max_prompt_tokens = c.max_prompt_tokens,

@@ -76,10 +76,12 @@ struct RouterConfig {
   double session_affinity_ttl_secs = 0;  // --router-session-affinity-ttl-secs >= 0
   std::uint64_t max_sessions = 100000;   // --router-max-sessions >= 1: bindings kept (LRU)
 
-  bool replica_sync = false;       // --router-replica-sync
-  std::uint64_t router_id = 0;     // --router-id: this replica's id (0: random)
-  double device_ratio = 8;         // --device-ratio > 0
-  std::uint32_t index_shards = 2;  // --router-index-shards [1, 64]
+  bool replica_sync = false;            // --router-replica-sync
+  std::uint64_t router_id = 0;          // --router-id: this replica's id (0: random)
+  double device_ratio = 8;              // --device-ratio > 0
+  double host_cache_hit_weight = 0.75;  // --router-host-cache-hit-weight in [0, 1]
+  double disk_cache_hit_weight = 0.25;  // --router-disk-cache-hit-weight in [0, 1]
+  std::uint32_t index_shards = 2;       // --router-index-shards [1, 64]
 };
 
 // Parses argv (argv[0] is the program) and the environment. Unknown flags and bad values give

@@ -426,6 +426,8 @@ void KvRouterService::HandleOverlapScores(const BusMessage& m) {
     ReplyError(m, blocks.status());
     return;
   }
+  std::unordered_map<WorkerKey, TieredOverlap, WorkerKeyHash> tiers;
+  SplitTiers(overlaps, tiers);
   std::sort(overlaps.begin(), overlaps.end(),
             [](const OverlapScore& a, const OverlapScore& b) { return a.worker < b.worker; });
   OverlapScoresReply r;
@@ -433,12 +435,16 @@ void KvRouterService::HandleOverlapScores(const BusMessage& m) {
   auto next = overlaps.begin();
   for (const RankEntry& e : registry_.Page(req->offset, req->limit, &r.workers_total)) {
     while (next != overlaps.end() && next->worker < e.worker) ++next;
-    const std::uint32_t n = next != overlaps.end() && next->worker == e.worker ? std::min(next->blocks, *blocks) : 0;
-    // Only the device tier is indexed: the cumulative host and any-tier overlaps equal it.
+    TieredOverlap t;
+    if (next != overlaps.end() && next->worker == e.worker) t.device = t.host = t.any = next->blocks;
+    if (auto it = tiers.find(e.worker); it != tiers.end()) t = it->second;
+    const std::uint32_t most = *blocks;
     r.scores.push_back({.worker_id = e.worker.worker_id,
                         .dp_rank = e.worker.dp_rank,
-                        .overlap_blocks = n,
-                        .overlap_by_tier = {.device = n, .host_pinned = n, .disk = n}});
+                        .overlap_blocks = std::min(t.device, most),
+                        .overlap_by_tier = {.device = std::min(t.device, most),
+                                            .host_pinned = std::min(t.host, most),
+                                            .disk = std::min(t.any, most)}});
   }
   auto body = EncodeOverlapScoresReply(r, bus_.MaxPayload());
   if (!body.ok()) {

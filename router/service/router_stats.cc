@@ -21,8 +21,13 @@ StatsReply BuildStats(const StatsRequest& page, const WorkerRegistry& registry, 
   for (RankEntry& e : registry.Page(page.offset, page.limit, &r.workers_total)) {
     r.workers.push_back({.worker_id = e.worker.worker_id, .dp_rank = e.worker.dp_rank, .device = std::move(e.device)});
   }
-  // Indexed blocks of the page's ranks (approximate mode overwrites them with predictions).
-  for (WorkerStats& w : r.workers) w.blocks = index.TreeSize({w.worker_id, w.dp_rank});
+  // Indexed blocks of the page's ranks, on every tier (approximate mode overwrites them with
+  // predictions).
+  for (WorkerStats& w : r.workers) {
+    const WorkerKey rank{w.worker_id, w.dp_rank};
+    for (StorageTier t : {StorageTier::kDevice, StorageTier::kHostPinned, StorageTier::kDisk})
+      w.blocks += index.TreeSize(TierRank(rank, t));
+  }
   routing.FillStats(r);
 
   const IndexCounters c = index.Counters();

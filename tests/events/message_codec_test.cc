@@ -563,12 +563,35 @@ TEST(RouteReplyCodec, RouteReplyRoundTrips) {
   RouteReply reply{.worker_id = 0xffffffffffffffffull,
                    .dp_rank = 1,
                    .overlap_blocks = 3,
+                   .overlap_by_tier = {.device = 3, .host_pinned = 4, .disk = 5},
                    .request_blocks = 5,
                    .cached_tokens = 192,
                    .queued_ms = 1.25};
   auto r = DecodeRouteReply(AsBytes(EncodeRouteReply(reply)));
   ASSERT_TRUE(r.ok()) << r.status().ToString();
   EXPECT_EQ(*r, reply);
+  // The tiers are sent cumulative, never below overlap_blocks; absent, they read as it.
+  RouteReply flat{.overlap_blocks = 2, .overlap_by_tier = {.host_pinned = 1}};
+  r = DecodeRouteReply(AsBytes(EncodeRouteReply(flat)));
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->overlap_by_tier, (OverlapByTier{2, 2, 2}));
+  auto old = MapOf(6, [](TestPacker& p) {
+    p.Key("worker_id");
+    p.pk.pack(1);
+    p.Key("dp_rank");
+    p.pk.pack(0);
+    p.Key("overlap_blocks");
+    p.pk.pack(4);
+    p.Key("request_blocks");
+    p.pk.pack(6);
+    p.Key("cached_tokens");
+    p.pk.pack(16);
+    p.Key("queued_ms");
+    p.pk.pack(0.0);
+  });
+  r = DecodeRouteReply(AsBytes(old));
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->overlap_by_tier, (OverlapByTier{4, 4, 4}));
   reply.http_url = "http://engine-3:8000";
   r = DecodeRouteReply(AsBytes(EncodeRouteReply(reply)));
   ASSERT_TRUE(r.ok()) << r.status().ToString();

@@ -270,10 +270,27 @@ TEST(VllmCodec, ExtraTokensAfterTheLastBlockAreIgnored) {
 }
 
 TEST(VllmCodec, MediumMapsToTier) {
+  // docs/protocol.md section 12, case-insensitive; anything else is the device.
   const std::pair<std::optional<std::string>, StorageTier> cases[] = {
-      {std::nullopt, StorageTier::kDevice}, {"GPU", StorageTier::kDevice},   {"CPU", StorageTier::kHostPinned},
-      {"cpu", StorageTier::kHostPinned},    {"DISK", StorageTier::kDisk},    {"disk", StorageTier::kDisk},
-      {"NVME", StorageTier::kExternal},     {"gpu", StorageTier::kExternal}, {"", StorageTier::kExternal},
+      {std::nullopt, StorageTier::kDevice},
+      {"GPU", StorageTier::kDevice},
+      {"DEVICE", StorageTier::kDevice},
+      {"gpu", StorageTier::kDevice},
+      {"", StorageTier::kDevice},
+      {"TPU", StorageTier::kDevice},
+      {"CPU", StorageTier::kHostPinned},
+      {"cpu", StorageTier::kHostPinned},
+      {"CPU_PINNED", StorageTier::kHostPinned},
+      {"CPU_TIER1", StorageTier::kHostPinned},
+      {"CPU_TIER2", StorageTier::kDisk},
+      {"DISK", StorageTier::kDisk},
+      {"disk", StorageTier::kDisk},
+      {"NVME", StorageTier::kDisk},
+      {"STORAGE", StorageTier::kDisk},
+      {"EXTERNAL", StorageTier::kExternal},
+      {"NETWORK", StorageTier::kExternal},
+      {"REMOTE", StorageTier::kExternal},
+      {"shared", StorageTier::kExternal},
   };
   for (const auto& [medium, tier] : cases) {
     auto r = Decode(EncodeVllmBatch(1.0, {VllmRemovedEvent{{1}, medium}}, 0));

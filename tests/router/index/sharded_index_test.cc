@@ -354,12 +354,61 @@ TEST(ShardedIndex, RestartedPublisherStartsFromAnEmptyCache) {
   EXPECT_EQ(idx.FindMatches(ComputeSequenceHashes(std::vector<LocalHash>{8})).size(), 1u);
 }
 
-TEST(ShardedIndex, NonDeviceTierIsAcceptedButNotMatched) {
+// Blocks off device are matched under their tier's rank, and SplitTiers folds them into their
+// rank's cumulative overlaps.
+TEST(ShardedIndex, BlocksOffDeviceAreMatchedAsTheirTiersRank) {
   ShardedIndex idx;
-  ASSERT_TRUE(idx.Submit(StoredBatch(5, 0, 1, std::nullopt, {{100, 1}}, StorageTier::kHostPinned)));
+  const auto seq = ComputeSequenceHashes(std::vector<LocalHash>{1, 2, 3});
+  ASSERT_TRUE(idx.Submit(StoredBatch(5, 0, 1, std::nullopt, {{100, 1}}, StorageTier::kDevice)));
+  ASSERT_TRUE(idx.Submit(StoredBatch(5, 0, 2, std::nullopt, {{100, 1}, {101, 2}}, StorageTier::kHostPinned)));
+  ASSERT_TRUE(idx.Submit(StoredBatch(5, 0, 3, std::nullopt, {{100, 1}, {101, 2}, {102, 3}}, StorageTier::kDisk)));
+  ASSERT_TRUE(idx.Submit(StoredBatch(6, 0, 1, std::nullopt, {{100, 1}}, StorageTier::kExternal)));
   idx.Flush();
-  EXPECT_EQ(idx.Counters().non_device_ops, 1u);
-  EXPECT_TRUE(idx.FindMatches(ComputeSequenceHashes(std::vector<LocalHash>{1})).empty());
+  EXPECT_EQ(idx.Counters().non_device_ops, 3u);
+  OverlapScores scores = idx.FindMatches(seq);
+  EXPECT_EQ(scores.size(), 4u);
+  std::unordered_map<WorkerKey, TieredOverlap, WorkerKeyHash> tiers;
+  SplitTiers(scores, tiers);
+  ASSERT_EQ(scores.size(), 1u);  // the device entries stay
+  EXPECT_EQ(scores[0], (OverlapScore{{5, 0}, 1}));
+  EXPECT_EQ(tiers.size(), 2u);
+  EXPECT_EQ((tiers[{5, 0}]), (TieredOverlap{.device = 1, .host = 2, .any = 3}));
+  EXPECT_EQ((tiers[{6, 0}]), (TieredOverlap{.device = 0, .host = 0, .any = 1}));
+  EXPECT_EQ(idx.TreeSize(TierRank({5, 0}, StorageTier::kHostPinned)), 2u);
+  // A cleared worker loses every tier.
+  KvEventBatch cleared{.worker_id = 5, .sequence = {SequenceKind::kEventId, 4}};
+  cleared.ops.push_back({StorageTier::kDevice, KvCleared{}});
+  ASSERT_TRUE(idx.Submit(std::move(cleared)));
+  idx.Flush();
+  scores = idx.FindMatches(seq);
+  ASSERT_EQ(scores.size(), 1u);
+  EXPECT_EQ(scores[0].worker.worker_id, 6u);
+}
+
+// A block offloaded from GPU to CPU: removed on device, stored on host with its parent still on
+// device. The host rank takes it, and matching still walks the prefix correctly.
+TEST(ShardedIndex, ABlockMovedToHostKeepsItsPlaceAfterItsDeviceParent) {
+  ShardedIndex idx;
+  const auto seq = ComputeSequenceHashes(std::vector<LocalHash>{1, 2, 3});
+  ASSERT_TRUE(idx.Submit(StoredBatch(5, 0, 1, std::nullopt, {{100, 1}, {101, 2}, {102, 3}})));
+  ASSERT_TRUE(idx.Submit(StoredBatch(7, 0, 1, std::nullopt, {{100, 1}, {101, 2}, {102, 3}})));
+  KvEventBatch move{.worker_id = 5, .sequence = {SequenceKind::kEventId, 2}};
+  move.ops.push_back({StorageTier::kDevice, KvRemoved{{102}}});
+  move.ops.push_back({StorageTier::kHostPinned, KvStored{.parent_hash = 101, .blocks = {{102, 3}}}});
+  ASSERT_TRUE(idx.Submit(std::move(move)));
+  idx.Flush();
+  EXPECT_EQ(idx.Counters().parent_block_not_found, 0u);
+  OverlapScores scores = idx.FindMatches(seq);
+  std::unordered_map<WorkerKey, TieredOverlap, WorkerKeyHash> tiers;
+  SplitTiers(scores, tiers);
+  std::sort(scores.begin(), scores.end(),
+            [](const OverlapScore& a, const OverlapScore& b) { return a.worker < b.worker; });
+  ASSERT_EQ(scores.size(), 2u);
+  EXPECT_EQ(scores[0], (OverlapScore{{5, 0}, 2}));
+  EXPECT_EQ(scores[1], (OverlapScore{{7, 0}, 3}));  // the other worker's walk is not cut short
+  // The host rank holds the third block without the first two: its own prefix is empty, so the
+  // cumulative figures stop at the device's (the tiers are assumed to nest).
+  EXPECT_TRUE(tiers.empty() || (tiers[{5, 0}] == TieredOverlap{2, 2, 2}));
 }
 
 TEST(ShardedIndex, FullQueueIsCountedAndFlagsTheWorker) {

@@ -49,6 +49,28 @@ TEST(KvCost, TableOfCases) {
 
 // The predicted cost (selector.h), case by case: 64-token blocks, 16,384-block workers and an
 // 8,192-token step budget unless a case says otherwise.
+TEST(CreditedBlocks, EachTierBeyondTheOneBeforeAtItsWeight) {
+  const CostParams p{.host_weight = 0.75, .disk_weight = 0.25};
+  Candidate c;
+  c.overlap_blocks = 4;
+  EXPECT_EQ(CreditedBlocks(c, p), 4.0);  // nothing off device (cumulative counts left 0)
+  c.host_overlap_blocks = 10;
+  EXPECT_EQ(CreditedBlocks(c, p), 4 + 0.75 * 6);
+  c.any_overlap_blocks = 14;
+  EXPECT_EQ(CreditedBlocks(c, p), 4 + 0.75 * 6 + 0.25 * 4);
+  c.host_overlap_blocks = 0;  // on disk only beyond the device
+  EXPECT_EQ(CreditedBlocks(c, p), 4 + 0.25 * 10);
+  // Dynamo's formula credits the weighted overlap; the predicted cost prefills what is not.
+  Candidate device = Loaded(1, 0, 0);
+  device.overlap_blocks = 10;
+  Candidate host = Loaded(2, 0, 0);
+  host.host_overlap_blocks = 10;
+  EXPECT_NEAR(KvCost(host, {640, 10}, p) - KvCost(device, {640, 10}, p), 0.25 * 10, 1e-9);
+  const CostParams predicted{.model = CostModel::kPredicted};
+  EXPECT_LT(PredictedCostMs(device, {640, 10}, predicted), PredictedCostMs(host, {640, 10}, predicted));
+  EXPECT_LT(PredictedCostMs(host, {640, 10}, predicted), PredictedCostMs(Loaded(3, 0, 0), {640, 10}, predicted));
+}
+
 TEST(PredictedCost, TableOfCases) {
   struct Case {
     const char* name;

@@ -44,6 +44,10 @@ TEST(RouterConfig, DefaultsMatchDynamo) {
   EXPECT_EQ(c.max_tree_size, 1048576u);
   EXPECT_EQ(c.prune_target_ratio, 0.8);
   EXPECT_EQ(c.device_ratio, 8.0);
+  EXPECT_EQ(c.host_cache_hit_weight, 0.75);
+  EXPECT_EQ(c.disk_cache_hit_weight, 0.25);
+  EXPECT_EQ(SchedulerOptionsOf(c).cost.host_weight, 0.75);
+  EXPECT_EQ(SchedulerOptionsOf(c).cost.disk_weight, 0.25);
 }
 
 TEST(RouterConfig, FlagsAreParsed) {
@@ -127,6 +131,8 @@ TEST(RouterConfig, BadValuesAreRefusedNamingTheFlag) {
       {{"--router-prune-target-ratio", "1.5"}, "--router-prune-target-ratio"},
       {{"--router-ttl-secs", "0"}, "--router-ttl-secs"},
       {{"--device-ratio", "0"}, "--device-ratio"},
+      {{"--router-host-cache-hit-weight", "1.5"}, "--router-host-cache-hit-weight"},
+      {{"--router-disk-cache-hit-weight", "-0.1"}, "--router-disk-cache-hit-weight"},
       {{"--router-index-shards", "0"}, "--router-index-shards"},
       {{"--block-size", "abc"}, "block-size"},
       {{"--no-such-flag"}, "no-such-flag"},

@@ -73,6 +73,48 @@ TEST_F(ServiceTest, OverlapScoresGivesEveryRankItsOverlapInPages) {
   EXPECT_EQ(OverlapScoresOf(bad).status().code(), StatusCode::kInvalidArgument);
 }
 
+// Storage tiers (protocol.md section 12): a prompt moved from GPU to CPU (removed on device,
+// stored on host) stays credited at the host weight: reported per tier, counted in stats, and
+// preferred to a cold worker, though a device copy is preferred to it.
+TEST_F(ServiceTest, APromptMovedToHostIsCreditedAtTheHostWeight) {
+  StartWith({"--router-mode", "kv"});
+  for (std::uint64_t id : {1, 2, 3}) Register(id);
+  StorePrompt(1, 1, kTwelve);
+  StorePrompt(2, 1, kTwelve);
+  KvEventBatch removed{.worker_id = 2, .sequence = {SequenceKind::kEventId, 2}};
+  KvEventBatch stored = StoredPromptBatch(2, 3, kTwelve, kBs);
+  removed.ops.push_back({StorageTier::kDevice, KvRemoved{}});
+  for (const StoredBlock& b : std::get<KvStored>(stored.ops[0].data).blocks)
+    std::get<KvRemoved>(removed.ops[0].data).block_hashes.push_back(b.block_hash);
+  stored.ops[0].tier = StorageTier::kHostPinned;
+  for (const KvEventBatch& b : {removed, stored})
+    (void)bus_.Publish(svc_->subjects().kv_events, AsBytes(EncodeDynamoEnvelope(b, {})));
+  svc_->index().Flush();
+
+  auto scores = OverlapScoresOf(Prompt(kTwelve));
+  ASSERT_TRUE(scores.ok()) << scores.status().ToString();
+  ASSERT_EQ(scores->scores.size(), 3u);
+  EXPECT_EQ(scores->scores[0].overlap_by_tier, (OverlapByTier{3, 3, 3}));
+  EXPECT_EQ(scores->scores[1].overlap_blocks, 0u);
+  EXPECT_EQ(scores->scores[1].overlap_by_tier, (OverlapByTier{0, 3, 3}));
+  EXPECT_EQ(scores->scores[2].overlap_by_tier, (OverlapByTier{0, 0, 0}));
+  const StatsReply stats = Stats();
+  ASSERT_EQ(stats.workers.size(), 3u);
+  EXPECT_EQ(stats.workers[1].blocks, 3u);  // blocks on any tier
+
+  auto device = Route(Prompt(kTwelve), /*best_worker=*/true);
+  ASSERT_TRUE(device.ok());
+  EXPECT_EQ(device->worker_id, 1u);
+  EXPECT_EQ(device->overlap_by_tier, (OverlapByTier{3, 3, 3}));
+  Register(1, {.leaving = true});
+  auto host = Route(Prompt(kTwelve), /*best_worker=*/true);
+  ASSERT_TRUE(host.ok());
+  EXPECT_EQ(host->worker_id, 2u);  // not the cold worker 3
+  EXPECT_EQ(host->overlap_blocks, 0u);
+  EXPECT_EQ(host->cached_tokens, 0u);
+  EXPECT_EQ(host->overlap_by_tier, (OverlapByTier{0, 3, 3}));
+}
+
 // The thread that delivers events runs as ingestion (batch scheduling class), so that on a
 // busy machine it does not preempt a route's thread when it wakes; the threads that deliver
 // requests keep their class.
