@@ -29,6 +29,30 @@ LocalHash HashBlockTokens(std::span<const std::uint32_t> block_tokens, std::uint
 std::vector<LocalHash> ComputeLocalHashes(std::span<const std::uint32_t> tokens, std::uint32_t block_size,
                                           std::string_view lora_name = {});
 
+// A multimodal item of a prompt (docs/protocol.md section 12): its hash and the token positions
+// [offset, offset + length) its placeholder tokens take.
+struct MmItem {
+  std::uint64_t hash = 0;
+  std::uint32_t offset = 0;
+  std::uint32_t length = 0;
+  bool operator==(const MmItem&) const = default;
+};
+
+// An item identifier as a hash: 64 hex digits (vLLM's) -> the u64 of its first 16; any other
+// string -> XXH3-64 of its bytes, seed 0.
+std::uint64_t MmItemHash(std::string_view identifier);
+
+// Local hash of one block with the distinct hashes of the items overlapping it: XXH3-64 over the
+// block's tokens as LE u32 followed by those hashes, sorted ascending, as LE u64 (the seed as for
+// the tokens alone). Without items it is HashBlockTokens.
+LocalHash HashBlockWithItems(std::span<const std::uint32_t> block_tokens, std::span<const std::uint64_t> item_hashes,
+                             std::uint64_t seed);
+
+// ComputeLocalHashes with multimodal items: an item belongs to every block its range overlaps.
+// Items that overlap no full block change nothing.
+std::vector<LocalHash> ComputeLocalHashes(std::span<const std::uint32_t> tokens, std::uint32_t block_size,
+                                          std::string_view lora_name, std::span<const MmItem> items);
+
 // seq[0] = local[0]; seq[i] = XXH3-64(LE(seq[i-1]) || LE(local[i]), seed 1337).
 std::vector<SequenceHash> ComputeSequenceHashes(std::span<const LocalHash> local_hashes);
 

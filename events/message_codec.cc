@@ -171,6 +171,26 @@ void PullTokenIds(std::span<const std::byte> body, std::vector<std::uint32_t>& t
 
 }  // namespace
 
+namespace {
+
+msgpack::sbuffer EncodeMmItems(std::span<const MmItem> items) {
+  msgpack::sbuffer out;
+  msgpack::packer<msgpack::sbuffer> pk(out);
+  pk.pack_array(static_cast<std::uint32_t>(items.size()));
+  for (const MmItem& i : items) {
+    pk.pack_map(3);
+    pk.pack("hash");
+    pk.pack(i.hash);
+    pk.pack("offset");
+    pk.pack(i.offset);
+    pk.pack("length");
+    pk.pack(i.length);
+  }
+  return out;
+}
+
+}  // namespace
+
 Result<RouteRequest> DecodeRouteRequest(std::span<const std::byte> body) {
   RouteRequest req;
   std::vector<std::byte> rest;
@@ -210,6 +230,21 @@ Result<RouteRequest> DecodeRouteRequest(std::span<const std::byte> body) {
   reads.Optional(m, "session_id", ReadName, req.session_id);
   reads.Optional(m, "excluded_worker_ids", ReadU64Array, req.excluded_worker_ids);
   if (!reads.ok()) return reads.status();
+  if (const msgpack::object* items = FindKey(m, "mm_items"); !IsNil(items)) {
+    auto list = ReadArray(items, "mm_items");
+    if (!list.ok()) return list.status();
+    if (list->size() > kMaxMmItems) {
+      return InvalidArgument(fmt::format("{} mm_items; at most {}", list->size(), kMaxMmItems));
+    }
+    for (const msgpack::object& o : *list) {
+      MmItem item;
+      reads.Required(o, "hash", ReadU64Bits, item.hash);
+      reads.Required(o, "offset", ReadU32, item.offset);
+      reads.Required(o, "length", ReadU32, item.length);
+      if (!reads.ok()) return InvalidArgument("mm_items: " + reads.status().message());
+      req.mm_items.push_back(item);
+    }
+  }
 
   // Top-level priority / expected_output_tokens win over nvext.agent_hints.priority / osl.
   auto nvext = ReadOptionalMap(m, "nvext");
@@ -248,6 +283,7 @@ msgpack::sbuffer EncodeRouteRequest(const RouteRequest& req) {
     w.Field("block_hashes", req.block_hashes).Field("isl", req.isl);
   }
   if (!req.lora_name.empty()) w.Field("lora_name", req.lora_name);
+  if (!req.mm_items.empty()) w.Packed("mm_items", AsBytes(EncodeMmItems(req.mm_items)));
   if (!req.update_states) w.Field("update_states", false);
   if (req.priority != 0) w.Field("priority", req.priority);
   if (req.expected_output_tokens) w.Field("expected_output_tokens", *req.expected_output_tokens);
@@ -502,6 +538,7 @@ msgpack::sbuffer EncodeOverlapScoresRequest(const OverlapScoresRequest& req) {
     w.Field("block_hashes", p.block_hashes).Field("isl", p.isl);
   }
   if (!p.lora_name.empty()) w.Field("lora_name", p.lora_name);
+  if (!p.mm_items.empty()) w.Packed("mm_items", AsBytes(EncodeMmItems(p.mm_items)));
   if (req.offset != 0) w.Field("offset", req.offset);
   if (req.limit != StatsRequest::kDefaultLimit) w.Field("limit", req.limit);
   return std::move(w).Finish();

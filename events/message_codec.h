@@ -55,6 +55,7 @@
 #include <msgpack.hpp>
 
 #include "events/base/status.h"
+#include "events/block_hash.h"
 
 namespace kvrouter {
 
@@ -95,6 +96,9 @@ struct RouterConfigOverride {
   bool operator==(const RouterConfigOverride&) const = default;
 };
 
+// A route request's multimodal items at most (each may touch every block of the prompt).
+inline constexpr std::size_t kMaxMmItems = 256;
+
 struct RouteRequest {
   std::string request_id;                // empty = nothing is booked
   std::vector<std::uint32_t> token_ids;  // used when has_token_ids
@@ -113,6 +117,8 @@ struct RouteRequest {
   std::optional<std::uint32_t> max_tokens;                        // router.generate: tokens to generate
   std::string session_id;                                         // section 11 session affinity (empty: none)
   std::optional<std::vector<std::uint64_t>> excluded_worker_ids;  // never these workers
+  // Multimodal items of token_ids (section 12): they enter the hashes of the blocks they overlap.
+  std::vector<MmItem> mm_items;  // at most kMaxMmItems
   bool operator==(const RouteRequest&) const = default;
 };
 Result<RouteRequest> DecodeRouteRequest(std::span<const std::byte> body);

@@ -72,8 +72,31 @@ Result<StorageTier> ReadMedium(const msgpack::object* o, std::string_view field)
   return StorageTier::kDevice;
 }
 
+// extra_keys of a BlockStored (docs/protocol.md section 12): one entry per block, nil or a list
+// of keys; a key is an item identifier (a string, or [identifier, offset]) unless it is the LoRA
+// name. The items' hashes per block, for HashBlockWithItems (a cache_salt, a string on the first
+// block, keeps salted prefixes apart the same way). Keys of other shapes are skipped.
+std::vector<std::vector<std::uint64_t>> ReadExtraKeys(const msgpack::object* o, std::string_view lora_name,
+                                                      std::size_t blocks) {
+  std::vector<std::vector<std::uint64_t>> out(blocks);
+  if (o == nullptr || !IsArray(*o)) return out;
+  for (std::size_t b = 0; b < std::min<std::size_t>(blocks, o->via.array.size); ++b) {
+    const msgpack::object& keys = o->via.array.ptr[b];
+    if (!IsArray(keys)) continue;
+    for (std::uint32_t k = 0; k < keys.via.array.size; ++k) {
+      const msgpack::object* key = &keys.via.array.ptr[k];
+      if (IsArray(*key) && key->via.array.size >= 1) key = &key->via.array.ptr[0];  // [identifier, offset]
+      auto id = ReadStr(key, "extra_keys");
+      if (!id.ok() || (!lora_name.empty() && *id == lora_name)) continue;
+      out[b].push_back(MmItemHash(*id));
+    }
+  }
+  return out;
+}
+
 // BlockStored: block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
-// lora_name, ... `cut_short` is set when some blocks could not be hashed at ctx.block_size.
+// lora_name, extra_keys, ... `cut_short` is set when some blocks could not be hashed at
+// ctx.block_size.
 Result<KvOp> DecodeStored(const EventFields& f, const VllmBatchContext& ctx, bool& cut_short) {
   std::vector<std::uint64_t> hashes;
   std::vector<std::uint32_t> tokens;
@@ -99,9 +122,11 @@ Result<KvOp> DecodeStored(const EventFields& f, const VllmBatchContext& ctx, boo
   cut_short = good < hashes.size();
   const std::uint64_t seed = LoraSeed(lora_name);
   const std::span<const std::uint32_t> all_tokens(tokens);
+  const auto items = ReadExtraKeys(f.Get(7, "extra_keys"), lora_name, good);
   stored.blocks.reserve(good);
   for (std::size_t k = 0; k < good; ++k) {
-    stored.blocks.push_back({hashes[k], HashBlockTokens(all_tokens.subspan(k * block_size, block_size), seed)});
+    stored.blocks.push_back(
+        {hashes[k], HashBlockWithItems(all_tokens.subspan(k * block_size, block_size), items[k], seed)});
   }
   op.data = std::move(stored);
   return op;
@@ -148,7 +173,7 @@ void PackOptional(Packer& pk, const std::optional<T>& v) {
 }
 
 void PackEvent(Packer& pk, const VllmStoredEvent& e) {
-  pk.pack_array(8);
+  pk.pack_array(e.extra_keys.empty() ? 8 : 9);
   pk.pack("BlockStored");
   PackHashes(pk, e.block_hashes);
   PackOptional(pk, e.parent_block_hash);
@@ -157,6 +182,16 @@ void PackEvent(Packer& pk, const VllmStoredEvent& e) {
   pk.pack_nil();  // lora_id
   PackOptional(pk, e.medium);
   PackOptional(pk, e.lora_name.empty() ? std::nullopt : std::optional(e.lora_name));
+  if (!e.extra_keys.empty()) {
+    pk.pack_array(static_cast<std::uint32_t>(e.extra_keys.size()));
+    for (const auto& keys : e.extra_keys) {
+      if (keys.empty()) {
+        pk.pack_nil();
+      } else {
+        pk.pack(keys);
+      }
+    }
+  }
 }
 
 void PackEvent(Packer& pk, const VllmRemovedEvent& e) {

@@ -71,6 +71,8 @@ struct VllmStoredEvent {
   std::uint32_t block_size = 64;
   std::string lora_name;              // empty = none
   std::optional<std::string> medium;  // nullopt = nil (GPU)
+  // Per block, its extra keys (item identifiers, cache_salt, the LoRA name); empty = nil.
+  std::vector<std::vector<std::string>> extra_keys;
 };
 struct VllmRemovedEvent {
   std::vector<std::uint64_t> block_hashes;

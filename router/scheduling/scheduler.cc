@@ -37,7 +37,7 @@ Result<PreparedRequest> PrepareRequest(const SchedulerOptions& options, const Ro
                                        options.max_prompt_tokens));
   }
   if (req.has_token_ids) {
-    local = ComputeLocalHashes(req.token_ids, bs, req.lora_name);
+    local = ComputeLocalHashes(req.token_ids, bs, req.lora_name, req.mm_items);
     isl = static_cast<std::uint32_t>(req.token_ids.size());
   } else {
     if (req.block_hashes.size() > (std::uint64_t{isl} + bs - 1) / bs) {

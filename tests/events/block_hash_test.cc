@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include <string>
+
 #include <vector>
 
 namespace kvrouter {
@@ -39,6 +41,42 @@ TEST(BlockHash, TrailingPartialBlockIsNotHashed) {
   EXPECT_EQ(ComputeLocalHashes(tokens, 4).size(), 1u);
   EXPECT_TRUE(ComputeLocalHashes(std::vector<std::uint32_t>{1, 2, 3}, 4).empty());
   EXPECT_TRUE(ComputeLocalHashes(tokens, 0).empty());
+}
+
+// docs/protocol.md section 12's golden vectors (block_size 4, tokens [1,2,3,4], no LoRA).
+TEST(BlockHash, MultimodalItemsMatchGoldenVectors) {
+  const std::vector<std::uint32_t> tokens = {1, 2, 3, 4};
+  const std::uint64_t seed = LoraSeed("");
+  EXPECT_EQ(HashBlockWithItems(tokens, {}, seed), 14643705804678351452ull);
+  const std::uint64_t one[] = {0x0123456789abcdefull};
+  EXPECT_EQ(HashBlockWithItems(tokens, one, seed), 2142804768136187117ull);
+  const std::uint64_t two[] = {0xfedcba9876543210ull, 0x0123456789abcdefull};  // sorted before hashing
+  EXPECT_EQ(HashBlockWithItems(tokens, two, seed), 2696063630716342798ull);
+  const std::uint64_t repeated[] = {0x0123456789abcdefull, 0xfedcba9876543210ull, 0x0123456789abcdefull};
+  EXPECT_EQ(HashBlockWithItems(tokens, repeated, seed), 2696063630716342798ull);  // distinct hashes
+  EXPECT_EQ(MmItemHash(std::string(64, 'a')), 12297829382473034410ull);
+  EXPECT_EQ(MmItemHash("img-42"), 12830648656646803821ull);
+}
+
+TEST(BlockHash, AnItemBelongsToEveryBlockItsRangeOverlaps) {
+  const std::vector<std::uint32_t> tokens = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12};
+  const auto plain = ComputeLocalHashes(tokens, 4);
+  // Positions 3..5: the first two blocks, not the third.
+  const MmItem item{.hash = 42, .offset = 3, .length = 3};
+  const auto with = ComputeLocalHashes(tokens, 4, "", std::span<const MmItem>(&item, 1));
+  ASSERT_EQ(with.size(), 3u);
+  const std::uint64_t h[] = {42};
+  EXPECT_EQ(with[0], HashBlockWithItems(std::span(tokens).subspan(0, 4), h, kBlockHashSeed));
+  EXPECT_EQ(with[1], HashBlockWithItems(std::span(tokens).subspan(4, 4), h, kBlockHashSeed));
+  EXPECT_NE(with[0], plain[0]);
+  EXPECT_EQ(with[2], plain[2]);
+  // Another image at the same place: other hashes; none at all: the plain ones.
+  const MmItem other{.hash = 43, .offset = 3, .length = 3};
+  EXPECT_NE(ComputeLocalHashes(tokens, 4, "", std::span<const MmItem>(&other, 1))[0], with[0]);
+  EXPECT_EQ(ComputeLocalHashes(tokens, 4, "", std::span<const MmItem>()), plain);
+  // An item past the full blocks, or empty, changes nothing.
+  const MmItem past[] = {{.hash = 9, .offset = 12, .length = 4}, {.hash = 9, .offset = 0, .length = 0}};
+  EXPECT_EQ(ComputeLocalHashes(tokens, 4, "", past), plain);
 }
 
 TEST(BlockHash, EmptyLoraNameKeepsDefaultSeed) { EXPECT_EQ(LoraSeed(""), kBlockHashSeed); }

@@ -559,6 +559,30 @@ TEST(RouteRequestCodec, BodyThatIsNotAMapIsInvalidArgument) {
 
 // ---- Route reply, error replies, lifecycle ----
 
+TEST(RouteRequestCodec, MultimodalItemsRoundTripAndAreBounded) {
+  RouteRequest req{.token_ids = {1, 2, 3, 4, 5, 6, 7, 8}, .has_token_ids = true, .isl = 8};
+  req.mm_items = {{.hash = 0xfedcba9876543210ull, .offset = 2, .length = 4}, {.hash = 7, .offset = 0, .length = 1}};
+  auto back = DecodeRouteRequest(AsBytes(EncodeRouteRequest(req)));
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(back->mm_items, req.mm_items);
+  req.mm_items.assign(kMaxMmItems + 1, MmItem{.hash = 1, .offset = 0, .length = 1});
+  EXPECT_EQ(DecodeRouteRequest(AsBytes(EncodeRouteRequest(req))).status().code(), StatusCode::kInvalidArgument);
+  auto no_length = MapOf(2, [](TestPacker& p) {
+    p.Key("token_ids");
+    p.pk.pack(std::vector<std::uint32_t>{1, 2, 3, 4});
+    p.Key("mm_items");
+    p.pk.pack_array(1);
+    p.pk.pack_map(2);
+    p.Key("hash");
+    p.pk.pack(1);
+    p.Key("offset");
+    p.pk.pack(0);
+  });
+  auto bad = DecodeRouteRequest(AsBytes(no_length));
+  EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("mm_items"), std::string::npos);
+}
+
 TEST(RouteReplyCodec, RouteReplyRoundTrips) {
   RouteReply reply{.worker_id = 0xffffffffffffffffull,
                    .dp_rank = 1,

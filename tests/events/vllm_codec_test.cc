@@ -269,6 +269,46 @@ TEST(VllmCodec, ExtraTokensAfterTheLastBlockAreIgnored) {
   EXPECT_EQ(std::get<KvStored>(r->batch.ops.at(0).data).blocks.size(), 1u);
 }
 
+// extra_keys (protocol.md section 12): item identifiers enter the hashes of their blocks, the
+// LoRA name does not (it seeds them already), and [identifier, offset] counts as the identifier.
+TEST(VllmCodec, ExtraKeysEnterTheBlocksHashes) {
+  const std::vector<std::uint32_t> tokens = {1, 2, 3, 4, 5, 6, 7, 8};
+  const std::string image(64, 'b');
+  VllmStoredEvent e{.block_hashes = {11, 12}, .token_ids = tokens, .block_size = 4, .lora_name = "adapter"};
+  e.extra_keys = {{}, {image, "adapter"}};
+  auto r = Decode(EncodeVllmBatch(1.0, {e}, 0));
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  const auto& blocks = std::get<KvStored>(r->batch.ops.at(0).data).blocks;
+  ASSERT_EQ(blocks.size(), 2u);
+  const MmItem item{.hash = MmItemHash(image), .offset = 4, .length = 4};
+  const auto want = ComputeLocalHashes(tokens, 4, "adapter", std::span<const MmItem>(&item, 1));
+  EXPECT_EQ(blocks[0].tokens_hash, want[0]);
+  EXPECT_EQ(blocks[1].tokens_hash, want[1]);
+  EXPECT_NE(blocks[1].tokens_hash, ComputeLocalHashes(tokens, 4, "adapter")[1]);
+  // The [identifier, offset] form, written by hand.
+  auto body = BatchWith([&](TestPacker& p) {
+    p.pk.pack_array(9);
+    p.pk.pack("BlockStored");
+    p.pk.pack(std::vector<std::uint64_t>{11});
+    p.pk.pack_nil();
+    p.pk.pack(std::vector<std::uint32_t>{1, 2, 3, 4});
+    p.pk.pack(4);
+    p.pk.pack_nil();
+    p.pk.pack_nil();
+    p.pk.pack_nil();
+    p.pk.pack_array(1);
+    p.pk.pack_array(1);
+    p.pk.pack_array(2);
+    p.pk.pack(image);
+    p.pk.pack(0);
+  });
+  auto pair = Decode(AsBytes(body));
+  ASSERT_TRUE(pair.ok()) << pair.status().ToString();
+  const MmItem at0{.hash = MmItemHash(image), .offset = 0, .length = 4};
+  EXPECT_EQ(std::get<KvStored>(pair->batch.ops.at(0).data).blocks.at(0).tokens_hash,
+            ComputeLocalHashes(std::vector<std::uint32_t>{1, 2, 3, 4}, 4, "", std::span<const MmItem>(&at0, 1))[0]);
+}
+
 TEST(VllmCodec, MediumMapsToTier) {
   // docs/protocol.md section 12, case-insensitive; anything else is the device.
   const std::pair<std::optional<std::string>, StorageTier> cases[] = {

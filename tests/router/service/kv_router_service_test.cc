@@ -73,6 +73,39 @@ TEST_F(ServiceTest, OverlapScoresGivesEveryRankItsOverlapInPages) {
   EXPECT_EQ(OverlapScoresOf(bad).status().code(), StatusCode::kInvalidArgument);
 }
 
+// Multimodal items (protocol.md section 12): the same text with another image is not a shared
+// prefix; with the same image it is. The worker's event carries the local hashes of its rule.
+TEST_F(ServiceTest, AnImageIsPartOfThePrefix) {
+  StartWith({"--router-mode", "kv"});
+  for (std::uint64_t id : {1, 2}) Register(id);
+  const MmItem image{.hash = MmItemHash(std::string(64, 'c')), .offset = 4, .length = 4};
+  const auto local = ComputeLocalHashes(kTwelve, kBs, "", std::span<const MmItem>(&image, 1));
+  const auto seq = ComputeSequenceHashes(local);
+  KvEventBatch b{.worker_id = 2, .sequence = {SequenceKind::kEventId, 1}};
+  KvStored stored;
+  for (std::size_t i = 0; i < local.size(); ++i) stored.blocks.push_back({seq[i], local[i]});
+  b.ops.push_back({StorageTier::kDevice, std::move(stored)});
+  (void)bus_.Publish(svc_->subjects().kv_events, AsBytes(EncodeDynamoEnvelope(b, {})));
+  svc_->index().Flush();
+  RouteRequest same = Prompt(kTwelve);
+  same.mm_items = {image};
+  auto r = Route(same, /*best_worker=*/true);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->worker_id, 2u);
+  EXPECT_EQ(r->overlap_blocks, 3u);
+  RouteRequest other = same;
+  other.mm_items[0].hash = MmItemHash("another image");
+  auto o = OverlapScoresOf(other);
+  ASSERT_TRUE(o.ok()) << o.status().ToString();
+  EXPECT_EQ(o->scores[1].overlap_blocks, 1u);  // only the text block before the image
+  auto text_only = OverlapScoresOf(Prompt(kTwelve));
+  ASSERT_TRUE(text_only.ok());
+  EXPECT_EQ(text_only->scores[1].overlap_blocks, 1u);
+  auto with_image = OverlapScoresOf(same);
+  ASSERT_TRUE(with_image.ok());
+  EXPECT_EQ(with_image->scores[1].overlap_blocks, 3u);
+}
+
 // Storage tiers (protocol.md section 12): a prompt moved from GPU to CPU (removed on device,
 // stored on host) stays credited at the host weight: reported per tier, counted in stats, and
 // preferred to a cold worker, though a device copy is preferred to it.
