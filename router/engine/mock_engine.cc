@@ -20,7 +20,7 @@ MockEngine::MockEngine(MockEngineConfig config, EventSink sink) : config_(config
 
 void MockEngine::Add(EngineRequest request) {
   Waiting w;
-  w.local = ComputeLocalHashes(request.tokens, config_.block_size, request.lora_name);
+  w.local = ComputeLocalHashes(request.tokens, config_.block_size, request.lora_name, request.mm_items);
   w.seq = ComputeSequenceHashes(w.local);
   w.request = std::move(request);
   waiting_.push_back(std::move(w));

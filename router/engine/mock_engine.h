@@ -51,6 +51,7 @@ struct EngineRequest {
   std::vector<std::uint32_t> tokens;  // the prompt
   std::uint32_t max_tokens = 1;       // tokens to generate; 0 is treated as 1
   std::string lora_name;              // part of the block hashes (docs/protocol.md section 1)
+  std::vector<MmItem> mm_items;       // multimodal items, part of their blocks' hashes (section 12)
 };
 
 // One per first-token, later token (when asked), finish or rejection moment of a request.

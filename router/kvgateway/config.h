@@ -18,21 +18,21 @@
 namespace kvrouter {
 
 struct GatewayConfig {
-  std::uint32_t http_port = 8000;                      // --http-port [1, 65535] (0 in tests: any free port)
-  std::string http_host = "0.0.0.0";                   // --http-host
-  std::string nats_server = "nats://127.0.0.1:4222";   // --nats-server / NATS_SERVER
-  NatsSecurity nats_security;                          // --nats-creds, --nats-user, ... --nats-tls-*
-  std::string ns = "dynamo";                           // --namespace
-  std::string component = "backend";                   // --component
-  std::uint32_t metrics_port = 9094;                   // --metrics-port: /metrics, /health, /ready (0: off)
-  std::string metrics_host = "0.0.0.0";                // --metrics-host
-  std::string render_url;                              // --render-url: token ids from here ("" = the engines)
-  std::uint32_t retries = 2;                           // --retries [0, 16]: other workers tried before 502
-  std::uint64_t max_body_bytes = 16ull << 20;          // --max-body-bytes >= 1
-  std::uint32_t route_timeout_ms = 10'000;             // --route-timeout-ms >= 1: the router's answer (queue included)
-  std::uint32_t engine_timeout_ms = 300'000;           // --engine-timeout-ms >= 1: engine silent this long fails
-  std::uint32_t io_threads = 2;                        // --io-threads [1, 64]: HTTP threads (no thread per connection)
-  std::uint32_t max_connections = 50'000;              // --max-connections >= 1: client connections open at once
+  std::uint32_t http_port = 8000;                     // --http-port [1, 65535] (0 in tests: any free port)
+  std::string http_host = "0.0.0.0";                  // --http-host
+  std::string nats_server = "nats://127.0.0.1:4222";  // --nats-server / NATS_SERVER
+  NatsSecurity nats_security;                         // --nats-creds, --nats-user, ... --nats-tls-*
+  std::string ns = "dynamo";                          // --namespace
+  std::string component = "backend";                  // --component
+  std::uint32_t metrics_port = 9094;                  // --metrics-port: /metrics, /health, /ready (0: off)
+  std::string metrics_host = "0.0.0.0";               // --metrics-host
+  std::string render_url;                             // --render-url: token ids from here ("" = the engines)
+  std::uint32_t retries = 2;                          // --retries [0, 16]: other workers tried before 502
+  std::uint64_t max_body_bytes = 16ull << 20;         // --max-body-bytes >= 1
+  std::uint32_t route_timeout_ms = 10'000;            // --route-timeout-ms >= 1: the router's answer (queue included)
+  std::uint32_t engine_timeout_ms = 300'000;          // --engine-timeout-ms >= 1: engine silent this long fails
+  std::uint32_t io_threads = 2;                       // --io-threads [1, 64]: HTTP threads (no thread per connection)
+  std::uint32_t max_connections = 50'000;             // --max-connections >= 1: client connections open at once
 };
 
 using ParsedGatewayArgs = ProgramArgs<GatewayConfig>;

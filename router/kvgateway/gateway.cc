@@ -48,6 +48,7 @@ struct Gateway::Exchange {
   std::string booking_base;  // ours, unique per exchange: the router's request id
   std::string session_id;
   std::vector<std::uint32_t> token_ids;
+  std::vector<MmItem> mm_items;         // from the render answer's features
   std::vector<std::uint64_t> allowed;   // workers serving the model
   std::vector<std::uint64_t> excluded;  // workers that failed this request
   std::vector<HttpEndpoint> render_at;
@@ -279,9 +280,17 @@ void Gateway::Render(const std::shared_ptr<Exchange>& x, std::size_t candidate, 
                return Fail(ex, status == 404 ? 502 : 400, "invalid_request",
                            fmt::format("the engine refused the prompt ({}): {}", status, body.substr(0, 512)));
              }
-             auto ids = tokenize ? ParseTokenizeAnswer(body) : ParseRenderAnswer(ex->request.kind, body);
-             if (!ids.ok()) return Fail(ex, 502, "render_failed", ids.status().message());
-             ex->token_ids = std::move(ids).value();
+             Result<RenderedPrompt> rendered = InvalidArgument("");
+             if (tokenize) {
+               auto ids = ParseTokenizeAnswer(body);
+               rendered = ids.ok() ? Result<RenderedPrompt>(RenderedPrompt{.token_ids = std::move(ids).value()})
+                                   : Result<RenderedPrompt>(ids.status());
+             } else {
+               rendered = ParseRenderAnswer(ex->request.kind, body);
+             }
+             if (!rendered.ok()) return Fail(ex, 502, "render_failed", rendered.status().message());
+             ex->token_ids = std::move(rendered->token_ids);
+             ex->mm_items = std::move(rendered->mm_items);
              Route(ex);
            }});
   KeepCall(x, seq, std::move(call));
@@ -295,6 +304,7 @@ void Gateway::Route(const std::shared_ptr<Exchange>& x) {
     x->booking = x->attempt == 0 ? x->booking_base : fmt::format("{}#{}", x->booking_base, x->attempt);
     r.request_id = x->booking;
     r.token_ids = x->token_ids;
+    r.mm_items = x->mm_items;
     r.has_token_ids = true;
     r.isl = static_cast<std::uint32_t>(r.token_ids.size());
     r.allowed_worker_ids = x->allowed;

@@ -59,7 +59,46 @@ Result<OpenAiRequest> ParseOpenAiRequest(ApiKind kind, std::string_view body) {
   return r;
 }
 
-Result<std::vector<std::uint32_t>> ParseRenderAnswer(ApiKind kind, std::string_view body) {
+namespace {
+
+Result<std::vector<MmItem>> MmItems(const json& features) {
+  std::vector<MmItem> items;
+  if (!features.is_object()) return InvalidArgument("the render answer's 'features' is not an object");
+  const auto hashes = features.find("mm_hashes");
+  const auto places = features.find("mm_placeholders");
+  if (hashes == features.end() || hashes->is_null()) return items;
+  if (!hashes->is_object() || places == features.end() || !places->is_object()) {
+    return InvalidArgument("the render answer's 'mm_hashes' come without 'mm_placeholders'");
+  }
+  for (const auto& [modality, ids] : hashes->items()) {
+    const auto at = places->find(modality);
+    if (!ids.is_array() || at == places->end() || !at->is_array() || at->size() != ids.size()) {
+      return InvalidArgument(fmt::format("the render answer's '{}' hashes and placeholders do not pair up", modality));
+    }
+    for (std::size_t k = 0; k < ids.size(); ++k) {
+      const json& place = (*at)[k];
+      if (!ids[k].is_string() || !place.is_object()) {
+        return InvalidArgument("the render answer holds a malformed multimodal item");
+      }
+      const auto offset = place.find("offset");
+      const auto length = place.find("length");
+      if (offset == place.end() || length == place.end() || !offset->is_number_unsigned() ||
+          !length->is_number_unsigned() || offset->get<std::uint64_t>() > 0xffffffffu ||
+          length->get<std::uint64_t>() > 0xffffffffu) {
+        return InvalidArgument("the render answer holds a placeholder without a u32 offset and length");
+      }
+      if (items.size() == kMaxMmItems) return InvalidArgument("the render answer holds too many multimodal items");
+      items.push_back({.hash = MmItemHash(ids[k].get<std::string>()),
+                       .offset = offset->get<std::uint32_t>(),
+                       .length = length->get<std::uint32_t>()});
+    }
+  }
+  return items;
+}
+
+}  // namespace
+
+Result<RenderedPrompt> ParseRenderAnswer(ApiKind kind, std::string_view body) {
   const json doc = json::parse(body, nullptr, false);
   if (doc.is_discarded()) return InvalidArgument("the render answer is not JSON");
   const json* holder = &doc;
@@ -70,7 +109,15 @@ Result<std::vector<std::uint32_t>> ParseRenderAnswer(ApiKind kind, std::string_v
   if (!holder->is_object()) return InvalidArgument("the render answer holds no object");
   const auto ids = holder->find("token_ids");
   if (ids == holder->end()) return InvalidArgument("the render answer has no 'token_ids'");
-  return TokenIds(*ids, "token_ids");
+  auto tokens = TokenIds(*ids, "token_ids");
+  if (!tokens.ok()) return tokens.status();
+  RenderedPrompt r{.token_ids = std::move(tokens).value()};
+  if (const auto features = holder->find("features"); features != holder->end() && !features->is_null()) {
+    auto items = MmItems(*features);
+    if (!items.ok()) return items.status();
+    r.mm_items = std::move(items).value();
+  }
+  return r;
 }
 
 Result<std::vector<std::uint32_t>> ParseTokenizeAnswer(std::string_view body) {

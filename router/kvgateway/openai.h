@@ -15,6 +15,8 @@
 #include <nlohmann/json_fwd.hpp>
 
 #include "events/base/status.h"
+#include "events/block_hash.h"
+#include "events/message_codec.h"
 
 namespace kvrouter {
 
@@ -32,9 +34,20 @@ struct OpenAiRequest {
 // array, completions without a `prompt`) are InvalidArgument with a message for the client.
 Result<OpenAiRequest> ParseOpenAiRequest(ApiKind kind, std::string_view body);
 
-// The render endpoints' answers: chat {"token_ids": [...]}, completions [{"token_ids": [...]}, ...]
-// (the first prompt's ids); /tokenize's {"tokens": [...]}. InvalidArgument when malformed.
-Result<std::vector<std::uint32_t>> ParseRenderAnswer(ApiKind kind, std::string_view body);
+// A prompt as an engine rendered it: its token ids and its multimodal items (docs/protocol.md
+// section 12), from the render answer's features.
+struct RenderedPrompt {
+  std::vector<std::uint32_t> token_ids;
+  std::vector<MmItem> mm_items;
+};
+
+// The render endpoints' answers: chat {"token_ids": [...], "features"?: {...}}, completions
+// [{"token_ids": [...], ...}, ...] (the first prompt's); /tokenize's {"tokens": [...]}.
+// features = {"mm_hashes": {modality: [identifier, ...]}, "mm_placeholders": {modality:
+// [{"offset", "length"}, ...]}}: the k-th identifier of a modality with the k-th placeholder of
+// it is one item (MmItemHash of the identifier). InvalidArgument when malformed, or when the
+// features do not pair up or hold more than kMaxMmItems items.
+Result<RenderedPrompt> ParseRenderAnswer(ApiKind kind, std::string_view body);
 Result<std::vector<std::uint32_t>> ParseTokenizeAnswer(std::string_view body);
 
 // JSON text of a document whose strings may hold invalid UTF-8 (a client's or an engine's bytes

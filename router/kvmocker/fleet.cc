@@ -367,7 +367,8 @@ double MockWorkerFleet::AdvanceEngines(std::vector<GenerateJob>& jobs, const std
                                     .target = std::move(j.target),
                                     .arrival_ms = j.arrival_ms,
                                     .max_tokens = j.max_tokens});
-    ranks_[rank_index]->engine->Add({.id = id, .tokens = std::move(j.tokens), .max_tokens = j.max_tokens});
+    ranks_[rank_index]->engine->Add(
+        {.id = id, .tokens = std::move(j.tokens), .max_tokens = j.max_tokens, .mm_items = std::move(j.mm_items)});
   }
   // After the jobs: a job and its abort may come in the same batch.
   for (std::uint64_t job : aborts) {

@@ -121,6 +121,7 @@ class MockWorkerFleet {
     std::size_t worker_index = 0;
     std::optional<std::uint32_t> dp_rank;  // nullopt: the worker's least busy rank
     std::vector<std::uint32_t> tokens;
+    std::vector<MmItem> mm_items;
     std::uint32_t max_tokens = 1;
     ReplyTarget target;
     double arrival_ms = 0;

@@ -93,6 +93,7 @@ void MockWorkerFleet::OnHttp(std::size_t worker_index, HttpRequest&& request, st
                   .worker_index = worker_index,
                   .dp_rank = dp_rank,
                   .tokens = std::move(generation.prompt),
+                  .mm_items = std::move(generation.mm_items),
                   .max_tokens = generation.max_tokens,
                   .target = HttpTarget{.reply = reply, .answer = std::move(generation.answer)},
                   .arrival_ms = NowMs()};

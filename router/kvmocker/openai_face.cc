@@ -1,6 +1,7 @@
 #include "router/kvmocker/openai_face.h"
 
 #include <fmt/format.h>
+#include <xxhash.h>
 
 #include <chrono>
 #include <limits>
@@ -9,6 +10,7 @@
 #include <random>
 
 #include "events/base/status.h"
+#include "events/message_codec.h"
 #include "events/worker_codec.h"
 
 namespace kvrouter {
@@ -75,16 +77,39 @@ Status CheckModel(const Json& request, const std::string& served) {
   return Status::Ok();
 }
 
-// A message's content: a string, null, or a list of parts whose `text` parts are joined with
-// "\n" (other part types carry nothing the mock tokenizer reads).
-Result<std::string> MessageContent(const Json& message, std::size_t index) {
+// A rendered prompt: its tokens and its images.
+struct FacePrompt {
+  std::vector<std::uint32_t> tokens;
+  std::vector<MmItem> items;
+};
+
+void AppendBytes(std::vector<std::uint32_t>& to, std::string_view text) {
+  for (const char c : text) to.push_back(static_cast<unsigned char>(c));
+}
+
+// An image part's URL: {"image_url": {"url": str}} or {"image_url": str}.
+Result<std::string> ImageUrl(const Json& part, std::size_t index) {
+  const Json* image = Field(part, "image_url");
+  if (image != nullptr && image->is_object()) image = Field(*image, "url");
+  if (image == nullptr || !image->is_string()) {
+    return InvalidArgument(fmt::format("messages[{}].content has an image_url part without a string url", index));
+  }
+  return image->get<std::string>();
+}
+
+// A message's content appended to `to`: a string, null, or a list of parts; `text` parts are
+// joined with "\n", each `image_url` part is kImageTokens placeholder tokens and an item (other
+// part types carry nothing the mock tokenizer reads).
+Status AppendContent(const Json& message, std::size_t index, FacePrompt& to) {
   const Json* content = Field(message, "content");
-  if (content == nullptr) return std::string();
-  if (content->is_string()) return content->get<std::string>();
+  if (content == nullptr) return Status::Ok();
+  if (content->is_string()) {
+    AppendBytes(to.tokens, content->get_ref<const std::string&>());
+    return Status::Ok();
+  }
   if (!content->is_array()) {
     return InvalidArgument(fmt::format("messages[{}].content must be a string or a list of parts", index));
   }
-  std::string out;
   bool first = true;
   for (const Json& part : *content) {
     if (!part.is_object())
@@ -93,25 +118,38 @@ Result<std::string> MessageContent(const Json& message, std::size_t index) {
     if (type == nullptr || !type->is_string()) {
       return InvalidArgument(fmt::format("messages[{}].content has a part without a 'type'", index));
     }
-    if (type->get_ref<const std::string&>() != "text") continue;
+    const std::string& kind = type->get_ref<const std::string&>();
+    if (kind == "image_url") {
+      auto url = ImageUrl(part, index);
+      if (!url.ok()) return url.status();
+      if (to.items.size() == kMaxMmItems) return InvalidArgument(fmt::format("more than {} images", kMaxMmItems));
+      if (!first) to.tokens.push_back('\n');
+      to.items.push_back({.hash = MmItemHash(MockImageIdentifier(*url)),
+                          .offset = static_cast<std::uint32_t>(to.tokens.size()),
+                          .length = kImageTokens});
+      to.tokens.insert(to.tokens.end(), kImageTokens, kImageToken);
+      first = false;
+      continue;
+    }
+    if (kind != "text") continue;
     const Json* text = Field(part, "text");
     if (text == nullptr || !text->is_string()) {
       return InvalidArgument(fmt::format("messages[{}].content has a text part without a string 'text'", index));
     }
-    if (!first) out += '\n';
-    out += text->get_ref<const std::string&>();
+    if (!first) to.tokens.push_back('\n');
+    AppendBytes(to.tokens, text->get_ref<const std::string&>());
     first = false;
   }
-  return out;
+  return Status::Ok();
 }
 
-// A chat request's prompt: its messages rendered (add_generation_prompt, default true), as bytes.
-Result<std::vector<std::uint32_t>> ChatPrompt(const Json& request) {
+// A chat request's prompt: its messages rendered as RenderChat says (add_generation_prompt,
+// default true), as bytes, images as placeholder runs.
+Result<FacePrompt> ChatPrompt(const Json& request) {
   const Json* messages = Field(request, "messages");
   if (messages == nullptr) return InvalidArgument("'messages' is required");
   if (!messages->is_array() || messages->empty()) return InvalidArgument("'messages' must be a non-empty list");
-  std::vector<std::pair<std::string, std::string>> rendered;
-  rendered.reserve(messages->size());
+  FacePrompt out;
   for (std::size_t i = 0; i < messages->size(); ++i) {
     const Json& m = (*messages)[i];
     if (!m.is_object()) return InvalidArgument(fmt::format("messages[{}] must be an object", i));
@@ -119,13 +157,14 @@ Result<std::vector<std::uint32_t>> ChatPrompt(const Json& request) {
     if (role == nullptr || !role->is_string()) {
       return InvalidArgument(fmt::format("messages[{}] needs a string 'role'", i));
     }
-    auto content = MessageContent(m, i);
-    if (!content.ok()) return content.status();
-    rendered.emplace_back(role->get<std::string>(), std::move(content).value());
+    AppendBytes(out.tokens, fmt::format("<|{}|>\n", role->get_ref<const std::string&>()));
+    if (Status s = AppendContent(m, i, out); !s.ok()) return s;
+    out.tokens.push_back('\n');
   }
   auto add = BoolField(request, "add_generation_prompt", true);
   if (!add.ok()) return add.status();
-  return ByteTokens(OpenAiFace::RenderChat(rendered, *add));
+  if (*add) AppendBytes(out.tokens, "<|assistant|>\n");
+  return out;
 }
 
 // A completions request's prompt: a string (its bytes) or a list of token ids.
@@ -150,8 +189,11 @@ Result<std::vector<std::uint32_t>> CompletionsPrompt(const Json& request) {
   return tokens;
 }
 
-Result<std::vector<std::uint32_t>> Prompt(const Json& request, OpenAiApi api) {
-  return api == OpenAiApi::kChat ? ChatPrompt(request) : CompletionsPrompt(request);
+Result<FacePrompt> Prompt(const Json& request, OpenAiApi api) {
+  if (api == OpenAiApi::kChat) return ChatPrompt(request);
+  auto tokens = CompletionsPrompt(request);
+  if (!tokens.ok()) return tokens.status();
+  return FacePrompt{.tokens = std::move(tokens).value()};
 }
 
 Result<Json> ParseObject(std::string_view body) {
@@ -174,6 +216,10 @@ Json UsageJson(const OpenAiUsage& u) {
 }
 
 }  // namespace
+
+std::string MockImageIdentifier(std::string_view url) {
+  return fmt::format("{:016x}{}", XXH3_64bits_withSeed(url.data(), url.size(), 0), std::string(48, '0'));
+}
 
 std::vector<std::uint32_t> ByteTokens(std::string_view text) {
   std::vector<std::uint32_t> tokens(text.size());
@@ -318,19 +364,29 @@ std::variant<FaceResponse, OpenAiGeneration> OpenAiFace::Handle(std::string_view
     if (!prompt.ok()) return Refusal(prompt.status());
 
     if (tokenize) {
-      const std::size_t n = prompt->size();
+      const std::size_t n = prompt->tokens.size();
       return JsonResponse(
-          {{"tokens", std::move(prompt).value()}, {"count", n}, {"max_model_len", options_.max_model_len}});
+          {{"tokens", std::move(prompt->tokens)}, {"count", n}, {"max_model_len", options_.max_model_len}});
     }
     if (render) {
-      Json ids = {{"token_ids", std::move(prompt).value()}};
+      Json ids = {{"token_ids", std::move(prompt->tokens)}};
+      if (!prompt->items.empty()) {
+        Json hashes = Json::array();
+        Json places = Json::array();
+        for (const MmItem& item : prompt->items) {
+          hashes.push_back(fmt::format("{:016x}{}", item.hash, std::string(48, '0')));
+          places.push_back({{"offset", item.offset}, {"length", item.length}});
+        }
+        ids["features"] = {{"mm_hashes", {{"image", std::move(hashes)}}},
+                           {"mm_placeholders", {{"image", std::move(places)}}}};
+      }
       return JsonResponse(api == OpenAiApi::kChat ? ids : Json::array({std::move(ids)}));
     }
 
-    if (prompt->size() > options_.max_model_len) {
+    if (prompt->tokens.size() > options_.max_model_len) {
       return Refusal(InvalidArgument(
           fmt::format("This model's maximum context length is {} tokens. However, your request has {} input tokens.",
-                      options_.max_model_len, prompt->size())));
+                      options_.max_model_len, prompt->tokens.size())));
     }
     auto max_tokens = MaxTokens(*request, api);
     if (!max_tokens.ok()) return Refusal(max_tokens.status());
@@ -345,7 +401,8 @@ std::variant<FaceResponse, OpenAiGeneration> OpenAiFace::Handle(std::string_view
     }
     const std::string suffix = request_id.empty() ? FreshId() : std::string(request_id);
     return OpenAiGeneration{
-        .prompt = std::move(prompt).value(),
+        .prompt = std::move(prompt->tokens),
+        .mm_items = std::move(prompt->items),
         .max_tokens = *max_tokens,
         .answer =
             OpenAiAnswer(api, (api == OpenAiApi::kChat ? "chatcmpl-" : "cmpl-") + suffix, UnixSeconds(), options_.model,

@@ -19,10 +19,21 @@
 #include <variant>
 #include <vector>
 
+#include "events/block_hash.h"
+
 namespace kvrouter {
 
-// The mock tokenizer: one token per byte of the UTF-8 text, token id = the byte's value.
+// The mock tokenizer: one token per byte of the UTF-8 text, token id = the byte's value. An image
+// (a chat content part {"type": "image_url", "image_url": {"url"} or "url"}) renders as
+// kImageTokens tokens of id kImageToken (outside the bytes), one multimodal item whose
+// identifier is MockImageIdentifier of its URL (a data: URL carries its bytes, so the same image
+// has the same identifier).
 std::vector<std::uint32_t> ByteTokens(std::string_view text);
+inline constexpr std::uint32_t kImageToken = 256;
+inline constexpr std::uint32_t kImageTokens = 16;
+// 64 hex digits, vLLM's shape: XXH3-64 (seed 0) of the URL in the first 16, zeros after; so
+// MmItemHash(identifier) is that XXH3.
+std::string MockImageIdentifier(std::string_view url);
 // The text of the k-th generated token (from 0): one lower-case letter, 'a' + k % 26, so the
 // generated text has one byte, and so one token, per generated token.
 char GeneratedTokenChar(std::uint32_t k);
@@ -90,6 +101,7 @@ class OpenAiAnswer {
 // A generation request, parsed and checked: the rendered prompt's tokens and how to answer.
 struct OpenAiGeneration {
   std::vector<std::uint32_t> prompt;  // never empty, at most max_model_len tokens
+  std::vector<MmItem> mm_items;       // its images
   std::uint32_t max_tokens = 16;      // in [1, kMaxGenerateTokens]
   OpenAiAnswer answer;
 };
@@ -107,7 +119,9 @@ class OpenAiFace {
   // header ("" when absent): the response id is "chatcmpl-" / "cmpl-" followed by it, or by a
   // fresh id, as vLLM names them.
   //   POST /v1/chat/completions, /v1/completions          -> a generation (or an error)
-  //   POST /v1/chat/completions/render                    -> {"token_ids": [...]}
+  //   POST /v1/chat/completions/render                    -> {"token_ids": [...], "features"?}
+  //     (features, with images: {"mm_hashes": {"image": [id...]}, "mm_placeholders": {"image":
+  //     [{"offset", "length"}...]}}, as vLLM's)
   //   POST /v1/completions/render                         -> [{"token_ids": [...]}]
   //   POST /tokenize {model?, messages | prompt}          -> {"tokens", "count", "max_model_len"}
   //   GET  /v1/models, /health

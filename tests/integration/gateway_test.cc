@@ -20,6 +20,7 @@
 
 #include "events/msgpack_reader.h"
 #include "tests/await.h"
+#include "router/kvmocker/openai_face.h"
 #include "tests/integration/kvrouter_fixture.h"
 #include "transport/http_client.h"
 #include "transport/http_listener.h"
@@ -619,6 +620,49 @@ TEST_F(GatewayKvmockerTest, TheEnginesCachedTokensRiseOnARepeatedLongPrefix) {
   EXPECT_EQ(HeaderOf(*second, "x-kvrouter-worker-id"), HeaderOf(*first, "x-kvrouter-worker-id"));
   EXPECT_GT(std::stoi(HeaderOf(*second, "x-kvrouter-cached-tokens")), 1900);
   EXPECT_GT(json::parse(second->body)["usage"]["prompt_tokens_details"]["cached_tokens"].get<int>(), 1900);
+}
+
+// Multimodal items end to end (protocol.md section 12): kvmocker renders an image as placeholder
+// tokens and an item, the gateway routes with the render answer's features, the engine keys its
+// blocks with the item. The same text with the same image shares the prefix past the image; with
+// another image it stops before it, at the router and at the engine.
+TEST_F(GatewayKvmockerTest, AnImageIsPartOfThePrefixThroughTheGateway) {
+  const std::string prefix(200, 'p');
+  auto chat = [&](const std::string& url, const std::string& question) {
+    return json{{"model", "mock"},
+                {"max_tokens", 4},
+                {"messages",
+                 {{{"role", "user"},
+                   {"content",
+                    {{{"type", "text"}, {"text", prefix}},
+                     {{"type", "image_url"}, {"image_url", {{"url", url}}}},
+                     {{"type", "text"}, {"text", question}}}}}}}}
+        .dump();
+  };
+  auto first = Post(chat("data:image/png;base64,AAAA", "what is it?"));
+  ASSERT_TRUE(first.ok());
+  ASSERT_EQ(first->status, 200) << first->body;
+  ASSERT_TRUE(AwaitStats([](StatsReply& s) { return s.counters["events_applied"] > 0; }, 5s));
+  // "<|user|>\n" + 200 bytes + "\n": the image takes tokens 210 to 225, so the blocks of 4 up to
+  // token 224 hold only the prompts' shared text and image; the block of 208 to 211 holds both.
+  const int image_start = 210, image_end = 210 + static_cast<int>(kImageTokens);
+  static_assert(kBs == 4);
+  const int shared_with_image = image_end / 4 * 4, shared_text = image_start / 4 * 4;
+  auto same = Post(chat("data:image/png;base64,AAAA", "and now?"));
+  ASSERT_TRUE(same.ok());
+  ASSERT_EQ(same->status, 200) << same->body;
+  EXPECT_EQ(HeaderOf(*same, "x-kvrouter-worker-id"), HeaderOf(*first, "x-kvrouter-worker-id"));
+  EXPECT_EQ(std::stoi(HeaderOf(*same, "x-kvrouter-cached-tokens")), shared_with_image);
+  EXPECT_EQ(json::parse(same->body)["usage"]["prompt_tokens_details"]["cached_tokens"].get<int>(), shared_with_image);
+  auto other = Post(chat("data:image/png;base64,BBBB", "and now?"));
+  ASSERT_TRUE(other.ok());
+  ASSERT_EQ(other->status, 200) << other->body;
+  const int routed = std::stoi(HeaderOf(*other, "x-kvrouter-cached-tokens"));
+  EXPECT_LE(routed, shared_text);
+  if (HeaderOf(*other, "x-kvrouter-worker-id") == HeaderOf(*first, "x-kvrouter-worker-id")) {
+    EXPECT_EQ(routed, shared_text);  // the text before the image is shared
+    EXPECT_EQ(json::parse(other->body)["usage"]["prompt_tokens_details"]["cached_tokens"].get<int>(), shared_text);
+  }
 }
 
 }  // namespace

@@ -48,9 +48,9 @@ TEST(OpenAiRequest, WhatIsMissingOrMalformedIsNamed) {
 }
 
 TEST(RenderAnswer, ChatAndCompletionsShapesAndTokenize) {
-  EXPECT_EQ(*ParseRenderAnswer(ApiKind::kChat, R"({"token_ids":[1,2,3],"other":0})"),
+  EXPECT_EQ(ParseRenderAnswer(ApiKind::kChat, R"({"token_ids":[1,2,3],"other":0})")->token_ids,
             (std::vector<std::uint32_t>{1, 2, 3}));
-  EXPECT_EQ(*ParseRenderAnswer(ApiKind::kCompletions, R"([{"token_ids":[4,5]},{"token_ids":[6]}])"),
+  EXPECT_EQ(ParseRenderAnswer(ApiKind::kCompletions, R"([{"token_ids":[4,5]},{"token_ids":[6]}])")->token_ids,
             (std::vector<std::uint32_t>{4, 5}));
   EXPECT_EQ(*ParseTokenizeAnswer(R"({"tokens":[7],"count":1})"), std::vector<std::uint32_t>{7});
   EXPECT_FALSE(ParseRenderAnswer(ApiKind::kChat, R"({"token_ids":[-1]})").ok());
@@ -60,6 +60,29 @@ TEST(RenderAnswer, ChatAndCompletionsShapesAndTokenize) {
   EXPECT_FALSE(ParseRenderAnswer(ApiKind::kCompletions, R"({"token_ids":[1]})").ok());
   EXPECT_FALSE(ParseTokenizeAnswer(R"({"ids":[1]})").ok());
   EXPECT_FALSE(ParseTokenizeAnswer("nope").ok());
+}
+
+// vLLM's render features: per modality, the k-th hash with the k-th placeholder is one item.
+TEST(RenderAnswer, MultimodalFeaturesBecomeItems) {
+  const std::string image(64, 'e');
+  auto r = ParseRenderAnswer(
+      ApiKind::kChat,
+      R"({"token_ids":[1,9,9,9,2],"features":{"mm_hashes":{"image":[")" + image +
+          R"(","img-2"]},"mm_placeholders":{"image":[{"offset":1,"length":3},{"offset":4,"length":1}]}}})");
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->mm_items, (std::vector<MmItem>{{MmItemHash(image), 1, 3}, {MmItemHash("img-2"), 4, 1}}));
+  EXPECT_TRUE(ParseRenderAnswer(ApiKind::kChat, R"({"token_ids":[1],"features":null})")->mm_items.empty());
+  EXPECT_TRUE(
+      ParseRenderAnswer(ApiKind::kChat, R"({"token_ids":[1],"features":{"mm_hashes":null}})")->mm_items.empty());
+  for (
+      const char* bad :
+      {R"({"token_ids":[1],"features":{"mm_hashes":{"image":["a"]}}})",
+       R"({"token_ids":[1],"features":{"mm_hashes":{"image":["a"]},"mm_placeholders":{"image":[]}}})",
+       R"({"token_ids":[1],"features":{"mm_hashes":{"image":["a"]},"mm_placeholders":{"image":[{"offset":-1,"length":1}]}}})",
+       R"({"token_ids":[1],"features":{"mm_hashes":{"image":[7]},"mm_placeholders":{"image":[{"offset":0,"length":1}]}}})",
+       R"({"token_ids":[1],"features":7})"}) {
+    EXPECT_EQ(ParseRenderAnswer(ApiKind::kChat, bad).status().code(), StatusCode::kInvalidArgument) << bad;
+  }
 }
 
 TEST(OpenAiError, IsTheShapeOpenAiClientsRead) {

@@ -85,7 +85,14 @@ TEST(OpenAiFaceTest, ChatPromptIsTheRenderedConversationsBytes) {
                           {{"type", "text"}, {"text", "two"}}}}},
                        {{"role", "assistant"}, {"content", nullptr}}}}};
   const OpenAiGeneration g = Generation(face, "/v1/chat/completions", body);
-  EXPECT_EQ(g.prompt, Bytes("<|system|>\nsys\n<|user|>\none\ntwo\n<|assistant|>\n\n<|assistant|>\n"));
+  // The image is kImageTokens placeholder tokens between the text parts, and one item.
+  std::vector<std::uint32_t> want = Bytes("<|system|>\nsys\n<|user|>\none\n");
+  const auto at = static_cast<std::uint32_t>(want.size());
+  want.insert(want.end(), kImageTokens, kImageToken);
+  const auto rest = Bytes("\ntwo\n<|assistant|>\n\n<|assistant|>\n");
+  want.insert(want.end(), rest.begin(), rest.end());
+  EXPECT_EQ(g.prompt, want);
+  EXPECT_EQ(g.mm_items, (std::vector<MmItem>{{MmItemHash(MockImageIdentifier("x")), at, kImageTokens}}));
   EXPECT_EQ(g.max_tokens, 16u);  // the default
   EXPECT_EQ(g.answer.api(), OpenAiApi::kChat);
   EXPECT_EQ(g.answer.delivery(), OpenAiAnswer::Delivery::kWhole);
@@ -220,6 +227,38 @@ TEST(OpenAiFaceTest, ModelsListsTheServedModelAndHealthIs200) {
   EXPECT_EQ(j["data"][0]["object"], "model");
   EXPECT_EQ(j["data"][0]["owned_by"], "kvmocker");
   EXPECT_EQ(Answer(face, "GET", "/health").status, 200);
+}
+
+// An image renders as vLLM's render endpoint shows one: placeholder tokens, and its identifier
+// and placeholder under features; the same URL gives the same identifier, another URL another.
+TEST(OpenAiFaceTest, RenderShowsImagesAsFeatures) {
+  OpenAiFace face({});
+  auto body = [](std::string url) {
+    return Json{{"model", "mock"},
+                {"messages",
+                 {{{"role", "user"},
+                   {"content", {{{"type", "text"}, {"text", "look"}}, {{"type", "image_url"}, {"image_url", url}}}}}}}}
+        .dump();
+  };
+  const Json a = Parse(Answer(face, "POST", "/v1/chat/completions/render", body("data:image/png;base64,AAAA")).body);
+  ASSERT_TRUE(a.contains("features")) << a.dump();
+  const auto ids = a["token_ids"].get<std::vector<std::uint32_t>>();
+  const Json& place = a["features"]["mm_placeholders"]["image"][0];
+  const auto offset = place["offset"].get<std::uint32_t>();
+  EXPECT_EQ(place["length"], kImageTokens);
+  ASSERT_LE(offset + kImageTokens, ids.size());
+  for (std::uint32_t k = 0; k < kImageTokens; ++k) EXPECT_EQ(ids[offset + k], kImageToken);
+  const std::string id = a["features"]["mm_hashes"]["image"][0];
+  EXPECT_EQ(id, MockImageIdentifier("data:image/png;base64,AAAA"));
+  EXPECT_EQ(id.size(), 64u);
+  const Json b = Parse(Answer(face, "POST", "/v1/chat/completions/render", body("data:image/png;base64,BBBB")).body);
+  EXPECT_NE(b["features"]["mm_hashes"]["image"][0], id);
+  EXPECT_EQ(b["token_ids"], a["token_ids"]);  // the same tokens: only the item tells them apart
+  EXPECT_FALSE(Parse(Answer(face, "POST", "/v1/chat/completions/render", kChat.dump()).body).contains("features"));
+  EXPECT_EQ(Answer(face, "POST", "/v1/chat/completions/render",
+                   R"({"messages":[{"role":"user","content":[{"type":"image_url","image_url":{}}]}]})")
+                .status,
+            400);
 }
 
 TEST(OpenAiFaceTest, RenderAndTokenizeUseTheSameTokenizer) {
