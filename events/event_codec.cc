@@ -327,12 +327,15 @@ std::optional<KvEventBatch> DecodeDynamoEventPull(std::span<const std::byte> bod
   return batch;
 }
 
-void PackKvCacheEvent(msgpack::sbuffer& out, const KvEventBatch& batch) {
+void PackKvCacheEvent(msgpack::sbuffer& out, const KvEventBatch& batch, bool with_tier) {
   assert(batch.ops.size() == 1);
   // Without an op (a caller bug) an empty removal keeps the event id sequence intact.
   const KvEventData data = batch.ops.empty() ? KvEventData{KvRemoved{}} : batch.ops.front().data;
   MapWriter event;
   event.Field("event_id", batch.sequence.value).Field("dp_rank", batch.dp_rank);
+  if (with_tier && !batch.ops.empty() && batch.ops.front().tier != StorageTier::kDevice) {
+    event.Field("storage_tier", StorageTierName(batch.ops.front().tier));
+  }
   event.With("data", [&](msgpack::sbuffer& buf) { PackData(buf, data); });
   event.AppendTo(out);
 }
@@ -345,6 +348,7 @@ Result<KvEventBatch> DecodeKvCacheEvent(const msgpack::object& event, std::uint6
   FieldReads reads;
   reads.Required(event, "event_id", ReadU64, event_id);
   reads.Optional(event, "dp_rank", ReadU32, batch.dp_rank);
+  reads.Optional(event, "storage_tier", ReadStorageTier, op.tier);  // recovery replies' extension
   if (!reads.ok()) return reads.status();
   if (Status s = DecodeData(FindKey(event, "data"), op.data); !s.ok()) return s;
   batch.sequence = {SequenceKind::kEventId, event_id};

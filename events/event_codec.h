@@ -60,9 +60,10 @@ std::optional<KvEventBatch> DecodeDynamoEventPull(std::span<const std::byte> bod
 
 // The KvCacheEvent map {event_id, dp_rank, data} of `batch`, appended to `out`: the `event` of a
 // RouterEvent and each element of a recovery reply's `events` (events/worker_codec.h). `batch`
-// must hold exactly one op; its sequence value is written as event_id (the tier is not part of
-// a KvCacheEvent).
-void PackKvCacheEvent(msgpack::sbuffer& out, const KvEventBatch& batch);
+// must hold exactly one op; its sequence value is written as event_id.
+// with_tier: the op's storage_tier inside the event map when it is not `device` (recovery
+// replies, kvrouter's extension; a RouterEvent carries the tier beside its event instead).
+void PackKvCacheEvent(msgpack::sbuffer& out, const KvEventBatch& batch, bool with_tier = false);
 
 // Decodes a KvCacheEvent map into a batch of `worker_id` with exactly one op of `tier` and
 // sequence {kEventId, event_id}. Allocates only in proportion to the parsed object.

@@ -501,6 +501,8 @@ Status ReadPage(const msgpack::object& m, std::uint64_t& offset, std::uint32_t& 
   std::uint64_t wanted = limit;
   reads.Optional(m, "limit", ReadU64, wanted);
   if (!reads.ok()) return reads.status();
+  // 0 reads as the default: an empty page would point its next_offset at itself.
+  if (wanted == 0) wanted = StatsRequest::kDefaultLimit;
   limit = static_cast<std::uint32_t>(std::min<std::uint64_t>(wanted, StatsRequest::kMaxLimit));
   return Status::Ok();
 }

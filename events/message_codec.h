@@ -69,6 +69,10 @@ enum class WorkerStatus { kUp, kLeaving };
 inline constexpr std::size_t kMaxUrlBytes = 2048;
 inline constexpr std::size_t kMaxModels = 64;
 
+// dp ranks a worker may have, [0, kMaxDpRanks): the index keeps a rank's other storage tiers
+// under the higher ranks (router/index/block_index.h, TierRank).
+inline constexpr std::uint64_t kMaxDpRanks = 1u << 30;
+
 struct WorkerRegistration {
   std::uint64_t worker_id = 0;
   std::uint32_t dp_start = 0;

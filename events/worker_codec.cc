@@ -41,7 +41,7 @@ msgpack::sbuffer EncodeRecoveryReply(const RecoveryReply& reply) {
   w.Field("kind", reply.kind);
   w.With("events", [&](msgpack::sbuffer& out) {
     msgpack::packer<msgpack::sbuffer>(out).pack_array(static_cast<std::uint32_t>(reply.events.size()));
-    for (const KvEventBatch& b : reply.events) PackKvCacheEvent(out, b);
+    for (const KvEventBatch& b : reply.events) PackKvCacheEvent(out, b, /*with_tier=*/true);
   });
   w.Field("last_event_id", reply.last_event_id);
   if (!reply.message.empty()) w.Field("message", reply.message);
@@ -85,7 +85,7 @@ Result<std::vector<msgpack::sbuffer>> EncodeRecoveryReplyParts(const RecoveryRep
     KvEventBatch b = std::move(todo.back());
     todo.pop_back();
     msgpack::sbuffer one;
-    PackKvCacheEvent(one, b);
+    PackKvCacheEvent(one, b, /*with_tier=*/true);
     if (one.size() > room) {
       KvEventBatch first, second;
       if (reply.kind != "tree_dump" || !HalveChain(b, first, second)) {

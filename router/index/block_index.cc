@@ -372,8 +372,13 @@ std::size_t BlockIndex::ClearSlot(std::uint32_t slot) {
 }
 
 std::size_t BlockIndex::ClearRank(WorkerKey worker) {
-  const std::uint32_t slot = FindSlot(worker);
-  return slot == kFlatEmpty ? 0 : ClearSlot(slot);
+  std::size_t dropped = 0;
+  for (const StorageTier t : {StorageTier::kDevice, StorageTier::kHostPinned, StorageTier::kDisk}) {
+    const WorkerKey key = (worker.dp_rank & kTierRankBits) != 0 ? worker : TierRank(worker, t);
+    if (const std::uint32_t slot = FindSlot(key); slot != kFlatEmpty) dropped += ClearSlot(slot);
+    if ((worker.dp_rank & kTierRankBits) != 0) break;  // a tier rank alone
+  }
+  return dropped;
 }
 
 std::size_t BlockIndex::ClearWorker(std::uint64_t worker_id) {

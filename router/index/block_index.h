@@ -82,7 +82,8 @@ using OverlapScores = std::vector<OverlapScore, UninitializedResizeAllocator<Ove
 // Storage tiers (docs/protocol.md section 12). The index keeps a rank's blocks on each tier apart,
 // as ranks of their own: device blocks under the rank itself, host-pinned blocks with
 // kHostTierRank set in dp_rank, disk and external ones with kDiskTierRank (real dp ranks stay
-// below 2^16: --router-max-dp-size). FindMatches reports them as such; SplitTiers folds them back.
+// below kTierRankBits: registrations and events of higher ranks are refused). FindMatches reports
+// them as such; SplitTiers folds them back.
 inline constexpr std::uint32_t kHostTierRank = 1u << 30;
 inline constexpr std::uint32_t kDiskTierRank = 1u << 31;
 inline constexpr std::uint32_t kTierRankBits = kHostTierRank | kDiskTierRank;
@@ -139,7 +140,7 @@ class BlockIndex {
   void PrefetchStored(WorkerKey worker, std::optional<BlockHash> parent, std::span<const StoredBlock> blocks) const;
   // Removes blocks by engine hash; unknown ones are counted and skipped.
   ApplyOutcome ApplyRemoved(WorkerKey worker, std::span<const BlockHash> block_hashes);
-  // Drops every block of one (worker, dp_rank); the worker stays known.
+  // Drops every block of one (worker, dp_rank), on every storage tier; the worker stays known.
   std::size_t ClearRank(WorkerKey worker);
   // Drops every block of every dp rank of worker_id (`cleared`); returns blocks dropped.
   std::size_t ClearWorker(std::uint64_t worker_id);

@@ -324,7 +324,10 @@ void IndexShard::PrefetchBlocks(const Item& it) {
 }
 
 void IndexShard::PrefetchSlots(const KvEventBatch& b) const {
-  if (const KvStored* st = FirstStored(b)) index_.PrefetchStored({b.worker_id, b.dp_rank}, st->parent_hash, st->blocks);
+  if (b.ops.empty()) return;
+  if (const auto* st = std::get_if<KvStored>(&b.ops.front().data)) {
+    index_.PrefetchStored(TierRank({b.worker_id, b.dp_rank}, b.ops.front().tier), st->parent_hash, st->blocks);
+  }
 }
 
 void IndexShard::PrefetchSlots(const Item& it) const {
@@ -385,8 +388,11 @@ void IndexShard::ApplyOps(WorkerKey rank, const KvEventBatch& b) {
     const WorkerKey key = TierRank(rank, op.tier);
     ApplyOutcome r;
     if (auto* s = std::get_if<KvStored>(&op.data)) {
+      // A registration's capacity is its GPU cache's; host and disk tiers are larger, so their
+      // ranks take only the router's own bound per rank (--router-max-worker-blocks).
       auto cap = capacity_of_.find(key.worker_id);
-      const std::uint64_t limit = cap == capacity_of_.end() ? default_capacity_ : cap->second;
+      const std::uint64_t limit =
+          cap == capacity_of_.end() || key.dp_rank != rank.dp_rank ? default_capacity_ : cap->second;
       r = index_.ApplyStored(key, s->parent_hash, s->blocks, limit);
       if (r.over_capacity) {
         over_capacity_.Add(1);

@@ -82,7 +82,7 @@ struct IndexCounters {
   std::uint64_t ops_applied = 0;  // stored/removed/cleared operations applied
   std::uint64_t blocks_stored = 0;
   std::uint64_t blocks_removed = 0;
-  std::uint64_t non_device_ops = 0;    // accepted, not matched
+  std::uint64_t non_device_ops = 0;    // ops on host, disk or external tiers
   std::uint64_t gaps = 0;              // event_id / Kv-Seq jumped forward
   std::uint64_t events_recovered = 0;  // events (a dump's chains) applied from recoveries
   std::uint64_t held_dropped = 0;      // held batches dropped when a rank's hold overflowed

@@ -65,6 +65,11 @@ const char* WorkerRegistry::RefusalLocked(const WorkerRegistration& reg, std::st
                          limits_.max_dp_size);
     return "dp_size";
   }
+  if (std::uint64_t{reg.dp_start} + reg.dp_size > kMaxDpRanks) {  // the index's tier ranks lie above
+    detail = fmt::format("worker {}: dp ranks [{}, {}) go past {}", reg.worker_id, reg.dp_start,
+                         std::uint64_t{reg.dp_start} + reg.dp_size, kMaxDpRanks);
+    return "dp_size";
+  }
   auto it = workers_.find(reg.worker_id);
   const std::uint64_t before = it == workers_.end() ? 0 : it->second.reg.dp_size;
   if (ranks_total_ - before + reg.dp_size > limits_.max_worker_ranks) {

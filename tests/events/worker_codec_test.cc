@@ -78,7 +78,10 @@ TEST(RecoveryCodecTest, ReplyRoundTripsThroughTheDynamoEventGrammar) {
   KvEventBatch removed{.worker_id = 42, .dp_rank = 1, .sequence = {SequenceKind::kEventId, 9}};
   removed.ops.resize(1);  // (push_back of a braced KvOp trips a GCC 12 -Wmaybe-uninitialized under ASan)
   removed.ops[0].data = KvRemoved{{11, 12}};
-  reply.events = {stored, removed};
+  KvEventBatch offloaded = StoredPromptBatch(42, 10, std::vector<std::uint32_t>{1, 2, 3, 4}, 4);
+  offloaded.dp_rank = 1;
+  offloaded.ops[0].tier = StorageTier::kHostPinned;  // a replayed event keeps its tier
+  reply.events = {stored, removed, offloaded};
   auto back = DecodeRecoveryReply(AsBytes(EncodeRecoveryReply(reply)), 42);
   ASSERT_TRUE(back.ok()) << back.status().ToString();
   EXPECT_EQ(back->kind, "events");

@@ -354,6 +354,32 @@ TEST(ShardedIndex, RestartedPublisherStartsFromAnEmptyCache) {
   EXPECT_EQ(idx.FindMatches(ComputeSequenceHashes(std::vector<LocalHash>{8})).size(), 1u);
 }
 
+// A restart empties the rank on every tier: an engine that restarted has no CPU cache either.
+TEST(ShardedIndex, ARestartEmptiesTheRankOnEveryTier) {
+  ShardedIndex idx;
+  ASSERT_TRUE(idx.Submit(StoredBatch(5, 0, 1, std::nullopt, {{100, 1}, {101, 2}}, StorageTier::kHostPinned)));
+  ASSERT_TRUE(idx.Submit(StoredBatch(5, 0, 2, std::nullopt, {{102, 3}}, StorageTier::kDisk)));
+  ASSERT_TRUE(idx.Submit(StoredBatch(5, 0, 1, std::nullopt, {{300, 8}})));  // restart
+  idx.Flush();
+  EXPECT_EQ(idx.Counters().restarts, 1u);
+  EXPECT_EQ(idx.TreeSize(TierRank({5, 0}, StorageTier::kHostPinned)), 0u);
+  EXPECT_EQ(idx.TreeSize(TierRank({5, 0}, StorageTier::kDisk)), 0u);
+  EXPECT_EQ(idx.TreeSize({5, 0}), 1u);
+}
+
+// Host and disk tiers are bigger than the GPU cache a registration announces: their ranks are
+// bounded by the router's own per-rank bound only.
+TEST(ShardedIndex, TierRanksAreNotBoundByTheRegisteredCapacity) {
+  ShardedIndex idx;
+  idx.SetCapacity(5, 2);
+  ASSERT_TRUE(idx.Submit(StoredBatch(5, 0, 1, std::nullopt, {{100, 1}, {101, 2}, {102, 3}}, StorageTier::kHostPinned)));
+  ASSERT_TRUE(idx.Submit(StoredBatch(5, 0, 2, std::nullopt, {{200, 4}, {201, 5}, {202, 6}})));
+  idx.Flush();
+  EXPECT_EQ(idx.TreeSize(TierRank({5, 0}, StorageTier::kHostPinned)), 3u);
+  EXPECT_EQ(idx.TreeSize({5, 0}), 0u);
+  EXPECT_EQ(idx.Counters().over_capacity, 1u);
+}
+
 // Blocks off device are matched under their tier's rank, and SplitTiers folds them into their
 // rank's cumulative overlaps.
 TEST(ShardedIndex, BlocksOffDeviceAreMatchedAsTheirTiersRank) {

@@ -58,6 +58,16 @@ TEST_F(HostilePeerTest, HugeDpSizeIsRefusedAndNeverObeyed) {
   ExpectHonestWorkerIntact();
 }
 
+// Ranks from 2^30 up hold the index's storage tiers: no worker may claim them.
+TEST_F(HostilePeerTest, DpRanksPastTwoToTheThirtyAreRefused) {
+  StartWithHonestWorker();
+  Register(7, {.dp_start = (1u << 30) - 1, .dp_size = 2});
+  EXPECT_EQ(Refused("dp_size"), 1u);
+  Register(8, {.dp_start = (1u << 30) - 1, .dp_size = 1});
+  EXPECT_EQ(Stats().workers_total, 2u);
+  ExpectHonestWorkerIntact();
+}
+
 TEST_F(HostilePeerTest, DpSizeBoundIsAFlag) {
   StartWithHonestWorker({"--router-max-dp-size", "4"});
   Register(1, {.dp_size = 4});
