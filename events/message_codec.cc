@@ -354,9 +354,10 @@ Result<RouteReply> DecodeRouteReply(std::span<const std::byte> body) {
   reads.Required(m, "cached_tokens", ReadU32, reply.cached_tokens);
   reads.Required(m, "queued_ms", ReadF64, reply.queued_ms);
   reads.Optional(m, "http_url", ReadStr, reply.http_url);
+  // An optional extra: a malformed one reads as absent rather than losing the decision.
   reply.overlap_by_tier = {reply.overlap_blocks, reply.overlap_blocks, reply.overlap_blocks};
-  if (reads.ok()) {
-    if (Status s = ReadOverlapByTier(m, reply.overlap_by_tier); !s.ok()) reads.Fail(s);
+  if (OverlapByTier t; ReadOverlapByTier(m, t).ok() && FindKey(m, "overlap_by_tier") != nullptr) {
+    reply.overlap_by_tier = t;
   }
   if (!reads.ok()) return reads.status();
   return reply;
