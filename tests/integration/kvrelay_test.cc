@@ -101,6 +101,32 @@ TEST_F(KvRelayProcessTest, StoredRemovedAndClearedReachTheRouter) {
   EXPECT_TRUE(WaitFor([&] { return Overlap(a.token_ids) == 0; }, 5s));
 }
 
+// Multimodal items through kvrelay (protocol.md section 12): vLLM's extra_keys name the image
+// of a block; the relay hashes it into that block, so a route with the image as an mm_item
+// matches the whole prompt and one without it only the block before the image.
+TEST_F(KvRelayProcessTest, AnImageInExtraKeysIsPartOfTheBlocksHash) {
+  StartRelay(true);
+  VllmStoredEvent a = StoredPrompt(100, 3, 5000);
+  const std::string image(64, 'd');
+  a.extra_keys = {{}, {image}, {}};
+  RouteRequest with_image{.token_ids = a.token_ids, .has_token_ids = true};
+  with_image.isl = static_cast<std::uint32_t>(a.token_ids.size());
+  with_image.mm_items = {{.hash = MmItemHash(image), .offset = kBs, .length = kBs}};
+  auto overlap = [&](const RouteRequest& req) {
+    auto r = RequestRoute("best_worker", EncodeRouteRequest(req));
+    return r.ok() && r->worker_id == kWorker ? r->overlap_blocks : 0u;
+  };
+  ASSERT_TRUE(WaitFor(
+      [&] {
+        engine_->Publish({a});
+        return overlap(with_image) == 3;
+      },
+      10s, 200ms));
+  EXPECT_EQ(Overlap(a.token_ids), 1u);
+  with_image.mm_items[0].hash = MmItemHash("another image");
+  EXPECT_EQ(overlap(with_image), 1u);
+}
+
 TEST_F(KvRelayProcessTest, ABatchTheRelayNeverGotIsReplayed) {
   StartRelay(true);
   ASSERT_TRUE(PublishUntilIndexed(StoredPrompt(100, 2, 5000), 2));
