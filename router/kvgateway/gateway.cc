@@ -48,7 +48,7 @@ struct Gateway::Exchange {
   std::string booking_base;  // ours, unique per exchange: the router's request id
   std::string session_id;
   std::vector<std::uint32_t> token_ids;
-  std::vector<MmItem> mm_items;         // from the render answer's features
+  std::vector<MmItem> mm_items;         // the render answer's features, and the cache_salt
   std::vector<std::uint64_t> allowed;   // workers serving the model
   std::vector<std::uint64_t> excluded;  // workers that failed this request
   std::vector<HttpEndpoint> render_at;
@@ -289,8 +289,8 @@ void Gateway::Render(const std::shared_ptr<Exchange>& x, std::size_t candidate, 
                rendered = ParseRenderAnswer(ex->request.kind, body);
              }
              if (!rendered.ok()) return Fail(ex, 502, "render_failed", rendered.status().message());
+             ex->mm_items = RouteItems(ex->request, *rendered);
              ex->token_ids = std::move(rendered->token_ids);
-             ex->mm_items = std::move(rendered->mm_items);
              Route(ex);
            }});
   KeepCall(x, seq, std::move(call));

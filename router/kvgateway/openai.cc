@@ -40,6 +40,10 @@ Result<OpenAiRequest> ParseOpenAiRequest(ApiKind kind, std::string_view body) {
     if (!stream->is_boolean()) return InvalidArgument("'stream' must be true or false");
     r.stream = stream->get<bool>();
   }
+  if (const auto salt = doc.find("cache_salt"); salt != doc.end() && !salt->is_null()) {
+    if (!salt->is_string()) return InvalidArgument("'cache_salt' must be a string");
+    r.cache_salt = salt->get<std::string>();
+  }
   json tokenize{{"model", r.model}};
   if (kind == ApiKind::kChat) {
     const auto messages = doc.find("messages");
@@ -118,6 +122,14 @@ Result<RenderedPrompt> ParseRenderAnswer(ApiKind kind, std::string_view body) {
     r.mm_items = std::move(items).value();
   }
   return r;
+}
+
+std::vector<MmItem> RouteItems(const OpenAiRequest& request, const RenderedPrompt& rendered) {
+  std::vector<MmItem> items = rendered.mm_items;
+  if (!request.cache_salt.empty() && items.size() < kMaxMmItems) {
+    items.push_back({.hash = MmItemHash(request.cache_salt), .offset = 0, .length = 1});
+  }
+  return items;
 }
 
 Result<std::vector<std::uint32_t>> ParseTokenizeAnswer(std::string_view body) {

@@ -28,10 +28,14 @@ struct OpenAiRequest {
   bool stream = false;
   // For /tokenize: {"model", "messages"} (chat) or {"model", "prompt"} (completions), as JSON text.
   std::string tokenize_body;
+  // vLLM's `cache_salt` (empty: none): the engine keeps salted prefixes apart, and so does the
+  // router, with the salt as an item of the first block (docs/protocol.md section 12).
+  std::string cache_salt;
 };
 
 // 400-worthy problems (not JSON, not an object, no string `model`, chat without a `messages`
-// array, completions without a `prompt`) are InvalidArgument with a message for the client.
+// array, completions without a `prompt`, a `cache_salt` that is not a string) are InvalidArgument
+// with a message for the client.
 Result<OpenAiRequest> ParseOpenAiRequest(ApiKind kind, std::string_view body);
 
 // A prompt as an engine rendered it: its token ids and its multimodal items (docs/protocol.md
@@ -48,6 +52,9 @@ struct RenderedPrompt {
 // it is one item (MmItemHash of the identifier). InvalidArgument when malformed, or when the
 // features do not pair up or hold more than kMaxMmItems items.
 Result<RenderedPrompt> ParseRenderAnswer(ApiKind kind, std::string_view body);
+// The items a route carries for a rendered prompt: its multimodal items, and the request's
+// cache_salt as an item of the first block when there is one.
+std::vector<MmItem> RouteItems(const OpenAiRequest& request, const RenderedPrompt& rendered);
 Result<std::vector<std::uint32_t>> ParseTokenizeAnswer(std::string_view body);
 
 // JSON text of a document whose strings may hold invalid UTF-8 (a client's or an engine's bytes

@@ -85,6 +85,23 @@ TEST(RenderAnswer, MultimodalFeaturesBecomeItems) {
   }
 }
 
+// vLLM's cache_salt keeps salted prefixes apart at the router too: an item of the first block.
+TEST(RenderAnswer, ACacheSaltIsAnItemOfTheFirstBlock) {
+  auto req = ParseOpenAiRequest(ApiKind::kChat,
+                                R"({"model":"m","messages":[{"role":"user","content":"x"}],"cache_salt":"tenant-7"})");
+  ASSERT_TRUE(req.ok()) << req.status().ToString();
+  EXPECT_EQ(req->cache_salt, "tenant-7");
+  const RenderedPrompt rendered{.token_ids = {1, 2, 3, 4}, .mm_items = {{.hash = 9, .offset = 2, .length = 1}}};
+  EXPECT_EQ(RouteItems(*req, rendered),
+            (std::vector<MmItem>{{.hash = 9, .offset = 2, .length = 1},
+                                 {.hash = MmItemHash("tenant-7"), .offset = 0, .length = 1}}));
+  auto plain = ParseOpenAiRequest(ApiKind::kChat, R"({"model":"m","messages":[{"role":"user","content":"x"}]})");
+  ASSERT_TRUE(plain.ok());
+  EXPECT_EQ(RouteItems(*plain, rendered), rendered.mm_items);
+  EXPECT_EQ(ParseOpenAiRequest(ApiKind::kChat, R"({"model":"m","messages":[{}],"cache_salt":7})").status().code(),
+            StatusCode::kInvalidArgument);
+}
+
 TEST(OpenAiError, IsTheShapeOpenAiClientsRead) {
   const json e = json::parse(OpenAiError("bad \"thing\"", "invalid_request_error", "bad"));
   EXPECT_EQ(e["error"]["message"], "bad \"thing\"");
