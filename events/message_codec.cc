@@ -356,7 +356,7 @@ Result<RouteReply> DecodeRouteReply(std::span<const std::byte> body) {
   reads.Optional(m, "http_url", ReadStr, reply.http_url);
   // An optional extra: a malformed one reads as absent rather than losing the decision.
   reply.overlap_by_tier = {reply.overlap_blocks, reply.overlap_blocks, reply.overlap_blocks};
-  if (OverlapByTier t; ReadOverlapByTier(m, t).ok() && FindKey(m, "overlap_by_tier") != nullptr) {
+  if (OverlapByTier t; FindKey(m, "overlap_by_tier") != nullptr && ReadOverlapByTier(m, t).ok()) {
     reply.overlap_by_tier = t;
   }
   if (!reads.ok()) return reads.status();

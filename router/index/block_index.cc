@@ -235,6 +235,39 @@ void SplitTiers(OverlapScores& scores, std::unordered_map<WorkerKey, TieredOverl
   }
 }
 
+std::uint32_t BlockIndex::ParentOnAnotherTier(WorkerKey worker, BlockHash parent_hash) {
+  const WorkerKey device{worker.worker_id, worker.dp_rank & ~kTierRankBits};
+  for (const StorageTier t : {StorageTier::kDevice, StorageTier::kHostPinned, StorageTier::kDisk}) {
+    const WorkerKey other = TierRank(device, t);
+    if (other == worker) continue;
+    if (const std::uint32_t n = HeldNode(FindSlot(other), parent_hash); n != kFlatEmpty) {
+      // This rank will hold children of a node it does not hold: FindMatches must intersect
+      // below it (the node's orphan risk, sticky until it is freed).
+      RelaxedStore(node(n).meta, node(n).meta | 1);
+      return n;
+    }
+  }
+  return kFlatEmpty;
+}
+
+RankOverlaps::RankOverlaps(OverlapScores& scores) : scores_(scores) {
+  SplitTiers(scores_, tiers_);
+  std::sort(scores_.begin(), scores_.end(),
+            [](const OverlapScore& a, const OverlapScore& b) { return a.worker < b.worker; });
+}
+
+TieredOverlap RankOverlaps::At(WorkerKey rank) {
+  while (next_ < scores_.size() && scores_[next_].worker < rank) ++next_;
+  if (!tiers_.empty()) {
+    if (auto t = tiers_.find(rank); t != tiers_.end()) return t->second;
+  }
+  if (next_ < scores_.size() && scores_[next_].worker == rank) {
+    const std::uint32_t n = scores_[next_].blocks;
+    return {n, n, n};
+  }
+  return {};
+}
+
 ApplyOutcome BlockIndex::ApplyStored(WorkerKey worker, std::optional<BlockHash> parent_hash,
                                      std::span<const StoredBlock> blocks, std::uint64_t max_blocks) {
   ApplyOutcome out;
@@ -247,16 +280,7 @@ ApplyOutcome BlockIndex::ApplyStored(WorkerKey worker, std::optional<BlockHash> 
   std::uint32_t parent = kRoot;
   if (parent_hash) {
     parent = HeldNode(slot, *parent_hash);
-    const WorkerKey device{worker.worker_id, worker.dp_rank & ~kTierRankBits};
-    for (const WorkerKey other :
-         {device, TierRank(device, StorageTier::kHostPinned), TierRank(device, StorageTier::kDisk)}) {
-      if (parent != kFlatEmpty) break;
-      if (other == worker) continue;
-      parent = HeldNode(FindSlot(other), *parent_hash);
-      // This rank will hold children of a node it does not hold: FindMatches must intersect
-      // below it (the node's orphan risk, sticky until it is freed).
-      if (parent != kFlatEmpty) RelaxedStore(node(parent).meta, node(parent).meta | 1);
-    }
+    if (parent == kFlatEmpty) parent = ParentOnAnotherTier(worker, *parent_hash);
     if (parent == kFlatEmpty) {
       out.parent_not_found = true;
       return out;
@@ -372,12 +396,14 @@ std::size_t BlockIndex::ClearSlot(std::uint32_t slot) {
 }
 
 std::size_t BlockIndex::ClearRank(WorkerKey worker) {
+  auto clear = [&](WorkerKey key) {
+    const std::uint32_t slot = FindSlot(key);
+    return slot == kFlatEmpty ? 0 : ClearSlot(slot);
+  };
+  if ((worker.dp_rank & kTierRankBits) != 0) return clear(worker);  // one tier's rank alone
   std::size_t dropped = 0;
-  for (const StorageTier t : {StorageTier::kDevice, StorageTier::kHostPinned, StorageTier::kDisk}) {
-    const WorkerKey key = (worker.dp_rank & kTierRankBits) != 0 ? worker : TierRank(worker, t);
-    if (const std::uint32_t slot = FindSlot(key); slot != kFlatEmpty) dropped += ClearSlot(slot);
-    if ((worker.dp_rank & kTierRankBits) != 0) break;  // a tier rank alone
-  }
+  for (const StorageTier t : {StorageTier::kDevice, StorageTier::kHostPinned, StorageTier::kDisk})
+    dropped += clear(TierRank(worker, t));
   return dropped;
 }
 

@@ -102,6 +102,20 @@ struct TieredOverlap {
 // prompt block off device.
 void SplitTiers(OverlapScores& scores, std::unordered_map<WorkerKey, TieredOverlap, WorkerKeyHash>& tiers);
 
+// FindMatches' output read rank by rank, its tiers folded in (SplitTiers): At must be asked for
+// ranks in ascending order. Borrows `scores` and reorders it.
+//   RankOverlaps overlaps(scores);  for (rank : ranks ascending) TieredOverlap t = overlaps.At(rank);
+class RankOverlaps {
+ public:
+  explicit RankOverlaps(OverlapScores& scores);
+  TieredOverlap At(WorkerKey rank);
+
+ private:
+  OverlapScores& scores_;
+  std::unordered_map<WorkerKey, TieredOverlap, WorkerKeyHash> tiers_;
+  std::size_t next_ = 0;
+};
+
 // What applying one operation did; the caller turns it into counters.
 struct ApplyOutcome {
   std::uint32_t blocks_stored = 0;  // new (worker, block) holdings
@@ -249,6 +263,9 @@ class BlockIndex {
   std::uint32_t ChildOrCreate(std::uint32_t parent, SequenceHash seq);
   // The node the slot holds under engine hash h, or kFlatEmpty.
   std::uint32_t HeldNode(std::uint32_t slot, BlockHash h) const;
+  // The node of parent_hash held by one of worker's other storage tiers (flagged: this rank will
+  // hold children of a node it does not hold), or kFlatEmpty.
+  std::uint32_t ParentOnAnotherTier(WorkerKey worker, BlockHash parent_hash);
   // Canonical slot -> mapped (the map built from its held nodes).
   void MakeMapped(std::uint32_t slot);
   // Canonical slot: drops stale entries of `held` once they outnumber the live ones.

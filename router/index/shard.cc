@@ -324,8 +324,7 @@ void IndexShard::PrefetchBlocks(const Item& it) {
 }
 
 void IndexShard::PrefetchSlots(const KvEventBatch& b) const {
-  if (b.ops.empty()) return;
-  if (const auto* st = std::get_if<KvStored>(&b.ops.front().data)) {
+  if (const KvStored* st = FirstStored(b)) {
     index_.PrefetchStored(TierRank({b.worker_id, b.dp_rank}, b.ops.front().tier), st->parent_hash, st->blocks);
   }
 }

@@ -280,14 +280,12 @@ void Gateway::Render(const std::shared_ptr<Exchange>& x, std::size_t candidate, 
                return Fail(ex, status == 404 ? 502 : 400, "invalid_request",
                            fmt::format("the engine refused the prompt ({}): {}", status, body.substr(0, 512)));
              }
-             Result<RenderedPrompt> rendered = InvalidArgument("");
-             if (tokenize) {
+             auto rendered = [&]() -> Result<RenderedPrompt> {
+               if (!tokenize) return ParseRenderAnswer(ex->request.kind, body);
                auto ids = ParseTokenizeAnswer(body);
-               rendered = ids.ok() ? Result<RenderedPrompt>(RenderedPrompt{.token_ids = std::move(ids).value()})
-                                   : Result<RenderedPrompt>(ids.status());
-             } else {
-               rendered = ParseRenderAnswer(ex->request.kind, body);
-             }
+               if (!ids.ok()) return ids.status();
+               return RenderedPrompt{.token_ids = std::move(ids).value()};
+             }();
              if (!rendered.ok()) return Fail(ex, 502, "render_failed", rendered.status().message());
              ex->mm_items = RouteItems(ex->request, *rendered);
              ex->token_ids = std::move(rendered->token_ids);

@@ -77,6 +77,15 @@ Status CheckModel(const Json& request, const std::string& served) {
   return Status::Ok();
 }
 
+// The chat template's pieces (RenderChat and ChatPrompt): a message is its head, its content and
+// kMessageEnd; the generation prompt follows the last one.
+std::string MessageHead(std::string_view role) { return fmt::format("<|{}|>\n", role); }
+constexpr std::string_view kMessageEnd = "\n";
+constexpr std::string_view kGenerationPrompt = "<|assistant|>\n";
+
+// An image identifier of vLLM's shape (64 hex digits) whose MmItemHash is `hash`.
+std::string HexIdentifier(std::uint64_t hash) { return fmt::format("{:016x}{}", hash, std::string(48, '0')); }
+
 // A rendered prompt: its tokens and its images.
 struct FacePrompt {
   std::vector<std::uint32_t> tokens;
@@ -157,13 +166,13 @@ Result<FacePrompt> ChatPrompt(const Json& request) {
     if (role == nullptr || !role->is_string()) {
       return InvalidArgument(fmt::format("messages[{}] needs a string 'role'", i));
     }
-    AppendBytes(out.tokens, fmt::format("<|{}|>\n", role->get_ref<const std::string&>()));
+    AppendBytes(out.tokens, MessageHead(role->get_ref<const std::string&>()));
     if (Status s = AppendContent(m, i, out); !s.ok()) return s;
-    out.tokens.push_back('\n');
+    AppendBytes(out.tokens, kMessageEnd);
   }
   auto add = BoolField(request, "add_generation_prompt", true);
   if (!add.ok()) return add.status();
-  if (*add) AppendBytes(out.tokens, "<|assistant|>\n");
+  if (*add) AppendBytes(out.tokens, kGenerationPrompt);
   return out;
 }
 
@@ -218,7 +227,7 @@ Json UsageJson(const OpenAiUsage& u) {
 }  // namespace
 
 std::string MockImageIdentifier(std::string_view url) {
-  return fmt::format("{:016x}{}", XXH3_64bits_withSeed(url.data(), url.size(), 0), std::string(48, '0'));
+  return HexIdentifier(XXH3_64bits_withSeed(url.data(), url.size(), 0));
 }
 
 std::vector<std::uint32_t> ByteTokens(std::string_view text) {
@@ -319,8 +328,8 @@ std::string OpenAiFace::FreshId() { return fmt::format("{:016x}{:08x}", id_tag_,
 std::string OpenAiFace::RenderChat(const std::vector<std::pair<std::string, std::string>>& messages,
                                    bool add_generation_prompt) {
   std::string out;
-  for (const auto& [role, content] : messages) out += fmt::format("<|{}|>\n{}\n", role, content);
-  if (add_generation_prompt) out += "<|assistant|>\n";
+  for (const auto& [role, content] : messages) out += MessageHead(role) + content + std::string(kMessageEnd);
+  if (add_generation_prompt) out += kGenerationPrompt;
   return out;
 }
 
@@ -374,7 +383,7 @@ std::variant<FaceResponse, OpenAiGeneration> OpenAiFace::Handle(std::string_view
         Json hashes = Json::array();
         Json places = Json::array();
         for (const MmItem& item : prompt->items) {
-          hashes.push_back(fmt::format("{:016x}{}", item.hash, std::string(48, '0')));
+          hashes.push_back(HexIdentifier(item.hash));
           places.push_back({{"offset", item.offset}, {"length", item.length}});
         }
         ids["features"] = {{"mm_hashes", {{"image", std::move(hashes)}}},

@@ -84,13 +84,8 @@ void Scheduler::FreshOverlaps(const PreparedRequest& p, OverlapScores& out) cons
 
 std::vector<Candidate> Scheduler::Candidates(std::span<const RankInfo> ranks, std::span<const SequenceHash> seq,
                                              OverlapScores& overlaps) const {
-  // Blocks held off device come as ranks of their own (TierRank): folded into their rank's.
-  std::unordered_map<WorkerKey, TieredOverlap, WorkerKeyHash> tiers;
-  SplitTiers(overlaps, tiers);
-  // Ranks come in ascending (worker_id, dp_rank) order: merge the overlaps in sorted too.
-  std::sort(overlaps.begin(), overlaps.end(),
-            [](const OverlapScore& a, const OverlapScore& b) { return a.worker < b.worker; });
-  auto next = overlaps.begin();
+  // Ranks come in ascending (worker_id, dp_rank) order, as RankOverlaps reads them.
+  RankOverlaps by_rank(overlaps);
   std::vector<Candidate> cands;
   cands.reserve(ranks.size());
   const double recent_scale = load_.RecentScale(clock_());
@@ -101,14 +96,10 @@ std::vector<Candidate> Scheduler::Candidates(std::span<const RankInfo> ranks, st
     c.capacity = r.max_num_seqs;
     c.max_num_batched_tokens = r.max_num_batched_tokens;
     c.total_kv_blocks = r.total_kv_blocks;
-    while (next != overlaps.end() && next->worker < c.worker) ++next;
-    if (next != overlaps.end() && next->worker == c.worker) c.overlap_blocks = next->blocks;
-    if (!tiers.empty()) {
-      if (auto t = tiers.find(c.worker); t != tiers.end()) {
-        c.host_overlap_blocks = t->second.host;
-        c.any_overlap_blocks = t->second.any;
-      }
-    }
+    const TieredOverlap overlap = by_rank.At(c.worker);
+    c.overlap_blocks = overlap.device;
+    c.host_overlap_blocks = overlap.host;
+    c.any_overlap_blocks = overlap.any;
     const WorkerLoad l = load_.Load(c.worker);
     c.active_blocks = l.active_blocks;
     c.active_prefill_tokens = l.active_prefill_tokens;

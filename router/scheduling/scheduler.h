@@ -98,7 +98,7 @@ class Scheduler {
   // event index.
   void FreshOverlaps(const PreparedRequest& p, OverlapScores& out) const;
 
-  // `ranks` (ascending) as candidates with their load and overlap (`overlaps` is sorted in place).
+  // `ranks` (ascending) as candidates with their load and overlap (`overlaps` is reordered: RankOverlaps).
   std::vector<Candidate> Candidates(std::span<const RankInfo> ranks, std::span<const SequenceHash> seq,
                                     OverlapScores& overlaps) const;
   // Full: active prefill tokens above threshold x max_num_batched_tokens (never when the queue is

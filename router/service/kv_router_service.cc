@@ -426,18 +426,11 @@ void KvRouterService::HandleOverlapScores(const BusMessage& m) {
     ReplyError(m, blocks.status());
     return;
   }
-  std::unordered_map<WorkerKey, TieredOverlap, WorkerKeyHash> tiers;
-  SplitTiers(overlaps, tiers);
-  std::sort(overlaps.begin(), overlaps.end(),
-            [](const OverlapScore& a, const OverlapScore& b) { return a.worker < b.worker; });
+  RankOverlaps by_rank(overlaps);
   OverlapScoresReply r;
   r.offset = req->offset;
-  auto next = overlaps.begin();
   for (const RankEntry& e : registry_.Page(req->offset, req->limit, &r.workers_total)) {
-    while (next != overlaps.end() && next->worker < e.worker) ++next;
-    TieredOverlap t;
-    if (next != overlaps.end() && next->worker == e.worker) t.device = t.host = t.any = next->blocks;
-    if (auto it = tiers.find(e.worker); it != tiers.end()) t = it->second;
+    const TieredOverlap t = by_rank.At(e.worker);
     const std::uint32_t most = *blocks;
     r.scores.push_back({.worker_id = e.worker.worker_id,
                         .dp_rank = e.worker.dp_rank,

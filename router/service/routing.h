@@ -97,7 +97,7 @@ class Routing {
   Result<std::uint32_t> Overlaps(const RouteRequest& prompt, OverlapScores& out) const;
 
  private:
-  // The ranks `req` may go to as candidates (overlaps sorted in place); `no_workers` when none.
+  // The ranks `req` may go to as candidates (overlaps reordered); `no_workers` when none.
   Result<std::vector<Candidate>> CandidatesLocked(const RouteRequest& req, std::span<const SequenceHash> seq,
                                                   OverlapScores& overlaps) const KV_REQUIRES(mu_);
   // Select among `cands` (the session's bound rank when it is one of them and not full), book,
