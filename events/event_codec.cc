@@ -104,6 +104,28 @@ Result<KvEventBatch> DecodeRouterEvent(const msgpack::object& root) {
   return DecodeKvCacheEvent(*event, worker_id, tier);
 }
 
+// {parent_hash, blocks} of a stored chain, appended to `out`.
+void PackStored(msgpack::sbuffer& out, const KvStored& stored) {
+  MapWriter chain;
+  chain.With("parent_hash", [&](Packer& pk) {
+    if (stored.parent_hash) {
+      pk.pack_uint64(*stored.parent_hash);
+    } else {
+      pk.pack_nil();
+    }
+  });
+  chain.With("blocks", [&](msgpack::sbuffer& blocks) {
+    Packer(blocks).pack_array(static_cast<std::uint32_t>(stored.blocks.size()));
+    MapWriter block;
+    for (const StoredBlock& b : stored.blocks) {
+      block.Clear();
+      block.Field("block_hash", b.block_hash).Field("tokens_hash", b.tokens_hash);
+      block.AppendTo(blocks);
+    }
+  });
+  chain.AppendTo(out);
+}
+
 // data = "cleared" | {"stored": {parent_hash, blocks}} | {"removed": {block_hashes}}, appended
 // to `out`.
 void PackData(msgpack::sbuffer& out, const KvEventData& data) {
@@ -113,24 +135,7 @@ void PackData(msgpack::sbuffer& out, const KvEventData& data) {
   }
   MapWriter kind;
   if (const auto* stored = std::get_if<KvStored>(&data)) {
-    MapWriter chain;
-    chain.With("parent_hash", [&](Packer& pk) {
-      if (stored->parent_hash) {
-        pk.pack_uint64(*stored->parent_hash);
-      } else {
-        pk.pack_nil();
-      }
-    });
-    chain.With("blocks", [&](msgpack::sbuffer& blocks) {
-      Packer(blocks).pack_array(static_cast<std::uint32_t>(stored->blocks.size()));
-      MapWriter block;
-      for (const StoredBlock& b : stored->blocks) {
-        block.Clear();
-        block.Field("block_hash", b.block_hash).Field("tokens_hash", b.tokens_hash);
-        block.AppendTo(blocks);
-      }
-    });
-    kind.Map("stored", chain);
+    kind.With("stored", [&](msgpack::sbuffer& buf) { PackStored(buf, *stored); });
   } else {
     MapWriter removed;
     removed.Field("block_hashes", std::get<KvRemoved>(data).block_hashes);
@@ -337,6 +342,18 @@ void PackKvCacheEvent(msgpack::sbuffer& out, const KvEventBatch& batch, bool wit
     event.Field("storage_tier", StorageTierName(batch.ops.front().tier));
   }
   event.With("data", [&](msgpack::sbuffer& buf) { PackData(buf, data); });
+  event.AppendTo(out);
+}
+
+void PackStoredEvent(msgpack::sbuffer& out, std::uint64_t event_id, std::uint32_t dp_rank, StorageTier tier,
+                     const KvStored& stored) {
+  MapWriter event;
+  event.Field("event_id", event_id).Field("dp_rank", dp_rank).Field("storage_tier", StorageTierName(tier));
+  event.With("data", [&](msgpack::sbuffer& buf) {
+    MapWriter kind;
+    kind.With("stored", [&](msgpack::sbuffer& chain) { PackStored(chain, stored); });
+    kind.AppendTo(buf);
+  });
   event.AppendTo(out);
 }
 

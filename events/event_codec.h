@@ -65,6 +65,11 @@ std::optional<KvEventBatch> DecodeDynamoEventPull(std::span<const std::byte> bod
 // replies, kvrouter's extension; a RouterEvent carries the tier beside its event instead).
 void PackKvCacheEvent(msgpack::sbuffer& out, const KvEventBatch& batch, bool with_tier = false);
 
+// The KvCacheEvent map of one stored chain, with its storage_tier always written (a chain of a
+// router's dump, docs/protocol.md section 12), appended to `out`.
+void PackStoredEvent(msgpack::sbuffer& out, std::uint64_t event_id, std::uint32_t dp_rank, StorageTier tier,
+                     const KvStored& stored);
+
 // Decodes a KvCacheEvent map into a batch of `worker_id` with exactly one op of `tier` and
 // sequence {kEventId, event_id}. Allocates only in proportion to the parsed object.
 Result<KvEventBatch> DecodeKvCacheEvent(const msgpack::object& event, std::uint64_t worker_id, StorageTier tier);

@@ -58,6 +58,14 @@ struct KvOp {
   bool operator==(const KvOp&) const = default;
 };
 
+// A stored chain on one storage tier: one chain of a rank's dump (BlockIndex::DumpRank, a
+// router's dump reply).
+struct DumpedChain {
+  StorageTier tier = StorageTier::kDevice;
+  KvStored stored;
+  bool operator==(const DumpedChain&) const = default;
+};
+
 // How the batch is numbered. Dynamo event ids start at 1 per (worker, dp_rank); vLLM's Kv-Seq
 // header counts batches from 0 and is tracked separately.
 enum class SequenceKind : std::uint8_t { kNone, kEventId, kVllmSeq };

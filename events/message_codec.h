@@ -55,6 +55,7 @@
 #include <msgpack.hpp>
 
 #include "events/base/status.h"
+#include "events/kv_event.h"
 #include "events/block_hash.h"
 
 namespace kvrouter {
@@ -312,6 +313,69 @@ struct OverlapScoresReply {
 // and next_offset points at the first one dropped.
 Result<msgpack::sbuffer> EncodeOverlapScoresReply(OverlapScoresReply& reply, std::size_t max_bytes);
 Result<OverlapScoresReply> DecodeOverlapScoresReply(std::span<const std::byte> body);
+
+// router.dump (docs/protocol.md section 12): a replica's whole index, a page at a time.
+//   request = {router_id: u64 (the asker's; a replica never answers its own), offset?: u64 (0),
+//              chain_offset?: u64 (0)}: the ranks from the offset-th (ascending (worker_id,
+//              dp_rank)), the first of them from its chain_offset-th chain
+//   reply   = {workers: [{worker_id: u64, dp_rank: u32, last_event_id: u64, id_kind?: "event_id" |
+//                         "kv_seq", chains: [KvCacheEvent with storage_tier...], partial?: bool}...],
+//              more: bool, next_offset?: u64, next_chain?: u64, router_id: u64 (the answerer's)}
+//   A chain is a §6 dump event ({event_id: the rank's last_event_id, dp_rank, storage_tier, data:
+//   {stored: ...}}). partial: the rank's chains go on in the next page (next_offset names it
+//   again, next_chain its first chain there). id_kind says how last_event_id counts (§6 ids:
+//   vLLM's Kv-Seq + 1); absent: no numbered event yet.
+struct DumpRequest {
+  std::uint64_t router_id = 0;
+  std::uint64_t offset = 0;
+  std::uint64_t chain_offset = 0;
+  bool operator==(const DumpRequest&) const = default;
+};
+Result<DumpRequest> DecodeDumpRequest(std::span<const std::byte> body);
+msgpack::sbuffer EncodeDumpRequest(const DumpRequest& req);
+
+struct DumpedRank {
+  std::uint64_t worker_id = 0;
+  std::uint32_t dp_rank = 0;
+  std::uint64_t last_event_id = 0;
+  SequenceKind numbering = SequenceKind::kNone;
+  std::vector<DumpedChain> chains;
+  bool partial = false;
+  bool operator==(const DumpedRank&) const = default;
+};
+
+struct DumpReply {
+  std::vector<DumpedRank> workers;
+  bool more = false;
+  std::uint64_t next_offset = 0;  // when more
+  std::uint64_t next_chain = 0;
+  std::uint64_t router_id = 0;
+  bool operator==(const DumpReply&) const = default;
+};
+// Chains whose ops are not stored chains are InvalidArgument; an error reply gives its Status.
+Result<DumpReply> DecodeDumpReply(std::span<const std::byte> body);
+
+// Writes one dump reply of at most max_bytes, rank by rank.
+//   DumpReplyWriter w(router_id, max_bytes);  n = w.Add(worker_id, rank, last, numbering, chains);
+//   msgpack::sbuffer body = std::move(w).Finish(more, next_offset, next_chain);
+class DumpReplyWriter {
+ public:
+  DumpReplyWriter(std::uint64_t router_id, std::size_t max_bytes);
+  // Adds the rank with as many of `chains` as fit, in order; returns how many went in. Fewer than
+  // all: the rank is marked partial (or, when none went in, left out: the page is full). A rank
+  // whose first chain does not fit an empty page is InvalidArgument.
+  Result<std::size_t> Add(std::uint64_t worker_id, std::uint32_t dp_rank, std::uint64_t last_event_id,
+                          SequenceKind numbering, std::span<const DumpedChain> chains);
+  std::size_t ranks() const { return ranks_; }
+  msgpack::sbuffer Finish(bool more, std::uint64_t next_offset, std::uint64_t next_chain) &&;
+
+ private:
+  std::uint64_t router_id_;
+  std::size_t max_bytes_;
+  std::size_t used_;  // bytes the reply needs so far, the fixed part at its widest
+  std::size_t ranks_ = 0;
+  msgpack::sbuffer workers_;  // the packed rank maps, without the array header
+};
 
 // {error: {code, message}}; the message is cut to kMaxErrorMessageBytes. status must not be OK.
 inline constexpr std::size_t kMaxErrorMessageBytes = 1024;

@@ -1,16 +1,19 @@
 #include "router/index/block_index.h"
 
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <cassert>
 #include <cstdlib>
 #include <cstring>
 #include <stdexcept>
+#include <unordered_set>
 
 namespace kvrouter {
 
 BlockIndex::BlockIndex() {
   chunks_.emplace_back(kChunkSize);
+  locals_.emplace_back(kChunkSize);
   chunk_dir_.Set(0, &chunks_[0][0]);
   num_node_slots_ = 1;  // the root
 }
@@ -92,7 +95,7 @@ void BlockIndex::TidyFreeNodes() {
   free_sorted_ = k;
 }
 
-std::uint32_t BlockIndex::ChildOrCreate(std::uint32_t parent, SequenceHash seq) {
+std::uint32_t BlockIndex::ChildOrCreate(std::uint32_t parent, SequenceHash seq, LocalHash local) {
   // A 64-bit sequence hash names one prefix (collisions are as unlikely as in the engines'
   // own prefix caches), so an existing node under this hash is this prefix.
   if (std::uint32_t c = node_of_.Find(seq); c != kFlatEmpty) return c;
@@ -109,9 +112,11 @@ std::uint32_t BlockIndex::ChildOrCreate(std::uint32_t parent, SequenceHash seq) 
     c = num_node_slots_++;
     if ((c >> kChunkBits) == chunks_.size()) {
       chunks_.emplace_back(kChunkSize);
+      locals_.emplace_back(kChunkSize);
       chunk_dir_.Set(chunks_.size() - 1, &chunks_.back()[0]);
     }
   }
+  local_of(c) = local;
   Node& n = node(c);
   RelaxedStore(n.seq, seq);
   n.parent = parent;
@@ -305,7 +310,7 @@ ApplyOutcome BlockIndex::ApplyStored(WorkerKey worker, std::optional<BlockHash> 
   for (std::size_t i = 0; i < blocks.size(); ++i) {
     const StoredBlock& b = blocks[i];
     if (i + kAhead < seqs.size()) node_of_.Prefetch(seqs[i + kAhead]);
-    const std::uint32_t child = ChildOrCreate(parent, seqs[i]);
+    const std::uint32_t child = ChildOrCreate(parent, seqs[i], b.tokens_hash);
     if (!w.mapped && node(child).seq != b.block_hash) MakeMapped(slot);
     if (!w.mapped) {
       // The engine hash names this node, so a known one is this very holding.
@@ -629,13 +634,108 @@ void BlockIndex::FindMatchesImpl(std::span<const SequenceHash> hashes, OverlapSc
   finish();
 }
 
+void BlockIndex::DumpRank(WorkerKey rank, std::vector<DumpedChain>& out, std::size_t max_chain_blocks) const {
+  max_chain_blocks = std::max<std::size_t>(max_chain_blocks, 1);
+  const WorkerKey device{rank.worker_id, rank.dp_rank & ~kTierRankBits};
+  constexpr StorageTier kTiers[] = {StorageTier::kDevice, StorageTier::kHostPinned, StorageTier::kDisk};
+  // Per tier: the rank's (node, engine hash) holdings, and the hash naming each node (its first).
+  struct Tier {
+    std::vector<std::pair<std::uint32_t, BlockHash>> held;
+    std::unordered_map<std::uint32_t, BlockHash> hash_of;
+  };
+  std::array<Tier, 3> tiers;
+  for (std::size_t t = 0; t < 3; ++t) {
+    const std::uint32_t slot = FindSlot(TierRank(device, kTiers[t]));
+    if (slot == kFlatEmpty) continue;
+    const WorkerSlot& w = slots_[slot];
+    Tier& tier = tiers[t];
+    if (!w.mapped) {
+      for (std::uint32_t n : w.held) {  // stale and repeated entries are skipped
+        if (node(n).holders.Contains(slot) && tier.hash_of.emplace(n, node(n).seq).second) {
+          tier.held.emplace_back(n, node(n).seq);
+        }
+      }
+    } else {
+      w.blocks.ForEach([&](const U64MapTraits::Entry& e) {
+        const BlockHash h = U64MapTraits::KeyOf(e);
+        tier.held.emplace_back(e.value, h);
+        tier.hash_of.emplace(e.value, h);
+      });
+    }
+  }
+  // The engine hash of `parent` for a chain on tier t: this tier's, else another tier's (a
+  // block offloaded from GPU to CPU names its parent wherever that is); nullopt inside: the root.
+  auto parent_hash = [&](std::size_t t, std::uint32_t parent) -> std::optional<std::optional<BlockHash>> {
+    if (parent == kRoot) return std::optional<BlockHash>{};
+    for (std::size_t k : {t, std::size_t{0}, std::size_t{1}, std::size_t{2}}) {
+      if (auto it = tiers[k].hash_of.find(parent); it != tiers[k].hash_of.end()) return it->second;
+    }
+    return std::nullopt;
+  };
+  std::vector<std::uint32_t> climb;
+  for (std::size_t t = 0; t < 3; ++t) {
+    Tier& tier = tiers[t];
+    // Nodes placed so far: true = emitted, false = left out (no parent on any tier).
+    std::unordered_map<std::uint32_t, bool> placed;
+    placed.reserve(tier.held.size());
+    auto emit_run = [&](std::optional<BlockHash> parent, std::span<const std::pair<std::uint32_t, BlockHash>> run) {
+      for (std::size_t i = 0; i < run.size(); i += max_chain_blocks) {
+        DumpedChain& c = out.emplace_back();
+        c.tier = kTiers[t];
+        c.stored.parent_hash = i == 0 ? parent : std::optional<BlockHash>(run[i - 1].second);
+        const std::size_t end = std::min(run.size(), i + max_chain_blocks);
+        for (std::size_t k = i; k < end; ++k) c.stored.blocks.push_back({run[k].second, local_of(run[k].first)});
+      }
+    };
+    // The parent of a run starting at node `top`; nullopt: the run is left out.
+    auto run_parent = [&](std::uint32_t top) -> std::optional<std::optional<BlockHash>> {
+      const std::uint32_t p = node(top).parent;
+      if (auto it = placed.find(p); it != placed.end() && !it->second) return std::nullopt;
+      return parent_hash(t, p);
+    };
+    // Leaves first: climbing from a leaf emits its whole path in one run, so a tree of k leaves
+    // comes out as k runs rather than a block at a time.
+    std::unordered_set<std::uint32_t> inner;
+    for (const auto& [n, h] : tier.held) {
+      if (tier.hash_of.contains(node(n).parent)) inner.insert(node(n).parent);
+    }
+    std::stable_partition(tier.held.begin(), tier.held.end(), [&](const auto& e) { return !inner.contains(e.first); });
+    std::vector<std::pair<std::uint32_t, BlockHash>> run;
+    for (const auto& [n, h] : tier.held) {
+      if (!placed.contains(n)) {
+        // Up to the highest ancestor on this tier not yet placed, then down from it as one run.
+        climb.clear();
+        for (std::uint32_t m = n;;) {
+          climb.push_back(m);
+          const std::uint32_t p = node(m).parent;
+          if (p == kRoot || placed.contains(p) || !tier.hash_of.contains(p)) break;
+          m = p;
+        }
+        const auto parent = run_parent(climb.back());
+        for (std::uint32_t m : climb) placed.emplace(m, parent.has_value());
+        if (parent) {
+          run.clear();
+          for (auto it = climb.rbegin(); it != climb.rend(); ++it) run.emplace_back(*it, tier.hash_of.at(*it));
+          emit_run(*parent, run);
+        }
+      }
+      if (h != tier.hash_of.at(n) && placed.at(n)) {  // a second engine hash of the same block
+        if (const auto parent = run_parent(n)) {
+          const std::pair<std::uint32_t, BlockHash> one[] = {{n, h}};
+          emit_run(*parent, one);
+        }
+      }
+    }
+  }
+}
+
 IndexMemory BlockIndex::Memory() const {
   IndexMemory m;
   m.nodes = live_nodes_;
   m.table_bytes = node_of_.memory_bytes();
-  m.bytes = chunks_.size() * kChunkSize * sizeof(Node) + node_of_.memory_bytes() + holder_heap_.bytes +
-            slots_.capacity() * sizeof(WorkerSlot) + chunk_dir_.memory_bytes() + key_words_.memory_bytes() +
-            (free_nodes_.capacity() + retired_nodes_.capacity()) * sizeof(std::uint32_t);
+  m.bytes = chunks_.size() * kChunkSize * (sizeof(Node) + sizeof(LocalHash)) + node_of_.memory_bytes() +
+            holder_heap_.bytes + slots_.capacity() * sizeof(WorkerSlot) + chunk_dir_.memory_bytes() +
+            key_words_.memory_bytes() + (free_nodes_.capacity() + retired_nodes_.capacity()) * sizeof(std::uint32_t);
   for (const WorkerSlot& w : slots_) {
     m.map_bytes += w.blocks.memory_bytes();
     m.bytes += w.blocks.memory_bytes() + w.held.capacity() * sizeof(std::uint32_t);

@@ -190,6 +190,14 @@ class BlockIndex {
   void TidyFreeNodes();
 
   std::size_t TreeSize(WorkerKey worker) const;  // blocks held by (worker, dp_rank)
+  // Owner: every block a rank holds, on each storage tier (device, then host, then disk), as
+  // stored chains that rebuild it when applied in order (ApplyStored on TierRank(rank, tier)):
+  // parents come before their children, each chain names its first block's parent by the engine
+  // hash this rank knows it under (on any of its tiers), and no chain is longer than
+  // max_chain_blocks. A block whose parent the rank holds on no tier (left behind when a middle
+  // block was removed) is left out, and so are its children: FindMatches cannot reach them.
+  // Appends to `out`; costs time and memory in proportion to the rank's blocks.
+  void DumpRank(WorkerKey rank, std::vector<DumpedChain>& out, std::size_t max_chain_blocks = 1024) const;
   // Node and worker-slot numbers handed out so far (live, free or waiting for FreeRetired).
   std::size_t node_numbers() const { return num_node_slots_; }
   // Freed node numbers, the next one to be taken last.
@@ -259,8 +267,9 @@ class BlockIndex {
 
   std::uint32_t SlotFor(WorkerKey worker);         // creates on first use
   std::uint32_t FindSlot(WorkerKey worker) const;  // kFlatEmpty when unknown
-  // The node of sequence hash seq (a child of parent), created when new.
-  std::uint32_t ChildOrCreate(std::uint32_t parent, SequenceHash seq);
+  // The node of sequence hash seq (a child of parent), created when new with the local hash of
+  // its block (kept for DumpRank).
+  std::uint32_t ChildOrCreate(std::uint32_t parent, SequenceHash seq, LocalHash local);
   // The node the slot holds under engine hash h, or kFlatEmpty.
   std::uint32_t HeldNode(std::uint32_t slot, BlockHash h) const;
   // The node of parent_hash held by one of worker's other storage tiers (flagged: this rank will
@@ -287,8 +296,13 @@ class BlockIndex {
   const Node& node(std::uint32_t i) const { return chunks_[i >> kChunkBits][i & (kChunkSize - 1)]; }
 
   std::vector<LargeArray<Node>> chunks_;  // node 0 (kRoot) is the root
-  PublishedArray<Node*> chunk_dir_;       // chunks_[c]'s nodes, for FindMatches
-  std::uint32_t num_node_slots_ = 0;      // slots handed out so far
+  // The local hash of each node's block, beside chunks_ (owner only: FindMatches never reads it,
+  // so it stays out of the nodes a request's path loads).
+  std::vector<LargeArray<LocalHash>> locals_;
+  LocalHash& local_of(std::uint32_t i) { return locals_[i >> kChunkBits][i & (kChunkSize - 1)]; }
+  LocalHash local_of(std::uint32_t i) const { return locals_[i >> kChunkBits][i & (kChunkSize - 1)]; }
+  PublishedArray<Node*> chunk_dir_;   // chunks_[c]'s nodes, for FindMatches
+  std::uint32_t num_node_slots_ = 0;  // slots handed out so far
   // Freed node numbers, reused last freed first. A list of numbers rather than one linked
   // through the nodes: taking one touches no node, and the next few can be prefetched.
   std::vector<std::uint32_t> free_nodes_;

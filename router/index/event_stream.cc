@@ -81,8 +81,9 @@ EventStreams::Verdict EventStreams::Live(KvEventBatch& b) {
   return Verdict::kDrop;
 }
 
-void EventStreams::RequestDump(WorkerKey worker, SequenceKind numbering) {
+void EventStreams::RequestDump(WorkerKey worker, SequenceKind numbering, bool first_sight) {
   if (!options_.recover) return;
+  if (first_sight && streams_.contains(worker)) return;
   Stream& s = streams_[worker];
   if (s.numbering == SequenceKind::kNone) s.numbering = numbering;
   if (s.recovering) {
@@ -92,8 +93,60 @@ void EventStreams::RequestDump(WorkerKey worker, SequenceKind numbering) {
   Ask(worker, s, AskFor::kDump);
 }
 
+std::optional<EventStreams::Position> EventStreams::PositionOf(WorkerKey worker) const {
+  auto it = streams_.find(worker);
+  if (it == streams_.end() || it->second.recovering) return std::nullopt;
+  const Stream& s = it->second;
+  Position p{.numbering = s.numbering};
+  // The §6 id of the cursor (vLLM: Kv-Seq + 1).
+  if (s.cursor) p.last_event_id = *s.cursor + (s.numbering == SequenceKind::kVllmSeq ? 1 : 0);
+  return p;
+}
+
+bool EventStreams::TakePeerPart(RecoveryPart& part, Outcome& out) {
+  auto [it, created] = streams_.try_emplace(part.worker);
+  Stream& s = it->second;
+  const bool numbering_agrees =
+      s.numbering == SequenceKind::kNone || part.numbering == SequenceKind::kNone || s.numbering == part.numbering;
+  if (part.kind == RecoveryPart::Kind::kFailed) {
+    // The peer's dump broke off in the middle of this rank: ask its worker instead.
+    if (!s.warming) {
+      if (created) streams_.erase(it);
+      return false;
+    }
+    s.warming = false;
+    part.events.clear();
+    Ask(part.worker, s, AskFor::kDump);
+    return false;
+  }
+  if (s.warming) {
+    part.generation = s.generation;
+    return true;
+  }
+  if (s.cursor || s.asked_once || (s.recovering && s.dump_started) || !numbering_agrees) {
+    if (created) streams_.erase(it);
+    return false;  // this replica knows the rank already (or is taking its worker's dump)
+  }
+  if (s.numbering == SequenceKind::kNone) s.numbering = part.numbering;
+  if (s.recovering) {
+    out.superseded = s.generation;  // the first-sight ask, still waiting to be made
+  } else {
+    s.recovering = true;
+    s.dump_started = false;
+  }
+  s.generation = ++next_generation_;
+  s.warming = true;
+  part.generation = s.generation;
+  return true;
+}
+
 EventStreams::Outcome EventStreams::Recovered(RecoveryPart& part) {
   Outcome out;
+  if (part.from_peer && !TakePeerPart(part, out)) {
+    part.events.clear();
+    return out;
+  }
+  if (part.from_peer) part.kind = RecoveryPart::Kind::kDump;
   auto it = streams_.find(part.worker);
   if (it == streams_.end() || !it->second.recovering || it->second.generation != part.generation) {
     part.events.clear();  // the worker is gone, or the reply answers an older ask
@@ -149,6 +202,7 @@ EventStreams::Outcome EventStreams::Recovered(RecoveryPart& part) {
   s.recovering = false;
   s.asked_once = true;
   s.dump_started = false;
+  s.warming = false;
   if (s.dump_pending) {  // held batches overflowed meanwhile: a dump covers them
     s.dump_pending = false;
     Ask(part.worker, s, AskFor::kDump);

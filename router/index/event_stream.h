@@ -59,17 +59,35 @@ class EventStreams {
   };
   Verdict Live(KvEventBatch& batch);  // may move the batch into the hold
 
-  // Asks for a tree dump of the rank now (first registration, reconnect, dropped events); a
-  // rank already recovering gets a dump after its current reply instead.
-  void RequestDump(WorkerKey worker, SequenceKind numbering = SequenceKind::kEventId);
+  // Asks for a tree dump of the rank now (reconnect, dropped events); a rank already recovering
+  // gets a dump after its current reply instead. first_sight (a worker's first registration):
+  // only when nothing is known of the rank yet (no cursor, no recovery asked or ended): its
+  // events, or a peer's dump, may have come first.
+  void RequestDump(WorkerKey worker, SequenceKind numbering = SequenceKind::kEventId, bool first_sight = false);
 
   // What a reply part means for its rank. Its events are trimmed to those still to apply.
   struct Outcome {
     bool clear_first = false;           // clear the rank before applying the part's events
     std::vector<KvEventBatch> apply;    // after a failure: held batches to apply as they are
     std::vector<KvEventBatch> rejudge;  // after the last part: held batches for Live() again
+    // A peer's part took the place of this ask (worker, generation), which need not be made.
+    std::optional<std::uint64_t> superseded;
   };
   Outcome Recovered(RecoveryPart& part);
+
+  // What a dump of the rank can say of it: the §6 id of the last event applied (0: none) and how
+  // its ids count. Unset while the rank is recovering or unknown to the streams.
+  struct Position {
+    SequenceKind numbering = SequenceKind::kNone;
+    std::uint64_t last_event_id = 0;
+  };
+  std::optional<Position> PositionOf(WorkerKey worker) const;
+  bool Known(WorkerKey worker) const { return streams_.contains(worker); }
+  // Calls f(WorkerKey) for every rank with a stream, in ascending order.
+  template <typename F>
+  void ForEachRank(F&& f) const {
+    for (const auto& [key, s] : streams_) f(key);
+  }
 
   void RemoveWorker(std::uint64_t worker_id);
   bool Recovering(WorkerKey worker) const;
@@ -83,6 +101,7 @@ class EventStreams {
     bool dump_pending = false;     // a dump must follow the reply in flight (hold overflowed)
     bool dump_started = false;     // a dump reply's first part has been seen
     bool asked_once = false;       // a recovery has ended (a failed first-sight dump is not retried)
+    bool warming = false;          // taking a peer's dump (its parts, whatever their generation)
     std::uint64_t generation = 0;  // of the ask in flight
     std::deque<KvEventBatch> held;
   };
@@ -90,6 +109,9 @@ class EventStreams {
   // (a dump when the stream has no cursor).
   enum class AskFor : std::uint8_t { kDump, kRange };
   void Ask(WorkerKey worker, Stream& s, AskFor what, std::uint64_t past_cursor = 1);
+  // Whether a peer's part is for this replica to take (RecoveryPart::from_peer); gives it the
+  // generation of the rank's recovery it now is.
+  bool TakePeerPart(RecoveryPart& part, Outcome& out);
   // The cursor a §6 id means for this stream (vLLM: Kv-Seq = id - 1; id 0: none yet).
   static std::optional<std::uint64_t> CursorOf(const Stream& s, std::uint64_t id);
   static std::uint64_t FirstId(SequenceKind k) { return k == SequenceKind::kVllmSeq ? 0 : 1; }

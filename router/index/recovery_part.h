@@ -26,6 +26,10 @@ struct RecoveryPart {
   std::uint64_t generation = 0;      // the ask it answers (EventStreams ignores older ones)
   bool too_new = false;              // kFailed because the worker's ids are behind the cursor:
                                      // it restarted; a dump follows instead of giving up
+  // From a peer replica's dump (docs/protocol.md section 12), not an answer to an ask: taken
+  // only for a rank this replica has no cursor for yet (generation is ignored). kFailed: the
+  // peer's dump of the rank broke off; its worker is asked instead.
+  bool from_peer = false;
 };
 
 // Called when a rank needs recovering: start nullopt = a tree dump, else the first §6 event id

@@ -2,6 +2,8 @@
 
 #include <pthread.h>
 
+#include <algorithm>
+
 #include <string>
 #include <utility>
 
@@ -107,10 +109,13 @@ void IndexShard::SetCapacity(std::uint64_t worker_id, std::uint64_t blocks) {
   queue_.enqueue(Item{.kind = Item::kSetCapacity, .worker_id = worker_id, .blocks_per_rank = blocks});
 }
 
-void IndexShard::RequestDump(WorkerKey worker, SequenceKind numbering) {
+void IndexShard::RequestDump(WorkerKey worker, SequenceKind numbering, bool first_sight) {
   submitted_.fetch_add(1, std::memory_order_relaxed);
-  queue_.enqueue(Item{
-      .kind = Item::kRequestDump, .numbering = numbering, .dp_rank = worker.dp_rank, .worker_id = worker.worker_id});
+  queue_.enqueue(Item{.kind = Item::kRequestDump,
+                      .numbering = numbering,
+                      .first_sight = first_sight,
+                      .dp_rank = worker.dp_rank,
+                      .worker_id = worker.worker_id});
 }
 
 void IndexShard::Recovered(RecoveryPart part) {
@@ -163,6 +168,34 @@ void IndexShard::AddCounters(IndexCounters& c) const {
   c.over_capacity += over_capacity_.Get();
   c.queue_full += queue_full_.load(std::memory_order_relaxed);
   c.tolerant_reads += gate_.tolerant_reads();
+}
+
+void IndexShard::DumpableRanks(std::vector<WorkerKey>& out) const {
+  KvReaderLock lk(mu_);
+  const std::size_t first = out.size();
+  index_.ForEachWorker([&](WorkerKey k, std::size_t) { out.push_back({k.worker_id, k.dp_rank & ~kTierRankBits}); });
+  streams_.ForEachRank([&](WorkerKey k) { out.push_back(k); });
+  std::sort(out.begin() + static_cast<std::ptrdiff_t>(first), out.end());
+  out.erase(std::unique(out.begin() + static_cast<std::ptrdiff_t>(first), out.end()), out.end());
+}
+
+std::optional<RankDump> IndexShard::DumpRank(WorkerKey rank) const {
+  KvReaderLock lk(mu_);
+  RankDump d{.rank = rank};
+  if (streams_.Known(rank)) {
+    const std::optional<EventStreams::Position> p = streams_.PositionOf(rank);
+    if (!p) return std::nullopt;  // recovering: its worker's answer is still to come
+    d.numbering = p->numbering;
+    d.last_event_id = p->last_event_id;
+  }
+  index_.DumpRank(rank, d.chains);
+  return d;
+}
+
+void IndexShard::TakeSuperseded(std::vector<std::pair<WorkerKey, std::uint64_t>>& out) {
+  KvMutexLock g(superseded_mu_);
+  out.insert(out.end(), superseded_.begin(), superseded_.end());
+  superseded_.clear();
 }
 
 void IndexShard::TakeStale(std::vector<WorkerKey>& out) {
@@ -227,7 +260,7 @@ void IndexShard::Run() {
             ++done;
             break;
           case Item::kRequestDump:
-            streams_.RequestDump({it.worker_id, it.dp_rank}, it.numbering);
+            streams_.RequestDump({it.worker_id, it.dp_rank}, it.numbering, it.first_sight);
             ++done;
             break;
           case Item::kRecovered:
@@ -354,6 +387,10 @@ void IndexShard::ApplyBatch(KvEventBatch& b) {
 
 std::size_t IndexShard::ApplyRecovered(RecoveryPart& part) {
   EventStreams::Outcome o = streams_.Recovered(part);
+  if (o.superseded) {
+    KvMutexLock g(superseded_mu_);
+    superseded_.emplace_back(part.worker, *o.superseded);
+  }
   if (o.clear_first) index_.ClearRank(part.worker);
   std::size_t blocks = 0;
   for (const KvEventBatch& b : part.events) {

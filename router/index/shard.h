@@ -60,7 +60,7 @@ class IndexShard {
   enum class WorkerControl : std::uint8_t { kClear, kRemove };
   void Control(WorkerControl what, std::uint64_t worker_id);
   void SetCapacity(std::uint64_t worker_id, std::uint64_t blocks);
-  void RequestDump(WorkerKey worker, SequenceKind numbering);
+  void RequestDump(WorkerKey worker, SequenceKind numbering, bool first_sight);
   void Recovered(RecoveryPart part);
   // Waits until the shard is quiet: everything submitted, including what applying it submitted
   // in turn (a recovery answered on a synchronous bus), has been applied.
@@ -73,6 +73,12 @@ class IndexShard {
   void TreeSizes(std::vector<WorkerTreeSize>& out) const;  // appends
   std::size_t TreeSize(WorkerKey worker) const;
   IndexMemory Memory() const;
+  // Real ranks (tier bits clear) its index or streams know: appends.
+  void DumpableRanks(std::vector<WorkerKey>& out) const;
+  // The rank's chains and position (ShardedIndex::DumpRank).
+  std::optional<RankDump> DumpRank(WorkerKey rank) const;
+  // Appends the asks (worker, generation) peers' dumps took the place of since the last call.
+  void TakeSuperseded(std::vector<std::pair<WorkerKey, std::uint64_t>>& out);
   std::uint64_t upkeeps() const { return upkeeps_.load(std::memory_order_relaxed); }
   // Adds this shard's counters to `c`. Reads them without mu_ (they are atomics written by one
   // writer at a time; see the counters), which the lock analysis cannot follow.
@@ -101,6 +107,7 @@ class IndexShard {
       kWake
     } kind = kWake;
     SequenceKind numbering = SequenceKind::kEventId;  // kRequestDump (beside kind, in its padding)
+    bool first_sight = false;                         // kRequestDump
     std::uint32_t dp_rank = 0;                        // kRequestDump
     KvEventBatch batch;
     std::uint64_t worker_id = 0;
@@ -207,6 +214,9 @@ class IndexShard {
   KvMutex flush_mu_;
   std::condition_variable_any flush_cv_;
   int flush_waiters_ KV_GUARDED_BY(flush_mu_) = 0;
+
+  KvMutex superseded_mu_;
+  std::vector<std::pair<WorkerKey, std::uint64_t>> superseded_ KV_GUARDED_BY(superseded_mu_);
 
   KvMutex stale_mu_;
   std::unordered_set<WorkerKey, WorkerKeyHash> stale_ KV_GUARDED_BY(stale_mu_);

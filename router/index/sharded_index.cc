@@ -83,8 +83,25 @@ void ShardedIndex::SetCapacity(std::uint64_t worker_id, std::uint64_t blocks_per
   shards_[ShardOf(worker_id)]->SetCapacity(worker_id, blocks_per_rank);
 }
 
-void ShardedIndex::RequestDump(WorkerKey worker, SequenceKind numbering) {
-  shards_[ShardOf(worker.worker_id)]->RequestDump(worker, numbering);
+void ShardedIndex::RequestDump(WorkerKey worker, SequenceKind numbering, bool first_sight) {
+  shards_[ShardOf(worker.worker_id)]->RequestDump(worker, numbering, first_sight);
+}
+
+std::vector<WorkerKey> ShardedIndex::DumpableRanks() const {
+  std::vector<WorkerKey> out;
+  for (const auto& s : shards_) s->DumpableRanks(out);
+  std::sort(out.begin(), out.end());  // each shard's are unique, and a worker is in one shard
+  return out;
+}
+
+std::optional<RankDump> ShardedIndex::DumpRank(WorkerKey rank) const {
+  return shards_[ShardOf(rank.worker_id)]->DumpRank(rank);
+}
+
+std::vector<std::pair<WorkerKey, std::uint64_t>> ShardedIndex::TakeSuperseded() {
+  std::vector<std::pair<WorkerKey, std::uint64_t>> out;
+  for (const auto& s : shards_) s->TakeSuperseded(out);
+  return out;
 }
 
 void ShardedIndex::Recovered(RecoveryPart part) {

@@ -98,6 +98,14 @@ struct IndexCounters {
   std::uint64_t tolerant_reads = 0;
 };
 
+// One rank of a replica's dump (docs/protocol.md section 12, router.dump).
+struct RankDump {
+  WorkerKey rank;
+  SequenceKind numbering = SequenceKind::kNone;  // how its ids count (kNone: no numbered event yet)
+  std::uint64_t last_event_id = 0;               // §6 id of the last event applied (0: none)
+  std::vector<DumpedChain> chains;               // BlockIndex::DumpRank
+};
+
 struct WorkerTreeSize {
   WorkerKey worker;
   std::size_t blocks = 0;
@@ -126,9 +134,10 @@ class ShardedIndex {
   // Control operations; never refused, applied in order with the worker's events.
   void ClearWorker(std::uint64_t worker_id);   // all dp ranks, keeps sequence tracking
   void RemoveWorker(std::uint64_t worker_id);  // blocks and sequence tracking
-  // Recovery (when on_recovery is set): ask for a tree dump of a rank (first registration,
-  // reconnect, dropped events), and apply a reply part.
-  void RequestDump(WorkerKey worker, SequenceKind numbering = SequenceKind::kEventId);
+  // Recovery (when on_recovery is set): ask for a tree dump of a rank (reconnect, dropped events;
+  // first_sight, a first registration: only when nothing is known of the rank yet), and apply a
+  // reply part, or a part of a peer's dump (RecoveryPart::from_peer).
+  void RequestDump(WorkerKey worker, SequenceKind numbering = SequenceKind::kEventId, bool first_sight = false);
   // The most blocks each rank of `worker_id` may hold (its registration's capacity).
   void SetCapacity(std::uint64_t worker_id, std::uint64_t blocks_per_rank);
   void Recovered(RecoveryPart part);
@@ -140,6 +149,15 @@ class ShardedIndex {
   OverlapScores FindMatches(std::span<const SequenceHash> seq_hashes) const;
   void FindMatches(std::span<const SequenceHash> seq_hashes, OverlapScores& out) const;
   std::vector<WorkerTreeSize> TreeSizes() const;
+  // A dump of the index for a peer (docs/protocol.md section 12): the real ranks (tier bits
+  // clear) the index or its event streams know, ascending; and one rank's chains on every tier
+  // with the id of the last event they include, read under its shard's lock (nullopt while the
+  // rank is recovering: its worker's answer is still to come).
+  std::vector<WorkerKey> DumpableRanks() const;
+  std::optional<RankDump> DumpRank(WorkerKey rank) const;
+  // The recovery asks (worker, generation) peers' dump parts took the place of since the last
+  // call: they need not be made.
+  std::vector<std::pair<WorkerKey, std::uint64_t>> TakeSuperseded();
   std::size_t TreeSize(WorkerKey worker) const;  // blocks of one rank
   IndexCounters Counters() const;
   IndexMemory Memory() const;

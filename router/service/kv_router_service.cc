@@ -42,6 +42,7 @@ Subjects::Subjects(const std::string& ns, const std::string& comp) {
   free = r + "free";
   stats = r + "stats";
   overlap_scores = r + "overlap_scores";
+  dump = r + "dump";
   kv_metrics = fmt::format("namespace.{}.kv_metrics", ns);
   generate = r + "generate";
   worker_generate_prefix = c + "generate.";
@@ -77,6 +78,16 @@ KvRouterService::KvRouterService(RouterConfig config, MessageBus& bus, Clock clo
                                 .reply_prefix = fmt::format("_KVR.{:x}.rec.", router_id_)},
         event_bus_, index_, clock_, log_);
   }
+  if (recovery_ && config_.replica_sync) {
+    recovery_->Pause();  // until the peer's dump has said which ranks it covers
+    warm_ = false;
+    warmup_ = std::make_unique<PeerWarmup>(
+        PeerWarmup::Options{.dump_subject = subjects_.dump,
+                            .router_id = router_id_,
+                            .reply_prefix = fmt::format("_KVR.{:x}.warm.", router_id_)},
+        event_bus_, index_, clock_, [this](WorkerKey k) { return AdmitEvent(k.worker_id, k.dp_rank); },
+        [this] { FinishWarmup(); }, log_);
+  }
 }
 
 KvRouterService::~KvRouterService() { Stop(); }
@@ -91,6 +102,12 @@ std::vector<KvRouterService::Sub> KvRouterService::EventSubscriptions() {
   if (recovery_) {  // replies to the recovery queries, which may be large: the event connection
     subs.push_back({recovery_->subject_pattern(), "", [this](const BusMessage& m) { recovery_->OnReply(m); }});
   }
+  if (config_.use_kv_events) {  // every replica hears router.dump; a page may be large
+    subs.push_back({subjects_.dump, "", [this](const BusMessage& m) { HandleDump(m); }});
+    subs.push_back(
+        {fmt::format("{}.{}", subjects_.dump, router_id_), "", [this](const BusMessage& m) { HandleDump(m); }});
+  }
+  if (warmup_) subs.push_back({warmup_->subject_pattern(), "", [this](const BusMessage& m) { warmup_->OnReply(m); }});
   if (config_.replica_sync) {
     subs.push_back({subjects_.active_sequences, "", [this](const BusMessage& m) { HandleReplicaSync(m); }});
     subs.push_back({subjects_.router_heartbeats, "", [this](const BusMessage& m) { HandleReplicaHeartbeat(m); }});
@@ -154,7 +171,59 @@ Status KvRouterService::Start() {
   startup_deadline_ = clock_() + std::chrono::milliseconds(config_.recovery_wait_ms);  // before any route
   Status s = Subscribe(bus_, RequestSubscriptions());
   started_ = s.ok();
+  if (s.ok() && warmup_) warmup_->Start();
   return s;
+}
+
+void KvRouterService::FinishWarmup() {
+  // Every part handed over is applied first, so that each ask a part answered is known.
+  index_.Flush();
+  const auto superseded = index_.TakeSuperseded();
+  recovery_->Cancel(superseded);
+  recovery_->Resume();
+  startup_deadline_ = clock_() + std::chrono::milliseconds(config_.recovery_wait_ms);
+  warm_ = true;
+  const PeerWarmupCounters c = warmup_->counters();
+  log_.Log(LogLevel::kInfo, "peer dump", "warm-up {}: {} ranks, {} blocks from replica {} in {:.0f} ms ({} pages)",
+           c.complete ? "done" : "ended early", c.ranks, c.blocks, c.peer, c.ms, c.pages);
+}
+
+void KvRouterService::HandleDump(const BusMessage& m) {
+  if (m.reply.empty()) return;
+  auto req = DecodeDumpRequest(m.data);
+  if (!req.ok()) {
+    ReplyError(m, req.status());
+    return;
+  }
+  if (req->router_id == router_id_ || !warm_.load()) return;  // its own ask; or not the fleet's index yet
+  DumpReplyWriter page(router_id_, event_bus_.MaxPayload());
+  const std::vector<WorkerKey> ranks = index_.DumpableRanks();
+  bool more = false;
+  std::uint64_t next_offset = 0, next_chain = 0;
+  for (std::uint64_t i = req->offset; i < ranks.size(); ++i) {
+    // A rank still recovering is left out: the asker gets it from its worker.
+    std::optional<RankDump> d = index_.DumpRank(ranks[i]);
+    if (!d) continue;
+    const std::uint64_t first = i == req->offset ? std::min<std::uint64_t>(req->chain_offset, d->chains.size()) : 0;
+    const std::span<const DumpedChain> chains = std::span(d->chains).subspan(first);
+    const std::size_t ranks_before = page.ranks();
+    auto n = page.Add(d->rank.worker_id, d->rank.dp_rank, d->last_event_id, d->numbering, chains);
+    if (!n.ok()) {
+      ReplyError(m, n.status());
+      return;
+    }
+    if (page.ranks() == ranks_before || *n < chains.size()) {  // the page is full
+      more = true;
+      next_offset = i;
+      next_chain = page.ranks() == ranks_before ? first : first + *n;
+      break;
+    }
+  }
+  const msgpack::sbuffer body = std::move(page).Finish(more, next_offset, next_chain);
+  ++dump_pages_served_;
+  if (Status s = event_bus_.Publish(m.reply, AsBytes(body)); !s.ok()) {
+    log_.Log(LogLevel::kWarning, "reply", "dump reply to {} failed: {}", m.subject, s.message());
+  }
 }
 
 void KvRouterService::Stop() {
@@ -280,7 +349,8 @@ void KvRouterService::HandleInstances(const BusMessage& m) {
       // First sight of a worker: what does it hold already (the router may have restarted)?
       if (recovery_) {
         for (std::uint64_t rank = reg->dp_start; rank < std::uint64_t{reg->dp_start} + reg->dp_size; ++rank) {
-          index_.RequestDump({reg->worker_id, static_cast<std::uint32_t>(rank)});
+          index_.RequestDump({reg->worker_id, static_cast<std::uint32_t>(rank)}, SequenceKind::kEventId,
+                             /*first_sight=*/true);
         }
       }
       routing_.Drain(out);  // new capacity
@@ -305,6 +375,7 @@ void KvRouterService::Forget(std::span<const std::uint64_t> worker_ids, Outbox& 
 
 void KvRouterService::Tick() {
   Outbox out;
+  if (warmup_) warmup_->Tick();
   if (recovery_) recovery_->Tick();
   for (WorkerKey w : index_.TakeStaleWorkers()) {  // events dropped (queue full): ask for a dump
     if (recovery_ && registry_.HasRank(w)) index_.RequestDump(w);
@@ -384,8 +455,8 @@ void KvRouterService::HandleRoute(const BusMessage& m, Routing::Kind kind) {
   // not route blind. best_worker answers as things stand.
   if (recovery_ && kind != Routing::Kind::kBestWorker) {
     const SteadyTime now = clock_();
-    if (now < startup_deadline_) {
-      (void)recovery_->AwaitIdle(std::chrono::duration_cast<std::chrono::milliseconds>(startup_deadline_ - now));
+    if (const SteadyTime deadline = startup_deadline_.load(); now < deadline) {
+      (void)recovery_->AwaitIdle(std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now));
     }
   }
   auto req = DecodeRouteRequest(m.data);
@@ -478,6 +549,19 @@ StatsReply KvRouterService::Stats(const StatsRequest& page) const {
     r.counters["recoveries_backed_off"] = c.backed_off;
     r.counters["recovery_ms_total"] = static_cast<std::uint64_t>(c.total_ms);
     r.counters["recovery_ms_max"] = static_cast<std::uint64_t>(c.max_ms);
+    r.counters["recoveries_cancelled"] = c.cancelled;
+  }
+  r.counters["dump_pages_served"] = dump_pages_served_.load();
+  if (warmup_) {
+    const PeerWarmupCounters w = warmup_->counters();
+    r.counters["warmup_done"] = w.done;
+    r.counters["warmup_complete"] = w.complete;
+    r.counters["warmup_peer"] = w.peer;
+    r.counters["warmup_pages"] = w.pages;
+    r.counters["warmup_ranks"] = w.ranks;
+    r.counters["warmup_blocks"] = w.blocks;
+    r.counters["warmup_bytes"] = w.bytes;
+    r.counters["warmup_ms"] = static_cast<std::uint64_t>(w.ms);
   }
   return r;
 }
@@ -495,8 +579,8 @@ std::string KvRouterService::MetricsText() const {
 }
 
 bool KvRouterService::Ready() const {
-  if (!started_.load() || !events_up_.load()) return false;
-  return !recovery_ || clock_() >= startup_deadline_ || recovery_->AwaitIdle(std::chrono::milliseconds(0));
+  if (!started_.load() || !events_up_.load() || !warm_.load()) return false;
+  return !recovery_ || clock_() >= startup_deadline_.load() || recovery_->AwaitIdle(std::chrono::milliseconds(0));
 }
 
 void KvRouterService::HandleReplicaSync(const BusMessage& m) {

@@ -29,6 +29,7 @@
 #include "router/service/config.h"
 #include "router/service/generate_relay.h"
 #include "router/service/outbox.h"
+#include "router/service/peer_warmup.h"
 #include "router/service/recovery_client.h"
 #include "router/service/router_stats.h"
 #include "router/common/metrics.h"
@@ -45,7 +46,7 @@ struct Subjects {
   Subjects(const std::string& ns, const std::string& component);
   std::string kv_events, vllm_events_prefix, instances;
   std::string active_sequences, router_heartbeats;
-  std::string route, best_worker, mark_prefill, free, stats, overlap_scores, kv_metrics, generate;
+  std::string route, best_worker, mark_prefill, free, stats, overlap_scores, dump, kv_metrics, generate;
   std::string worker_generate_prefix;  // + worker_id
 };
 
@@ -78,7 +79,8 @@ class KvRouterService {
 
   // /metrics (docs/protocol.md section 10): the observed histograms and every counter and rank.
   std::string MetricsText() const;
-  // /ready: started, the event connection up, and the start-up dumps done (or given up on).
+  // /ready: started, the event connection up, the warm-up from a peer over (--router-replica-sync),
+  // and the start-up dumps done (or given up on).
   bool Ready() const;
   // main's NATS callbacks: a connection ("requests", "events") came back.
   void CountReconnect(std::string_view connection) { metrics_.CountReconnect(connection); }
@@ -119,6 +121,11 @@ class KvRouterService {
   void HandleLifecycle(const BusMessage& m, Lifecycle change);
   void HandleStats(const BusMessage& m);
   void HandleOverlapScores(const BusMessage& m);
+  // router.dump (docs/protocol.md section 12): one page of this replica's index. Not answered
+  // for this replica itself, nor while it is still warming up.
+  void HandleDump(const BusMessage& m);
+  // The warm-up from a peer ended: the asks its dump answered are dropped, the rest are made.
+  void FinishWarmup();
   // One page of the stats reply, with the recovery counters.
   StatsReply Stats(const StatsRequest& page) const;
   void HandleReplicaSync(const BusMessage& m);
@@ -154,6 +161,10 @@ class KvRouterService {
   // recovery is off or there are no KV events.
   std::unique_ptr<RecoveryClient> recovery_;
   ShardedIndex index_;
+  // With --router-replica-sync (and recovery): fills the index from a peer first. Null otherwise.
+  std::unique_ptr<PeerWarmup> warmup_;
+  std::atomic<bool> warm_{true};  // the warm-up is over (or there is none)
+  std::atomic<std::uint64_t> dump_pages_served_{0};
   // HandOver's bulks, one per event subscription (each only on its delivery thread).
   std::vector<KvEventBatch> kv_bulk_;
   std::vector<KvEventBatch> vllm_bulk_;
@@ -165,8 +176,9 @@ class KvRouterService {
   RouterMetrics metrics_;
   std::atomic<bool> started_{false};
   std::atomic<bool> events_up_{true};
-  SteadyTime next_heartbeat_{};    // Tick's thread only: when this replica next says it is alive
-  SteadyTime startup_deadline_{};  // routes before it wait for in-flight start-up dumps
+  SteadyTime next_heartbeat_{};  // Tick's thread only: when this replica next says it is alive
+  // Routes before it wait for in-flight start-up dumps (set again when a warm-up ends).
+  std::atomic<SteadyTime> startup_deadline_{};
 };
 
 }  // namespace kvrouter

@@ -43,8 +43,34 @@ void RecoveryClient::Need(WorkerKey worker, SequenceKind numbering, std::optiona
   Publish(std::move(starts));
 }
 
+void RecoveryClient::Pause() {
+  KvMutexLock g(mu_);
+  paused_ = true;
+}
+
+void RecoveryClient::Cancel(std::span<const std::pair<WorkerKey, std::uint64_t>> asks) {
+  KvMutexLock g(mu_);
+  for (const auto& [worker, generation] : asks) {
+    const std::size_t before = waiting_.size();
+    std::erase_if(waiting_, [&](const Ask& a) { return a.worker == worker && a.generation == generation; });
+    counters_.cancelled += before - waiting_.size();
+  }
+  if (in_flight_.empty() && waiting_.empty()) idle_.notify_all();
+}
+
+void RecoveryClient::Resume() {
+  std::vector<std::pair<std::uint64_t, Ask>> starts;
+  {
+    KvMutexLock g(mu_);
+    paused_ = false;
+    starts = StartLocked(clock_());
+  }
+  Publish(std::move(starts));
+}
+
 std::vector<std::pair<std::uint64_t, RecoveryClient::Ask>> RecoveryClient::StartLocked(SteadyTime now) {
   std::vector<std::pair<std::uint64_t, Ask>> starts;
+  if (paused_) return starts;
   for (auto it = waiting_.begin(); it != waiting_.end() && in_flight_.size() < options_.max_in_flight;) {
     const std::uint64_t n = ++next_;
     in_flight_[n] = {*it, now, now + options_.timeout};

@@ -24,6 +24,7 @@
 #include <functional>
 #include <map>
 #include <optional>
+#include <span>
 #include <string>
 #include <unordered_map>
 
@@ -46,6 +47,7 @@ struct RecoveryCounters {
   std::uint64_t in_flight = 0;   // now
   std::uint64_t waiting = 0;     // now, beyond max_in_flight
   std::uint64_t backed_off = 0;  // needed while the worker's backoff ran: not asked
+  std::uint64_t cancelled = 0;   // answered by a peer's dump before they were made
   double total_ms = 0;           // summed time of finished recoveries
   double max_ms = 0;             // the longest
 };
@@ -69,6 +71,12 @@ class RecoveryClient {
   // A rank needs recovering: from `start` (a range) or a tree dump (nullopt). Every reply part
   // handed to the index carries `generation`.
   void Need(WorkerKey worker, SequenceKind numbering, std::optional<std::uint64_t> start, std::uint64_t generation);
+  // While paused (a replica warming from a peer's dump, docs/protocol.md section 12), asks wait
+  // and none is made; Resume makes them, but not those Cancel named (a peer's dump answered
+  // them: ShardedIndex::TakeSuperseded).
+  void Pause();
+  void Cancel(std::span<const std::pair<WorkerKey, std::uint64_t>> asks);  // (worker, generation)
+  void Resume();
   // A reply (part) on one of the reply subjects.
   void OnReply(const BusMessage& m);
   // Timeouts, backoffs, and starts what may start now.
@@ -127,6 +135,7 @@ class RecoveryClient {
   std::unordered_map<std::uint64_t, InFlight> in_flight_ KV_GUARDED_BY(mu_);  // by reply number
   std::map<std::uint64_t, Backoff> backoff_ KV_GUARDED_BY(mu_);               // by worker_id
   std::uint64_t next_ KV_GUARDED_BY(mu_) = 0;
+  bool paused_ KV_GUARDED_BY(mu_) = false;
   RecoveryCounters counters_ KV_GUARDED_BY(mu_);
 };
 

@@ -375,6 +375,22 @@ class ReferenceIndex {
   std::map<WorkerKey, std::map<BlockHash, std::vector<LocalHash>>> workers_;
 };
 
+// Rebuilds `from` in `to` from DumpRank of every rank, in chains of at most two blocks (so long
+// runs are split); every chain must find its parent.
+void CopyByDump(const BlockIndex& from, BlockIndex& to) {
+  std::set<WorkerKey> ranks;
+  from.ForEachWorker([&](WorkerKey k, std::size_t) { ranks.insert({k.worker_id, k.dp_rank & ~kTierRankBits}); });
+  for (WorkerKey r : ranks) {
+    std::vector<DumpedChain> chains;
+    from.DumpRank(r, chains, 2);
+    for (const DumpedChain& c : chains) {
+      EXPECT_LE(c.stored.blocks.size(), 2u);
+      const ApplyOutcome o = to.ApplyStored(TierRank(r, c.tier), c.stored.parent_hash, c.stored.blocks);
+      EXPECT_FALSE(o.parent_not_found) << "rank " << r.worker_id << "." << r.dp_rank;
+    }
+  }
+}
+
 // Random stores, removals and clears on 4 workers x 2 ranks, checked against the reference
 // after every step. canonical_percent: the share of stored blocks whose engine hash is their
 // sequence hash (as Dynamo's workers publish); the rest get small engine ids, which turn the
@@ -431,6 +447,18 @@ void RunAgainstReference(std::uint64_t seed, int canonical_percent) {
     std::vector<LocalHash> q;
     for (std::size_t i = 0, n = 1 + pick(6); i < n; ++i) q.push_back(pick(3));
     ASSERT_EQ(Matches(idx, q), ref.Matches(q)) << "step " << step;
+    if (step % 500 == 499) {  // a copy made from the dump answers every query the same way
+      BlockIndex copy;
+      CopyByDump(idx, copy);
+      for (int k = 0; k < 200; ++k) {
+        std::vector<LocalHash> q2;
+        for (std::size_t i = 0, n = 1 + pick(6); i < n; ++i) q2.push_back(pick(3));
+        ASSERT_EQ(Matches(copy, q2), Matches(idx, q2)) << "step " << step;
+      }
+      for (std::uint64_t id = 0; id < 4; ++id) {
+        for (std::uint32_t r = 0; r < 2; ++r) ASSERT_LE(copy.TreeSize({id, r}), idx.TreeSize({id, r}));
+      }
+    }
   }
 }
 
@@ -510,6 +538,60 @@ TEST(BlockIndex, CanonicalWorkerMemoryStaysBoundedWhenTheSameBlocksComeAndGoAMil
   EXPECT_LE(after.bytes, before.bytes + 64 * sizeof(std::uint32_t));
   EXPECT_EQ(after.nodes, 2u);
   EXPECT_EQ(after.holdings, 2u);
+}
+
+}  // namespace
+}  // namespace kvrouter
+
+namespace kvrouter {
+namespace {
+
+TEST(BlockIndexDump, ARanksTiersComeBackWithTheirEngineHashesAndLocalHashes) {
+  BlockIndex idx;
+  const WorkerKey host = TierRank(kW1, StorageTier::kHostPinned);
+  const WorkerKey disk = TierRank(kW1, StorageTier::kDisk);
+  (void)idx.ApplyStored(kW1, std::nullopt, Chain(100, {1, 2, 3}));  // mapped: engine ids
+  (void)idx.ApplyStored(host, 102, Chain(200, {4, 5}));             // offloaded below a device block
+  (void)idx.ApplyStored(disk, std::nullopt, Chain(300, {7}));
+  (void)idx.ApplyStored(kW2, std::nullopt, CanonicalChain({1, 2}));  // another rank: not dumped
+  std::vector<DumpedChain> chains;
+  idx.DumpRank(kW1, chains);
+  const std::vector<DumpedChain> want = {
+      {StorageTier::kDevice, KvStored{std::nullopt, Chain(100, {1, 2, 3})}},
+      {StorageTier::kHostPinned, KvStored{102, Chain(200, {4, 5})}},
+      {StorageTier::kDisk, KvStored{std::nullopt, Chain(300, {7})}},
+  };
+  EXPECT_EQ(chains, want);
+
+  BlockIndex copy;
+  CopyByDump(idx, copy);
+  EXPECT_EQ(Matches(copy, {1, 2, 3, 4, 5}), Matches(idx, {1, 2, 3, 4, 5}));
+  EXPECT_EQ(copy.TreeSize(host), 2u);
+  EXPECT_EQ(copy.TreeSize(disk), 1u);
+  EXPECT_EQ(copy.TreeSize(kW2), 2u);
+}
+
+TEST(BlockIndexDump, ABlockWhoseParentWasRemovedIsLeftOutWithItsChildren) {
+  BlockIndex idx;
+  (void)idx.ApplyStored(kW1, std::nullopt, Chain(100, {1, 2, 3, 4}));
+  (void)idx.ApplyRemoved(kW1, std::vector<BlockHash>{101});
+  std::vector<DumpedChain> chains;
+  idx.DumpRank(kW1, chains);
+  ASSERT_EQ(chains.size(), 1u);
+  EXPECT_EQ(chains[0].stored, (KvStored{std::nullopt, Chain(100, {1})}));
+}
+
+TEST(BlockIndexDump, ASecondEngineHashOfABlockComesBackAsItsOwnChain) {
+  BlockIndex idx;
+  (void)idx.ApplyStored(kW1, std::nullopt, Chain(100, {1, 2}));
+  (void)idx.ApplyStored(kW1, 100, Chain(500, {2}));  // block 101's prefix again, under 500
+  std::vector<DumpedChain> chains;
+  idx.DumpRank(kW1, chains);
+  BlockIndex copy;
+  CopyByDump(idx, copy);
+  EXPECT_EQ(copy.TreeSize(kW1), 3u);
+  (void)copy.ApplyRemoved(kW1, std::vector<BlockHash>{101});
+  EXPECT_EQ(Matches(copy, {1, 2}).at(kW1), 2u);  // still held under 500
 }
 
 }  // namespace

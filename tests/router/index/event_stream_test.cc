@@ -196,5 +196,96 @@ TEST_F(EventStreamsTest, VllmRanksCountTheirSection6IdsFromOne) {
   EXPECT_EQ(streams_.Live(after), V::kApply);
 }
 
+// A peer's dump part for kW (RecoveryPart::from_peer).
+RecoveryPart PeerPart(std::vector<std::uint64_t> ids, std::uint64_t last, bool final = true,
+                      RecoveryPart::Kind kind = RecoveryPart::Kind::kDump) {
+  RecoveryPart p{.worker = kW, .kind = kind, .last_event_id = last, .final = final, .from_peer = true};
+  for (auto id : ids) p.events.push_back(Event(id));
+  return p;
+}
+
+TEST_F(EventStreamsTest, APeersDumpOfAnUnknownRankSetsItsCursorWithoutAsking) {
+  auto first = PeerPart({1, 1}, 4, /*final=*/false);
+  auto o1 = streams_.Recovered(first);
+  EXPECT_TRUE(o1.clear_first);
+  EXPECT_EQ(first.events.size(), 2u);
+  EXPECT_EQ(o1.superseded, std::nullopt);
+  EXPECT_FALSE(streams_.PositionOf(kW).has_value());  // recovering until the last part
+  EXPECT_EQ(Live(5), V::kHeld);
+  auto last = PeerPart({1}, 4);
+  auto o2 = streams_.Recovered(last);
+  EXPECT_FALSE(o2.clear_first);
+  EXPECT_EQ(last.events.size(), 1u);
+  EXPECT_EQ(Ids(o2.rejudge), (std::vector<std::uint64_t>{5}));
+  EXPECT_EQ(streams_.Live(o2.rejudge[0]), V::kApply);
+  EXPECT_TRUE(asked_.empty());
+  EXPECT_EQ(streams_.PositionOf(kW)->last_event_id, 5u);
+  // The worker's registration comes after: its rank is known, nothing is asked.
+  streams_.RequestDump(kW, SequenceKind::kEventId, /*first_sight=*/true);
+  EXPECT_TRUE(asked_.empty());
+}
+
+TEST_F(EventStreamsTest, APeersDumpTakesThePlaceOfAFirstSightAskNotYetAnswered) {
+  EXPECT_EQ(Live(3), V::kHeld);
+  ASSERT_EQ(asked_.size(), 1u);
+  const std::uint64_t asked_generation = generation_;
+  auto peer = PeerPart({1}, 2);
+  auto o = streams_.Recovered(peer);
+  EXPECT_EQ(o.superseded, asked_generation);
+  EXPECT_EQ(Ids(o.rejudge), (std::vector<std::uint64_t>{3}));
+  EXPECT_EQ(streams_.Live(o.rejudge[0]), V::kApply);
+  // The worker's late answer to the superseded ask changes nothing.
+  RecoveryPart late{
+      .worker = kW, .kind = RecoveryPart::Kind::kDump, .last_event_id = 9, .generation = asked_generation};
+  late.events.push_back(Event(1));
+  auto o2 = streams_.Recovered(late);
+  EXPECT_TRUE(late.events.empty());
+  EXPECT_FALSE(o2.clear_first);
+  EXPECT_EQ(Live(4), V::kApply);
+}
+
+TEST_F(EventStreamsTest, APeersDumpOfARankThisReplicaKnowsIsIgnored) {
+  EXPECT_EQ(Live(1), V::kHeld);
+  auto dump = Part(RecoveryPart::Kind::kDump, {}, 1);
+  (void)streams_.Recovered(dump);
+  auto peer = PeerPart({1}, 7);
+  auto o = streams_.Recovered(peer);
+  EXPECT_TRUE(peer.events.empty());
+  EXPECT_FALSE(o.clear_first);
+  EXPECT_EQ(streams_.PositionOf(kW)->last_event_id, 1u);
+  EXPECT_EQ(Live(2), V::kApply);
+}
+
+TEST_F(EventStreamsTest, APeersDumpThatBreaksOffMidRankAsksTheWorker) {
+  auto first = PeerPart({1}, 4, /*final=*/false);
+  (void)streams_.Recovered(first);
+  EXPECT_EQ(Live(5), V::kHeld);
+  auto broke = PeerPart({}, 0, true, RecoveryPart::Kind::kFailed);
+  (void)streams_.Recovered(broke);
+  ASSERT_EQ(asked_.size(), 1u);
+  EXPECT_EQ(asked_[0].second, std::nullopt);  // a dump
+  auto dump = Part(RecoveryPart::Kind::kDump, {1}, 6);
+  auto o = streams_.Recovered(dump);
+  EXPECT_TRUE(o.clear_first);  // the peer's half goes
+  EXPECT_TRUE(o.rejudge.empty());
+  EXPECT_EQ(Live(7), V::kApply);
+  // A broken-off part for a rank that never took the peer's dump leaves no trace.
+  const WorkerKey other{8, 0};
+  RecoveryPart stray{.worker = other, .kind = RecoveryPart::Kind::kFailed, .from_peer = true};
+  (void)streams_.Recovered(stray);
+  EXPECT_FALSE(streams_.Known(other));
+}
+
+TEST_F(EventStreamsTest, AFirstSightDumpRequestIsMadeOnlyForAnUnknownRank) {
+  streams_.RequestDump(kW, SequenceKind::kEventId, /*first_sight=*/true);
+  ASSERT_EQ(asked_.size(), 1u);
+  streams_.RequestDump(kW, SequenceKind::kEventId, /*first_sight=*/true);  // already asked
+  EXPECT_EQ(asked_.size(), 1u);
+  streams_.RequestDump(kW);  // a reconnect's: after the reply in flight
+  auto dump = Part(RecoveryPart::Kind::kDump, {}, 0);
+  (void)streams_.Recovered(dump);
+  EXPECT_EQ(asked_.size(), 2u);
+}
+
 }  // namespace
 }  // namespace kvrouter

@@ -437,6 +437,71 @@ TEST(ShardedIndex, ABlockMovedToHostKeepsItsPlaceAfterItsDeviceParent) {
   EXPECT_TRUE(tiers.empty() || (tiers[{5, 0}] == TieredOverlap{2, 2, 2}));
 }
 
+// Parts of a peer's dump (router.dump) for every rank `from` can dump.
+std::vector<RecoveryPart> PeerParts(const ShardedIndex& from) {
+  std::vector<RecoveryPart> parts;
+  for (WorkerKey rank : from.DumpableRanks()) {
+    std::optional<RankDump> d = from.DumpRank(rank);
+    if (!d) continue;
+    RecoveryPart& p = parts.emplace_back(RecoveryPart{.worker = rank,
+                                                      .numbering = d->numbering,
+                                                      .kind = RecoveryPart::Kind::kDump,
+                                                      .last_event_id = d->last_event_id,
+                                                      .from_peer = true});
+    for (DumpedChain& c : d->chains) {
+      KvEventBatch& b = p.events.emplace_back(KvEventBatch{.worker_id = rank.worker_id, .dp_rank = rank.dp_rank});
+      b.ops.push_back({c.tier, std::move(c.stored)});
+    }
+  }
+  return parts;
+}
+
+// A replica warmed from a peer's dump: every rank, every tier, as the peer has it; a first-sight
+// ask its events raised meanwhile is superseded, later events follow on, and the warmed ranks are
+// not asked for when their workers register.
+TEST(ShardedIndex, AReplicaWarmedFromAPeersDumpMatchesAsThePeerDoesAndAsksNoWorker) {
+  ShardedIndex peer({.num_shards = 2});
+  ASSERT_TRUE(peer.Submit(StoredBatch(5, 0, 1, std::nullopt, {{100, 1}, {101, 2}})));
+  ASSERT_TRUE(peer.Submit(StoredBatch(5, 0, 2, 101, {{102, 3}}, StorageTier::kHostPinned)));
+  ASSERT_TRUE(peer.Submit(StoredBatch(5, 1, 1, std::nullopt, {{100, 1}})));
+  ASSERT_TRUE(peer.Submit(StoredBatch(6, 0, 1, std::nullopt, {{200, 1}, {201, 7}})));
+  peer.Flush();
+  EXPECT_EQ(peer.DumpableRanks(), (std::vector<WorkerKey>{{5, 0}, {5, 1}, {6, 0}}));
+
+  std::mutex mu;
+  std::vector<std::pair<WorkerKey, std::uint64_t>> asks;
+  ShardedIndex idx(
+      {.num_shards = 2,
+       .on_recovery = [&](WorkerKey w, SequenceKind, std::optional<std::uint64_t>, std::uint64_t generation) {
+         std::lock_guard g(mu);
+         asks.emplace_back(w, generation);
+       }});
+  ASSERT_TRUE(idx.Submit(StoredBatch(6, 0, 2, 201, {{202, 8}})));  // held: first sight of (6, 0)
+  idx.Flush();
+  ASSERT_EQ(asks.size(), 1u);
+  for (RecoveryPart& p : PeerParts(peer)) idx.Recovered(std::move(p));
+  idx.Flush();
+  EXPECT_EQ(idx.TakeSuperseded(), (std::vector<std::pair<WorkerKey, std::uint64_t>>{asks[0]}));
+  for (WorkerKey w : {WorkerKey{5, 0}, WorkerKey{5, 1}, WorkerKey{6, 0}})
+    idx.RequestDump(w, SequenceKind::kEventId, true);
+  idx.Flush();
+  EXPECT_EQ(asks.size(), 1u);  // registrations of warmed ranks ask nothing
+
+  const auto seq = ComputeSequenceHashes(std::vector<LocalHash>{1, 2, 3});
+  OverlapScores a = peer.FindMatches(seq), b = idx.FindMatches(seq);
+  auto by_rank = [](const OverlapScore& x, const OverlapScore& y) { return x.worker < y.worker; };
+  std::sort(a.begin(), a.end(), by_rank);
+  std::sort(b.begin(), b.end(), by_rank);
+  EXPECT_EQ(a, b);
+  EXPECT_EQ(idx.TreeSize(TierRank({5, 0}, StorageTier::kHostPinned)), 1u);
+  EXPECT_EQ(idx.TreeSize({6, 0}), 3u);                             // the peer's two, then the held event on top
+  ASSERT_TRUE(idx.Submit(StoredBatch(5, 0, 3, 100, {{103, 9}})));  // follows the peer's id 2
+  idx.Flush();
+  EXPECT_EQ(idx.TreeSize({5, 0}), 3u);
+  EXPECT_EQ(idx.Counters().gaps, 0u);
+  EXPECT_EQ(idx.DumpRank({6, 0})->last_event_id, 2u);
+}
+
 TEST(ShardedIndex, FullQueueIsCountedAndFlagsTheWorker) {
   ShardedIndex idx({.num_shards = 1, .queue_capacity = 0});
   EXPECT_FALSE(idx.Submit(StoredBatch(9, 2, 1, std::nullopt, {{100, 1}})));

@@ -1,0 +1,218 @@
+#include "router/service/peer_warmup.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <charconv>
+
+#include "events/msgpack_reader.h"
+
+namespace kvrouter {
+
+PeerWarmup::PeerWarmup(Options options, MessageBus& bus, ShardedIndex& index, Clock clock, Admit admit,
+                       std::function<void()> on_done, RateLimitedLog& log)
+    : options_(std::move(options)),
+      bus_(bus),
+      index_(index),
+      clock_(std::move(clock)),
+      admit_(std::move(admit)),
+      on_done_(std::move(on_done)),
+      log_(log) {}
+
+void PeerWarmup::Start() {
+  {
+    KvMutexLock g(mu_);
+    started_ = clock_();
+    deadline_ = started_ + options_.first_timeout;
+    to_send_ = DumpRequest{.router_id = options_.router_id};
+  }
+  Pump();
+}
+
+void PeerWarmup::Pump() {
+  {
+    KvMutexLock g(mu_);
+    if (pumping_) return;  // the caller up the stack publishes it
+    pumping_ = true;
+  }
+  for (;;) {
+    DumpRequest req;
+    std::string subject, reply;
+    {
+      KvMutexLock g(mu_);
+      if (!to_send_ || finished_) {
+        pumping_ = false;
+        return;
+      }
+      req = *to_send_;
+      to_send_.reset();
+      subject =
+          counters_.peer == 0 ? options_.dump_subject : fmt::format("{}.{}", options_.dump_subject, counters_.peer);
+      reply = options_.reply_prefix + std::to_string(page_);
+    }
+    const msgpack::sbuffer body = EncodeDumpRequest(req);
+    if (Status s = bus_.PublishRequest(subject, reply, AsBytes(body)); !s.ok()) {
+      log_.Log(LogLevel::kWarning, "peer dump", "cannot ask {} for a dump: {}", subject, s.message());
+      {
+        KvMutexLock g(mu_);
+        pumping_ = false;
+      }
+      Finish(false);
+      return;
+    }
+  }
+}
+
+void PeerWarmup::OnReply(const BusMessage& m) {
+  std::uint64_t page = 0;
+  const std::string_view tail = m.subject.substr(std::min(m.subject.size(), options_.reply_prefix.size()));
+  if (std::from_chars(tail.data(), tail.data() + tail.size(), page).ec != std::errc()) return;
+  const auto status = m.Header("Status");
+  if (m.data.empty() && status && status->starts_with("503")) {  // NATS "no responders"
+    {
+      KvMutexLock g(mu_);
+      if (finished_ || page != page_) return;
+    }
+    log_.Log(LogLevel::kInfo, "peer dump", "no replica serves {}: the workers are asked", options_.dump_subject);
+    Finish(false);
+    return;
+  }
+  auto reply = DecodeDumpReply(m.data);
+  bool broken = false;
+  {
+    KvMutexLock g(mu_);
+    if (finished_ || page != page_) return;  // late, or a second peer's answer to the first ask
+    const bool from_peer = reply.ok() && reply->router_id != 0 && reply->router_id != options_.router_id &&
+                           (counters_.peer == 0 || reply->router_id == counters_.peer);
+    if (!from_peer && counters_.peer == 0) {
+      // Another replica may still answer the first ask well.
+      log_.Log(LogLevel::kWarning, "peer dump", "ignored an answer to the first dump ask: {}",
+               reply.ok() ? "not from a peer" : reply.status().message());
+      return;
+    }
+    if (!from_peer) {
+      broken = true;
+    } else {
+      counters_.peer = reply->router_id;
+      ++counters_.pages;
+      counters_.bytes += m.data.size();
+      if (reply->more) {
+        ++page_;
+        to_send_ = DumpRequest{
+            .router_id = options_.router_id, .offset = reply->next_offset, .chain_offset = reply->next_chain};
+        deadline_ = clock_() + options_.page_timeout;
+      }
+    }
+  }
+  if (broken) {
+    log_.Log(LogLevel::kWarning, "peer dump", "the peer's dump broke off: {}",
+             reply.ok() ? "an answer from another replica" : reply.status().message());
+    Finish(false);
+    return;
+  }
+  // Each rank to the index, in order (a rank split across pages: its parts in turn, each with
+  // the first part's last_event_id, the oldest state any of them shows: the live events after
+  // it, held meanwhile, are applied again on top).
+  PeerWarmupCounters handed;
+  std::optional<WorkerKey> open;
+  std::uint64_t open_last = 0;
+  {
+    KvMutexLock g(mu_);
+    open = open_rank_;
+    open_last = open_last_event_id_;
+  }
+  for (DumpedRank& d : reply->workers) {
+    const WorkerKey key{d.worker_id, d.dp_rank};
+    if (open && *open == key) {
+      d.last_event_id = open_last;
+    } else if (open) {  // the rank's next part never came: its worker is asked instead
+      index_.Recovered({.worker = *open, .kind = RecoveryPart::Kind::kFailed, .from_peer = true});
+    }
+    open.reset();
+    if (!admit_(key)) {
+      ++handed.refused;
+      continue;
+    }
+    RecoveryPart part{.worker = key,
+                      .numbering = d.numbering,
+                      .kind = RecoveryPart::Kind::kDump,
+                      .last_event_id = d.last_event_id,
+                      .final = !d.partial,
+                      .from_peer = true};
+    part.events.reserve(d.chains.size());
+    for (DumpedChain& c : d.chains) {
+      handed.blocks += c.stored.blocks.size();
+      KvEventBatch& b = part.events.emplace_back(KvEventBatch{.worker_id = key.worker_id, .dp_rank = key.dp_rank});
+      b.ops.push_back({c.tier, std::move(c.stored)});
+    }
+    handed.chains += d.chains.size();
+    ++handed.ranks;
+    if (d.partial) {
+      open = key;
+      open_last = d.last_event_id;
+    }
+    index_.Recovered(std::move(part));
+  }
+  {
+    KvMutexLock g(mu_);
+    open_rank_ = open;
+    open_last_event_id_ = open_last;
+    counters_.ranks += handed.ranks;
+    counters_.refused += handed.refused;
+    counters_.chains += handed.chains;
+    counters_.blocks += handed.blocks;
+  }
+  if (reply->more) {
+    Pump();
+  } else {
+    Finish(true);
+  }
+}
+
+void PeerWarmup::Tick() {
+  bool late = false;
+  std::uint64_t peer = 0;
+  {
+    KvMutexLock g(mu_);
+    late = !finished_ && deadline_ && clock_() >= *deadline_;
+    peer = counters_.peer;
+  }
+  if (!late) return;
+  if (peer == 0) {
+    log_.Log(LogLevel::kInfo, "peer dump", "no replica answered {} in time: the workers are asked",
+             options_.dump_subject);
+  } else {
+    log_.Log(LogLevel::kWarning, "peer dump",
+             "replica {} stopped answering its dump: the workers are asked for the rest", peer);
+  }
+  Finish(false);
+}
+
+void PeerWarmup::Finish(bool complete) {
+  std::optional<WorkerKey> open;
+  {
+    KvMutexLock g(mu_);
+    if (finished_) return;
+    finished_ = true;
+    to_send_.reset();
+    counters_.done = true;
+    counters_.complete = complete;
+    counters_.ms = std::chrono::duration<double, std::milli>(clock_() - started_).count();
+    open = open_rank_;
+    open_rank_.reset();
+  }
+  if (open) index_.Recovered({.worker = *open, .kind = RecoveryPart::Kind::kFailed, .from_peer = true});
+  on_done_();
+}
+
+bool PeerWarmup::done() const {
+  KvMutexLock g(mu_);
+  return counters_.done;
+}
+
+PeerWarmupCounters PeerWarmup::counters() const {
+  KvMutexLock g(mu_);
+  return counters_;
+}
+
+}  // namespace kvrouter
