@@ -766,7 +766,10 @@ Result<DumpRequest> DecodeDumpRequest(std::span<const std::byte> body) {
   reads.Required(doc->get(), "router_id", ReadU64, req.router_id);
   reads.Optional(doc->get(), "offset", ReadU64, req.offset);
   reads.Optional(doc->get(), "chain_offset", ReadU64, req.chain_offset);
+  std::uint64_t parts = 1;
+  reads.Optional(doc->get(), "max_parts", ReadU64, parts);
   if (!reads.ok()) return reads.status();
+  req.max_parts = static_cast<std::uint32_t>(std::clamp<std::uint64_t>(parts, 1, kMaxDumpParts));
   return req;
 }
 
@@ -774,6 +777,7 @@ msgpack::sbuffer EncodeDumpRequest(const DumpRequest& req) {
   MapWriter w;
   w.Field("router_id", req.router_id).Field("offset", req.offset);
   if (req.chain_offset != 0) w.Field("chain_offset", req.chain_offset);
+  if (req.max_parts != 1) w.Field("max_parts", req.max_parts);
   return std::move(w).Finish();
 }
 

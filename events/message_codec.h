@@ -316,8 +316,10 @@ Result<OverlapScoresReply> DecodeOverlapScoresReply(std::span<const std::byte> b
 
 // router.dump (docs/protocol.md section 12): a replica's whole index, a page at a time.
 //   request = {router_id: u64 (the asker's; a replica never answers its own), offset?: u64 (0),
-//              chain_offset?: u64 (0)}: the ranks from the offset-th (ascending (worker_id,
-//              dp_rank)), the first of them from its chain_offset-th chain
+//              chain_offset?: u64 (0), max_parts?: u32 (1, at most kMaxDumpParts)}: the ranks
+//              from the offset-th (ascending (worker_id, dp_rank)), the first of them from its
+//              chain_offset-th chain, in up to max_parts replies to the one request (each says
+//              where the next starts, so an asker sees where each part ends)
 //   reply   = {workers: [{worker_id: u64, dp_rank: u32, last_event_id: u64, id_kind?: "event_id" |
 //                         "kv_seq", chains: [KvCacheEvent with storage_tier...], partial?: bool}...],
 //              more: bool, next_offset?: u64, next_chain?: u64, router_id: u64 (the answerer's)}
@@ -325,10 +327,12 @@ Result<OverlapScoresReply> DecodeOverlapScoresReply(std::span<const std::byte> b
 //   {stored: ...}}). partial: the rank's chains go on in the next page (next_offset names it
 //   again, next_chain its first chain there). id_kind says how last_event_id counts (§6 ids:
 //   vLLM's Kv-Seq + 1); absent: no numbered event yet.
+inline constexpr std::uint32_t kMaxDumpParts = 64;
 struct DumpRequest {
   std::uint64_t router_id = 0;
   std::uint64_t offset = 0;
   std::uint64_t chain_offset = 0;
+  std::uint32_t max_parts = 1;  // read as at most kMaxDumpParts (and at least 1)
   bool operator==(const DumpRequest&) const = default;
 };
 Result<DumpRequest> DecodeDumpRequest(std::span<const std::byte> body);

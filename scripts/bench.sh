@@ -14,7 +14,7 @@ gen=()
 command -v ninja >/dev/null && gen=(-G Ninja)
 cmake -S . -B build "${gen[@]}" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVROUTER_BENCH=ON >/dev/null
 cmake --build build -j "$(nproc 2>/dev/null || echo 2)" \
-  --target index_bench route_bench queue_bench recovery_bench indexer_bench gateway_bench kvrouter kvgateway kvmocker \
+  --target index_bench route_bench queue_bench recovery_bench indexer_bench warmup_bench gateway_bench kvrouter kvgateway kvmocker \
   >/dev/null
 
 out=${BENCH_OUT:-bench-results/$(date -u +%Y%m%dT%H%M%SZ)}
@@ -47,6 +47,11 @@ if [ -f "$trace" ] && [ "$filter" = . ]; then
   # The sweep, and two rates just past Dynamo's published peak (255,316 ops/s).
   build/bin/indexer_bench --trace "$trace" --offered 260000 --offered 300000 \
     --sweep --sweep-min 25000 --sweep-max 400000 --sweep-steps 7 --json "$out/indexer_bench.json"
+fi
+if [ "$filter" = . ]; then
+  echo
+  echo "== a new replica from a peer's dump against every worker's (1,000 workers x 10,000 blocks)"
+  build/bin/warmup_bench --workers 1000 --blocks 10000 --json "$out/warmup_bench.json"
 fi
 if [ "$filter" = . ]; then
   echo

@@ -7,7 +7,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <stdexcept>
-#include <unordered_set>
 
 namespace kvrouter {
 
@@ -638,10 +637,15 @@ void BlockIndex::DumpRank(WorkerKey rank, std::vector<DumpedChain>& out, std::si
   max_chain_blocks = std::max<std::size_t>(max_chain_blocks, 1);
   const WorkerKey device{rank.worker_id, rank.dp_rank & ~kTierRankBits};
   constexpr StorageTier kTiers[] = {StorageTier::kDevice, StorageTier::kHostPinned, StorageTier::kDisk};
-  // Per tier: the rank's (node, engine hash) holdings, and the hash naming each node (its first).
+  // Per tier: the rank's (node, engine hash) holdings, each node's first holding by node number
+  // (the hash that names it as a parent), and per first holding: kInner (a parent of another
+  // holding on this tier), kPlaced (its run is decided), kEmitted (and written).
+  enum : std::uint8_t { kInner = 1, kPlaced = 2, kEmitted = 4 };
   struct Tier {
     std::vector<std::pair<std::uint32_t, BlockHash>> held;
-    std::unordered_map<std::uint32_t, BlockHash> hash_of;
+    FlatTable<U64MapTraits> first;
+    std::vector<std::uint8_t> flags;
+    std::uint32_t Find(std::uint32_t n) const { return first.size() == 0 ? kFlatEmpty : first.Find(n); }
   };
   std::array<Tier, 3> tiers;
   for (std::size_t t = 0; t < 3; ++t) {
@@ -649,18 +653,20 @@ void BlockIndex::DumpRank(WorkerKey rank, std::vector<DumpedChain>& out, std::si
     if (slot == kFlatEmpty) continue;
     const WorkerSlot& w = slots_[slot];
     Tier& tier = tiers[t];
+    auto hold = [&](std::uint32_t n, BlockHash h) {
+      if (tier.first.Find(n) == kFlatEmpty) tier.first.Insert(n, static_cast<std::uint32_t>(tier.held.size()));
+      tier.held.emplace_back(n, h);
+    };
     if (!w.mapped) {
       for (std::uint32_t n : w.held) {  // stale and repeated entries are skipped
-        if (node(n).holders.Contains(slot) && tier.hash_of.emplace(n, node(n).seq).second) {
-          tier.held.emplace_back(n, node(n).seq);
-        }
+        if (node(n).holders.Contains(slot) && tier.first.Find(n) == kFlatEmpty) hold(n, node(n).seq);
       }
     } else {
-      w.blocks.ForEach([&](const U64MapTraits::Entry& e) {
-        const BlockHash h = U64MapTraits::KeyOf(e);
-        tier.held.emplace_back(e.value, h);
-        tier.hash_of.emplace(e.value, h);
-      });
+      w.blocks.ForEach([&](const U64MapTraits::Entry& e) { hold(e.value, U64MapTraits::KeyOf(e)); });
+    }
+    tier.flags.assign(tier.held.size(), 0);
+    for (const auto& [n, h] : tier.held) {
+      if (const std::uint32_t p = tier.Find(node(n).parent); p != kFlatEmpty) tier.flags[p] |= kInner;
     }
   }
   // The engine hash of `parent` for a chain on tier t: this tier's, else another tier's (a
@@ -668,61 +674,67 @@ void BlockIndex::DumpRank(WorkerKey rank, std::vector<DumpedChain>& out, std::si
   auto parent_hash = [&](std::size_t t, std::uint32_t parent) -> std::optional<std::optional<BlockHash>> {
     if (parent == kRoot) return std::optional<BlockHash>{};
     for (std::size_t k : {t, std::size_t{0}, std::size_t{1}, std::size_t{2}}) {
-      if (auto it = tiers[k].hash_of.find(parent); it != tiers[k].hash_of.end()) return it->second;
+      if (const std::uint32_t i = tiers[k].Find(parent); i != kFlatEmpty) return tiers[k].held[i].second;
     }
     return std::nullopt;
   };
-  std::vector<std::uint32_t> climb;
+  std::vector<std::uint32_t> climb;  // first holdings, from a leaf up
   for (std::size_t t = 0; t < 3; ++t) {
     Tier& tier = tiers[t];
-    // Nodes placed so far: true = emitted, false = left out (no parent on any tier).
-    std::unordered_map<std::uint32_t, bool> placed;
-    placed.reserve(tier.held.size());
-    auto emit_run = [&](std::optional<BlockHash> parent, std::span<const std::pair<std::uint32_t, BlockHash>> run) {
-      for (std::size_t i = 0; i < run.size(); i += max_chain_blocks) {
+    // A run's blocks, in chains of at most max_chain_blocks.
+    auto emit_run = [&](std::optional<BlockHash> parent, auto&& blocks, std::size_t size) {
+      for (std::size_t i = 0; i < size; i += max_chain_blocks) {
         DumpedChain& c = out.emplace_back();
         c.tier = kTiers[t];
-        c.stored.parent_hash = i == 0 ? parent : std::optional<BlockHash>(run[i - 1].second);
-        const std::size_t end = std::min(run.size(), i + max_chain_blocks);
-        for (std::size_t k = i; k < end; ++k) c.stored.blocks.push_back({run[k].second, local_of(run[k].first)});
+        c.stored.parent_hash = i == 0 ? parent : std::optional<BlockHash>(blocks(i - 1).block_hash);
+        const std::size_t end = std::min(size, i + max_chain_blocks);
+        c.stored.blocks.reserve(end - i);
+        for (std::size_t k = i; k < end; ++k) c.stored.blocks.push_back(blocks(k));
       }
     };
-    // The parent of a run starting at node `top`; nullopt: the run is left out.
+    // The parent of a run starting at holding `top`; nullopt: the run is left out.
     auto run_parent = [&](std::uint32_t top) -> std::optional<std::optional<BlockHash>> {
-      const std::uint32_t p = node(top).parent;
-      if (auto it = placed.find(p); it != placed.end() && !it->second) return std::nullopt;
+      const std::uint32_t p = node(tier.held[top].first).parent;
+      if (const std::uint32_t i = tier.Find(p); i != kFlatEmpty && (tier.flags[i] & kEmitted) == 0) return std::nullopt;
       return parent_hash(t, p);
     };
     // Leaves first: climbing from a leaf emits its whole path in one run, so a tree of k leaves
     // comes out as k runs rather than a block at a time.
-    std::unordered_set<std::uint32_t> inner;
-    for (const auto& [n, h] : tier.held) {
-      if (tier.hash_of.contains(node(n).parent)) inner.insert(node(n).parent);
-    }
-    std::stable_partition(tier.held.begin(), tier.held.end(), [&](const auto& e) { return !inner.contains(e.first); });
-    std::vector<std::pair<std::uint32_t, BlockHash>> run;
-    for (const auto& [n, h] : tier.held) {
-      if (!placed.contains(n)) {
-        // Up to the highest ancestor on this tier not yet placed, then down from it as one run.
-        climb.clear();
-        for (std::uint32_t m = n;;) {
-          climb.push_back(m);
-          const std::uint32_t p = node(m).parent;
-          if (p == kRoot || placed.contains(p) || !tier.hash_of.contains(p)) break;
-          m = p;
+    for (const bool leaves : {true, false}) {
+      for (std::uint32_t k = 0; k < tier.held.size(); ++k) {
+        const std::uint32_t i = tier.Find(tier.held[k].first);
+        if (((tier.flags[i] & kInner) == 0) != leaves) continue;
+        if ((tier.flags[i] & kPlaced) == 0) {
+          // Up to the highest ancestor on this tier not yet placed, then down from it as one run.
+          climb.clear();
+          for (std::uint32_t m = i;;) {
+            climb.push_back(m);
+            const std::uint32_t p = tier.Find(node(tier.held[m].first).parent);
+            if (p == kFlatEmpty || (tier.flags[p] & kPlaced) != 0) break;
+            m = p;
+          }
+          const auto parent = run_parent(climb.back());
+          for (std::uint32_t m : climb) tier.flags[m] |= kPlaced | (parent ? kEmitted : 0);
+          if (parent) {
+            emit_run(
+                *parent,
+                [&](std::size_t j) {
+                  const auto& [n, h] = tier.held[climb[climb.size() - 1 - j]];
+                  return StoredBlock{h, local_of(n)};
+                },
+                climb.size());
+          }
         }
-        const auto parent = run_parent(climb.back());
-        for (std::uint32_t m : climb) placed.emplace(m, parent.has_value());
-        if (parent) {
-          run.clear();
-          for (auto it = climb.rbegin(); it != climb.rend(); ++it) run.emplace_back(*it, tier.hash_of.at(*it));
-          emit_run(*parent, run);
-        }
-      }
-      if (h != tier.hash_of.at(n) && placed.at(n)) {  // a second engine hash of the same block
-        if (const auto parent = run_parent(n)) {
-          const std::pair<std::uint32_t, BlockHash> one[] = {{n, h}};
-          emit_run(*parent, one);
+        if (k != i && (tier.flags[i] & kEmitted) != 0) {  // a second engine hash of the same block
+          if (const auto parent = run_parent(i)) {
+            const auto& [n, h] = tier.held[k];
+            emit_run(
+                *parent,
+                [&](std::size_t) {
+                  return StoredBlock{h, local_of(n)};
+                },
+                1);
+          }
         }
       }
     }

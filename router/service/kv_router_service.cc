@@ -196,33 +196,45 @@ void KvRouterService::HandleDump(const BusMessage& m) {
     return;
   }
   if (req->router_id == router_id_ || !warm_.load()) return;  // its own ask; or not the fleet's index yet
-  DumpReplyWriter page(router_id_, event_bus_.MaxPayload());
   const std::vector<WorkerKey> ranks = index_.DumpableRanks();
-  bool more = false;
-  std::uint64_t next_offset = 0, next_chain = 0;
-  for (std::uint64_t i = req->offset; i < ranks.size(); ++i) {
-    // A rank still recovering is left out: the asker gets it from its worker.
-    std::optional<RankDump> d = index_.DumpRank(ranks[i]);
-    if (!d) continue;
-    const std::uint64_t first = i == req->offset ? std::min<std::uint64_t>(req->chain_offset, d->chains.size()) : 0;
-    const std::span<const DumpedChain> chains = std::span(d->chains).subspan(first);
-    const std::size_t ranks_before = page.ranks();
-    auto n = page.Add(d->rank.worker_id, d->rank.dp_rank, d->last_event_id, d->numbering, chains);
-    if (!n.ok()) {
-      ReplyError(m, n.status());
+  std::uint64_t offset = req->offset, chain_offset = req->chain_offset;
+  // The rank being written, dumped once however many parts it spans.
+  std::optional<RankDump> rank;
+  std::uint64_t rank_index = ~std::uint64_t{0};
+  for (std::uint32_t part = 0; part < req->max_parts; ++part) {
+    DumpReplyWriter page(router_id_, event_bus_.MaxPayload());
+    bool more = false;
+    std::uint64_t next_offset = 0, next_chain = 0;
+    for (std::uint64_t i = offset; i < ranks.size(); ++i) {
+      if (i != rank_index) {
+        rank = index_.DumpRank(ranks[i]);
+        rank_index = i;
+      }
+      if (!rank) continue;  // still recovering: the asker gets it from its worker
+      const std::uint64_t first = i == offset ? std::min<std::uint64_t>(chain_offset, rank->chains.size()) : 0;
+      const std::span<const DumpedChain> chains = std::span(rank->chains).subspan(first);
+      const std::size_t ranks_before = page.ranks();
+      auto n = page.Add(rank->rank.worker_id, rank->rank.dp_rank, rank->last_event_id, rank->numbering, chains);
+      if (!n.ok()) {
+        ReplyError(m, n.status());
+        return;
+      }
+      if (page.ranks() == ranks_before || *n < chains.size()) {  // the page is full
+        more = true;
+        next_offset = i;
+        next_chain = page.ranks() == ranks_before ? first : first + *n;
+        break;
+      }
+    }
+    const msgpack::sbuffer body = std::move(page).Finish(more, next_offset, next_chain);
+    ++dump_pages_served_;
+    if (Status s = event_bus_.Publish(m.reply, AsBytes(body)); !s.ok()) {
+      log_.Log(LogLevel::kWarning, "reply", "dump reply to {} failed: {}", m.subject, s.message());
       return;
     }
-    if (page.ranks() == ranks_before || *n < chains.size()) {  // the page is full
-      more = true;
-      next_offset = i;
-      next_chain = page.ranks() == ranks_before ? first : first + *n;
-      break;
-    }
-  }
-  const msgpack::sbuffer body = std::move(page).Finish(more, next_offset, next_chain);
-  ++dump_pages_served_;
-  if (Status s = event_bus_.Publish(m.reply, AsBytes(body)); !s.ok()) {
-    log_.Log(LogLevel::kWarning, "reply", "dump reply to {} failed: {}", m.subject, s.message());
+    if (!more) return;
+    offset = next_offset;
+    chain_offset = next_chain;
   }
 }
 

@@ -24,7 +24,7 @@ void PeerWarmup::Start() {
     KvMutexLock g(mu_);
     started_ = clock_();
     deadline_ = started_ + options_.first_timeout;
-    to_send_ = DumpRequest{.router_id = options_.router_id};
+    to_send_ = DumpRequest{.router_id = options_.router_id, .max_parts = options_.window};
   }
   Pump();
 }
@@ -48,7 +48,7 @@ void PeerWarmup::Pump() {
       to_send_.reset();
       subject =
           counters_.peer == 0 ? options_.dump_subject : fmt::format("{}.{}", options_.dump_subject, counters_.peer);
-      reply = options_.reply_prefix + std::to_string(page_);
+      reply = options_.reply_prefix + std::to_string(ask_);
     }
     const msgpack::sbuffer body = EncodeDumpRequest(req);
     if (Status s = bus_.PublishRequest(subject, reply, AsBytes(body)); !s.ok()) {
@@ -64,51 +64,44 @@ void PeerWarmup::Pump() {
 }
 
 void PeerWarmup::OnReply(const BusMessage& m) {
-  std::uint64_t page = 0;
+  std::uint64_t ask = 0;
   const std::string_view tail = m.subject.substr(std::min(m.subject.size(), options_.reply_prefix.size()));
-  if (std::from_chars(tail.data(), tail.data() + tail.size(), page).ec != std::errc()) return;
+  if (std::from_chars(tail.data(), tail.data() + tail.size(), ask).ec != std::errc()) return;
   const auto status = m.Header("Status");
   if (m.data.empty() && status && status->starts_with("503")) {  // NATS "no responders"
     {
       KvMutexLock g(mu_);
-      if (finished_ || page != page_) return;
+      if (finished_ || ask != ask_) return;
     }
     log_.Log(LogLevel::kInfo, "peer dump", "no replica serves {}: the workers are asked", options_.dump_subject);
     Finish(false);
     return;
   }
   auto reply = DecodeDumpReply(m.data);
-  bool broken = false;
   {
     KvMutexLock g(mu_);
-    if (finished_ || page != page_) return;  // late, or a second peer's answer to the first ask
+    if (finished_ || ask != ask_) return;  // late, or an answer to an ask given up
     const bool from_peer = reply.ok() && reply->router_id != 0 && reply->router_id != options_.router_id &&
                            (counters_.peer == 0 || reply->router_id == counters_.peer);
-    if (!from_peer && counters_.peer == 0) {
-      // Another replica may still answer the first ask well.
-      log_.Log(LogLevel::kWarning, "peer dump", "ignored an answer to the first dump ask: {}",
-               reply.ok() ? "not from a peer" : reply.status().message());
+    if (!from_peer) {
+      // Another replica's answer to the first ask (every replica hears it), or one that cannot be
+      // read: the peer's next page, or the timeout, decides.
+      log_.Log(LogLevel::kWarning, "peer dump", "ignored a dump answer: {}",
+               reply.ok() ? "not from the chosen peer" : reply.status().message());
       return;
     }
-    if (!from_peer) {
-      broken = true;
-    } else {
-      counters_.peer = reply->router_id;
-      ++counters_.pages;
-      counters_.bytes += m.data.size();
-      if (reply->more) {
-        ++page_;
-        to_send_ = DumpRequest{
-            .router_id = options_.router_id, .offset = reply->next_offset, .chain_offset = reply->next_chain};
-        deadline_ = clock_() + options_.page_timeout;
-      }
+    counters_.peer = reply->router_id;
+    ++counters_.pages;
+    counters_.bytes += m.data.size();
+    deadline_ = clock_() + options_.page_timeout;
+    if (reply->more && ++pages_of_ask_ == options_.window) {  // the last page of this ask
+      ++ask_;
+      pages_of_ask_ = 0;
+      to_send_ = DumpRequest{.router_id = options_.router_id,
+                             .offset = reply->next_offset,
+                             .chain_offset = reply->next_chain,
+                             .max_parts = options_.window};
     }
-  }
-  if (broken) {
-    log_.Log(LogLevel::kWarning, "peer dump", "the peer's dump broke off: {}",
-             reply.ok() ? "an answer from another replica" : reply.status().message());
-    Finish(false);
-    return;
   }
   // Each rank to the index, in order (a rank split across pages: its parts in turn, each with
   // the first part's last_event_id, the oldest state any of them shows: the live events after
@@ -163,7 +156,7 @@ void PeerWarmup::OnReply(const BusMessage& m) {
     counters_.blocks += handed.blocks;
   }
   if (reply->more) {
-    Pump();
+    Pump();  // when this was the last page of its ask
   } else {
     Finish(true);
   }

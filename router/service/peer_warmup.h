@@ -1,12 +1,14 @@
 // PeerWarmup: a replica started with --router-replica-sync fills its index from a live peer's
 // dump (docs/protocol.md section 12, router.dump) before it reports ready, instead of asking every
 // worker for one. It asks `router.dump` (every replica hears it; the first to answer is the
-// peer), then that peer's own `router.dump.<router_id>` for the next pages, one page in flight,
-// and hands each rank to the index as a peer part (RecoveryPart::from_peer): the index takes it
-// only for a rank it knows nothing of yet. It ends when the peer has no more, when nobody
-// serves router.dump (NATS "no responders"), or when no page comes in time: the first within
-// first_timeout, each next one within page_timeout (a rank the peer broke off in the middle is
-// then asked of its worker). on_done runs once, after the last part is handed over.
+// peer, the others' answers are ignored), then that peer's own `router.dump.<router_id>` for
+// the rest, `window` pages per ask (the peer streams them; the next ask goes when the last of
+// them arrives, so at most a window waits unread), and hands each rank to the index as a peer
+// part (RecoveryPart::from_peer): the index takes it only for a rank it knows nothing of yet.
+// It ends when the peer has no more, when nobody serves router.dump (NATS "no responders"), or
+// when no page comes in time: the first within first_timeout, each next one within
+// page_timeout (a rank the peer broke off in the middle is then asked of its worker). on_done
+// runs once, after the last part is handed over.
 // Thread contract: Start, OnReply (a bus delivery thread) and Tick (the timer) from any thread.
 // One mutex, never held while publishing, calling the index or on_done. A synchronous bus
 // answers inside Publish: the pages are then asked in a loop, not by recursion.
@@ -52,9 +54,10 @@ class PeerWarmup {
   struct Options {
     std::string dump_subject;     // namespace.{ns}.router.dump
     std::uint64_t router_id = 0;  // this replica's (the peers never answer their own)
-    std::string reply_prefix;     // unique per replica: "<prefix><page>" replies
+    std::string reply_prefix;     // unique per replica: "<prefix><ask>" replies
     std::chrono::milliseconds first_timeout{1000};
     std::chrono::milliseconds page_timeout{5000};
+    std::uint32_t window = 16;  // pages per ask (<= kMaxDumpParts): 16 MiB at NATS's default payload
   };
 
   PeerWarmup(Options options, MessageBus& bus, ShardedIndex& index, Clock clock, Admit admit,
@@ -84,8 +87,9 @@ class PeerWarmup {
 
   mutable KvMutex mu_;
   SteadyTime started_ KV_GUARDED_BY(mu_){};
-  std::optional<SteadyTime> deadline_ KV_GUARDED_BY(mu_);  // of the page asked for (set by Start)
-  std::uint64_t page_ KV_GUARDED_BY(mu_) = 0;              // the page asked for last (its reply subject)
+  std::optional<SteadyTime> deadline_ KV_GUARDED_BY(mu_);  // of the next page (set by Start)
+  std::uint64_t ask_ KV_GUARDED_BY(mu_) = 0;               // the ask made last (its reply subject)
+  std::uint32_t pages_of_ask_ KV_GUARDED_BY(mu_) = 0;      // pages it has brought so far
   std::optional<DumpRequest> to_send_ KV_GUARDED_BY(mu_);  // the next ask, not yet published
   bool pumping_ KV_GUARDED_BY(mu_) = false;
   std::optional<WorkerKey> open_rank_ KV_GUARDED_BY(mu_);    // a rank whose next part is to come

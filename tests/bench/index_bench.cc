@@ -166,6 +166,44 @@ void BM_ApplyIngestEvents(benchmark::State& state) {
 }
 BENCHMARK(BM_ApplyIngestEvents)->ArgsProduct({{0, 1}, {0, 1}})->Unit(benchmark::kMillisecond)->Iterations(10);
 
+// router.dump's work on the answering replica: one rank of 10,000 blocks (100 chains of 100)
+// read back as stored chains (BlockIndex::DumpRank), against storing them (the asker's work) in
+// the same run. items_per_second = blocks dumped; dump_per_store = the dump's time over the
+// stores'. Arg 0/1: engine ids that are the blocks' sequence hashes (Dynamo's, kvmocker's) or
+// not (vLLM's).
+void BM_DumpRank(benchmark::State& state) {
+  constexpr int kChains = 100, kLength = 100;
+  const bool engine_hashes = state.range(0) != 0;
+  std::vector<std::vector<StoredBlock>> chains(kChains);
+  for (int c = 0; c < kChains; ++c) {
+    std::vector<LocalHash> locals;
+    for (int b = 0; b < kLength; ++b) locals.push_back(Mix64((std::uint64_t(c) << 8) + b + 1));
+    chains[c] = AsChain(locals);
+    if (engine_hashes) {
+      for (int b = 0; b < kLength; ++b) chains[c][b].block_hash = Mix64((std::uint64_t(c) << 8) + b + (1ull << 40));
+    }
+  }
+  const WorkerKey rank{1, 0};
+  double store_s = 0, dump_s = 0;
+  std::vector<DumpedChain> out;
+  for (auto _ : state) {
+    BlockIndex idx;
+    const auto t0 = std::chrono::steady_clock::now();
+    for (const auto& c : chains) benchmark::DoNotOptimize(idx.ApplyStored(rank, std::nullopt, c));
+    const auto t1 = std::chrono::steady_clock::now();
+    out.clear();
+    idx.DumpRank(rank, out);
+    const auto t2 = std::chrono::steady_clock::now();
+    store_s += std::chrono::duration<double>(t1 - t0).count();
+    dump_s += std::chrono::duration<double>(t2 - t1).count();
+    if (out.size() != kChains) state.SkipWithError("the dump is not the stored chains");
+  }
+  state.SetItemsProcessed(state.iterations() * kChains * kLength);
+  state.counters["dump_us"] = dump_s / static_cast<double>(state.iterations()) * 1e6;
+  state.counters["dump_per_store"] = dump_s / store_s;
+}
+BENCHMARK(BM_DumpRank)->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond);
+
 // End to end through one shard: a producer thread Submit()s Dynamo-style batches (16-block
 // stored chains and their removals) and the shard thread dequeues in bulk and applies them.
 void BM_ShardIngest(benchmark::State& state) {

@@ -1005,12 +1005,16 @@ TEST(OverlapScoresCodec, ReplyRoundTripsAndPagesUnderTheLimit) {
 }
 
 TEST(DumpCodec, RequestRoundTripsAndNeedsTheAskersId) {
-  const DumpRequest req{.router_id = 7, .offset = 3, .chain_offset = 12};
+  const DumpRequest req{.router_id = 7, .offset = 3, .chain_offset = 12, .max_parts = 16};
   auto back = DecodeDumpRequest(AsBytes(EncodeDumpRequest(req)));
   ASSERT_TRUE(back.ok()) << back.status().ToString();
   EXPECT_EQ(*back, req);
   auto bare = DecodeDumpRequest(AsBytes(MapOf(0, [](TestPacker&) {})));
   EXPECT_EQ(bare.status().code(), StatusCode::kInvalidArgument);
+  auto greedy = DecodeDumpRequest(AsBytes(EncodeDumpRequest({.router_id = 7, .max_parts = 100000})));
+  EXPECT_EQ(greedy->max_parts, kMaxDumpParts);
+  auto zero = DecodeDumpRequest(AsBytes(EncodeDumpRequest({.router_id = 7, .max_parts = 0})));
+  EXPECT_EQ(zero->max_parts, 1u);
 }
 
 // A rank of `chains` chains of `blocks` blocks each, alternating device and host.

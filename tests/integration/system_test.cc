@@ -149,6 +149,54 @@ TEST_F(SystemTest, RouterKilledAndStartedAgainKnowsEveryCacheBeforeAnyNewEvent) 
   }
 }
 
+// A second replica started with --router-replica-sync learns every cache from the running one's
+// router.dump, asks no worker for a dump, and only then reports /ready.
+TEST_F(SystemTest, ASecondReplicaWarmsFromTheFirstAndAsksNoWorkerBeforeItIsReady) {
+  for (std::uint32_t p = 0; p < 6; ++p) {
+    std::vector<std::uint32_t> t(640);
+    for (std::size_t i = 0; i < t.size(); ++i) t[i] = static_cast<std::uint32_t>(p * 10000 + i * 3 + 1);
+    ASSERT_FALSE(Generate("fill-" + std::to_string(p), t).empty());
+  }
+  ASSERT_TRUE(WaitFor([&] { return ActiveRequests() == 0; }, 5s));
+  std::map<std::uint64_t, std::uint64_t> first_blocks;
+  std::uint64_t first_id = 0;
+  ASSERT_TRUE(AwaitStats(
+      [&](const StatsReply& s) {
+        first_blocks.clear();
+        std::uint64_t total = 0;
+        for (const WorkerStats& w : s.workers) total += first_blocks[w.worker_id] = w.blocks;
+        first_id = s.counters.at("router_id");
+        return total >= 6 * 10;
+      },
+      5s));
+
+  auto second = StartOnNats(
+      KVROUTER_BIN, nats_->url(),
+      {"--router-mode", "kv", "--block-size", std::to_string(kBlockSize), "--router-replica-sync", "--router-id", "77"},
+      LogPath("system-second-router"), Metrics::kOnFreePort);
+  ASSERT_TRUE(second.ok()) << second.status().ToString();
+  const int port = second->metrics_port;
+  ASSERT_TRUE(WaitFor(
+      [&] {
+        auto ready = HttpGet(port, "/ready");
+        return ready.ok() && ready->status == 200;
+      },
+      15s))
+      << ReadFile(LogPath("system-second-router"));
+  // Ready: its index is the first replica's already, from the peer's dump and no worker's.
+  const StatsClient own(*nc_, {.subject = kRouter + "stats.77"});
+  auto s = own.Get();
+  ASSERT_TRUE(s.has_value());
+  EXPECT_EQ(s->counters.at("warmup_complete"), 1u);
+  EXPECT_EQ(s->counters.at("warmup_peer"), first_id);
+  EXPECT_EQ(s->counters.at("recovery_dumps"), 0u);
+  std::map<std::uint64_t, std::uint64_t> second_blocks;
+  for (const WorkerStats& w : s->workers) second_blocks[w.worker_id] = w.blocks;
+  EXPECT_EQ(second_blocks, first_blocks);
+  EXPECT_EQ(s->workers_total, 3u);
+  second->process->Stop();
+}
+
 TEST_F(SystemTest, NatsRestartUnderLoadLosesNoCacheAndLeaksNoBooking) {
   std::vector<std::uint32_t> warm(640);
   for (std::size_t i = 0; i < warm.size(); ++i) warm[i] = static_cast<std::uint32_t>(i * 5 + 2);
