@@ -366,8 +366,8 @@ void IndexShard::PrefetchSlots(const Item& it) const {
   if (it.kind == Item::kBatch) PrefetchSlots(it.batch);
 }
 
-void IndexShard::ApplyBatch(KvEventBatch& b) {
-  batches_applied_.Add(1);
+void IndexShard::ApplyBatch(KvEventBatch& b, bool rejudged) {
+  if (!rejudged) batches_applied_.Add(1);  // a held batch judged again was counted when it came
   const WorkerKey key{b.worker_id, b.dp_rank};
   const std::uint64_t gaps_before = streams_.counters().gaps;
   const EventStreams::Verdict verdict = streams_.Live(b);
@@ -404,7 +404,7 @@ std::size_t IndexShard::ApplyRecovered(RecoveryPart& part) {
   }
   for (KvEventBatch& b : o.rejudge) {
     blocks += BlocksIn(b);
-    ApplyBatch(b);
+    ApplyBatch(b, /*rejudged=*/true);
   }
   PublishStreamCounters();
   return blocks;

@@ -155,8 +155,9 @@ class IndexShard {
   // Nothing queued or being applied by the shard thread.
   bool Idle() const { return applied_.load() == submitted_.load(); }
 
-  // The writer (see mu_): a live batch, judged by the rank's stream first.
-  void ApplyBatch(KvEventBatch& b) KV_REQUIRES(mu_);
+  // The writer (see mu_): a live batch, judged by the rank's stream first (rejudged: again, after
+  // the recovery that held it).
+  void ApplyBatch(KvEventBatch& b, bool rejudged = false) KV_REQUIRES(mu_);
 
   // The writer: a recovery reply part; returns the blocks it touched.
   std::size_t ApplyRecovered(RecoveryPart& part) KV_REQUIRES(mu_);

@@ -13,14 +13,16 @@ void ReplicaPeers::Heard(std::uint64_t router_id, Time now) {
   }
 }
 
-std::optional<std::vector<std::string>> ReplicaPeers::Advance(std::uint64_t router_id, std::uint32_t epoch) {
+std::optional<std::vector<std::string>> ReplicaPeers::Advance(std::uint64_t router_id, std::uint32_t epoch, Time now) {
   auto it = epoch_.find(router_id);
   if (it == epoch_.end()) {
-    if (epoch_.size() < kMaxPeers) epoch_.emplace(router_id, epoch);
+    if (epoch_.size() >= kMaxPeers) return std::nullopt;  // not tracked: not judged either
+    epoch_.emplace(router_id, Epoch{epoch, now});
     if (epoch == 0) return std::nullopt;
   } else {
-    if (epoch <= it->second) return std::nullopt;
-    it->second = epoch;
+    it->second.last_seen = now;
+    if (epoch <= it->second.epoch) return std::nullopt;
+    it->second.epoch = epoch;
   }
   return TakeBookings([&](std::uint64_t peer) { return peer == router_id; });
 }
@@ -32,10 +34,14 @@ void ReplicaPeers::Booked(std::uint64_t router_id, const std::string& request_id
 
 void ReplicaPeers::Seen(std::uint64_t router_id, Time now) {
   if (auto it = last_heard_.find(router_id); it != last_heard_.end()) it->second = now;
+  if (auto it = epoch_.find(router_id); it != epoch_.end()) it->second.last_seen = now;
 }
 
 std::vector<std::string> ReplicaPeers::TakeSilent(Time now) {
   if (paused_) return {};
+  std::erase_if(epoch_, [&](const auto& e) {
+    return !last_heard_.contains(e.first) && now - e.second.last_seen >= kForgetEpoch;
+  });
   std::vector<std::uint64_t> silent;
   for (const auto& [id, heard] : last_heard_) {
     if (now - heard >= kSilence) silent.push_back(id);

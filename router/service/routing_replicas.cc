@@ -75,7 +75,7 @@ void Routing::ReplicaHeartbeat(std::uint64_t router_id, std::uint32_t epoch, Out
 }
 
 void Routing::PeerEpochLocked(std::uint64_t router_id, std::uint32_t epoch, Outbox& out) {
-  const auto stale = sync_.peers().Advance(router_id, epoch);
+  const auto stale = sync_.peers().Advance(router_id, epoch, clock_());
   if (!stale) return;
   // The peer came back from an outage: its frees around it may be lost (its live bookings come
   // again at the new epoch), and it dropped every booking synced to it meanwhile (ours too).

@@ -500,6 +500,7 @@ TEST(ShardedIndex, AReplicaWarmedFromAPeersDumpMatchesAsThePeerDoesAndAsksNoWork
   EXPECT_EQ(idx.TreeSize({5, 0}), 3u);
   EXPECT_EQ(idx.Counters().gaps, 0u);
   EXPECT_EQ(idx.DumpRank({6, 0})->last_event_id, 2u);
+  EXPECT_EQ(idx.Counters().batches_applied, 2u);  // the held one counted once, not again when released
 }
 
 TEST(ShardedIndex, FullQueueIsCountedAndFlagsTheWorker) {

@@ -164,7 +164,7 @@ TEST(ReplicaPeers, ResumeGivesEveryPeerAFreshFiveSecondsEvenOneSilentBeforeThePa
 TEST(ReplicaPeers, APeerFirstSeenAtEpochZeroHandsBackNothing) {
   ReplicaPeers peers;
   peers.Booked(7, "a", kT0);
-  EXPECT_EQ(peers.Advance(7, 0), std::nullopt);
+  EXPECT_EQ(peers.Advance(7, 0, kT0), std::nullopt);
   EXPECT_TRUE(peers.IsPeerBooking("a"));
 }
 
@@ -172,37 +172,37 @@ TEST(ReplicaPeers, APeerFirstSeenAtALaterEpochMayBeBackFromAnOutageAndHandsBackI
   ReplicaPeers peers;
   peers.Booked(7, "a", kT0);
   peers.Booked(8, "b", kT0);
-  auto taken = peers.Advance(7, 3);
+  auto taken = peers.Advance(7, 3, kT0);
   ASSERT_TRUE(taken.has_value());
   EXPECT_EQ(*taken, (Ids{"a"}));
   EXPECT_TRUE(peers.IsPeerBooking("b"));
   // A first sight with no bookings still says "later" (the caller sends its own again).
-  auto none = peers.Advance(9, 1);
+  auto none = peers.Advance(9, 1, kT0);
   ASSERT_TRUE(none.has_value());
   EXPECT_TRUE(none->empty());
 }
 
 TEST(ReplicaPeers, ALaterEpochHandsBackThatPeersBookingsOnceAndTheSameOrAnOlderEpochNothing) {
   ReplicaPeers peers;
-  ASSERT_EQ(peers.Advance(7, 0), std::nullopt);
+  ASSERT_EQ(peers.Advance(7, 0, kT0), std::nullopt);
   peers.Booked(7, "a", kT0);
   peers.Booked(7, "b", kT0);
   peers.Booked(8, "c", kT0);
-  EXPECT_EQ(peers.Advance(7, 0), std::nullopt);
-  auto taken = peers.Advance(7, 1);
+  EXPECT_EQ(peers.Advance(7, 0, kT0), std::nullopt);
+  auto taken = peers.Advance(7, 1, kT0);
   ASSERT_TRUE(taken.has_value());
   EXPECT_EQ(Sorted(*taken), (Ids{"a", "b"}));
   EXPECT_TRUE(peers.IsPeerBooking("c"));
   peers.Booked(7, "b", kT0);  // its live one, sent again at epoch 1
-  EXPECT_EQ(peers.Advance(7, 1), std::nullopt);
-  EXPECT_EQ(peers.Advance(7, 0), std::nullopt);
+  EXPECT_EQ(peers.Advance(7, 1, kT0), std::nullopt);
+  EXPECT_EQ(peers.Advance(7, 0, kT0), std::nullopt);
   EXPECT_TRUE(peers.IsPeerBooking("b"));
 }
 
 TEST(ReplicaPeers, OnlyAMessageOfAnEpochOlderThanThePeersKnownOneIsStale) {
   ReplicaPeers peers;
   EXPECT_FALSE(peers.IsStale(7, 0));  // not known: nothing is stale
-  (void)peers.Advance(7, 2);
+  (void)peers.Advance(7, 2, kT0);
   EXPECT_TRUE(peers.IsStale(7, 0));
   EXPECT_TRUE(peers.IsStale(7, 1));
   EXPECT_FALSE(peers.IsStale(7, 2));
@@ -213,19 +213,19 @@ TEST(ReplicaPeers, OnlyAMessageOfAnEpochOlderThanThePeersKnownOneIsStale) {
 TEST(ReplicaPeers, ADeadPeersEpochIsForgottenSoItsReturnAtALaterEpochIsNoticed) {
   ReplicaPeers peers;
   peers.Heard(7, kT0);
-  ASSERT_TRUE(peers.Advance(7, 2).has_value());
+  ASSERT_TRUE(peers.Advance(7, 2, kT0).has_value());
   ASSERT_TRUE(peers.IsStale(7, 1));
   ASSERT_TRUE(peers.TakeSilent(kT0 + seconds(5)).empty());
   EXPECT_FALSE(peers.IsStale(7, 1));  // forgotten with the peer
-  EXPECT_TRUE(peers.Advance(7, 3).has_value());
+  EXPECT_TRUE(peers.Advance(7, 3, kT0).has_value());
 }
 
 TEST(ReplicaPeers, ANewPeerAfterADeadOneAtEpochZeroHandsBackNothing) {
   ReplicaPeers peers;
   peers.Heard(7, kT0);
-  (void)peers.Advance(7, 5);
+  (void)peers.Advance(7, 5, kT0);
   ASSERT_TRUE(peers.TakeSilent(kT0 + seconds(5)).empty());
-  EXPECT_EQ(peers.Advance(7, 0), std::nullopt);  // a peer not known, at epoch 0: a new one
+  EXPECT_EQ(peers.Advance(7, 0, kT0), std::nullopt);  // a peer not known, at epoch 0: a new one
 }
 
 TEST(ReplicaPeers, AtMostMaxPeersAreTrackedAndTheRestAreNeverJudged) {
@@ -247,6 +247,24 @@ TEST(ReplicaPeers, AtMostMaxPeersAreTrackedAndTheRestAreNeverJudged) {
   EXPECT_EQ(peers.peers(), ReplicaPeers::kMaxPeers);
   EXPECT_TRUE(peers.TakeSilent(kT0 + milliseconds(7999)).empty());
   EXPECT_EQ(Sorted(peers.TakeSilent(kT0 + seconds(10))), (Ids{"of-extra"}));
+}
+
+// Peers that send no heartbeats (other routers' sync messages only) are tracked by epoch; one
+// quiet for kForgetEpoch is forgotten, so a stream of such peers never fills the table and leaves
+// later ones untracked. A peer the full table cannot track is not judged: its bookings stay.
+TEST(ReplicaPeers, QuietPeersWithoutHeartbeatsAreForgottenAndAFullTableJudgesNoNewPeer) {
+  ReplicaPeers peers;
+  for (std::uint64_t id = 1; id <= ReplicaPeers::kMaxPeers; ++id) (void)peers.Advance(id, 0, kT0);
+  ASSERT_EQ(peers.epochs_tracked(), ReplicaPeers::kMaxPeers);
+  peers.Booked(99999, "x", kT0);
+  EXPECT_EQ(peers.Advance(99999, 4, kT0), std::nullopt);  // untracked: its booking is not released
+  EXPECT_TRUE(peers.IsPeerBooking("x"));
+  // Peer 1 keeps speaking; the others fall quiet.
+  const auto later = kT0 + ReplicaPeers::kForgetEpoch - seconds(1);
+  (void)peers.Advance(1, 0, later);
+  (void)peers.TakeSilent(kT0 + ReplicaPeers::kForgetEpoch);
+  EXPECT_EQ(peers.epochs_tracked(), 1u);
+  EXPECT_EQ(peers.Advance(99999, 4, kT0 + ReplicaPeers::kForgetEpoch), (std::optional<Ids>{Ids{"x"}}));
 }
 
 }  // namespace
