@@ -316,17 +316,28 @@ Result<OverlapScoresReply> DecodeOverlapScoresReply(std::span<const std::byte> b
 
 // router.dump (docs/protocol.md section 12): a replica's whole index, a page at a time.
 //   request = {router_id: u64 (the asker's; a replica never answers its own), offset?: u64 (0),
-//              chain_offset?: u64 (0), max_parts?: u32 (1, at most kMaxDumpParts)}: the ranks
-//              from the offset-th (ascending (worker_id, dp_rank)), the first of them from its
-//              chain_offset-th chain, in up to max_parts replies to the one request (each says
-//              where the next starts, so an asker sees where each part ends)
+//              chain_offset?: u64 (0), max_parts?: u32 (1, at most kMaxDumpParts)}: from the
+//              offset-th rank (ascending (worker_id, dp_rank)); an offset of a reply's next_offset
+//              may also name a chain in it (DumpCursor). Up to max_parts replies to the one request,
+//              each saying where the next starts; with max_parts > 1 the last of them also ends
+//              a rank (more parts are sent to finish it), so no rank spans two asks.
 //   reply   = {workers: [{worker_id: u64, dp_rank: u32, last_event_id: u64, id_kind?: "event_id" |
 //                         "kv_seq", chains: [KvCacheEvent with storage_tier...], partial?: bool}...],
 //              more: bool, next_offset?: u64, next_chain?: u64, router_id: u64 (the answerer's)}
 //   A chain is a §6 dump event ({event_id: the rank's last_event_id, dp_rank, storage_tier, data:
-//   {stored: ...}}). partial: the rank's chains go on in the next page (next_offset names it
-//   again, next_chain its first chain there). id_kind says how last_event_id counts (§6 ids:
-//   vLLM's Kv-Seq + 1); absent: no numbered event yet.
+//   {stored: ...}}). partial: the rank's chains go on in the next part (next_offset is then a
+//   cursor into it, next_chain its first chain there). id_kind says how last_event_id counts (§6
+//   ids: vLLM's Kv-Seq + 1); absent: no numbered event yet.
+// A position in a dump: the rank's index, and the first chain of it to send (0: all).
+struct DumpCursor {
+  static constexpr unsigned kChainShift = 40;  // ranks below 2^40; a cursor of chain 0 is the index
+  std::uint64_t rank = 0;
+  std::uint64_t chain = 0;
+  static DumpCursor Of(std::uint64_t offset) {
+    return {offset & ((std::uint64_t{1} << kChainShift) - 1), offset >> kChainShift};
+  }
+  std::uint64_t offset() const { return rank | (chain << kChainShift); }
+};
 inline constexpr std::uint32_t kMaxDumpParts = 64;
 struct DumpRequest {
   std::uint64_t router_id = 0;

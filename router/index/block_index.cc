@@ -669,71 +669,90 @@ void BlockIndex::DumpRank(WorkerKey rank, std::vector<DumpedChain>& out, std::si
       if (const std::uint32_t p = tier.Find(node(n).parent); p != kFlatEmpty) tier.flags[p] |= kInner;
     }
   }
-  // The engine hash of `parent` for a chain on tier t: this tier's, else another tier's (a
-  // block offloaded from GPU to CPU names its parent wherever that is); nullopt inside: the root.
-  auto parent_hash = [&](std::size_t t, std::uint32_t parent) -> std::optional<std::optional<BlockHash>> {
-    if (parent == kRoot) return std::optional<BlockHash>{};
+  // Where the parent of a run on tier t stands: the root, written (its engine hash on a tier
+  // where it is written: this tier first; a block offloaded from GPU to CPU names its parent
+  // wherever that is), still to be written on some tier (the run waits for it), or nowhere (the
+  // run is left out).
+  enum class Parent { kNone, kWritten, kPending, kMissing };  // kNone: the root
+  auto resolve = [&](std::size_t t, std::uint32_t parent, BlockHash& hash) {
+    if (parent == kRoot) return Parent::kNone;
+    bool pending = false;
     for (std::size_t k : {t, std::size_t{0}, std::size_t{1}, std::size_t{2}}) {
-      if (const std::uint32_t i = tiers[k].Find(parent); i != kFlatEmpty) return tiers[k].held[i].second;
-    }
-    return std::nullopt;
-  };
-  std::vector<std::uint32_t> climb;  // first holdings, from a leaf up
-  for (std::size_t t = 0; t < 3; ++t) {
-    Tier& tier = tiers[t];
-    // A run's blocks, in chains of at most max_chain_blocks.
-    auto emit_run = [&](std::optional<BlockHash> parent, auto&& blocks, std::size_t size) {
-      for (std::size_t i = 0; i < size; i += max_chain_blocks) {
-        DumpedChain& c = out.emplace_back();
-        c.tier = kTiers[t];
-        c.stored.parent_hash = i == 0 ? parent : std::optional<BlockHash>(blocks(i - 1).block_hash);
-        const std::size_t end = std::min(size, i + max_chain_blocks);
-        c.stored.blocks.reserve(end - i);
-        for (std::size_t k = i; k < end; ++k) c.stored.blocks.push_back(blocks(k));
+      const std::uint32_t i = tiers[k].Find(parent);
+      if (i == kFlatEmpty) continue;
+      if ((tiers[k].flags[i] & kEmitted) != 0) {
+        hash = tiers[k].held[i].second;
+        return Parent::kWritten;
       }
-    };
-    // The parent of a run starting at holding `top`; nullopt: the run is left out.
-    auto run_parent = [&](std::uint32_t top) -> std::optional<std::optional<BlockHash>> {
-      const std::uint32_t p = node(tier.held[top].first).parent;
-      if (const std::uint32_t i = tier.Find(p); i != kFlatEmpty && (tier.flags[i] & kEmitted) == 0) return std::nullopt;
-      return parent_hash(t, p);
-    };
-    // Leaves first: climbing from a leaf emits its whole path in one run, so a tree of k leaves
-    // comes out as k runs rather than a block at a time.
-    for (const bool leaves : {true, false}) {
-      for (std::uint32_t k = 0; k < tier.held.size(); ++k) {
-        const std::uint32_t i = tier.Find(tier.held[k].first);
-        if (((tier.flags[i] & kInner) == 0) != leaves) continue;
-        if ((tier.flags[i] & kPlaced) == 0) {
-          // Up to the highest ancestor on this tier not yet placed, then down from it as one run.
-          climb.clear();
-          for (std::uint32_t m = i;;) {
-            climb.push_back(m);
-            const std::uint32_t p = tier.Find(node(tier.held[m].first).parent);
-            if (p == kFlatEmpty || (tier.flags[p] & kPlaced) != 0) break;
-            m = p;
+      if ((tiers[k].flags[i] & kPlaced) == 0) pending = true;
+    }
+    return pending ? Parent::kPending : Parent::kMissing;
+  };
+  // A run's blocks on tier t, in chains of at most max_chain_blocks.
+  auto emit_run = [&](std::size_t t, std::optional<BlockHash> parent, auto&& blocks, std::size_t size) {
+    for (std::size_t i = 0; i < size; i += max_chain_blocks) {
+      DumpedChain& c = out.emplace_back();
+      c.tier = kTiers[t];
+      c.stored.parent_hash = i == 0 ? parent : std::optional<BlockHash>(blocks(i - 1).block_hash);
+      const std::size_t end = std::min(size, i + max_chain_blocks);
+      c.stored.blocks.reserve(end - i);
+      for (std::size_t k = i; k < end; ++k) c.stored.blocks.push_back(blocks(k));
+    }
+  };
+  // Rounds over the tiers (device, host, disk) until nothing more can be written: a run whose
+  // parent is on another tier and not written yet waits for a later round.
+  std::vector<std::uint32_t> climb;  // first holdings, from a leaf up
+  std::array<std::vector<bool>, 3> extra_done;
+  for (std::size_t t = 0; t < 3; ++t) extra_done[t].assign(tiers[t].held.size(), false);
+  for (bool progress = true; progress;) {
+    progress = false;
+    for (std::size_t t = 0; t < 3; ++t) {
+      Tier& tier = tiers[t];
+      // Leaves first: climbing from a leaf writes its whole path in one run, so a tree of k
+      // leaves comes out as k runs rather than a block at a time.
+      for (const bool leaves : {true, false}) {
+        for (std::uint32_t k = 0; k < tier.held.size(); ++k) {
+          const std::uint32_t i = tier.Find(tier.held[k].first);
+          if (((tier.flags[i] & kInner) == 0) != leaves) continue;
+          if ((tier.flags[i] & kPlaced) == 0) {
+            // Up to the highest ancestor on this tier not yet placed, then down from it.
+            climb.clear();
+            for (std::uint32_t m = i;;) {
+              climb.push_back(m);
+              const std::uint32_t p = tier.Find(node(tier.held[m].first).parent);
+              if (p == kFlatEmpty || (tier.flags[p] & kPlaced) != 0) break;
+              m = p;
+            }
+            BlockHash hash = 0;
+            const Parent parent = resolve(t, node(tier.held[climb.back()].first).parent, hash);
+            if (parent == Parent::kPending) continue;
+            const bool written = parent != Parent::kMissing;
+            for (std::uint32_t m : climb) tier.flags[m] |= kPlaced | (written ? kEmitted : 0);
+            progress = true;
+            if (written) {
+              emit_run(
+                  t, parent == Parent::kNone ? std::nullopt : std::optional<BlockHash>(hash),
+                  [&](std::size_t j) {
+                    const auto& [n, h] = tier.held[climb[climb.size() - 1 - j]];
+                    return StoredBlock{h, local_of(n)};
+                  },
+                  climb.size());
+            }
           }
-          const auto parent = run_parent(climb.back());
-          for (std::uint32_t m : climb) tier.flags[m] |= kPlaced | (parent ? kEmitted : 0);
-          if (parent) {
-            emit_run(
-                *parent,
-                [&](std::size_t j) {
-                  const auto& [n, h] = tier.held[climb[climb.size() - 1 - j]];
-                  return StoredBlock{h, local_of(n)};
-                },
-                climb.size());
-          }
-        }
-        if (k != i && (tier.flags[i] & kEmitted) != 0) {  // a second engine hash of the same block
-          if (const auto parent = run_parent(i)) {
-            const auto& [n, h] = tier.held[k];
-            emit_run(
-                *parent,
-                [&](std::size_t) {
-                  return StoredBlock{h, local_of(n)};
-                },
-                1);
+          if (k != i && !extra_done[t][k] && (tier.flags[i] & kEmitted) != 0) {
+            // A second engine hash of the same block, under the same parent.
+            extra_done[t][k] = true;
+            BlockHash hash = 0;
+            const Parent parent = resolve(t, node(tier.held[k].first).parent, hash);
+            if (parent == Parent::kNone || parent == Parent::kWritten) {
+              const auto& [n, h] = tier.held[k];
+              emit_run(
+                  t, parent == Parent::kNone ? std::nullopt : std::optional<BlockHash>(hash),
+                  [&](std::size_t) {
+                    return StoredBlock{h, local_of(n)};
+                  },
+                  1);
+            }
           }
         }
       }

@@ -190,12 +190,13 @@ class BlockIndex {
   void TidyFreeNodes();
 
   std::size_t TreeSize(WorkerKey worker) const;  // blocks held by (worker, dp_rank)
-  // Owner: every block a rank holds, on each storage tier (device, then host, then disk), as
-  // stored chains that rebuild it when applied in order (ApplyStored on TierRank(rank, tier)):
-  // parents come before their children, each chain names its first block's parent by the engine
-  // hash this rank knows it under (on any of its tiers), and no chain is longer than
-  // max_chain_blocks. A block whose parent the rank holds on no tier (left behind when a middle
-  // block was removed) is left out, and so are its children: FindMatches cannot reach them.
+  // Owner: every block a rank holds, on each storage tier, as stored chains that rebuild it when
+  // applied in order (ApplyStored on TierRank(rank, tier)): a chain's parent is written before it,
+  // on whichever tier holds it (device chains come first, then host and disk, a chain below a
+  // block held on a later tier only after that block); each chain names its first block's parent
+  // by the engine hash this rank knows it under, and no chain is longer than max_chain_blocks. A
+  // block whose parent the rank holds on no tier (left behind when a middle block was removed)
+  // is left out, and so are its children: FindMatches cannot reach them.
   // Appends to `out`; costs time and memory in proportion to the rank's blocks.
   void DumpRank(WorkerKey rank, std::vector<DumpedChain>& out, std::size_t max_chain_blocks = 1024) const;
   // Node and worker-slot numbers handed out so far (live, free or waiting for FreeRetired).

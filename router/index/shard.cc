@@ -118,6 +118,11 @@ void IndexShard::RequestDump(WorkerKey worker, SequenceKind numbering, bool firs
                       .worker_id = worker.worker_id});
 }
 
+void IndexShard::Barrier(std::shared_ptr<std::latch> barrier) {
+  submitted_.fetch_add(1, std::memory_order_relaxed);
+  queue_.enqueue(Item{.kind = Item::kBarrier, .barrier = std::move(barrier)});
+}
+
 void IndexShard::Recovered(RecoveryPart part) {
   submitted_.fetch_add(1, std::memory_order_relaxed);
   const std::uint64_t worker_id = part.worker.worker_id;
@@ -236,7 +241,7 @@ void IndexShard::Run() {
         if (i + 3 < n) PrefetchOps(items[i + 3]);
         if (i + 2 < n) PrefetchBlocks(items[i + 2]);
         if (i + 1 < n) PrefetchSlots(items[i + 1]);
-        const bool writes = it.kind != Item::kWake;
+        const bool writes = it.kind != Item::kWake && it.kind != Item::kBarrier;
         if (writes) gate_.BeginWrite();
         switch (it.kind) {
           case Item::kBatch:
@@ -267,12 +272,17 @@ void IndexShard::Run() {
             slice += ApplyRecovered(*it.part);
             ++done;
             break;
+          case Item::kBarrier:
+            it.barrier->count_down();
+            ++done;
+            break;
           case Item::kWake: break;
         }
         if (writes && gate_.EndWrite() && index_.HasRetired()) index_.FreeRetired();
         if (it.kind == Item::kBatch && SpareBatches::Keep(it.batch)) giving.push_back(std::move(it.batch));
         it.batch = {};
         it.part.reset();
+        it.barrier.reset();
         if (slice >= kMaxBlocksPerLock) {  // let waiting readers in
           std::vector<Ask> asks = TakeAsks();
           mu_.unlock();

@@ -16,6 +16,7 @@
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <latch>
 #include <memory>
 #include <optional>
 #include <span>
@@ -65,6 +66,9 @@ class IndexShard {
   // Waits until the shard is quiet: everything submitted, including what applying it submitted
   // in turn (a recovery answered on a synchronous bus), has been applied.
   void Flush();
+  // Queues `barrier`, counted down once what this thread queued before it has been applied
+  // (however much other threads queue meanwhile).
+  void Barrier(std::shared_ptr<std::latch> barrier);
 
   // Without the shard's lock: through the read gate (router/index/read_gate.h), so a route never
   // sleeps behind the shard thread, even when that thread loses its CPU in the middle of an event.
@@ -104,6 +108,7 @@ class IndexShard {
       kRequestDump,
       kRecovered,
       kSetCapacity,
+      kBarrier,
       kWake
     } kind = kWake;
     SequenceKind numbering = SequenceKind::kEventId;  // kRequestDump (beside kind, in its padding)
@@ -111,8 +116,9 @@ class IndexShard {
     std::uint32_t dp_rank = 0;                        // kRequestDump
     KvEventBatch batch;
     std::uint64_t worker_id = 0;
-    std::uint64_t blocks_per_rank = 0;   // kSetCapacity
-    std::unique_ptr<RecoveryPart> part;  // kRecovered: out of line, so the queue moves small items
+    std::uint64_t blocks_per_rank = 0;    // kSetCapacity
+    std::unique_ptr<RecoveryPart> part;   // kRecovered: out of line, so the queue moves small items
+    std::shared_ptr<std::latch> barrier;  // kBarrier: counted down when the shard reaches it
   };
 
   // Counts a batch into the queue's depth; a full queue refuses it (counted, worker flagged).

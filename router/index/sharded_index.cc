@@ -3,7 +3,9 @@
 #include <sched.h>
 
 #include <algorithm>
+#include <latch>
 #include <limits>
+#include <memory>
 
 #include "router/index/shard.h"
 #include "router/index/spare_batches.h"
@@ -141,6 +143,12 @@ std::vector<WorkerKey> ShardedIndex::TakeStaleWorkers() {
   std::vector<WorkerKey> out;
   for (const auto& s : shards_) s->TakeStale(out);
   return out;
+}
+
+void ShardedIndex::AwaitOwnSubmissions() {
+  auto barrier = std::make_shared<std::latch>(static_cast<std::ptrdiff_t>(shards_.size()));
+  for (const auto& s : shards_) s->Barrier(barrier);
+  barrier->wait();
 }
 
 void ShardedIndex::Flush() {

@@ -168,6 +168,9 @@ class ShardedIndex {
   std::vector<WorkerKey> TakeStaleWorkers();
   // Blocks until everything submitted before the call has been applied.
   void Flush();
+  // Blocks until what this thread submitted before the call has been applied: unlike Flush, not
+  // held up by what other threads keep submitting (an event flood).
+  void AwaitOwnSubmissions();
 
   // Puts the calling thread in Linux's batch scheduling class (SCHED_BATCH, same share of the
   // CPU, but it does not preempt a running thread when it wakes up). Shard threads run so, and

@@ -102,10 +102,10 @@ std::vector<KvRouterService::Sub> KvRouterService::EventSubscriptions() {
   if (recovery_) {  // replies to the recovery queries, which may be large: the event connection
     subs.push_back({recovery_->subject_pattern(), "", [this](const BusMessage& m) { recovery_->OnReply(m); }});
   }
-  if (config_.use_kv_events) {  // every replica hears router.dump; a page may be large
-    subs.push_back({subjects_.dump, "", [this](const BusMessage& m) { HandleDump(m); }});
-    subs.push_back(
-        {fmt::format("{}.{}", subjects_.dump, router_id_), "", [this](const BusMessage& m) { HandleDump(m); }});
+  // A replica warming up serves router.dump only once it is warm (FinishWarmup): until then it is
+  // no peer, and nobody else serving it answers a lone replica's ask with "no responders" at once.
+  if (config_.use_kv_events && !warmup_) {
+    for (Sub& d : DumpSubscriptions()) subs.push_back(std::move(d));
   }
   if (warmup_) subs.push_back({warmup_->subject_pattern(), "", [this](const BusMessage& m) { warmup_->OnReply(m); }});
   if (config_.replica_sync) {
@@ -113,6 +113,12 @@ std::vector<KvRouterService::Sub> KvRouterService::EventSubscriptions() {
     subs.push_back({subjects_.router_heartbeats, "", [this](const BusMessage& m) { HandleReplicaHeartbeat(m); }});
   }
   return subs;
+}
+
+std::vector<KvRouterService::Sub> KvRouterService::DumpSubscriptions() {
+  // Every replica hears router.dump (a page may be large: the event connection).
+  return {{subjects_.dump, "", [this](const BusMessage& m) { HandleDump(m); }},
+          {fmt::format("{}.{}", subjects_.dump, router_id_), "", [this](const BusMessage& m) { HandleDump(m); }}};
 }
 
 std::vector<KvRouterService::Sub> KvRouterService::RequestSubscriptions() {
@@ -139,7 +145,7 @@ std::vector<KvRouterService::Sub> KvRouterService::RequestSubscriptions() {
   return subs;
 }
 
-Status KvRouterService::Subscribe(MessageBus& bus, std::vector<Sub> subs) {
+Status KvRouterService::Subscribe(MessageBus& bus, std::vector<Sub> subs, bool all_or_nothing) {
   for (auto& s : subs) {
     // Nothing may escape a handler: count it, log it, answer `internal` when a reply is expected.
     MessageBus::Handler guarded = [this, h = std::move(s.handler)](const BusMessage& m) {
@@ -153,9 +159,15 @@ Status KvRouterService::Subscribe(MessageBus& bus, std::vector<Sub> subs) {
     };
     auto r = bus.Subscribe(s.subject, s.group, std::move(guarded));
     if (!r.ok()) {
-      subs_.clear();
+      std::vector<std::unique_ptr<BusSubscription>> gone;
+      if (all_or_nothing) {
+        std::lock_guard g(subs_mu_);
+        gone.swap(subs_);
+      }
       return Status(r.status().code(), fmt::format("subscribe {}: {}", s.subject, r.status().message()));
     }
+    std::lock_guard g(subs_mu_);
+    if (stopped_) return Status(StatusCode::kInternal, "the service stopped");  // dropped unlocked by r's owner
     subs_.push_back(std::move(r).value());
   }
   return Status::Ok();
@@ -176,13 +188,21 @@ Status KvRouterService::Start() {
 }
 
 void KvRouterService::FinishWarmup() {
-  // Every part handed over is applied first, so that each ask a part answered is known.
-  index_.Flush();
+  // Every part handed over is applied first, so that each ask a part answered is known (the
+  // parts came from this thread, unless a timeout ended the warm-up long after the last one).
+  index_.AwaitOwnSubmissions();
   const auto superseded = index_.TakeSuperseded();
   recovery_->Cancel(superseded);
   recovery_->Resume();
   startup_deadline_ = clock_() + std::chrono::milliseconds(config_.recovery_wait_ms);
-  warm_ = true;
+  if (Status s = Subscribe(event_bus_, DumpSubscriptions(), /*all_or_nothing=*/false); !s.ok()) {
+    log_.Log(LogLevel::kWarning, "subscribe", "this replica will not serve router.dump: {}", s.message());
+  }
+  {
+    std::lock_guard g(warm_mu_);
+    warm_ = true;
+  }
+  warm_cv_.notify_all();
   const PeerWarmupCounters c = warmup_->counters();
   log_.Log(LogLevel::kInfo, "peer dump", "warm-up {}: {} ranks, {} blocks from replica {} in {:.0f} ms ({} pages)",
            c.complete ? "done" : "ended early", c.ranks, c.blocks, c.peer, c.ms, c.pages);
@@ -197,11 +217,15 @@ void KvRouterService::HandleDump(const BusMessage& m) {
   }
   if (req->router_id == router_id_ || !warm_.load()) return;  // its own ask; or not the fleet's index yet
   const std::vector<WorkerKey> ranks = index_.DumpableRanks();
-  std::uint64_t offset = req->offset, chain_offset = req->chain_offset;
+  const DumpCursor from = DumpCursor::Of(req->offset);
+  std::uint64_t offset = from.rank, chain_offset = std::max(from.chain, req->chain_offset);
+  // An asker of several parts gets whole ranks: each ask ends at a rank's end, so a rank never
+  // spans two asks (two moments of the index, whose chains may come in another order).
+  const bool whole_ranks = req->max_parts > 1;
   // The rank being written, dumped once however many parts it spans.
   std::optional<RankDump> rank;
   std::uint64_t rank_index = ~std::uint64_t{0};
-  for (std::uint32_t part = 0; part < req->max_parts; ++part) {
+  for (std::uint32_t part = 1;; ++part) {
     DumpReplyWriter page(router_id_, event_bus_.MaxPayload());
     bool more = false;
     std::uint64_t next_offset = 0, next_chain = 0;
@@ -226,7 +250,8 @@ void KvRouterService::HandleDump(const BusMessage& m) {
         break;
       }
     }
-    const msgpack::sbuffer body = std::move(page).Finish(more, next_offset, next_chain);
+    const msgpack::sbuffer body =
+        std::move(page).Finish(more, DumpCursor{next_offset, next_chain}.offset(), next_chain);
     ++dump_pages_served_;
     if (Status s = event_bus_.Publish(m.reply, AsBytes(body)); !s.ok()) {
       log_.Log(LogLevel::kWarning, "reply", "dump reply to {} failed: {}", m.subject, s.message());
@@ -235,12 +260,18 @@ void KvRouterService::HandleDump(const BusMessage& m) {
     if (!more) return;
     offset = next_offset;
     chain_offset = next_chain;
+    if (part >= req->max_parts && (!whole_ranks || chain_offset == 0)) return;
   }
 }
 
 void KvRouterService::Stop() {
   started_ = false;
-  subs_.clear();
+  std::vector<std::unique_ptr<BusSubscription>> gone;  // destroyed unlocked: a handler may be subscribing
+  {
+    std::lock_guard g(subs_mu_);
+    stopped_ = true;
+    gone.swap(subs_);
+  }
 }
 
 void KvRouterService::DropUndecodable(std::string_view reason, const BusMessage& m, const Status& why) {
@@ -466,6 +497,15 @@ void KvRouterService::HandleRoute(const BusMessage& m, Routing::Kind kind) {
   // Just after start, a route waits (a little) for the workers' dumps: a restarted router should
   // not route blind. best_worker answers as things stand.
   if (recovery_ && kind != Routing::Kind::kBestWorker) {
+    if (!warm_.load()) {  // a replica warming from a peer: its index is not the fleet's yet
+      const SteadyTime now = clock_();
+      const SteadyTime deadline = startup_deadline_.load();
+      std::unique_lock g(warm_mu_);
+      if (now < deadline) {
+        warm_cv_.wait_for(g, std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now),
+                          [&] { return warm_.load(); });
+      }
+    }
     const SteadyTime now = clock_();
     if (const SteadyTime deadline = startup_deadline_.load(); now < deadline) {
       (void)recovery_->AwaitIdle(std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now));

@@ -15,6 +15,7 @@
 #pragma once
 
 #include <atomic>
+#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -100,8 +101,10 @@ class KvRouterService {
   };
   std::vector<Sub> EventSubscriptions();    // on the event bus
   std::vector<Sub> RequestSubscriptions();  // on the request bus
-  // Subscribes each (its handler guarded: nothing escapes); on a failure none stays subscribed.
-  Status Subscribe(MessageBus& bus, std::vector<Sub> subs);
+  std::vector<Sub> DumpSubscriptions();     // router.dump, on the event bus (late when warming)
+  // Subscribes each (its handler guarded: nothing escapes); on a failure none stays subscribed
+  // (all_or_nothing), or those made before stay.
+  Status Subscribe(MessageBus& bus, std::vector<Sub> subs, bool all_or_nothing = true);
   void HandleKvEvent(const BusMessage& m);
   void HandleVllmEvent(const BusMessage& m);
   // The thread delivering events runs as ingestion (ShardedIndex::MarkIngestThread) and is
@@ -164,6 +167,8 @@ class KvRouterService {
   // With --router-replica-sync (and recovery): fills the index from a peer first. Null otherwise.
   std::unique_ptr<PeerWarmup> warmup_;
   std::atomic<bool> warm_{true};  // the warm-up is over (or there is none)
+  std::mutex warm_mu_;            // routes wait on warm_cv_ for warm_ (bounded by startup_deadline_)
+  std::condition_variable warm_cv_;
   std::atomic<std::uint64_t> dump_pages_served_{0};
   // HandOver's bulks, one per event subscription (each only on its delivery thread).
   std::vector<KvEventBatch> kv_bulk_;
@@ -172,7 +177,9 @@ class KvRouterService {
   DropCounters drops_;
   Routing routing_;
   GenerateRelay relay_;
-  std::vector<std::unique_ptr<BusSubscription>> subs_;
+  std::mutex subs_mu_;                                  // FinishWarmup subscribes on a delivery thread, Stop on another
+  std::vector<std::unique_ptr<BusSubscription>> subs_;  // guarded by subs_mu_
+  bool stopped_ = false;                                // guarded by subs_mu_
   RouterMetrics metrics_;
   std::atomic<bool> started_{false};
   std::atomic<bool> events_up_{true};

@@ -24,7 +24,10 @@ void PeerWarmup::Start() {
     KvMutexLock g(mu_);
     started_ = clock_();
     deadline_ = started_ + options_.first_timeout;
-    to_send_ = DumpRequest{.router_id = options_.router_id, .max_parts = options_.window};
+    // The first ask is heard by every replica: two parts from each (the answers past the first
+    // replica's are ignored), then the chosen peer's own subject gets window-sized asks.
+    to_send_ = DumpRequest{.router_id = options_.router_id, .max_parts = 2};
+    parts_asked_ = 2;
   }
   Pump();
 }
@@ -78,30 +81,43 @@ void PeerWarmup::OnReply(const BusMessage& m) {
     return;
   }
   auto reply = DecodeDumpReply(m.data);
+  bool broken = false;
   {
     KvMutexLock g(mu_);
     if (finished_ || ask != ask_) return;  // late, or an answer to an ask given up
     const bool from_peer = reply.ok() && reply->router_id != 0 && reply->router_id != options_.router_id &&
                            (counters_.peer == 0 || reply->router_id == counters_.peer);
-    if (!from_peer) {
-      // Another replica's answer to the first ask (every replica hears it), or one that cannot be
-      // read: the peer's next page, or the timeout, decides.
+    if (!from_peer && (counters_.peer == 0 || reply.ok())) {
+      // Another replica's answer to the first ask (every replica hears it): the first good one
+      // chooses the peer.
       log_.Log(LogLevel::kWarning, "peer dump", "ignored a dump answer: {}",
                reply.ok() ? "not from the chosen peer" : reply.status().message());
       return;
     }
-    counters_.peer = reply->router_id;
-    ++counters_.pages;
-    counters_.bytes += m.data.size();
-    deadline_ = clock_() + options_.page_timeout;
-    if (reply->more && ++pages_of_ask_ == options_.window) {  // the last page of this ask
-      ++ask_;
-      pages_of_ask_ = 0;
-      to_send_ = DumpRequest{.router_id = options_.router_id,
-                             .offset = reply->next_offset,
-                             .chain_offset = reply->next_chain,
-                             .max_parts = options_.window};
+    if (!from_peer) {
+      broken = true;  // the chosen peer's page cannot be read: a rank in it may be cut short
+    } else {
+      counters_.peer = reply->router_id;
+      ++counters_.pages;
+      counters_.bytes += m.data.size();
+      deadline_ = clock_() + options_.page_timeout;
+      // The answering replica ends an ask after max_parts parts at a rank's end (DumpRequest): the
+      // asker knows the last part of each ask without a marker.
+      ++pages_of_ask_;
+      if (reply->more && pages_of_ask_ >= parts_asked_ && reply->next_chain == 0) {
+        ++ask_;
+        pages_of_ask_ = 0;
+        parts_asked_ = options_.window;
+        to_send_ =
+            DumpRequest{.router_id = options_.router_id, .offset = reply->next_offset, .max_parts = options_.window};
+      }
     }
+  }
+  if (broken) {
+    log_.Log(LogLevel::kWarning, "peer dump", "replica {}'s dump page cannot be read ({}): the workers are asked",
+             counters().peer, reply.status().message());
+    Finish(false);
+    return;
   }
   // Each rank to the index, in order (a rank split across pages: its parts in turn, each with
   // the first part's last_event_id, the oldest state any of them shows: the live events after
@@ -146,16 +162,22 @@ void PeerWarmup::OnReply(const BusMessage& m) {
     }
     index_.Recovered(std::move(part));
   }
+  bool late = false;
   {
     KvMutexLock g(mu_);
-    open_rank_ = open;
+    // Finish (a timeout) may have run while this page was handed over: the rank it leaves open is
+    // then this one's to close.
+    late = finished_;
+    open_rank_ = late ? std::nullopt : open;
     open_last_event_id_ = open_last;
     counters_.ranks += handed.ranks;
     counters_.refused += handed.refused;
     counters_.chains += handed.chains;
     counters_.blocks += handed.blocks;
   }
-  if (reply->more) {
+  if (late) {
+    if (open) index_.Recovered({.worker = *open, .kind = RecoveryPart::Kind::kFailed, .from_peer = true});
+  } else if (reply->more) {
     Pump();  // when this was the last page of its ask
   } else {
     Finish(true);

@@ -1,14 +1,16 @@
 // PeerWarmup: a replica started with --router-replica-sync fills its index from a live peer's
 // dump (docs/protocol.md section 12, router.dump) before it reports ready, instead of asking every
-// worker for one. It asks `router.dump` (every replica hears it; the first to answer is the
-// peer, the others' answers are ignored), then that peer's own `router.dump.<router_id>` for
-// the rest, `window` pages per ask (the peer streams them; the next ask goes when the last of
-// them arrives, so at most a window waits unread), and hands each rank to the index as a peer
+// worker for one. It asks `router.dump` for two parts (every replica hears it; the first to
+// answer is the peer, the others' answers are ignored), then that peer's own
+// `router.dump.<router_id>` for the rest, `window` parts per ask (the peer streams them, and
+// finishes the rank it is in; the next ask goes when the last of them arrives, so about a window
+// waits unread, and no rank spans two asks), and hands each rank to the index as a peer
 // part (RecoveryPart::from_peer): the index takes it only for a rank it knows nothing of yet.
-// It ends when the peer has no more, when nobody serves router.dump (NATS "no responders"), or
-// when no page comes in time: the first within first_timeout, each next one within
-// page_timeout (a rank the peer broke off in the middle is then asked of its worker). on_done
-// runs once, after the last part is handed over.
+// It ends when the peer has no more, when nobody serves router.dump (NATS "no responders"),
+// when the chosen peer's page cannot be read, or when no page comes in time: the first within
+// first_timeout, each next one within page_timeout (a rank the peer broke off in the middle is
+// then asked of its worker). on_done runs once; a page still being handed over when a timeout
+// ends the warm-up closes the rank it leaves open itself.
 // Thread contract: Start, OnReply (a bus delivery thread) and Tick (the timer) from any thread.
 // One mutex, never held while publishing, calling the index or on_done. A synchronous bus
 // answers inside Publish: the pages are then asked in a loop, not by recursion.
@@ -90,6 +92,7 @@ class PeerWarmup {
   std::optional<SteadyTime> deadline_ KV_GUARDED_BY(mu_);  // of the next page (set by Start)
   std::uint64_t ask_ KV_GUARDED_BY(mu_) = 0;               // the ask made last (its reply subject)
   std::uint32_t pages_of_ask_ KV_GUARDED_BY(mu_) = 0;      // pages it has brought so far
+  std::uint32_t parts_asked_ KV_GUARDED_BY(mu_) = 1;       // its max_parts
   std::optional<DumpRequest> to_send_ KV_GUARDED_BY(mu_);  // the next ask, not yet published
   bool pumping_ KV_GUARDED_BY(mu_) = false;
   std::optional<WorkerKey> open_rank_ KV_GUARDED_BY(mu_);    // a rank whose next part is to come

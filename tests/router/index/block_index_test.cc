@@ -571,6 +571,31 @@ TEST(BlockIndexDump, ARanksTiersComeBackWithTheirEngineHashesAndLocalHashes) {
   EXPECT_EQ(copy.TreeSize(kW2), 2u);
 }
 
+// A block stored under a parent the rank holds on a later tier only (host, then disk) comes
+// after that parent, whatever the tiers' order.
+TEST(BlockIndexDump, AChainBelowABlockOnALaterTierComesAfterIt) {
+  BlockIndex idx;
+  const WorkerKey host = TierRank(kW1, StorageTier::kHostPinned);
+  const WorkerKey disk = TierRank(kW1, StorageTier::kDisk);
+  (void)idx.ApplyStored(disk, std::nullopt, Chain(300, {1}));
+  (void)idx.ApplyStored(host, 300, Chain(200, {2}));
+  (void)idx.ApplyStored(kW1, 200, Chain(100, {3, 4}));
+  ASSERT_EQ(idx.TreeSize(kW1), 2u);
+  std::vector<DumpedChain> chains;
+  idx.DumpRank(kW1, chains);
+  const std::vector<DumpedChain> want = {
+      {StorageTier::kDisk, KvStored{std::nullopt, Chain(300, {1})}},
+      {StorageTier::kHostPinned, KvStored{300, Chain(200, {2})}},
+      {StorageTier::kDevice, KvStored{200, Chain(100, {3, 4})}},
+  };
+  EXPECT_EQ(chains, want);
+  BlockIndex copy;
+  CopyByDump(idx, copy);
+  EXPECT_EQ(copy.TreeSize(kW1), 2u);
+  EXPECT_EQ(copy.TreeSize(host), 1u);
+  EXPECT_EQ(copy.TreeSize(disk), 1u);
+}
+
 TEST(BlockIndexDump, ABlockWhoseParentWasRemovedIsLeftOutWithItsChildren) {
   BlockIndex idx;
   (void)idx.ApplyStored(kW1, std::nullopt, Chain(100, {1, 2, 3, 4}));

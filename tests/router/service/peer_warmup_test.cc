@@ -19,14 +19,24 @@ using testing::PromptTokens;
 class PeerWarmupTest : public testing::ServiceTest {
  protected:
   static constexpr std::uint64_t kA = 1001, kB = 1002;
-  // Replica A (svc_): alone, nobody answers its warm-up; a second later it asks the workers.
+  // Replica A (svc_): alone, nobody serves router.dump ("no responders"): ready at once.
   void StartPeer() {
     StartWith({"--router-mode", "kv", "--router-replica-sync", "--router-id", std::to_string(kA)});
-    EXPECT_FALSE(svc_->Ready());
-    now_ += milliseconds(1100);
-    svc_->Tick();
     EXPECT_TRUE(svc_->Ready());
+    EXPECT_EQ(CounterOf(kA, "warmup_done"), 1u);
     EXPECT_EQ(CounterOf(kA, "warmup_complete"), 0u);
+  }
+  // Every reply to one router.dump ask of max_parts parts from `offset`.
+  std::vector<DumpReply> AskDump(std::uint64_t offset, std::uint32_t max_parts) {
+    std::vector<DumpReply> got;
+    auto sub = bus_.Subscribe("_TEST.dump", "", [&](const BusMessage& m) {
+      auto r = DecodeDumpReply(m.data);
+      EXPECT_TRUE(r.ok()) << r.status().ToString();
+      if (r.ok()) got.push_back(std::move(r).value());
+    });
+    const DumpRequest req{.router_id = 7, .offset = offset, .max_parts = max_parts};
+    EXPECT_TRUE(bus_.PublishRequest(svc_->subjects().dump, "_TEST.dump", AsBytes(EncodeDumpRequest(req))).ok());
+    return got;  // the bus is synchronous: every part came inside PublishRequest
   }
   // Another replica, on the same bus and clock.
   std::unique_ptr<KvRouterService> StartReplica(std::uint64_t id) {
@@ -112,6 +122,55 @@ TEST_F(PeerWarmupTest, ARankThePeerIsStillRecoveringIsAskedOfItsWorker) {
   b->index().Flush();
   EXPECT_EQ(b->index().TreeSize({1, 0}), w1.publisher().held_blocks());
   EXPECT_EQ(CounterOf(kB, "recovery_dumps"), 1u);
+}
+
+TEST_F(PeerWarmupTest, AReplicaThatDoesNotAnswerIsWaitedForOneSecond) {
+  auto silent = bus_.Subscribe("namespace.dynamo.router.dump", "", [](const BusMessage&) {});
+  ASSERT_TRUE(silent.ok());
+  StartWith({"--router-mode", "kv", "--router-replica-sync", "--router-id", std::to_string(kA)});
+  EXPECT_FALSE(svc_->Ready());
+  now_ += milliseconds(999);
+  svc_->Tick();
+  EXPECT_FALSE(svc_->Ready());
+  now_ += milliseconds(2);
+  svc_->Tick();
+  EXPECT_TRUE(svc_->Ready());
+  EXPECT_EQ(CounterOf(kA, "warmup_complete"), 0u);
+}
+
+// A rank larger than a part: an ask of several parts ends only where the rank does; an ask of
+// one part ends inside it, and its next_offset (a cursor) goes on from there.
+TEST_F(PeerWarmupTest, AnAskOfSeveralPartsEndsAtARanksEndAndOneOfOnePartAtACursor) {
+  StartPeer();
+  FakeWorker w1(bus_, 1), w2(bus_, 2);
+  Register(1);
+  Register(2);
+  for (std::uint32_t p = 0; p < 6; ++p) w1.Store(PromptTokens(p, 10'000), &bus_);  // about 3 parts
+  w2.Store(PromptTokens(7), &bus_);
+  svc_->index().Flush();
+  std::vector<DumpReply> parts = AskDump(0, 2);
+  ASSERT_GE(parts.size(), 3u);  // past max_parts, to the end of worker 1's rank
+  std::uint64_t blocks = 0;
+  for (std::size_t i = 0; i < parts.size(); ++i) {
+    ASSERT_FALSE(parts[i].workers.empty());
+    EXPECT_EQ(parts[i].workers.front().worker_id, 1u);
+    for (const DumpedChain& c : parts[i].workers.front().chains) blocks += c.stored.blocks.size();
+  }
+  EXPECT_EQ(blocks, w1.publisher().held_blocks());
+  EXPECT_FALSE(parts.back().workers.front().partial);
+  // One part at a time: each next_offset goes on where the last stopped.
+  std::uint64_t offset = 0, one_by_one = 0;
+  for (int asks = 0; asks < 10; ++asks) {
+    std::vector<DumpReply> one = AskDump(offset, 1);
+    ASSERT_EQ(one.size(), 1u);
+    for (const DumpedRank& d : one[0].workers) {
+      if (d.worker_id != 1) continue;
+      for (const DumpedChain& c : d.chains) one_by_one += c.stored.blocks.size();
+    }
+    if (!one[0].more) break;
+    offset = one[0].next_offset;
+  }
+  EXPECT_EQ(one_by_one, w1.publisher().held_blocks());
 }
 
 }  // namespace
