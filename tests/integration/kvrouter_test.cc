@@ -16,6 +16,7 @@
 
 #include "events/message_codec.h"
 #include "events/msgpack_reader.h"
+#include "events/vllm_codec.h"
 #include "tests/integration/kvrouter_fixture.h"
 
 namespace kvrouter::testing {
@@ -78,6 +79,39 @@ TEST_F(KvRouterProcessTest, OverlapScoresPageThroughTwentyThousandRanks) {
   }
   EXPECT_EQ(next_id, kRanks + 1);
   EXPECT_GE(pages, 2u);
+}
+
+// A vLLM engine offloads a prompt from GPU to CPU: BlockRemoved on `GPU` and BlockStored on
+// `CPU` in one batch. The router keeps crediting it at the host weight: overlap_scores and
+// best_worker report it on host, not on device, and it still beats a cold worker.
+TEST_F(KvRouterProcessTest, AVllmPromptMovedFromGpuToCpuStaysCreditedAtTheHostWeight) {
+  Register(1);
+  Register(2);
+  ASSERT_TRUE(AwaitWorkers(2));
+  StoreVllm(1, 0, 0, Tokens(1, 12));  // engine hashes 7000, 7001, 7002
+  ASSERT_TRUE(AwaitEventsApplied(1));
+  VllmRemovedEvent gone{.block_hashes = {7000, 7001, 7002}, .medium = "GPU"};
+  VllmStoredEvent offloaded{
+      .block_hashes = {7000, 7001, 7002}, .token_ids = Tokens(1, 12), .block_size = kBs, .medium = "CPU"};
+  ASSERT_TRUE(nc_->PublishWithHeaders(kComp + "vllm-kv-events.1.0", AsBytes(EncodeVllmBatch(2.0, {gone, offloaded}, 0)),
+                                      {{"Kv-Seq", "1"}})
+                  .ok());
+  ASSERT_TRUE(AwaitEventsApplied(3));
+  const OverlapScoresRequest q{.prompt = {.token_ids = Tokens(1, 16), .has_token_ids = true, .isl = 16}};
+  auto reply = nc_->Request(kRouter + "overlap_scores", AsBytes(EncodeOverlapScoresRequest(q)), 5s);
+  ASSERT_TRUE(reply.ok()) << reply.status().ToString();
+  auto scores = DecodeOverlapScoresReply(*reply);
+  ASSERT_TRUE(scores.ok()) << scores.status().ToString();
+  ASSERT_EQ(scores->scores.size(), 2u);
+  EXPECT_EQ(scores->scores[0].overlap_blocks, 0u);
+  EXPECT_EQ(scores->scores[0].overlap_by_tier, (OverlapByTier{.device = 0, .host_pinned = 3, .disk = 3}));
+  EXPECT_EQ(scores->scores[1].overlap_by_tier, (OverlapByTier{}));
+  auto best = BestWorker(Tokens(1, 16));
+  ASSERT_TRUE(best.ok()) << best.status().ToString();
+  EXPECT_EQ(best->worker_id, 1u);  // the host copy beats the cold worker 2
+  EXPECT_EQ(best->overlap_blocks, 0u);
+  EXPECT_EQ(best->overlap_by_tier, (OverlapByTier{.device = 0, .host_pinned = 3, .disk = 3}));
+  EXPECT_EQ(Stats()->breakdowns["events_dropped"]["parent_block_not_found"], 0u);
 }
 
 // Ingestion yields to routes: the shard threads, the thread delivering Dynamo events, the
