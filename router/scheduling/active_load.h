@@ -70,6 +70,8 @@ class ActiveLoad {
   void ForEach(
       const std::function<void(const std::string&, WorkerKey, std::span<const SequenceHash>, std::uint64_t)>& f) const;
   std::size_t requests() const { return requests_.size(); }
+  // Ranks with an entry (booked at some time, until RemoveWorker): 0 means every Load is zero.
+  std::size_t workers() const { return workers_.size(); }
   // Sequence hashes held by all bookings together (a shared prefix counts once per booking).
   std::uint64_t booked_blocks() const { return booked_blocks_; }
 

@@ -89,6 +89,9 @@ std::vector<Candidate> Scheduler::Candidates(std::span<const RankInfo> ranks, st
   std::vector<Candidate> cands;
   cands.reserve(ranks.size());
   const double recent_scale = load_.RecentScale(clock_());
+  const bool no_load = load_.workers() == 0;
+  const bool no_rates = rates_.ranks() == 0;
+  const WorkerRates::Rates typical = rates_.Typical();
   for (const RankInfo& r : ranks) {
     Candidate c;
     c.worker = r.worker;
@@ -100,14 +103,17 @@ std::vector<Candidate> Scheduler::Candidates(std::span<const RankInfo> ranks, st
     c.overlap_blocks = overlap.device;
     c.host_overlap_blocks = overlap.host;
     c.any_overlap_blocks = overlap.any;
-    const WorkerLoad l = load_.Load(c.worker);
-    c.active_blocks = l.active_blocks;
-    c.active_prefill_tokens = l.active_prefill_tokens;
-    c.active_prefill_squares = l.active_prefill_squares;
-    c.active_requests = l.active_requests;
-    c.recent_requests = l.recent_scaled * recent_scale;
-    c.active_prefix_blocks = load_.ActivePrefix(c.worker, seq);
-    const WorkerRates::Rates rate = rates_.Of(c.worker);
+    // A rank the router never booked, or has nothing active on, needs no second lookup.
+    if (!no_load) {
+      const WorkerLoad l = load_.Load(c.worker);
+      c.active_blocks = l.active_blocks;
+      c.active_prefill_tokens = l.active_prefill_tokens;
+      c.active_prefill_squares = l.active_prefill_squares;
+      c.active_requests = l.active_requests;
+      c.recent_requests = l.recent_scaled * recent_scale;
+      if (l.active_blocks > 0) c.active_prefix_blocks = load_.ActivePrefix(c.worker, seq);
+    }
+    const WorkerRates::Rates rate = no_rates ? typical : rates_.Of(c.worker);
     c.prefill_factor = rate.prefill;
     c.decode_factor = rate.decode;
     cands.push_back(c);

@@ -69,6 +69,8 @@ class WorkerRates {
   void Drift(SteadyTime now);
   void RemoveWorker(std::uint64_t worker_id);
   std::uint64_t observations() const { return observations_; }
+  // Ranks learned individually: 0 means Of(any rank) is Typical().
+  std::size_t ranks() const { return ranks_.size(); }
 
   // The fleet's typical factors: the median over the ranks observed (1, 1 before any).
   Rates Typical() const { return typical_; }

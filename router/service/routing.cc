@@ -24,6 +24,11 @@ Routing::Routing(const RouterConfig& config, const WorkerRegistry& registry, con
 
 Result<std::vector<Candidate>> Routing::CandidatesLocked(const RouteRequest& req, std::span<const SequenceHash> seq,
                                                          OverlapScores& overlaps) const {
+  if (!req.worker_id && !req.dp_rank && !req.allowed_worker_ids && !req.excluded_worker_ids) {
+    const auto all = registry_.AllRanks();  // shared, not copied
+    if (all->empty()) return Status(StatusCode::kNoWorkers, "no registered worker can take this request");
+    return scheduler_.Candidates(*all, seq, overlaps);
+  }
   auto ranks = registry_.Ranks(req.worker_id, req.dp_rank, req.allowed_worker_ids, req.excluded_worker_ids);
   if (!ranks.ok()) return ranks.status();
   if (ranks->empty()) return Status(StatusCode::kNoWorkers, "no registered worker can take this request");
@@ -105,10 +110,11 @@ void Routing::Route(RouteRequest req, Kind kind, std::string reply, Outbox& out)
     } else {
       // best_worker answers as things stand; route and generate wait when every eligible rank
       // is full.
-      std::vector<Candidate> open = kind == Kind::kBestWorker ? std::move(cands).value() : scheduler_.OpenRanks(*cands);
+      std::uint64_t best_overlap = 0;  // of every candidate, for a request that waits in the queue
+      for (const Candidate& c : *cands) best_overlap = std::max<std::uint64_t>(best_overlap, c.overlap_blocks);
+      std::vector<Candidate> open =
+          kind == Kind::kBestWorker ? std::move(cands).value() : scheduler_.OpenRanks(std::move(cands).value());
       if (open.empty()) {
-        std::uint64_t best_overlap = 0;
-        for (const Candidate& c : *cands) best_overlap = std::max<std::uint64_t>(best_overlap, c.overlap_blocks);
         error = queue_.Push(std::move(req), std::move(prepared).value(), best_overlap, reply, kind, clock_());
       } else if (auto decided = DecideLocked(kind, req, *prepared, open, 0); decided.ok()) {
         Deliver(std::move(req), *decided, std::move(reply), kind, out);

@@ -48,6 +48,7 @@ WorkerRegistry::Registered WorkerRegistry::Register(const WorkerRegistration& re
   ranks_total_ = ranks_total_ - (inserted ? 0 : w.reg.dp_size) + reg.dp_size;
   out.outcome = w.has_lease ? Outcome::kUpdated : Outcome::kNew;
   if (!inserted) Revoke();  // its ranks may be fewer now
+  ++changes_;
   w.reg = reg;
   w.has_lease = true;
   w.lease_deadline.store(deadline);
@@ -156,6 +157,7 @@ const char* WorkerRegistry::AdmitEventUncached(std::uint64_t worker_id, std::uin
     // ids that only ever send events are bounded by the workers known.
     if (workers_.size() >= limits_.max_workers) return kTooMany;
     WorkerRegistration& reg = workers_[worker_id].reg;
+    ++changes_;
     reg.worker_id = worker_id;
     reg.block_size = limits_.block_size;
     reg.dp_size = dp_rank + 1;
@@ -171,11 +173,13 @@ const char* WorkerRegistry::AdmitEventUncached(std::uint64_t worker_id, std::uin
   if (ranks_total_ - reg.dp_size + size > limits_.max_worker_ranks) return kTooMany;
   ranks_total_ = ranks_total_ - reg.dp_size + size;
   reg.dp_size = static_cast<std::uint32_t>(size);
+  ++changes_;
   return nullptr;
 }
 
 void WorkerRegistry::EraseLocked(std::map<std::uint64_t, Worker>::iterator it, SteadyTime now) {
   Revoke();
+  ++changes_;
   if (left_.size() < kMaxLeftRemembered) left_[it->first] = now + kLeftMemory;
   ranks_total_ -= it->second.reg.dp_size;
   workers_.erase(it);
@@ -224,6 +228,37 @@ std::vector<std::uint64_t> WorkerRegistry::ExpireLeases(SteadyTime now) {
   return ids;
 }
 
+namespace {
+RankInfo InfoOf(const WorkerRegistration& reg) {
+  return {.worker = {reg.worker_id, 0},
+          .is_cpu = reg.device == "cpu",
+          .max_num_seqs = reg.max_num_seqs,
+          .max_num_batched_tokens = reg.max_num_batched_tokens,
+          .total_kv_blocks = reg.total_kv_blocks};
+}
+}  // namespace
+
+std::shared_ptr<const std::vector<RankInfo>> WorkerRegistry::AllRanks() const {
+  KvReaderLock g(mu_);
+  {
+    std::lock_guard s(snapshot_mu_);
+    if (snapshot_ && snapshot_changes_ == changes_) return snapshot_;
+  }
+  auto all = std::make_shared<std::vector<RankInfo>>();
+  all->reserve(ranks_total_);
+  for (const auto& [id, w] : workers_) {
+    RankInfo r = InfoOf(w.reg);
+    for (std::uint64_t rank = w.reg.dp_start; rank < std::uint64_t{w.reg.dp_start} + w.reg.dp_size; ++rank) {
+      r.worker.dp_rank = static_cast<std::uint32_t>(rank);
+      all->push_back(r);
+    }
+  }
+  std::lock_guard s(snapshot_mu_);
+  snapshot_ = std::move(all);
+  snapshot_changes_ = changes_;
+  return snapshot_;
+}
+
 Result<std::vector<RankInfo>> WorkerRegistry::Ranks(std::optional<std::uint64_t> pin,
                                                     std::optional<std::uint32_t> dp_rank,
                                                     const std::optional<std::vector<std::uint64_t>>& allowed,
@@ -234,11 +269,7 @@ Result<std::vector<RankInfo>> WorkerRegistry::Ranks(std::optional<std::uint64_t>
   auto add_worker = [&](const Worker& w) {
     if (std::binary_search(skip.begin(), skip.end(), w.reg.worker_id)) return;
     const std::uint64_t end = std::uint64_t{w.reg.dp_start} + w.reg.dp_size;
-    RankInfo r{.worker = {w.reg.worker_id, 0},
-               .is_cpu = w.reg.device == "cpu",
-               .max_num_seqs = w.reg.max_num_seqs,
-               .max_num_batched_tokens = w.reg.max_num_batched_tokens,
-               .total_kv_blocks = w.reg.total_kv_blocks};
+    RankInfo r = InfoOf(w.reg);
     if (dp_rank) {
       if (Serves(w.reg, *dp_rank)) {
         r.worker.dp_rank = *dp_rank;

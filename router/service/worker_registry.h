@@ -17,6 +17,7 @@
 #include <chrono>
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <unordered_map>
 #include <mutex>
 #include <optional>
@@ -110,6 +111,10 @@ class WorkerRegistry {
   Result<std::vector<RankInfo>> Ranks(std::optional<std::uint64_t> pin, std::optional<std::uint32_t> dp_rank,
                                       const std::optional<std::vector<std::uint64_t>>& allowed,
                                       const std::optional<std::vector<std::uint64_t>>& excluded = std::nullopt) const;
+  // Every rank, as Ranks gives them without a pin or filter: one list shared until the registry
+  // changes (a registration new or changed, a worker gone or grown by its events), so a decision
+  // over a large fleet does not copy it.
+  std::shared_ptr<const std::vector<RankInfo>> AllRanks() const;
   bool HasRank(WorkerKey worker) const;
   // The worker's announced OpenAI base URL (section 11); empty when unknown or none.
   std::string HttpUrl(std::uint64_t worker_id) const;
@@ -148,6 +153,11 @@ class WorkerRegistry {
   mutable KvSharedMutex mu_;
   std::map<std::uint64_t, Worker> workers_ KV_GUARDED_BY(mu_);  // ordered: stable candidates, paging
   std::uint64_t ranks_total_ KV_GUARDED_BY(mu_) = 0;            // sum of workers_' dp_size
+  std::uint64_t changes_ KV_GUARDED_BY(mu_) = 0;                // of workers_' ranks or their RankInfo
+  // AllRanks' list and the changes_ it was made at (taken after mu_, never before it).
+  mutable std::mutex snapshot_mu_;
+  mutable std::shared_ptr<const std::vector<RankInfo>> snapshot_;
+  mutable std::uint64_t snapshot_changes_ = 0;
   std::map<std::string, std::uint64_t> refused_ KV_GUARDED_BY(mu_);
   std::uint64_t refused_total_ KV_GUARDED_BY(mu_) = 0;
   std::unordered_map<std::uint64_t, SteadyTime> left_ KV_GUARDED_BY(mu_);  // forgotten worker -> until

@@ -539,6 +539,41 @@ void BM_Decision1000Workers(benchmark::State& state) {
 }
 BENCHMARK(BM_Decision1000Workers)->Arg(0)->Arg(1)->Unit(benchmark::kMicrosecond);
 
+// A best_worker decision as the fleet grows (issue of decisions sublinear in the fleet): the
+// service in process, arg workers of one rank each, every tenth holding the first 4 blocks of the
+// 512-token prompt (block size 16), none loaded. items_per_second = decisions.
+void BM_BestWorkerAtScale(benchmark::State& state) {
+  const auto fleet = static_cast<std::uint64_t>(state.range(0));
+  InMemoryBus bus;
+  const char* argv[] = {"kvrouter", "--router-mode",        "kv",    "--block-size", "16", "--router-max-worker-ranks",
+                        "262144",   "--router-max-workers", "262144"};
+  auto cfg = ParseRouterConfig(9, argv, [](const char*) { return nullptr; });
+  if (!cfg.ok()) return state.SkipWithError(cfg.status().ToString().c_str());
+  SteadyTime now{};
+  KvRouterService svc(
+      cfg->config, bus, [&] { return now; }, 1);
+  if (!svc.Start().ok()) return state.SkipWithError("service did not start");
+  std::vector<std::uint32_t> prompt(512);
+  for (std::uint32_t k = 0; k < prompt.size(); ++k) prompt[k] = k + 1;
+  const std::vector<std::uint32_t> held(prompt.begin(), prompt.begin() + 4 * 16);
+  for (std::uint64_t w = 1; w <= fleet; ++w) {
+    WorkerRegistration reg{.worker_id = w, .block_size = 16, .total_kv_blocks = 16384, .lease_ms = 3600000};
+    (void)bus.Publish(svc.subjects().instances, AsBytes(EncodeWorkerRegistration(reg)));
+    if (w % 10 == 0) {
+      (void)bus.Publish(svc.subjects().kv_events, AsBytes(EncodeDynamoEnvelope(StoredPromptBatch(w, 1, held, 16), {})));
+    }
+  }
+  svc.index().Flush();
+  RouteRequest req{.token_ids = prompt, .has_token_ids = true, .isl = 512};
+  const auto payload = EncodeRouteRequest(req);
+  for (auto _ : state) {
+    auto reply = bus.Request(svc.subjects().best_worker, AsBytes(payload));
+    benchmark::DoNotOptimize(reply);
+  }
+  state.SetItemsProcessed(state.iterations());
+}
+BENCHMARK(BM_BestWorkerAtScale)->Arg(1000)->Arg(10000)->Arg(100000)->Unit(benchmark::kMicrosecond);
+
 // The machine itself, for reading every latency above: one thread does nothing but read the
 // clock for a second and counts the gaps of more than 10 us between two readings, the time it
 // lost in them, and its context switches (when the count of switches is far below the count of

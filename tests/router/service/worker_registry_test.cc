@@ -18,6 +18,35 @@ WorkerRegistration Reg(std::uint64_t id, std::uint32_t dp_size = 1) {
   return {.worker_id = id, .dp_size = dp_size, .lease_ms = 1000};
 }
 
+// AllRanks is Ranks without filters, one list shared until a registration, an event-only worker
+// or a departure changes the ranks; a heartbeat that repeats its registration keeps it.
+TEST(WorkerRegistryAllRanks, IsTheUnfilteredRanksSharedUntilTheRanksChange) {
+  WorkerRegistry reg({.block_size = 64});
+  auto unfiltered = [&] { return reg.Ranks(std::nullopt, std::nullopt, std::nullopt).value(); };
+  auto keys = [](const std::vector<RankInfo>& v) {
+    std::vector<WorkerKey> k;
+    for (const RankInfo& r : v) k.push_back(r.worker);
+    return k;
+  };
+  ASSERT_TRUE(reg.AllRanks()->empty());
+  ASSERT_EQ(reg.Register(Reg(7, 2), kT0).outcome, WorkerRegistry::Outcome::kNew);
+  const auto first = reg.AllRanks();
+  EXPECT_EQ(keys(*first), keys(unfiltered()));
+  EXPECT_EQ(first->size(), 2u);
+  ASSERT_EQ(reg.Register(Reg(7, 2), kT0).outcome, WorkerRegistry::Outcome::kRenewed);
+  EXPECT_EQ(reg.AllRanks(), first);  // the same list, not a copy
+  WorkerRegistration bigger = Reg(7, 2);
+  bigger.max_num_batched_tokens = 4096;
+  ASSERT_EQ(reg.Register(bigger, kT0).outcome, WorkerRegistry::Outcome::kUpdated);
+  EXPECT_EQ(reg.AllRanks()->at(0).max_num_batched_tokens, 4096u);
+  EXPECT_EQ(reg.AdmitEvent(9, 1, kT0), nullptr);  // an event-only worker of ranks 0 and 1
+  EXPECT_EQ(keys(*reg.AllRanks()), keys(unfiltered()));
+  EXPECT_EQ(reg.AllRanks()->size(), 4u);
+  ASSERT_TRUE(reg.Forget(7, kT0));
+  EXPECT_EQ(keys(*reg.AllRanks()), (std::vector<WorkerKey>{{9, 0}, {9, 1}}));
+  EXPECT_EQ(first->size(), 2u);  // a list handed out earlier stays as it was
+}
+
 TEST(WorkerRegistryAdmission, AnAdmittedRankIsRefusedOnceItsWorkerLeaves) {
   WorkerRegistry reg({});
   ASSERT_EQ(reg.Register(Reg(7, 2), kT0).outcome, WorkerRegistry::Outcome::kNew);
