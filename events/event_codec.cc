@@ -347,14 +347,37 @@ void PackKvCacheEvent(msgpack::sbuffer& out, const KvEventBatch& batch, bool wit
 
 void PackStoredEvent(msgpack::sbuffer& out, std::uint64_t event_id, std::uint32_t dp_rank, StorageTier tier,
                      const KvStored& stored) {
-  MapWriter event;
-  event.Field("event_id", event_id).Field("dp_rank", dp_rank).Field("storage_tier", StorageTierName(tier));
-  event.With("data", [&](msgpack::sbuffer& buf) {
-    MapWriter kind;
-    kind.With("stored", [&](msgpack::sbuffer& chain) { PackStored(chain, stored); });
-    kind.AppendTo(buf);
-  });
-  event.AppendTo(out);
+  // Packed straight into `out` (a dump writes millions of blocks): the maps' sizes are fixed.
+  Packer pk(out);
+  auto key = [&](std::string_view k) {
+    pk.pack_str(static_cast<std::uint32_t>(k.size())).pack_str_body(k.data(), k.size());
+  };
+  pk.pack_map(4);
+  key("event_id");
+  pk.pack_uint64(event_id);
+  key("dp_rank");
+  pk.pack_uint32(dp_rank);
+  key("storage_tier");
+  key(StorageTierName(tier));
+  key("data");
+  pk.pack_map(1);
+  key("stored");
+  pk.pack_map(2);
+  key("parent_hash");
+  if (stored.parent_hash) {
+    pk.pack_uint64(*stored.parent_hash);
+  } else {
+    pk.pack_nil();
+  }
+  key("blocks");
+  pk.pack_array(static_cast<std::uint32_t>(stored.blocks.size()));
+  for (const StoredBlock& b : stored.blocks) {
+    pk.pack_map(2);
+    key("block_hash");
+    pk.pack_uint64(b.block_hash);
+    key("tokens_hash");
+    pk.pack_uint64(b.tokens_hash);
+  }
 }
 
 Result<KvEventBatch> DecodeKvCacheEvent(const msgpack::object& event, std::uint64_t worker_id, StorageTier tier) {

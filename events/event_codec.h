@@ -66,7 +66,10 @@ std::optional<KvEventBatch> DecodeDynamoEventPull(std::span<const std::byte> bod
 void PackKvCacheEvent(msgpack::sbuffer& out, const KvEventBatch& batch, bool with_tier = false);
 
 // The KvCacheEvent map of one stored chain, with its storage_tier always written (a chain of a
-// router's dump, docs/protocol.md section 12), appended to `out`.
+// router's dump, docs/protocol.md section 12), appended to `out`: at most
+// kStoredEventBytes + kStoredBlockBytes per block.
+inline constexpr std::size_t kStoredEventBytes = 128;
+inline constexpr std::size_t kStoredBlockBytes = 42;
 void PackStoredEvent(msgpack::sbuffer& out, std::uint64_t event_id, std::uint32_t dp_rank, StorageTier tier,
                      const KvStored& stored);
 

@@ -806,9 +806,14 @@ Result<std::size_t> DumpReplyWriter::Add(std::uint64_t worker_id, std::uint32_t 
   msgpack::sbuffer one;
   std::size_t n = 0;
   for (; n < chains.size(); ++n) {
-    one.clear();
+    const std::size_t room = max_bytes_ - std::min(max_bytes_, used_ + head + packed.size());
+    if (kStoredEventBytes + kStoredBlockBytes * chains[n].stored.blocks.size() <= room) {
+      PackStoredEvent(packed, last_event_id, dp_rank, chains[n].tier, chains[n].stored);  // surely fits
+      continue;
+    }
+    one.clear();  // near the limit: packed aside and measured
     PackStoredEvent(one, last_event_id, dp_rank, chains[n].tier, chains[n].stored);
-    if (used_ + head + packed.size() + one.size() > max_bytes_) break;
+    if (one.size() > room) break;
     packed.write(one.data(), one.size());
   }
   if (n == 0 && !chains.empty()) {

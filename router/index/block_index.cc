@@ -745,13 +745,10 @@ void BlockIndex::DumpRank(WorkerKey rank, std::vector<DumpedChain>& out, std::si
             BlockHash hash = 0;
             const Parent parent = resolve(t, node(tier.held[k].first).parent, hash);
             if (parent == Parent::kNone || parent == Parent::kWritten) {
-              const auto& [n, h] = tier.held[k];
+              const StoredBlock block{tier.held[k].second, local_of(tier.held[k].first)};
               emit_run(
                   t, parent == Parent::kNone ? std::nullopt : std::optional<BlockHash>(hash),
-                  [&](std::size_t) {
-                    return StoredBlock{h, local_of(n)};
-                  },
-                  1);
+                  [&](std::size_t) { return block; }, 1);
             }
           }
         }

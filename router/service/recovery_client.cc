@@ -50,9 +50,9 @@ void RecoveryClient::Pause() {
 
 void RecoveryClient::Cancel(std::span<const std::pair<WorkerKey, std::uint64_t>> asks) {
   KvMutexLock g(mu_);
-  for (const auto& [worker, generation] : asks) {
+  for (const auto& ask : asks) {
     const std::size_t before = waiting_.size();
-    std::erase_if(waiting_, [&](const Ask& a) { return a.worker == worker && a.generation == generation; });
+    std::erase_if(waiting_, [&](const Ask& a) { return a.worker == ask.first && a.generation == ask.second; });
     counters_.cancelled += before - waiting_.size();
   }
   if (in_flight_.empty() && waiting_.empty()) idle_.notify_all();

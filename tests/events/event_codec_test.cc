@@ -574,5 +574,24 @@ TEST(DynamoEventInto, AUsedBatchDecodesAsAFreshOne) {
   EXPECT_FALSE(DecodeDynamoEventInto(AsBytes(std::string("\x81\xa7payload\xc0")), used).ok());
 }
 
+// A dump's chain (PackStoredEvent) decodes as the §6 event it is, storage_tier included, and
+// stays within the size bound a dump reply is planned with, at the widest values.
+TEST(StoredEventCodec, ADumpChainDecodesAsItsEventAndKeepsItsSizeBound) {
+  const std::uint64_t big = ~std::uint64_t{0};
+  const KvStored stored{.parent_hash = big, .blocks = {{big, big}, {big - 1, 7}, {0, big}}};
+  msgpack::sbuffer out;
+  PackStoredEvent(out, big, ~std::uint32_t{0}, StorageTier::kHostPinned, stored);
+  EXPECT_LE(out.size(), kStoredEventBytes + 3 * kStoredBlockBytes);
+  auto doc = ParseMsgpack(AsBytes(out));
+  ASSERT_TRUE(doc.ok());
+  auto batch = DecodeKvCacheEvent(doc->get(), 5, StorageTier::kDevice);
+  ASSERT_TRUE(batch.ok()) << batch.status().ToString();
+  EXPECT_EQ(batch->sequence.value, big);
+  EXPECT_EQ(batch->dp_rank, ~std::uint32_t{0});
+  ASSERT_EQ(batch->ops.size(), 1u);
+  EXPECT_EQ(batch->ops[0].tier, StorageTier::kHostPinned);
+  EXPECT_EQ(std::get<KvStored>(batch->ops[0].data), stored);
+}
+
 }  // namespace
 }  // namespace kvrouter
