@@ -639,8 +639,9 @@ void BlockIndex::DumpRank(WorkerKey rank, std::vector<DumpedChain>& out, std::si
   constexpr StorageTier kTiers[] = {StorageTier::kDevice, StorageTier::kHostPinned, StorageTier::kDisk};
   // Per tier: the rank's (node, engine hash) holdings, each node's first holding by node number
   // (the hash that names it as a parent), and per first holding: kInner (a parent of another
-  // holding on this tier), kPlaced (its run is decided), kEmitted (and written).
-  enum : std::uint8_t { kInner = 1, kPlaced = 2, kEmitted = 4 };
+  // holding on this tier), kPlaced (its run is decided), kEmitted (and written), kWaiting (its
+  // run waits this round for a parent on another tier: not climbed again until the next round).
+  enum : std::uint8_t { kInner = 1, kPlaced = 2, kEmitted = 4, kWaiting = 8 };
   struct Tier {
     std::vector<std::pair<std::uint32_t, BlockHash>> held;
     FlatTable<U64MapTraits> first;
@@ -706,6 +707,9 @@ void BlockIndex::DumpRank(WorkerKey rank, std::vector<DumpedChain>& out, std::si
   for (std::size_t t = 0; t < 3; ++t) extra_done[t].assign(tiers[t].held.size(), false);
   for (bool progress = true; progress;) {
     progress = false;
+    for (Tier& tier : tiers) {
+      for (std::uint8_t& f : tier.flags) f &= ~kWaiting;
+    }
     for (std::size_t t = 0; t < 3; ++t) {
       Tier& tier = tiers[t];
       // Leaves first: climbing from a leaf writes its whole path in one run, so a tree of k
@@ -714,18 +718,27 @@ void BlockIndex::DumpRank(WorkerKey rank, std::vector<DumpedChain>& out, std::si
         for (std::uint32_t k = 0; k < tier.held.size(); ++k) {
           const std::uint32_t i = tier.Find(tier.held[k].first);
           if (((tier.flags[i] & kInner) == 0) != leaves) continue;
-          if ((tier.flags[i] & kPlaced) == 0) {
+          if ((tier.flags[i] & (kPlaced | kWaiting)) == 0) {
             // Up to the highest ancestor on this tier not yet placed, then down from it.
             climb.clear();
+            bool waits = false;
             for (std::uint32_t m = i;;) {
               climb.push_back(m);
               const std::uint32_t p = tier.Find(node(tier.held[m].first).parent);
               if (p == kFlatEmpty || (tier.flags[p] & kPlaced) != 0) break;
+              if ((tier.flags[p] & kWaiting) != 0) {  // below a run that waits: waits too
+                waits = true;
+                break;
+              }
               m = p;
             }
             BlockHash hash = 0;
-            const Parent parent = resolve(t, node(tier.held[climb.back()].first).parent, hash);
-            if (parent == Parent::kPending) continue;
+            const Parent parent =
+                waits ? Parent::kPending : resolve(t, node(tier.held[climb.back()].first).parent, hash);
+            if (parent == Parent::kPending) {
+              for (std::uint32_t m : climb) tier.flags[m] |= kWaiting;
+              continue;
+            }
             const bool written = parent != Parent::kMissing;
             for (std::uint32_t m : climb) tier.flags[m] |= kPlaced | (written ? kEmitted : 0);
             progress = true;

@@ -197,7 +197,8 @@ class BlockIndex {
   // by the engine hash this rank knows it under, and no chain is longer than max_chain_blocks. A
   // block whose parent the rank holds on no tier (left behind when a middle block was removed)
   // is left out, and so are its children: FindMatches cannot reach them.
-  // Appends to `out`; costs time and memory in proportion to the rank's blocks.
+  // Appends to `out`; costs time and memory in proportion to the rank's blocks, times the
+  // changes of tier along a path (one round over the tiers each).
   void DumpRank(WorkerKey rank, std::vector<DumpedChain>& out, std::size_t max_chain_blocks = 1024) const;
   // Node and worker-slot numbers handed out so far (live, free or waiting for FreeRetired).
   std::size_t node_numbers() const { return num_node_slots_; }

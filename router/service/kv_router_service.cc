@@ -195,14 +195,14 @@ void KvRouterService::FinishWarmup() {
   recovery_->Cancel(superseded);
   recovery_->Resume();
   startup_deadline_ = clock_() + std::chrono::milliseconds(config_.recovery_wait_ms);
+  {
+    std::lock_guard g(warm_mu_);
+    warm_ = true;  // before the subscription: an ask that comes at once is answered
+  }
+  warm_cv_.notify_all();
   if (Status s = Subscribe(event_bus_, DumpSubscriptions(), /*all_or_nothing=*/false); !s.ok()) {
     log_.Log(LogLevel::kWarning, "subscribe", "this replica will not serve router.dump: {}", s.message());
   }
-  {
-    std::lock_guard g(warm_mu_);
-    warm_ = true;
-  }
-  warm_cv_.notify_all();
   const PeerWarmupCounters c = warmup_->counters();
   log_.Log(LogLevel::kInfo, "peer dump", "warm-up {}: {} ranks, {} blocks from replica {} in {:.0f} ms ({} pages)",
            c.complete ? "done" : "ended early", c.ranks, c.blocks, c.peer, c.ms, c.pages);
@@ -230,6 +230,11 @@ void KvRouterService::HandleDump(const BusMessage& m) {
     bool more = false;
     std::uint64_t next_offset = 0, next_chain = 0;
     for (std::uint64_t i = offset; i < ranks.size(); ++i) {
+      if (part > req->max_parts && i != offset) {  // past max_parts only to finish the open rank
+        more = true;
+        next_offset = i;
+        break;
+      }
       if (i != rank_index) {
         rank = index_.DumpRank(ranks[i]);
         rank_index = i;

@@ -9,9 +9,17 @@
 
 namespace kvrouter {
 
+namespace {
+PeerWarmup::Options Clamped(PeerWarmup::Options o) {
+  // Asks of one part page inside ranks; more than kMaxDumpParts are read as that many.
+  o.window = std::clamp<std::uint32_t>(o.window, 2, kMaxDumpParts);
+  return o;
+}
+}  // namespace
+
 PeerWarmup::PeerWarmup(Options options, MessageBus& bus, ShardedIndex& index, Clock clock, Admit admit,
                        std::function<void()> on_done, RateLimitedLog& log)
-    : options_(std::move(options)),
+    : options_(Clamped(std::move(options))),
       bus_(bus),
       index_(index),
       clock_(std::move(clock)),
@@ -185,14 +193,15 @@ void PeerWarmup::OnReply(const BusMessage& m) {
 }
 
 void PeerWarmup::Tick() {
-  bool late = false;
   std::uint64_t peer = 0;
+  std::optional<WorkerKey> open;
   {
+    // Judged and ended in one step: a page taken meanwhile has moved the deadline.
     KvMutexLock g(mu_);
-    late = !finished_ && deadline_ && clock_() >= *deadline_;
+    if (finished_ || !deadline_ || clock_() < *deadline_) return;
     peer = counters_.peer;
+    open = EndLocked(false);
   }
-  if (!late) return;
   if (peer == 0) {
     log_.Log(LogLevel::kInfo, "peer dump", "no replica answered {} in time: the workers are asked",
              options_.dump_subject);
@@ -200,7 +209,21 @@ void PeerWarmup::Tick() {
     log_.Log(LogLevel::kWarning, "peer dump",
              "replica {} stopped answering its dump: the workers are asked for the rest", peer);
   }
-  Finish(false);
+  Finished(open);
+}
+
+std::optional<WorkerKey> PeerWarmup::EndLocked(bool complete) {
+  finished_ = true;
+  to_send_.reset();
+  counters_.done = true;
+  counters_.complete = complete;
+  counters_.ms = std::chrono::duration<double, std::milli>(clock_() - started_).count();
+  return std::exchange(open_rank_, std::nullopt);
+}
+
+void PeerWarmup::Finished(std::optional<WorkerKey> open) {
+  if (open) index_.Recovered({.worker = *open, .kind = RecoveryPart::Kind::kFailed, .from_peer = true});
+  on_done_();
 }
 
 void PeerWarmup::Finish(bool complete) {
@@ -208,16 +231,9 @@ void PeerWarmup::Finish(bool complete) {
   {
     KvMutexLock g(mu_);
     if (finished_) return;
-    finished_ = true;
-    to_send_.reset();
-    counters_.done = true;
-    counters_.complete = complete;
-    counters_.ms = std::chrono::duration<double, std::milli>(clock_() - started_).count();
-    open = open_rank_;
-    open_rank_.reset();
+    open = EndLocked(complete);
   }
-  if (open) index_.Recovered({.worker = *open, .kind = RecoveryPart::Kind::kFailed, .from_peer = true});
-  on_done_();
+  Finished(open);
 }
 
 bool PeerWarmup::done() const {

@@ -59,7 +59,7 @@ class PeerWarmup {
     std::string reply_prefix;     // unique per replica: "<prefix><ask>" replies
     std::chrono::milliseconds first_timeout{1000};
     std::chrono::milliseconds page_timeout{5000};
-    std::uint32_t window = 16;  // pages per ask (<= kMaxDumpParts): 16 MiB at NATS's default payload
+    std::uint32_t window = 16;  // pages per ask, in [2, kMaxDumpParts]: 16 MiB at NATS's default payload
   };
 
   PeerWarmup(Options options, MessageBus& bus, ShardedIndex& index, Clock clock, Admit admit,
@@ -78,6 +78,10 @@ class PeerWarmup {
   void Pump();
   // Ends the warm-up (once): a rank broken off in the middle goes to its worker, then on_done.
   void Finish(bool complete);
+  // Finish's halves: under mu_, marks the end and takes the open rank; then, unlocked, hands the
+  // open rank to its worker and calls on_done.
+  std::optional<WorkerKey> EndLocked(bool complete) KV_REQUIRES(mu_);
+  void Finished(std::optional<WorkerKey> open);
 
   const Options options_;
   MessageBus& bus_;

@@ -158,6 +158,11 @@ TEST_F(PeerWarmupTest, AnAskOfSeveralPartsEndsAtARanksEndAndOneOfOnePartAtACurso
   }
   EXPECT_EQ(blocks, w1.publisher().held_blocks());
   EXPECT_FALSE(parts.back().workers.front().partial);
+  // The part past max_parts finishes worker 1's rank and nothing more: worker 2 is the next ask's.
+  EXPECT_EQ(parts.back().workers.size(), 1u);
+  EXPECT_TRUE(parts.back().more);
+  EXPECT_EQ(parts.back().next_offset, 1u);
+  EXPECT_EQ(parts.back().next_chain, 0u);
   // One part at a time: each next_offset goes on where the last stopped.
   std::uint64_t offset = 0, one_by_one = 0;
   for (int asks = 0; asks < 10; ++asks) {
