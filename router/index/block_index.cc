@@ -705,8 +705,9 @@ void BlockIndex::DumpRank(WorkerKey rank, std::vector<DumpedChain>& out, std::si
   std::vector<std::uint32_t> climb;  // first holdings, from a leaf up
   std::array<std::vector<bool>, 3> extra_done;
   for (std::size_t t = 0; t < 3; ++t) extra_done[t].assign(tiers[t].held.size(), false);
-  for (bool progress = true; progress;) {
-    progress = false;
+  // Another round only while runs wait and the last round wrote something they may wait for.
+  for (bool again = true; again;) {
+    bool progress = false, waited = false;
     for (Tier& tier : tiers) {
       for (std::uint8_t& f : tier.flags) f &= ~kWaiting;
     }
@@ -737,6 +738,7 @@ void BlockIndex::DumpRank(WorkerKey rank, std::vector<DumpedChain>& out, std::si
                 waits ? Parent::kPending : resolve(t, node(tier.held[climb.back()].first).parent, hash);
             if (parent == Parent::kPending) {
               for (std::uint32_t m : climb) tier.flags[m] |= kWaiting;
+              waited = true;
               continue;
             }
             const bool written = parent != Parent::kMissing;
@@ -767,6 +769,7 @@ void BlockIndex::DumpRank(WorkerKey rank, std::vector<DumpedChain>& out, std::si
         }
       }
     }
+    again = progress && waited;
   }
 }
 
