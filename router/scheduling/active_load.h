@@ -72,6 +72,11 @@ class ActiveLoad {
   std::size_t requests() const { return requests_.size(); }
   // Ranks with an entry (booked at some time, until RemoveWorker): 0 means every Load is zero.
   std::size_t workers() const { return workers_.size(); }
+  // Calls f(rank) for every rank with an entry: those whose Load may be other than zero.
+  template <typename F>
+  void ForEachWorker(F&& f) const {
+    for (const auto& entry : workers_) f(entry.first);
+  }
   // Sequence hashes held by all bookings together (a shared prefix counts once per booking).
   std::uint64_t booked_blocks() const { return booked_blocks_; }
 

@@ -3,7 +3,9 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <bit>
 #include <limits>
+#include <unordered_map>
 
 namespace kvrouter {
 
@@ -82,43 +84,311 @@ void Scheduler::FreshOverlaps(const PreparedRequest& p, OverlapScores& out) cons
   }
 }
 
+Scheduler::CandidateContext Scheduler::ContextNow() const {
+  return {.recent_scale = load_.RecentScale(clock_()),
+          .no_load = load_.workers() == 0,
+          .no_rates = rates_.ranks() == 0,
+          .typical = rates_.Typical()};
+}
+
+Candidate Scheduler::CandidateOf(const RankInfo& r, const TieredOverlap& overlap, std::span<const SequenceHash> seq,
+                                 const CandidateContext& ctx) const {
+  Candidate c;
+  c.worker = r.worker;
+  c.is_cpu = r.is_cpu;
+  c.capacity = r.max_num_seqs;
+  c.max_num_batched_tokens = r.max_num_batched_tokens;
+  c.total_kv_blocks = r.total_kv_blocks;
+  c.overlap_blocks = overlap.device;
+  c.host_overlap_blocks = overlap.host;
+  c.any_overlap_blocks = overlap.any;
+  // A rank the router never booked, or has nothing active on, needs no second lookup.
+  if (!ctx.no_load) {
+    const WorkerLoad l = load_.Load(c.worker);
+    c.active_blocks = l.active_blocks;
+    c.active_prefill_tokens = l.active_prefill_tokens;
+    c.active_prefill_squares = l.active_prefill_squares;
+    c.active_requests = l.active_requests;
+    c.recent_requests = l.recent_scaled * ctx.recent_scale;
+    if (l.active_blocks > 0) c.active_prefix_blocks = load_.ActivePrefix(c.worker, seq);
+  }
+  const WorkerRates::Rates rate = ctx.no_rates ? ctx.typical : rates_.Of(c.worker);
+  c.prefill_factor = rate.prefill;
+  c.decode_factor = rate.decode;
+  return c;
+}
+
 std::vector<Candidate> Scheduler::Candidates(std::span<const RankInfo> ranks, std::span<const SequenceHash> seq,
                                              OverlapScores& overlaps) const {
   // Ranks come in ascending (worker_id, dp_rank) order, as RankOverlaps reads them.
   RankOverlaps by_rank(overlaps);
   std::vector<Candidate> cands;
   cands.reserve(ranks.size());
-  const double recent_scale = load_.RecentScale(clock_());
-  const bool no_load = load_.workers() == 0;
-  const bool no_rates = rates_.ranks() == 0;
-  const WorkerRates::Rates typical = rates_.Typical();
-  for (const RankInfo& r : ranks) {
-    Candidate c;
-    c.worker = r.worker;
-    c.is_cpu = r.is_cpu;
-    c.capacity = r.max_num_seqs;
-    c.max_num_batched_tokens = r.max_num_batched_tokens;
-    c.total_kv_blocks = r.total_kv_blocks;
-    const TieredOverlap overlap = by_rank.At(c.worker);
-    c.overlap_blocks = overlap.device;
-    c.host_overlap_blocks = overlap.host;
-    c.any_overlap_blocks = overlap.any;
-    // A rank the router never booked, or has nothing active on, needs no second lookup.
-    if (!no_load) {
-      const WorkerLoad l = load_.Load(c.worker);
-      c.active_blocks = l.active_blocks;
-      c.active_prefill_tokens = l.active_prefill_tokens;
-      c.active_prefill_squares = l.active_prefill_squares;
-      c.active_requests = l.active_requests;
-      c.recent_requests = l.recent_scaled * recent_scale;
-      if (l.active_blocks > 0) c.active_prefix_blocks = load_.ActivePrefix(c.worker, seq);
-    }
-    const WorkerRates::Rates rate = no_rates ? typical : rates_.Of(c.worker);
-    c.prefill_factor = rate.prefill;
-    c.decode_factor = rate.decode;
-    cands.push_back(c);
-  }
+  const CandidateContext ctx = ContextNow();
+  for (const RankInfo& r : ranks) cands.push_back(CandidateOf(r, by_rank.At(r.worker), seq, ctx));
   return cands;
+}
+
+bool Scheduler::PicksAmongAll(const PreparedRequest& p) const {
+  return options_.mode == RouterMode::kKv && !(p.params.temperature > 0);
+}
+
+namespace {
+std::uint64_t RankHash(WorkerKey k) { return Mix64(k.worker_id * 0x9e3779b97f4a7c15ULL + k.dp_rank); }
+}  // namespace
+
+std::int64_t Scheduler::RankClasses::Find(WorkerKey rank) const {
+  const std::size_t mask = slots.size() - 1;
+  for (std::size_t i = RankHash(rank) & mask;; i = (i + 1) & mask) {
+    const std::uint32_t v = slots[i];
+    if (v == 0) return -1;
+    if ((*of)[v - 1].worker == rank) return v - 1;
+  }
+}
+
+const Scheduler::RankClasses& Scheduler::ClassesOf(const std::shared_ptr<const std::vector<RankInfo>>& ranks) {
+  if (classes_.of == ranks) return classes_;
+  classes_ = {.of = ranks};
+  std::unordered_map<std::uint64_t, std::unordered_map<std::uint64_t, std::uint32_t>> index;
+  const std::size_t n = ranks->size();
+  classes_.class_of.resize(n);
+  classes_.seen.assign(n, 0);
+  classes_.special.assign(n, 0);
+  classes_.slots.assign(std::bit_ceil(2 * n + 2), 0);
+  const std::size_t mask = classes_.slots.size() - 1;
+  for (std::uint32_t i = 0; i < n; ++i) {
+    const RankInfo& r = (*ranks)[i];
+    auto [it, fresh] = index[r.total_kv_blocks].try_emplace(r.max_num_batched_tokens,
+                                                            static_cast<std::uint32_t>(classes_.members.size()));
+    if (fresh) classes_.members.emplace_back();
+    classes_.members[it->second].push_back(i);
+    classes_.class_of[i] = it->second;
+    std::size_t slot = RankHash(r.worker) & mask;
+    while (classes_.slots[slot] != 0) slot = (slot + 1) & mask;
+    classes_.slots[slot] = i + 1;
+  }
+  return classes_;
+}
+
+Scheduler::WideChoice Scheduler::PickAmongAll(const std::shared_ptr<const std::vector<RankInfo>>& ranks,
+                                              const PreparedRequest& p, OverlapScores& overlaps, bool open_only) {
+  const std::vector<RankInfo>& all = *ranks;
+  const std::size_t n = all.size();
+  WideChoice out;
+  // Where most ranks are priced one by one anyway, the full scan is cheaper and chooses the same.
+  if ((load_.workers() + rates_.ranks()) * 2 > n) {
+    std::vector<Candidate> cands = Candidates(all, p.seq, overlaps);
+    for (const Candidate& c : cands) out.best_overlap = std::max(out.best_overlap, c.overlap_blocks);
+    if (open_only) cands = OpenRanks(std::move(cands));
+    if (!cands.empty()) out.chosen = cands[selector_.Pick(options_.mode, p.sel, cands, p.params, rng_)];
+    return out;
+  }
+  RankClasses& classes = classes_;
+  ClassesOf(ranks);
+  ++class_picks_;
+  if (++classes.pick == 0) {  // wrapped: forget every mark
+    std::fill(classes.seen.begin(), classes.seen.end(), 0);
+    classes.pick = 1;
+  }
+
+  // Ranks the router has booked or has learned a rate of are priced one by one (each once, in
+  // no order, with their overlap). Ranks that only the index sets apart cost what every rank of
+  // their class with their overlap costs: such a group is priced once.
+  struct Special {
+    std::uint32_t pos;
+    TieredOverlap overlap;
+  };
+  thread_local std::vector<Special> special;
+  special.clear();
+  auto add_special = [&](WorkerKey k) {
+    const std::int64_t pos = classes.Find(k);
+    if (pos < 0 || classes.seen[pos] == classes.pick) return;  // not registered, or met already
+    classes.seen[pos] = classes.pick;
+    classes.special[pos] = static_cast<std::uint32_t>(special.size());
+    special.push_back({static_cast<std::uint32_t>(pos), {}});
+  };
+  load_.ForEachWorker(add_special);
+  rates_.ForEachRank(add_special);
+  struct GroupKey {
+    std::uint32_t cls;
+    TieredOverlap overlap;
+    bool operator==(const GroupKey&) const = default;
+  };
+  struct GroupKeyHash {
+    std::size_t operator()(const GroupKey& g) const {
+      return Mix64((std::uint64_t{g.cls} << 32 | g.overlap.device) ^ (std::uint64_t{g.overlap.host} << 32 | g.overlap.any) * 0x9e3779b97f4a7c15ULL);
+    }
+  };
+  thread_local std::unordered_map<GroupKey, std::uint32_t, GroupKeyHash> group_of;
+  thread_local std::vector<GroupKey> groups;
+  thread_local std::vector<std::uint32_t> group_size;
+  thread_local std::vector<std::pair<std::uint32_t, std::uint32_t>> grouped;  // (group, position)
+  group_of.clear();
+  groups.clear();
+  group_size.clear();
+  grouped.clear();
+  std::uint32_t last_group = 0;
+  auto add_matched = [&](WorkerKey k, TieredOverlap overlap) {
+    const std::int64_t pos = classes.Find(k);
+    if (pos < 0) return;  // not registered
+    constexpr std::uint32_t kGrouped = std::numeric_limits<std::uint32_t>::max();
+    if (classes.seen[pos] == classes.pick) {
+      // Met as a special rank, or (a rank with blocks on several tiers) already with all of them.
+      if (classes.special[pos] != kGrouped) special[classes.special[pos]].overlap = overlap;
+      return;
+    }
+    classes.seen[pos] = classes.pick;
+    classes.special[pos] = kGrouped;
+    const GroupKey key{classes.class_of[pos], overlap};
+    // Ranks matched alike come together (the index emits a holder set at a time): the last
+    // group is looked up first.
+    std::uint32_t g = groups.empty() || !(groups[last_group] == key) ? kGrouped : last_group;
+    if (g == kGrouped) {
+      auto [it, fresh] = group_of.try_emplace(key, static_cast<std::uint32_t>(groups.size()));
+      if (fresh) {
+        groups.push_back(key);
+        group_size.push_back(0);
+      }
+      g = last_group = it->second;
+    }
+    ++group_size[g];
+    grouped.emplace_back(g, static_cast<std::uint32_t>(pos));
+  };
+  thread_local std::unordered_map<WorkerKey, TieredOverlap, WorkerKeyHash> tiers;
+  SplitTiers(overlaps, tiers);
+  for (const OverlapScore& s : overlaps) {
+    const auto t = tiers.empty() ? tiers.end() : tiers.find(s.worker);
+    add_matched(s.worker, t != tiers.end() ? t->second : TieredOverlap{s.blocks, s.blocks, s.blocks});
+  }
+  for (const auto& [k, t] : tiers) add_matched(k, t);
+
+  const CandidateContext ctx = ContextNow();
+  struct Priced {
+    std::uint32_t pos;
+    Candidate c;
+    double cost = 0;
+  };
+  thread_local std::vector<Priced> priced;  // the open special ranks
+  priced.clear();
+  std::vector<std::uint32_t> idle(classes.members.size());  // per class: members neither special nor grouped
+  for (std::size_t c = 0; c < idle.size(); ++c) idle[c] = static_cast<std::uint32_t>(classes.members[c].size());
+  for (std::size_t g = 0; g < groups.size(); ++g) idle[groups[g].cls] -= group_size[g];
+  for (const GroupKey& g : groups) out.best_overlap = std::max(out.best_overlap, g.overlap.device);
+  thread_local std::vector<std::pair<std::uint32_t, double>> recent;  // (position, recent requests) != 0
+  recent.clear();
+  std::size_t open = n;
+  for (const Special& s : special) {
+    --idle[classes.class_of[s.pos]];
+    Candidate c = CandidateOf(all[s.pos], s.overlap, p.seq, ctx);
+    out.best_overlap = std::max(out.best_overlap, c.overlap_blocks);
+    if (open_only && Full(c)) {
+      --open;
+      continue;
+    }
+    if (c.recent_requests != 0) recent.emplace_back(s.pos, c.recent_requests);
+    priced.push_back({s.pos, c});
+  }
+  if (open == 0) return out;
+  // Summed in rank order, as Selector sums them (the others add zeros).
+  std::sort(recent.begin(), recent.end());
+  double recent_sum = 0;
+  for (const auto& [pos, r] : recent) recent_sum += r;
+
+  // Costs: each special rank's, and each class's as its idle members'.
+  const KvPricing pricing = KvPricingOf(p.sel, p.params, recent_sum, open);
+  double lo = std::numeric_limits<double>::infinity();
+  for (Priced& x : priced) {
+    x.cost = PickCost(x.c, p.sel, p.params, pricing);
+    lo = std::min(lo, x.cost);
+  }
+  // A rank neither booked nor learned costs what an idle one of its class with its overlap does.
+  const CandidateContext idle_ctx{.no_load = true, .no_rates = true, .typical = ctx.typical};
+  auto idle_cost = [&](std::uint32_t cls, const TieredOverlap& overlap) {
+    return PickCost(CandidateOf(all[classes.members[cls][0]], overlap, p.seq, idle_ctx), p.sel, p.params, pricing);
+  };
+  std::vector<double> class_cost(idle.size(), std::numeric_limits<double>::infinity());
+  for (std::size_t c = 0; c < idle.size(); ++c) {
+    if (idle[c] == 0) continue;
+    class_cost[c] = idle_cost(static_cast<std::uint32_t>(c), {});
+    lo = std::min(lo, class_cost[c]);
+  }
+  thread_local std::vector<double> group_cost;
+  group_cost.resize(groups.size());
+  for (std::size_t g = 0; g < groups.size(); ++g) {
+    group_cost[g] = idle_cost(groups[g].cls, groups[g].overlap);
+    lo = std::min(lo, group_cost[g]);
+  }
+
+  // The tied ranks in rank order: the idle members of tied classes, and the tied special ranks.
+  // Selector draws the k-th of them (no draw when only one rank is open).
+  std::vector<std::uint32_t> tied_classes;
+  std::size_t tied = 0;
+  for (std::size_t c = 0; c < idle.size(); ++c) {
+    if (idle[c] > 0 && class_cost[c] == lo) {
+      tied_classes.push_back(static_cast<std::uint32_t>(c));
+      tied += idle[c];
+    }
+  }
+  thread_local std::vector<std::uint32_t> tied_special;
+  tied_special.clear();
+  for (const Priced& x : priced) {
+    if (x.cost == lo) tied_special.push_back(x.pos);
+  }
+  for (const auto& [g, pos] : grouped) {
+    if (group_cost[g] == lo) tied_special.push_back(pos);
+  }
+  tied += tied_special.size();
+  const std::size_t k = open == 1 ? 0 : TieDraw(tied, rng_);
+  std::uint32_t chosen = 0;
+  if (tied_classes.empty()) {
+    std::nth_element(tied_special.begin(), tied_special.begin() + static_cast<std::ptrdiff_t>(k), tied_special.end());
+    chosen = tied_special[k];
+  } else {
+    // Special ranks of tied classes are counted there as members: take them out again.
+    thread_local std::vector<std::uint32_t> excluded;
+    excluded.clear();
+    auto in_tied_class = [&](std::uint32_t pos) {
+      return std::find(tied_classes.begin(), tied_classes.end(), classes.class_of[pos]) != tied_classes.end();
+    };
+    for (const Special& s : special) {
+      if (in_tied_class(s.pos)) excluded.push_back(s.pos);
+    }
+    for (const auto& [g, pos] : grouped) {
+      if (in_tied_class(pos)) excluded.push_back(pos);
+    }
+    std::sort(excluded.begin(), excluded.end());
+    std::sort(tied_special.begin(), tied_special.end());
+    auto upto = [](const std::vector<std::uint32_t>& v, std::uint32_t pos) {
+      return static_cast<std::size_t>(std::upper_bound(v.begin(), v.end(), pos) - v.begin());
+    };
+    auto tied_upto = [&](std::uint32_t pos) {
+      std::size_t count = upto(tied_special, pos) - upto(excluded, pos);
+      for (const std::uint32_t c : tied_classes) count += upto(classes.members[c], pos);
+      return count;
+    };
+    // The smallest position with k + 1 tied ranks at or before it.
+    std::uint32_t lo_pos = 0, hi_pos = static_cast<std::uint32_t>(n - 1);
+    while (lo_pos < hi_pos) {
+      const std::uint32_t mid = lo_pos + (hi_pos - lo_pos) / 2;
+      if (tied_upto(mid) >= k + 1) {
+        hi_pos = mid;
+      } else {
+        lo_pos = mid + 1;
+      }
+    }
+    chosen = lo_pos;
+  }
+  for (const Priced& x : priced) {
+    if (x.pos == chosen) out.chosen = x.c;
+  }
+  if (!out.chosen) {
+    TieredOverlap overlap;
+    for (const auto& [g, pos] : grouped) {
+      if (pos == chosen) overlap = groups[g].overlap;
+    }
+    out.chosen = CandidateOf(all[chosen], overlap, p.seq, ctx);
+  }
+  return out;
 }
 
 bool Scheduler::Full(const Candidate& c) const {

@@ -101,6 +101,29 @@ class Scheduler {
   // `ranks` (ascending) as candidates with their load and overlap (`overlaps` is reordered: RankOverlaps).
   std::vector<Candidate> Candidates(std::span<const RankInfo> ranks, std::span<const SequenceHash> seq,
                                     OverlapScores& overlaps) const;
+  // What PickAmongAll chose.
+  struct WideChoice {
+    std::optional<Candidate> chosen;  // nullopt: every rank is full
+    std::uint32_t best_overlap = 0;   // the longest device overlap of any rank, full or not
+  };
+  // Whether PickAmongAll serves this request: mode kv at temperature 0.
+  bool PicksAmongAll(const PreparedRequest& p) const;
+  // For PicksAmongAll requests over every registered rank (`ranks`, ascending, non-empty): the
+  // rank, from the same random draws, that Decide picks among Candidates(ranks, ...) (after
+  // OpenRanks when open_only), without a candidate for every rank (docs/design.md "Decisions
+  // over a large fleet"). Ranks that differ from an idle one (the index matches them, they carry
+  // the router's load or a learned rate) are priced one by one; every other rank costs what an
+  // idle rank of its class costs (the registration fields the costs read), so a class is priced
+  // once and its idle members are counted, not visited. The tie among equal costs is broken as
+  // Selector breaks it: a uniform draw of the k-th tied rank in rank order, found by counting.
+  // Time: O(those ranks x log ranks + classes); the class table is rebuilt when `ranks` changes.
+  // Decide({&*chosen, 1}) then books it without another draw. `overlaps` is reordered.
+  WideChoice PickAmongAll(const std::shared_ptr<const std::vector<RankInfo>>& ranks, const PreparedRequest& p,
+                          OverlapScores& overlaps, bool open_only);
+  // PickAmongAll's choices made by classes, without the full scan it falls back to when most
+  // ranks differ from an idle one.
+  std::uint64_t class_picks() const { return class_picks_; }
+
   // Full: active prefill tokens above threshold x max_num_batched_tokens (never when the queue is
   // off; at the threshold it is not full).
   bool Full(const Candidate& c) const;
@@ -131,6 +154,31 @@ class Scheduler {
   const ApproxIndex* predictions() const { return approx_.get(); }
 
  private:
+  // What Candidates reads once per call.
+  struct CandidateContext {
+    double recent_scale = 0;
+    bool no_load = false;
+    bool no_rates = false;
+    WorkerRates::Rates typical;
+  };
+  CandidateContext ContextNow() const;
+  Candidate CandidateOf(const RankInfo& r, const TieredOverlap& overlap, std::span<const SequenceHash> seq,
+                        const CandidateContext& ctx) const;
+  // The ranks of one registered list grouped by what an idle rank's cost reads of them
+  // (max_num_batched_tokens, total_kv_blocks): PickAmongAll's table, kept while the list is.
+  struct RankClasses {
+    std::shared_ptr<const std::vector<RankInfo>> of;
+    std::vector<std::vector<std::uint32_t>> members;  // positions in *of, ascending, per class
+    std::vector<std::uint32_t> class_of;              // per position
+    std::vector<std::uint32_t> slots;                 // open addressing: position + 1 by rank (0: free)
+    std::vector<std::uint32_t> seen;                  // per position: the pick that last met it
+    std::vector<std::uint32_t> special;               // per position met: its place among the special ranks
+    std::uint32_t pick = 0;
+    // The rank's position in *of, or -1 when it is not there.
+    std::int64_t Find(WorkerKey rank) const;
+  };
+  const RankClasses& ClassesOf(const std::shared_ptr<const std::vector<RankInfo>>& ranks);
+
   const SchedulerOptions options_;
   const ShardedIndex& index_;
   const Clock clock_;
@@ -139,6 +187,8 @@ class Scheduler {
   Selector selector_;
   std::mt19937_64 rng_;
   const std::unique_ptr<ApproxIndex> approx_;
+  RankClasses classes_;
+  std::uint64_t class_picks_ = 0;
 };
 
 }  // namespace kvrouter

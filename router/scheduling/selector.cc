@@ -101,27 +101,36 @@ PriorTtft PriorTtftOf(const Candidate& c, const SelectionRequest& req, const Cos
   return Predict(c, req, p).prior;
 }
 
+KvPricing KvPricingOf(const SelectionRequest& req, const CostParams& p, double recent_sum, std::size_t candidates) {
+  if (p.model != CostModel::kPredicted) return {};
+  return {.mean_recent = recent_sum / static_cast<double>(candidates), .spread_price = SpreadPriceMs(req)};
+}
+
+double PickCost(const Candidate& c, const SelectionRequest& req, const CostParams& p, const KvPricing& pricing) {
+  double cost = 0;
+  if (p.model == CostModel::kPredicted) {
+    const double excess = std::max(0.0, c.recent_requests - pricing.mean_recent);
+    cost = PredictedCostPricedMs(c, req, p, excess * pricing.spread_price);
+  } else {
+    cost = KvCost(c, req, p);
+  }
+  return std::isnan(cost) ? std::numeric_limits<double>::infinity() : cost;
+}
+
+std::size_t TieDraw(std::size_t n, std::mt19937_64& rng) { return Uniform(n, rng); }
+
 std::size_t Selector::PickKv(const SelectionRequest& req, std::span<const Candidate> cands, const CostParams& p,
                              std::mt19937_64& rng) const {
   std::vector<double> cost(cands.size());
   double lo = std::numeric_limits<double>::infinity();
   double hi = -lo;
-  double mean_recent = 0;
-  double spread_price = 0;
+  double recent_sum = 0;
   if (p.model == CostModel::kPredicted) {
-    for (const Candidate& c : cands) mean_recent += c.recent_requests;
-    mean_recent /= static_cast<double>(cands.size());
-    spread_price = SpreadPriceMs(req);
+    for (const Candidate& c : cands) recent_sum += c.recent_requests;
   }
+  const KvPricing pricing = KvPricingOf(req, p, recent_sum, cands.size());
   for (std::size_t i = 0; i < cands.size(); ++i) {
-    if (p.model == CostModel::kPredicted) {
-      const double excess = std::max(0.0, cands[i].recent_requests - mean_recent);
-      cost[i] = PredictedCostPricedMs(cands[i], req, p, excess * spread_price);
-    } else {
-      cost[i] = KvCost(cands[i], req, p);
-    }
-    // Extreme weights (a request may override them) can make a cost inf or NaN: rank those last.
-    if (std::isnan(cost[i])) cost[i] = std::numeric_limits<double>::infinity();
+    cost[i] = PickCost(cands[i], req, p, pricing);
     lo = std::min(lo, cost[i]);
     hi = std::max(hi, cost[i]);
   }
@@ -141,7 +150,7 @@ std::size_t Selector::PickKv(const SelectionRequest& req, std::span<const Candid
   for (std::size_t i = 0; i < cands.size(); ++i) {
     if (cost[i] == lo) best.push_back(i);
   }
-  return best[Uniform(best.size(), rng)];
+  return best[TieDraw(best.size(), rng)];
 }
 
 std::size_t Selector::LeastLoaded(std::span<const Candidate> cands, const std::vector<std::size_t>& among,

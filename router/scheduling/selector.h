@@ -98,6 +98,21 @@ double PredictedCostMs(const Candidate& c, const SelectionRequest& req, const Co
 // time to first token and decode steps with.
 PriorTtft PriorTtftOf(const Candidate& c, const SelectionRequest& req, const CostParams& p);
 
+// How PickKv prices every candidate of one decision: the predicted cost's spread term is
+// relative to the candidates' mean of recent requests (the sum over them, in their order, over
+// their count, as PickKv adds them).
+struct KvPricing {
+  double mean_recent = 0;
+  double spread_price = 0;  // SpreadPrice of the request (kPredicted only)
+};
+KvPricing KvPricingOf(const SelectionRequest& req, const CostParams& p, double recent_sum, std::size_t candidates);
+// The cost PickKv compares for c: KvCost, or PredictedCostMs with c's recent excess over the
+// mean; NaN (extreme weights a request may set) as infinity, so it ranks last.
+double PickCost(const Candidate& c, const SelectionRequest& req, const CostParams& p, const KvPricing& pricing);
+// The draw that breaks a tie among n candidates of equal cost: the index of the one taken, in
+// candidate order.
+std::size_t TieDraw(std::size_t n, std::mt19937_64& rng);
+
 class Selector {
  public:
   // Index into candidates (non-empty) of the chosen one. kDirect is the caller's business

@@ -71,6 +71,11 @@ class WorkerRates {
   std::uint64_t observations() const { return observations_; }
   // Ranks learned individually: 0 means Of(any rank) is Typical().
   std::size_t ranks() const { return ranks_.size(); }
+  // Calls f(rank) for every rank learned individually: those whose Of may differ from Typical().
+  template <typename F>
+  void ForEachRank(F&& f) const {
+    for (const auto& entry : ranks_) f(entry.first);
+  }
 
   // The fleet's typical factors: the median over the ranks observed (1, 1 before any).
   Rates Typical() const { return typical_; }

@@ -35,6 +35,27 @@ Result<std::vector<Candidate>> Routing::CandidatesLocked(const RouteRequest& req
   return scheduler_.Candidates(*ranks, seq, overlaps);
 }
 
+Result<Routing::Eligible> Routing::EligibleLocked(Kind kind, const RouteRequest& req, const PreparedRequest& p,
+                                                 OverlapScores& overlaps) {
+  // best_worker answers as things stand; route and generate wait when every eligible rank is full.
+  const bool open_only = kind != Kind::kBestWorker;
+  Eligible out;
+  if (!req.worker_id && !req.dp_rank && !req.allowed_worker_ids && !req.excluded_worker_ids &&
+      !(affinity_.on() && !req.session_id.empty()) && scheduler_.PicksAmongAll(p)) {
+    const auto all = registry_.AllRanks();  // shared, not copied
+    if (all->empty()) return Status(StatusCode::kNoWorkers, "no registered worker can take this request");
+    auto choice = scheduler_.PickAmongAll(all, p, overlaps, open_only);
+    out.best_overlap = choice.best_overlap;
+    if (choice.chosen) out.open.push_back(*choice.chosen);
+    return out;
+  }
+  auto cands = CandidatesLocked(req, p.seq, overlaps);
+  if (!cands.ok()) return cands.status();
+  for (const Candidate& c : *cands) out.best_overlap = std::max<std::uint64_t>(out.best_overlap, c.overlap_blocks);
+  out.open = open_only ? scheduler_.OpenRanks(std::move(cands).value()) : std::move(cands).value();
+  return out;
+}
+
 Result<RouteReply> Routing::DecideLocked(Kind kind, const RouteRequest& req, const PreparedRequest& p,
                                          std::span<const Candidate> cands, double queued_ms) {
   std::span<const Candidate> pick = cands;
@@ -104,19 +125,13 @@ void Routing::Route(RouteRequest req, Kind kind, std::string reply, Outbox& out)
     if (kind == Kind::kGenerate && req.request_id.empty()) {
       req.request_id = fmt::format("gen-{:x}-{}", router_id_, ++generated_ids_);
     }
-    auto cands = CandidatesLocked(req, prepared->seq, overlaps);
-    if (!cands.ok()) {
-      error = cands.status();
+    auto eligible = EligibleLocked(kind, req, *prepared, overlaps);
+    if (!eligible.ok()) {
+      error = eligible.status();
     } else {
-      // best_worker answers as things stand; route and generate wait when every eligible rank
-      // is full.
-      std::uint64_t best_overlap = 0;  // of every candidate, for a request that waits in the queue
-      for (const Candidate& c : *cands) best_overlap = std::max<std::uint64_t>(best_overlap, c.overlap_blocks);
-      std::vector<Candidate> open =
-          kind == Kind::kBestWorker ? std::move(cands).value() : scheduler_.OpenRanks(std::move(cands).value());
-      if (open.empty()) {
-        error = queue_.Push(std::move(req), std::move(prepared).value(), best_overlap, reply, kind, clock_());
-      } else if (auto decided = DecideLocked(kind, req, *prepared, open, 0); decided.ok()) {
+      if (eligible->open.empty()) {
+        error = queue_.Push(std::move(req), std::move(prepared).value(), eligible->best_overlap, reply, kind, clock_());
+      } else if (auto decided = DecideLocked(kind, req, *prepared, eligible->open, 0); decided.ok()) {
         Deliver(std::move(req), *decided, std::move(reply), kind, out);
       } else {
         error = decided.status();

@@ -100,6 +100,16 @@ class Routing {
   // The ranks `req` may go to as candidates (overlaps reordered); `no_workers` when none.
   Result<std::vector<Candidate>> CandidatesLocked(const RouteRequest& req, std::span<const SequenceHash> seq,
                                                   OverlapScores& overlaps) const KV_REQUIRES(mu_);
+  // What a request may be decided among now: the open candidates (for best_worker, all of
+  // them), or the one PickAmongAll chose when the request needs no full scan (no filter, no
+  // session binding; then DecideLocked draws nothing more); `best_overlap` of every candidate,
+  // for a request that waits in the queue.
+  struct Eligible {
+    std::vector<Candidate> open;
+    std::uint64_t best_overlap = 0;
+  };
+  Result<Eligible> EligibleLocked(Kind kind, const RouteRequest& req, const PreparedRequest& p,
+                                  OverlapScores& overlaps) KV_REQUIRES(mu_);
   // Select among `cands` (the session's bound rank when it is one of them and not full), book,
   // bind the session, sync, count, observe.
   Result<RouteReply> DecideLocked(Kind kind, const RouteRequest& req, const PreparedRequest& p,

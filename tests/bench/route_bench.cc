@@ -13,6 +13,7 @@
 #include <fstream>
 #include <optional>
 #include <random>
+#include <span>
 #include <sstream>
 #include <string_view>
 #include <thread>
@@ -649,6 +650,97 @@ BENCHMARK(BM_IngestVsBareSubscriber)
     ->Args({300000, 0})
     ->Args({300000, 1})
     ->Iterations(5)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+
+// Replies per second from `subject` with `in_flight` requests outstanding from one client for
+// `seconds` (each reply sends the next request; every request is the same body).
+double RequestsPerSecond(NatsClient& nc, const std::string& subject, std::span<const std::byte> body, int in_flight,
+                         double seconds) {
+  static std::atomic<int> inboxes{0};
+  const std::string inbox = "bench.inbox." + std::to_string(inboxes.fetch_add(1));
+  std::atomic<std::uint64_t> replies{0};
+  std::atomic<bool> stop{false};
+  std::atomic<int> outstanding{in_flight};
+  auto sub = nc.Subscribe(inbox, "", [&](const IncomingMessage&) {
+    replies.fetch_add(1, std::memory_order_relaxed);
+    if (stop.load(std::memory_order_relaxed)) {
+      outstanding.fetch_sub(1);
+    } else {
+      (void)nc.PublishRequest(subject, inbox, body);
+    }
+  });
+  if (!sub.ok() || !nc.Flush(2s).ok()) return 0;
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < in_flight; ++i) (void)nc.PublishRequest(subject, inbox, body);
+  std::this_thread::sleep_for(std::chrono::duration<double>(seconds));  // the measured window itself
+  const std::uint64_t n = replies.load();
+  const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  stop.store(true);
+  (void)testing::WaitFor([&] { return outstanding.load() == 0; }, 5s);
+  return static_cast<double>(n) / elapsed;
+}
+
+// best_worker's throughput as the fleet grows, against a bare nats.c echo through the same client
+// and concurrency (64 requests in flight), in one run taking turns: a kvrouter of its own with
+// arg workers of one rank each, every tenth holding the first 4 blocks of the 512-token prompt
+// asked for (issue of decisions sublinear in the fleet). Counters: each one's requests/s
+// (median of 3 turns) and their ratio.
+void BM_BestWorkerThroughputVsEcho(benchmark::State& state) {
+  Rig& rig = TheRig();
+  if (!rig.ok) return state.SkipWithError("could not start nats-server + kvrouter");
+  const auto fleet = static_cast<std::uint64_t>(state.range(0));
+  const std::string ns = "scale" + std::to_string(fleet);
+  auto router = testing::ChildProcess::Start(
+      {KVROUTER_BIN, "--nats-server", rig.nats->url(), "--namespace", ns, "--router-mode", "kv", "--block-size",
+       std::to_string(kBs), "--router-max-worker-ranks", "262144", "--router-max-workers", "262144", "--metrics-port", "0"},
+      "/tmp/route_bench_scale.log");
+  auto echo = testing::ChildProcess::Start({"/proc/self/exe", "--echo-responder", rig.nats->url()},
+                                           "/tmp/route_bench_echo.log");
+  if (!router.ok() || !echo.ok()) return state.SkipWithError("could not start kvrouter and the echo");
+  const std::string stats = "namespace." + ns + ".router.stats";
+  if (!testing::WaitFor([&] { return rig.nc->Request(stats, AsBytes(std::string_view("\x80", 1)), 200ms).ok(); }, 10s))
+    return state.SkipWithError("the scale kvrouter never answered");
+  const std::string comp = "namespace." + ns + ".component.backend.";
+  std::vector<std::uint32_t> prompt(512);
+  for (std::uint32_t k = 0; k < prompt.size(); ++k) prompt[k] = k + 1;
+  const std::vector<std::uint32_t> held(prompt.begin(), prompt.begin() + 4 * kBs);  // 4 blocks
+  for (std::uint64_t w = 1; w <= fleet; ++w) {
+    WorkerRegistration r{.worker_id = w, .block_size = kBs, .total_kv_blocks = 16384, .lease_ms = 3600000};
+    (void)rig.publisher->Publish(comp + "instances", AsBytes(EncodeWorkerRegistration(r)));
+    if (w % 10 == 0) (void)rig.publisher->Publish(comp + "kv-events", AsBytes(EncodeDynamoEnvelope(Stored(w, 1, held), {})));
+  }
+  (void)rig.publisher->Flush(10s);
+  const bool ready = testing::WaitFor(
+      [&] {
+        auto reply = rig.nc->Request(stats, AsBytes(std::string_view("\x80", 1)), 2s);
+        if (!reply.ok()) return false;
+        auto page = DecodeStatsReply(*reply);
+        return page.ok() && page->workers_total == fleet && page->counters["events_applied"] >= fleet / 10;
+      },
+      60s);
+  if (!ready) return state.SkipWithError("the fleet was not registered and indexed in time");
+  RouteRequest req{.token_ids = prompt, .has_token_ids = true, .isl = static_cast<std::uint32_t>(prompt.size())};
+  const auto body = EncodeRouteRequest(req);
+  std::vector<double> routed, echoed;
+  for (auto _ : state) {
+    for (int turn = 0; turn < 3; ++turn) {
+      echoed.push_back(RequestsPerSecond(*rig.nc, "bench.echo", AsBytes(body), 64, 1.5));
+      routed.push_back(RequestsPerSecond(*rig.nc, "namespace." + ns + ".router.best_worker", AsBytes(body), 64, 1.5));
+    }
+  }
+  std::sort(routed.begin(), routed.end());
+  std::sort(echoed.begin(), echoed.end());
+  const double r = routed[routed.size() / 2], e = echoed[echoed.size() / 2];
+  state.counters["best_worker_per_s"] = r;
+  state.counters["echo_per_s"] = e;
+  state.counters["ratio"] = e > 0 ? r / e : 0;
+}
+BENCHMARK(BM_BestWorkerThroughputVsEcho)
+    ->Arg(64)
+    ->Arg(1000)
+    ->Arg(10000)
+    ->Iterations(1)
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 
