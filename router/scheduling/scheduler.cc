@@ -133,16 +133,18 @@ bool Scheduler::PicksAmongAll(const PreparedRequest& p) const {
   return options_.mode == RouterMode::kKv && !(p.params.temperature > 0);
 }
 
-namespace {
-std::uint64_t RankHash(WorkerKey k) { return Mix64(k.worker_id * 0x9e3779b97f4a7c15ULL + k.dp_rank); }
-}  // namespace
+std::uint64_t Scheduler::RankClasses::Hash(WorkerKey rank) {
+  return Mix64(rank.worker_id * 0x9e3779b97f4a7c15ULL + rank.dp_rank);
+}
 
-std::int64_t Scheduler::RankClasses::Find(WorkerKey rank) const {
+void Scheduler::RankClasses::Prefetch(std::uint64_t hash) const { PrefetchLine(&slots[hash & (slots.size() - 1)]); }
+
+Scheduler::RankClasses::Slot* Scheduler::RankClasses::Find(WorkerKey rank, std::uint64_t hash) {
   const std::size_t mask = slots.size() - 1;
-  for (std::size_t i = RankHash(rank) & mask;; i = (i + 1) & mask) {
-    const std::uint32_t v = slots[i];
-    if (v == 0) return -1;
-    if ((*of)[v - 1].worker == rank) return v - 1;
+  for (std::size_t i = hash & mask;; i = (i + 1) & mask) {
+    Slot& s = slots[i];
+    if (s.pos1 == 0) return nullptr;
+    if (s.rank == rank) return &s;
   }
 }
 
@@ -152,9 +154,7 @@ const Scheduler::RankClasses& Scheduler::ClassesOf(const std::shared_ptr<const s
   std::unordered_map<std::uint64_t, std::unordered_map<std::uint64_t, std::uint32_t>> index;
   const std::size_t n = ranks->size();
   classes_.class_of.resize(n);
-  classes_.seen.assign(n, 0);
-  classes_.special.assign(n, 0);
-  classes_.slots.assign(std::bit_ceil(2 * n + 2), 0);
+  classes_.slots.assign(std::bit_ceil(2 * n + 2), {});
   const std::size_t mask = classes_.slots.size() - 1;
   for (std::uint32_t i = 0; i < n; ++i) {
     const RankInfo& r = (*ranks)[i];
@@ -163,9 +163,9 @@ const Scheduler::RankClasses& Scheduler::ClassesOf(const std::shared_ptr<const s
     if (fresh) classes_.members.emplace_back();
     classes_.members[it->second].push_back(i);
     classes_.class_of[i] = it->second;
-    std::size_t slot = RankHash(r.worker) & mask;
-    while (classes_.slots[slot] != 0) slot = (slot + 1) & mask;
-    classes_.slots[slot] = i + 1;
+    std::size_t slot = RankClasses::Hash(r.worker) & mask;
+    while (classes_.slots[slot].pos1 != 0) slot = (slot + 1) & mask;
+    classes_.slots[slot] = {.rank = r.worker, .pos1 = i + 1, .cls = it->second};
   }
   return classes_;
 }
@@ -187,25 +187,28 @@ Scheduler::WideChoice Scheduler::PickAmongAll(const std::shared_ptr<const std::v
   ClassesOf(ranks);
   ++class_picks_;
   if (++classes.pick == 0) {  // wrapped: forget every mark
-    std::fill(classes.seen.begin(), classes.seen.end(), 0);
+    for (RankClasses::Slot& slot : classes.slots) slot.seen = 0;
     classes.pick = 1;
   }
+  using Slot = RankClasses::Slot;
+  constexpr std::uint32_t kGrouped = RankClasses::kGrouped;
 
   // Ranks the router has booked or has learned a rate of are priced one by one (each once, in
   // no order, with their overlap). Ranks that only the index sets apart cost what every rank of
   // their class with their overlap costs: such a group is priced once.
   struct Special {
     std::uint32_t pos;
+    std::uint32_t cls;
     TieredOverlap overlap;
   };
   thread_local std::vector<Special> special;
   special.clear();
   auto add_special = [&](WorkerKey k) {
-    const std::int64_t pos = classes.Find(k);
-    if (pos < 0 || classes.seen[pos] == classes.pick) return;  // not registered, or met already
-    classes.seen[pos] = classes.pick;
-    classes.special[pos] = static_cast<std::uint32_t>(special.size());
-    special.push_back({static_cast<std::uint32_t>(pos), {}});
+    Slot* slot = classes.Find(k, RankClasses::Hash(k));
+    if (slot == nullptr || slot->seen == classes.pick) return;  // not registered, or met already
+    slot->seen = classes.pick;
+    slot->special = static_cast<std::uint32_t>(special.size());
+    special.push_back({slot->pos1 - 1, slot->cls, {}});
   };
   load_.ForEachWorker(add_special);
   rates_.ForEachRank(add_special);
@@ -228,18 +231,16 @@ Scheduler::WideChoice Scheduler::PickAmongAll(const std::shared_ptr<const std::v
   group_size.clear();
   grouped.clear();
   std::uint32_t last_group = 0;
-  auto add_matched = [&](WorkerKey k, TieredOverlap overlap) {
-    const std::int64_t pos = classes.Find(k);
-    if (pos < 0) return;  // not registered
-    constexpr std::uint32_t kGrouped = std::numeric_limits<std::uint32_t>::max();
-    if (classes.seen[pos] == classes.pick) {
+  auto add_matched = [&](Slot* slot, TieredOverlap overlap) {
+    if (slot == nullptr) return;  // not registered
+    if (slot->seen == classes.pick) {
       // Met as a special rank, or (a rank with blocks on several tiers) already with all of them.
-      if (classes.special[pos] != kGrouped) special[classes.special[pos]].overlap = overlap;
+      if (slot->special != kGrouped) special[slot->special].overlap = overlap;
       return;
     }
-    classes.seen[pos] = classes.pick;
-    classes.special[pos] = kGrouped;
-    const GroupKey key{classes.class_of[pos], overlap};
+    slot->seen = classes.pick;
+    slot->special = kGrouped;
+    const GroupKey key{slot->cls, overlap};
     // Ranks matched alike come together (the index emits a holder set at a time): the last
     // group is looked up first.
     std::uint32_t g = groups.empty() || !(groups[last_group] == key) ? kGrouped : last_group;
@@ -252,15 +253,28 @@ Scheduler::WideChoice Scheduler::PickAmongAll(const std::shared_ptr<const std::v
       g = last_group = it->second;
     }
     ++group_size[g];
-    grouped.emplace_back(g, static_cast<std::uint32_t>(pos));
+    grouped.emplace_back(g, slot->pos1 - 1);
   };
   thread_local std::unordered_map<WorkerKey, TieredOverlap, WorkerKeyHash> tiers;
   SplitTiers(overlaps, tiers);
-  for (const OverlapScore& s : overlaps) {
-    const auto t = tiers.empty() ? tiers.end() : tiers.find(s.worker);
-    add_matched(s.worker, t != tiers.end() ? t->second : TieredOverlap{s.blocks, s.blocks, s.blocks});
+  // In batches, their slots prefetched first: at 100,000 ranks the table is megabytes, and the
+  // misses of a batch overlap.
+  constexpr std::size_t kBatch = 16;
+  std::uint64_t hashes[kBatch];
+  for (std::size_t b = 0; b < overlaps.size(); b += kBatch) {
+    const std::size_t m = std::min(kBatch, overlaps.size() - b);
+    for (std::size_t i = 0; i < m; ++i) {
+      hashes[i] = RankClasses::Hash(overlaps[b + i].worker);
+      classes.Prefetch(hashes[i]);
+    }
+    for (std::size_t i = 0; i < m; ++i) {
+      const OverlapScore& s = overlaps[b + i];
+      const auto t = tiers.empty() ? tiers.end() : tiers.find(s.worker);
+      add_matched(classes.Find(s.worker, hashes[i]),
+                  t != tiers.end() ? t->second : TieredOverlap{s.blocks, s.blocks, s.blocks});
+    }
   }
-  for (const auto& [k, t] : tiers) add_matched(k, t);
+  for (const auto& [k, t] : tiers) add_matched(classes.Find(k, RankClasses::Hash(k)), t);
 
   const CandidateContext ctx = ContextNow();
   struct Priced {
@@ -278,7 +292,7 @@ Scheduler::WideChoice Scheduler::PickAmongAll(const std::shared_ptr<const std::v
   recent.clear();
   std::size_t open = n;
   for (const Special& s : special) {
-    --idle[classes.class_of[s.pos]];
+    --idle[s.cls];
     Candidate c = CandidateOf(all[s.pos], s.overlap, p.seq, ctx);
     out.best_overlap = std::max(out.best_overlap, c.overlap_blocks);
     if (open_only && Full(c)) {
@@ -340,9 +354,27 @@ Scheduler::WideChoice Scheduler::PickAmongAll(const std::shared_ptr<const std::v
   tied += tied_special.size();
   const std::size_t k = open == 1 ? 0 : TieDraw(tied, rng_);
   std::uint32_t chosen = 0;
-  if (tied_classes.empty()) {
+  if (tied_classes.empty() && tied_special.size() * 64 < n) {
     std::nth_element(tied_special.begin(), tied_special.begin() + static_cast<std::ptrdiff_t>(k), tied_special.end());
     chosen = tied_special[k];
+  } else if (tied_classes.empty()) {
+    // Many tied (a group the index matched alike): the k-th set bit of a bitmap of positions
+    // costs n / 64 words, where selecting among the positions costs a pass over each.
+    thread_local std::vector<std::uint64_t> bits;
+    bits.assign((n + 63) / 64, 0);
+    for (const std::uint32_t pos : tied_special) bits[pos >> 6] |= std::uint64_t{1} << (pos & 63);
+    std::size_t left = k;
+    for (std::size_t w = 0; w < bits.size(); ++w) {
+      const auto count = static_cast<std::size_t>(std::popcount(bits[w]));
+      if (left >= count) {
+        left -= count;
+        continue;
+      }
+      std::uint64_t word = bits[w];
+      for (; left > 0; --left) word &= word - 1;  // drops the lowest set bit
+      chosen = static_cast<std::uint32_t>(w * 64 + static_cast<std::size_t>(std::countr_zero(word)));
+      break;
+    }
   } else {
     // Special ranks of tied classes are counted there as members: take them out again.
     thread_local std::vector<std::uint32_t> excluded;

@@ -170,12 +170,22 @@ class Scheduler {
     std::shared_ptr<const std::vector<RankInfo>> of;
     std::vector<std::vector<std::uint32_t>> members;  // positions in *of, ascending, per class
     std::vector<std::uint32_t> class_of;              // per position
-    std::vector<std::uint32_t> slots;                 // open addressing: position + 1 by rank (0: free)
-    std::vector<std::uint32_t> seen;                  // per position: the pick that last met it
-    std::vector<std::uint32_t> special;               // per position met: its place among the special ranks
+    // Open addressing by rank, with what a pick marks on the ranks it meets (one cache line
+    // holds all a pick reads and writes of a rank).
+    struct Slot {
+      WorkerKey rank;
+      std::uint32_t pos1 = 0;  // position + 1 (0: a free slot)
+      std::uint32_t cls = 0;
+      std::uint32_t seen = 0;     // the pick that last met it
+      std::uint32_t special = 0;  // then: its place among the special ranks, or kGrouped
+    };
+    static constexpr std::uint32_t kGrouped = 0xffffffffu;
+    std::vector<Slot> slots;
     std::uint32_t pick = 0;
-    // The rank's position in *of, or -1 when it is not there.
-    std::int64_t Find(WorkerKey rank) const;
+    static std::uint64_t Hash(WorkerKey rank);
+    void Prefetch(std::uint64_t hash) const;
+    // The rank's slot (its hash given), or null when it is not there.
+    Slot* Find(WorkerKey rank, std::uint64_t hash);
   };
   const RankClasses& ClassesOf(const std::shared_ptr<const std::vector<RankInfo>>& ranks);
 
