@@ -691,8 +691,9 @@ void BM_BestWorkerThroughputVsEcho(benchmark::State& state) {
   if (!rig.ok) return state.SkipWithError("could not start nats-server + kvrouter");
   const auto fleet = static_cast<std::uint64_t>(state.range(0));
   const std::string ns = "scale" + std::to_string(fleet);
+  const char* bin = std::getenv("ROUTE_BENCH_KVROUTER");  // another kvrouter binary, as for the rig
   auto router = testing::ChildProcess::Start(
-      {KVROUTER_BIN, "--nats-server", rig.nats->url(), "--namespace", ns, "--router-mode", "kv", "--block-size",
+      {bin != nullptr ? bin : KVROUTER_BIN, "--nats-server", rig.nats->url(), "--namespace", ns, "--router-mode", "kv", "--block-size",
        std::to_string(kBs), "--router-max-worker-ranks", "262144", "--router-max-workers", "262144", "--metrics-port", "0"},
       "/tmp/route_bench_scale.log");
   auto echo = testing::ChildProcess::Start({"/proc/self/exe", "--echo-responder", rig.nats->url()},
