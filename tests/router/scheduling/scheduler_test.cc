@@ -242,14 +242,18 @@ TEST_F(SchedulerTest, AFreeWithTimingTeachesTheRankItWasBookedOnAndCandidatesCar
 }
 
 // PickAmongAll against the full scan (Candidates, OpenRanks, Decide) on random fleets: ranks of a
-// few registration classes, random overlaps (some off device), bookings, frees and learned
-// rates, both cost models, with and without the queue. Two schedulers of the same seed must
-// choose the same rank every time, with the same draws, so that their loads stay equal.
+// few registration classes (one with max_num_batched_tokens 0), replaced now and then by another
+// list (ranks come and go, booked and learned ones among them); random overlaps on device, host
+// and disk, some of ranks that are not registered; bookings, mark_prefills, frees, learned rates
+// and their drift; both cost models, requests that set Dynamo's weights (credit 0 makes matched
+// ranks tie with idle ones; 1e308 makes costs infinite); with and without the queue. Two
+// schedulers of the same seed must choose the same rank every time, with the same draws, so
+// that their loads stay equal.
 TEST(PickAmongAll, ChoosesWhatTheFullScanChoosesOnRandomFleetsLoadsAndPrompts) {
   ShardedIndex index{{.num_shards = 1}};
   std::uint64_t class_picks = 0;
   std::size_t decided = 0;
-  for (std::uint64_t trial = 0; trial < 48; ++trial) {
+  for (std::uint64_t trial = 0; trial < 160; ++trial) {
     std::mt19937_64 rng(trial);
     auto uniform = [&](std::uint64_t lo, std::uint64_t hi) {
       return std::uniform_int_distribution<std::uint64_t>(lo, hi)(rng);
@@ -260,40 +264,61 @@ TEST(PickAmongAll, ChoosesWhatTheFullScanChoosesOnRandomFleetsLoadsAndPrompts) {
     o.cost.block_size = 4;
     o.cost.model = trial % 2 == 0 ? CostModel::kPredicted : CostModel::kDynamo;
     if (trial % 3 == 0) o.queue_threshold = 0.5;
-    auto ranks = std::make_shared<std::vector<RankInfo>>();
-    const std::uint64_t n = trial % 4 == 0 ? uniform(1, 6) : uniform(100, 400);
-    const std::uint64_t kinds = uniform(1, 3);
-    for (std::uint64_t w = 1; ranks->size() < n; w += uniform(1, 3)) {
-      for (std::uint32_t dp = 0; dp < 2 && ranks->size() < n; ++dp) {
-        if (dp == 1 && uniform(0, 1) == 0) continue;
-        const std::uint64_t kind = uniform(0, kinds - 1);
-        ranks->push_back({.worker = {w, dp},
-                          .max_num_batched_tokens = kind == 1 ? 32u : 8192u,
-                          .total_kv_blocks = kind == 2 ? 64u : 0u});
+    const std::uint64_t kinds = uniform(1, 4);
+    auto fleet = [&] {
+      auto ranks = std::make_shared<std::vector<RankInfo>>();
+      const std::uint64_t n = trial % 4 == 0 ? uniform(1, 8) : uniform(60, 300);
+      for (std::uint64_t w = 1; ranks->size() < n; w += uniform(1, 3)) {
+        for (std::uint32_t dp = 0; dp < 2 && ranks->size() < n; ++dp) {
+          if (dp == 1 && uniform(0, 1) == 0) continue;
+          const std::uint64_t kind = uniform(0, kinds - 1);
+          ranks->push_back({.worker = {w, dp},
+                            .is_cpu = uniform(0, 1) == 0,
+                            .max_num_seqs = static_cast<std::uint32_t>(uniform(1, 4)),
+                            .max_num_batched_tokens = kind == 1 ? 32u : (kind == 3 ? 0u : 8192u),
+                            .total_kv_blocks = kind == 2 ? 64u : 0u});
+        }
       }
-    }
-    const std::shared_ptr<const std::vector<RankInfo>> all = ranks;
+      return std::shared_ptr<const std::vector<RankInfo>>(ranks);
+    };
+    std::shared_ptr<const std::vector<RankInfo>> all = fleet();
     SteadyTime now{};
     Scheduler full(o, index, [&] { return now; }, trial);
     Scheduler wide(o, index, [&] { return now; }, trial);
     std::vector<std::string> booked;
-    for (int step = 0; step < 60; ++step) {
+    for (int step = 0; step < 80; ++step) {
+      if (uniform(0, 9) == 0) all = fleet();
       now += std::chrono::milliseconds(uniform(0, 3000));
       RouteRequest r = Prompt("t" + std::to_string(trial) + "-" + std::to_string(step),
                               static_cast<std::uint32_t>(uniform(1, 48)), static_cast<std::uint32_t>(uniform(0, 2)));
       r.update_states = uniform(0, 3) != 0;
+      switch (uniform(0, 5)) {
+        case 0: r.config_override.overlap_score_credit = 0; break;
+        case 1: r.config_override.prefill_load_scale = 0; break;
+        case 2: r.config_override.prefill_load_scale = 1e308; break;
+        default: break;
+      }
       const PreparedRequest p = *PrepareRequest(o, r);
       OverlapScores overlaps;
-      const std::uint64_t match_one_in = step % 3 == 0 ? 0 : uniform(5, 40);  // 0: the index matches none
-      for (const RankInfo& rank : *all) {
-        if (match_one_in == 0 || uniform(1, match_one_in) != 1) continue;
+      // Device, device and host, host only, or all three tiers.
+      auto match = [&](WorkerKey k) {
         const auto blocks = static_cast<std::uint32_t>(uniform(1, p.sel.request_blocks + 1));
-        overlaps.push_back({.worker = rank.worker, .blocks = blocks});
-        if (uniform(0, 3) == 0) {
-          overlaps.push_back({.worker = {rank.worker.worker_id, rank.worker.dp_rank | kHostTierRank},
+        const std::uint64_t shape = uniform(0, 5);
+        if (shape != 4) overlaps.push_back({.worker = k, .blocks = blocks});
+        if (shape >= 3) {
+          overlaps.push_back({.worker = {k.worker_id, k.dp_rank | kHostTierRank},
                               .blocks = blocks + static_cast<std::uint32_t>(uniform(0, 2))});
         }
+        if (shape >= 4) {
+          overlaps.push_back({.worker = {k.worker_id, k.dp_rank | kDiskTierRank},
+                              .blocks = blocks + static_cast<std::uint32_t>(uniform(0, 3))});
+        }
+      };
+      const std::uint64_t match_one_in = step % 3 == 0 ? 0 : uniform(2, 40);  // 0: the index matches none
+      for (const RankInfo& rank : *all) {
+        if (match_one_in != 0 && uniform(1, match_one_in) == 1) match(rank.worker);
       }
+      if (match_one_in != 0) match({uniform(1000, 2000), 0});  // an event-only worker
       std::shuffle(overlaps.begin(), overlaps.end(), rng);
       OverlapScores overlaps2 = overlaps;
       const bool open_only = uniform(0, 4) != 0;
@@ -303,7 +328,7 @@ TEST(PickAmongAll, ChoosesWhatTheFullScanChoosesOnRandomFleetsLoadsAndPrompts) {
       for (const Candidate& c : cands) best_overlap = std::max(best_overlap, c.overlap_blocks);
       if (open_only) cands = full.OpenRanks(std::move(cands));
       const Scheduler::WideChoice choice = wide.PickAmongAll(all, p, overlaps2, open_only);
-      ASSERT_EQ(choice.best_overlap, best_overlap);
+      ASSERT_EQ(choice.best_overlap, best_overlap) << "trial " << trial << " step " << step;
       ASSERT_EQ(choice.chosen.has_value(), !cands.empty()) << "trial " << trial << " step " << step;
       if (cands.empty()) continue;
       auto a = full.Decide(r, p, cands);
@@ -314,8 +339,11 @@ TEST(PickAmongAll, ChoosesWhatTheFullScanChoosesOnRandomFleetsLoadsAndPrompts) {
       ASSERT_EQ(a->overlap_by_tier, b->overlap_by_tier);
       ASSERT_EQ(a->booked, b->booked);
       ++decided;
-      if (a->booked) booked.push_back(r.request_id);
-      // Now and then a booked request ends, teaching its rank (some are slow) or not.
+      if (a->booked) {
+        ASSERT_EQ(full.load().PriorOf(r.request_id)->prefill_ms, wide.load().PriorOf(r.request_id)->prefill_ms);
+        booked.push_back(r.request_id);
+      }
+      // Now and then a booked request is prefilled, or ends and teaches its rank (some are slow).
       if (!booked.empty() && uniform(0, 2) == 0) {
         const std::size_t i = uniform(0, booked.size() - 1);
         const PriorTtft* prior = full.load().PriorOf(booked[i]);
@@ -323,15 +351,23 @@ TEST(PickAmongAll, ChoosesWhatTheFullScanChoosesOnRandomFleetsLoadsAndPrompts) {
           const ResponseTiming timing{.ttfb_ms = (prior->prefill_ms + prior->decode_ms) * (uniform(0, 1) ? 4 : 0.5)};
           ASSERT_EQ(full.Learn(booked[i], timing), wide.Learn(booked[i], timing));
         }
-        ASSERT_TRUE(full.load().Free(booked[i]));
-        ASSERT_TRUE(wide.load().Free(booked[i]));
-        booked.erase(booked.begin() + static_cast<std::ptrdiff_t>(i));
+        if (uniform(0, 1) == 0) {
+          ASSERT_EQ(full.load().MarkPrefill(booked[i]), wide.load().MarkPrefill(booked[i]));
+        } else {
+          ASSERT_TRUE(full.load().Free(booked[i]));
+          ASSERT_TRUE(wide.load().Free(booked[i]));
+          booked.erase(booked.begin() + static_cast<std::ptrdiff_t>(i));
+        }
+      }
+      if (uniform(0, 30) == 0) {
+        full.DriftRates(now);
+        wide.DriftRates(now);
       }
     }
     class_picks += wide.class_picks();
   }
-  EXPECT_GT(decided, 2000u);
-  EXPECT_GT(class_picks, 1000u);  // most decisions were made by classes, not by the fallback
+  EXPECT_GT(decided, 8000u);
+  EXPECT_GT(class_picks, 4000u);  // most decisions were made by classes, not by the fallback
 }
 
 }  // namespace
