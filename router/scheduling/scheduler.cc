@@ -170,8 +170,65 @@ const Scheduler::RankClasses& Scheduler::ClassesOf(const std::shared_ptr<const s
   return classes_;
 }
 
+namespace {
+
+// The k-th smallest (from 0) of `positions` (distinct, each below n; reordered).
+std::uint32_t KthPosition(std::vector<std::uint32_t>& positions, std::size_t k, std::size_t n) {
+  if (positions.size() * 64 < n) {
+    std::nth_element(positions.begin(), positions.begin() + static_cast<std::ptrdiff_t>(k), positions.end());
+    return positions[k];
+  }
+  // Many (a group the index matched alike): the k-th set bit of a bitmap of positions costs
+  // n / 64 words, where selecting among the positions costs a pass over each.
+  thread_local std::vector<std::uint64_t> bits;
+  bits.assign((n + 63) / 64, 0);
+  for (const std::uint32_t pos : positions) bits[pos >> 6] |= std::uint64_t{1} << (pos & 63);
+  std::size_t left = k;
+  for (std::size_t w = 0; w < bits.size(); ++w) {
+    const auto count = static_cast<std::size_t>(std::popcount(bits[w]));
+    if (left >= count) {
+      left -= count;
+      continue;
+    }
+    std::uint64_t word = bits[w];
+    for (; left > 0; --left) word &= word - 1;  // drops the lowest set bit
+    return static_cast<std::uint32_t>(w * 64 + static_cast<std::size_t>(std::countr_zero(word)));
+  }
+  return 0;  // unreachable: k < positions.size()
+}
+
+// The k-th smallest (from 0) position of the union of the members of `tied_classes` (ascending
+// per class) less `excluded`, and of `extra` (distinct from those left; both reordered): the
+// smallest position with k + 1 of them at or before it, by a binary search over positions.
+std::uint32_t KthPositionWithClasses(const std::vector<std::vector<std::uint32_t>>& members,
+                                     const std::vector<std::uint32_t>& tied_classes, std::vector<std::uint32_t>& extra,
+                                     std::vector<std::uint32_t>& excluded, std::size_t k, std::size_t n) {
+  std::sort(excluded.begin(), excluded.end());
+  std::sort(extra.begin(), extra.end());
+  auto upto = [](const std::vector<std::uint32_t>& v, std::uint32_t pos) {
+    return static_cast<std::size_t>(std::upper_bound(v.begin(), v.end(), pos) - v.begin());
+  };
+  auto count_upto = [&](std::uint32_t pos) {
+    std::size_t count = upto(extra, pos) - upto(excluded, pos);
+    for (const std::uint32_t c : tied_classes) count += upto(members[c], pos);
+    return count;
+  };
+  std::uint32_t lo = 0, hi = static_cast<std::uint32_t>(n - 1);
+  while (lo < hi) {
+    const std::uint32_t mid = lo + (hi - lo) / 2;
+    if (count_upto(mid) >= k + 1) {
+      hi = mid;
+    } else {
+      lo = mid + 1;
+    }
+  }
+  return lo;
+}
+
+}  // namespace
+
 Scheduler::WideChoice Scheduler::PickAmongAll(const std::shared_ptr<const std::vector<RankInfo>>& ranks,
-                                              const PreparedRequest& p, OverlapScores& overlaps, bool open_only) {
+                                              const PreparedRequest& p, OverlapScores& overlaps, FullRanks full) {
   const std::vector<RankInfo>& all = *ranks;
   const std::size_t n = all.size();
   WideChoice out;
@@ -179,7 +236,7 @@ Scheduler::WideChoice Scheduler::PickAmongAll(const std::shared_ptr<const std::v
   if ((load_.workers() + rates_.ranks()) * 2 > n) {
     std::vector<Candidate> cands = Candidates(all, p.seq, overlaps);
     for (const Candidate& c : cands) out.best_overlap = std::max(out.best_overlap, c.overlap_blocks);
-    if (open_only) cands = OpenRanks(std::move(cands));
+    if (full == FullRanks::kLeftOut) cands = OpenRanks(std::move(cands));
     if (!cands.empty()) out.chosen = cands[selector_.Pick(options_.mode, p.sel, cands, p.params, rng_)];
     return out;
   }
@@ -295,7 +352,7 @@ Scheduler::WideChoice Scheduler::PickAmongAll(const std::shared_ptr<const std::v
     --idle[s.cls];
     Candidate c = CandidateOf(all[s.pos], s.overlap, p.seq, ctx);
     out.best_overlap = std::max(out.best_overlap, c.overlap_blocks);
-    if (open_only && Full(c)) {
+    if (full == FullRanks::kLeftOut && Full(c)) {
       --open;
       continue;
     }
@@ -354,29 +411,10 @@ Scheduler::WideChoice Scheduler::PickAmongAll(const std::shared_ptr<const std::v
   tied += tied_special.size();
   const std::size_t k = open == 1 ? 0 : TieDraw(tied, rng_);
   std::uint32_t chosen = 0;
-  if (tied_classes.empty() && tied_special.size() * 64 < n) {
-    std::nth_element(tied_special.begin(), tied_special.begin() + static_cast<std::ptrdiff_t>(k), tied_special.end());
-    chosen = tied_special[k];
-  } else if (tied_classes.empty()) {
-    // Many tied (a group the index matched alike): the k-th set bit of a bitmap of positions
-    // costs n / 64 words, where selecting among the positions costs a pass over each.
-    thread_local std::vector<std::uint64_t> bits;
-    bits.assign((n + 63) / 64, 0);
-    for (const std::uint32_t pos : tied_special) bits[pos >> 6] |= std::uint64_t{1} << (pos & 63);
-    std::size_t left = k;
-    for (std::size_t w = 0; w < bits.size(); ++w) {
-      const auto count = static_cast<std::size_t>(std::popcount(bits[w]));
-      if (left >= count) {
-        left -= count;
-        continue;
-      }
-      std::uint64_t word = bits[w];
-      for (; left > 0; --left) word &= word - 1;  // drops the lowest set bit
-      chosen = static_cast<std::uint32_t>(w * 64 + static_cast<std::size_t>(std::countr_zero(word)));
-      break;
-    }
+  if (tied_classes.empty()) {
+    chosen = KthPosition(tied_special, k, n);
   } else {
-    // Special ranks of tied classes are counted there as members: take them out again.
+    // Special and matched ranks of tied classes are counted there as members: take them out.
     thread_local std::vector<std::uint32_t> excluded;
     excluded.clear();
     auto in_tied_class = [&](std::uint32_t pos) {
@@ -388,27 +426,7 @@ Scheduler::WideChoice Scheduler::PickAmongAll(const std::shared_ptr<const std::v
     for (const auto& [g, pos] : grouped) {
       if (in_tied_class(pos)) excluded.push_back(pos);
     }
-    std::sort(excluded.begin(), excluded.end());
-    std::sort(tied_special.begin(), tied_special.end());
-    auto upto = [](const std::vector<std::uint32_t>& v, std::uint32_t pos) {
-      return static_cast<std::size_t>(std::upper_bound(v.begin(), v.end(), pos) - v.begin());
-    };
-    auto tied_upto = [&](std::uint32_t pos) {
-      std::size_t count = upto(tied_special, pos) - upto(excluded, pos);
-      for (const std::uint32_t c : tied_classes) count += upto(classes.members[c], pos);
-      return count;
-    };
-    // The smallest position with k + 1 tied ranks at or before it.
-    std::uint32_t lo_pos = 0, hi_pos = static_cast<std::uint32_t>(n - 1);
-    while (lo_pos < hi_pos) {
-      const std::uint32_t mid = lo_pos + (hi_pos - lo_pos) / 2;
-      if (tied_upto(mid) >= k + 1) {
-        hi_pos = mid;
-      } else {
-        lo_pos = mid + 1;
-      }
-    }
-    chosen = lo_pos;
+    chosen = KthPositionWithClasses(classes.members, tied_classes, tied_special, excluded, k, n);
   }
   for (const Priced& x : priced) {
     if (x.pos == chosen) out.chosen = x.c;

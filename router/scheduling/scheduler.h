@@ -106,11 +106,14 @@ class Scheduler {
     std::optional<Candidate> chosen;  // nullopt: every rank is full
     std::uint32_t best_overlap = 0;   // the longest device overlap of any rank, full or not
   };
+  // Whether a pick considers ranks past the queue threshold: best_worker does, a request that
+  // would book does not (OpenRanks).
+  enum class FullRanks { kIncluded, kLeftOut };
   // Whether PickAmongAll serves this request: mode kv at temperature 0.
   bool PicksAmongAll(const PreparedRequest& p) const;
   // For PicksAmongAll requests over every registered rank (`ranks`, ascending, non-empty): the
   // rank, from the same random draws, that Decide picks among Candidates(ranks, ...) (after
-  // OpenRanks when open_only), without a candidate for every rank (docs/design.md "Decisions
+  // OpenRanks when full ranks are left out), without a candidate for every rank (docs/design.md "Decisions
   // over a large fleet"). Ranks that differ from an idle one (the index matches them, they carry
   // the router's load or a learned rate) are priced one by one; every other rank costs what an
   // idle rank of its class costs (the registration fields the costs read), so a class is priced
@@ -119,7 +122,7 @@ class Scheduler {
   // Time: O(those ranks x log ranks + classes); the class table is rebuilt when `ranks` changes.
   // Decide({&*chosen, 1}) then books it without another draw. `overlaps` is reordered.
   WideChoice PickAmongAll(const std::shared_ptr<const std::vector<RankInfo>>& ranks, const PreparedRequest& p,
-                          OverlapScores& overlaps, bool open_only);
+                          OverlapScores& overlaps, FullRanks full);
   // PickAmongAll's choices made by classes, without the full scan it falls back to when most
   // ranks differ from an idle one.
   std::uint64_t class_picks() const { return class_picks_; }

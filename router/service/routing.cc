@@ -38,13 +38,13 @@ Result<std::vector<Candidate>> Routing::CandidatesLocked(const RouteRequest& req
 Result<Routing::Eligible> Routing::EligibleLocked(Kind kind, const RouteRequest& req, const PreparedRequest& p,
                                                  OverlapScores& overlaps) {
   // best_worker answers as things stand; route and generate wait when every eligible rank is full.
-  const bool open_only = kind != Kind::kBestWorker;
+  const auto full = kind == Kind::kBestWorker ? Scheduler::FullRanks::kIncluded : Scheduler::FullRanks::kLeftOut;
   Eligible out;
   if (!req.worker_id && !req.dp_rank && !req.allowed_worker_ids && !req.excluded_worker_ids &&
       !(affinity_.on() && !req.session_id.empty()) && scheduler_.PicksAmongAll(p)) {
     const auto all = registry_.AllRanks();  // shared, not copied
     if (all->empty()) return Status(StatusCode::kNoWorkers, "no registered worker can take this request");
-    auto choice = scheduler_.PickAmongAll(all, p, overlaps, open_only);
+    auto choice = scheduler_.PickAmongAll(all, p, overlaps, full);
     out.best_overlap = choice.best_overlap;
     if (choice.chosen) out.open.push_back(*choice.chosen);
     return out;
@@ -52,7 +52,8 @@ Result<Routing::Eligible> Routing::EligibleLocked(Kind kind, const RouteRequest&
   auto cands = CandidatesLocked(req, p.seq, overlaps);
   if (!cands.ok()) return cands.status();
   for (const Candidate& c : *cands) out.best_overlap = std::max<std::uint64_t>(out.best_overlap, c.overlap_blocks);
-  out.open = open_only ? scheduler_.OpenRanks(std::move(cands).value()) : std::move(cands).value();
+  out.open = full == Scheduler::FullRanks::kLeftOut ? scheduler_.OpenRanks(std::move(cands).value())
+                                                    : std::move(cands).value();
   return out;
 }
 

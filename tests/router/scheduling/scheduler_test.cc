@@ -327,7 +327,8 @@ TEST(PickAmongAll, ChoosesWhatTheFullScanChoosesOnRandomFleetsLoadsAndPrompts) {
       std::uint32_t best_overlap = 0;
       for (const Candidate& c : cands) best_overlap = std::max(best_overlap, c.overlap_blocks);
       if (open_only) cands = full.OpenRanks(std::move(cands));
-      const Scheduler::WideChoice choice = wide.PickAmongAll(all, p, overlaps2, open_only);
+      const Scheduler::WideChoice choice = wide.PickAmongAll(
+          all, p, overlaps2, open_only ? Scheduler::FullRanks::kLeftOut : Scheduler::FullRanks::kIncluded);
       ASSERT_EQ(choice.best_overlap, best_overlap) << "trial " << trial << " step " << step;
       ASSERT_EQ(choice.chosen.has_value(), !cands.empty()) << "trial " << trial << " step " << step;
       if (cands.empty()) continue;
