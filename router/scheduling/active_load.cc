@@ -34,7 +34,7 @@ bool ActiveLoad::Book(const std::string& request_id, WorkerKey worker, std::span
   }
   w.load.active_prefill_tokens += prefill_tokens;
   w.load.active_prefill_squares += Square(prefill_tokens);
-  ++w.load.active_requests;
+  if (w.load.active_requests++ == 0) ++active_workers_;
   if (!has_epoch_ || HalfLives(recent_epoch_, now) > 64) {
     const double rescale = has_epoch_ ? std::exp2(-HalfLives(recent_epoch_, now)) : 1.0;
     for (auto& [key, other] : workers_) other.load.recent_scaled *= rescale;
@@ -71,7 +71,7 @@ void ActiveLoad::Release(std::unordered_map<std::string, Booking>::iterator it) 
     }
     w.load.active_prefill_tokens -= b.prefill_tokens;
     w.load.active_prefill_squares -= Square(b.prefill_tokens);
-    --w.load.active_requests;
+    if (--w.load.active_requests == 0) --active_workers_;
   }
   booked_blocks_ -= b.seq.size();
   if (auto bw = by_worker_.find(b.worker.worker_id); bw != by_worker_.end()) {

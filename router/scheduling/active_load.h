@@ -72,10 +72,12 @@ class ActiveLoad {
   std::size_t requests() const { return requests_.size(); }
   // Ranks with an entry (booked at some time, until RemoveWorker): 0 means every Load is zero.
   std::size_t workers() const { return workers_.size(); }
-  // Calls f(rank) for every rank with an entry: those whose Load may be other than zero.
+  // Ranks with a request booked now (a subset of workers()).
+  std::size_t active_workers() const { return active_workers_; }
+  // Calls f(rank, its load) for every rank with an entry: those whose Load may be other than zero.
   template <typename F>
   void ForEachWorker(F&& f) const {
-    for (const auto& entry : workers_) f(entry.first);
+    for (const auto& [rank, w] : workers_) f(rank, w.load);
   }
   // Sequence hashes held by all bookings together (a shared prefix counts once per booking).
   std::uint64_t booked_blocks() const { return booked_blocks_; }
@@ -104,6 +106,7 @@ class ActiveLoad {
   // worker_id -> its bookings' ids (keys of requests_, whose nodes do not move).
   std::unordered_map<std::uint64_t, std::unordered_set<const std::string*>> by_worker_;
   std::uint64_t booked_blocks_ = 0;
+  std::size_t active_workers_ = 0;
 };
 
 }  // namespace kvrouter

@@ -232,8 +232,12 @@ Scheduler::WideChoice Scheduler::PickAmongAll(const std::shared_ptr<const std::v
   const std::vector<RankInfo>& all = *ranks;
   const std::size_t n = all.size();
   WideChoice out;
+  // Dynamo's formula reads only a rank's active load: recent requests and a learned rate leave
+  // a rank whose requests have ended where an idle one is. The predicted cost reads both.
+  const bool predicted = p.params.model == CostModel::kPredicted;
+  const std::size_t one_by_one = predicted ? load_.workers() + rates_.ranks() : load_.active_workers();
   // Where most ranks are priced one by one anyway, the full scan is cheaper and chooses the same.
-  if ((load_.workers() + rates_.ranks()) * 2 > n) {
+  if (one_by_one * 2 > n) {
     std::vector<Candidate> cands = Candidates(all, p.seq, overlaps);
     for (const Candidate& c : cands) out.best_overlap = std::max(out.best_overlap, c.overlap_blocks);
     if (full == FullRanks::kLeftOut) cands = OpenRanks(std::move(cands));
@@ -250,8 +254,8 @@ Scheduler::WideChoice Scheduler::PickAmongAll(const std::shared_ptr<const std::v
   using Slot = RankClasses::Slot;
   constexpr std::uint32_t kGrouped = RankClasses::kGrouped;
 
-  // Ranks the router has booked or has learned a rate of are priced one by one (each once, in
-  // no order, with their overlap). Ranks that only the index sets apart cost what every rank of
+  // Ranks the router has booked (under Dynamo's formula: that have a request now) or has learned
+  // a rate of are priced one by one (each once, in no order, with their overlap). Ranks that only the index sets apart cost what every rank of
   // their class with their overlap costs: such a group is priced once.
   struct Special {
     std::uint32_t pos;
@@ -267,8 +271,10 @@ Scheduler::WideChoice Scheduler::PickAmongAll(const std::shared_ptr<const std::v
     slot->special = static_cast<std::uint32_t>(special.size());
     special.push_back({slot->pos1 - 1, slot->cls, {}});
   };
-  load_.ForEachWorker(add_special);
-  rates_.ForEachRank(add_special);
+  load_.ForEachWorker([&](WorkerKey k, const WorkerLoad& l) {
+    if (predicted || l.active_requests != 0 || l.active_blocks != 0 || l.active_prefill_tokens != 0) add_special(k);
+  });
+  if (predicted) rates_.ForEachRank(add_special);
   struct GroupKey {
     std::uint32_t cls;
     TieredOverlap overlap;

@@ -102,6 +102,24 @@ TEST(ActiveLoad, RemovedWorkerReleasesItsRequests) {
   EXPECT_EQ(load.requests(), 0u);
 }
 
+TEST(ActiveLoad, ActiveWorkersAreTheRanksWithARequestNowNotThoseBookedOnce) {
+  ActiveLoad load;
+  ASSERT_TRUE(load.Book("a0", kA, std::vector<SequenceHash>{1}, 64, kT0));
+  ASSERT_TRUE(load.Book("a1", kA, std::vector<SequenceHash>{2}, 64, kT0));
+  ASSERT_TRUE(load.Book("b", kB, std::vector<SequenceHash>{1}, 64, kT0));
+  EXPECT_EQ(load.active_workers(), 2u);
+  ASSERT_TRUE(load.Free("a0"));
+  EXPECT_EQ(load.active_workers(), 2u);  // a1 is still there
+  ASSERT_TRUE(load.Free("a1"));
+  EXPECT_EQ(load.active_workers(), 1u);
+  EXPECT_EQ(load.workers(), 2u);  // A keeps its entry (its recent requests)
+  EXPECT_EQ(load.Sweep(kT0 + std::chrono::seconds(301)), 1u);
+  EXPECT_EQ(load.active_workers(), 0u);
+  ASSERT_TRUE(load.Book("b2", kB, std::vector<SequenceHash>{1}, 64, kT0));
+  EXPECT_EQ(load.RemoveWorker(kB.worker_id), 1u);
+  EXPECT_EQ(load.active_workers(), 0u);
+}
+
 TEST(ActiveLoad, BookedBlocksFollowEveryWayABookingEnds) {
   ActiveLoad load;
   ASSERT_TRUE(load.Book("a", kA, std::vector<SequenceHash>{1, 2, 3}, 64, kT0));

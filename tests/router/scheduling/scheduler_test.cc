@@ -371,5 +371,42 @@ TEST(PickAmongAll, ChoosesWhatTheFullScanChoosesOnRandomFleetsLoadsAndPrompts) {
   EXPECT_GT(class_picks, 4000u);  // most decisions were made by classes, not by the fallback
 }
 
+// Under Dynamo's formula a rank whose requests have all ended costs what an idle one costs, so
+// booking traffic does not send the decisions back to the full scan; the predicted cost reads the
+// ranks' recent requests, so there the booked ranks are priced one by one until the full scan is
+// cheaper.
+TEST(PickAmongAll, UnderDynamosFormulaRanksWhoseRequestsEndedStayOutOfTheFullScan) {
+  ShardedIndex index{{.num_shards = 1}};
+  auto ranks = std::make_shared<std::vector<RankInfo>>();
+  for (std::uint64_t w = 1; w <= 1000; ++w) ranks->push_back({.worker = {w, 0}});
+  const std::shared_ptr<const std::vector<RankInfo>> all = ranks;
+  for (const CostModel model : {CostModel::kDynamo, CostModel::kPredicted}) {
+    SchedulerOptions o;
+    o.mode = RouterMode::kKv;
+    o.block_size = 4;
+    o.cost.block_size = 4;
+    o.cost.model = model;
+    SteadyTime now{};
+    Scheduler s(o, index, [&] { return now; }, 1);
+    constexpr int kRoutes = 2000;
+    for (int i = 0; i < kRoutes; ++i) {
+      now += std::chrono::milliseconds(50);
+      const RouteRequest r = Prompt("r" + std::to_string(i), 64, static_cast<std::uint32_t>(i) * 100);
+      const PreparedRequest p = *PrepareRequest(o, r);
+      OverlapScores none;
+      const auto choice = s.PickAmongAll(all, p, none, Scheduler::FullRanks::kLeftOut);
+      ASSERT_TRUE(choice.chosen);
+      ASSERT_TRUE(s.Decide(r, p, {&*choice.chosen, 1}).ok());
+      ASSERT_TRUE(s.load().Free(r.request_id));  // every request ends at once
+    }
+    EXPECT_GT(s.load().workers(), 500u);  // most ranks were booked once
+    if (model == CostModel::kDynamo) {
+      EXPECT_EQ(s.class_picks(), std::uint64_t{kRoutes});
+    } else {
+      EXPECT_LT(s.class_picks(), std::uint64_t{kRoutes});
+    }
+  }
+}
+
 }  // namespace
 }  // namespace kvrouter
