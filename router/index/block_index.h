@@ -109,14 +109,6 @@ class RankOverlaps {
  public:
   explicit RankOverlaps(OverlapScores& scores);
   TieredOverlap At(WorkerKey rank);
-  // Calls f(rank) for every rank with an overlap on any tier (each once, in no order).
-  template <typename F>
-  void ForEachRank(F&& f) const {
-    for (const OverlapScore& s : scores_) {
-      if (tiers_.empty() || !tiers_.contains(s.worker)) f(s.worker);
-    }
-    for (const auto& entry : tiers_) f(entry.first);
-  }
 
  private:
   OverlapScores& scores_;

@@ -148,7 +148,7 @@ Scheduler::RankClasses::Slot* Scheduler::RankClasses::Find(WorkerKey rank, std::
   }
 }
 
-const Scheduler::RankClasses& Scheduler::ClassesOf(const std::shared_ptr<const std::vector<RankInfo>>& ranks) {
+Scheduler::RankClasses& Scheduler::ClassesOf(const std::shared_ptr<const std::vector<RankInfo>>& ranks) {
   if (classes_.of == ranks) return classes_;
   classes_ = {.of = ranks};
   std::unordered_map<std::uint64_t, std::unordered_map<std::uint64_t, std::uint32_t>> index;
@@ -244,8 +244,7 @@ Scheduler::WideChoice Scheduler::PickAmongAll(const std::shared_ptr<const std::v
     if (!cands.empty()) out.chosen = cands[selector_.Pick(options_.mode, p.sel, cands, p.params, rng_)];
     return out;
   }
-  RankClasses& classes = classes_;
-  ClassesOf(ranks);
+  RankClasses& classes = ClassesOf(ranks);
   ++class_picks_;
   if (++classes.pick == 0) {  // wrapped: forget every mark
     for (RankClasses::Slot& slot : classes.slots) slot.seen = 0;
@@ -255,8 +254,9 @@ Scheduler::WideChoice Scheduler::PickAmongAll(const std::shared_ptr<const std::v
   constexpr std::uint32_t kGrouped = RankClasses::kGrouped;
 
   // Ranks the router has booked (under Dynamo's formula: that have a request now) or has learned
-  // a rate of are priced one by one (each once, in no order, with their overlap). Ranks that only the index sets apart cost what every rank of
-  // their class with their overlap costs: such a group is priced once.
+  // a rate of are priced one by one (each once, in no order, with their overlap). Ranks that only
+  // the index sets apart cost what every rank of their class with their overlap costs: such a
+  // group is priced once.
   struct Special {
     std::uint32_t pos;
     std::uint32_t cls;
@@ -282,7 +282,8 @@ Scheduler::WideChoice Scheduler::PickAmongAll(const std::shared_ptr<const std::v
   };
   struct GroupKeyHash {
     std::size_t operator()(const GroupKey& g) const {
-      return Mix64((std::uint64_t{g.cls} << 32 | g.overlap.device) ^ (std::uint64_t{g.overlap.host} << 32 | g.overlap.any) * 0x9e3779b97f4a7c15ULL);
+      return Mix64((std::uint64_t{g.cls} << 32 | g.overlap.device) ^
+                   (std::uint64_t{g.overlap.host} << 32 | g.overlap.any) * 0x9e3779b97f4a7c15ULL);
     }
   };
   thread_local std::unordered_map<GroupKey, std::uint32_t, GroupKeyHash> group_of;

@@ -190,7 +190,7 @@ class Scheduler {
     // The rank's slot (its hash given), or null when it is not there.
     Slot* Find(WorkerKey rank, std::uint64_t hash);
   };
-  const RankClasses& ClassesOf(const std::shared_ptr<const std::vector<RankInfo>>& ranks);
+  RankClasses& ClassesOf(const std::shared_ptr<const std::vector<RankInfo>>& ranks);
 
   const SchedulerOptions options_;
   const ShardedIndex& index_;

@@ -36,7 +36,7 @@ Result<std::vector<Candidate>> Routing::CandidatesLocked(const RouteRequest& req
 }
 
 Result<Routing::Eligible> Routing::EligibleLocked(Kind kind, const RouteRequest& req, const PreparedRequest& p,
-                                                 OverlapScores& overlaps) {
+                                                  OverlapScores& overlaps) {
   // best_worker answers as things stand; route and generate wait when every eligible rank is full.
   const auto full = kind == Kind::kBestWorker ? Scheduler::FullRanks::kIncluded : Scheduler::FullRanks::kLeftOut;
   Eligible out;

@@ -108,8 +108,8 @@ class Routing {
     std::vector<Candidate> open;
     std::uint64_t best_overlap = 0;
   };
-  Result<Eligible> EligibleLocked(Kind kind, const RouteRequest& req, const PreparedRequest& p,
-                                  OverlapScores& overlaps) KV_REQUIRES(mu_);
+  Result<Eligible> EligibleLocked(Kind kind, const RouteRequest& req, const PreparedRequest& p, OverlapScores& overlaps)
+      KV_REQUIRES(mu_);
   // Select among `cands` (the session's bound rank when it is one of them and not full), book,
   // bind the session, sync, count, observe.
   Result<RouteReply> DecideLocked(Kind kind, const RouteRequest& req, const PreparedRequest& p,

@@ -576,9 +576,7 @@ void BM_BestWorkerAtScale(benchmark::State& state) {
   }
   state.SetItemsProcessed(state.iterations());
 }
-BENCHMARK(BM_BestWorkerAtScale)
-    ->ArgsProduct({{1000, 10000, 100000}, {1, 0}})
-    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_BestWorkerAtScale)->ArgsProduct({{1000, 10000, 100000}, {1, 0}})->Unit(benchmark::kMicrosecond);
 
 // The machine itself, for reading every latency above: one thread does nothing but read the
 // clock for a second and counts the gaps of more than 10 us between two readings, the time it

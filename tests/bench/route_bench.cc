@@ -693,8 +693,9 @@ void BM_BestWorkerThroughputVsEcho(benchmark::State& state) {
   const std::string ns = "scale" + std::to_string(fleet);
   const char* bin = std::getenv("ROUTE_BENCH_KVROUTER");  // another kvrouter binary, as for the rig
   auto router = testing::ChildProcess::Start(
-      {bin != nullptr ? bin : KVROUTER_BIN, "--nats-server", rig.nats->url(), "--namespace", ns, "--router-mode", "kv", "--block-size",
-       std::to_string(kBs), "--router-max-worker-ranks", "262144", "--router-max-workers", "262144", "--metrics-port", "0"},
+      {bin != nullptr ? bin : KVROUTER_BIN, "--nats-server", rig.nats->url(), "--namespace", ns, "--router-mode", "kv",
+       "--block-size", std::to_string(kBs), "--router-max-worker-ranks", "262144", "--router-max-workers", "262144",
+       "--metrics-port", "0"},
       "/tmp/route_bench_scale.log");
   auto echo = testing::ChildProcess::Start({"/proc/self/exe", "--echo-responder", rig.nats->url()},
                                            "/tmp/route_bench_echo.log");
@@ -709,7 +710,8 @@ void BM_BestWorkerThroughputVsEcho(benchmark::State& state) {
   for (std::uint64_t w = 1; w <= fleet; ++w) {
     WorkerRegistration r{.worker_id = w, .block_size = kBs, .total_kv_blocks = 16384, .lease_ms = 3600000};
     (void)rig.publisher->Publish(comp + "instances", AsBytes(EncodeWorkerRegistration(r)));
-    if (w % 10 == 0) (void)rig.publisher->Publish(comp + "kv-events", AsBytes(EncodeDynamoEnvelope(Stored(w, 1, held), {})));
+    if (w % 10 == 0)
+      (void)rig.publisher->Publish(comp + "kv-events", AsBytes(EncodeDynamoEnvelope(Stored(w, 1, held), {})));
   }
   (void)rig.publisher->Flush(10s);
   const bool ready = testing::WaitFor(

@@ -283,8 +283,10 @@ TEST(PickAmongAll, ChoosesWhatTheFullScanChoosesOnRandomFleetsLoadsAndPrompts) {
     };
     std::shared_ptr<const std::vector<RankInfo>> all = fleet();
     SteadyTime now{};
-    Scheduler full(o, index, [&] { return now; }, trial);
-    Scheduler wide(o, index, [&] { return now; }, trial);
+    Scheduler full(
+        o, index, [&] { return now; }, trial);
+    Scheduler wide(
+        o, index, [&] { return now; }, trial);
     std::vector<std::string> booked;
     for (int step = 0; step < 80; ++step) {
       if (uniform(0, 9) == 0) all = fleet();
@@ -387,7 +389,8 @@ TEST(PickAmongAll, UnderDynamosFormulaRanksWhoseRequestsEndedStayOutOfTheFullSca
     o.cost.block_size = 4;
     o.cost.model = model;
     SteadyTime now{};
-    Scheduler s(o, index, [&] { return now; }, 1);
+    Scheduler s(
+        o, index, [&] { return now; }, 1);
     constexpr int kRoutes = 2000;
     for (int i = 0; i < kRoutes; ++i) {
       now += std::chrono::milliseconds(50);
