@@ -136,9 +136,11 @@ class GatewayTest : public KvRouterProcessTest {
     endpoint_ = {.host = "127.0.0.1", .port = static_cast<std::uint16_t>(gateway_port_)};
   }
   void TearDown() override {
-    engines_.clear();
+    // The engines go after the io threads: until HttpIo::Stop a listener's handlers (an engine's
+    // OnClientGone among them) may still run.
     client_.reset();
     io_.Stop();
+    engines_.clear();
     gateway_.reset();
     KvRouterProcessTest::TearDown();
   }
@@ -146,10 +148,12 @@ class GatewayTest : public KvRouterProcessTest {
 
   // An engine registered as worker `id` serving model "m" (at `url` when given: a dead one).
   FakeEngine& AddEngine(std::uint64_t id) {
-    engines_.push_back(std::make_unique<FakeEngine>(io_));
-    Announce(id, engines_.back()->url());
-    return *engines_.back();
+    FakeEngine& e = NewEngine();
+    Announce(id, e.url());
+    return e;
   }
+  // An engine not yet announced; it lives until TearDown.
+  FakeEngine& NewEngine() { return *engines_.emplace_back(std::make_unique<FakeEngine>(io_)); }
   void Announce(std::uint64_t id, const std::string& url, std::uint32_t max_num_batched_tokens = 8192) {
     announced_.push_back({.worker_id = id,
                           .block_size = kBs,
@@ -343,8 +347,8 @@ TEST_F(GatewayTest, WithoutEnginesTheGatewayIsNotReadyAndAnswers404OrThe503OfNoW
   EXPECT_EQ(client_->Fetch(endpoint_, {.method = "GET", .target = "/health"})->status, 200);
   EXPECT_EQ(Post(Chat("x"))->status, 404);  // no worker serves "m"
   // An engine the gateway knows but the router refuses (another block size): no_workers.
-  auto e = std::make_unique<FakeEngine>(io_);
-  WorkerRegistration r{.worker_id = 9, .block_size = kBs * 2, .lease_ms = 60000, .http_url = e->url(), .models = {"m"}};
+  FakeEngine& e = NewEngine();
+  WorkerRegistration r{.worker_id = 9, .block_size = kBs * 2, .lease_ms = 60000, .http_url = e.url(), .models = {"m"}};
   ASSERT_TRUE(nc_->Publish(kComp + "instances", AsBytes(EncodeWorkerRegistration(r))).ok());
   ASSERT_TRUE(AwaitTrue([&] {
     auto m = client_->Fetch(endpoint_, {.method = "GET", .target = "/v1/models"});
@@ -363,12 +367,12 @@ class GatewayOverloadTest : public GatewayTest {
 };
 
 TEST_F(GatewayOverloadTest, OverloadIs429WithRetryAfter) {
-  auto e = std::make_unique<FakeEngine>(io_);
-  e->set_mode(FakeEngine::Mode::kHold);
-  Announce(1, e->url(), /*max_num_batched_tokens=*/8);  // one prompt fills it
+  FakeEngine& e = NewEngine();
+  e.set_mode(FakeEngine::Mode::kHold);
+  Announce(1, e.url(), /*max_num_batched_tokens=*/8);  // one prompt fills it
   ASSERT_TRUE(AwaitReady(1));
   auto first = client_->Start(endpoint_, {.target = "/v1/chat/completions", .body = Chat("fills the worker")}, {});
-  ASSERT_TRUE(AwaitTrue([&] { return e->held() == 1; }));
+  ASSERT_TRUE(AwaitTrue([&] { return e.held() == 1; }));
   // The next waits in the router's queue (its one place), the one after is refused.
   auto queued = client_->Start(endpoint_, {.target = "/v1/chat/completions", .body = Chat("waits")}, {});
   ASSERT_TRUE(AwaitStats([](StatsReply& s) { return s.counters["queue_length"] == 1; }, 5s));
@@ -376,7 +380,7 @@ TEST_F(GatewayOverloadTest, OverloadIs429WithRetryAfter) {
   ASSERT_TRUE(r.ok());
   EXPECT_EQ(r->status, 429) << r->body;
   EXPECT_EQ(HeaderOf(*r, "retry-after"), "1");
-  e->Release();
+  e.Release();
   first->Cancel();
   queued->Cancel();
 }
