@@ -59,6 +59,8 @@ std::uint32_t BlockIndex::SlotFor(WorkerKey worker) {
   if (!free_slots_.empty()) {
     s = free_slots_.back();
     free_slots_.pop_back();
+    slot_reuses_.store(slot_reuses_.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
+    std::atomic_thread_fence(std::memory_order_release);  // the count before the new key
   } else {
     if (slots_.size() > HolderSet::kMaxSlot) throw std::length_error("BlockIndex: too many (worker, dp_rank) slots");
     s = static_cast<std::uint32_t>(slots_.size());
@@ -441,6 +443,17 @@ std::size_t BlockIndex::TreeSize(WorkerKey worker) const {
 
 namespace {
 
+// An exact read runs while no event is being applied (ReadGate), so it reads plainly and trusts
+// what it reads; a tolerant one checks every slot and loads each word atomically.
+template <bool kTolerant>
+std::uint32_t Word(const std::uint32_t& v) {
+  if constexpr (kTolerant) {
+    return RelaxedLoad(v);
+  } else {
+    return v;
+  }
+}
+
 // Where FindMatches writes its scores: through a local pointer (at 7,000 workers sharing a first
 // block it writes every score of the request, and push_back would reload and store the
 // vector's end for each one), never past the room made for the first block's holders, and only
@@ -449,18 +462,18 @@ namespace {
 template <bool kTolerant>
 class ScoreWriter {
  public:
-  ScoreWriter(OverlapScore* w, OverlapScore* end, PublishedArray<std::uint32_t>::View keys)
-      : w_(w), end_(end), keys_(keys.data), slots_(keys.size / 3) {}
+  static constexpr bool kIsTolerant = kTolerant;
+  ScoreWriter(OverlapScores& out, PublishedArray<std::uint32_t>::View keys)
+      : out_(out), keys_(keys.data), slots_(keys.size / 3) {}
 
-  // An exact read runs while no event is being applied (ReadGate), so it reads plainly and
-  // trusts what it reads; a tolerant one checks every slot and loads each word atomically.
-  static std::uint32_t Word(const std::uint32_t& v) {
-    if constexpr (kTolerant) {
-      return RelaxedLoad(v);
-    } else {
-      return v;
-    }
+  // Room for the first block's holders: no slot is emitted that is not one of them.
+  void Begin(std::size_t room) {
+    const std::size_t base = out_.size();
+    out_.resize(base + room);
+    w_ = out_.data() + base;
+    end_ = out_.data() + out_.size();
   }
+  void Finish() { out_.resize(static_cast<std::size_t>(w_ - out_.data())); }
 
   void Emit(std::uint32_t slot, std::uint32_t depth) { w_ = Put(w_, slot, depth); }
   // Every slot of `holders` not in `kept` (both sorted). Returns whether kept is a subset of
@@ -471,9 +484,9 @@ class ScoreWriter {
     OverlapScore* o = w_;
     std::size_t j = 0, matched = 0;
     for (const std::uint32_t& h : holders) {
-      const std::uint32_t s = Word(h);
-      while (j < kept.size() && Word(kept[j]) < s) ++j;
-      if (j < kept.size() && Word(kept[j]) == s) {
+      const std::uint32_t s = Word<kTolerant>(h);
+      while (j < kept.size() && Word<kTolerant>(kept[j]) < s) ++j;
+      if (j < kept.size() && Word<kTolerant>(kept[j]) == s) {
         ++j;
         if constexpr (kTolerant) ++matched;
       } else {
@@ -485,10 +498,9 @@ class ScoreWriter {
   }
   void EmitAll(std::span<const std::uint32_t> holders, std::uint32_t depth) {
     OverlapScore* o = w_;
-    for (const std::uint32_t& h : holders) o = Put(o, Word(h), depth);
+    for (const std::uint32_t& h : holders) o = Put(o, Word<kTolerant>(h), depth);
     w_ = o;
   }
-  OverlapScore* end() const { return w_; }
 
  private:
   // Writes slot's score at o; returns where the next one goes.
@@ -506,28 +518,167 @@ class ScoreWriter {
     return o + 1;
   }
 
-  OverlapScore* w_;
-  OverlapScore* const end_;
+  OverlapScores& out_;
+  OverlapScore* w_ = nullptr;
+  OverlapScore* end_ = nullptr;
   const std::uint32_t* const keys_;
   const std::size_t slots_;
+};
+
+// Where FindMatches writes its runs (MatchRuns): a set of slots that drops out of the match is
+// not written slot by slot with its depth; the whole set as read before the drop is copied as
+// one run at that depth (those that go on match again, deeper, in a later run). So a prompt
+// whose first block thousands of workers hold, and whose next block few do, costs one copy of
+// the first block's holder array.
+template <bool kTolerant>
+class RunWriter {
+ public:
+  static constexpr bool kIsTolerant = kTolerant;
+  explicit RunWriter(MatchRuns& out) : out_(out) {}
+
+  void Begin(std::size_t room) { out_.slots.reserve(out_.slots.size() + room); }
+  void Finish() {}
+
+  void Emit(std::uint32_t slot, std::uint32_t depth) {
+    Open(depth);
+    out_.slots.push_back(slot);
+    out_.runs.back().end = static_cast<std::uint32_t>(out_.slots.size());
+  }
+  // All of `holders` at depth; whether kept (the child's holders, both sorted) is a subset of
+  // them (see ScoreWriter::EmitMissing): an exact read below a node without orphan risk need
+  // not check.
+  bool EmitMissing(std::span<const std::uint32_t> holders, std::span<const std::uint32_t> kept, std::uint32_t depth) {
+    EmitAll(holders, depth);
+    if constexpr (kTolerant) {
+      return Subset(kept, holders);
+    } else {
+      return true;
+    }
+  }
+  void EmitAll(std::span<const std::uint32_t> holders, std::uint32_t depth) {
+    if (holders.empty()) return;
+    Open(depth);
+    const std::size_t n = out_.slots.size();
+    out_.slots.resize(n + holders.size());
+    if constexpr (kTolerant) {
+      std::uint32_t* o = out_.slots.data() + n;
+      for (const std::uint32_t& h : holders) *o++ = Word<kTolerant>(h);
+    } else {
+      std::memcpy(out_.slots.data() + n, holders.data(), holders.size() * sizeof(std::uint32_t));
+    }
+    out_.runs.back().end = static_cast<std::uint32_t>(out_.slots.size());
+  }
+
+ private:
+  void Open(std::uint32_t depth) {
+    if (out_.runs.empty() || out_.runs.back().depth != depth) {
+      out_.runs.push_back({static_cast<std::uint32_t>(out_.slots.size()), depth});
+    }
+  }
+  // a within b, both sorted: a few binary searches when a is small against b (the usual drop
+  // from thousands of holders to a few), else one merge.
+  static bool Subset(std::span<const std::uint32_t> a, std::span<const std::uint32_t> b) {
+    if (a.size() > b.size()) return false;
+    if (a.size() * 16 < b.size()) {
+      for (const std::uint32_t& x : a) {
+        const std::uint32_t s = Word<kTolerant>(x);
+        const auto it =
+            std::partition_point(b.begin(), b.end(), [&](const std::uint32_t& y) { return Word<kTolerant>(y) < s; });
+        if (it == b.end() || Word<kTolerant>(*it) != s) return false;
+      }
+      return true;
+    }
+    std::size_t j = 0;
+    for (const std::uint32_t& x : a) {
+      const std::uint32_t s = Word<kTolerant>(x);
+      while (j < b.size() && Word<kTolerant>(b[j]) < s) ++j;
+      if (j == b.size() || Word<kTolerant>(b[j]) != s) return false;
+      ++j;
+    }
+    return true;
+  }
+
+  MatchRuns& out_;
 };
 
 }  // namespace
 
 void BlockIndex::FindMatches(std::span<const SequenceHash> hashes, OverlapScores& out, bool tolerant) const {
   if (tolerant) {
-    FindMatchesImpl<true>(hashes, out);
+    ScoreWriter<true> w(out, key_words_.Snapshot());
+    WalkMatches(hashes, w);
   } else {
-    FindMatchesImpl<false>(hashes, out);
+    ScoreWriter<false> w(out, key_words_.Snapshot());
+    WalkMatches(hashes, w);
   }
+}
+
+void BlockIndex::FindMatches(std::span<const SequenceHash> hashes, MatchRuns& out, bool tolerant) const {
+  out.clear();
+  out.slot_reuses = slot_reuses_.load(std::memory_order_acquire);
+  if (tolerant) {
+    RunWriter<true> w(out);
+    WalkMatches(hashes, w);
+  } else {
+    RunWriter<false> w(out);
+    WalkMatches(hashes, w);
+  }
+}
+
+bool BlockIndex::TranslateMatches(const MatchRuns& runs, OverlapScores& out, bool tolerant) const {
+  if (slot_reuses_.load(std::memory_order_acquire) != runs.slot_reuses) return false;
+  const std::size_t base = out.size();
+  if (tolerant) {
+    Translate<true>(runs, key_words_.Snapshot(), out);
+  } else {
+    Translate<false>(runs, key_words_.Snapshot(), out);
+  }
+  // The keys read are the slots' keys as of the runs' read unless a slot was handed to another
+  // worker since: SlotFor counts before it writes the new key.
+  std::atomic_thread_fence(std::memory_order_acquire);
+  if (slot_reuses_.load(std::memory_order_relaxed) != runs.slot_reuses) {
+    out.resize(base);
+    return false;
+  }
+  return true;
+}
+
+template <bool kTolerant>
+void BlockIndex::Translate(const MatchRuns& runs, PublishedArray<std::uint32_t>::View keys, OverlapScores& out) {
+  // A slot's overlap is its last run's depth (the depths ascend), so the runs are read from the
+  // last, each slot written the first time it is met; the scores are then put in ascending
+  // depth, as the walk with a ScoreWriter writes them.
+  const std::size_t slots = keys.size / 3;
+  thread_local std::vector<std::uint64_t> seen;
+  seen.assign((slots + 63) / 64, 0);
+  const std::size_t base = out.size();
+  out.resize(base + runs.slots.size());
+  OverlapScore* o = out.data() + base;
+  for (std::size_t r = runs.runs.size(); r-- > 0;) {
+    const std::uint32_t begin = r == 0 ? 0 : runs.runs[r - 1].end, depth = runs.runs[r].depth;
+    for (std::uint32_t i = runs.runs[r].end; i-- > begin;) {
+      const std::uint32_t slot = runs.slots[i];
+      if (slot >= slots) continue;  // a tolerant read's: not yet keyed
+      std::uint64_t& word = seen[slot >> 6];
+      const std::uint64_t bit = std::uint64_t{1} << (slot & 63);
+      if ((word & bit) != 0) continue;
+      word |= bit;
+      const std::uint32_t* k = keys.data + 3 * std::size_t{slot};
+      const std::uint64_t id = (std::uint64_t{Word<kTolerant>(k[1])} << 32) | Word<kTolerant>(k[0]);
+      *o++ = {WorkerKey{id, Word<kTolerant>(k[2])}, depth};
+    }
+  }
+  out.resize(static_cast<std::size_t>(o - out.data()));
+  std::reverse(out.begin() + static_cast<std::ptrdiff_t>(base), out.end());
 }
 
 // One function on purpose: the route's hot path, with the prefetch pipeline, the holder-set
 // walk and its fallback sharing locals that splitting would pass around.
 // Everything is read through snapshots and atomic loads, so it may run while the owner writes
 // (see the header comment): a node found by hash is used only if it carries that hash.
-template <bool kTolerant>
-void BlockIndex::FindMatchesImpl(std::span<const SequenceHash> hashes, OverlapScores& out) const {
+template <typename Writer>
+void BlockIndex::WalkMatches(std::span<const SequenceHash> hashes, Writer& w) const {
+  constexpr bool kTolerant = Writer::kIsTolerant;
   const auto table = node_of_.Snapshot();
   const auto dir = chunk_dir_.Snapshot();
   auto node_at = [&](std::uint32_t i) -> const Node* {
@@ -553,15 +704,13 @@ void BlockIndex::FindMatchesImpl(std::span<const SequenceHash> hashes, OverlapSc
   // Phase 2: walk the path. `held`, the workers still matching and not yet emitted, is one
   // version of a holder set read once ("lazy": no copy; each inline set is read into one of
   // two small buffers, tmp[t] backing held) or an explicit sorted list (`active`). Every step
-  // emits held minus the child's holders and continues with a subset of held, so every emitted
-  // slot is emitted once and belongs to the first block's set as read here: the room for it.
+  // emits held minus the child's holders (a RunWriter: all of held) and continues with a
+  // subset of held, so every emitted slot belongs to the first block's set as read here, and a
+  // ScoreWriter emits it once: the room for it.
   std::uint32_t tmp[2][2];
   unsigned t = 0;
   std::span<const std::uint32_t> held = path[0]->holders.ReadView(tmp[t]);
-  const std::size_t base = out.size();
-  out.resize(base + held.size());
-  ScoreWriter<kTolerant> w(out.data() + base, out.data() + out.size(), key_words_.Snapshot());
-  auto finish = [&] { out.resize(static_cast<std::size_t>(w.end() - out.data())); };
+  w.Begin(held.size());
 
   // Lazy is valid while cur has no orphan risk (then every child's holders are a subset of
   // cur's, and equal sizes mean equal sets) and, in a tolerant read, while each child's set as
@@ -573,9 +722,9 @@ void BlockIndex::FindMatchesImpl(std::span<const SequenceHash> hashes, OverlapSc
     active.clear();
     std::size_t j = 0;
     for (const std::uint32_t& x : a) {
-      const std::uint32_t s = w.Word(x);
-      while (j < b.size() && w.Word(b[j]) < s) ++j;
-      if (j < b.size() && w.Word(b[j]) == s) active.push_back(s);
+      const std::uint32_t s = Word<kTolerant>(x);
+      while (j < b.size() && Word<kTolerant>(b[j]) < s) ++j;
+      if (j < b.size() && Word<kTolerant>(b[j]) == s) active.push_back(s);
     }
   };
   const Node* cur = path[0];
@@ -588,7 +737,7 @@ void BlockIndex::FindMatchesImpl(std::span<const SequenceHash> hashes, OverlapSc
       if (child->holders.ReadSize() != held.size()) {
         const auto child_holders = child->holders.ReadView(tmp[t ^ 1]);
         const bool subset = w.EmitMissing(held, child_holders, depth);
-        if (child_holders.empty()) return finish();
+        if (child_holders.empty()) return w.Finish();
         if (subset) {
           held = child_holders;
           t ^= 1;
@@ -603,21 +752,21 @@ void BlockIndex::FindMatchesImpl(std::span<const SequenceHash> hashes, OverlapSc
     const auto child_holders = child->holders.ReadView(tmp[t ^ 1]);
     if (lazy) {
       active.clear();
-      for (const std::uint32_t& h : held) active.push_back(w.Word(h));
+      for (const std::uint32_t& h : held) active.push_back(Word<kTolerant>(h));
       lazy = false;
     }
     next.clear();
     std::size_t j = 0;
     for (std::uint32_t s : active) {
-      while (j < child_holders.size() && w.Word(child_holders[j]) < s) ++j;
-      if (j < child_holders.size() && w.Word(child_holders[j]) == s) {
+      while (j < child_holders.size() && Word<kTolerant>(child_holders[j]) < s) ++j;
+      if (j < child_holders.size() && Word<kTolerant>(child_holders[j]) == s) {
         next.push_back(s);
       } else {
         w.Emit(s, depth);
       }
     }
     active.swap(next);
-    if (active.empty()) return finish();
+    if (active.empty()) return w.Finish();
     cur = child;
     if (active.size() == child_holders.size()) {  // active == holders(child) as read
       held = child_holders;
@@ -630,7 +779,7 @@ void BlockIndex::FindMatchesImpl(std::span<const SequenceHash> hashes, OverlapSc
   } else {
     w.EmitAll(active, depth);
   }
-  finish();
+  w.Finish();
 }
 
 void BlockIndex::DumpRank(WorkerKey rank, std::vector<DumpedChain>& out, std::size_t max_chain_blocks) const {

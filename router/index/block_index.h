@@ -28,6 +28,7 @@
 //   idx.FindMatches(ComputeSequenceHashes(local_hashes), scores);  // (worker, rank) -> blocks
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <limits>
@@ -78,6 +79,28 @@ struct UninitializedResizeAllocator : std::allocator<T> {
   }
 };
 using OverlapScores = std::vector<OverlapScore, UninitializedResizeAllocator<OverlapScore>>;
+
+// FindMatches' result before worker keys are looked up (BlockIndex::TranslateMatches): runs of
+// holder slots, each with a depth. A slot's overlap is the largest depth among the runs holding
+// it; every run is a subset of the first block's holders as read, and the depths ascend. Most
+// of a large fleet's matches drop out at one depth together, and such a set is one copied
+// holder array rather than a score per worker, so a prompt that thousands of workers share
+// costs a copy of their slot numbers (4 bytes each) instead of a 16-byte score each.
+struct MatchRuns {
+  struct Run {
+    std::uint32_t end = 0;  // slots[previous run's end, end)
+    std::uint32_t depth = 0;
+  };
+  std::vector<std::uint32_t> slots;
+  std::vector<Run> runs;
+  std::uint64_t slot_reuses = 0;  // the index's count of reused slots when read
+
+  void clear() {
+    slots.clear();
+    runs.clear();
+  }
+  std::uint32_t max_depth() const { return runs.empty() ? 0 : runs.back().depth; }
+};
 
 // Storage tiers (docs/protocol.md section 12). The index keeps a rank's blocks on each tier apart,
 // as ranks of their own: device blocks under the rank itself, host-pinned blocks with
@@ -167,6 +190,14 @@ class BlockIndex {
   // writing meanwhile (a ReadGate's tolerant read); each worker is then still reported at most
   // once, with what the reader saw.
   void FindMatches(std::span<const SequenceHash> seq_hashes, OverlapScores& out, bool tolerant = false) const;
+  // The same matches as runs of holder slots (replacing `out`'s), for TranslateMatches later.
+  void FindMatches(std::span<const SequenceHash> seq_hashes, MatchRuns& out, bool tolerant = false) const;
+  // Appends the scores of `runs` (each slot once, at its overlap), as FindMatches into
+  // OverlapScores would have when the runs were read. Under the same ReadGate rules as
+  // FindMatches, in the same read or a later one. False, appending nothing, when a slot has been
+  // handed to another worker since the runs were read (a worker removed and another added):
+  // read again.
+  bool TranslateMatches(const MatchRuns& runs, OverlapScores& out, bool tolerant = false) const;
 
   // FindMatches will run while the owner writes: replaced memory is kept until FreeRetired.
   void SetConcurrentReaders(bool on);
@@ -286,8 +317,11 @@ class BlockIndex {
   void DropHolding(std::uint32_t slot, std::uint32_t i);
   void MaybeFree(std::uint32_t i);
   std::size_t ClearSlot(std::uint32_t slot);
+  // FindMatches' walk of the request's path, writing through a ScoreWriter or a RunWriter.
+  template <typename Writer>
+  void WalkMatches(std::span<const SequenceHash> hashes, Writer& w) const;
   template <bool kTolerant>
-  void FindMatchesImpl(std::span<const SequenceHash> hashes, OverlapScores& out) const;
+  static void Translate(const MatchRuns& runs, PublishedArray<std::uint32_t>::View keys, OverlapScores& out);
 
   // Nodes live in fixed chunks so growth never copies them nor doubles memory; a chunk is one
   // 2 MiB huge page (LargeArray), so a request's path costs no page walks.
@@ -320,6 +354,9 @@ class BlockIndex {
   // slots_[i].key for FindMatches: words 3i, 3i+1 (worker_id, low and high), 3i+2 (dp_rank).
   PublishedArray<std::uint32_t> key_words_;
   std::vector<std::uint32_t> free_slots_;
+  // Slots taken from free_slots_ so far (SlotFor counts before it writes the slot's new key):
+  // runs read before a reuse may name a slot whose key has changed.
+  std::atomic<std::uint64_t> slot_reuses_{0};
   std::vector<std::uint32_t> retired_slots_;  // removed while readers may read: free at FreeRetired
   std::unordered_map<WorkerKey, std::uint32_t, WorkerKeyHash> slot_of_;
   std::unordered_map<std::uint64_t, std::vector<std::uint32_t>> ranks_of_;  // worker_id -> slots

@@ -142,6 +142,16 @@ void IndexShard::FindMatches(std::span<const SequenceHash> hashes, OverlapScores
   GatedIndex().FindMatches(hashes, out, r.tolerant());
 }
 
+void IndexShard::FindMatches(std::span<const SequenceHash> hashes, MatchRuns& out) const {
+  ReadGate::Reader r(gate_, read_patience_);
+  GatedIndex().FindMatches(hashes, out, r.tolerant());
+}
+
+bool IndexShard::TranslateMatches(const MatchRuns& runs, OverlapScores& out) const {
+  ReadGate::Reader r(gate_, read_patience_);
+  return GatedIndex().TranslateMatches(runs, out, r.tolerant());
+}
+
 void IndexShard::TreeSizes(std::vector<WorkerTreeSize>& out) const {
   KvReaderLock lk(mu_);
   index_.ForEachWorker([&](WorkerKey k, std::size_t n) { out.push_back({k, n}); });

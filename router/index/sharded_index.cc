@@ -75,6 +75,22 @@ void ShardedIndex::FindMatches(std::span<const SequenceHash> seq_hashes, Overlap
   last_matches_.store(out.size(), std::memory_order_relaxed);
 }
 
+void ShardedIndex::FindMatches(std::span<const SequenceHash> seq_hashes, IndexMatches& out) const {
+  out.shards.resize(shards_.size());
+  for (std::size_t s = 0; s < shards_.size(); ++s) shards_[s]->FindMatches(seq_hashes, out.shards[s]);
+}
+
+bool ShardedIndex::TranslateMatches(const IndexMatches& matches, OverlapScores& out) const {
+  const std::size_t base = out.size();
+  for (std::size_t s = 0; s < shards_.size() && s < matches.shards.size(); ++s) {
+    if (!shards_[s]->TranslateMatches(matches.shards[s], out)) {
+      out.resize(base);
+      return false;
+    }
+  }
+  return true;
+}
+
 std::vector<WorkerTreeSize> ShardedIndex::TreeSizes() const {
   std::vector<WorkerTreeSize> out;
   for (const auto& s : shards_) s->TreeSizes(out);

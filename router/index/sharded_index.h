@@ -27,6 +27,7 @@
 //   OverlapScores s = index.FindMatches(ComputeSequenceHashes(local));  // route thread
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstddef>
@@ -74,6 +75,16 @@ struct ShardedIndexOptions {
   // the memory back (sampled every 100 ms, busy or idle). Emptied and refilled sooner (a fleet
   // restarting), it keeps its capacity and never rehashes.
   std::chrono::milliseconds shrink_after{10000};
+};
+
+// ShardedIndex::FindMatches' runs, one per shard.
+struct IndexMatches {
+  std::vector<MatchRuns> shards;
+  std::uint32_t max_depth() const {  // the longest prefix any worker holds
+    std::uint32_t d = 0;
+    for (const MatchRuns& m : shards) d = std::max(d, m.max_depth());
+    return d;
+  }
 };
 
 // Event counters summed over shards (monotonic).
@@ -148,6 +159,13 @@ class ShardedIndex {
   // workers does not allocate (and, at 100 KB and more, free and fault in) its result anew.
   OverlapScores FindMatches(std::span<const SequenceHash> seq_hashes) const;
   void FindMatches(std::span<const SequenceHash> seq_hashes, OverlapScores& out) const;
+  // The same in two steps: the index read, as runs of holder slots per shard (MatchRuns, no
+  // worker keys looked up: a copy of a holder array where a whole set of workers drops out at
+  // one depth), then the scores, appended to `out`. TranslateMatches is false, appending
+  // nothing, when a worker has been removed and its slot given to another since the read:
+  // FindMatches again.
+  void FindMatches(std::span<const SequenceHash> seq_hashes, IndexMatches& out) const;
+  bool TranslateMatches(const IndexMatches& matches, OverlapScores& out) const;
   std::vector<WorkerTreeSize> TreeSizes() const;
   // A dump of the index for a peer (docs/protocol.md section 12): the real ranks (tier bits
   // clear) the index or its event streams know, ascending; and one rank's chains on every tier

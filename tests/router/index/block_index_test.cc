@@ -22,13 +22,25 @@ std::vector<StoredBlock> Chain(std::uint64_t first_id, std::vector<LocalHash> lo
   return out;
 }
 
+// The matches of a query, read both ways: scores at once, and runs of slots turned into scores
+// (which must agree, in the same order: ascending depth).
 std::map<WorkerKey, std::uint32_t> Matches(const BlockIndex& idx, std::vector<LocalHash> h) {
+  const auto seq = ComputeSequenceHashes(h);
   OverlapScores s;
-  idx.FindMatches(ComputeSequenceHashes(h), s);
+  idx.FindMatches(seq, s);
+  MatchRuns runs;
+  idx.FindMatches(seq, runs);
+  OverlapScores translated;
+  EXPECT_TRUE(idx.TranslateMatches(runs, translated));
+  EXPECT_EQ(std::vector<OverlapScore>(translated.begin(), translated.end()),
+            std::vector<OverlapScore>(s.begin(), s.end()));
+  std::uint32_t deepest = 0;
   std::map<WorkerKey, std::uint32_t> out;
   for (auto& e : s) {
     EXPECT_TRUE(out.emplace(e.worker, e.blocks).second) << "worker reported twice";
+    deepest = std::max(deepest, e.blocks);
   }
+  EXPECT_EQ(runs.max_depth(), deepest);
   return out;
 }
 
@@ -165,6 +177,32 @@ TEST(BlockIndex, FreedNodesAndSlotsAreReusedOnlyAfterFreeRetiredWhenReadersMayRe
     EXPECT_EQ(idx.slot_numbers(), readers ? 2u : 1u);
     EXPECT_EQ(Matches(idx, {1, 2}), (std::map<WorkerKey, std::uint32_t>{{kW1, 2}}));
   }
+}
+
+TEST(BlockIndex, RunsReadBeforeASlotPassedToAnotherWorkerAreNotTranslated) {
+  BlockIndex idx;
+  idx.SetConcurrentReaders(true);
+  (void)idx.ApplyStored(kW1, std::nullopt, Chain(100, {1, 2}));
+  (void)idx.ApplyStored(kW2, std::nullopt, Chain(200, {1}));
+  const auto seq = ComputeSequenceHashes(std::vector<LocalHash>{1, 2});
+  MatchRuns runs;
+  idx.FindMatches(seq, runs);
+  // A thousand holders drop out at one depth as one run; here two runs: both at 1, kW1 at 2.
+  ASSERT_EQ(runs.runs.size(), 2u);
+  EXPECT_EQ(runs.max_depth(), 2u);
+  // kW1 leaves; its slot, once free, goes to kW3: the runs would now name kW3.
+  EXPECT_EQ(idx.RemoveWorker(1), 2u);
+  OverlapScores out;
+  EXPECT_TRUE(idx.TranslateMatches(runs, out));  // not reused yet: the keys as read
+  EXPECT_EQ(out.size(), 2u);
+  idx.FreeRetired();
+  (void)idx.ApplyStored({3, 0}, std::nullopt, Chain(300, {7}));
+  out.clear();
+  EXPECT_FALSE(idx.TranslateMatches(runs, out));
+  EXPECT_TRUE(out.empty());
+  idx.FindMatches(seq, runs);  // read again
+  EXPECT_TRUE(idx.TranslateMatches(runs, out));
+  EXPECT_EQ(std::vector<OverlapScore>(out.begin(), out.end()), (std::vector<OverlapScore>{{kW2, 1}}));
 }
 
 TEST(BlockIndex, InteriorRemovalStopsTheMatchAtTheGap) {

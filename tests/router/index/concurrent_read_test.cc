@@ -154,12 +154,25 @@ TEST(ConcurrentReads, TolerantFindMatchesStayInBoundsWhileTheOwnerWrites) {
   std::atomic<bool> done{false};
   std::atomic<long> reads{0}, bad{0}, nonempty{0};
   std::vector<std::thread> readers;
+  std::atomic<long> stale{0};
+  // One reader reads scores, the other runs of slots and then, in a second read, their scores.
   for (int i = 0; i < 2; ++i) {
-    readers.emplace_back([&] {
+    readers.emplace_back([&, runs_reader = i == 1] {
       OverlapScores out;
+      MatchRuns runs;
       while (!done.load(std::memory_order_relaxed)) {
         out.clear();
-        {
+        if (runs_reader) {
+          {
+            ReadGate::Reader r(gate, 0ns);
+            idx.FindMatches(query, runs, r.tolerant());
+          }
+          ReadGate::Reader r(gate, 0ns);
+          if (!idx.TranslateMatches(runs, out, r.tolerant())) {
+            stale.fetch_add(1);
+            if (!out.empty()) bad.fetch_add(1);
+          }
+        } else {
           ReadGate::Reader r(gate, 0ns);
           idx.FindMatches(query, out, r.tolerant());
         }

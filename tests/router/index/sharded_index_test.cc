@@ -101,6 +101,15 @@ TEST(ShardedIndex, MatchesMergeAcrossShards) {
   ASSERT_EQ(s.size(), 16u);
   for (std::uint64_t w = 0; w < 16; ++w) EXPECT_EQ(OverlapOf(s, {w, 0}), w % 4 + 1);
   EXPECT_EQ(idx.Counters().blocks_stored, 4u * (1 + 2 + 3 + 4));
+  // Read as runs of slots per shard, then turned into the same scores.
+  IndexMatches runs;
+  idx.FindMatches(ComputeSequenceHashes(q), runs);
+  EXPECT_EQ(runs.shards.size(), 4u);
+  EXPECT_EQ(runs.max_depth(), 4u);
+  OverlapScores t;
+  ASSERT_TRUE(idx.TranslateMatches(runs, t));
+  ASSERT_EQ(t.size(), 16u);
+  for (std::uint64_t w = 0; w < 16; ++w) EXPECT_EQ(OverlapOf(t, {w, 0}), w % 4 + 1);
 }
 
 // Applied batches come back for their memory (the delivery thread decodes into them): small
