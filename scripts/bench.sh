@@ -45,11 +45,14 @@ if [ -f "$trace" ] && [ "$filter" = . ]; then
   echo
   echo "== indexer_bench (Dynamo's mooncake_bench: 1,000 workers x 7, the conversation trace)"
   # find_matches as runs of holder slots (the index's answer): the sweep, and rates past 1.5x
-  # Dynamo's published peak (255,316 ops/s); then a score per worker, as the route path reads.
+  # Dynamo's published peak (255,316 ops/s); then a score per worker, as the route path reads,
+  # and runs named in a second read.
   build/bin/indexer_bench --trace "$trace" --offered 400000 --offered 480000 \
     --sweep --sweep-min 25000 --sweep-max 560000 --sweep-steps 7 --json "$out/indexer_bench.json"
   build/bin/indexer_bench --trace "$trace" --find-matches scores --offered 260000 --offered 300000 \
     --json "$out/indexer_bench_scores.json"
+  build/bin/indexer_bench --trace "$trace" --find-matches translated --offered 200000 \
+    --json "$out/indexer_bench_translated.json"
 fi
 if [ "$filter" = . ]; then
   echo

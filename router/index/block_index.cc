@@ -525,9 +525,9 @@ class ScoreWriter {
   const std::size_t slots_;
 };
 
-// Where FindMatches writes its runs (MatchRuns): a set of slots that drops out of the match is
-// not written slot by slot with its depth; the whole set as read before the drop is copied as
-// one run at that depth (those that go on match again, deeper, in a later run). So a prompt
+// Where FindMatches writes its runs (MatchRuns): where most of the matching set drops out at a
+// depth, the whole set as read before the drop is copied as one run at that depth (those that
+// go on match again, deeper, in a later run) rather than written slot by slot. So a prompt
 // whose first block thousands of workers hold, and whose next block few do, costs one copy of
 // the first block's holder array.
 template <bool kTolerant>
@@ -544,10 +544,26 @@ class RunWriter {
     out_.slots.push_back(slot);
     out_.runs.back().end = static_cast<std::uint32_t>(out_.slots.size());
   }
-  // All of `holders` at depth; whether kept (the child's holders, both sorted) is a subset of
-  // them (see ScoreWriter::EmitMissing): an exact read below a node without orphan risk need
-  // not check.
+  // The slots of `holders` that drop out here (not in `kept`, the child's holders; both sorted)
+  // at depth: when most drop out, all of holders copied (those kept come again, deeper); when
+  // at most half do, only those, found by a merge. So no walk writes more than twice the slots
+  // it reports. Returns whether kept is a subset of holders (see ScoreWriter::EmitMissing): an
+  // exact read below a node without orphan risk need not check.
   bool EmitMissing(std::span<const std::uint32_t> holders, std::span<const std::uint32_t> kept, std::uint32_t depth) {
+    if (kept.size() * 2 >= holders.size()) {
+      std::size_t j = 0, matched = 0;
+      for (const std::uint32_t& h : holders) {
+        const std::uint32_t s = Word<kTolerant>(h);
+        while (j < kept.size() && Word<kTolerant>(kept[j]) < s) ++j;
+        if (j < kept.size() && Word<kTolerant>(kept[j]) == s) {
+          ++j;
+          ++matched;
+        } else {
+          Emit(s, depth);
+        }
+      }
+      return !kTolerant || matched == kept.size();
+    }
     EmitAll(holders, depth);
     if constexpr (kTolerant) {
       return Subset(kept, holders);
@@ -646,8 +662,7 @@ bool BlockIndex::TranslateMatches(const MatchRuns& runs, OverlapScores& out, boo
 template <bool kTolerant>
 void BlockIndex::Translate(const MatchRuns& runs, PublishedArray<std::uint32_t>::View keys, OverlapScores& out) {
   // A slot's overlap is its last run's depth (the depths ascend), so the runs are read from the
-  // last, each slot written the first time it is met; the scores are then put in ascending
-  // depth, as the walk with a ScoreWriter writes them.
+  // last, each slot written the first time it is met: deepest first.
   const std::size_t slots = keys.size / 3;
   thread_local std::vector<std::uint64_t> seen;
   seen.assign((slots + 63) / 64, 0);
@@ -658,7 +673,7 @@ void BlockIndex::Translate(const MatchRuns& runs, PublishedArray<std::uint32_t>:
     const std::uint32_t begin = r == 0 ? 0 : runs.runs[r - 1].end, depth = runs.runs[r].depth;
     for (std::uint32_t i = runs.runs[r].end; i-- > begin;) {
       const std::uint32_t slot = runs.slots[i];
-      if (slot >= slots) continue;  // a tolerant read's: not yet keyed
+      if (slot >= slots) continue;  // not a slot of this index: nothing to name
       std::uint64_t& word = seen[slot >> 6];
       const std::uint64_t bit = std::uint64_t{1} << (slot & 63);
       if ((word & bit) != 0) continue;
@@ -669,7 +684,6 @@ void BlockIndex::Translate(const MatchRuns& runs, PublishedArray<std::uint32_t>:
     }
   }
   out.resize(static_cast<std::size_t>(o - out.data()));
-  std::reverse(out.begin() + static_cast<std::ptrdiff_t>(base), out.end());
 }
 
 // One function on purpose: the route's hot path, with the prefetch pipeline, the holder-set

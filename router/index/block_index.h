@@ -82,10 +82,11 @@ using OverlapScores = std::vector<OverlapScore, UninitializedResizeAllocator<Ove
 
 // FindMatches' result before worker keys are looked up (BlockIndex::TranslateMatches): runs of
 // holder slots, each with a depth. A slot's overlap is the largest depth among the runs holding
-// it; every run is a subset of the first block's holders as read, and the depths ascend. Most
-// of a large fleet's matches drop out at one depth together, and such a set is one copied
-// holder array rather than a score per worker, so a prompt that thousands of workers share
-// costs a copy of their slot numbers (4 bytes each) instead of a 16-byte score each.
+// it; every run is a subset of the first block's holders as read, and the depths ascend. Where
+// most of the matching set drops out at one depth (a large fleet's usual case: thousands share
+// a system prompt, few the rest), the set is one copied holder array, 4 bytes a slot, rather
+// than a 16-byte score per worker with its key looked up; where fewer drop out, only they are
+// written. At most twice as many slots as workers matched.
 struct MatchRuns {
   struct Run {
     std::uint32_t end = 0;  // slots[previous run's end, end)
@@ -192,8 +193,9 @@ class BlockIndex {
   void FindMatches(std::span<const SequenceHash> seq_hashes, OverlapScores& out, bool tolerant = false) const;
   // The same matches as runs of holder slots (replacing `out`'s), for TranslateMatches later.
   void FindMatches(std::span<const SequenceHash> seq_hashes, MatchRuns& out, bool tolerant = false) const;
-  // Appends the scores of `runs` (each slot once, at its overlap), as FindMatches into
-  // OverlapScores would have when the runs were read. Under the same ReadGate rules as
+  // Appends the scores of `runs` (each slot once, at its overlap; deepest first), the scores
+  // FindMatches into OverlapScores would have given when the runs were read. Under the same
+  // ReadGate rules as
   // FindMatches, in the same read or a later one. False, appending nothing, when a slot has been
   // handed to another worker since the runs were read (a worker removed and another added):
   // read again.

@@ -15,8 +15,8 @@
 //    block ops count a query's blocks and a stored event's blocks (removals count 0), as Dynamo's.
 //
 //    A query returns runs of holder slots per depth (--find-matches runs, the index's answer;
-//    design.md "Matches as runs") or a score per matching worker (--find-matches scores, as the
-//    route path reads them).
+//    design.md "Matches as runs"), a score per matching worker (--find-matches scores, as the
+//    route path reads them), or runs and then their scores in a second read (translated).
 //
 //   indexer_bench --trace ../shared/traces/conversation_trace.jsonl --sweep --json out.json
 //   indexer_bench --offered 200000
@@ -63,8 +63,9 @@ struct Options {
   // on this machine (ShardedIndex::ApplyOnSubmitPays: fewer cores than shards + 2), or on / off.
   std::string apply_on_submit = "auto";
   // What a query returns: "runs" (the index's result: runs of holder slots per depth, a copied
-  // holder array where a set of workers drops out together) or "scores" (a score per matching
-  // worker, its key looked up, as kvrouter's selector reads them today).
+  // holder array where a set of workers drops out together), "scores" (a score per matching
+  // worker, its key looked up, as kvrouter's selector reads them today) or "translated" (runs,
+  // then their scores in a second read: what naming the workers later costs).
   std::string find_matches = "runs";
   std::size_t max_requests = 0;  // 0 = the whole trace
   std::uint64_t seed = 42;
@@ -189,7 +190,9 @@ struct DriverResult {
   std::uint64_t refused = 0;
 };
 
-void Drive(std::vector<DriverOp>& ops, const Stream& s, ShardedIndex& index, bool scores_out, Clock::time_point start,
+enum class QueryMode { kRuns, kScores, kTranslated };
+
+void Drive(std::vector<DriverOp>& ops, const Stream& s, ShardedIndex& index, QueryMode mode, Clock::time_point start,
            std::atomic<std::uint64_t>& submitted, DriverResult& out) {
   OverlapScores scores;
   IndexMatches runs;
@@ -203,10 +206,15 @@ void Drive(std::vector<DriverOp>& ops, const Stream& s, ShardedIndex& index, boo
     }
     const auto q0 = Clock::now();
     // One buffer per driver, as a route thread has.
-    if (scores_out) {
-      index.FindMatches(s.queries[op.query], scores);
-    } else {
-      index.FindMatches(s.queries[op.query], runs);
+    switch (mode) {
+      case QueryMode::kScores: index.FindMatches(s.queries[op.query], scores); break;
+      case QueryMode::kRuns: index.FindMatches(s.queries[op.query], runs); break;
+      case QueryMode::kTranslated:
+        do {
+          scores.clear();
+          index.FindMatches(s.queries[op.query], runs);
+        } while (!index.TranslateMatches(runs, scores));
+        break;
     }
     out.latency_us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - q0).count());
     if (out.latency_us.size() % 8 == 1) {  // a sample: the scan costs as much as a query
@@ -219,6 +227,12 @@ void Drive(std::vector<DriverOp>& ops, const Stream& s, ShardedIndex& index, boo
       out.lag.push_back(sent > applied ? static_cast<double>(sent - applied) : 0.0);
     }
   }
+}
+
+QueryMode Mode(const Options& o) {
+  return o.find_matches == "scores"       ? QueryMode::kScores
+         : o.find_matches == "translated" ? QueryMode::kTranslated
+                                          : QueryMode::kRuns;
 }
 
 bool ApplyOnSubmit(const Options& o) {
@@ -255,8 +269,7 @@ Row Run(const Stream& s, const Options& o, double offered) {
   {
     std::vector<std::jthread> drivers;
     for (std::size_t t = 0; t < o.drivers; ++t) {
-      drivers.emplace_back(
-          [&, t] { Drive(plan[t], s, index, o.find_matches == "scores", start, submitted, results[t]); });
+      drivers.emplace_back([&, t] { Drive(plan[t], s, index, Mode(o), start, submitted, results[t]); });
     }
   }
   index.Flush();
@@ -303,7 +316,8 @@ std::optional<Options> Parse(int argc, char** argv) {
       "shards", po::value(&o.shards)->default_value(o.shards), "index shards (one thread each)")(
       "drivers", po::value(&o.drivers)->default_value(o.drivers), "threads issuing events and queries")(
       "find-matches", po::value(&o.find_matches)->default_value(o.find_matches),
-      "what a query returns: runs (of holder slots per depth) or scores (one per matching worker)")(
+      "what a query returns: runs (of holder slots per depth), scores (one per matching worker) or "
+      "translated (runs, then their scores)")(
       "apply-on-submit", po::value(&o.apply_on_submit)->default_value(o.apply_on_submit),
       "a driver applies an event itself when its shard is idle: auto (as kvrouter decides on this machine), on, off")(
       "max-requests", po::value(&o.max_requests)->default_value(0), "first N trace requests (0: all)")(
@@ -331,8 +345,8 @@ std::optional<Options> Parse(int argc, char** argv) {
     fmt::print(stderr, "indexer_bench: --workers, --duplication, --block-size, --shards and the sweep must be > 0\n");
     return std::nullopt;
   }
-  if (o.find_matches != "runs" && o.find_matches != "scores") {
-    fmt::print(stderr, "indexer_bench: --find-matches is runs or scores\n");
+  if (o.find_matches != "runs" && o.find_matches != "scores" && o.find_matches != "translated") {
+    fmt::print(stderr, "indexer_bench: --find-matches is runs, scores or translated\n");
     return std::nullopt;
   }
   if (o.apply_on_submit != "auto" && o.apply_on_submit != "on" && o.apply_on_submit != "off") {

@@ -23,7 +23,7 @@ std::vector<StoredBlock> Chain(std::uint64_t first_id, std::vector<LocalHash> lo
 }
 
 // The matches of a query, read both ways: scores at once, and runs of slots turned into scores
-// (which must agree, in the same order: ascending depth).
+// (which must agree, in any order).
 std::map<WorkerKey, std::uint32_t> Matches(const BlockIndex& idx, std::vector<LocalHash> h) {
   const auto seq = ComputeSequenceHashes(h);
   OverlapScores s;
@@ -32,8 +32,13 @@ std::map<WorkerKey, std::uint32_t> Matches(const BlockIndex& idx, std::vector<Lo
   idx.FindMatches(seq, runs);
   OverlapScores translated;
   EXPECT_TRUE(idx.TranslateMatches(runs, translated));
-  EXPECT_EQ(std::vector<OverlapScore>(translated.begin(), translated.end()),
-            std::vector<OverlapScore>(s.begin(), s.end()));
+  auto sorted = [](const OverlapScores& v) {
+    std::vector<std::pair<WorkerKey, std::uint32_t>> out;
+    for (const OverlapScore& e : v) out.emplace_back(e.worker, e.blocks);
+    std::sort(out.begin(), out.end());
+    return out;
+  };
+  EXPECT_EQ(sorted(translated), sorted(s));
   std::uint32_t deepest = 0;
   std::map<WorkerKey, std::uint32_t> out;
   for (auto& e : s) {

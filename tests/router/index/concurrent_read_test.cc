@@ -237,5 +237,85 @@ TEST(ConcurrentReads, TolerantFindMatchesStayInBoundsWhileTheOwnerWrites) {
   for (const auto& s : out) EXPECT_EQ(s.blocks, kShared / 2);
 }
 
+// Runs read in one read and turned into scores in a later one, while workers leave and their
+// slots pass to newcomers that hold less: a translation names a worker only at a depth that
+// worker held when the runs were read, and says so when a slot has passed on meanwhile.
+TEST(ConcurrentReads, RunsTranslatedLaterNeverNameASlotsNextWorker) {
+  constexpr std::uint64_t kWorkers = 16, kNewcomer = 1000;
+  constexpr std::size_t kShared = 12, kNewcomerDepth = 2;
+  BlockIndex idx;
+  idx.SetConcurrentReaders(true);
+  std::vector<LocalHash> shared;
+  for (std::size_t i = 0; i < kShared; ++i) shared.push_back(2000 + i);
+  const auto seq = ComputeSequenceHashes(shared);
+  auto chain = [&](std::size_t n) {
+    std::vector<StoredBlock> c;
+    for (std::size_t i = 0; i < n; ++i) c.push_back({seq[i], shared[i]});
+    return c;
+  };
+  ReadGate gate;
+  std::atomic<bool> done{false};
+  std::atomic<long> translated{0}, stale{0}, bad{0};
+  std::thread owner([&] {
+    auto event = [&](auto&& apply) {
+      gate.BeginWrite();
+      apply();
+      if (gate.EndWrite()) idx.FreeRetired();  // freed slots become free to take again
+    };
+    for (std::uint64_t w = 0; w < kWorkers; ++w)
+      event([&] { (void)idx.ApplyStored({w, 0}, std::nullopt, chain(kShared)); });
+    // Round after round a worker of the whole prefix leaves and a newcomer of two blocks comes,
+    // in the slot the last leaver freed; then the newcomer leaves and a full worker comes back.
+    for (std::uint64_t round = 0; !done.load(); ++round) {
+      const std::uint64_t w = round % kWorkers;
+      event([&] { (void)idx.RemoveWorker(w); });
+      event([&] { (void)idx.ApplyStored({kNewcomer + round, 0}, std::nullopt, chain(kNewcomerDepth)); });
+      event([&] { (void)idx.RemoveWorker(kNewcomer + round); });
+      event([&] { (void)idx.ApplyStored({w, 0}, std::nullopt, chain(kShared)); });
+    }
+  });
+  std::vector<std::thread> readers;
+  for (int i = 0; i < 2; ++i) {
+    readers.emplace_back([&] {
+      MatchRuns runs;
+      OverlapScores out;
+      while (!done.load(std::memory_order_relaxed)) {
+        bool exact = false;
+        {
+          ReadGate::Reader r(gate, 0ns);
+          idx.FindMatches(seq, runs, r.tolerant());
+          exact = !r.tolerant();
+        }
+        out.clear();
+        ReadGate::Reader r(gate, 0ns);
+        if (!idx.TranslateMatches(runs, out, r.tolerant())) {
+          stale.fetch_add(1);
+          if (!out.empty()) bad.fetch_add(1);
+          continue;
+        }
+        // A tolerant read may carry a slot past the node where its worker's match ends when
+        // events that take one worker off the path and put another on it overlap the read
+        // (docs/design.md); an exact one reads each slot at the depth its worker then held.
+        std::set<WorkerKey> seen;
+        for (const auto& sc : out) {
+          const bool newcomer = sc.worker.worker_id >= kNewcomer;
+          if (!seen.insert(sc.worker).second || (!newcomer && sc.worker.worker_id >= kWorkers) ||
+              sc.blocks > (newcomer && exact ? kNewcomerDepth : kShared) || sc.blocks == 0) {
+            bad.fetch_add(1);
+          }
+        }
+        translated.fetch_add(1);
+      }
+    });
+  }
+  // Until both outcomes have been seen many times.
+  EXPECT_TRUE(AwaitTrue([&] { return stale.load() >= 10 && translated.load() >= 1000; }))
+      << stale.load() << " stale, " << translated.load() << " translated";
+  done.store(true);
+  owner.join();
+  for (auto& t : readers) t.join();
+  EXPECT_EQ(bad.load(), 0);
+}
+
 }  // namespace
 }  // namespace kvrouter

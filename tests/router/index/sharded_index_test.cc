@@ -112,6 +112,31 @@ TEST(ShardedIndex, MatchesMergeAcrossShards) {
   for (std::uint64_t w = 0; w < 16; ++w) EXPECT_EQ(OverlapOf(t, {w, 0}), w % 4 + 1);
 }
 
+TEST(ShardedIndex, RunsWhoseSlotPassedToAnotherWorkerAreNotTranslated) {
+  ShardedIndex idx({.num_shards = 2});
+  const std::uint64_t a = 1;
+  std::uint64_t b = 2;
+  while (idx.ShardOf(b) != idx.ShardOf(a)) ++b;  // the same shard: b can take a's slot
+  const std::uint64_t other = idx.ShardOf(3) != idx.ShardOf(a) ? 3 : 4;
+  ASSERT_TRUE(idx.Submit(StoredBatch(a, 0, 1, std::nullopt, {{100, 1}, {101, 2}})));
+  ASSERT_TRUE(idx.Submit(StoredBatch(other, 0, 1, std::nullopt, {{100, 1}})));
+  idx.Flush();
+  const auto seq = ComputeSequenceHashes(std::vector<LocalHash>{1, 2});
+  IndexMatches runs;
+  idx.FindMatches(seq, runs);
+  idx.RemoveWorker(a);
+  ASSERT_TRUE(idx.Submit(StoredBatch(b, 0, 1, std::nullopt, {{200, 9}})));
+  idx.Flush();
+  OverlapScores out = {{{77, 0}, 3}};  // what the caller had: kept as it was
+  EXPECT_FALSE(idx.TranslateMatches(runs, out));
+  EXPECT_EQ(std::vector<OverlapScore>(out.begin(), out.end()), (std::vector<OverlapScore>{{{77, 0}, 3}}));
+  idx.FindMatches(seq, runs);
+  ASSERT_TRUE(idx.TranslateMatches(runs, out));
+  EXPECT_EQ(out.size(), 2u);
+  EXPECT_EQ(OverlapOf(out, {other, 0}), 1u);
+  EXPECT_EQ(OverlapOf(out, {b, 0}), 0u);
+}
+
 // Applied batches come back for their memory (the delivery thread decodes into them): small
 // ones only, at most 4,096 of them, and the index they were applied to is not changed by it.
 TEST(ShardedIndex, AppliedBatchesComeBackAsSpares) {
