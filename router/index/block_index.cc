@@ -454,6 +454,24 @@ std::uint32_t Word(const std::uint32_t& v) {
   }
 }
 
+// Calls f(slot) for every slot of `holders` not in `kept` (both sorted); returns how many of
+// kept's slots it met in holders.
+template <bool kTolerant, typename F>
+std::size_t ForEachMissing(std::span<const std::uint32_t> holders, std::span<const std::uint32_t> kept, F&& f) {
+  std::size_t j = 0, matched = 0;
+  for (const std::uint32_t& h : holders) {
+    const std::uint32_t s = Word<kTolerant>(h);
+    while (j < kept.size() && Word<kTolerant>(kept[j]) < s) ++j;
+    if (j < kept.size() && Word<kTolerant>(kept[j]) == s) {
+      ++j;
+      ++matched;
+    } else {
+      f(s);
+    }
+  }
+  return matched;
+}
+
 // Where FindMatches writes its scores: through a local pointer (at 7,000 workers sharing a first
 // block it writes every score of the request, and push_back would reload and store the
 // vector's end for each one), never past the room made for the first block's holders, and only
@@ -482,17 +500,8 @@ class ScoreWriter {
   // above. (The loops write through a local pointer: memcpy may alias any member.)
   bool EmitMissing(std::span<const std::uint32_t> holders, std::span<const std::uint32_t> kept, std::uint32_t depth) {
     OverlapScore* o = w_;
-    std::size_t j = 0, matched = 0;
-    for (const std::uint32_t& h : holders) {
-      const std::uint32_t s = Word<kTolerant>(h);
-      while (j < kept.size() && Word<kTolerant>(kept[j]) < s) ++j;
-      if (j < kept.size() && Word<kTolerant>(kept[j]) == s) {
-        ++j;
-        if constexpr (kTolerant) ++matched;
-      } else {
-        o = Put(o, s, depth);
-      }
-    }
+    const std::size_t matched =
+        ForEachMissing<kTolerant>(holders, kept, [&](std::uint32_t s) { o = Put(o, s, depth); });
     w_ = o;
     return !kTolerant || matched == kept.size();
   }
@@ -551,17 +560,7 @@ class RunWriter {
   // exact read below a node without orphan risk need not check.
   bool EmitMissing(std::span<const std::uint32_t> holders, std::span<const std::uint32_t> kept, std::uint32_t depth) {
     if (kept.size() * 2 >= holders.size()) {
-      std::size_t j = 0, matched = 0;
-      for (const std::uint32_t& h : holders) {
-        const std::uint32_t s = Word<kTolerant>(h);
-        while (j < kept.size() && Word<kTolerant>(kept[j]) < s) ++j;
-        if (j < kept.size() && Word<kTolerant>(kept[j]) == s) {
-          ++j;
-          ++matched;
-        } else {
-          Emit(s, depth);
-        }
-      }
+      const std::size_t matched = ForEachMissing<kTolerant>(holders, kept, [&](std::uint32_t s) { Emit(s, depth); });
       return !kTolerant || matched == kept.size();
     }
     EmitAll(holders, depth);
