@@ -82,16 +82,17 @@ double KvCost(const Candidate& c, const SelectionRequest& req, const CostParams&
 //   u         = KV utilisation with this request: (decode_blocks of KvCost) / total_kv_blocks
 //   ttft      = 0.0152 (Q + U) + 4.21e-7 (sum of queued prefills' squares + U^2)
 //               + steps * (16.5 + DecodeStepMs(u))
-//   inflicted = min(active_requests * (PrefillMs(U) - 16.5), 8 ttft): each running request waits
-//               out this prefill; capped, so a prompt long to prefill anywhere is not placed
-//               behind a long queue by whom it stalls alone
+//   inflicted = min(active_requests * (PrefillMs(U) - 16.5), 8 ttft, 12,000): each running
+//               request waits out this prefill; capped, so a prompt long to prefill anywhere is
+//               not placed behind a long queue by whom it stalls alone
 //   spread    = recent_excess * min(10, 0.15 * (PrefillMs(isl) - 16.5)): recent_excess = how many
 //               more requests than the candidates' mean it got lately (recent_requests); it
 //               spreads new sessions at equal cost, and tiny prompts barely pay it
 //   cost      = ttft + inflicted + spread
 // with the engine timing of router/engine/engine_model.h as the prior, scaled per rank by what
 // was learned of it (WorkerRates): ttft and `inflicted` by c.prefill_factor (learned from
-// observed times to first token). Selector::PickKv passes recent_excess = max(0,
+// observed times to first token), `spread` by it where it is below 1 (on a faster engine a
+// cache hit saves less, and the tie breaker stays below it). Selector::PickKv passes recent_excess = max(0,
 // recent_requests - mean over the candidates).
 double PredictedCostMs(const Candidate& c, const SelectionRequest& req, const CostParams& p, double recent_excess = 0);
 // The prior's parts of `ttft` above for c (unscaled): what WorkerRates compares the observed
