@@ -94,8 +94,7 @@ double PredictedCostPricedMs(const Candidate& c, const SelectionRequest& req, co
   const double ttft = c.prefill_factor * (x.prior.prefill_ms + x.prior.decode_ms);
   // Each request running there waits out this prefill.
   const double inflicted = c.active_requests * c.prefill_factor * (PrefillMs(x.uncached) - kStepOverheadMs);
-  return ttft +
-         (std::min({inflicted, kInflictedOfTtft * ttft, kInflictedMaxMs}) + std::min(1.0, c.prefill_factor) * spread);
+  return ttft + (std::min({inflicted, kInflictedOfTtft * ttft, kInflictedMaxMs}) + spread);
 }
 
 }  // namespace

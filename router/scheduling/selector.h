@@ -91,8 +91,7 @@ double KvCost(const Candidate& c, const SelectionRequest& req, const CostParams&
 //   cost      = ttft + inflicted + spread
 // with the engine timing of router/engine/engine_model.h as the prior, scaled per rank by what
 // was learned of it (WorkerRates): ttft and `inflicted` by c.prefill_factor (learned from
-// observed times to first token), `spread` by it where it is below 1 (on a faster engine a
-// cache hit saves less, and the tie breaker stays below it). Selector::PickKv passes recent_excess = max(0,
+// observed times to first token). Selector::PickKv passes recent_excess = max(0,
 // recent_requests - mean over the candidates).
 double PredictedCostMs(const Candidate& c, const SelectionRequest& req, const CostParams& p, double recent_excess = 0);
 // The prior's parts of `ttft` above for c (unscaled): what WorkerRates compares the observed
