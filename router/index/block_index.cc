@@ -603,14 +603,7 @@ class RunWriter {
       }
       return true;
     }
-    std::size_t j = 0;
-    for (const std::uint32_t& x : a) {
-      const std::uint32_t s = Word<kTolerant>(x);
-      while (j < b.size() && Word<kTolerant>(b[j]) < s) ++j;
-      if (j == b.size() || Word<kTolerant>(b[j]) != s) return false;
-      ++j;
-    }
-    return true;
+    return ForEachMissing<kTolerant>(b, a, [](std::uint32_t) {}) == a.size();
   }
 
   MatchRuns& out_;

@@ -195,10 +195,9 @@ class BlockIndex {
   void FindMatches(std::span<const SequenceHash> seq_hashes, MatchRuns& out, bool tolerant = false) const;
   // Appends the scores of `runs` (each slot once, at its overlap; deepest first), the scores
   // FindMatches into OverlapScores would have given when the runs were read. Under the same
-  // ReadGate rules as
-  // FindMatches, in the same read or a later one. False, appending nothing, when a slot has been
-  // handed to another worker since the runs were read (a worker removed and another added):
-  // read again.
+  // ReadGate rules as FindMatches, in the same read or a later one. False, appending nothing,
+  // when a slot has been handed to another worker since the runs were read (a worker removed
+  // and another added): read again.
   bool TranslateMatches(const MatchRuns& runs, OverlapScores& out, bool tolerant = false) const;
 
   // FindMatches will run while the owner writes: replaced memory is kept until FreeRetired.
