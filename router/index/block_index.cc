@@ -481,11 +481,14 @@ template <bool kTolerant>
 class ScoreWriter {
  public:
   static constexpr bool kIsTolerant = kTolerant;
-  ScoreWriter(OverlapScores& out, PublishedArray<std::uint32_t>::View keys)
-      : out_(out), keys_(keys.data), slots_(keys.size / 3) {}
+  ScoreWriter(OverlapScores& out, const PublishedArray<std::uint32_t>& keys) : out_(out), key_words_(keys) {}
 
-  // Room for the first block's holders: no slot is emitted that is not one of them.
+  // Room for the first block's holders: no slot is emitted that is not one of them. The keys
+  // are taken now, after those holders were read: a slot is keyed before it joins a holder set.
   void Begin(std::size_t room) {
+    const auto keys = key_words_.Snapshot();
+    keys_ = keys.data;
+    slots_ = keys.size / 3;
     const std::size_t base = out_.size();
     out_.resize(base + room);
     w_ = out_.data() + base;
@@ -514,13 +517,16 @@ class ScoreWriter {
  private:
   // Writes slot's score at o; returns where the next one goes.
   OverlapScore* Put(OverlapScore* o, std::uint32_t slot, std::uint32_t depth) const {
-    const std::uint32_t* k = keys_ + 3 * std::size_t{slot};
     if constexpr (kTolerant) {
       if (slot >= slots_ || o == end_) return o;
+    } else {
+      assert(slot < slots_ && o != end_);
+    }
+    const std::uint32_t* k = keys_ + 3 * std::size_t{slot};
+    if constexpr (kTolerant) {
       const std::uint64_t id = (std::uint64_t{RelaxedLoad(k[1])} << 32) | RelaxedLoad(k[0]);
       *o = {WorkerKey{id, RelaxedLoad(k[2])}, depth};
     } else {
-      assert(slot < slots_ && o != end_);
       std::memcpy(static_cast<void*>(&o->worker), k, sizeof(WorkerKey));  // worker_id low, high, dp_rank
       o->blocks = depth;
     }
@@ -528,10 +534,11 @@ class ScoreWriter {
   }
 
   OverlapScores& out_;
+  const PublishedArray<std::uint32_t>& key_words_;
   OverlapScore* w_ = nullptr;
   OverlapScore* end_ = nullptr;
-  const std::uint32_t* const keys_;
-  const std::size_t slots_;
+  const std::uint32_t* keys_ = nullptr;
+  std::size_t slots_ = 0;
 };
 
 // Where FindMatches writes its runs (MatchRuns): where most of the matching set drops out at a
@@ -613,10 +620,10 @@ class RunWriter {
 
 void BlockIndex::FindMatches(std::span<const SequenceHash> hashes, OverlapScores& out, bool tolerant) const {
   if (tolerant) {
-    ScoreWriter<true> w(out, key_words_.Snapshot());
+    ScoreWriter<true> w(out, key_words_);
     WalkMatches(hashes, w);
   } else {
-    ScoreWriter<false> w(out, key_words_.Snapshot());
+    ScoreWriter<false> w(out, key_words_);
     WalkMatches(hashes, w);
   }
 }
