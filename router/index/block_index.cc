@@ -98,8 +98,11 @@ void BlockIndex::TidyFreeNodes() {
 
 std::uint32_t BlockIndex::ChildOrCreate(std::uint32_t parent, SequenceHash seq, LocalHash local) {
   // A 64-bit sequence hash names one prefix (collisions are as unlikely as in the engines'
-  // own prefix caches), so an existing node under this hash is this prefix.
-  if (std::uint32_t c = node_of_.Find(seq); c != kFlatEmpty) return c;
+  // own prefix caches), so an existing node under this hash is this prefix, a child of parent:
+  // a parent without children has none to find (a chain growing at its end, as engines store).
+  if (node(parent).num_children() > 0) {
+    if (std::uint32_t c = node_of_.Find(seq); c != kFlatEmpty) return c;
+  }
   std::uint32_t c;
   if (!free_nodes_.empty()) {
     c = free_nodes_.back();
@@ -197,10 +200,26 @@ void BlockIndex::MaybeCompact(std::uint32_t slot) {
 void BlockIndex::PrefetchStored(WorkerKey worker, std::optional<BlockHash> parent,
                                 std::span<const StoredBlock> blocks) const {
   constexpr std::size_t kMaxBlocks = 8;
+  const std::size_t n = std::min(kMaxBlocks, blocks.size());
   const std::uint32_t slot = FindSlot(worker);
-  const auto& table = slot != kFlatEmpty && slots_[slot].mapped ? slots_[slot].blocks : node_of_;
-  if (parent) table.Prefetch(*parent);
-  for (std::size_t i = 0; i < std::min(kMaxBlocks, blocks.size()); ++i) table.Prefetch(blocks[i].block_hash);
+  if (slot == kFlatEmpty || !slots_[slot].mapped) {
+    if (parent) node_of_.Prefetch(*parent);
+    for (std::size_t i = 0; i < n; ++i) node_of_.Prefetch(blocks[i].block_hash);
+    return;
+  }
+  // Engine ids name no tree node, so the tree's slots are found by the prefixes' sequence
+  // hashes, chained from the parent's. The parent is usually this worker's previous event's last
+  // block, stored moments ago: its map slot and node are still in cache.
+  const FlatTable<U64MapTraits>& ids = slots_[slot].blocks;
+  for (std::size_t i = 0; i < n; ++i) ids.Prefetch(blocks[i].block_hash);
+  std::uint32_t at = kRoot;
+  if (parent && (at = ids.Find(*parent)) == kFlatEmpty) return;  // ApplyStored looks further
+  SequenceHash seq = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    const LocalHash local = blocks[i].tokens_hash;
+    seq = i == 0 && at == kRoot ? local : ChainSequenceHash(i == 0 ? node(at).seq : seq, local);
+    node_of_.Prefetch(seq);
+  }
 }
 
 WorkerKey TierRank(WorkerKey worker, StorageTier tier) {

@@ -174,7 +174,8 @@ class BlockIndex {
   // Starts loading what ApplyStored of this chain will look up first, so that its cache misses
   // overlap the work before it (the caller applies the previous event meanwhile): the table
   // slots of its engine hashes, in the worker's own map when its engine hashes are not sequence
-  // hashes (vLLM's), else in the sequence-hash table (Dynamo's and kvmocker's workers).
+  // hashes (vLLM's; then also the sequence-hash table's slots of the chain's prefixes, when the
+  // parent is held here), else in the sequence-hash table (Dynamo's and kvmocker's workers).
   void PrefetchStored(WorkerKey worker, std::optional<BlockHash> parent, std::span<const StoredBlock> blocks) const;
   // Removes blocks by engine hash; unknown ones are counted and skipped.
   ApplyOutcome ApplyRemoved(WorkerKey worker, std::span<const BlockHash> block_hashes);
