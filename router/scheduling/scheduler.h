@@ -92,6 +92,9 @@ class Scheduler {
 
   const SchedulerOptions& options() const { return options_; }
 
+  // Sets p's spread scale (CostParams::spread_scale) from the rates learned so far; a request
+  // decided later (queued) keeps the scale of its arrival.
+  void PriceSpread(PreparedRequest& p) const;
   // Overlap per rank from the predictions (approximate mode; else empty), into `out`.
   void PredictedOverlaps(const PreparedRequest& p, OverlapScores& out) const;
   // The overlaps a queued request is judged by again: predictions in approximate mode, else the

@@ -57,8 +57,8 @@ double KvCost(const Candidate& c, const SelectionRequest& req, const CostParams&
 namespace {
 
 // The price of one request of recent excess for this request (the same for every candidate).
-double SpreadPriceMs(const SelectionRequest& req) {
-  return std::min(kSpreadMs, kSpreadOfPrefill * (PrefillMs(req.isl) - kStepOverheadMs));
+double SpreadPriceMs(const SelectionRequest& req, const CostParams& p) {
+  return p.spread_scale * std::min(kSpreadMs, kSpreadOfPrefill * (PrefillMs(req.isl) - kStepOverheadMs));
 }
 
 struct Prediction {
@@ -100,7 +100,7 @@ double PredictedCostPricedMs(const Candidate& c, const SelectionRequest& req, co
 }  // namespace
 
 double PredictedCostMs(const Candidate& c, const SelectionRequest& req, const CostParams& p, double recent_excess) {
-  return PredictedCostPricedMs(c, req, p, recent_excess * SpreadPriceMs(req));
+  return PredictedCostPricedMs(c, req, p, recent_excess * SpreadPriceMs(req, p));
 }
 
 PriorTtft PriorTtftOf(const Candidate& c, const SelectionRequest& req, const CostParams& p) {
@@ -109,7 +109,7 @@ PriorTtft PriorTtftOf(const Candidate& c, const SelectionRequest& req, const Cos
 
 KvPricing KvPricingOf(const SelectionRequest& req, const CostParams& p, double recent_sum, std::size_t candidates) {
   if (p.model != CostModel::kPredicted) return {};
-  return {.mean_recent = recent_sum / static_cast<double>(candidates), .spread_price = SpreadPriceMs(req)};
+  return {.mean_recent = recent_sum / static_cast<double>(candidates), .spread_price = SpreadPriceMs(req, p)};
 }
 
 double PickCost(const Candidate& c, const SelectionRequest& req, const CostParams& p, const KvPricing& pricing) {

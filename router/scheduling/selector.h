@@ -64,6 +64,10 @@ struct CostParams {
   double device_ratio = 8.0;
   double host_weight = 0.75;  // --router-host-cache-hit-weight: a block held on host only
   double disk_weight = 0.25;  // --router-disk-cache-hit-weight: on disk or external only
+  // kPredicted: the spread term's scale, the fleet's typical learned prefill factor capped at 1
+  // (Scheduler::PriceSpread): on a fleet faster than the prior a cache hit saves that much less
+  // time, and the tie breaker stays as far below it; on a slower fleet it stays as it is.
+  double spread_scale = 1.0;
 };
 
 // The overlap credited to c: its device blocks, plus host_weight per block it holds on host
@@ -85,7 +89,7 @@ double KvCost(const Candidate& c, const SelectionRequest& req, const CostParams&
 //   inflicted = min(active_requests * (PrefillMs(U) - 16.5), 8 ttft, 12,000): each running
 //               request waits out this prefill; capped, so a prompt long to prefill anywhere is
 //               not placed behind a long queue by whom it stalls alone
-//   spread    = recent_excess * min(10, 0.15 * (PrefillMs(isl) - 16.5)): recent_excess = how many
+//   spread    = recent_excess * min(10, 0.15 * (PrefillMs(isl) - 16.5)) * p.spread_scale: recent_excess = how many
 //               more requests than the candidates' mean it got lately (recent_requests); it
 //               spreads new sessions at equal cost, and tiny prompts barely pay it
 //   cost      = ttft + inflicted + spread

@@ -122,6 +122,7 @@ void Routing::Route(RouteRequest req, Kind kind, std::string reply, Outbox& out)
     thread_local OverlapScores overlaps;  // kept: thousands of scores per route in a large fleet
     IndexOverlaps(options_, index_, *prepared, overlaps);
     KvMutexLock g(mu_);
+    scheduler_.PriceSpread(*prepared);
     if (scheduler_.predictions()) scheduler_.PredictedOverlaps(*prepared, overlaps);
     if (kind == Kind::kGenerate && req.request_id.empty()) {
       req.request_id = fmt::format("gen-{:x}-{}", router_id_, ++generated_ids_);

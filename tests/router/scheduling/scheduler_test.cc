@@ -241,6 +241,43 @@ TEST_F(SchedulerTest, AFreeWithTimingTeachesTheRankItWasBookedOnAndCandidatesCar
   EXPECT_EQ(s->rates().Of(kA).observations, 0u);
 }
 
+TEST_F(SchedulerTest, TheSpreadIsPricedInTheFleetsTimeAtMostHalvedNeverRaised) {
+  SchedulerOptions o = Options();
+  o.cost.model = CostModel::kPredicted;
+  // The scale PriceSpread gives a request once rank A (the fleet's only observed rank) is learned
+  // to take `factor` times the prior's time to first token.
+  auto scale_after = [&](double factor) {
+    auto s = Make(o);
+    std::vector<RankInfo> only_a = {{.worker = kA}};
+    for (int i = 0; i < 40; ++i) {
+      const RouteRequest r = Prompt("r" + std::to_string(i), 64, static_cast<std::uint32_t>(i) * 1000);
+      const PreparedRequest p = Prepared(o, r);
+      OverlapScores none;
+      auto d = s->Decide(r, p, s->Candidates(only_a, p.seq, none));
+      EXPECT_TRUE(d.ok() && d->booked);
+      const PriorTtft* prior = s->load().PriorOf(r.request_id);
+      if (prior == nullptr) return -1.0;
+      EXPECT_TRUE(s->Learn(r.request_id, {.ttfb_ms = factor * (prior->prefill_ms + prior->decode_ms)}));
+      EXPECT_TRUE(s->load().Free(r.request_id));
+      now_ += std::chrono::milliseconds(100);  // the fleet's typical factor is taken again each second
+    }
+    PreparedRequest p = Prepared(o, Prompt("x", 8));
+    s->PriceSpread(p);
+    return p.params.spread_scale;
+  };
+  EXPECT_EQ(scale_after(1), 1.0);
+  EXPECT_NEAR(scale_after(0.7), 0.7, 0.07);  // a fleet faster than the prior: its factor
+  EXPECT_EQ(scale_after(0.1), 0.5);          // at most halved
+  EXPECT_EQ(scale_after(3), 1.0);            // a slower fleet's hits are worth more: unchanged
+  // Nothing learned, or Dynamo's formula (no spread term): 1.
+  auto fresh = Make(o);
+  PreparedRequest p = Prepared(o, Prompt("x", 8));
+  fresh->PriceSpread(p);
+  EXPECT_EQ(p.params.spread_scale, 1.0);
+  o.cost.model = CostModel::kDynamo;
+  EXPECT_EQ(scale_after(0.1), 1.0);
+}
+
 // PickAmongAll against the full scan (Candidates, OpenRanks, Decide) on random fleets: ranks of a
 // few registration classes (one with max_num_batched_tokens 0), replaced now and then by another
 // list (ranks come and go, booked and learned ones among them); random overlaps on device, host

@@ -126,6 +126,12 @@ TEST(PredictedCost, TableOfCases) {
        ttft(0, 0, 64, 1, 1.0 / 16384) + 3 * 0.15 * (PrefillMs(64) - 16.5)},
       {"a cached prompt spreads as much as an uncached one", cached, k4096, kP, 3,
        ttft(0, 0, 1024, 1, 64.0 / 16384) + 3 * 10},
+      {"the spread at its scale",
+       idle,
+       k4096,
+       {.model = CostModel::kPredicted, .spread_scale = 0.5},
+       3,
+       ttft(0, 0, 4096, 1, 64.0 / 16384) + 3 * 10 * 0.5},
       {"an empty request", idle, {0, 0}, kP, 0, ttft(0, 0, 0, 1, 0)},
   };
   for (const Case& k : cases) {
@@ -205,6 +211,21 @@ TEST(PredictedCost, EqualCostsGoToTheWorkerWithFewerRecentRequests) {
   std::mt19937_64 rng(1);
   for (int i = 0; i < 20; ++i)
     EXPECT_EQ(sel.Pick(RouterMode::kKv, {640, 10}, c, {.model = CostModel::kPredicted}, rng), 1u);
+}
+
+TEST(PredictedCost, OnAFleetFasterThanThePriorASessionKeepsItsCacheAgainstALittleRecentExcess) {
+  // Every rank 4x faster than the prior: the 512 cached tokens of rank 0 save a quarter of their
+  // prior prefill time (about 2.4 ms), less than rank 0's recent excess costs at the whole spread
+  // price (0.3 requests x 10 ms) but more than at half of it.
+  std::vector<Candidate> c = {Loaded(1, 0, 0), Loaded(2, 0, 0)};
+  for (Candidate& x : c) x.prefill_factor = 0.25;
+  c[0].overlap_blocks = 8;
+  c[0].recent_requests = 0.6;  // the mean is 0.3: an excess of 0.3 requests
+  Selector sel;
+  std::mt19937_64 rng(1);
+  const SelectionRequest req{4096, 64};
+  EXPECT_EQ(sel.Pick(RouterMode::kKv, req, c, {.model = CostModel::kPredicted}, rng), 1u);
+  EXPECT_EQ(sel.Pick(RouterMode::kKv, req, c, {.model = CostModel::kPredicted, .spread_scale = 0.5}, rng), 0u);
 }
 
 TEST(PredictedCost, TheLearnedPrefillFactorScalesThePriorsTimeToFirstToken) {
