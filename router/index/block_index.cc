@@ -127,7 +127,14 @@ std::uint32_t BlockIndex::ChildOrCreate(std::uint32_t parent, SequenceHash seq, 
   RelaxedStore(n.meta, 0u);
   Node& p = node(parent);
   RelaxedStore(p.meta, p.meta + 2);  // one child more
-  node_of_.Insert(seq, c);
+  if (const std::uint32_t there = node_of_.InsertNew(seq, c); there != kFlatEmpty) {
+    // Found after all, under another parent: a sequence-hash collision (the lookup above was
+    // skipped). The prefixes share that node, as when the lookup finds it; c was never
+    // reachable, so it is free again at once.
+    RelaxedStore(p.meta, p.meta - 2);
+    free_nodes_.push_back(c);
+    return there;
+  }
   ++live_nodes_;
   return c;
 }
@@ -201,6 +208,7 @@ void BlockIndex::PrefetchStored(WorkerKey worker, std::optional<BlockHash> paren
                                 std::span<const StoredBlock> blocks) const {
   constexpr std::size_t kMaxBlocks = 8;
   const std::size_t n = std::min(kMaxBlocks, blocks.size());
+  if (n == 0) return;
   const std::uint32_t slot = FindSlot(worker);
   if (slot == kFlatEmpty || !slots_[slot].mapped) {
     if (parent) node_of_.Prefetch(*parent);

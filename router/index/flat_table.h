@@ -139,25 +139,10 @@ class FlatTable {
   }
 
   // Inserts or overwrites. Returns the previous value, or kFlatEmpty if the key was new.
-  std::uint32_t Insert(const Key& key, std::uint32_t value) {
-    if ((size_ + 1) * 4 > capacity() * 3) Rehash(capacity() == 0 ? 8 : capacity() * 2);
-    const std::size_t mask = st_->mask;
-    for (std::size_t i = traits_.Hash(key) & mask;; i = (i + 1) & mask) {
-      Entry& e = st_->slots[i];
-      if (e.value == kFlatEmpty) {
-        Entry n;
-        traits_.Set(n, key, value);
-        Store(e, n);
-        ++size_;
-        return kFlatEmpty;
-      }
-      if (traits_.KeyOf(e) == key) {
-        const std::uint32_t old = e.value;
-        RelaxedStore(e.value, value);
-        return old;
-      }
-    }
-  }
+  std::uint32_t Insert(const Key& key, std::uint32_t value) { return Put(key, value, /*overwrite=*/true); }
+  // Inserts unless the key is there. Returns the value there (left as it is), or kFlatEmpty if
+  // the key was new.
+  std::uint32_t InsertNew(const Key& key, std::uint32_t value) { return Put(key, value, /*overwrite=*/false); }
 
   // Removes key. Returns its value, or kFlatEmpty if it was absent.
   std::uint32_t Erase(const Key& key) {
@@ -233,6 +218,26 @@ class FlatTable {
   void FreeRetired() { retired_.clear(); }
 
  private:
+  std::uint32_t Put(const Key& key, std::uint32_t value, bool overwrite) {
+    if ((size_ + 1) * 4 > capacity() * 3) Rehash(capacity() == 0 ? 8 : capacity() * 2);
+    const std::size_t mask = st_->mask;
+    for (std::size_t i = traits_.Hash(key) & mask;; i = (i + 1) & mask) {
+      Entry& e = st_->slots[i];
+      if (e.value == kFlatEmpty) {
+        Entry n;
+        traits_.Set(n, key, value);
+        Store(e, n);
+        ++size_;
+        return kFlatEmpty;
+      }
+      if (traits_.KeyOf(e) == key) {
+        const std::uint32_t old = e.value;
+        if (overwrite) RelaxedStore(e.value, value);
+        return old;
+      }
+    }
+  }
+
   struct Storage {
     LargeArray<Entry> slots;
     std::size_t mask = 0;  // capacity - 1 (a power of two)

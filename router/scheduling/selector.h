@@ -64,9 +64,10 @@ struct CostParams {
   double device_ratio = 8.0;
   double host_weight = 0.75;  // --router-host-cache-hit-weight: a block held on host only
   double disk_weight = 0.25;  // --router-disk-cache-hit-weight: on disk or external only
-  // kPredicted: the spread term's scale, the fleet's typical learned prefill factor capped at 1
-  // (Scheduler::PriceSpread): on a fleet faster than the prior a cache hit saves that much less
-  // time, and the tie breaker stays as far below it; on a slower fleet it stays as it is.
+  // kPredicted: the spread term's scale, the fleet's typical learned prefill factor clamped to
+  // [0.5, 1] (Scheduler::PriceSpread): on a fleet faster than the prior a cache hit saves that
+  // much less time, and the tie breaker shrinks with it, at most by half (it also keeps sessions
+  // spread over the fleet's caches); on a slower fleet it stays as it is.
   double spread_scale = 1.0;
 };
 

@@ -554,6 +554,26 @@ TEST(BlockIndex, CanonicalWorkerIsFoundByParentAndRemovedByItsSequenceHash) {
   EXPECT_EQ(Matches(idx, {1, 2, 3}), (std::map<WorkerKey, std::uint32_t>{{kW2, 3}}));
 }
 
+// A chain growing at its end is stored without looking its blocks up (its parent has no
+// children), but a sequence hash that is already taken still names the node that has it: two
+// prefixes colliding share it, and the table keeps it, as when the lookup finds it.
+TEST(BlockIndex, ASequenceHashCollisionUnderAChildlessParentSharesTheNodeThere) {
+  BlockIndex idx;
+  // Worker 1 holds a first block whose sequence hash is that of the prefix {1, 2}.
+  const SequenceHash s = ComputeSequenceHashes(std::vector<LocalHash>{1, 2})[1];
+  ASSERT_FALSE(idx.ApplyStored(kW1, std::nullopt, std::vector<StoredBlock>{{s, s}}).parent_not_found);
+  // Worker 2 (engine ids) stores {1}, then {2} under it: the second block's prefix is that node.
+  (void)idx.ApplyStored(kW2, std::nullopt, Chain(100, {1}));
+  EXPECT_EQ(idx.ApplyStored(kW2, BlockHash{100}, Chain(101, {2})).blocks_stored, 1u);
+  EXPECT_EQ(Matches(idx, {s}), (std::map<WorkerKey, std::uint32_t>{{kW1, 1}, {kW2, 1}}));
+  // Worker 2's blocks go; worker 1's node stays found, as a parent and by a query.
+  EXPECT_EQ(idx.ApplyRemoved(kW2, std::vector<BlockHash>{101, 100}).blocks_removed, 2u);
+  const auto child = CanonicalChain({s, 7});
+  EXPECT_FALSE(idx.ApplyStored(kW1, s, std::span(child).subspan(1)).parent_not_found);
+  EXPECT_EQ(Matches(idx, {s}), (std::map<WorkerKey, std::uint32_t>{{kW1, 1}}));
+  EXPECT_EQ(idx.TreeSize(kW1), 2u);
+}
+
 TEST(BlockIndex, CanonicalWorkerKeepsNoMapAndTurnsMappedOnItsFirstOtherHash) {
   BlockIndex idx;
   std::vector<LocalHash> locals(1000);

@@ -52,6 +52,16 @@ TEST(FlatTable, BehavesLikeAMapUnderRandomInsertAndErase) {
   EXPECT_EQ(visited, ref.size());
 }
 
+TEST(FlatTable, InsertOverwritesAndInsertNewKeepsWhatIsThere) {
+  FlatTable<U64Traits> t;
+  EXPECT_EQ(t.InsertNew(5, 1), kFlatEmpty);
+  EXPECT_EQ(t.InsertNew(5, 2), 1u);
+  EXPECT_EQ(t.Find(5), 1u);
+  EXPECT_EQ(t.Insert(5, 3), 1u);
+  EXPECT_EQ(t.Find(5), 3u);
+  EXPECT_EQ(t.size(), 1u);
+}
+
 TEST(FlatTable, ShrinksWhenEmptied) {
   FlatTable<U64Traits> t;
   for (std::uint64_t k = 0; k < 10000; ++k) (void)t.Insert(k, 1);
