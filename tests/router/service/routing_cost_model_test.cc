@@ -1,7 +1,11 @@
 // The cost models on the service: the default (predicted) cost against Dynamo's formula, whose
 // weights come by flag or per request (config_override).
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <numeric>
+
+#include "router/scheduling/worker_rates.h"
 #include "tests/router/service/service_fixture.h"
 
 namespace kvrouter {
@@ -59,6 +63,42 @@ TEST_F(CostModelTest, DynamosWeightsInARequestGiveDynamosDecision) {
 TEST_F(CostModelTest, DynamosWeightsAsFlagsGiveDynamosDecision) {
   SetUpFleet({"--router-prefill-load-scale", "1"});
   EXPECT_EQ(RouteThePrompt(), 2u);
+}
+
+// Both workers answer 64x faster than the prior (timings of 60 requests each, carried by their
+// `free`s). Worker 1 holds half of a 16,384-token prompt, which at that speed saves about 3.3 ms,
+// and got one request more than worker 2 lately (an excess of half a request over the mean): 5 ms
+// of spread in the prior's time, 2.5 ms in the fleet's (the scale at most halves it). Routed,
+// the prompt stays with its cache.
+TEST_F(CostModelTest, OnAFleetFasterThanThePriorTheSpreadIsPricedInTheFleetsTime) {
+  StartWith({"--router-mode", "kv"});
+  Register(1);
+  Register(2);
+  std::uint32_t next_token = 1'000'000;
+  auto route_and_free = [&](std::uint64_t worker, const std::string& id, bool timed) {
+    std::vector<std::uint32_t> tokens(64);
+    for (auto& t : tokens) t = next_token++;
+    RouteRequest r = Prompt(tokens, id);
+    r.worker_id = worker;
+    ASSERT_TRUE(Route(r).ok());
+    const auto body = timed ? EncodeLifecycleRequest(id, {.ttfb_ms = 0.001}) : EncodeLifecycleRequest(id);
+    ASSERT_TRUE(bus_.Request(svc_->subjects().free, AsBytes(body)).has_value());
+  };
+  for (int i = 0; i < 60; ++i) {  // a factor moves at most ln 2 / 5 per observation
+    for (std::uint64_t w : {1, 2}) route_and_free(w, fmt::format("teach-{}-{}", w, i), true);
+    now_ += std::chrono::milliseconds(40);  // the fleet's typical factor is taken each second
+  }
+  for (const WorkerStats& w : Stats().workers) {
+    const double fastest = PrefillTokensPerSecond(WorkerRates::kMinFactor);  // 64x the prior's
+    EXPECT_NEAR(w.prefill_tokens_per_second, fastest, 1e-3 * fastest) << w.worker_id;
+  }
+  std::vector<std::uint32_t> prompt(16384);
+  std::iota(prompt.begin(), prompt.end(), 1u);
+  StorePrompt(1, 1, std::vector<std::uint32_t>(prompt.begin(), prompt.begin() + 8188));
+  route_and_free(1, "one-more", false);
+  auto reply = Route(Prompt(prompt));
+  ASSERT_TRUE(reply.ok()) << reply.status().ToString();
+  EXPECT_EQ(reply->worker_id, 1u);
 }
 
 }  // namespace
