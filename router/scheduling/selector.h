@@ -90,9 +90,10 @@ double KvCost(const Candidate& c, const SelectionRequest& req, const CostParams&
 //   inflicted = min(active_requests * (PrefillMs(U) - 16.5), 8 ttft, 12,000): each running
 //               request waits out this prefill; capped, so a prompt long to prefill anywhere is
 //               not placed behind a long queue by whom it stalls alone
-//   spread    = recent_excess * min(10, 0.15 * (PrefillMs(isl) - 16.5)) * p.spread_scale: recent_excess = how many
-//               more requests than the candidates' mean it got lately (recent_requests); it
-//               spreads new sessions at equal cost, and tiny prompts barely pay it
+//   spread    = recent_excess * min(10, 0.15 * (PrefillMs(isl) - 16.5)) * p.spread_scale:
+//               recent_excess = how many more requests than the candidates' mean it got lately
+//               (recent_requests); it spreads new sessions at equal cost, and tiny prompts
+//               barely pay it
 //   cost      = ttft + inflicted + spread
 // with the engine timing of router/engine/engine_model.h as the prior, scaled per rank by what
 // was learned of it (WorkerRates): ttft and `inflicted` by c.prefill_factor (learned from

@@ -22,8 +22,9 @@
 //   indexer_bench --offered 200000
 // Prints a table; --json writes {rows: [{offered, achieved_ops, block_ops, p50_us, p99_us, ...,
 // matched_blocks, lag_p50_ms, lag_p99_ms, current, tolerant_reads_per_query}], peak:
-// {achieved_ops, p99_us, offered}, peak_current: {...} (when a row is current), setup: {...}}. `lag`: events submitted but not
-// yet applied when a query ran, as time at the run's event rate; `current`: lag p50 <= 5 ms.
+// {achieved_ops, p99_us, offered}, peak_current: {...} (when a row is current), setup: {...}}.
+// `lag`: events submitted but not yet applied when a query ran, as time at the run's event
+// rate; `current`: lag p50 <= 5 ms.
 // Exit 1 when the index dropped or refused an event (the stream did not replay cleanly), 2 on
 // bad flags or trace.
 #include <fmt/format.h>
