@@ -74,7 +74,13 @@ class KvRouterService {
   // The event connection went down / came back (main's NATS callbacks): leases pause while
   // the router cannot hear its workers, and each gets one full lease after.
   void OnEventsDisconnected();
+  // With --router-replica-sync the peers' bookings are released (and the next epoch announced)
+  // only after every sync message received before the outage is applied: an `add` still queued
+  // then could outlive its `free`, lost in the outage. The replica publishes a marker to itself
+  // on the sync subject (docs/protocol.md section 8) and resumes when it comes back, or after
+  // kResumeMarkerWait.
   void OnEventsReconnected();
+  static constexpr std::chrono::seconds kResumeMarkerWait{5};
   // The event connection dropped messages (slow consumer): recover every worker.
   void OnEventsDropped();
 
@@ -132,6 +138,8 @@ class KvRouterService {
   // One page of the stats reply, with the recovery counters.
   StatsReply Stats(const StatsRequest& page) const;
   void HandleReplicaSync(const BusMessage& m);
+  // The second half of OnEventsReconnected, once marker `n` is back (or not awaited any more).
+  void ResumeReplicas(std::uint64_t n);
   void HandleReplicaHeartbeat(const BusMessage& m);
   // Admission of an event by the registry; a refused one is counted and logged (false).
   bool AdmitEvent(std::uint64_t worker_id, std::uint32_t dp_rank);
@@ -184,6 +192,12 @@ class KvRouterService {
   std::atomic<bool> started_{false};
   std::atomic<bool> events_up_{true};
   SteadyTime next_heartbeat_{};  // Tick's thread only: when this replica next says it is alive
+  // After the event connection came back, the peers' bookings are released only once this
+  // replica's own marker comes back on the sync subscription (see OnEventsReconnected): the
+  // marker's number (0: none awaited) and when Tick stops waiting for it.
+  std::atomic<std::uint64_t> resume_marker_{0};
+  std::atomic<SteadyTime> resume_deadline_{};
+  std::uint64_t resume_markers_sent_ = 0;  // the reconnect callback's thread only
   // Routes before it wait for in-flight start-up dumps (set again when a warm-up ends).
   std::atomic<SteadyTime> startup_deadline_{};
 };

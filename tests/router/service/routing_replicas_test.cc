@@ -4,6 +4,8 @@
 
 #include <fmt/format.h>
 
+#include <set>
+
 #include "tests/router/service/service_fixture.h"
 
 namespace kvrouter {
@@ -180,7 +182,8 @@ TEST_F(ServiceTest, AfterItsOwnOutageAReplicaAnnouncesANewEpochAndSendsItsBookin
   auto sync = bus_.Subscribe(svc_->subjects().active_sequences, "", [&](const BusMessage& m) {
     auto e = DecodeActiveSequenceEvent(m.data);
     ASSERT_TRUE(e.ok());
-    order.push_back(fmt::format("add {} isl {} epoch {}", e->request_id, e->isl, e->epoch));
+    const bool add = e->kind == ActiveSequenceEvent::Kind::kAdd;
+    order.push_back(fmt::format("{} {} isl {} epoch {}", add ? "add" : "free", e->request_id, e->isl, e->epoch));
   });
   ASSERT_TRUE(hb.ok() && sync.ok());
   svc_->Tick();  // a heartbeat at the epoch this router started with
@@ -190,8 +193,11 @@ TEST_F(ServiceTest, AfterItsOwnOutageAReplicaAnnouncesANewEpochAndSendsItsBookin
   order.clear();
   svc_->OnEventsDisconnected();
   svc_->OnEventsReconnected();
+  // The marker to itself comes back (this bus hands it to the service before the test, so the
+  // service's answer to it is seen first).
   EXPECT_EQ(order, (std::vector<std::string>{fmt::format("heartbeat {}", e0 + 1),
-                                             fmt::format("add ours isl 0 epoch {}", e0 + 1)}));  // prefill done
+                                             fmt::format("add ours isl 0 epoch {}", e0 + 1),  // prefill done
+                                             fmt::format("free kvrouter-resume-1 isl 0 epoch {}", e0)}));
   EXPECT_EQ(Counter("active_requests"), 1u);
   // The request connection publishes the sync messages: its own outage moves the epoch too,
   // and releases nothing of the peers (their messages come on the event connection).
@@ -202,6 +208,108 @@ TEST_F(ServiceTest, AfterItsOwnOutageAReplicaAnnouncesANewEpochAndSendsItsBookin
   EXPECT_EQ(order, (std::vector<std::string>{fmt::format("heartbeat {}", e0 + 2),
                                              fmt::format("add ours isl 0 epoch {}", e0 + 2)}));
   EXPECT_EQ(Counter("active_requests"), 2u);
+}
+
+// The event connection as NATS delivers it around an outage: messages received before it may
+// still wait in the subscription's queue when the reconnected callback runs. This bus holds the
+// sync subject's messages while told to, and hands them over later in order.
+class HoldingBus : public MessageBus {
+ public:
+  HoldingBus(InMemoryBus& bus, std::string held) : bus_(bus), held_(std::move(held)) {}
+  Result<std::unique_ptr<BusSubscription>> Subscribe(std::string subject, std::string group, Handler h) override {
+    if (subject != held_) return bus_.Subscribe(std::move(subject), std::move(group), std::move(h));
+    handler_ = h;
+    return bus_.Subscribe(std::move(subject), std::move(group), [this, h](const BusMessage& m) {
+      if (!holding_) return h(m);
+      queued_.emplace_back(m.data.begin(), m.data.end());
+    });
+  }
+  Status Publish(std::string_view subject, std::span<const std::byte> data) override {
+    return bus_.Publish(subject, data);
+  }
+  Status PublishRequest(std::string_view subject, std::string_view reply, std::span<const std::byte> data) override {
+    return bus_.PublishRequest(subject, reply, data);
+  }
+  std::size_t MaxPayload() const override { return bus_.MaxPayload(); }
+  Status Flush(std::chrono::milliseconds t) override { return bus_.Flush(t); }
+
+  void Hold() { holding_ = true; }
+  void Release() {
+    holding_ = false;
+    for (const auto& q : queued_) handler_(BusMessage{.subject = held_, .data = q});
+    queued_.clear();
+  }
+
+ private:
+  InMemoryBus& bus_;
+  const std::string held_;
+  Handler handler_;
+  bool holding_ = false;
+  std::vector<std::vector<std::byte>> queued_;
+};
+
+// A peer's `add` received just before this router's outage and handled after the reconnect: the
+// release of the peers' bookings waits for it (its `free` may be lost in the outage), so nothing
+// stays booked until the 300 s sweep.
+class ReplicaOutageTest : public ServiceTest {
+ protected:
+  void TearDown() override { svc_.reset(); }  // before the bus it reads events from
+
+  const std::string sync_subject = "namespace.dynamo.component.backend.active_sequences_events";
+  HoldingBus events{bus_, sync_subject};
+};
+
+TEST_F(ReplicaOutageTest, TheSyncMessagesQueuedBeforeItAreAppliedBeforeThePeersBookingsGo) {
+  StartWith({"--router-mode", "kv", "--router-replica-sync"}, &events);
+  ASSERT_EQ(svc_->subjects().active_sequences, sync_subject);
+  Register(1, {.lease_ms = 3'600'000});
+  auto add = [&](const std::string& id) {
+    const ActiveSequenceEvent e{.router_id = 77, .request_id = id, .worker_id = 1, .seq_hashes = {11, 12}, .isl = 8};
+    (void)bus_.Publish(sync_subject, AsBytes(EncodeActiveSequenceEvent(e)));
+  };
+  std::set<std::uint32_t> epochs;  // this router's, from its heartbeats
+  auto hb = bus_.Subscribe(svc_->subjects().router_heartbeats, "", [&](const BusMessage& m) {
+    auto h = DecodeRouterHeartbeat(m.data);
+    ASSERT_TRUE(h.ok());
+    epochs.insert(h->epoch);
+  });
+  ASSERT_TRUE(hb.ok());
+  svc_->Tick();
+  ASSERT_EQ(epochs.size(), 1u);
+  add("applied");
+  events.Hold();
+  add("queued");  // received, not yet handled, when the connection drops
+  svc_->OnEventsDisconnected();
+  svc_->OnEventsReconnected();
+  EXPECT_EQ(Counter("active_requests"), 1u);  // nothing released before the queue is through
+  EXPECT_EQ(epochs.size(), 1u);
+  events.Release();  // "queued", then this router's marker
+  EXPECT_EQ(Counter("active_requests"), 0u);
+  EXPECT_EQ(Counter("replica_bookings_released"), 2u);
+  EXPECT_EQ(epochs.size(), 2u);  // the next epoch
+
+  // A marker that never comes back (lost with a second outage, or late) holds the release back
+  // for kResumeMarkerWait at most, and only while the connection is up.
+  add("before-second");
+  events.Hold();
+  svc_->OnEventsDisconnected();
+  svc_->OnEventsReconnected();
+  now_ += KvRouterService::kResumeMarkerWait - std::chrono::milliseconds(1);
+  svc_->Tick();
+  EXPECT_EQ(Counter("active_requests"), 1u);
+  now_ += std::chrono::milliseconds(1);
+  svc_->OnEventsDisconnected();
+  svc_->Tick();
+  EXPECT_EQ(Counter("active_requests"), 1u);  // down again: nobody is judged
+  svc_->OnEventsReconnected();
+  now_ += KvRouterService::kResumeMarkerWait;
+  svc_->Tick();
+  EXPECT_EQ(Counter("active_requests"), 0u);
+  EXPECT_EQ(epochs.size(), 3u);
+  add("after");
+  events.Release();  // both markers, late: neither releases anything again
+  EXPECT_EQ(Counter("active_requests"), 1u);
+  EXPECT_EQ(epochs.size(), 3u);
 }
 
 TEST_F(ServiceTest, WithoutReplicaSyncAReconnectSendsNoSyncMessages) {

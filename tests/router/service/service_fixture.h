@@ -22,13 +22,14 @@ inline constexpr std::uint32_t kBs = 4;
 
 class ServiceTest : public ::testing::Test {
  protected:
-  void StartWith(std::vector<std::string> flags) {
+  // `event_bus`: the service's event connection (the test's bus when null).
+  void StartWith(std::vector<std::string> flags, MessageBus* event_bus = nullptr) {
     std::vector<const char*> argv = {"kvrouter", "--block-size", "4"};
     for (auto& f : flags) argv.push_back(f.c_str());
     auto cfg = ParseRouterConfig(static_cast<int>(argv.size()), argv.data(), [](const char*) { return nullptr; });
     ASSERT_TRUE(cfg.ok()) << cfg.status().ToString();
     svc_ = std::make_unique<KvRouterService>(
-        cfg->config, bus_, [this] { return now_.now(); }, 42);
+        cfg->config, bus_, [this] { return now_.now(); }, 42, event_bus);
     ASSERT_TRUE(svc_->Start().ok());
   }
 
