@@ -82,12 +82,15 @@ run() {  # label, router flags...
   "$bin/kvrouter" --nats-server "$url" --metrics-port "$metrics_port" "$@" >"$work/kvrouter-$label.log" 2>&1 &
   pids+=($!)
   if [ "$fleet" = mixed ]; then
-    # Workers 1-4 at speed 20, workers 101-104 at speed 5: one process each, as two machine types.
+    # Workers 1-4 at speed 4, workers 101-104 at speed 1: one process each, as two machine types.
+    # With the trace replayed 4x faster they carry the load of the offline mixed fleet
+    # (--worker-speedups 1,1,1,1,0.25,0.25,0.25,0.25 at the trace's own pace), in a quarter of
+    # its time.
     "$bin/kvmocker" --nats-server "$url" --metrics-port 0 --num-workers 4 --worker-id-base 1 --num-gpu-blocks 16384 \
-      --speedup-ratio 20 >"$work/kvmocker-fast-$label.log" 2>&1 &
+      --speedup-ratio 4 >"$work/kvmocker-fast-$label.log" 2>&1 &
     pids+=($!)
     "$bin/kvmocker" --nats-server "$url" --metrics-port 0 --num-workers 4 --worker-id-base 101 --num-gpu-blocks 16384 \
-      --speedup-ratio 5 >"$work/kvmocker-slow-$label.log" 2>&1 &
+      --speedup-ratio 1 >"$work/kvmocker-slow-$label.log" 2>&1 &
     pids+=($!)
   else
     "$bin/kvmocker" --nats-server "$url" --metrics-port 0 --num-workers 4 --num-gpu-blocks 16384 --speedup-ratio 10 \
