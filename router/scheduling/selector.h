@@ -92,18 +92,22 @@ double KvCost(const Candidate& c, const SelectionRequest& req, const CostParams&
 //               not placed behind a long queue by whom it stalls alone
 //   spread    = recent_excess * min(10, 0.15 * (PrefillMs(isl) - 16.5)) * p.spread_scale:
 //               recent_excess = how many more requests than the candidates' mean it got lately
-//               (recent_requests); it spreads new sessions at equal cost, and tiny prompts
-//               barely pay it
+//               (recent_requests; RecentExcess below, negative for a cold idle worker); it
+//               spreads new sessions at equal cost, and tiny prompts barely pay it
 //   cost      = ttft + inflicted + spread
 // with the engine timing of router/engine/engine_model.h as the prior, scaled per rank by what
 // was learned of it (WorkerRates): ttft and `inflicted` by c.prefill_factor (learned from
-// observed times to first token). Selector::PickKv passes recent_excess = max(0,
-// recent_requests - mean over the candidates).
+// observed times to first token). Selector::PickKv passes RecentExcess(c, mean over the
+// candidates).
 double PredictedCostMs(const Candidate& c, const SelectionRequest& req, const CostParams& p, double recent_excess = 0);
 // The prior's parts of `ttft` above for c (unscaled): what WorkerRates compares the observed
 // time to first token and decode steps with.
 PriorTtft PriorTtftOf(const Candidate& c, const SelectionRequest& req, const CostParams& p);
 
+// How many requests of recent excess the spread prices c at: max(0, recent_requests - mean), or,
+// for an idle candidate that got less than half the mean, recent_requests - mean / 2 (< 0: it
+// draws new sessions rather than stay cold while its peers hold their shared prefix).
+double RecentExcess(const Candidate& c, double mean_recent);
 // How PickKv prices every candidate of one decision: the predicted cost's spread term is
 // relative to the candidates' mean of recent requests (the sum over them, in their order, over
 // their count, as PickKv adds them).

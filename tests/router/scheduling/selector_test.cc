@@ -139,6 +139,47 @@ TEST(PredictedCost, TableOfCases) {
   }
 }
 
+TEST(PredictedCost, RecentExcessIsAboveTheMeanOrAColdIdleWorkersShortfall) {
+  Candidate c = Loaded(1, 0, 0);
+  auto excess = [&](double recent, std::uint32_t active, double mean) {
+    c.recent_requests = recent;
+    c.active_requests = active;
+    return RecentExcess(c, mean);
+  };
+  EXPECT_DOUBLE_EQ(excess(7, 0, 4), 3);   // above the mean: its excess
+  EXPECT_DOUBLE_EQ(excess(3, 0, 4), 0);   // below it, but not under half
+  EXPECT_DOUBLE_EQ(excess(2, 0, 4), 0);   // half exactly
+  EXPECT_DOUBLE_EQ(excess(0, 0, 4), -2);  // idle and under half: its shortfall from half
+  EXPECT_DOUBLE_EQ(excess(1, 0, 4), -1);
+  EXPECT_DOUBLE_EQ(excess(0, 1, 4), 0);  // running a request: no credit
+  EXPECT_DOUBLE_EQ(excess(0, 0, 0), 0);  // nothing recent anywhere
+}
+
+// The first sessions of a fleet: three workers hold the system prompt (a fifth of this new
+// session's prompt) and got 5, 6 and 7 requests lately; a fourth is idle and got none. The cached
+// prefix saves more than the least used warm worker's excess costs, so without the cold worker's
+// shortfall it would stay cold while every new session went where the system prompt is.
+TEST(PredictedCost, AColdIdleWorkerDrawsANewSessionFromPeersHoldingTheSharedPrefix) {
+  std::vector<Candidate> c = {Loaded(1, 0, 0), Loaded(2, 0, 0), Loaded(3, 0, 0), Loaded(4, 0, 0)};
+  for (int w = 0; w < 3; ++w) {
+    c[w].overlap_blocks = 16;
+    c[w].recent_requests = 5 + w;
+  }
+  const SelectionRequest first_turn{5120, 80};
+  const CostParams p{.model = CostModel::kPredicted};
+  const double mean = 18.0 / 4;
+  const KvPricing pricing = KvPricingOf(first_turn, p, 18, 4);
+  EXPECT_LT(PickCost(c[3], first_turn, p, pricing), PickCost(c[0], first_turn, p, pricing));
+  // Priced by the excess alone the warm worker wins: the cold one's credit decides.
+  EXPECT_LT(PredictedCostMs(c[0], first_turn, p, 5 - mean), PredictedCostMs(c[3], first_turn, p, 0));
+  Selector sel;
+  std::mt19937_64 rng(1);
+  EXPECT_EQ(sel.Pick(RouterMode::kKv, first_turn, c, p, rng), 3u);
+  // Running a request, it gets no credit: few recent requests there may be a long prompt.
+  c[3].active_requests = 1;
+  EXPECT_EQ(sel.Pick(RouterMode::kKv, first_turn, c, p, rng), 0u);
+}
+
 // Decisions where the predicted cost and Dynamo's formula at scale 1 part ways.
 TEST(PredictedCost, StaysWithTheCacheWhereDynamosFormulaChasesDecodeLoad) {
   // 6,400-token prompt: worker 1 holds 90 of its 100 blocks and decodes 1,500 blocks; worker 2
