@@ -151,6 +151,8 @@ class Scheduler {
 
   // The worker left: its bookings, predictions and learned rates go. Returns the bookings released.
   std::size_t ForgetWorker(std::uint64_t worker_id);
+  // Only the learned rates of its ranks (a worker registered again as another device).
+  void ForgetRates(std::uint64_t worker_id) { rates_.RemoveWorker(worker_id); }
   // Prediction expiry (approximate mode).
   void ExpirePredictions(SteadyTime now);
 

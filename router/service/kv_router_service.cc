@@ -388,7 +388,14 @@ void KvRouterService::HandleInstances(const BusMessage& m) {
       Forget(gone, out);  // its queued pins get not_found now
       break;
     }
-    case WorkerRegistry::Outcome::kUpdated: index_.SetCapacity(reg->worker_id, CapacityOf(*reg)); return;
+    case WorkerRegistry::Outcome::kUpdated:
+      index_.SetCapacity(reg->worker_id, CapacityOf(*reg));
+      if (r.device_changed) {  // other hardware behind the same id: what was learned is of the old
+        log_.Log(LogLevel::kInfo, "worker device", "worker {} is now device '{}': its learned rates are forgotten",
+                 reg->worker_id, reg->device.substr(0, 64));
+        routing_.ForgetRates(reg->worker_id);
+      }
+      return;
     case WorkerRegistry::Outcome::kNew:
       log_.Log(LogLevel::kInfo, "worker registered",
                "worker {} registered: dp ranks [{}, {}), {} KV blocks, lease {} ms", reg->worker_id, reg->dp_start,

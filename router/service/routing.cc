@@ -247,6 +247,11 @@ bool Routing::Free(const std::string& request_id, Outbox& out, const std::option
   return LifecycleLocked(request_id, ActiveSequenceEvent::Kind::kFree, out);
 }
 
+void Routing::ForgetRates(std::uint64_t worker_id) {
+  KvMutexLock g(mu_);
+  scheduler_.ForgetRates(worker_id);
+}
+
 void Routing::ForgetWorkers(std::span<const std::uint64_t> worker_ids, Outbox& out) {
   if (worker_ids.empty()) return;
   KvMutexLock g(mu_);

@@ -66,6 +66,8 @@ class Routing {
   // The registry has forgotten these workers (ascending ids): release their bookings and
   // predictions; queued requests pinned to them get `not_found`; the rest may now fit.
   void ForgetWorkers(std::span<const std::uint64_t> worker_ids, Outbox& out);
+  // Forgets what was learned of the worker's speed (it is other hardware now); its bookings stay.
+  void ForgetRates(std::uint64_t worker_id);
   // New capacity: admit the queued requests that fit now.
   void Drain(Outbox& out);
   // The 300 s booking sweep, prediction expiry, queue timeouts, then a drain.

@@ -47,6 +47,7 @@ WorkerRegistry::Registered WorkerRegistry::Register(const WorkerRegistration& re
   Worker& w = it->second;
   ranks_total_ = ranks_total_ - (inserted ? 0 : w.reg.dp_size) + reg.dp_size;
   out.outcome = w.has_lease ? Outcome::kUpdated : Outcome::kNew;
+  out.device_changed = w.has_lease && w.reg.device != reg.device;
   if (!inserted) Revoke();  // its ranks may be fewer now
   ++changes_;
   w.reg = reg;

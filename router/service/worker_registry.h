@@ -63,6 +63,7 @@ class WorkerRegistry {
     Outcome outcome = Outcome::kRefused;
     std::string_view reason;  // kRefused: "block_size", "dp_size", "too_many_workers"
     std::string detail;       // kRefused: for the log
+    bool device_changed = false;  // kUpdated: registered before as another device
   };
   // Applies a decoded registration at `now`: all of it, or (refused) nothing.
   Registered Register(const WorkerRegistration& reg, SteadyTime now);  // a registration ends "left"

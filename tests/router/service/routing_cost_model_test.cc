@@ -101,5 +101,47 @@ TEST_F(CostModelTest, OnAFleetFasterThanThePriorTheSpreadIsPricedInTheFleetsTime
   EXPECT_EQ(reply->worker_id, 1u);
 }
 
+// What is learned of a worker is of that engine: it goes when the worker leaves, and when the
+// worker registers again as another device (new hardware behind the same id). A heartbeat, or
+// a registration that changes something else, keeps it.
+TEST_F(CostModelTest, ALearnedRateSurvivesNeitherLeavingNorAnotherDevice) {
+  StartWith({"--router-mode", "kv"});
+  Register(1, {.device = "gpu"});
+  Register(2, {.device = "gpu"});
+  int n = 0;
+  auto teach = [&](std::uint64_t worker) {  // 60 requests each as fast as a rate may be learned
+    for (int i = 0; i < 60; ++i) {
+      const std::string id = fmt::format("teach-{}", ++n);
+      RouteRequest r = Prompt({static_cast<std::uint32_t>(n), 2, 3, 4}, id);
+      r.worker_id = worker;
+      ASSERT_TRUE(Route(r).ok());
+      ASSERT_TRUE(
+          bus_.Request(svc_->subjects().free, AsBytes(EncodeLifecycleRequest(id, {.ttfb_ms = 0.001}))).has_value());
+    }
+  };
+  auto rate = [&](std::uint64_t worker) {
+    for (const WorkerStats& w : Stats().workers) {
+      if (w.worker_id == worker) return w.prefill_tokens_per_second;
+    }
+    return -1.0;
+  };
+  const double prior = rate(1);
+  ASSERT_EQ(prior, PrefillTokensPerSecond(1));
+  teach(1);
+  const double learned = rate(1);
+  ASSERT_GT(learned, 10 * prior);
+  Register(1, {.device = "gpu"});  // a heartbeat
+  Register(1, {.max_num_seqs = 128, .device = "gpu"});
+  EXPECT_EQ(rate(1), learned);
+  Register(1, {.device = "cpu"});
+  EXPECT_EQ(rate(1), prior);
+  EXPECT_EQ(rate(2), prior);  // the other worker's untouched
+  teach(1);
+  ASSERT_GT(rate(1), 10 * prior);
+  Register(1, {.device = "cpu", .leaving = true});
+  Register(1, {.device = "cpu"});
+  EXPECT_EQ(rate(1), prior);
+}
+
 }  // namespace
 }  // namespace kvrouter
