@@ -86,7 +86,7 @@ void Scheduler::FreshOverlaps(const PreparedRequest& p, OverlapScores& out) cons
 
 void Scheduler::PriceSpread(PreparedRequest& p) const {
   // At most halved: the spread also keeps sessions spread over the fleet's caches, which the
-  // fleet's speed does not change (kvbench online, mock engines 4-20x faster than the prior:
+  // fleet's speed does not change (kvbench online, mock engines 5-20x faster than the prior:
   // scaled by the whole factor, the hit rate fell from 13.7 % to 11.3 %, below Dynamo's
   // formula's 12.9 %). Halved, every engine 4x faster reaches 0.91x the pooled bound (0.895x
   // unscaled).

@@ -15,14 +15,15 @@ namespace {
 constexpr double kSpreadMs = 10;
 constexpr double kSpreadOfPrefill = 0.15;
 // An idle worker that got fewer than this fraction of the candidates' mean of recent requests is
-// priced below the others by its shortfall, at the spread's price. Without it a worker left cold
-// while the first sessions arrive stays cold: its peers hold the prompts' shared prefix (a
-// system prompt), whose hit outweighs their few requests of excess, and the sessions, once
-// placed, keep their cache. On the agentic shape (24 sessions of 30 turns on 8 workers) one or
-// two workers served nothing, over seeds 1-6, and the busiest worker's busy time was 1.35-1.65x
-// the mean; with it every worker serves and it is 1.25-1.35x. Only idle workers: in an
-// overloaded fleet few recent requests mean long prompts running, not room.
+// priced below the others by its shortfall, at the spread's price, up to kMaxShortfall requests'
+// worth. Otherwise a worker left cold while the first sessions arrive stays cold: its peers hold
+// the prompts' shared prefix (a system prompt), whose hit outweighs their few requests of excess,
+// and the sessions, once placed, keep their cache (docs/performance.md, agentic). Only idle
+// workers: in an overloaded fleet few recent requests mean long prompts running, not room. The
+// bound keeps the credit a tie breaker's size however fast requests come: without it a slow
+// rank of a mixed fleet, idle, would draw sessions from their caches at a high request rate.
 constexpr double kUnderusedOfMean = 0.5;
+constexpr double kMaxShortfall = 3;
 // The waits a request inflicts on those running at a worker count up to this many times its own
 // predicted time to first token. A prompt that takes long to prefill everywhere would otherwise
 // be placed by who it stalls alone, behind a long queue: on the shared trace with every engine 4x
@@ -118,7 +119,7 @@ PriorTtft PriorTtftOf(const Candidate& c, const SelectionRequest& req, const Cos
 
 double RecentExcess(const Candidate& c, double mean_recent) {
   if (c.active_requests == 0 && c.recent_requests < kUnderusedOfMean * mean_recent) {
-    return c.recent_requests - kUnderusedOfMean * mean_recent;
+    return std::max(c.recent_requests - kUnderusedOfMean * mean_recent, -kMaxShortfall);
   }
   return std::max(0.0, c.recent_requests - mean_recent);
 }

@@ -105,8 +105,8 @@ double PredictedCostMs(const Candidate& c, const SelectionRequest& req, const Co
 PriorTtft PriorTtftOf(const Candidate& c, const SelectionRequest& req, const CostParams& p);
 
 // How many requests of recent excess the spread prices c at: max(0, recent_requests - mean), or,
-// for an idle candidate that got less than half the mean, recent_requests - mean / 2 (< 0: it
-// draws new sessions rather than stay cold while its peers hold their shared prefix).
+// for an idle candidate that got less than half the mean, recent_requests - mean / 2, at least
+// -3 (< 0: it draws new sessions rather than stay cold while its peers hold their shared prefix).
 double RecentExcess(const Candidate& c, double mean_recent);
 // How PickKv prices every candidate of one decision: the predicted cost's spread term is
 // relative to the candidates' mean of recent requests (the sum over them, in their order, over

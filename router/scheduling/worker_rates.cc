@@ -92,6 +92,7 @@ void WorkerRates::Drift(SteadyTime now) {
 
 void WorkerRates::RemoveWorker(std::uint64_t worker_id) {
   std::erase_if(ranks_, [&](const auto& e) { return e.first.worker_id == worker_id; });
+  UpdateTypical();  // without it: what a new rank starts at
 }
 
 double PrefillTokensPerSecond(double prefill_factor) { return 1000.0 / (kPrefillMsPerToken * prefill_factor); }

@@ -69,7 +69,8 @@ KvRouterService::KvRouterService(RouterConfig config, MessageBus& bus, Clock clo
                  .max_worker_ranks = config_.max_worker_ranks,
                  .max_workers = config_.max_workers}),
       routing_(config_, registry_, index_, clock_, router_id_, seed, log_),
-      relay_(bus_, routing_, fmt::format("_KVR.{:x}.", router_id_), clock_, log_) {
+      relay_(bus_, routing_, fmt::format("_KVR.{:x}.", router_id_), clock_, log_),
+      resume_prefix_(fmt::format("kvrouter-resume-{:016x}-", std::random_device{}() * 0x9E3779B97F4A7C15ULL ^ seed)) {
   routing_.SetDecisionObserver([this](Routing::Kind, const RouteReply& r) { metrics_.ObserveDecision(r); });
   if (config_.recovery && config_.use_kv_events) {
     recovery_ = std::make_unique<RecoveryClient>(
@@ -441,10 +442,10 @@ void KvRouterService::Tick() {
   relay_.Expire(out);
   routing_.Tick(out);
   Send(out);
-  if (const std::uint64_t n = resume_marker_.load(); n != 0 && events_up_ && clock_() >= resume_deadline_.load()) {
-    log_.Log(LogLevel::kWarning, "resume marker", "the resume marker did not come back within {} s: resuming now",
+  if (Outbox late; routing_.ResumeIfOverdue(late)) {
+    log_.Log(LogLevel::kWarning, "resume marker", "the resume marker did not come back within {} s: resumed",
              kResumeMarkerWait.count());
-    ResumeReplicas(n);
+    FinishResume(late);
   }
   if (config_.replica_sync && clock_() >= next_heartbeat_) {
     next_heartbeat_ = clock_() + ReplicaPeers::kInterval;
@@ -461,43 +462,36 @@ void KvRouterService::SendHeartbeat() {
 
 void KvRouterService::OnEventsDisconnected() {
   events_up_ = false;
-  resume_marker_ = 0;  // a marker sent before is lost or late: the next reconnect sends its own
   registry_.PauseLeases();
   routing_.PauseReplicas();
   log_.Log(LogLevel::kWarning, "leases paused", "lost the event connection: leases paused until it is back");
 }
-
-namespace {
-// The marker a replica sends itself after a reconnect: a `free` of a request id no booking has,
-// so that peers (ours and other implementations) apply it as nothing.
-constexpr std::string_view kResumeMarker = "kvrouter-resume-";
-}  // namespace
 
 void KvRouterService::OnEventsReconnected() {
   events_up_ = true;
   registry_.ResumeLeases(clock_());
   log_.Log(LogLevel::kInfo, "leases resumed", "event connection back: every worker has one full lease to be heard");
   DumpEveryWorker();  // events sent during the outage are lost
-  if (!config_.replica_sync) return ResumeReplicas(0);
+  Outbox out;
+  if (!config_.replica_sync) {
+    routing_.ResumeReplicas(out);
+    return FinishResume(out);
+  }
   // The sync subscription may still hold messages received before the outage: the marker,
   // published on the same connection after it subscribed again, comes back behind them.
   const std::uint64_t n = ++resume_markers_sent_;
-  resume_deadline_ = clock_() + kResumeMarkerWait;
-  resume_marker_ = n;
+  routing_.AwaitResume(n, clock_() + kResumeMarkerWait);
   const ActiveSequenceEvent marker{.router_id = router_id_,
-                                   .request_id = fmt::format("{}{}", kResumeMarker, n),
+                                   .request_id = fmt::format("{}{}", resume_prefix_, n),
                                    .kind = ActiveSequenceEvent::Kind::kFree,
                                    .epoch = routing_.epoch()};
   if (Status s = event_bus_.Publish(subjects_.active_sequences, AsBytes(EncodeActiveSequenceEvent(marker))); !s.ok()) {
     log_.Log(LogLevel::kWarning, "resume marker", "could not send the resume marker ({}): resuming now", s.message());
-    ResumeReplicas(n);
+    if (routing_.ResumeOnMarker(n, out)) FinishResume(out);
   }
 }
 
-void KvRouterService::ResumeReplicas(std::uint64_t n) {
-  if (n != 0 && !resume_marker_.compare_exchange_strong(n, 0)) return;  // resumed already, or superseded
-  Outbox out;
-  routing_.ResumeReplicas(out);
+void KvRouterService::FinishResume(Outbox& out) {
   if (config_.replica_sync) SendHeartbeat();  // the new epoch, before our bookings come again
   Send(out);
 }
@@ -683,9 +677,11 @@ void KvRouterService::HandleReplicaSync(const BusMessage& m) {
   if (e->router_id == router_id_) {  // our own, already applied; or the marker after a reconnect
     std::uint64_t n = 0;
     const std::string_view id = e->request_id;
-    if (e->kind == ActiveSequenceEvent::Kind::kFree && id.starts_with(kResumeMarker) &&
-        std::from_chars(id.data() + kResumeMarker.size(), id.data() + id.size(), n).ec == std::errc() && n != 0) {
-      ResumeReplicas(n);
+    Outbox out;
+    if (e->kind == ActiveSequenceEvent::Kind::kFree && id.starts_with(resume_prefix_) &&
+        std::from_chars(id.data() + resume_prefix_.size(), id.data() + id.size(), n).ec == std::errc() &&
+        routing_.ResumeOnMarker(n, out)) {
+      FinishResume(out);
     }
     return;
   }

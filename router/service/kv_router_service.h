@@ -9,6 +9,9 @@
 // NATS), concurrently. The event path takes no routing lock (only the registry's reader lock
 // for a known worker rank, and the drop counters' own lock when it drops). Replies are
 // published after every lock is released. Tick() runs on main's 50 ms timer thread, or a test's.
+// With --router-replica-sync the resume after an outage runs where its marker is met: the sync
+// subscription's thread, Tick's (after kResumeMarkerWait) or the reconnect callback's (the marker
+// not sent); Routing makes the marker's check and the resume one step.
 // Ownership: borrows the bus, which must outlive the service; owns everything else.
 //
 //   KvRouterService svc(config, bus);  if (auto s = svc.Start(); !s.ok()) ...;  svc.Tick();
@@ -138,8 +141,9 @@ class KvRouterService {
   // One page of the stats reply, with the recovery counters.
   StatsReply Stats(const StatsRequest& page) const;
   void HandleReplicaSync(const BusMessage& m);
-  // The second half of OnEventsReconnected, once marker `n` is back (or not awaited any more).
-  void ResumeReplicas(std::uint64_t n);
+  // After Routing resumed the replicas (OnEventsReconnected's second half): the new epoch's
+  // heartbeat, then what the resume sends.
+  void FinishResume(Outbox& out);
   void HandleReplicaHeartbeat(const BusMessage& m);
   // Admission of an event by the registry; a refused one is counted and logged (false).
   bool AdmitEvent(std::uint64_t worker_id, std::uint32_t dp_rank);
@@ -195,9 +199,9 @@ class KvRouterService {
   // After the event connection came back, the peers' bookings are released only once this
   // replica's own marker comes back on the sync subscription (see OnEventsReconnected): the
   // marker's number (0: none awaited) and when Tick stops waiting for it.
-  std::atomic<std::uint64_t> resume_marker_{0};
-  std::atomic<SteadyTime> resume_deadline_{};
   std::uint64_t resume_markers_sent_ = 0;  // the reconnect callback's thread only
+  // "kvrouter-resume-<random>-": the markers' request ids, which no client's id is by chance.
+  const std::string resume_prefix_;
   // Routes before it wait for in-flight start-up dumps (set again when a warm-up ends).
   std::atomic<SteadyTime> startup_deadline_{};
 };

@@ -79,11 +79,18 @@ class Routing {
   // on Tick (ReplicaPeers). Paused while this router's event connection is down. A later epoch
   // of the peer releases its bookings of earlier epochs and sends this router's own again.
   void ReplicaHeartbeat(std::uint64_t router_id, std::uint32_t epoch, Outbox& out);
+  // Also forgets an awaited resume marker (AwaitResume): the next reconnect sends its own.
   void PauseReplicas();
-  // Also releases every booking synced by a peer (frees sent meanwhile were lost), moves this
-  // router to its next epoch (its own frees sent around the outage may be lost as well) and
-  // sends its live bookings again at that epoch.
+  // Releases every booking synced by a peer (frees sent meanwhile were lost), moves this router
+  // to its next epoch (its own frees sent around the outage may be lost as well) and sends its
+  // live bookings again at that epoch; un-pauses the peers.
   void ResumeReplicas(Outbox& out);
+  // The same, deferred until resume marker `n` (> 0) comes back (ResumeOnMarker) or `deadline`
+  // passes (ResumeIfOverdue). Each resumes at most once per marker, and not at all once a pause
+  // came after the AwaitResume: a marker check and the resume are one step under the mutex.
+  void AwaitResume(std::uint64_t n, SteadyTime deadline);
+  bool ResumeOnMarker(std::uint64_t n, Outbox& out);  // false: not the awaited marker
+  bool ResumeIfOverdue(Outbox& out);                  // false: nothing awaited, or not yet due
   // The connection that publishes this router's sync messages came back: some sent around the
   // outage may be lost. Moves to the next epoch and sends the live bookings again.
   void NextEpoch(Outbox& out);
@@ -146,6 +153,9 @@ class Routing {
   std::uint64_t session_hits_ KV_GUARDED_BY(mu_) = 0;        // decisions that followed a session's binding
   std::uint64_t generated_ids_ KV_GUARDED_BY(mu_) = 0;       // request ids made up for generate
   std::vector<WorkerKey> metrics_dirty_ KV_GUARDED_BY(mu_);  // loads to publish
+  std::uint64_t resume_marker_ KV_GUARDED_BY(mu_) = 0;       // awaited (AwaitResume); 0: none
+  SteadyTime resume_deadline_ KV_GUARDED_BY(mu_){};
+  void ResumeReplicasLocked(Outbox& out) KV_REQUIRES(mu_);
 };
 
 }  // namespace kvrouter

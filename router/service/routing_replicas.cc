@@ -92,11 +92,39 @@ std::uint32_t Routing::epoch() const {
 
 void Routing::PauseReplicas() {
   KvMutexLock g(mu_);
+  resume_marker_ = 0;
   sync_.peers().Pause();
 }
 
 void Routing::ResumeReplicas(Outbox& out) {
   KvMutexLock g(mu_);
+  resume_marker_ = 0;
+  ResumeReplicasLocked(out);
+}
+
+void Routing::AwaitResume(std::uint64_t n, SteadyTime deadline) {
+  KvMutexLock g(mu_);
+  resume_marker_ = n;
+  resume_deadline_ = deadline;
+}
+
+bool Routing::ResumeOnMarker(std::uint64_t n, Outbox& out) {
+  KvMutexLock g(mu_);
+  if (n == 0 || n != resume_marker_) return false;
+  resume_marker_ = 0;
+  ResumeReplicasLocked(out);
+  return true;
+}
+
+bool Routing::ResumeIfOverdue(Outbox& out) {
+  KvMutexLock g(mu_);
+  if (resume_marker_ == 0 || clock_() < resume_deadline_) return false;
+  resume_marker_ = 0;
+  ResumeReplicasLocked(out);
+  return true;
+}
+
+void Routing::ResumeReplicasLocked(Outbox& out) {
   sync_.Release(sync_.peers().Resume(clock_()), scheduler_.load(), metrics_dirty_);
   sync_.NextEpoch(scheduler_.load());
   DrainLocked(out);  // load dropped: queued requests may fit now

@@ -1,7 +1,8 @@
 // Routing quality of the default kv cost (issue 13's goal), replayed offline with fixed seeds:
 // on every synthetic workload shape and on a slice of the shared Mooncake trace, the default
 // reaches 90 % of the pooled-LRU hit rate, keeps the busiest worker's busy time within 1.3x the
-// mean (and every worker serving), and its TTFT p50 and p99 are no worse than round-robin's and Dynamo's formula's (scale 1).
+// mean (and every worker serving), and its TTFT p50 and p99 are no worse than round-robin's and
+// Dynamo's formula's (scale 1).
 // Fixed seeds make these exact regressions tests: a change that costs hit rate fails here.
 // On a mixed fleet (four workers 4x slower than the other four, the router told nothing of it:
 // it learns their speeds), the default's TTFT p50 and p99 are at least 25 % below the best of

@@ -151,6 +151,7 @@ TEST(PredictedCost, RecentExcessIsAboveTheMeanOrAColdIdleWorkersShortfall) {
   EXPECT_DOUBLE_EQ(excess(2, 0, 4), 0);   // half exactly
   EXPECT_DOUBLE_EQ(excess(0, 0, 4), -2);  // idle and under half: its shortfall from half
   EXPECT_DOUBLE_EQ(excess(1, 0, 4), -1);
+  EXPECT_DOUBLE_EQ(excess(2, 0, 20), -3);  // at most three requests' worth
   EXPECT_DOUBLE_EQ(excess(0, 1, 4), 0);  // running a request: no credit
   EXPECT_DOUBLE_EQ(excess(0, 0, 0), 0);  // nothing recent anywhere
 }

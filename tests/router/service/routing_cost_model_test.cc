@@ -109,14 +109,14 @@ TEST_F(CostModelTest, ALearnedRateSurvivesNeitherLeavingNorAnotherDevice) {
   Register(1, {.device = "gpu"});
   Register(2, {.device = "gpu"});
   int n = 0;
-  auto teach = [&](std::uint64_t worker) {  // 60 requests each as fast as a rate may be learned
+  auto teach = [&](std::uint64_t worker, double ttfb_ms) {  // 60 requests with that time to first byte
     for (int i = 0; i < 60; ++i) {
       const std::string id = fmt::format("teach-{}", ++n);
       RouteRequest r = Prompt({static_cast<std::uint32_t>(n), 2, 3, 4}, id);
       r.worker_id = worker;
       ASSERT_TRUE(Route(r).ok());
       ASSERT_TRUE(
-          bus_.Request(svc_->subjects().free, AsBytes(EncodeLifecycleRequest(id, {.ttfb_ms = 0.001}))).has_value());
+          bus_.Request(svc_->subjects().free, AsBytes(EncodeLifecycleRequest(id, {.ttfb_ms = ttfb_ms}))).has_value());
     }
   };
   auto rate = [&](std::uint64_t worker) {
@@ -127,20 +127,25 @@ TEST_F(CostModelTest, ALearnedRateSurvivesNeitherLeavingNorAnotherDevice) {
   };
   const double prior = rate(1);
   ASSERT_EQ(prior, PrefillTokensPerSecond(1));
-  teach(1);
-  const double learned = rate(1);
-  ASSERT_GT(learned, 10 * prior);
+  teach(1, 0.001);  // as fast as a rate may be learned
+  teach(2, 200);    // several times slower than the prior
+  const double fast = rate(1), slow = rate(2);
+  ASSERT_GT(fast, 10 * prior);
+  ASSERT_LT(slow, prior / 2);
   Register(1, {.device = "gpu"});  // a heartbeat
   Register(1, {.max_num_seqs = 128, .device = "gpu"});
-  EXPECT_EQ(rate(1), learned);
+  EXPECT_EQ(rate(1), fast);
+  // Another device: worker 1 starts again where a new worker would, at the fleet's typical rate
+  // (worker 2's, the only one learned now), and worker 2 keeps its own.
   Register(1, {.device = "cpu"});
-  EXPECT_EQ(rate(1), prior);
-  EXPECT_EQ(rate(2), prior);  // the other worker's untouched
-  teach(1);
+  EXPECT_EQ(rate(1), slow);
+  EXPECT_EQ(rate(2), slow);
+  teach(1, 0.001);
   ASSERT_GT(rate(1), 10 * prior);
   Register(1, {.device = "cpu", .leaving = true});
   Register(1, {.device = "cpu"});
-  EXPECT_EQ(rate(1), prior);
+  EXPECT_EQ(rate(1), slow);
+  EXPECT_EQ(rate(2), slow);
 }
 
 }  // namespace

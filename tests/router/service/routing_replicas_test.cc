@@ -183,7 +183,10 @@ TEST_F(ServiceTest, AfterItsOwnOutageAReplicaAnnouncesANewEpochAndSendsItsBookin
     auto e = DecodeActiveSequenceEvent(m.data);
     ASSERT_TRUE(e.ok());
     const bool add = e->kind == ActiveSequenceEvent::Kind::kAdd;
-    order.push_back(fmt::format("{} {} isl {} epoch {}", add ? "add" : "free", e->request_id, e->isl, e->epoch));
+    // The resume marker's id: "kvrouter-resume-<16 hex digits>-<n>" (random digits).
+    std::string id = e->request_id;
+    if (id.starts_with("kvrouter-resume-") && id.size() >= 34 && id[32] == '-') id.replace(16, 16, "R");
+    order.push_back(fmt::format("{} {} isl {} epoch {}", add ? "add" : "free", id, e->isl, e->epoch));
   });
   ASSERT_TRUE(hb.ok() && sync.ok());
   svc_->Tick();  // a heartbeat at the epoch this router started with
@@ -197,7 +200,7 @@ TEST_F(ServiceTest, AfterItsOwnOutageAReplicaAnnouncesANewEpochAndSendsItsBookin
   // service's answer to it is seen first).
   EXPECT_EQ(order, (std::vector<std::string>{fmt::format("heartbeat {}", e0 + 1),
                                              fmt::format("add ours isl 0 epoch {}", e0 + 1),  // prefill done
-                                             fmt::format("free kvrouter-resume-1 isl 0 epoch {}", e0)}));
+                                             fmt::format("free kvrouter-resume-R-1 isl 0 epoch {}", e0)}));
   EXPECT_EQ(Counter("active_requests"), 1u);
   // The request connection publishes the sync messages: its own outage moves the epoch too,
   // and releases nothing of the peers (their messages come on the event connection).
@@ -310,6 +313,19 @@ TEST_F(ReplicaOutageTest, TheSyncMessagesQueuedBeforeItAreAppliedBeforeThePeersB
   events.Release();  // both markers, late: neither releases anything again
   EXPECT_EQ(Counter("active_requests"), 1u);
   EXPECT_EQ(epochs.size(), 3u);
+
+  // A marker that comes back after the connection dropped again resumes nothing: the peers stay
+  // paused (nobody is judged) until the next reconnect's own marker.
+  events.Hold();
+  svc_->OnEventsDisconnected();
+  svc_->OnEventsReconnected();
+  svc_->OnEventsDisconnected();
+  events.Release();
+  EXPECT_EQ(Counter("active_requests"), 1u);
+  EXPECT_EQ(epochs.size(), 3u);
+  svc_->OnEventsReconnected();  // not held: its marker comes back at once
+  EXPECT_EQ(Counter("active_requests"), 0u);
+  EXPECT_EQ(epochs.size(), 4u);
 }
 
 TEST_F(ServiceTest, WithoutReplicaSyncAReconnectSendsNoSyncMessages) {
