@@ -3,7 +3,7 @@
 # engines on virtual time, deterministic for a seed): the shared Mooncake trace and the synthetic
 # workload shapes, each as docs/performance.md's table and as a plot (SVG, gnuplot), plus the trace's TTFT
 # over several seeds (a p99 of 12,031 requests moves by tens of ms with the tie-break seed).
-# About 5 minutes on a 2-core machine.
+# About 8 minutes on a 2-core machine.
 #
 #   scripts/quality.sh                    results in bench-results/quality/
 #   QUALITY_OUT=dir QUALITY_SEEDS=3 scripts/quality.sh
@@ -31,6 +31,8 @@ compare() {  # name, kvbench workload flags...
 
 if [ -f "$trace" ]; then
   compare trace --trace "$trace"
+  # The mixed fleet of docs/performance.md: workers 5-8 4x slower, unannounced.
+  compare mixed-trace --trace "$trace" --workers 8 --worker-speedups 1,1,1,1,0.25,0.25,0.25,0.25
 else
   echo "no trace at $trace: skipping it" >&2
 fi
