@@ -143,6 +143,12 @@ void ActiveLoad::SetPrior(const std::string& request_id, const PriorTtft& prior)
   it->second.has_prior = true;
 }
 
+void ActiveLoad::DropPriors(std::uint64_t worker_id) {
+  auto bw = by_worker_.find(worker_id);
+  if (bw == by_worker_.end()) return;
+  for (const std::string* id : bw->second) requests_.find(*id)->second.has_prior = false;
+}
+
 const PriorTtft* ActiveLoad::PriorOf(const std::string& request_id) const {
   auto it = requests_.find(request_id);
   return it != requests_.end() && it->second.has_prior ? &it->second.prior : nullptr;

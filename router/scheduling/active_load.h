@@ -66,6 +66,9 @@ class ActiveLoad {
   // without one (another replica's).
   void SetPrior(const std::string& request_id, const PriorTtft& prior);
   const PriorTtft* PriorOf(const std::string& request_id) const;
+  // Forgets the priors of the worker's bookings (they stay booked): what they observe when they
+  // end teaches nothing (the worker is other hardware now).
+  void DropPriors(std::uint64_t worker_id);
   // Calls f(request_id, worker, seq_hashes, prefill_tokens still booked) for every booking.
   void ForEach(
       const std::function<void(const std::string&, WorkerKey, std::span<const SequenceHash>, std::uint64_t)>& f) const;

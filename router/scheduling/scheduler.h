@@ -151,8 +151,12 @@ class Scheduler {
 
   // The worker left: its bookings, predictions and learned rates go. Returns the bookings released.
   std::size_t ForgetWorker(std::uint64_t worker_id);
-  // Only the learned rates of its ranks (a worker registered again as another device).
-  void ForgetRates(std::uint64_t worker_id) { rates_.RemoveWorker(worker_id); }
+  // Only the learned rates of its ranks (a worker registered again as another device), and the
+  // priors of its bookings, which ran on the old hardware: they teach the new one nothing.
+  void ForgetRates(std::uint64_t worker_id) {
+    rates_.RemoveWorker(worker_id);
+    load_.DropPriors(worker_id);
+  }
   // Prediction expiry (approximate mode).
   void ExpirePredictions(SteadyTime now);
 

@@ -136,10 +136,17 @@ TEST_F(CostModelTest, ALearnedRateSurvivesNeitherLeavingNorAnotherDevice) {
   Register(1, {.max_num_seqs = 128, .device = "gpu"});
   EXPECT_EQ(rate(1), fast);
   // Another device: worker 1 starts again where a new worker would, at the fleet's typical rate
-  // (worker 2's, the only one learned now), and worker 2 keeps its own.
+  // (worker 2's, the only one learned now), and worker 2 keeps its own. A request booked on the
+  // old hardware and freed after the change teaches the new one nothing.
+  RouteRequest before = Prompt({9, 9, 9, 9}, "booked-before");
+  before.worker_id = 1;
+  ASSERT_TRUE(Route(before).ok());
   Register(1, {.device = "cpu"});
   EXPECT_EQ(rate(1), slow);
   EXPECT_EQ(rate(2), slow);
+  ASSERT_TRUE(bus_.Request(svc_->subjects().free, AsBytes(EncodeLifecycleRequest("booked-before", {.ttfb_ms = 0.001})))
+                  .has_value());
+  EXPECT_EQ(rate(1), slow);
   teach(1, 0.001);
   ASSERT_GT(rate(1), 10 * prior);
   Register(1, {.device = "cpu", .leaving = true});
