@@ -5,6 +5,7 @@
 
 #include <mutex>
 #include <random>
+#include <utility>
 
 #include "router/common/metrics.h"
 
@@ -63,6 +64,8 @@ struct Gateway::Exchange {
   int engine_status = 0;
   HttpHeaders engine_headers;
   std::string engine_error;  // the body of a 5xx answer, for the message
+  bool first_byte = false;   // the engine's first response byte came (this attempt)
+  std::string held;          // a plain response's body so far, sent whole when it ends
   bool began = false;        // the response head went to the client
   bool done = false;         // answered, failed or gone: nothing more is sent
   SteadyTime called;         // the engine call started
@@ -405,10 +408,9 @@ void Gateway::Forward(const std::shared_ptr<Exchange>& x) {
                  return;
                }
                const SteadyTime now = std::chrono::steady_clock::now();
-               if (!ex->began) {
-                 ex->began = true;
+               if (!ex->first_byte) {
+                 ex->first_byte = true;
                  first = true;
-                 ex->reply->Begin(ex->engine_status, ResponseHead(*ex));
                  ttfb_->Observe(Seconds(now - ex->arrival));
                  ex->timing.ttfb_ms = Seconds(now - ex->called) * 1000;
                } else {
@@ -420,7 +422,18 @@ void Gateway::Forward(const std::shared_ptr<Exchange>& x) {
                }
                ++ex->timing.chunks;
                ex->last_chunk = now;
-               ex->reply->Write(std::string(d));
+               // A plain response goes to the client whole when it ends, with its length, in one
+               // write; a streamed one (or a plain one past kMaxHeldBody) chunk by chunk as it comes.
+               if (!ex->began && !ex->request.stream && ex->held.size() + d.size() <= kMaxHeldBody) {
+                 ex->held.append(d);
+               } else if (!ex->began) {
+                 ex->began = true;
+                 ex->reply->Begin(ex->engine_status, ResponseHead(*ex));
+                 ex->held.append(d);
+                 ex->reply->Write(std::exchange(ex->held, {}));
+               } else {
+                 ex->reply->Write(std::string(d));
+               }
                if (ex->reply->Backlog() > kMaxClientBacklog) {
                  slow = true;
                  ex->done = true;
@@ -459,10 +472,9 @@ void Gateway::Forward(const std::shared_ptr<Exchange>& x) {
                ex->done = true;
                if (!s.ok()) {
                  ex->reply->Abort();  // cut off mid-response: the client sees the connection end
+               } else if (!ex->began) {  // a plain response (or an empty body): whole
+                 ex->reply->Send(status, ResponseHead(*ex), std::exchange(ex->held, {}));
                } else {
-                 if (!ex->began) {  // an empty body
-                   ex->reply->Begin(status, ResponseHead(*ex));
-                 }
                  ex->reply->End();
                }
              }
@@ -497,6 +509,8 @@ void Gateway::Retry(const std::shared_ptr<Exchange>& x, const std::string& why) 
     attempt = ++x->attempt;
     x->engine_status = 0;
     x->engine_headers.clear();
+    x->first_byte = false;
+    x->held.clear();
   }
   log_.Log(LogLevel::kWarning, "engine-failed", "request {}: worker failed before its first byte: {}", x->request_id,
            why);

@@ -3,7 +3,8 @@
 // stream, the prompt), get the engine's exact token ids from a render endpoint (falling back to
 // /tokenize), ask the router (`route`, with the request id, the session, the workers serving the
 // model and the ones already tried), forward the body unchanged to the chosen engine over a
-// pooled keep-alive connection, and pass its response through as it arrives. mark_prefill goes
+// pooled keep-alive connection, and pass a streamed response through as it arrives (a plain one
+// goes whole when it ends, in one write, up to kMaxHeldBody; chunked past it). mark_prefill goes
 // at the engine's first response byte, free when the response ends, fails or the client goes
 // away (the engine connection is then closed, so the engine aborts). A failure before the first
 // byte reached the client frees the booking and routes again away from that worker, at most
@@ -43,6 +44,9 @@ class Gateway {
  public:
   // A slow client that lets this much of a streamed response pile up is cut off.
   static constexpr std::size_t kMaxClientBacklog = 8 << 20;
+  // A plain (non-streamed) response up to this size is held and sent whole, in one write, with
+  // its Content-Length; a larger one goes out chunked as it comes.
+  static constexpr std::size_t kMaxHeldBody = 1 << 20;
   // A render or /tokenize answer larger than this is refused (a prompt's ids, not a stream).
   static constexpr std::size_t kMaxRenderBytes = 64 << 20;
 

@@ -20,6 +20,7 @@
 
 #include "events/msgpack_reader.h"
 #include "tests/await.h"
+#include "router/kvgateway/gateway.h"
 #include "router/kvmocker/openai_face.h"
 #include "tests/integration/kvrouter_fixture.h"
 #include "transport/http_client.h"
@@ -34,7 +35,8 @@ using json = nlohmann::json;
 // streamed), registration on NATS with its http_url.
 class FakeEngine {
  public:
-  enum class Mode { kAnswer, kFail500, kHold };
+  enum class Mode { kAnswer, kFail500, kHold, kBig };
+  static constexpr std::size_t kBigContent = (Gateway::kMaxHeldBody * 3) / 2;
 
   explicit FakeEngine(HttpIo& io) {
     auto l = HttpListener::Start(io, {.host = "127.0.0.1"}, [this](HttpRequest r, std::shared_ptr<HttpReply> reply) {
@@ -96,6 +98,12 @@ class FakeEngine {
         held_.push_back(std::move(reply));
         return;
       }
+      case Mode::kBig:  // a plain answer larger than the gateway holds, in pieces
+        reply->Begin(200, {{"content-type", "application/json"}});
+        reply->Write(R"({"choices":[{"message":{"content":")");
+        for (std::size_t i = 0; i < kBigContent; i += 64 << 10) reply->Write(std::string(64 << 10, 'x'));
+        reply->Write(R"("}}]})");
+        return reply->End();
       case Mode::kAnswer: break;
     }
     if (body.value("stream", false)) {
@@ -215,6 +223,9 @@ TEST_F(GatewayTest, APlainChatCompletionGoesThroughWithTheRoutersHeadersAndFrees
   ASSERT_TRUE(r.ok()) << r.status().ToString();
   EXPECT_EQ(r->status, 200) << r->body;
   EXPECT_EQ(json::parse(r->body)["choices"][0]["message"]["content"], "hi");
+  // Sent whole, with its length (one write), not chunked.
+  EXPECT_EQ(HeaderOf(*r, "content-length"), std::to_string(r->body.size()));
+  EXPECT_EQ(HeaderOf(*r, "transfer-encoding"), "");
   EXPECT_EQ(HeaderOf(*r, "x-request-id"), "client-7");
   EXPECT_EQ(HeaderOf(*r, "x-kvrouter-worker-id"), "1");
   EXPECT_FALSE(HeaderOf(*r, "x-kvrouter-cached-tokens").empty());
@@ -236,6 +247,7 @@ TEST_F(GatewayTest, AStreamIsPassedThroughEventByEvent) {
   ASSERT_TRUE(r.ok()) << r.status().ToString();
   EXPECT_EQ(r->status, 200);
   EXPECT_EQ(HeaderOf(*r, "content-type"), "text/event-stream");
+  EXPECT_EQ(HeaderOf(*r, "transfer-encoding"), "chunked");
   EXPECT_NE(r->body.find("t0"), std::string::npos);
   EXPECT_TRUE(r->body.ends_with("data: [DONE]\n\n")) << r->body;
   // Freed with the engine's timing, which teaches worker 1's rates.
@@ -245,6 +257,22 @@ TEST_F(GatewayTest, AStreamIsPassedThroughEventByEvent) {
                s.counters["rate_observations"] == 1 && s.workers.at(0).rate_observations == 1;
       },
       5s));
+}
+
+// A plain answer past what the gateway holds goes out chunked as it comes, whole and unchanged.
+TEST_F(GatewayTest, APlainAnswerLargerThanTheGatewayHoldsIsPassedThroughChunked) {
+  AddEngine(1).set_mode(FakeEngine::Mode::kBig);
+  ASSERT_TRUE(AwaitReady(1));
+  auto r = Post(Chat("a long answer"));
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->status, 200);
+  EXPECT_EQ(HeaderOf(*r, "transfer-encoding"), "chunked");
+  const json body = json::parse(r->body, nullptr, false);
+  ASSERT_FALSE(body.is_discarded());
+  const std::string content = body["choices"][0]["message"]["content"];
+  EXPECT_GT(content.size(), Gateway::kMaxHeldBody);
+  EXPECT_EQ(content.find_first_not_of('x'), std::string::npos);
+  EXPECT_TRUE(AwaitStats([](StatsReply& s) { return s.counters["active_requests"] == 0; }, 5s));
 }
 
 TEST_F(GatewayTest, ModelsListsWhatTheEnginesServeAndAnUnknownModelIs404) {
