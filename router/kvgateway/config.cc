@@ -24,7 +24,7 @@ po::options_description Describe() {
     ("metrics-port", po::value<std::uint32_t>()->default_value(d.metrics_port), "HTTP port of /metrics, /health and /ready (0 turns it off)")
     ("metrics-host", po::value<std::string>()->default_value(d.metrics_host), "address the metrics port listens on")
     ("render-url", po::value<std::string>()->default_value(d.render_url), "base URL that renders prompts to token ids (default: an engine serving the model)")
-    ("retries", po::value<std::uint32_t>()->default_value(d.retries), "other workers tried when an engine fails before its first byte [0, 16]")
+    ("retries", po::value<std::uint32_t>()->default_value(d.retries), "other workers tried when an engine fails before its answer reached the client [0, 16]")
     ("max-body-bytes", po::value<std::uint64_t>()->default_value(d.max_body_bytes), "largest request body (>= 1); larger is 413, refused from Content-Length")
     ("route-timeout-ms", po::value<std::uint32_t>()->default_value(d.route_timeout_ms), "longest wait for the router's answer, its queue included (>= 1)")
     ("engine-timeout-ms", po::value<std::uint32_t>()->default_value(d.engine_timeout_ms), "an engine silent this long (before or between chunks) fails the request (>= 1)")

@@ -70,7 +70,8 @@ struct Gateway::Exchange {
   bool done = false;         // answered, failed or gone: nothing more is sent
   SteadyTime called;         // the engine call started
   SteadyTime last_chunk;
-  ResponseTiming timing;  // of the engine's response so far (ttfb_ms once it began)
+  ResponseTiming timing;       // of the engine's response so far (ttfb_ms once its first byte came)
+  bool ttfb_observed = false;  // in the ttfb histogram (once per request, whatever the retries)
   // Render.
   int render_status = 0;
   std::string render_body;
@@ -92,7 +93,8 @@ Gateway::Gateway(const GatewayConfig& config, HttpClient& client, RouterLink& li
   auto counter = [&](const char* name, const char* help) {
     return &prometheus::BuildCounter().Name(name).Help(help).Register(*registry_).Add({});
   };
-  retries_ = counter("kvgateway_retries_total", "requests routed again after an engine failed before its first byte");
+  retries_ = counter("kvgateway_retries_total",
+                     "requests routed again after an engine failed before its answer reached the client");
   clients_gone_ = counter("kvgateway_clients_gone_total",
                           "clients that went away before their response ended (the engine connection is closed)");
   slow_clients_ = counter("kvgateway_slow_clients_total", "clients cut off for letting a streamed response pile up");
@@ -411,7 +413,7 @@ void Gateway::Forward(const std::shared_ptr<Exchange>& x) {
                if (!ex->first_byte) {
                  ex->first_byte = true;
                  first = true;
-                 ttfb_->Observe(Seconds(now - ex->arrival));
+                 if (!std::exchange(ex->ttfb_observed, true)) ttfb_->Observe(Seconds(now - ex->arrival));
                  ex->timing.ttfb_ms = Seconds(now - ex->called) * 1000;
                } else {
                  const double gap = Seconds(now - ex->last_chunk);
@@ -464,6 +466,11 @@ void Gateway::Forward(const std::shared_ptr<Exchange>& x) {
                error = std::move(ex->engine_error);
              }
              if (!began && (!s.ok() || status >= 500)) {
+               // Nothing reached the client. A client error the engine broke off in the middle of
+               // is not another engine's to answer.
+               if (!s.ok() && status >= 400 && status < 500) {
+                 return Fail(ex, 502, "engine_failed", "the engine's answer broke off: " + s.message());
+               }
                return Retry(
                    ex, s.ok() ? fmt::format("the engine answered {}: {}", status, error.substr(0, 256)) : s.message());
              }
@@ -512,8 +519,8 @@ void Gateway::Retry(const std::shared_ptr<Exchange>& x, const std::string& why) 
     x->first_byte = false;
     x->held.clear();
   }
-  log_.Log(LogLevel::kWarning, "engine-failed", "request {}: worker failed before its first byte: {}", x->request_id,
-           why);
+  log_.Log(LogLevel::kWarning, "engine-failed", "request {}: worker failed before its answer reached the client: {}",
+           x->request_id, why);
   if (attempt > config_.retries) {
     return Fail(x, 502, "engine_failed", fmt::format("the engine failed after {} tries: {}", attempt, why));
   }

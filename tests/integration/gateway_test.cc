@@ -35,7 +35,7 @@ using json = nlohmann::json;
 // streamed), registration on NATS with its http_url.
 class FakeEngine {
  public:
-  enum class Mode { kAnswer, kFail500, kHold, kBig };
+  enum class Mode { kAnswer, kFail500, kHold, kBig, kCutOff, kCutOff400 };
   static constexpr std::size_t kBigContent = (Gateway::kMaxHeldBody * 3) / 2;
 
   explicit FakeEngine(HttpIo& io) {
@@ -104,6 +104,11 @@ class FakeEngine {
         for (std::size_t i = 0; i < kBigContent; i += 64 << 10) reply->Write(std::string(64 << 10, 'x'));
         reply->Write(R"("}}]})");
         return reply->End();
+      case Mode::kCutOff:  // part of an answer, then the connection ends
+      case Mode::kCutOff400:
+        reply->Begin(mode_.load() == Mode::kCutOff ? 200 : 400, {{"content-type", "application/json"}});
+        reply->Write(R"({"choices":[{"message":{"content":"half)");
+        return reply->Abort();
       case Mode::kAnswer: break;
     }
     if (body.value("stream", false)) {
@@ -271,7 +276,7 @@ TEST_F(GatewayTest, APlainAnswerLargerThanTheGatewayHoldsIsPassedThroughChunked)
   ASSERT_FALSE(body.is_discarded());
   const std::string content = body["choices"][0]["message"]["content"];
   EXPECT_GT(content.size(), Gateway::kMaxHeldBody);
-  EXPECT_EQ(content.find_first_not_of('x'), std::string::npos);
+  EXPECT_EQ(content, std::string(FakeEngine::kBigContent, 'x'));
   EXPECT_TRUE(AwaitStats([](StatsReply& s) { return s.counters["active_requests"] == 0; }, 5s));
 }
 
@@ -353,6 +358,38 @@ TEST_F(GatewayTest, AnEngineAnswering500BeforeItsFirstByteIsRetriedAndAllFailing
   ASSERT_TRUE(r.ok());
   EXPECT_EQ(r->status, 502);
   EXPECT_EQ(json::parse(r->body)["error"]["type"], "server_error");
+  EXPECT_TRUE(AwaitStats([](StatsReply& s) { return s.counters["active_requests"] == 0; }, 5s));
+}
+
+// A plain answer the engine breaks off before it ended reached the client not at all: it is routed
+// again (alone, the engine was the last to try: 502); a 4xx broken off so is the engine's failure
+// to answer, 502 at once.
+TEST_F(GatewayTest, APlainAnswerBrokenOffBeforeItEndedIsRetriedUnlessAClientError) {
+  FakeEngine& bad = AddEngine(1);
+  bad.set_mode(FakeEngine::Mode::kCutOff);
+  ASSERT_TRUE(AwaitReady(1));
+  auto r = Post(Chat("cut me off"));
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->status, 502) << r->body;
+  EXPECT_NE(r->body.find("every engine tried failed"), std::string::npos) << r->body;
+  EXPECT_EQ(bad.completions(), 1);
+  bad.set_mode(FakeEngine::Mode::kCutOff400);
+  r = Post(Chat("cut me off again"));
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->status, 502) << r->body;
+  EXPECT_NE(r->body.find("broke off"), std::string::npos) << r->body;
+  EXPECT_EQ(bad.completions(), 2);
+  // With a working engine beside it, the client gets that one's whole answer, once.
+  bad.set_mode(FakeEngine::Mode::kCutOff);
+  AddEngine(2);
+  ASSERT_TRUE(AwaitReady(2));
+  for (int i = 0; i < 4; ++i) {
+    r = Post(Chat(fmt::format("request {}", i)));
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    EXPECT_EQ(r->status, 200) << r->body;
+    EXPECT_EQ(HeaderOf(*r, "x-kvrouter-worker-id"), "2");
+    EXPECT_EQ(json::parse(r->body)["choices"][0]["message"]["content"], "hi");
+  }
   EXPECT_TRUE(AwaitStats([](StatsReply& s) { return s.counters["active_requests"] == 0; }, 5s));
 }
 
