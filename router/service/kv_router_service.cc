@@ -15,6 +15,9 @@
 namespace kvrouter {
 namespace {
 
+// 64 bits of this process's chance, mixed with the seed (random_device gives 32).
+std::uint64_t RandomId(std::uint64_t seed) { return std::random_device{}() * 0x9E3779B97F4A7C15ULL ^ seed; }
+
 // Parses "{worker_id}.{dp_rank}" at the end of a vLLM event subject.
 bool ParseWorkerRank(std::string_view tail, std::uint64_t& worker, std::uint32_t& rank) {
   const auto dot = tail.find('.');
@@ -55,7 +58,7 @@ KvRouterService::KvRouterService(RouterConfig config, MessageBus& bus, Clock clo
       event_bus_(event_bus ? *event_bus : bus),
       clock_(clock ? std::move(clock) : Clock([] { return std::chrono::steady_clock::now(); })),
       subjects_(config_.ns, config_.component),
-      router_id_(config_.router_id ? config_.router_id : std::random_device{}() * 0x9E3779B97F4A7C15ULL ^ seed),
+      router_id_(config_.router_id ? config_.router_id : RandomId(seed)),
       index_({.num_shards = config_.index_shards,
               .on_recovery =
                   config_.recovery && config_.use_kv_events
@@ -70,7 +73,7 @@ KvRouterService::KvRouterService(RouterConfig config, MessageBus& bus, Clock clo
                  .max_workers = config_.max_workers}),
       routing_(config_, registry_, index_, clock_, router_id_, seed, log_),
       relay_(bus_, routing_, fmt::format("_KVR.{:x}.", router_id_), clock_, log_),
-      resume_prefix_(fmt::format("kvrouter-resume-{:016x}-", std::random_device{}() * 0x9E3779B97F4A7C15ULL ^ seed)) {
+      resume_prefix_(fmt::format("kvrouter-resume-{:016x}-", RandomId(seed))) {
   routing_.SetDecisionObserver([this](Routing::Kind, const RouteReply& r) { metrics_.ObserveDecision(r); });
   if (config_.recovery && config_.use_kv_events) {
     recovery_ = std::make_unique<RecoveryClient>(

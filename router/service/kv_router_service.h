@@ -196,10 +196,9 @@ class KvRouterService {
   std::atomic<bool> started_{false};
   std::atomic<bool> events_up_{true};
   SteadyTime next_heartbeat_{};  // Tick's thread only: when this replica next says it is alive
-  // After the event connection came back, the peers' bookings are released only once this
-  // replica's own marker comes back on the sync subscription (see OnEventsReconnected): the
-  // marker's number (0: none awaited) and when Tick stops waiting for it.
-  std::uint64_t resume_markers_sent_ = 0;  // the reconnect callback's thread only
+  // Resume markers sent after reconnects (OnEventsReconnected; Routing holds the awaited one):
+  // the reconnect callback's thread only.
+  std::uint64_t resume_markers_sent_ = 0;
   // "kvrouter-resume-<random>-": the markers' request ids, which no client's id is by chance.
   const std::string resume_prefix_;
   // Routes before it wait for in-flight start-up dumps (set again when a warm-up ends).
