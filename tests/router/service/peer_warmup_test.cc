@@ -98,6 +98,7 @@ TEST_F(PeerWarmupTest, AReplicaWarmsFromAPeerAndAsksNoWorkerThePeerCovers) {
   FakeWorker w3(bus_, 3);
   w3.Store(PromptTokens(11), nullptr);  // from before either replica listened
   Register(3);
+  svc_->index().Flush();  // both replicas serve router.dump: each has taken worker 3's dump
   b->index().Flush();
   EXPECT_EQ(CounterOf(kB, "recovery_dumps"), 1u);
   EXPECT_EQ(b->index().TreeSize({3, 0}), w3.publisher().held_blocks());
