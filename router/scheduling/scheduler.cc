@@ -71,6 +71,13 @@ void IndexOverlaps(const SchedulerOptions& options, const ShardedIndex& index, c
   index.FindMatches(p.seq, out);
 }
 
+bool IndexRuns(const SchedulerOptions& options, const ShardedIndex& index, const PreparedRequest& p,
+               IndexMatches& out) {
+  if (options.mode != RouterMode::kKv || p.seq.empty() || options.predictions || !options.use_kv_events) return false;
+  index.FindMatches(p.seq, out);
+  return true;
+}
+
 void Scheduler::PredictedOverlaps(const PreparedRequest& p, OverlapScores& out) const {
   out.clear();
   if (options_.mode == RouterMode::kKv && approx_ && !p.seq.empty()) approx_->FindMatches(p.seq, out);
@@ -141,8 +148,8 @@ std::vector<Candidate> Scheduler::Candidates(std::span<const RankInfo> ranks, st
   return cands;
 }
 
-bool Scheduler::PicksAmongAll(const PreparedRequest& p) const {
-  return options_.mode == RouterMode::kKv && !(p.params.temperature > 0);
+bool PicksAmongAll(const SchedulerOptions& options, const PreparedRequest& p) {
+  return options.mode == RouterMode::kKv && !(p.params.temperature > 0);
 }
 
 std::uint64_t Scheduler::RankClasses::Hash(WorkerKey rank) {
@@ -163,6 +170,7 @@ Scheduler::RankClasses::Slot* Scheduler::RankClasses::Find(WorkerKey rank, std::
 Scheduler::RankClasses& Scheduler::ClassesOf(const std::shared_ptr<const std::vector<RankInfo>>& ranks) {
   if (classes_.of == ranks) return classes_;
   classes_ = {.of = ranks};
+  crowds_.clear();  // their positions are in the old list
   std::unordered_map<std::uint64_t, std::unordered_map<std::uint64_t, std::uint32_t>> index;
   const std::size_t n = ranks->size();
   classes_.class_of.resize(n);
@@ -209,26 +217,27 @@ std::uint32_t KthPosition(std::vector<std::uint32_t>& positions, std::size_t k, 
   return 0;  // unreachable: k < positions.size()
 }
 
-// The k-th smallest (from 0) position of the union of the members of `tied_classes` (ascending
-// per class) less `excluded`, and of `extra` (distinct from those left; both reordered): the
-// smallest position with k + 1 of them at or before it, by a binary search over positions.
-std::uint32_t KthPositionWithClasses(const std::vector<std::vector<std::uint32_t>>& members,
-                                     const std::vector<std::uint32_t>& tied_classes, std::vector<std::uint32_t>& extra,
-                                     std::vector<std::uint32_t>& excluded, std::size_t k, std::size_t n) {
-  std::sort(excluded.begin(), excluded.end());
-  std::sort(extra.begin(), extra.end());
-  auto upto = [](const std::vector<std::uint32_t>& v, std::uint32_t pos) {
-    return static_cast<std::size_t>(std::upper_bound(v.begin(), v.end(), pos) - v.begin());
-  };
+// A set of distinct positions, ascending, counted with a sign: the tied ranks are such a signed
+// sum (a tied class's members less those priced apart), each position in it at most once.
+struct SignedPositions {
+  std::span<const std::uint32_t> positions;
+  int sign = 1;
+};
+
+// The k-th smallest (from 0) position of the signed sum of `sets`: the smallest position with
+// k + 1 of them at or before it, by a binary search over positions below n.
+std::uint32_t KthPositionOf(std::span<const SignedPositions> sets, std::size_t k, std::size_t n) {
   auto count_upto = [&](std::uint32_t pos) {
-    std::size_t count = upto(extra, pos) - upto(excluded, pos);
-    for (const std::uint32_t c : tied_classes) count += upto(members[c], pos);
+    std::ptrdiff_t count = 0;
+    for (const SignedPositions& s : sets) {
+      count += s.sign * (std::upper_bound(s.positions.begin(), s.positions.end(), pos) - s.positions.begin());
+    }
     return count;
   };
   std::uint32_t lo = 0, hi = static_cast<std::uint32_t>(n - 1);
   while (lo < hi) {
     const std::uint32_t mid = lo + (hi - lo) / 2;
-    if (count_upto(mid) >= k + 1) {
+    if (count_upto(mid) >= static_cast<std::ptrdiff_t>(k + 1)) {
       hi = mid;
     } else {
       lo = mid + 1;
@@ -237,25 +246,135 @@ std::uint32_t KthPositionWithClasses(const std::vector<std::vector<std::uint32_t
   return lo;
 }
 
+bool Holds(std::span<const std::uint32_t> positions, std::uint32_t pos) {
+  return std::binary_search(positions.begin(), positions.end(), pos);
+}
+
 }  // namespace
 
-Scheduler::WideChoice Scheduler::PickAmongAll(const std::shared_ptr<const std::vector<RankInfo>>& ranks,
-                                              const PreparedRequest& p, OverlapScores& overlaps, FullRanks full) {
-  const std::vector<RankInfo>& all = *ranks;
-  const std::size_t n = all.size();
-  WideChoice out;
+bool Scheduler::FullScanPays(const PreparedRequest& p, std::size_t ranks) const {
   // Dynamo's formula reads only a rank's active load: recent requests and a learned rate leave
   // a rank whose requests have ended where an idle one is. The predicted cost reads both.
   const bool predicted = p.params.model == CostModel::kPredicted;
   const std::size_t one_by_one = predicted ? load_.workers() + rates_.ranks() : load_.active_workers();
+  return one_by_one * 2 > ranks;
+}
+
+Scheduler::WideChoice Scheduler::PickAmongAll(const std::shared_ptr<const std::vector<RankInfo>>& ranks,
+                                              const PreparedRequest& p, OverlapScores& overlaps, FullRanks full) {
+  const std::vector<RankInfo>& all = *ranks;
+  WideChoice out;
   // Where most ranks are priced one by one anyway, the full scan is cheaper and chooses the same.
-  if (one_by_one * 2 > n) {
+  if (FullScanPays(p, all.size())) {
     std::vector<Candidate> cands = Candidates(all, p.seq, overlaps);
     for (const Candidate& c : cands) out.best_overlap = std::max(out.best_overlap, c.overlap_blocks);
     if (full == FullRanks::kLeftOut) cands = OpenRanks(std::move(cands));
     if (!cands.empty()) out.chosen = cands[selector_.Pick(options_.mode, p.sel, cands, p.params, rng_)];
     return out;
   }
+  return PickByClasses(ranks, p, overlaps, {}, full);
+}
+
+Scheduler::WideChoice Scheduler::PickAmongAll(const std::shared_ptr<const std::vector<RankInfo>>& ranks,
+                                              const PreparedRequest& p, const IndexMatches& matches,
+                                              OverlapScores& overlaps, FullRanks full) {
+  thread_local std::vector<CrowdMatch> crowds;
+  crowds.clear();
+  overlaps.clear();
+  if (!FullScanPays(p, ranks->size()) && ReadCrowds(ClassesOf(ranks), matches, overlaps, crowds)) {
+    return PickByClasses(ranks, p, overlaps, crowds, full);
+  }
+  overlaps.clear();
+  // A slot handed to another worker since the read: the index is read again.
+  if (!index_.TranslateMatches(matches, overlaps)) index_.FindMatches(p.seq, overlaps);
+  return PickAmongAll(ranks, p, overlaps, full);
+}
+
+bool Scheduler::ReadCrowds(RankClasses& classes, const IndexMatches& matches, OverlapScores& overlaps,
+                           std::vector<CrowdMatch>& crowds) {
+  ++crowd_reads_;
+  thread_local IndexMatches rest;  // the runs translated rank by rank
+  rest.shards.resize(matches.shards.size());
+  for (std::size_t s = 0; s < matches.shards.size(); ++s) {
+    const MatchRuns& m = matches.shards[s];
+    MatchRuns& r = rest.shards[s];
+    r.clear();
+    r.slot_reuses = m.slot_reuses;
+    for (std::size_t i = 0; i < m.runs.size(); ++i) {
+      const std::uint32_t begin = i == 0 ? 0 : m.runs[i - 1].end, end = m.runs[i].end;
+      const std::span<const std::uint32_t> slots(m.slots.data() + begin, end - begin);
+      if (slots.size() < kCrowd) {
+        r.slots.insert(r.slots.end(), slots.begin(), slots.end());
+        r.runs.push_back({static_cast<std::uint32_t>(r.slots.size()), m.runs[i].depth});
+        continue;
+      }
+      const Crowd* crowd = CrowdOf(classes, matches, s, slots);
+      if (crowd == nullptr || crowd->tiered) return false;
+      crowds.push_back({crowd, m.runs[i].depth});
+    }
+  }
+  if (!index_.TranslateMatches(rest, overlaps)) return false;
+  if (crowds.empty()) return true;
+  // A rank's tiers are folded together from its entries (SplitTiers): a crowd's device depths
+  // are not among them.
+  return std::none_of(overlaps.begin(), overlaps.end(),
+                      [](const OverlapScore& o) { return (o.worker.dp_rank & kTierRankBits) != 0; });
+}
+
+const Scheduler::Crowd* Scheduler::CrowdOf(RankClasses& classes, const IndexMatches& matches, std::size_t shard,
+                                           std::span<const std::uint32_t> slots) {
+  const std::uint64_t reuses = matches.shards[shard].slot_reuses;
+  for (Crowd& c : crowds_) {
+    if (c.shard == shard && c.slot_reuses == reuses && c.slots.size() == slots.size() &&
+        std::memcmp(c.slots.data(), slots.data(), slots.size_bytes()) == 0) {
+      c.used = crowd_reads_;
+      ++crowds_reused_;
+      return &c;
+    }
+  }
+  // Translated as the index names its slots now: valid if no slot was reused since the read.
+  thread_local IndexMatches one;
+  one.shards.resize(matches.shards.size());
+  for (std::size_t s = 0; s < matches.shards.size(); ++s) {
+    one.shards[s].clear();
+    one.shards[s].slot_reuses = matches.shards[s].slot_reuses;
+  }
+  one.shards[shard].slots.assign(slots.begin(), slots.end());
+  one.shards[shard].runs.push_back({static_cast<std::uint32_t>(slots.size()), 1});
+  thread_local OverlapScores named;
+  named.clear();
+  if (!index_.TranslateMatches(one, named)) return nullptr;
+  // Its place: a new one, or the one least lately used that this read does not use.
+  Crowd* c = nullptr;
+  if (crowds_.size() < kKeptCrowds) {
+    crowds_.reserve(kKeptCrowds);  // never moved: this read's crowds are pointed at
+    c = &crowds_.emplace_back();
+  } else {
+    for (Crowd& k : crowds_) {
+      if (k.used != crowd_reads_ && (c == nullptr || k.used < c->used)) c = &k;
+    }
+    if (c == nullptr) return nullptr;
+  }
+  *c = {.shard = shard, .slot_reuses = reuses, .used = crowd_reads_};
+  c->slots.assign(slots.begin(), slots.end());
+  c->positions.assign(classes.members.size(), {});
+  for (const OverlapScore& o : named) {
+    if ((o.worker.dp_rank & kTierRankBits) != 0) c->tiered = true;
+    const RankClasses::Slot* slot = classes.Find(o.worker, RankClasses::Hash(o.worker));
+    if (slot != nullptr) c->positions[slot->cls].push_back(slot->pos1 - 1);  // else not registered
+  }
+  for (auto& v : c->positions) std::sort(v.begin(), v.end());
+  ++crowds_translated_;
+  return c;
+}
+
+Scheduler::WideChoice Scheduler::PickByClasses(const std::shared_ptr<const std::vector<RankInfo>>& ranks,
+                                               const PreparedRequest& p, OverlapScores& overlaps,
+                                               std::span<const CrowdMatch> crowds, FullRanks full) {
+  const std::vector<RankInfo>& all = *ranks;
+  const std::size_t n = all.size();
+  const bool predicted = p.params.model == CostModel::kPredicted;
+  WideChoice out;
   RankClasses& classes = ClassesOf(ranks);
   ++class_picks_;
   if (++classes.pick == 0) {  // wrapped: forget every mark
@@ -307,6 +426,17 @@ Scheduler::WideChoice Scheduler::PickAmongAll(const std::shared_ptr<const std::v
   group_size.clear();
   grouped.clear();
   std::uint32_t last_group = 0;
+  auto group_for = [&](const GroupKey& key) {
+    // Ranks matched alike come together (the index emits a holder set at a time): the last
+    // group is looked up first.
+    if (!groups.empty() && groups[last_group] == key) return last_group;
+    auto [it, fresh] = group_of.try_emplace(key, static_cast<std::uint32_t>(groups.size()));
+    if (fresh) {
+      groups.push_back(key);
+      group_size.push_back(0);
+    }
+    return last_group = it->second;
+  };
   auto add_matched = [&](Slot* slot, TieredOverlap overlap) {
     if (slot == nullptr) return;  // not registered
     if (slot->seen == classes.pick) {
@@ -316,18 +446,7 @@ Scheduler::WideChoice Scheduler::PickAmongAll(const std::shared_ptr<const std::v
     }
     slot->seen = classes.pick;
     slot->special = kGrouped;
-    const GroupKey key{slot->cls, overlap};
-    // Ranks matched alike come together (the index emits a holder set at a time): the last
-    // group is looked up first.
-    std::uint32_t g = groups.empty() || !(groups[last_group] == key) ? kGrouped : last_group;
-    if (g == kGrouped) {
-      auto [it, fresh] = group_of.try_emplace(key, static_cast<std::uint32_t>(groups.size()));
-      if (fresh) {
-        groups.push_back(key);
-        group_size.push_back(0);
-      }
-      g = last_group = it->second;
-    }
+    const std::uint32_t g = group_for({slot->cls, overlap});
     ++group_size[g];
     grouped.emplace_back(g, slot->pos1 - 1);
   };
@@ -352,6 +471,71 @@ Scheduler::WideChoice Scheduler::PickAmongAll(const std::shared_ptr<const std::v
   }
   for (const auto& [k, t] : tiers) add_matched(classes.Find(k, RankClasses::Hash(k)), t);
 
+  // The crowds (device only: ReadCrowds). A rank's overlap is the deepest run holding it, and it
+  // is counted once: as a special rank, as matched one by one (unless a deeper crowd holds it),
+  // or in the deepest crowd holding it. A crowd's members of a class are its positions less
+  // those counted elsewhere (`apart`, per crowd and class; ascending once sorted below).
+  const std::size_t nc = classes.members.size();
+  auto positions = [&](std::size_t i, std::uint32_t cls) -> std::span<const std::uint32_t> {
+    return crowds[i].crowd->positions[cls];
+  };
+  thread_local std::vector<std::vector<std::uint32_t>> apart;
+  if (apart.size() < crowds.size() * nc) apart.resize(crowds.size() * nc);
+  for (std::size_t i = 0; i < crowds.size() * nc; ++i) apart[i].clear();
+  for (Special& s : special) {
+    for (std::size_t i = 0; i < crowds.size(); ++i) {
+      if (!Holds(positions(i, s.cls), s.pos)) continue;
+      apart[i * nc + s.cls].push_back(s.pos);
+      const std::uint32_t d = crowds[i].depth;
+      s.overlap = {std::max(s.overlap.device, d), std::max(s.overlap.host, d), std::max(s.overlap.any, d)};
+    }
+  }
+  for (auto& [g, pos] : grouped) {
+    const std::uint32_t cls = classes.class_of[pos], depth = groups[g].overlap.device;
+    bool deeper = false;
+    for (std::size_t i = 0; i < crowds.size(); ++i) {
+      if (!Holds(positions(i, cls), pos)) continue;
+      if (crowds[i].depth > depth) {
+        deeper = true;  // counted in the deepest crowd holding it; the others are met below
+      } else {
+        apart[i * nc + cls].push_back(pos);
+      }
+    }
+    if (deeper) {
+      --group_size[g];
+      g = kGrouped;
+    }
+  }
+  std::erase_if(grouped, [&](const std::pair<std::uint32_t, std::uint32_t>& x) { return x.first == kGrouped; });
+  for (std::size_t i = 0; i < crowds.size(); ++i) {
+    for (std::size_t j = 0; j < crowds.size(); ++j) {
+      // A crowd copied whole at the depth where most of it dropped out holds the deeper ones.
+      if (crowds[i].crowd->shard != crowds[j].crowd->shard || crowds[i].depth >= crowds[j].depth) continue;
+      for (std::uint32_t c = 0; c < nc; ++c) {
+        std::set_intersection(positions(i, c).begin(), positions(i, c).end(), positions(j, c).begin(),
+                              positions(j, c).end(), std::back_inserter(apart[i * nc + c]));
+      }
+    }
+  }
+  struct CrowdGroup {
+    std::uint32_t crowd, cls, group;
+  };
+  thread_local std::vector<CrowdGroup> crowd_groups;
+  crowd_groups.clear();
+  for (std::size_t i = 0; i < crowds.size(); ++i) {
+    for (std::uint32_t c = 0; c < nc; ++c) {
+      std::vector<std::uint32_t>& a = apart[i * nc + c];
+      std::sort(a.begin(), a.end());
+      a.erase(std::unique(a.begin(), a.end()), a.end());
+      const auto count = static_cast<std::uint32_t>(positions(i, c).size() - a.size());
+      if (count == 0) continue;
+      const std::uint32_t d = crowds[i].depth;
+      const std::uint32_t g = group_for({c, {d, d, d}});
+      group_size[g] += count;
+      crowd_groups.push_back({static_cast<std::uint32_t>(i), c, g});
+    }
+  }
+
   const CandidateContext ctx = ContextNow();
   struct Priced {
     std::uint32_t pos;
@@ -363,7 +547,9 @@ Scheduler::WideChoice Scheduler::PickAmongAll(const std::shared_ptr<const std::v
   std::vector<std::uint32_t> idle(classes.members.size());  // per class: members neither special nor grouped
   for (std::size_t c = 0; c < idle.size(); ++c) idle[c] = static_cast<std::uint32_t>(classes.members[c].size());
   for (std::size_t g = 0; g < groups.size(); ++g) idle[groups[g].cls] -= group_size[g];
-  for (const GroupKey& g : groups) out.best_overlap = std::max(out.best_overlap, g.overlap.device);
+  for (std::size_t g = 0; g < groups.size(); ++g) {
+    if (group_size[g] > 0) out.best_overlap = std::max(out.best_overlap, groups[g].overlap.device);
+  }
   thread_local std::vector<std::pair<std::uint32_t, double>> recent;  // (position, recent requests) != 0
   recent.clear();
   std::size_t open = n;
@@ -428,12 +614,22 @@ Scheduler::WideChoice Scheduler::PickAmongAll(const std::shared_ptr<const std::v
     if (group_cost[g] == lo) tied_special.push_back(pos);
   }
   tied += tied_special.size();
+  // Tied crowds: their members, as sets.
+  thread_local std::vector<SignedPositions> sets;
+  sets.clear();
+  for (const CrowdGroup& x : crowd_groups) {
+    if (group_cost[x.group] != lo) continue;
+    const std::vector<std::uint32_t>& a = apart[x.crowd * nc + x.cls];
+    sets.push_back({positions(x.crowd, x.cls), 1});
+    sets.push_back({a, -1});
+    tied += positions(x.crowd, x.cls).size() - a.size();
+  }
   const std::size_t k = open == 1 ? 0 : TieDraw(tied, rng_);
   std::uint32_t chosen = 0;
-  if (tied_classes.empty()) {
+  if (tied_classes.empty() && sets.empty()) {
     chosen = KthPosition(tied_special, k, n);
   } else {
-    // Special and matched ranks of tied classes are counted there as members: take them out.
+    // Special, matched and crowd ranks of tied classes are counted there as members: take them out.
     thread_local std::vector<std::uint32_t> excluded;
     excluded.clear();
     auto in_tied_class = [&](std::uint32_t pos) {
@@ -445,7 +641,19 @@ Scheduler::WideChoice Scheduler::PickAmongAll(const std::shared_ptr<const std::v
     for (const auto& [g, pos] : grouped) {
       if (in_tied_class(pos)) excluded.push_back(pos);
     }
-    chosen = KthPositionWithClasses(classes.members, tied_classes, tied_special, excluded, k, n);
+    for (const std::uint32_t c : tied_classes) {
+      sets.push_back({classes.members[c], 1});
+      for (const CrowdGroup& x : crowd_groups) {
+        if (x.cls != c) continue;
+        sets.push_back({positions(x.crowd, c), -1});
+        sets.push_back({apart[x.crowd * nc + c], 1});
+      }
+    }
+    std::sort(excluded.begin(), excluded.end());
+    std::sort(tied_special.begin(), tied_special.end());
+    sets.push_back({excluded, -1});
+    sets.push_back({tied_special, 1});
+    chosen = KthPositionOf(sets, k, n);
   }
   for (const Priced& x : priced) {
     if (x.pos == chosen) out.chosen = x.c;
@@ -454,6 +662,12 @@ Scheduler::WideChoice Scheduler::PickAmongAll(const std::shared_ptr<const std::v
     TieredOverlap overlap;
     for (const auto& [g, pos] : grouped) {
       if (pos == chosen) overlap = groups[g].overlap;
+    }
+    for (const CrowdGroup& x : crowd_groups) {
+      if (x.cls == classes.class_of[chosen] && Holds(positions(x.crowd, x.cls), chosen) &&
+          !Holds(apart[x.crowd * nc + x.cls], chosen)) {
+        overlap = groups[x.group].overlap;
+      }
     }
     out.chosen = CandidateOf(all[chosen], overlap, p.seq, ctx);
   }

@@ -83,6 +83,13 @@ Result<PreparedRequest> PrepareRequest(const SchedulerOptions& options, const Ro
 // vector would be allocated per route.
 void IndexOverlaps(const SchedulerOptions& options, const ShardedIndex& index, const PreparedRequest& p,
                    OverlapScores& out);
+// The same read as the index's runs of holder slots, not yet translated to ranks (for
+// Scheduler::PickAmongAll). False, leaving `out` as it was, where IndexOverlaps would read
+// nothing.
+bool IndexRuns(const SchedulerOptions& options, const ShardedIndex& index, const PreparedRequest& p, IndexMatches& out);
+// Whether Scheduler::PickAmongAll serves this request (over every rank, unfiltered): mode kv at
+// temperature 0.
+bool PicksAmongAll(const SchedulerOptions& options, const PreparedRequest& p);
 
 class Scheduler {
  public:
@@ -112,8 +119,6 @@ class Scheduler {
   // Whether a pick considers ranks past the queue threshold: best_worker does, a request that
   // would book does not (OpenRanks).
   enum class FullRanks { kIncluded, kLeftOut };
-  // Whether PickAmongAll serves this request: mode kv at temperature 0.
-  bool PicksAmongAll(const PreparedRequest& p) const;
   // For PicksAmongAll requests over every registered rank (`ranks`, ascending, non-empty): the
   // rank, from the same random draws, that Decide picks among Candidates(ranks, ...) (after
   // OpenRanks when full ranks are left out), without a candidate for every rank (docs/design.md "Decisions
@@ -126,6 +131,21 @@ class Scheduler {
   // Decide({&*chosen, 1}) then books it without another draw. `overlaps` is reordered.
   WideChoice PickAmongAll(const std::shared_ptr<const std::vector<RankInfo>>& ranks, const PreparedRequest& p,
                           OverlapScores& overlaps, FullRanks full);
+  // The same choice from the index's runs (IndexRuns), with `overlaps` as scratch. A run of at
+  // least kCrowd slots (thousands of ranks holding a shared prefix) is not translated rank by
+  // rank: it is looked up among the crowds translated before (the same slots of the same shard,
+  // no slot handed to another worker since, the same registered list), where its registered
+  // ranks wait as positions per class, ascending; so it is counted, and the tie drawn over it,
+  // without visiting its ranks: the run is compared, not looked up slot by slot. Every other
+  // run is translated as before. Falls back to translating every run where a crowd holds a
+  // tier rank's slot, a tier rank is matched beside a crowd, or the full scan is cheaper.
+  WideChoice PickAmongAll(const std::shared_ptr<const std::vector<RankInfo>>& ranks, const PreparedRequest& p,
+                          const IndexMatches& matches, OverlapScores& overlaps, FullRanks full);
+  static constexpr std::size_t kCrowd = 64;
+  // Crowds translated (a run met for the first time, or again after the index or the list
+  // changed); each other crowd was found translated already.
+  std::uint64_t crowds_translated() const { return crowds_translated_; }
+  std::uint64_t crowds_reused() const { return crowds_reused_; }
   // PickAmongAll's choices made by classes, without the full scan it falls back to when most
   // ranks differ from an idle one.
   std::uint64_t class_picks() const { return class_picks_; }
@@ -200,6 +220,36 @@ class Scheduler {
     Slot* Find(WorkerKey rank, std::uint64_t hash);
   };
   RankClasses& ClassesOf(const std::shared_ptr<const std::vector<RankInfo>>& ranks);
+  // Whether the full scan is cheaper than pricing by classes: most ranks are priced one by one.
+  bool FullScanPays(const PreparedRequest& p, std::size_t ranks) const;
+
+  // A crowd translated: one shard's run of holder slots, its registered ranks' positions in
+  // the class table's list, per class, ascending. Valid while the list, the shard's count of
+  // slot reuses and the slots are what they were.
+  struct Crowd {
+    std::size_t shard = 0;
+    std::uint64_t slot_reuses = 0;
+    std::vector<std::uint32_t> slots;
+    bool tiered = false;  // a tier rank's slot among them
+    std::vector<std::vector<std::uint32_t>> positions;
+    std::uint64_t used = 0;  // the read that last used it
+  };
+  // A crowd as one request's run meets it: at the run's depth.
+  struct CrowdMatch {
+    const Crowd* crowd;
+    std::uint32_t depth;
+  };
+  // The crowds of `matches` into `crowds` and every other run translated into `overlaps`;
+  // false where the choice must translate every run instead.
+  bool ReadCrowds(RankClasses& classes, const IndexMatches& matches, OverlapScores& overlaps,
+                  std::vector<CrowdMatch>& crowds);
+  // The translated crowd of these slots: found, or translated now (null when a slot was handed
+  // to another worker since the read, or every kept crowd serves this read already).
+  const Crowd* CrowdOf(RankClasses& classes, const IndexMatches& matches, std::size_t shard,
+                       std::span<const std::uint32_t> slots);
+  // PickAmongAll's choice by classes, with the crowds already read.
+  WideChoice PickByClasses(const std::shared_ptr<const std::vector<RankInfo>>& ranks, const PreparedRequest& p,
+                           OverlapScores& overlaps, std::span<const CrowdMatch> crowds, FullRanks full);
 
   const SchedulerOptions options_;
   const ShardedIndex& index_;
@@ -211,6 +261,11 @@ class Scheduler {
   const std::unique_ptr<ApproxIndex> approx_;
   RankClasses classes_;
   std::uint64_t class_picks_ = 0;
+  static constexpr std::size_t kKeptCrowds = 16;  // enough for a few prefixes over every shard
+  std::vector<Crowd> crowds_;                     // of classes_'s list
+  std::uint64_t crowd_reads_ = 0;
+  std::uint64_t crowds_translated_ = 0;
+  std::uint64_t crowds_reused_ = 0;
 };
 
 }  // namespace kvrouter

@@ -35,20 +35,29 @@ Result<std::vector<Candidate>> Routing::CandidatesLocked(const RouteRequest& req
   return scheduler_.Candidates(*ranks, seq, overlaps);
 }
 
+bool Routing::AmongAll(const RouteRequest& req, const PreparedRequest& p) const {
+  // As SessionAffinity::on() reads the flag.
+  const bool sessions =
+      static_cast<std::int64_t>(config_.session_affinity_ttl_secs * 1000) > 0 && !req.session_id.empty();
+  return !req.worker_id && !req.dp_rank && !req.allowed_worker_ids && !req.excluded_worker_ids && !sessions &&
+         PicksAmongAll(options_, p);
+}
+
 Result<Routing::Eligible> Routing::EligibleLocked(Kind kind, const RouteRequest& req, const PreparedRequest& p,
-                                                  OverlapScores& overlaps) {
+                                                  const IndexMatches* matches, OverlapScores& overlaps) {
   // best_worker answers as things stand; route and generate wait when every eligible rank is full.
   const auto full = kind == Kind::kBestWorker ? Scheduler::FullRanks::kIncluded : Scheduler::FullRanks::kLeftOut;
   Eligible out;
-  if (!req.worker_id && !req.dp_rank && !req.allowed_worker_ids && !req.excluded_worker_ids &&
-      !(affinity_.on() && !req.session_id.empty()) && scheduler_.PicksAmongAll(p)) {
+  if (AmongAll(req, p)) {
     const auto all = registry_.AllRanks();  // shared, not copied
     if (all->empty()) return Status(StatusCode::kNoWorkers, "no registered worker can take this request");
-    auto choice = scheduler_.PickAmongAll(all, p, overlaps, full);
+    auto choice = matches ? scheduler_.PickAmongAll(all, p, *matches, overlaps, full)
+                          : scheduler_.PickAmongAll(all, p, overlaps, full);
     out.best_overlap = choice.best_overlap;
     if (choice.chosen) out.open.push_back(*choice.chosen);
     return out;
   }
+  if (matches && !index_.TranslateMatches(*matches, overlaps)) IndexOverlaps(options_, index_, p, overlaps);
   auto cands = CandidatesLocked(req, p.seq, overlaps);
   if (!cands.ok()) return cands.status();
   for (const Candidate& c : *cands) out.best_overlap = std::max<std::uint64_t>(out.best_overlap, c.overlap_blocks);
@@ -120,14 +129,16 @@ void Routing::Route(RouteRequest req, Kind kind, std::string reply, Outbox& out)
     if (kind == Kind::kGenerate) req.update_states = true;  // the router frees it itself
     // The event index has its own locks: read it before mu_. Predictions are under mu_.
     thread_local OverlapScores overlaps;  // kept: thousands of scores per route in a large fleet
-    IndexOverlaps(options_, index_, *prepared, overlaps);
+    thread_local IndexMatches runs;
+    const bool by_runs = AmongAll(req, *prepared) && IndexRuns(options_, index_, *prepared, runs);
+    if (!by_runs) IndexOverlaps(options_, index_, *prepared, overlaps);
     KvMutexLock g(mu_);
     scheduler_.PriceSpread(*prepared);
     if (scheduler_.predictions()) scheduler_.PredictedOverlaps(*prepared, overlaps);
     if (kind == Kind::kGenerate && req.request_id.empty()) {
       req.request_id = fmt::format("gen-{:x}-{}", router_id_, ++generated_ids_);
     }
-    auto eligible = EligibleLocked(kind, req, *prepared, overlaps);
+    auto eligible = EligibleLocked(kind, req, *prepared, by_runs ? &runs : nullptr, overlaps);
     if (!eligible.ok()) {
       error = eligible.status();
     } else {

@@ -117,8 +117,13 @@ class Routing {
     std::vector<Candidate> open;
     std::uint64_t best_overlap = 0;
   };
-  Result<Eligible> EligibleLocked(Kind kind, const RouteRequest& req, const PreparedRequest& p, OverlapScores& overlaps)
-      KV_REQUIRES(mu_);
+  // `matches`: the index's runs (IndexRuns), read for a request AmongAll decides; else null
+  // and `overlaps` read.
+  Result<Eligible> EligibleLocked(Kind kind, const RouteRequest& req, const PreparedRequest& p,
+                                  const IndexMatches* matches, OverlapScores& overlaps) KV_REQUIRES(mu_);
+  // Whether the request is decided among every registered rank (Scheduler::PickAmongAll): no
+  // filter, no session to follow, mode kv at temperature 0. Reads no state: callable unlocked.
+  bool AmongAll(const RouteRequest& req, const PreparedRequest& p) const;
   // Select among `cands` (the session's bound rank when it is one of them and not full), book,
   // bind the session, sync, count, observe.
   Result<RouteReply> DecideLocked(Kind kind, const RouteRequest& req, const PreparedRequest& p,

@@ -681,8 +681,15 @@ TEST_F(GatewayKvmockerTest, TheEnginesCachedTokensRiseOnARepeatedLongPrefix) {
   ASSERT_TRUE(first.ok());
   ASSERT_EQ(first->status, 200) << first->body;
   EXPECT_EQ(json::parse(first->body)["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
-  // The router learns the engine's blocks from its KV events; the same prefix goes back there.
-  ASSERT_TRUE(AwaitStats([](StatsReply& s) { return s.counters["events_applied"] > 0; }, 5s));
+  // The router learns the engine's blocks from its KV events (read under the index's lock: the
+  // whole chain is in) and the first request is freed; the same prefix goes back there.
+  ASSERT_TRUE(AwaitStats(
+      [&](StatsReply& s) {
+        return s.counters["active_requests"] == 0 &&
+               std::any_of(s.workers.begin(), s.workers.end(),
+                           [&](const WorkerStats& w) { return w.blocks >= prefix.size() / kBs; });
+      },
+      5s));
   auto second = Post(MockChat(prefix + " second question", false));
   ASSERT_TRUE(second.ok());
   ASSERT_EQ(second->status, 200);
@@ -711,7 +718,12 @@ TEST_F(GatewayKvmockerTest, AnImageIsPartOfThePrefixThroughTheGateway) {
   auto first = Post(chat("data:image/png;base64,AAAA", "what is it?"));
   ASSERT_TRUE(first.ok());
   ASSERT_EQ(first->status, 200) << first->body;
-  ASSERT_TRUE(AwaitStats([](StatsReply& s) { return s.counters["events_applied"] > 0; }, 5s));
+  ASSERT_TRUE(AwaitStats(
+      [&](StatsReply& s) {
+        return std::any_of(s.workers.begin(), s.workers.end(),
+                           [&](const WorkerStats& w) { return w.blocks >= prefix.size() / kBs; });
+      },
+      5s));
   // "<|user|>\n" + 200 bytes + "\n": the image takes tokens 210 to 225, so the blocks of 4 up to
   // token 224 hold only the prompts' shared text and image; the block of 208 to 211 holds both.
   const int image_start = 210, image_end = 210 + static_cast<int>(kImageTokens);

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <map>
 #include <memory>
 #include <numeric>
 #include <random>
@@ -408,6 +409,162 @@ TEST(PickAmongAll, ChoosesWhatTheFullScanChoosesOnRandomFleetsLoadsAndPrompts) {
   }
   EXPECT_GT(decided, 8000u);
   EXPECT_GT(class_picks, 4000u);  // most decisions were made by classes, not by the fallback
+}
+
+// PickAmongAll from the index's runs against the full scan over the same runs translated, on a
+// real index of two shards: random fleets of a few classes where most ranks hold a shared
+// prefix to one of several depths (crowds of thousands in miniature: runs of kCrowd slots and
+// more, nested where a crowd copied whole holds a deeper one), some of them booked or learned
+// (special ranks inside crowds), holders that are not registered, now and then a rank's
+// host-tier blocks (the fallback), workers removed and their slots given to others (crowds
+// translated again), and the registered list replaced. Same choice, same overlap, same draws.
+TEST(PickAmongAll, FromTheIndexsRunsCountsCrowdsAndChoosesWhatTheFullScanChooses) {
+  std::uint64_t translated = 0, reused = 0;
+  std::size_t decided = 0;
+  for (std::uint64_t trial = 0; trial < 24; ++trial) {
+    std::mt19937_64 rng(1000 + trial);
+    auto uniform = [&](std::uint64_t lo, std::uint64_t hi) {
+      return std::uniform_int_distribution<std::uint64_t>(lo, hi)(rng);
+    };
+    ShardedIndex index{{.num_shards = 2}};
+    SchedulerOptions o;
+    o.mode = RouterMode::kKv;
+    o.block_size = 4;
+    o.cost.block_size = 4;
+    o.cost.model = trial % 3 == 0 ? CostModel::kPredicted : CostModel::kDynamo;
+    if (trial % 4 == 1) o.queue_threshold = 0.5;
+    const std::uint64_t kinds = uniform(1, 3);
+    std::vector<std::uint32_t> base(48);
+    std::iota(base.begin(), base.end(), static_cast<std::uint32_t>(trial * 1000));
+    const std::uint32_t depths[] = {2, 5, 9, 12};
+    std::map<WorkerKey, std::uint64_t> event_ids;
+    // The first `blocks` blocks of the shared prefix on the rank (host tier: as an offloading
+    // engine stores them).
+    auto store = [&](WorkerKey k, std::uint32_t blocks, StorageTier tier = StorageTier::kDevice) {
+      KvEventBatch b = StoredPromptBatch(k.worker_id, ++event_ids[k], std::span(base).first(blocks * 4), 4);
+      b.dp_rank = k.dp_rank;
+      for (KvOp& op : b.ops) op.tier = tier;
+      ASSERT_TRUE(index.Submit(std::move(b)));
+    };
+    auto fleet = [&](std::uint64_t first_worker) {
+      auto ranks = std::make_shared<std::vector<RankInfo>>();
+      const std::uint64_t n = uniform(150, 500);
+      for (std::uint64_t w = first_worker; ranks->size() < n; ++w) {
+        for (std::uint32_t dp = 0; dp < 2 && ranks->size() < n; ++dp) {
+          if (dp == 1 && uniform(0, 1) == 0) continue;
+          const std::uint64_t kind = uniform(0, kinds - 1);
+          ranks->push_back({.worker = {w, dp},
+                            .max_num_seqs = 4,
+                            .max_num_batched_tokens = kind == 1 ? 32u : 8192u,
+                            .total_kv_blocks = kind == 2 ? 64u : 0u});
+        }
+      }
+      return std::shared_ptr<const std::vector<RankInfo>>(ranks);
+    };
+    // Odd trials: each depth held by 40 % of the ranks holding the one before, so a crowd is
+    // copied whole where most of it drops out, and the next crowd is inside it.
+    const bool nested = trial % 2 == 1;
+    auto depth = [&] {
+      if (!nested) return depths[std::min<std::uint64_t>(uniform(0, 4), 3)];
+      std::size_t d = 0;
+      while (d < 3 && uniform(0, 9) < 4) ++d;
+      return depths[d];
+    };
+    auto fill = [&](const std::vector<RankInfo>& ranks) {
+      const std::uint64_t holds_one_in = nested ? 1 : uniform(1, 3);  // most, or about a third
+      for (const RankInfo& r : ranks) {
+        if (uniform(1, holds_one_in) != 1) continue;
+        store(r.worker, depth());
+        if (trial % 6 == 5 && uniform(0, 60) == 0) store(r.worker, depths[uniform(0, 3)], StorageTier::kHostPinned);
+      }
+      for (std::uint64_t w = 0; w < 20; ++w) store({90'000 + w, 0}, depths[uniform(0, 3)]);  // not registered
+      index.Flush();
+    };
+    std::shared_ptr<const std::vector<RankInfo>> all = fleet(1);
+    fill(*all);
+    SteadyTime now{};
+    Scheduler full(
+        o, index, [&] { return now; }, trial);
+    Scheduler wide(
+        o, index, [&] { return now; }, trial);
+    std::vector<std::string> booked;
+    IndexMatches runs;
+    OverlapScores overlaps, scratch;
+    for (int step = 0; step < 120; ++step) {
+      if (uniform(0, 40) == 0) all = fleet(uniform(1, 3));  // another list: the crowds are translated again
+      if (uniform(0, 15) == 0) {
+        // A worker leaves the index and another takes its slot: every crowd of its shard is stale.
+        const WorkerKey gone = (*all)[uniform(0, all->size() - 1)].worker;
+        index.RemoveWorker(gone.worker_id);
+        index.Flush();
+        store({gone.worker_id + 50'000, 0}, depths[uniform(0, 3)]);
+        index.Flush();
+      }
+      now += std::chrono::milliseconds(uniform(0, 2000));
+      RouteRequest r = Prompt("c" + std::to_string(trial) + "-" + std::to_string(step), 1);
+      const auto shared = static_cast<std::uint32_t>(uniform(1, 12) * 4);
+      r.token_ids.assign(base.begin(), base.begin() + shared);
+      for (std::uint64_t t = uniform(0, 12); t > 0; --t)
+        r.token_ids.push_back(static_cast<std::uint32_t>(uniform(1, 1 << 20)));
+      r.isl = static_cast<std::uint32_t>(r.token_ids.size());
+      r.update_states = uniform(0, 3) != 0;
+      if (uniform(0, 5) == 0) r.config_override.overlap_score_credit = 0;  // crowds tie with idle ranks
+      const PreparedRequest p = *PrepareRequest(o, r);
+      ASSERT_TRUE(IndexRuns(o, index, p, runs));
+      if (uniform(0, 3) == 0) {
+        // As a read racing a writer may see them: a few slots of deeper runs in a shallower one
+        // of their own (a slot's overlap is the deepest run holding it).
+        for (MatchRuns& m : runs.shards) {
+          if (m.slots.empty() || m.runs.front().depth < 2) continue;
+          std::vector<std::uint32_t> early;
+          for (std::uint64_t i = uniform(1, 5); i > 0; --i) early.push_back(m.slots[uniform(0, m.slots.size() - 1)]);
+          std::sort(early.begin(), early.end());
+          early.erase(std::unique(early.begin(), early.end()), early.end());
+          m.slots.insert(m.slots.begin(), early.begin(), early.end());
+          for (MatchRuns::Run& run : m.runs) run.end += static_cast<std::uint32_t>(early.size());
+          m.runs.insert(m.runs.begin(), {static_cast<std::uint32_t>(early.size()), 1});
+        }
+      }
+      overlaps.clear();
+      ASSERT_TRUE(index.TranslateMatches(runs, overlaps));
+      const bool open_only = uniform(0, 4) != 0;
+
+      std::vector<Candidate> cands = full.Candidates(*all, p.seq, overlaps);
+      std::uint32_t best_overlap = 0;
+      for (const Candidate& c : cands) best_overlap = std::max(best_overlap, c.overlap_blocks);
+      if (open_only) cands = full.OpenRanks(std::move(cands));
+      const Scheduler::WideChoice choice = wide.PickAmongAll(
+          all, p, runs, scratch, open_only ? Scheduler::FullRanks::kLeftOut : Scheduler::FullRanks::kIncluded);
+      ASSERT_EQ(choice.best_overlap, best_overlap) << "trial " << trial << " step " << step;
+      ASSERT_EQ(choice.chosen.has_value(), !cands.empty()) << "trial " << trial << " step " << step;
+      if (cands.empty()) continue;
+      auto a = full.Decide(r, p, cands);
+      auto b = wide.Decide(r, p, {&*choice.chosen, 1});
+      ASSERT_EQ(a.ok(), b.ok());
+      if (!a.ok()) continue;
+      ASSERT_EQ(a->worker, b->worker) << "trial " << trial << " step " << step;
+      ASSERT_EQ(a->overlap_by_tier, b->overlap_by_tier) << "trial " << trial << " step " << step;
+      ++decided;
+      if (a->booked) booked.push_back(r.request_id);
+      // Now and then a booked request ends, or teaches its rank a rate.
+      if (!booked.empty() && uniform(0, 2) == 0) {
+        const std::size_t i = uniform(0, booked.size() - 1);
+        const PriorTtft* prior = full.load().PriorOf(booked[i]);
+        if (prior != nullptr && uniform(0, 1) == 0) {
+          const ResponseTiming timing{.ttfb_ms = (prior->prefill_ms + prior->decode_ms) * 3};
+          ASSERT_EQ(full.Learn(booked[i], timing), wide.Learn(booked[i], timing));
+        }
+        ASSERT_TRUE(full.load().Free(booked[i]));
+        ASSERT_TRUE(wide.load().Free(booked[i]));
+        booked.erase(booked.begin() + static_cast<std::ptrdiff_t>(i));
+      }
+    }
+    translated += wide.crowds_translated();
+    reused += wide.crowds_reused();
+  }
+  EXPECT_GT(decided, 2000u);
+  EXPECT_GT(translated, 50u);
+  EXPECT_GT(reused, 2 * translated);  // most crowds were met translated already
 }
 
 // Under Dynamo's formula a rank whose requests have all ended costs what an idle one costs, so
