@@ -3,7 +3,9 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <functional>
 #include <map>
+#include <optional>
 #include <memory>
 #include <numeric>
 #include <random>
@@ -279,6 +281,68 @@ TEST_F(SchedulerTest, TheSpreadIsPricedInTheFleetsTimeAtMostHalvedNeverRaised) {
   EXPECT_EQ(scale_after(0.1), 1.0);
 }
 
+// Mode kv over blocks of 4 tokens, priced by `model`, the queue on at threshold 0.5 or off.
+SchedulerOptions KvOptions(CostModel model, bool queue) {
+  SchedulerOptions o;
+  o.mode = RouterMode::kKv;
+  o.block_size = 4;
+  o.cost.block_size = 4;
+  o.cost.model = model;
+  if (queue) o.queue_threshold = 0.5;
+  return o;
+}
+
+// One request decided both ways: by the full scan (Candidates, OpenRanks, Decide) over
+// `overlaps`, and by `pick` (wide's PickAmongAll, however it reads the index) then wide's Decide.
+// Expects the same best overlap, rank, overlaps, booking and prior; returns whether the request
+// was booked, or nullopt when nothing was decided (or the two differ).
+std::optional<bool> DecideBothWays(Scheduler& full, Scheduler& wide, const std::vector<RankInfo>& all,
+                                   const RouteRequest& r, const PreparedRequest& p, OverlapScores& overlaps,
+                                   bool open_only,
+                                   const std::function<Scheduler::WideChoice(Scheduler::FullRanks)>& pick) {
+  std::vector<Candidate> cands = full.Candidates(all, p.seq, overlaps);
+  std::uint32_t best_overlap = 0;
+  for (const Candidate& c : cands) best_overlap = std::max(best_overlap, c.overlap_blocks);
+  if (open_only) cands = full.OpenRanks(std::move(cands));
+  const Scheduler::WideChoice choice =
+      pick(open_only ? Scheduler::FullRanks::kLeftOut : Scheduler::FullRanks::kIncluded);
+  EXPECT_EQ(choice.best_overlap, best_overlap);
+  EXPECT_EQ(choice.chosen.has_value(), !cands.empty());
+  if (cands.empty() || !choice.chosen) return std::nullopt;
+  auto a = full.Decide(r, p, cands);
+  auto b = wide.Decide(r, p, {&*choice.chosen, 1});
+  EXPECT_EQ(a.ok(), b.ok());
+  if (!a.ok() || !b.ok()) return std::nullopt;
+  EXPECT_EQ(a->worker, b->worker);
+  EXPECT_EQ(a->overlap_by_tier, b->overlap_by_tier);
+  EXPECT_EQ(a->booked, b->booked);
+  if (a->worker != b->worker || a->booked != b->booked) return std::nullopt;
+  if (a->booked) {
+    EXPECT_EQ(full.load().PriorOf(r.request_id)->prefill_ms, wide.load().PriorOf(r.request_id)->prefill_ms);
+  }
+  return a->booked;
+}
+
+// Now and then (one call in three) one of `booked` moves on alike in both schedulers: it may
+// teach its rank a timing (4x or half the prior), then is prefilled or ends.
+void MoveOneOnBothWays(Scheduler& full, Scheduler& wide, std::vector<std::string>& booked,
+                       const std::function<std::uint64_t(std::uint64_t, std::uint64_t)>& uniform) {
+  if (booked.empty() || uniform(0, 2) != 0) return;
+  const std::size_t i = uniform(0, booked.size() - 1);
+  const PriorTtft* prior = full.load().PriorOf(booked[i]);
+  if (prior != nullptr && uniform(0, 1) == 0) {
+    const ResponseTiming timing{.ttfb_ms = (prior->prefill_ms + prior->decode_ms) * (uniform(0, 1) ? 4 : 0.5)};
+    EXPECT_EQ(full.Learn(booked[i], timing), wide.Learn(booked[i], timing));
+  }
+  if (uniform(0, 1) == 0) {
+    EXPECT_EQ(full.load().MarkPrefill(booked[i]), wide.load().MarkPrefill(booked[i]));
+  } else {
+    EXPECT_TRUE(full.load().Free(booked[i]));
+    EXPECT_TRUE(wide.load().Free(booked[i]));
+    booked.erase(booked.begin() + static_cast<std::ptrdiff_t>(i));
+  }
+}
+
 // PickAmongAll against the full scan (Candidates, OpenRanks, Decide) on random fleets: ranks of a
 // few registration classes (one with max_num_batched_tokens 0), replaced now and then by another
 // list (ranks come and go, booked and learned ones among them); random overlaps on device, host
@@ -296,12 +360,7 @@ TEST(PickAmongAll, ChoosesWhatTheFullScanChoosesOnRandomFleetsLoadsAndPrompts) {
     auto uniform = [&](std::uint64_t lo, std::uint64_t hi) {
       return std::uniform_int_distribution<std::uint64_t>(lo, hi)(rng);
     };
-    SchedulerOptions o;
-    o.mode = RouterMode::kKv;
-    o.block_size = 4;
-    o.cost.block_size = 4;
-    o.cost.model = trial % 2 == 0 ? CostModel::kPredicted : CostModel::kDynamo;
-    if (trial % 3 == 0) o.queue_threshold = 0.5;
+    const SchedulerOptions o = KvOptions(trial % 2 == 0 ? CostModel::kPredicted : CostModel::kDynamo, trial % 3 == 0);
     const std::uint64_t kinds = uniform(1, 4);
     auto fleet = [&] {
       auto ranks = std::make_shared<std::vector<RankInfo>>();
@@ -363,43 +422,15 @@ TEST(PickAmongAll, ChoosesWhatTheFullScanChoosesOnRandomFleetsLoadsAndPrompts) {
       OverlapScores overlaps2 = overlaps;
       const bool open_only = uniform(0, 4) != 0;
 
-      std::vector<Candidate> cands = full.Candidates(*all, p.seq, overlaps);
-      std::uint32_t best_overlap = 0;
-      for (const Candidate& c : cands) best_overlap = std::max(best_overlap, c.overlap_blocks);
-      if (open_only) cands = full.OpenRanks(std::move(cands));
-      const Scheduler::WideChoice choice = wide.PickAmongAll(
-          all, p, overlaps2, open_only ? Scheduler::FullRanks::kLeftOut : Scheduler::FullRanks::kIncluded);
-      ASSERT_EQ(choice.best_overlap, best_overlap) << "trial " << trial << " step " << step;
-      ASSERT_EQ(choice.chosen.has_value(), !cands.empty()) << "trial " << trial << " step " << step;
-      if (cands.empty()) continue;
-      auto a = full.Decide(r, p, cands);
-      auto b = wide.Decide(r, p, {&*choice.chosen, 1});
-      ASSERT_EQ(a.ok(), b.ok());
-      if (!a.ok()) continue;
-      ASSERT_EQ(a->worker, b->worker) << "trial " << trial << " step " << step;
-      ASSERT_EQ(a->overlap_by_tier, b->overlap_by_tier);
-      ASSERT_EQ(a->booked, b->booked);
+      const std::optional<bool> both =
+          DecideBothWays(full, wide, *all, r, p, overlaps, open_only,
+                         [&](auto full_ranks) { return wide.PickAmongAll(all, p, overlaps2, full_ranks); });
+      ASSERT_FALSE(::testing::Test::HasFailure()) << "trial " << trial << " step " << step;
+      if (!both) continue;
       ++decided;
-      if (a->booked) {
-        ASSERT_EQ(full.load().PriorOf(r.request_id)->prefill_ms, wide.load().PriorOf(r.request_id)->prefill_ms);
-        booked.push_back(r.request_id);
-      }
-      // Now and then a booked request is prefilled, or ends and teaches its rank (some are slow).
-      if (!booked.empty() && uniform(0, 2) == 0) {
-        const std::size_t i = uniform(0, booked.size() - 1);
-        const PriorTtft* prior = full.load().PriorOf(booked[i]);
-        if (prior != nullptr && uniform(0, 1) == 0) {
-          const ResponseTiming timing{.ttfb_ms = (prior->prefill_ms + prior->decode_ms) * (uniform(0, 1) ? 4 : 0.5)};
-          ASSERT_EQ(full.Learn(booked[i], timing), wide.Learn(booked[i], timing));
-        }
-        if (uniform(0, 1) == 0) {
-          ASSERT_EQ(full.load().MarkPrefill(booked[i]), wide.load().MarkPrefill(booked[i]));
-        } else {
-          ASSERT_TRUE(full.load().Free(booked[i]));
-          ASSERT_TRUE(wide.load().Free(booked[i]));
-          booked.erase(booked.begin() + static_cast<std::ptrdiff_t>(i));
-        }
-      }
+      if (*both) booked.push_back(r.request_id);
+      MoveOneOnBothWays(full, wide, booked, uniform);
+      ASSERT_FALSE(::testing::Test::HasFailure()) << "trial " << trial << " step " << step;
       if (uniform(0, 30) == 0) {
         full.DriftRates(now);
         wide.DriftRates(now);
@@ -427,12 +458,7 @@ TEST(PickAmongAll, FromTheIndexsRunsCountsCrowdsAndChoosesWhatTheFullScanChooses
       return std::uniform_int_distribution<std::uint64_t>(lo, hi)(rng);
     };
     ShardedIndex index{{.num_shards = 2}};
-    SchedulerOptions o;
-    o.mode = RouterMode::kKv;
-    o.block_size = 4;
-    o.cost.block_size = 4;
-    o.cost.model = trial % 3 == 0 ? CostModel::kPredicted : CostModel::kDynamo;
-    if (trial % 4 == 1) o.queue_threshold = 0.5;
+    const SchedulerOptions o = KvOptions(trial % 3 == 0 ? CostModel::kPredicted : CostModel::kDynamo, trial % 4 == 1);
     const std::uint64_t kinds = uniform(1, 3);
     std::vector<std::uint32_t> base(48);
     std::iota(base.begin(), base.end(), static_cast<std::uint32_t>(trial * 1000));
@@ -529,35 +555,15 @@ TEST(PickAmongAll, FromTheIndexsRunsCountsCrowdsAndChoosesWhatTheFullScanChooses
       ASSERT_TRUE(index.TranslateMatches(runs, overlaps));
       const bool open_only = uniform(0, 4) != 0;
 
-      std::vector<Candidate> cands = full.Candidates(*all, p.seq, overlaps);
-      std::uint32_t best_overlap = 0;
-      for (const Candidate& c : cands) best_overlap = std::max(best_overlap, c.overlap_blocks);
-      if (open_only) cands = full.OpenRanks(std::move(cands));
-      const Scheduler::WideChoice choice = wide.PickAmongAll(
-          all, p, runs, scratch, open_only ? Scheduler::FullRanks::kLeftOut : Scheduler::FullRanks::kIncluded);
-      ASSERT_EQ(choice.best_overlap, best_overlap) << "trial " << trial << " step " << step;
-      ASSERT_EQ(choice.chosen.has_value(), !cands.empty()) << "trial " << trial << " step " << step;
-      if (cands.empty()) continue;
-      auto a = full.Decide(r, p, cands);
-      auto b = wide.Decide(r, p, {&*choice.chosen, 1});
-      ASSERT_EQ(a.ok(), b.ok());
-      if (!a.ok()) continue;
-      ASSERT_EQ(a->worker, b->worker) << "trial " << trial << " step " << step;
-      ASSERT_EQ(a->overlap_by_tier, b->overlap_by_tier) << "trial " << trial << " step " << step;
+      const std::optional<bool> both =
+          DecideBothWays(full, wide, *all, r, p, overlaps, open_only,
+                         [&](auto full_ranks) { return wide.PickAmongAll(all, p, runs, scratch, full_ranks); });
+      ASSERT_FALSE(::testing::Test::HasFailure()) << "trial " << trial << " step " << step;
+      if (!both) continue;
       ++decided;
-      if (a->booked) booked.push_back(r.request_id);
-      // Now and then a booked request ends, or teaches its rank a rate.
-      if (!booked.empty() && uniform(0, 2) == 0) {
-        const std::size_t i = uniform(0, booked.size() - 1);
-        const PriorTtft* prior = full.load().PriorOf(booked[i]);
-        if (prior != nullptr && uniform(0, 1) == 0) {
-          const ResponseTiming timing{.ttfb_ms = (prior->prefill_ms + prior->decode_ms) * 3};
-          ASSERT_EQ(full.Learn(booked[i], timing), wide.Learn(booked[i], timing));
-        }
-        ASSERT_TRUE(full.load().Free(booked[i]));
-        ASSERT_TRUE(wide.load().Free(booked[i]));
-        booked.erase(booked.begin() + static_cast<std::ptrdiff_t>(i));
-      }
+      if (*both) booked.push_back(r.request_id);
+      MoveOneOnBothWays(full, wide, booked, uniform);
+      ASSERT_FALSE(::testing::Test::HasFailure()) << "trial " << trial << " step " << step;
     }
     translated += wide.crowds_translated();
     reused += wide.crowds_reused();
