@@ -3,6 +3,8 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cstring>
+#include <iterator>
 #include <bit>
 #include <limits>
 #include <unordered_map>
@@ -26,7 +28,8 @@ Scheduler::Scheduler(SchedulerOptions options, const ShardedIndex& index, Clock 
       approx_(options_.predictions
                   ? std::make_unique<ApproxIndex>(options_.predictions->ttl, options_.predictions->max_blocks,
                                                   options_.predictions->prune_target_ratio)
-                  : nullptr) {}
+                  : nullptr),
+      kept_crowds_(std::max<std::size_t>(16, 4 * index.num_shards())) {}
 
 Result<PreparedRequest> PrepareRequest(const SchedulerOptions& options, const RouteRequest& req) {
   const std::uint32_t bs = options.block_size;
@@ -270,6 +273,7 @@ Scheduler::WideChoice Scheduler::PickAmongAll(const std::shared_ptr<const std::v
     for (const Candidate& c : cands) out.best_overlap = std::max(out.best_overlap, c.overlap_blocks);
     if (full == FullRanks::kLeftOut) cands = OpenRanks(std::move(cands));
     if (!cands.empty()) out.chosen = cands[selector_.Pick(options_.mode, p.sel, cands, p.params, rng_)];
+    out.full_scan = true;
     return out;
   }
   return PickByClasses(ranks, p, overlaps, {}, full);
@@ -281,13 +285,16 @@ Scheduler::WideChoice Scheduler::PickAmongAll(const std::shared_ptr<const std::v
   thread_local std::vector<CrowdMatch> crowds;
   crowds.clear();
   overlaps.clear();
-  if (!FullScanPays(p, ranks->size()) && ReadCrowds(ClassesOf(ranks), matches, overlaps, crowds)) {
+  const bool full_scan = FullScanPays(p, ranks->size());
+  if (!full_scan && ReadCrowds(ClassesOf(ranks), matches, overlaps, crowds)) {
     return PickByClasses(ranks, p, overlaps, crowds, full);
   }
   overlaps.clear();
   // A slot handed to another worker since the read: the index is read again.
   if (!index_.TranslateMatches(matches, overlaps)) index_.FindMatches(p.seq, overlaps);
-  return PickAmongAll(ranks, p, overlaps, full);
+  WideChoice out = PickAmongAll(ranks, p, overlaps, full);
+  out.runs_refused = !full_scan;
+  return out;
 }
 
 bool Scheduler::ReadCrowds(RankClasses& classes, const IndexMatches& matches, OverlapScores& overlaps,
@@ -346,8 +353,8 @@ const Scheduler::Crowd* Scheduler::CrowdOf(RankClasses& classes, const IndexMatc
   if (!index_.TranslateMatches(one, named)) return nullptr;
   // Its place: a new one, or the one least lately used that this read does not use.
   Crowd* c = nullptr;
-  if (crowds_.size() < kKeptCrowds) {
-    crowds_.reserve(kKeptCrowds);  // never moved: this read's crowds are pointed at
+  if (crowds_.size() < kept_crowds_) {
+    crowds_.reserve(kept_crowds_);  // never moved: this read's crowds are pointed at
     c = &crowds_.emplace_back();
   } else {
     for (Crowd& k : crowds_) {
@@ -363,7 +370,11 @@ const Scheduler::Crowd* Scheduler::CrowdOf(RankClasses& classes, const IndexMatc
     const RankClasses::Slot* slot = classes.Find(o.worker, RankClasses::Hash(o.worker));
     if (slot != nullptr) c->positions[slot->cls].push_back(slot->pos1 - 1);  // else not registered
   }
-  for (auto& v : c->positions) std::sort(v.begin(), v.end());
+  // A rank twice (a read racing its removal and return saw its old slot and its new one) counts once.
+  for (auto& v : c->positions) {
+    std::sort(v.begin(), v.end());
+    v.erase(std::unique(v.begin(), v.end()), v.end());
+  }
   ++crowds_translated_;
   return c;
 }
@@ -544,7 +555,8 @@ Scheduler::WideChoice Scheduler::PickByClasses(const std::shared_ptr<const std::
   };
   thread_local std::vector<Priced> priced;  // the open special ranks
   priced.clear();
-  std::vector<std::uint32_t> idle(classes.members.size());  // per class: members neither special nor grouped
+  std::vector<std::uint32_t> idle(
+      classes.members.size());  // per class: members neither special, grouped nor in a crowd
   for (std::size_t c = 0; c < idle.size(); ++c) idle[c] = static_cast<std::uint32_t>(classes.members[c].size());
   for (std::size_t g = 0; g < groups.size(); ++g) idle[groups[g].cls] -= group_size[g];
   for (std::size_t g = 0; g < groups.size(); ++g) {
@@ -591,7 +603,9 @@ Scheduler::WideChoice Scheduler::PickByClasses(const std::shared_ptr<const std::
   thread_local std::vector<double> group_cost;
   group_cost.resize(groups.size());
   for (std::size_t g = 0; g < groups.size(); ++g) {
-    group_cost[g] = idle_cost(groups[g].cls, groups[g].overlap);
+    // A group whose ranks all went to deeper crowds prices no rank.
+    group_cost[g] =
+        group_size[g] == 0 ? std::numeric_limits<double>::infinity() : idle_cost(groups[g].cls, groups[g].overlap);
     lo = std::min(lo, group_cost[g]);
   }
 

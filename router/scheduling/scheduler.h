@@ -4,8 +4,8 @@
 // ones when the queue is on; Decide picks one and books it. It owns the bookings (ActiveLoad),
 // the selector with its random source, approximate mode's predictions, and each rank's learned
 // speed (WorkerRates: Learn at a free with the engine's timing, read by Candidates).
-// Prepare and IndexOverlaps are free functions: they read only the options and the event index
-// (lock-free), so Routing calls them before it takes its mutex.
+// Prepare, IndexOverlaps and IndexRuns are free functions: they read only the options and the
+// event index (lock-free), so Routing calls them before it takes its mutex.
 // Thread contract: none for Scheduler; Routing holds its routing mutex around every call.
 // Ownership: borrows the event index, which must outlive it.
 //
@@ -115,6 +115,8 @@ class Scheduler {
   struct WideChoice {
     std::optional<Candidate> chosen;  // nullopt: every rank is full
     std::uint32_t best_overlap = 0;   // the longest device overlap of any rank, full or not
+    bool full_scan = false;           // made by the full scan (most ranks priced one by one)
+    bool runs_refused = false;        // from runs, but every run had to be translated (a tier rank, a slot reused)
   };
   // Whether a pick considers ranks past the queue threshold: best_worker does, a request that
   // would book does not (OpenRanks).
@@ -127,23 +129,27 @@ class Scheduler {
   // idle rank of its class costs (the registration fields the costs read), so a class is priced
   // once and its idle members are counted, not visited. The tie among equal costs is broken as
   // Selector breaks it: a uniform draw of the k-th tied rank in rank order, found by counting.
-  // Time: O(those ranks x log ranks + classes); the class table is rebuilt when `ranks` changes.
+  // Time: O(those ranks x log ranks + classes), and with runs a copy and a compare of each
+  // crowd's slots (below); the class table is rebuilt when `ranks` changes.
   // Decide({&*chosen, 1}) then books it without another draw. `overlaps` is reordered.
   WideChoice PickAmongAll(const std::shared_ptr<const std::vector<RankInfo>>& ranks, const PreparedRequest& p,
                           OverlapScores& overlaps, FullRanks full);
   // The same choice from the index's runs (IndexRuns), with `overlaps` as scratch. A run of at
   // least kCrowd slots (thousands of ranks holding a shared prefix) is not translated rank by
   // rank: it is looked up among the crowds translated before (the same slots of the same shard,
-  // no slot handed to another worker since, the same registered list), where its registered
-  // ranks wait as positions per class, ascending; so it is counted, and the tie drawn over it,
-  // without visiting its ranks: the run is compared, not looked up slot by slot. Every other
-  // run is translated as before. Falls back to translating every run where a crowd holds a
-  // tier rank's slot, a tier rank is matched beside a crowd, or the full scan is cheaper.
+  // no slot of that shard handed to another worker since, the same registered list), where its
+  // registered ranks wait as positions per class, ascending; so it is counted, and the tie drawn
+  // over it, without a lookup per rank: the run is compared as memory (and a crowd copied whole
+  // at a shallower depth is intersected with the deeper crowds of its shard). The other runs
+  // are translated rank by rank. Translates every run instead, and decides as the form above,
+  // where a crowd holds a host or disk tier rank's slot, a tier rank is matched beside a crowd,
+  // a slot was reused since the read, or the full scan is cheaper.
   WideChoice PickAmongAll(const std::shared_ptr<const std::vector<RankInfo>>& ranks, const PreparedRequest& p,
                           const IndexMatches& matches, OverlapScores& overlaps, FullRanks full);
   static constexpr std::size_t kCrowd = 64;
-  // Crowds translated (a run met for the first time, or again after the index or the list
-  // changed); each other crowd was found translated already.
+  // Crowds translated (a run met for the first time; again after a slot of its shard was handed
+  // to another worker, the registered list changed, or it was evicted); each other crowd was
+  // found translated already.
   std::uint64_t crowds_translated() const { return crowds_translated_; }
   std::uint64_t crowds_reused() const { return crowds_reused_; }
   // PickAmongAll's choices made by classes, without the full scan it falls back to when most
@@ -261,8 +267,9 @@ class Scheduler {
   const std::unique_ptr<ApproxIndex> approx_;
   RankClasses classes_;
   std::uint64_t class_picks_ = 0;
-  static constexpr std::size_t kKeptCrowds = 16;  // enough for a few prefixes over every shard
-  std::vector<Crowd> crowds_;                     // of classes_'s list
+  // Kept crowds: a few prefixes' over every shard (one prefix is a crowd per shard and depth).
+  const std::size_t kept_crowds_;
+  std::vector<Crowd> crowds_;  // of classes_'s list
   std::uint64_t crowd_reads_ = 0;
   std::uint64_t crowds_translated_ = 0;
   std::uint64_t crowds_reused_ = 0;

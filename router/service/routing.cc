@@ -20,7 +20,8 @@ Routing::Routing(const RouterConfig& config, const WorkerRegistry& registry, con
       queue_(config.queue_policy, config.queue_max, config.max_active_blocks, config.block_size),
       sync_(config.replica_sync ? ReplicaSync::Mode::kOn : ReplicaSync::Mode::kOff, router_id),
       affinity_(std::chrono::milliseconds(static_cast<std::int64_t>(config.session_affinity_ttl_secs * 1000)),
-                config.max_sessions) {}
+                config.max_sessions),
+      sessions_on_(affinity_.on()) {}
 
 Result<std::vector<Candidate>> Routing::CandidatesLocked(const RouteRequest& req, std::span<const SequenceHash> seq,
                                                          OverlapScores& overlaps) const {
@@ -36,11 +37,8 @@ Result<std::vector<Candidate>> Routing::CandidatesLocked(const RouteRequest& req
 }
 
 bool Routing::AmongAll(const RouteRequest& req, const PreparedRequest& p) const {
-  // As SessionAffinity::on() reads the flag.
-  const bool sessions =
-      static_cast<std::int64_t>(config_.session_affinity_ttl_secs * 1000) > 0 && !req.session_id.empty();
-  return !req.worker_id && !req.dp_rank && !req.allowed_worker_ids && !req.excluded_worker_ids && !sessions &&
-         PicksAmongAll(options_, p);
+  return !req.worker_id && !req.dp_rank && !req.allowed_worker_ids && !req.excluded_worker_ids &&
+         !(sessions_on_ && !req.session_id.empty()) && PicksAmongAll(options_, p);
 }
 
 Result<Routing::Eligible> Routing::EligibleLocked(Kind kind, const RouteRequest& req, const PreparedRequest& p,
@@ -53,11 +51,20 @@ Result<Routing::Eligible> Routing::EligibleLocked(Kind kind, const RouteRequest&
     if (all->empty()) return Status(StatusCode::kNoWorkers, "no registered worker can take this request");
     auto choice = matches ? scheduler_.PickAmongAll(all, p, *matches, overlaps, full)
                           : scheduler_.PickAmongAll(all, p, overlaps, full);
+    const std::uint32_t scores = scores_next_.load(std::memory_order_relaxed);
+    scores_next_.store(choice.full_scan      ? 1
+                       : choice.runs_refused ? kScoresAfterRefusal
+                       : matches             ? 0
+                                             : scores - std::min<std::uint32_t>(scores, 1),
+                       std::memory_order_relaxed);
     out.best_overlap = choice.best_overlap;
     if (choice.chosen) out.open.push_back(*choice.chosen);
     return out;
   }
-  if (matches && !index_.TranslateMatches(*matches, overlaps)) IndexOverlaps(options_, index_, p, overlaps);
+  if (matches) {  // not met: AmongAll reads only the request and the options
+    overlaps.clear();
+    if (!index_.TranslateMatches(*matches, overlaps)) IndexOverlaps(options_, index_, p, overlaps);
+  }
   auto cands = CandidatesLocked(req, p.seq, overlaps);
   if (!cands.ok()) return cands.status();
   for (const Candidate& c : *cands) out.best_overlap = std::max<std::uint64_t>(out.best_overlap, c.overlap_blocks);
@@ -127,10 +134,13 @@ void Routing::Route(RouteRequest req, Kind kind, std::string reply, Outbox& out)
   if (error.ok()) {
     if (kind == Kind::kBestWorker) req.update_states = false;
     if (kind == Kind::kGenerate) req.update_states = true;  // the router frees it itself
-    // The event index has its own locks: read it before mu_. Predictions are under mu_.
+    // The event index has its own locks: read it before mu_ (as runs for a pick among every
+    // rank, which counts crowds from translations it keeps; as scores where the full scan or a
+    // filter will need one per rank). Predictions are under mu_.
     thread_local OverlapScores overlaps;  // kept: thousands of scores per route in a large fleet
     thread_local IndexMatches runs;
-    const bool by_runs = AmongAll(req, *prepared) && IndexRuns(options_, index_, *prepared, runs);
+    const bool by_runs = AmongAll(req, *prepared) && scores_next_.load(std::memory_order_relaxed) == 0 &&
+                         IndexRuns(options_, index_, *prepared, runs);
     if (!by_runs) IndexOverlaps(options_, index_, *prepared, overlaps);
     KvMutexLock g(mu_);
     scheduler_.PriceSpread(*prepared);
@@ -337,6 +347,8 @@ void Routing::FillStats(StatsReply& r) const {
     w.rate_observations = rate.observations;
   }
   r.counters["rate_observations"] = scheduler_.rates().observations();
+  r.counters["crowds_translated"] = scheduler_.crowds_translated();
+  r.counters["crowds_reused"] = scheduler_.crowds_reused();
   counters_.Fill(r);
   r.breakdowns["replica_sync_refused"] = sync_.refused();
   r.counters["replica_peers"] = sync_.peers().peers();

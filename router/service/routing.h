@@ -17,6 +17,7 @@
 //   Outbox out;  routing.Route(std::move(req), RouteKind::kRoute, reply_subject, out);
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <span>
@@ -154,6 +155,13 @@ class Routing {
   AdmissionQueue queue_ KV_GUARDED_BY(mu_);
   ReplicaSync sync_ KV_GUARDED_BY(mu_);
   SessionAffinity affinity_ KV_GUARDED_BY(mu_);
+  const bool sessions_on_;  // affinity_.on(), for AmongAll without the mutex
+  // How many of the next picks among every rank read scores before the mutex, rather than runs
+  // they would translate under it: the full scan needs scores (it then holds for the next pick,
+  // which looks again), and runs refused (a tier rank in a crowd) are tried again after
+  // kScoresAfterRefusal picks. A stale count costs a translation under the mutex, never a choice.
+  static constexpr std::uint32_t kScoresAfterRefusal = 64;
+  std::atomic<std::uint32_t> scores_next_{0};
   RouteCounters counters_ KV_GUARDED_BY(mu_);
   std::uint64_t session_hits_ KV_GUARDED_BY(mu_) = 0;        // decisions that followed a session's binding
   std::uint64_t generated_ids_ KV_GUARDED_BY(mu_) = 0;       // request ids made up for generate

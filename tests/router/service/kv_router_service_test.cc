@@ -5,6 +5,8 @@
 #include "router/service/kv_router_service.h"
 
 #include <gtest/gtest.h>
+
+#include <set>
 #include <sched.h>
 
 #include <thread>
@@ -387,6 +389,42 @@ TEST_F(ServiceTest, AnEventBacklogIsAppliedWholeAndInOrderWhateverItsLastMessage
   ASSERT_TRUE(r.ok()) << r.status().ToString();
   EXPECT_EQ(r->worker_id, 1u);
   EXPECT_EQ(r->overlap_blocks, 2u);  // the removal came after the store
+}
+
+// A fleet where most ranks hold the prompt's prefix: each shard's holders are a crowd (a run of
+// the index's matches of 64 ranks or more), translated once and then found translated again,
+// and every request still goes to a rank holding the prefix, the tie spread over them; a rank
+// with a booking is priced apart, and a request that books a holder is seen there.
+TEST_F(ServiceTest, ACrowdHoldingThePrefixIsTranslatedOnceAndTheTieSpreadOverIt) {
+  StartWith({"--router-mode", "kv", "--router-index-shards", "2"});
+  const std::vector<std::uint32_t> prefix(kTwelve.begin(), kTwelve.begin() + 8);  // 2 blocks
+  std::set<std::uint64_t> holders;
+  for (std::uint64_t id = 1; id <= 400; ++id) {
+    Register(id);
+    if (id % 4 == 0) continue;
+    StorePrompt(id, 1, prefix);
+    holders.insert(id);
+  }
+  std::vector<std::uint32_t> tokens = kTwelve;  // the prefix, then a block of its own
+  std::set<std::uint64_t> chosen;
+  for (int i = 0; i < 200; ++i) {
+    auto r = Route(Prompt(tokens), /*best_worker=*/true);
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    EXPECT_TRUE(holders.contains(r->worker_id)) << r->worker_id;
+    EXPECT_EQ(r->overlap_blocks, 2u);
+    chosen.insert(r->worker_id);
+  }
+  EXPECT_GT(chosen.size(), 100u);               // of 300 holders, 200 uniform draws
+  EXPECT_EQ(Counter("crowds_translated"), 2u);  // one crowd per shard
+  EXPECT_EQ(Counter("crowds_reused"), 2u * 199);
+  // Booked requests: the rank each lands on is priced apart from its crowd from then on.
+  for (int i = 0; i < 20; ++i) {
+    auto r = Route(Prompt(tokens, "booked-" + std::to_string(i)));
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    EXPECT_TRUE(holders.contains(r->worker_id)) << r->worker_id;
+    EXPECT_EQ(r->overlap_blocks, 2u);
+  }
+  EXPECT_EQ(Counter("crowds_translated"), 2u);
 }
 
 }  // namespace
