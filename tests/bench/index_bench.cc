@@ -539,14 +539,15 @@ void BM_Decision1000Workers(benchmark::State& state) {
 }
 BENCHMARK(BM_Decision1000Workers)->Arg(0)->Arg(1)->Unit(benchmark::kMicrosecond);
 
-// A best_worker decision as the fleet grows (issue of decisions sublinear in the fleet): the
-// service in process, arg workers of one rank each, every tenth holding 4 blocks (block size 16),
-// none loaded. Second arg 1: the first 4 blocks of the 512-token prompt asked for, so a tenth of
-// the fleet matches it; 0: 4 blocks of a prompt of its own, so none does. items_per_second =
+// A best_worker decision as the fleet grows (decisions sublinear in the fleet): the service in
+// process, arg workers of one rank each, every tenth holding 4 blocks (block size 16), none
+// loaded. Second arg 1: the first 4 blocks of the 512-token prompt asked for, so a tenth of the
+// fleet matches it; 0: 4 blocks of a prompt of its own, so none does; 2: every worker holds the
+// prompt's first 4 blocks (a system prompt the whole fleet shares). items_per_second =
 // decisions.
 void BM_BestWorkerAtScale(benchmark::State& state) {
   const auto fleet = static_cast<std::uint64_t>(state.range(0));
-  const bool matching = state.range(1) == 1;
+  const bool matching = state.range(1) != 0, everyone = state.range(1) == 2;
   InMemoryBus bus;
   const char* argv[] = {"kvrouter", "--router-mode",        "kv",    "--block-size", "16", "--router-max-worker-ranks",
                         "262144",   "--router-max-workers", "262144"};
@@ -562,7 +563,7 @@ void BM_BestWorkerAtScale(benchmark::State& state) {
   for (std::uint64_t w = 1; w <= fleet; ++w) {
     WorkerRegistration reg{.worker_id = w, .block_size = 16, .total_kv_blocks = 16384, .lease_ms = 3600000};
     (void)bus.Publish(svc.subjects().instances, AsBytes(EncodeWorkerRegistration(reg)));
-    if (w % 10 == 0) {
+    if (w % 10 == 0 || everyone) {
       if (!matching) held[0] = static_cast<std::uint32_t>(1'000'000 + w);
       (void)bus.Publish(svc.subjects().kv_events, AsBytes(EncodeDynamoEnvelope(StoredPromptBatch(w, 1, held, 16), {})));
     }
@@ -576,7 +577,7 @@ void BM_BestWorkerAtScale(benchmark::State& state) {
   }
   state.SetItemsProcessed(state.iterations());
 }
-BENCHMARK(BM_BestWorkerAtScale)->ArgsProduct({{1000, 10000, 100000}, {1, 0}})->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_BestWorkerAtScale)->ArgsProduct({{1000, 10000, 100000}, {1, 0, 2}})->Unit(benchmark::kMicrosecond);
 
 // The machine itself, for reading every latency above: one thread does nothing but read the
 // clock for a second and counts the gaps of more than 10 us between two readings, the time it
