@@ -3,9 +3,9 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <bit>
 #include <cstring>
 #include <iterator>
-#include <bit>
 #include <limits>
 #include <unordered_map>
 
@@ -286,19 +286,20 @@ Scheduler::WideChoice Scheduler::PickAmongAll(const std::shared_ptr<const std::v
   crowds.clear();
   overlaps.clear();
   const bool full_scan = FullScanPays(p, ranks->size());
-  if (!full_scan && ReadCrowds(ClassesOf(ranks), matches, overlaps, crowds)) {
+  bool met = false;
+  if (!full_scan && ReadCrowds(ClassesOf(ranks), matches, overlaps, crowds, met)) {
     return PickByClasses(ranks, p, overlaps, crowds, full);
   }
   overlaps.clear();
   // A slot handed to another worker since the read: the index is read again.
   if (!index_.TranslateMatches(matches, overlaps)) index_.FindMatches(p.seq, overlaps);
   WideChoice out = PickAmongAll(ranks, p, overlaps, full);
-  out.runs_refused = !full_scan;
+  out.runs_refused = !full_scan && met;
   return out;
 }
 
 bool Scheduler::ReadCrowds(RankClasses& classes, const IndexMatches& matches, OverlapScores& overlaps,
-                           std::vector<CrowdMatch>& crowds) {
+                           std::vector<CrowdMatch>& crowds, bool& met) {
   ++crowd_reads_;
   thread_local IndexMatches rest;  // the runs translated rank by rank
   rest.shards.resize(matches.shards.size());
@@ -315,6 +316,7 @@ bool Scheduler::ReadCrowds(RankClasses& classes, const IndexMatches& matches, Ov
         r.runs.push_back({static_cast<std::uint32_t>(r.slots.size()), m.runs[i].depth});
         continue;
       }
+      met = true;
       const Crowd* crowd = CrowdOf(classes, matches, s, slots);
       if (crowd == nullptr || crowd->tiered) return false;
       crowds.push_back({crowd, m.runs[i].depth});
@@ -555,8 +557,8 @@ Scheduler::WideChoice Scheduler::PickByClasses(const std::shared_ptr<const std::
   };
   thread_local std::vector<Priced> priced;  // the open special ranks
   priced.clear();
-  std::vector<std::uint32_t> idle(
-      classes.members.size());  // per class: members neither special, grouped nor in a crowd
+  // Per class: the members neither special, matched one by one nor in a crowd.
+  std::vector<std::uint32_t> idle(classes.members.size());
   for (std::size_t c = 0; c < idle.size(); ++c) idle[c] = static_cast<std::uint32_t>(classes.members[c].size());
   for (std::size_t g = 0; g < groups.size(); ++g) idle[groups[g].cls] -= group_size[g];
   for (std::size_t g = 0; g < groups.size(); ++g) {

@@ -116,7 +116,9 @@ class Scheduler {
     std::optional<Candidate> chosen;  // nullopt: every rank is full
     std::uint32_t best_overlap = 0;   // the longest device overlap of any rank, full or not
     bool full_scan = false;           // made by the full scan (most ranks priced one by one)
-    bool runs_refused = false;        // from runs, but every run had to be translated (a tier rank, a slot reused)
+    // From runs, where crowds could not be used (a tier rank in or beside a crowd, a slot reused
+    // since the read, more crowds than kept): every run was translated.
+    bool runs_refused = false;
   };
   // Whether a pick considers ranks past the queue threshold: best_worker does, a request that
   // would book does not (OpenRanks).
@@ -143,7 +145,8 @@ class Scheduler {
   // at a shallower depth is intersected with the deeper crowds of its shard). The other runs
   // are translated rank by rank. Translates every run instead, and decides as the form above,
   // where a crowd holds a host or disk tier rank's slot, a tier rank is matched beside a crowd,
-  // a slot was reused since the read, or the full scan is cheaper.
+  // a slot was reused since the read, this read has more crowds than are kept, or the full scan
+  // is cheaper.
   WideChoice PickAmongAll(const std::shared_ptr<const std::vector<RankInfo>>& ranks, const PreparedRequest& p,
                           const IndexMatches& matches, OverlapScores& overlaps, FullRanks full);
   static constexpr std::size_t kCrowd = 64;
@@ -246,9 +249,10 @@ class Scheduler {
     std::uint32_t depth;
   };
   // The crowds of `matches` into `crowds` and every other run translated into `overlaps`;
-  // false where the choice must translate every run instead.
+  // false where the choice must translate every run instead. `met` tells whether any run was
+  // the size of a crowd.
   bool ReadCrowds(RankClasses& classes, const IndexMatches& matches, OverlapScores& overlaps,
-                  std::vector<CrowdMatch>& crowds);
+                  std::vector<CrowdMatch>& crowds, bool& met);
   // The translated crowd of these slots: found, or translated now (null when a slot was handed
   // to another worker since the read, or every kept crowd serves this read already).
   const Crowd* CrowdOf(RankClasses& classes, const IndexMatches& matches, std::size_t shard,

@@ -52,16 +52,17 @@ Result<Routing::Eligible> Routing::EligibleLocked(Kind kind, const RouteRequest&
     auto choice = matches ? scheduler_.PickAmongAll(all, p, *matches, overlaps, full)
                           : scheduler_.PickAmongAll(all, p, overlaps, full);
     const std::uint32_t scores = scores_next_.load(std::memory_order_relaxed);
-    scores_next_.store(choice.full_scan      ? 1
+    const std::uint32_t after = scores - std::min<std::uint32_t>(scores, 1);
+    scores_next_.store(choice.full_scan      ? std::max<std::uint32_t>(1, after)
                        : choice.runs_refused ? kScoresAfterRefusal
                        : matches             ? 0
-                                             : scores - std::min<std::uint32_t>(scores, 1),
+                                             : after,
                        std::memory_order_relaxed);
     out.best_overlap = choice.best_overlap;
     if (choice.chosen) out.open.push_back(*choice.chosen);
     return out;
   }
-  if (matches) {  // not met: AmongAll reads only the request and the options
+  if (matches) {  // unreachable: Route read runs only where AmongAll holds, which it still does
     overlaps.clear();
     if (!index_.TranslateMatches(*matches, overlaps)) IndexOverlaps(options_, index_, p, overlaps);
   }

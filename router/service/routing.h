@@ -157,9 +157,10 @@ class Routing {
   SessionAffinity affinity_ KV_GUARDED_BY(mu_);
   const bool sessions_on_;  // affinity_.on(), for AmongAll without the mutex
   // How many of the next picks among every rank read scores before the mutex, rather than runs
-  // they would translate under it: the full scan needs scores (it then holds for the next pick,
-  // which looks again), and runs refused (a tier rank in a crowd) are tried again after
-  // kScoresAfterRefusal picks. A stale count costs a translation under the mutex, never a choice.
+  // they would translate under it: the full scan needs scores (for at least the next pick, which
+  // looks again), and runs refused (Scheduler::WideChoice::runs_refused) are tried again after
+  // kScoresAfterRefusal picks. A stale count costs time (a translation under the mutex, or ranks
+  // visited one by one where crowds would have been counted), never a choice.
   static constexpr std::uint32_t kScoresAfterRefusal = 64;
   std::atomic<std::uint32_t> scores_next_{0};
   RouteCounters counters_ KV_GUARDED_BY(mu_);

@@ -5,9 +5,9 @@
 #include <algorithm>
 #include <functional>
 #include <map>
-#include <optional>
 #include <memory>
 #include <numeric>
+#include <optional>
 #include <random>
 
 namespace kvrouter {
@@ -318,7 +318,12 @@ std::optional<bool> DecideBothWays(Scheduler& full, Scheduler& wide, const std::
   EXPECT_EQ(a->booked, b->booked);
   if (a->worker != b->worker || a->booked != b->booked) return std::nullopt;
   if (a->booked) {
-    EXPECT_EQ(full.load().PriorOf(r.request_id)->prefill_ms, wide.load().PriorOf(r.request_id)->prefill_ms);
+    const PriorTtft* pa = full.load().PriorOf(r.request_id);
+    const PriorTtft* pb = wide.load().PriorOf(r.request_id);
+    EXPECT_TRUE(pa != nullptr && pb != nullptr);
+    if (pa != nullptr && pb != nullptr) {
+      EXPECT_EQ(pa->prefill_ms, pb->prefill_ms);
+    }
   }
   return a->booked;
 }

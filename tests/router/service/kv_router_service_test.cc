@@ -5,10 +5,9 @@
 #include "router/service/kv_router_service.h"
 
 #include <gtest/gtest.h>
-
-#include <set>
 #include <sched.h>
 
+#include <set>
 #include <thread>
 
 #include "events/event_codec.h"
@@ -417,13 +416,17 @@ TEST_F(ServiceTest, ACrowdHoldingThePrefixIsTranslatedOnceAndTheTieSpreadOverIt)
   EXPECT_GT(chosen.size(), 100u);               // of 300 holders, 200 uniform draws
   EXPECT_EQ(Counter("crowds_translated"), 2u);  // one crowd per shard
   EXPECT_EQ(Counter("crowds_reused"), 2u * 199);
-  // Booked requests: the rank each lands on is priced apart from its crowd from then on.
+  // Booked requests: the rank each lands on is priced apart from its crowd from then on, and
+  // with its booking costs more than the idle holders, so the next one goes elsewhere.
+  std::set<std::uint64_t> booked_on;
   for (int i = 0; i < 20; ++i) {
     auto r = Route(Prompt(tokens, "booked-" + std::to_string(i)));
     ASSERT_TRUE(r.ok()) << r.status().ToString();
     EXPECT_TRUE(holders.contains(r->worker_id)) << r->worker_id;
     EXPECT_EQ(r->overlap_blocks, 2u);
+    booked_on.insert(r->worker_id);
   }
+  EXPECT_EQ(booked_on.size(), 20u);
   EXPECT_EQ(Counter("crowds_translated"), 2u);
 }
 
