@@ -3,7 +3,6 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <cmath>
 #include <limits>
 
 #include "events/event_codec.h"
@@ -49,16 +48,6 @@ Result<std::vector<std::string>> ReadModels(const msgpack::object* o, std::strin
     names.emplace_back(*name);
   }
   return names;
-}
-
-// A router_config_override weight: a finite, non-negative number (float or int).
-Result<double> ReadWeight(const msgpack::object* o, std::string_view field) {
-  auto v = ReadF64(o, field);
-  if (!v.ok()) return v.status();
-  if (!std::isfinite(*v) || *v < 0) {
-    return InvalidArgument(fmt::format("field '{}' must be a finite non-negative number", field));
-  }
-  return *v;
 }
 
 // The map under `key`, or nullptr when absent or nil; a non-map is an error.
@@ -266,9 +255,9 @@ Result<RouteRequest> DecodeRouteRequest(std::span<const std::byte> body) {
   if (*override_map != nullptr) {
     const msgpack::object& o = **override_map;
     RouterConfigOverride& c = req.config_override;
-    reads.Optional(o, "overlap_score_credit", ReadWeight, c.overlap_score_credit);
-    reads.Optional(o, "prefill_load_scale", ReadWeight, c.prefill_load_scale);
-    reads.Optional(o, "router_temperature", ReadWeight, c.router_temperature);
+    reads.Optional(o, "overlap_score_credit", ReadNonNegative, c.overlap_score_credit);
+    reads.Optional(o, "prefill_load_scale", ReadNonNegative, c.prefill_load_scale);
+    reads.Optional(o, "router_temperature", ReadNonNegative, c.router_temperature);
   }
   if (!reads.ok()) return reads.status();
   return req;
@@ -396,10 +385,10 @@ std::optional<ResponseTiming> DecodeResponseTiming(std::span<const std::byte> bo
   if (IsNil(FindKey(m, "ttfb_ms"))) return std::nullopt;
   ResponseTiming t;
   FieldReads reads;
-  reads.Required(m, "ttfb_ms", ReadWeight, t.ttfb_ms);
+  reads.Required(m, "ttfb_ms", ReadNonNegative, t.ttfb_ms);
   reads.Optional(m, "chunks", ReadU32, t.chunks);
-  reads.Optional(m, "inter_chunk_ms_mean", ReadWeight, t.inter_chunk_ms_mean);
-  reads.Optional(m, "inter_chunk_ms_max", ReadWeight, t.inter_chunk_ms_max);
+  reads.Optional(m, "inter_chunk_ms_mean", ReadNonNegative, t.inter_chunk_ms_mean);
+  reads.Optional(m, "inter_chunk_ms_max", ReadNonNegative, t.inter_chunk_ms_max);
   if (!reads.ok()) return std::nullopt;
   return t;
 }

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <cmath>
 #include <cstring>
 #include <limits>
 
@@ -292,6 +293,15 @@ Result<double> ReadF64(const msgpack::object* o, std::string_view field) {
     case msgpack::type::NEGATIVE_INTEGER: return static_cast<double>(o->via.i64);
     default: return TypeError(field, "a number");
   }
+}
+
+Result<double> ReadNonNegative(const msgpack::object* o, std::string_view field) {
+  auto v = ReadF64(o, field);
+  if (!v.ok()) return v.status();
+  if (!std::isfinite(*v) || *v < 0) {
+    return InvalidArgument(fmt::format("field '{}' must be a finite non-negative number", field));
+  }
+  return *v;
 }
 
 Result<bool> ReadBool(const msgpack::object* o, std::string_view field) {

@@ -59,6 +59,9 @@ Result<std::uint64_t> ReadU64(const msgpack::object* o, std::string_view field);
 Result<std::uint32_t> ReadU32(const msgpack::object* o, std::string_view field);
 Result<std::int64_t> ReadI64(const msgpack::object* o, std::string_view field);
 Result<double> ReadF64(const msgpack::object* o, std::string_view field);  // float or int
+// A weight or a duration: a finite number at least 0 (float or int); NaN, infinities and
+// negatives are refused.
+Result<double> ReadNonNegative(const msgpack::object* o, std::string_view field);
 Result<bool> ReadBool(const msgpack::object* o, std::string_view field);
 Result<std::string_view> ReadStr(const msgpack::object* o, std::string_view field);
 // A string the router keeps (request ids, device names): at most kMaxNameBytes bytes, so a peer

@@ -197,7 +197,7 @@ Result<GenerateResponse> GenerateResponse::Decode(std::span<const std::byte> bod
   reads.Optional(root, "finish_reason", ReadStr, r.finish_reason);
   reads.Optional(root, "cached_tokens", ReadU32, r.cached_tokens);
   reads.Optional(root, "prompt_tokens", ReadU32, r.prompt_tokens);
-  reads.Optional(root, "ttft_ms", ReadF64, r.ttft_ms);
+  reads.Optional(root, "ttft_ms", ReadNonNegative, r.ttft_ms);
   reads.Optional(root, "message", ReadStr, r.message);
   if (!reads.ok()) return reads.status();
   return r;

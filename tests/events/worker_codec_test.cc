@@ -3,6 +3,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -277,6 +278,12 @@ TEST(GenerateCodecTest, BadRequestsAreInvalidArgumentNamingTheField) {
   no_id.Key("token_ids");
   no_id.pk.pack_array(0);
   ExpectInvalid(GenerateResponse::Decode(no_id.bytes()), "request_id");
+
+  // A time to first token is a finite duration: NaN, infinities and negatives are refused.
+  for (const double bad : {std::numeric_limits<double>::quiet_NaN(), std::numeric_limits<double>::infinity(), -1.0}) {
+    const GenerateResponse timed{.request_id = "r", .token_ids = {}, .finish_reason = "stop", .ttft_ms = bad};
+    ExpectInvalid(GenerateResponse::Decode(AsBytes(timed.Encode())), "ttft_ms");
+  }
 
   const GenerateRequest req{.request_id = "abc", .token_ids = {1, 70000}, .max_tokens = 3};
   ExpectEveryTruncationFails(AsBytes(req.Encode()), [](auto b) { return GenerateRequest::Decode(b); });
