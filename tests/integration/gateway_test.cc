@@ -184,13 +184,17 @@ class GatewayTest : public KvRouterProcessTest {
   }
   // The gateway knows `n` engines (and the router has answered it): /ready says so. The engines'
   // heartbeats go on meanwhile (a registration sent before the gateway subscribed is not lost).
+  // The gateway knows n engines and is ready, and the router has registered as many ranks: the
+  // two read registrations on connections of their own, so either may see them first.
   bool AwaitReady(std::size_t n) {
     return AwaitTrue([&] {
       Heartbeat();
       auto ready = client_->Fetch(endpoint_, {.method = "GET", .target = "/ready"});
       auto metrics = client_->Fetch(endpoint_, {.method = "GET", .target = "/metrics"});
+      auto stats = Stats();
       return ready.ok() && ready->status == 200 && metrics.ok() &&
-             metrics->body.find(fmt::format("kvgateway_engines {}", n)) != std::string::npos;
+             metrics->body.find(fmt::format("kvgateway_engines {}", n)) != std::string::npos && stats &&
+             stats->workers_total >= n;
     });
   }
   static std::string Chat(const std::string& text, bool stream = false) {
@@ -398,7 +402,8 @@ TEST_F(GatewayTest, AClientThatGoesAwayClosesTheEngineConnectionAndFreesTheBooki
   e.set_mode(FakeEngine::Mode::kHold);
   ASSERT_TRUE(AwaitReady(1));
   auto call = client_->Start(endpoint_, {.target = "/v1/chat/completions", .body = Chat("long one", true)}, {});
-  ASSERT_TRUE(AwaitTrue([&] { return e.held() == 1; }));
+  ASSERT_TRUE(AwaitTrue([&] { return e.held() == 1; }))
+      << "renders " << e.renders() << ", completions " << e.completions() << ", booked " << ActiveRequests();
   EXPECT_EQ(ActiveRequests(), 1u);
   call->Cancel();
   ASSERT_TRUE(AwaitTrue([&] { return e.gone() == 1; }));  // the engine saw its client go
