@@ -301,6 +301,14 @@ Scheduler::WideChoice Scheduler::PickAmongAll(const std::shared_ptr<const std::v
 bool Scheduler::ReadCrowds(RankClasses& classes, const IndexMatches& matches, OverlapScores& overlaps,
                            std::vector<CrowdMatch>& crowds, bool& met) {
   ++crowd_reads_;
+  // No run the size of a crowd (a small fleet's every read): the runs are translated as they are.
+  const bool any_crowd = std::any_of(matches.shards.begin(), matches.shards.end(), [](const MatchRuns& m) {
+    for (std::size_t i = 0; i < m.runs.size(); ++i) {
+      if (m.runs[i].end - (i == 0 ? 0 : m.runs[i - 1].end) >= kCrowd) return true;
+    }
+    return false;
+  });
+  if (!any_crowd) return index_.TranslateMatches(matches, overlaps);
   thread_local IndexMatches rest;  // the runs translated rank by rank
   rest.shards.resize(matches.shards.size());
   for (std::size_t s = 0; s < matches.shards.size(); ++s) {
