@@ -515,8 +515,8 @@ class PhaseMeter {
 // blocks as a real engine (vLLM, through kvrelay) names them: engine block ids that are not the
 // sequence hashes, each message continuing its worker's chain from the last one (parent_hash);
 // arg 0: the block ids are the sequence hashes and every message a fresh chain (Dynamo's and
-// kvmocker's workers). Sent (a) to a bare nats.c
-// subscriber that only counts them (time: first publish to the last message counted), then
+// kvmocker's workers). Sent (a) to a bare nats.c subscriber that only counts them, on a subject
+// as long as the router's (time: first publish to the last message counted), then
 // (b) to the router (time: first publish until its stats show every event applied). Counters:
 // bare_msgs_per_s, router_msgs_per_s (medians of 5 alternating runs) and their ratio, and
 // router_cpu_ns_per_msg (the router process's CPU time per event, median).
@@ -556,7 +556,12 @@ void BM_IngestVsBareSubscriber(benchmark::State& state) {
     return;
   }
   std::atomic<std::uint64_t> counted{0};
-  auto sub = (*bare)->Subscribe("bench.bare.kv-events", "", [&](const IncomingMessage&) {
+  // As long as the router's subject: nats-server and nats.c read a subject byte by byte on both
+  // sides, and a subject 24 bytes shorter saves the bare phase about 300 ns of CPU per message
+  // that has nothing to do with what the router does with an event.
+  const std::string bare_subject = kComp + "bare-evts";
+  static_assert(sizeof("bare-evts") == sizeof("kv-events"));
+  auto sub = (*bare)->Subscribe(bare_subject, "", [&](const IncomingMessage&) {
     if (counted.fetch_add(1, std::memory_order_relaxed) + 1 == n) counted.notify_all();
   });
   if (!sub.ok() || !(*bare)->Flush(2s).ok()) {
@@ -591,7 +596,7 @@ void BM_IngestVsBareSubscriber(benchmark::State& state) {
     counted.store(0);
     const PhaseMeter bare_meter(rig, /*router=*/false);
     auto t0 = std::chrono::steady_clock::now();
-    for (const auto& m : msgs) (void)rig.publisher->Publish("bench.bare.kv-events", AsBytes(m));
+    for (const auto& m : msgs) (void)rig.publisher->Publish(bare_subject, AsBytes(m));
     for (std::uint64_t c = counted.load(); c < n; c = counted.load()) counted.wait(c);
     bare_rates.push_back(static_cast<double>(n) /
                          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
