@@ -362,10 +362,40 @@ ApplyOutcome BlockIndex::ApplyStored(WorkerKey worker, std::optional<BlockHash> 
   return out;
 }
 
+void BlockIndex::PrefetchRemoved(WorkerKey worker, std::span<const BlockHash> block_hashes) const {
+  constexpr std::size_t kMaxBlocks = 8;
+  const std::uint32_t slot = FindSlot(worker);
+  if (slot == kFlatEmpty) return;
+  const FlatTable<U64MapTraits>& ids = slots_[slot].mapped ? slots_[slot].blocks : node_of_;
+  for (std::size_t i = 0; i < std::min(kMaxBlocks, block_hashes.size()); ++i) ids.Prefetch(block_hashes[i]);
+}
+
+void BlockIndex::PrefetchRemovals(std::uint32_t slot, std::span<const BlockHash> block_hashes) const {
+  // Three lookups in a row per block, each a likely cache miss when the block is old: its map or
+  // table slot, its node, then (for an engine id) its prefix's table slot, which erasing the
+  // node needs. In stages over the whole group, the misses of one stage overlap each other.
+  const WorkerSlot& w = slots_[slot];
+  const FlatTable<U64MapTraits>& ids = w.mapped ? w.blocks : node_of_;
+  for (BlockHash h : block_hashes) ids.Prefetch(h);
+  std::array<std::uint32_t, kRemovalGroup> nodes;
+  for (std::size_t i = 0; i < block_hashes.size(); ++i) {
+    nodes[i] = ids.Find(block_hashes[i]);
+    if (nodes[i] != kFlatEmpty) PrefetchLine(&node(nodes[i]));
+  }
+  if (!w.mapped) return;  // the node's table slot is the one just read
+  for (std::size_t i = 0; i < block_hashes.size(); ++i) {
+    if (nodes[i] != kFlatEmpty) node_of_.Prefetch(node(nodes[i]).seq);
+  }
+}
+
 ApplyOutcome BlockIndex::ApplyRemoved(WorkerKey worker, std::span<const BlockHash> block_hashes) {
   ApplyOutcome out;
   const std::uint32_t slot = FindSlot(worker);
-  for (BlockHash h : block_hashes) {
+  for (std::size_t i = 0; i < block_hashes.size(); ++i) {
+    const BlockHash h = block_hashes[i];
+    if (slot != kFlatEmpty && i % kRemovalGroup == 0) {
+      PrefetchRemovals(slot, block_hashes.subspan(i, std::min(kRemovalGroup, block_hashes.size() - i)));
+    }
     std::uint32_t node = kFlatEmpty;
     if (slot != kFlatEmpty) node = slots_[slot].mapped ? slots_[slot].blocks.Erase(h) : HeldNode(slot, h);
     if (node == kFlatEmpty) {
@@ -398,13 +428,9 @@ std::size_t BlockIndex::ClearSlot(std::uint32_t slot) {
   // Every node this slot holds loses it; a node still held by the slot cannot be freed by an
   // earlier step of this loop, so no node is visited after being freed. The whole worker goes,
   // so no orphan is left behind for it and orphan_risk need not be set.
-  auto drop = [&](std::uint32_t n) {
-    // A stale or repeated canonical entry finds the slot gone (a freed node has no holders).
-    if (node(n).holders.Erase(slot, holder_heap_)) MaybeFree(n);
-  };
-  if (!w.mapped) {
-    for (std::uint32_t n : w.held) drop(n);
-  } else {
+  thread_local std::vector<std::uint32_t> mapped_nodes;
+  mapped_nodes.clear();
+  if (w.mapped) {
     w.blocks.ForEach([&](const U64MapTraits::Entry& e) {
       auto& extra = w.extra_refs;
       if (!extra.empty()) {
@@ -413,9 +439,20 @@ std::size_t BlockIndex::ClearSlot(std::uint32_t slot) {
           return;
         }
       }
-      drop(e.value);
+      mapped_nodes.push_back(e.value);
     });
   }
+  const std::span<const std::uint32_t> nodes = w.mapped ? std::span<const std::uint32_t>(mapped_nodes) : w.held;
+  // The nodes lie anywhere in memory, and so do their slots in the sequence-hash table, which
+  // freeing a node erases: both are loaded a few nodes ahead, so that their misses overlap.
+  constexpr std::size_t kNodeAhead = 16, kTableAhead = 8;
+  for (std::size_t i = 0; i < nodes.size(); ++i) {
+    if (i + kNodeAhead < nodes.size()) PrefetchLine(&node(nodes[i + kNodeAhead]));
+    if (i + kTableAhead < nodes.size()) node_of_.Prefetch(node(nodes[i + kTableAhead]).seq);
+    // A stale or repeated canonical entry finds the slot gone (a freed node has no holders).
+    if (node(nodes[i]).holders.Erase(slot, holder_heap_)) MaybeFree(nodes[i]);
+  }
+  if (mapped_nodes.capacity() > (std::size_t{1} << 16)) mapped_nodes = {};  // a large worker's, not kept
   w.held = {};
   w.canonical_blocks = 0;
   if (shrink_later_) {

@@ -179,6 +179,8 @@ class BlockIndex {
   void PrefetchStored(WorkerKey worker, std::optional<BlockHash> parent, std::span<const StoredBlock> blocks) const;
   // Removes blocks by engine hash; unknown ones are counted and skipped.
   ApplyOutcome ApplyRemoved(WorkerKey worker, std::span<const BlockHash> block_hashes);
+  // Starts loading the table slots where ApplyRemoved of these blocks looks first (the first 8).
+  void PrefetchRemoved(WorkerKey worker, std::span<const BlockHash> block_hashes) const;
   // Drops every block of one (worker, dp_rank), on every storage tier; the worker stays known.
   std::size_t ClearRank(WorkerKey worker);
   // Drops every block of every dp rank of worker_id (`cleared`); returns blocks dropped.
@@ -318,6 +320,9 @@ class BlockIndex {
   // Drops one of the slot's references to node; frees nodes left without holders and children.
   void DropHolding(std::uint32_t slot, std::uint32_t i);
   void MaybeFree(std::uint32_t i);
+  // ApplyRemoved's blocks in groups: what removing each will read, loaded ahead (no change).
+  static constexpr std::size_t kRemovalGroup = 16;
+  void PrefetchRemovals(std::uint32_t slot, std::span<const BlockHash> block_hashes) const;
   std::size_t ClearSlot(std::uint32_t slot);
   // FindMatches' walk of the request's path, writing through a ScoreWriter or a RunWriter.
   template <typename Writer>

@@ -370,15 +370,24 @@ void IndexShard::PrefetchOps(const Item& it) {
 }
 
 void IndexShard::PrefetchBlocks(const Item& it) {
-  const KvStored* st = FirstStored(it);
-  if (st == nullptr || st->blocks.empty()) return;
-  PrefetchLine(st->blocks.data());
-  PrefetchLine(&st->blocks.back());
+  if (const KvStored* st = FirstStored(it)) {
+    if (st->blocks.empty()) return;
+    PrefetchLine(st->blocks.data());
+    PrefetchLine(&st->blocks.back());
+  } else if (it.kind == Item::kBatch && !it.batch.ops.empty()) {
+    const auto* rm = std::get_if<KvRemoved>(&it.batch.ops.front().data);
+    if (rm == nullptr || rm->block_hashes.empty()) return;
+    PrefetchLine(rm->block_hashes.data());
+  }
 }
 
 void IndexShard::PrefetchSlots(const KvEventBatch& b) const {
+  if (b.ops.empty()) return;
+  const WorkerKey rank = TierRank({b.worker_id, b.dp_rank}, b.ops.front().tier);
   if (const KvStored* st = FirstStored(b)) {
-    index_.PrefetchStored(TierRank({b.worker_id, b.dp_rank}, b.ops.front().tier), st->parent_hash, st->blocks);
+    index_.PrefetchStored(rank, st->parent_hash, st->blocks);
+  } else if (const auto* rm = std::get_if<KvRemoved>(&b.ops.front().data)) {
+    index_.PrefetchRemoved(rank, rm->block_hashes);
   }
 }
 

@@ -126,8 +126,8 @@ BENCHMARK(BM_ApplyChains16)->Unit(benchmark::kMillisecond);
 // The apply work of route_bench's ingest workload (BM_IngestVsBareSubscriber), on one thread
 // and without the queue: 300,000 stored events of 4 new blocks each (a new prompt: no parent)
 // from 64 workers, into an index that readers may read (as a shard's is), then, untimed, every
-// worker cleared as that benchmark does between runs, and the free nodes put in order as an
-// idle shard thread does. items_per_second = events. Arg 0/1: without/with the prefetch of the
+// worker cleared as that benchmark does between runs (clear_ms: the 64 clears' time), and the free
+// nodes put in order as an idle shard thread does. items_per_second = events. Arg 0/1: without/with the prefetch of the
 // next event's slots. Second arg 1: engine block ids that are not sequence hashes, each event
 // continuing its worker's chain (a vLLM engine's events, as route_bench's /1 sends them).
 void BM_ApplyIngestEvents(benchmark::State& state) {
@@ -148,6 +148,7 @@ void BM_ApplyIngestEvents(benchmark::State& state) {
   idx.SetConcurrentReaders(true);
   idx.ShrinkTablesLater(true);  // as a shard's index
   const bool prefetch = state.range(0) != 0;
+  double clear_s = 0;
   for (auto _ : state) {
     for (int e = 0; e < kEvents; ++e) {
       if (prefetch && e + 1 < kEvents) {
@@ -157,14 +158,66 @@ void BM_ApplyIngestEvents(benchmark::State& state) {
     }
     state.PauseTiming();
     if (idx.Memory().holdings != std::size_t{kEvents} * kBlocks) state.SkipWithError("blocks were lost");
+    const auto t0 = std::chrono::steady_clock::now();
     for (int w = 0; w < kWorkers; ++w) idx.ClearWorker(w);
+    clear_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     idx.FreeRetired();
     idx.TidyFreeNodes();  // as a shard thread does when idle
     state.ResumeTiming();
   }
   state.SetItemsProcessed(state.iterations() * kEvents);
+  state.counters["clear_ms"] = clear_s / static_cast<double>(state.iterations()) * 1e3;
 }
 BENCHMARK(BM_ApplyIngestEvents)->ArgsProduct({{0, 1}, {0, 1}})->Unit(benchmark::kMillisecond)->Iterations(10);
+
+// The removals that follow BM_ApplyIngestEvents' stores, as an engine evicts: each event's
+// blocks in the order they were stored, each event's chain tail first (vLLM frees a request's
+// blocks in reverse, so its tail goes first). items_per_second = events removed; store_per_remove
+// = the stores' time (in the same iteration, untimed) over the removals'. Args as that
+// benchmark's second: engine ids that are the sequence hashes, or not.
+void BM_RemoveIngestEvents(benchmark::State& state) {
+  constexpr int kWorkers = 64, kEvents = 300000, kBlocks = 4;
+  const bool engine_hashes = state.range(0) != 0;
+  std::vector<std::vector<StoredBlock>> events(kEvents);
+  std::vector<std::vector<BlockHash>> removals(kEvents);
+  for (int e = 0; e < kEvents; ++e) {
+    std::vector<LocalHash> locals;
+    for (int b = 0; b < kBlocks; ++b) locals.push_back(Mix64((std::uint64_t(e) << 3) + b + 1));
+    events[e] = AsChain(locals);
+    if (engine_hashes) {
+      for (int b = 0; b < kBlocks; ++b) events[e][b].block_hash = Mix64((std::uint64_t(e) << 3) + b + (1ull << 40));
+    }
+    for (int b = kBlocks; b-- > 0;) removals[e].push_back(events[e][b].block_hash);
+  }
+  BlockIndex idx;
+  idx.SetConcurrentReaders(true);
+  idx.ShrinkTablesLater(true);  // as a shard's index
+  double store_s = 0, remove_s = 0;
+  for (auto _ : state) {
+    state.PauseTiming();
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int e = 0; e < kEvents; ++e) {
+      if (e + 1 < kEvents) idx.PrefetchStored({std::uint64_t((e + 1) % kWorkers), 0}, std::nullopt, events[e + 1]);
+      benchmark::DoNotOptimize(idx.ApplyStored({std::uint64_t(e % kWorkers), 0}, std::nullopt, events[e]));
+    }
+    store_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    state.ResumeTiming();
+    const auto t1 = std::chrono::steady_clock::now();
+    for (int e = 0; e < kEvents; ++e) {
+      if (e + 1 < kEvents) idx.PrefetchRemoved({std::uint64_t((e + 1) % kWorkers), 0}, removals[e + 1]);
+      benchmark::DoNotOptimize(idx.ApplyRemoved({std::uint64_t(e % kWorkers), 0}, removals[e]));
+    }
+    remove_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
+    state.PauseTiming();
+    if (idx.Memory().holdings != 0) state.SkipWithError("blocks were left");
+    idx.FreeRetired();
+    idx.TidyFreeNodes();  // as a shard thread does when idle
+    state.ResumeTiming();
+  }
+  state.SetItemsProcessed(state.iterations() * kEvents);
+  state.counters["store_per_remove"] = store_s / remove_s;
+}
+BENCHMARK(BM_RemoveIngestEvents)->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond)->Iterations(10);
 
 // router.dump's work on the answering replica: one rank of 10,000 blocks (100 chains of 100)
 // read back as stored chains (BlockIndex::DumpRank), against storing them (the asker's work) in
