@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <atomic>
 #include <chrono>
+#include <deque>
 #include <filesystem>
 #include <fstream>
 #include <optional>
@@ -515,7 +516,10 @@ class PhaseMeter {
 // blocks as a real engine (vLLM, through kvrelay) names them: engine block ids that are not the
 // sequence hashes, each message continuing its worker's chain from the last one (parent_hash);
 // arg 0: the block ids are the sequence hashes and every message a fresh chain (Dynamo's and
-// kvmocker's workers). Sent (a) to a bare nats.c subscriber that only counts them, on a subject
+// kvmocker's workers); arg 2: an engine's steady state, engine block ids, each message a fresh
+// chain, each worker filled (untimed) with 2,048 chains (524,288 blocks in all), then every other
+// message of a worker removes its oldest chain, tail first (as vLLM frees a finished request's
+// blocks). Sent (a) to a bare nats.c subscriber that only counts them, on a subject
 // as long as the router's (time: first publish to the last message counted), then
 // (b) to the router (time: first publish until its stats show every event applied). Counters:
 // bare_msgs_per_s, router_msgs_per_s (medians of 5 alternating runs) and their ratio, and
@@ -527,8 +531,9 @@ void BM_IngestVsBareSubscriber(benchmark::State& state) {
     return;
   }
   const std::uint64_t n = static_cast<std::uint64_t>(state.range(0));
-  const bool engine_hashes = state.range(1) != 0;
+  const bool engine_hashes = state.range(1) == 1, evicting = state.range(1) == 2;
   constexpr std::uint64_t kIngestWorkers = 64, kFirstId = 5000;
+  constexpr std::size_t kHeldChains = 2048;  // /2: chains a worker holds before each store evicts one
   static std::uint64_t next_event = 1;  // per worker, continued across iterations
   // The workers register and store a first chain; recovery of their first sight settles here.
   static bool registered = false;
@@ -574,14 +579,36 @@ void BM_IngestVsBareSubscriber(benchmark::State& state) {
   for (auto _ : state) {
     // Every message encoded before the clocks start: 4 fresh blocks per message.
     std::vector<msgpack::sbuffer> msgs;
-    msgs.reserve(n);
+    // /2: first the fill the router gets before the clocks start, each worker's chains up to
+    // kHeldChains, so that what the timed messages remove is old and out of the caches.
+    const std::uint64_t fill_n = evicting ? kHeldChains * kIngestWorkers : 0;
+    msgs.reserve(fill_n + n);
     std::vector<std::uint32_t> tokens(std::size_t{kBs} * 4);
     std::vector<std::optional<BlockHash>> chain_end(kIngestWorkers);  // each worker starts cleared
-    for (std::uint64_t i = 0; i < n; ++i) {
+    std::vector<std::deque<std::vector<BlockHash>>> held(kIngestWorkers);  // /2: chains stored, oldest first
+    for (std::uint64_t i = 0; i < fill_n + n; ++i) {
       const std::uint64_t w = i % kIngestWorkers;
+      const std::uint64_t event_id = next_event + i / kIngestWorkers;
+      if (evicting && held[w].size() > kHeldChains) {  // the oldest chain goes, tail first
+        KvEventBatch b{.worker_id = kFirstId + w, .sequence = {SequenceKind::kEventId, event_id}};
+        KvRemoved r;
+        r.block_hashes.assign(held[w].front().rbegin(), held[w].front().rend());
+        held[w].pop_front();
+        b.ops.push_back({StorageTier::kDevice, std::move(r)});
+        msgs.push_back(EncodeDynamoEnvelope(b, {}));
+        if (i >= fill_n) bytes += static_cast<double>(msgs.back().size());
+        continue;
+      }
       for (std::size_t k = 0; k < tokens.size(); k += kBs) tokens[k] = static_cast<std::uint32_t>(i * 4 + k);
-      KvEventBatch b = Stored(kFirstId + w, next_event + i / kIngestWorkers, tokens);
-      if (engine_hashes) {
+      KvEventBatch b = Stored(kFirstId + w, event_id, tokens);
+      if (evicting) {
+        auto& stored = std::get<KvStored>(b.ops[0].data);
+        held[w].emplace_back();
+        for (std::size_t k = 0; k < stored.blocks.size(); ++k) {
+          stored.blocks[k].block_hash = (next_event << 32) ^ (i * 4 + k) ^ 0x2545f491'00000000ull;
+          held[w].back().push_back(stored.blocks[k].block_hash);
+        }
+      } else if (engine_hashes) {
         auto& stored = std::get<KvStored>(b.ops[0].data);
         stored.parent_hash = chain_end[w];
         for (std::size_t k = 0; k < stored.blocks.size(); ++k) {
@@ -590,13 +617,22 @@ void BM_IngestVsBareSubscriber(benchmark::State& state) {
         chain_end[w] = stored.blocks.back().block_hash;
       }
       msgs.push_back(EncodeDynamoEnvelope(b, {}));
-      bytes += static_cast<double>(msgs.back().size());
+      if (i >= fill_n) bytes += static_cast<double>(msgs.back().size());
     }
-    next_event += (n + kIngestWorkers - 1) / kIngestWorkers;
+    next_event += (fill_n + n + kIngestWorkers - 1) / kIngestWorkers;
+    const std::span<const msgpack::sbuffer> timed(msgs.begin() + static_cast<std::ptrdiff_t>(fill_n), msgs.end());
+    if (fill_n > 0) {
+      const std::uint64_t before = EventsApplied(rig);
+      for (std::uint64_t i = 0; i < fill_n; ++i) (void)rig.publisher->Publish(kComp + "kv-events", AsBytes(msgs[i]));
+      if (!testing::WaitFor([&] { return EventsApplied(rig) >= before + fill_n; }, 120s, 1ms)) {
+        state.SkipWithError("the router did not apply the fill");
+        return;
+      }
+    }
     counted.store(0);
     const PhaseMeter bare_meter(rig, /*router=*/false);
     auto t0 = std::chrono::steady_clock::now();
-    for (const auto& m : msgs) (void)rig.publisher->Publish(bare_subject, AsBytes(m));
+    for (const auto& m : timed) (void)rig.publisher->Publish(bare_subject, AsBytes(m));
     for (std::uint64_t c = counted.load(); c < n; c = counted.load()) counted.wait(c);
     bare_rates.push_back(static_cast<double>(n) /
                          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
@@ -605,7 +641,7 @@ void BM_IngestVsBareSubscriber(benchmark::State& state) {
     const std::uint64_t before = EventsApplied(rig);
     const PhaseMeter router_meter(rig, /*router=*/true);
     t0 = std::chrono::steady_clock::now();
-    for (const auto& m : msgs) (void)rig.publisher->Publish(kComp + "kv-events", AsBytes(m));
+    for (const auto& m : timed) (void)rig.publisher->Publish(kComp + "kv-events", AsBytes(m));
     if (!testing::WaitFor([&] { return EventsApplied(rig) >= before + n; }, 120s, 1ms)) {
       state.SkipWithError("the router did not apply every event");
       return;
@@ -657,6 +693,7 @@ void BM_IngestVsBareSubscriber(benchmark::State& state) {
 BENCHMARK(BM_IngestVsBareSubscriber)
     ->Args({300000, 0})
     ->Args({300000, 1})
+    ->Args({300000, 2})
     ->Iterations(5)
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
