@@ -431,6 +431,7 @@ std::size_t BlockIndex::ClearSlot(std::uint32_t slot) {
   thread_local std::vector<std::uint32_t> mapped_nodes;
   mapped_nodes.clear();
   if (w.mapped) {
+    mapped_nodes.reserve(w.blocks.size());  // before any count below changes: nothing throws between
     w.blocks.ForEach([&](const U64MapTraits::Entry& e) {
       auto& extra = w.extra_refs;
       if (!extra.empty()) {

@@ -242,6 +242,84 @@ TEST(BlockIndex, TwoEngineHashesForOneNodeKeepTheHoldingUntilBothGo) {
   EXPECT_EQ(idx.Memory().nodes, 0u);
 }
 
+std::vector<LocalHash> Locals(std::uint64_t from, std::uint64_t to) {  // from..to-1
+  std::vector<LocalHash> out;
+  for (std::uint64_t l = from; l < to; ++l) out.push_back(l);
+  return out;
+}
+
+// Removals are worked through in groups whose lookups are loaded ahead: a long event, crossing
+// groups, with a block named twice and unknown ones, removes each held block once, both for a
+// worker whose engine hashes are the sequence hashes and for one with engine hashes of its own,
+// and with readers (as a shard's index) or without.
+TEST(BlockIndex, ALongRemovalWithRepeatsAndUnknownsRemovesEachHeldBlockOnce) {
+  for (const bool own_ids : {false, true}) {
+    for (const bool readers : {false, true}) {
+      SCOPED_TRACE(testing::Message() << "own engine ids " << own_ids << ", readers " << readers);
+      BlockIndex idx;
+      idx.SetConcurrentReaders(readers);
+      idx.ShrinkTablesLater(readers);
+      const std::vector<LocalHash> locals = Locals(1, 41);
+      std::vector<StoredBlock> chain = Chain(1000, locals);
+      if (!own_ids) {
+        const auto seq = ComputeSequenceHashes(locals);
+        for (std::size_t i = 0; i < chain.size(); ++i) chain[i].block_hash = seq[i];
+      }
+      (void)idx.ApplyStored(kW1, std::nullopt, chain);
+      (void)idx.ApplyStored(kW2, std::nullopt, Chain(7000, Locals(1, 11)));  // the first 10, shared
+      // The last 20 blocks, tail first, block 35 twice and an unknown id among them.
+      std::vector<BlockHash> tail;
+      for (std::size_t i = 40; i-- > 20;) {
+        tail.push_back(chain[i].block_hash);
+        if (i == 35) tail.push_back(chain[i].block_hash);
+        if (i == 30) tail.push_back(424242);
+      }
+      ApplyOutcome r = idx.ApplyRemoved(kW1, tail);
+      EXPECT_EQ(r.blocks_removed, 20u);
+      EXPECT_EQ(r.blocks_not_found, 2u);
+      EXPECT_EQ(idx.TreeSize(kW1), 20u);
+      EXPECT_EQ(Matches(idx, locals), (std::map<WorkerKey, std::uint32_t>{{kW1, 20}, {kW2, 10}}));
+      EXPECT_EQ(idx.Memory().nodes, 20u);
+      // The rest, tail first, with the whole tail again (all unknown now).
+      std::vector<BlockHash> rest;
+      for (std::size_t i = 20; i-- > 0;) rest.push_back(chain[i].block_hash);
+      rest.insert(rest.end(), tail.begin(), tail.end());
+      r = idx.ApplyRemoved(kW1, rest);
+      EXPECT_EQ(r.blocks_removed, 20u);
+      EXPECT_EQ(r.blocks_not_found, tail.size());
+      EXPECT_EQ(idx.TreeSize(kW1), 0u);
+      EXPECT_EQ(Matches(idx, locals), (std::map<WorkerKey, std::uint32_t>{{kW2, 10}}));
+      EXPECT_EQ(idx.Memory().nodes, 10u);
+    }
+  }
+}
+
+// A clear walks a worker's nodes with their lookups loaded ahead: a worker with engine hashes of
+// its own, two of them on some nodes, loses every holding, the nodes only it held are freed, and
+// it stores and removes as before afterwards.
+TEST(BlockIndex, ClearingAWorkerWithTwoEngineHashesOnSomeNodesFreesWhatOnlyItHeld) {
+  for (const bool readers : {false, true}) {
+    SCOPED_TRACE(testing::Message() << "readers " << readers);
+    BlockIndex idx;
+    idx.SetConcurrentReaders(readers);
+    idx.ShrinkTablesLater(readers);
+    const std::vector<LocalHash> locals = Locals(1, 41);
+    (void)idx.ApplyStored(kW1, std::nullopt, Chain(1000, locals));
+    (void)idx.ApplyStored(kW1, std::nullopt, Chain(5000, Locals(1, 21)));  // the first 20 again, other ids
+    (void)idx.ApplyStored(kW2, std::nullopt, Chain(7000, Locals(1, 11)));
+    EXPECT_EQ(idx.TreeSize(kW1), 60u);
+    EXPECT_EQ(idx.ClearWorker(1), 60u);
+    EXPECT_EQ(idx.TreeSize(kW1), 0u);
+    EXPECT_EQ(Matches(idx, locals), (std::map<WorkerKey, std::uint32_t>{{kW2, 10}}));
+    EXPECT_EQ(idx.Memory().nodes, 10u);
+    (void)idx.ApplyStored(kW1, std::nullopt, Chain(9000, Locals(1, 6)));
+    EXPECT_EQ(Matches(idx, Locals(1, 6)), (std::map<WorkerKey, std::uint32_t>{{kW1, 5}, {kW2, 5}}));
+    const ApplyOutcome r = idx.ApplyRemoved(kW1, std::vector<BlockHash>{9004, 9003, 9002, 9001, 9000});
+    EXPECT_EQ(r.blocks_removed, 5u);
+    EXPECT_EQ(idx.Memory().nodes, 10u);
+  }
+}
+
 // Nodes freed by a clear are taken again in address order once tidied: new nodes then share
 // cache lines and pages. A few freed nodes are not worth sorting.
 TEST(BlockIndex, TidiedFreeNodesAreTakenInAddressOrder) {
