@@ -123,49 +123,56 @@ void BM_ApplyChains16(benchmark::State& state) {
 }
 BENCHMARK(BM_ApplyChains16)->Unit(benchmark::kMillisecond);
 
-// The apply work of route_bench's ingest workload (BM_IngestVsBareSubscriber), on one thread
-// and without the queue: 300,000 stored events of 4 new blocks each (a new prompt: no parent)
-// from 64 workers, into an index that readers may read (as a shard's is), then, untimed, every
-// worker cleared as that benchmark does between runs (clear_ms: the 64 clears' time), and the free
-// nodes put in order as an idle shard thread does. items_per_second = events. Arg 0/1: without/with the prefetch of the
-// next event's slots. Second arg 1: engine block ids that are not sequence hashes, each event
-// continuing its worker's chain (a vLLM engine's events, as route_bench's /1 sends them).
-void BM_ApplyIngestEvents(benchmark::State& state) {
-  constexpr int kWorkers = 64, kEvents = 300000, kBlocks = 4;
-  const bool engine_hashes = state.range(1) != 0;
-  std::vector<std::vector<StoredBlock>> events(kEvents);
-  std::vector<std::optional<BlockHash>> parents(kEvents);
-  for (int e = 0; e < kEvents; ++e) {
+// route_bench's ingest workload (BM_IngestVsBareSubscriber): 300,000 events of 4 new blocks
+// each, event e from worker e % 64, each a chain of its own; with engine_ids, block ids that are
+// not the sequence hashes (vLLM's).
+constexpr int kIngestWorkers = 64, kIngestEvents = 300000, kIngestBlocks = 4;
+std::vector<std::vector<StoredBlock>> IngestEvents(bool engine_ids) {
+  std::vector<std::vector<StoredBlock>> events(kIngestEvents);
+  for (int e = 0; e < kIngestEvents; ++e) {
     std::vector<LocalHash> locals;
-    for (int b = 0; b < kBlocks; ++b) locals.push_back(Mix64((std::uint64_t(e) << 3) + b + 1));
+    for (int b = 0; b < kIngestBlocks; ++b) locals.push_back(Mix64((std::uint64_t(e) << 3) + b + 1));
     events[e] = AsChain(locals);
-    if (engine_hashes) {
-      for (int b = 0; b < kBlocks; ++b) events[e][b].block_hash = Mix64((std::uint64_t(e) << 3) + b + (1ull << 40));
-      if (e >= kWorkers) parents[e] = events[e - kWorkers].back().block_hash;
+    if (engine_ids) {
+      for (int b = 0; b < kIngestBlocks; ++b) events[e][b].block_hash = Mix64((std::uint64_t(e) << 3) + b + (1ull << 40));
     }
   }
+  return events;
+}
+
+// The apply work of that workload, on one thread and without the queue: the events stored into
+// an index that readers may read (as a shard's is), then, untimed, every worker cleared as that
+// benchmark does between runs (clear_ms: the 64 clears' time), and the free nodes put in order
+// as an idle shard thread does. items_per_second = events. Arg 0/1: without/with the prefetch of
+// the next event's slots. Second arg 1: engine block ids, each event continuing its worker's
+// chain (a vLLM engine's events, as route_bench's /1 sends them).
+void BM_ApplyIngestEvents(benchmark::State& state) {
+  const bool engine_hashes = state.range(1) != 0;
+  const std::vector<std::vector<StoredBlock>> events = IngestEvents(engine_hashes);
+  std::vector<std::optional<BlockHash>> parents(kIngestEvents);
+  for (int e = kIngestWorkers; engine_hashes && e < kIngestEvents; ++e) parents[e] = events[e - kIngestWorkers].back().block_hash;
   BlockIndex idx;
   idx.SetConcurrentReaders(true);
   idx.ShrinkTablesLater(true);  // as a shard's index
   const bool prefetch = state.range(0) != 0;
   double clear_s = 0;
   for (auto _ : state) {
-    for (int e = 0; e < kEvents; ++e) {
-      if (prefetch && e + 1 < kEvents) {
-        idx.PrefetchStored({std::uint64_t((e + 1) % kWorkers), 0}, parents[e + 1], events[e + 1]);
+    for (int e = 0; e < kIngestEvents; ++e) {
+      if (prefetch && e + 1 < kIngestEvents) {
+        idx.PrefetchStored({std::uint64_t((e + 1) % kIngestWorkers), 0}, parents[e + 1], events[e + 1]);
       }
-      benchmark::DoNotOptimize(idx.ApplyStored({std::uint64_t(e % kWorkers), 0}, parents[e], events[e]));
+      benchmark::DoNotOptimize(idx.ApplyStored({std::uint64_t(e % kIngestWorkers), 0}, parents[e], events[e]));
     }
     state.PauseTiming();
-    if (idx.Memory().holdings != std::size_t{kEvents} * kBlocks) state.SkipWithError("blocks were lost");
+    if (idx.Memory().holdings != std::size_t{kIngestEvents} * kIngestBlocks) state.SkipWithError("blocks were lost");
     const auto t0 = std::chrono::steady_clock::now();
-    for (int w = 0; w < kWorkers; ++w) idx.ClearWorker(w);
+    for (int w = 0; w < kIngestWorkers; ++w) idx.ClearWorker(w);
     clear_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     idx.FreeRetired();
     idx.TidyFreeNodes();  // as a shard thread does when idle
     state.ResumeTiming();
   }
-  state.SetItemsProcessed(state.iterations() * kEvents);
+  state.SetItemsProcessed(state.iterations() * kIngestEvents);
   state.counters["clear_ms"] = clear_s / static_cast<double>(state.iterations()) * 1e3;
 }
 BENCHMARK(BM_ApplyIngestEvents)->ArgsProduct({{0, 1}, {0, 1}})->Unit(benchmark::kMillisecond)->Iterations(10);
@@ -176,18 +183,10 @@ BENCHMARK(BM_ApplyIngestEvents)->ArgsProduct({{0, 1}, {0, 1}})->Unit(benchmark::
 // = the stores' time (in the same iteration, untimed) over the removals'. Args as that
 // benchmark's second: engine ids that are the sequence hashes, or not.
 void BM_RemoveIngestEvents(benchmark::State& state) {
-  constexpr int kWorkers = 64, kEvents = 300000, kBlocks = 4;
-  const bool engine_hashes = state.range(0) != 0;
-  std::vector<std::vector<StoredBlock>> events(kEvents);
-  std::vector<std::vector<BlockHash>> removals(kEvents);
-  for (int e = 0; e < kEvents; ++e) {
-    std::vector<LocalHash> locals;
-    for (int b = 0; b < kBlocks; ++b) locals.push_back(Mix64((std::uint64_t(e) << 3) + b + 1));
-    events[e] = AsChain(locals);
-    if (engine_hashes) {
-      for (int b = 0; b < kBlocks; ++b) events[e][b].block_hash = Mix64((std::uint64_t(e) << 3) + b + (1ull << 40));
-    }
-    for (int b = kBlocks; b-- > 0;) removals[e].push_back(events[e][b].block_hash);
+  const std::vector<std::vector<StoredBlock>> events = IngestEvents(state.range(0) != 0);
+  std::vector<std::vector<BlockHash>> removals(kIngestEvents);
+  for (int e = 0; e < kIngestEvents; ++e) {
+    for (int b = kIngestBlocks; b-- > 0;) removals[e].push_back(events[e][b].block_hash);
   }
   BlockIndex idx;
   idx.SetConcurrentReaders(true);
@@ -196,16 +195,16 @@ void BM_RemoveIngestEvents(benchmark::State& state) {
   for (auto _ : state) {
     state.PauseTiming();
     const auto t0 = std::chrono::steady_clock::now();
-    for (int e = 0; e < kEvents; ++e) {
-      if (e + 1 < kEvents) idx.PrefetchStored({std::uint64_t((e + 1) % kWorkers), 0}, std::nullopt, events[e + 1]);
-      benchmark::DoNotOptimize(idx.ApplyStored({std::uint64_t(e % kWorkers), 0}, std::nullopt, events[e]));
+    for (int e = 0; e < kIngestEvents; ++e) {
+      if (e + 1 < kIngestEvents) idx.PrefetchStored({std::uint64_t((e + 1) % kIngestWorkers), 0}, std::nullopt, events[e + 1]);
+      benchmark::DoNotOptimize(idx.ApplyStored({std::uint64_t(e % kIngestWorkers), 0}, std::nullopt, events[e]));
     }
     store_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     state.ResumeTiming();
     const auto t1 = std::chrono::steady_clock::now();
-    for (int e = 0; e < kEvents; ++e) {
-      if (e + 1 < kEvents) idx.PrefetchRemoved({std::uint64_t((e + 1) % kWorkers), 0}, removals[e + 1]);
-      benchmark::DoNotOptimize(idx.ApplyRemoved({std::uint64_t(e % kWorkers), 0}, removals[e]));
+    for (int e = 0; e < kIngestEvents; ++e) {
+      if (e + 1 < kIngestEvents) idx.PrefetchRemoved({std::uint64_t((e + 1) % kIngestWorkers), 0}, removals[e + 1]);
+      benchmark::DoNotOptimize(idx.ApplyRemoved({std::uint64_t(e % kIngestWorkers), 0}, removals[e]));
     }
     remove_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
     state.PauseTiming();
@@ -214,7 +213,7 @@ void BM_RemoveIngestEvents(benchmark::State& state) {
     idx.TidyFreeNodes();  // as a shard thread does when idle
     state.ResumeTiming();
   }
-  state.SetItemsProcessed(state.iterations() * kEvents);
+  state.SetItemsProcessed(state.iterations() * kIngestEvents);
   state.counters["store_per_remove"] = store_s / remove_s;
 }
 BENCHMARK(BM_RemoveIngestEvents)->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond)->Iterations(10);
