@@ -134,7 +134,8 @@ std::vector<std::vector<StoredBlock>> IngestEvents(bool engine_ids) {
     for (int b = 0; b < kIngestBlocks; ++b) locals.push_back(Mix64((std::uint64_t(e) << 3) + b + 1));
     events[e] = AsChain(locals);
     if (engine_ids) {
-      for (int b = 0; b < kIngestBlocks; ++b) events[e][b].block_hash = Mix64((std::uint64_t(e) << 3) + b + (1ull << 40));
+      for (int b = 0; b < kIngestBlocks; ++b)
+        events[e][b].block_hash = Mix64((std::uint64_t(e) << 3) + b + (1ull << 40));
     }
   }
   return events;
@@ -150,7 +151,8 @@ void BM_ApplyIngestEvents(benchmark::State& state) {
   const bool engine_hashes = state.range(1) != 0;
   const std::vector<std::vector<StoredBlock>> events = IngestEvents(engine_hashes);
   std::vector<std::optional<BlockHash>> parents(kIngestEvents);
-  for (int e = kIngestWorkers; engine_hashes && e < kIngestEvents; ++e) parents[e] = events[e - kIngestWorkers].back().block_hash;
+  for (int e = kIngestWorkers; engine_hashes && e < kIngestEvents; ++e)
+    parents[e] = events[e - kIngestWorkers].back().block_hash;
   BlockIndex idx;
   idx.SetConcurrentReaders(true);
   idx.ShrinkTablesLater(true);  // as a shard's index
@@ -196,7 +198,8 @@ void BM_RemoveIngestEvents(benchmark::State& state) {
     state.PauseTiming();
     const auto t0 = std::chrono::steady_clock::now();
     for (int e = 0; e < kIngestEvents; ++e) {
-      if (e + 1 < kIngestEvents) idx.PrefetchStored({std::uint64_t((e + 1) % kIngestWorkers), 0}, std::nullopt, events[e + 1]);
+      if (e + 1 < kIngestEvents)
+        idx.PrefetchStored({std::uint64_t((e + 1) % kIngestWorkers), 0}, std::nullopt, events[e + 1]);
       benchmark::DoNotOptimize(idx.ApplyStored({std::uint64_t(e % kIngestWorkers), 0}, std::nullopt, events[e]));
     }
     store_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

@@ -316,6 +316,8 @@ TEST(BlockIndex, ClearingAWorkerWithTwoEngineHashesOnSomeNodesFreesWhatOnlyItHel
     EXPECT_EQ(Matches(idx, Locals(1, 6)), (std::map<WorkerKey, std::uint32_t>{{kW1, 5}, {kW2, 5}}));
     const ApplyOutcome r = idx.ApplyRemoved(kW1, std::vector<BlockHash>{9004, 9003, 9002, 9001, 9000});
     EXPECT_EQ(r.blocks_removed, 5u);
+    EXPECT_EQ(idx.TreeSize(kW1), 0u);
+    EXPECT_EQ(Matches(idx, Locals(1, 6)), (std::map<WorkerKey, std::uint32_t>{{kW2, 5}}));
     EXPECT_EQ(idx.Memory().nodes, 10u);
   }
 }
