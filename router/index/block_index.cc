@@ -393,7 +393,8 @@ ApplyOutcome BlockIndex::ApplyRemoved(WorkerKey worker, std::span<const BlockHas
   const std::uint32_t slot = FindSlot(worker);
   for (std::size_t i = 0; i < block_hashes.size(); ++i) {
     const BlockHash h = block_hashes[i];
-    if (slot != kFlatEmpty && i % kRemovalGroup == 0) {
+    // A lone block has nothing to overlap its lookups with: staging it would only read it twice.
+    if (slot != kFlatEmpty && i % kRemovalGroup == 0 && block_hashes.size() - i > 1) {
       PrefetchRemovals(slot, block_hashes.subspan(i, std::min(kRemovalGroup, block_hashes.size() - i)));
     }
     std::uint32_t node = kFlatEmpty;
