@@ -135,6 +135,7 @@ Candidate Scheduler::CandidateOf(const RankInfo& r, const TieredOverlap& overlap
     if (l.active_blocks > 0) c.active_prefix_blocks = load_.ActivePrefix(c.worker, seq);
   }
   const WorkerRates::Rates rate = ctx.no_rates ? ctx.typical : rates_.Of(c.worker);
+  if (!ctx.no_rates) c.recent_requests *= RecentWeight(rate.prefill, ctx.typical.prefill);
   c.prefill_factor = rate.prefill;
   c.decode_factor = rate.decode;
   return c;

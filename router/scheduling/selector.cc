@@ -24,6 +24,9 @@ constexpr double kSpreadOfPrefill = 0.15;
 // rank of a mixed fleet, idle, would draw sessions from their caches at a high request rate.
 constexpr double kUnderusedOfMean = 0.5;
 constexpr double kMaxShortfall = 3;
+// RecentWeight: a rank's factor within this ratio of the typical one is the learning's scatter.
+constexpr double kFasterThanScatter = 1.5;
+constexpr double kMinRecentWeight = 0.25;
 // The waits a request inflicts on those running at a worker count up to this many times its own
 // predicted time to first token. A prompt that takes long to prefill everywhere would otherwise
 // be placed by who it stalls alone, behind a long queue: on the shared trace with every engine 4x
@@ -122,6 +125,11 @@ double RecentExcess(const Candidate& c, double mean_recent) {
     return std::max(c.recent_requests - kUnderusedOfMean * mean_recent, -kMaxShortfall);
   }
   return std::max(0.0, c.recent_requests - mean_recent);
+}
+
+double RecentWeight(double prefill_factor, double typical_prefill) {
+  const double ratio = prefill_factor / typical_prefill;
+  return ratio < 1 / kFasterThanScatter ? std::max(ratio, kMinRecentWeight) : 1;  // NaN: 1
 }
 
 KvPricing KvPricingOf(const SelectionRequest& req, const CostParams& p, double recent_sum, std::size_t candidates) {

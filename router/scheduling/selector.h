@@ -40,7 +40,7 @@ struct Candidate {
   std::uint64_t active_prefill_tokens = 0;
   std::uint64_t active_prefill_squares = 0;  // sum of the squares of their prefill tokens
   std::uint32_t active_requests = 0;
-  double recent_requests = 0;                   // routed there lately (ActiveLoad::RecentRequests)
+  double recent_requests = 0;                   // routed there lately (ActiveLoad::RecentRequests) times RecentWeight
   bool is_cpu = false;                          // registration device == "cpu"
   std::uint32_t capacity = 1;                   // max_num_seqs, for device-aware weighting
   std::uint32_t max_num_batched_tokens = 8192;  // for the queue's "full" test and prefill steps
@@ -108,6 +108,15 @@ PriorTtft PriorTtftOf(const Candidate& c, const SelectionRequest& req, const Cos
 // for an idle candidate that got less than half the mean, recent_requests - mean / 2, at least
 // -3 (< 0: it draws new sessions rather than stay cold while its peers hold their shared prefix).
 double RecentExcess(const Candidate& c, double mean_recent);
+// What one request booked lately on a rank counts in its recent_requests: 1, or for a rank
+// learned more than 1.5x faster than the fleet's typical factor, its factor over the typical one
+// (at least 1/4). A request keeps a fast rank busy for less time: counted whole, a mixed fleet's
+// fast ranks look overused and new sessions go to its slow ones. Within 1.5x the factors are the
+// learning's scatter, which must not move a uniform fleet's ties. Slower ranks count 1: their
+// slowness is priced in their ttft already, and in an overloaded fleet the busiest ranks learn
+// slow factors (counted by them, the shared trace with every engine 4x slower lost half a point
+// of hit rate). docs/design.md "Predicted time".
+double RecentWeight(double prefill_factor, double typical_prefill);
 // How PickKv prices every candidate of one decision: the predicted cost's spread term is
 // relative to the candidates' mean of recent requests (the sum over them, in their order, over
 // their count, as PickKv adds them).

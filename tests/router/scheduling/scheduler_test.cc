@@ -244,6 +244,37 @@ TEST_F(SchedulerTest, AFreeWithTimingTeachesTheRankItWasBookedOnAndCandidatesCar
   EXPECT_EQ(s->rates().Of(kA).observations, 0u);
 }
 
+TEST_F(SchedulerTest, AFastRanksRecentRequestsCountByItsSpeedPastTheFleetsScatter) {
+  auto s = Make(Options());
+  constexpr WorkerKey kC{3, 0};
+  // 40 requests on each rank; rank A takes a quarter of the prior's time, B the prior's, C 1.3x.
+  for (const auto& [rank, factor] : {std::pair{kA, 0.25}, std::pair{kB, 1.0}, std::pair{kC, 1.3}}) {
+    std::vector<RankInfo> only = {{.worker = rank}};
+    for (int i = 0; i < 40; ++i) {
+      const RouteRequest r = Prompt("r" + std::to_string(rank.worker_id) + "-" + std::to_string(i), 64,
+                                    static_cast<std::uint32_t>(i) * 1000);
+      const PreparedRequest p = Prepared(Options(), r);
+      OverlapScores none;
+      auto d = s->Decide(r, p, s->Candidates(only, p.seq, none));
+      ASSERT_TRUE(d.ok() && d->booked);
+      const PriorTtft* prior = s->load().PriorOf(r.request_id);
+      ASSERT_NE(prior, nullptr);
+      ASSERT_TRUE(s->Learn(r.request_id, {.ttfb_ms = factor * (prior->prefill_ms + prior->decode_ms)}));
+      ASSERT_TRUE(s->load().Free(r.request_id));
+    }
+  }
+  OverlapScores none;
+  std::vector<RankInfo> all = {{.worker = kA}, {.worker = kB}, {.worker = kC}};
+  const auto cands = s->Candidates(all, Prepared(Options(), Prompt("x", 8)).seq, none);
+  ASSERT_EQ(cands.size(), 3u);
+  // The typical factor is B's (the median); C is within its scatter and counts plainly, A counts
+  // each request as the ~quarter of one of B's it keeps A busy for.
+  EXPECT_EQ(cands[1].recent_requests, 40);
+  EXPECT_EQ(cands[2].recent_requests, 40);
+  EXPECT_NEAR(cands[0].recent_requests, 40 * s->rates().Of(kA).prefill / s->rates().Typical().prefill, 1e-9);
+  EXPECT_LT(cands[0].recent_requests, 0.4 * 40);
+}
+
 TEST_F(SchedulerTest, TheSpreadIsPricedInTheFleetsTimeAtMostHalvedNeverRaised) {
   SchedulerOptions o = Options();
   o.cost.model = CostModel::kPredicted;

@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <map>
 
 namespace kvrouter {
@@ -400,6 +401,16 @@ TEST(Selector, DeviceAwareSplitsByRatioTimesCapacity) {
   constexpr int kN = 9000;
   for (int i = 0; i < kN; ++i) cpu += sel.Pick(RouterMode::kDeviceAwareWeighted, {}, c, {.device_ratio = 8}, rng) == 0;
   EXPECT_NEAR(cpu / double(kN), 1.0 / 9.0, 0.015);  // accelerator weight 8 x 1 vs CPU 1
+}
+
+TEST(RecentWeight, ARankFasterThanTheScatterOfLearnedFactorsCountsItsRequestsByItsSpeed) {
+  EXPECT_EQ(RecentWeight(1.0, 1.0), 1);
+  EXPECT_EQ(RecentWeight(0.7, 1.0), 1);  // within 1.5x: the learning's scatter
+  EXPECT_EQ(RecentWeight(0.5, 1.0), 0.5);
+  EXPECT_EQ(RecentWeight(1.0, 4.0), 0.25);       // relative to the typical factor
+  EXPECT_EQ(RecentWeight(1.0 / 64, 1.0), 0.25);  // at least a quarter
+  EXPECT_EQ(RecentWeight(4.0, 1.0), 1);          // slower: priced in its ttft already
+  EXPECT_EQ(RecentWeight(std::nan(""), 1.0), 1);
 }
 
 }  // namespace
