@@ -45,6 +45,8 @@ step "build (RelWithDebInfo)"
 configure_build build -- -DCMAKE_BUILD_TYPE=RelWithDebInfo "${g1[@]}"
 step "tests: unit and integration"
 ctest --test-dir build --output-on-failure -j "$jobs" --timeout 300
+step "the official OpenAI client against kvgateway (scripts/openai-client-check.sh)"
+bash scripts/openai-client-check.sh build/bin
 
 if [ "${KVROUTER_QUICK:-0}" = "1" ]; then
   if command -v docker-compose >/dev/null; then

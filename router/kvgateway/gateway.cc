@@ -126,6 +126,11 @@ bool Gateway::Ready(SteadyTime now) const {
   return nats_connected_.load() && link_.Answering(now) && directory_.size() > 0;
 }
 
+void Gateway::SetNatsConnected(bool connected) {
+  nats_connected_ = connected;
+  link_.SetConnected(connected);
+}
+
 void Gateway::Count(std::string_view endpoint, int status) {
   requests_->Add({{"endpoint", std::string(endpoint)}, {"code", std::to_string(status)}}).Increment();
 }
@@ -178,6 +183,14 @@ void Gateway::Handle(HttpRequest request, std::shared_ptr<HttpReply> reply) {
   if (!parsed.ok()) {
     Count(endpoint, 400);
     return error(400, "invalid_request", parsed.status().message());
+  }
+  if (!nats_connected_.load()) {
+    Count(endpoint, 503);
+    HttpHeaders h = {{"content-type", "application/json"}, {"retry-after", "1"}};
+    if (auto id = ClientRequestId(request)) h.emplace_back("x-request-id", *id);
+    return reply->Send(503, std::move(h),
+                       OpenAiError("the gateway is not connected to NATS: no router can be reached now", ErrorType(503),
+                                   "no_workers"));
   }
   auto x = std::make_shared<Exchange>();
   x->allowed = directory_.Serving(parsed->model);
@@ -315,6 +328,10 @@ void Gateway::Route(const std::shared_ptr<Exchange>& x) {
     r.session_id = x->session_id;
   }
   const std::string booking = r.request_id;
+  if (!nats_connected_.load()) {
+    return Fail(x, 503, "no_workers", "the gateway is not connected to NATS: no router can be reached now",
+                {{"retry-after", "1"}});
+  }
   link_.Route(r, [this, ex = x, booking](Result<RouteReply> routed) {
     {
       std::lock_guard g(ex->mu);
@@ -340,8 +357,10 @@ void Gateway::Route(const std::shared_ptr<Exchange>& x) {
       case StatusCode::kInvalidArgument: return Fail(ex, 400, "invalid_request", s.message());
       case StatusCode::kNoWorkers:
       case StatusCode::kNotFound:
-        if (ex->attempt > 0) return Fail(ex, 502, "engine_failed", "every engine tried failed: " + s.message());
-        return Fail(ex, 503, "no_workers", s.message());
+        if (ex->attempt > 0 && nats_connected_.load()) {
+          return Fail(ex, 502, "engine_failed", "every engine tried failed: " + s.message());
+        }
+        return Fail(ex, 503, "no_workers", s.message(), {{"retry-after", "1"}});
       default: return Fail(ex, 502, "router_error", s.message());
     }
   });

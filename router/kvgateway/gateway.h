@@ -57,7 +57,9 @@ class Gateway {
   void Tick(SteadyTime now) { directory_.Expire(now); }
   // NATS connected, the router answering, an engine known.
   bool Ready(SteadyTime now) const;
-  void SetNatsConnected(bool connected) { nats_connected_ = connected; }
+  // While NATS is down no router can be reached: a completion request is answered 503 at once,
+  // and so is each one waiting for its route answer (which is lost with the connection).
+  void SetNatsConnected(bool connected);
   // From now on nothing is routed again or forwarded: a request whose engine call ends (the
   // client's Stop cancels them) or whose route answer comes is answered 503 "shutting_down" and
   // its booking freed. Before HttpClient::Stop, while NATS is still up for the frees.

@@ -61,6 +61,10 @@ void RouterLink::MarkPrefill(const std::string& request_id) {
 }
 
 void RouterLink::Free(const std::string& request_id, const std::optional<ResponseTiming>& timing) {
+  {
+    KvMutexLock g(mu_);
+    if (unsure_ && resend_.size() < kMaxPending) resend_.push_back(request_id);
+  }
   (void)nats_.Publish(prefix_ + "free", AsBytes(timing ? EncodeLifecycleRequest(request_id, *timing)
                                                        : EncodeLifecycleRequest(request_id)));
 }
@@ -70,7 +74,20 @@ void RouterLink::OnAnswer(const IncomingMessage& m) {
   std::uint64_t id = 0;
   if (std::from_chars(tail.data(), tail.data() + tail.size(), id).ec != std::errc()) return;
   const bool no_responders = m.data.empty();  // NATS' 503: no router subscribes
-  if (!no_responders) last_answer_ = std::chrono::steady_clock::now().time_since_epoch().count();
+  if (!no_responders) {
+    last_answer_ = std::chrono::steady_clock::now().time_since_epoch().count();
+    std::vector<std::string> again;
+    {
+      KvMutexLock g(mu_);
+      if (unsure_ && connected_) {
+        unsure_ = false;
+        again.swap(resend_);
+      }
+    }
+    for (const std::string& request_id : again) {
+      (void)nats_.Publish(prefix_ + "free", AsBytes(EncodeLifecycleRequest(request_id)));
+    }
+  }
   if (id == kProbe) return;
   Done done;
   std::string late;
@@ -92,6 +109,26 @@ void RouterLink::OnAnswer(const IncomingMessage& m) {
   }
   if (no_responders) return done(Status(StatusCode::kNoWorkers, "no router answers"));
   done(DecodeRouteReply(m.data));
+}
+
+void RouterLink::SetConnected(bool connected) {
+  std::vector<std::pair<Done, std::string>> failed;
+  {
+    KvMutexLock g(mu_);
+    connected_ = connected;
+    if (connected) return;
+    unsure_ = true;
+    const SteadyTime forget_at = std::chrono::steady_clock::now() + 2 * timeout_;
+    for (auto& [id, p] : pending_) {
+      if (expired_.size() < kMaxPending) expired_.emplace(id, Expired{p.request_id, forget_at});
+      failed.emplace_back(std::move(p.done), std::move(p.request_id));
+    }
+    pending_.clear();
+  }
+  for (auto& [done, request_id] : failed) {
+    Free(request_id);
+    done(Status(StatusCode::kNoWorkers, "the gateway lost its NATS connection to the router"));
+  }
 }
 
 void RouterLink::Tick(SteadyTime now) {

@@ -20,6 +20,7 @@
 #include <optional>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 #include "events/base/clock.h"
 #include "events/base/status.h"
@@ -42,6 +43,13 @@ class RouterLink {
   void MarkPrefill(const std::string& request_id);
   // With the engine's timing when the response came (it goes to the router with the free).
   void Free(const std::string& request_id, const std::optional<ResponseTiming>& timing = std::nullopt);
+  // The NATS connection went down (false) or came back (true). On the way down every request
+  // waiting for its answer fails now with kNoWorkers (its answer would come over the connection
+  // that is gone); a booking the router made for it is freed (a free now, and a late answer is
+  // freed as after a timeout). NATS delivers at most once, and a router that has not yet
+  // subscribed again when this gateway's messages arrive misses them: every free published from
+  // the loss until the first router answer after it is published again at that answer.
+  void SetConnected(bool connected);
   // Fails the requests older than the timeout, and asks the router for its stats now and then to
   // know it answers (for Answering).
   void Tick(SteadyTime now);
@@ -71,6 +79,10 @@ class RouterLink {
   std::unordered_map<std::uint64_t, Pending> pending_ KV_GUARDED_BY(mu_);
   std::unordered_map<std::uint64_t, Expired> expired_ KV_GUARDED_BY(mu_);
   std::uint64_t next_ KV_GUARDED_BY(mu_) = 0;
+  // From a loss of the connection to the first router answer after it: frees to publish again.
+  bool unsure_ KV_GUARDED_BY(mu_) = false;
+  bool connected_ KV_GUARDED_BY(mu_) = true;
+  std::vector<std::string> resend_ KV_GUARDED_BY(mu_);
   SteadyTime next_probe_ KV_GUARDED_BY(mu_){};
   std::atomic<SteadyTime::rep> last_answer_{std::numeric_limits<SteadyTime::rep>::min()};
 };

@@ -455,6 +455,51 @@ TEST_F(GatewayOverloadTest, OverloadIs429WithRetryAfter) {
   queued->Cancel();
 }
 
+TEST_F(GatewayOverloadTest, LosingNatsAnswersWhatWaitsForTheRouter503AtOnceAndLeaksNoBooking) {
+  FakeEngine& e = NewEngine();
+  e.set_mode(FakeEngine::Mode::kHold);
+  Announce(1, e.url(), /*max_num_batched_tokens=*/8);  // one prompt fills it
+  ASSERT_TRUE(AwaitReady(1));
+  auto first = client_->Start(endpoint_, {.target = "/v1/chat/completions", .body = Chat("fills the worker")}, {});
+  ASSERT_TRUE(AwaitTrue([&] { return e.held() == 1; }));
+  // The next waits for its route answer, in the router's queue.
+  std::atomic<int> queued_status{0};
+  auto queued = client_->Start(endpoint_, {.target = "/v1/chat/completions", .body = Chat("waits")},
+                               {.on_head = [&](int status, const HttpHeaders&) { queued_status = status; }});
+  ASSERT_TRUE(AwaitStats([](StatsReply& s) { return s.counters["queue_length"] == 1; }, 5s));
+  nats_->Stop();
+  // Its answer would come over the connection that is gone: 503 now, not 429 at the route timeout.
+  ASSERT_TRUE(AwaitTrue([&] { return queued_status.load() != 0; }));
+  EXPECT_EQ(queued_status.load(), 503);
+  // A request while NATS is down: 503 at once, not 404 for the engines it no longer hears of.
+  auto down = Post(Chat("while NATS is down"));
+  ASSERT_TRUE(down.ok());
+  EXPECT_EQ(down->status, 503) << down->body;
+  EXPECT_EQ(json::parse(down->body)["error"]["code"], "no_workers");
+  EXPECT_EQ(HeaderOf(*down, "retry-after"), "1");
+
+  ASSERT_TRUE(nats_->Restart().ok());
+  e.Release();  // the first one ends, and is freed over the new connection
+  e.set_mode(FakeEngine::Mode::kAnswer);
+  // Nothing stays booked: the first one's free, and the queued one's booking if the router made
+  // it after all, reach the router even if it subscribed again after the gateway sent them.
+  std::uint64_t active = 0, queue = 0;
+  EXPECT_TRUE(AwaitStats(
+      [&](StatsReply& s) {
+        active = s.counters["active_requests"];
+        queue = s.counters["queue_length"];
+        return active == 0 && queue == 0;
+      },
+      10s))
+      << active << " booked, " << queue << " queued";
+  ASSERT_TRUE(AwaitReady(1));
+  auto after = Post(Chat("NATS is back"));
+  ASSERT_TRUE(after.ok());
+  EXPECT_EQ(after->status, 200) << after->body;
+  first->Cancel();
+  queued->Cancel();
+}
+
 class GatewaySessionTest : public GatewayTest {
  protected:
   std::vector<std::string> ExtraArgs() const override { return {"--router-session-affinity-ttl-secs", "30"}; }

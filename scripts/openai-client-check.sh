@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# The official OpenAI client (its Node SDK, `openai` from npm) against kvgateway: starts
+# nats-server, kvrouter, two kvmocker workers with HTTP faces and kvgateway on free 127.0.0.1
+# ports, runs tests/openai_client/check.mjs (models, chat and completions plain and streamed,
+# cached_tokens rising, 404 and 400 as the SDK's error classes, a client abort freeing its
+# booking), and stops the processes it started.
+# The SDK is installed once into KVROUTER_NPM_CACHE (default ~/.cache/kvrouter/openai-node).
+#
+#   scripts/openai-client-check.sh build/bin
+# Exit status: 0 passed (or skipped, loudly, without node and npm or the npm registry), 1 failed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bin=$(cd "${1:-build/bin}" && pwd)
+
+say() { printf 'openai-client-check: %s\n' "$*"; }
+skip() {
+  say "SKIPPED: $* -- the official OpenAI client was NOT run against kvgateway"
+  exit 0
+}
+for c in node npm nats-server curl; do command -v "$c" >/dev/null || skip "$c is not installed"; done
+
+sdk=${KVROUTER_NPM_CACHE:-$HOME/.cache/kvrouter/openai-node}
+if [ ! -f "$sdk/node_modules/openai/package.json" ]; then
+  mkdir -p "$sdk"
+  [ -f "$sdk/package.json" ] || printf '{"name":"kvrouter-openai-check","private":true}\n' >"$sdk/package.json"
+  timeout 300 npm install --prefix "$sdk" --no-audit --no-fund --loglevel=error openai@4 >/dev/null 2>&1 ||
+    skip "npm could not install openai@4 (no registry?)"
+fi
+
+work=$(mktemp -d /tmp/kvrouter-openai.XXXXXX)
+pids=()
+stop() {
+  for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
+  for p in "${pids[@]}"; do wait "$p" 2>/dev/null || true; done
+  rm -rf "$work"
+}
+trap stop EXIT
+
+# Six ports free now, all different (held open until all are chosen): NATS, the router's and the
+# gateway's metrics, the gateway's API, kvmocker's metrics, and kvmocker's first HTTP port (the
+# port after it is free too, for the second worker).
+read -r nats_port router_port gw_metrics gw_port mock_metrics mock_port < <(/usr/bin/python3 - <<'PY'
+import socket
+held, ports = [], []
+def take(port=0):
+    s = socket.socket()
+    try:
+        s.bind(("127.0.0.1", port))
+    except OSError:
+        s.close()
+        return None
+    held.append(s)
+    return s.getsockname()[1]
+for _ in range(5):
+    ports.append(take())
+while True:
+    base = take()
+    if base < 65535 and take(base + 1):
+        ports.append(base)
+        break
+print(*ports)
+PY
+)
+nats=nats://127.0.0.1:$nats_port
+
+nats-server -a 127.0.0.1 -p "$nats_port" >"$work/nats.log" 2>&1 & pids+=($!)
+for _ in $(seq 100); do (exec 3<>"/dev/tcp/127.0.0.1/$nats_port") 2>/dev/null && break; sleep 0.1; done
+"$bin/kvrouter" --nats-server "$nats" --metrics-host 127.0.0.1 --metrics-port "$router_port" \
+  --router-mode kv >"$work/kvrouter.log" 2>&1 & pids+=($!)
+"$bin/kvmocker" --nats-server "$nats" --num-workers 2 --speedup-ratio 10 --model mock \
+  --http-host 127.0.0.1 --http-port "$mock_port" --metrics-host 127.0.0.1 --metrics-port "$mock_metrics" \
+  >"$work/kvmocker.log" 2>&1 & pids+=($!)
+"$bin/kvgateway" --nats-server "$nats" --http-host 127.0.0.1 --http-port "$gw_port" \
+  --metrics-host 127.0.0.1 --metrics-port "$gw_metrics" >"$work/kvgateway.log" 2>&1 & pids+=($!)
+
+# Ready: the gateway knows both engines and the router has registered them.
+ready=0
+for _ in $(seq 300); do
+  if curl -sf "127.0.0.1:$gw_port/ready" >/dev/null &&
+     curl -s "127.0.0.1:$router_port/metrics" | grep -q '^kvrouter_worker_ranks 2$'; then
+    ready=1; break
+  fi
+  sleep 0.1
+done
+if [ "$ready" -ne 1 ]; then
+  tail -n 20 "$work"/*.log; echo; say "FAILED: the system did not become ready"; exit 1
+fi
+
+# Node finds a module's packages beside it, not on NODE_PATH: run a copy beside the SDK's.
+cp tests/openai_client/check.mjs "$work/check.mjs"
+ln -s "$sdk/node_modules" "$work/node_modules"
+rc=0
+node "$work/check.mjs" "http://127.0.0.1:$gw_port/v1" "http://127.0.0.1:$router_port/metrics" || rc=$?
+if [ "$rc" -ne 0 ]; then tail -n 20 "$work"/*.log; echo; say "FAILED"; exit 1; fi
+say "passed"

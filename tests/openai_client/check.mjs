@@ -1,0 +1,112 @@
+// The official OpenAI client (Node SDK) against kvgateway: run by scripts/openai-client-check.sh,
+// which starts the system. Arguments: the gateway's base URL (".../v1") and the router's /metrics.
+// Prints a line per check; exits 1 if any failed.
+import OpenAI from 'openai';
+
+const [base, routerMetrics] = process.argv.slice(2);
+const gatewayMetrics = base.replace(/\/v1$/, '/metrics');
+const client = new OpenAI({ baseURL: base, apiKey: 'unused', maxRetries: 0 });
+let failures = 0;
+const check = (cond, what) => {
+  console.log(`${cond ? 'ok  ' : 'FAIL'} ${what}`);
+  if (!cond) failures++;
+};
+const metric = async (url, name) => {
+  const text = await (await fetch(url)).text();
+  const line = text.split('\n').find(l => l.startsWith(name + ' '));
+  return line === undefined ? NaN : Number(line.split(' ')[1]);
+};
+// Polls f() until it holds, for at most `ms`.
+const until = async (f, ms) => {
+  const deadline = Date.now() + ms;
+  for (;;) {
+    if (await f()) return true;
+    if (Date.now() > deadline) return false;
+    await new Promise(r => setTimeout(r, 20));
+  }
+};
+
+const models = await client.models.list();
+check(models.data.some(m => m.id === 'mock'), `models.list: ${JSON.stringify(models.data)}`);
+
+const { data: chat, response } = await client.chat.completions
+  .create({ model: 'mock', messages: [{ role: 'user', content: 'Hello there!' }], max_tokens: 8 })
+  .withResponse();
+check(chat.object === 'chat.completion' && chat.choices[0].message.content.length > 0 &&
+        chat.choices[0].finish_reason === 'length' && chat.usage.completion_tokens === 8,
+      `chat: ${JSON.stringify(chat).slice(0, 160)}`);
+check(/^\d+$/.test(response.headers.get('x-kvrouter-worker-id') ?? '') &&
+        response.headers.get('x-kvrouter-cached-tokens') !== null,
+      `x-kvrouter-worker-id ${response.headers.get('x-kvrouter-worker-id')}`);
+check(chat._request_id && chat._request_id === response.headers.get('x-request-id'),
+      `x-request-id as the SDK reads it: ${chat._request_id}`);
+
+const stream = await client.chat.completions.create({
+  model: 'mock', messages: [{ role: 'user', content: 'Stream to me' }], max_tokens: 16, stream: true,
+  stream_options: { include_usage: true } });
+let text = '', chunks = 0, usage = null, finish = null;
+for await (const c of stream) {
+  chunks++;
+  if (c.choices.length) {
+    text += c.choices[0].delta?.content ?? '';
+    finish = c.choices[0].finish_reason ?? finish;
+  }
+  if (c.usage) usage = c.usage;
+}
+check(chunks > 2 && text.length > 0 && finish === 'length' && usage?.completion_tokens === 16,
+      `chat streamed: ${chunks} chunks, ${JSON.stringify(text)}, usage ${JSON.stringify(usage)}`);
+
+const comp = await client.completions.create({ model: 'mock', prompt: 'Once upon a time', max_tokens: 8 });
+check(comp.object === 'text_completion' && comp.choices[0].text.length > 0, `completions: ${JSON.stringify(comp).slice(0, 120)}`);
+const cstream = await client.completions.create({ model: 'mock', prompt: 'Once upon a time', max_tokens: 8, stream: true });
+let ctext = '', cchunks = 0;
+for await (const c of cstream) {
+  cchunks++;
+  ctext += c.choices[0]?.text ?? '';
+}
+check(cchunks > 1 && ctext.length > 0, `completions streamed: ${cchunks} chunks, ${JSON.stringify(ctext)}`);
+
+// A long shared prefix: once the router has the first answer's blocks, the engine it picks has it.
+const system = 'You are a helpful assistant. '.repeat(200);
+let cached = 0, asked = 0;
+await until(async () => {
+  const r = await client.chat.completions.create({
+    model: 'mock', messages: [{ role: 'system', content: system }, { role: 'user', content: `q${asked++}` }], max_tokens: 2 });
+  cached = r.usage?.prompt_tokens_details?.cached_tokens ?? 0;
+  return cached >= system.length * 0.9;  // kvmocker tokenizes bytes
+}, 10000);
+check(cached >= system.length * 0.9, `cached_tokens ${cached} of a ${system.length}-token prefix (request ${asked})`);
+
+try {
+  await client.chat.completions.create({ model: 'nope', messages: [{ role: 'user', content: 'x' }] });
+  check(false, 'an unknown model was answered');
+} catch (e) {
+  check(e instanceof OpenAI.NotFoundError && e.code === 'model_not_found', `unknown model: ${e.constructor.name} ${e.status} ${e.code}`);
+}
+try {
+  await client.chat.completions.create({ model: 'mock' });
+  check(false, 'a request without messages was answered');
+} catch (e) {
+  check(e instanceof OpenAI.BadRequestError && e.type === 'invalid_request_error', `no messages: ${e.constructor.name} ${e.status} ${e.type}`);
+}
+
+// The client goes away mid-stream: the gateway frees the booking.
+const gone = await metric(gatewayMetrics, 'kvgateway_clients_gone_total');
+const ac = new AbortController();
+const long = await client.chat.completions.create(
+  { model: 'mock', messages: [{ role: 'user', content: 'a long answer' }], max_tokens: 4000, stream: true },
+  { signal: ac.signal });
+let got = 0;
+try {
+  for await (const _ of long) if (++got === 3) ac.abort();
+} catch (e) {
+  check(e instanceof OpenAI.APIUserAbortError, `abort: ${e.constructor.name}`);
+}
+const freed = await until(async () =>
+  await metric(gatewayMetrics, 'kvgateway_clients_gone_total') === gone + 1 &&
+  await metric(gatewayMetrics, 'kvgateway_requests_in_flight') === 0 &&
+  await metric(routerMetrics, 'kvrouter_active_requests') === 0, 10000);
+check(got >= 3 && freed, `an aborted stream (${got} chunks) is counted gone and its booking freed`);
+
+console.log(failures ? `${failures} FAILED` : 'all passed');
+process.exit(failures ? 1 : 0);
