@@ -128,6 +128,11 @@ bool Gateway::Ready(SteadyTime now) const {
 
 void Gateway::SetNatsConnected(bool connected) {
   nats_connected_ = connected;
+  if (connected) {
+    directory_.Resume(std::chrono::steady_clock::now());
+  } else {
+    directory_.Pause();
+  }
   link_.SetConnected(connected);
 }
 

@@ -161,6 +161,10 @@ void RouterLink::Tick(SteadyTime now) {
 }
 
 bool RouterLink::Answering(SteadyTime now) const {
+  {
+    KvMutexLock g(mu_);
+    if (unsure_) return false;  // no answer since the connection was lost
+  }
   const SteadyTime last{SteadyTime::duration(last_answer_.load())};
   return last.time_since_epoch().count() != std::numeric_limits<SteadyTime::rep>::min() &&
          now - last < kAnsweringWindow;

@@ -53,7 +53,8 @@ class RouterLink {
   // Fails the requests older than the timeout, and asks the router for its stats now and then to
   // know it answers (for Answering).
   void Tick(SteadyTime now);
-  // The router answered something within the last few seconds.
+  // The router answered something within the last few seconds, and since the connection was
+  // last lost.
   bool Answering(SteadyTime now) const;
   std::size_t pending() const;
 

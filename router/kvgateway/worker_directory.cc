@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <set>
+#include <utility>
 
 namespace kvrouter {
 
@@ -19,12 +20,25 @@ void WorkerDirectory::Apply(const WorkerRegistration& reg, SteadyTime now) {
   }
   it->second.http_url = reg.http_url;
   it->second.models = reg.models;
-  it->second.lease_end = now + std::chrono::milliseconds(reg.lease_ms);
+  it->second.lease = std::chrono::milliseconds(reg.lease_ms);
+  it->second.lease_end = now + it->second.lease;
 }
 
 void WorkerDirectory::Expire(SteadyTime now) {
   KvMutexLock g(mu_);
+  if (paused_) return;
   std::erase_if(workers_, [&](const auto& w) { return w.second.lease_end < now; });
+}
+
+void WorkerDirectory::Pause() {
+  KvMutexLock g(mu_);
+  paused_ = true;
+}
+
+void WorkerDirectory::Resume(SteadyTime now) {
+  KvMutexLock g(mu_);
+  if (!std::exchange(paused_, false)) return;
+  for (auto& [id, w] : workers_) w.lease_end = std::max(w.lease_end, now + w.lease);
 }
 
 std::vector<std::uint64_t> WorkerDirectory::Serving(std::string_view model) const {

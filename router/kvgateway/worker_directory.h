@@ -1,13 +1,16 @@
 // WorkerDirectory: the engines the gateway can send requests to, learned from the workers'
 // registrations on NATS (docs/protocol.md section 4, with section 11's http_url and models):
 // which workers serve a model, at what base URL, and which models exist at all. A worker goes
-// with its `leaving`, or when its lease ends unheard. Bounded: at most kMaxWorkers workers.
+// with its `leaving`, or when its lease ends unheard. As the router does, an outage of NATS
+// forgets nothing: leases do not end while the connection is down (Pause), and each worker has a
+// whole lease after it is back (Resume). Bounded: at most kMaxWorkers workers.
 // Thread contract: every method may be called from any thread (one mutex; registrations come on
 // a NATS thread, lookups on the HTTP threads).
 //
 //   dir.Apply(reg, now);  auto ids = dir.Serving("llama");  auto url = dir.HttpUrl(ids[0]);
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <map>
 #include <mutex>
@@ -29,8 +32,12 @@ class WorkerDirectory {
   // A registration (up: added or renewed; leaving: removed). Workers without an http_url are
   // not kept: the gateway cannot reach them.
   void Apply(const WorkerRegistration& reg, SteadyTime now);
-  // Forgets the workers whose lease ended before `now`.
+  // Forgets the workers whose lease ended before `now` (none while paused).
   void Expire(SteadyTime now);
+  // The connection that brings registrations went down: silence says nothing of the workers.
+  void Pause();
+  // It is back: every lease ends one lease from `now` at the earliest.
+  void Resume(SteadyTime now);
 
   // Workers with an http_url that list `model`, ascending.
   std::vector<std::uint64_t> Serving(std::string_view model) const;
@@ -44,9 +51,11 @@ class WorkerDirectory {
     std::string http_url;
     std::vector<std::string> models;
     SteadyTime lease_end;
+    std::chrono::milliseconds lease{0};
   };
   mutable KvMutex mu_;
   std::map<std::uint64_t, Worker> workers_ KV_GUARDED_BY(mu_);
+  bool paused_ KV_GUARDED_BY(mu_) = false;
 };
 
 }  // namespace kvrouter

@@ -429,6 +429,25 @@ TEST_F(GatewayTest, WithoutEnginesTheGatewayIsNotReadyAndAnswers404OrThe503OfNoW
   EXPECT_EQ(answer->status, 503) << answer->body;
 }
 
+TEST_F(GatewayTest, ANatsOutageLongerThanALeaseForgetsNoEngine) {
+  FakeEngine& e = NewEngine();
+  announced_.push_back({.worker_id = 1, .block_size = kBs, .lease_ms = 1500, .http_url = e.url(), .models = {"m"}});
+  ASSERT_TRUE(AwaitReady(1));
+  nats_->Stop();
+  std::this_thread::sleep_for(2500ms);  // the outage itself is the scenario, not a wait
+  ASSERT_TRUE(nats_->Restart().ok());
+  // Within a lease of the reconnect, before the engine says anything again, the gateway and the
+  // router still know it: answered, not 404 model_not_found.
+  ASSERT_TRUE(AwaitTrue([&] {
+    auto r = Post(Chat("back"));
+    return r.ok() && r->status != 503;  // 503: not connected again yet
+  }));
+  auto r = Post(Chat("back again"));
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->status, 200) << r->body;
+  EXPECT_GE(e.completions(), 1);
+}
+
 class GatewayOverloadTest : public GatewayTest {
  protected:
   std::vector<std::string> ExtraArgs() const override {

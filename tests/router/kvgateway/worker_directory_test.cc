@@ -44,5 +44,23 @@ TEST(WorkerDirectory, AWorkerUnheardForItsLeaseGoesAndAHeartbeatKeepsIt) {
   EXPECT_EQ(d.Serving("m"), std::vector<std::uint64_t>{2});
 }
 
+TEST(WorkerDirectory, ANatsOutageForgetsNothingAndAWholeLeaseFollowsIt) {
+  WorkerDirectory d;
+  d.Apply(Engine(1, {"m"}), kT0);  // lease to 1,000 ms
+  d.Pause();
+  d.Expire(kT0 + milliseconds(5000));  // the outage is longer than the lease: nobody is forgotten
+  EXPECT_EQ(d.Serving("m"), std::vector<std::uint64_t>{1});
+  d.Resume(kT0 + milliseconds(6000));
+  d.Expire(kT0 + milliseconds(6900));  // within a lease of the reconnect
+  EXPECT_EQ(d.size(), 1u);
+  d.Expire(kT0 + milliseconds(7100));  // silent for a whole lease after it: gone as usual
+  EXPECT_EQ(d.size(), 0u);
+  // A second Resume without an outage between moves no lease.
+  d.Apply(Engine(2, {"m"}), kT0 + milliseconds(8000));
+  d.Resume(kT0 + milliseconds(8900));
+  d.Expire(kT0 + milliseconds(9100));
+  EXPECT_EQ(d.size(), 0u);
+}
+
 }  // namespace
 }  // namespace kvrouter
