@@ -17,21 +17,33 @@ skip() {
   say "SKIPPED: $* -- the official OpenAI client was NOT run against kvgateway"
   exit 0
 }
-for c in node npm nats-server curl; do command -v "$c" >/dev/null || skip "$c is not installed"; done
+for c in node npm nats-server curl /usr/bin/python3; do command -v "$c" >/dev/null || skip "$c is not installed"; done
+node -e 'process.exit(Number(process.versions.node.split(".")[0]) >= 18 ? 0 : 1)' ||
+  skip "node $(node --version) is older than 18 (the SDK needs fetch)"
 
+# One exact version, so that every machine checks the same client.
+version=4.104.0
 sdk=${KVROUTER_NPM_CACHE:-$HOME/.cache/kvrouter/openai-node}
-if [ ! -f "$sdk/node_modules/openai/package.json" ]; then
+installed=$(node -e "try { console.log(require('$sdk/node_modules/openai/package.json').version) } catch { }")
+if [ "$installed" != "$version" ]; then
   mkdir -p "$sdk"
   [ -f "$sdk/package.json" ] || printf '{"name":"kvrouter-openai-check","private":true}\n' >"$sdk/package.json"
-  timeout 300 npm install --prefix "$sdk" --no-audit --no-fund --loglevel=error openai@4 >/dev/null 2>&1 ||
-    skip "npm could not install openai@4 (no registry?)"
+  timeout 20 npm view "openai@$version" version >/dev/null 2>&1 || skip "the npm registry does not answer"
+  timeout 300 npm install --prefix "$sdk" --no-audit --no-fund --loglevel=error "openai@$version" >/dev/null 2>&1 ||
+    skip "npm could not install openai@$version"
 fi
 
 work=$(mktemp -d /tmp/kvrouter-openai.XXXXXX)
 pids=()
-stop() {
+stop() {  # SIGTERM, then SIGKILL to what is still there after 10 s
   for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
-  for p in "${pids[@]}"; do wait "$p" 2>/dev/null || true; done
+  for _ in $(seq 100); do
+    alive=0
+    for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && alive=1; done
+    [ "$alive" -eq 0 ] && break
+    sleep 0.1
+  done
+  for p in "${pids[@]}"; do kill -KILL "$p" 2>/dev/null || true; wait "$p" 2>/dev/null || true; done
   rm -rf "$work"
 }
 trap stop EXIT
@@ -76,8 +88,11 @@ for _ in $(seq 100); do (exec 3<>"/dev/tcp/127.0.0.1/$nats_port") 2>/dev/null &&
 # Ready: the gateway knows both engines and the router has registered them.
 ready=0
 for _ in $(seq 300); do
+  gw_metrics_text=$(curl -s "127.0.0.1:$gw_port/metrics" || true)
+  router_metrics_text=$(curl -s "127.0.0.1:$router_port/metrics" || true)
   if curl -sf "127.0.0.1:$gw_port/ready" >/dev/null &&
-     curl -s "127.0.0.1:$router_port/metrics" | grep -q '^kvrouter_worker_ranks 2$'; then
+     grep -q '^kvgateway_engines 2$' <<<"$gw_metrics_text" &&
+     grep -q '^kvrouter_worker_ranks 2$' <<<"$router_metrics_text"; then
     ready=1; break
   fi
   sleep 0.1

@@ -244,7 +244,8 @@ void Gateway::Handle(HttpRequest request, std::shared_ptr<HttpReply> reply) {
     Count(ex->endpoint, 499);
     in_flight_->Decrement();
   });
-  if (x->render_at.empty()) return Fail(x, 503, "no_workers", "no engine serving the model has a usable http_url");
+  if (x->render_at.empty())
+    return Fail(x, 503, "no_workers", "no engine serving the model has a usable http_url", {{"retry-after", "1"}});
   Render(x, 0, false);
 }
 
@@ -338,16 +339,18 @@ void Gateway::Route(const std::shared_ptr<Exchange>& x) {
                 {{"retry-after", "1"}});
   }
   link_.Route(r, [this, ex = x, booking](Result<RouteReply> routed) {
+    bool gone = false;
     {
       std::lock_guard g(ex->mu);
-      if (ex->done) {
-        if (routed.ok()) link_.Free(booking);  // the client left while the router decided
-        return;
-      }
-      if (routed.ok()) {
+      gone = ex->done;
+      if (!gone && routed.ok()) {
         ex->booked = true;
         ex->routed = *routed;
       }
+    }
+    if (gone) {
+      if (routed.ok()) link_.Free(booking);  // the client left while the router decided
+      return;
     }
     if (routed.ok()) {
       if (stopping_.load()) return Fail(ex, 503, "shutting_down", "the gateway is stopping");

@@ -60,6 +60,7 @@ class Gateway {
   // While NATS is down no router can be reached: a completion request is answered 503 at once,
   // and so is each one waiting for its route answer (which is lost with the connection).
   void SetNatsConnected(bool connected);
+  bool nats_connected() const { return nats_connected_.load(); }
   // From now on nothing is routed again or forwarded: a request whose engine call ends (the
   // client's Stop cancels them) or whose route answer comes is answered 503 "shutting_down" and
   // its booking freed. Before HttpClient::Stop, while NATS is still up for the frees.

@@ -90,8 +90,8 @@ int main(int argc, char** argv) {
   HttpIo io(cfg.io_threads);
   HttpClient client(io, {});
   Gateway gw(cfg, client, link);
-  gw.SetNatsConnected((*nc)->IsConnected());
   gateway = &gw;
+  gw.SetNatsConnected((*nc)->IsConnected());
   auto registrations = (*nc)->Subscribe(fmt::format("namespace.{}.component.{}.instances", cfg.ns, cfg.component), "",
                                         [&](const IncomingMessage& m) {
                                           if (auto reg = DecodeWorkerRegistration(m.data); reg.ok())
@@ -140,6 +140,8 @@ int main(int argc, char** argv) {
   std::thread ticker([&] {
     while (!stopping.load()) {
       const SteadyTime now = std::chrono::steady_clock::now();
+      // A connection event that raced the start (or another event) is caught up with here.
+      if (const bool up = (*nc)->IsConnected(); up != gw.nats_connected()) gw.SetNatsConnected(up);
       link.Tick(now);
       gw.Tick(now);
       std::this_thread::sleep_for(std::chrono::milliseconds(50));  // the timer's period, not a wait for a state

@@ -33,6 +33,10 @@ void RouterLink::Route(const RouteRequest& request, Done done) {
   std::uint64_t id = 0;
   {
     KvMutexLock g(mu_);
+    if (!connected_) {
+      g.Unlock();
+      return done(Status(StatusCode::kNoWorkers, "the gateway is not connected to NATS: no router can be reached now"));
+    }
     if (pending_.size() >= kMaxPending) {
       g.Unlock();
       return done(Status(StatusCode::kOverloaded, "too many requests wait for the router"));
@@ -63,7 +67,7 @@ void RouterLink::MarkPrefill(const std::string& request_id) {
 void RouterLink::Free(const std::string& request_id, const std::optional<ResponseTiming>& timing) {
   {
     KvMutexLock g(mu_);
-    if (unsure_ && resend_.size() < kMaxPending) resend_.push_back(request_id);
+    if (unconfirmed_.size() < kMaxPending) unconfirmed_.push_back(request_id);
   }
   (void)nats_.Publish(prefix_ + "free", AsBytes(timing ? EncodeLifecycleRequest(request_id, *timing)
                                                        : EncodeLifecycleRequest(request_id)));
@@ -75,18 +79,27 @@ void RouterLink::OnAnswer(const IncomingMessage& m) {
   if (std::from_chars(tail.data(), tail.data() + tail.size(), id).ec != std::errc()) return;
   const bool no_responders = m.data.empty();  // NATS' 503: no router subscribes
   if (!no_responders) {
-    last_answer_ = std::chrono::steady_clock::now().time_since_epoch().count();
+    const SteadyTime now = std::chrono::steady_clock::now();
+    last_answer_ = now.time_since_epoch().count();
     std::vector<std::string> again;
     {
       KvMutexLock g(mu_);
       if (unsure_ && connected_) {
+        // The first answer since the loss: a router subscribes again. Every free not confirmed
+        // before the loss or sent since goes again, now and once more later (another replica
+        // may subscribe again later than this one).
         unsure_ = false;
-        again.swap(resend_);
+        again.swap(unconfirmed_);
+        probe_covers_ = 0;
+        resend_later_ = again;
+        resend_at_ = now + kAnsweringWindow;
+      } else if (id == kProbe && !unsure_) {
+        // The router got every free sent before this probe (one connection keeps their order).
+        unconfirmed_.erase(unconfirmed_.begin(), unconfirmed_.begin() + std::min(probe_covers_, unconfirmed_.size()));
+        probe_covers_ = 0;
       }
     }
-    for (const std::string& request_id : again) {
-      (void)nats_.Publish(prefix_ + "free", AsBytes(EncodeLifecycleRequest(request_id)));
-    }
+    PublishFrees(again);
   }
   if (id == kProbe) return;
   Done done;
@@ -111,6 +124,12 @@ void RouterLink::OnAnswer(const IncomingMessage& m) {
   done(DecodeRouteReply(m.data));
 }
 
+void RouterLink::PublishFrees(const std::vector<std::string>& request_ids) {
+  for (const std::string& request_id : request_ids) {
+    (void)nats_.Publish(prefix_ + "free", AsBytes(EncodeLifecycleRequest(request_id)));
+  }
+}
+
 void RouterLink::SetConnected(bool connected) {
   std::vector<std::pair<Done, std::string>> failed;
   {
@@ -118,6 +137,7 @@ void RouterLink::SetConnected(bool connected) {
     connected_ = connected;
     if (connected) return;
     unsure_ = true;
+    resend_later_.clear();  // the frees they are go again after this loss
     const SteadyTime forget_at = std::chrono::steady_clock::now() + 2 * timeout_;
     for (auto& [id, p] : pending_) {
       if (expired_.size() < kMaxPending) expired_.emplace(id, Expired{p.request_id, forget_at});
@@ -133,6 +153,7 @@ void RouterLink::SetConnected(bool connected) {
 
 void RouterLink::Tick(SteadyTime now) {
   std::vector<Done> late;
+  std::vector<std::string> again;
   bool probe = false;
   {
     KvMutexLock g(mu_);
@@ -148,11 +169,14 @@ void RouterLink::Tick(SteadyTime now) {
         ++it;
       }
     }
-    if (now >= next_probe_) {
+    if (now >= next_probe_ && connected_) {
       next_probe_ = now + kProbeEvery;
       probe = true;
+      if (!unsure_) probe_covers_ = unconfirmed_.size();
     }
+    if (!resend_later_.empty() && now >= resend_at_) again.swap(resend_later_);
   }
+  PublishFrees(again);
   if (probe) {
     (void)nats_.PublishRequest(prefix_ + "stats", inbox_ + std::to_string(kProbe),
                                AsBytes(EncodeStatsRequest({.offset = 0, .limit = 1})));

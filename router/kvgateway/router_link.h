@@ -6,7 +6,8 @@
 // and a booking the router answers after that is freed here, so nothing stays booked for a
 // request nobody waits for. At most kMaxPending wait at once (more fail with `overloaded` at once).
 // Thread contract: every method may be called from any thread; `done` callbacks run on the
-// NATS delivery thread of the inbox or on the thread calling Tick, never under the link's lock.
+// NATS delivery thread of the inbox, or on the thread calling Route, Tick or SetConnected, never
+// under the link's lock.
 // Ownership: borrows the NatsClient, which must outlive it.
 //
 //   link.Route(req, [](Result<RouteReply> r) { ... });  link.Free("req-1");  link.Tick(now);
@@ -43,12 +44,14 @@ class RouterLink {
   void MarkPrefill(const std::string& request_id);
   // With the engine's timing when the response came (it goes to the router with the free).
   void Free(const std::string& request_id, const std::optional<ResponseTiming>& timing = std::nullopt);
-  // The NATS connection went down (false) or came back (true). On the way down every request
-  // waiting for its answer fails now with kNoWorkers (its answer would come over the connection
-  // that is gone); a booking the router made for it is freed (a free now, and a late answer is
-  // freed as after a timeout). NATS delivers at most once, and a router that has not yet
-  // subscribed again when this gateway's messages arrive misses them: every free published from
-  // the loss until the first router answer after it is published again at that answer.
+  // The NATS connection went down (false) or came back (true). While it is down Route fails at
+  // once with kNoWorkers, and on the way down so does every request waiting for its answer (the
+  // answer would come over the connection that is gone); a booking the router made for one of
+  // those is freed (a free now, and a late answer is freed as after a timeout). NATS delivers at
+  // most once: frees sent into a connection that was dying, or before a router subscribed again,
+  // are lost. So every free no stats answer has confirmed when the connection goes, and every
+  // one sent until the first router answer after it, is sent again at that answer and once more
+  // 5 s later (for replicas that subscribe again later).
   void SetConnected(bool connected);
   // Fails the requests older than the timeout, and asks the router for its stats now and then to
   // know it answers (for Answering).
@@ -70,6 +73,7 @@ class RouterLink {
     SteadyTime forget_at;
   };
   void OnAnswer(const IncomingMessage& m);
+  void PublishFrees(const std::vector<std::string>& request_ids);
 
   NatsClient& nats_;
   const std::string prefix_;  // "namespace.{ns}.router."
@@ -80,10 +84,16 @@ class RouterLink {
   std::unordered_map<std::uint64_t, Pending> pending_ KV_GUARDED_BY(mu_);
   std::unordered_map<std::uint64_t, Expired> expired_ KV_GUARDED_BY(mu_);
   std::uint64_t next_ KV_GUARDED_BY(mu_) = 0;
-  // From a loss of the connection to the first router answer after it: frees to publish again.
-  bool unsure_ KV_GUARDED_BY(mu_) = false;
   bool connected_ KV_GUARDED_BY(mu_) = true;
-  std::vector<std::string> resend_ KV_GUARDED_BY(mu_);
+  // From a loss of the connection to the first router answer after it.
+  bool unsure_ KV_GUARDED_BY(mu_) = false;
+  // Frees sent that no router answer has confirmed yet (at most kMaxPending): a stats probe's
+  // answer confirms the first probe_covers_ of them, sent before it.
+  std::vector<std::string> unconfirmed_ KV_GUARDED_BY(mu_);
+  std::size_t probe_covers_ KV_GUARDED_BY(mu_) = 0;
+  // The frees sent again at the first answer after a loss, to send once more at resend_at_.
+  std::vector<std::string> resend_later_ KV_GUARDED_BY(mu_);
+  SteadyTime resend_at_ KV_GUARDED_BY(mu_){};
   SteadyTime next_probe_ KV_GUARDED_BY(mu_){};
   std::atomic<SteadyTime::rep> last_answer_{std::numeric_limits<SteadyTime::rep>::min()};
 };

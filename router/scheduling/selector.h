@@ -114,8 +114,7 @@ double RecentExcess(const Candidate& c, double mean_recent);
 // fast ranks look overused and new sessions go to its slow ones. Within 1.5x the factors are the
 // learning's scatter, which must not move a uniform fleet's ties. Slower ranks count 1: their
 // slowness is priced in their ttft already, and in an overloaded fleet the busiest ranks learn
-// slow factors (counted by them, the shared trace with every engine 4x slower lost half a point
-// of hit rate). docs/design.md "Predicted time".
+// slow factors (docs/performance.md, "Mixed fleets and learned rates").
 double RecentWeight(double prefill_factor, double typical_prefill);
 // How PickKv prices every candidate of one decision: the predicted cost's spread term is
 // relative to the candidates' mean of recent requests (the sum over them, in their order, over

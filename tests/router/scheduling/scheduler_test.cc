@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <functional>
 #include <map>
 #include <memory>
@@ -43,6 +44,25 @@ class SchedulerTest : public ::testing::Test {
     auto p = PrepareRequest(o, r);
     EXPECT_TRUE(p.ok()) << p.status().message();
     return *p;
+  }
+  // Books, teaches and frees n requests on `rank` alone, each observed to take `factor` times the
+  // prior's time to first token; `step` passes between them. False if one was not booked.
+  bool Teach(Scheduler& s, const SchedulerOptions& o, WorkerKey rank, double factor, int n = 40,
+             std::chrono::milliseconds step = std::chrono::milliseconds(0)) {
+    std::vector<RankInfo> only = {{.worker = rank}};
+    for (int i = 0; i < n; ++i) {
+      const RouteRequest r = Prompt("r" + std::to_string(rank.worker_id) + "-" + std::to_string(i), 64,
+                                    static_cast<std::uint32_t>(i) * 1000);
+      const PreparedRequest p = Prepared(o, r);
+      OverlapScores none;
+      auto d = s.Decide(r, p, s.Candidates(only, p.seq, none));
+      const PriorTtft* prior = s.load().PriorOf(r.request_id);
+      if (!d.ok() || !d->booked || prior == nullptr) return false;
+      EXPECT_TRUE(s.Learn(r.request_id, {.ttfb_ms = factor * (prior->prefill_ms + prior->decode_ms)}));
+      EXPECT_TRUE(s.load().Free(r.request_id));
+      now_ += step;
+    }
+    return true;
   }
   std::vector<RankInfo> ranks_ = {{.worker = kA}, {.worker = kB}};
   ShardedIndex index_{{.num_shards = 1}};
@@ -222,19 +242,7 @@ TEST(RouteKind, NamesAreTheEndpoints) {
 
 TEST_F(SchedulerTest, AFreeWithTimingTeachesTheRankItWasBookedOnAndCandidatesCarryIt) {
   auto s = Make(Options());
-  std::vector<RankInfo> only_a = {{.worker = kA}};
-  for (int i = 0; i < 40; ++i) {
-    const RouteRequest r = Prompt("r" + std::to_string(i), 64, static_cast<std::uint32_t>(i) * 1000);
-    const PreparedRequest p = Prepared(Options(), r);
-    OverlapScores none;
-    auto d = s->Decide(r, p, s->Candidates(only_a, p.seq, none));
-    ASSERT_TRUE(d.ok() && d->booked);
-    const PriorTtft* prior = s->load().PriorOf(r.request_id);
-    ASSERT_NE(prior, nullptr);
-    // Rank A takes three times the prior's time to first token.
-    ASSERT_TRUE(s->Learn(r.request_id, {.ttfb_ms = 3 * (prior->prefill_ms + prior->decode_ms)}));
-    ASSERT_TRUE(s->load().Free(r.request_id));
-  }
+  ASSERT_TRUE(Teach(*s, Options(), kA, 3));  // rank A takes three times the prior's time to first token
   EXPECT_NEAR(s->rates().Of(kA).prefill, 3, 0.3);
   OverlapScores none;
   const auto cands = s->Candidates(ranks_, Prepared(Options(), Prompt("x", 8)).seq, none);
@@ -246,33 +254,31 @@ TEST_F(SchedulerTest, AFreeWithTimingTeachesTheRankItWasBookedOnAndCandidatesCar
 
 TEST_F(SchedulerTest, AFastRanksRecentRequestsCountByItsSpeedPastTheFleetsScatter) {
   auto s = Make(Options());
-  constexpr WorkerKey kC{3, 0};
-  // 40 requests on each rank; rank A takes a quarter of the prior's time, B the prior's, C 1.3x.
-  for (const auto& [rank, factor] : {std::pair{kA, 0.25}, std::pair{kB, 1.0}, std::pair{kC, 1.3}}) {
-    std::vector<RankInfo> only = {{.worker = rank}};
-    for (int i = 0; i < 40; ++i) {
-      const RouteRequest r = Prompt("r" + std::to_string(rank.worker_id) + "-" + std::to_string(i), 64,
-                                    static_cast<std::uint32_t>(i) * 1000);
-      const PreparedRequest p = Prepared(Options(), r);
-      OverlapScores none;
-      auto d = s->Decide(r, p, s->Candidates(only, p.seq, none));
-      ASSERT_TRUE(d.ok() && d->booked);
-      const PriorTtft* prior = s->load().PriorOf(r.request_id);
-      ASSERT_NE(prior, nullptr);
-      ASSERT_TRUE(s->Learn(r.request_id, {.ttfb_ms = factor * (prior->prefill_ms + prior->decode_ms)}));
-      ASSERT_TRUE(s->load().Free(r.request_id));
-    }
+  // 40 requests on each of six ranks, each taking `factor` times the prior's time.
+  const std::vector<std::pair<WorkerKey, double>> fleet = {{{1, 0}, 0.1}, {{2, 0}, 0.4}, {{3, 0}, 0.6},
+                                                           {{4, 0}, 0.8}, {{5, 0}, 1.0}, {{6, 0}, 1.0}};
+  std::vector<RankInfo> all;
+  for (const auto& [rank, factor] : fleet) {
+    all.push_back({.worker = rank});
+    ASSERT_TRUE(Teach(*s, Options(), rank, factor));
   }
+  now_ += std::chrono::seconds(1);
+  EXPECT_FALSE(s->Learn("none", {}));  // the fleet's typical factor is taken again (once a second)
   OverlapScores none;
-  std::vector<RankInfo> all = {{.worker = kA}, {.worker = kB}, {.worker = kC}};
   const auto cands = s->Candidates(all, Prepared(Options(), Prompt("x", 8)).seq, none);
-  ASSERT_EQ(cands.size(), 3u);
-  // The typical factor is B's (the median); C is within its scatter and counts plainly, A counts
-  // each request as the ~quarter of one of B's it keeps A busy for.
-  EXPECT_EQ(cands[1].recent_requests, 40);
-  EXPECT_EQ(cands[2].recent_requests, 40);
-  EXPECT_NEAR(cands[0].recent_requests, 40 * s->rates().Of(kA).prefill / s->rates().Typical().prefill, 1e-9);
-  EXPECT_LT(cands[0].recent_requests, 0.4 * 40);
+  ASSERT_EQ(cands.size(), 6u);
+  const double whole = cands[5].recent_requests;  // 40 requests a second old, counted plainly
+  EXPECT_NEAR(whole, 40, 1);
+  // The typical factor is the median, about 0.69. Rank 2 (0.4) counts each request by its speed,
+  // about 0.58 of one; rank 1 (0.1, a seventh of the typical) a quarter, the least; rank 3 (0.6)
+  // is faster but within the learning's scatter, and ranks 4 to 6, slower, count plainly.
+  const double typical = s->rates().Typical().prefill;
+  EXPECT_NEAR(typical, std::sqrt(0.6 * 0.8), 0.02);
+  EXPECT_DOUBLE_EQ(cands[0].recent_requests, whole * 0.25);
+  EXPECT_NEAR(cands[1].recent_requests, whole * s->rates().Of(fleet[1].first).prefill / typical, 1e-9);
+  EXPECT_LT(cands[1].recent_requests, 0.65 * whole);
+  EXPECT_GT(cands[1].recent_requests, 0.5 * whole);
+  for (std::size_t k = 2; k < 5; ++k) EXPECT_DOUBLE_EQ(cands[k].recent_requests, whole) << "rank " << k + 1;
 }
 
 TEST_F(SchedulerTest, TheSpreadIsPricedInTheFleetsTimeAtMostHalvedNeverRaised) {
@@ -282,19 +288,8 @@ TEST_F(SchedulerTest, TheSpreadIsPricedInTheFleetsTimeAtMostHalvedNeverRaised) {
   // to take `factor` times the prior's time to first token.
   auto scale_after = [&](double factor) {
     auto s = Make(o);
-    std::vector<RankInfo> only_a = {{.worker = kA}};
-    for (int i = 0; i < 40; ++i) {
-      const RouteRequest r = Prompt("r" + std::to_string(i), 64, static_cast<std::uint32_t>(i) * 1000);
-      const PreparedRequest p = Prepared(o, r);
-      OverlapScores none;
-      auto d = s->Decide(r, p, s->Candidates(only_a, p.seq, none));
-      EXPECT_TRUE(d.ok() && d->booked);
-      const PriorTtft* prior = s->load().PriorOf(r.request_id);
-      if (prior == nullptr) return -1.0;
-      EXPECT_TRUE(s->Learn(r.request_id, {.ttfb_ms = factor * (prior->prefill_ms + prior->decode_ms)}));
-      EXPECT_TRUE(s->load().Free(r.request_id));
-      now_ += std::chrono::milliseconds(100);  // the fleet's typical factor is taken again each second
-    }
+    // 100 ms apart: the fleet's typical factor is taken again each second.
+    if (!Teach(*s, o, kA, factor, 40, std::chrono::milliseconds(100))) return -1.0;
     PreparedRequest p = Prepared(o, Prompt("x", 8));
     s->PriceSpread(p);
     return p.params.spread_scale;

@@ -1,0 +1,141 @@
+// RouterLink (the gateway's side of the router's NATS endpoints) against a real nats-server and
+// a stand-in router of the test's own: what the link does when its connection is lost and back
+// (SetConnected), driven directly so that it is deterministic. The gateway's own outage tests
+// stop the server (gateway_test.cc).
+#include "router/kvgateway/router_link.h"
+
+#include <gtest/gtest.h>
+
+#include <map>
+#include <mutex>
+#include <optional>
+#include <string>
+
+#include "events/msgpack_reader.h"
+#include "tests/await.h"
+#include "tests/integration/process.h"
+
+namespace kvrouter {
+namespace {
+
+using namespace std::chrono_literals;
+const std::string kPrefix = "namespace.dynamo.router.";
+
+class RouterLinkTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto server = testing::NatsServerProcess::Start();
+    ASSERT_TRUE(server.ok()) << server.status().ToString();
+    server_ = std::move(server).value();
+    auto link_nc = NatsClient::Connect({.url = server_->url(), .name = "gateway", .send_asap = true}, {});
+    auto router_nc = NatsClient::Connect({.url = server_->url(), .name = "router", .send_asap = true}, {});
+    ASSERT_TRUE(link_nc.ok() && router_nc.ok());
+    link_nc_ = std::move(link_nc).value();
+    router_nc_ = std::move(router_nc).value();
+    auto frees = router_nc_->Subscribe(kPrefix + "free", "", [this](const IncomingMessage& m) {
+      if (auto id = DecodeLifecycleRequest(m.data); id.ok()) {
+        std::lock_guard g(mu_);
+        ++frees_[*id];
+      }
+    });
+    auto routes = router_nc_->Subscribe(kPrefix + "route", "", [this](const IncomingMessage& m) {
+      std::lock_guard g(mu_);
+      route_replies_.emplace_back(m.reply);
+    });
+    auto stats = router_nc_->Subscribe(kPrefix + "stats", "", [this](const IncomingMessage& m) {
+      if (!answer_stats_.load()) return;
+      StatsReply reply;
+      auto body = EncodeStatsReply(reply, 1 << 20);
+      ASSERT_TRUE(body.ok());
+      ASSERT_TRUE(router_nc_->Publish(m.reply, AsBytes(*body)).ok());
+      ++stats_answered_;
+    });
+    ASSERT_TRUE(frees.ok() && routes.ok() && stats.ok());
+    subs_.push_back(std::move(frees).value());
+    subs_.push_back(std::move(routes).value());
+    subs_.push_back(std::move(stats).value());
+    ASSERT_TRUE(router_nc_->Flush(2s).ok());  // the server has the stand-in's subscriptions
+    link_.emplace(*link_nc_, kPrefix, 10s);
+    ASSERT_TRUE(link_->Start().ok());
+    ASSERT_TRUE(link_nc_->Flush(2s).ok());  // and the link's inbox
+  }
+  void TearDown() override {
+    link_.reset();
+    subs_.clear();
+  }
+  int Frees(const std::string& id) {
+    std::lock_guard g(mu_);
+    return frees_[id];
+  }
+  std::size_t Routes() {
+    std::lock_guard g(mu_);
+    return route_replies_.size();
+  }
+  std::string RouteReplySubject(std::size_t i) {
+    std::lock_guard g(mu_);
+    return route_replies_[i];
+  }
+
+  std::unique_ptr<testing::NatsServerProcess> server_;
+  std::unique_ptr<NatsClient> link_nc_, router_nc_;
+  std::vector<std::unique_ptr<Subscription>> subs_;
+  std::optional<RouterLink> link_;
+  std::mutex mu_;
+  std::map<std::string, int> frees_;
+  std::vector<std::string> route_replies_;
+  std::atomic<bool> answer_stats_{true};
+  std::atomic<int> stats_answered_{0};
+};
+
+TEST_F(RouterLinkTest, ARouteWaitingWhenTheConnectionGoesFailsAtOnceAndItsBookingIsFreed) {
+  std::optional<Result<RouteReply>> first;
+  link_->Route({.request_id = "b1"}, [&](Result<RouteReply> r) { first = std::move(r); });
+  ASSERT_TRUE(AwaitTrue([&] { return Routes() == 1; }));  // the router has it and says nothing yet
+  EXPECT_FALSE(first.has_value());
+  link_->SetConnected(false);
+  ASSERT_TRUE(first.has_value());  // failed on the spot, not at the route timeout
+  EXPECT_EQ(first->status().code(), StatusCode::kNoWorkers);
+  EXPECT_EQ(link_->pending(), 0u);
+  EXPECT_TRUE(AwaitTrue([&] { return Frees("b1") == 1; }));  // in case the router booked it
+  // While down a route fails at once too.
+  std::optional<Result<RouteReply>> second;
+  link_->Route({.request_id = "b2"}, [&](Result<RouteReply> r) { second = std::move(r); });
+  ASSERT_TRUE(second.has_value());
+  EXPECT_EQ(second->status().code(), StatusCode::kNoWorkers);
+  // Back up: the first router answer after the loss sends b1's free again ...
+  link_->SetConnected(true);
+  link_->Tick(std::chrono::steady_clock::now());
+  ASSERT_TRUE(AwaitTrue([&] { return Frees("b1") == 2 && link_->Answering(std::chrono::steady_clock::now()); }));
+  // ... and the router's late answer to the route frees what it booked then.
+  ASSERT_TRUE(router_nc_->Publish(RouteReplySubject(0), AsBytes(EncodeRouteReply({.worker_id = 7}))).ok());
+  EXPECT_TRUE(AwaitTrue([&] { return Frees("b1") == 3; }));
+  EXPECT_EQ(Routes(), 1u);
+}
+
+TEST_F(RouterLinkTest, FreesNoAnswerConfirmedAreSentAgainAtTheFirstAnswerAfterALossAndOnceMore) {
+  const SteadyTime t0 = std::chrono::steady_clock::now();
+  link_->Free("f1");
+  link_->Tick(t0);  // a stats probe, sent after f1: its answer confirms f1
+  ASSERT_TRUE(
+      AwaitTrue([&] { return stats_answered_.load() == 1 && link_->Answering(std::chrono::steady_clock::now()); }));
+  answer_stats_ = false;
+  link_->Free("f2");  // sent; nothing confirms it before the loss
+  link_->SetConnected(false);
+  EXPECT_FALSE(link_->Answering(std::chrono::steady_clock::now()));
+  link_->Free("f3");  // sent while down
+  link_->SetConnected(true);
+  ASSERT_TRUE(AwaitTrue([&] { return Frees("f1") == 1 && Frees("f2") == 1 && Frees("f3") == 1; }));
+  EXPECT_FALSE(link_->Answering(std::chrono::steady_clock::now()));  // no answer since the loss
+  // The first answer after the loss: f2 and f3 go again, f1 does not.
+  answer_stats_ = true;
+  link_->Tick(t0 + 2s);
+  ASSERT_TRUE(AwaitTrue([&] { return Frees("f2") == 2 && Frees("f3") == 2; }));
+  EXPECT_TRUE(link_->Answering(std::chrono::steady_clock::now()));
+  // And once more later, for a replica that subscribes again later than the one that answered.
+  link_->Tick(t0 + 10s);
+  EXPECT_TRUE(AwaitTrue([&] { return Frees("f2") == 3 && Frees("f3") == 3; }));
+  EXPECT_EQ(Frees("f1"), 1);
+}
+
+}  // namespace
+}  // namespace kvrouter
