@@ -24,7 +24,9 @@ node -e 'process.exit(Number(process.versions.node.split(".")[0]) >= 18 ? 0 : 1)
 # One exact version, so that every machine checks the same client.
 version=4.104.0
 sdk=${KVROUTER_NPM_CACHE:-$HOME/.cache/kvrouter/openai-node}
-installed=$(node -e "try { console.log(require('$sdk/node_modules/openai/package.json').version) } catch { }")
+sdk=$(mkdir -p "$sdk" && cd "$sdk" && pwd)
+installed=$(node -e 'try { console.log(require(process.argv[1]).version) } catch { }' \
+  "$sdk/node_modules/openai/package.json")
 if [ "$installed" != "$version" ]; then
   mkdir -p "$sdk"
   [ -f "$sdk/package.json" ] || printf '{"name":"kvrouter-openai-check","private":true}\n' >"$sdk/package.json"
@@ -43,7 +45,10 @@ stop() {  # SIGTERM, then SIGKILL to what is still there after 10 s
     [ "$alive" -eq 0 ] && break
     sleep 0.1
   done
-  for p in "${pids[@]}"; do kill -KILL "$p" 2>/dev/null || true; wait "$p" 2>/dev/null || true; done
+  for p in "${pids[@]}"; do
+    if kill -0 "$p" 2>/dev/null; then kill -KILL "$p" 2>/dev/null || true; fi
+    wait "$p" 2>/dev/null || true
+  done
   rm -rf "$work"
 }
 trap stop EXIT
@@ -72,7 +77,7 @@ while True:
         break
 print(*ports)
 PY
-)
+) || { say "FAILED: could not pick free ports"; exit 1; }
 nats=nats://127.0.0.1:$nats_port
 
 nats-server -a 127.0.0.1 -p "$nats_port" >"$work/nats.log" 2>&1 & pids+=($!)

@@ -601,6 +601,9 @@ std::string Gateway::MetricsText(const HttpListener::Counters& http) const {
             double(http.timeouts));
   m.Gauge("kvgateway_engines", "engines with an http_url known from registrations", double(directory_.size()));
   m.Gauge("kvgateway_router_pending", "route requests waiting for the router", double(link_.pending()));
+  m.Gauge("kvgateway_frees_unconfirmed",
+          "frees sent that no router answer has confirmed yet (sent again after a NATS loss)",
+          double(link_.unconfirmed()));
   auto families = registry_->Collect();
   for (auto& f : m.Take()) families.push_back(std::move(f));
   return RenderMetrics(std::move(families));

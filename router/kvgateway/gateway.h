@@ -58,7 +58,8 @@ class Gateway {
   // NATS connected, the router answering, an engine known.
   bool Ready(SteadyTime now) const;
   // While NATS is down no router can be reached: a completion request is answered 503 at once,
-  // and so is each one waiting for its route answer (which is lost with the connection).
+  // and so is each one waiting for its route answer (which is lost with the connection). Called
+  // from one thread at a time (kvgateway's ticker), a loss before a reconnect.
   void SetNatsConnected(bool connected);
   bool nats_connected() const { return nats_connected_.load(); }
   // From now on nothing is routed again or forwarded: a request whose engine call ends (the

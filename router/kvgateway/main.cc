@@ -65,19 +65,12 @@ int main(int argc, char** argv) {
     cfg.max_connections = fit;
   }
 
-  std::atomic<Gateway*> gateway{nullptr};
+  // The connection's state reaches the gateway from one thread only (sync_nats, on the ticker),
+  // so that two transitions never interleave.
   auto nc = NatsClient::Connect(
       {.url = cfg.nats_server, .name = "kvgateway", .send_asap = true, .security = cfg.nats_security},
-      {.on_reconnected =
-           [&] {
-             fmt::print(stderr, "kvgateway I NATS connection up\n");
-             if (Gateway* g = gateway.load()) g->SetNatsConnected(true);
-           },
-       .on_disconnected =
-           [&] {
-             fmt::print(stderr, "kvgateway W lost NATS; reconnecting\n");
-             if (Gateway* g = gateway.load()) g->SetNatsConnected(false);
-           }});
+      {.on_reconnected = [] { fmt::print(stderr, "kvgateway I NATS connection up\n"); },
+       .on_disconnected = [] { fmt::print(stderr, "kvgateway W lost NATS; reconnecting\n"); }});
   if (!nc.ok()) {
     fmt::print(stderr, "kvgateway: cannot connect to {}: {}\n", cfg.nats_server, nc.status().message());
     return 1;
@@ -90,8 +83,19 @@ int main(int argc, char** argv) {
   HttpIo io(cfg.io_threads);
   HttpClient client(io, {});
   Gateway gw(cfg, client, link);
-  gateway = &gw;
-  gw.SetNatsConnected((*nc)->IsConnected());
+  // A loss since the last look (even one already over: a reconnect between two looks) is applied
+  // before the state now.
+  std::uint64_t disconnects_seen = (*nc)->Stats().disconnects;
+  auto sync_nats = [&] {
+    const std::uint64_t disconnects = (*nc)->Stats().disconnects;
+    const bool up = (*nc)->IsConnected();
+    if (disconnects != disconnects_seen) {
+      disconnects_seen = disconnects;
+      if (gw.nats_connected()) gw.SetNatsConnected(false);
+    }
+    if (up != gw.nats_connected()) gw.SetNatsConnected(up);
+  };
+  sync_nats();
   auto registrations = (*nc)->Subscribe(fmt::format("namespace.{}.component.{}.instances", cfg.ns, cfg.component), "",
                                         [&](const IncomingMessage& m) {
                                           if (auto reg = DecodeWorkerRegistration(m.data); reg.ok())
@@ -140,8 +144,7 @@ int main(int argc, char** argv) {
   std::thread ticker([&] {
     while (!stopping.load()) {
       const SteadyTime now = std::chrono::steady_clock::now();
-      // A connection event that raced the start (or another event) is caught up with here.
-      if (const bool up = (*nc)->IsConnected(); up != gw.nats_connected()) gw.SetNatsConnected(up);
+      sync_nats();
       link.Tick(now);
       gw.Tick(now);
       std::this_thread::sleep_for(std::chrono::milliseconds(50));  // the timer's period, not a wait for a state
@@ -156,7 +159,6 @@ int main(int argc, char** argv) {
   (*listener)->Stop();
   client.Stop();
   io.Stop();
-  gateway = nullptr;
   registrations->reset();
   (*nc)->Drain(std::chrono::seconds(2));
   return 0;

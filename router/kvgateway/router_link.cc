@@ -13,7 +13,10 @@ namespace kvrouter {
 namespace {
 constexpr std::chrono::seconds kAnsweringWindow{5};
 constexpr std::chrono::seconds kProbeEvery{1};
-constexpr std::uint64_t kProbe = 0;  // the inbox id of stats probes (route ids start at 1)
+// Inbox ids: route requests count up from 1, stats probes from kProbeBase (each its own id, so
+// that a late answer confirms only what its own probe covers).
+constexpr std::uint64_t kProbeBase = std::uint64_t{1} << 63;
+constexpr std::size_t kMaxProbes = 16;  // probes awaiting an answer that are remembered
 }  // namespace
 
 RouterLink::RouterLink(NatsClient& nats, std::string router_prefix, std::chrono::milliseconds timeout)
@@ -78,30 +81,37 @@ void RouterLink::OnAnswer(const IncomingMessage& m) {
   std::uint64_t id = 0;
   if (std::from_chars(tail.data(), tail.data() + tail.size(), id).ec != std::errc()) return;
   const bool no_responders = m.data.empty();  // NATS' 503: no router subscribes
+  const bool probe = id >= kProbeBase;
   if (!no_responders) {
     const SteadyTime now = std::chrono::steady_clock::now();
-    last_answer_ = now.time_since_epoch().count();
     std::vector<std::string> again;
     {
       KvMutexLock g(mu_);
       if (unsure_ && connected_) {
         // The first answer since the loss: a router subscribes again. Every free not confirmed
         // before the loss or sent since goes again, now and once more later (another replica
-        // may subscribe again later than this one).
+        // may subscribe again later than this one). They stay unconfirmed until a probe sent
+        // after this answers.
         unsure_ = false;
-        again.swap(unconfirmed_);
-        probe_covers_ = 0;
+        probes_.clear();
+        again.assign(unconfirmed_.begin(), unconfirmed_.end());
         resend_later_ = again;
         resend_at_ = now + kAnsweringWindow;
-      } else if (id == kProbe && !unsure_) {
+      } else if (probe && !unsure_) {
         // The router got every free sent before this probe (one connection keeps their order).
-        unconfirmed_.erase(unconfirmed_.begin(), unconfirmed_.begin() + std::min(probe_covers_, unconfirmed_.size()));
-        probe_covers_ = 0;
+        if (auto it = probes_.find(id - kProbeBase); it != probes_.end()) {
+          const std::uint64_t covered = it->second > confirmed_ ? it->second - confirmed_ : 0;
+          const std::size_t n = static_cast<std::size_t>(std::min<std::uint64_t>(covered, unconfirmed_.size()));
+          unconfirmed_.erase(unconfirmed_.begin(), unconfirmed_.begin() + static_cast<std::ptrdiff_t>(n));
+          confirmed_ += n;
+          probes_.erase(probes_.begin(), std::next(it));
+        }
       }
     }
+    last_answer_ = now.time_since_epoch().count();  // after the bookkeeping: Answering follows it
     PublishFrees(again);
   }
-  if (id == kProbe) return;
+  if (probe) return;
   Done done;
   std::string late;
   {
@@ -135,9 +145,13 @@ void RouterLink::SetConnected(bool connected) {
   {
     KvMutexLock g(mu_);
     connected_ = connected;
-    if (connected) return;
+    if (connected) {
+      next_probe_ = {};  // the next Tick asks at once whether a router answers again
+      return;
+    }
     unsure_ = true;
-    resend_later_.clear();  // the frees they are go again after this loss
+    probes_.clear();
+    resend_later_.clear();  // still unconfirmed: they go again after this loss
     const SteadyTime forget_at = std::chrono::steady_clock::now() + 2 * timeout_;
     for (auto& [id, p] : pending_) {
       if (expired_.size() < kMaxPending) expired_.emplace(id, Expired{p.request_id, forget_at});
@@ -154,7 +168,7 @@ void RouterLink::SetConnected(bool connected) {
 void RouterLink::Tick(SteadyTime now) {
   std::vector<Done> late;
   std::vector<std::string> again;
-  bool probe = false;
+  std::uint64_t probe = 0;  // the sequence number of a probe to send
   {
     KvMutexLock g(mu_);
     std::erase_if(expired_, [&](const auto& e) { return e.second.forget_at < now; });
@@ -171,14 +185,16 @@ void RouterLink::Tick(SteadyTime now) {
     }
     if (now >= next_probe_ && connected_) {
       next_probe_ = now + kProbeEvery;
-      probe = true;
-      if (!unsure_) probe_covers_ = unconfirmed_.size();
+      probe = ++probe_seq_;
+      // What an answer to it confirms: every free recorded before it.
+      if (!unsure_) probes_.emplace(probe, confirmed_ + unconfirmed_.size());
+      if (probes_.size() > kMaxProbes) probes_.erase(probes_.begin());
     }
     if (!resend_later_.empty() && now >= resend_at_) again.swap(resend_later_);
   }
   PublishFrees(again);
-  if (probe) {
-    (void)nats_.PublishRequest(prefix_ + "stats", inbox_ + std::to_string(kProbe),
+  if (probe != 0) {
+    (void)nats_.PublishRequest(prefix_ + "stats", inbox_ + std::to_string(kProbeBase + probe),
                                AsBytes(EncodeStatsRequest({.offset = 0, .limit = 1})));
   }
   for (Done& d : late) d(Status(StatusCode::kTimeout, "the router did not answer in time"));
@@ -192,6 +208,11 @@ bool RouterLink::Answering(SteadyTime now) const {
   const SteadyTime last{SteadyTime::duration(last_answer_.load())};
   return last.time_since_epoch().count() != std::numeric_limits<SteadyTime::rep>::min() &&
          now - last < kAnsweringWindow;
+}
+
+std::size_t RouterLink::unconfirmed() const {
+  KvMutexLock g(mu_);
+  return unconfirmed_.size();
 }
 
 std::size_t RouterLink::pending() const {

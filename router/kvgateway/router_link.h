@@ -16,7 +16,9 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -60,6 +62,8 @@ class RouterLink {
   // last lost.
   bool Answering(SteadyTime now) const;
   std::size_t pending() const;
+  // Frees sent that no router answer has confirmed yet.
+  std::size_t unconfirmed() const;
 
  private:
   struct Pending {
@@ -87,10 +91,14 @@ class RouterLink {
   bool connected_ KV_GUARDED_BY(mu_) = true;
   // From a loss of the connection to the first router answer after it.
   bool unsure_ KV_GUARDED_BY(mu_) = false;
-  // Frees sent that no router answer has confirmed yet (at most kMaxPending): a stats probe's
-  // answer confirms the first probe_covers_ of them, sent before it.
-  std::vector<std::string> unconfirmed_ KV_GUARDED_BY(mu_);
-  std::size_t probe_covers_ KV_GUARDED_BY(mu_) = 0;
+  // Frees sent that no router answer has confirmed yet (at most kMaxPending), oldest first;
+  // confirmed_ counts those confirmed before them. A stats probe's answer confirms the frees
+  // recorded before the probe was sent: probes_ maps each probe awaiting its answer to
+  // confirmed_ + unconfirmed_.size() at its sending (forgotten at a loss and at the re-send).
+  std::deque<std::string> unconfirmed_ KV_GUARDED_BY(mu_);
+  std::uint64_t confirmed_ KV_GUARDED_BY(mu_) = 0;
+  std::map<std::uint64_t, std::uint64_t> probes_ KV_GUARDED_BY(mu_);
+  std::uint64_t probe_seq_ KV_GUARDED_BY(mu_) = 0;
   // The frees sent again at the first answer after a loss, to send once more at resend_at_.
   std::vector<std::string> resend_later_ KV_GUARDED_BY(mu_);
   SteadyTime resend_at_ KV_GUARDED_BY(mu_){};

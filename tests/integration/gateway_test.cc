@@ -431,10 +431,10 @@ TEST_F(GatewayTest, WithoutEnginesTheGatewayIsNotReadyAndAnswers404OrThe503OfNoW
 
 TEST_F(GatewayTest, ANatsOutageLongerThanALeaseForgetsNoEngine) {
   FakeEngine& e = NewEngine();
-  announced_.push_back({.worker_id = 1, .block_size = kBs, .lease_ms = 3000, .http_url = e.url(), .models = {"m"}});
+  announced_.push_back({.worker_id = 1, .block_size = kBs, .lease_ms = 5000, .http_url = e.url(), .models = {"m"}});
   ASSERT_TRUE(AwaitReady(1));
   nats_->Stop();
-  std::this_thread::sleep_for(3500ms);  // the outage itself is the scenario, not a wait
+  std::this_thread::sleep_for(5500ms);  // the outage itself is the scenario, not a wait
   ASSERT_TRUE(nats_->Restart().ok());
   // Within a lease of the reconnect, and with no heartbeat since the outage, the gateway and the
   // router still know the engine: ready again (a router answer since the loss, an engine known)

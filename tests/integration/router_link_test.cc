@@ -116,8 +116,7 @@ TEST_F(RouterLinkTest, FreesNoAnswerConfirmedAreSentAgainAtTheFirstAnswerAfterAL
   const SteadyTime t0 = std::chrono::steady_clock::now();
   link_->Free("f1");
   link_->Tick(t0);  // a stats probe, sent after f1: its answer confirms f1
-  ASSERT_TRUE(
-      AwaitTrue([&] { return stats_answered_.load() == 1 && link_->Answering(std::chrono::steady_clock::now()); }));
+  ASSERT_TRUE(AwaitTrue([&] { return link_->unconfirmed() == 0; }));
   answer_stats_ = false;
   link_->Free("f2");  // sent; nothing confirms it before the loss
   link_->SetConnected(false);
@@ -130,11 +129,39 @@ TEST_F(RouterLinkTest, FreesNoAnswerConfirmedAreSentAgainAtTheFirstAnswerAfterAL
   answer_stats_ = true;
   link_->Tick(t0 + 2s);
   ASSERT_TRUE(AwaitTrue([&] { return Frees("f2") == 2 && Frees("f3") == 2; }));
-  EXPECT_TRUE(link_->Answering(std::chrono::steady_clock::now()));
+  EXPECT_TRUE(AwaitTrue([&] { return link_->Answering(std::chrono::steady_clock::now()); }));
   // And once more later, for a replica that subscribes again later than the one that answered.
-  link_->Tick(t0 + 10s);
+  link_->Tick(std::chrono::steady_clock::now() + 6s);
   EXPECT_TRUE(AwaitTrue([&] { return Frees("f2") == 3 && Frees("f3") == 3; }));
   EXPECT_EQ(Frees("f1"), 1);
+}
+
+TEST_F(RouterLinkTest, FreesSentAgainIntoASecondLossGoAgainAfterItUntilAProbeConfirmsThem) {
+  answer_stats_ = false;
+  link_->Free("g1");
+  link_->SetConnected(false);
+  link_->SetConnected(true);
+  answer_stats_ = true;
+  link_->Tick(std::chrono::steady_clock::now());  // the first answer after the loss sends g1 again
+  ASSERT_TRUE(AwaitTrue([&] { return Frees("g1") == 2 && link_->Answering(std::chrono::steady_clock::now()); }));
+  EXPECT_EQ(link_->unconfirmed(), 1u);  // the probe that answered was sent before the re-send
+  // Lost again before any probe confirmed it: it goes again after this loss too.
+  answer_stats_ = false;
+  link_->SetConnected(false);
+  link_->SetConnected(true);
+  answer_stats_ = true;
+  link_->Tick(std::chrono::steady_clock::now());
+  ASSERT_TRUE(AwaitTrue([&] { return Frees("g1") == 3 && link_->Answering(std::chrono::steady_clock::now()); }));
+  // A probe sent after it confirms it: a third loss sends nothing again.
+  link_->Tick(std::chrono::steady_clock::now() + 2s);
+  ASSERT_TRUE(AwaitTrue([&] { return link_->unconfirmed() == 0; }));
+  answer_stats_ = false;
+  link_->SetConnected(false);
+  link_->SetConnected(true);
+  answer_stats_ = true;
+  link_->Tick(std::chrono::steady_clock::now() + 3s);
+  ASSERT_TRUE(AwaitTrue([&] { return link_->Answering(std::chrono::steady_clock::now()); }));
+  EXPECT_EQ(Frees("g1"), 3);
 }
 
 }  // namespace

@@ -19,7 +19,9 @@
 #include "events/message_codec.h"
 #include "events/msgpack_reader.h"
 #include "events/worker_codec.h"
+#include "tests/await.h"
 #include "tests/integration/kvrouter_fixture.h"
+#include "transport/http_client.h"
 
 namespace kvrouter::testing {
 namespace {
@@ -113,6 +115,46 @@ class SecurityTest : public NatsServerTest {
   std::unique_ptr<ChildProcess> router_, mocker_;
   std::unique_ptr<NatsClient> client_;
 };
+
+TEST_F(SecurityTest, KvgatewayLoggedInAsAClientRoutesAChatCompletion) {
+  auto router =
+      StartOnNats(KVROUTER_BIN, nats_->url(), LoginFlags("router", {"--router-mode", "kv"}), dir_ + "/kvrouter.log");
+  ASSERT_TRUE(router.ok()) << router.status().ToString();
+  router_ = std::move(router->process);
+  auto engine_port = PickFreePort();
+  auto gateway_port = PickFreePort();
+  ASSERT_TRUE(engine_port.ok() && gateway_port.ok());
+  auto mocker = StartOnNats(KVMOCKER_BIN, nats_->url(),
+                            LoginFlags("worker", {"--num-workers", "1", "--speedup-ratio", "50", "--http-host",
+                                                  "127.0.0.1", "--http-port", std::to_string(*engine_port)}),
+                            dir_ + "/kvmocker.log");
+  ASSERT_TRUE(mocker.ok()) << mocker.status().ToString();
+  mocker_ = std::move(mocker->process);
+  // The gateway reads registrations and gets the router's answers on its own inbox (_KVGW.>).
+  auto gateway =
+      StartOnNats(KVGATEWAY_BIN, nats_->url(),
+                  LoginFlags("client", {"--http-host", "127.0.0.1", "--http-port", std::to_string(*gateway_port)}),
+                  dir_ + "/kvgateway.log");
+  ASSERT_TRUE(gateway.ok()) << gateway.status().ToString();
+  client_ = LogIn("client");
+  ASSERT_NE(client_, nullptr);
+  ASSERT_TRUE(Stats().AwaitWorkers(1, 15s));  // the router has the engine too
+  HttpIo io(1);
+  HttpClient http(io, {});
+  const HttpEndpoint at{.host = "127.0.0.1", .port = static_cast<std::uint16_t>(*gateway_port)};
+  EXPECT_TRUE(AwaitTrue([&] {
+    auto ready = http.Fetch(at, {.method = "GET", .target = "/ready"});
+    return ready.ok() && ready->status == 200;
+  })) << ReadFile(dir_ + "/kvgateway.log");
+  auto r = http.Fetch(at, {.target = "/v1/chat/completions",
+                           .headers = {{"content-type", "application/json"}},
+                           .body = R"({"model":"mock","messages":[{"role":"user","content":"hi"}],"max_tokens":2})"});
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->status, 200) << r->body;
+  http.Stop();
+  io.Stop();
+  gateway->process->Stop();
+}
 
 TEST_F(SecurityTest, TheSystemRoutesOverTlsWithLeastPrivilegeUsers) {
   StartSystem();
