@@ -25,6 +25,8 @@ RouterLink::RouterLink(NatsClient& nats, std::string router_prefix, std::chrono:
       inbox_(fmt::format("_KVGW.{:x}.", std::random_device{}() * 0x9E3779B97F4A7C15ULL ^ std::random_device{}())),
       timeout_(timeout) {}
 
+RouterLink::~RouterLink() { sub_.reset(); }
+
 Status RouterLink::Start() {
   auto sub = nats_.Subscribe(inbox_ + "*", "", [this](const IncomingMessage& m) { OnAnswer(m); });
   if (!sub.ok()) return sub.status();

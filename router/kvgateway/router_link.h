@@ -39,6 +39,10 @@ class RouterLink {
   using Done = std::function<void(Result<RouteReply>)>;
 
   RouterLink(NatsClient& nats, std::string router_prefix, std::chrono::milliseconds timeout);
+  // Unsubscribes the inbox first: no answer is handled once the members it touches are going.
+  ~RouterLink();
+  RouterLink(const RouterLink&) = delete;
+  RouterLink& operator=(const RouterLink&) = delete;
   // Subscribes the inbox.
   Status Start();
 
