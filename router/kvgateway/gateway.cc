@@ -153,8 +153,8 @@ void Gateway::Handle(HttpRequest request, std::shared_ptr<HttpReply> reply) {
   const std::string_view path = request.Path();
   const bool get = request.method == "GET";
   const bool post = request.method == "POST";
-  auto error = [&](int status, std::string_view code, std::string_view message) {
-    HttpHeaders h = {{"content-type", "application/json"}};
+  auto error = [&](int status, std::string_view code, std::string_view message, HttpHeaders h = {}) {
+    h.emplace_back("content-type", "application/json");
     if (auto id = ClientRequestId(request)) h.emplace_back("x-request-id", *id);
     reply->Send(status, std::move(h), OpenAiError(message, ErrorType(status), code));
   };
@@ -189,13 +189,9 @@ void Gateway::Handle(HttpRequest request, std::shared_ptr<HttpReply> reply) {
     Count(endpoint, 400);
     return error(400, "invalid_request", parsed.status().message());
   }
-  if (!nats_connected_.load()) {
+  if (!nats_connected_.load()) {  // before the render call: no router could take the request
     Count(endpoint, 503);
-    HttpHeaders h = {{"content-type", "application/json"}, {"retry-after", "1"}};
-    if (auto id = ClientRequestId(request)) h.emplace_back("x-request-id", *id);
-    return reply->Send(503, std::move(h),
-                       OpenAiError("the gateway is not connected to NATS: no router can be reached now", ErrorType(503),
-                                   "no_workers"));
+    return error(503, "no_workers", RouterLink::kNotConnected, {{"retry-after", "1"}});
   }
   auto x = std::make_shared<Exchange>();
   x->allowed = directory_.Serving(parsed->model);
@@ -334,10 +330,6 @@ void Gateway::Route(const std::shared_ptr<Exchange>& x) {
     r.session_id = x->session_id;
   }
   const std::string booking = r.request_id;
-  if (!nats_connected_.load()) {
-    return Fail(x, 503, "no_workers", "the gateway is not connected to NATS: no router can be reached now",
-                {{"retry-after", "1"}});
-  }
   link_.Route(r, [this, ex = x, booking](Result<RouteReply> routed) {
     bool gone = false;
     {

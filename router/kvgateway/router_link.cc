@@ -40,7 +40,7 @@ void RouterLink::Route(const RouteRequest& request, Done done) {
     KvMutexLock g(mu_);
     if (!connected_) {
       g.Unlock();
-      return done(Status(StatusCode::kNoWorkers, "the gateway is not connected to NATS: no router can be reached now"));
+      return done(Status(StatusCode::kNoWorkers, std::string(kNotConnected)));
     }
     if (pending_.size() >= kMaxPending) {
       g.Unlock();

@@ -22,6 +22,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <unordered_map>
 #include <vector>
 
@@ -36,6 +37,9 @@ namespace kvrouter {
 class RouterLink {
  public:
   static constexpr std::size_t kMaxPending = 1 << 16;
+  // Why a request fails while the connection is down (SetConnected).
+  static constexpr std::string_view kNotConnected =
+      "the gateway is not connected to NATS: no router can be reached now";
   using Done = std::function<void(Result<RouteReply>)>;
 
   RouterLink(NatsClient& nats, std::string router_prefix, std::chrono::milliseconds timeout);
