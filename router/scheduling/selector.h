@@ -104,7 +104,8 @@ double PredictedCostMs(const Candidate& c, const SelectionRequest& req, const Co
 // time to first token and decode steps with.
 PriorTtft PriorTtftOf(const Candidate& c, const SelectionRequest& req, const CostParams& p);
 
-// How many requests of recent excess the spread prices c at: max(0, recent_requests - mean), or,
+// How many requests of recent excess the spread prices c at: recent_requests - mean, between 0
+// and 5 (a tie breaker's size: a fast rank of a mixed fleet serves far more than the mean), or,
 // for an idle candidate that got less than half the mean, recent_requests - mean / 2, at least
 // -3 (< 0: it draws new sessions rather than stay cold while its peers hold their shared prefix).
 double RecentExcess(const Candidate& c, double mean_recent);

@@ -147,7 +147,9 @@ TEST(PredictedCost, RecentExcessIsAboveTheMeanOrAColdIdleWorkersShortfall) {
     c.active_requests = active;
     return RecentExcess(c, mean);
   };
-  EXPECT_DOUBLE_EQ(excess(7, 0, 4), 3);   // above the mean: its excess
+  EXPECT_DOUBLE_EQ(excess(6, 0, 4), 2);  // above the mean: its excess
+  EXPECT_DOUBLE_EQ(excess(7, 0, 4), 3);
+  EXPECT_DOUBLE_EQ(excess(40, 2, 4), 5);  // at most five requests' worth
   EXPECT_DOUBLE_EQ(excess(3, 0, 4), 0);   // below it, but not under half
   EXPECT_DOUBLE_EQ(excess(2, 0, 4), 0);   // half exactly
   EXPECT_DOUBLE_EQ(excess(0, 0, 4), -2);  // idle and under half: its shortfall from half
@@ -254,6 +256,33 @@ TEST(PredictedCost, EqualCostsGoToTheWorkerWithFewerRecentRequests) {
   std::mt19937_64 rng(1);
   for (int i = 0; i < 20; ++i)
     EXPECT_EQ(sel.Pick(RouterMode::kKv, {640, 10}, c, {.model = CostModel::kPredicted}, rng), 1u);
+}
+
+// A mixed fleet at a burst of questions on a new document: the fast ranks serve most requests
+// (100 each lately, against 3 on the idle slow ranks) and the document is being prefilled on
+// them now. Priced at its whole excess (48.5 requests, about 485 ms) a fast rank would lose the
+// next question to an idle slow rank, which prefills the whole document at 1.7x the prior's
+// time; bounded at a tie breaker's size, the question waits for its document where it is.
+TEST(PredictedCost, AFastRankServingMostRequestsKeepsABurstsNewPrefixFromAnIdleSlowRank) {
+  std::vector<Candidate> c = {Loaded(1, 136, 600), Loaded(2, 136, 600), Loaded(3, 0, 0), Loaded(4, 0, 0)};
+  for (int i : {0, 1}) {
+    c[i].active_prefill_squares = c[i].active_prefill_tokens * c[i].active_prefill_tokens;
+    c[i].active_prefix_blocks = 128;  // the document, 8,192 tokens
+    c[i].active_requests = 5;
+    c[i].recent_requests = 100;
+  }
+  for (int i : {2, 3}) {
+    c[i].prefill_factor = 1.7;
+    c[i].recent_requests = 3;
+  }
+  const SelectionRequest req{8600, 135};
+  const CostParams p{.model = CostModel::kPredicted};
+  Selector sel;
+  std::mt19937_64 rng(1);
+  for (int i = 0; i < 10; ++i) EXPECT_LT(sel.Pick(RouterMode::kKv, req, c, p, rng), 2u);
+  // The excess bounded: its whole would have outweighed the document's prefill.
+  const double mean = (100 + 100 + 3 + 3) / 4.0;
+  EXPECT_GT(PredictedCostMs(c[0], req, p, 100 - mean), PredictedCostMs(c[2], req, p, RecentExcess(c[2], mean)));
 }
 
 TEST(PredictedCost, OnAFleetFasterThanThePriorASessionKeepsItsCacheAgainstALittleRecentExcess) {
