@@ -563,18 +563,20 @@ class ScoreWriter {
   void Finish() { out_.resize(static_cast<std::size_t>(w_ - out_.data())); }
 
   void Emit(std::uint32_t slot, std::uint32_t depth) { w_ = Put(w_, slot, depth); }
-  // Every slot of `holders` not in `kept` (both sorted). Returns whether kept is a subset of
-  // holders: always in an exact read below a node without orphan risk; in a tolerant one kept
-  // may hold a slot the event in progress has added below and not yet (as the reader saw it)
-  // above. (The loops write through a local pointer: memcpy may alias any member.)
-  bool EmitMissing(std::span<const std::uint32_t> holders, std::span<const std::uint32_t> kept, std::uint32_t depth) {
+  // Every slot of `holders` not in `kept` (both sorted). With `check`, returns whether kept is
+  // a subset of holders (else true): always so in an exact read below a node without orphan
+  // risk; below one with it kept may hold a worker holders lack, and in a tolerant read a slot
+  // the event in progress has added below and not yet (as the reader saw it) above. (The loops
+  // write through a local pointer: memcpy may alias any member.)
+  bool EmitMissing(std::span<const std::uint32_t> holders, std::uint64_t /*stamp*/, std::span<const std::uint32_t> kept,
+                   std::uint32_t depth, bool check) {
     OverlapScore* o = w_;
     const std::size_t matched =
         ForEachMissing<kTolerant>(holders, kept, [&](std::uint32_t s) { o = Put(o, s, depth); });
     w_ = o;
-    return !kTolerant || matched == kept.size();
+    return !check || matched == kept.size();
   }
-  void EmitAll(std::span<const std::uint32_t> holders, std::uint32_t depth) {
+  void EmitAll(std::span<const std::uint32_t> holders, std::uint32_t depth, std::uint64_t /*stamp*/ = 0) {
     OverlapScore* o = w_;
     for (const std::uint32_t& h : holders) o = Put(o, Word<kTolerant>(h), depth);
     w_ = o;
@@ -616,7 +618,7 @@ template <bool kTolerant>
 class RunWriter {
  public:
   static constexpr bool kIsTolerant = kTolerant;
-  explicit RunWriter(MatchRuns& out) : out_(out) {}
+  RunWriter(MatchRuns& out, std::span<const std::uint64_t> known) : out_(out), known_(known) {}
 
   void Begin(std::size_t room) { out_.slots.reserve(out_.slots.size() + room); }
   void Finish() {}
@@ -629,23 +631,32 @@ class RunWriter {
   // The slots of `holders` that drop out here (not in `kept`, the child's holders; both sorted)
   // at depth: when most drop out, all of holders copied (those kept come again, deeper); when
   // at most half do, only those, found by a merge. So no walk writes more than twice the slots
-  // it reports. Returns whether kept is a subset of holders (see ScoreWriter::EmitMissing): an
-  // exact read below a node without orphan risk need not check.
-  bool EmitMissing(std::span<const std::uint32_t> holders, std::span<const std::uint32_t> kept, std::uint32_t depth) {
+  // it reports. With `check`, returns whether kept is a subset of holders (see
+  // ScoreWriter::EmitMissing).
+  bool EmitMissing(std::span<const std::uint32_t> holders, std::uint64_t stamp, std::span<const std::uint32_t> kept,
+                   std::uint32_t depth, bool check) {
     if (kept.size() * 2 >= holders.size()) {
       const std::size_t matched = ForEachMissing<kTolerant>(holders, kept, [&](std::uint32_t s) { Emit(s, depth); });
-      return !kTolerant || matched == kept.size();
+      return !check || matched == kept.size();
     }
-    EmitAll(holders, depth);
-    if constexpr (kTolerant) {
-      return Subset(kept, holders);
-    } else {
-      return true;
-    }
+    EmitAll(holders, depth, stamp);
+    return !check || Subset(kept, holders);
   }
-  void EmitAll(std::span<const std::uint32_t> holders, std::uint32_t depth) {
+  // holders, whole: a run of their own where they are one version of a set (stamp != 0),
+  // elided where the reader knows that version.
+  void EmitAll(std::span<const std::uint32_t> holders, std::uint32_t depth, std::uint64_t stamp = 0) {
     if (holders.empty()) return;
-    Open(depth);
+    if (stamp != 0) {
+      const auto end = static_cast<std::uint32_t>(out_.slots.size());
+      const bool known = std::binary_search(known_.begin(), known_.end(), stamp);
+      out_.runs.push_back({.end = end,
+                           .depth = depth,
+                           .stamp = stamp,
+                           .elided = known ? static_cast<std::uint32_t>(holders.size()) : 0});
+      if (known) return;
+    } else {
+      Open(depth);
+    }
     const std::size_t n = out_.slots.size();
     out_.slots.resize(n + holders.size());
     if constexpr (kTolerant) {
@@ -659,7 +670,7 @@ class RunWriter {
 
  private:
   void Open(std::uint32_t depth) {
-    if (out_.runs.empty() || out_.runs.back().depth != depth) {
+    if (out_.runs.empty() || out_.runs.back().depth != depth || out_.runs.back().stamp != 0) {
       out_.runs.push_back({static_cast<std::uint32_t>(out_.slots.size()), depth});
     }
   }
@@ -680,6 +691,7 @@ class RunWriter {
   }
 
   MatchRuns& out_;
+  std::span<const std::uint64_t> known_;
 };
 
 }  // namespace
@@ -694,20 +706,24 @@ void BlockIndex::FindMatches(std::span<const SequenceHash> hashes, OverlapScores
   }
 }
 
-void BlockIndex::FindMatches(std::span<const SequenceHash> hashes, MatchRuns& out, bool tolerant) const {
+void BlockIndex::FindMatches(std::span<const SequenceHash> hashes, MatchRuns& out, bool tolerant,
+                             std::span<const std::uint64_t> known) const {
   out.clear();
   out.slot_reuses = slot_reuses_.load(std::memory_order_acquire);
   if (tolerant) {
-    RunWriter<true> w(out);
+    RunWriter<true> w(out, known);
     WalkMatches(hashes, w);
   } else {
-    RunWriter<false> w(out);
+    RunWriter<false> w(out, known);
     WalkMatches(hashes, w);
   }
 }
 
 bool BlockIndex::TranslateMatches(const MatchRuns& runs, OverlapScores& out, bool tolerant) const {
   if (slot_reuses_.load(std::memory_order_acquire) != runs.slot_reuses) return false;
+  if (std::any_of(runs.runs.begin(), runs.runs.end(), [](const MatchRuns::Run& r) { return r.elided != 0; })) {
+    return false;
+  }
   const std::size_t base = out.size();
   if (tolerant) {
     Translate<true>(runs, key_words_.Snapshot(), out);
@@ -788,12 +804,13 @@ void BlockIndex::WalkMatches(std::span<const SequenceHash> hashes, Writer& w) co
   // ScoreWriter emits it once: the room for it.
   std::uint32_t tmp[2][2];
   unsigned t = 0;
-  std::span<const std::uint32_t> held = path[0]->holders.ReadView(tmp[t]);
+  std::uint64_t held_stamp = 0;  // the version held is, whole (0: none, or not whole)
+  std::span<const std::uint32_t> held = path[0]->holders.ReadView(tmp[t], held_stamp);
   w.Begin(held.size());
 
-  // Lazy is valid while cur has no orphan risk (then every child's holders are a subset of
-  // cur's, and equal sizes mean equal sets) and, in a tolerant read, while each child's set as
-  // read is a subset of held; otherwise the walk intersects explicitly.
+  // Lazy is valid while each child's set as read is a subset of held: so below a node without
+  // orphan risk in an exact read (and there equal sizes mean equal sets); below one with it, and
+  // in a tolerant read, the subset is checked. Otherwise the walk intersects explicitly.
   bool lazy = true;
   thread_local std::vector<std::uint32_t> active;
   thread_local std::vector<std::uint32_t> next;
@@ -811,16 +828,19 @@ void BlockIndex::WalkMatches(std::span<const SequenceHash> hashes, Writer& w) co
   for (; depth < path.size(); ++depth) {
     const Node* child = path[depth];
     if (RelaxedLoad(child->seq) != hashes[depth]) break;  // recycled or moved meanwhile: path ends
-    if (lazy && (RelaxedLoad(cur->meta) & 1) == 0) {
-      // Sizes first: equal sizes (the common case) need neither holder array.
-      if (child->holders.ReadSize() != held.size()) {
-        const auto child_holders = child->holders.ReadView(tmp[t ^ 1]);
-        const bool subset = w.EmitMissing(held, child_holders, depth);
+    if (lazy) {
+      // Sizes first: without orphan risk equal sizes (the common case) need neither holder array.
+      const bool risk = (RelaxedLoad(cur->meta) & 1) != 0;
+      if (risk || child->holders.ReadSize() != held.size()) {
+        std::uint64_t child_stamp = 0;
+        const auto child_holders = child->holders.ReadView(tmp[t ^ 1], child_stamp);
+        const bool subset = w.EmitMissing(held, held_stamp, child_holders, depth, kTolerant || risk);
         if (child_holders.empty()) return w.Finish();
         if (subset) {
           held = child_holders;
+          held_stamp = child_stamp;
           t ^= 1;
-        } else {  // tolerant only: a slot added below that held lacks
+        } else {  // a worker below that held lacks: orphan risk, or an event in progress (tolerant)
           intersect(held, child_holders);
           lazy = false;
         }
@@ -828,12 +848,8 @@ void BlockIndex::WalkMatches(std::span<const SequenceHash> hashes, Writer& w) co
       cur = child;
       continue;
     }
-    const auto child_holders = child->holders.ReadView(tmp[t ^ 1]);
-    if (lazy) {
-      active.clear();
-      for (const std::uint32_t& h : held) active.push_back(Word<kTolerant>(h));
-      lazy = false;
-    }
+    std::uint64_t child_stamp = 0;
+    const auto child_holders = child->holders.ReadView(tmp[t ^ 1], child_stamp);
     next.clear();
     std::size_t j = 0;
     for (std::uint32_t s : active) {
@@ -849,12 +865,13 @@ void BlockIndex::WalkMatches(std::span<const SequenceHash> hashes, Writer& w) co
     cur = child;
     if (active.size() == child_holders.size()) {  // active == holders(child) as read
       held = child_holders;
+      held_stamp = child_stamp;
       t ^= 1;
       lazy = true;
     }
   }
   if (lazy) {
-    w.EmitAll(held, depth);
+    w.EmitAll(held, depth, held_stamp);
   } else {
     w.EmitAll(active, depth);
   }

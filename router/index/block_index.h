@@ -87,10 +87,17 @@ using OverlapScores = std::vector<OverlapScore, UninitializedResizeAllocator<Ove
 // a system prompt, few the rest), the set is one copied holder array, 4 bytes a slot, rather
 // than a 16-byte score per worker with its key looked up; where fewer drop out, only they are
 // written. At most twice as many slots as workers matched.
+//
+// A run that is one whole holder set kept on the heap names its version (HolderSet's stamp).
+// When the reader passes that stamp among the ones it knows, the set's slots are not copied:
+// the run is elided (no slots in `slots`, `elided` of them) and only a reader that kept them
+// can use it; TranslateMatches refuses runs with one.
 struct MatchRuns {
   struct Run {
     std::uint32_t end = 0;  // slots[previous run's end, end)
     std::uint32_t depth = 0;
+    std::uint64_t stamp = 0;   // the holder set's version these slots are, whole (0: none)
+    std::uint32_t elided = 0;  // slots of that version left out (a known stamp), else 0
   };
   std::vector<std::uint32_t> slots;
   std::vector<Run> runs;
@@ -195,12 +202,14 @@ class BlockIndex {
   // once, with what the reader saw.
   void FindMatches(std::span<const SequenceHash> seq_hashes, OverlapScores& out, bool tolerant = false) const;
   // The same matches as runs of holder slots (replacing `out`'s), for TranslateMatches later.
-  void FindMatches(std::span<const SequenceHash> seq_hashes, MatchRuns& out, bool tolerant = false) const;
+  // `known`: stamps whose slots the caller keeps (ascending); a run of one of them is elided.
+  void FindMatches(std::span<const SequenceHash> seq_hashes, MatchRuns& out, bool tolerant = false,
+                   std::span<const std::uint64_t> known = {}) const;
   // Appends the scores of `runs` (each slot once, at its overlap; deepest first), the scores
   // FindMatches into OverlapScores would have given when the runs were read. Under the same
   // ReadGate rules as FindMatches, in the same read or a later one. False, appending nothing,
   // when a slot has been handed to another worker since the runs were read (a worker removed
-  // and another added): read again.
+  // and another added), or a run is elided: read again.
   bool TranslateMatches(const MatchRuns& runs, OverlapScores& out, bool tolerant = false) const;
 
   // FindMatches will run while the owner writes: replaced memory is kept until FreeRetired.

@@ -10,11 +10,17 @@
 // buffer is never changed once published: a change writes a new one and publishes it in one
 // store, and the old one waits in `retired` until no reader can hold it. Without readers
 // changes are made in place. Slots must be at most kMaxSlot.
+// A heap buffer of kStampedCapacity slots or more (a block that a crowd of workers holds, such
+// as a fleet's shared system prompt) also carries a stamp after its slots: a number no other
+// version of any set in the process carries (every change to such a set, in place or into a new
+// buffer, takes a new one). A reader that kept the slots of a stamp knows them again by it,
+// without reading them (MatchRuns' elided runs).
 // Thread contract: one writer (the shard thread that owns the node); readers only through
 // ReadView/ReadSize, under a ReadGate.
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -32,6 +38,14 @@ namespace kvrouter {
 struct HolderHeap {
   std::size_t bytes = 0;
   std::vector<void*>* retired = nullptr;
+  // The next stamp (HolderSet): each heap counts from its own multiple of 2^40, so stamps are
+  // unique in the process (2^24 heaps, 2^40 changes of crowd-sized sets each).
+  std::uint64_t next_stamp = NewStampBase();
+
+  static std::uint64_t NewStampBase() {
+    static std::atomic<std::uint64_t> heaps{0};
+    return (heaps.fetch_add(1, std::memory_order_relaxed) + 1) << 40;
+  }
 
   bool readers() const { return retired != nullptr; }
   void Free(void* p) {
@@ -46,6 +60,7 @@ struct HolderHeap {
 class HolderSet {
  public:
   static constexpr std::uint32_t kMaxSlot = (1u << 31) - 2;  // 2^31 - 1 marks an absent slot 0
+  static constexpr std::uint32_t kStampedCapacity = 64;
 
   HolderSet() = default;
   HolderSet(const HolderSet&) = delete;
@@ -96,6 +111,7 @@ class HolderSet {
       std::memmove(w + idx + 1, w + idx, (n - idx) * sizeof(std::uint32_t));
       w[idx] = slot;
       old[1] = n + 1;
+      Restamp(old, heap);
     }
     RelaxedStore(size_, n + 1);
     return true;
@@ -134,6 +150,7 @@ class HolderSet {
       std::uint32_t* w = old + kHeader;
       std::memmove(w + idx, w + idx + 1, (n - idx - 1) * sizeof(std::uint32_t));
       old[1] = n - 1;
+      Restamp(old, heap);
     }
     RelaxedStore(size_, n - 1);
     return true;
@@ -159,7 +176,13 @@ class HolderSet {
   // The slots, for a reader that may run while the owner writes (under a ReadGate): one whole
   // version of the set. `tmp` holds inline slots.
   std::span<const std::uint32_t> ReadView(std::uint32_t (&tmp)[2]) const {
+    std::uint64_t stamp = 0;
+    return ReadView(tmp, stamp);
+  }
+  // The same, and that version's stamp (0 for a set kept in fewer than kStampedCapacity slots).
+  std::span<const std::uint32_t> ReadView(std::uint32_t (&tmp)[2], std::uint64_t& stamp) const {
     const std::uint64_t w = AcquireLoad(word_);
+    stamp = 0;
     if ((w & 1) != 0) {
       std::size_t n = 0;
       if (Slot0(w) != kAbsent) tmp[n++] = Slot0(w);
@@ -167,7 +190,9 @@ class HolderSet {
       return {tmp, n};
     }
     const auto* buf = reinterpret_cast<const std::uint32_t*>(static_cast<std::uintptr_t>(w));
-    return {buf + kHeader, std::min(RelaxedLoad(buf[1]), RelaxedLoad(buf[0]))};
+    const std::uint32_t cap = RelaxedLoad(buf[0]);
+    if (cap >= kStampedCapacity) stamp = RelaxedLoad(*StampOf(buf, cap));
+    return {buf + kHeader, std::min(RelaxedLoad(buf[1]), cap)};
   }
 
  private:
@@ -182,7 +207,18 @@ class HolderSet {
     return s == 0x7fffffffu ? kAbsent : s;
   }
   static std::uint32_t Slot1(std::uint64_t w) { return static_cast<std::uint32_t>(w >> 32); }
-  static std::size_t Bytes(std::uint32_t cap) { return (cap + kHeader) * sizeof(std::uint32_t); }
+  // Capacities are powers of two from 4, so a stamp after the slots is 8-byte aligned.
+  static std::size_t Bytes(std::uint32_t cap) {
+    return (cap + kHeader + (cap >= kStampedCapacity ? 2 : 0)) * sizeof(std::uint32_t);
+  }
+  static const std::uint64_t* StampOf(const std::uint32_t* buf, std::uint32_t cap) {
+    return reinterpret_cast<const std::uint64_t*>(buf + kHeader + cap);
+  }
+  static void Restamp(std::uint32_t* buf, HolderHeap& heap) {
+    if (buf[0] >= kStampedCapacity) {
+      RelaxedStore(*const_cast<std::uint64_t*>(StampOf(buf, buf[0])), heap.next_stamp++);
+    }
+  }
 
   bool is_inline() const { return (word_ & 1) != 0; }
   std::uint32_t* heap_buffer() const { return reinterpret_cast<std::uint32_t*>(static_cast<std::uintptr_t>(word_)); }
@@ -193,6 +229,7 @@ class HolderSet {
     if (buf == nullptr) throw std::bad_alloc();
     buf[0] = cap;
     buf[1] = size;
+    Restamp(buf, heap);
     heap.bytes += Bytes(cap);
     return buf;
   }

@@ -142,9 +142,10 @@ void IndexShard::FindMatches(std::span<const SequenceHash> hashes, OverlapScores
   GatedIndex().FindMatches(hashes, out, r.tolerant());
 }
 
-void IndexShard::FindMatches(std::span<const SequenceHash> hashes, MatchRuns& out) const {
+void IndexShard::FindMatches(std::span<const SequenceHash> hashes, MatchRuns& out,
+                             std::span<const std::uint64_t> known) const {
   ReadGate::Reader r(gate_, read_patience_);
-  GatedIndex().FindMatches(hashes, out, r.tolerant());
+  GatedIndex().FindMatches(hashes, out, r.tolerant(), known);
 }
 
 bool IndexShard::TranslateMatches(const MatchRuns& runs, OverlapScores& out) const {

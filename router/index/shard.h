@@ -73,7 +73,8 @@ class IndexShard {
   // Without the shard's lock: through the read gate (router/index/read_gate.h), so a route never
   // sleeps behind the shard thread, even when that thread loses its CPU in the middle of an event.
   void FindMatches(std::span<const SequenceHash> hashes, OverlapScores& out) const;
-  void FindMatches(std::span<const SequenceHash> hashes, MatchRuns& out) const;
+  void FindMatches(std::span<const SequenceHash> hashes, MatchRuns& out,
+                   std::span<const std::uint64_t> known = {}) const;
   bool TranslateMatches(const MatchRuns& runs, OverlapScores& out) const;  // BlockIndex's
   // Under the read lock (ShardLock lets a waiting reader in between the writer's steps).
   void TreeSizes(std::vector<WorkerTreeSize>& out) const;  // appends

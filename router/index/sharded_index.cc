@@ -75,9 +75,10 @@ void ShardedIndex::FindMatches(std::span<const SequenceHash> seq_hashes, Overlap
   last_matches_.store(out.size(), std::memory_order_relaxed);
 }
 
-void ShardedIndex::FindMatches(std::span<const SequenceHash> seq_hashes, IndexMatches& out) const {
+void ShardedIndex::FindMatches(std::span<const SequenceHash> seq_hashes, IndexMatches& out,
+                               std::span<const std::uint64_t> known) const {
   out.shards.resize(shards_.size());
-  for (std::size_t s = 0; s < shards_.size(); ++s) shards_[s]->FindMatches(seq_hashes, out.shards[s]);
+  for (std::size_t s = 0; s < shards_.size(); ++s) shards_[s]->FindMatches(seq_hashes, out.shards[s], known);
 }
 
 bool ShardedIndex::TranslateMatches(const IndexMatches& matches, OverlapScores& out) const {

@@ -162,9 +162,11 @@ class ShardedIndex {
   // The same in two steps: the index read, as runs of holder slots per shard (MatchRuns, no
   // worker keys looked up: a copy of a holder array where a whole set of workers drops out at
   // one depth), then the scores, appended to `out`. TranslateMatches is false, appending
-  // nothing, when a worker has been removed and its slot given to another since the read:
-  // FindMatches again.
-  void FindMatches(std::span<const SequenceHash> seq_hashes, IndexMatches& out) const;
+  // nothing, when a worker has been removed and its slot given to another since the read, or a
+  // run is elided: FindMatches again. `known`: the holder-set stamps whose slots the caller
+  // keeps, ascending (BlockIndex::FindMatches).
+  void FindMatches(std::span<const SequenceHash> seq_hashes, IndexMatches& out,
+                   std::span<const std::uint64_t> known = {}) const;
   bool TranslateMatches(const IndexMatches& matches, OverlapScores& out) const;
   std::vector<WorkerTreeSize> TreeSizes() const;
   // A dump of the index for a peer (docs/protocol.md section 12): the real ranks (tier bits

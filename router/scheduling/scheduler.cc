@@ -74,10 +74,10 @@ void IndexOverlaps(const SchedulerOptions& options, const ShardedIndex& index, c
   index.FindMatches(p.seq, out);
 }
 
-bool IndexRuns(const SchedulerOptions& options, const ShardedIndex& index, const PreparedRequest& p,
-               IndexMatches& out) {
+bool IndexRuns(const SchedulerOptions& options, const ShardedIndex& index, const PreparedRequest& p, IndexMatches& out,
+               std::span<const std::uint64_t> known) {
   if (options.mode != RouterMode::kKv || p.seq.empty() || options.predictions || !options.use_kv_events) return false;
-  index.FindMatches(p.seq, out);
+  index.FindMatches(p.seq, out, known);
   return true;
 }
 
@@ -256,6 +256,16 @@ bool Holds(std::span<const std::uint32_t> positions, std::uint32_t pos) {
 
 }  // namespace
 
+namespace {
+
+bool AnyElided(const IndexMatches& matches) {
+  return std::any_of(matches.shards.begin(), matches.shards.end(), [](const MatchRuns& m) {
+    return std::any_of(m.runs.begin(), m.runs.end(), [](const MatchRuns::Run& r) { return r.elided != 0; });
+  });
+}
+
+}  // namespace
+
 bool Scheduler::FullScanPays(const PreparedRequest& p, std::size_t ranks) const {
   // Dynamo's formula reads only a rank's active load: recent requests and a learned rate leave
   // a rank whose requests have ended where an idle one is. The predicted cost reads both.
@@ -284,16 +294,25 @@ Scheduler::WideChoice Scheduler::PickAmongAll(const std::shared_ptr<const std::v
                                               const PreparedRequest& p, const IndexMatches& matches,
                                               OverlapScores& overlaps, FullRanks full) {
   thread_local std::vector<CrowdMatch> crowds;
-  crowds.clear();
-  overlaps.clear();
   const bool full_scan = FullScanPays(p, ranks->size());
   bool met = false;
-  if (!full_scan && ReadCrowds(ClassesOf(ranks), matches, overlaps, crowds, met)) {
-    return PickByClasses(ranks, p, overlaps, crowds, full);
+  // Runs elided by stamps no longer kept (or where the full scan or a translation needs every
+  // slot): the index is read again without them, once.
+  const IndexMatches* read = &matches;
+  thread_local IndexMatches whole;
+  for (int pass = 0; pass < 2; ++pass) {
+    crowds.clear();
+    overlaps.clear();
+    if (!full_scan && ReadCrowds(ClassesOf(ranks), *read, overlaps, crowds, met)) {
+      return PickByClasses(ranks, p, overlaps, crowds, full);
+    }
+    if (pass == 1 || !AnyElided(matches)) break;
+    index_.FindMatches(p.seq, whole);
+    read = &whole;
   }
   overlaps.clear();
   // A slot handed to another worker since the read: the index is read again.
-  if (!index_.TranslateMatches(matches, overlaps)) index_.FindMatches(p.seq, overlaps);
+  if (!index_.TranslateMatches(*read, overlaps)) index_.FindMatches(p.seq, overlaps);
   WideChoice out = PickAmongAll(ranks, p, overlaps, full);
   out.runs_refused = !full_scan && met;
   return out;
@@ -305,7 +324,7 @@ bool Scheduler::ReadCrowds(RankClasses& classes, const IndexMatches& matches, Ov
   // No run the size of a crowd (a small fleet's every read): the runs are translated as they are.
   const bool any_crowd = std::any_of(matches.shards.begin(), matches.shards.end(), [](const MatchRuns& m) {
     for (std::size_t i = 0; i < m.runs.size(); ++i) {
-      if (m.runs[i].end - (i == 0 ? 0 : m.runs[i - 1].end) >= kCrowd) return true;
+      if (m.runs[i].elided != 0 || m.runs[i].end - (i == 0 ? 0 : m.runs[i - 1].end) >= kCrowd) return true;
     }
     return false;
   });
@@ -320,13 +339,13 @@ bool Scheduler::ReadCrowds(RankClasses& classes, const IndexMatches& matches, Ov
     for (std::size_t i = 0; i < m.runs.size(); ++i) {
       const std::uint32_t begin = i == 0 ? 0 : m.runs[i - 1].end, end = m.runs[i].end;
       const std::span<const std::uint32_t> slots(m.slots.data() + begin, end - begin);
-      if (slots.size() < kCrowd) {
+      if (slots.size() < kCrowd && m.runs[i].elided == 0) {
         r.slots.insert(r.slots.end(), slots.begin(), slots.end());
         r.runs.push_back({static_cast<std::uint32_t>(r.slots.size()), m.runs[i].depth});
         continue;
       }
       met = true;
-      const Crowd* crowd = CrowdOf(classes, matches, s, slots);
+      const Crowd* crowd = CrowdOf(classes, matches, s, slots, m.runs[i]);
       if (crowd == nullptr || crowd->tiered) return false;
       crowds.push_back({crowd, m.runs[i].depth});
     }
@@ -340,16 +359,21 @@ bool Scheduler::ReadCrowds(RankClasses& classes, const IndexMatches& matches, Ov
 }
 
 const Scheduler::Crowd* Scheduler::CrowdOf(RankClasses& classes, const IndexMatches& matches, std::size_t shard,
-                                           std::span<const std::uint32_t> slots) {
+                                           std::span<const std::uint32_t> slots, const MatchRuns::Run& run) {
   const std::uint64_t reuses = matches.shards[shard].slot_reuses;
   for (Crowd& c : crowds_) {
-    if (c.shard == shard && c.slot_reuses == reuses && c.slots.size() == slots.size() &&
-        std::memcmp(c.slots.data(), slots.data(), slots.size_bytes()) == 0) {
+    if (c.shard != shard || c.slot_reuses != reuses) continue;
+    // A stamp names one version of one holder set in the process: equal stamps, equal slots.
+    const bool same = run.stamp != 0 ? c.stamp == run.stamp
+                                     : c.slots.size() == slots.size() &&
+                                           std::memcmp(c.slots.data(), slots.data(), slots.size_bytes()) == 0;
+    if (same) {
       c.used = crowd_reads_;
       ++crowds_reused_;
       return &c;
     }
   }
+  if (run.elided != 0) return nullptr;  // its slots were not read: a read without it follows
   // Translated as the index names its slots now: valid if no slot was reused since the read.
   thread_local IndexMatches one;
   one.shards.resize(matches.shards.size());
@@ -373,7 +397,7 @@ const Scheduler::Crowd* Scheduler::CrowdOf(RankClasses& classes, const IndexMatc
     }
     if (c == nullptr) return nullptr;
   }
-  *c = {.shard = shard, .slot_reuses = reuses, .used = crowd_reads_};
+  *c = {.shard = shard, .slot_reuses = reuses, .stamp = run.stamp, .used = crowd_reads_};
   c->slots.assign(slots.begin(), slots.end());
   c->positions.assign(classes.members.size(), {});
   for (const OverlapScore& o : named) {
@@ -388,6 +412,14 @@ const Scheduler::Crowd* Scheduler::CrowdOf(RankClasses& classes, const IndexMatc
   }
   ++crowds_translated_;
   return c;
+}
+
+void Scheduler::CrowdStamps(std::vector<std::uint64_t>& out) const {
+  out.clear();
+  for (const Crowd& c : crowds_) {
+    if (c.stamp != 0) out.push_back(c.stamp);
+  }
+  std::sort(out.begin(), out.end());
 }
 
 Scheduler::WideChoice Scheduler::PickByClasses(const std::shared_ptr<const std::vector<RankInfo>>& ranks,

@@ -84,9 +84,10 @@ Result<PreparedRequest> PrepareRequest(const SchedulerOptions& options, const Ro
 void IndexOverlaps(const SchedulerOptions& options, const ShardedIndex& index, const PreparedRequest& p,
                    OverlapScores& out);
 // The same read as the index's runs of holder slots, not yet translated to ranks (for
-// Scheduler::PickAmongAll). False, leaving `out` as it was, where IndexOverlaps would read
-// nothing.
-bool IndexRuns(const SchedulerOptions& options, const ShardedIndex& index, const PreparedRequest& p, IndexMatches& out);
+// Scheduler::PickAmongAll), the runs of `known` stamps elided (Scheduler::CrowdStamps). False,
+// leaving `out` as it was, where IndexOverlaps would read nothing.
+bool IndexRuns(const SchedulerOptions& options, const ShardedIndex& index, const PreparedRequest& p, IndexMatches& out,
+               std::span<const std::uint64_t> known = {});
 // Whether Scheduler::PickAmongAll serves this request (over every rank, unfiltered): mode kv at
 // temperature 0.
 bool PicksAmongAll(const SchedulerOptions& options, const PreparedRequest& p);
@@ -141,8 +142,10 @@ class Scheduler {
   // rank: it is looked up among the crowds translated before (the same slots of the same shard,
   // no slot of that shard handed to another worker since, the same registered list), where its
   // registered ranks wait as positions per class, ascending; so it is counted, and the tie drawn
-  // over it, without a lookup per rank: the run is compared as memory (and a crowd copied whole
-  // at a shallower depth is intersected with the deeper crowds of its shard). The other runs
+  // over it, without a lookup per rank: the run is known by its holder set's stamp, or compared
+  // as memory where it has none (and a crowd copied whole at a shallower depth is intersected
+  // with the deeper crowds of its shard); a run elided (read with CrowdStamps) must be found by
+  // its stamp, else every run is translated from a read again. The other runs
   // are translated rank by rank. Translates every run instead, and decides as the form above,
   // where a crowd holds a host or disk tier rank's slot, a tier rank is matched beside a crowd,
   // a slot was reused since the read, this read has more crowds than are kept, or the full scan
@@ -155,6 +158,10 @@ class Scheduler {
   // found translated already.
   std::uint64_t crowds_translated() const { return crowds_translated_; }
   std::uint64_t crowds_reused() const { return crowds_reused_; }
+  // The holder-set stamps of the crowds kept, ascending, for the next read's IndexRuns: their
+  // runs come elided, the crowd's slots not copied out of the index. A stamp evicted before the
+  // read's decision costs that decision a second read, never a different choice.
+  void CrowdStamps(std::vector<std::uint64_t>& out) const;
   // PickAmongAll's choices made by classes, without the full scan it falls back to when most
   // ranks differ from an idle one.
   std::uint64_t class_picks() const { return class_picks_; }
@@ -238,6 +245,7 @@ class Scheduler {
   struct Crowd {
     std::size_t shard = 0;
     std::uint64_t slot_reuses = 0;
+    std::uint64_t stamp = 0;  // the holder set's version its slots are (0: none)
     std::vector<std::uint32_t> slots;
     bool tiered = false;  // a tier rank's slot among them
     std::vector<std::vector<std::uint32_t>> positions;
@@ -253,10 +261,11 @@ class Scheduler {
   // the size of a crowd.
   bool ReadCrowds(RankClasses& classes, const IndexMatches& matches, OverlapScores& overlaps,
                   std::vector<CrowdMatch>& crowds, bool& met);
-  // The translated crowd of these slots: found, or translated now (null when a slot was handed
-  // to another worker since the read, or every kept crowd serves this read already).
+  // The translated crowd of this run of `slots`: found, or translated now (null when a slot was
+  // handed to another worker since the read, every kept crowd serves this read already, or the
+  // run is elided and its stamp no longer kept).
   const Crowd* CrowdOf(RankClasses& classes, const IndexMatches& matches, std::size_t shard,
-                       std::span<const std::uint32_t> slots);
+                       std::span<const std::uint32_t> slots, const MatchRuns::Run& run);
   // PickAmongAll's choice by classes, with the crowds already read.
   WideChoice PickByClasses(const std::shared_ptr<const std::vector<RankInfo>>& ranks, const PreparedRequest& p,
                            OverlapScores& overlaps, std::span<const CrowdMatch> crowds, FullRanks full);

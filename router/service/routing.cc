@@ -140,8 +140,10 @@ void Routing::Route(RouteRequest req, Kind kind, std::string reply, Outbox& out)
     // filter will need one per rank). Predictions are under mu_.
     thread_local OverlapScores overlaps;  // kept: thousands of scores per route in a large fleet
     thread_local IndexMatches runs;
+    // The crowds the scheduler kept at this thread's last decision: their runs come elided.
+    thread_local std::vector<std::uint64_t> known_crowds;
     const bool by_runs = AmongAll(req, *prepared) && scores_next_.load(std::memory_order_relaxed) == 0 &&
-                         IndexRuns(options_, index_, *prepared, runs);
+                         IndexRuns(options_, index_, *prepared, runs, known_crowds);
     if (!by_runs) IndexOverlaps(options_, index_, *prepared, overlaps);
     KvMutexLock g(mu_);
     scheduler_.PriceSpread(*prepared);
@@ -163,6 +165,7 @@ void Routing::Route(RouteRequest req, Kind kind, std::string reply, Outbox& out)
     }
     counters_.Received(kind);
     TakeDeferredLocked(out);
+    if (by_runs) scheduler_.CrowdStamps(known_crowds);
     if (!error.ok()) counters_.Failed(kind, error.code());
   } else {
     CountError(kind, error.code());

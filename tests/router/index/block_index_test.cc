@@ -210,6 +210,71 @@ TEST(BlockIndex, RunsReadBeforeASlotPassedToAnotherWorkerAreNotTranslated) {
   EXPECT_EQ(std::vector<OverlapScore>(out.begin(), out.end()), (std::vector<OverlapScore>{{kW2, 1}}));
 }
 
+// A run that is one crowd-sized holder set, whole, carries that version's stamp; read with the
+// stamp known, it is elided (its slots not copied), which only a reader keeping them can use.
+// Any change to the set, in place (no readers) or into a new buffer, gives it a new stamp, never
+// one used before: an old stamp does not elide the new version.
+TEST(BlockIndex, ACrowdsRunIsElidedByItsHolderSetsStampOnlyWhileThatVersionLasts) {
+  for (const bool readers : {false, true}) {
+    SCOPED_TRACE(readers ? "concurrent readers" : "no readers");
+    BlockIndex idx;
+    idx.SetConcurrentReaders(readers);
+    constexpr std::uint64_t kCrowd = 100;
+    for (std::uint64_t w = 1; w <= kCrowd; ++w) (void)idx.ApplyStored({w, 0}, std::nullopt, Chain(1000 * w, {1, 2}));
+    (void)idx.ApplyStored(kW1, 1001, Chain(2001, {3}));
+    const auto seq = ComputeSequenceHashes(std::vector<LocalHash>{1, 2, 3, 4});
+    // The crowd holding blocks 1-2 drops out at depth 2 (kW1 goes on): copied whole, stamped.
+    MatchRuns runs;
+    idx.FindMatches(seq, runs);
+    ASSERT_EQ(runs.runs.size(), 2u);
+    const std::uint64_t stamp = runs.runs[0].stamp;
+    EXPECT_NE(stamp, 0u);
+    EXPECT_EQ(runs.runs[0].depth, 2u);
+    EXPECT_EQ(runs.runs[0].end, kCrowd);
+    EXPECT_EQ(runs.runs[0].elided, 0u);
+    EXPECT_EQ(runs.runs[1].stamp, 0u);  // one holder: kept inline, no stamp
+    OverlapScores out;
+    EXPECT_TRUE(idx.TranslateMatches(runs, out));
+    EXPECT_EQ(out.size(), kCrowd);
+
+    // Known: elided, and not translated.
+    const std::vector<std::uint64_t> known{stamp - 1, stamp, stamp + 1};
+    idx.FindMatches(seq, runs, false, known);
+    ASSERT_EQ(runs.runs.size(), 2u);
+    EXPECT_EQ(runs.runs[0].stamp, stamp);
+    EXPECT_EQ(runs.runs[0].elided, kCrowd);
+    EXPECT_EQ(runs.runs[0].end, 0u);
+    EXPECT_EQ(runs.slots.size(), 1u);  // kW1's slot at depth 3 only
+    EXPECT_EQ(runs.max_depth(), 3u);
+    out.clear();
+    EXPECT_FALSE(idx.TranslateMatches(runs, out));
+    EXPECT_TRUE(out.empty());
+
+    // The set changes (a holder joins, then leaves again): each version a new stamp.
+    std::vector<std::uint64_t> seen{stamp};
+    auto reread = [&] {
+      idx.FindMatches(seq, runs, false, seen);
+      EXPECT_EQ(runs.runs[0].elided, 0u);
+      const std::uint64_t s = runs.runs[0].stamp;
+      EXPECT_EQ(std::find(seen.begin(), seen.end(), s), seen.end()) << "a stamp came back";
+      seen.insert(std::upper_bound(seen.begin(), seen.end(), s), s);
+    };
+    (void)idx.ApplyStored({kCrowd + 1, 0}, std::nullopt, Chain(999'000, {1, 2}));
+    reread();
+    EXPECT_EQ(runs.runs[0].end, kCrowd + 1);
+    (void)idx.ApplyRemoved({kCrowd + 1, 0}, std::vector<BlockHash>{999'001, 999'000});
+    reread();
+    EXPECT_EQ(runs.runs[0].end, kCrowd);
+    // Another index's sets never carry this one's stamps.
+    BlockIndex other;
+    for (std::uint64_t w = 1; w <= kCrowd; ++w) (void)other.ApplyStored({w, 0}, std::nullopt, Chain(1000 * w, {1, 2}));
+    other.FindMatches(seq, runs, false, seen);
+    ASSERT_EQ(runs.runs.size(), 1u);
+    EXPECT_EQ(runs.runs[0].elided, 0u);
+    EXPECT_EQ(std::find(seen.begin(), seen.end(), runs.runs[0].stamp), seen.end());
+  }
+}
+
 TEST(BlockIndex, InteriorRemovalStopsTheMatchAtTheGap) {
   BlockIndex idx;
   (void)idx.ApplyStored(kW1, std::nullopt, Chain(100, {1, 2, 3}));

@@ -479,9 +479,11 @@ TEST(PickAmongAll, ChoosesWhatTheFullScanChoosesOnRandomFleetsLoadsAndPrompts) {
 // more, nested where a crowd copied whole holds a deeper one), some of them booked or learned
 // (special ranks inside crowds), holders that are not registered, now and then a rank's
 // host-tier blocks (the fallback), workers removed and their slots given to others (crowds
-// translated again), and the registered list replaced. Same choice, same overlap, same draws.
+// translated again), ranks evicting a block under others' deeper ones (orphan risk), and the
+// registered list replaced; runs read with the crowds' stamps (elided), now and then stale ones.
+// Same choice, same overlap, same draws.
 TEST(PickAmongAll, FromTheIndexsRunsCountsCrowdsAndChoosesWhatTheFullScanChooses) {
-  std::uint64_t translated = 0, reused = 0;
+  std::uint64_t translated = 0, reused = 0, elided = 0;
   std::size_t decided = 0;
   for (std::uint64_t trial = 0; trial < 24; ++trial) {
     std::mt19937_64 rng(1000 + trial);
@@ -501,6 +503,15 @@ TEST(PickAmongAll, FromTheIndexsRunsCountsCrowdsAndChoosesWhatTheFullScanChooses
       KvEventBatch b = StoredPromptBatch(k.worker_id, ++event_ids[k], std::span(base).first(blocks * 4), 4);
       b.dp_rank = k.dp_rank;
       for (KvOp& op : b.ops) op.tier = tier;
+      ASSERT_TRUE(index.Submit(std::move(b)));
+    };
+    // The rank's block at `blocks` removed (an engine evicting it): where other ranks hold the
+    // prefix deeper, its node gets orphan risk and reads check their subsets there.
+    auto evict = [&](WorkerKey k, std::uint32_t blocks) {
+      KvEventBatch b = StoredPromptBatch(k.worker_id, ++event_ids[k], std::span(base).first(blocks * 4), 4);
+      const BlockHash last = std::get<KvStored>(b.ops.at(0).data).blocks.back().block_hash;
+      b.dp_rank = k.dp_rank;
+      b.ops = {KvOp{.data = KvRemoved{.block_hashes = {last}}}};
       ASSERT_TRUE(index.Submit(std::move(b)));
     };
     auto fleet = [&](std::uint64_t first_worker) {
@@ -545,8 +556,11 @@ TEST(PickAmongAll, FromTheIndexsRunsCountsCrowdsAndChoosesWhatTheFullScanChooses
     Scheduler wide(
         o, index, [&] { return now; }, trial);
     std::vector<std::string> booked;
-    IndexMatches runs;
+    IndexMatches runs, whole;
     OverlapScores overlaps, scratch;
+    // The crowds' stamps as a route thread passes them: kept at the last decision, or older
+    // (evicted since, or of a set changed since: read again, the same choice).
+    std::vector<std::uint64_t> known, older;
     for (int step = 0; step < 120; ++step) {
       if (uniform(0, 40) == 0) all = fleet(uniform(1, 3));  // another list: the crowds are translated again
       if (uniform(0, 15) == 0) {
@@ -555,6 +569,10 @@ TEST(PickAmongAll, FromTheIndexsRunsCountsCrowdsAndChoosesWhatTheFullScanChooses
         index.RemoveWorker(gone.worker_id);
         index.Flush();
         store({gone.worker_id + 50'000, 0}, depths[uniform(0, 3)]);
+        index.Flush();
+      }
+      if (uniform(0, 10) == 0) {
+        evict((*all)[uniform(0, all->size() - 1)].worker, depths[uniform(0, 2)]);
         index.Flush();
       }
       now += std::chrono::milliseconds(uniform(0, 2000));
@@ -567,8 +585,15 @@ TEST(PickAmongAll, FromTheIndexsRunsCountsCrowdsAndChoosesWhatTheFullScanChooses
       r.update_states = uniform(0, 3) != 0;
       if (uniform(0, 5) == 0) r.config_override.overlap_score_credit = 0;  // crowds tie with idle ranks
       const PreparedRequest p = *PrepareRequest(o, r);
-      ASSERT_TRUE(IndexRuns(o, index, p, runs));
-      if (uniform(0, 3) == 0) {
+      const std::uint64_t read = uniform(0, 5);  // 0-2: every slot; 3-4: with the stamps kept; 5: older ones
+      ASSERT_TRUE(IndexRuns(o, index, p, whole));
+      ASSERT_TRUE(IndexRuns(o, index, p, runs, read < 3 ? std::span<const std::uint64_t>{} : read < 5 ? known : older));
+      if (read >= 3) {
+        for (const MatchRuns& m : runs.shards) {
+          for (const MatchRuns::Run& run : m.runs) elided += run.elided != 0;
+        }
+      }
+      if (read == 0) {
         // As a read racing a writer may see them: a few slots of deeper runs in a shallower one
         // of their own (a slot's overlap is the deepest run holding it).
         for (MatchRuns& m : runs.shards) {
@@ -583,13 +608,15 @@ TEST(PickAmongAll, FromTheIndexsRunsCountsCrowdsAndChoosesWhatTheFullScanChooses
         }
       }
       overlaps.clear();
-      ASSERT_TRUE(index.TranslateMatches(runs, overlaps));
+      ASSERT_TRUE(index.TranslateMatches(read < 3 ? runs : whole, overlaps));
       const bool open_only = uniform(0, 4) != 0;
 
       const std::optional<bool> both =
           DecideBothWays(full, wide, *all, r, p, overlaps, open_only,
                          [&](auto full_ranks) { return wide.PickAmongAll(all, p, runs, scratch, full_ranks); });
       ASSERT_FALSE(::testing::Test::HasFailure()) << "trial " << trial << " step " << step;
+      if (uniform(0, 8) == 0) older = known;
+      wide.CrowdStamps(known);
       if (!both) continue;
       ++decided;
       if (*both) booked.push_back(r.request_id);
@@ -602,6 +629,7 @@ TEST(PickAmongAll, FromTheIndexsRunsCountsCrowdsAndChoosesWhatTheFullScanChooses
   EXPECT_GT(decided, 2000u);
   EXPECT_GT(translated, 50u);
   EXPECT_GT(reused, 2 * translated);  // most crowds were met translated already
+  EXPECT_GT(elided, 200u);
 }
 
 // Under Dynamo's formula a rank whose requests have all ended costs what an idle one costs, so
