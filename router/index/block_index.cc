@@ -568,15 +568,16 @@ class ScoreWriter {
   // risk; below one with it kept may hold a worker holders lack, and in a tolerant read a slot
   // the event in progress has added below and not yet (as the reader saw it) above. (The loops
   // write through a local pointer: memcpy may alias any member.)
-  bool EmitMissing(std::span<const std::uint32_t> holders, std::uint64_t /*stamp*/, std::span<const std::uint32_t> kept,
-                   std::uint32_t depth, bool check) {
+  bool EmitMissing(std::span<const std::uint32_t> holders, const std::uint64_t* /*stamp_at*/,
+                   std::span<const std::uint32_t> kept, std::uint32_t depth, bool check) {
     OverlapScore* o = w_;
     const std::size_t matched =
         ForEachMissing<kTolerant>(holders, kept, [&](std::uint32_t s) { o = Put(o, s, depth); });
     w_ = o;
     return !check || matched == kept.size();
   }
-  void EmitAll(std::span<const std::uint32_t> holders, std::uint32_t depth, std::uint64_t /*stamp*/ = 0) {
+  void EmitAll(std::span<const std::uint32_t> holders, std::uint32_t depth,
+               const std::uint64_t* /*stamp_at*/ = nullptr) {
     OverlapScore* o = w_;
     for (const std::uint32_t& h : holders) o = Put(o, Word<kTolerant>(h), depth);
     w_ = o;
@@ -633,20 +634,20 @@ class RunWriter {
   // at most half do, only those, found by a merge. So no walk writes more than twice the slots
   // it reports. With `check`, returns whether kept is a subset of holders (see
   // ScoreWriter::EmitMissing).
-  bool EmitMissing(std::span<const std::uint32_t> holders, std::uint64_t stamp, std::span<const std::uint32_t> kept,
-                   std::uint32_t depth, bool check) {
+  bool EmitMissing(std::span<const std::uint32_t> holders, const std::uint64_t* stamp_at,
+                   std::span<const std::uint32_t> kept, std::uint32_t depth, bool check) {
     if (kept.size() * 2 >= holders.size()) {
       const std::size_t matched = ForEachMissing<kTolerant>(holders, kept, [&](std::uint32_t s) { Emit(s, depth); });
       return !check || matched == kept.size();
     }
-    EmitAll(holders, depth, stamp);
+    EmitAll(holders, depth, stamp_at);
     return !check || Subset(kept, holders);
   }
-  // holders, whole: a run of their own where they are one version of a set (stamp != 0),
-  // elided where the reader knows that version.
-  void EmitAll(std::span<const std::uint32_t> holders, std::uint32_t depth, std::uint64_t stamp = 0) {
+  // holders, whole: a run of their own where they are one version of a set with a stamp
+  // (HolderSet::ReadView's stamp_at), elided where the reader knows that version.
+  void EmitAll(std::span<const std::uint32_t> holders, std::uint32_t depth, const std::uint64_t* stamp_at = nullptr) {
     if (holders.empty()) return;
-    if (stamp != 0) {
+    if (const std::uint64_t stamp = HolderSet::LoadStamp(stamp_at); stamp != 0) {
       const auto end = static_cast<std::uint32_t>(out_.slots.size());
       const bool known = std::binary_search(known_.begin(), known_.end(), stamp);
       out_.runs.push_back({.end = end,
@@ -804,13 +805,14 @@ void BlockIndex::WalkMatches(std::span<const SequenceHash> hashes, Writer& w) co
   // ScoreWriter emits it once: the room for it.
   std::uint32_t tmp[2][2];
   unsigned t = 0;
-  std::uint64_t held_stamp = 0;  // the version held is, whole (0: none, or not whole)
+  const std::uint64_t* held_stamp = nullptr;  // the stamp of the version held is, whole (null: none)
   std::span<const std::uint32_t> held = path[0]->holders.ReadView(tmp[t], held_stamp);
   w.Begin(held.size());
 
   // Lazy is valid while each child's set as read is a subset of held: so below a node without
-  // orphan risk in an exact read (and there equal sizes mean equal sets); below one with it, and
-  // in a tolerant read, the subset is checked. Otherwise the walk intersects explicitly.
+  // orphan risk in an exact read (and there equal sizes mean equal sets); below one with it the
+  // subset is checked, and in a tolerant read wherever the sizes differ. Otherwise the walk
+  // intersects explicitly.
   bool lazy = true;
   thread_local std::vector<std::uint32_t> active;
   thread_local std::vector<std::uint32_t> next;
@@ -832,7 +834,7 @@ void BlockIndex::WalkMatches(std::span<const SequenceHash> hashes, Writer& w) co
       // Sizes first: without orphan risk equal sizes (the common case) need neither holder array.
       const bool risk = (RelaxedLoad(cur->meta) & 1) != 0;
       if (risk || child->holders.ReadSize() != held.size()) {
-        std::uint64_t child_stamp = 0;
+        const std::uint64_t* child_stamp = nullptr;
         const auto child_holders = child->holders.ReadView(tmp[t ^ 1], child_stamp);
         const bool subset = w.EmitMissing(held, held_stamp, child_holders, depth, kTolerant || risk);
         if (child_holders.empty()) return w.Finish();
@@ -848,7 +850,7 @@ void BlockIndex::WalkMatches(std::span<const SequenceHash> hashes, Writer& w) co
       cur = child;
       continue;
     }
-    std::uint64_t child_stamp = 0;
+    const std::uint64_t* child_stamp = nullptr;
     const auto child_holders = child->holders.ReadView(tmp[t ^ 1], child_stamp);
     next.clear();
     std::size_t j = 0;

@@ -88,7 +88,8 @@ using OverlapScores = std::vector<OverlapScore, UninitializedResizeAllocator<Ove
 // than a 16-byte score per worker with its key looked up; where fewer drop out, only they are
 // written. At most twice as many slots as workers matched.
 //
-// A run that is one whole holder set kept on the heap names its version (HolderSet's stamp).
+// A run that is one whole holder set kept in a buffer of HolderSet::kStampedCapacity slots or
+// more names its version (HolderSet's stamp).
 // When the reader passes that stamp among the ones it knows, the set's slots are not copied:
 // the run is elided (no slots in `slots`, `elided` of them) and only a reader that kept them
 // can use it; TranslateMatches refuses runs with one.

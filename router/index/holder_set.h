@@ -13,7 +13,7 @@
 // A heap buffer of kStampedCapacity slots or more (a block that a crowd of workers holds, such
 // as a fleet's shared system prompt) also carries a stamp after its slots: a number no other
 // version of any set in the process carries (every change to such a set, in place or into a new
-// buffer, takes a new one). A reader that kept the slots of a stamp knows them again by it,
+// buffer, takes a new one; HolderHeap::next_stamp says how far that holds). A reader that kept the slots of a stamp knows them again by it,
 // without reading them (MatchRuns' elided runs).
 // Thread contract: one writer (the shard thread that owns the node); readers only through
 // ReadView/ReadSize, under a ReadGate.
@@ -39,7 +39,9 @@ struct HolderHeap {
   std::size_t bytes = 0;
   std::vector<void*>* retired = nullptr;
   // The next stamp (HolderSet): each heap counts from its own multiple of 2^40, so stamps are
-  // unique in the process (2^24 heaps, 2^40 changes of crowd-sized sets each).
+  // unique in the process for its first 2^24 - 1 heaps, each making up to 2^40 changes to sets
+  // in buffers of kStampedCapacity slots or more (past that they may repeat: a reader trusting
+  // one then reads a crowd's slots again, below).
   std::uint64_t next_stamp = NewStampBase();
 
   static std::uint64_t NewStampBase() {
@@ -168,6 +170,10 @@ class HolderSet {
     RelaxedStore(size_, 0u);
   }
 
+  static std::uint64_t LoadStamp(const std::uint64_t* stamp_at) {
+    return stamp_at == nullptr ? 0 : RelaxedLoad(*stamp_at);
+  }
+
   // The size, for a reader that may run while the owner writes: without touching the heap
   // buffer (a cache miss per node on a request's path). A hint, not the size of what ReadView
   // returns: the two may belong to different versions of the set.
@@ -176,13 +182,15 @@ class HolderSet {
   // The slots, for a reader that may run while the owner writes (under a ReadGate): one whole
   // version of the set. `tmp` holds inline slots.
   std::span<const std::uint32_t> ReadView(std::uint32_t (&tmp)[2]) const {
-    std::uint64_t stamp = 0;
-    return ReadView(tmp, stamp);
+    const std::uint64_t* stamp_at = nullptr;
+    return ReadView(tmp, stamp_at);
   }
-  // The same, and that version's stamp (0 for a set kept in fewer than kStampedCapacity slots).
-  std::span<const std::uint32_t> ReadView(std::uint32_t (&tmp)[2], std::uint64_t& stamp) const {
+  // The same, and where that version's stamp is (null for a set in a buffer of fewer than
+  // kStampedCapacity slots): LoadStamp reads it while the read lasts, only if it is wanted (it
+  // lies past the slots, another cache line).
+  std::span<const std::uint32_t> ReadView(std::uint32_t (&tmp)[2], const std::uint64_t*& stamp_at) const {
     const std::uint64_t w = AcquireLoad(word_);
-    stamp = 0;
+    stamp_at = nullptr;
     if ((w & 1) != 0) {
       std::size_t n = 0;
       if (Slot0(w) != kAbsent) tmp[n++] = Slot0(w);
@@ -191,7 +199,7 @@ class HolderSet {
     }
     const auto* buf = reinterpret_cast<const std::uint32_t*>(static_cast<std::uintptr_t>(w));
     const std::uint32_t cap = RelaxedLoad(buf[0]);
-    if (cap >= kStampedCapacity) stamp = RelaxedLoad(*StampOf(buf, cap));
+    if (cap >= kStampedCapacity) stamp_at = StampOf(buf, cap);
     return {buf + kHeader, std::min(RelaxedLoad(buf[1]), cap)};
   }
 

@@ -417,7 +417,7 @@ const Scheduler::Crowd* Scheduler::CrowdOf(RankClasses& classes, const IndexMatc
 void Scheduler::CrowdStamps(std::vector<std::uint64_t>& out) const {
   out.clear();
   for (const Crowd& c : crowds_) {
-    if (c.stamp != 0) out.push_back(c.stamp);
+    if (c.stamp != 0 && !c.tiered) out.push_back(c.stamp);
   }
   std::sort(out.begin(), out.end());
 }

@@ -160,7 +160,8 @@ class Scheduler {
   std::uint64_t crowds_reused() const { return crowds_reused_; }
   // The holder-set stamps of the crowds kept, ascending, for the next read's IndexRuns: their
   // runs come elided, the crowd's slots not copied out of the index. A stamp evicted before the
-  // read's decision costs that decision a second read, never a different choice.
+  // read's decision costs that decision a second read (its choice the full scan's over that
+  // read). Crowds with a tier rank's slot are left out: they are never used.
   void CrowdStamps(std::vector<std::uint64_t>& out) const;
   // PickAmongAll's choices made by classes, without the full scan it falls back to when most
   // ranks differ from an idle one.

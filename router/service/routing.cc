@@ -140,7 +140,8 @@ void Routing::Route(RouteRequest req, Kind kind, std::string reply, Outbox& out)
     // filter will need one per rank). Predictions are under mu_.
     thread_local OverlapScores overlaps;  // kept: thousands of scores per route in a large fleet
     thread_local IndexMatches runs;
-    // The crowds the scheduler kept at this thread's last decision: their runs come elided.
+    // The crowds the scheduler kept at this thread's last decision: their runs come elided. (Any
+    // router's in the process: stamps are unique in it, so another's elide nothing here.)
     thread_local std::vector<std::uint64_t> known_crowds;
     const bool by_runs = AmongAll(req, *prepared) && scores_next_.load(std::memory_order_relaxed) == 0 &&
                          IndexRuns(options_, index_, *prepared, runs, known_crowds);
