@@ -370,6 +370,7 @@ const Scheduler::Crowd* Scheduler::CrowdOf(RankClasses& classes, const IndexMatc
     if (same) {
       c.used = crowd_reads_;
       ++crowds_reused_;
+      crowds_elided_ += run.elided != 0;
       return &c;
     }
   }

@@ -158,6 +158,8 @@ class Scheduler {
   // found translated already.
   std::uint64_t crowds_translated() const { return crowds_translated_; }
   std::uint64_t crowds_reused() const { return crowds_reused_; }
+  // Of those, the ones read elided (CrowdStamps): their slots not copied out of the index.
+  std::uint64_t crowds_elided() const { return crowds_elided_; }
   // The holder-set stamps of the crowds kept, ascending, for the next read's IndexRuns: their
   // runs come elided, the crowd's slots not copied out of the index. A stamp evicted before the
   // read's decision costs that decision a second read (its choice the full scan's over that
@@ -287,6 +289,7 @@ class Scheduler {
   std::uint64_t crowd_reads_ = 0;
   std::uint64_t crowds_translated_ = 0;
   std::uint64_t crowds_reused_ = 0;
+  std::uint64_t crowds_elided_ = 0;
 };
 
 }  // namespace kvrouter

@@ -354,6 +354,7 @@ void Routing::FillStats(StatsReply& r) const {
   r.counters["rate_observations"] = scheduler_.rates().observations();
   r.counters["crowds_translated"] = scheduler_.crowds_translated();
   r.counters["crowds_reused"] = scheduler_.crowds_reused();
+  r.counters["crowds_elided"] = scheduler_.crowds_elided();
   counters_.Fill(r);
   r.breakdowns["replica_sync_refused"] = sync_.refused();
   r.counters["replica_peers"] = sync_.peers().peers();

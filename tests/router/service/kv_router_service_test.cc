@@ -391,9 +391,10 @@ TEST_F(ServiceTest, AnEventBacklogIsAppliedWholeAndInOrderWhateverItsLastMessage
 }
 
 // A fleet where most ranks hold the prompt's prefix: each shard's holders are a crowd (a run of
-// the index's matches of 64 ranks or more), translated once and then found translated again,
-// and every request still goes to a rank holding the prefix, the tie spread over them; a rank
-// with a booking is priced apart, and a request that books a holder is seen there.
+// the index's matches of 64 ranks or more), translated once and then found translated again (by
+// stamp, not copied), and every request still goes to a rank holding the prefix, the tie spread
+// over them; a rank with a booking is priced apart, and a request that books a holder is seen
+// there.
 TEST_F(ServiceTest, ACrowdHoldingThePrefixIsTranslatedOnceAndTheTieSpreadOverIt) {
   StartWith({"--router-mode", "kv", "--router-index-shards", "2"});
   const std::vector<std::uint32_t> prefix(kTwelve.begin(), kTwelve.begin() + 8);  // 2 blocks
@@ -416,6 +417,10 @@ TEST_F(ServiceTest, ACrowdHoldingThePrefixIsTranslatedOnceAndTheTieSpreadOverIt)
   EXPECT_GT(chosen.size(), 100u);               // of 300 holders, 200 uniform draws
   EXPECT_EQ(Counter("crowds_translated"), 2u);  // one crowd per shard
   EXPECT_EQ(Counter("crowds_reused"), 2u * 199);
+  // Each route thread's next read names the crowds it met by their stamps instead of copying
+  // them: all but its first read of each.
+  EXPECT_GT(Counter("crowds_elided"), 2u * 150);
+  EXPECT_LE(Counter("crowds_elided"), Counter("crowds_reused"));
   // Booked requests: the rank each lands on is priced apart from its crowd from then on, and
   // with its booking costs more than the idle holders, so the next one goes elsewhere.
   std::set<std::uint64_t> booked_on;
