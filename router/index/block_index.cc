@@ -722,9 +722,7 @@ void BlockIndex::FindMatches(std::span<const SequenceHash> hashes, MatchRuns& ou
 
 bool BlockIndex::TranslateMatches(const MatchRuns& runs, OverlapScores& out, bool tolerant) const {
   if (slot_reuses_.load(std::memory_order_acquire) != runs.slot_reuses) return false;
-  if (std::any_of(runs.runs.begin(), runs.runs.end(), [](const MatchRuns::Run& r) { return r.elided != 0; })) {
-    return false;
-  }
+  if (runs.any_elided()) return false;
   const std::size_t base = out.size();
   if (tolerant) {
     Translate<true>(runs, key_words_.Snapshot(), out);

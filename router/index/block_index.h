@@ -28,6 +28,7 @@
 //   idx.FindMatches(ComputeSequenceHashes(local_hashes), scores);  // (worker, rank) -> blocks
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
@@ -89,10 +90,9 @@ using OverlapScores = std::vector<OverlapScore, UninitializedResizeAllocator<Ove
 // written. At most twice as many slots as workers matched.
 //
 // A run that is one whole holder set kept in a buffer of HolderSet::kStampedCapacity slots or
-// more names its version (HolderSet's stamp).
-// When the reader passes that stamp among the ones it knows, the set's slots are not copied:
-// the run is elided (no slots in `slots`, `elided` of them) and only a reader that kept them
-// can use it; TranslateMatches refuses runs with one.
+// more names its version (HolderSet's stamp). When the reader passes that stamp among the ones
+// it knows, the set's slots are not copied: the run is elided (no slots in `slots`, `elided` of
+// them) and only a reader that kept them can use it; TranslateMatches refuses runs with one.
 struct MatchRuns {
   struct Run {
     std::uint32_t end = 0;  // slots[previous run's end, end)
@@ -109,6 +109,9 @@ struct MatchRuns {
     runs.clear();
   }
   std::uint32_t max_depth() const { return runs.empty() ? 0 : runs.back().depth; }
+  bool any_elided() const {
+    return std::any_of(runs.begin(), runs.end(), [](const Run& r) { return r.elided != 0; });
+  }
 };
 
 // Storage tiers (docs/protocol.md section 12). The index keeps a rank's blocks on each tier apart,

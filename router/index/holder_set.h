@@ -13,8 +13,8 @@
 // A heap buffer of kStampedCapacity slots or more (a block that a crowd of workers holds, such
 // as a fleet's shared system prompt) also carries a stamp after its slots: a number no other
 // version of any set in the process carries (every change to such a set, in place or into a new
-// buffer, takes a new one; HolderHeap::next_stamp says how far that holds). A reader that kept the slots of a stamp knows them again by it,
-// without reading them (MatchRuns' elided runs).
+// buffer, takes a new one; HolderHeap::next_stamp says how far that holds). A reader that kept
+// the slots of a stamp knows them again by it, without reading them (MatchRuns' elided runs).
 // Thread contract: one writer (the shard thread that owns the node); readers only through
 // ReadView/ReadSize, under a ReadGate.
 #pragma once
@@ -224,7 +224,7 @@ class HolderSet {
   }
   static void Restamp(std::uint32_t* buf, HolderHeap& heap) {
     if (buf[0] >= kStampedCapacity) {
-      RelaxedStore(*const_cast<std::uint64_t*>(StampOf(buf, buf[0])), heap.next_stamp++);
+      RelaxedStore(*reinterpret_cast<std::uint64_t*>(buf + kHeader + buf[0]), heap.next_stamp++);
     }
   }
 

@@ -254,14 +254,8 @@ bool Holds(std::span<const std::uint32_t> positions, std::uint32_t pos) {
   return std::binary_search(positions.begin(), positions.end(), pos);
 }
 
-}  // namespace
-
-namespace {
-
 bool AnyElided(const IndexMatches& matches) {
-  return std::any_of(matches.shards.begin(), matches.shards.end(), [](const MatchRuns& m) {
-    return std::any_of(m.runs.begin(), m.runs.end(), [](const MatchRuns::Run& r) { return r.elided != 0; });
-  });
+  return std::any_of(matches.shards.begin(), matches.shards.end(), [](const MatchRuns& m) { return m.any_elided(); });
 }
 
 }  // namespace
