@@ -23,8 +23,11 @@ forbid router/engine 'router/(common|index|scheduling|service|kv[a-z]+)/' "the e
 forbid router/index 'router/(common|engine|scheduling|service|kv[a-z]+)/' "the index knows nothing of scheduling"
 forbid router/scheduling 'router/(service|kv[a-z]+)/' "scheduling sits under the service"
 forbid router/service 'router/kv[a-z]+/' "libraries do not reach into programs"
-for p in kvrouter kvmocker kvrelay kvbench; do
-  others=$(printf '%s|' kvrouter kvmocker kvrelay kvbench kvgateway | sed "s/$p|//; s/|$//")
+# Every program's folder (router/kv*), found rather than listed, so a new program is checked too.
+programs=()
+for d in router/kv*/; do programs+=("$(basename "$d")"); done
+for p in "${programs[@]}"; do
+  others=$(printf '%s|' "${programs[@]}" | sed "s/\b$p|//; s/|$//")
   forbid "router/$p" "router/($others)/" "one program never includes another's folder"
 done
 # One clock type: events/base/clock.h's SteadyTime.

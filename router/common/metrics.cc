@@ -35,7 +35,7 @@ void AddEvents(MetricSet& m, const StatsReply& s) {
             static_cast<double>(CounterOf(s, "event_restarts")));
   const char* rec = "kvrouter_recoveries_total";
   const char* rec_help = "recoveries (docs/protocol.md section 6) by result";
-  for (const char* r : {"started", "succeeded", "failed", "backed_off"}) {
+  for (const char* r : {"started", "succeeded", "failed", "restarted", "backed_off"}) {
     const std::string key = fmt::format("recoveries_{}", r);
     m.Counter(rec, rec_help, static_cast<double>(CounterOf(s, key)), {{"result", r}});
   }

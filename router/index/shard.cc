@@ -131,6 +131,7 @@ void IndexShard::Recovered(RecoveryPart part) {
 }
 
 void IndexShard::Flush() {
+  if (InRecoveryAsk()) return;
   KvMutexLock g(flush_mu_);
   ++flush_waiters_;
   flush_cv_.wait(flush_mu_, [&] { return applied_.load() >= submitted_.load(); });
@@ -354,8 +355,19 @@ std::vector<IndexShard::Ask> IndexShard::TakeAsks() {
   return asks;
 }
 
+namespace {
+// Set while a thread makes a shard's asks (IndexShard::InRecoveryAsk).
+thread_local bool t_in_recovery_ask = false;
+}  // namespace
+
+bool IndexShard::InRecoveryAsk() { return t_in_recovery_ask; }
+
 void IndexShard::MakeAsks(const std::vector<Ask>& asks) {
+  if (asks.empty()) return;
+  const bool outer = t_in_recovery_ask;
+  t_in_recovery_ask = true;
   for (const Ask& a : asks) on_recovery_(a.worker, a.numbering, a.start, a.generation);
+  t_in_recovery_ask = outer;
 }
 
 const KvStored* IndexShard::FirstStored(const KvEventBatch& b) {

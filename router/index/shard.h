@@ -64,8 +64,12 @@ class IndexShard {
   void RequestDump(WorkerKey worker, SequenceKind numbering, bool first_sight);
   void Recovered(RecoveryPart part);
   // Waits until the shard is quiet: everything submitted, including what applying it submitted
-  // in turn (a recovery answered on a synchronous bus), has been applied.
+  // in turn (a recovery answered on a synchronous bus), has been applied. From inside
+  // on_recovery it returns at once (InRecoveryAsk): the caller is a thread that applies, and what
+  // is left is applied after on_recovery returns, so waiting would wait for itself.
   void Flush();
+  // Whether the calling thread is inside on_recovery (making the asks of a shard it applied for).
+  static bool InRecoveryAsk();
   // Queues `barrier`, counted down once what this thread queued before it has been applied
   // (however much other threads queue meanwhile).
   void Barrier(std::shared_ptr<std::latch> barrier);

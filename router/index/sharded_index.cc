@@ -163,6 +163,7 @@ std::vector<WorkerKey> ShardedIndex::TakeStaleWorkers() {
 }
 
 void ShardedIndex::AwaitOwnSubmissions() {
+  if (IndexShard::InRecoveryAsk()) return;  // as Flush: it would wait for this very thread
   auto barrier = std::make_shared<std::latch>(static_cast<std::ptrdiff_t>(shards_.size()));
   for (const auto& s : shards_) s->Barrier(barrier);
   barrier->wait();

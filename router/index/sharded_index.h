@@ -18,8 +18,10 @@
 // asked (dump or range), then applied with the reply. A full queue drops the batch, counts it
 // and flags the worker (TakeStaleWorkers: its index is now wrong, not late).
 //
-// Thread contract: every method from any thread, except Flush from inside on_recovery (a shard
-// thread calls it before it counts its bulk applied, so Flush would wait for itself).
+// Thread contract: every method from any thread. on_recovery is called on a thread that applies
+// events (a shard thread, or a submitting one with apply_on_submit), after it has released the
+// shard's lock: Flush and AwaitOwnSubmissions called from inside it return at once, since they
+// would wait for that thread itself; what it left queued is applied once on_recovery returns.
 // Destruction applies what is queued, then stops and joins the shards.
 //
 //   ShardedIndex index({.num_shards = 2});
@@ -186,10 +188,11 @@ class ShardedIndex {
   std::uint64_t UpkeepPasses() const;
   // Workers whose index may be wrong (gap, queue full) since the last call; clears the set.
   std::vector<WorkerKey> TakeStaleWorkers();
-  // Blocks until everything submitted before the call has been applied.
+  // Blocks until everything submitted before the call has been applied (not from inside
+  // on_recovery: see the thread contract above).
   void Flush();
   // Blocks until what this thread submitted before the call has been applied: unlike Flush, not
-  // held up by what other threads keep submitting (an event flood).
+  // held up by what other threads keep submitting (an event flood). Not from inside on_recovery.
   void AwaitOwnSubmissions();
 
   // Puts the calling thread in Linux's batch scheduling class (SCHED_BATCH, same share of the

@@ -67,6 +67,7 @@ KvRouterService::KvRouterService(RouterConfig config, MessageBus& bus, Clock clo
                       : nullptr,
               .default_capacity = config_.max_worker_blocks,
               .apply_on_submit = ShardedIndex::ApplyOnSubmitPays(config_.index_shards)}),
+      dumps_(index_, event_bus_, router_id_, log_, [this](const BusMessage& m, const Status& s) { ReplyError(m, s); }),
       registry_({.block_size = config_.block_size,
                  .max_dp_size = config_.max_dp_size,
                  .max_worker_ranks = config_.max_worker_ranks,
@@ -121,8 +122,8 @@ std::vector<KvRouterService::Sub> KvRouterService::EventSubscriptions() {
 
 std::vector<KvRouterService::Sub> KvRouterService::DumpSubscriptions() {
   // Every replica hears router.dump (a page may be large: the event connection).
-  return {{subjects_.dump, "", [this](const BusMessage& m) { HandleDump(m); }},
-          {fmt::format("{}.{}", subjects_.dump, router_id_), "", [this](const BusMessage& m) { HandleDump(m); }}};
+  auto serve = [this](const BusMessage& m) { dumps_.Serve(m, warm_.load()); };
+  return {{subjects_.dump, "", serve}, {fmt::format("{}.{}", subjects_.dump, router_id_), "", serve}};
 }
 
 std::vector<KvRouterService::Sub> KvRouterService::RequestSubscriptions() {
@@ -210,67 +211,6 @@ void KvRouterService::FinishWarmup() {
   const PeerWarmupCounters c = warmup_->counters();
   log_.Log(LogLevel::kInfo, "peer dump", "warm-up {}: {} ranks, {} blocks from replica {} in {:.0f} ms ({} pages)",
            c.complete ? "done" : "ended early", c.ranks, c.blocks, c.peer, c.ms, c.pages);
-}
-
-void KvRouterService::HandleDump(const BusMessage& m) {
-  if (m.reply.empty()) return;
-  auto req = DecodeDumpRequest(m.data);
-  if (!req.ok()) {
-    ReplyError(m, req.status());
-    return;
-  }
-  if (req->router_id == router_id_ || !warm_.load()) return;  // its own ask; or not the fleet's index yet
-  const std::vector<WorkerKey> ranks = index_.DumpableRanks();
-  const DumpCursor from = DumpCursor::Of(req->offset);
-  std::uint64_t offset = from.rank, chain_offset = std::max(from.chain, req->chain_offset);
-  // An asker of several parts gets whole ranks: each ask ends at a rank's end, so a rank never
-  // spans two asks (two moments of the index, whose chains may come in another order).
-  const bool whole_ranks = req->max_parts > 1;
-  // The rank being written, dumped once however many parts it spans.
-  std::optional<RankDump> rank;
-  std::uint64_t rank_index = ~std::uint64_t{0};
-  for (std::uint32_t part = 1;; ++part) {
-    DumpReplyWriter page(router_id_, event_bus_.MaxPayload());
-    bool more = false;
-    std::uint64_t next_offset = 0, next_chain = 0;
-    for (std::uint64_t i = offset; i < ranks.size(); ++i) {
-      if (part > req->max_parts && i != offset) {  // past max_parts only to finish the open rank
-        more = true;
-        next_offset = i;
-        break;
-      }
-      if (i != rank_index) {
-        rank = index_.DumpRank(ranks[i]);
-        rank_index = i;
-      }
-      if (!rank) continue;  // still recovering: the asker gets it from its worker
-      const std::uint64_t first = i == offset ? std::min<std::uint64_t>(chain_offset, rank->chains.size()) : 0;
-      const std::span<const DumpedChain> chains = std::span(rank->chains).subspan(first);
-      const std::size_t ranks_before = page.ranks();
-      auto n = page.Add(rank->rank.worker_id, rank->rank.dp_rank, rank->last_event_id, rank->numbering, chains);
-      if (!n.ok()) {
-        ReplyError(m, n.status());
-        return;
-      }
-      if (page.ranks() == ranks_before || *n < chains.size()) {  // the page is full
-        more = true;
-        next_offset = i;
-        next_chain = page.ranks() == ranks_before ? first : first + *n;
-        break;
-      }
-    }
-    const msgpack::sbuffer body =
-        std::move(page).Finish(more, DumpCursor{next_offset, next_chain}.offset(), next_chain);
-    ++dump_pages_served_;
-    if (Status s = event_bus_.Publish(m.reply, AsBytes(body)); !s.ok()) {
-      log_.Log(LogLevel::kWarning, "reply", "dump reply to {} failed: {}", m.subject, s.message());
-      return;
-    }
-    if (!more) return;
-    offset = next_offset;
-    chain_offset = next_chain;
-    if (part >= req->max_parts && (!whole_ranks || chain_offset == 0)) return;
-  }
 }
 
 void KvRouterService::Stop() {
@@ -632,6 +572,7 @@ StatsReply KvRouterService::Stats(const StatsRequest& page) const {
     const RecoveryCounters c = recovery_->counters();
     r.counters["recoveries_started"] = c.started;
     r.counters["recoveries_succeeded"] = c.succeeded;
+    r.counters["recoveries_restarted"] = c.restarted;
     r.counters["recoveries_failed"] = c.failed;
     r.counters["recovery_dumps"] = c.dumps;
     r.counters["recovery_parts"] = c.parts;
@@ -642,7 +583,7 @@ StatsReply KvRouterService::Stats(const StatsRequest& page) const {
     r.counters["recovery_ms_max"] = static_cast<std::uint64_t>(c.max_ms);
     r.counters["recoveries_cancelled"] = c.cancelled;
   }
-  r.counters["dump_pages_served"] = dump_pages_served_.load();
+  r.counters["dump_pages_served"] = dumps_.pages_served();
   if (warmup_) {
     const PeerWarmupCounters w = warmup_->counters();
     r.counters["warmup_done"] = w.done;

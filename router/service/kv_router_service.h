@@ -31,6 +31,7 @@
 
 #include "events/message_codec.h"
 #include "router/service/config.h"
+#include "router/service/dump_server.h"
 #include "router/service/generate_relay.h"
 #include "router/service/outbox.h"
 #include "router/service/peer_warmup.h"
@@ -133,9 +134,6 @@ class KvRouterService {
   void HandleLifecycle(const BusMessage& m, Lifecycle change);
   void HandleStats(const BusMessage& m);
   void HandleOverlapScores(const BusMessage& m);
-  // router.dump (docs/protocol.md section 12): one page of this replica's index. Not answered
-  // for this replica itself, nor while it is still warming up.
-  void HandleDump(const BusMessage& m);
   // The warm-up from a peer ended: the asks its dump answered are dropped, the rest are made.
   void FinishWarmup();
   // One page of the stats reply, with the recovery counters.
@@ -181,7 +179,7 @@ class KvRouterService {
   std::atomic<bool> warm_{true};  // the warm-up is over (or there is none)
   std::mutex warm_mu_;            // routes wait on warm_cv_ for warm_ (bounded by startup_deadline_)
   std::condition_variable warm_cv_;
-  std::atomic<std::uint64_t> dump_pages_served_{0};
+  DumpServer dumps_;  // router.dump, served while warm_
   // HandOver's bulks, one per event subscription (each only on its delivery thread).
   std::vector<KvEventBatch> kv_bulk_;
   std::vector<KvEventBatch> vllm_bulk_;

@@ -117,8 +117,9 @@ std::vector<std::pair<std::uint64_t, RecoveryClient::Ask>> RecoveryClient::Fail(
             .kind = RecoveryPart::Kind::kFailed,
             .generation = it->second.ask.generation,
             .too_new = too_new};
-    // A worker that answers too_new serves the endpoint: no backoff for it.
-    FinishLocked(n, too_new ? Outcome::kServed : Outcome::kFailed, now);
+    // A worker that answers too_new serves the endpoint: no backoff for it. Its range was not
+    // recovered, nor did the recovery fail: the dump that follows ends it either way.
+    FinishLocked(n, too_new ? Outcome::kRestarted : Outcome::kFailed, now);
     starts = StartLocked(now);
   }
   log_.Log(LogLevel::kInfo, "recovery failed", "recovery of worker {} rank {} failed: {}", part.worker.worker_id,
@@ -130,14 +131,15 @@ std::vector<std::pair<std::uint64_t, RecoveryClient::Ask>> RecoveryClient::Fail(
 void RecoveryClient::FinishLocked(std::uint64_t n, Outcome outcome, SteadyTime now) {
   auto it = in_flight_.find(n);
   const double ms = std::chrono::duration<double, std::milli>(now - it->second.started).count();
-  Backoff& b = backoff_[it->second.ask.worker.worker_id];
-  if (outcome == Outcome::kServed) {
-    ++counters_.succeeded;
-    backoff_.erase(it->second.ask.worker.worker_id);
-  } else {
-    ++counters_.failed;
+  ++(outcome == Outcome::kServed ? counters_.succeeded
+     : outcome == Outcome::kRestarted ? counters_.restarted
+                                      : counters_.failed);
+  if (outcome == Outcome::kFailed) {
+    Backoff& b = backoff_[it->second.ask.worker.worker_id];
     b.wait = std::min(kMaxBackoff, b.wait.count() == 0 ? kFirstBackoff : b.wait * 2);
     b.until = now + b.wait;
+  } else {
+    backoff_.erase(it->second.ask.worker.worker_id);
   }
   counters_.total_ms += ms;
   counters_.max_ms = std::max(counters_.max_ms, ms);

@@ -42,6 +42,7 @@ struct RecoveryCounters {
   std::uint64_t started = 0;
   std::uint64_t succeeded = 0;
   std::uint64_t failed = 0;
+  std::uint64_t restarted = 0;   // ranges answered too_new: the worker restarted, a dump follows
   std::uint64_t dumps = 0;       // of the started, tree dumps
   std::uint64_t parts = 0;       // reply messages received
   std::uint64_t in_flight = 0;   // now
@@ -109,8 +110,9 @@ class RecoveryClient {
   void Publish(std::vector<std::pair<std::uint64_t, Ask>> starts);
   // How a recovery ended, for the counters and the worker's backoff.
   enum class Outcome {
-    kServed,  // the worker answered (in full, or too_new): no backoff
-    kFailed,  // no answer, or an error: the worker's backoff grows
+    kServed,     // the worker answered in full: a success, its backoff reset
+    kRestarted,  // too_new to a range: neither a success nor a failure (its dump is one), no backoff
+    kFailed,     // no answer, or an error: a failure, the worker's backoff grows
   };
   // Ends a recovery and counts it.
   void FinishLocked(std::uint64_t n, Outcome outcome, SteadyTime now) KV_REQUIRES(mu_);

@@ -7,7 +7,10 @@
 #include <chrono>
 #include <condition_variable>
 #include <mutex>
+#include <cstdio>
+#include <cstdlib>
 #include <filesystem>
+#include <future>
 #include <fstream>
 #include <set>
 #include <string>
@@ -347,6 +350,40 @@ TEST(ShardedIndex, ApplyOnSubmitNeverOvertakesWhatTheShardThreadHasYetToApply) {
   EXPECT_EQ(c.blocks_removed, 1u);
   EXPECT_EQ(c.block_not_found, 0u);
   EXPECT_EQ(idx.TreeSize({1, 0}), 0u);
+}
+
+// on_recovery may answer at once and wait for its answer to be applied, as a synchronous bus
+// and a caller that flushes would: Flush and AwaitOwnSubmissions made from inside it return
+// instead of waiting for the very thread that called them, and the answer is applied after it.
+TEST(ShardedIndex, AFlushFromInsideOnRecoveryReturnsAndTheAnswerIsAppliedAfter) {
+  ShardedIndex* self = nullptr;
+  std::atomic<int> asks{0};
+  auto on_recovery = [&](WorkerKey w, SequenceKind, std::optional<std::uint64_t>, std::uint64_t generation) {
+    self->Recovered({.worker = w, .kind = RecoveryPart::Kind::kDump, .last_event_id = 0, .generation = generation});
+    self->Flush();
+    self->AwaitOwnSubmissions();
+    ++asks;
+  };
+  ShardedIndex idx({.num_shards = 2, .on_recovery = on_recovery});
+  self = &idx;
+  idx.RequestDump({1, 0});
+  idx.RequestDump({2, 0});
+  // A deadlock fails here at once, not at the test runner's timeout (the stuck shard thread
+  // would also hang the index's destruction).
+  auto flushed = std::async(std::launch::async, [&] { idx.Flush(); });
+  if (flushed.wait_for(std::chrono::seconds(10)) != std::future_status::ready) {
+    ADD_FAILURE() << "Flush from inside on_recovery waited for itself";
+    std::fflush(stdout);
+    std::_Exit(1);
+  }
+  EXPECT_EQ(asks.load(), 2);
+  // Both dumps were applied: each rank takes its next event id.
+  ASSERT_TRUE(idx.Submit(StoredBatch(1, 0, 1, std::nullopt, {{10, 1}})));
+  ASSERT_TRUE(idx.Submit(StoredBatch(2, 0, 1, std::nullopt, {{20, 2}})));
+  idx.Flush();
+  EXPECT_EQ(idx.TreeSize({1, 0}), 1u);
+  EXPECT_EQ(idx.TreeSize({2, 0}), 1u);
+  EXPECT_EQ(idx.Counters().gaps, 0u);
 }
 
 TEST(ShardedIndex, DuplicateEventIdIsDroppedAndGapIsFlagged) {

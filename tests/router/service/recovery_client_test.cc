@@ -410,7 +410,8 @@ TEST_F(RecoveryClientTest, AFailureHandsTheIndexItsHeldEventsToApplyAsTheyAre) {
 }
 
 // too_new to a range: the worker restarted (its ids are behind what the index holds). It serves
-// the endpoint, so it is not backed off, and the index asks for a dump instead.
+// the endpoint, so it is not backed off, and the index asks for a dump instead. The range is
+// counted as restarted: not recovered (no success), nor a failure (the dump decides that).
 TEST_F(RecoveryClientTest, TooNewToARangeIsNotBackedOffAndTheIndexAsksADumpInstead) {
   Serve(7);
   index_.RequestDump({7, 0});
@@ -422,8 +423,12 @@ TEST_F(RecoveryClientTest, TooNewToARangeIsNotBackedOffAndTheIndexAsksADumpInste
   ASSERT_EQ(handed_.size(), 2u);
   ASSERT_EQ(handed_[1].start, std::optional<std::uint64_t>{11});
   EXPECT_EQ(Last(7).query, (RecoveryQuery{.start_event_id = 11}));
+  ASSERT_EQ(Counters().succeeded, 1u);  // the first dump
   Answer(Last(7).reply_to, {.kind = "too_new", .last_event_id = 2, .message = "restarted"});
   EXPECT_EQ(Counters().in_flight, 0u);
+  EXPECT_EQ(Counters().succeeded, 1u);
+  EXPECT_EQ(Counters().failed, 0u);
+  EXPECT_EQ(Counters().restarted, 1u);
   HandAsksToTheClient();
   ASSERT_EQ(handed_.size(), 3u);
   EXPECT_EQ(handed_[2].start, std::nullopt);  // a dump

@@ -90,6 +90,7 @@ TEST_F(RecoveryTest, ARestartedWorkerWhoseFirstEventWasLostIsRecoveredFromADump)
   w.Store(PromptTokens(12), &bus_);  // id 3 follows the dump's cursor: applied, no new recovery
   EXPECT_EQ(Overlap(1, PromptTokens(12)), 4u);
   EXPECT_EQ(Counter("recoveries_failed"), 0u);
+  EXPECT_EQ(Counter("recoveries_restarted"), 1u);          // the range asked was answered too_new
   EXPECT_EQ(Counter("recovery_dumps"), dumps_before + 1);  // the restart's
 }
 
