@@ -1,6 +1,7 @@
 // EngineTiming: docs/design.md's timing model of a vLLM-like engine (Dynamo's mocker fit), in ms.
-// kvmocker's engines run on it, and the router's default cost (selector.h, "predicted") uses it
-// as its prior of how long a worker takes to prefill and to decode a step. Pure functions.
+// The simulated engines run on it (MockEngine: kvmocker, kvbench --offline). The router's prior
+// (router/scheduling/cost_predicted.h, namespace prior) starts from the same fit but is kept
+// apart: editing this simulator does not move the router it is used to judge. Pure functions.
 //
 //   double ms = PrefillMs(6000) + DecodeStepMs(0.4);
 #pragma once

@@ -24,9 +24,9 @@ std::optional<RouterMode> RouterModeFromName(std::string_view name);
 enum class QueuePolicy { kFcfs, kWspt, kLcfs };
 std::string_view QueuePolicyName(QueuePolicy policy);
 
-// kDynamo: Dynamo's block formula (selector.h KvCost), chosen whenever
+// kKvBlocks: Dynamo's block formula (cost_kv_blocks.h KvBlocksCost), chosen whenever
 // --router-kv-overlap-score-credit or --router-prefill-load-scale is set explicitly.
-// kPredicted: the router's default (selector.h PredictedCostMs).
-enum class CostModel { kDynamo, kPredicted };
+// kPredicted: the router's default (cost_predicted.h PredictedTimeCost).
+enum class CostModel { kKvBlocks, kPredicted };
 
 }  // namespace kvrouter

@@ -7,6 +7,7 @@
 // Prepare, IndexOverlaps and IndexRuns are free functions: they read only the options and the
 // event index (lock-free), so Routing calls them before it takes its mutex.
 // Thread contract: none for Scheduler; Routing holds its routing mutex around every call.
+// The pick over the whole fleet (PickFromFleet, its classes and crowds) is in fleet_pick.cc.
 // Ownership: borrows the event index, which must outlive it.
 //
 //   auto p = PrepareRequest(opts, req);  IndexOverlaps(opts, index, *p, overlaps);
@@ -84,13 +85,13 @@ Result<PreparedRequest> PrepareRequest(const SchedulerOptions& options, const Ro
 void IndexOverlaps(const SchedulerOptions& options, const ShardedIndex& index, const PreparedRequest& p,
                    OverlapScores& out);
 // The same read as the index's runs of holder slots, not yet translated to ranks (for
-// Scheduler::PickAmongAll), the runs of `known` stamps elided (Scheduler::CrowdStamps). False,
+// Scheduler::PickFromFleet), the runs of `known` stamps elided (Scheduler::CrowdStamps). False,
 // leaving `out` as it was, where IndexOverlaps would read nothing.
 bool IndexRuns(const SchedulerOptions& options, const ShardedIndex& index, const PreparedRequest& p, IndexMatches& out,
                std::span<const std::uint64_t> known = {});
-// Whether Scheduler::PickAmongAll serves this request (over every rank, unfiltered): mode kv at
-// temperature 0.
-bool PicksAmongAll(const SchedulerOptions& options, const PreparedRequest& p);
+// Whether Scheduler::PickFromFleet can decide this request (over every rank, unfiltered): mode
+// kv at temperature 0.
+bool FleetPickServes(const SchedulerOptions& options, const PreparedRequest& p);
 
 class Scheduler {
  public:
@@ -112,8 +113,8 @@ class Scheduler {
   // `ranks` (ascending) as candidates with their load and overlap (`overlaps` is reordered: RankOverlaps).
   std::vector<Candidate> Candidates(std::span<const RankInfo> ranks, std::span<const SequenceHash> seq,
                                     OverlapScores& overlaps) const;
-  // What PickAmongAll chose.
-  struct WideChoice {
+  // What PickFromFleet chose.
+  struct FleetChoice {
     std::optional<Candidate> chosen;  // nullopt: every rank is full
     std::uint32_t best_overlap = 0;   // the longest device overlap of any rank, full or not
     bool full_scan = false;           // made by the full scan (most ranks priced one by one)
@@ -123,8 +124,8 @@ class Scheduler {
   };
   // Whether a pick considers ranks past the queue threshold: best_worker does, a request that
   // would book does not (OpenRanks).
-  enum class FullRanks { kIncluded, kLeftOut };
-  // For PicksAmongAll requests over every registered rank (`ranks`, ascending, non-empty): the
+  enum class FullRanks { kIncluded, kExcluded };
+  // For FleetPickServes requests over every registered rank (`ranks`, ascending, non-empty): the
   // rank, from the same random draws, that Decide picks among Candidates(ranks, ...) (after
   // OpenRanks when full ranks are left out), without a candidate for every rank (docs/design.md "Decisions
   // over a large fleet"). Ranks that differ from an idle one (the index matches them, they carry
@@ -132,11 +133,13 @@ class Scheduler {
   // idle rank of its class costs (the registration fields the costs read), so a class is priced
   // once and its idle members are counted, not visited. The tie among equal costs is broken as
   // Selector breaks it: a uniform draw of the k-th tied rank in rank order, found by counting.
-  // Time: O(those ranks x log ranks + classes), and with runs a copy and a compare of each
-  // crowd's slots (below); the class table is rebuilt when `ranks` changes.
+  // Which registration fields an idle rank's price reads, and whether a rank's history (recent
+  // requests, learned rates) sets it apart, each cost declares (costs.h): this pick does not
+  // know them. Time: O(those ranks x log ranks + classes), and with runs a copy and a compare of
+  // each crowd's slots (below); the class table is rebuilt when `ranks` changes.
   // Decide({&*chosen, 1}) then books it without another draw. `overlaps` is reordered.
-  WideChoice PickAmongAll(const std::shared_ptr<const std::vector<RankInfo>>& ranks, const PreparedRequest& p,
-                          OverlapScores& overlaps, FullRanks full);
+  FleetChoice PickFromFleet(const std::shared_ptr<const std::vector<RankInfo>>& ranks, const PreparedRequest& p,
+                            OverlapScores& overlaps, FullRanks full);
   // The same choice from the index's runs (IndexRuns), with `overlaps` as scratch. A run of at
   // least kCrowd slots (thousands of ranks holding a shared prefix) is not translated rank by
   // rank: it is looked up among the crowds translated before (the same slots of the same shard,
@@ -150,8 +153,8 @@ class Scheduler {
   // where a crowd holds a host or disk tier rank's slot, a tier rank is matched beside a crowd,
   // a slot was reused since the read, this read has more crowds than are kept, or the full scan
   // is cheaper.
-  WideChoice PickAmongAll(const std::shared_ptr<const std::vector<RankInfo>>& ranks, const PreparedRequest& p,
-                          const IndexMatches& matches, OverlapScores& overlaps, FullRanks full);
+  FleetChoice PickFromFleet(const std::shared_ptr<const std::vector<RankInfo>>& ranks, const PreparedRequest& p,
+                            const IndexMatches& matches, OverlapScores& overlaps, FullRanks full);
   static constexpr std::size_t kCrowd = 64;
   // Crowds translated (a run met for the first time; again after a slot of its shard was handed
   // to another worker, the registered list changed, or it was evicted); each other crowd was
@@ -165,7 +168,7 @@ class Scheduler {
   // read's decision costs that decision a second read (its choice the full scan's over that
   // read). Crowds with a tier rank's slot are left out: they are never used.
   void CrowdStamps(std::vector<std::uint64_t>& out) const;
-  // PickAmongAll's choices made by classes, without the full scan it falls back to when most
+  // PickFromFleet's choices made by classes, without the full scan it falls back to when most
   // ranks differ from an idle one.
   std::uint64_t class_picks() const { return class_picks_; }
 
@@ -215,8 +218,8 @@ class Scheduler {
   CandidateContext ContextNow() const;
   Candidate CandidateOf(const RankInfo& r, const TieredOverlap& overlap, std::span<const SequenceHash> seq,
                         const CandidateContext& ctx) const;
-  // The ranks of one registered list grouped by what an idle rank's cost reads of them
-  // (max_num_batched_tokens, total_kv_blocks): PickAmongAll's table, kept while the list is.
+  // The ranks of one registered list grouped by what an idle rank's price reads of them under
+  // any cost (RankClassKeyOf, costs.h): PickFromFleet's table, kept while the list is.
   struct RankClasses {
     std::shared_ptr<const std::vector<RankInfo>> of;
     std::vector<std::vector<std::uint32_t>> members;  // positions in *of, ascending, per class
@@ -240,7 +243,7 @@ class Scheduler {
   };
   RankClasses& ClassesOf(const std::shared_ptr<const std::vector<RankInfo>>& ranks);
   // Whether the full scan is cheaper than pricing by classes: most ranks are priced one by one.
-  bool FullScanPays(const PreparedRequest& p, std::size_t ranks) const;
+  bool FullScanIsCheaper(const PreparedRequest& p, std::size_t ranks) const;
 
   // A crowd translated: one shard's run of holder slots, its registered ranks' positions in
   // the class table's list, per class, ascending. Valid while the list, the shard's count of
@@ -269,9 +272,13 @@ class Scheduler {
   // run is elided and its stamp no longer kept).
   const Crowd* CrowdOf(RankClasses& classes, const IndexMatches& matches, std::size_t shard,
                        std::span<const std::uint32_t> slots, const MatchRuns::Run& run);
-  // PickAmongAll's choice by classes, with the crowds already read.
-  WideChoice PickByClasses(const std::shared_ptr<const std::vector<RankInfo>>& ranks, const PreparedRequest& p,
-                           OverlapScores& overlaps, std::span<const CrowdMatch> crowds, FullRanks full);
+  // PickFromFleet's choice by classes, with the crowds already read: PickByClassesOf the
+  // request's cost.
+  FleetChoice PickByClasses(const std::shared_ptr<const std::vector<RankInfo>>& ranks, const PreparedRequest& p,
+                            OverlapScores& overlaps, std::span<const CrowdMatch> crowds, FullRanks full);
+  template <typename Cost>
+  FleetChoice PickByClassesOf(const std::shared_ptr<const std::vector<RankInfo>>& ranks, const PreparedRequest& p,
+                              OverlapScores& overlaps, std::span<const CrowdMatch> crowds, FullRanks full);
 
   const SchedulerOptions options_;
   const ShardedIndex& index_;

@@ -5,7 +5,7 @@
 #include <vector>
 
 #include "events/message_codec.h"
-#include "router/engine/engine_model.h"
+#include "router/scheduling/cost_predicted.h"
 
 namespace kvrouter {
 namespace {
@@ -95,8 +95,8 @@ void WorkerRates::RemoveWorker(std::uint64_t worker_id) {
   UpdateTypical();  // without it: what a new rank starts at
 }
 
-double PrefillTokensPerSecond(double prefill_factor) { return 1000.0 / (kPrefillMsPerToken * prefill_factor); }
+double PrefillTokensPerSecond(double prefill_factor) { return 1000.0 / (prior::kPrefillMsPerToken * prefill_factor); }
 
-double DecodeStepSeconds(double decode_factor) { return DecodeStepMs(0) * decode_factor / 1000.0; }
+double DecodeStepSeconds(double decode_factor) { return prior::DecodeStepMs(0) * decode_factor / 1000.0; }
 
 }  // namespace kvrouter

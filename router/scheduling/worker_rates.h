@@ -1,5 +1,5 @@
 // WorkerRates: each rank's speed learned online (docs/design.md "Learned rates"). The predicted
-// cost (selector.h) prices a rank's time with engine_model.h's timing as a prior; here two
+// cost (cost_predicted.h) prices a rank's time with the router's prior of engine timing; here two
 // factors per rank scale that prior to what the rank really does:
 //   prefill factor: observed time to first token / the prior's (its prefill and decode parts:
 //                   a caller cannot tell a step's decode work from the prefills batched with it);
@@ -37,7 +37,7 @@ namespace kvrouter {
 struct ResponseTiming;
 
 // What the prior predicted for a request on the rank it was booked on, in the prior's
-// milliseconds (selector.h PriorTtftOf).
+// milliseconds (cost_predicted.h PriorTtftOf).
 struct PriorTtft {
   double prefill_ms = 0;      // its prefill and the prefills queued ahead of it, step overheads included
   double decode_ms = 0;       // the decode work interleaved with those prefill steps

@@ -85,7 +85,7 @@ Status ReadRouting(const po::variables_map& vm, RouterConfig& c) {
   // formula with exactly those values (a user migrating from Dynamo gets Dynamo's decisions).
   const bool dynamo_weights =
       !vm["router-kv-overlap-score-credit"].defaulted() || !vm["router-prefill-load-scale"].defaulted();
-  c.cost_model = dynamo_weights ? CostModel::kDynamo : CostModel::kPredicted;
+  c.cost_model = dynamo_weights ? CostModel::kKvBlocks : CostModel::kPredicted;
   c.overlap_score_credit = vm["router-kv-overlap-score-credit"].as<double>();
   if (!(c.overlap_score_credit >= 0)) return OutOfRange("router-kv-overlap-score-credit", ">= 0");
   c.prefill_load_scale = vm["router-prefill-load-scale"].as<double>();
@@ -162,7 +162,7 @@ Status ReadLimits(const po::variables_map& vm, RouterConfig& c) {
   if (c.load_aware) {  // docs/design.md: pure load balancing on tracked load
     c.mode = RouterMode::kKv;
     c.overlap_score_credit = 0;
-    c.cost_model = CostModel::kDynamo;
+    c.cost_model = CostModel::kKvBlocks;
     c.use_kv_events = false;
   }
   return Status::Ok();

@@ -36,41 +36,41 @@ Result<std::vector<Candidate>> Routing::CandidatesLocked(const RouteRequest& req
   return scheduler_.Candidates(*ranks, seq, overlaps);
 }
 
-bool Routing::AmongAll(const RouteRequest& req, const PreparedRequest& p) const {
+bool Routing::ServedByFleetPick(const RouteRequest& req, const PreparedRequest& p) const {
   return !req.worker_id && !req.dp_rank && !req.allowed_worker_ids && !req.excluded_worker_ids &&
-         !(sessions_on_ && !req.session_id.empty()) && PicksAmongAll(options_, p);
+         !(sessions_on_ && !req.session_id.empty()) && FleetPickServes(options_, p);
 }
 
 Result<Routing::Eligible> Routing::EligibleLocked(Kind kind, const RouteRequest& req, const PreparedRequest& p,
                                                   const IndexMatches* matches, OverlapScores& overlaps) {
   // best_worker answers as things stand; route and generate wait when every eligible rank is full.
-  const auto full = kind == Kind::kBestWorker ? Scheduler::FullRanks::kIncluded : Scheduler::FullRanks::kLeftOut;
+  const auto full = kind == Kind::kBestWorker ? Scheduler::FullRanks::kIncluded : Scheduler::FullRanks::kExcluded;
   Eligible out;
-  if (AmongAll(req, p)) {
+  if (ServedByFleetPick(req, p)) {
     const auto all = registry_.AllRanks();  // shared, not copied
     if (all->empty()) return Status(StatusCode::kNoWorkers, "no registered worker can take this request");
-    auto choice = matches ? scheduler_.PickAmongAll(all, p, *matches, overlaps, full)
-                          : scheduler_.PickAmongAll(all, p, overlaps, full);
-    const std::uint32_t scores = scores_next_.load(std::memory_order_relaxed);
+    auto choice = matches ? scheduler_.PickFromFleet(all, p, *matches, overlaps, full)
+                          : scheduler_.PickFromFleet(all, p, overlaps, full);
+    const std::uint32_t scores = score_picks_left_.load(std::memory_order_relaxed);
     const std::uint32_t after = scores - std::min<std::uint32_t>(scores, 1);
-    scores_next_.store(choice.full_scan      ? std::max<std::uint32_t>(1, after)
-                       : choice.runs_refused ? kScoresAfterRefusal
-                       : matches             ? 0
-                                             : after,
-                       std::memory_order_relaxed);
+    score_picks_left_.store(choice.full_scan      ? std::max<std::uint32_t>(1, after)
+                            : choice.runs_refused ? kScoresAfterRefusal
+                            : matches             ? 0
+                                                  : after,
+                            std::memory_order_relaxed);
     out.best_overlap = choice.best_overlap;
     if (choice.chosen) out.open.push_back(*choice.chosen);
     return out;
   }
-  if (matches) {  // unreachable: Route read runs only where AmongAll holds, which it still does
+  if (matches) {  // unreachable: Route read runs only where ServedByFleetPick holds, which it still does
     overlaps.clear();
     if (!index_.TranslateMatches(*matches, overlaps)) IndexOverlaps(options_, index_, p, overlaps);
   }
   auto cands = CandidatesLocked(req, p.seq, overlaps);
   if (!cands.ok()) return cands.status();
   for (const Candidate& c : *cands) out.best_overlap = std::max<std::uint64_t>(out.best_overlap, c.overlap_blocks);
-  out.open = full == Scheduler::FullRanks::kLeftOut ? scheduler_.OpenRanks(std::move(cands).value())
-                                                    : std::move(cands).value();
+  out.open = full == Scheduler::FullRanks::kExcluded ? scheduler_.OpenRanks(std::move(cands).value())
+                                                     : std::move(cands).value();
   return out;
 }
 
@@ -143,7 +143,7 @@ void Routing::Route(RouteRequest req, Kind kind, std::string reply, Outbox& out)
     // The crowds the scheduler kept at this thread's last decision: their runs come elided. (Any
     // router's in the process: stamps are unique in it, so another's elide nothing here.)
     thread_local std::vector<std::uint64_t> known_crowds;
-    const bool by_runs = AmongAll(req, *prepared) && scores_next_.load(std::memory_order_relaxed) == 0 &&
+    const bool by_runs = ServedByFleetPick(req, *prepared) && score_picks_left_.load(std::memory_order_relaxed) == 0 &&
                          IndexRuns(options_, index_, *prepared, runs, known_crowds);
     if (!by_runs) IndexOverlaps(options_, index_, *prepared, overlaps);
     KvMutexLock g(mu_);

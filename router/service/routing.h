@@ -111,20 +111,20 @@ class Routing {
   Result<std::vector<Candidate>> CandidatesLocked(const RouteRequest& req, std::span<const SequenceHash> seq,
                                                   OverlapScores& overlaps) const KV_REQUIRES(mu_);
   // What a request may be decided among now: the open candidates (for best_worker, all of
-  // them), or the one PickAmongAll chose when the request needs no full scan (no filter, no
+  // them), or the one PickFromFleet chose when the request needs no full scan (no filter, no
   // session binding; then DecideLocked draws nothing more); `best_overlap` of every candidate,
   // for a request that waits in the queue.
   struct Eligible {
     std::vector<Candidate> open;
     std::uint64_t best_overlap = 0;
   };
-  // `matches`: the index's runs (IndexRuns), read for a request AmongAll decides; else null
+  // `matches`: the index's runs (IndexRuns), read for a request ServedByFleetPick decides; else null
   // and `overlaps` read.
   Result<Eligible> EligibleLocked(Kind kind, const RouteRequest& req, const PreparedRequest& p,
                                   const IndexMatches* matches, OverlapScores& overlaps) KV_REQUIRES(mu_);
-  // Whether the request is decided among every registered rank (Scheduler::PickAmongAll): no
+  // Whether the request is decided among every registered rank (Scheduler::PickFromFleet): no
   // filter, no session to follow, mode kv at temperature 0. Reads no state: callable unlocked.
-  bool AmongAll(const RouteRequest& req, const PreparedRequest& p) const;
+  bool ServedByFleetPick(const RouteRequest& req, const PreparedRequest& p) const;
   // Select among `cands` (the session's bound rank when it is one of them and not full), book,
   // bind the session, sync, count, observe.
   Result<RouteReply> DecideLocked(Kind kind, const RouteRequest& req, const PreparedRequest& p,
@@ -155,14 +155,14 @@ class Routing {
   AdmissionQueue queue_ KV_GUARDED_BY(mu_);
   ReplicaSync sync_ KV_GUARDED_BY(mu_);
   SessionAffinity affinity_ KV_GUARDED_BY(mu_);
-  const bool sessions_on_;  // affinity_.on(), for AmongAll without the mutex
+  const bool sessions_on_;  // affinity_.on(), for ServedByFleetPick without the mutex
   // How many of the next picks among every rank read scores before the mutex, rather than runs
   // they would translate under it: the full scan needs scores (for at least the next pick, which
-  // looks again), and runs refused (Scheduler::WideChoice::runs_refused) are tried again after
+  // looks again), and runs refused (Scheduler::FleetChoice::runs_refused) are tried again after
   // kScoresAfterRefusal picks. A stale count costs time (a translation under the mutex, or ranks
   // visited one by one where crowds would have been counted), never a choice.
   static constexpr std::uint32_t kScoresAfterRefusal = 64;
-  std::atomic<std::uint32_t> scores_next_{0};
+  std::atomic<std::uint32_t> score_picks_left_{0};
   RouteCounters counters_ KV_GUARDED_BY(mu_);
   std::uint64_t session_hits_ KV_GUARDED_BY(mu_) = 0;        // decisions that followed a session's binding
   std::uint64_t generated_ids_ KV_GUARDED_BY(mu_) = 0;       // request ids made up for generate

@@ -540,7 +540,7 @@ void BM_PickAmong1000(benchmark::State& state) {
     c.recent_requests = static_cast<double>(rng() % 50);
     c.total_kv_blocks = 16384;
   }
-  const CostParams p{.model = state.range(0) == 0 ? CostModel::kDynamo : CostModel::kPredicted};
+  const CostParams p{.model = state.range(0) == 0 ? CostModel::kKvBlocks : CostModel::kPredicted};
   Selector sel;
   for (auto _ : state) benchmark::DoNotOptimize(sel.Pick(RouterMode::kKv, {4096, 64}, cands, p, rng));
 }

@@ -109,7 +109,7 @@ TEST_F(SchedulerTest, PrepareHashesWholeBlocksAndARequestsWeightsSelectDynamosFo
   EXPECT_EQ(p.params.model, CostModel::kPredicted);
   r.config_override.overlap_score_credit = 0.5;
   p = Prepared(o, r);
-  EXPECT_EQ(p.params.model, CostModel::kDynamo);
+  EXPECT_EQ(p.params.model, CostModel::kKvBlocks);
   EXPECT_EQ(p.params.overlap_score_credit, 0.5);
 }
 
@@ -303,7 +303,7 @@ TEST_F(SchedulerTest, TheSpreadIsPricedInTheFleetsTimeAtMostHalvedNeverRaised) {
   PreparedRequest p = Prepared(o, Prompt("x", 8));
   fresh->PriceSpread(p);
   EXPECT_EQ(p.params.spread_scale, 1.0);
-  o.cost.model = CostModel::kDynamo;
+  o.cost.model = CostModel::kKvBlocks;
   EXPECT_EQ(scale_after(0.1), 1.0);
 }
 
@@ -319,19 +319,19 @@ SchedulerOptions KvOptions(CostModel model, bool queue) {
 }
 
 // One request decided both ways: by the full scan (Candidates, OpenRanks, Decide) over
-// `overlaps`, and by `pick` (wide's PickAmongAll, however it reads the index) then wide's Decide.
+// `overlaps`, and by `pick` (wide's PickFromFleet, however it reads the index) then wide's Decide.
 // Expects the same best overlap, rank, overlaps, booking and prior; returns whether the request
 // was booked, or nullopt when nothing was decided (or the two differ).
 std::optional<bool> DecideBothWays(Scheduler& full, Scheduler& wide, const std::vector<RankInfo>& all,
                                    const RouteRequest& r, const PreparedRequest& p, OverlapScores& overlaps,
                                    bool open_only,
-                                   const std::function<Scheduler::WideChoice(Scheduler::FullRanks)>& pick) {
+                                   const std::function<Scheduler::FleetChoice(Scheduler::FullRanks)>& pick) {
   std::vector<Candidate> cands = full.Candidates(all, p.seq, overlaps);
   std::uint32_t best_overlap = 0;
   for (const Candidate& c : cands) best_overlap = std::max(best_overlap, c.overlap_blocks);
   if (open_only) cands = full.OpenRanks(std::move(cands));
-  const Scheduler::WideChoice choice =
-      pick(open_only ? Scheduler::FullRanks::kLeftOut : Scheduler::FullRanks::kIncluded);
+  const Scheduler::FleetChoice choice =
+      pick(open_only ? Scheduler::FullRanks::kExcluded : Scheduler::FullRanks::kIncluded);
   EXPECT_EQ(choice.best_overlap, best_overlap);
   EXPECT_EQ(choice.chosen.has_value(), !cands.empty());
   if (cands.empty() || !choice.chosen) return std::nullopt;
@@ -374,7 +374,7 @@ void MoveOneOnBothWays(Scheduler& full, Scheduler& wide, std::vector<std::string
   }
 }
 
-// PickAmongAll against the full scan (Candidates, OpenRanks, Decide) on random fleets: ranks of a
+// PickFromFleet against the full scan (Candidates, OpenRanks, Decide) on random fleets: ranks of a
 // few registration classes (one with max_num_batched_tokens 0), replaced now and then by another
 // list (ranks come and go, booked and learned ones among them); random overlaps on device, host
 // and disk, some of ranks that are not registered; bookings, mark_prefills, frees, learned rates
@@ -382,7 +382,7 @@ void MoveOneOnBothWays(Scheduler& full, Scheduler& wide, std::vector<std::string
 // ranks tie with idle ones; 1e308 makes costs infinite); with and without the queue. Two
 // schedulers of the same seed must choose the same rank every time, with the same draws, so
 // that their loads stay equal.
-TEST(PickAmongAll, ChoosesWhatTheFullScanChoosesOnRandomFleetsLoadsAndPrompts) {
+TEST(PickFromFleet, ChoosesWhatTheFullScanChoosesOnRandomFleetsLoadsAndPrompts) {
   ShardedIndex index{{.num_shards = 1}};
   std::uint64_t class_picks = 0;
   std::size_t decided = 0;
@@ -391,7 +391,7 @@ TEST(PickAmongAll, ChoosesWhatTheFullScanChoosesOnRandomFleetsLoadsAndPrompts) {
     auto uniform = [&](std::uint64_t lo, std::uint64_t hi) {
       return std::uniform_int_distribution<std::uint64_t>(lo, hi)(rng);
     };
-    const SchedulerOptions o = KvOptions(trial % 2 == 0 ? CostModel::kPredicted : CostModel::kDynamo, trial % 3 == 0);
+    const SchedulerOptions o = KvOptions(trial % 2 == 0 ? CostModel::kPredicted : CostModel::kKvBlocks, trial % 3 == 0);
     const std::uint64_t kinds = uniform(1, 4);
     auto fleet = [&] {
       auto ranks = std::make_shared<std::vector<RankInfo>>();
@@ -455,7 +455,7 @@ TEST(PickAmongAll, ChoosesWhatTheFullScanChoosesOnRandomFleetsLoadsAndPrompts) {
 
       const std::optional<bool> both =
           DecideBothWays(full, wide, *all, r, p, overlaps, open_only,
-                         [&](auto full_ranks) { return wide.PickAmongAll(all, p, overlaps2, full_ranks); });
+                         [&](auto full_ranks) { return wide.PickFromFleet(all, p, overlaps2, full_ranks); });
       ASSERT_FALSE(::testing::Test::HasFailure()) << "trial " << trial << " step " << step;
       if (!both) continue;
       ++decided;
@@ -473,7 +473,7 @@ TEST(PickAmongAll, ChoosesWhatTheFullScanChoosesOnRandomFleetsLoadsAndPrompts) {
   EXPECT_GT(class_picks, 4000u);  // most decisions were made by classes, not by the fallback
 }
 
-// PickAmongAll from the index's runs against the full scan over the same runs translated, on a
+// PickFromFleet from the index's runs against the full scan over the same runs translated, on a
 // real index of two shards: random fleets of a few classes where most ranks hold a shared
 // prefix to one of several depths (crowds of thousands in miniature: runs of kCrowd slots and
 // more, nested where a crowd copied whole holds a deeper one), some of them booked or learned
@@ -482,7 +482,7 @@ TEST(PickAmongAll, ChoosesWhatTheFullScanChoosesOnRandomFleetsLoadsAndPrompts) {
 // translated again), ranks evicting a block under others' deeper ones (orphan risk), and the
 // registered list replaced; runs read with the crowds' stamps (elided), now and then stale ones.
 // Same choice, same overlap, same draws.
-TEST(PickAmongAll, FromTheIndexsRunsCountsCrowdsAndChoosesWhatTheFullScanChooses) {
+TEST(PickFromFleet, FromTheIndexsRunsCountsCrowdsAndChoosesWhatTheFullScanChooses) {
   std::uint64_t translated = 0, reused = 0, elided = 0;
   std::size_t decided = 0;
   for (std::uint64_t trial = 0; trial < 24; ++trial) {
@@ -491,7 +491,7 @@ TEST(PickAmongAll, FromTheIndexsRunsCountsCrowdsAndChoosesWhatTheFullScanChooses
       return std::uniform_int_distribution<std::uint64_t>(lo, hi)(rng);
     };
     ShardedIndex index{{.num_shards = 2}};
-    const SchedulerOptions o = KvOptions(trial % 3 == 0 ? CostModel::kPredicted : CostModel::kDynamo, trial % 4 == 1);
+    const SchedulerOptions o = KvOptions(trial % 3 == 0 ? CostModel::kPredicted : CostModel::kKvBlocks, trial % 4 == 1);
     const std::uint64_t kinds = uniform(1, 3);
     std::vector<std::uint32_t> base(48);
     std::iota(base.begin(), base.end(), static_cast<std::uint32_t>(trial * 1000));
@@ -613,7 +613,7 @@ TEST(PickAmongAll, FromTheIndexsRunsCountsCrowdsAndChoosesWhatTheFullScanChooses
 
       const std::optional<bool> both =
           DecideBothWays(full, wide, *all, r, p, overlaps, open_only,
-                         [&](auto full_ranks) { return wide.PickAmongAll(all, p, runs, scratch, full_ranks); });
+                         [&](auto full_ranks) { return wide.PickFromFleet(all, p, runs, scratch, full_ranks); });
       ASSERT_FALSE(::testing::Test::HasFailure()) << "trial " << trial << " step " << step;
       if (uniform(0, 8) == 0) older = known;
       wide.CrowdStamps(known);
@@ -636,12 +636,12 @@ TEST(PickAmongAll, FromTheIndexsRunsCountsCrowdsAndChoosesWhatTheFullScanChooses
 // booking traffic does not send the decisions back to the full scan; the predicted cost reads the
 // ranks' recent requests, so there the booked ranks are priced one by one until the full scan is
 // cheaper.
-TEST(PickAmongAll, UnderDynamosFormulaRanksWhoseRequestsEndedStayOutOfTheFullScan) {
+TEST(PickFromFleet, UnderDynamosFormulaRanksWhoseRequestsEndedStayOutOfTheFullScan) {
   ShardedIndex index{{.num_shards = 1}};
   auto ranks = std::make_shared<std::vector<RankInfo>>();
   for (std::uint64_t w = 1; w <= 1000; ++w) ranks->push_back({.worker = {w, 0}});
   const std::shared_ptr<const std::vector<RankInfo>> all = ranks;
-  for (const CostModel model : {CostModel::kDynamo, CostModel::kPredicted}) {
+  for (const CostModel model : {CostModel::kKvBlocks, CostModel::kPredicted}) {
     SchedulerOptions o;
     o.mode = RouterMode::kKv;
     o.block_size = 4;
@@ -656,13 +656,13 @@ TEST(PickAmongAll, UnderDynamosFormulaRanksWhoseRequestsEndedStayOutOfTheFullSca
       const RouteRequest r = Prompt("r" + std::to_string(i), 64, static_cast<std::uint32_t>(i) * 100);
       const PreparedRequest p = *PrepareRequest(o, r);
       OverlapScores none;
-      const auto choice = s.PickAmongAll(all, p, none, Scheduler::FullRanks::kLeftOut);
+      const auto choice = s.PickFromFleet(all, p, none, Scheduler::FullRanks::kExcluded);
       ASSERT_TRUE(choice.chosen);
       ASSERT_TRUE(s.Decide(r, p, {&*choice.chosen, 1}).ok());
       ASSERT_TRUE(s.load().Free(r.request_id));  // every request ends at once
     }
     EXPECT_GT(s.load().workers(), 500u);  // most ranks were booked once
-    if (model == CostModel::kDynamo) {
+    if (model == CostModel::kKvBlocks) {
       EXPECT_EQ(s.class_picks(), std::uint64_t{kRoutes});
     } else {
       EXPECT_LT(s.class_picks(), std::uint64_t{kRoutes});

@@ -1,7 +1,5 @@
 #include "router/scheduling/selector.h"
 
-#include "router/engine/engine_model.h"
-
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -9,6 +7,10 @@
 
 namespace kvrouter {
 namespace {
+
+using prior::DecodeStepMs;
+using prior::kStepOverheadMs;
+using prior::PrefillMs;
 
 // A candidate with `prefill` active prefill blocks and `decode` active decode blocks.
 Candidate Loaded(std::uint64_t id, double prefill_blocks, std::uint64_t decode_blocks, std::uint32_t bs = 64) {
@@ -19,7 +21,7 @@ Candidate Loaded(std::uint64_t id, double prefill_blocks, std::uint64_t decode_b
   return c;
 }
 
-TEST(KvCost, TableOfCases) {
+TEST(KvBlocksCost, TableOfCases) {
   struct Case {
     const char* name;
     Candidate c;
@@ -44,7 +46,7 @@ TEST(KvCost, TableOfCases) {
       {"active prefix is not double-counted", active_prefix, {256, 4}, {}, 4 + (6 + 4 - 3)},
   };
   for (const Case& k : cases) {
-    EXPECT_DOUBLE_EQ(KvCost(k.c, k.req, k.p), k.want) << k.name;
+    EXPECT_DOUBLE_EQ(KvBlocksCost::Price(k.c, k.req, k.p), k.want) << k.name;
   }
 }
 
@@ -66,7 +68,7 @@ TEST(CreditedBlocks, EachTierBeyondTheOneBeforeAtItsWeight) {
   device.overlap_blocks = 10;
   Candidate host = Loaded(2, 0, 0);
   host.host_overlap_blocks = 10;
-  EXPECT_NEAR(KvCost(host, {640, 10}, p) - KvCost(device, {640, 10}, p), 0.25 * 10, 1e-9);
+  EXPECT_NEAR(KvBlocksCost::Price(host, {640, 10}, p) - KvBlocksCost::Price(device, {640, 10}, p), 0.25 * 10, 1e-9);
   const CostParams predicted{.model = CostModel::kPredicted};
   EXPECT_LT(PredictedCostMs(device, {640, 10}, predicted), PredictedCostMs(host, {640, 10}, predicted));
   EXPECT_LT(PredictedCostMs(host, {640, 10}, predicted), PredictedCostMs(Loaded(3, 0, 0), {640, 10}, predicted));
@@ -156,8 +158,8 @@ TEST(PredictedCost, RecentExcessIsAboveTheMeanOrAColdIdleWorkersShortfall) {
   EXPECT_DOUBLE_EQ(excess(0, 0, 4), -2);  // idle and under half: its shortfall from half
   EXPECT_DOUBLE_EQ(excess(1, 0, 4), -1);
   EXPECT_DOUBLE_EQ(excess(2, 0, 20), -3);  // at most three requests' worth
-  EXPECT_DOUBLE_EQ(excess(0, 1, 4), 0);  // running a request: no credit
-  EXPECT_DOUBLE_EQ(excess(0, 0, 0), 0);  // nothing recent anywhere
+  EXPECT_DOUBLE_EQ(excess(0, 1, 4), 0);    // running a request: no credit
+  EXPECT_DOUBLE_EQ(excess(0, 0, 0), 0);    // nothing recent anywhere
 }
 
 // The first sessions of a fleet: three workers hold the system prompt (a fifth of this new
@@ -194,7 +196,7 @@ TEST(PredictedCost, StaysWithTheCacheWhereDynamosFormulaChasesDecodeLoad) {
   c[0].active_requests = 3;
   Selector sel;
   std::mt19937_64 rng(1);
-  EXPECT_EQ(sel.Pick(RouterMode::kKv, {6400, 100}, c, {.model = CostModel::kDynamo}, rng), 1u);
+  EXPECT_EQ(sel.Pick(RouterMode::kKv, {6400, 100}, c, {.model = CostModel::kKvBlocks}, rng), 1u);
   EXPECT_EQ(sel.Pick(RouterMode::kKv, {6400, 100}, c, {.model = CostModel::kPredicted}, rng), 0u);
 }
 
@@ -336,7 +338,7 @@ TEST(PredictedCost, AtEqualCacheAndLoadTheFasterRankWinsAndDynamosFormulaIgnores
   // Dynamo's block formula: the factors change nothing.
   Candidate same_unlearned = Loaded(1, 0, 0);
   same_unlearned.overlap_blocks = 125;
-  EXPECT_EQ(KvCost(c[0], {8000, 125}, {}), KvCost(same_unlearned, {8000, 125}, {}));
+  EXPECT_EQ(KvBlocksCost::Price(c[0], {8000, 125}, {}), KvBlocksCost::Price(same_unlearned, {8000, 125}, {}));
 }
 
 // docs/design.md's worked example: prefill+decode blocks 8+10, 5+5, 2+9 -> the 5+5 worker.

@@ -87,7 +87,7 @@ TEST(RouterConfig, LoadAwareMeansKvCostWithoutCreditOrEvents) {
   auto r = Args{{"--load-aware"}}.Parse();
   ASSERT_TRUE(r.ok());
   EXPECT_EQ(r->config.mode, RouterMode::kKv);
-  EXPECT_EQ(r->config.cost_model, CostModel::kDynamo);
+  EXPECT_EQ(r->config.cost_model, CostModel::kKvBlocks);
   EXPECT_EQ(r->config.overlap_score_credit, 0.0);
   EXPECT_FALSE(r->config.use_kv_events);
 }
@@ -103,12 +103,12 @@ TEST(RouterConfig, DynamosWeightsSetExplicitlySelectDynamosFormula) {
   };
   const std::vector<Case> cases = {
       {"nothing set", Args{{"--router-mode", "kv"}}, CostModel::kPredicted, 1.0, 1.0},
-      {"scale flag at its default", Args{{"--router-prefill-load-scale", "1"}}, CostModel::kDynamo, 1.0, 1.0},
-      {"credit flag", Args{{"--router-kv-overlap-score-credit=0.5"}}, CostModel::kDynamo, 0.5, 1.0},
-      {"scale from the environment", Args{{}, {{"DYN_ROUTER_PREFILL_LOAD_SCALE", "16"}}}, CostModel::kDynamo, 1.0,
+      {"scale flag at its default", Args{{"--router-prefill-load-scale", "1"}}, CostModel::kKvBlocks, 1.0, 1.0},
+      {"credit flag", Args{{"--router-kv-overlap-score-credit=0.5"}}, CostModel::kKvBlocks, 0.5, 1.0},
+      {"scale from the environment", Args{{}, {{"DYN_ROUTER_PREFILL_LOAD_SCALE", "16"}}}, CostModel::kKvBlocks, 1.0,
        16.0},
-      {"credit from the environment", Args{{}, {{"DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT", "2"}}}, CostModel::kDynamo, 2.0,
-       1.0},
+      {"credit from the environment", Args{{}, {{"DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT", "2"}}}, CostModel::kKvBlocks,
+       2.0, 1.0},
       {"an unrelated flag", Args{{"--router-temperature", "0.5"}}, CostModel::kPredicted, 1.0, 1.0},
   };
   for (const Case& k : cases) {
