@@ -1,8 +1,8 @@
 // Worker selection for every router mode (docs/design.md "Selection"). Pure decision logic over a
 // list of candidates that the service assembles (overlap from the index, load from ActiveLoad,
-// limits from registrations); mode kv prices them with the request's cost (costs.h); randomness comes from the caller's seeded generator, so
-// decisions are reproducible in tests. Not thread-safe (round-robin keeps a cursor); the
-// service calls it under its routing lock.
+// limits from registrations); mode kv prices them with the request's cost (costs.h). Randomness
+// comes from the caller's seeded generator, so decisions are reproducible in tests. Not
+// thread-safe (round-robin keeps a cursor); the service calls it under its routing lock.
 //
 //   Selector sel;  std::size_t i = sel.Pick(RouterMode::kKv, request, candidates, params, rng);
 #pragma once
