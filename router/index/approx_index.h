@@ -5,7 +5,7 @@
 // so least recently used = earliest expiring); a prefix is refreshed leaf first, so among
 // blocks of equal age the deepest sits nearest the front. Expiry and pruning pop the front:
 // no per-block timers, no scans. Matching reuses BlockIndex (engine ids = sequence hashes, so
-// its workers are canonical: no per-worker map there).
+// its workers are canonical, docs/design.md "Glossary": no per-worker map there).
 // Memory beside the index: one 24-byte entry per predicted (worker, block) in fixed chunks, the
 // LRU links inside it as entry numbers, and a hash table of 4-byte entry numbers (the key is
 // read from the entry) to find a prediction again.

@@ -1,28 +1,31 @@
 // BlockIndex: which KV blocks each (worker_id, dp_rank) holds, as a prefix tree with a sorted
-// holder set per node. One shard's worth of workers. A worker whose engine block_hash is the
-// block's sequence hash (Dynamo's workers, kvmocker, approximate mode) is "canonical": its
-// parents and removals are found through the tree's own hash table and the node's holder set,
-// and it keeps only a list of the nodes it holds (4 bytes each, for `cleared`). The first block
-// whose block_hash differs turns the worker "mapped" for good: a map from engine block_hash to
-// node, as vLLM's own hashes need (12 bytes at load 0.375-0.75 per block).
+// holder set per node: one shard's worth of workers. Terms used here (holder set, slot, canonical
+// and mapped worker, tier rank, orphan risk, run, stamp, elided run, tolerant read, retired
+// memory) are defined in docs/design.md "Glossary".
 // A node is the prefix ending at a block; it is found by that prefix's sequence hash
-// (docs/protocol.md section 1), computed here from its parent's and the stored block's local hash,
-// so every level of a request's path can be looked up (and prefetched) independently instead
-// of chasing parent links.
+// (docs/protocol.md section 1), computed here from its parent's and the stored block's local
+// hash, so every level of a request's path can be looked up (and prefetched) independently
+// instead of chasing parent links. A canonical worker (engine block_hash = sequence hash:
+// Dynamo's workers, kvmocker, approximate mode) keeps only a list of the nodes it holds (4 bytes
+// each, for `cleared`); its first block whose block_hash differs turns it mapped until it is
+// cleared: a map from engine block_hash to node (12 bytes at load 0.375-0.75 per block).
+// Files by job: block_index_write.cc applies events, block_index_match.cc answers FindMatches
+// and TranslateMatches, block_index_dump.cc DumpRank, block_index_tiers.cc folds tier ranks back
+// (SplitTiers, RankOverlaps), block_index.cc the rest (lifetime, retired memory, upkeep, Memory).
 //
-// Thread contract: one thread at a time applies events (ShardedIndex's shard thread, or one
-// applying its own events, under the shard's lock: "the owner" below). FindMatches
-// may run on other threads while it writes, when SetConcurrentReaders(true) is set and the
-// reads and writes go through a ReadGate (router/index/read_gate.h): every word FindMatches reaches
-// (table entries, node hashes and flags, holder sets, the chunk directory, slot keys) is written
-// with atomic stores, memory a write replaces is kept until FreeRetired() (and a freed node or
-// slot is reused only after it, so a reader never meets one recycled), and FindMatches
-// checks each node it reaches against the request's hash and bounds each slot and size it
-// loads. TreeSize, ForEachWorker and Memory read the owner's bookkeeping: only while the owner
-// cannot write (ShardedIndex holds the shard's lock). Memory: a node is freed (slot recycled,
-// holder heap released, child link erased) when its last holder goes and it has no children; a
-// worker's removal or `cleared` costs time proportional to that worker's blocks; FindMatches
-// touches only the request's path.
+// Thread contract: one thread at a time applies events (the shard's thread, or one applying its
+// own events, under the shard's lock: "the owner" below). FindMatches and TranslateMatches may
+// run on other threads while it writes, when SetConcurrentReaders(true) is set and the reads and
+// writes go through a ReadGate (router/index/read_gate.h): every word they reach (table entries,
+// node hashes and flags, holder sets, the chunk directory, slot keys) is written with atomic
+// stores, memory a write replaces is kept until FreeRetired() (and a freed node or slot is
+// reused only after it, so a reader never meets one recycled), and FindMatches checks each node
+// it reaches against the request's hash and bounds each slot and size it loads. TreeSize,
+// ForEachWorker, Memory and DumpRank read the owner's bookkeeping: only while the owner cannot
+// write (IndexShard holds the shard's lock, a ShardLock). Memory: a node is freed (slot
+// recycled, holder heap released, child link erased) when its last holder goes and it has no
+// children; a worker's removal or `cleared` costs time proportional to that worker's blocks;
+// FindMatches touches only the request's path.
 //
 //   BlockIndex idx;  idx.ApplyStored({7, 0}, std::nullopt, blocks);
 //   idx.FindMatches(ComputeSequenceHashes(local_hashes), scores);  // (worker, rank) -> blocks
@@ -238,15 +241,15 @@ class BlockIndex {
   void TidyFreeNodes();
 
   std::size_t TreeSize(WorkerKey worker) const;  // blocks held by (worker, dp_rank)
-  // Owner: every block a rank holds, on each storage tier, as stored chains that rebuild it when
-  // applied in order (ApplyStored on TierRank(rank, tier)): a chain's parent is written before it,
-  // on whichever tier holds it (device chains come first, then host and disk, a chain below a
-  // block held on a later tier only after that block); each chain names its first block's parent
-  // by the engine hash this rank knows it under, and no chain is longer than max_chain_blocks. A
-  // block whose parent the rank holds on no tier (left behind when a middle block was removed)
-  // is left out, and so are its children: FindMatches cannot reach them.
-  // Appends to `out`; costs time and memory in proportion to the rank's blocks, times the
-  // changes of tier along a path (one round over the tiers each).
+  // While the owner cannot write (as TreeSize): every block a rank holds, on each storage tier,
+  // as stored chains that rebuild it when applied in order (ApplyStored on TierRank(rank, tier)):
+  // a chain's parent is written before it, on whichever tier holds it (device chains come first,
+  // then host and disk, a chain below a block held on a later tier only after that block); each
+  // chain names its first block's parent by the engine hash this rank knows it under, and no
+  // chain is longer than max_chain_blocks. A block whose parent the rank holds on no tier (left
+  // behind when a middle block was removed) is left out, and so are its children: FindMatches
+  // cannot reach them. Appends to `out`; costs time and memory in proportion to the rank's
+  // blocks, times the changes of tier along a path (one round over the tiers each).
   void DumpRank(WorkerKey rank, std::vector<DumpedChain>& out, std::size_t max_chain_blocks = 1024) const;
   // Node and worker-slot numbers handed out so far (live, free or waiting for FreeRetired).
   std::size_t node_numbers() const { return num_node_slots_; }

@@ -1,6 +1,6 @@
 // FlatTable: a compact open-addressing hash table (linear probing, backward-shift deletion, no
 // tombstones) mapping a key to a u32 value, used for the index's child links and per-worker
-// block maps where std::unordered_map's ~50 bytes per entry would dominate memory.
+// block maps where std::unordered_map's heap node per entry would dominate memory.
 //
 // Entry layout is given by a Traits type:
 //   struct Traits { using Key = ...; struct Entry {...};

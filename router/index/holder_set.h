@@ -1,7 +1,8 @@
 // HolderSet: the sorted set of worker slots that hold one index node, 16 bytes with room for
 // two holders inline (most nodes of an unshared cache have one), growing onto the heap by
-// doubling. It owns a raw heap pointer and frees it only in Release() (nodes are recycled, not
-// destroyed), so it cannot be copied: a copy would free the same memory twice.
+// doubling (terms: docs/design.md "Glossary"). It owns a raw heap pointer and frees it only in
+// Release() (nodes are recycled, not destroyed), so it cannot be copied: a copy would free the
+// same memory twice.
 //
 // Readable while its owner writes (ReadView; see router/index/read_gate.h), and then a reader always
 // sees one whole version of the set, old or new: the set is one word, either both inline slots

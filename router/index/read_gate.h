@@ -1,5 +1,5 @@
 // ReadGate: lets queries read an index shard without ever sleeping on its writer, while the
-// shard thread applies events to it in place.
+// shard thread applies events to it in place (terms: docs/design.md "Glossary").
 // - The writer brackets every event with BeginWrite/EndWrite (a version counter, odd while
 //   writing). BeginWrite waits for exact readers inside to leave; EndWrite reports whether the
 //   shard is quiet (no reader of either kind inside), when memory replaced so far may be freed.
@@ -11,10 +11,8 @@
 //   event and the ones after it partly; the writer does not wait for it). Once a reader has
 //   waited out its patience on an event, later readers that meet the same event go in at once:
 //   its thread is off the CPU, and each would otherwise spin `patience` too. Such a read relies
-//   on the index being readable during writes: every word a reader can reach is written with an
-//   atomic store, a holder set changes by publishing a new copy, memory (and a node or slot
-//   number, before it is reused) is only freed once the shard is quiet, and a tolerant reader
-//   bounds every index and size it loads (BlockIndex::FindMatches).
+//   on the index being readable while written (BlockIndex's thread contract, block_index.h):
+//   what a write replaces is retired until the shard is quiet (EndWrite, Quiet).
 // Thread contract: one writer at a time (the shard's lock orders them); any number of readers.
 //
 //   writer: gate.BeginWrite(); Apply(event); if (gate.EndWrite()) index.FreeRetired();
@@ -57,10 +55,10 @@ inline void CpuRelax() {
 
 class ReadGate {
  public:
-  // A route waits this long for a half-applied event before reading around it: an event takes
-  // a microsecond or two unless its thread lost its CPU, so a longer wait mostly waits for a
-  // preempted thread, and a spinning reader also keeps a CPU from the writer it waits for.
-  // Chosen against the find_matches p99 goal of docs/performance.md (index_bench).
+  // A route waits this long for a half-applied event before reading around it: an event is
+  // short unless its thread lost its CPU, so a longer wait mostly waits for a preempted thread,
+  // and a spinning reader also keeps a CPU from the writer it waits for. Chosen against the
+  // find_matches p99 goal of docs/performance.md (index_bench).
   static constexpr std::chrono::microseconds kDefaultPatience{3};
 
   // How long an event holds back for readers that waited out the previous one (a reader that

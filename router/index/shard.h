@@ -1,6 +1,7 @@
 // IndexShard: one shard of the ShardedIndex: a BlockIndex, the EventStreams of its ranks, a
 // bounded queue of work items and the owner thread that drains it in bulk, applies each event
-// through the ReadGate under the ShardLock, makes the recovery asks and runs the upkeep.
+// through the ReadGate under the ShardLock, makes the recovery asks and runs the upkeep (terms:
+// docs/design.md "Glossary").
 // Thread contract: every public method from any thread; ApplyHere applies on the calling
 // thread only while the shard is idle, FindMatches reads without the lock, the stats take it.
 // Ownership: ShardedIndex owns the shards; a shard borrows the SpareBatches it gives applied

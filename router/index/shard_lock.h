@@ -1,10 +1,12 @@
 // ShardLock: an index shard's reader-writer lock, for one writer that works in short steps (the
-// shard thread applying batches) and readers that must not wait long (route requests).
+// shard's writer applying events, upkeep included) and readers of the shard's bookkeeping that
+// must not wait long: the stats (TreeSizes, TreeSize, Memory) and router.dump (DumpableRanks,
+// DumpRank). Route requests never take it: FindMatches goes through the shard's ReadGate
+// (router/index/read_gate.h; docs/design.md "Glossary": read gate).
 // - A reader that finds the writer inside says so (ReadersWaiting) and spins for up to
-//   kReaderSpin: a running writer lets it in at its next step, within microseconds, so a
-//   route does not pay a sleep and a wake-up (tens of microseconds, more when both cores are
-//   busy). If the writer does not let go in that time (it was preempted), the reader sleeps
-//   on the lock like any other.
+//   kReaderSpin: a running writer lets it in at its next step, so the reader does not pay a
+//   sleep and a wake-up. If the writer does not let go in that time (it was preempted), the
+//   reader sleeps on the lock like any other.
 // - The writer calls YieldToReaders() between steps: when a reader waits it unlocks, gives the
 //   waiting readers up to kWriterPause (and then a few turns of its CPU) to get in, and locks
 //   again (waiting behind them).

@@ -1,16 +1,15 @@
 // ShardedIndex: the router's KV block index, split into shards that each own a BlockIndex and
-// one thread. NATS delivery threads Submit() decoded batches: a bounded lock-free queue per
-// shard (moodycamel) carries them to the shard thread, which dequeues in bulk and applies them
-// under the shard's write lock in slices of about 64 blocks. With apply_on_submit, a submitting
-// thread applies a batch itself instead when its shard is idle (nothing queued or being
-// applied, the lock free), so no event overtakes another. FindMatches fans out to every
-// shard without that lock, through the shard's ReadGate (router/index/read_gate.h): a query arriving
-// between events reads an exact state (the next event waits for it); one that meets an event
-// waits up to read_patience for it, and if the shard thread lost its CPU mid-event, reads
-// around it, seeing that event and any applied meanwhile partly (counted as tolerant_reads;
-// the shard thread does not wait for it). So a route never sleeps
-// behind the shard thread. Stats (TreeSizes, Memory) take the shard's read lock, a ShardLock:
-// the thread lets a waiting reader in between batches.
+// one thread (terms: docs/design.md "Glossary"). NATS delivery threads Submit() decoded batches:
+// a bounded lock-free queue per shard (moodycamel) carries them to the shard thread, which
+// dequeues in bulk and applies them under the shard's write lock, letting go of it after about
+// 64 blocks. With apply_on_submit, a submitting thread applies a batch itself instead when its
+// shard is idle (nothing queued or being applied, the lock free), so no event overtakes another.
+// FindMatches fans out to every shard without that lock, through the shard's ReadGate
+// (router/index/read_gate.h): an exact read between events, or, when the shard thread lost its
+// CPU in the middle of an event, a tolerant read around it (counted as tolerant_reads). So a
+// route never sleeps behind the shard thread. The stats (TreeSizes, TreeSize, Memory) and the
+// dumps (DumpableRanks, DumpRank) take the shard's read lock, a ShardLock: its writer lets a
+// waiting reader in between events.
 //
 // Per (worker_id, dp_rank) the shard keeps an EventStreams cursor (Dynamo event_id or vLLM
 // Kv-Seq): a repeat is dropped, a restart (id back to its first value) clears that rank first,
@@ -161,12 +160,11 @@ class ShardedIndex {
   // workers does not allocate (and, at 100 KB and more, free and fault in) its result anew.
   OverlapScores FindMatches(std::span<const SequenceHash> seq_hashes) const;
   void FindMatches(std::span<const SequenceHash> seq_hashes, OverlapScores& out) const;
-  // The same in two steps: the index read, as runs of holder slots per shard (MatchRuns, no
-  // worker keys looked up: a copy of a holder array where a whole set of workers drops out at
-  // one depth), then the scores, appended to `out`. TranslateMatches is false, appending
-  // nothing, when a worker has been removed and its slot given to another since the read, or a
-  // run is elided: FindMatches again. `known`: the holder-set stamps whose slots the caller
-  // keeps, ascending (BlockIndex::FindMatches).
+  // The same in two steps: the index read, as runs of holder slots per shard (MatchRuns: no
+  // worker keys looked up), then the scores, appended to `out`. TranslateMatches is false,
+  // appending nothing, when a worker has been removed and its slot given to another since the
+  // read, or a run is elided: FindMatches again. `known`: the holder-set stamps whose slots the
+  // caller keeps, ascending (BlockIndex::FindMatches).
   void FindMatches(std::span<const SequenceHash> seq_hashes, IndexMatches& out,
                    std::span<const std::uint64_t> known = {}) const;
   bool TranslateMatches(const IndexMatches& matches, OverlapScores& out) const;
