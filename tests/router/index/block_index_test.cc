@@ -1,6 +1,7 @@
 #include "router/index/block_index.h"
 
 #include "events/block_hash.h"
+#include "tests/router/index/block_index_test_util.h"
 
 #include <gtest/gtest.h>
 
@@ -11,43 +12,6 @@
 
 namespace kvrouter {
 namespace {
-
-constexpr WorkerKey kW1{1, 0};
-constexpr WorkerKey kW2{2, 0};
-
-// A chain whose engine hashes are `first_id, first_id+1, ...` and token hashes `locals`.
-std::vector<StoredBlock> Chain(std::uint64_t first_id, std::vector<LocalHash> locals) {
-  std::vector<StoredBlock> out;
-  for (std::size_t i = 0; i < locals.size(); ++i) out.push_back({first_id + i, locals[i]});
-  return out;
-}
-
-// The matches of a query, read both ways: scores at once, and runs of slots turned into scores
-// (which must agree, in any order).
-std::map<WorkerKey, std::uint32_t> Matches(const BlockIndex& idx, std::vector<LocalHash> h) {
-  const auto seq = ComputeSequenceHashes(h);
-  OverlapScores s;
-  idx.FindMatches(seq, s);
-  MatchRuns runs;
-  idx.FindMatches(seq, runs);
-  OverlapScores translated;
-  EXPECT_TRUE(idx.TranslateMatches(runs, translated));
-  auto sorted = [](const OverlapScores& v) {
-    std::vector<std::pair<WorkerKey, std::uint32_t>> out;
-    for (const OverlapScore& e : v) out.emplace_back(e.worker, e.blocks);
-    std::sort(out.begin(), out.end());
-    return out;
-  };
-  EXPECT_EQ(sorted(translated), sorted(s));
-  std::uint32_t deepest = 0;
-  std::map<WorkerKey, std::uint32_t> out;
-  for (auto& e : s) {
-    EXPECT_TRUE(out.emplace(e.worker, e.blocks).second) << "worker reported twice";
-    deepest = std::max(deepest, e.blocks);
-  }
-  EXPECT_EQ(runs.max_depth(), deepest);
-  return out;
-}
 
 TEST(BlockIndex, StoredChainIsMatchedByLeadingBlocks) {
   BlockIndex idx;
@@ -563,22 +527,6 @@ class ReferenceIndex {
   std::map<WorkerKey, std::map<BlockHash, std::vector<LocalHash>>> workers_;
 };
 
-// Rebuilds `from` in `to` from DumpRank of every rank, in chains of at most two blocks (so long
-// runs are split); every chain must find its parent.
-void CopyByDump(const BlockIndex& from, BlockIndex& to) {
-  std::set<WorkerKey> ranks;
-  from.ForEachWorker([&](WorkerKey k, std::size_t) { ranks.insert({k.worker_id, k.dp_rank & ~kTierRankBits}); });
-  for (WorkerKey r : ranks) {
-    std::vector<DumpedChain> chains;
-    from.DumpRank(r, chains, 2);
-    for (const DumpedChain& c : chains) {
-      EXPECT_LE(c.stored.blocks.size(), 2u);
-      const ApplyOutcome o = to.ApplyStored(TierRank(r, c.tier), c.stored.parent_hash, c.stored.blocks);
-      EXPECT_FALSE(o.parent_not_found) << "rank " << r.worker_id << "." << r.dp_rank;
-    }
-  }
-}
-
 // Random stores, removals and clears on 4 workers x 2 ranks, checked against the reference
 // after every step. canonical_percent: the share of stored blocks whose engine hash is their
 // sequence hash (as Dynamo's workers publish); the rest get small engine ids, which turn the
@@ -671,14 +619,6 @@ TEST(BlockIndex, WorkersTurningFromCanonicalToMappedAgreeWithReferenceModel) {
   }
 }
 
-// Chains whose engine hashes are their sequence hashes.
-std::vector<StoredBlock> CanonicalChain(const std::vector<LocalHash>& locals) {
-  const auto seq = ComputeSequenceHashes(locals);
-  std::vector<StoredBlock> out;
-  for (std::size_t i = 0; i < locals.size(); ++i) out.push_back({seq[i], locals[i]});
-  return out;
-}
-
 TEST(BlockIndex, CanonicalWorkerIsFoundByParentAndRemovedByItsSequenceHash) {
   BlockIndex idx;
   const auto chain = CanonicalChain({1, 2, 3});
@@ -746,85 +686,6 @@ TEST(BlockIndex, CanonicalWorkerMemoryStaysBoundedWhenTheSameBlocksComeAndGoAMil
   EXPECT_LE(after.bytes, before.bytes + 64 * sizeof(std::uint32_t));
   EXPECT_EQ(after.nodes, 2u);
   EXPECT_EQ(after.holdings, 2u);
-}
-
-}  // namespace
-}  // namespace kvrouter
-
-namespace kvrouter {
-namespace {
-
-TEST(BlockIndexDump, ARanksTiersComeBackWithTheirEngineHashesAndLocalHashes) {
-  BlockIndex idx;
-  const WorkerKey host = TierRank(kW1, StorageTier::kHostPinned);
-  const WorkerKey disk = TierRank(kW1, StorageTier::kDisk);
-  (void)idx.ApplyStored(kW1, std::nullopt, Chain(100, {1, 2, 3}));  // mapped: engine ids
-  (void)idx.ApplyStored(host, 102, Chain(200, {4, 5}));             // offloaded below a device block
-  (void)idx.ApplyStored(disk, std::nullopt, Chain(300, {7}));
-  (void)idx.ApplyStored(kW2, std::nullopt, CanonicalChain({1, 2}));  // another rank: not dumped
-  std::vector<DumpedChain> chains;
-  idx.DumpRank(kW1, chains);
-  const std::vector<DumpedChain> want = {
-      {StorageTier::kDevice, KvStored{std::nullopt, Chain(100, {1, 2, 3})}},
-      {StorageTier::kHostPinned, KvStored{102, Chain(200, {4, 5})}},
-      {StorageTier::kDisk, KvStored{std::nullopt, Chain(300, {7})}},
-  };
-  EXPECT_EQ(chains, want);
-
-  BlockIndex copy;
-  CopyByDump(idx, copy);
-  EXPECT_EQ(Matches(copy, {1, 2, 3, 4, 5}), Matches(idx, {1, 2, 3, 4, 5}));
-  EXPECT_EQ(copy.TreeSize(host), 2u);
-  EXPECT_EQ(copy.TreeSize(disk), 1u);
-  EXPECT_EQ(copy.TreeSize(kW2), 2u);
-}
-
-// A block stored under a parent the rank holds on a later tier only (host, then disk) comes
-// after that parent, whatever the tiers' order.
-TEST(BlockIndexDump, AChainBelowABlockOnALaterTierComesAfterIt) {
-  BlockIndex idx;
-  const WorkerKey host = TierRank(kW1, StorageTier::kHostPinned);
-  const WorkerKey disk = TierRank(kW1, StorageTier::kDisk);
-  (void)idx.ApplyStored(disk, std::nullopt, Chain(300, {1}));
-  (void)idx.ApplyStored(host, 300, Chain(200, {2}));
-  (void)idx.ApplyStored(kW1, 200, Chain(100, {3, 4}));
-  ASSERT_EQ(idx.TreeSize(kW1), 2u);
-  std::vector<DumpedChain> chains;
-  idx.DumpRank(kW1, chains);
-  const std::vector<DumpedChain> want = {
-      {StorageTier::kDisk, KvStored{std::nullopt, Chain(300, {1})}},
-      {StorageTier::kHostPinned, KvStored{300, Chain(200, {2})}},
-      {StorageTier::kDevice, KvStored{200, Chain(100, {3, 4})}},
-  };
-  EXPECT_EQ(chains, want);
-  BlockIndex copy;
-  CopyByDump(idx, copy);
-  EXPECT_EQ(copy.TreeSize(kW1), 2u);
-  EXPECT_EQ(copy.TreeSize(host), 1u);
-  EXPECT_EQ(copy.TreeSize(disk), 1u);
-}
-
-TEST(BlockIndexDump, ABlockWhoseParentWasRemovedIsLeftOutWithItsChildren) {
-  BlockIndex idx;
-  (void)idx.ApplyStored(kW1, std::nullopt, Chain(100, {1, 2, 3, 4}));
-  (void)idx.ApplyRemoved(kW1, std::vector<BlockHash>{101});
-  std::vector<DumpedChain> chains;
-  idx.DumpRank(kW1, chains);
-  ASSERT_EQ(chains.size(), 1u);
-  EXPECT_EQ(chains[0].stored, (KvStored{std::nullopt, Chain(100, {1})}));
-}
-
-TEST(BlockIndexDump, ASecondEngineHashOfABlockComesBackAsItsOwnChain) {
-  BlockIndex idx;
-  (void)idx.ApplyStored(kW1, std::nullopt, Chain(100, {1, 2}));
-  (void)idx.ApplyStored(kW1, 100, Chain(500, {2}));  // block 101's prefix again, under 500
-  std::vector<DumpedChain> chains;
-  idx.DumpRank(kW1, chains);
-  BlockIndex copy;
-  CopyByDump(idx, copy);
-  EXPECT_EQ(copy.TreeSize(kW1), 3u);
-  (void)copy.ApplyRemoved(kW1, std::vector<BlockHash>{101});
-  EXPECT_EQ(Matches(copy, {1, 2}).at(kW1), 2u);  // still held under 500
 }
 
 }  // namespace
