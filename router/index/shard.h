@@ -3,7 +3,8 @@
 // through the ReadGate under the ShardLock, makes the recovery asks and runs the upkeep (terms:
 // docs/design.md "Glossary").
 // Thread contract: every public method from any thread; ApplyHere applies on the calling
-// thread only while the shard is idle, FindMatches reads without the lock, the stats take it.
+// thread only while the shard is idle; FindMatches and TranslateMatches read without the lock,
+// the stats (TreeSizes, TreeSize, Memory) and the dumps (DumpableRanks, DumpRank) take it.
 // Ownership: ShardedIndex owns the shards; a shard borrows the SpareBatches it gives applied
 // batches to. Destruction applies what is queued, then joins the thread.
 //
