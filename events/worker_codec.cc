@@ -13,11 +13,6 @@ namespace kvrouter {
 // ---------------------------------------------------------------------------------------------
 // Recovery.
 
-std::string RecoverySubject(std::string_view ns, std::string_view component, std::uint64_t worker_id,
-                            std::uint32_t dp_rank) {
-  return fmt::format("namespace.{}.component.{}.kv_indexer_query.{}.{}", ns, component, worker_id, dp_rank);
-}
-
 msgpack::sbuffer RecoveryQuery::Encode() const {
   MapWriter w;
   w.Field("start_event_id", start_event_id).Field("end_event_id", end_event_id);

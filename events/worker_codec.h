@@ -29,8 +29,7 @@
 //                     finish_reason: "length"|"stop"|"error", cached_tokens?: u32,
 //                     prompt_tokens?: u32, ttft_ms?: f64, message?: str}
 // Encoders write every field of the form they encode (events even when empty, message only when
-// set). Subjects: namespace.{ns}.component.{comp}.kv_indexer_query.{worker_id}.{dp_rank} and
-// namespace.{ns}.component.{comp}.generate.{worker_id}.
+// set). Subjects: RecoverySubject and WorkerGenerateSubject (events/subjects.h).
 #pragma once
 
 #include <cstdint>
@@ -49,10 +48,6 @@ namespace kvrouter {
 
 // ---------------------------------------------------------------------------------------------
 // Recovery (section 6).
-
-// namespace.{ns}.component.{component}.kv_indexer_query.{worker_id}.{dp_rank}
-std::string RecoverySubject(std::string_view ns, std::string_view component, std::uint64_t worker_id,
-                            std::uint32_t dp_rank);
 
 struct RecoveryQuery {
   std::optional<std::uint64_t> start_event_id;  // nullopt: a tree dump

@@ -5,6 +5,8 @@
 
 #include <sstream>
 
+#include "events/subjects.h"
+
 namespace kvrouter {
 namespace {
 
@@ -136,7 +138,9 @@ RouterMetrics::RouterMetrics() : registry_(std::make_shared<prometheus::Registry
                     .Register(*registry_);
   const prometheus::Histogram::BucketBoundaries latency = {0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005,
                                                            0.01,   0.025,   0.05,   0.1,   0.25,   1.0};
-  for (const char* e : {"route", "best_worker", "generate"}) route_seconds_[e] = &route.Add({{"endpoint", e}}, latency);
+  for (const RouteEndpoint& e : kRouteEndpoints) {
+    route_seconds_[std::string(e.name)] = &route.Add({{"endpoint", std::string(e.name)}}, latency);
+  }
   hit_rate_ =
       &prometheus::BuildHistogram()
            .Name("dynamo_component_router_kv_hit_rate")

@@ -63,7 +63,7 @@ class RouterMetrics {
   static constexpr std::uint32_t kMaxRankSeries = 10000;
 
   RouterMetrics();
-  // A request handled by endpoint ("route", "best_worker", "generate") in `seconds`.
+  // A request handled by a route endpoint (RouteKindName, events/subjects.h) in `seconds`.
   void ObserveRoute(std::string_view endpoint, double seconds);
   // A decision: its KV hit rate (overlap / request blocks) and, if it was queued, its wait.
   void ObserveDecision(const RouteReply& reply);

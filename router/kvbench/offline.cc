@@ -13,6 +13,7 @@
 #include "events/event_codec.h"
 #include "events/message_codec.h"
 #include "events/msgpack_reader.h"
+#include "events/subjects.h"
 #include "events/worker_codec.h"
 #include "events/worker_publisher.h"
 #include "router/common/flags.h"

@@ -12,6 +12,7 @@
 
 #include "events/message_codec.h"
 #include "events/msgpack_reader.h"
+#include "events/subjects.h"
 #include "events/worker_codec.h"
 #include "router/index/worker_key.h"
 #include "transport/nats_client.h"
@@ -27,7 +28,7 @@ Result<std::map<WorkerKey, std::uint64_t>> RoutedPerWorker(NatsClient& nc, const
   std::map<WorkerKey, std::uint64_t> out;
   std::optional<std::uint64_t> next = 0;
   while (next) {
-    auto reply = nc.Request(fmt::format("namespace.{}.router.stats", ns),
+    auto reply = nc.Request(RouterEndpointSubject(ns, router_endpoint::kStats),
                             AsBytes(EncodeStatsRequest({.offset = *next, .limit = StatsRequest::kMaxLimit})),
                             std::chrono::seconds(5));
     if (!reply.ok()) return reply.status();
@@ -155,7 +156,7 @@ class OnlineReplay {
     if (o_.request_timeout_s > 0) {  // the router abandons it (and frees its booking) as we do
       req.timeout_ms = static_cast<std::uint32_t>(o_.request_timeout_s * 1000);
     }
-    const std::string subject = fmt::format("namespace.{}.router.generate", o_.ns);
+    const std::string subject = RouterEndpointSubject(o_.ns, router_endpoint::kGenerate);
     if (Status s = client_.PublishRequest(subject, fmt::format("{}{}.{}", inbox_, i, attempt),
                                           AsBytes(EncodeRouteRequest(req)));
         !s.ok()) {

@@ -12,6 +12,7 @@
 
 #include <fmt/format.h>
 
+#include "events/subjects.h"
 #include "router/common/http_server.h"
 #include "router/kvgateway/config.h"
 #include "router/kvgateway/gateway.h"
@@ -75,7 +76,7 @@ int main(int argc, char** argv) {
     fmt::print(stderr, "kvgateway: cannot connect to {}: {}\n", cfg.nats_server, nc.status().message());
     return 1;
   }
-  RouterLink link(**nc, fmt::format("namespace.{}.router.", cfg.ns), std::chrono::milliseconds(cfg.route_timeout_ms));
+  RouterLink link(**nc, cfg.ns, std::chrono::milliseconds(cfg.route_timeout_ms));
   if (Status s = link.Start(); !s.ok()) {
     fmt::print(stderr, "kvgateway: {}\n", s.message());
     return 1;
@@ -96,7 +97,7 @@ int main(int argc, char** argv) {
     if (up != gw.nats_connected()) gw.SetNatsConnected(up);
   };
   sync_nats();
-  auto registrations = (*nc)->Subscribe(fmt::format("namespace.{}.component.{}.instances", cfg.ns, cfg.component), "",
+  auto registrations = (*nc)->Subscribe(InstancesSubject(cfg.ns, cfg.component), "",
                                         [&](const IncomingMessage& m) {
                                           if (auto reg = DecodeWorkerRegistration(m.data); reg.ok())
                                             gw.OnRegistration(*reg, std::chrono::steady_clock::now());

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "events/msgpack_reader.h"
+#include "events/subjects.h"
 
 namespace kvrouter {
 
@@ -19,9 +20,12 @@ constexpr std::uint64_t kProbeBase = std::uint64_t{1} << 63;
 constexpr std::size_t kMaxProbes = 16;  // probes awaiting an answer that are remembered
 }  // namespace
 
-RouterLink::RouterLink(NatsClient& nats, std::string router_prefix, std::chrono::milliseconds timeout)
+RouterLink::RouterLink(NatsClient& nats, std::string_view ns, std::chrono::milliseconds timeout)
     : nats_(nats),
-      prefix_(std::move(router_prefix)),
+      route_subject_(RouterEndpointSubject(ns, router_endpoint::kRoute)),
+      mark_prefill_subject_(RouterEndpointSubject(ns, router_endpoint::kMarkPrefill)),
+      free_subject_(RouterEndpointSubject(ns, router_endpoint::kFree)),
+      stats_subject_(RouterEndpointSubject(ns, router_endpoint::kStats)),
       inbox_(fmt::format("_KVGW.{:x}.", std::random_device{}() * 0x9E3779B97F4A7C15ULL ^ std::random_device{}())),
       timeout_(timeout) {}
 
@@ -52,7 +56,7 @@ void RouterLink::Route(const RouteRequest& request, Done done) {
   RouteRequest timed = request;
   timed.timeout_ms = static_cast<std::uint32_t>(timeout_.count());
   const auto body = EncodeRouteRequest(timed);
-  if (Status s = nats_.PublishRequest(prefix_ + "route", inbox_ + std::to_string(id), AsBytes(body)); !s.ok()) {
+  if (Status s = nats_.PublishRequest(route_subject_, inbox_ + std::to_string(id), AsBytes(body)); !s.ok()) {
     Done failed;
     {
       KvMutexLock g(mu_);
@@ -66,7 +70,7 @@ void RouterLink::Route(const RouteRequest& request, Done done) {
 }
 
 void RouterLink::MarkPrefill(const std::string& request_id) {
-  (void)nats_.Publish(prefix_ + "mark_prefill", AsBytes(EncodeLifecycleRequest(request_id)));
+  (void)nats_.Publish(mark_prefill_subject_, AsBytes(EncodeLifecycleRequest(request_id)));
 }
 
 void RouterLink::Free(const std::string& request_id, const std::optional<ResponseTiming>& timing) {
@@ -74,7 +78,7 @@ void RouterLink::Free(const std::string& request_id, const std::optional<Respons
     KvMutexLock g(mu_);
     if (unconfirmed_.size() < kMaxPending) unconfirmed_.push_back(request_id);
   }
-  (void)nats_.Publish(prefix_ + "free", AsBytes(timing ? EncodeLifecycleRequest(request_id, *timing)
+  (void)nats_.Publish(free_subject_, AsBytes(timing ? EncodeLifecycleRequest(request_id, *timing)
                                                        : EncodeLifecycleRequest(request_id)));
 }
 
@@ -138,7 +142,7 @@ void RouterLink::OnAnswer(const IncomingMessage& m) {
 
 void RouterLink::PublishFrees(const std::vector<std::string>& request_ids) {
   for (const std::string& request_id : request_ids) {
-    (void)nats_.Publish(prefix_ + "free", AsBytes(EncodeLifecycleRequest(request_id)));
+    (void)nats_.Publish(free_subject_, AsBytes(EncodeLifecycleRequest(request_id)));
   }
 }
 
@@ -196,7 +200,7 @@ void RouterLink::Tick(SteadyTime now) {
   }
   PublishFrees(again);
   if (probe != 0) {
-    (void)nats_.PublishRequest(prefix_ + "stats", inbox_ + std::to_string(kProbeBase + probe),
+    (void)nats_.PublishRequest(stats_subject_, inbox_ + std::to_string(kProbeBase + probe),
                                AsBytes(EncodeStatsRequest({.offset = 0, .limit = 1})));
   }
   for (Done& d : late) d(Status(StatusCode::kTimeout, "the router did not answer in time"));

@@ -42,7 +42,8 @@ class RouterLink {
       "the gateway is not connected to NATS: no router can be reached now";
   using Done = std::function<void(Result<RouteReply>)>;
 
-  RouterLink(NatsClient& nats, std::string router_prefix, std::chrono::milliseconds timeout);
+  // `ns`: the namespace whose router endpoints (events/subjects.h) the link asks.
+  RouterLink(NatsClient& nats, std::string_view ns, std::chrono::milliseconds timeout);
   // Unsubscribes the inbox first: no answer is handled once the members it touches are going.
   ~RouterLink();
   RouterLink(const RouterLink&) = delete;
@@ -88,7 +89,7 @@ class RouterLink {
   void PublishFrees(const std::vector<std::string>& request_ids);
 
   NatsClient& nats_;
-  const std::string prefix_;  // "namespace.{ns}.router."
+  const std::string route_subject_, mark_prefill_subject_, free_subject_, stats_subject_;
   const std::string inbox_;   // "_KVGW.<random>."
   const std::chrono::milliseconds timeout_;
   std::unique_ptr<Subscription> sub_;

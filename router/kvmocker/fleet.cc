@@ -10,6 +10,7 @@
 #include "events/event_codec.h"
 #include "events/message_codec.h"
 #include "events/msgpack_reader.h"
+#include "events/subjects.h"
 #include "router/common/metrics.h"
 #include "events/vllm_codec.h"
 #include "transport/http_io.h"
@@ -56,7 +57,8 @@ std::string PeekRequestId(std::span<const std::byte> body) {
 MockWorkerFleet::MockWorkerFleet(MockerConfig config, NatsClient& nats)
     : config_(std::move(config)),
       nats_(nats),
-      prefix_(fmt::format("namespace.{}.component.{}.", config_.ns, config_.component)),
+      kv_events_subject_(KvEventsSubject(config_.ns, config_.component)),
+      instances_subject_(InstancesSubject(config_.ns, config_.component)),
       start_(std::chrono::steady_clock::now()),
       log_(std::chrono::seconds(10), nullptr,
            [](LogLevel, std::string_view line) {
@@ -81,6 +83,7 @@ MockWorkerFleet::MockWorkerFleet(MockerConfig config, NatsClient& nats)
       auto rank = std::make_unique<Rank>();
       rank->worker_index = w;
       rank->dp_rank = d;
+      rank->vllm_events_subject = VllmEventsSubject(config_.ns, config_.component, base + w, d);
       Rank* r = rank.get();
       rank->publisher = std::make_unique<KvEventPublisher>(PublisherConfig{.worker_id = base + w, .dp_rank = d});
       rank->engine = std::make_unique<MockEngine>(WorkerEngineConfig(config_, w), [this, r](KvEventData&& data) {
@@ -145,7 +148,7 @@ Status MockWorkerFleet::Start() {
   if (Status s = StartHttp(); !s.ok()) return s;
   started_ = true;
   for (std::size_t w = 0; w < worker_ids_.size(); ++w) {
-    auto sub = nats_.Subscribe(prefix_ + "generate." + std::to_string(worker_ids_[w]), "",
+    auto sub = nats_.Subscribe(WorkerGenerateSubject(config_.ns, config_.component, worker_ids_[w]), "",
                                [this, w](const IncomingMessage& m) { OnGenerate(w, m); });
     if (!sub.ok()) return sub.status();
     subscriptions_.push_back(std::move(sub).value());
@@ -249,7 +252,7 @@ void MockWorkerFleet::PublishRegistrations(WorkerStatus status) {
         .leaving = status == WorkerStatus::kLeaving,
         .http_url = WorkerHttpUrl(config_, worker),
         .models = config_.http_port > 0 ? std::vector<std::string>{config_.model} : std::vector<std::string>{}};
-    CountPublish(nats_.Publish(prefix_ + "instances", AsBytes(EncodeWorkerRegistration(reg))), "registration");
+    CountPublish(nats_.Publish(instances_subject_, AsBytes(EncodeWorkerRegistration(reg))), "registration");
   }
 }
 
@@ -475,7 +478,7 @@ void MockWorkerFleet::PublishEvent(Rank& rank, KvEventBatch&& batch) {
   if (config_.event_format == MockEventFormat::kDynamo) {
     const EnvelopeHeader header{
         .publisher_id = worker_id, .sequence = envelope_seq_[rank.worker_index]++, .published_at_ms = UnixMs()};
-    s = nats_.Publish(prefix_ + "kv-events", AsBytes(EncodeDynamoEnvelope(batch, header)));
+    s = nats_.Publish(kv_events_subject_, AsBytes(EncodeDynamoEnvelope(batch, header)));
   } else {
     std::vector<VllmEvent> events;
     for (KvOp& op : batch.ops) {
@@ -492,7 +495,7 @@ void MockWorkerFleet::PublishEvent(Rank& rank, KvEventBatch&& batch) {
         events.emplace_back(VllmClearedEvent{});
       }
     }
-    s = nats_.PublishWithHeaders(fmt::format("{}vllm-kv-events.{}.{}", prefix_, worker_id, rank.dp_rank),
+    s = nats_.PublishWithHeaders(rank.vllm_events_subject,
                                  AsBytes(EncodeVllmBatch(UnixSeconds(), events, rank.dp_rank)),
                                  {{"Kv-Seq", std::to_string(rank.vllm_seq++)}});
   }

@@ -102,6 +102,7 @@ class MockWorkerFleet {
     double step_end_ms = 0;
     std::vector<EngineOutput> outputs;  // of the step in progress, delivered at step_end_ms
     std::uint64_t vllm_seq = 0;         // next Kv-Seq (vLLM format)
+    std::string vllm_events_subject;    // VllmEventsSubject of the rank (vLLM format)
   };
   // Where a request's answers go: a NATS reply subject (protocol.md section 7) or an HTTP
   // client (section 11).
@@ -175,7 +176,8 @@ class MockWorkerFleet {
 
   const MockerConfig config_;
   NatsClient& nats_;
-  const std::string prefix_;  // "namespace.{ns}.component.{comp}."
+  const std::string kv_events_subject_;  // KvEventsSubject (events/subjects.h)
+  const std::string instances_subject_;  // InstancesSubject
   std::vector<std::uint64_t> worker_ids_;
   const SteadyTime start_;
   RateLimitedLog log_;

@@ -5,6 +5,7 @@
 #include "events/event_codec.h"
 #include "events/message_codec.h"
 #include "events/msgpack_reader.h"
+#include "events/subjects.h"
 #include "events/vllm_codec.h"
 #include "events/worker_codec.h"
 
@@ -15,8 +16,8 @@ KvRelay::KvRelay(RelayOptions options, MessageBus& bus, Replay replay, RateLimit
       bus_(bus),
       replay_(std::move(replay)),
       log_(log),
-      events_subject_(fmt::format("namespace.{}.component.{}.kv-events", options_.ns, options_.component)),
-      instances_subject_(fmt::format("namespace.{}.component.{}.instances", options_.ns, options_.component)),
+      events_subject_(KvEventsSubject(options_.ns, options_.component)),
+      instances_subject_(InstancesSubject(options_.ns, options_.component)),
       publisher_(PublisherConfig{.worker_id = options_.worker_id, .dp_rank = options_.dp_rank}),
       state_(options_.register_when == RegisterWhen::kAtStart ? State::kUp : State::kEngineDown) {}
 

@@ -22,6 +22,7 @@
 
 #include <fmt/format.h>
 
+#include "events/subjects.h"
 #include "router/common/http_server.h"
 #include "router/service/kv_router_service.h"
 #include "transport/nats_bus.h"
@@ -159,8 +160,8 @@ void LogEventSource(const RouterConfig& cfg) {
                "read; caches are predicted from this router's own decisions for {} s\n",
                cfg.ttl_secs);
   } else {
-    fmt::print(stderr, "kvrouter I KV events: reading namespace.{}.component.{}.kv-events (and vllm-kv-events.*)\n",
-               cfg.ns, cfg.component);
+    fmt::print(stderr, "kvrouter I KV events: reading {} (and {}*)\n", KvEventsSubject(cfg.ns, cfg.component),
+               VllmEventsPrefix(cfg.ns, cfg.component));
   }
 }
 

@@ -3,7 +3,7 @@
 // it synced to the others; without this they would weigh on their workers for the 300 s sweep.
 //
 // Every replica publishes a heartbeat ({router_id, interval_ms}, kvrouter's extension of
-// docs/protocol.md section 8, on ...component.{comp}.router_heartbeats) once a second. A peer that has
+// docs/protocol.md section 8, on RouterHeartbeatsSubject of events/subjects.h) once a second. A peer that has
 // been heard once and then stays silent for kSilence is dead: its bookings are released. Peers
 // that never send heartbeats (other implementations) are never judged. While this router's own
 // connection is down, nobody can be heard: Pause stops the judging, Resume gives every peer a

@@ -6,15 +6,6 @@
 
 namespace kvrouter {
 
-std::string_view RouteKindName(RouteKind kind) {
-  switch (kind) {
-    case RouteKind::kRoute: return "route";
-    case RouteKind::kBestWorker: return "best_worker";
-    case RouteKind::kGenerate: return "generate";
-  }
-  return "route";
-}
-
 Scheduler::Scheduler(SchedulerOptions options, const ShardedIndex& index, Clock clock, std::uint64_t seed)
     : options_(std::move(options)),
       index_(index),

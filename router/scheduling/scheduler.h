@@ -37,11 +37,6 @@
 
 namespace kvrouter {
 
-// Which endpoint a request came by: route books, best_worker only asks, generate books and is
-// forwarded to the worker (docs/protocol.md section 5).
-enum class RouteKind { kRoute, kBestWorker, kGenerate };
-std::string_view RouteKindName(RouteKind kind);  // "route", "best_worker", "generate"
-
 struct SchedulerOptions {
   RouterMode mode = RouterMode::kRoundRobin;
   std::uint32_t block_size = 64;

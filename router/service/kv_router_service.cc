@@ -31,26 +31,6 @@ bool ParseWorkerRank(std::string_view tail, std::uint64_t& worker, std::uint32_t
 
 }  // namespace
 
-Subjects::Subjects(const std::string& ns, const std::string& comp) {
-  const std::string c = fmt::format("namespace.{}.component.{}.", ns, comp);
-  const std::string r = fmt::format("namespace.{}.router.", ns);
-  kv_events = c + "kv-events";
-  vllm_events_prefix = c + "vllm-kv-events.";
-  instances = c + "instances";
-  active_sequences = c + "active_sequences_events";
-  router_heartbeats = c + "router_heartbeats";
-  route = r + "route";
-  best_worker = r + "best_worker";
-  mark_prefill = r + "mark_prefill";
-  free = r + "free";
-  stats = r + "stats";
-  overlap_scores = r + "overlap_scores";
-  dump = r + "dump";
-  kv_metrics = fmt::format("namespace.{}.kv_metrics", ns);
-  generate = r + "generate";
-  worker_generate_prefix = c + "generate.";
-}
-
 KvRouterService::KvRouterService(RouterConfig config, MessageBus& bus, Clock clock, std::uint64_t seed,
                                  MessageBus* event_bus)
     : config_(std::move(config)),
@@ -73,14 +53,14 @@ KvRouterService::KvRouterService(RouterConfig config, MessageBus& bus, Clock clo
                  .max_worker_ranks = config_.max_worker_ranks,
                  .max_workers = config_.max_workers}),
       routing_(config_, registry_, index_, clock_, router_id_, seed, log_),
-      relay_(bus_, routing_, fmt::format("_KVR.{:x}.", router_id_), clock_, log_),
+      relay_(bus_, routing_, GenerateReplyPrefix(router_id_), clock_, log_),
       resume_prefix_(fmt::format("kvrouter-resume-{:016x}-", RandomId(seed))) {
   routing_.SetDecisionObserver([this](Routing::Kind, const RouteReply& r) { metrics_.ObserveDecision(r); });
   if (config_.recovery && config_.use_kv_events) {
     recovery_ = std::make_unique<RecoveryClient>(
         RecoveryClient::Options{.ns = config_.ns,
                                 .component = config_.component,
-                                .reply_prefix = fmt::format("_KVR.{:x}.rec.", router_id_)},
+                                .reply_prefix = RecoveryReplyPrefix(router_id_)},
         event_bus_, index_, clock_, log_);
   }
   if (recovery_ && config_.replica_sync) {
@@ -89,7 +69,7 @@ KvRouterService::KvRouterService(RouterConfig config, MessageBus& bus, Clock clo
     warmup_ = std::make_unique<PeerWarmup>(
         PeerWarmup::Options{.dump_subject = subjects_.dump,
                             .router_id = router_id_,
-                            .reply_prefix = fmt::format("_KVR.{:x}.warm.", router_id_)},
+                            .reply_prefix = WarmupReplyPrefix(router_id_)},
         event_bus_, index_, clock_, [this](WorkerKey k) { return AdmitEvent(k.worker_id, k.dp_rank); },
         [this] { FinishWarmup(); }, log_);
   }
@@ -123,16 +103,15 @@ std::vector<KvRouterService::Sub> KvRouterService::EventSubscriptions() {
 std::vector<KvRouterService::Sub> KvRouterService::DumpSubscriptions() {
   // Every replica hears router.dump (a page may be large: the event connection).
   auto serve = [this](const BusMessage& m) { dumps_.Serve(m, warm_.load()); };
-  return {{subjects_.dump, "", serve}, {fmt::format("{}.{}", subjects_.dump, router_id_), "", serve}};
+  return {{subjects_.dump, "", serve}, {ReplicaEndpointSubject(subjects_.dump, router_id_), "", serve}};
 }
 
 std::vector<KvRouterService::Sub> KvRouterService::RequestSubscriptions() {
-  using Kind = Routing::Kind;
   std::vector<Sub> subs;
-  subs.push_back({subjects_.route, "kvrouter", [this](const BusMessage& m) { HandleRoute(m, Kind::kRoute); }});
-  subs.push_back(
-      {subjects_.best_worker, "kvrouter", [this](const BusMessage& m) { HandleRoute(m, Kind::kBestWorker); }});
-  subs.push_back({subjects_.generate, "kvrouter", [this](const BusMessage& m) { HandleRoute(m, Kind::kGenerate); }});
+  for (const RouteEndpoint& e : kRouteEndpoints) {
+    subs.push_back({RouterEndpointSubject(config_.ns, e.name), "kvrouter",
+                    [this, kind = e.kind](const BusMessage& m) { HandleRoute(m, kind); }});
+  }
   subs.push_back({relay_.subject_pattern(), "", [this](const BusMessage& m) {
                     Outbox out;
                     relay_.OnResponse(m, out);
@@ -146,7 +125,7 @@ std::vector<KvRouterService::Sub> KvRouterService::RequestSubscriptions() {
   subs.push_back({subjects_.overlap_scores, "kvrouter", [this](const BusMessage& m) { HandleOverlapScores(m); }});
   // This replica's own stats, whichever the queue group would pick.
   subs.push_back(
-      {fmt::format("{}.{}", subjects_.stats, router_id_), "", [this](const BusMessage& m) { HandleStats(m); }});
+      {ReplicaEndpointSubject(subjects_.stats, router_id_), "", [this](const BusMessage& m) { HandleStats(m); }});
   return subs;
 }
 
@@ -539,7 +518,7 @@ void KvRouterService::HandleOverlapScores(const BusMessage& m) {
                         .overlap_blocks = std::min(t.device, most),
                         .overlap_by_tier = {.device = std::min(t.device, most),
                                             .host_pinned = std::min(t.host, most),
-                                            .disk = std::min(t.any, most)}});
+                                            .any_tier = std::min(t.any, most)}});
   }
   auto body = EncodeOverlapScoresReply(r, bus_.MaxPayload());
   if (!body.ok()) {
@@ -650,7 +629,7 @@ void KvRouterService::Send(Outbox& out) {
     Outbox more;
     for (auto& b : out.syncs) (void)bus_.Publish(subjects_.active_sequences, AsBytes(b));
     for (auto& f : out.forwards) {
-      const std::string subject = subjects_.worker_generate_prefix + std::to_string(f.routed.worker_id);
+      const std::string subject = WorkerGenerateSubject(subjects_.worker_generate_prefix, f.routed.worker_id);
       relay_.Forward(std::move(f), subject, more);
     }
     for (auto& [reply, body] : out.replies) {

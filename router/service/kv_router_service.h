@@ -1,10 +1,14 @@
-// KvRouterService: the kvrouter service of docs/protocol.md sections 2-5 and 8 on a MessageBus. It
-// decodes what arrives and wires the parts that act on it:
+// KvRouterService: the kvrouter service of docs/protocol.md on a MessageBus: KV events (sections 2,
+// 3), registrations (4), the router endpoints (5), recovery asks to workers (6), generate forwarded
+// to workers (7), replica sync, heartbeats and kv_metrics (8), the metrics it observes (10), the
+// gateway's keys (11), and tiers, overlap_scores and peer dumps (12). Subjects: events/subjects.h.
+// It decodes what arrives and wires the parts that act on it:
 //   KV events (both formats) -> WorkerRegistry admission -> ShardedIndex (shard threads apply);
 //   registrations            -> WorkerRegistry (leases, bounds) -> Routing (forget, drain);
 //   route / best_worker / generate -> Routing (candidates, selection, booking, queue)
 //                                  -> reply, or GenerateRelay (forward, relay, lifecycle);
-//   mark_prefill / free / replica sync -> Routing;  stats -> BuildStats.
+//   mark_prefill / free / replica sync -> Routing;  stats -> BuildStats;
+//   overlap_scores -> the index;  dump -> DumpRank pages;  warm-up -> PeerWarmup.
 // Thread contract: bus handlers run on the bus's delivery threads (one per subscription on
 // NATS), concurrently. The event path takes no routing lock (only the registry's reader lock
 // for a known worker rank, and the drop counters' own lock when it drops). Replies are
@@ -30,6 +34,7 @@
 #include <vector>
 
 #include "events/message_codec.h"
+#include "events/subjects.h"
 #include "router/service/config.h"
 #include "router/service/dump_server.h"
 #include "router/service/generate_relay.h"
@@ -45,15 +50,6 @@
 #include "transport/message_bus.h"
 
 namespace kvrouter {
-
-// Subject names for one namespace / component (docs/protocol.md).
-struct Subjects {
-  Subjects(const std::string& ns, const std::string& component);
-  std::string kv_events, vllm_events_prefix, instances;
-  std::string active_sequences, router_heartbeats;
-  std::string route, best_worker, mark_prefill, free, stats, overlap_scores, dump, kv_metrics, generate;
-  std::string worker_generate_prefix;  // + worker_id
-};
 
 class KvRouterService {
  public:

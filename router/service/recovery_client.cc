@@ -6,6 +6,7 @@
 #include <charconv>
 
 #include "events/msgpack_reader.h"
+#include "events/subjects.h"
 #include "events/worker_codec.h"
 
 namespace kvrouter {

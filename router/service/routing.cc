@@ -108,7 +108,7 @@ Result<RouteReply> Routing::DecideLocked(Kind kind, const RouteRequest& req, con
                    .overlap_blocks = d.overlap_blocks,
                    .overlap_by_tier = {.device = d.overlap_by_tier.device,
                                        .host_pinned = d.overlap_by_tier.host,
-                                       .disk = d.overlap_by_tier.any},
+                                       .any_tier = d.overlap_by_tier.any},
                    .request_blocks = p.sel.request_blocks,
                    .cached_tokens = static_cast<std::uint32_t>(std::min<std::uint64_t>(
                        std::uint64_t{d.overlap_blocks} * bs, std::numeric_limits<std::uint32_t>::max())),

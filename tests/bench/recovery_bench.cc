@@ -10,6 +10,7 @@
 
 #include "events/event_codec.h"
 #include "events/msgpack_reader.h"
+#include "events/subjects.h"
 #include "events/worker_codec.h"
 #include "events/worker_publisher.h"
 #include "router/service/kv_router_service.h"

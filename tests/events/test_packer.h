@@ -15,6 +15,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include <msgpack.hpp>
 
@@ -59,5 +60,24 @@ void ExpectEveryTruncationFails(std::span<const std::byte> body, Decode decode) 
 
 // "\xdd" + 0xffffffff: an array header declaring 2^32-1 elements, with nothing after it.
 inline constexpr std::string_view kHugeArrayHeader = "\xdd\xff\xff\xff\xff";
+
+// Packs a map of `n` entries; `pack_fields` writes them.
+template <typename PackFields>
+std::string MapOf(std::uint32_t n, PackFields pack_fields) {
+  TestPacker p;
+  p.pk.pack_map(n);
+  pack_fields(p);
+  return p.str();
+}
+
+// A route request map: token_ids [1, 2] followed by `n` more entries written by pack_fields.
+template <typename PackFields>
+std::string RouteRequestWith(std::uint32_t n, PackFields pack_fields) {
+  return MapOf(n + 1, [&](TestPacker& p) {
+    p.Key("token_ids");
+    p.pk.pack(std::vector<std::uint32_t>{1, 2});
+    pack_fields(p);
+  });
+}
 
 }  // namespace kvrouter

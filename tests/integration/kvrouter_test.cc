@@ -71,7 +71,7 @@ TEST_F(KvRouterProcessTest, OverlapScoresPageThroughTwentyThousandRanks) {
       ASSERT_EQ(o.worker_id, next_id);
       const std::uint32_t want = o.worker_id % 1000 != 0 ? 0 : o.worker_id % 3000 == 0 ? 3 : 2;
       EXPECT_EQ(o.overlap_blocks, want) << o.worker_id;
-      EXPECT_EQ(o.overlap_by_tier.disk, want) << o.worker_id;
+      EXPECT_EQ(o.overlap_by_tier.any_tier, want) << o.worker_id;
       ++next_id;
     }
     offset = scores->next_offset;
@@ -104,13 +104,13 @@ TEST_F(KvRouterProcessTest, AVllmPromptMovedFromGpuToCpuStaysCreditedAtTheHostWe
   ASSERT_TRUE(scores.ok()) << scores.status().ToString();
   ASSERT_EQ(scores->scores.size(), 2u);
   EXPECT_EQ(scores->scores[0].overlap_blocks, 0u);
-  EXPECT_EQ(scores->scores[0].overlap_by_tier, (OverlapByTier{.device = 0, .host_pinned = 3, .disk = 3}));
+  EXPECT_EQ(scores->scores[0].overlap_by_tier, (OverlapByTier{.device = 0, .host_pinned = 3, .any_tier = 3}));
   EXPECT_EQ(scores->scores[1].overlap_by_tier, (OverlapByTier{}));
   auto best = BestWorker(Tokens(1, 16));
   ASSERT_TRUE(best.ok()) << best.status().ToString();
   EXPECT_EQ(best->worker_id, 1u);  // the host copy beats the cold worker 2
   EXPECT_EQ(best->overlap_blocks, 0u);
-  EXPECT_EQ(best->overlap_by_tier, (OverlapByTier{.device = 0, .host_pinned = 3, .disk = 3}));
+  EXPECT_EQ(best->overlap_by_tier, (OverlapByTier{.device = 0, .host_pinned = 3, .any_tier = 3}));
   EXPECT_EQ(Stats()->breakdowns["events_dropped"]["parent_block_not_found"], 0u);
 }
 

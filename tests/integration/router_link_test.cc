@@ -55,7 +55,7 @@ class RouterLinkTest : public ::testing::Test {
     subs_.push_back(std::move(routes).value());
     subs_.push_back(std::move(stats).value());
     ASSERT_TRUE(router_nc_->Flush(2s).ok());  // the server has the stand-in's subscriptions
-    link_.emplace(*link_nc_, kPrefix, 10s);
+    link_.emplace(*link_nc_, "dynamo", 10s);
     ASSERT_TRUE(link_->Start().ok());
     ASSERT_TRUE(link_nc_->Flush(2s).ok());  // and the link's inbox
   }

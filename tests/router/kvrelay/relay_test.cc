@@ -13,6 +13,7 @@
 #include "events/message_codec.h"
 #include "events/msgpack_reader.h"
 #include "events/vllm_codec.h"
+#include "events/subjects.h"
 #include "events/worker_codec.h"
 #include "router/kvrelay/relay.h"
 #include "tests/await.h"

@@ -234,12 +234,6 @@ TEST_F(SchedulerTest, InApproximateModeADecisionIsPredictedOnItsRank) {
   EXPECT_EQ(s->load().requests(), 0u);
 }
 
-TEST(RouteKind, NamesAreTheEndpoints) {
-  EXPECT_EQ(RouteKindName(RouteKind::kRoute), "route");
-  EXPECT_EQ(RouteKindName(RouteKind::kBestWorker), "best_worker");
-  EXPECT_EQ(RouteKindName(RouteKind::kGenerate), "generate");
-}
-
 TEST_F(SchedulerTest, AFreeWithTimingTeachesTheRankItWasBookedOnAndCandidatesCarryIt) {
   auto s = Make(Options());
   ASSERT_TRUE(Teach(*s, Options(), kA, 3));  // rank A takes three times the prior's time to first token

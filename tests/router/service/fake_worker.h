@@ -14,6 +14,7 @@
 
 #include "events/event_codec.h"
 #include "events/msgpack_reader.h"
+#include "events/subjects.h"
 #include "events/worker_codec.h"
 #include "events/worker_publisher.h"
 #include "tests/router/service/service_fixture.h"
@@ -61,7 +62,7 @@ class FakeWorker {
       std::lock_guard g(mu_);
       body = EncodeDynamoEnvelope(pub_->Publish(b.ops.at(0).data), {});
     }
-    if (via) (void)via->Publish("namespace.dynamo.component.backend.kv-events", AsBytes(body));
+    if (via) (void)via->Publish(KvEventsSubject("dynamo", "backend"), AsBytes(body));
     return body;
   }
   msgpack::sbuffer Remove(std::vector<BlockHash> hashes, MessageBus* via) {
@@ -81,7 +82,7 @@ class FakeWorker {
       std::lock_guard g(mu_);
       body = EncodeDynamoEnvelope(pub_->Publish(std::move(data)), {});
     }
-    if (via) (void)via->Publish("namespace.dynamo.component.backend.kv-events", AsBytes(body));
+    if (via) (void)via->Publish(KvEventsSubject("dynamo", "backend"), AsBytes(body));
     return body;
   }
   void set_answer(bool a) { answer_ = a; }

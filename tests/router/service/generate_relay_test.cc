@@ -14,6 +14,7 @@
 
 #include "events/base/log.h"
 #include "events/msgpack_reader.h"
+#include "events/subjects.h"
 #include "events/worker_codec.h"
 #include "tests/router/service/service_fixture.h"
 #include "transport/memory_bus.h"
@@ -299,7 +300,7 @@ class GenerateTest : public ServiceTest {
   // A fake worker: records what it is asked and answers `responses` times (the last one final).
   void FakeWorker(std::uint64_t id, int responses) {
     worker_subs_.push_back(
-        std::move(bus_.Subscribe("namespace.dynamo.component.backend.generate." + std::to_string(id), "",
+        std::move(bus_.Subscribe(WorkerGenerateSubject("dynamo", "backend", id), "",
                                  [this, id, responses](const BusMessage& m) {
                                    auto req = GenerateRequest::Decode(m.data);
                                    ASSERT_TRUE(req.ok()) << req.status().ToString();
@@ -357,7 +358,7 @@ TEST_F(GenerateTest, UnfinishedGenerationTimesOutAndReleasesItsBooking) {
   Register(1, {.lease_ms = 1u << 30});
   // Answers once, never with finish_reason.
   worker_subs_.push_back(
-      std::move(bus_.Subscribe("namespace.dynamo.component.backend.generate.1", "", [this](const BusMessage& m) {
+      std::move(bus_.Subscribe(WorkerGenerateSubject("dynamo", "backend", 1), "", [this](const BusMessage& m) {
         const std::string reply(m.reply);
         (void)bus_.Publish(reply, AsBytes(EncodeOkReply()));
       })).value());
@@ -379,7 +380,7 @@ TEST_F(GenerateTest, AWorkerThatKeepsAnsweringIsNotCutOffAtTimeoutMs) {
   Register(1, {.lease_ms = 1u << 30});
   std::string relay_subject;
   worker_subs_.push_back(
-      std::move(bus_.Subscribe("namespace.dynamo.component.backend.generate.1", "", [&](const BusMessage& m) {
+      std::move(bus_.Subscribe(WorkerGenerateSubject("dynamo", "backend", 1), "", [&](const BusMessage& m) {
         relay_subject = std::string(m.reply);
       })).value());
   RouteRequest r = Prompt(kTwelve, "long");

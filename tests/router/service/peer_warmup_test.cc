@@ -4,6 +4,7 @@
 // ids, ranks the peer lacks are asked of their workers, and a lone replica stops waiting.
 #include <gtest/gtest.h>
 
+#include "events/subjects.h"
 #include "events/worker_codec.h"
 #include "tests/router/service/fake_worker.h"
 #include "tests/router/service/service_fixture.h"
@@ -126,7 +127,7 @@ TEST_F(PeerWarmupTest, ARankThePeerIsStillRecoveringIsAskedOfItsWorker) {
 }
 
 TEST_F(PeerWarmupTest, AReplicaThatDoesNotAnswerIsWaitedForOneSecond) {
-  auto silent = bus_.Subscribe("namespace.dynamo.router.dump", "", [](const BusMessage&) {});
+  auto silent = bus_.Subscribe(RouterEndpointSubject("dynamo", router_endpoint::kDump), "", [](const BusMessage&) {});
   ASSERT_TRUE(silent.ok());
   StartWith({"--router-mode", "kv", "--router-replica-sync", "--router-id", std::to_string(kA)});
   EXPECT_FALSE(svc_->Ready());

@@ -16,6 +16,7 @@
 #include "events/base/log.h"
 #include "events/kv_event.h"
 #include "events/msgpack_reader.h"
+#include "events/subjects.h"
 #include "events/worker_codec.h"
 #include "events/worker_publisher.h"
 #include "router/index/sharded_index.h"

@@ -11,6 +11,7 @@
 
 #include "events/event_codec.h"
 #include "events/msgpack_reader.h"
+#include "events/subjects.h"
 #include "events/worker_codec.h"
 #include "events/worker_publisher.h"
 #include "tests/router/service/fake_worker.h"
@@ -105,7 +106,7 @@ TEST_F(RecoveryTest, ALateEventBelowTheCursorCostsARangeNotADump) {
   svc_->index().Flush();
   const std::uint64_t dumps = Counter("recovery_dumps");
   const std::uint64_t ranges = Counter("recoveries_succeeded");
-  (void)bus_.Publish("namespace.dynamo.component.backend.kv-events", AsBytes(late));  // id 2 again, late
+  (void)bus_.Publish(KvEventsSubject("dynamo", "backend"), AsBytes(late));  // id 2 again, late
   svc_->index().Flush();
   EXPECT_EQ(Counter("recovery_dumps"), dumps);
   EXPECT_EQ(Counter("recoveries_succeeded"), ranges + 1);  // [3, ...]: nothing new
@@ -207,7 +208,7 @@ class FaultyBus {
 
  private:
   void Publish(const msgpack::sbuffer& b) {
-    (void)bus_.Publish("namespace.dynamo.component.backend.kv-events", AsBytes(b));
+    (void)bus_.Publish(KvEventsSubject("dynamo", "backend"), AsBytes(b));
   }
   InMemoryBus& bus_;
   std::mt19937_64 rng_;

@@ -6,6 +6,7 @@
 
 #include <set>
 
+#include "events/subjects.h"
 #include "tests/router/service/service_fixture.h"
 
 namespace kvrouter {
@@ -258,7 +259,7 @@ class ReplicaOutageTest : public ServiceTest {
  protected:
   void TearDown() override { svc_.reset(); }  // before the bus it reads events from
 
-  const std::string sync_subject = "namespace.dynamo.component.backend.active_sequences_events";
+  const std::string sync_subject = ActiveSequencesSubject("dynamo", "backend");
   HoldingBus events{bus_, sync_subject};
 };
 

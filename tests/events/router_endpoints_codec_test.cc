@@ -1,4 +1,4 @@
-#include "events/message_codec.h"
+#include "events/router_endpoints_codec.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -10,208 +10,6 @@
 
 namespace kvrouter {
 namespace {
-
-// Packs a map of `n` entries; `pack_fields` writes them.
-template <typename PackFields>
-std::string MapOf(std::uint32_t n, PackFields pack_fields) {
-  TestPacker p;
-  p.pk.pack_map(n);
-  pack_fields(p);
-  return p.str();
-}
-
-// A route request map: token_ids [1, 2] followed by `n` more entries written by pack_fields.
-template <typename PackFields>
-std::string RouteRequestWith(std::uint32_t n, PackFields pack_fields) {
-  return MapOf(n + 1, [&](TestPacker& p) {
-    p.Key("token_ids");
-    p.pk.pack(std::vector<std::uint32_t>{1, 2});
-    pack_fields(p);
-  });
-}
-
-// ---- Worker registration ----
-
-TEST(WorkerRegistrationCodec, RegistrationRoundTrips) {
-  WorkerRegistration reg{.worker_id = 0xfedcba9876543210ull,
-                         .dp_start = 2,
-                         .dp_size = 4,
-                         .block_size = 32,
-                         .total_kv_blocks = 100000,
-                         .max_num_seqs = 64,
-                         .max_num_batched_tokens = 4096,
-                         .device = "cpu",
-                         .lease_ms = 1500,
-                         .leaving = true};
-  auto r = DecodeWorkerRegistration(AsBytes(EncodeWorkerRegistration(reg)));
-  ASSERT_TRUE(r.ok()) << r.status().ToString();
-  EXPECT_EQ(*r, reg);
-
-  reg.block_size.reset();
-  reg.leaving = false;
-  r = DecodeWorkerRegistration(AsBytes(EncodeWorkerRegistration(reg)));
-  ASSERT_TRUE(r.ok()) << r.status().ToString();
-  EXPECT_EQ(*r, reg);
-}
-
-TEST(WorkerRegistrationCodec, HttpUrlAndModelsRoundTripAndATrailingSlashIsDropped) {
-  WorkerRegistration reg{.worker_id = 3, .http_url = "http://10.0.0.7:8000/", .models = {"llama", "qwen"}};
-  auto r = DecodeWorkerRegistration(AsBytes(EncodeWorkerRegistration(reg)));
-  ASSERT_TRUE(r.ok()) << r.status().ToString();
-  EXPECT_EQ(r->http_url, "http://10.0.0.7:8000");
-  EXPECT_EQ(r->models, (std::vector<std::string>{"llama", "qwen"}));
-  reg = {.worker_id = 3};
-  r = DecodeWorkerRegistration(AsBytes(EncodeWorkerRegistration(reg)));
-  ASSERT_TRUE(r.ok());
-  EXPECT_TRUE(r->http_url.empty());
-  EXPECT_TRUE(r->models.empty());
-}
-
-TEST(WorkerRegistrationCodec, AnHttpUrlOrModelListOutOfBoundsIsInvalidArgument) {
-  auto decode = [](WorkerRegistration reg) { return DecodeWorkerRegistration(AsBytes(EncodeWorkerRegistration(reg))); };
-  EXPECT_EQ(decode({.worker_id = 1, .http_url = "ftp://x"}).status().code(), StatusCode::kInvalidArgument);
-  EXPECT_EQ(decode({.worker_id = 1, .http_url = "http://" + std::string(kMaxUrlBytes, 'a')}).status().code(),
-            StatusCode::kInvalidArgument);
-  WorkerRegistration many{.worker_id = 1};
-  many.models.assign(kMaxModels + 1, "m");
-  EXPECT_EQ(decode(many).status().code(), StatusCode::kInvalidArgument);
-  many.models.assign(kMaxModels, "m");
-  EXPECT_TRUE(decode(many).ok());
-  EXPECT_EQ(decode({.worker_id = 1, .models = {std::string(kMaxNameBytes + 1, 'm')}}).status().code(),
-            StatusCode::kInvalidArgument);
-}
-
-TEST(WorkerRegistrationCodec, DefaultsApplyToAbsentFields) {
-  auto body = MapOf(2, [](TestPacker& p) {
-    p.Key("worker_id");
-    p.pk.pack_fix_uint8(7);
-    p.Key("unknown");
-    p.pk.pack_array(0);
-  });
-  auto r = DecodeWorkerRegistration(AsBytes(body));
-  ASSERT_TRUE(r.ok()) << r.status().ToString();
-  EXPECT_EQ(*r, WorkerRegistration{.worker_id = 7});
-}
-
-TEST(WorkerRegistrationCodec, NilFieldsTakeTheirDefaults) {
-  auto body = MapOf(3, [](TestPacker& p) {
-    p.Key("worker_id");
-    p.pk.pack(7);
-    p.Key("dp_size");
-    p.pk.pack_nil();
-    p.Key("status");
-    p.pk.pack_nil();
-  });
-  auto r = DecodeWorkerRegistration(AsBytes(body));
-  ASSERT_TRUE(r.ok()) << r.status().ToString();
-  EXPECT_EQ(r->dp_size, 1u);
-  EXPECT_FALSE(r->leaving);
-}
-
-TEST(WorkerRegistrationCodec, MissingWorkerIdIsInvalidArgument) {
-  auto body = MapOf(1, [](TestPacker& p) {
-    p.Key("dp_size");
-    p.pk.pack(1);
-  });
-  ExpectInvalid(DecodeWorkerRegistration(AsBytes(body)), "missing field 'worker_id'");
-}
-
-TEST(WorkerRegistrationCodec, ZeroDpSizeIsInvalidArgument) {
-  auto body = MapOf(2, [](TestPacker& p) {
-    p.Key("worker_id");
-    p.pk.pack(1);
-    p.Key("dp_size");
-    p.pk.pack(0);
-  });
-  ExpectInvalid(DecodeWorkerRegistration(AsBytes(body)), "'dp_size'");
-}
-
-TEST(WorkerRegistrationCodec, DpRangeBeyondU32IsInvalidArgument) {
-  auto body = MapOf(3, [](TestPacker& p) {
-    p.Key("worker_id");
-    p.pk.pack(1);
-    p.Key("dp_start");
-    p.pk.pack(0xffffffffu);
-    p.Key("dp_size");
-    p.pk.pack(2);
-  });
-  ExpectInvalid(DecodeWorkerRegistration(AsBytes(body)), "'dp_start'");
-}
-
-TEST(WorkerRegistrationCodec, DpRangeEndingAtTwoToThe32IsInvalidArgument) {
-  // dp_start + dp_size must fit in a u32: rank 2^32-1 can never be registered.
-  auto body = MapOf(3, [](TestPacker& p) {
-    p.Key("worker_id");
-    p.pk.pack(1);
-    p.Key("dp_start");
-    p.pk.pack(0xfffffffeu);
-    p.Key("dp_size");
-    p.pk.pack(2);
-  });
-  ExpectInvalid(DecodeWorkerRegistration(AsBytes(body)), "'dp_start'");
-}
-
-TEST(WorkerRegistrationCodec, LeaseIsClampedToItsBounds) {
-  auto with_lease = [](std::uint64_t lease_ms) {
-    return MapOf(2, [&](TestPacker& p) {
-      p.Key("worker_id");
-      p.pk.pack(1);
-      p.Key("lease_ms");
-      p.pk.pack(lease_ms);
-    });
-  };
-  auto zero = DecodeWorkerRegistration(AsBytes(with_lease(0)));
-  ASSERT_TRUE(zero.ok()) << zero.status().ToString();
-  EXPECT_EQ(zero->lease_ms, kMinLeaseMs);
-  auto huge = DecodeWorkerRegistration(AsBytes(with_lease(std::uint64_t{1} << 63)));
-  ASSERT_TRUE(huge.ok()) << huge.status().ToString();
-  EXPECT_EQ(huge->lease_ms, kMaxLeaseMs);
-  auto usual = DecodeWorkerRegistration(AsBytes(with_lease(1500)));
-  ASSERT_TRUE(usual.ok());
-  EXPECT_EQ(usual->lease_ms, 1500u);
-}
-
-TEST(WorkerRegistrationCodec, OverlongDeviceNameIsInvalidArgument) {
-  auto body = MapOf(2, [](TestPacker& p) {
-    p.Key("worker_id");
-    p.pk.pack(1);
-    p.Key("device");
-    p.pk.pack(std::string(kMaxNameBytes + 1, 'g'));
-  });
-  ExpectInvalid(DecodeWorkerRegistration(AsBytes(body)), "'device'");
-}
-
-TEST(WorkerRegistrationCodec, UnknownStatusIsInvalidArgument) {
-  auto body = MapOf(2, [](TestPacker& p) {
-    p.Key("worker_id");
-    p.pk.pack(1);
-    p.Key("status");
-    p.pk.pack("down");
-  });
-  ExpectInvalid(DecodeWorkerRegistration(AsBytes(body)), "'status'");
-}
-
-TEST(WorkerRegistrationCodec, WrongTypesAreNamed) {
-  auto negative_lease = MapOf(2, [](TestPacker& p) {
-    p.Key("worker_id");
-    p.pk.pack(1);
-    p.Key("lease_ms");
-    p.pk.pack(-5);
-  });
-  ExpectInvalid(DecodeWorkerRegistration(AsBytes(negative_lease)), "'lease_ms'");
-  auto numeric_device = MapOf(2, [](TestPacker& p) {
-    p.Key("worker_id");
-    p.pk.pack(1);
-    p.Key("device");
-    p.pk.pack(0);
-  });
-  ExpectInvalid(DecodeWorkerRegistration(AsBytes(numeric_device)), "'device'");
-}
-
-TEST(WorkerRegistrationCodec, TruncatedBodyIsAnError) {
-  auto body = EncodeWorkerRegistration({.worker_id = 1, .block_size = 16});
-  ExpectEveryTruncationFails(AsBytes(body), DecodeWorkerRegistration);
-}
 
 // ---- Route request ----
 
@@ -587,7 +385,7 @@ TEST(RouteReplyCodec, RouteReplyRoundTrips) {
   RouteReply reply{.worker_id = 0xffffffffffffffffull,
                    .dp_rank = 1,
                    .overlap_blocks = 3,
-                   .overlap_by_tier = {.device = 3, .host_pinned = 4, .disk = 5},
+                   .overlap_by_tier = {.device = 3, .host_pinned = 4, .any_tier = 5},
                    .request_blocks = 5,
                    .cached_tokens = 192,
                    .queued_ms = 1.25};
@@ -621,6 +419,45 @@ TEST(RouteReplyCodec, RouteReplyRoundTrips) {
   ASSERT_TRUE(r.ok()) << r.status().ToString();
   EXPECT_EQ(*r, reply);
   EXPECT_TRUE(DecodeErrorReply(AsBytes(EncodeRouteReply(reply))).ok());
+}
+
+// The bytes of a reply, key by key in the order of docs/protocol.md section 5, overlap_by_tier
+// lifted and last.
+TEST(RouteReplyCodec, RouteReplyIsWrittenInTheWiresOrder) {
+  const RouteReply reply{.worker_id = 7,
+                         .dp_rank = 1,
+                         .overlap_blocks = 3,
+                         .overlap_by_tier = {.device = 0, .host_pinned = 4, .any_tier = 2},
+                         .request_blocks = 5,
+                         .cached_tokens = 48,
+                         .queued_ms = 0.5,
+                         .http_url = "http://e:1"};
+  const std::string want = MapOf(8, [](TestPacker& p) {
+    p.Key("worker_id");
+    p.pk.pack(std::uint64_t{7});
+    p.Key("dp_rank");
+    p.pk.pack(std::uint32_t{1});
+    p.Key("overlap_blocks");
+    p.pk.pack(std::uint32_t{3});
+    p.Key("request_blocks");
+    p.pk.pack(std::uint32_t{5});
+    p.Key("cached_tokens");
+    p.pk.pack(std::uint32_t{48});
+    p.Key("queued_ms");
+    p.pk.pack(0.5);
+    p.Key("http_url");
+    p.pk.pack(std::string("http://e:1"));
+    p.Key("overlap_by_tier");
+    p.pk.pack_map(3);
+    p.Key("device");
+    p.pk.pack(std::uint32_t{3});
+    p.Key("host_pinned");
+    p.pk.pack(std::uint32_t{4});
+    p.Key("disk");
+    p.pk.pack(std::uint32_t{4});
+  });
+  const msgpack::sbuffer got = EncodeRouteReply(reply);
+  EXPECT_EQ(std::string(got.data(), got.size()), want);
 }
 
 TEST(RouteReplyCodec, RouteReplyMissingAFieldIsInvalidArgument) {
@@ -713,12 +550,6 @@ TEST(LifecycleCodec, TruncatedBodyIsAnError) {
   ExpectEveryTruncationFails(AsBytes(EncodeLifecycleRequest("abc")), DecodeLifecycleRequest);
 }
 
-}  // namespace
-}  // namespace kvrouter
-
-namespace kvrouter {
-namespace {
-
 TEST(LifecycleCodec, AFreeCarriesTheEnginesTimingAndAPlainOneDoesNot) {
   const ResponseTiming t{.ttfb_ms = 12.5, .chunks = 17, .inter_chunk_ms_mean = 3.25, .inter_chunk_ms_max = 9};
   const auto body = EncodeLifecycleRequest("r1", t);
@@ -728,130 +559,7 @@ TEST(LifecycleCodec, AFreeCarriesTheEnginesTimingAndAPlainOneDoesNot) {
   EXPECT_FALSE(DecodeResponseTiming(AsBytes(EncodeLifecycleRequest("r1", {.ttfb_ms = -1}))));  // not a time
 }
 
-TEST(ActiveSequenceCodec, RoundTripsEveryKind) {
-  for (auto kind :
-       {ActiveSequenceEvent::Kind::kAdd, ActiveSequenceEvent::Kind::kPrefillDone, ActiveSequenceEvent::Kind::kFree}) {
-    ActiveSequenceEvent e{.router_id = 9,
-                          .request_id = "r",
-                          .worker_id = 3,
-                          .dp_rank = 1,
-                          .kind = kind,
-                          .seq_hashes = {1, ~0ull},
-                          .isl = 100,
-                          .overlap_blocks = 2,
-                          .epoch = 7,
-                          .session_id = kind == ActiveSequenceEvent::Kind::kAdd ? "chat-7" : ""};
-    auto back = DecodeActiveSequenceEvent(AsBytes(EncodeActiveSequenceEvent(e)));
-    ASSERT_TRUE(back.ok()) << back.status().ToString();
-    EXPECT_EQ(*back, e);
-  }
-}
-
-TEST(ActiveSequenceCodec, UnknownKindAndMissingFieldsAreInvalidArgument) {
-  msgpack::sbuffer buf;
-  msgpack::packer<msgpack::sbuffer> pk(buf);
-  pk.pack_map(4);
-  PackKey(pk, "router_id");
-  pk.pack(1);
-  PackKey(pk, "request_id");
-  pk.pack("r");
-  PackKey(pk, "worker_id");
-  pk.pack(2);
-  PackKey(pk, "kind");
-  pk.pack("teleport");
-  auto r = DecodeActiveSequenceEvent(AsBytes(buf));
-  ASSERT_FALSE(r.ok());
-  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
-  EXPECT_NE(r.status().message().find("kind"), std::string::npos);
-  msgpack::sbuffer empty;
-  msgpack::packer<msgpack::sbuffer> pk2(empty);
-  pk2.pack_map(0);
-  EXPECT_EQ(DecodeActiveSequenceEvent(AsBytes(empty)).status().code(), StatusCode::kInvalidArgument);
-}
-
-TEST(RouterHeartbeatCodec, RoundTripsAndNeedsARouterId) {
-  const RouterHeartbeat h{.router_id = ~0ull, .interval_ms = 250, .epoch = 0xFFFFFFFFu};
-  auto back = DecodeRouterHeartbeat(AsBytes(EncodeRouterHeartbeat(h)));
-  ASSERT_TRUE(back.ok()) << back.status().ToString();
-  EXPECT_EQ(*back, h);
-  {  // a replica without epochs (older kvrouter) is at epoch 0
-    msgpack::sbuffer old;
-    msgpack::packer<msgpack::sbuffer> pk(old);
-    pk.pack_map(2);
-    PackKey(pk, "router_id");
-    pk.pack(5);
-    PackKey(pk, "interval_ms");
-    pk.pack(1000);
-    auto r = DecodeRouterHeartbeat(AsBytes(old));
-    ASSERT_TRUE(r.ok()) << r.status().ToString();
-    EXPECT_EQ(*r, (RouterHeartbeat{.router_id = 5, .interval_ms = 1000, .epoch = 0}));
-  }
-  msgpack::sbuffer buf;
-  msgpack::packer<msgpack::sbuffer> pk(buf);
-  pk.pack_map(1);
-  PackKey(pk, "interval_ms");
-  pk.pack(1000);
-  auto r = DecodeRouterHeartbeat(AsBytes(buf));
-  ASSERT_FALSE(r.ok());
-  EXPECT_NE(r.status().message().find("router_id"), std::string::npos);
-}
-
-// ---- kv_metrics ----
-
-TEST(KvMetricsCodec, RoundTripsAtEveryIntegerWidth) {
-  for (const KvMetrics& m :
-       {KvMetrics{.worker_id = 7},
-        KvMetrics{
-            .worker_id = ~0ull, .dp_rank = 3, .active_decode_blocks = 70000, .active_prefill_tokens = 1ull << 40}}) {
-    auto back = DecodeKvMetrics(AsBytes(EncodeKvMetrics(m)));
-    ASSERT_TRUE(back.ok()) << back.status().ToString();
-    EXPECT_EQ(*back, m);
-  }
-}
-
-TEST(KvMetricsCodec, DpRankDefaultsToZeroAndUnknownKeysAreIgnored) {
-  auto body = MapOf(4, [](TestPacker& p) {
-    p.Key("worker_id");
-    p.pk.pack_fix_uint8(2);
-    p.Key("active_decode_blocks");
-    p.pk.pack_fix_uint16(300);
-    p.Key("active_prefill_tokens");
-    p.pk.pack(0);
-    p.Key("extra");
-    p.pk.pack_array(0);
-  });
-  auto r = DecodeKvMetrics(AsBytes(body));
-  ASSERT_TRUE(r.ok()) << r.status().ToString();
-  EXPECT_EQ(*r, (KvMetrics{.worker_id = 2, .active_decode_blocks = 300}));
-}
-
-TEST(KvMetricsCodec, MissingGaugesNegativeValuesAndTruncationsAreInvalidArgument) {
-  auto no_gauge = MapOf(2, [](TestPacker& p) {
-    p.Key("worker_id");
-    p.pk.pack(2);
-    p.Key("active_decode_blocks");
-    p.pk.pack(1);
-  });
-  ExpectInvalid(DecodeKvMetrics(AsBytes(no_gauge)), "active_prefill_tokens");
-  auto negative = MapOf(3, [](TestPacker& p) {
-    p.Key("worker_id");
-    p.pk.pack(2);
-    p.Key("active_decode_blocks");
-    p.pk.pack(-1);
-    p.Key("active_prefill_tokens");
-    p.pk.pack(1);
-  });
-  ExpectInvalid(DecodeKvMetrics(AsBytes(negative)), "active_decode_blocks");
-  ExpectInvalid(DecodeKvMetrics(AsBytes(std::string_view("\x93\x01\x02\x03", 4))), "must be a map");
-  const auto body = EncodeKvMetrics({.worker_id = 1, .dp_rank = 2, .active_decode_blocks = 3});
-  ExpectEveryTruncationFails(AsBytes(body), [](auto b) { return DecodeKvMetrics(b); });
-}
-
-}  // namespace
-}  // namespace kvrouter
-
-namespace kvrouter {
-namespace {
+// ---- stats ----
 
 StatsReply SampleStats(std::size_t ranks) {
   StatsReply r;
@@ -923,185 +631,6 @@ TEST(StatsCodec, ErrorReplyDecodesToItsStatus) {
   auto back = DecodeStatsReply(AsBytes(body));
   ASSERT_FALSE(back.ok());
   EXPECT_EQ(back.status().code(), StatusCode::kOverloaded);
-}
-
-TEST(OverlapScoresCodec, RequestRoundTripsWithEitherPromptForm) {
-  OverlapScoresRequest tokens;
-  tokens.prompt.token_ids = {1, 2, 3, 4, 5};
-  tokens.prompt.has_token_ids = true;
-  tokens.prompt.isl = 5;
-  tokens.prompt.lora_name = "adapter";
-  tokens.offset = 20;
-  tokens.limit = 7;
-  auto back = DecodeOverlapScoresRequest(AsBytes(EncodeOverlapScoresRequest(tokens)));
-  ASSERT_TRUE(back.ok()) << back.status().ToString();
-  EXPECT_EQ(back->prompt.token_ids, tokens.prompt.token_ids);
-  EXPECT_EQ(back->prompt.lora_name, "adapter");
-  EXPECT_EQ(back->offset, 20u);
-  EXPECT_EQ(back->limit, 7u);
-  OverlapScoresRequest hashes;
-  hashes.prompt.block_hashes = {11, 12};
-  hashes.prompt.isl = 8;
-  back = DecodeOverlapScoresRequest(AsBytes(EncodeOverlapScoresRequest(hashes)));
-  ASSERT_TRUE(back.ok()) << back.status().ToString();
-  EXPECT_FALSE(back->prompt.has_token_ids);
-  EXPECT_EQ(back->prompt.block_hashes, hashes.prompt.block_hashes);
-  EXPECT_EQ(back->prompt.isl, 8u);
-  EXPECT_EQ(back->offset, 0u);
-  EXPECT_EQ(back->limit, StatsRequest::kDefaultLimit);
-  auto huge = MapOf(2, [](TestPacker& p) {
-    p.Key("token_ids");
-    p.pk.pack(std::vector<std::uint32_t>{1});
-    p.Key("limit");
-    p.pk.pack(std::uint64_t{1} << 40);
-  });
-  back = DecodeOverlapScoresRequest(AsBytes(huge));
-  ASSERT_TRUE(back.ok());
-  EXPECT_EQ(back->limit, StatsRequest::kMaxLimit);
-  // No prompt: refused, as a route request would be.
-  auto none = DecodeOverlapScoresRequest(AsBytes(MapOf(1, [](TestPacker& p) {
-    p.Key("offset");
-    p.pk.pack(1);
-  })));
-  EXPECT_EQ(none.status().code(), StatusCode::kInvalidArgument);
-}
-
-TEST(OverlapScoresCodec, ReplyRoundTripsAndPagesUnderTheLimit) {
-  OverlapScoresReply r;
-  r.offset = 100;
-  r.workers_total = 5000;
-  for (std::uint64_t i = 0; i < 1000; ++i) {
-    const auto n = static_cast<std::uint32_t>(i % 7);
-    r.scores.push_back({.worker_id = 100 + i, .dp_rank = 1, .overlap_blocks = n, .overlap_by_tier = {n, n + 1, n + 2}});
-  }
-  OverlapScoresReply whole = r;
-  auto body = EncodeOverlapScoresReply(whole, 1 << 20);
-  ASSERT_TRUE(body.ok()) << body.status().ToString();
-  auto back = DecodeOverlapScoresReply(AsBytes(*body));
-  ASSERT_TRUE(back.ok()) << back.status().ToString();
-  EXPECT_EQ(back->scores, r.scores);
-  ASSERT_TRUE(back->next_offset.has_value());
-  EXPECT_EQ(*back->next_offset, 1100u);  // ranks after this page exist
-  EXPECT_EQ(back->workers_total, 5000u);
-
-  OverlapScoresReply trimmed = r;
-  body = EncodeOverlapScoresReply(trimmed, 4096);
-  ASSERT_TRUE(body.ok());
-  EXPECT_LE(body->size(), 4096u);
-  back = DecodeOverlapScoresReply(AsBytes(*body));
-  ASSERT_TRUE(back.ok());
-  ASSERT_GT(back->scores.size(), 0u);
-  ASSERT_LT(back->scores.size(), 1000u);
-  EXPECT_EQ(back->scores.front(), r.scores.front());
-  EXPECT_EQ(*back->next_offset, 100 + back->scores.size());
-
-  OverlapScoresReply last{.scores = {r.scores[0]}, .workers_total = 101, .offset = 100};
-  body = EncodeOverlapScoresReply(last, 1 << 20);
-  back = DecodeOverlapScoresReply(AsBytes(*body));
-  ASSERT_TRUE(back.ok());
-  EXPECT_FALSE(back->next_offset.has_value());
-  EXPECT_EQ(DecodeOverlapScoresReply(AsBytes(EncodeErrorReply(InvalidArgument("no")))).status().code(),
-            StatusCode::kInvalidArgument);
-}
-
-TEST(DumpCodec, RequestRoundTripsAndNeedsTheAskersId) {
-  const DumpRequest req{.router_id = 7, .offset = 3, .chain_offset = 12, .max_parts = 16};
-  auto back = DecodeDumpRequest(AsBytes(EncodeDumpRequest(req)));
-  ASSERT_TRUE(back.ok()) << back.status().ToString();
-  EXPECT_EQ(*back, req);
-  auto bare = DecodeDumpRequest(AsBytes(MapOf(0, [](TestPacker&) {})));
-  EXPECT_EQ(bare.status().code(), StatusCode::kInvalidArgument);
-  auto greedy = DecodeDumpRequest(AsBytes(EncodeDumpRequest({.router_id = 7, .max_parts = 100000})));
-  EXPECT_EQ(greedy->max_parts, kMaxDumpParts);
-  auto zero = DecodeDumpRequest(AsBytes(EncodeDumpRequest({.router_id = 7, .max_parts = 0})));
-  EXPECT_EQ(zero->max_parts, 1u);
-}
-
-// A rank of `chains` chains of `blocks` blocks each, alternating device and host.
-std::vector<DumpedChain> Chains(std::size_t chains, std::size_t blocks) {
-  std::vector<DumpedChain> out;
-  for (std::size_t c = 0; c < chains; ++c) {
-    DumpedChain& d = out.emplace_back();
-    d.tier = c % 2 == 0 ? StorageTier::kDevice : StorageTier::kHostPinned;
-    if (c > 0) d.stored.parent_hash = 1000 * c - 1;
-    for (std::size_t b = 0; b < blocks; ++b) d.stored.blocks.push_back({1000 * c + b, ~(1000 * c + b)});
-  }
-  return out;
-}
-
-TEST(DumpCodec, ARankSplitAcrossPagesComesBackWholeAndEveryPageFitsTheLimit) {
-  const std::vector<DumpedChain> big = Chains(40, 30);
-  const std::vector<DumpedChain> small = Chains(2, 1);
-  constexpr std::size_t kLimit = 16 * 1024;
-  std::vector<DumpedChain> got;
-  std::size_t next = 0;
-  int pages = 0;
-  while (next < big.size()) {
-    DumpReplyWriter w(99, kLimit);
-    if (next == 0) {
-      auto n = w.Add(4, 0, 17, SequenceKind::kEventId, small);
-      ASSERT_TRUE(n.ok());
-      ASSERT_EQ(*n, small.size());
-    }
-    auto n = w.Add(5, 1, 23, SequenceKind::kVllmSeq, std::span(big).subspan(next));
-    ASSERT_TRUE(n.ok()) << n.status().ToString();
-    ASSERT_GT(*n, 0u);
-    next += *n;
-    const bool more = next < big.size();
-    const msgpack::sbuffer body = std::move(w).Finish(more, 1, next);
-    ASSERT_LE(body.size(), kLimit);
-    auto r = DecodeDumpReply(AsBytes(body));
-    ASSERT_TRUE(r.ok()) << r.status().ToString();
-    EXPECT_EQ(r->router_id, 99u);
-    EXPECT_EQ(r->more, more);
-    if (more) {
-      EXPECT_EQ(r->next_chain, next);
-    }
-    const DumpedRank& d = r->workers.back();
-    EXPECT_EQ(d.worker_id, 5u);
-    EXPECT_EQ(d.dp_rank, 1u);
-    EXPECT_EQ(d.last_event_id, 23u);
-    EXPECT_EQ(d.numbering, SequenceKind::kVllmSeq);
-    EXPECT_EQ(d.partial, more);
-    if (pages == 0) {
-      EXPECT_EQ(r->workers.front().chains, small);
-    }
-    got.insert(got.end(), d.chains.begin(), d.chains.end());
-    ++pages;
-  }
-  EXPECT_GT(pages, 2);
-  EXPECT_EQ(got, big);
-  // A page already holding a rank leaves out a rank whose first chain no longer fits; a chain
-  // that fits no page is an error.
-  DumpReplyWriter w(1, 2048);
-  ASSERT_EQ(*w.Add(1, 0, 0, SequenceKind::kNone, Chains(1, 20)), 1u);
-  EXPECT_EQ(*w.Add(2, 0, 0, SequenceKind::kNone, Chains(1, 30)), 0u);
-  EXPECT_EQ(w.ranks(), 1u);
-  DumpReplyWriter tiny(1, 2048);
-  EXPECT_EQ(tiny.Add(1, 0, 0, SequenceKind::kNone, Chains(1, 100)).status().code(), StatusCode::kInvalidArgument);
-}
-
-TEST(DumpCodec, AChainThatIsNotAStoredEventIsRefused) {
-  auto body = MapOf(2, [](TestPacker& p) {
-    p.Key("more");
-    p.pk.pack(false);
-    p.Key("workers");
-    p.pk.pack_array(1);
-    p.pk.pack_map(3);
-    p.Key("worker_id");
-    p.pk.pack(1);
-    p.Key("dp_rank");
-    p.pk.pack(0);
-    p.Key("chains");
-    p.pk.pack_array(1);
-    p.pk.pack_map(2);
-    p.Key("event_id");
-    p.pk.pack(1);
-    p.Key("data");
-    p.pk.pack("cleared");
-  });
-  EXPECT_EQ(DecodeDumpReply(AsBytes(body)).status().code(), StatusCode::kInvalidArgument);
-  EXPECT_EQ(DecodeDumpReply(AsBytes(EncodeErrorReply(Internal("no")))).status().code(), StatusCode::kInternal);
 }
 
 TEST(StatsCodec, RequestDefaultsAndLimitClamp) {
