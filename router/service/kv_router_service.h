@@ -8,7 +8,7 @@
 //   route / best_worker / generate -> Routing (candidates, selection, booking, queue)
 //                                  -> reply, or GenerateRelay (forward, relay, lifecycle);
 //   mark_prefill / free / replica sync -> Routing;  stats -> BuildStats;
-//   overlap_scores -> the index;  dump -> DumpRank pages;  warm-up -> PeerWarmup.
+//   overlap_scores -> the index;  dump -> DumpServer;  warm-up -> PeerWarmup.
 // Thread contract: bus handlers run on the bus's delivery threads (one per subscription on
 // NATS), concurrently. The event path takes no routing lock (only the registry's reader lock
 // for a known worker rank, and the drop counters' own lock when it drops). Replies are
