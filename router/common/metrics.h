@@ -27,7 +27,7 @@
 #include <string_view>
 #include <vector>
 
-#include "events/message_codec.h"
+#include "events/router_endpoints_codec.h"
 
 namespace kvrouter {
 

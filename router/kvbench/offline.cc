@@ -11,7 +11,8 @@
 
 #include "events/block_hash.h"
 #include "events/event_codec.h"
-#include "events/message_codec.h"
+#include "events/registration_codec.h"
+#include "events/router_endpoints_codec.h"
 #include "events/msgpack_reader.h"
 #include "events/subjects.h"
 #include "events/worker_codec.h"

@@ -10,7 +10,7 @@
 #include <random>
 #include <thread>
 
-#include "events/message_codec.h"
+#include "events/router_endpoints_codec.h"
 #include "events/msgpack_reader.h"
 #include "events/subjects.h"
 #include "events/worker_codec.h"

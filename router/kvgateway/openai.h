@@ -16,7 +16,7 @@
 
 #include "events/base/status.h"
 #include "events/block_hash.h"
-#include "events/message_codec.h"
+#include "events/router_endpoints_codec.h"
 
 namespace kvrouter {
 

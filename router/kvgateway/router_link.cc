@@ -79,7 +79,7 @@ void RouterLink::Free(const std::string& request_id, const std::optional<Respons
     if (unconfirmed_.size() < kMaxPending) unconfirmed_.push_back(request_id);
   }
   (void)nats_.Publish(free_subject_, AsBytes(timing ? EncodeLifecycleRequest(request_id, *timing)
-                                                       : EncodeLifecycleRequest(request_id)));
+                                                    : EncodeLifecycleRequest(request_id)));
 }
 
 void RouterLink::OnAnswer(const IncomingMessage& m) {

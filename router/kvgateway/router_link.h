@@ -29,7 +29,7 @@
 #include "events/base/clock.h"
 #include "events/base/status.h"
 #include "events/base/thread_annotations.h"
-#include "events/message_codec.h"
+#include "events/router_endpoints_codec.h"
 #include "transport/nats_client.h"
 
 namespace kvrouter {

@@ -21,7 +21,7 @@
 
 #include "events/base/clock.h"
 #include "events/base/thread_annotations.h"
-#include "events/message_codec.h"
+#include "events/registration_codec.h"
 
 namespace kvrouter {
 

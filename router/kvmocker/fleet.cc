@@ -8,7 +8,7 @@
 #include <utility>
 
 #include "events/event_codec.h"
-#include "events/message_codec.h"
+#include "events/registration_codec.h"
 #include "events/msgpack_reader.h"
 #include "events/subjects.h"
 #include "router/common/metrics.h"

@@ -26,7 +26,7 @@
 
 #include "events/base/clock.h"
 #include "events/base/status.h"
-#include "events/message_codec.h"
+#include "events/registration_codec.h"
 #include "events/worker_codec.h"
 #include "events/worker_publisher.h"
 #include "router/kvmocker/config.h"

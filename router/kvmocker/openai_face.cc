@@ -10,7 +10,7 @@
 #include <random>
 
 #include "events/base/status.h"
-#include "events/message_codec.h"
+#include "events/router_endpoints_codec.h"
 #include "events/worker_codec.h"
 
 namespace kvrouter {

@@ -9,7 +9,7 @@
 #include <string_view>
 #include <vector>
 
-#include "events/message_codec.h"
+#include "events/registration_codec.h"
 #include "events/msgpack_reader.h"
 #include "transport/http_client.h"
 

@@ -3,7 +3,7 @@
 #include <fmt/format.h>
 
 #include "events/event_codec.h"
-#include "events/message_codec.h"
+#include "events/registration_codec.h"
 #include "events/msgpack_reader.h"
 #include "events/subjects.h"
 #include "events/vllm_codec.h"

@@ -43,7 +43,7 @@
 
 #include "events/base/clock.h"
 #include "events/base/status.h"
-#include "events/message_codec.h"
+#include "events/registration_codec.h"
 #include "events/worker_publisher.h"
 #include "events/base/log.h"
 #include "transport/message_bus.h"

@@ -18,7 +18,7 @@
 
 #include "events/base/clock.h"
 #include "events/base/status.h"
-#include "events/message_codec.h"
+#include "events/router_endpoints_codec.h"
 #include "router/scheduling/policy.h"
 #include "router/scheduling/request_queue.h"
 #include "router/scheduling/scheduler.h"

@@ -19,7 +19,7 @@
 #include <msgpack.hpp>
 
 #include "events/block_hash.h"
-#include "events/message_codec.h"
+#include "events/replica_sync_codec.h"
 #include "router/index/worker_key.h"
 #include "router/scheduling/active_load.h"
 #include "router/scheduling/replica_peers.h"

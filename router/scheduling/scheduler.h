@@ -27,7 +27,7 @@
 #include "events/base/clock.h"
 #include "events/base/status.h"
 #include "events/block_hash.h"
-#include "events/message_codec.h"
+#include "events/router_endpoints_codec.h"
 #include "router/index/approx_index.h"
 #include "router/index/sharded_index.h"
 #include "router/scheduling/active_load.h"

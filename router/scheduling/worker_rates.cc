@@ -4,7 +4,7 @@
 #include <cmath>
 #include <vector>
 
-#include "events/message_codec.h"
+#include "events/router_endpoints_codec.h"
 #include "router/scheduling/cost_predicted.h"
 
 namespace kvrouter {

@@ -6,7 +6,7 @@
 #include <utility>
 #include <vector>
 
-#include "events/message_codec.h"
+#include "events/peer_dump_codec.h"
 #include "events/msgpack_reader.h"
 
 namespace kvrouter {

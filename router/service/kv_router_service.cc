@@ -10,6 +10,7 @@
 
 #include "events/event_codec.h"
 #include "events/msgpack_reader.h"
+#include "events/overlap_scores_codec.h"
 #include "events/vllm_codec.h"
 
 namespace kvrouter {
@@ -58,18 +59,16 @@ KvRouterService::KvRouterService(RouterConfig config, MessageBus& bus, Clock clo
   routing_.SetDecisionObserver([this](Routing::Kind, const RouteReply& r) { metrics_.ObserveDecision(r); });
   if (config_.recovery && config_.use_kv_events) {
     recovery_ = std::make_unique<RecoveryClient>(
-        RecoveryClient::Options{.ns = config_.ns,
-                                .component = config_.component,
-                                .reply_prefix = RecoveryReplyPrefix(router_id_)},
+        RecoveryClient::Options{
+            .ns = config_.ns, .component = config_.component, .reply_prefix = RecoveryReplyPrefix(router_id_)},
         event_bus_, index_, clock_, log_);
   }
   if (recovery_ && config_.replica_sync) {
     recovery_->Pause();  // until the peer's dump has said which ranks it covers
     warm_ = false;
     warmup_ = std::make_unique<PeerWarmup>(
-        PeerWarmup::Options{.dump_subject = subjects_.dump,
-                            .router_id = router_id_,
-                            .reply_prefix = WarmupReplyPrefix(router_id_)},
+        PeerWarmup::Options{
+            .dump_subject = subjects_.dump, .router_id = router_id_, .reply_prefix = WarmupReplyPrefix(router_id_)},
         event_bus_, index_, clock_, [this](WorkerKey k) { return AdmitEvent(k.worker_id, k.dp_rank); },
         [this] { FinishWarmup(); }, log_);
   }

@@ -33,7 +33,8 @@
 #include <unordered_map>
 #include <vector>
 
-#include "events/message_codec.h"
+#include "events/registration_codec.h"
+#include "events/router_endpoints_codec.h"
 #include "events/subjects.h"
 #include "router/service/config.h"
 #include "router/service/dump_server.h"

@@ -12,7 +12,7 @@
 
 #include <msgpack.hpp>
 
-#include "events/message_codec.h"
+#include "events/router_endpoints_codec.h"
 #include "events/base/status.h"
 #include "router/scheduling/active_load.h"
 #include "router/index/worker_key.h"

@@ -29,7 +29,7 @@
 #include "events/base/clock.h"
 #include "events/base/log.h"
 #include "events/base/thread_annotations.h"
-#include "events/message_codec.h"
+#include "events/peer_dump_codec.h"
 #include "router/index/sharded_index.h"
 #include "transport/message_bus.h"
 

@@ -14,7 +14,7 @@
 #include <string_view>
 
 #include "events/base/status.h"
-#include "events/message_codec.h"
+#include "events/router_endpoints_codec.h"
 #include "router/index/worker_key.h"
 #include "router/scheduling/policy.h"
 #include "router/scheduling/scheduler.h"

@@ -14,7 +14,7 @@
 #include <string>
 #include <string_view>
 
-#include "events/message_codec.h"
+#include "events/router_endpoints_codec.h"
 #include "router/service/routing.h"
 #include "router/index/sharded_index.h"
 #include "router/service/worker_registry.h"

@@ -24,7 +24,8 @@
 #include <string>
 #include <vector>
 
-#include "events/message_codec.h"
+#include "events/replica_sync_codec.h"
+#include "events/router_endpoints_codec.h"
 #include "router/index/sharded_index.h"
 #include "router/scheduling/admission_queue.h"
 #include "router/scheduling/replica_sync.h"

@@ -27,7 +27,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "events/message_codec.h"
+#include "events/registration_codec.h"
 #include "events/base/thread_annotations.h"
 #include "events/base/clock.h"
 #include "router/index/worker_key.h"

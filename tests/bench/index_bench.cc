@@ -28,7 +28,8 @@
 #include <fmt/format.h>
 
 #include "events/event_codec.h"
-#include "events/message_codec.h"
+#include "events/registration_codec.h"
+#include "events/router_endpoints_codec.h"
 #include "events/msgpack_reader.h"
 #include "router/service/kv_router_service.h"
 #include "router/scheduling/selector.h"

@@ -12,7 +12,8 @@
 #include <queue>
 #include <random>
 
-#include "events/message_codec.h"
+#include "events/registration_codec.h"
+#include "events/router_endpoints_codec.h"
 #include "events/msgpack_reader.h"
 #include "router/service/kv_router_service.h"
 #include "transport/memory_bus.h"

@@ -25,7 +25,8 @@
 
 #include <nlohmann/json.hpp>
 
-#include "events/message_codec.h"
+#include "events/registration_codec.h"
+#include "events/router_endpoints_codec.h"
 #include "events/msgpack_reader.h"
 #include "events/worker_codec.h"
 #include "events/worker_publisher.h"

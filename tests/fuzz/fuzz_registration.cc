@@ -3,7 +3,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "events/message_codec.h"
+#include "events/registration_codec.h"
 #include "events/msgpack_reader.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {

@@ -4,7 +4,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "events/message_codec.h"
+#include "events/router_endpoints_codec.h"
 #include "events/msgpack_reader.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {

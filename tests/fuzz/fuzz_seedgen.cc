@@ -11,7 +11,8 @@
 #include <msgpack.hpp>
 
 #include "events/event_codec.h"
-#include "events/message_codec.h"
+#include "events/registration_codec.h"
+#include "events/router_endpoints_codec.h"
 #include "events/msgpack_reader.h"
 #include "events/vllm_codec.h"
 #include "events/worker_codec.h"

@@ -13,7 +13,7 @@
 #include <fstream>
 #include <numeric>
 
-#include "events/message_codec.h"
+#include "events/router_endpoints_codec.h"
 #include "events/msgpack_reader.h"
 #include "tests/integration/kvrouter_fixture.h"
 

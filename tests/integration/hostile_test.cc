@@ -11,7 +11,9 @@
 
 #include "events/event_codec.h"
 #include "events/kv_event.h"
-#include "events/message_codec.h"
+#include "events/registration_codec.h"
+#include "events/replica_sync_codec.h"
+#include "events/router_endpoints_codec.h"
 #include "events/msgpack_reader.h"
 #include "tests/integration/kvrouter_fixture.h"
 

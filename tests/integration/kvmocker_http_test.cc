@@ -21,7 +21,7 @@
 
 #include "events/block_hash.h"
 #include "events/event_codec.h"
-#include "events/message_codec.h"
+#include "events/registration_codec.h"
 #include "tests/integration/kvrouter_fixture.h"
 #include "transport/http_client.h"
 #include "transport/http_io.h"

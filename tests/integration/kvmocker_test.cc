@@ -15,7 +15,7 @@
 
 #include "events/block_hash.h"
 #include "events/event_codec.h"
-#include "events/message_codec.h"
+#include "events/registration_codec.h"
 #include "events/msgpack_reader.h"
 #include "events/vllm_codec.h"
 #include "events/worker_codec.h"

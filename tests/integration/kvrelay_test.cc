@@ -16,7 +16,8 @@
 #include <optional>
 
 #include "events/base/clock.h"
-#include "events/message_codec.h"
+#include "events/registration_codec.h"
+#include "events/router_endpoints_codec.h"
 #include "transport/http_io.h"
 #include "transport/http_listener.h"
 

@@ -5,6 +5,7 @@
 #include "events/event_codec.h"
 #include "events/kv_event.h"
 #include "events/msgpack_reader.h"
+#include "events/registration_codec.h"
 #include "events/vllm_codec.h"
 
 namespace kvrouter::testing {

@@ -25,7 +25,7 @@
 #include <vector>
 
 #include "events/base/status.h"
-#include "events/message_codec.h"
+#include "events/router_endpoints_codec.h"
 #include "tests/integration/process.h"
 #include "transport/nats_client.h"
 

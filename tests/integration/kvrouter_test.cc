@@ -14,7 +14,8 @@
 #include <thread>
 #include <sys/wait.h>
 
-#include "events/message_codec.h"
+#include "events/overlap_scores_codec.h"
+#include "events/router_endpoints_codec.h"
 #include "events/msgpack_reader.h"
 #include "events/vllm_codec.h"
 #include "tests/integration/kvrouter_fixture.h"

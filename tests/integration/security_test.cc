@@ -16,7 +16,7 @@
 
 #include "events/event_codec.h"
 #include "events/kv_event.h"
-#include "events/message_codec.h"
+#include "events/router_endpoints_codec.h"
 #include "events/msgpack_reader.h"
 #include "events/worker_codec.h"
 #include "tests/await.h"

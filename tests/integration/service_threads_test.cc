@@ -11,7 +11,8 @@
 #include <vector>
 
 #include "events/event_codec.h"
-#include "events/message_codec.h"
+#include "events/registration_codec.h"
+#include "events/router_endpoints_codec.h"
 #include "events/msgpack_reader.h"
 #include "router/service/kv_router_service.h"
 #include "tests/integration/kvrouter_fixture.h"

@@ -8,7 +8,7 @@
 #include <map>
 #include <mutex>
 
-#include "events/message_codec.h"
+#include "events/router_endpoints_codec.h"
 #include "events/msgpack_reader.h"
 #include "events/worker_codec.h"
 #include "tests/integration/kvrouter_fixture.h"

@@ -10,7 +10,7 @@
 #include <thread>
 
 #include "events/event_codec.h"
-#include "events/message_codec.h"
+#include "events/registration_codec.h"
 #include "events/msgpack_reader.h"
 #include "events/vllm_codec.h"
 #include "events/subjects.h"

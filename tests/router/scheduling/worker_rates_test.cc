@@ -7,7 +7,7 @@
 #include <cmath>
 #include <limits>
 
-#include "events/message_codec.h"
+#include "events/router_endpoints_codec.h"
 
 namespace kvrouter {
 namespace {

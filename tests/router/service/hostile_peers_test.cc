@@ -7,7 +7,8 @@
 #include <limits>
 
 #include "events/event_codec.h"
-#include "events/message_codec.h"
+#include "events/replica_sync_codec.h"
+#include "events/router_endpoints_codec.h"
 #include "events/msgpack_reader.h"
 #include "events/vllm_codec.h"
 #include "tests/router/service/service_fixture.h"

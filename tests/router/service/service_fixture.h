@@ -11,7 +11,9 @@
 #include <vector>
 
 #include "events/event_codec.h"
-#include "events/message_codec.h"
+#include "events/overlap_scores_codec.h"
+#include "events/registration_codec.h"
+#include "events/router_endpoints_codec.h"
 #include "events/msgpack_reader.h"
 #include "router/service/kv_router_service.h"
 #include "transport/memory_bus.h"
