@@ -64,7 +64,7 @@ class ServiceTest : public ::testing::Test {
     return r;
   }
 
-  // The stats reply, decoded by the one stats decoder (events/message_codec.h).
+  // The stats reply, decoded by the one stats decoder (events/router_endpoints_codec.h).
   StatsReply Stats(StatsRequest page = {}) {
     auto reply = bus_.Request(svc_->subjects().stats, AsBytes(EncodeStatsRequest(page)));
     EXPECT_TRUE(reply.has_value());
