@@ -1,4 +1,4 @@
-// The two walkers of a message's field list (a ForEach...Field function next to the message's
+// The two walkers of a message's field list (docs/design.md "Glossary"; a ForEach...Field next to the message's
 // struct): FieldEncoder writes each field into a MapWriter, FieldDecoder reads each from a
 // decoded map. Internal to the codecs in events/. A field list calls, in encoded order:
 //   v.Required(key, member)          always written; a decode without it fails

@@ -1,4 +1,4 @@
-// The inputs of a kv cost (docs/design.md "Selection"): a registered rank (RankInfo), a rank
+// The inputs of a kv cost (docs/design.md "Selection"; terms in "Glossary"): a registered rank (RankInfo), a rank
 // as one request's candidate (Candidate: its overlap, the router's load on it, its learned
 // rates), the request (SelectionRequest) and the cost parameters it resolved (CostParams).
 // Plain values; the scheduler fills them (Scheduler::Candidates), the costs read them

@@ -1,4 +1,5 @@
-// Every kv cost, and the one dispatch from CostModel to its type (docs/design.md "Selection").
+// Every kv cost, and the one dispatch from CostModel to its type (docs/design.md "Selection";
+// cost, idle key, rank class in "Glossary").
 // A pick resolves the model once, at its top, and runs as a template on the cost: no virtual
 // call and no branch on the model per candidate. A cost type provides kModel, kReadsHistory,
 // IdleKeyOf(RankInfo), PricingOf and PickPrice (cost_kv_blocks.h, cost_predicted.h). Pure.

@@ -1,4 +1,5 @@
-// Scheduler: the decision for one route request (docs/design.md "Selection", "Approximate mode").
+// Scheduler: the decision for one route request (docs/design.md "Selection", "Approximate mode";
+// its terms, candidate, booking, fleet pick, crowd, in "Glossary").
 // Prepare hashes the prompt once and resolves its cost parameters; Candidates turns the ranks
 // the request may use into candidates with their overlap and load; OpenRanks drops the full
 // ones when the queue is on; Decide picks one and books it. It owns the bookings (ActiveLoad),
