@@ -1,5 +1,6 @@
-// NATS subjects of docs/protocol.md, each spelled in this one place: programs, the service and
-// tests build every subject through these functions (or the Subjects set below), never by hand.
+// NATS subjects of docs/protocol.md, each spelled in this one place: programs and the service
+// build every subject through these functions (or the Subjects set below), never by hand; tests
+// that check the wire itself (the integration tests, subjects_test) spell the literals.
 // Thread-safe (pure functions). Callers on a hot path keep the subject they built (Subjects is
 // built once per service) rather than formatting one per message.
 //   {ns}: the namespace (--namespace), {comp}: the worker component (--component).

@@ -28,8 +28,10 @@ std::size_t BlocksIn(const KvEventBatch& b) {
 
 }  // namespace
 
-IndexShard::IndexShard(const ShardedIndexOptions& o, SpareBatches& spares, std::size_t number)
-    : spares_(spares),
+IndexShard::IndexShard(const ShardedIndexOptions& o, const ShardedIndex& owner, SpareBatches& spares,
+                       std::size_t number)
+    : owner_(owner),
+      spares_(spares),
       number_(number),
       capacity_(o.queue_capacity),
       max_bulk_(o.max_bulk),
@@ -131,7 +133,7 @@ void IndexShard::Recovered(RecoveryPart part) {
 }
 
 void IndexShard::Flush() {
-  if (InRecoveryAsk()) return;
+  if (InRecoveryAsk(owner_)) return;
   KvMutexLock g(flush_mu_);
   ++flush_waiters_;
   flush_cv_.wait(flush_mu_, [&] { return applied_.load() >= submitted_.load(); });
@@ -356,18 +358,28 @@ std::vector<IndexShard::Ask> IndexShard::TakeAsks() {
 }
 
 namespace {
-// Set while a thread makes a shard's asks (IndexShard::InRecoveryAsk).
-thread_local bool t_in_recovery_ask = false;
+// The index whose on_recovery the calling thread is in, else null (IndexShard::InRecoveryAsk).
+thread_local const ShardedIndex* t_recovering_index = nullptr;
+
+// Sets t_recovering_index for a scope, and restores what it was however the scope ends.
+class RecoveryAskScope {
+ public:
+  explicit RecoveryAskScope(const ShardedIndex& index) : outer_(std::exchange(t_recovering_index, &index)) {}
+  ~RecoveryAskScope() { t_recovering_index = outer_; }
+  RecoveryAskScope(const RecoveryAskScope&) = delete;
+  RecoveryAskScope& operator=(const RecoveryAskScope&) = delete;
+
+ private:
+  const ShardedIndex* const outer_;
+};
 }  // namespace
 
-bool IndexShard::InRecoveryAsk() { return t_in_recovery_ask; }
+bool IndexShard::InRecoveryAsk(const ShardedIndex& index) { return t_recovering_index == &index; }
 
 void IndexShard::MakeAsks(const std::vector<Ask>& asks) {
   if (asks.empty()) return;
-  const bool outer = t_in_recovery_ask;
-  t_in_recovery_ask = true;
+  const RecoveryAskScope scope(owner_);
   for (const Ask& a : asks) on_recovery_(a.worker, a.numbering, a.start, a.generation);
-  t_in_recovery_ask = outer;
 }
 
 const KvStored* IndexShard::FirstStored(const KvEventBatch& b) {

@@ -5,10 +5,10 @@
 // Thread contract: every public method from any thread; ApplyHere applies on the calling
 // thread only while the shard is idle; FindMatches and TranslateMatches read without the lock,
 // the stats (TreeSizes, TreeSize, Memory) and the dumps (DumpableRanks, DumpRank) take it.
-// Ownership: ShardedIndex owns the shards; a shard borrows the SpareBatches it gives applied
-// batches to. Destruction applies what is queued, then joins the thread.
+// Ownership: ShardedIndex owns the shards; a shard borrows its owner and the SpareBatches it
+// gives applied batches to. Destruction applies what is queued, then joins the thread.
 //
-//   IndexShard shard(options, spares, 0);  shard.Submit(std::move(batch));  shard.Flush();
+//   IndexShard shard(options, index, spares, 0);  shard.Submit(std::move(batch));  shard.Flush();
 #pragma once
 
 #include <concurrentqueue/blockingconcurrentqueue.h>
@@ -43,7 +43,8 @@ namespace kvrouter {
 
 class IndexShard {
  public:
-  IndexShard(const ShardedIndexOptions& o, SpareBatches& spares, std::size_t number);
+  // `owner`: the index the shard belongs to (its on_recovery is the owner's).
+  IndexShard(const ShardedIndexOptions& o, const ShardedIndex& owner, SpareBatches& spares, std::size_t number);
   ~IndexShard();
   IndexShard(const IndexShard&) = delete;
   IndexShard& operator=(const IndexShard&) = delete;
@@ -70,8 +71,9 @@ class IndexShard {
   // on_recovery it returns at once (InRecoveryAsk): the caller is a thread that applies, and what
   // is left is applied after on_recovery returns, so waiting would wait for itself.
   void Flush();
-  // Whether the calling thread is inside on_recovery (making the asks of a shard it applied for).
-  static bool InRecoveryAsk();
+  // Whether the calling thread is inside `index`'s on_recovery (making the asks of one of its
+  // shards). Another index's Flush on that thread still waits.
+  static bool InRecoveryAsk(const ShardedIndex& index);
   // Queues `barrier`, counted down once what this thread queued before it has been applied
   // (however much other threads queue meanwhile).
   void Barrier(std::shared_ptr<std::latch> barrier);
@@ -183,6 +185,7 @@ class IndexShard {
   // The writer: the ops of one batch, on `key`'s index.
   void ApplyOps(WorkerKey key, const KvEventBatch& b) KV_REQUIRES(mu_);
 
+  const ShardedIndex& owner_;
   SpareBatches& spares_;
   const std::size_t number_;  // of the shard, in its thread's name
   const std::size_t capacity_;

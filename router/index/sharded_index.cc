@@ -15,7 +15,7 @@ namespace kvrouter {
 ShardedIndex::ShardedIndex(ShardedIndexOptions options)
     : spares_(std::make_unique<SpareBatches>()), apply_on_submit_(options.apply_on_submit) {
   const std::size_t n = options.num_shards == 0 ? 1 : options.num_shards;
-  for (std::size_t i = 0; i < n; ++i) shards_.push_back(std::make_unique<IndexShard>(options, *spares_, i));
+  for (std::size_t i = 0; i < n; ++i) shards_.push_back(std::make_unique<IndexShard>(options, *this, *spares_, i));
 }
 
 ShardedIndex::~ShardedIndex() = default;
@@ -163,7 +163,7 @@ std::vector<WorkerKey> ShardedIndex::TakeStaleWorkers() {
 }
 
 void ShardedIndex::AwaitOwnSubmissions() {
-  if (IndexShard::InRecoveryAsk()) return;  // as Flush: it would wait for this very thread
+  if (IndexShard::InRecoveryAsk(*this)) return;  // as Flush: it would wait for this very thread
   auto barrier = std::make_shared<std::latch>(static_cast<std::ptrdiff_t>(shards_.size()));
   for (const auto& s : shards_) s->Barrier(barrier);
   barrier->wait();

@@ -186,11 +186,12 @@ class ShardedIndex {
   std::uint64_t UpkeepPasses() const;
   // Workers whose index may be wrong (gap, queue full) since the last call; clears the set.
   std::vector<WorkerKey> TakeStaleWorkers();
-  // Blocks until everything submitted before the call has been applied (not from inside
-  // on_recovery: see the thread contract above).
+  // Blocks until everything submitted before the call has been applied; from inside this
+  // index's on_recovery, returns at once (the thread contract above).
   void Flush();
   // Blocks until what this thread submitted before the call has been applied: unlike Flush, not
-  // held up by what other threads keep submitting (an event flood). Not from inside on_recovery.
+  // held up by what other threads keep submitting (an event flood). From inside this index's
+  // on_recovery, returns at once, as Flush.
   void AwaitOwnSubmissions();
 
   // Puts the calling thread in Linux's batch scheduling class (SCHED_BATCH, same share of the

@@ -194,6 +194,12 @@ struct PredictedTimeCost {
   // What an idle rank's price reads of its registration: its prefill budget per step (steps) and
   // its cache size (u).
   static IdleKey IdleKeyOf(const RankInfo& r) { return {{r.total_kv_blocks, r.max_num_batched_tokens}}; }
+  // The spread's scale (CostParams::spread_scale) on a fleet whose typical learned prefill factor
+  // is `typical_prefill`: that factor, at most 1 (a slow fleet's hits are worth more, and the tie
+  // breaker stays as it is) and at least half: the spread also keeps sessions spread over the
+  // fleet's caches, which the fleet's speed does not change; scaled by the whole factor, a fleet
+  // much faster than the prior loses hit rate (docs/performance.md, "Other measurements").
+  static double SpreadScaleOf(double typical_prefill) { return std::clamp(typical_prefill, 0.5, 1.0); }
 
   static double Price(const Candidate& c, const SelectionRequest& req, const CostParams& p, double recent_excess = 0) {
     return PredictedCostMs(c, req, p, recent_excess);

@@ -14,7 +14,8 @@
 
 namespace kvrouter {
 
-// Calls f.template operator()<Cost>() with the cost type of `model`.
+// Calls f.template operator()<Cost>() with the cost type of `model` (every CostModel has a case:
+// -Wswitch names one left out; a value outside the enum falls to KvBlocksCost).
 template <typename F>
 decltype(auto) WithCost(CostModel model, F&& f) {
   switch (model) {

@@ -81,12 +81,8 @@ void Scheduler::FreshOverlaps(const PreparedRequest& p, OverlapScores& out) cons
 }
 
 void Scheduler::PriceSpread(PreparedRequest& p) const {
-  // At most halved: the spread also keeps sessions spread over the fleet's caches, which the
-  // fleet's speed does not change; scaled by the whole factor, a fleet much faster than the prior
-  // loses hit rate (docs/performance.md, "Mixed fleets and learned rates").
-  constexpr double kMinSpreadScale = 0.5;
   if (p.params.model == CostModel::kPredicted) {
-    p.params.spread_scale = std::clamp(rates_.Typical().prefill, kMinSpreadScale, 1.0);
+    p.params.spread_scale = PredictedTimeCost::SpreadScaleOf(rates_.Typical().prefill);
   }
 }
 

@@ -15,14 +15,14 @@ DumpServer::DumpServer(const ShardedIndex& index, MessageBus& bus, std::uint64_t
                        ReplyError reply_error)
     : index_(index), bus_(bus), router_id_(router_id), log_(log), reply_error_(std::move(reply_error)) {}
 
-void DumpServer::Serve(const BusMessage& m, bool warm) {
+void DumpServer::Serve(const BusMessage& m, Warmth warmth) {
   if (m.reply.empty()) return;
   auto req = DecodeDumpRequest(m.data);
   if (!req.ok()) {
     reply_error_(m, req.status());
     return;
   }
-  if (req->router_id == router_id_ || !warm) return;  // its own ask; or not the fleet's index yet
+  if (req->router_id == router_id_ || warmth != Warmth::kWarm) return;  // its own ask; or not the fleet's index yet
   const std::vector<WorkerKey> ranks = index_.DumpableRanks();
   const DumpCursor from = DumpCursor::Of(req->offset);
   std::uint64_t offset = from.rank, chain_offset = std::max(from.chain, req->chain_offset);

@@ -6,7 +6,7 @@
 // answered on its caller's thread; the index's reads are its own). Ownership: borrows the index,
 // the bus and the log, which must outlive it.
 //
-//   DumpServer dumps(index, event_bus, router_id, log, reply_error);  dumps.Serve(msg);
+//   DumpServer dumps(index, event_bus, router_id, log, reply_error);  dumps.Serve(msg, Warmth::kWarm);
 #pragma once
 
 #include <atomic>
@@ -20,6 +20,9 @@
 
 namespace kvrouter {
 
+// Whether this replica holds the fleet's index yet: a replica warming up from a peer does not.
+enum class Warmth { kWarming, kWarm };
+
 class DumpServer {
  public:
   // How an ask that cannot be answered is refused (the service's error reply).
@@ -28,9 +31,8 @@ class DumpServer {
   DumpServer(const ShardedIndex& index, MessageBus& bus, std::uint64_t router_id, RateLimitedLog& log, ReplyError reply_error);
 
   // Answers the ask `m` (on `m.reply`, in pages of at most the bus's max payload). Its own
-  // asks are ignored, and so is every ask while `warm` is false: until its warm-up ends this
-  // replica does not hold the fleet's index.
-  void Serve(const BusMessage& m, bool warm);
+  // asks are ignored, and so is every ask while it is kWarming.
+  void Serve(const BusMessage& m, Warmth warmth);
   // Pages published so far (the stats counter dump_pages_served).
   std::uint64_t pages_served() const { return pages_served_.load(std::memory_order_relaxed); }
 

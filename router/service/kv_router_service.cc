@@ -101,7 +101,7 @@ std::vector<KvRouterService::Sub> KvRouterService::EventSubscriptions() {
 
 std::vector<KvRouterService::Sub> KvRouterService::DumpSubscriptions() {
   // Every replica hears router.dump (a page may be large: the event connection).
-  auto serve = [this](const BusMessage& m) { dumps_.Serve(m, warm_.load()); };
+  auto serve = [this](const BusMessage& m) { dumps_.Serve(m, warm_.load() ? Warmth::kWarm : Warmth::kWarming); };
   return {{subjects_.dump, "", serve}, {ReplicaEndpointSubject(subjects_.dump, router_id_), "", serve}};
 }
 

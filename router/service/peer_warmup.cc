@@ -1,11 +1,10 @@
 #include "router/service/peer_warmup.h"
 
-#include <fmt/format.h>
-
 #include <algorithm>
 #include <charconv>
 
 #include "events/msgpack_reader.h"
+#include "events/subjects.h"
 
 namespace kvrouter {
 
@@ -58,7 +57,7 @@ void PeerWarmup::Pump() {
       req = *to_send_;
       to_send_.reset();
       subject =
-          counters_.peer == 0 ? options_.dump_subject : fmt::format("{}.{}", options_.dump_subject, counters_.peer);
+          counters_.peer == 0 ? options_.dump_subject : ReplicaEndpointSubject(options_.dump_subject, counters_.peer);
       reply = options_.reply_prefix + std::to_string(ask_);
     }
     const msgpack::sbuffer body = EncodeDumpRequest(req);

@@ -386,6 +386,22 @@ TEST(ShardedIndex, AFlushFromInsideOnRecoveryReturnsAndTheAnswerIsAppliedAfter) 
   EXPECT_EQ(idx.Counters().gaps, 0u);
 }
 
+// Only the index whose on_recovery the thread is in returns at once: another index's Flush on
+// that thread still waits for what it was given.
+TEST(ShardedIndex, InsideOneIndexsOnRecoveryAnotherIndexsFlushStillWaits) {
+  ShardedIndex other({.num_shards = 1});
+  std::atomic<std::size_t> other_held{0};
+  auto on_recovery = [&](WorkerKey, SequenceKind, std::optional<std::uint64_t>, std::uint64_t) {
+    EXPECT_TRUE(other.Submit(StoredBatch(9, 0, 1, std::nullopt, {{90, 9}, {91, 10}})));
+    other.Flush();
+    other_held = other.TreeSize({9, 0});
+  };
+  ShardedIndex idx({.num_shards = 1, .on_recovery = on_recovery});
+  idx.RequestDump({1, 0});
+  idx.Flush();
+  EXPECT_EQ(other_held.load(), 2u);
+}
+
 TEST(ShardedIndex, DuplicateEventIdIsDroppedAndGapIsFlagged) {
   ShardedIndex idx({.num_shards = 2});
   ASSERT_TRUE(idx.Submit(StoredBatch(5, 0, 1, std::nullopt, {{100, 1}})));

@@ -50,8 +50,9 @@ TEST(KvBlocksCost, TableOfCases) {
   }
 }
 
-// The predicted cost (selector.h), case by case: 64-token blocks, 16,384-block workers and an
-// 8,192-token step budget unless a case says otherwise.
+// The overlap credited per tier (candidate.h), then the predicted cost (cost_predicted.h) case by
+// case: 64-token blocks, 16,384-block workers and an 8,192-token step budget unless a case says
+// otherwise.
 TEST(CreditedBlocks, EachTierBeyondTheOneBeforeAtItsWeight) {
   const CostParams p{.host_weight = 0.75, .disk_weight = 0.25};
   Candidate c;

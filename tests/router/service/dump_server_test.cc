@@ -26,18 +26,21 @@ class DumpServerTest : public ::testing::Test {
           (void)bus_.Publish(m.reply, AsBytes(EncodeErrorReply(s)));
         }) {}
 
-  // `worker` holds a chain of `blocks` blocks (canonical: block hash = sequence hash).
-  void Hold(std::uint64_t worker, std::uint32_t blocks) {
+  // `worker` holds a chain of `blocks` blocks from the root, the `chain`-th of its own.
+  void Hold(std::uint64_t worker, std::uint32_t blocks, std::uint64_t chain = 0) {
     KvEventBatch b;
     b.worker_id = worker;
     KvStored st;
-    for (std::uint32_t i = 0; i < blocks; ++i) st.blocks.push_back({worker * 1000 + i, worker * 1000 + i});
+    for (std::uint32_t i = 0; i < blocks; ++i) {
+      const std::uint64_t h = (worker * 1000 + chain) * 1000 + i;
+      st.blocks.push_back({h, h});
+    }
     b.ops.push_back({StorageTier::kDevice, std::move(st)});
     ASSERT_TRUE(index_.Submit(std::move(b)));
     index_.Flush();
   }
   // Every page answering one ask (the bus is synchronous: they come inside Serve).
-  std::vector<DumpReply> Ask(std::span<const std::byte> body, bool warm) {
+  std::vector<DumpReply> Ask(std::span<const std::byte> body, Warmth warmth) {
     std::vector<DumpReply> pages;
     auto sub = bus_.Subscribe("_TEST.dump", "", [&](const BusMessage& m) {
       auto r = DecodeDumpReply(m.data);
@@ -45,11 +48,11 @@ class DumpServerTest : public ::testing::Test {
     });
     EXPECT_TRUE(sub.ok());
     const std::vector<std::byte> bytes(body.begin(), body.end());
-    dumps_.Serve(BusMessage{.subject = "namespace.dynamo.router.dump", .data = bytes, .reply = "_TEST.dump"}, warm);
+    dumps_.Serve(BusMessage{.subject = "namespace.dynamo.router.dump", .data = bytes, .reply = "_TEST.dump"}, warmth);
     return pages;
   }
-  std::vector<DumpReply> Ask(const DumpRequest& req, bool warm = true) {
-    return Ask(AsBytes(EncodeDumpRequest(req)), warm);
+  std::vector<DumpReply> Ask(const DumpRequest& req, Warmth warmth = Warmth::kWarm) {
+    return Ask(AsBytes(EncodeDumpRequest(req)), warmth);
   }
 
   InMemoryBus bus_;
@@ -62,7 +65,7 @@ class DumpServerTest : public ::testing::Test {
 TEST_F(DumpServerTest, ItsOwnAskAndEveryAskBeforeItIsWarmGoUnanswered) {
   Hold(1, 4);
   EXPECT_TRUE(Ask({.router_id = kSelf, .max_parts = 1}).empty());
-  EXPECT_TRUE(Ask({.router_id = 7, .max_parts = 1}, /*warm=*/false).empty());
+  EXPECT_TRUE(Ask({.router_id = 7, .max_parts = 1}, Warmth::kWarming).empty());
   EXPECT_EQ(dumps_.pages_served(), 0u);
   const auto pages = Ask({.router_id = 7, .max_parts = 1});
   ASSERT_EQ(pages.size(), 1u);
@@ -75,7 +78,7 @@ TEST_F(DumpServerTest, ItsOwnAskAndEveryAskBeforeItIsWarmGoUnanswered) {
 
 TEST_F(DumpServerTest, AnAskItCannotReadGetsAnErrorReply) {
   const std::byte junk[] = {std::byte{0xc1}, std::byte{0x00}};
-  EXPECT_TRUE(Ask(junk, /*warm=*/true).empty());
+  EXPECT_TRUE(Ask(junk, Warmth::kWarm).empty());
   ASSERT_EQ(errors_.size(), 1u);
   EXPECT_EQ(errors_[0].code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(dumps_.pages_served(), 0u);
@@ -95,6 +98,27 @@ TEST_F(DumpServerTest, ADumpPastTheMaxPayloadComesInPagesOfWholeRanks) {
   }
   for (std::uint64_t w = 1; w <= 6; ++w) EXPECT_EQ(blocks_of[w], 40u) << "worker " << w;
   EXPECT_EQ(dumps_.pages_served(), pages.size());
+}
+
+// An asker of several parts gets whole ranks: past max_parts the pages go on to the end of the
+// rank under way, so the ask ends at a rank's end (the next ask starts at the next rank's first
+// chain).
+TEST_F(DumpServerTest, AnAskOfSeveralPartsEndsAtARanksEnd) {
+  for (std::uint64_t w = 1; w <= 3; ++w) {
+    for (std::uint64_t chain = 0; chain < 30; ++chain) Hold(w, 4, chain);
+  }
+  bus_.set_max_payload(1024);
+  const auto pages = Ask({.router_id = 7, .max_parts = 2});
+  ASSERT_GT(pages.size(), 2u);  // a rank spans more pages than were asked
+  ASSERT_TRUE(pages.back().more);
+  EXPECT_EQ(pages.back().next_chain, 0u);
+  for (std::size_t i = 0; i + 1 < pages.size(); ++i) EXPECT_TRUE(pages[i].more) << i;
+  // The whole ranks sent hold every chain of theirs.
+  std::vector<std::uint64_t> chains_of(4, 0);
+  for (const DumpReply& p : pages) {
+    for (const DumpedRank& r : p.workers) chains_of[r.worker_id] += r.chains.size();
+  }
+  EXPECT_EQ(chains_of[1], 30u);
 }
 
 }  // namespace
