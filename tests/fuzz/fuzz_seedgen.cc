@@ -12,6 +12,7 @@
 
 #include "events/event_codec.h"
 #include "events/registration_codec.h"
+#include "events/replica_sync_codec.h"
 #include "events/router_endpoints_codec.h"
 #include "events/msgpack_reader.h"
 #include "events/vllm_codec.h"
