@@ -21,6 +21,25 @@ Result<bool> ReadLeaving(const msgpack::object* o, std::string_view field) {
       fmt::format("field '{}' must be \"up\" or \"leaving\", not '{}'", field, status->substr(0, 32)));
 }
 
+Result<WorkerRole> ReadRole(const msgpack::object* o, std::string_view field) {
+  auto s = ReadStr(o, field);
+  if (!s.ok()) return s.status();
+  for (WorkerRole r : {WorkerRole::kBoth, WorkerRole::kPrefill, WorkerRole::kDecode}) {
+    if (*s == WorkerRoleName(r)) return r;
+  }
+  return InvalidArgument(
+      fmt::format("field '{}' must be \"both\", \"prefill\" or \"decode\", not '{}'", field, s->substr(0, 32)));
+}
+
+Result<KvConnector> ReadConnector(const msgpack::object* o, std::string_view field) {
+  auto s = ReadStr(o, field);
+  if (!s.ok()) return s.status();
+  for (KvConnector k : {KvConnector::kNixl, KvConnector::kSglang}) {
+    if (*s == KvConnectorName(k)) return k;
+  }
+  return InvalidArgument(fmt::format("field '{}' must be \"nixl\" or \"sglang\", not '{}'", field, s->substr(0, 32)));
+}
+
 // An engine's OpenAI base URL: http://, at most kMaxUrlBytes, trailing slashes dropped.
 Result<std::string> ReadHttpUrl(const msgpack::object* o, std::string_view field) {
   auto s = ReadStr(o, field);
@@ -52,6 +71,19 @@ Result<std::vector<std::string>> ReadModels(const msgpack::object* o, std::strin
 
 }  // namespace
 
+std::string_view WorkerRoleName(WorkerRole role) {
+  switch (role) {
+    case WorkerRole::kPrefill: return "prefill";
+    case WorkerRole::kDecode: return "decode";
+    case WorkerRole::kBoth: break;
+  }
+  return "both";
+}
+
+std::string_view KvConnectorName(KvConnector connector) {
+  return connector == KvConnector::kSglang ? "sglang" : "nixl";
+}
+
 Result<WorkerRegistration> DecodeWorkerRegistration(std::span<const std::byte> body) {
   auto doc = ParseMsgpackMap(body, "worker registration");
   if (!doc.ok()) return doc.status();
@@ -71,7 +103,11 @@ Result<WorkerRegistration> DecodeWorkerRegistration(std::span<const std::byte> b
   reads.Optional(m, "status", ReadLeaving, reg.leaving);
   reads.Optional(m, "http_url", ReadHttpUrl, reg.http_url);
   reads.Optional(m, "models", ReadModels, reg.models);
+  reads.Optional(m, "role", ReadRole, reg.role);
+  reads.Optional(m, "kv_connector", ReadConnector, reg.kv_connector);
+  reads.Optional(m, "bootstrap_port", ReadU32, reg.bootstrap_port);
   if (!reads.ok()) return reads.status();
+  if (reg.bootstrap_port > 65535) return InvalidArgument("field 'bootstrap_port' must be a port, at most 65535");
   if (reg.dp_size == 0) return InvalidArgument("field 'dp_size' must be at least 1");
   if (std::uint64_t{reg.dp_start} + reg.dp_size > std::numeric_limits<std::uint32_t>::max()) {
     return InvalidArgument("fields 'dp_start' + 'dp_size' overflow the u32 dp rank range");
@@ -92,6 +128,9 @@ msgpack::sbuffer EncodeWorkerRegistration(const WorkerRegistration& reg) {
       .Field("status", std::string_view(reg.leaving ? "leaving" : "up"));
   if (!reg.http_url.empty()) w.Field("http_url", reg.http_url);
   if (!reg.models.empty()) w.Field("models", reg.models);
+  if (reg.role != WorkerRole::kBoth) w.Field("role", WorkerRoleName(reg.role));
+  if (reg.kv_connector != KvConnector::kNixl) w.Field("kv_connector", KvConnectorName(reg.kv_connector));
+  if (reg.bootstrap_port != kDefaultBootstrapPort) w.Field("bootstrap_port", reg.bootstrap_port);
   return std::move(w).Finish();
 }
 

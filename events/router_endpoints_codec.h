@@ -185,6 +185,7 @@ struct WorkerStats {
   double prefill_tokens_per_second = 0;
   double decode_step_seconds = 0;
   std::uint64_t rate_observations = 0;
+  std::string role = "both";  // section 13: "both", "prefill" or "decode"
   bool operator==(const WorkerStats&) const = default;
 };
 // WorkerStats' wire fields in encoded order, walked by its encoder and decoder
@@ -202,6 +203,7 @@ void ForEachWorkerStatsField(Stats& s, Visitor&& v) {
   v.Optional("prefill_tokens_per_second", s.prefill_tokens_per_second);
   v.Optional("decode_step_seconds", s.decode_step_seconds);
   v.Optional("rate_observations", s.rate_observations);
+  v.Optional("role", s.role);
 }
 
 struct StatsReply {

@@ -19,7 +19,8 @@ StatsReply BuildStats(const StatsRequest& page, const WorkerRegistry& registry, 
   StatsReply r;
   r.offset = page.offset;
   for (RankEntry& e : registry.Page(page.offset, page.limit, &r.workers_total)) {
-    r.workers.push_back({.worker_id = e.worker.worker_id, .dp_rank = e.worker.dp_rank, .device = std::move(e.device)});
+    r.workers.push_back({.worker_id = e.worker.worker_id, .dp_rank = e.worker.dp_rank, .device = std::move(e.device),
+                         .role = std::string(WorkerRoleName(e.role))});
   }
   // Indexed blocks of the page's ranks, on every tier (approximate mode overwrites them with
   // predictions).

@@ -248,6 +248,7 @@ std::shared_ptr<const std::vector<RankInfo>> WorkerRegistry::AllRanks() const {
   auto all = std::make_shared<std::vector<RankInfo>>();
   all->reserve(ranks_total_);
   for (const auto& [id, w] : workers_) {
+    if (w.reg.role == WorkerRole::kPrefill) continue;  // never a request's worker
     RankInfo r = InfoOf(w.reg);
     for (std::uint64_t rank = w.reg.dp_start; rank < std::uint64_t{w.reg.dp_start} + w.reg.dp_size; ++rank) {
       r.worker.dp_rank = static_cast<std::uint32_t>(rank);
@@ -268,6 +269,7 @@ Result<std::vector<RankInfo>> WorkerRegistry::Ranks(std::optional<std::uint64_t>
   std::vector<std::uint64_t> skip = excluded.value_or(std::vector<std::uint64_t>{});
   std::sort(skip.begin(), skip.end());
   auto add_worker = [&](const Worker& w) {
+    if (w.reg.role == WorkerRole::kPrefill) return;  // never a request's worker
     if (std::binary_search(skip.begin(), skip.end(), w.reg.worker_id)) return;
     const std::uint64_t end = std::uint64_t{w.reg.dp_start} + w.reg.dp_size;
     RankInfo r = InfoOf(w.reg);
@@ -289,6 +291,9 @@ Result<std::vector<RankInfo>> WorkerRegistry::Ranks(std::optional<std::uint64_t>
   if (pin) {
     auto it = workers_.find(*pin);
     if (it == workers_.end()) return NotFound(fmt::format("worker {} is not registered", *pin));
+    if (it->second.reg.role == WorkerRole::kPrefill) {
+      return InvalidArgument(fmt::format("worker {} serves prefill legs only (role prefill)", *pin));
+    }
     if (dp_rank && !Serves(it->second.reg, *dp_rank)) {
       return NotFound(fmt::format("worker {} has no dp rank {}", *pin, *dp_rank));
     }
@@ -332,7 +337,7 @@ std::vector<RankEntry> WorkerRegistry::Page(std::uint64_t offset, std::uint32_t 
     }
     const std::uint64_t end = std::uint64_t{reg.dp_start} + reg.dp_size;
     for (std::uint64_t rank = reg.dp_start + skip; rank < end && out.size() < limit; ++rank) {
-      out.push_back({.worker = {it->first, static_cast<std::uint32_t>(rank)}, .device = reg.device});
+      out.push_back({.worker = {it->first, static_cast<std::uint32_t>(rank)}, .device = reg.device, .role = reg.role});
     }
     skip = 0;
   }

@@ -46,6 +46,7 @@ struct RegistryLimits {
 struct RankEntry {
   WorkerKey worker;
   std::string device;
+  WorkerRole role = WorkerRole::kBoth;
 };
 
 class WorkerRegistry {
@@ -107,12 +108,13 @@ class WorkerRegistry {
 
   // Ranks a request may go to, ascending by (worker_id, dp_rank): a pinned worker (and rank),
   // else the allowed ids (each looked up), else every worker; `dp_rank` filters ranks and
-  // `excluded` workers are left out. NotFound for an unknown pinned worker or rank; an empty
-  // result is not an error here.
+  // `excluded` workers are left out, and so are prefill workers (section 13: never a request's
+  // worker). NotFound for an unknown pinned worker or rank, InvalidArgument for a pinned prefill
+  // worker; an empty result is not an error here.
   Result<std::vector<RankInfo>> Ranks(std::optional<std::uint64_t> pin, std::optional<std::uint32_t> dp_rank,
                                       const std::optional<std::vector<std::uint64_t>>& allowed,
                                       const std::optional<std::vector<std::uint64_t>>& excluded = std::nullopt) const;
-  // Every rank, as Ranks gives them without a pin or filter: one list shared until the registry
+  // Every rank a request may go to, as Ranks gives them without a pin or filter: one list shared until the registry
   // changes (a registration new or changed, a worker gone or grown by its events), so a decision
   // over a large fleet does not copy it.
   std::shared_ptr<const std::vector<RankInfo>> AllRanks() const;

@@ -170,6 +170,49 @@ TEST(WorkerRegistrationCodec, UnknownStatusIsInvalidArgument) {
   ExpectInvalid(DecodeWorkerRegistration(AsBytes(body)), "'status'");
 }
 
+// Section 13: a worker's role, connector and bootstrap port travel, and are left out at their
+// defaults (an aggregated engine's registration is written as before).
+TEST(WorkerRegistrationCodec, RoleConnectorAndBootstrapPortRoundTripAndDefaultsAreLeftOut) {
+  const WorkerRegistration prefill{.worker_id = 3,
+                                   .role = WorkerRole::kPrefill,
+                                   .kv_connector = KvConnector::kSglang,
+                                   .bootstrap_port = 9000};
+  auto back = DecodeWorkerRegistration(AsBytes(EncodeWorkerRegistration(prefill)));
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(*back, prefill);
+  const WorkerRegistration decode{.worker_id = 4, .role = WorkerRole::kDecode};
+  back = DecodeWorkerRegistration(AsBytes(EncodeWorkerRegistration(decode)));
+  ASSERT_TRUE(back.ok());
+  EXPECT_EQ(back->role, WorkerRole::kDecode);
+  EXPECT_EQ(back->kv_connector, KvConnector::kNixl);
+  EXPECT_EQ(back->bootstrap_port, kDefaultBootstrapPort);
+  const WorkerRegistration both{.worker_id = 5};
+  const auto bytes = EncodeWorkerRegistration(both);
+  const std::string_view written(bytes.data(), bytes.size());
+  for (const char* key : {"role", "kv_connector", "bootstrap_port"}) {
+    EXPECT_EQ(written.find(key), std::string_view::npos) << key;
+  }
+  EXPECT_EQ(WorkerRoleName(WorkerRole::kBoth), "both");
+  EXPECT_EQ(KvConnectorName(KvConnector::kSglang), "sglang");
+}
+
+TEST(WorkerRegistrationCodec, AnotherRoleOrConnectorOrAPortAbove65535IsInvalidArgument) {
+  auto with = [](const char* key, auto value) {
+    return MapOf(2, [&](TestPacker& p) {
+      p.Key("worker_id");
+      p.pk.pack(1);
+      p.Key(key);
+      p.pk.pack(value);
+    });
+  };
+  ExpectInvalid(DecodeWorkerRegistration(AsBytes(with("role", "encode"))), "'role'");
+  ExpectInvalid(DecodeWorkerRegistration(AsBytes(with("kv_connector", "mooncake"))), "'kv_connector'");
+  ExpectInvalid(DecodeWorkerRegistration(AsBytes(with("bootstrap_port", 65536))), "'bootstrap_port'");
+  auto ok = DecodeWorkerRegistration(AsBytes(with("bootstrap_port", 65535)));
+  ASSERT_TRUE(ok.ok());
+  EXPECT_EQ(ok->bootstrap_port, 65535u);
+}
+
 TEST(WorkerRegistrationCodec, WrongTypesAreNamed) {
   auto negative_lease = MapOf(2, [](TestPacker& p) {
     p.Key("worker_id");

@@ -35,6 +35,35 @@ TEST_F(ServiceTest, KvModeRoutesToTheWorkerHoldingThePrefix) {
   EXPECT_EQ(r->cached_tokens, 8u);
 }
 
+// Section 13: a prefill worker is never a request's worker, even holding the whole prompt (its
+// events are still indexed); route and best_worker go to the others, a pin to it is refused, and
+// stats name every worker's role.
+TEST_F(ServiceTest, APrefillWorkerIsNeverChosenAndStatsNameEachRole) {
+  StartWith({"--router-mode", "kv"});
+  Register(1, {.role = WorkerRole::kPrefill});
+  Register(2, {.role = WorkerRole::kDecode});
+  Register(3);
+  StorePrompt(1, 1, {1, 2, 3, 4, 5, 6, 7, 8});
+  for (bool best_worker : {false, true}) {
+    for (int i = 0; i < 8; ++i) {
+      auto r = Route(Prompt(kTwelve), best_worker);
+      ASSERT_TRUE(r.ok()) << r.status().ToString();
+      EXPECT_NE(r->worker_id, 1u);
+    }
+  }
+  RouteRequest pinned = Prompt(kTwelve);
+  pinned.worker_id = 1;
+  auto refused = Route(pinned);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
+  const StatsReply s = Stats();
+  ASSERT_EQ(s.workers.size(), 3u);
+  EXPECT_EQ(s.workers[0].role, "prefill");
+  EXPECT_EQ(s.workers[0].blocks, 2u);
+  EXPECT_EQ(s.workers[1].role, "decode");
+  EXPECT_EQ(s.workers[2].role, "both");
+}
+
 // overlap_scores: every known rank in order, its overlap with the prompt (also outside mode kv),
 // paged; a LoRA prompt hashes apart; a bad prompt is an error reply.
 TEST_F(ServiceTest, OverlapScoresGivesEveryRankItsOverlapInPages) {

@@ -47,6 +47,41 @@ TEST(WorkerRegistryAllRanks, IsTheUnfilteredRanksSharedUntilTheRanksChange) {
   EXPECT_EQ(first->size(), 2u);  // a list handed out earlier stays as it was
 }
 
+// Section 13: a prefill worker serves prefill legs only, so it is never a request's worker: not
+// among the ranks a request may go to, nor pinned; its events are still admitted (its cache is
+// indexed) and its stats name its role.
+TEST(WorkerRegistryRoles, APrefillWorkerIsNeverARequestsWorker) {
+  WorkerRegistry reg({.block_size = 64});
+  WorkerRegistration prefill = Reg(1);
+  prefill.role = WorkerRole::kPrefill;
+  WorkerRegistration decode = Reg(2);
+  decode.role = WorkerRole::kDecode;
+  ASSERT_EQ(reg.Register(prefill, kT0).outcome, WorkerRegistry::Outcome::kNew);
+  ASSERT_EQ(reg.Register(decode, kT0).outcome, WorkerRegistry::Outcome::kNew);
+  ASSERT_EQ(reg.Register(Reg(3), kT0).outcome, WorkerRegistry::Outcome::kNew);
+  auto keys = [](const std::vector<RankInfo>& v) {
+    std::vector<std::uint64_t> k;
+    for (const RankInfo& r : v) k.push_back(r.worker.worker_id);
+    return k;
+  };
+  const std::vector<std::uint64_t> servable{2, 3};
+  EXPECT_EQ(keys(*reg.AllRanks()), servable);
+  EXPECT_EQ(keys(reg.Ranks(std::nullopt, std::nullopt, std::nullopt).value()), servable);
+  EXPECT_EQ(keys(reg.Ranks(std::nullopt, std::nullopt, std::vector<std::uint64_t>{1, 2}).value()),
+            std::vector<std::uint64_t>{2});
+  const auto pinned = reg.Ranks(1, std::nullopt, std::nullopt);
+  ASSERT_FALSE(pinned.ok());
+  EXPECT_EQ(pinned.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(reg.AdmitEvent(1, 0, kT0), nullptr);
+  std::uint64_t total = 0;
+  const auto page = reg.Page(0, 10, &total);
+  ASSERT_EQ(page.size(), 3u);
+  EXPECT_EQ(total, 3u);
+  EXPECT_EQ(page[0].role, WorkerRole::kPrefill);
+  EXPECT_EQ(page[1].role, WorkerRole::kDecode);
+  EXPECT_EQ(page[2].role, WorkerRole::kBoth);
+}
+
 TEST(WorkerRegistryAdmission, AnAdmittedRankIsRefusedOnceItsWorkerLeaves) {
   WorkerRegistry reg({});
   ASSERT_EQ(reg.Register(Reg(7, 2), kT0).outcome, WorkerRegistry::Outcome::kNew);
