@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <array>
 #include <limits>
 
 #include "events/msgpack_reader.h"
@@ -21,23 +22,26 @@ Result<bool> ReadLeaving(const msgpack::object* o, std::string_view field) {
       fmt::format("field '{}' must be \"up\" or \"leaving\", not '{}'", field, status->substr(0, 32)));
 }
 
-Result<WorkerRole> ReadRole(const msgpack::object* o, std::string_view field) {
+// A string naming one of `values` (as `name` spells them), else an InvalidArgument naming them.
+template <typename E, std::size_t N>
+Result<E> ReadOneOf(const msgpack::object* o, std::string_view field, const std::array<E, N>& values,
+                    std::string_view (*name)(E)) {
   auto s = ReadStr(o, field);
   if (!s.ok()) return s.status();
-  for (WorkerRole r : {WorkerRole::kBoth, WorkerRole::kPrefill, WorkerRole::kDecode}) {
-    if (*s == WorkerRoleName(r)) return r;
+  std::string allowed;
+  for (E v : values) {
+    if (*s == name(v)) return v;
+    allowed += fmt::format("{}\"{}\"", allowed.empty() ? "" : ", ", name(v));
   }
-  return InvalidArgument(
-      fmt::format("field '{}' must be \"both\", \"prefill\" or \"decode\", not '{}'", field, s->substr(0, 32)));
+  return InvalidArgument(fmt::format("field '{}' must be one of {}, not '{}'", field, allowed, s->substr(0, 32)));
+}
+
+Result<WorkerRole> ReadRole(const msgpack::object* o, std::string_view field) {
+  return ReadOneOf(o, field, std::array{WorkerRole::kBoth, WorkerRole::kPrefill, WorkerRole::kDecode}, WorkerRoleName);
 }
 
 Result<KvConnector> ReadConnector(const msgpack::object* o, std::string_view field) {
-  auto s = ReadStr(o, field);
-  if (!s.ok()) return s.status();
-  for (KvConnector k : {KvConnector::kNixl, KvConnector::kSglang}) {
-    if (*s == KvConnectorName(k)) return k;
-  }
-  return InvalidArgument(fmt::format("field '{}' must be \"nixl\" or \"sglang\", not '{}'", field, s->substr(0, 32)));
+  return ReadOneOf(o, field, std::array{KvConnector::kNixl, KvConnector::kSglang}, KvConnectorName);
 }
 
 // An engine's OpenAI base URL: http://, at most kMaxUrlBytes, trailing slashes dropped.
