@@ -110,6 +110,18 @@ struct RouteReply {
   std::uint32_t cached_tokens = 0;
   double queued_ms = 0;
   std::string http_url;  // the chosen worker's, when it announced one (section 11)
+  // Section 13: the request goes through the prefill pool. worker_id, dp_rank and http_url then
+  // name its decode rank, and cached_tokens is prefill_cached_tokens. The rest is sent only
+  // when disaggregated, the bootstrap fields only for kv_connector "sglang".
+  bool disaggregated = false;
+  std::uint64_t prefill_worker_id = 0;
+  std::uint32_t prefill_dp_rank = 0;
+  std::string prefill_http_url;
+  std::uint32_t prefill_cached_tokens = 0;
+  std::string kv_connector;  // the prefill worker's: "nixl" or "sglang"
+  std::string bootstrap_host;
+  std::uint32_t bootstrap_port = 0;
+  std::uint64_t bootstrap_room = 0;
   bool operator==(const RouteReply&) const = default;
 };
 // RouteReply's wire fields, in their encoded order: EncodeRouteReply and DecodeRouteReply both
@@ -126,6 +138,17 @@ void ForEachRouteReplyField(Reply& r, Visitor&& v) {
   v.Required("queued_ms", r.queued_ms);
   v.OmittedWhenEmpty("http_url", r.http_url);
   v.Tiers("overlap_by_tier", r.overlap_by_tier);
+  v.OmittedWhenFalse("disaggregated", r.disaggregated);
+  if (!r.disaggregated) return;  // the decoder has read it by now
+  v.Required("prefill_worker_id", r.prefill_worker_id);
+  v.Required("prefill_dp_rank", r.prefill_dp_rank);
+  v.OmittedWhenEmpty("prefill_http_url", r.prefill_http_url);
+  v.Required("prefill_cached_tokens", r.prefill_cached_tokens);
+  v.Required("kv_connector", r.kv_connector);
+  if (r.kv_connector != "sglang") return;
+  v.Required("bootstrap_host", r.bootstrap_host);
+  v.Required("bootstrap_port", r.bootstrap_port);
+  v.Required("bootstrap_room", r.bootstrap_room);
 }
 msgpack::sbuffer EncodeRouteReply(const RouteReply& reply);
 // A reply body: the RouteReply, or the Status carried by an error reply (code from the wire).

@@ -75,6 +75,7 @@ Subjects::Subjects(std::string_view ns, std::string_view comp)
       route(RouterEndpointSubject(ns, router_endpoint::kRoute)),
       best_worker(RouterEndpointSubject(ns, router_endpoint::kBestWorker)),
       mark_prefill(RouterEndpointSubject(ns, router_endpoint::kMarkPrefill)),
+      prefill_done(RouterEndpointSubject(ns, router_endpoint::kPrefillDone)),
       free(RouterEndpointSubject(ns, router_endpoint::kFree)),
       stats(RouterEndpointSubject(ns, router_endpoint::kStats)),
       overlap_scores(RouterEndpointSubject(ns, router_endpoint::kOverlapScores)),

@@ -62,6 +62,7 @@ inline constexpr std::string_view kRoute = RouteKindName(RouteKind::kRoute);
 inline constexpr std::string_view kBestWorker = RouteKindName(RouteKind::kBestWorker);
 inline constexpr std::string_view kGenerate = RouteKindName(RouteKind::kGenerate);
 inline constexpr std::string_view kMarkPrefill = "mark_prefill";
+inline constexpr std::string_view kPrefillDone = "prefill_done";  // section 13
 inline constexpr std::string_view kFree = "free";
 inline constexpr std::string_view kStats = "stats";
 inline constexpr std::string_view kOverlapScores = "overlap_scores";
@@ -97,7 +98,7 @@ struct Subjects {
   Subjects(std::string_view ns, std::string_view component);
   std::string kv_events, vllm_events_prefix, instances;
   std::string active_sequences, router_heartbeats;
-  std::string route, best_worker, mark_prefill, free, stats, overlap_scores, dump, kv_metrics, generate;
+  std::string route, best_worker, mark_prefill, prefill_done, free, stats, overlap_scores, dump, kv_metrics, generate;
   std::string worker_generate_prefix;  // WorkerGenerateSubject(worker_generate_prefix, worker_id)
 };
 

@@ -4,7 +4,8 @@
 //   v.Required(key, member)          always written; a decode without it fails
 //   v.Optional(key, member)          always written; absent or nil on decode leaves the default
 //   v.OmittedWhenEmpty(key, member)  written when not empty; absent on decode leaves it empty
-// Members are u64, u32, f64 or strings. Both walkers are inline templates: a field list costs what
+//   v.OmittedWhenFalse(key, member)  a bool written when true; absent on decode leaves it false
+// Members are u64, u32, f64, bool or strings. Both walkers are inline templates: a field list costs what
 // the hand-written Field / Required calls cost.
 //
 //   FieldEncoder enc{w};  ForEachKvMetricsField(metrics, enc);
@@ -36,6 +37,9 @@ struct FieldEncoder {
   void OmittedWhenEmpty(std::string_view key, const std::string& value) {
     if (!value.empty()) w.Field(key, value);
   }
+  void OmittedWhenFalse(std::string_view key, bool value) {
+    if (value) w.Field(key, value);
+  }
 };
 
 // The reader of a member's type.
@@ -51,6 +55,9 @@ inline Result<double> ReadWireField(const msgpack::object* o, std::string_view k
 inline Result<std::string_view> ReadWireField(const msgpack::object* o, std::string_view key, const std::string&) {
   return ReadStr(o, key);
 }
+inline Result<bool> ReadWireField(const msgpack::object* o, std::string_view key, const bool&) {
+  return ReadBool(o, key);
+}
 
 // Reads into `reads` (the first failure is kept, later fields are then skipped as FieldReads does).
 struct FieldDecoder {
@@ -65,6 +72,7 @@ struct FieldDecoder {
     if (const msgpack::object* o = FindKey(map, key); !IsNil(o)) Read(o, key, member);
   }
   void OmittedWhenEmpty(std::string_view key, std::string& member) { Optional(key, member); }
+  void OmittedWhenFalse(std::string_view key, bool& member) { Optional(key, member); }
 
  private:
   template <typename T>

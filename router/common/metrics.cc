@@ -60,6 +60,12 @@ void AddRequests(MetricSet& m, const StatsReply& s) {
                 static_cast<double>(n), {{"endpoint", key.substr(0, dot)}, {"result", key.substr(dot + 1)}});
     }
   }
+  // Section 13: the route decisions of requests with a prefill and a decode pool, by path.
+  for (const auto& [path, n] : BreakdownOf(s, "disagg_decisions")) {
+    m.Counter("kvrouter_disagg_decisions_total",
+              "route decisions of requests with prefill and decode workers: disaggregated, local or fallback",
+              static_cast<double>(n), {{"path", path}});
+  }
 }
 
 void AddQueueAndLoad(MetricSet& m, const StatsReply& s) {

@@ -35,6 +35,13 @@ bool ActiveLoad::Book(const std::string& request_id, WorkerKey worker, std::span
   w.load.active_prefill_tokens += prefill_tokens;
   w.load.active_prefill_squares += Square(prefill_tokens);
   if (w.load.active_requests++ == 0) ++active_workers_;
+  AddRecent(w, now);
+  booked_blocks_ += seq.size();
+  by_worker_[worker.worker_id].insert(&it->first);
+  return true;
+}
+
+void ActiveLoad::AddRecent(PerWorker& w, SteadyTime now) {
   if (!has_epoch_ || HalfLives(recent_epoch_, now) > 64) {
     const double rescale = has_epoch_ ? std::exp2(-HalfLives(recent_epoch_, now)) : 1.0;
     for (auto& [key, other] : workers_) other.load.recent_scaled *= rescale;
@@ -42,14 +49,60 @@ bool ActiveLoad::Book(const std::string& request_id, WorkerKey worker, std::span
     has_epoch_ = true;
   }
   w.load.recent_scaled += std::exp2(HalfLives(recent_epoch_, now));
-  booked_blocks_ += seq.size();
+}
+
+bool ActiveLoad::BookPrefill(const std::string& request_id, WorkerKey worker, std::uint64_t prefill_tokens,
+                             SteadyTime now) {
+  auto it = requests_.find(request_id);
+  if (it == requests_.end() || it->second.prefill || it->second.worker == worker) return false;
+  it->second.prefill = Booking::PrefillPart{worker, prefill_tokens};
+  PerWorker& w = workers_[worker];
+  w.load.active_prefill_tokens += prefill_tokens;
+  w.load.active_prefill_squares += Square(prefill_tokens);
+  if (w.load.active_requests++ == 0) ++active_workers_;
+  AddRecent(w, now);
   by_worker_[worker.worker_id].insert(&it->first);
+  ++prefill_parts_;
   return true;
+}
+
+void ActiveLoad::Unload(PerWorker& w, std::uint64_t tokens) {
+  w.load.active_prefill_tokens -= tokens;
+  w.load.active_prefill_squares -= Square(tokens);
+  if (--w.load.active_requests == 0) --active_workers_;
+}
+
+void ActiveLoad::ReleasePrefillPart(std::unordered_map<std::string, Booking>::iterator it) {
+  Booking& b = it->second;
+  const Booking::PrefillPart part = *b.prefill;
+  b.prefill.reset();
+  --prefill_parts_;
+  if (auto wit = workers_.find(part.worker); wit != workers_.end()) Unload(wit->second, part.tokens);
+  if (part.worker.worker_id == b.worker.worker_id) return;  // the decode part keeps the entry
+  if (auto bw = by_worker_.find(part.worker.worker_id); bw != by_worker_.end()) {
+    bw->second.erase(&it->first);
+    if (bw->second.empty()) by_worker_.erase(bw);
+  }
+}
+
+bool ActiveLoad::ReleasePrefill(const std::string& request_id) {
+  auto it = requests_.find(request_id);
+  if (it == requests_.end() || !it->second.prefill) return false;
+  ReleasePrefillPart(it);
+  return true;
+}
+
+const WorkerKey* ActiveLoad::PrefillWorkerOf(const std::string& request_id) const {
+  auto it = requests_.find(request_id);
+  return it == requests_.end() || !it->second.prefill ? nullptr : &it->second.prefill->worker;
 }
 
 bool ActiveLoad::MarkPrefill(const std::string& request_id) {
   auto it = requests_.find(request_id);
-  if (it == requests_.end() || it->second.prefill_tokens == 0) return false;
+  if (it == requests_.end()) return false;
+  const bool part = it->second.prefill.has_value();
+  if (part) ReleasePrefillPart(it);
+  if (it->second.prefill_tokens == 0) return part;
   WorkerLoad& load = workers_[it->second.worker].load;
   load.active_prefill_tokens -= it->second.prefill_tokens;
   load.active_prefill_squares -= Square(it->second.prefill_tokens);
@@ -58,6 +111,7 @@ bool ActiveLoad::MarkPrefill(const std::string& request_id) {
 }
 
 void ActiveLoad::Release(std::unordered_map<std::string, Booking>::iterator it) {
+  if (it->second.prefill) ReleasePrefillPart(it);
   const Booking& b = it->second;
   auto wit = workers_.find(b.worker);
   if (wit != workers_.end()) {
@@ -69,9 +123,7 @@ void ActiveLoad::Release(std::unordered_map<std::string, Booking>::iterator it) 
         --w.load.active_blocks;
       }
     }
-    w.load.active_prefill_tokens -= b.prefill_tokens;
-    w.load.active_prefill_squares -= Square(b.prefill_tokens);
-    if (--w.load.active_requests == 0) --active_workers_;
+    Unload(w, b.prefill_tokens);
   }
   booked_blocks_ -= b.seq.size();
   if (auto bw = by_worker_.find(b.worker.worker_id); bw != by_worker_.end()) {
@@ -114,7 +166,15 @@ std::size_t ActiveLoad::RemoveWorker(std::uint64_t worker_id) {
   if (auto bw = by_worker_.find(worker_id); bw != by_worker_.end()) {
     ids.reserve(bw->second.size());
     for (const std::string* id : bw->second) ids.push_back(*id);
-    for (const std::string& id : ids) Release(requests_.find(id));
+    for (const std::string& id : ids) {
+      auto it = requests_.find(id);
+      // A disaggregated request whose prefill rank leaves keeps its decode part.
+      if (it->second.worker.worker_id == worker_id) {
+        Release(it);
+      } else {
+        ReleasePrefillPart(it);
+      }
+    }
   }
   std::erase_if(workers_, [&](const auto& w) { return w.first.worker_id == worker_id; });
   return ids.size();
@@ -157,6 +217,14 @@ const PriorTtft* ActiveLoad::PriorOf(const std::string& request_id) const {
 const WorkerKey* ActiveLoad::WorkerOf(const std::string& request_id) const {
   auto it = requests_.find(request_id);
   return it == requests_.end() ? nullptr : &it->second.worker;
+}
+
+void ActiveLoad::ForEachPrefillPart(
+    const std::function<void(const std::string&, WorkerKey, std::uint64_t)>& f) const {
+  if (prefill_parts_ == 0) return;
+  for (const auto& [id, b] : requests_) {
+    if (b.prefill) f(id, b.prefill->worker, b.prefill->tokens);
+  }
 }
 
 void ActiveLoad::ForEach(

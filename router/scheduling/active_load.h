@@ -8,11 +8,15 @@
 //
 //   load.Book("r1", {7, 0}, seq_hashes, prompt_tokens - cached_tokens, now);
 //   load.MarkPrefill("r1");  load.Free("r1");
+// A disaggregated request (protocol.md section 13) has a second part on its prefill rank
+// (BookPrefill): one active request and its uncached prompt tokens there, no blocks. It goes at
+// ReleasePrefill (prefill_done), MarkPrefill or Free, and with its prefill worker (RemoveWorker).
 #pragma once
 
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <span>
 #include <string>
 #include <unordered_map>
@@ -43,8 +47,16 @@ class ActiveLoad {
   // Books a request; false (nothing changes) when request_id is already booked.
   bool Book(const std::string& request_id, WorkerKey worker, std::span<const SequenceHash> seq,
             std::uint64_t prefill_tokens, SteadyTime now);
+  // Also releases the prefill part (the decode leg's first byte comes after the prefill leg).
   bool MarkPrefill(const std::string& request_id);  // false when unknown or already marked
   bool Free(const std::string& request_id);         // false when unknown
+  // The prefill part of booked request `request_id` on `worker` (another rank than its own):
+  // false when the request is not booked, or has a prefill part already.
+  bool BookPrefill(const std::string& request_id, WorkerKey worker, std::uint64_t prefill_tokens, SteadyTime now);
+  // Releases only the prefill part; false when there is none.
+  bool ReleasePrefill(const std::string& request_id);
+  // The rank of the request's prefill part, if it has one.
+  const WorkerKey* PrefillWorkerOf(const std::string& request_id) const;
   // Releases requests booked before now - max_age; returns how many.
   std::size_t Sweep(SteadyTime now, std::chrono::seconds max_age = std::chrono::seconds(300));
   // Releases every request booked on worker_id (any dp rank); returns how many.
@@ -72,6 +84,9 @@ class ActiveLoad {
   // Calls f(request_id, worker, seq_hashes, prefill_tokens still booked) for every booking.
   void ForEach(
       const std::function<void(const std::string&, WorkerKey, std::span<const SequenceHash>, std::uint64_t)>& f) const;
+  // Calls f(request_id, prefill rank, its prefill tokens) for every prefill part.
+  void ForEachPrefillPart(const std::function<void(const std::string&, WorkerKey, std::uint64_t)>& f) const;
+  std::size_t prefill_parts() const { return prefill_parts_; }
   std::size_t requests() const { return requests_.size(); }
   // Ranks with an entry (booked at some time, until RemoveWorker): 0 means every Load is zero.
   std::size_t workers() const { return workers_.size(); }
@@ -93,12 +108,22 @@ class ActiveLoad {
     SteadyTime booked_at;
     PriorTtft prior;
     bool has_prior = false;
+    struct PrefillPart {
+      WorkerKey worker;
+      std::uint64_t tokens = 0;
+    };
+    std::optional<PrefillPart> prefill;
   };
   struct PerWorker {  // kept while idle (it holds recent_scaled), erased by RemoveWorker
     std::unordered_map<SequenceHash, std::uint32_t> blocks;  // refcounts
     WorkerLoad load;
   };
   void Release(std::unordered_map<std::string, Booking>::iterator it);
+  // Takes one request and `tokens` prefill tokens off `worker`'s load (its entry must exist).
+  void Unload(PerWorker& w, std::uint64_t tokens);
+  void ReleasePrefillPart(std::unordered_map<std::string, Booking>::iterator it);
+  // Counts one more request booked on `worker` now in its recent requests.
+  void AddRecent(PerWorker& w, SteadyTime now);
 
   std::unordered_map<std::string, Booking> requests_;
   std::unordered_map<WorkerKey, PerWorker, WorkerKeyHash> workers_;
@@ -110,6 +135,7 @@ class ActiveLoad {
   std::unordered_map<std::uint64_t, std::unordered_set<const std::string*>> by_worker_;
   std::uint64_t booked_blocks_ = 0;
   std::size_t active_workers_ = 0;
+  std::size_t prefill_parts_ = 0;
 };
 
 }  // namespace kvrouter

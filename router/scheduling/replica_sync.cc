@@ -39,6 +39,13 @@ void ReplicaSync::SendOwnBookings(const ActiveLoad& load) {
         Send(ActiveSequenceEvent::Kind::kAdd, id, worker, seq,
              static_cast<std::uint32_t>(std::min<std::uint64_t>(prefill_tokens, UINT32_MAX)), 0);
       });
+  // After every request's own rank: an add naming another rank of a booked request is its
+  // prefill part (section 13).
+  load.ForEachPrefillPart([&](const std::string& id, WorkerKey worker, std::uint64_t prefill_tokens) {
+    if (peers_.IsPeerBooking(id)) return;
+    Send(ActiveSequenceEvent::Kind::kAdd, id, worker, {},
+         static_cast<std::uint32_t>(std::min<std::uint64_t>(prefill_tokens, UINT32_MAX)), 0);
+  });
 }
 
 void ReplicaSync::NextEpoch(const ActiveLoad& load) {

@@ -15,6 +15,7 @@ Scheduler::Scheduler(SchedulerOptions options, const ShardedIndex& index, Clock 
                   ? std::make_unique<ApproxIndex>(options_.predictions->ttl, options_.predictions->max_blocks,
                                                   options_.predictions->prune_target_ratio)
                   : nullptr),
+      transfer_(options_.disagg.kv_bytes_per_token, options_.disagg.kv_transfer_gbps),
       kept_crowds_(std::max<std::size_t>(16, 4 * index.num_shards())) {}
 
 Result<PreparedRequest> PrepareRequest(const SchedulerOptions& options, const RouteRequest& req) {
@@ -180,6 +181,83 @@ Result<Decision> Scheduler::Decide(const RouteRequest& req, const PreparedReques
   return d;
 }
 
+Result<DisaggDecision> Scheduler::DecideDisagg(const RouteRequest& req, const PreparedRequest& p,
+                                               std::span<const Candidate> decode, std::span<const Candidate> prefill) {
+  if (decode.empty() || prefill.empty()) {
+    return Status(StatusCode::kNoWorkers, "no registered worker can take this request");
+  }
+  auto pick = [&](std::span<const Candidate> cands) {
+    return selector_.Pick(options_.mode, p.sel, cands, p.params, rng_);
+  };
+  const std::size_t local = pick(decode);
+  const std::size_t prefill_at = pick(prefill);
+  // By load: the same cost with no rank's cache counted (the KV arrives from the prefill rank).
+  thread_local std::vector<Candidate> uncached;
+  uncached.assign(decode.begin(), decode.end());
+  for (Candidate& c : uncached) {
+    c.overlap_blocks = c.host_overlap_blocks = c.any_overlap_blocks = c.active_prefix_blocks = 0;
+  }
+  const std::size_t remote = pick(uncached);
+  DisaggDecision out;
+  out.choice = ChooseDisagg(options_.disagg, {decode[local], prefill[prefill_at], decode[remote]}, p.sel, p.params,
+                            transfer_);
+  if (!out.choice.disaggregated) {
+    auto d = Decide(req, p, decode.subspan(local, 1));
+    if (!d.ok()) return d.status();
+    out.decode = *d;
+    return out;
+  }
+  auto decided = [&](const Candidate& c) {
+    return Decision{.worker = c.worker,
+                    .overlap_blocks = std::min(c.overlap_blocks, p.sel.request_blocks),
+                    .overlap_by_tier = {.device = std::min(c.overlap_blocks, p.sel.request_blocks),
+                                        .host = std::min(std::max(c.host_overlap_blocks, c.overlap_blocks),
+                                                         p.sel.request_blocks),
+                                        .any = std::min(std::max({c.any_overlap_blocks, c.host_overlap_blocks,
+                                                                  c.overlap_blocks}),
+                                                        p.sel.request_blocks)}};
+  };
+  const Candidate& d = decode[remote];
+  const Candidate& pf = prefill[prefill_at];
+  out.decode = decided(d);
+  out.prefill = decided(pf);
+  if (req.update_states && !req.request_id.empty()) {
+    if (Status full = BookingRoom(p.seq.size()); !full.ok()) return full;
+    const SteadyTime now = clock_();
+    if (!load_.Book(req.request_id, d.worker, p.seq, 0, now)) {
+      return InvalidArgument(fmt::format("request_id '{}' is already booked; free it first", req.request_id));
+    }
+    const std::uint64_t cached = std::uint64_t{out.prefill->overlap_blocks} * options_.block_size;
+    (void)load_.BookPrefill(req.request_id, pf.worker, p.sel.isl > cached ? p.sel.isl - cached : 0, now);
+    out.decode.booked = out.prefill->booked = true;
+    transfers_[req.request_id] = {
+        .predicted_ms = transfer_.PriorMs(UncachedTokens(d, p.sel, p.params)) +
+                        predicted_cost::Predict(d, p.sel, p.params).prior.decode_step_ms};
+    if (approx_) {
+      approx_->Record(pf.worker, p.local, p.seq, now);
+      approx_->Record(d.worker, p.local, p.seq, now);
+    }
+  }
+  return out;
+}
+
+bool Scheduler::PrefillDone(const std::string& request_id) {
+  if (!load_.ReleasePrefill(request_id)) return false;
+  if (auto it = transfers_.find(request_id); it != transfers_.end()) it->second.prefill_done_at = clock_();
+  return true;
+}
+
+bool Scheduler::MarkPrefill(const std::string& request_id) {
+  if (auto it = transfers_.find(request_id); it != transfers_.end()) {
+    if (it->second.prefill_done_at) {
+      const double observed = std::chrono::duration<double, std::milli>(clock_() - *it->second.prefill_done_at).count();
+      (void)transfer_.Observe(it->second.predicted_ms, observed);
+    }
+    transfers_.erase(it);
+  }
+  return load_.MarkPrefill(request_id);
+}
+
 bool Scheduler::Learn(const std::string& request_id, const ResponseTiming& timing) {
   const WorkerKey* worker = load_.WorkerOf(request_id);
   const PriorTtft* prior = load_.PriorOf(request_id);
@@ -196,6 +274,7 @@ std::size_t Scheduler::ForgetWorker(std::uint64_t worker_id) {
 
 void Scheduler::ExpirePredictions(SteadyTime now) {
   if (approx_) approx_->Expire(now);
+  std::erase_if(transfers_, [&](const auto& t) { return load_.WorkerOf(t.first) == nullptr; });
 }
 
 }  // namespace kvrouter

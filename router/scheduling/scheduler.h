@@ -23,6 +23,7 @@
 #include <random>
 #include <span>
 #include <string_view>
+#include <unordered_map>
 #include <vector>
 
 #include "events/base/clock.h"
@@ -32,6 +33,7 @@
 #include "router/index/approx_index.h"
 #include "router/index/sharded_index.h"
 #include "router/scheduling/active_load.h"
+#include "router/scheduling/cost_disagg.h"
 #include "router/scheduling/policy.h"
 #include "router/scheduling/selector.h"
 #include "router/scheduling/worker_rates.h"
@@ -54,6 +56,7 @@ struct SchedulerOptions {
   std::uint32_t max_prompt_tokens = 1 << 20;
   std::uint32_t max_active_requests = 65536;  // bookings at most
   std::uint64_t max_active_blocks = 1 << 22;  // booked blocks at most
+  DisaggOptions disagg;                       // section 13's decision (cost_disagg.h)
 };
 
 // A decoded request made ready for selection: hashed once, its cost parameters resolved.
@@ -70,6 +73,14 @@ struct Decision {
   std::uint32_t overlap_blocks = 0;  // of the request's blocks, cached there (on device)
   TieredOverlap overlap_by_tier;     // the same per tier, cumulative
   bool booked = false;               // the request now weighs on that worker
+};
+
+// What DecideDisagg chose: the request's (decode) rank, and its prefill rank when it goes
+// through the prefill pool.
+struct DisaggDecision {
+  Decision decode;
+  std::optional<Decision> prefill;
+  DisaggChoice choice;
 };
 
 // The request hashed and its cost parameters resolved. InvalidArgument for a prompt over
@@ -179,6 +190,23 @@ class Scheduler {
   // it there (and records the prediction in approximate mode). `overloaded` past the booking
   // bounds, InvalidArgument when the request_id is booked already.
   Result<Decision> Decide(const RouteRequest& req, const PreparedRequest& p, std::span<const Candidate> cands);
+  // A disaggregated-eligible request (protocol.md section 13) among open decode and prefill
+  // candidates (both non-empty): the local decode rank by the full kv cost, the prefill rank by
+  // the kv cost (prefill ranks carry no decode blocks: no decode load), the remote decode rank
+  // by the cost without its cache (by load), then the policy's choice between them. A local
+  // choice books as Decide does. A disaggregated one books the decode rank with the prompt's
+  // blocks and no prefill tokens, and the prefill rank with the prompt's tokens not cached there
+  // (ActiveLoad::BookPrefill); in approximate mode both ranks are predicted to hold the prompt.
+  // Same errors as Decide.
+  Result<DisaggDecision> DecideDisagg(const RouteRequest& req, const PreparedRequest& p,
+                                      std::span<const Candidate> decode, std::span<const Candidate> prefill);
+  // A booked disaggregated request's prefill leg ended (prefill_done): its prefill part is
+  // released and its transfer timed from now. False when it had no prefill part.
+  bool PrefillDone(const std::string& request_id);
+  // Its decode leg's first byte (mark_prefill): a transfer timed since PrefillDone teaches
+  // KvTransfer; then ActiveLoad::MarkPrefill. False when nothing changed.
+  bool MarkPrefill(const std::string& request_id);
+  const KvTransfer& transfer() const { return transfer_; }
 
   // The engine's timing of a booked request, before its free: its rank's rates learn from it
   // (against the prior recorded when it was booked). False when nothing was learned.
@@ -195,7 +223,7 @@ class Scheduler {
     rates_.RemoveWorker(worker_id);
     load_.DropPriors(worker_id);
   }
-  // Prediction expiry (approximate mode).
+  // Prediction expiry (approximate mode), and the transfer timings of requests no longer booked.
   void ExpirePredictions(SteadyTime now);
 
   ActiveLoad& load() { return load_; }
@@ -284,6 +312,14 @@ class Scheduler {
   Selector selector_;
   std::mt19937_64 rng_;
   const std::unique_ptr<ApproxIndex> approx_;
+  KvTransfer transfer_;
+  // Disaggregated bookings' transfers: the prediction made at booking, and when the prefill leg
+  // ended (unset until then). Entries of requests no longer booked go at ExpirePredictions.
+  struct PendingTransfer {
+    double predicted_ms = 0;
+    std::optional<SteadyTime> prefill_done_at;
+  };
+  std::unordered_map<std::string, PendingTransfer> transfers_;
   RankClasses classes_;
   std::uint64_t class_picks_ = 0;
   // Kept crowds: a few prefixes' over every shard (one prefix is a crowd per shard and depth).

@@ -59,7 +59,17 @@ po::options_description Describe() {
     ("device-ratio", po::value<double>()->default_value(d.device_ratio), "device-aware-weighted: accelerator weight vs CPU (> 0)")
     ("router-host-cache-hit-weight", po::value<double>()->default_value(d.host_cache_hit_weight), "overlap credit of a block a worker holds on host (CPU) only, against 1 on device [0, 1]")
     ("router-disk-cache-hit-weight", po::value<double>()->default_value(d.disk_cache_hit_weight), "overlap credit of a block a worker holds on disk or external storage only [0, 1]")
-    ("router-index-shards", po::value<std::uint32_t>()->default_value(d.index_shards), "index shards, one thread each [1, 64]");
+    ("router-index-shards", po::value<std::uint32_t>()->default_value(d.index_shards), "index shards, one thread each [1, 64]")
+    ("router-disagg-policy", po::value<std::string>()->default_value(std::string(DisaggPolicyName(d.disagg.policy))),
+       "when a request with prefill and decode workers skips the prefill pool: predicted | always | never | isl_bounding | prefill_load | isl_or_load")
+    ("router-conditional-disagg", po::bool_switch(), "Dynamo's switch: --router-conditional-disagg-policy (isl_bounding) instead of --router-disagg-policy")
+    ("router-conditional-disagg-policy", po::value<std::string>()->default_value("isl_bounding"), "with --router-conditional-disagg: isl_bounding | prefill_load | isl_or_load")
+    ("router-conditional-disagg-eff-isl-threshold", po::value<double>()->default_value(d.disagg.eff_isl_threshold), "isl_bounding: skip the prefill pool below this many uncached tokens (>= 0)")
+    ("router-conditional-disagg-eff-isl-ratio-threshold", po::value<double>()->default_value(d.disagg.eff_isl_ratio_threshold), "isl_bounding: and below this uncached share of the prompt [0, 1]")
+    ("router-conditional-disagg-prefill-busy-threshold", po::value<double>(), "prefill_load: skip the prefill pool when its chosen rank has prefill > t * max_num_batched_tokens (> 0; default --router-queue-threshold)")
+    ("router-decode-fallback", po::value<std::string>()->default_value("true")->implicit_value("true"), "route to a decode worker whole when no prefill worker is usable (true | false)")
+    ("router-kv-bytes-per-token", po::value<double>()->default_value(d.disagg.kv_bytes_per_token), "KV bytes of one token, for the transfer's prior (> 0)")
+    ("router-kv-transfer-gbps", po::value<double>()->default_value(d.disagg.kv_transfer_gbps), "prefill-to-decode KV bandwidth in Gbit/s, for the transfer's prior (> 0)");
   // clang-format on
   AddNatsSecurityFlags(desc);
   return desc;
@@ -115,6 +125,49 @@ Status ReadRouting(const po::variables_map& vm, RouterConfig& c) {
   return Status::Ok();
 }
 
+// Disaggregated prefill and decode (section 13), validated.
+Status ReadDisagg(const po::variables_map& vm, RouterConfig& c) {
+  DisaggOptions& o = c.disagg;
+  const bool conditional = vm["router-conditional-disagg"].as<bool>();
+  const std::string flag = conditional ? "router-conditional-disagg-policy" : "router-disagg-policy";
+  const auto policy = DisaggPolicyFromName(vm[flag].as<std::string>());
+  if (!policy) return OutOfRange(flag, "one of predicted, always, never, isl_bounding, prefill_load, isl_or_load");
+  if (conditional && (*policy == DisaggPolicy::kPredicted || *policy == DisaggPolicy::kAlways ||
+                      *policy == DisaggPolicy::kNever)) {
+    return OutOfRange(flag, "one of isl_bounding, prefill_load, isl_or_load");
+  }
+  o.policy = *policy;
+  o.eff_isl_threshold = vm["router-conditional-disagg-eff-isl-threshold"].as<double>();
+  if (!(o.eff_isl_threshold >= 0)) return OutOfRange("router-conditional-disagg-eff-isl-threshold", ">= 0");
+  o.eff_isl_ratio_threshold = vm["router-conditional-disagg-eff-isl-ratio-threshold"].as<double>();
+  if (!(o.eff_isl_ratio_threshold >= 0 && o.eff_isl_ratio_threshold <= 1)) {
+    return OutOfRange("router-conditional-disagg-eff-isl-ratio-threshold", "in [0, 1]");
+  }
+  if (vm.count("router-conditional-disagg-prefill-busy-threshold")) {
+    o.prefill_busy_threshold = vm["router-conditional-disagg-prefill-busy-threshold"].as<double>();
+    if (!(*o.prefill_busy_threshold > 0)) return OutOfRange("router-conditional-disagg-prefill-busy-threshold", "> 0");
+  } else {
+    o.prefill_busy_threshold = c.queue_threshold;
+  }
+  if ((o.policy == DisaggPolicy::kPrefillLoad || o.policy == DisaggPolicy::kIslOrLoad) && !o.prefill_busy_threshold) {
+    return InvalidArgument(fmt::format(
+        "--{} {} needs --router-conditional-disagg-prefill-busy-threshold or --router-queue-threshold", flag,
+        DisaggPolicyName(o.policy)));
+  }
+  const auto fallback = ParseBoolValue(vm["router-decode-fallback"].as<std::string>());
+  if (!fallback) return OutOfRange("router-decode-fallback", "true or false");
+  o.decode_fallback = *fallback;
+  o.kv_bytes_per_token = vm["router-kv-bytes-per-token"].as<double>();
+  if (!(o.kv_bytes_per_token > 0) || !std::isfinite(o.kv_bytes_per_token)) {
+    return OutOfRange("router-kv-bytes-per-token", "> 0");
+  }
+  o.kv_transfer_gbps = vm["router-kv-transfer-gbps"].as<double>();
+  if (!(o.kv_transfer_gbps > 0) || !std::isfinite(o.kv_transfer_gbps)) {
+    return OutOfRange("router-kv-transfer-gbps", "> 0");
+  }
+  return Status::Ok();
+}
+
 // Approximate mode, bounds and the rest, validated.
 Status ReadLimits(const po::variables_map& vm, RouterConfig& c) {
   c.ttl_secs = vm["router-ttl-secs"].as<double>();
@@ -158,6 +211,7 @@ Status ReadLimits(const po::variables_map& vm, RouterConfig& c) {
     return OutOfRange("router-disk-cache-hit-weight", "in [0, 1]");
   c.index_shards = vm["router-index-shards"].as<std::uint32_t>();
   if (c.index_shards < 1 || c.index_shards > 64) return OutOfRange("router-index-shards", "in [1, 64]");
+  if (Status s = ReadDisagg(vm, c); !s.ok()) return s;
   c.load_aware = vm["load-aware"].as<bool>();
   if (c.load_aware) {  // docs/design.md: pure load balancing on tracked load
     c.mode = RouterMode::kKv;
@@ -212,7 +266,8 @@ SchedulerOptions SchedulerOptionsOf(const RouterConfig& c) {
                      .queue_threshold = c.queue_threshold,
                      .max_prompt_tokens = c.max_prompt_tokens,
                      .max_active_requests = c.max_active_requests,
-                     .max_active_blocks = c.max_active_blocks};
+                     .max_active_blocks = c.max_active_blocks,
+                     .disagg = c.disagg};
   if (!c.use_kv_events && !c.load_aware) {
     o.predictions =
         SchedulerOptions::Predictions{.ttl = std::chrono::milliseconds(static_cast<std::int64_t>(c.ttl_secs * 1000)),

@@ -17,6 +17,7 @@
 
 #include "events/base/status.h"
 #include "router/common/flags.h"
+#include "router/scheduling/cost_disagg.h"
 #include "router/scheduling/policy.h"
 #include "router/scheduling/scheduler.h"
 
@@ -82,6 +83,11 @@ struct RouterConfig {
   double host_cache_hit_weight = 0.75;  // --router-host-cache-hit-weight in [0, 1]
   double disk_cache_hit_weight = 0.25;  // --router-disk-cache-hit-weight in [0, 1]
   std::uint32_t index_shards = 2;       // --router-index-shards [1, 64]
+
+  // Disaggregated prefill and decode (docs/protocol.md section 13): --router-disagg-policy,
+  // Dynamo's --router-conditional-disagg*, --router-decode-fallback, --router-kv-bytes-per-token,
+  // --router-kv-transfer-gbps.
+  DisaggOptions disagg;
 };
 
 // Parses argv (argv[0] is the program) and the environment. Unknown flags and bad values give

@@ -119,6 +119,8 @@ std::vector<KvRouterService::Sub> KvRouterService::RequestSubscriptions() {
   // Lifecycle messages go to every replica: each one's bookings must be released.
   subs.push_back(
       {subjects_.mark_prefill, "", [this](const BusMessage& m) { HandleLifecycle(m, Lifecycle::kMarkPrefill); }});
+  subs.push_back(
+      {subjects_.prefill_done, "", [this](const BusMessage& m) { HandleLifecycle(m, Lifecycle::kPrefillDone); }});
   subs.push_back({subjects_.free, "", [this](const BusMessage& m) { HandleLifecycle(m, Lifecycle::kFree); }});
   subs.push_back({subjects_.stats, "kvrouter", [this](const BusMessage& m) { HandleStats(m); }});
   subs.push_back({subjects_.overlap_scores, "kvrouter", [this](const BusMessage& m) { HandleOverlapScores(m); }});
@@ -489,7 +491,11 @@ void KvRouterService::HandleLifecycle(const BusMessage& m, Lifecycle change) {
   if (change == Lifecycle::kFree) timing = DecodeResponseTiming(m.data);
   if (timing) ++timing_reports_;
   Outbox out;
-  (void)(change == Lifecycle::kFree ? routing_.Free(*id, out, timing) : routing_.MarkPrefill(*id, out));
+  switch (change) {
+    case Lifecycle::kMarkPrefill: (void)routing_.MarkPrefill(*id, out); break;
+    case Lifecycle::kPrefillDone: (void)routing_.PrefillDone(*id, out); break;
+    case Lifecycle::kFree: (void)routing_.Free(*id, out, timing); break;
+  }
   Reply(m, EncodeOkReply());
   Send(out);
 }

@@ -127,7 +127,7 @@ class KvRouterService {
   void HandOver(std::optional<KvEventBatch> batch, bool more_pending, std::vector<KvEventBatch>& bulk);
   void HandleInstances(const BusMessage& m);
   void HandleRoute(const BusMessage& m, Routing::Kind kind);
-  enum class Lifecycle { kMarkPrefill, kFree };
+  enum class Lifecycle { kMarkPrefill, kPrefillDone, kFree };
   void HandleLifecycle(const BusMessage& m, Lifecycle change);
   void HandleStats(const BusMessage& m);
   void HandleOverlapScores(const BusMessage& m);

@@ -21,7 +21,8 @@ Routing::Routing(const RouterConfig& config, const WorkerRegistry& registry, con
       sync_(config.replica_sync ? ReplicaSync::Mode::kOn : ReplicaSync::Mode::kOff, router_id),
       affinity_(std::chrono::milliseconds(static_cast<std::int64_t>(config.session_affinity_ttl_secs * 1000)),
                 config.max_sessions),
-      sessions_on_(affinity_.on()) {}
+      sessions_on_(affinity_.on()),
+      rooms_(seed ^ 0x5b0075'7a9e11ULL) {}
 
 Result<std::vector<Candidate>> Routing::CandidatesLocked(const RouteRequest& req, std::span<const SequenceHash> seq,
                                                          OverlapScores& overlaps) const {
@@ -38,7 +39,8 @@ Result<std::vector<Candidate>> Routing::CandidatesLocked(const RouteRequest& req
 
 bool Routing::ServedByFleetPick(const RouteRequest& req, const PreparedRequest& p) const {
   return !req.worker_id && !req.dp_rank && !req.allowed_worker_ids && !req.excluded_worker_ids &&
-         !(sessions_on_ && !req.session_id.empty()) && FleetPickServes(options_, p);
+         !(sessions_on_ && !req.session_id.empty()) && registry_.prefill_workers() == 0 &&
+         FleetPickServes(options_, p);
 }
 
 Result<Routing::Eligible> Routing::EligibleLocked(Kind kind, const RouteRequest& req, const PreparedRequest& p,
@@ -90,15 +92,45 @@ Result<RouteReply> Routing::DecideLocked(Kind kind, const RouteRequest& req, con
   }
   auto decided = scheduler_.Decide(req, p, pick);
   if (!decided.ok()) return decided.status();
-  const Decision& d = *decided;
+  return AnswerLocked(kind, req, p, *decided, nullptr, queued_ms);
+}
+
+namespace {
+
+// The host of an http(s) URL ("http://10.0.0.5:8000/v1" -> "10.0.0.5", "http://[::1]:80" -> "::1").
+std::string_view HostOfUrl(std::string_view url) {
+  if (const auto scheme = url.find("://"); scheme != std::string_view::npos) url.remove_prefix(scheme + 3);
+  url = url.substr(0, url.find_first_of("/?#"));
+  if (const auto at = url.rfind('@'); at != std::string_view::npos) url.remove_prefix(at + 1);
+  if (url.starts_with('[')) return url.substr(1, url.find(']') - 1);
+  return url.substr(0, url.find(':'));
+}
+
+std::uint32_t TokensOf(std::uint32_t blocks, std::uint32_t block_size) {
+  return static_cast<std::uint32_t>(
+      std::min<std::uint64_t>(std::uint64_t{blocks} * block_size, std::numeric_limits<std::uint32_t>::max()));
+}
+
+}  // namespace
+
+RouteReply Routing::AnswerLocked(Kind kind, const RouteRequest& req, const PreparedRequest& p, const Decision& d,
+                                 const Decision* prefill, double queued_ms) {
+  const bool session = affinity_.on() && !req.session_id.empty();
   // best_worker reads a binding but never makes one.
   if (session && req.update_states) affinity_.Bind(req.session_id, d.worker, clock_());
   if (d.booked) {
     sync_.peers().Released(req.request_id);  // ours now: no dead replica's release may touch it
-    // Queued under mu_ so replicas see bookings in this replica's order.
+    // Queued under mu_ so replicas see bookings in this replica's order: the request's rank
+    // first, then its prefill rank (section 8: an add naming another rank of a booked request
+    // is its prefill part).
     sync_.Send(ActiveSequenceEvent::Kind::kAdd, req.request_id, d.worker, p.seq, p.sel.isl, d.overlap_blocks,
                session ? std::string_view(req.session_id) : std::string_view());
     metrics_dirty_.push_back(d.worker);
+    if (prefill) {
+      sync_.Send(ActiveSequenceEvent::Kind::kAdd, req.request_id, prefill->worker, {}, p.sel.isl,
+                 prefill->overlap_blocks);
+      metrics_dirty_.push_back(prefill->worker);
+    }
   }
   counters_.Routed(config_.mode, req.update_states ? std::optional<WorkerKey>(d.worker) : std::nullopt);
   counters_.Answered(kind, "ok");
@@ -110,12 +142,72 @@ Result<RouteReply> Routing::DecideLocked(Kind kind, const RouteRequest& req, con
                                        .host_pinned = d.overlap_by_tier.host,
                                        .any_tier = d.overlap_by_tier.any},
                    .request_blocks = p.sel.request_blocks,
-                   .cached_tokens = static_cast<std::uint32_t>(std::min<std::uint64_t>(
-                       std::uint64_t{d.overlap_blocks} * bs, std::numeric_limits<std::uint32_t>::max())),
+                   .cached_tokens = TokensOf(d.overlap_blocks, bs),
                    .queued_ms = queued_ms,
                    .http_url = registry_.HttpUrl(d.worker.worker_id)};
+  if (prefill) {
+    const WorkerFace face = registry_.FaceOf(prefill->worker.worker_id);
+    reply.disaggregated = true;
+    reply.prefill_worker_id = prefill->worker.worker_id;
+    reply.prefill_dp_rank = prefill->worker.dp_rank;
+    reply.prefill_http_url = face.http_url;
+    reply.prefill_cached_tokens = TokensOf(prefill->overlap_blocks, bs);
+    reply.cached_tokens = reply.prefill_cached_tokens;
+    reply.kv_connector = std::string(KvConnectorName(face.kv_connector));
+    if (face.kv_connector == KvConnector::kSglang) {
+      reply.bootstrap_host = std::string(HostOfUrl(face.http_url));
+      reply.bootstrap_port = face.bootstrap_port;
+      // SGLang's data-parallel controller sends room r to rank r % dp_size: the chosen one.
+      const std::uint64_t size = std::max<std::uint32_t>(face.dp_size, 1);
+      const std::uint64_t offset = (prefill->worker.dp_rank - face.dp_start) % size;
+      reply.bootstrap_room = (rooms_() >> 1) / size * size + offset;
+    }
+  }
   if (observer_) observer_(kind, reply);
   return reply;
+}
+
+Result<std::optional<RankPools>> Routing::EligiblePoolsLocked(const RouteRequest& req) const {
+  if (registry_.prefill_workers() == 0) return std::optional<RankPools>();
+  auto pools = registry_.Pools(req.worker_id, req.dp_rank, req.allowed_worker_ids, req.excluded_worker_ids);
+  if (!pools.ok()) return pools.status();
+  if (!pools->eligible()) return std::optional<RankPools>();
+  return std::optional<RankPools>(std::move(pools).value());
+}
+
+Result<std::optional<RouteReply>> Routing::DisaggLocked(Kind kind, const RouteRequest& req, const PreparedRequest& p,
+                                                        const RankPools& pools, OverlapScores& overlaps,
+                                                        double queued_ms, std::uint64_t* best_overlap) {
+  std::vector<Candidate> decode = scheduler_.Candidates(pools.decode, p.seq, overlaps);
+  std::vector<Candidate> prefill = scheduler_.Candidates(pools.prefill, p.seq, overlaps);
+  if (best_overlap) {
+    for (const auto* cands : {&decode, &prefill}) {
+      for (const Candidate& c : *cands) *best_overlap = std::max<std::uint64_t>(*best_overlap, c.overlap_blocks);
+    }
+  }
+  // best_worker answers as things stand; route and generate wait for room.
+  if (kind != Kind::kBestWorker) {
+    decode = scheduler_.OpenRanks(std::move(decode));
+    prefill = scheduler_.OpenRanks(std::move(prefill));
+  }
+  if (decode.empty()) return std::optional<RouteReply>();
+  const bool counted = kind != Kind::kBestWorker;
+  if (prefill.empty()) {  // every prefill worker is excluded, or full
+    if (!options_.disagg.decode_fallback) {
+      if (!pools.prefill.empty()) return std::optional<RouteReply>();  // wait for a prefill rank's room
+      return Status(StatusCode::kNoWorkers,
+                    "every prefill worker is excluded and --router-decode-fallback is false");
+    }
+    auto whole = DecideLocked(kind, req, p, decode, queued_ms);
+    if (!whole.ok()) return whole.status();
+    if (counted) ++disagg_decisions_["fallback"];
+    return std::optional<RouteReply>(std::move(whole).value());
+  }
+  auto decided = scheduler_.DecideDisagg(req, p, decode, prefill);
+  if (!decided.ok()) return decided.status();
+  if (counted) ++disagg_decisions_[decided->prefill ? "disaggregated" : "local"];
+  return std::optional<RouteReply>(
+      AnswerLocked(kind, req, p, decided->decode, decided->prefill ? &*decided->prefill : nullptr, queued_ms));
 }
 
 void Routing::Deliver(RouteRequest req, const RouteReply& routed, std::string reply, Kind kind, Outbox& out) {
@@ -152,8 +244,25 @@ void Routing::Route(RouteRequest req, Kind kind, std::string reply, Outbox& out)
     if (kind == Kind::kGenerate && req.request_id.empty()) {
       req.request_id = fmt::format("gen-{:x}-{}", router_id_, ++generated_ids_);
     }
-    auto eligible = EligibleLocked(kind, req, *prepared, by_runs ? &runs : nullptr, overlaps);
-    if (!eligible.ok()) {
+    auto pools = EligiblePoolsLocked(req);
+    if (!pools.ok()) {
+      error = pools.status();
+    } else if (*pools) {
+      if (by_runs) {  // a prefill worker registered since the read: the runs as overlaps
+        overlaps.clear();
+        if (!index_.TranslateMatches(runs, overlaps)) IndexOverlaps(options_, index_, *prepared, overlaps);
+      }
+      std::uint64_t best_overlap = 0;
+      auto decided = DisaggLocked(kind, req, *prepared, **pools, overlaps, 0, &best_overlap);
+      if (!decided.ok()) {
+        error = decided.status();
+      } else if (!*decided) {
+        error = queue_.Push(std::move(req), std::move(prepared).value(), best_overlap, reply, kind, clock_());
+      } else {
+        Deliver(std::move(req), **decided, std::move(reply), kind, out);
+      }
+    } else if (auto eligible = EligibleLocked(kind, req, *prepared, by_runs ? &runs : nullptr, overlaps);
+               !eligible.ok()) {
       error = eligible.status();
     } else {
       if (eligible->open.empty()) {
@@ -193,6 +302,24 @@ void Routing::DrainLocked(Outbox& out) {
   queue_.Drain(
       [&](QueuedRoute& q, SteadyTime enqueued) {
         mu_.AssertHeld();  // called right here, under mu_
+        const double queued_ms = std::chrono::duration<double, std::milli>(now - enqueued).count();
+        auto pools = EligiblePoolsLocked(q.req);
+        if (!pools.ok()) {
+          failed = pools.status();
+          return AdmissionQueue::Admission::kFailed;
+        }
+        if (*pools) {
+          thread_local OverlapScores fresh;
+          scheduler_.FreshOverlaps(q.prepared, fresh);
+          auto decided = DisaggLocked(q.kind, q.req, q.prepared, **pools, fresh, queued_ms, nullptr);
+          if (!decided.ok()) {
+            failed = decided.status();
+            return AdmissionQueue::Admission::kFailed;
+          }
+          if (!*decided) return AdmissionQueue::Admission::kNoRoom;
+          admitted = **decided;
+          return AdmissionQueue::Admission::kAdmitted;
+        }
         OverlapScores none;
         auto cands = CandidatesLocked(q.req, q.prepared.seq, none);
         if (!cands.ok()) {  // its worker went away while it waited
@@ -211,7 +338,6 @@ void Routing::DrainLocked(Outbox& out) {
         }
         std::vector<Candidate> ready = scheduler_.OpenRanks(std::move(with_overlaps).value());
         if (ready.empty()) return AdmissionQueue::Admission::kNoRoom;
-        const double queued_ms = std::chrono::duration<double, std::milli>(now - enqueued).count();
         auto reply = DecideLocked(q.kind, q.req, q.prepared, ready, queued_ms);
         if (!reply.ok()) {
           failed = reply.status();
@@ -243,8 +369,10 @@ bool Routing::LifecycleLocked(const std::string& request_id, ActiveSequenceEvent
   ActiveLoad& load = scheduler_.load();
   const WorkerKey* w = load.WorkerOf(request_id);
   const WorkerKey worker = w ? *w : WorkerKey{};
+  const WorkerKey* pw = load.PrefillWorkerOf(request_id);
+  const std::optional<WorkerKey> prefill_worker = pw ? std::optional<WorkerKey>(*pw) : std::nullopt;
   const bool free = change == ActiveSequenceEvent::Kind::kFree;
-  const bool did = free ? load.Free(request_id) : load.MarkPrefill(request_id);
+  const bool did = free ? load.Free(request_id) : scheduler_.MarkPrefill(request_id);
   if (free) sync_.peers().Released(request_id);
   if (free && !did) {  // freed before it left the queue
     queue_.Cancel(request_id, [&](QueuedRoute&& q) {
@@ -255,6 +383,7 @@ bool Routing::LifecycleLocked(const std::string& request_id, ActiveSequenceEvent
   }
   if (did) {
     metrics_dirty_.push_back(worker);
+    if (prefill_worker) metrics_dirty_.push_back(*prefill_worker);
     sync_.Send(change, request_id, worker);
     DrainLocked(out);  // load dropped: queued requests may fit now
   }
@@ -265,6 +394,20 @@ bool Routing::LifecycleLocked(const std::string& request_id, ActiveSequenceEvent
 bool Routing::MarkPrefill(const std::string& request_id, Outbox& out) {
   KvMutexLock g(mu_);
   return LifecycleLocked(request_id, ActiveSequenceEvent::Kind::kPrefillDone, out);
+}
+
+bool Routing::PrefillDone(const std::string& request_id, Outbox& out) {
+  KvMutexLock g(mu_);
+  const WorkerKey* pw = scheduler_.load().PrefillWorkerOf(request_id);
+  if (!pw) return false;
+  const WorkerKey prefill_worker = *pw;
+  (void)scheduler_.PrefillDone(request_id);
+  metrics_dirty_.push_back(prefill_worker);
+  // Section 8: a prefill_done naming the prefill rank releases only the prefill part.
+  sync_.Send(ActiveSequenceEvent::Kind::kPrefillDone, request_id, prefill_worker);
+  DrainLocked(out);
+  TakeDeferredLocked(out);
+  return true;
 }
 
 bool Routing::Free(const std::string& request_id, Outbox& out, const std::optional<ResponseTiming>& timing) {
@@ -373,6 +516,9 @@ void Routing::FillStats(StatsReply& r) const {
   r.counters["session_bindings"] = affinity_.size();
   r.counters["session_hits"] = session_hits_;
   r.counters["session_bindings_evicted"] = affinity_.evicted();
+  if (!disagg_decisions_.empty()) r.breakdowns["disagg_decisions"] = disagg_decisions_;
+  r.counters["active_prefill_legs"] = load.prefill_parts();
+  r.counters["kv_transfers_observed"] = scheduler_.transfer().observations();
 }
 
 }  // namespace kvrouter

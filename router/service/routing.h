@@ -20,6 +20,9 @@
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <map>
+#include <optional>
+#include <random>
 #include <span>
 #include <string>
 #include <vector>
@@ -63,6 +66,9 @@ class Routing {
   // that is still queued cancels it (its caller gets `timeout`). A free with the engine's timing
   // teaches its rank's learned rates first.
   bool MarkPrefill(const std::string& request_id, Outbox& out);
+  // A disaggregated request's prefill leg ended (section 13 prefill_done): its prefill rank's
+  // part is released.
+  bool PrefillDone(const std::string& request_id, Outbox& out);
   bool Free(const std::string& request_id, Outbox& out, const std::optional<ResponseTiming>& timing = std::nullopt);
 
   // The registry has forgotten these workers (ascending ids): release their bookings and
@@ -130,6 +136,20 @@ class Routing {
   // bind the session, sync, count, observe.
   Result<RouteReply> DecideLocked(Kind kind, const RouteRequest& req, const PreparedRequest& p,
                                   std::span<const Candidate> cands, double queued_ms) KV_REQUIRES(mu_);
+  // A request whose candidates have a prefill and a decode pool (section 13): decided (both
+  // ranks, or one as a whole when the policy or the fallback says so), nullopt when it must
+  // wait for room (its decode ranks are full, or its prefill ranks and there is no fallback), or
+  // an error. `best_overlap`, when given, gets the longest overlap of any candidate.
+  Result<std::optional<RouteReply>> DisaggLocked(Kind kind, const RouteRequest& req, const PreparedRequest& p,
+                                                 const RankPools& pools, OverlapScores& overlaps, double queued_ms,
+                                                 std::uint64_t* best_overlap) KV_REQUIRES(mu_);
+  // The pools of a request when it is disaggregated-eligible; nullopt when it is not (no prefill
+  // worker registered, or none among its candidates).
+  Result<std::optional<RankPools>> EligiblePoolsLocked(const RouteRequest& req) const KV_REQUIRES(mu_);
+  // A decision made (a Decide or DecideDisagg): binds the session, syncs, counts and observes,
+  // and answers. `prefill` is the prefill rank of a disaggregated one.
+  RouteReply AnswerLocked(Kind kind, const RouteRequest& req, const PreparedRequest& p, const Decision& d,
+                          const Decision* prefill, double queued_ms) KV_REQUIRES(mu_);
   // A decided request: its reply, or for router.generate its forward.
   static void Deliver(RouteRequest req, const RouteReply& routed, std::string reply, Kind kind, Outbox& out);
   // Admits, in policy order, the queued requests that fit now.
@@ -166,6 +186,9 @@ class Routing {
   std::atomic<std::uint32_t> score_picks_left_{0};
   RouteCounters counters_ KV_GUARDED_BY(mu_);
   std::uint64_t session_hits_ KV_GUARDED_BY(mu_) = 0;        // decisions that followed a session's binding
+  // route decisions of eligible requests: "disaggregated", "local", "fallback" (section 13)
+  std::map<std::string, std::uint64_t> disagg_decisions_ KV_GUARDED_BY(mu_);
+  std::mt19937_64 rooms_ KV_GUARDED_BY(mu_);  // SGLang bootstrap rooms
   std::uint64_t generated_ids_ KV_GUARDED_BY(mu_) = 0;       // request ids made up for generate
   std::vector<WorkerKey> metrics_dirty_ KV_GUARDED_BY(mu_);  // loads to publish
   std::uint64_t resume_marker_ KV_GUARDED_BY(mu_) = 0;       // awaited (AwaitResume); 0: none

@@ -48,6 +48,17 @@ void Routing::ApplyReplica(const ActiveSequenceEvent& e, Outbox& out) {
         return;
       }
       const std::uint64_t cached = std::uint64_t{e.overlap_blocks} * config_.block_size;
+      const WorkerKey rank{e.worker_id, e.dp_rank};
+      if (const WorkerKey* booked = load.WorkerOf(e.request_id);
+          booked && *booked != rank && peers.IsPeerBooking(e.request_id)) {
+        // Another rank of a request a peer booked here: its prefill part (section 13). The
+        // request's own rank then prefills nothing.
+        (void)load.MarkPrefill(e.request_id);
+        if (load.BookPrefill(e.request_id, rank, e.isl > cached ? e.isl - cached : 0, clock_())) {
+          metrics_dirty_.push_back(rank);
+        }
+        return;
+      }
       if (load.Book(e.request_id, {e.worker_id, e.dp_rank}, e.seq_hashes, e.isl > cached ? e.isl - cached : 0,
                     clock_())) {
         peers.Booked(e.router_id, e.request_id, clock_());
@@ -56,10 +67,15 @@ void Routing::ApplyReplica(const ActiveSequenceEvent& e, Outbox& out) {
       if (!e.session_id.empty()) affinity_.Bind(e.session_id, {e.worker_id, e.dp_rank}, clock_());
       return;
     }
-    case ActiveSequenceEvent::Kind::kPrefillDone:
+    case ActiveSequenceEvent::Kind::kPrefillDone: {
       peers.Seen(e.router_id, clock_());
-      if (load.MarkPrefill(e.request_id)) DrainLocked(out);
+      // Naming the request's prefill rank: that part only (section 13 prefill_done); else
+      // mark_prefill.
+      const WorkerKey* prefill = load.PrefillWorkerOf(e.request_id);
+      const bool part = prefill && *prefill == WorkerKey{e.worker_id, e.dp_rank};
+      if (part ? load.ReleasePrefill(e.request_id) : load.MarkPrefill(e.request_id)) DrainLocked(out);
       return;
+    }
     case ActiveSequenceEvent::Kind::kFree:
       peers.Seen(e.router_id, clock_());
       peers.Released(e.request_id);

@@ -50,6 +50,8 @@ WorkerRegistry::Registered WorkerRegistry::Register(const WorkerRegistration& re
   out.device_changed = w.has_lease && w.reg.device != reg.device;
   if (!inserted) Revoke();  // its ranks may be fewer now
   ++changes_;
+  if (!inserted && w.reg.role == WorkerRole::kPrefill) prefill_workers_.fetch_sub(1);
+  if (reg.role == WorkerRole::kPrefill) prefill_workers_.fetch_add(1);
   w.reg = reg;
   w.has_lease = true;
   w.lease_deadline.store(deadline);
@@ -183,6 +185,7 @@ void WorkerRegistry::EraseLocked(std::map<std::uint64_t, Worker>::iterator it, S
   ++changes_;
   if (left_.size() < kMaxLeftRemembered) left_[it->first] = now + kLeftMemory;
   ranks_total_ -= it->second.reg.dp_size;
+  if (it->second.reg.role == WorkerRole::kPrefill) prefill_workers_.fetch_sub(1);
   workers_.erase(it);
 }
 
@@ -289,14 +292,9 @@ Result<std::vector<RankInfo>> WorkerRegistry::Ranks(std::optional<std::uint64_t>
   if (!pin)
     out.reserve(allowed ? std::min(allowed->size(), workers_.size()) : workers_.size());  // a rank a worker, mostly
   if (pin) {
-    auto it = workers_.find(*pin);
-    if (it == workers_.end()) return NotFound(fmt::format("worker {} is not registered", *pin));
-    if (it->second.reg.role == WorkerRole::kPrefill) {
-      return InvalidArgument(fmt::format("worker {} serves prefill legs only (role prefill)", *pin));
-    }
-    if (dp_rank && !Serves(it->second.reg, *dp_rank)) {
-      return NotFound(fmt::format("worker {} has no dp rank {}", *pin, *dp_rank));
-    }
+    auto pinned = PinnedLocked(*pin, dp_rank);
+    if (!pinned.ok()) return pinned.status();
+    const auto it = *pinned;
     add_worker(it->second);
   } else if (allowed) {
     // Look the allowed ids up (ascending, each once) rather than test every worker against them.
@@ -310,6 +308,92 @@ Result<std::vector<RankInfo>> WorkerRegistry::Ranks(std::optional<std::uint64_t>
     for (const auto& [id, w] : workers_) add_worker(w);
   }
   return out;
+}
+
+Result<std::map<std::uint64_t, WorkerRegistry::Worker>::const_iterator> WorkerRegistry::PinnedLocked(
+    std::uint64_t pin, std::optional<std::uint32_t> dp_rank) const {
+  auto it = workers_.find(pin);
+  if (it == workers_.end()) return NotFound(fmt::format("worker {} is not registered", pin));
+  if (it->second.reg.role == WorkerRole::kPrefill) {
+    return InvalidArgument(fmt::format("worker {} serves prefill legs only (role prefill)", pin));
+  }
+  if (dp_rank && !Serves(it->second.reg, *dp_rank)) {
+    return NotFound(fmt::format("worker {} has no dp rank {}", pin, *dp_rank));
+  }
+  return it;
+}
+
+Result<RankPools> WorkerRegistry::Pools(std::optional<std::uint64_t> pin, std::optional<std::uint32_t> dp_rank,
+                                        const std::optional<std::vector<std::uint64_t>>& allowed,
+                                        const std::optional<std::vector<std::uint64_t>>& excluded) const {
+  RankPools out;
+  std::vector<std::uint64_t> skip = excluded.value_or(std::vector<std::uint64_t>{});
+  std::sort(skip.begin(), skip.end());
+  std::vector<std::uint64_t> ids;
+  if (allowed) {
+    ids = *allowed;
+    std::sort(ids.begin(), ids.end());
+    ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
+  }
+  // `pinned`: the walk of the pinned worker, which may give only the request's (decode) rank.
+  auto add_worker = [&](const Worker& w, bool pinned) {
+    const WorkerRole role = w.reg.role;
+    if (role == WorkerRole::kPrefill && pinned) return;
+    if (std::binary_search(skip.begin(), skip.end(), w.reg.worker_id)) {
+      if (role == WorkerRole::kPrefill) out.prefill_excluded = true;
+      return;
+    }
+    std::vector<RankInfo>& to =
+        role == WorkerRole::kPrefill ? out.prefill : role == WorkerRole::kDecode ? out.decode : out.whole;
+    RankInfo r = InfoOf(w.reg);
+    if (dp_rank && role != WorkerRole::kPrefill) {  // dp_rank names the request's rank
+      if (Serves(w.reg, *dp_rank)) {
+        r.worker.dp_rank = *dp_rank;
+        to.push_back(r);
+      }
+      return;
+    }
+    for (std::uint64_t rank = w.reg.dp_start; rank < std::uint64_t{w.reg.dp_start} + w.reg.dp_size; ++rank) {
+      r.worker.dp_rank = static_cast<std::uint32_t>(rank);
+      to.push_back(r);
+    }
+  };
+  KvReaderLock g(mu_);
+  bool prefill_only = false;  // beside a pinned decode worker: the prefill pool alone
+  if (pin) {
+    auto pinned = PinnedLocked(*pin, dp_rank);
+    if (!pinned.ok()) return pinned.status();
+    const auto it = *pinned;
+    add_worker(it->second, true);
+    // A pinned decode worker still takes its prefill leg from the pool.
+    if (it->second.reg.role != WorkerRole::kDecode) return out;
+    prefill_only = true;
+  }
+  if (allowed) {
+    for (std::uint64_t id : ids) {
+      auto it = workers_.find(id);
+      if (it != workers_.end() && (!prefill_only || it->second.reg.role == WorkerRole::kPrefill)) {
+        add_worker(it->second, false);
+      }
+    }
+  } else {
+    for (const auto& [id, w] : workers_) {
+      if (!prefill_only || w.reg.role == WorkerRole::kPrefill) add_worker(w, false);
+    }
+  }
+  return out;
+}
+
+WorkerFace WorkerRegistry::FaceOf(std::uint64_t worker_id) const {
+  KvReaderLock g(mu_);
+  auto it = workers_.find(worker_id);
+  if (it == workers_.end()) return {};
+  const WorkerRegistration& r = it->second.reg;
+  return {.http_url = r.http_url,
+          .kv_connector = r.kv_connector,
+          .bootstrap_port = r.bootstrap_port,
+          .dp_start = r.dp_start,
+          .dp_size = r.dp_size};
 }
 
 std::string WorkerRegistry::HttpUrl(std::uint64_t worker_id) const {

@@ -49,6 +49,25 @@ struct RankEntry {
   WorkerRole role = WorkerRole::kBoth;
 };
 
+// A request's ranks by role (section 13): see WorkerRegistry::Pools.
+struct RankPools {
+  std::vector<RankInfo> whole;    // role both
+  std::vector<RankInfo> decode;   // role decode
+  std::vector<RankInfo> prefill;  // role prefill, not excluded
+  bool prefill_excluded = false;  // an allowed prefill worker was excluded
+  // Disaggregated-eligible: decode workers and prefill workers among the candidates.
+  bool eligible() const { return !decode.empty() && (!prefill.empty() || prefill_excluded); }
+};
+
+// What a reply names of a worker besides its rank (sections 11 and 13).
+struct WorkerFace {
+  std::string http_url;
+  KvConnector kv_connector = KvConnector::kNixl;
+  std::uint32_t bootstrap_port = 8998;
+  std::uint32_t dp_start = 0;
+  std::uint32_t dp_size = 1;
+};
+
 class WorkerRegistry {
  public:
   explicit WorkerRegistry(RegistryLimits limits) : limits_(limits) {}
@@ -114,6 +133,14 @@ class WorkerRegistry {
   Result<std::vector<RankInfo>> Ranks(std::optional<std::uint64_t> pin, std::optional<std::uint32_t> dp_rank,
                                       const std::optional<std::vector<std::uint64_t>>& allowed,
                                       const std::optional<std::vector<std::uint64_t>>& excluded = std::nullopt) const;
+  // A request's ranks by role (section 13), filtered as Ranks filters them, ascending: `dp_rank`
+  // and a pin name the request's (decode or whole) rank, while the prefill pool is every allowed
+  // prefill worker that is not excluded (beside a pinned decode worker too). Same errors as Ranks.
+  Result<RankPools> Pools(std::optional<std::uint64_t> pin, std::optional<std::uint32_t> dp_rank,
+                          const std::optional<std::vector<std::uint64_t>>& allowed,
+                          const std::optional<std::vector<std::uint64_t>>& excluded = std::nullopt) const;
+  // Registered workers of role prefill: none means no request is disaggregated-eligible.
+  std::uint64_t prefill_workers() const { return prefill_workers_.load(std::memory_order_relaxed); }
   // Every rank a request may go to, as Ranks gives them without a pin or filter: one list shared until the registry
   // changes (a registration new or changed, a worker gone or grown by its events), so a decision
   // over a large fleet does not copy it.
@@ -121,6 +148,8 @@ class WorkerRegistry {
   bool HasRank(WorkerKey worker) const;
   // The worker's announced OpenAI base URL (section 11); empty when unknown or none.
   std::string HttpUrl(std::uint64_t worker_id) const;
+  // Its URL, connector and ranks; defaults when unknown.
+  WorkerFace FaceOf(std::uint64_t worker_id) const;
   // Ranks [offset, offset + limit) in ascending order, and the number of ranks in all.
   std::vector<RankEntry> Page(std::uint64_t offset, std::uint32_t limit, std::uint64_t* total) const;
 
@@ -139,6 +168,11 @@ class WorkerRegistry {
   const char* RefusalLocked(const WorkerRegistration& reg, std::string& detail) const KV_REQUIRES(mu_);
   void CountRefusalLocked(std::string_view reason) KV_REQUIRES(mu_);
   void EraseLocked(std::map<std::uint64_t, Worker>::iterator it, SteadyTime now) KV_REQUIRES(mu_);
+  // The worker a request pins (at `dp_rank` when given): NotFound when unknown or without that
+  // rank, InvalidArgument for a prefill worker (never a request's worker).
+  Result<std::map<std::uint64_t, Worker>::const_iterator> PinnedLocked(std::uint64_t pin,
+                                                                       std::optional<std::uint32_t> dp_rank) const
+      KV_REQUIRES_SHARED(mu_);
   // AdmitEvent's halves: whether this thread admitted `key` since the last revocation, and the
   // admission under the lock, remembered by this thread when granted.
   bool AdmittedHere(WorkerKey key) const;
@@ -165,6 +199,7 @@ class WorkerRegistry {
   std::uint64_t refused_total_ KV_GUARDED_BY(mu_) = 0;
   std::unordered_map<std::uint64_t, SteadyTime> left_ KV_GUARDED_BY(mu_);  // forgotten worker -> until
   std::atomic<std::uint64_t> leases_expired_{0};
+  std::atomic<std::uint64_t> prefill_workers_{0};  // changed under mu_ (exclusive)
   std::atomic<bool> paused_{false};
 };
 

@@ -552,6 +552,8 @@ BENCHMARK(BM_PickAmong1000)->Arg(0)->Arg(1)->Unit(benchmark::kMicrosecond);
 // The service's whole decision (decode, hash, overlaps from the index, candidates with their
 // load, the cost of each, the pick) on an in-memory bus, for 1,000 registered workers that each
 // cache a 2,048-token prompt and run 4 requests. Arg 0: Dynamo's formula; 1: the predicted cost.
+// Arg 2: the predicted cost on a disaggregated fleet (workers 1..500 prefill, the rest decode;
+// protocol.md section 13), against arg 1 in the same run.
 // A `route` without request_id books nothing, so every iteration sees the same fleet.
 void BM_Decision1000Workers(benchmark::State& state) {
   constexpr std::uint64_t kFleet = 1000;
@@ -572,10 +574,12 @@ void BM_Decision1000Workers(benchmark::State& state) {
   };
   for (std::uint64_t w = 1; w <= kFleet; ++w) {
     WorkerRegistration reg{.worker_id = w, .block_size = 64, .total_kv_blocks = 16384};
+    if (state.range(0) == 2) reg.role = w <= kFleet / 2 ? WorkerRole::kPrefill : WorkerRole::kDecode;
     (void)bus.Publish(svc.subjects().instances, AsBytes(EncodeWorkerRegistration(reg)));
     (void)bus.Publish(svc.subjects().kv_events,
                       AsBytes(EncodeDynamoEnvelope(StoredPromptBatch(w, 1, prompt(w), 64), {})));
     for (int r = 0; r < 4; ++r) {
+      if (state.range(0) == 2 && w <= kFleet / 2) break;  // prefill workers take no whole requests
       RouteRequest busy{.request_id = fmt::format("busy-{}-{}", w, r),
                         .token_ids = prompt(w + kFleet * (r + 1)),
                         .has_token_ids = true,
@@ -593,7 +597,7 @@ void BM_Decision1000Workers(benchmark::State& state) {
     benchmark::DoNotOptimize(reply);
   }
 }
-BENCHMARK(BM_Decision1000Workers)->Arg(0)->Arg(1)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_Decision1000Workers)->Arg(0)->Arg(1)->Arg(2)->Unit(benchmark::kMicrosecond);
 
 // A best_worker decision as the fleet grows (decisions sublinear in the fleet): the service in
 // process, arg workers of one rank each, every tenth holding 4 blocks (block size 16), none

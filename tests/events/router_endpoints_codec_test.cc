@@ -460,6 +460,67 @@ TEST(RouteReplyCodec, RouteReplyIsWrittenInTheWiresOrder) {
   EXPECT_EQ(std::string(got.data(), got.size()), want);
 }
 
+// Section 13: a disaggregated reply adds its prefill rank after overlap_by_tier, and for SGLang
+// the bootstrap fields; a reply that is not disaggregated carries none of them.
+TEST(RouteReplyCodec, DisaggregatedRepliesRoundTripWithTheirFieldsLast) {
+  RouteReply nixl{.worker_id = 3,
+                  .request_blocks = 2,
+                  .cached_tokens = 64,
+                  .disaggregated = true,
+                  .prefill_worker_id = 1,
+                  .prefill_dp_rank = 2,
+                  .prefill_http_url = "http://p:1",
+                  .prefill_cached_tokens = 64,
+                  .kv_connector = "nixl"};
+  auto r = DecodeRouteReply(AsBytes(EncodeRouteReply(nixl)));
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(*r, nixl);
+  RouteReply sglang = nixl;
+  sglang.kv_connector = "sglang";
+  sglang.bootstrap_host = "p";
+  sglang.bootstrap_port = 8998;
+  sglang.bootstrap_room = (std::uint64_t{1} << 62) + 5;
+  r = DecodeRouteReply(AsBytes(EncodeRouteReply(sglang)));
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(*r, sglang);
+  const msgpack::sbuffer body = EncodeRouteReply(sglang);
+  const std::string bytes(body.data(), body.size());
+  const std::vector<std::string> keys = {"overlap_by_tier",  "disaggregated",         "prefill_worker_id",
+                                         "prefill_dp_rank",  "prefill_http_url",      "prefill_cached_tokens",
+                                         "kv_connector",     "bootstrap_host",        "bootstrap_port",
+                                         "bootstrap_room"};
+  std::size_t at = 0;
+  for (const std::string& k : keys) {
+    const std::size_t found = bytes.find(k, at);
+    ASSERT_NE(found, std::string::npos) << k;
+    at = found + k.size();
+  }
+  // Not disaggregated: none of them, whatever the members hold.
+  RouteReply whole = sglang;
+  whole.disaggregated = false;
+  const msgpack::sbuffer plain = EncodeRouteReply(whole);
+  const std::string plain_bytes(plain.data(), plain.size());
+  for (std::size_t i = 1; i < keys.size(); ++i) EXPECT_EQ(plain_bytes.find(keys[i]), std::string::npos) << keys[i];
+  // A disaggregated reply without its prefill rank is refused.
+  auto missing = MapOf(7, [](TestPacker& p) {
+    p.Key("worker_id");
+    p.pk.pack(1);
+    p.Key("dp_rank");
+    p.pk.pack(0);
+    p.Key("overlap_blocks");
+    p.pk.pack(0);
+    p.Key("request_blocks");
+    p.pk.pack(0);
+    p.Key("cached_tokens");
+    p.pk.pack(0);
+    p.Key("queued_ms");
+    p.pk.pack(0.0);
+    p.Key("disaggregated");
+    p.pk.pack(true);
+  });
+  ExpectInvalid(DecodeRouteReply(AsBytes(missing)), "missing field 'prefill_worker_id'");
+}
+
 TEST(RouteReplyCodec, RouteReplyMissingAFieldIsInvalidArgument) {
   auto body = MapOf(1, [](TestPacker& p) {
     p.Key("worker_id");

@@ -30,6 +30,7 @@ TEST(Subjects, RouterEndpointsAreTheProtocols) {
   EXPECT_EQ(RouterEndpointSubject("dynamo", router_endpoint::kBestWorker), "namespace.dynamo.router.best_worker");
   EXPECT_EQ(RouterEndpointSubject("dynamo", router_endpoint::kGenerate), "namespace.dynamo.router.generate");
   EXPECT_EQ(RouterEndpointSubject("dynamo", router_endpoint::kMarkPrefill), "namespace.dynamo.router.mark_prefill");
+  EXPECT_EQ(RouterEndpointSubject("dynamo", router_endpoint::kPrefillDone), "namespace.dynamo.router.prefill_done");
   EXPECT_EQ(RouterEndpointSubject("dynamo", router_endpoint::kFree), "namespace.dynamo.router.free");
   EXPECT_EQ(RouterEndpointSubject("dynamo", router_endpoint::kStats), "namespace.dynamo.router.stats");
   EXPECT_EQ(RouterEndpointSubject("dynamo", router_endpoint::kOverlapScores), "namespace.dynamo.router.overlap_scores");
@@ -50,6 +51,7 @@ TEST(Subjects, TheSetOfAServiceIsBuiltFromTheSameFunctions) {
   EXPECT_EQ(s.route, "namespace.ns.router.route");
   EXPECT_EQ(s.best_worker, "namespace.ns.router.best_worker");
   EXPECT_EQ(s.mark_prefill, "namespace.ns.router.mark_prefill");
+  EXPECT_EQ(s.prefill_done, "namespace.ns.router.prefill_done");
   EXPECT_EQ(s.free, "namespace.ns.router.free");
   EXPECT_EQ(s.stats, "namespace.ns.router.stats");
   EXPECT_EQ(s.overlap_scores, "namespace.ns.router.overlap_scores");

@@ -77,6 +77,54 @@ TEST(ActiveLoad, MarkPrefillAndFreeAreIdempotent) {
   EXPECT_EQ(load.requests(), 0u);
 }
 
+// Section 13: a disaggregated booking's prefill part weighs on its prefill rank (one request,
+// its prefill tokens, no blocks) until ReleasePrefill, MarkPrefill or Free; its worker leaving
+// takes only that part.
+TEST(ActiveLoad, APrefillPartWeighsOnItsRankUntilReleased) {
+  ActiveLoad load;
+  const std::vector<SequenceHash> seq = {11, 12, 13};
+  ASSERT_TRUE(load.Book("r", kA, seq, 0, kT0));
+  EXPECT_FALSE(load.BookPrefill("unknown", kB, 100, kT0));
+  EXPECT_FALSE(load.BookPrefill("r", kA, 100, kT0));  // its own rank is not a prefill part
+  ASSERT_TRUE(load.BookPrefill("r", kB, 100, kT0));
+  EXPECT_FALSE(load.BookPrefill("r", kB, 100, kT0));
+  EXPECT_EQ(load.Load(kB).active_requests, 1u);
+  EXPECT_EQ(load.Load(kB).active_prefill_tokens, 100u);
+  EXPECT_EQ(load.Load(kB).active_prefill_squares, 10000u);
+  EXPECT_EQ(load.Load(kB).active_blocks, 0u);
+  EXPECT_EQ(load.Load(kA).active_blocks, 3u);
+  ASSERT_NE(load.PrefillWorkerOf("r"), nullptr);
+  EXPECT_EQ(*load.PrefillWorkerOf("r"), kB);
+  EXPECT_TRUE(load.ReleasePrefill("r"));
+  EXPECT_FALSE(load.ReleasePrefill("r"));
+  EXPECT_EQ(load.Load(kB).active_requests, 0u);
+  EXPECT_EQ(load.Load(kB).active_prefill_tokens, 0u);
+  EXPECT_EQ(load.PrefillWorkerOf("r"), nullptr);
+  EXPECT_EQ(load.requests(), 1u);
+  // MarkPrefill releases it too, and is true for that alone.
+  ASSERT_TRUE(load.BookPrefill("r", kB, 7, kT0));
+  EXPECT_TRUE(load.MarkPrefill("r"));
+  EXPECT_FALSE(load.MarkPrefill("r"));
+  EXPECT_EQ(load.Load(kB).active_requests, 0u);
+  // Free takes both parts; the prefill worker leaving takes only its part.
+  ASSERT_TRUE(load.BookPrefill("r", kB, 7, kT0));
+  EXPECT_EQ(load.RemoveWorker(kB.worker_id), 1u);
+  EXPECT_EQ(load.requests(), 1u);
+  EXPECT_EQ(load.Load(kA).active_requests, 1u);
+  ASSERT_TRUE(load.BookPrefill("r", kB, 7, kT0));
+  EXPECT_EQ(load.prefill_parts(), 1u);
+  EXPECT_TRUE(load.Free("r"));
+  EXPECT_EQ(load.prefill_parts(), 0u);
+  EXPECT_EQ(load.Load(kB).active_requests, 0u);
+  EXPECT_EQ(load.active_workers(), 0u);
+  // Its decode worker leaving takes the whole booking, prefill part included.
+  ASSERT_TRUE(load.Book("s", kA, seq, 0, kT0));
+  ASSERT_TRUE(load.BookPrefill("s", kB, 9, kT0));
+  EXPECT_EQ(load.RemoveWorker(kA.worker_id), 1u);
+  EXPECT_EQ(load.Load(kB).active_requests, 0u);
+  EXPECT_EQ(load.requests(), 0u);
+}
+
 TEST(ActiveLoad, SweepReleasesRequestsOlderThanTheLimit) {
   ActiveLoad load;
   ASSERT_TRUE(load.Book("old", kA, std::vector<SequenceHash>{1}, 64, kT0));

@@ -65,6 +65,44 @@ TEST(RouterConfig, FlagsAreParsed) {
   EXPECT_FALSE(r->config.track_prefill_tokens);
 }
 
+// Section 13's flags: our policy, Dynamo's conditional switch and thresholds (the prefill busy
+// threshold inherits the queue threshold), the fallback and the transfer's prior.
+TEST(RouterConfig, DisaggregationFlagsAreParsedWithDynamosDefaults) {
+  auto d = Args{}.Parse();
+  ASSERT_TRUE(d.ok());
+  const DisaggOptions& o = d->config.disagg;
+  EXPECT_EQ(o.policy, DisaggPolicy::kPredicted);
+  EXPECT_TRUE(o.decode_fallback);
+  EXPECT_EQ(o.eff_isl_threshold, 2048);
+  EXPECT_EQ(o.eff_isl_ratio_threshold, 0.7);
+  EXPECT_FALSE(o.prefill_busy_threshold.has_value());
+  EXPECT_EQ(o.kv_bytes_per_token, 131072);
+  EXPECT_EQ(o.kv_transfer_gbps, 400);
+  auto r = Args{{"--router-disagg-policy", "isl_or_load", "--router-queue-threshold", "2",
+                 "--router-decode-fallback", "false", "--router-kv-transfer-gbps", "100",
+                 "--router-conditional-disagg-eff-isl-threshold", "512"}}
+               .Parse();
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->config.disagg.policy, DisaggPolicy::kIslOrLoad);
+  EXPECT_EQ(r->config.disagg.prefill_busy_threshold, 2.0);
+  EXPECT_FALSE(r->config.disagg.decode_fallback);
+  EXPECT_EQ(r->config.disagg.kv_transfer_gbps, 100);
+  EXPECT_EQ(r->config.disagg.eff_isl_threshold, 512);
+  auto dynamo = Args{{"--router-conditional-disagg"}}.Parse();
+  ASSERT_TRUE(dynamo.ok());
+  EXPECT_EQ(dynamo->config.disagg.policy, DisaggPolicy::kIslBounding);
+  for (std::vector<std::string> bad : {std::vector<std::string>{"--router-disagg-policy", "sometimes"},
+                                       {"--router-disagg-policy", "prefill_load"},  // no threshold at all
+                                       {"--router-conditional-disagg", "--router-conditional-disagg-policy", "always"},
+                                       {"--router-conditional-disagg-eff-isl-ratio-threshold", "1.5"},
+                                       {"--router-decode-fallback", "maybe"},
+                                       {"--router-kv-bytes-per-token", "0"}}) {
+    auto refused = Args{bad}.Parse();
+    ASSERT_FALSE(refused.ok()) << bad[0];
+    EXPECT_NE(refused.status().message().find("router-"), std::string::npos) << refused.status().message();
+  }
+}
+
 TEST(RouterConfig, EnvironmentFillsFlagsNotGivenOnTheCommandLine) {
   auto r = Args{{"--namespace", "cli"},
                 {{"DYN_ROUTER_MODE", "least-loaded"},
