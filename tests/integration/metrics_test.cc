@@ -85,6 +85,26 @@ TEST_F(MetricsTest, ServesHealthReadinessAndMetricsThatFollowTheRouter) {
   EXPECT_EQ(Value(m, "kvrouter_worker_ranks"), 1);
 }
 
+// Section 13: the decisions of requests with a prefill and a decode pool, by path.
+TEST_F(MetricsTest, CountsDisaggregatedDecisionsByPath) {
+  for (auto [id, role] : {std::pair{1, WorkerRole::kPrefill}, {2, WorkerRole::kDecode}}) {
+    WorkerRegistration r{.worker_id = static_cast<std::uint64_t>(id), .block_size = kBs, .lease_ms = 60000, .role = role};
+    ASSERT_TRUE(nc_->Publish(kComp + "instances", AsBytes(EncodeWorkerRegistration(r))).ok());
+  }
+  ASSERT_TRUE(AwaitWorkers(2));
+  ASSERT_TRUE(Route(Tokens(100, 12), "short").ok());  // an idle decode worker prefills it itself
+  std::vector<std::uint32_t> excluded_prefill = Tokens(200, 12);
+  RouteRequest req{.request_id = "fallback", .token_ids = excluded_prefill, .has_token_ids = true};
+  req.isl = static_cast<std::uint32_t>(req.token_ids.size());
+  req.excluded_worker_ids = std::vector<std::uint64_t>{1};
+  auto fallback = RequestRoute("route", EncodeRouteRequest(req));
+  ASSERT_TRUE(fallback.ok()) << fallback.status().ToString();
+  EXPECT_EQ(fallback->worker_id, 2u);
+  ASSERT_TRUE(WaitFor(
+      [&] { return Value(Scrape(), R"(kvrouter_disagg_decisions_total{path="fallback"})").value_or(0) == 1; }, 5s));
+  EXPECT_EQ(Value(Scrape(), R"(kvrouter_disagg_decisions_total{path="local"})"), 1);
+}
+
 TEST_F(MetricsTest, ReadinessFollowsTheNatsConnection) {
   ASSERT_TRUE(WaitFor([&] { return StatusOf("/ready") == 200; }, 5s));
   nats_->Stop();
