@@ -230,9 +230,14 @@ Result<DisaggDecision> Scheduler::DecideDisagg(const RouteRequest& req, const Pr
     const std::uint64_t cached = std::uint64_t{out.prefill->overlap_blocks} * options_.block_size;
     (void)load_.BookPrefill(req.request_id, pf.worker, p.sel.isl > cached ? p.sel.isl - cached : 0, now);
     out.decode.booked = out.prefill->booked = true;
+    PriorTtft prefill_prior = PriorTtftOf(pf, p.sel, p.params);
+    prefill_prior.decode_ms = 0;  // a prefill engine decodes nothing: its steps are its prefills
     transfers_[req.request_id] = {
         .predicted_ms = transfer_.PriorMs(UncachedTokens(d, p.sel, p.params)) +
-                        predicted_cost::Predict(d, p.sel, p.params).prior.decode_step_ms};
+                        predicted_cost::Predict(d, p.sel, p.params).prior.decode_step_ms,
+        .prefill_worker = pf.worker,
+        .prefill_prior = prefill_prior,
+        .booked_at = now};
     if (approx_) {
       approx_->Record(pf.worker, p.local, p.seq, now);
       approx_->Record(d.worker, p.local, p.seq, now);
@@ -243,7 +248,14 @@ Result<DisaggDecision> Scheduler::DecideDisagg(const RouteRequest& req, const Pr
 
 bool Scheduler::PrefillDone(const std::string& request_id) {
   if (!load_.ReleasePrefill(request_id)) return false;
-  if (auto it = transfers_.find(request_id); it != transfers_.end()) it->second.prefill_done_at = clock_();
+  auto it = transfers_.find(request_id);
+  if (it == transfers_.end()) return true;  // another replica's booking
+  PendingTransfer& t = it->second;
+  const SteadyTime now = clock_();
+  t.prefill_done_at = now;
+  const double took = std::chrono::duration<double, std::milli>(now - t.booked_at).count();
+  rates_.Drift(now);
+  (void)rates_.Observe(t.prefill_worker, t.prefill_prior, ResponseTiming{.ttfb_ms = took}, now);
   return true;
 }
 

@@ -201,7 +201,9 @@ class Scheduler {
   Result<DisaggDecision> DecideDisagg(const RouteRequest& req, const PreparedRequest& p,
                                       std::span<const Candidate> decode, std::span<const Candidate> prefill);
   // A booked disaggregated request's prefill leg ended (prefill_done): its prefill part is
-  // released and its transfer timed from now. False when it had no prefill part.
+  // released, its prefill rank's rates learn from the time since it was booked (against the
+  // prior of its prefill there), and its transfer is timed from now. False when it had no
+  // prefill part.
   bool PrefillDone(const std::string& request_id);
   // Its decode leg's first byte (mark_prefill): a transfer timed since PrefillDone teaches
   // KvTransfer; then ActiveLoad::MarkPrefill. False when nothing changed.
@@ -318,6 +320,9 @@ class Scheduler {
   struct PendingTransfer {
     double predicted_ms = 0;
     std::optional<SteadyTime> prefill_done_at;
+    WorkerKey prefill_worker;
+    PriorTtft prefill_prior;  // its prefill on the prefill rank (no decode there)
+    SteadyTime booked_at;
   };
   std::unordered_map<std::string, PendingTransfer> transfers_;
   RankClasses classes_;

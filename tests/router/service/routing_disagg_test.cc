@@ -243,6 +243,29 @@ TEST_F(DisaggTest, ReplicasShareBothPartsOfABooking) {
   for (int i = 0; i < 2; ++i) EXPECT_EQ(Counter("active_requests"), 0u);
 }
 
+// prefill_done teaches the prefill rank its speed (the time since booking against the prior);
+// mark_prefill after it teaches the transfer.
+TEST_F(DisaggTest, PrefillDoneTeachesThePrefillRankAndMarkPrefillTheTransfer) {
+  StartFleet({"--router-disagg-policy", "always"});
+  auto r = Route(Prompt(kTwelve, "a"));
+  ASSERT_TRUE(r.ok() && r->disaggregated);
+  const double before = Worker(r->prefill_worker_id).prefill_tokens_per_second;
+  now_ += std::chrono::seconds(2);  // far slower than the prior's 17 ms
+  Lifecycle(svc_->subjects().prefill_done, "a");
+  const WorkerStats learned = Worker(r->prefill_worker_id);
+  EXPECT_EQ(learned.rate_observations, 1u);
+  EXPECT_LT(learned.prefill_tokens_per_second, before);
+  EXPECT_EQ(Worker(r->worker_id).rate_observations, 0u);
+  EXPECT_EQ(Counter("kv_transfers_observed"), 0u);
+  now_ += std::chrono::milliseconds(30);
+  Lifecycle(svc_->subjects().mark_prefill, "a");
+  EXPECT_EQ(Counter("kv_transfers_observed"), 1u);
+  // A mark_prefill without a prefill_done before it times nothing.
+  ASSERT_TRUE(Route(Prompt(kTwelve, "b")).ok());
+  Lifecycle(svc_->subjects().mark_prefill, "b");
+  EXPECT_EQ(Counter("kv_transfers_observed"), 1u);
+}
+
 // A prefill worker that leaves takes its parts with it; the decode part stays booked until free.
 TEST_F(DisaggTest, APrefillWorkerLeavingReleasesOnlyThePrefillParts) {
   StartFleet({"--router-disagg-policy", "always"});
