@@ -156,16 +156,20 @@ Status Scheduler::BookingRoom(std::size_t blocks) const {
   return Status::Ok();
 }
 
+Decision Scheduler::DecisionOf(const Candidate& chosen, const SelectionRequest& req) {
+  const std::uint32_t host = std::max(chosen.host_overlap_blocks, chosen.overlap_blocks);
+  return Decision{.worker = chosen.worker,
+                  .overlap_blocks = std::min(chosen.overlap_blocks, req.request_blocks),
+                  .overlap_by_tier = {.device = std::min(chosen.overlap_blocks, req.request_blocks),
+                                      .host = std::min(host, req.request_blocks),
+                                      .any = std::min(std::max(chosen.any_overlap_blocks, host), req.request_blocks)}};
+}
+
 Result<Decision> Scheduler::Decide(const RouteRequest& req, const PreparedRequest& p,
                                    std::span<const Candidate> cands) {
   if (cands.empty()) return Status(StatusCode::kNoWorkers, "no registered worker can take this request");
   const Candidate& chosen = cands[selector_.Pick(options_.mode, p.sel, cands, p.params, rng_)];
-  const std::uint32_t host = std::max(chosen.host_overlap_blocks, chosen.overlap_blocks);
-  Decision d{.worker = chosen.worker,
-             .overlap_blocks = std::min(chosen.overlap_blocks, p.sel.request_blocks),
-             .overlap_by_tier = {.device = std::min(chosen.overlap_blocks, p.sel.request_blocks),
-                                 .host = std::min(host, p.sel.request_blocks),
-                                 .any = std::min(std::max(chosen.any_overlap_blocks, host), p.sel.request_blocks)}};
+  Decision d = DecisionOf(chosen, p.sel);
   if (req.update_states && !req.request_id.empty()) {
     if (Status full = BookingRoom(p.seq.size()); !full.ok()) return full;
     const std::uint64_t cached = std::uint64_t{d.overlap_blocks} * options_.block_size;
@@ -207,20 +211,10 @@ Result<DisaggDecision> Scheduler::DecideDisagg(const RouteRequest& req, const Pr
     out.decode = *d;
     return out;
   }
-  auto decided = [&](const Candidate& c) {
-    return Decision{.worker = c.worker,
-                    .overlap_blocks = std::min(c.overlap_blocks, p.sel.request_blocks),
-                    .overlap_by_tier = {.device = std::min(c.overlap_blocks, p.sel.request_blocks),
-                                        .host = std::min(std::max(c.host_overlap_blocks, c.overlap_blocks),
-                                                         p.sel.request_blocks),
-                                        .any = std::min(std::max({c.any_overlap_blocks, c.host_overlap_blocks,
-                                                                  c.overlap_blocks}),
-                                                        p.sel.request_blocks)}};
-  };
   const Candidate& d = decode[remote];
   const Candidate& pf = prefill[prefill_at];
-  out.decode = decided(d);
-  out.prefill = decided(pf);
+  out.decode = DecisionOf(d, p.sel);
+  out.prefill = DecisionOf(pf, p.sel);
   if (req.update_states && !req.request_id.empty()) {
     if (Status full = BookingRoom(p.seq.size()); !full.ok()) return full;
     const SteadyTime now = clock_();

@@ -242,6 +242,8 @@ class Scheduler {
     WorkerRates::Rates typical;
   };
   CandidateContext ContextNow() const;
+  // What choosing c means for the request, unbooked: its overlaps within the request's blocks.
+  static Decision DecisionOf(const Candidate& c, const SelectionRequest& req);
   Candidate CandidateOf(const RankInfo& r, const TieredOverlap& overlap, std::span<const SequenceHash> seq,
                         const CandidateContext& ctx) const;
   // The ranks of one registered list grouped by what an idle rank's price reads of them under
