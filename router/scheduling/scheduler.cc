@@ -186,7 +186,8 @@ Result<Decision> Scheduler::Decide(const RouteRequest& req, const PreparedReques
 }
 
 Result<DisaggDecision> Scheduler::DecideDisagg(const RouteRequest& req, const PreparedRequest& p,
-                                               std::span<const Candidate> decode, std::span<const Candidate> prefill) {
+                                               std::span<const Candidate> decode, std::span<const Candidate> prefill,
+                                               bool whole) {
   if (decode.empty() || prefill.empty()) {
     return Status(StatusCode::kNoWorkers, "no registered worker can take this request");
   }
@@ -205,7 +206,7 @@ Result<DisaggDecision> Scheduler::DecideDisagg(const RouteRequest& req, const Pr
   DisaggDecision out;
   out.choice = ChooseDisagg(options_.disagg, {decode[local], prefill[prefill_at], decode[remote]}, p.sel, p.params,
                             transfer_);
-  if (!out.choice.disaggregated) {
+  if (whole || !out.choice.disaggregated) {
     auto d = Decide(req, p, decode.subspan(local, 1));
     if (!d.ok()) return d.status();
     out.decode = *d;

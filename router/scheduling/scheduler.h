@@ -197,9 +197,11 @@ class Scheduler {
   // choice books as Decide does. A disaggregated one books the decode rank with the prompt's
   // blocks and no prefill tokens, and the prefill rank with the prompt's tokens not cached there
   // (ActiveLoad::BookPrefill); in approximate mode both ranks are predicted to hold the prompt.
-  // Same errors as Decide.
+  // `whole`: the request cannot take two legs (router.generate forwards one): the local
+  // choice, whatever the policy. Same errors as Decide.
   Result<DisaggDecision> DecideDisagg(const RouteRequest& req, const PreparedRequest& p,
-                                      std::span<const Candidate> decode, std::span<const Candidate> prefill);
+                                      std::span<const Candidate> decode, std::span<const Candidate> prefill,
+                                      bool whole = false);
   // A booked disaggregated request's prefill leg ended (prefill_done): its prefill part is
   // released, its prefill rank's rates learn from the time since it was booked (against the
   // prior of its prefill there), and its transfer is timed from now. False when it had no

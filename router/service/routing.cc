@@ -203,7 +203,8 @@ Result<std::optional<RouteReply>> Routing::DisaggLocked(Kind kind, const RouteRe
     if (counted) ++disagg_decisions_["fallback"];
     return std::optional<RouteReply>(std::move(whole).value());
   }
-  auto decided = scheduler_.DecideDisagg(req, p, decode, prefill);
+  // router.generate forwards one leg: its requests prefill on their decode rank.
+  auto decided = scheduler_.DecideDisagg(req, p, decode, prefill, kind == Kind::kGenerate);
   if (!decided.ok()) return decided.status();
   if (counted) ++disagg_decisions_[decided->prefill ? "disaggregated" : "local"];
   return std::optional<RouteReply>(

@@ -335,6 +335,24 @@ class GenerateTest : public ServiceTest {
   int inboxes_ = 0;
 };
 
+// Section 13: generate forwards one leg, so on a fleet with prefill and decode workers its
+// request goes whole to a decode worker (counted local), whatever the policy; nothing is left
+// booked on the prefill worker.
+TEST_F(GenerateTest, OnADisaggregatedFleetGoesWholeToADecodeWorker) {
+  StartWith({"--router-mode", "kv", "--router-disagg-policy", "always"});
+  Register(1, {.role = WorkerRole::kPrefill});
+  Register(2, {.role = WorkerRole::kDecode});
+  FakeWorker(1, 1);
+  FakeWorker(2, 1);
+  std::vector<std::vector<std::byte>> got;
+  auto sub = Generate(Prompt(kTwelve, "g1"), got);
+  ASSERT_EQ(seen_.size(), 1u);
+  EXPECT_EQ(seen_[0].worker, 2u);
+  ASSERT_EQ(got.size(), 1u);
+  EXPECT_EQ(Counter("active_requests"), 0u);
+  EXPECT_EQ(Stats().breakdowns["disagg_decisions"]["local"], 1u);
+}
+
 TEST_F(GenerateTest, ForwardsToTheChosenWorkerRelaysEveryResponseAndFreesAtTheLast) {
   StartWith({"--router-mode", "kv"});
   Register(1);
