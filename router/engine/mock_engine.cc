@@ -12,9 +12,16 @@ double MockPrefillMs(double uncached_tokens, double speedup) { return PrefillMs(
 
 double MockDecodeStepMs(double kv_utilization, double speedup) { return DecodeStepMs(kv_utilization) / speedup; }
 
+double MockKvTransferMs(std::size_t blocks, const MockEngineConfig& config) {
+  const double bits =
+      static_cast<double>(blocks) * config.block_size * static_cast<double>(config.kv_bytes_per_token) * 8;
+  return bits / (config.kv_transfer_gbps * 1e9) * 1000 / config.speedup_ratio;
+}
+
 MockEngine::MockEngine(MockEngineConfig config, EventSink sink) : config_(config), sink_(std::move(sink)) {
   assert(config_.block_size > 0);
   assert(config_.speedup_ratio > 0);
+  assert(config_.kv_transfer_gbps > 0);
   if (config_.max_num_seqs == 0) config_.max_num_seqs = 1;  // else nothing could ever run
 }
 
@@ -22,6 +29,12 @@ void MockEngine::Add(EngineRequest request) {
   Waiting w;
   w.local = ComputeLocalHashes(request.tokens, config_.block_size, request.lora_name, request.mm_items);
   w.seq = ComputeSequenceHashes(w.local);
+  if (request.leg == EngineLeg::kPrefill) request.max_tokens = 1;
+  if (request.leg == EngineLeg::kDecode && (!request.transfer || request.transfer->blocks != w.seq)) {
+    // vLLM's NixlConnector prefills locally when the transfer parameters do not hold.
+    request.leg = EngineLeg::kWhole;
+    ++local_prefills_on_invalid_transfer_;
+  }
   w.request = std::move(request);
   waiting_.push_back(std::move(w));
 }
@@ -34,10 +47,90 @@ bool MockEngine::Abort(std::string_view id) {
     return true;
   }
   const auto running = std::find_if(running_.begin(), running_.end(), [&](const Running& r) { return r.id == id; });
-  if (running == running_.end()) return false;
-  ReleaseAll(*running);
-  running_.erase(running);
+  if (running != running_.end()) {
+    ReleaseAll(*running);
+    running_.erase(running);
+    return true;
+  }
+  const auto transfer =
+      std::find_if(transfers_.begin(), transfers_.end(), [&](const Transfer& t) { return t.request.id == id; });
+  if (transfer == transfers_.end()) return false;
+  ReleaseAll(transfer->request);
+  transfers_.erase(transfer);
   return true;
+}
+
+bool MockEngine::ReleasePinned(std::string_view id) {
+  const auto it = pins_.find(std::string(id));
+  if (it == pins_.end()) return false;
+  Unpin(it->second);
+  lease_ends_.erase({it->second.lease_end_ms, it->first});
+  pins_.erase(it);
+  return true;
+}
+
+std::span<const SequenceHash> MockEngine::PinnedBlocksOf(std::string_view id) const {
+  const auto it = pins_.find(std::string(id));
+  if (it == pins_.end()) return {};
+  return it->second.blocks;
+}
+
+std::optional<double> MockEngine::NextTimerMs() const {
+  std::optional<double> next;
+  if (!lease_ends_.empty()) next = lease_ends_.begin()->first;
+  for (const Transfer& t : transfers_) {
+    if (!next || t.end_ms < *next) next = t.end_ms;
+  }
+  return next;
+}
+
+void MockEngine::Pin(std::string id, std::vector<SequenceHash> blocks, double finished_ms) {
+  if (blocks.empty()) return;  // nothing for a pull to wait for
+  for (const SequenceHash seq : blocks) pinned_blocks_ += blocks_.at(seq).pins++ == 0;
+  if (auto old = pins_.find(id); old != pins_.end()) {
+    Unpin(old->second);  // after the new pins: shared blocks stay referenced throughout
+    lease_ends_.erase({old->second.lease_end_ms, id});
+    pins_.erase(old);
+  }
+  const double lease_end = finished_ms + config_.kv_lease_ms / config_.speedup_ratio;
+  lease_ends_.emplace(lease_end, id);
+  pins_.emplace(std::move(id), PinnedLeg{.blocks = std::move(blocks), .lease_end_ms = lease_end});
+}
+
+void MockEngine::Unpin(const PinnedLeg& pin) {
+  // Last to first, as a finishing request releases (see lru_).
+  for (auto it = pin.blocks.rbegin(); it != pin.blocks.rend(); ++it) {
+    pinned_blocks_ -= --blocks_.at(*it).pins == 0;
+    Release(*it);
+  }
+}
+
+void MockEngine::FireTimers(double now_ms, std::vector<EngineOutput>& outputs) {
+  while (!lease_ends_.empty() && lease_ends_.begin()->first <= now_ms) {
+    const auto pin = pins_.find(lease_ends_.begin()->second);
+    assert(pin != pins_.end());
+    Unpin(pin->second);
+    pins_.erase(pin);
+    lease_ends_.erase(lease_ends_.begin());
+  }
+  // Ended transfers join the running batch in the order they ended (then of admission).
+  std::vector<Transfer> ended;
+  std::erase_if(transfers_, [&](Transfer& t) {
+    if (t.end_ms > now_ms) return false;
+    ended.push_back(std::move(t));
+    return true;
+  });
+  std::stable_sort(ended.begin(), ended.end(),
+                   [](const Transfer& a, const Transfer& b) { return a.end_ms < b.end_ms; });
+  for (Transfer& t : ended) {
+    const Running& r = t.request;
+    outputs.push_back({.id = r.id,
+                       .kind = EngineOutput::kPulled,
+                       .at_ms = t.end_ms,
+                       .prompt_tokens = r.prompt_tokens,
+                       .cached_tokens = r.cached_tokens});
+    running_.push_back(std::move(t.request));
+  }
 }
 
 double MockEngine::Utilization() const {
@@ -121,55 +214,70 @@ void MockEngine::Publish(KvEventData data) {
   if (sink_) sink_(std::move(data));
 }
 
-std::size_t MockEngine::Admit(std::vector<EngineOutput>& rejected) {
+MockEngine::Admitted MockEngine::Admit(double now_ms, std::vector<EngineOutput>& outputs) {
   const std::size_t budget = config_.max_num_batched_tokens;
-  std::size_t prefill_tokens = 0;
-  bool admitted_any = false;
-  while (!waiting_.empty() && running_.size() < config_.max_num_seqs) {
+  Admitted a;
+  // A decode leg in transfer holds its max_num_seqs slot: it joins the batch when the pull ends.
+  while (!waiting_.empty() && running_.size() + transfers_.size() < config_.max_num_seqs) {
     Waiting& w = waiting_.front();
     const auto prompt = static_cast<std::uint32_t>(w.request.tokens.size());
     if (w.seq.size() > config_.num_gpu_blocks) {
-      rejected.push_back({.id = std::move(w.request.id), .kind = EngineOutput::kRejected, .prompt_tokens = prompt});
+      outputs.push_back({.id = std::move(w.request.id), .kind = EngineOutput::kRejected, .prompt_tokens = prompt});
       waiting_.pop_front();
       continue;
     }
+    const bool pull = w.request.leg == EngineLeg::kDecode;  // Add checked its transfer
     const std::size_t hits = LeadingHits(w);
     const auto cached = static_cast<std::uint32_t>(hits * config_.block_size);
-    const std::size_t uncached = prompt - cached;
-    if (admitted_any && prefill_tokens + uncached > budget) break;
+    const std::size_t uncached = pull ? 0 : prompt - cached;  // a pull computes nothing
+    if (!pull && a.prefill && a.prefill_tokens + uncached > budget) break;
     const std::size_t fresh = w.seq.size() - hits;
     const std::size_t room = (config_.num_gpu_blocks - blocks_.size()) + lru_.size() - EvictableAmong(w, hits);
     if (fresh > room) break;  // waits until running requests release blocks
 
-    Allocate(w, hits);
+    Allocate(w, hits);  // a pull's received blocks are cached and published as vLLM does
     Running r{.id = std::move(w.request.id),
               .prompt_tokens = prompt,
               .cached_tokens = cached,
               .max_tokens = std::max<std::uint32_t>(w.request.max_tokens, 1),
-              .blocks = std::move(w.seq)};
-    running_.push_back(std::move(r));
+              .blocks = std::move(w.seq),
+              .leg = w.request.leg};
     waiting_.pop_front();
-    prefill_tokens += uncached;
-    admitted_any = true;
+    if (!pull) {
+      running_.push_back(std::move(r));
+      a.prefill = true;
+      a.prefill_tokens += uncached;
+    } else if (fresh > 0) {
+      transfers_.push_back({.request = std::move(r), .end_ms = now_ms + MockKvTransferMs(fresh, config_)});
+    } else {  // holds every block already: nothing to pull, it decodes in this step
+      outputs.push_back({.id = r.id,
+                         .kind = EngineOutput::kPulled,
+                         .at_ms = now_ms,
+                         .prompt_tokens = r.prompt_tokens,
+                         .cached_tokens = r.cached_tokens});
+      running_.push_back(std::move(r));
+      ++a.joined_decoders;
+    }
   }
-  return admitted_any ? prefill_tokens : kNoneAdmitted;
+  return a;
 }
 
 double MockEngine::Step(double now_ms, std::vector<EngineOutput>& outputs) {
-  if (Idle()) return 0;
-  const std::size_t decoding = running_.size();  // everything already running decodes
-  std::vector<EngineOutput> rejected;
-  const std::size_t prefill_tokens = Admit(rejected);  // FIFO
+  FireTimers(now_ms, outputs);
+  if (waiting_.empty() && running_.empty()) return 0;
+  const std::size_t running_before = running_.size();  // all of them decode
+  const std::size_t first_admission_output = outputs.size();
+  const Admitted admitted = Admit(now_ms, outputs);  // FIFO
+  const std::size_t decoding = running_before + admitted.joined_decoders;
 
+  // A step that carries a prefill lasts it whole: every request decoding here waits for it.
   double duration = 0;
-  if (prefill_tokens != kNoneAdmitted)
-    duration += MockPrefillMs(static_cast<double>(prefill_tokens), config_.speedup_ratio);
+  if (admitted.prefill) duration += MockPrefillMs(static_cast<double>(admitted.prefill_tokens), config_.speedup_ratio);
   if (decoding > 0) duration += MockDecodeStepMs(Utilization(), config_.speedup_ratio);
   const double at = now_ms + duration;
 
-  for (EngineOutput& o : rejected) {
-    o.at_ms = at;
-    outputs.push_back(std::move(o));
+  for (std::size_t i = first_admission_output; i < outputs.size(); ++i) {
+    if (outputs[i].kind == EngineOutput::kRejected) outputs[i].at_ms = at;
   }
   auto output = [&](const Running& r, EngineOutput::Kind kind) {
     outputs.push_back({.id = r.id,
@@ -180,20 +288,24 @@ double MockEngine::Step(double now_ms, std::vector<EngineOutput>& outputs) {
                        .output_tokens = r.output_tokens});
   };
   const bool every_token = config_.outputs == EngineOutputs::kEveryToken;
-  for (std::size_t i = 0; i < running_.size(); ++i) {
-    Running& r = running_[i];
+  for (Running& r : running_) {
     ++r.output_tokens;
-    if (i >= decoding) {
+    if (r.output_tokens == 1) {
       output(r, EngineOutput::kFirstToken);
     } else if (every_token) {
       output(r, EngineOutput::kToken);
     }
     if (r.output_tokens >= r.max_tokens) output(r, EngineOutput::kFinished);
   }
-  // Finished requests release their blocks last to first (see lru_), in admission order.
+  // Finished requests release their blocks last to first (see lru_), in admission order; a
+  // prefill leg's stay pinned for the pull.
   std::erase_if(running_, [&](Running& r) {
     if (r.output_tokens < r.max_tokens) return false;
-    ReleaseAll(r);
+    if (r.leg == EngineLeg::kPrefill) {
+      Pin(std::move(r.id), std::move(r.blocks), at);
+    } else {
+      ReleaseAll(r);
+    }
     return true;
   });
   return duration;

@@ -1,9 +1,11 @@
 // MockEngine: a simulated vLLM-like engine for kvmocker and offline replays: a paged KV cache with
 // prefix caching and LRU eviction, a FIFO scheduler bounded by max_num_seqs and
-// max_num_batched_tokens, docs/design.md's timing model, and the cache changes (KvEventData) that a
-// KvEventPublisher (events/worker_publisher.h) numbers, buffers and serves recovery from.
+// max_num_batched_tokens, docs/design.md's timing model, the legs of disaggregated serving
+// (protocol.md section 13: pinned prefill blocks, KV pulls), and the cache changes (KvEventData)
+// that a KvEventPublisher (events/worker_publisher.h) numbers, buffers and serves recovery from.
 // Thread contract: not thread-safe, no threads, no clock: the owner drives it with virtual time
-// through Step(); the sink runs synchronously inside Step() and must not call back into the engine.
+// through Step() (see "Timers" below); the sink runs synchronously inside Step() and must not call
+// back into the engine.
 //
 //   MockEngine e({.block_size = 64}, [&](KvEventData&& d) { Send(publisher.Publish(std::move(d))); });
 #pragma once
@@ -14,10 +16,12 @@
 #include <functional>
 #include <list>
 #include <optional>
+#include <set>
 #include <span>
 #include <string>
 #include <string_view>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "events/block_hash.h"
@@ -38,6 +42,12 @@ struct MockEngineConfig {
   std::uint32_t max_num_batched_tokens = 8192;             // uncached prompt tokens prefilled per step
   double speedup_ratio = 1.0;                              // divides every duration (> 0)
   EngineOutputs outputs = EngineOutputs::kFirstAndFinish;  // kToken outputs only when asked
+  // Disaggregated serving (docs/protocol.md section 13, "kvmocker's roles").
+  std::uint64_t kv_bytes_per_token = 131072;  // KV bytes of one token (all layers, K and V)
+  double kv_transfer_gbps = 400;              // Gbit/s a decode leg pulls KV at (> 0)
+  // How long a finished prefill leg's blocks stay pinned for their pull, in ms of virtual time
+  // (divided by speedup_ratio like every duration; vLLM's kv_lease_duration is wall time).
+  std::uint32_t kv_lease_ms = 30000;
 };
 
 // The timing model of docs/design.md, in ms, divided by `speedup`.
@@ -46,12 +56,37 @@ double MockPrefillMs(double uncached_tokens, double speedup);
 // One decode step at KV utilisation u in [0, 1]: max(1, -25.74 u^2 + 54.01 u + 5.74).
 double MockDecodeStepMs(double kv_utilization, double speedup);
 
+// The KV pull of `blocks` blocks in ms, divided by config.speedup_ratio: blocks * block_size *
+// kv_bytes_per_token * 8 bits / (kv_transfer_gbps * 1e9 bit/s), converted to ms.
+double MockKvTransferMs(std::size_t blocks, const MockEngineConfig& config);
+
+// Which part of a request an engine runs (docs/protocol.md section 13).
+enum class EngineLeg : std::uint8_t {
+  kWhole,    // prefill and decode here (an aggregated engine, or a local prefill)
+  kPrefill,  // prefill and one token; the prompt's blocks stay pinned for the decode engine's pull
+  kDecode,   // pull the prompt's KV (EngineRequest::transfer) instead of prefilling, then decode
+};
+
+// What a decode leg pulls: the prefill engine's request and the blocks it pinned for it. (The
+// router's price of a transfer is KvTransfer, router/scheduling/cost_disagg.h.)
+struct KvPull {
+  std::uint64_t source_worker_id = 0;
+  std::string source_request_id;
+  // The prompt's full blocks' sequence hashes as the prefill engine computed them. The decode
+  // engine's own hashes of the prompt must equal them, else the transfer is invalid.
+  std::vector<SequenceHash> blocks;
+};
+
 struct EngineRequest {
   std::string id;
   std::vector<std::uint32_t> tokens;  // the prompt
-  std::uint32_t max_tokens = 1;       // tokens to generate; 0 is treated as 1
+  std::uint32_t max_tokens = 1;       // tokens to generate; 0 is treated as 1 (a kPrefill leg: 1)
   std::string lora_name;              // part of the block hashes (docs/protocol.md section 1)
   std::vector<MmItem> mm_items;       // multimodal items, part of their blocks' hashes (section 12)
+  EngineLeg leg = EngineLeg::kWhole;
+  // kDecode only. Missing, or blocks unequal to the engine's hashes of the prompt: the leg runs
+  // as kWhole (a local prefill, as vLLM does) and local_prefills_on_invalid_transfer() counts it.
+  std::optional<KvPull> transfer;
 };
 
 // One per first-token, later token (when asked), finish or rejection moment of a request.
@@ -61,7 +96,10 @@ struct EngineOutput {
   // max_tokens) between them; the step of the last token reports its kToken, then kFinished.
   // kRejected: the prompt has more full blocks than the whole cache, so it can never be
   // admitted; it is dropped from the queue without touching the cache and gets no other output.
-  enum Kind { kFirstToken, kToken, kFinished, kRejected };
+  // kPulled: a kDecode leg's KV transfer ended (at_ms: its end, which may precede the step that
+  // reports it); the owner tells the prefill engine (MockEngine::ReleasePinned). Its tokens follow
+  // as any request's, kFirstToken from the first step that starts at or after at_ms.
+  enum Kind { kFirstToken, kToken, kFinished, kRejected, kPulled };
   std::string id;
   Kind kind = kFirstToken;
   double at_ms = 0;  // virtual time at the end of the step that produced it
@@ -71,9 +109,20 @@ struct EngineOutput {
 };
 
 // Simplifications: only the prompt's full blocks occupy the cache; generated tokens and the
-// trailing partial prompt block take no blocks and are never cached. Prefills are not chunked.
+// trailing partial prompt block take no blocks and are never cached. Prefills are not chunked:
+// a step that admits a prefill lasts the whole prefill plus the decode step of every request
+// already running, which all wait for it (docs/design.md compares vLLM's chunked prefill).
+//
+// Timers: a decode leg's transfer end and a prefill leg's lease end. Step(now) first fires every
+// timer at or before now. The contract that keeps owners from spinning: when Step(now) returns 0
+// and the engine is not Idle(), nothing changes until NextTimerMs() (then > now) or the owner's
+// next Add, Abort or ReleasePinned; step again at the earliest of those. Outputs of a step whose
+// duration is 0 (kPulled, kRejected) are due at once.
 //   MockEngine e(config, sink);  e.Add({.id = "r1", .tokens = prompt, .max_tokens = 16});
-//   for (double now = 0; !e.Idle();) now += e.Step(now, outputs);
+//   for (double now = 0; !e.Idle();) {
+//     if (const double d = e.Step(now, outputs); d > 0) now += d;
+//     else if (auto t = e.NextTimerMs()) now = *t;  // else Idle(): the loop ends
+//   }
 class MockEngine {
  public:
   // Receives every change of the cache (device tier), in order, synchronously from Step(): a
@@ -82,32 +131,61 @@ class MockEngine {
 
   MockEngine(MockEngineConfig config, EventSink sink);
 
-  // Joins the waiting queue (FIFO). Hashes the prompt now; nothing else happens until Step().
+  // Joins the waiting queue (FIFO). Hashes the prompt (and checks a decode leg's transfer) now;
+  // nothing else happens until Step().
   void Add(EngineRequest request);
-  // The request leaves the engine at once, waiting or running (its client went away), and gets
-  // no more outputs from later steps. A running request releases its blocks, which stay cached
-  // (evictable), as vLLM keeps an aborted request's computed blocks. False when the engine does
-  // not hold `id` (unknown, finished or rejected).
+  // The request leaves the engine at once, waiting, in transfer or running (its client went
+  // away), and gets no more outputs from later steps. A running request or one in transfer
+  // releases its blocks, which stay cached (evictable), as vLLM keeps an aborted request's
+  // computed blocks. False when the engine does not hold `id` (unknown, finished or rejected; a
+  // finished prefill leg's pin is ReleasePinned's).
   bool Abort(std::string_view id);
-  bool Idle() const { return waiting_.empty() && running_.empty(); }
+  // The decode engine pulled the blocks prefill leg `id` pinned: they become evictable (and stay
+  // cached). False when nothing is pinned for `id` (not a prefill leg, still running, released,
+  // lease ended, or a prompt without a full block, which pins nothing). A prefill leg finishing
+  // under the id of a pin still held replaces that pin.
+  bool ReleasePinned(std::string_view id);
+  // Nothing waiting, in transfer, running or pinned: no Step is needed until the next Add.
+  bool Idle() const { return waiting_.empty() && running_.empty() && transfers_.empty() && pins_.empty(); }
+  // The earliest timer (a transfer's or a lease's end) not yet fired, in virtual ms.
+  std::optional<double> NextTimerMs() const;
 
-  // Runs one scheduler step starting at now_ms and returns its duration in ms (0 when idle).
-  // Every running request decodes one token; then waiting requests are admitted in FIFO order
-  // while fewer than max_num_seqs run, their uncached prompt tokens fit the step's budget (the
-  // first prefill of a step always fits, however large) and the cache can make room for their
-  // new blocks (evicting LRU unreferenced blocks); the first request that does not fit stops
-  // admission. Duration = MockPrefillMs(uncached tokens admitted) if any request was admitted
+  // Runs one scheduler step starting at now_ms and returns its duration in ms (0 when nothing
+  // computes). First every timer at or before now_ms fires: a lease's blocks become evictable, a
+  // transfer's request joins the running batch (kPulled). Every running request decodes one
+  // token; then waiting requests are admitted in FIFO order while fewer than max_num_seqs run
+  // or transfer, their uncached prompt tokens fit the step's budget (the first prefill of a step
+  // always fits, however large) and the cache can make room for their new blocks (evicting LRU
+  // unreferenced blocks); the first request that does not fit stops admission. A decode leg with
+  // a valid transfer takes no budget: it references its cached prefix, allocates (and publishes
+  // stored for) the blocks it lacks and waits MockKvTransferMs(lacking blocks) before it joins
+  // the running batch (at once when it lacks none: it decodes in this step). vLLM publishes
+  // received blocks when they arrive; here they are published at admission, so a chain's parent
+  // is always published before its children, and a request sharing them meanwhile hits them.
+  // Duration = MockPrefillMs(uncached tokens admitted) if any prefill was admitted
   // + MockDecodeStepMs(Utilization()) if any request decoded. Appends outputs with
-  // at_ms = now_ms + duration; finished requests release their blocks at the end of the step.
+  // at_ms = now_ms + duration; finished requests release their blocks at the end of the step, a
+  // prefill leg's stay pinned until ReleasePinned or kv_lease_ms after its finish.
   double Step(double now_ms, std::vector<EngineOutput>& outputs);
 
-  // Referenced blocks (held by running requests) / num_gpu_blocks: what the decode model sees,
-  // like vLLM's kv_cache_usage. Cached unreferenced blocks are free memory and do not count.
+  // Referenced blocks (held by running requests, transfers and pins) / num_gpu_blocks: what the
+  // decode model sees, like vLLM's kv_cache_usage. Cached unreferenced blocks are free memory and
+  // do not count.
   double Utilization() const;
-  std::size_t ActiveBlocks() const { return active_blocks_; }  // referenced by running requests
+  std::size_t ActiveBlocks() const { return active_blocks_; }  // referenced (running, transfers, pins)
   std::size_t CachedBlocks() const { return blocks_.size(); }  // holding content (active + evictable)
   std::size_t NumWaiting() const { return waiting_.size(); }
   std::size_t NumRunning() const { return running_.size(); }
+  std::size_t NumTransferring() const { return transfers_.size(); }  // decode legs pulling KV
+  // Distinct blocks pinned by finished prefill legs now: a block two legs pin counts once
+  // (kvmocker_pinned_blocks).
+  std::size_t PinnedBlocks() const { return pinned_blocks_; }
+  // The blocks prefill leg `id` pinned (its prompt's full blocks' sequence hashes, what a decode
+  // leg's KvPull::blocks names); empty when nothing is pinned for it. Valid until the next
+  // non-const call.
+  std::span<const SequenceHash> PinnedBlocksOf(std::string_view id) const;
+  // Decode legs run as local prefills because their transfer was missing or did not match.
+  std::uint64_t local_prefills_on_invalid_transfer() const { return local_prefills_on_invalid_transfer_; }
   // Leading blocks of a sequence (its sequence hashes, docs/protocol.md section 1) in the cache.
   std::size_t CachedPrefixBlocks(std::span<const SequenceHash> seq_hashes) const;
 
@@ -121,7 +199,8 @@ class MockEngine {
   struct Block {
     LocalHash local = 0;
     std::optional<SequenceHash> parent;     // nullopt for a sequence's first block
-    std::uint32_t refs = 0;                 // running requests holding it; 0 = evictable
+    std::uint32_t refs = 0;                 // running requests, transfers, pins holding it; 0 = evictable
+    std::uint32_t pins = 0;                 // of those, prefill legs' pins
     std::list<SequenceHash>::iterator lru;  // position in lru_, valid while refs == 0
   };
   struct Waiting {
@@ -136,12 +215,32 @@ class MockEngine {
     std::uint32_t max_tokens = 1;
     std::uint32_t output_tokens = 0;
     std::vector<SequenceHash> blocks;  // the prompt's full blocks, all referenced
+    EngineLeg leg = EngineLeg::kWhole;
+  };
+  // A decode leg pulling the KV it lacks; joins running_ at end_ms.
+  struct Transfer {
+    Running request;
+    double end_ms = 0;
+  };
+  // A finished prefill leg's blocks, referenced until the pull or the lease's end.
+  struct PinnedLeg {
+    std::vector<SequenceHash> blocks;
+    double lease_end_ms = 0;
+  };
+  // What one Admit call took in.
+  struct Admitted {
+    bool prefill = false;             // a prefill ran (even of 0 uncached tokens)
+    std::size_t prefill_tokens = 0;   // uncached prompt tokens prefilled
+    std::size_t joined_decoders = 0;  // decode legs that lacked no block: they decode this step
   };
 
   // Admits waiting requests (FIFO) within the step's limits; requests too large for the whole
-  // cache go to `rejected`. Returns the uncached prompt tokens admitted, or kNoneAdmitted.
-  static constexpr std::size_t kNoneAdmitted = ~std::size_t{0};
-  std::size_t Admit(std::vector<EngineOutput>& rejected);
+  // cache go to `outputs` as kRejected, transfers that end at once as kPulled.
+  Admitted Admit(double now_ms, std::vector<EngineOutput>& outputs);
+  // Fires the leases and transfers that end at or before now_ms.
+  void FireTimers(double now_ms, std::vector<EngineOutput>& outputs);
+  void Pin(std::string id, std::vector<SequenceHash> blocks, double finished_ms);
+  void Unpin(const PinnedLeg& pin);
   std::size_t LeadingHits(const Waiting& w) const;
   // Evictable blocks among the first `hits` (they stop being evictable once referenced).
   std::size_t EvictableAmong(const Waiting& w, std::size_t hits) const;
@@ -156,7 +255,12 @@ class MockEngine {
   MockEngineConfig config_;
   EventSink sink_;
   std::deque<Waiting> waiting_;
-  std::vector<Running> running_;  // in admission order
+  std::vector<Running> running_;     // in admission order
+  std::vector<Transfer> transfers_;  // in admission order
+  std::unordered_map<std::string, PinnedLeg> pins_;
+  std::set<std::pair<double, std::string>> lease_ends_;  // (lease_end_ms, id) of every pin
+  std::size_t pinned_blocks_ = 0;                        // blocks with pins > 0
+  std::uint64_t local_prefills_on_invalid_transfer_ = 0;
   std::unordered_map<SequenceHash, Block> blocks_;
   // Unreferenced blocks, least recently released first. A request releases its blocks last to
   // first, so a block's evictable descendants always precede it: eviction takes leaves first

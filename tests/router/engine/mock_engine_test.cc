@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <functional>
 #include <random>
 #include <string>
 #include <tuple>
@@ -57,8 +58,16 @@ class EngineHarness {
     ++steps;
     return d;
   }
+  // Steps as the header's owner contract says: at the next timer when a step computed nothing.
+  // Bounded, so an engine that breaks the contract fails the test instead of hanging it.
   void RunUntilIdle() {
-    while (!engine_.Idle()) Step();
+    for (int i = 0; i < 100000 && !engine_.Idle(); ++i) {
+      if (Step() > 0) continue;
+      const auto timer = engine_.NextTimerMs();
+      if (!timer || *timer <= now) break;
+      now = *timer;
+    }
+    ASSERT_TRUE(engine_.Idle()) << "the engine stopped short of idle at " << now << " ms";
   }
   const EngineOutput* Find(const std::string& id, EngineOutput::Kind kind) const {
     for (const auto& o : outputs) {
@@ -528,6 +537,325 @@ TEST(MockEngine, AbortOfAnUnknownIdIsRefused) {
   h.Add("a", Tokens(1, 4), 1);
   h.RunUntilIdle();
   EXPECT_FALSE(h.engine().Abort("a"));  // finished
+}
+
+// ---- A prefill carries every decoding request's next token ----
+
+// The engine does not chunk prefills: the step that admits a long prompt delays the next token
+// of every request decoding here by the whole prefill (docs/design.md compares vLLM).
+TEST(MockEngine, AStepThatAdmitsAPrefillDelaysTheNextTokenOfEveryDecodingRequest) {
+  EngineHarness h({.num_gpu_blocks = 1000, .block_size = 16, .outputs = EngineOutputs::kEveryToken});
+  h.Add("d", Tokens(1, 64), 10);
+  h.Step();  // d's prefill and first token
+  h.Step();  // d's second token: a plain decode step
+  const double plain_gap = h.Step();
+  EXPECT_DOUBLE_EQ(plain_gap, MockDecodeStepMs(4.0 / 1000, 1));
+
+  constexpr std::size_t kLong = 4000;  // 250 full blocks
+  h.Add("long", Tokens(10000, kLong), 2);
+  const double before = h.now;
+  h.Step();
+  const EngineOutput* token = nullptr;
+  for (const EngineOutput& o : h.outputs) {
+    if (o.id == "d" && o.kind == EngineOutput::kToken && o.output_tokens == 4) token = &o;
+  }
+  ASSERT_NE(token, nullptr);
+  const double gap = token->at_ms - before;
+  EXPECT_DOUBLE_EQ(gap, MockPrefillMs(kLong, 1) + MockDecodeStepMs(254.0 / 1000, 1));
+  EXPECT_GE(gap - plain_gap, MockPrefillMs(kLong, 1));
+  EXPECT_DOUBLE_EQ(h.Find("long", EngineOutput::kFirstToken)->at_ms, token->at_ms);
+}
+
+// ---- Disaggregated legs (docs/protocol.md section 13) ----
+
+EngineRequest PrefillLeg(std::string id, std::vector<std::uint32_t> tokens, std::uint32_t max_tokens = 1) {
+  return {.id = std::move(id), .tokens = std::move(tokens), .max_tokens = max_tokens, .leg = EngineLeg::kPrefill};
+}
+
+// A decode leg whose transfer names the prompt's own hashes at `bs` (valid when bs is the engine's).
+EngineRequest DecodeLeg(std::string id, std::vector<std::uint32_t> tokens, std::uint32_t bs,
+                        std::uint32_t max_tokens = 1) {
+  KvPull transfer{.source_worker_id = 3, .source_request_id = "p-" + id, .blocks = SeqHashes(tokens, bs)};
+  return {.id = std::move(id),
+          .tokens = std::move(tokens),
+          .max_tokens = max_tokens,
+          .leg = EngineLeg::kDecode,
+          .transfer = std::move(transfer)};
+}
+
+// 4 tokens of 1,000 bytes per block at 0.001 Gbit/s: 32 ms per block, before the speedup.
+constexpr MockEngineConfig kPdConfig{.num_gpu_blocks = 16,
+                                     .block_size = 4,
+                                     .speedup_ratio = 2,
+                                     .kv_bytes_per_token = 1000,
+                                     .kv_transfer_gbps = 0.001,
+                                     .kv_lease_ms = 1000};
+
+TEST(MockEngineDisagg, TransferTimeIsTheLackingBlocksBytesOverTheLinkDividedByTheSpeedup) {
+  EXPECT_DOUBLE_EQ(MockKvTransferMs(0, kPdConfig), 0.0);
+  EXPECT_DOUBLE_EQ(MockKvTransferMs(3, kPdConfig), 3 * 32.0 / 2);
+  // The defaults: a 64-token block of 128 KiB per token is 8 MiB, 0.16777216 ms at 400 Gbit/s.
+  EXPECT_NEAR(MockKvTransferMs(10, MockEngineConfig{}), 1.6777216, 1e-12);
+}
+
+TEST(MockEngineDisagg, PrefillLegAnswersOneTokenAndPinsItsBlocksUntilReleased) {
+  MockEngineConfig c = kPdConfig;
+  c.num_gpu_blocks = 4;
+  EngineHarness h(c);
+  h.engine().Add(PrefillLeg("p", Tokens(1, 10), 50));  // 2 full blocks; max_tokens becomes 1
+  const double d = h.Step();
+  EXPECT_DOUBLE_EQ(d, MockPrefillMs(10, 2));
+  ASSERT_NE(h.Find("p", EngineOutput::kFinished), nullptr);
+  EXPECT_EQ(h.Find("p", EngineOutput::kFinished)->output_tokens, 1u);
+  EXPECT_EQ(h.engine().PinnedBlocks(), 2u);
+  EXPECT_EQ(h.engine().ActiveBlocks(), 2u);
+  EXPECT_FALSE(h.engine().Idle());
+  const auto pinned = h.engine().PinnedBlocksOf("p");
+  EXPECT_EQ(std::vector<SequenceHash>(pinned.begin(), pinned.end()), SeqHashes(Tokens(1, 10), 4));
+
+  // 3 new blocks do not fit beside the pinned two: the request waits, and nothing computes.
+  h.Add("w", Tokens(100, 12));
+  EXPECT_EQ(h.Step(), 0.0);
+  EXPECT_EQ(h.engine().NumWaiting(), 1u);
+  EXPECT_GT(*h.engine().NextTimerMs(), h.now);
+
+  EXPECT_TRUE(h.engine().ReleasePinned("p"));
+  EXPECT_FALSE(h.engine().ReleasePinned("p"));
+  EXPECT_TRUE(h.engine().PinnedBlocksOf("p").empty());
+  EXPECT_EQ(h.engine().PinnedBlocks(), 0u);
+  EXPECT_EQ(h.engine().ActiveBlocks(), 0u);
+  EXPECT_EQ(h.engine().CachedBlocks(), 2u);  // released, still cached
+  EXPECT_FALSE(h.engine().NextTimerMs().has_value());
+  h.Step();
+  EXPECT_NE(h.Find("w", EngineOutput::kFirstToken), nullptr);
+  h.RunUntilIdle();
+  EXPECT_TRUE(h.engine().Idle());
+}
+
+TEST(MockEngineDisagg, PinIsReleasedAtTheLeaseEndAndNotBefore) {
+  EngineHarness h(kPdConfig);
+  h.engine().Add(PrefillLeg("p", Tokens(1, 8)));
+  h.Step();
+  const double finished = h.Find("p", EngineOutput::kFinished)->at_ms;
+  const double lease_end = finished + 1000.0 / 2;  // kv_lease_ms over the speedup
+  ASSERT_TRUE(h.engine().NextTimerMs().has_value());
+  EXPECT_DOUBLE_EQ(*h.engine().NextTimerMs(), lease_end);
+
+  EXPECT_EQ(h.engine().Step(lease_end - 0.001, h.outputs), 0.0);
+  EXPECT_EQ(h.engine().PinnedBlocks(), 2u);
+  EXPECT_FALSE(h.engine().Idle());
+
+  EXPECT_EQ(h.engine().Step(lease_end, h.outputs), 0.0);
+  EXPECT_EQ(h.engine().PinnedBlocks(), 0u);
+  EXPECT_EQ(h.engine().ActiveBlocks(), 0u);
+  EXPECT_TRUE(h.engine().Idle());
+  EXPECT_FALSE(h.engine().NextTimerMs().has_value());
+  EXPECT_FALSE(h.engine().ReleasePinned("p"));  // the lease took it
+}
+
+TEST(MockEngineDisagg, BlocksPinnedByTwoLegsCountOnceAndStayUntilBothAreReleased) {
+  EngineHarness h(kPdConfig);
+  h.engine().Add(PrefillLeg("p1", Tokens(1, 8)));
+  h.engine().Add(PrefillLeg("p2", Tokens(1, 12)));     // shares p1's two blocks, one more
+  h.engine().Add(PrefillLeg("tiny", Tokens(500, 3)));  // no full block: pins nothing
+  h.Step();
+  EXPECT_EQ(h.engine().PinnedBlocks(), 3u);
+  EXPECT_FALSE(h.engine().ReleasePinned("tiny"));
+  EXPECT_TRUE(h.engine().ReleasePinned("p2"));
+  EXPECT_EQ(h.engine().PinnedBlocks(), 2u);
+  EXPECT_EQ(h.engine().ActiveBlocks(), 2u);
+  EXPECT_TRUE(h.engine().ReleasePinned("p1"));
+  EXPECT_EQ(h.engine().PinnedBlocks(), 0u);
+  EXPECT_TRUE(h.engine().Idle());
+}
+
+TEST(MockEngineDisagg, DecodeLegWaitsTheTransferOfTheBlocksItLacksThenDecodes) {
+  EngineHarness h(kPdConfig);
+  const auto prompt = Tokens(1, 14);  // 3 full blocks
+  h.Add("warm", Tokens(1, 4));        // the first of them
+  h.RunUntilIdle();
+  const double t0 = h.now;
+  h.engine().Add(DecodeLeg("d", prompt, 4, 3));
+  EXPECT_EQ(h.Step(), 0.0);  // no prefill compute, nothing else runs
+  EXPECT_EQ(h.engine().NumTransferring(), 1u);
+  EXPECT_EQ(h.engine().ActiveBlocks(), 3u);  // its hit and the two blocks it receives
+  const double end = t0 + 2 * 32.0 / 2;
+  ASSERT_TRUE(h.engine().NextTimerMs().has_value());
+  EXPECT_DOUBLE_EQ(*h.engine().NextTimerMs(), end);
+  EXPECT_EQ(h.Find("d", EngineOutput::kPulled), nullptr);
+
+  EXPECT_EQ(h.engine().Step(end - 0.001, h.outputs), 0.0);  // not yet
+  EXPECT_EQ(h.Find("d", EngineOutput::kPulled), nullptr);
+  h.now = end;
+  const double d = h.Step();
+  EXPECT_DOUBLE_EQ(d, MockDecodeStepMs(3.0 / 16, 2));  // the first token of a decode step
+  const EngineOutput* pulled = h.Find("d", EngineOutput::kPulled);
+  ASSERT_NE(pulled, nullptr);
+  EXPECT_DOUBLE_EQ(pulled->at_ms, end);
+  EXPECT_EQ(pulled->cached_tokens, 4u);
+  const EngineOutput* first = h.Find("d", EngineOutput::kFirstToken);
+  ASSERT_NE(first, nullptr);
+  EXPECT_DOUBLE_EQ(first->at_ms, end + d);
+  EXPECT_EQ(first->cached_tokens, 4u);
+  h.RunUntilIdle();
+  EXPECT_EQ(h.Find("d", EngineOutput::kFinished)->output_tokens, 3u);
+  EXPECT_EQ(h.engine().ActiveBlocks(), 0u);
+  EXPECT_EQ(h.engine().local_prefills_on_invalid_transfer(), 0u);
+}
+
+TEST(MockEngineDisagg, DecodeLegHoldingEveryBlockPullsNothingAndDecodesAtOnce) {
+  EngineHarness h(kPdConfig);
+  const auto prompt = Tokens(1, 14);
+  h.Add("warm", prompt);
+  h.RunUntilIdle();
+  const std::size_t events = h.events.size();
+  const double t0 = h.now;
+  h.engine().Add(DecodeLeg("d", prompt, 4));
+  const double d = h.Step();
+  EXPECT_DOUBLE_EQ(d, MockDecodeStepMs(3.0 / 16, 2));
+  EXPECT_EQ(h.engine().NumTransferring(), 0u);
+  ASSERT_NE(h.Find("d", EngineOutput::kPulled), nullptr);
+  EXPECT_DOUBLE_EQ(h.Find("d", EngineOutput::kPulled)->at_ms, t0);
+  EXPECT_DOUBLE_EQ(h.Find("d", EngineOutput::kFirstToken)->at_ms, t0 + d);
+  EXPECT_EQ(h.events.size(), events);  // it received nothing
+}
+
+TEST(MockEngineDisagg, DecodeLegPublishesStoredForTheReceivedBlocksOnly) {
+  EngineHarness h(kPdConfig);
+  const auto prompt = Tokens(1, 14);
+  const auto seq = SeqHashes(prompt, 4);
+  const auto local = ComputeLocalHashes(prompt, 4);
+  h.Add("warm", Tokens(1, 4));
+  h.RunUntilIdle();
+  ASSERT_EQ(h.events.size(), 1u);
+  h.engine().Add(DecodeLeg("d", prompt, 4));
+  h.Step();  // admitted: the blocks it receives are allocated and published
+  ASSERT_EQ(h.events.size(), 2u);
+  const KvStored& s = StoredOf(h.events[1]);
+  EXPECT_EQ(s.parent_hash, seq[0]);
+  ASSERT_EQ(s.blocks.size(), 2u);
+  EXPECT_EQ(s.blocks[0], (StoredBlock{seq[1], local[1]}));
+  EXPECT_EQ(s.blocks[1], (StoredBlock{seq[2], local[2]}));
+  h.now = *h.engine().NextTimerMs();
+  h.RunUntilIdle();
+  EXPECT_EQ(h.events.size(), 2u);
+  EXPECT_EQ(h.engine().CachedPrefixBlocks(seq), 3u);  // kept as its own cached blocks
+}
+
+TEST(MockEngineDisagg, InvalidOrMissingTransferMeansALocalPrefill) {
+  const auto prompt = Tokens(1, 14);
+  EngineRequest missing = DecodeLeg("missing", prompt, 4);
+  missing.transfer.reset();
+  EngineRequest other_prompt = DecodeLeg("other-prompt", prompt, 4);
+  other_prompt.transfer->blocks = SeqHashes(Tokens(2, 14), 4);
+  EngineRequest other_block_size = DecodeLeg("other-block-size", prompt, 2);
+  EngineRequest short_list = DecodeLeg("short-list", prompt, 4);
+  short_list.transfer->blocks.pop_back();
+  for (EngineRequest& r :
+       {std::ref(missing), std::ref(other_prompt), std::ref(other_block_size), std::ref(short_list)}) {
+    SCOPED_TRACE(r.id);
+    EngineHarness h(kPdConfig);
+    const std::string id = r.id;
+    h.engine().Add(std::move(r));
+    EXPECT_EQ(h.engine().local_prefills_on_invalid_transfer(), 1u);
+    const double d = h.Step();
+    EXPECT_DOUBLE_EQ(d, MockPrefillMs(14, 2));  // the whole prompt prefilled here
+    EXPECT_EQ(h.engine().NumTransferring(), 0u);
+    EXPECT_EQ(h.Find(id, EngineOutput::kPulled), nullptr);
+    ASSERT_NE(h.Find(id, EngineOutput::kFirstToken), nullptr);
+    EXPECT_DOUBLE_EQ(h.Find(id, EngineOutput::kFirstToken)->at_ms, d);
+  }
+}
+
+TEST(MockEngineDisagg, AbortDuringTheTransferReleasesItsBlocks) {
+  EngineHarness h(kPdConfig);
+  h.engine().Add(DecodeLeg("d", Tokens(1, 12), 4));
+  h.Step();
+  ASSERT_EQ(h.engine().NumTransferring(), 1u);
+  EXPECT_EQ(h.engine().ActiveBlocks(), 3u);
+  const double end = *h.engine().NextTimerMs();
+  EXPECT_TRUE(h.engine().Abort("d"));
+  EXPECT_FALSE(h.engine().Abort("d"));
+  EXPECT_EQ(h.engine().NumTransferring(), 0u);
+  EXPECT_EQ(h.engine().ActiveBlocks(), 0u);
+  EXPECT_EQ(h.engine().CachedBlocks(), 3u);  // evictable now
+  EXPECT_TRUE(h.engine().Idle());
+  EXPECT_FALSE(h.engine().NextTimerMs().has_value());
+  EXPECT_EQ(h.engine().Step(end, h.outputs), 0.0);
+  EXPECT_EQ(h.Find("d", EngineOutput::kPulled), nullptr);
+  EXPECT_EQ(h.Find("d", EngineOutput::kFirstToken), nullptr);
+}
+
+TEST(MockEngineDisagg, ATransferEndingInsideAStepIsPulledAtItsEndAndDecodesFromTheNextStep) {
+  MockEngineConfig c = kPdConfig;
+  c.num_gpu_blocks = 1000;
+  EngineHarness h(c);
+  h.Add("y", Tokens(5000, 2000), 3);  // a long prefill step
+  h.engine().Add(DecodeLeg("d", Tokens(1, 4), 4));
+  const double d1 = h.Step();  // y prefills; d's one block arrives 16 ms in
+  EXPECT_DOUBLE_EQ(d1, MockPrefillMs(2000, 2));
+  ASSERT_GT(d1, 16.0);
+  EXPECT_EQ(h.Find("d", EngineOutput::kPulled), nullptr);
+  h.Step();
+  const EngineOutput* pulled = h.Find("d", EngineOutput::kPulled);
+  ASSERT_NE(pulled, nullptr);
+  EXPECT_DOUBLE_EQ(pulled->at_ms, 16.0);
+  ASSERT_NE(h.Find("d", EngineOutput::kFirstToken), nullptr);
+  EXPECT_DOUBLE_EQ(h.Find("d", EngineOutput::kFirstToken)->at_ms, h.now);
+}
+
+TEST(MockEngineDisagg, ALegInTransferHoldsItsSlotAndBlocksButDoesNotStopAdmission) {
+  MockEngineConfig c = kPdConfig;
+  c.max_num_seqs = 2;
+  EngineHarness h(c);
+  h.engine().Add(DecodeLeg("d", Tokens(1, 8), 4));
+  h.Add("a", Tokens(100, 8), 5);  // behind it in the queue
+  h.Add("b", Tokens(200, 8), 5);  // the third: max_num_seqs counts the transfer
+  h.Step();
+  EXPECT_EQ(h.engine().NumTransferring(), 1u);
+  EXPECT_NE(h.Find("a", EngineOutput::kFirstToken), nullptr);
+  EXPECT_EQ(h.Find("b", EngineOutput::kFirstToken), nullptr);
+  EXPECT_EQ(h.engine().NumWaiting(), 1u);
+  EXPECT_EQ(h.engine().ActiveBlocks(), 4u);
+}
+
+TEST(MockEngineDisagg, ADecodeLegTakesNoPrefillBudget) {
+  MockEngineConfig c = kPdConfig;
+  c.max_num_batched_tokens = 8;
+  EngineHarness h(c);
+  h.Add("a", Tokens(100, 8));                        // the step's whole budget
+  h.engine().Add(DecodeLeg("d", Tokens(1, 16), 4));  // 16 prompt tokens, none computed here
+  h.Add("b", Tokens(200, 4));                        // over the budget
+  const double d = h.Step();
+  EXPECT_DOUBLE_EQ(d, MockPrefillMs(8, 2));
+  EXPECT_EQ(h.engine().NumTransferring(), 1u);
+  EXPECT_EQ(h.Find("b", EngineOutput::kFirstToken), nullptr);
+}
+
+// The owner loop of the header's contract ends, and never steps twice at one time for nothing.
+TEST(MockEngineDisagg, AnOwnerSteppingAtNextTimerMsWhenAStepIsEmptyEndsIdle) {
+  EngineHarness h(kPdConfig);
+  h.engine().Add(PrefillLeg("p", Tokens(1, 16)));
+  h.engine().Add(DecodeLeg("d", Tokens(100, 16), 4, 4));
+  h.Add("w", Tokens(200, 16), 4);
+  int waits = 0;  // steps that computed nothing while a timer was pending
+  for (int i = 0; i < 100 && !h.engine().Idle(); ++i) {
+    const double d = h.engine().Step(h.now, h.outputs);
+    if (d > 0) {
+      h.now += d;
+      continue;
+    }
+    if (h.engine().Idle()) break;
+    ++waits;
+    ASSERT_TRUE(h.engine().NextTimerMs().has_value());
+    ASSERT_GT(*h.engine().NextTimerMs(), h.now);
+    h.now = *h.engine().NextTimerMs();
+  }
+  EXPECT_TRUE(h.engine().Idle());
+  EXPECT_EQ(waits, 2);  // the transfer (w finished before it), then the lease
+  EXPECT_NE(h.Find("d", EngineOutput::kFinished), nullptr);
+  EXPECT_NE(h.Find("w", EngineOutput::kFinished), nullptr);
+  EXPECT_EQ(h.engine().ActiveBlocks(), 0u);
 }
 
 // ---- Events replay exactly ----
