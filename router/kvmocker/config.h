@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "events/base/status.h"
+#include "events/registration_codec.h"
 #include "router/common/flags.h"
 #include "router/engine/mock_engine.h"
 
@@ -55,6 +56,14 @@ struct MockerConfig {
   std::string http_advertise_host;
   std::string model = "mock";                            // --model: the served model name, 1..256 bytes
   std::uint64_t http_max_body_bytes = 16 * 1024 * 1024;  // --http-max-body-bytes >= 1: above it, 413
+
+  // Disaggregated serving (docs/protocol.md section 13, "kvmocker's roles"): every worker of the
+  // process announces role and kv_connector; every engine prices KV pulls and pins with the rest.
+  WorkerRole role = WorkerRole::kBoth;            // --role both|prefill|decode
+  KvConnector kv_connector = KvConnector::kNixl;  // --kv-connector nixl|sglang
+  std::uint64_t kv_bytes_per_token = 131072;      // --kv-bytes-per-token >= 1
+  double kv_transfer_gbps = 400;                  // --kv-transfer-gbps: Gbit/s, finite and > 0
+  std::uint32_t kv_lease_ms = 30000;              // --kv-lease-ms: a prefill leg's pin at most (over the speedup)
 };
 // num_workers * dp_size is at most this: every rank costs a subscription (a nats.c thread).
 inline constexpr std::uint32_t kMaxMockRanks = 1024;
@@ -64,7 +73,8 @@ inline constexpr std::uint32_t kMaxMockRanks = 1024;
 std::string WorkerHttpUrl(const MockerConfig& config, std::uint32_t worker_index);
 
 // The engine of every rank of worker `worker_index` (< num_workers): the cache and scheduler
-// flags, the worker's own speedup ratio, and every token reported when the HTTP face streams.
+// flags, the worker's own speedup ratio, the KV transfer and lease flags, and every token
+// reported when the HTTP face streams.
 MockEngineConfig WorkerEngineConfig(const MockerConfig& config, std::uint32_t worker_index);
 
 using ParsedMockerArgs = ProgramArgs<MockerConfig>;

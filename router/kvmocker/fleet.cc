@@ -138,6 +138,8 @@ std::string MockWorkerFleet::MetricsText() {
             static_cast<double>(r->engine->ActiveBlocks()), l);
     m.Gauge("kvmocker_running_requests", "requests running", static_cast<double>(r->engine->NumRunning()), l);
     m.Gauge("kvmocker_waiting_requests", "requests waiting for room", static_cast<double>(r->engine->NumWaiting()), l);
+    m.Gauge("kvmocker_pinned_blocks", "KV blocks a prefill engine holds for pulls not yet done (each block once)",
+            static_cast<double>(r->engine->PinnedBlocks()), l);
   }
   return RenderMetrics(m.Take());
 }
@@ -251,7 +253,9 @@ void MockWorkerFleet::PublishRegistrations(WorkerStatus status) {
         .lease_ms = config_.lease_ms,
         .leaving = status == WorkerStatus::kLeaving,
         .http_url = WorkerHttpUrl(config_, worker),
-        .models = config_.http_port > 0 ? std::vector<std::string>{config_.model} : std::vector<std::string>{}};
+        .models = config_.http_port > 0 ? std::vector<std::string>{config_.model} : std::vector<std::string>{},
+        .role = config_.role,
+        .kv_connector = config_.kv_connector};
     CountPublish(nats_.Publish(instances_subject_, AsBytes(EncodeWorkerRegistration(reg))), "registration");
   }
 }
@@ -389,21 +393,35 @@ double MockWorkerFleet::AdvanceEngines(std::vector<GenerateJob>& jobs, const std
     Rank& r = *rank;
     // Back-to-back steps continue from the previous step's end (not from when this thread
     // woke), so wake-up latency does not stretch virtual time; the loop catches up when late.
+    // A step that computes nothing (the engine waits for a KV transfer or a lease) ends at once;
+    // the engine is stepped again at its next timer (MockEngine's contract), at the timer's own
+    // time when the thread woke after it.
+    double cursor = now_ms;
     for (;;) {
-      double start = now_ms;
       if (r.stepping) {
         if (r.step_end_ms > now_ms) break;
         DeliverOutputs(r);
         r.stepping = false;
-        start = r.step_end_ms;
+        cursor = r.step_end_ms;
       }
       if (r.engine->Idle()) break;
       r.outputs.clear();
-      const double duration = r.engine->Step(start, r.outputs);
-      r.step_end_ms = start + duration;
-      r.stepping = true;
+      const double duration = r.engine->Step(cursor, r.outputs);
+      if (duration > 0) {
+        r.step_end_ms = cursor + duration;
+        r.stepping = true;
+        continue;
+      }
+      DeliverOutputs(r);  // a pull's end or a rejection: due at once
+      const std::optional<double> timer = r.engine->NextTimerMs();
+      if (!timer || *timer > now_ms) break;
+      cursor = *timer;  // later than cursor: Step fired every timer up to it
     }
-    if (r.stepping) earliest = std::min(earliest, r.step_end_ms);
+    if (r.stepping) {
+      earliest = std::min(earliest, r.step_end_ms);
+    } else if (const std::optional<double> timer = r.engine->NextTimerMs()) {
+      earliest = std::min(earliest, *timer);
+    }
   }
   return earliest;
 }
@@ -446,7 +464,8 @@ void MockWorkerFleet::AnswerNats(const NatsTarget& target, const InFlight& f, co
     case EngineOutput::kFirstToken:
       Respond(target.reply, {.request_id = target.request_id, .token_ids = {FakeToken(0)}, .index = 0});
       break;
-    case EngineOutput::kToken: break;  // section 7 answers the first token and the rest at the end
+    case EngineOutput::kToken: break;   // section 7 answers the first token and the rest at the end
+    case EngineOutput::kPulled: break;  // the engine's KV pull: nothing for the client
     case EngineOutput::kFinished: {
       GenerateResponse fin{.request_id = target.request_id,
                            .index = 1,

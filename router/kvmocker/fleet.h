@@ -49,12 +49,13 @@ struct HttpRequest;
 // HTTP threads (one HttpIo of two threads for every worker's listener) only decode requests and
 // push them, and the aborts of HTTP clients that went away, into a bounded inbox; the HTTP
 // threads answer what needs no engine (models, render, errors) themselves. One engine thread
-// owns the engines: it sleeps until the earliest step end, a heartbeat or a new request, steps
-// every engine whose previous step has ended on real time (virtual ms = steady-clock ms since
-// Start; engine durations are already divided by their worker's speedup ratio), and publishes events (as
-// they happen), responses (at the step's end: NATS messages, or HTTP responses and streamed
-// tokens through HttpReply, which never blocks) and heartbeats. A recovery request reads its
-// rank's publisher under engine_mu_ from its delivery thread.
+// owns the engines: it sleeps until the earliest step end or engine timer (a KV transfer's or a
+// pin lease's end), a heartbeat or a new request, steps every engine whose previous step has
+// ended or whose timer is due on real time (virtual ms = steady-clock ms since Start; engine
+// durations are already divided by their worker's speedup ratio), and publishes events (as they
+// happen), responses (at the step's end: NATS messages, or HTTP responses and streamed tokens
+// through HttpReply, which never blocks) and heartbeats. A recovery request reads its rank's
+// publisher under engine_mu_ from its delivery thread.
 class MockWorkerFleet {
  public:
   // Counters since construction (a snapshot).
@@ -139,7 +140,8 @@ class MockWorkerFleet {
   double NowMs() const;
   void EngineLoop();
   // Adds the jobs to their engines, aborts the aborted ones and runs every engine whose step has
-  // ended; returns the earliest end of a step in progress (infinity when all are idle).
+  // ended or whose timer is due; returns the earliest end of a step in progress, or timer
+  // (MockEngine::NextTimerMs) of an engine not stepping (infinity when all are idle).
   double AdvanceEngines(std::vector<GenerateJob>& jobs, const std::vector<std::uint64_t>& aborts, double now_ms)
       KV_REQUIRES(engine_mu_);
   std::size_t LeastBusyRank(std::size_t worker_index) KV_REQUIRES(engine_mu_);

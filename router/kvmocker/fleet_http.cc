@@ -152,7 +152,8 @@ void MockWorkerFleet::AnswerHttp(HttpTarget& target, const InFlight& f, const En
       target.reply->End();
       break;
     }
-    case EngineOutput::kRejected:  // the face refuses prompts over the cache: not expected
+    case EngineOutput::kPulled: break;  // the engine's KV pull: nothing for the client
+    case EngineOutput::kRejected:       // the face refuses prompts over the cache: not expected
       ++http_errors_;
       FailHttp(target, 400, "invalid_argument",
                fmt::format("prompt of {} tokens needs more than the {} blocks of the KV cache", o.prompt_tokens,

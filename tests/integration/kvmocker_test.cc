@@ -211,6 +211,27 @@ TEST_F(KvMockerProcessTest, RegistrationHeartbeatsCarryTheFlagValues) {
   EXPECT_GE(per_worker[kBase + 1], 2);
 }
 
+TEST_F(KvMockerProcessTest, RegistrationsAnnounceTheRoleAndKvConnector) {
+  StartMocker({"--role", "prefill", "--kv-connector", "sglang"});
+  for (const WorkerRegistration& r : Registrations()) {
+    EXPECT_EQ(r.role, WorkerRole::kPrefill) << r.worker_id;
+    EXPECT_EQ(r.kv_connector, KvConnector::kSglang) << r.worker_id;
+  }
+  auto m = HttpGet(metrics_port_, "/metrics");
+  ASSERT_TRUE(m.ok()) << m.status().ToString();
+  EXPECT_NE(m->body.find(fmt::format("\nkvmocker_pinned_blocks{{worker_id=\"{}\",dp_rank=\"1\"}} 0\n", kBase + 1)),
+            std::string::npos)
+      << m->body;
+}
+
+TEST_F(KvMockerProcessTest, WorkersAreAggregatedByDefault) {
+  StartMocker();
+  for (const WorkerRegistration& r : Registrations()) {
+    EXPECT_EQ(r.role, WorkerRole::kBoth) << r.worker_id;
+    EXPECT_EQ(r.kv_connector, KvConnector::kNixl) << r.worker_id;
+  }
+}
+
 TEST_F(KvMockerProcessTest, GenerateStreamsFirstAndFinalResponsesAndTheRepeatHitsTheCache) {
   StartMocker();
   const auto prompt = Tokens(1, 10);  // two full blocks + a partial one

@@ -46,6 +46,30 @@ TEST(MockerConfigTest, DefaultsMatchTheDesign) {
   EXPECT_EQ(c.model, "mock");
   EXPECT_EQ(c.http_max_body_bytes, 16u << 20);
   EXPECT_EQ(WorkerHttpUrl(c, 0), "");  // the HTTP face is off
+  EXPECT_EQ(c.role, WorkerRole::kBoth);
+  EXPECT_EQ(c.kv_connector, KvConnector::kNixl);
+  const MockEngineConfig e = WorkerEngineConfig(c, 0);
+  EXPECT_EQ(e.kv_bytes_per_token, 131072u);
+  EXPECT_EQ(e.kv_transfer_gbps, 400.0);
+  EXPECT_EQ(e.kv_lease_ms, 30000u);
+}
+
+TEST(MockerConfigTest, DisaggFlagsSetTheRoleTheConnectorAndEveryEnginesTransfer) {
+  auto p = Parse({"--num-workers", "2", "--role", "prefill", "--kv-connector", "sglang", "--kv-bytes-per-token",
+                  "65536", "--kv-transfer-gbps", "12.5", "--kv-lease-ms", "0"});
+  ASSERT_TRUE(p.ok()) << p.status().ToString();
+  EXPECT_EQ(p->config.role, WorkerRole::kPrefill);
+  EXPECT_EQ(p->config.kv_connector, KvConnector::kSglang);
+  for (std::uint32_t w = 0; w < 2; ++w) {
+    const MockEngineConfig e = WorkerEngineConfig(p->config, w);
+    EXPECT_EQ(e.kv_bytes_per_token, 65536u) << w;
+    EXPECT_EQ(e.kv_transfer_gbps, 12.5) << w;
+    EXPECT_EQ(e.kv_lease_ms, 0u) << w;
+  }
+  auto env = Parse({}, {{"DYN_ROLE", "decode"}, {"DYN_KV_TRANSFER_GBPS", "100"}});
+  ASSERT_TRUE(env.ok()) << env.status().ToString();
+  EXPECT_EQ(env->config.role, WorkerRole::kDecode);
+  EXPECT_EQ(env->config.kv_transfer_gbps, 100.0);
 }
 
 TEST(MockerConfigTest, WorkerIListensOnHttpPortPlusIAndAnnouncesTheAdvertisedHost) {
@@ -163,6 +187,16 @@ TEST(MockerConfigTest, BadValuesAreRefusedNamingTheFlag) {
       {{"--http-max-body-bytes", "0"}, "--http-max-body-bytes"},
       {{"--model", ""}, "--model"},
       {{"--model", std::string(257, 'm')}, "--model"},
+      {{"--role", "router"}, "--role"},
+      {{"--role", "Prefill"}, "--role"},
+      {{"--kv-connector", "mooncake"}, "--kv-connector"},
+      {{"--kv-bytes-per-token", "0"}, "--kv-bytes-per-token"},
+      {{"--kv-transfer-gbps", "0"}, "--kv-transfer-gbps"},
+      {{"--kv-transfer-gbps", "-5"}, "--kv-transfer-gbps"},
+      {{"--kv-transfer-gbps", "inf"}, "--kv-transfer-gbps"},
+      {{"--kv-transfer-gbps", "nan"}, "--kv-transfer-gbps"},
+      {{"--kv-lease-ms", "-1"}, "--kv-lease-ms"},
+      {{"--kv-lease-ms", "4294967296"}, "--kv-lease-ms"},
   };
   for (const auto& [args, flag] : cases) {
     auto p = Parse(args);
