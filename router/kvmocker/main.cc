@@ -59,10 +59,11 @@ int main(int argc, char** argv) {
   }
   fmt::print(stderr,
              "kvmocker I serving {} worker(s) [{}] x dp_size {} on {} namespace '{}' component '{}' "
-             "({} blocks of {} tokens, speedup {}, {} events)\n",
+             "({} blocks of {} tokens, speedup {}, {} events, role {}, kv connector {})\n",
              cfg.num_workers, DescribeIds(fleet->worker_ids()), cfg.dp_size, cfg.nats_server, cfg.ns, cfg.component,
              cfg.num_gpu_blocks, cfg.block_size, FormatNumberList(cfg.speedup_ratio),
-             cfg.event_format == MockEventFormat::kDynamo ? "dynamo" : "vllm");
+             cfg.event_format == MockEventFormat::kDynamo ? "dynamo" : "vllm", WorkerRoleName(cfg.role),
+             KvConnectorName(cfg.kv_connector));
   if (cfg.http_port > 0) {
     fmt::print(stderr, "kvmocker I OpenAI HTTP on {}:{}..{} as {}..., model '{}'\n", cfg.http_host, cfg.http_port,
                cfg.http_port + cfg.num_workers - 1, WorkerHttpUrl(cfg, 0), cfg.model);
