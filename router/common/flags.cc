@@ -52,6 +52,44 @@ NatsSecurity ReadNatsSecurity(const boost::program_options::variables_map& vm) {
           .tls_key = get("nats-tls-key")};
 }
 
+namespace {
+
+// The value of `flag` among `choices` (spelled by `name_of`), else an error listing them.
+template <typename Enum, std::size_t N>
+Result<Enum> OneOf(const boost::program_options::variables_map& vm, const char* flag, const Enum (&choices)[N],
+                   std::string_view (*name_of)(Enum)) {
+  const std::string value = vm[flag].as<std::string>();
+  std::string names;
+  for (const Enum e : choices) {
+    if (value == name_of(e)) return e;
+    names += names.empty() ? std::string(name_of(e)) : fmt::format(" | {}", name_of(e));
+  }
+  return FlagOutOfRange(flag, names);
+}
+
+}  // namespace
+
+void AddWorkerRoleFlags(boost::program_options::options_description& desc, std::string_view what) {
+  namespace po = boost::program_options;
+  desc.add_options()(
+      "role", po::value<std::string>()->default_value(std::string(WorkerRoleName(WorkerRole::kBoth))),
+      fmt::format("both | prefill | decode: the legs {} serves, announced to the router", what).c_str())(
+      "kv-connector", po::value<std::string>()->default_value(std::string(KvConnectorName(KvConnector::kNixl))),
+      "nixl | sglang: how KV moves from prefill to decode engines, announced to the router");
+}
+
+Status ReadWorkerRoleFlags(const boost::program_options::variables_map& vm, WorkerRole& role, KvConnector& connector) {
+  constexpr WorkerRole kRoles[] = {WorkerRole::kBoth, WorkerRole::kPrefill, WorkerRole::kDecode};
+  constexpr KvConnector kConnectors[] = {KvConnector::kNixl, KvConnector::kSglang};
+  auto r = OneOf(vm, "role", kRoles, WorkerRoleName);
+  if (!r.ok()) return r.status();
+  auto c = OneOf(vm, "kv-connector", kConnectors, KvConnectorName);
+  if (!c.ok()) return c.status();
+  role = *r;
+  connector = *c;
+  return Status::Ok();
+}
+
 Status FlagOutOfRange(std::string_view flag, std::string_view range) {
   return InvalidArgument(fmt::format("--{} must be {}", flag, range));
 }

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "events/base/status.h"
+#include "events/registration_codec.h"
 #include "transport/nats_security.h"
 
 namespace kvrouter {
@@ -29,6 +30,12 @@ std::string EnvNameForFlag(std::string_view flag);
 // --nats-tls-cert, --nats-tls-key (environment: NATS_CREDS, NATS_USER, ...), for every program.
 void AddNatsSecurityFlags(boost::program_options::options_description& desc);
 NatsSecurity ReadNatsSecurity(const boost::program_options::variables_map& vm);
+// --role (both | prefill | decode) and --kv-connector (nixl | sglang), a worker's part in a
+// disaggregated fleet (protocol.md section 13), for the programs that announce workers
+// (kvmocker, kvrelay). Another value is an InvalidArgument naming the flag and the choices.
+void AddWorkerRoleFlags(boost::program_options::options_description& desc, std::string_view what);
+Status ReadWorkerRoleFlags(const boost::program_options::variables_map& vm, WorkerRole& role,
+                           KvConnector& connector);
 
 // InvalidArgument "--flag must be <range>".
 Status FlagOutOfRange(std::string_view flag, std::string_view range);

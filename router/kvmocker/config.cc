@@ -72,29 +72,9 @@ Status ReadHttpFlags(const po::variables_map& vm, MockerConfig& c) {
   return Status::Ok();
 }
 
-// The value of `flag` among `choices` (matched by `name_of`), else an error listing them.
-template <typename Enum, std::size_t N>
-Result<Enum> OneOf(const po::variables_map& vm, const char* flag, const Enum (&choices)[N],
-                   std::string_view (*name_of)(Enum)) {
-  const std::string value = vm[flag].as<std::string>();
-  std::string names;
-  for (const Enum e : choices) {
-    if (value == name_of(e)) return e;
-    names += names.empty() ? std::string(name_of(e)) : fmt::format(" | {}", name_of(e));
-  }
-  return OutOfRange(flag, names);
-}
-
 // --role, --kv-connector, --kv-bytes-per-token, --kv-transfer-gbps, --kv-lease-ms.
 Status ReadDisaggFlags(const po::variables_map& vm, MockerConfig& c) {
-  constexpr WorkerRole kRoles[] = {WorkerRole::kBoth, WorkerRole::kPrefill, WorkerRole::kDecode};
-  constexpr KvConnector kConnectors[] = {KvConnector::kNixl, KvConnector::kSglang};
-  auto role = OneOf(vm, "role", kRoles, WorkerRoleName);
-  if (!role.ok()) return role.status();
-  c.role = *role;
-  auto connector = OneOf(vm, "kv-connector", kConnectors, KvConnectorName);
-  if (!connector.ok()) return connector.status();
-  c.kv_connector = *connector;
+  if (Status s = ReadWorkerRoleFlags(vm, c.role, c.kv_connector); !s.ok()) return s;
   const std::int64_t bytes = vm["kv-bytes-per-token"].as<std::int64_t>();
   if (bytes < 1) return OutOfRange("kv-bytes-per-token", ">= 1");
   c.kv_bytes_per_token = static_cast<std::uint64_t>(bytes);
@@ -138,12 +118,11 @@ po::options_description Describe() {
     ("http-advertise-host", po::value<std::string>(), "host of the http_url announced to the router (default: 127.0.0.1 when --http-host is 0.0.0.0, :: or 127.0.0.1, else --http-host)")
     ("http-max-body-bytes", po::value<std::int64_t>()->default_value(static_cast<std::int64_t>(d.http_max_body_bytes)), "largest HTTP request body; larger ones get 413 (>= 1)")
     ("model", po::value<std::string>()->default_value(d.model), "model name served over HTTP and announced to the router")
-    ("role", po::value<std::string>()->default_value("both"), "both | prefill | decode: the legs the workers serve, announced to the router")
-    ("kv-connector", po::value<std::string>()->default_value("nixl"), "nixl | sglang: how KV moves from prefill to decode engines, announced to the router")
     ("kv-bytes-per-token", po::value<std::int64_t>()->default_value(static_cast<std::int64_t>(d.kv_bytes_per_token)), "KV bytes of one token, priced by a decode engine's pull (>= 1)")
     ("kv-transfer-gbps", po::value<double>()->default_value(d.kv_transfer_gbps), "Gbit/s a decode engine pulls KV at (finite, > 0)")
     ("kv-lease-ms", po::value<std::int64_t>()->default_value(d.kv_lease_ms), "ms a prefill engine keeps a leg's blocks for the pull, divided by --speedup-ratio (>= 0)");
   // clang-format on
+  AddWorkerRoleFlags(desc, "every worker");
   AddNatsSecurityFlags(desc);
   return desc;
 }

@@ -46,8 +46,10 @@ po::options_description Describe() {
     ("health-timeout-ms", po::value<std::uint32_t>(), "with --engine-url: a health check not answered (2xx) within this many ms fails (>= 10; default: --health-interval-ms)")
     ("health-failures", po::value<std::uint32_t>()->default_value(d.health.failures), "with --engine-url: failed health checks in a row after which the worker says `leaving` until the engine answers again (>= 1)")
     ("metrics-port", po::value<std::uint32_t>()->default_value(d.metrics_port), "HTTP port of /metrics, /health and /ready (0 turns it off)")
-    ("metrics-host", po::value<std::string>()->default_value(d.metrics_host), "address the metrics port listens on");
+    ("metrics-host", po::value<std::string>()->default_value(d.metrics_host), "address the metrics port listens on")
+    ("bootstrap-port", po::value<std::uint32_t>()->default_value(d.relay.bootstrap_port), "an SGLang prefill engine's bootstrap port, announced to the router [1, 65535]");
   // clang-format on
+  AddWorkerRoleFlags(desc, "the engine");
   AddNatsSecurityFlags(desc);
   return desc;
 }
@@ -147,6 +149,9 @@ Status ReadRelayConfig(const po::variables_map& vm, RelayConfig& c) {
   if (c.relay.heartbeat_ms < 10) return FlagOutOfRange("heartbeat-ms", ">= 10");
   if (c.relay.lease_ms <= c.relay.heartbeat_ms) return FlagOutOfRange("lease-ms", "> --heartbeat-ms");
   if (Status s = ReadEngine(vm, c); !s.ok()) return s;
+  if (Status s = ReadWorkerRoleFlags(vm, c.relay.role, c.relay.kv_connector); !s.ok()) return s;
+  c.relay.bootstrap_port = vm["bootstrap-port"].as<std::uint32_t>();
+  if (c.relay.bootstrap_port < 1 || c.relay.bootstrap_port > 65535) return FlagOutOfRange("bootstrap-port", "in [1, 65535]");
   c.metrics_port = vm["metrics-port"].as<std::uint32_t>();
   if (c.metrics_port > 65535) return FlagOutOfRange("metrics-port", "in [0, 65535]");
   c.metrics_host = vm["metrics-host"].as<std::string>();

@@ -5,6 +5,7 @@
 //           [--device gpu] [--heartbeat-ms 1000] [--lease-ms 3000] [--metrics-port 9093]
 //           [--engine-url http://HOST:PORT --model NAME[,NAME...] [--model NAME]...
 //            [--health-interval-ms 1000] [--health-timeout-ms =interval] [--health-failures 2]]
+//           [--role both|prefill|decode] [--kv-connector nixl|sglang] [--bootstrap-port 8998]
 #pragma once
 
 #include <optional>

@@ -61,7 +61,10 @@ void KvRelay::Register(WorkerStatus status) {
                                .lease_ms = options_.lease_ms,
                                .leaving = status == WorkerStatus::kLeaving,
                                .http_url = options_.http_url,
-                               .models = options_.models};
+                               .models = options_.models,
+                               .role = options_.role,
+                               .kv_connector = options_.kv_connector,
+                               .bootstrap_port = options_.bootstrap_port};
   if (!bus_.Publish(instances_subject_, AsBytes(EncodeWorkerRegistration(reg))).ok()) {
     KvMutexLock g(mu_);
     ++counters_.publish_failures;

@@ -72,6 +72,10 @@ struct RelayOptions {
   std::uint32_t lease_ms = 3000;
   std::string http_url;             // the engine's OpenAI base URL (section 11; "" = not announced)
   std::vector<std::string> models;  // the model names it serves
+  // Section 13: its part in a disaggregated fleet (--role, --kv-connector, --bootstrap-port).
+  WorkerRole role = WorkerRole::kBoth;
+  KvConnector kv_connector = KvConnector::kNixl;
+  std::uint32_t bootstrap_port = kDefaultBootstrapPort;
   RegisterWhen register_when = RegisterWhen::kAtStart;
 };
 

@@ -49,6 +49,27 @@ TEST(RelayConfigTest, EngineUrlAndRepeatedOrCommaSeparatedModels) {
   EXPECT_EQ(p->config.relay.models, (std::vector<std::string>{"llama", "qwen", "mistral"}));  // each once
 }
 
+// Section 13's flags, with their defaults and refusals.
+TEST(RelayConfigTest, RoleConnectorAndBootstrapPort) {
+  auto d = Parse({});
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(d->config.relay.role, WorkerRole::kBoth);
+  EXPECT_EQ(d->config.relay.kv_connector, KvConnector::kNixl);
+  EXPECT_EQ(d->config.relay.bootstrap_port, 8998u);
+  auto p = Parse({"--role", "decode", "--kv-connector", "sglang", "--bootstrap-port", "9000"});
+  ASSERT_TRUE(p.ok()) << p.status().ToString();
+  EXPECT_EQ(p->config.relay.role, WorkerRole::kDecode);
+  EXPECT_EQ(p->config.relay.kv_connector, KvConnector::kSglang);
+  EXPECT_EQ(p->config.relay.bootstrap_port, 9000u);
+  auto env = Parse({}, {{"DYN_ROLE", "prefill"}});
+  ASSERT_TRUE(env.ok());
+  EXPECT_EQ(env->config.relay.role, WorkerRole::kPrefill);
+  EXPECT_NE(Refusal({"--role", "mixed"}).find("--role must be both | prefill | decode"), std::string::npos)
+      << Refusal({"--role", "mixed"});
+  EXPECT_NE(Refusal({"--kv-connector", "mooncake"}).find("--kv-connector"), std::string::npos);
+  EXPECT_NE(Refusal({"--bootstrap-port", "70000"}).find("--bootstrap-port"), std::string::npos);
+}
+
 TEST(RelayConfigTest, EngineUrlAndModelsFromTheEnvironment) {
   auto p = Parse({}, {{"DYN_ENGINE_URL", "http://engine:8000"}, {"DYN_MODEL", "a,b"}});
   ASSERT_TRUE(p.ok()) << p.status().ToString();

@@ -230,6 +230,22 @@ TEST_F(KvRelayTest, RegistrationsCarryTheEnginesUrlAndModels) {
   }
 }
 
+// Section 13: the engine's role, connector and bootstrap port go into every registration.
+TEST_F(KvRelayTest, RegistrationsCarryTheEnginesRoleAndConnector) {
+  RelayOptions o{.worker_id = kWorker, .block_size = kBs};
+  o.role = WorkerRole::kPrefill;
+  o.kv_connector = KvConnector::kSglang;
+  o.bootstrap_port = 9100;
+  Make(true, o);
+  relay_->Stop();
+  ASSERT_EQ(regs_.size(), 2u);  // the first, `leaving`
+  for (const WorkerRegistration& r : regs_) {
+    EXPECT_EQ(r.role, WorkerRole::kPrefill);
+    EXPECT_EQ(r.kv_connector, KvConnector::kSglang);
+    EXPECT_EQ(r.bootstrap_port, 9100u);
+  }
+}
+
 TEST_F(KvRelayTest, WithoutAnEngineUrlRegistrationsCarryNone) {
   Make(true);
   ASSERT_EQ(regs_.size(), 1u);
