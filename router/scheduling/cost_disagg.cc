@@ -45,7 +45,8 @@ DisaggChoice PredictDisagg(const DisaggCandidates& c, const SelectionRequest& re
                            const KvTransfer& transfer) {
   using predicted_cost::AsDouble;
   DisaggChoice out;
-  out.local_ms = PredictedCostMs(c.local, req, p);
+  const predicted_cost::TimeOnRank local = predicted_cost::TimeOn(c.local, req, p);
+  out.local_ms = local.ttft + kLocalStallWeight * local.inflicted;
   const predicted_cost::Prediction prefill = predicted_cost::Predict(c.prefill, req, p);
   const predicted_cost::Prediction decode = predicted_cost::Predict(c.remote_decode, req, p);
   out.transfer_ms = transfer.Ms(decode.uncached);

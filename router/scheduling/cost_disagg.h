@@ -81,10 +81,19 @@ struct DisaggChoice {
 // Tokens of the prompt not cached on c (by its device and tier overlap, credited as the costs do).
 double UncachedTokens(const Candidate& c, const SelectionRequest& req, const CostParams& p);
 
+// The share of the stall a local prefill inflicts on the requests decoding on its rank that the
+// predicted policy weighs against the request's own first token. A stall delays each of those
+// requests' next token once, over hundreds of tokens, so priced whole (as the predicted cost
+// prices it among ranks of one pool) it sends nearly every long prompt to the prefill pool and
+// queues the pool's first tokens behind it; priced at a quarter, the policy's goodput leads every
+// fixed policy's at 1x, 2x and 4x the shared trace's rate (docs/performance.md, "measurements
+// behind the code's constants").
+inline constexpr double kLocalStallWeight = 0.25;
+
 // The predicted policy's two estimates:
-//   local  = PredictedCostMs(local) without its spread term: the local rank's time to first
-//            token, plus the prefill's stall of every request decoding there (capped as the
-//            predicted cost caps it)
+//   local  = ttft(local) + kLocalStallWeight * inflicted(local): the predicted cost's terms
+//            (cost_predicted.h TimeOn) without its spread, the stall of every request decoding
+//            there weighed at kLocalStallWeight
 //   remote = prefill.prefill_factor * (queued and uncached prefill there, in steps)
 //            + transfer(uncached tokens on remote_decode)
 //            + remote_decode.prefill_factor * (its queued local prefills' time)

@@ -120,14 +120,24 @@ inline Prediction Predict(const Candidate& c, const SelectionRequest& req, const
           .uncached = uncached};
 }
 
-// PredictedCostMs with its spread term already priced.
-inline double PricedMs(const Candidate& c, const SelectionRequest& req, const CostParams& p, double spread) {
+// The request's predicted time to first token on c, and the waits it inflicts there (capped).
+struct TimeOnRank {
+  double ttft = 0;
+  double inflicted = 0;
+};
+inline TimeOnRank TimeOn(const Candidate& c, const SelectionRequest& req, const CostParams& p) {
   const Prediction x = Predict(c, req, p);
   const double ttft = c.prefill_factor * (x.prior.prefill_ms + x.prior.decode_ms);
   // Each request running there waits out this prefill.
   const double inflicted =
       c.active_requests * c.prefill_factor * (prior::PrefillMs(x.uncached) - prior::kStepOverheadMs);
-  return ttft + (std::min({inflicted, kInflictedOfTtft * ttft, kInflictedMaxMs}) + spread);
+  return {.ttft = ttft, .inflicted = std::min({inflicted, kInflictedOfTtft * ttft, kInflictedMaxMs})};
+}
+
+// PredictedCostMs with its spread term already priced.
+inline double PricedMs(const Candidate& c, const SelectionRequest& req, const CostParams& p, double spread) {
+  const TimeOnRank t = TimeOn(c, req, p);
+  return t.ttft + (t.inflicted + spread);
 }
 
 }  // namespace predicted_cost

@@ -85,6 +85,22 @@ TEST(PredictDisagg, WeighsTheLocalStallAgainstThePrefillQueueAndTheTransfer) {
   EXPECT_GT(c.remote_ms, PredictDisagg({busy, prefill, busy}, req, p, kTransfer).remote_ms);
 }
 
+// The stall a local prefill inflicts counts at kLocalStallWeight: on a slow link (25 Gbit/s) a
+// 2,000-token prompt stays on a decode rank decoding 4 requests, which priced whole would send
+// it to the prefill pool.
+TEST(PredictDisagg, TheLocalStallCountsAtItsWeight) {
+  const SelectionRequest req = Request(2000);
+  const CostParams p = Params();
+  const KvTransfer slow{131072, 25};
+  Candidate busy = Rank(3), prefill = Rank(1);
+  busy.active_requests = 4;
+  const DisaggChoice c = PredictDisagg({busy, prefill, busy}, req, p, slow);
+  const predicted_cost::TimeOnRank t = predicted_cost::TimeOn(busy, req, p);
+  EXPECT_DOUBLE_EQ(c.local_ms, t.ttft + kLocalStallWeight * t.inflicted);
+  EXPECT_FALSE(c.disaggregated);
+  EXPECT_GT(t.ttft + t.inflicted, c.remote_ms);  // whole, the stall would have sent it away
+}
+
 TEST(ChooseDisagg, DynamosPoliciesFollowTheirThresholds) {
   const CostParams p = Params();
   DisaggOptions o;
