@@ -1,0 +1,224 @@
+// kvgateway's test fixture: the real kvgateway process on KvRouterProcessTest's nats-server and
+// kvrouter, a real HTTP client, and FakeEngine, a stand-in engine in the test process
+// (HttpListener) whose behaviour each test sets (answer, stream, fail with 500, hold a request
+// open, notice a client leaving), and whose registrations the test publishes. One test thread
+// owns the fixture; the engines' handlers run on its HttpIo threads.
+//
+//   TEST_F(GatewayTest, X) { AddEngine(1); ASSERT_TRUE(AwaitReady(1)); auto r = Post(Chat("hi")); }
+#pragma once
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "events/msgpack_reader.h"
+#include "router/kvgateway/gateway.h"
+#include "tests/await.h"
+#include "tests/integration/kvrouter_fixture.h"
+#include "transport/http_client.h"
+#include "transport/http_listener.h"
+
+namespace kvrouter::testing {
+
+using json = nlohmann::json;
+
+// An engine's HTTP face, as much as the gateway uses: render, chat completions (plain or
+// streamed), registration on NATS with its http_url.
+class FakeEngine {
+ public:
+  enum class Mode { kAnswer, kFail500, kHold, kBig, kCutOff, kCutOff400 };
+  static constexpr std::size_t kBigContent = (Gateway::kMaxHeldBody * 3) / 2;
+
+  explicit FakeEngine(HttpIo& io) {
+    auto l = HttpListener::Start(io, {.host = "127.0.0.1"}, [this](HttpRequest r, std::shared_ptr<HttpReply> reply) {
+      Serve(std::move(r), std::move(reply));
+    });
+    EXPECT_TRUE(l.ok()) << l.status().ToString();
+    listener_ = std::move(l).value();
+  }
+  ~FakeEngine() { Release(); }
+  std::string url() const { return fmt::format("http://127.0.0.1:{}", listener_->port()); }
+  void set_mode(Mode m) { mode_ = m; }
+  int completions() const { return completions_.load(); }
+  int renders() const { return renders_.load(); }
+  int gone() const { return gone_.load(); }
+  int held() {
+    std::lock_guard g(mu_);
+    return static_cast<int>(held_.size());
+  }
+  // Answers every held request.
+  void Release() {
+    std::vector<std::shared_ptr<HttpReply>> held;
+    {
+      std::lock_guard g(mu_);
+      held.swap(held_);
+    }
+    for (auto& r : held) r->Send(200, {{"content-type", "application/json"}}, R"({"choices":[]})");
+  }
+  std::string last_request_id() {
+    std::lock_guard g(mu_);
+    return last_request_id_;
+  }
+  std::string last_authorization() {
+    std::lock_guard g(mu_);
+    return last_authorization_;
+  }
+
+ private:
+  void Serve(HttpRequest r, std::shared_ptr<HttpReply> reply) {
+    const json body = json::parse(r.body, nullptr, false);
+    if (r.Path() == "/v1/chat/completions/render") {
+      ++renders_;
+      // One token per byte of the messages, as kvmocker's tokenizer does.
+      json ids = json::array();
+      for (unsigned char c : body["messages"].dump()) ids.push_back(c);
+      return reply->Send(200, {{"content-type", "application/json"}}, json{{"token_ids", ids}}.dump());
+    }
+    if (r.Path() != "/v1/chat/completions") return reply->Send(404, {}, "");
+    ++completions_;
+    {
+      std::lock_guard g(mu_);
+      last_request_id_ = std::string(r.Header("x-request-id").value_or(""));
+      last_authorization_ = std::string(r.Header("authorization").value_or(""));
+    }
+    reply->OnClientGone([this] { ++gone_; });
+    switch (mode_.load()) {
+      case Mode::kFail500: return reply->Send(500, {{"content-type", "application/json"}}, R"({"error":"boom"})");
+      case Mode::kHold: {
+        std::lock_guard g(mu_);
+        held_.push_back(std::move(reply));
+        return;
+      }
+      case Mode::kBig:  // a plain answer larger than the gateway holds, in pieces
+        reply->Begin(200, {{"content-type", "application/json"}});
+        reply->Write(R"({"choices":[{"message":{"content":")");
+        for (std::size_t i = 0; i < kBigContent; i += 64 << 10) reply->Write(std::string(64 << 10, 'x'));
+        reply->Write(R"("}}]})");
+        return reply->End();
+      case Mode::kCutOff:  // part of an answer, then the connection ends
+      case Mode::kCutOff400:
+        reply->Begin(mode_.load() == Mode::kCutOff ? 200 : 400, {{"content-type", "application/json"}});
+        reply->Write(R"({"choices":[{"message":{"content":"half)");
+        return reply->Abort();
+      case Mode::kAnswer: break;
+    }
+    if (body.value("stream", false)) {
+      reply->Begin(200, {{"content-type", "text/event-stream"}});
+      for (int i = 0; i < 3; ++i)
+        reply->Write(fmt::format("data: {{\"choices\":[{{\"delta\":{{\"content\":\"t{}\"}}}}]}}\n\n", i));
+      reply->Write("data: [DONE]\n\n");
+      return reply->End();
+    }
+    reply->Send(200, {{"content-type", "application/json"}},
+                json{{"object", "chat.completion"}, {"choices", {{{"message", {{"content", "hi"}}}}}}}.dump());
+  }
+
+  std::unique_ptr<HttpListener> listener_;
+  std::atomic<Mode> mode_{Mode::kAnswer};
+  std::atomic<int> completions_{0}, renders_{0}, gone_{0};
+  std::mutex mu_;
+  std::vector<std::shared_ptr<HttpReply>> held_;
+  std::string last_request_id_;
+  std::string last_authorization_;
+};
+
+class GatewayTest : public KvRouterProcessTest {
+ protected:
+  void SetUp() override {
+    KvRouterProcessTest::SetUp();
+    if (HasFatalFailure()) return;
+    auto port = PickFreePort();
+    ASSERT_TRUE(port.ok());
+    gateway_port_ = *port;
+    std::vector<std::string> args = {"--http-port", std::to_string(gateway_port_), "--http-host",
+                                     "127.0.0.1",   "--route-timeout-ms",          "3000"};
+    for (auto& a : GatewayArgs()) args.push_back(a);
+    auto gw = StartOnNats(KVGATEWAY_BIN, nats_->url(), std::move(args), LogPath("kvgateway"));
+    ASSERT_TRUE(gw.ok()) << gw.status().ToString();
+    gateway_ = std::move(gw->process);
+    ASSERT_TRUE(AwaitTrue([&] { return CanConnect(gateway_port_); })) << ReadFile(LogPath("kvgateway"));
+    endpoint_ = {.host = "127.0.0.1", .port = static_cast<std::uint16_t>(gateway_port_)};
+  }
+  void TearDown() override {
+    // The engines go after the io threads: until HttpIo::Stop a listener's handlers (an engine's
+    // OnClientGone among them) may still run.
+    client_.reset();
+    io_.Stop();
+    engines_.clear();
+    gateway_.reset();
+    KvRouterProcessTest::TearDown();
+  }
+  virtual std::vector<std::string> GatewayArgs() const { return {}; }
+
+  // An engine registered as worker `id` serving model "m" (at `url` when given: a dead one).
+  FakeEngine& AddEngine(std::uint64_t id) {
+    FakeEngine& e = NewEngine();
+    Announce(id, e.url());
+    return e;
+  }
+  // An engine not yet announced; it lives until TearDown.
+  FakeEngine& NewEngine() { return *engines_.emplace_back(std::make_unique<FakeEngine>(io_)); }
+  void Announce(std::uint64_t id, const std::string& url, std::uint32_t max_num_batched_tokens = 8192) {
+    announced_.push_back({.worker_id = id,
+                          .block_size = kBs,
+                          .max_num_batched_tokens = max_num_batched_tokens,
+                          .lease_ms = 60000,
+                          .http_url = url,
+                          .models = {"m"}});
+    Heartbeat();
+  }
+  // Every announced engine registers again, as its heartbeat would.
+  void Heartbeat() {
+    for (const WorkerRegistration& r : announced_) {
+      ASSERT_TRUE(nc_->Publish(kComp + "instances", AsBytes(EncodeWorkerRegistration(r))).ok());
+    }
+  }
+  // The gateway knows `n` engines (and the router has answered it): /ready says so. The engines'
+  // heartbeats go on meanwhile (a registration sent before the gateway subscribed is not lost).
+  // The gateway knows n engines and is ready, and the router has registered as many ranks: the
+  // two read registrations on connections of their own, so either may see them first.
+  bool AwaitReady(std::size_t n) {
+    return AwaitTrue([&] {
+      Heartbeat();
+      auto ready = client_->Fetch(endpoint_, {.method = "GET", .target = "/ready"});
+      auto metrics = client_->Fetch(endpoint_, {.method = "GET", .target = "/metrics"});
+      auto stats = Stats();
+      return ready.ok() && ready->status == 200 && metrics.ok() &&
+             metrics->body.find(fmt::format("kvgateway_engines {}", n)) != std::string::npos && stats &&
+             stats->workers_total >= n;
+    });
+  }
+  static std::string Chat(const std::string& text, bool stream = false) {
+    return json{{"model", "m"}, {"stream", stream}, {"messages", {{{"role", "user"}, {"content", text}}}}}.dump();
+  }
+  Result<HttpClient::Response> Post(const std::string& body, HttpHeaders headers = {},
+                                    std::string target = "/v1/chat/completions") {
+    headers.emplace_back("content-type", "application/json");
+    return client_->Fetch(endpoint_, {.target = std::move(target), .headers = std::move(headers), .body = body});
+  }
+  static std::string HeaderOf(const HttpClient::Response& r, std::string_view name) {
+    for (const auto& [k, v] : r.headers) {
+      if (k == name) return v;
+    }
+    return "";
+  }
+  std::uint64_t ActiveRequests() {
+    auto s = Stats();
+    return s ? s->counters["active_requests"] : ~0ull;
+  }
+
+  HttpIo io_{2};
+  std::unique_ptr<HttpClient> client_ = std::make_unique<HttpClient>(io_, HttpClient::Options{});
+  std::vector<std::unique_ptr<FakeEngine>> engines_;
+  std::vector<WorkerRegistration> announced_;
+  std::unique_ptr<ChildProcess> gateway_;
+  int gateway_port_ = 0;
+  HttpEndpoint endpoint_;
+};
+
+}  // namespace kvrouter::testing
