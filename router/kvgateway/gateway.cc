@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <mutex>
 #include <random>
 #include <utility>
@@ -72,6 +73,17 @@ struct Gateway::Exchange {
   SteadyTime last_chunk;
   ResponseTiming timing;       // of the engine's response so far (ttfb_ms once its first byte came)
   bool ttfb_observed = false;  // in the ttfb histogram (once per request, whatever the retries)
+  // Section 13: the legs of a disaggregated attempt (routed.disaggregated).
+  std::string leg_body;                    // the decode leg's body ("": the client's, unchanged)
+  std::shared_ptr<HttpCall> prefill_call;  // the prefill leg running now
+  std::uint64_t prefill_seq = 0;           // of the latest prefill leg started
+  int prefill_status = 0;
+  std::string prefill_body;     // its answer so far, up to kMaxHeldBody
+  bool prefill_overflow = false;  // its answer went past kMaxHeldBody
+  bool prefill_answered = false;  // its answer came whole (prefill_done sent)
+  std::optional<std::uint32_t> prefill_cached;  // the prefill engine's usage cached_tokens
+  SteadyTime prefill_called;
+  SteadyTime prefill_end;  // when its answer came
   // Render.
   int render_status = 0;
   std::string render_body;
@@ -115,6 +127,16 @@ Gateway::Gateway(const GatewayConfig& config, HttpClient& client, RouterLink& li
   route_time_ =
       histogram("kvgateway_route_seconds", "from a completion request's arrival to the engine call: render and route");
   inter_chunk_ = histogram("kvgateway_inter_chunk_seconds", "time between two response chunks of an engine");
+  disagg_requests_ = &prometheus::BuildCounter()
+                          .Name("kvgateway_disagg_requests_total")
+                          .Help("route answers of requests to a fleet with prefill and decode workers, by path: "
+                                "disaggregated (two legs), local (whole to a decode worker), fallback (whole, every "
+                                "prefill worker excluded)")
+                          .Register(*registry_);
+  prefill_leg_ = histogram("kvgateway_prefill_leg_seconds",
+                           "a disaggregated request's prefill leg, from its call to its whole answer");
+  decode_wait_ = histogram("kvgateway_decode_wait_seconds",
+                           "from a prefill leg's answer to its decode leg's first response byte");
 }
 
 HttpRequestHandler Gateway::Handler() {
@@ -227,15 +249,17 @@ void Gateway::Handle(HttpRequest request, std::shared_ptr<HttpReply> reply) {
   x->reply->OnClientGone([this, weak] {
     auto ex = weak.lock();
     if (!ex) return;
-    std::shared_ptr<HttpCall> call;
+    std::shared_ptr<HttpCall> call, prefill;
     {
       std::lock_guard g(ex->mu);
       if (ex->done) return;
       ex->done = true;
       call = ex->call;
+      prefill = ex->prefill_call;
     }
     clients_gone_->Increment();
     if (call) call->Cancel();  // the engine sees its client go and aborts
+    if (prefill) prefill->Cancel();  // and so does a prefill engine (no decode leg starts after it)
     Free(ex);
     Count(ex->endpoint, 499);
     in_flight_->Decrement();
@@ -311,14 +335,16 @@ void Gateway::Render(const std::shared_ptr<Exchange>& x, std::size_t candidate, 
              ex->token_ids = std::move(rendered->token_ids);
              Route(ex);
            }});
-  KeepCall(x, seq, std::move(call));
+  KeepCall(x, 0, seq, std::move(call));  // rendering comes before the first route
 }
 
 void Gateway::Route(const std::shared_ptr<Exchange>& x) {
   RouteRequest r;
+  std::uint32_t attempt = 0;
   {
     std::lock_guard g(x->mu);
     if (x->done) return;
+    attempt = x->attempt;
     x->booking = x->attempt == 0 ? x->booking_base : fmt::format("{}#{}", x->booking_base, x->attempt);
     r.request_id = x->booking;
     r.token_ids = x->token_ids;
@@ -330,7 +356,7 @@ void Gateway::Route(const std::shared_ptr<Exchange>& x) {
     r.session_id = x->session_id;
   }
   const std::string booking = r.request_id;
-  link_.Route(r, [this, ex = x, booking](Result<RouteReply> routed) {
+  link_.Route(r, [this, ex = x, booking, attempt](Result<RouteReply> routed) {
     bool gone = false;
     {
       std::lock_guard g(ex->mu);
@@ -347,7 +373,8 @@ void Gateway::Route(const std::shared_ptr<Exchange>& x) {
     if (routed.ok()) {
       if (stopping_.load()) return Fail(ex, 503, "shutting_down", "the gateway is stopping");
       route_time_->Observe(Seconds(std::chrono::steady_clock::now() - ex->arrival));
-      return Forward(ex);
+      CountDisaggPath(ex);
+      return routed->disaggregated ? Disaggregate(ex, attempt) : Forward(ex, attempt);
     }
     const Status& s = routed.status();
     switch (s.code()) {
@@ -373,34 +400,40 @@ HttpHeaders ResponseHead(const Gateway::Exchange& ex) {
   HttpHeaders h = ex.engine_headers;
   h.emplace_back("x-request-id", ex.request_id);
   h.emplace_back("x-kvrouter-worker-id", std::to_string(ex.routed.worker_id));
+  if (ex.routed.disaggregated) {
+    h.emplace_back("x-kvrouter-prefill-worker-id", std::to_string(ex.routed.prefill_worker_id));
+  }
   h.emplace_back("x-kvrouter-cached-tokens", std::to_string(ex.routed.cached_tokens));
   return h;
 }
 
 }  // namespace
 
-void Gateway::Forward(const std::shared_ptr<Exchange>& x) {
+void Gateway::Forward(const std::shared_ptr<Exchange>& x, std::uint32_t attempt) {
   std::string url;
   std::uint64_t worker = 0;
+  std::string body;
   {
     std::lock_guard g(x->mu);
+    if (x->done || x->attempt != attempt) return;
     worker = x->routed.worker_id;
     url = x->routed.http_url;
+    body = x->leg_body.empty() ? x->http.body : x->leg_body;
   }
   if (url.empty()) url = directory_.HttpUrl(worker).value_or("");
   auto endpoint = ParseHttpUrl(url);
-  if (!endpoint.ok()) return Retry(x, fmt::format("worker {} has no usable http_url", worker));
+  if (!endpoint.ok()) return Retry(x, attempt, worker, fmt::format("worker {} has no usable http_url", worker));
   HttpCallSpec spec{.method = "POST",
                     .target = x->http.target,
                     .headers = {{"content-type", "application/json"}, {"x-request-id", x->request_id}},
-                    .body = x->http.body,
+                    .body = std::move(body),
                     .head_timeout = std::chrono::milliseconds(config_.engine_timeout_ms),
                     .read_timeout = std::chrono::milliseconds(config_.engine_timeout_ms)};
   PassClientHeaders(x->http, spec.headers);
   std::uint64_t seq = 0;
   {
     std::lock_guard g(x->mu);
-    if (x->done) return;
+    if (x->done || x->attempt != attempt) return;
     x->called = std::chrono::steady_clock::now();
     x->timing = {};
     seq = ++x->call_seq;
@@ -408,8 +441,9 @@ void Gateway::Forward(const std::shared_ptr<Exchange>& x) {
   auto call = client_.Start(
       *endpoint, std::move(spec),
       {.on_head =
-           [ex = x](int status, const HttpHeaders& headers) {
+           [ex = x, attempt](int status, const HttpHeaders& headers) {
              std::lock_guard g(ex->mu);
+             if (ex->attempt != attempt) return;  // a leg closed by a retry
              ex->engine_status = status;
              ex->engine_headers.clear();
              for (const auto& [k, v] : headers) {
@@ -417,13 +451,13 @@ void Gateway::Forward(const std::shared_ptr<Exchange>& x) {
              }
            },
        .on_data =
-           [this, ex = x](std::string_view d) {
+           [this, ex = x, attempt](std::string_view d) {
              bool first = false;
              bool slow = false;
-             std::shared_ptr<HttpCall> engine_call;
+             std::shared_ptr<HttpCall> engine_call, prefill_call;
              {
                std::lock_guard g(ex->mu);
-               if (ex->done) return;
+               if (ex->done || ex->attempt != attempt) return;
                if (ex->engine_status >= 500) {  // not for the client: the request goes elsewhere
                  if (ex->engine_error.size() < 4096) ex->engine_error.append(d.substr(0, 4096));
                  return;
@@ -434,6 +468,7 @@ void Gateway::Forward(const std::shared_ptr<Exchange>& x) {
                  first = true;
                  if (!std::exchange(ex->ttfb_observed, true)) ttfb_->Observe(Seconds(now - ex->arrival));
                  ex->timing.ttfb_ms = Seconds(now - ex->called) * 1000;
+                 if (ex->prefill_answered) decode_wait_->Observe(Seconds(now - ex->prefill_end));
                } else {
                  const double gap = Seconds(now - ex->last_chunk);
                  inter_chunk_->Observe(gap);
@@ -459,6 +494,7 @@ void Gateway::Forward(const std::shared_ptr<Exchange>& x) {
                  slow = true;
                  ex->done = true;
                  engine_call = ex->call;
+                 prefill_call = ex->prefill_call;
                  ex->reply->Abort();
                }
              }
@@ -466,19 +502,21 @@ void Gateway::Forward(const std::shared_ptr<Exchange>& x) {
              if (slow) {
                slow_clients_->Increment();
                if (engine_call) engine_call->Cancel();
+               if (prefill_call) prefill_call->Cancel();
                Free(ex);
                Count(ex->endpoint, 499);
                in_flight_->Decrement();
              }
            },
        .on_done =
-           [this, ex = x](const Status& s) {
+           [this, ex = x, attempt, worker](const Status& s) {
              bool began = false;
              int status = 0;
              std::string error;
+             std::shared_ptr<HttpCall> prefill_call;
              {
                std::lock_guard g(ex->mu);
-               if (ex->done) return;
+               if (ex->done || ex->attempt != attempt) return;
                ex->call.reset();
                began = ex->began;
                status = ex->engine_status;
@@ -491,57 +529,327 @@ void Gateway::Forward(const std::shared_ptr<Exchange>& x) {
                  return Fail(ex, 502, "engine_failed", "the engine's answer broke off: " + s.message());
                }
                return Retry(
-                   ex, s.ok() ? fmt::format("the engine answered {}: {}", status, error.substr(0, 256)) : s.message());
+                   ex, attempt, worker,
+                   s.ok() ? fmt::format("the engine answered {}: {}", status, error.substr(0, 256)) : s.message());
              }
              {
                std::lock_guard g(ex->mu);
                ex->done = true;
+               prefill_call = std::move(ex->prefill_call);  // an SGLang prefill leg not ended yet
                if (!s.ok()) {
                  ex->reply->Abort();  // cut off mid-response: the client sees the connection end
                } else if (!ex->began) {  // a plain response (or an empty body): whole
+                 // A disaggregated answer's prompt cache is the prefill engine's, not the decode
+                 // engine's (which received every block).
+                 if (ex->prefill_cached && status == 200) {
+                   if (auto patched = WithCachedTokens(ex->held, *ex->prefill_cached)) ex->held = std::move(*patched);
+                 }
                  ex->reply->Send(status, ResponseHead(*ex), std::exchange(ex->held, {}));
                } else {
                  ex->reply->End();
                }
              }
+             if (prefill_call) prefill_call->Cancel();
              Free(ex);
              Count(ex->endpoint, s.ok() ? status : 502);
              in_flight_->Decrement();
            }});
-  KeepCall(x, seq, std::move(call));
+  KeepCall(x, attempt, seq, std::move(call));
 }
 
-void Gateway::KeepCall(const std::shared_ptr<Exchange>& x, std::uint64_t seq, std::shared_ptr<HttpCall> call) {
+void Gateway::CountDisaggPath(const std::shared_ptr<Exchange>& x) {
+  bool disaggregated = false;
+  std::vector<std::uint64_t> allowed, excluded;
   {
     std::lock_guard g(x->mu);
-    if (!x->done) {
+    disaggregated = x->routed.disaggregated;
+    if (!disaggregated) {
+      allowed = x->allowed;
+      excluded = x->excluded;
+    }
+  }
+  std::string_view path = "disaggregated";
+  if (!disaggregated) {
+    // Eligible (protocol.md section 13): the candidates hold prefill and decode workers. Whole
+    // to a decode worker with every prefill candidate excluded is the fallback; otherwise the
+    // router chose a local prefill (a prefill pool full under --router-queue-threshold reads as
+    // local here: the reply does not say which).
+    bool decode = false, prefill = false, prefill_usable = false;
+    for (std::uint64_t id : allowed) {
+      const WorkerRole role = directory_.Role(id);
+      decode = decode || role == WorkerRole::kDecode;
+      if (role != WorkerRole::kPrefill) continue;
+      prefill = true;
+      prefill_usable = prefill_usable || std::find(excluded.begin(), excluded.end(), id) == excluded.end();
+    }
+    if (!decode || !prefill) return;
+    path = prefill_usable ? "local" : "fallback";
+  }
+  disagg_requests_->Add({{"path", std::string(path)}}).Increment();
+}
+
+void Gateway::Disaggregate(const std::shared_ptr<Exchange>& x, std::uint32_t attempt) {
+  RouteReply routed;
+  {
+    std::lock_guard g(x->mu);
+    if (x->done || x->attempt != attempt) return;
+    routed = x->routed;
+  }
+  if (routed.kv_connector == "sglang") {
+    // One body for both engines, sent to both at once: SGLang's decode engine and prefill engine
+    // meet by bootstrap_room, and either waiting for the other's answer could deadlock the
+    // transfer.
+    auto body = WithFields(x->http.body, {{"bootstrap_host", DumpJson(nlohmann::json(routed.bootstrap_host))},
+                                          {"bootstrap_port", std::to_string(routed.bootstrap_port)},
+                                          {"bootstrap_room", std::to_string(routed.bootstrap_room)}});
+    if (!body.ok()) return Fail(x, 400, "invalid_request", body.status().message());
+    {
+      std::lock_guard g(x->mu);
+      x->leg_body = *body;
+    }
+    if (!StartPrefillLeg(x, attempt, std::move(body).value())) return;
+    return Forward(x, attempt);
+  }
+  // vLLM's NixlConnector (pull): the prefill leg first, the decode leg with its answer.
+  auto body = NixlPrefillBody(x->http.body);
+  if (!body.ok()) return Fail(x, 400, "invalid_request", body.status().message());
+  StartPrefillLeg(x, attempt, std::move(body).value());
+}
+
+bool Gateway::StartPrefillLeg(const std::shared_ptr<Exchange>& x, std::uint32_t attempt, std::string body) {
+  std::uint64_t worker = 0;
+  std::string url;
+  bool sglang = false;
+  {
+    std::lock_guard g(x->mu);
+    if (x->done || x->attempt != attempt) return false;
+    worker = x->routed.prefill_worker_id;
+    url = x->routed.prefill_http_url;
+    sglang = x->routed.kv_connector == "sglang";
+  }
+  if (url.empty()) url = directory_.HttpUrl(worker).value_or("");
+  auto endpoint = ParseHttpUrl(url);
+  if (!endpoint.ok()) {
+    Retry(x, attempt, worker, fmt::format("prefill worker {} has no usable http_url", worker));
+    return false;
+  }
+  HttpCallSpec spec{.method = "POST",
+                    .target = x->http.target,
+                    .headers = {{"content-type", "application/json"}, {"x-request-id", x->request_id}},
+                    .body = std::move(body),
+                    .head_timeout = std::chrono::milliseconds(config_.engine_timeout_ms),
+                    .read_timeout = std::chrono::milliseconds(config_.engine_timeout_ms)};
+  PassClientHeaders(x->http, spec.headers);
+  std::uint64_t seq = 0;
+  {
+    std::lock_guard g(x->mu);
+    if (x->done || x->attempt != attempt) return false;
+    x->prefill_called = std::chrono::steady_clock::now();
+    seq = ++x->prefill_seq;
+  }
+  auto call = client_.Start(
+      *endpoint, std::move(spec),
+      {.on_head =
+           [ex = x, attempt](int status, const HttpHeaders&) {
+             std::lock_guard g(ex->mu);
+             if (ex->attempt == attempt) ex->prefill_status = status;
+           },
+       .on_data =
+           [ex = x, attempt](std::string_view d) {
+             std::lock_guard g(ex->mu);
+             if (ex->done || ex->attempt != attempt) return;
+             if (ex->prefill_body.size() + d.size() <= kMaxHeldBody) {
+               ex->prefill_body.append(d);
+             } else {
+               ex->prefill_overflow = true;
+             }
+           },
+       .on_done =
+           [this, ex = x, attempt, sglang](const Status& s) {
+             if (sglang) return OnSglangPrefillEnd(ex, attempt, s);
+             OnNixlPrefillAnswer(ex, attempt, s);
+           }});
+  {
+    std::lock_guard g(x->mu);
+    if (!x->done && x->attempt == attempt) {
+      if (x->prefill_seq == seq) x->prefill_call = std::move(call);
+      return true;
+    }
+  }
+  call->Cancel();  // the client went (or the attempt was retried) while the leg was being started
+  return false;
+}
+
+namespace {
+
+// A prefill leg's end as its handler reads it (under the exchange's lock).
+struct PrefillEnd {
+  int status = 0;
+  std::string body;
+  bool overflow = false;
+  bool began = false;  // the client has the response head
+  std::uint64_t worker = 0;
+  std::string booking;
+  SteadyTime called;
+};
+
+std::string PrefillFailure(const Status& s, const PrefillEnd& end) {
+  if (!s.ok()) return fmt::format("prefill worker {} failed: {}", end.worker, s.message());
+  return fmt::format("prefill worker {} answered {}: {}", end.worker, end.status, end.body.substr(0, 256));
+}
+
+}  // namespace
+
+void Gateway::OnNixlPrefillAnswer(const std::shared_ptr<Exchange>& x, std::uint32_t attempt, const Status& s) {
+  PrefillEnd end;
+  const SteadyTime now = std::chrono::steady_clock::now();
+  {
+    std::lock_guard g(x->mu);
+    if (x->done || x->attempt != attempt) return;
+    x->prefill_call.reset();
+    end = {.status = x->prefill_status,
+           .body = std::move(x->prefill_body),
+           .overflow = x->prefill_overflow,
+           .worker = x->routed.prefill_worker_id,
+           .booking = x->booking,
+           .called = x->prefill_called};
+  }
+  if (!s.ok() || end.status >= 500) return Retry(x, attempt, end.worker, PrefillFailure(s, end));
+  if (end.overflow) {
+    return Fail(x, 502, "engine_failed", "the prefill engine's answer is larger than the gateway holds");
+  }
+  // The engine refused the request itself (a 4xx): another engine would too; its answer is the client's.
+  if (end.status != 200) return AnswerWhole(x, end.status, "application/json", std::move(end.body));
+  auto answer = ParsePrefillAnswer(end.body);
+  if (!answer.ok()) return Retry(x, attempt, end.worker, answer.status().message());
+  prefill_leg_->Observe(Seconds(now - end.called));
+  if (answer->kv_transfer_params.empty()) {
+    // The engine stopped at its one token (end of sequence, a stop string, max_tokens 1): there
+    // is nothing to decode, and its answer is the client's.
+    if (!x->request.stream) return AnswerWhole(x, 200, "application/json", std::move(end.body));
+    auto events = AsEventStream(x->request.kind, end.body, x->request.include_usage);
+    if (!events.ok()) return Fail(x, 502, "engine_failed", events.status().message());
+    return AnswerWhole(x, 200, "text/event-stream", std::move(events).value());
+  }
+  auto body = WithFields(x->http.body, {{"kv_transfer_params", answer->kv_transfer_params}});
+  if (!body.ok()) return Fail(x, 400, "invalid_request", body.status().message());
+  {
+    std::lock_guard g(x->mu);
+    if (x->done || x->attempt != attempt) return;
+    x->leg_body = std::move(body).value();
+    x->prefill_answered = true;
+    x->prefill_end = now;
+    x->prefill_cached = answer->cached_tokens;
+  }
+  link_.PrefillDone(end.booking);
+  Forward(x, attempt);
+}
+
+void Gateway::OnSglangPrefillEnd(const std::shared_ptr<Exchange>& x, std::uint32_t attempt, const Status& s) {
+  PrefillEnd end;
+  const SteadyTime now = std::chrono::steady_clock::now();
+  {
+    std::lock_guard g(x->mu);
+    if (x->done || x->attempt != attempt) return;
+    x->prefill_call.reset();
+    end = {.status = x->prefill_status,
+           .body = std::move(x->prefill_body),
+           .overflow = x->prefill_overflow,
+           .began = x->began,
+           .worker = x->routed.prefill_worker_id,
+           .booking = x->booking,
+           .called = x->prefill_called};
+  }
+  if (!s.ok() || end.status != 200) {
+    // The decode engine would wait for KV that never comes. Before the client has a byte the
+    // request goes elsewhere (a failure) or gets the engine's refusal (a 4xx); after it the
+    // decode leg, which has its KV, goes on.
+    if (end.began) {
+      log_.Log(LogLevel::kWarning, "prefill-failed", "request {}: after the decode leg began: {}", x->request_id,
+               PrefillFailure(s, end));
+      return;
+    }
+    if (!s.ok() || end.status >= 500) return Retry(x, attempt, end.worker, PrefillFailure(s, end));
+    return AnswerWhole(x, end.status, "application/json", std::move(end.body));
+  }
+  prefill_leg_->Observe(Seconds(now - end.called));
+  std::optional<std::uint32_t> cached;
+  if (!x->request.stream && !end.overflow) {
+    if (auto answer = ParsePrefillAnswer(end.body); answer.ok()) cached = answer->cached_tokens;
+  }
+  {
+    std::lock_guard g(x->mu);
+    if (x->done || x->attempt != attempt) return;
+    x->prefill_answered = true;
+    x->prefill_end = now;
+    x->prefill_cached = cached;
+  }
+  link_.PrefillDone(end.booking);
+}
+
+void Gateway::AnswerWhole(const std::shared_ptr<Exchange>& x, int status, std::string content_type,
+                          std::string body) {
+  std::shared_ptr<HttpCall> call, prefill_call;
+  {
+    std::lock_guard g(x->mu);
+    if (x->done) return;
+    x->done = true;
+    call = std::move(x->call);
+    prefill_call = std::move(x->prefill_call);
+    x->engine_headers = {{"content-type", std::move(content_type)}};
+    x->reply->Send(status, ResponseHead(*x), std::move(body));
+  }
+  if (call) call->Cancel();
+  if (prefill_call) prefill_call->Cancel();
+  Free(x);
+  Count(x->endpoint, status);
+  in_flight_->Decrement();
+}
+
+void Gateway::KeepCall(const std::shared_ptr<Exchange>& x, std::uint32_t attempt, std::uint64_t seq,
+                       std::shared_ptr<HttpCall> call) {
+  {
+    std::lock_guard g(x->mu);
+    if (!x->done && x->attempt == attempt) {
       // A later call started meanwhile (this one ended already and the exchange went on): that
       // one is the call to cancel.
       if (x->call_seq == seq) x->call = std::move(call);
       return;
     }
   }
-  call->Cancel();  // the client went (or the exchange ended) while the call was being started
+  call->Cancel();  // the client went (or the exchange ended or was retried) while the call was being started
 }
 
-void Gateway::Retry(const std::shared_ptr<Exchange>& x, const std::string& why) {
-  Free(x);
-  if (stopping_.load()) return Fail(x, 503, "shutting_down", "the gateway is stopping");
-  std::uint32_t attempt = 0;
+void Gateway::Retry(const std::shared_ptr<Exchange>& x, std::uint32_t attempt, std::uint64_t worker,
+                    const std::string& why) {
+  std::shared_ptr<HttpCall> call, prefill_call;
+  std::uint32_t next = 0;
   {
     std::lock_guard g(x->mu);
-    if (x->done) return;
-    x->excluded.push_back(x->routed.worker_id);
-    attempt = ++x->attempt;
+    if (x->done || x->attempt != attempt) return;
+    x->excluded.push_back(worker);
+    next = ++x->attempt;
     x->engine_status = 0;
     x->engine_headers.clear();
     x->first_byte = false;
     x->held.clear();
+    x->leg_body.clear();
+    x->prefill_status = 0;
+    x->prefill_body.clear();
+    x->prefill_overflow = false;
+    x->prefill_answered = false;
+    x->prefill_cached.reset();
+    call = std::move(x->call);  // the other leg of a disaggregated attempt
+    prefill_call = std::move(x->prefill_call);
   }
+  if (call) call->Cancel();
+  if (prefill_call) prefill_call->Cancel();
+  Free(x);
+  if (stopping_.load()) return Fail(x, 503, "shutting_down", "the gateway is stopping");
   log_.Log(LogLevel::kWarning, "engine-failed", "request {}: worker failed before its answer reached the client: {}",
            x->request_id, why);
-  if (attempt > config_.retries) {
-    return Fail(x, 502, "engine_failed", fmt::format("the engine failed after {} tries: {}", attempt, why));
+  if (next > config_.retries) {
+    return Fail(x, 502, "engine_failed", fmt::format("the engine failed after {} tries: {}", next, why));
   }
   retries_->Increment();
   Route(x);
@@ -549,10 +857,13 @@ void Gateway::Retry(const std::shared_ptr<Exchange>& x, const std::string& why) 
 
 void Gateway::Fail(const std::shared_ptr<Exchange>& x, int status, std::string_view code, const std::string& message,
                    HttpHeaders extra) {
+  std::shared_ptr<HttpCall> call, prefill_call;
   {
     std::lock_guard g(x->mu);
     if (x->done) return;
     x->done = true;
+    call = std::move(x->call);
+    prefill_call = std::move(x->prefill_call);
     if (x->began) {
       x->reply->Abort();
     } else {
@@ -561,6 +872,8 @@ void Gateway::Fail(const std::shared_ptr<Exchange>& x, int status, std::string_v
       x->reply->Send(status, std::move(extra), OpenAiError(message, ErrorType(status), code));
     }
   }
+  if (call) call->Cancel();
+  if (prefill_call) prefill_call->Cancel();
   Free(x);
   Count(x->endpoint, status);
   in_flight_->Decrement();

@@ -9,6 +9,13 @@
 // away (the engine connection is then closed, so the engine aborts). A failure before the first
 // byte reached the client frees the booking and routes again away from that worker, at most
 // --retries times. Also GET /v1/models, /health, /ready and /metrics.
+// A route reply that is `disaggregated` (section 13) runs two legs in the engines' protocol:
+// `nixl` (vLLM) a prefill leg to the prefill engine, then (prefill_done sent) the decode leg
+// with the prefill answer's kv_transfer_params, or that answer itself, in the client's form,
+// when it carries none; `sglang` one body with the bootstrap fields to both engines at once, the
+// decode answer being the client's and the prefill answer's end sending prefill_done. A leg that
+// fails before the client got a byte closes the other and routes again away from its worker; a
+// client going away closes both (and starts no decode leg).
 //
 // Thread contract: Handle runs on HTTP threads; OnRegistration on a NATS thread; Tick on the
 // caller's timer. Each request's state has its own mutex; callbacks never block. Ownership:
@@ -80,12 +87,28 @@ class Gateway {
   void Models(const std::shared_ptr<HttpReply>& reply) const;
   void Render(const std::shared_ptr<Exchange>& x, std::size_t candidate, bool tokenize);
   void Route(const std::shared_ptr<Exchange>& x);
-  void Forward(const std::shared_ptr<Exchange>& x);
-  // The engine failed before its first byte reached the client: another worker, or 502.
-  void Retry(const std::shared_ptr<Exchange>& x, const std::string& why);
-  // Records the engine call `seq` as the one a client going away cancels, or cancels it at once
-  // when the exchange ended meanwhile.
-  void KeepCall(const std::shared_ptr<Exchange>& x, std::uint64_t seq, std::shared_ptr<HttpCall> call);
+  // The call to the reply's worker (a disaggregated request's decode leg), answered to the client.
+  // Nothing happens when the exchange is no longer at `attempt` (ended, or retried meanwhile).
+  void Forward(const std::shared_ptr<Exchange>& x, std::uint32_t attempt);
+  // Section 13: a disaggregated attempt's legs by its kv_connector.
+  void Disaggregate(const std::shared_ptr<Exchange>& x, std::uint32_t attempt);
+  // Starts the prefill leg with `body`; false when it could not (the attempt was retried or ended).
+  bool StartPrefillLeg(const std::shared_ptr<Exchange>& x, std::uint32_t attempt, std::string body);
+  void OnNixlPrefillAnswer(const std::shared_ptr<Exchange>& x, std::uint32_t attempt, const Status& s);
+  void OnSglangPrefillEnd(const std::shared_ptr<Exchange>& x, std::uint32_t attempt, const Status& s);
+  // The exchange ends with this whole answer (unless it ended already): legs still running are
+  // closed and the booking freed.
+  void AnswerWhole(const std::shared_ptr<Exchange>& x, int status, std::string content_type, std::string body);
+  // kvgateway_disagg_requests_total for a route answer of a disaggregated-eligible request.
+  void CountDisaggPath(const std::shared_ptr<Exchange>& x);
+  // Attempt `attempt`'s leg to `worker` failed before its first byte reached the client: the
+  // other leg is closed and the request routed again away from that worker, or 502. Once per
+  // attempt (a second failing leg of the same attempt is ignored).
+  void Retry(const std::shared_ptr<Exchange>& x, std::uint32_t attempt, std::uint64_t worker, const std::string& why);
+  // Records the engine call `seq` of attempt `attempt` as the one a client going away (or a retry)
+  // cancels, or cancels it at once when the exchange ended or was retried meanwhile.
+  void KeepCall(const std::shared_ptr<Exchange>& x, std::uint32_t attempt, std::uint64_t seq,
+                std::shared_ptr<HttpCall> call);
   // Answers with an OpenAI-shaped error (unless the response has begun) and frees what is booked.
   void Fail(const std::shared_ptr<Exchange>& x, int status, std::string_view code, const std::string& message,
             HttpHeaders extra = {});
@@ -114,6 +137,9 @@ class Gateway {
   prometheus::Histogram* ttfb_ = nullptr;        // request arrival -> engine's first byte
   prometheus::Histogram* route_time_ = nullptr;  // render + route, before the engine is called
   prometheus::Histogram* inter_chunk_ = nullptr;
+  prometheus::Family<prometheus::Counter>* disagg_requests_ = nullptr;  // {path}
+  prometheus::Histogram* prefill_leg_ = nullptr;  // a prefill leg's call -> its answer's end
+  prometheus::Histogram* decode_wait_ = nullptr;  // the prefill answer -> the decode leg's first byte
 };
 
 }  // namespace kvrouter

@@ -4,10 +4,13 @@
 #include <nlohmann/json.hpp>
 
 #include <limits>
+#include <utility>
 
 namespace kvrouter {
 
 using json = nlohmann::json;
+// Bodies the gateway edits keep their fields in the client's (or the engine's) order.
+using ordered_json = nlohmann::ordered_json;
 
 namespace {
 
@@ -39,6 +42,10 @@ Result<OpenAiRequest> ParseOpenAiRequest(ApiKind kind, std::string_view body) {
   if (const auto stream = doc.find("stream"); stream != doc.end() && !stream->is_null()) {
     if (!stream->is_boolean()) return InvalidArgument("'stream' must be true or false");
     r.stream = stream->get<bool>();
+  }
+  if (const auto options = doc.find("stream_options"); options != doc.end() && options->is_object()) {
+    const auto usage = options->find("include_usage");
+    r.include_usage = usage != options->end() && usage->is_boolean() && usage->get<bool>();
   }
   if (const auto salt = doc.find("cache_salt"); salt != doc.end() && !salt->is_null()) {
     if (!salt->is_string()) return InvalidArgument("'cache_salt' must be a string");
@@ -138,6 +145,130 @@ Result<std::vector<std::uint32_t>> ParseTokenizeAnswer(std::string_view body) {
   const auto tokens = doc.find("tokens");
   if (tokens == doc.end()) return InvalidArgument("the tokenize answer has no 'tokens'");
   return TokenIds(*tokens, "tokens");
+}
+
+namespace {
+
+std::string DumpOrdered(const ordered_json& doc) { return doc.dump(-1, ' ', false, json::error_handler_t::replace); }
+
+Result<ordered_json> ParseObject(std::string_view body, std::string_view what) {
+  ordered_json doc = ordered_json::parse(body, nullptr, /*allow_exceptions=*/false);
+  if (doc.is_discarded() || !doc.is_object()) return InvalidArgument(fmt::format("{} is not a JSON object", what));
+  return doc;
+}
+
+}  // namespace
+
+Result<std::string> NixlPrefillBody(std::string_view body) {
+  auto doc = ParseObject(body, "the body");
+  if (!doc.ok()) return doc.status();
+  ordered_json& d = *doc;
+  // vLLM's NixlConnector: the prefill engine keeps the prompt's blocks for a decode engine to pull.
+  d["kv_transfer_params"] = ordered_json{{"do_remote_decode", true}, {"do_remote_prefill", false},
+                                         {"remote_engine_id", nullptr}, {"remote_block_ids", nullptr},
+                                         {"remote_host", nullptr},      {"remote_port", nullptr}};
+  d["stream"] = false;
+  d["max_tokens"] = 1;
+  if (d.contains("max_completion_tokens")) d["max_completion_tokens"] = 1;
+  for (const char* gone : {"stream_options", "min_tokens", "min_completion_tokens"}) d.erase(gone);
+  return DumpOrdered(d);
+}
+
+Result<std::string> WithFields(std::string_view body,
+                               const std::vector<std::pair<std::string, std::string>>& fields) {
+  auto doc = ParseObject(body, "the body");
+  if (!doc.ok()) return doc.status();
+  std::vector<ordered_json> values;
+  bool present = false;
+  for (const auto& [name, text] : fields) {
+    values.push_back(ordered_json::parse(text, nullptr, false));
+    if (values.back().is_discarded()) return InvalidArgument(fmt::format("the value of '{}' is not JSON", name));
+    present = present || doc->contains(name);
+  }
+  if (present) {  // a field to replace: the object is edited and written anew
+    for (std::size_t i = 0; i < fields.size(); ++i) (*doc)[fields[i].first] = std::move(values[i]);
+    return DumpOrdered(*doc);
+  }
+  // A JSON object ends with '}' after optional whitespace: the fields go before it.
+  std::size_t end = body.find_last_not_of(" \t\r\n");
+  std::string out(body.substr(0, end));
+  bool first = doc->empty();
+  for (const auto& [name, text] : fields) {
+    if (!std::exchange(first, false)) out += ',';
+    out += DumpOrdered(ordered_json(name));
+    out += ':';
+    out += text;
+  }
+  out += '}';
+  return out;
+}
+
+Result<PrefillAnswer> ParsePrefillAnswer(std::string_view body) {
+  auto doc = ParseObject(body, "the prefill answer");
+  if (!doc.ok()) return doc.status();
+  PrefillAnswer a;
+  if (const auto p = doc->find("kv_transfer_params"); p != doc->end() && !p->is_null()) {
+    if (!p->is_object()) return InvalidArgument("the prefill answer's 'kv_transfer_params' is not an object");
+    a.kv_transfer_params = DumpOrdered(*p);
+  }
+  if (const auto usage = doc->find("usage"); usage != doc->end() && usage->is_object()) {
+    const auto details = usage->find("prompt_tokens_details");
+    if (details != usage->end() && details->is_object()) {
+      const auto cached = details->find("cached_tokens");
+      if (cached != details->end() && cached->is_number_unsigned() && cached->get<std::uint64_t>() <= 0xffffffffu) {
+        a.cached_tokens = cached->get<std::uint32_t>();
+      }
+    }
+  }
+  return a;
+}
+
+std::optional<std::string> WithCachedTokens(std::string_view body, std::uint32_t cached_tokens) {
+  auto doc = ParseObject(body, "the answer");
+  if (!doc.ok()) return std::nullopt;
+  const auto usage = doc->find("usage");
+  if (usage == doc->end() || !usage->is_object()) return std::nullopt;
+  ordered_json& details = (*usage)["prompt_tokens_details"];
+  if (!details.is_object()) details = ordered_json::object();
+  details["cached_tokens"] = cached_tokens;
+  return DumpOrdered(*doc);
+}
+
+Result<std::string> AsEventStream(ApiKind kind, std::string_view body, bool include_usage) {
+  auto doc = ParseObject(body, "the answer");
+  if (!doc.ok()) return doc.status();
+  ordered_json head = ordered_json::object();
+  for (const char* key : {"id", "object", "created", "model"}) {
+    if (const auto v = doc->find(key); v != doc->end()) head[key] = *v;
+  }
+  head["object"] = kind == ApiKind::kChat ? "chat.completion.chunk" : "text_completion";
+  ordered_json chunk = head;
+  chunk["choices"] = ordered_json::array();
+  if (const auto choices = doc->find("choices"); choices != doc->end() && choices->is_array()) {
+    for (std::size_t i = 0; i < choices->size(); ++i) {
+      const ordered_json& c = (*choices)[i];
+      if (!c.is_object()) continue;
+      ordered_json out{{"index", c.value("index", ordered_json(i))}};
+      if (kind == ApiKind::kChat) {
+        const auto message = c.find("message");
+        const bool has = message != c.end() && message->is_object() && message->contains("content");
+        out["delta"] = {{"role", "assistant"}, {"content", has ? message->at("content") : ordered_json("")}};
+      } else {
+        out["text"] = c.value("text", ordered_json(""));
+      }
+      out["finish_reason"] = c.value("finish_reason", ordered_json());
+      chunk["choices"].push_back(std::move(out));
+    }
+  }
+  std::string events = "data: " + DumpOrdered(chunk) + "\n\n";
+  if (const auto usage = doc->find("usage"); include_usage && usage != doc->end()) {
+    ordered_json last = head;
+    last["choices"] = ordered_json::array();
+    last["usage"] = *usage;
+    events += "data: " + DumpOrdered(last) + "\n\n";
+  }
+  events += "data: [DONE]\n\n";
+  return events;
 }
 
 std::string DumpJson(const json& doc) { return doc.dump(-1, ' ', false, json::error_handler_t::replace); }

@@ -1,15 +1,19 @@
 // The OpenAI API as the gateway needs it (docs/protocol.md section 11): just enough of a request
 // body to route it (model, stream, the prompt for rendering), the answers of vLLM's render and
-// /tokenize endpoints, and OpenAI-shaped errors. The body itself goes to the engine unchanged.
-// JSON is nlohmann-json's (no hand parsing); nothing here throws. Thread-safe (pure functions).
+// /tokenize endpoints, and OpenAI-shaped errors. The body itself goes to an aggregated engine
+// unchanged; the legs of a disaggregated request (section 13) get it with the fields their
+// protocol adds, every other field kept as it was. JSON is nlohmann-json's (no hand parsing);
+// nothing here throws. Thread-safe (pure functions).
 //
 //   auto req = ParseOpenAiRequest(ApiKind::kChat, body);  // InvalidArgument names what is wrong
 //   auto ids = ParseRenderAnswer(ApiKind::kChat, render_body);
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json_fwd.hpp>
@@ -26,6 +30,7 @@ struct OpenAiRequest {
   ApiKind kind = ApiKind::kChat;
   std::string model;
   bool stream = false;
+  bool include_usage = false;  // stream_options.include_usage: a streamed answer ends with usage
   // For /tokenize: {"model", "messages"} (chat) or {"model", "prompt"} (completions), as JSON text.
   std::string tokenize_body;
   // vLLM's `cache_salt` (empty: none): the engine keeps salted prefixes apart, and so does the
@@ -56,6 +61,39 @@ Result<RenderedPrompt> ParseRenderAnswer(ApiKind kind, std::string_view body);
 // cache_salt as an item of the first block when there is one.
 std::vector<MmItem> RouteItems(const OpenAiRequest& request, const RenderedPrompt& rendered);
 Result<std::vector<std::uint32_t>> ParseTokenizeAnswer(std::string_view body);
+
+// Section 13, the legs of a disaggregated request.
+//
+// The body of a vLLM (NixlConnector) prefill leg: the client's with kv_transfer_params asking for
+// a remote decode, stream false, max_tokens 1 (and max_completion_tokens 1 when present), without
+// stream_options, min_tokens and min_completion_tokens. The client's fields keep their order and
+// values. InvalidArgument when `body` is not a JSON object.
+Result<std::string> NixlPrefillBody(std::string_view body);
+// `body` (a JSON object) with each (name, JSON text) of `fields` set: appended after its last
+// field, the client's bytes unchanged, when it has none of those names; else edited in place.
+// InvalidArgument when `body` is not a JSON object or a value is not JSON.
+Result<std::string> WithFields(std::string_view body,
+                               const std::vector<std::pair<std::string, std::string>>& fields);
+// A prefill leg's answer, as the gateway reads it.
+struct PrefillAnswer {
+  // Its top-level kv_transfer_params object as JSON text ("" when absent or null: the engine
+  // stopped at its one token and the answer is the client's).
+  std::string kv_transfer_params;
+  // usage.prompt_tokens_details.cached_tokens, when the answer carries it.
+  std::optional<std::uint32_t> cached_tokens;
+};
+// InvalidArgument when `body` is not a JSON object or kv_transfer_params is neither an object
+// nor null.
+Result<PrefillAnswer> ParsePrefillAnswer(std::string_view body);
+// usage.prompt_tokens_details.cached_tokens of a plain (non-streamed) answer set to
+// `cached_tokens`, the answer's fields keeping their order; nullopt when `body` is no JSON
+// object with a `usage` object (nothing to set).
+std::optional<std::string> WithCachedTokens(std::string_view body, std::uint32_t cached_tokens);
+// A plain answer in a streamed client's form (server-sent events): one chunk holding each
+// choice's text (chat.completion.chunk with choices[i].delta.content, or text_completion with
+// choices[i].text) and its finish_reason, a chunk with the usage and no choices when
+// `include_usage`, then `data: [DONE]`. InvalidArgument when `body` is no JSON object.
+Result<std::string> AsEventStream(ApiKind kind, std::string_view body, bool include_usage);
 
 // JSON text of a document whose strings may hold invalid UTF-8 (a client's or an engine's bytes
 // cut anywhere, a model name from a registration): such bytes become U+FFFD instead of throwing.

@@ -24,6 +24,7 @@ RouterLink::RouterLink(NatsClient& nats, std::string_view ns, std::chrono::milli
     : nats_(nats),
       route_subject_(RouterEndpointSubject(ns, router_endpoint::kRoute)),
       mark_prefill_subject_(RouterEndpointSubject(ns, router_endpoint::kMarkPrefill)),
+      prefill_done_subject_(RouterEndpointSubject(ns, router_endpoint::kPrefillDone)),
       free_subject_(RouterEndpointSubject(ns, router_endpoint::kFree)),
       stats_subject_(RouterEndpointSubject(ns, router_endpoint::kStats)),
       inbox_(fmt::format("_KVGW.{:x}.", std::random_device{}() * 0x9E3779B97F4A7C15ULL ^ std::random_device{}())),
@@ -71,6 +72,10 @@ void RouterLink::Route(const RouteRequest& request, Done done) {
 
 void RouterLink::MarkPrefill(const std::string& request_id) {
   (void)nats_.Publish(mark_prefill_subject_, AsBytes(EncodeLifecycleRequest(request_id)));
+}
+
+void RouterLink::PrefillDone(const std::string& request_id) {
+  (void)nats_.Publish(prefill_done_subject_, AsBytes(EncodeLifecycleRequest(request_id)));
 }
 
 void RouterLink::Free(const std::string& request_id, const std::optional<ResponseTiming>& timing) {

@@ -1,10 +1,10 @@
 // RouterLink: the gateway's side of the router's NATS endpoints (docs/protocol.md section 5):
 // `route` asked asynchronously (one inbox subscription for every answer, no thread waiting per
-// request), `mark_prefill` and `free` published without waiting, and whether the router has
-// answered lately (for /ready). A route request carries the timeout as its `timeout_ms` (the
-// router's queue gives up then too); one left unanswered past it fails with `timeout` on Tick,
-// and a booking the router answers after that is freed here, so nothing stays booked for a
-// request nobody waits for. At most kMaxPending wait at once (more fail with `overloaded` at once).
+// request), `mark_prefill`, `prefill_done` (section 13) and `free` published without waiting, and
+// whether the router has answered lately (for /ready). A route request carries the timeout as
+// its `timeout_ms` (the router's queue gives up then too); one left unanswered past it fails with
+// `timeout` on Tick, and a booking the router answers after that is freed here, so nothing stays
+// booked for a request nobody waits for. At most kMaxPending wait at once (more fail with `overloaded` at once).
 // Thread contract: every method may be called from any thread; `done` callbacks run on the
 // NATS delivery thread of the inbox, or on the thread calling Route, Tick or SetConnected, never
 // under the link's lock.
@@ -53,6 +53,8 @@ class RouterLink {
 
   void Route(const RouteRequest& request, Done done);
   void MarkPrefill(const std::string& request_id);
+  // A disaggregated request's prefill leg answered: the router releases its prefill rank's part.
+  void PrefillDone(const std::string& request_id);
   // With the engine's timing when the response came (it goes to the router with the free).
   void Free(const std::string& request_id, const std::optional<ResponseTiming>& timing = std::nullopt);
   // The NATS connection went down (false) or came back (true). While it is down Route fails at
@@ -89,7 +91,7 @@ class RouterLink {
   void PublishFrees(const std::vector<std::string>& request_ids);
 
   NatsClient& nats_;
-  const std::string route_subject_, mark_prefill_subject_, free_subject_, stats_subject_;
+  const std::string route_subject_, mark_prefill_subject_, prefill_done_subject_, free_subject_, stats_subject_;
   const std::string inbox_;   // "_KVGW.<random>."
   const std::chrono::milliseconds timeout_;
   std::unique_ptr<Subscription> sub_;

@@ -20,6 +20,7 @@ void WorkerDirectory::Apply(const WorkerRegistration& reg, SteadyTime now) {
   }
   it->second.http_url = reg.http_url;
   it->second.models = reg.models;
+  it->second.role = reg.role;
   it->second.lease = std::chrono::milliseconds(reg.lease_ms);
   it->second.lease_end = now + it->second.lease;
 }
@@ -55,6 +56,12 @@ std::optional<std::string> WorkerDirectory::HttpUrl(std::uint64_t worker_id) con
   auto it = workers_.find(worker_id);
   if (it == workers_.end()) return std::nullopt;
   return it->second.http_url;
+}
+
+WorkerRole WorkerDirectory::Role(std::uint64_t worker_id) const {
+  KvMutexLock g(mu_);
+  auto it = workers_.find(worker_id);
+  return it == workers_.end() ? WorkerRole::kBoth : it->second.role;
 }
 
 std::vector<std::string> WorkerDirectory::Models() const {

@@ -1,9 +1,10 @@
 // WorkerDirectory: the engines the gateway can send requests to, learned from the workers'
-// registrations on NATS (docs/protocol.md section 4, with section 11's http_url and models):
-// which workers serve a model, at what base URL, and which models exist at all. A worker goes
-// with its `leaving`, or when its lease ends unheard. As the router does, an outage of NATS
-// forgets nothing: leases do not end while the connection is down (Pause), and each worker has a
-// whole lease after it is back (Resume). Bounded: at most kMaxWorkers workers.
+// registrations on NATS (docs/protocol.md section 4, with section 11's http_url and models and
+// section 13's role): which workers serve a model, at what base URL, in which role, and which
+// models exist at all. A worker goes with its `leaving`, or when its lease ends unheard. As the
+// router does, an outage of NATS forgets nothing: leases do not end while the connection is down
+// (Pause), and each worker has a whole lease after it is back (Resume). Bounded: at most
+// kMaxWorkers workers.
 // Thread contract: every method may be called from any thread (one mutex; registrations come on
 // a NATS thread, lookups on the HTTP threads).
 //
@@ -42,6 +43,8 @@ class WorkerDirectory {
   // Workers with an http_url that list `model`, ascending.
   std::vector<std::uint64_t> Serving(std::string_view model) const;
   std::optional<std::string> HttpUrl(std::uint64_t worker_id) const;
+  // Its registered role (section 13); kBoth for a worker not known.
+  WorkerRole Role(std::uint64_t worker_id) const;
   // Every model some worker serves, sorted, each once.
   std::vector<std::string> Models() const;
   std::size_t size() const;
@@ -50,6 +53,7 @@ class WorkerDirectory {
   struct Worker {
     std::string http_url;
     std::vector<std::string> models;
+    WorkerRole role = WorkerRole::kBoth;
     SteadyTime lease_end;
     std::chrono::milliseconds lease{0};
   };

@@ -120,5 +120,91 @@ TEST(OpenAiError, BytesThatAreNotUtf8BecomeReplacementCharactersInsteadOfThrowin
   EXPECT_EQ(DumpJson(json{{"id", std::string("\x80")}}), "{\"id\":\"\xEF\xBF\xBD\"}");
 }
 
+// Section 13's legs.
+
+TEST(DisaggLegs, TheNixlPrefillBodyChangesExactlyTheListedFieldsAndKeepsTheRestInOrder) {
+  const std::string client =
+      R"({"model":"m","messages":[{"role":"user","content":"x"}],"stream":true,"stream_options":{"include_usage":true},)"
+      R"("max_tokens":40,"max_completion_tokens":40,"min_tokens":2,"min_completion_tokens":1,"temperature":0.7,"seed":9})";
+  auto body = NixlPrefillBody(client);
+  ASSERT_TRUE(body.ok()) << body.status().ToString();
+  EXPECT_EQ(*body,
+            R"({"model":"m","messages":[{"role":"user","content":"x"}],"stream":false,"max_tokens":1,)"
+            R"("max_completion_tokens":1,"temperature":0.7,"seed":9,"kv_transfer_params":{"do_remote_decode":true,)"
+            R"("do_remote_prefill":false,"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,)"
+            R"("remote_port":null}})");
+  // max_completion_tokens only when the client sent it; max_tokens always.
+  auto bare = NixlPrefillBody(R"({"model":"m","prompt":"p"})");
+  ASSERT_TRUE(bare.ok());
+  const json b = json::parse(*bare);
+  EXPECT_EQ(b["max_tokens"], 1);
+  EXPECT_FALSE(b.contains("max_completion_tokens"));
+  EXPECT_EQ(b["stream"], false);
+  EXPECT_EQ(NixlPrefillBody("[1]").status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST(DisaggLegs, FieldsAreAppendedToTheClientsBytesOrReplacedWhenItHasThem) {
+  const std::string client = "{\"model\":\"m\",  \"prompt\":\"p\" }\n";
+  auto appended = WithFields(client, {{"bootstrap_host", "\"h\""}, {"bootstrap_room", "12"}});
+  ASSERT_TRUE(appended.ok());
+  EXPECT_EQ(*appended, "{\"model\":\"m\",  \"prompt\":\"p\" ,\"bootstrap_host\":\"h\",\"bootstrap_room\":12}");
+  auto replaced = WithFields(R"({"kv_transfer_params":{"a":1},"model":"m"})", {{"kv_transfer_params", R"({"b":2})"}});
+  ASSERT_TRUE(replaced.ok());
+  EXPECT_EQ(*replaced, R"({"kv_transfer_params":{"b":2},"model":"m"})");
+  EXPECT_EQ(WithFields(R"({"model":"m"})", {{"x", "{"}}).status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST(DisaggLegs, APrefillAnswerGivesItsTransferParamsVerbatimAndItsCachedTokens) {
+  auto a = ParsePrefillAnswer(
+      R"({"choices":[],"usage":{"prompt_tokens_details":{"cached_tokens":12}},)"
+      R"("kv_transfer_params":{"remote_engine_id":"e","remote_block_ids":[3,1],"ratio":0.25}})");
+  ASSERT_TRUE(a.ok());
+  EXPECT_EQ(a->kv_transfer_params, R"({"remote_engine_id":"e","remote_block_ids":[3,1],"ratio":0.25})");
+  EXPECT_EQ(a->cached_tokens, 12u);
+  // Absent or null: none (the engine stopped at its token).
+  EXPECT_EQ(ParsePrefillAnswer(R"({"choices":[]})")->kv_transfer_params, "");
+  EXPECT_EQ(ParsePrefillAnswer(R"({"kv_transfer_params":null})")->kv_transfer_params, "");
+  EXPECT_FALSE(ParsePrefillAnswer(R"({"kv_transfer_params":null})")->cached_tokens);
+  EXPECT_EQ(ParsePrefillAnswer(R"({"kv_transfer_params":"x"})").status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(ParsePrefillAnswer("not json").status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST(DisaggLegs, CachedTokensAreSetInAPlainAnswersUsageOnly) {
+  EXPECT_EQ(WithCachedTokens(R"({"id":"x","usage":{"prompt_tokens":9,"prompt_tokens_details":{"cached_tokens":9}}})", 4),
+            R"({"id":"x","usage":{"prompt_tokens":9,"prompt_tokens_details":{"cached_tokens":4}}})");
+  EXPECT_EQ(WithCachedTokens(R"({"usage":{"prompt_tokens":9,"prompt_tokens_details":null}})", 4),
+            R"({"usage":{"prompt_tokens":9,"prompt_tokens_details":{"cached_tokens":4}}})");
+  EXPECT_FALSE(WithCachedTokens(R"({"id":"x"})", 4));
+  EXPECT_FALSE(WithCachedTokens("data: {}", 4));
+}
+
+TEST(DisaggLegs, APlainAnswerBecomesOneChunkInTheStreamedClientsForm) {
+  const std::string chat =
+      R"({"id":"c1","object":"chat.completion","created":5,"model":"m","choices":[{"index":0,)"
+      R"("message":{"role":"assistant","content":"Hi"},"finish_reason":"stop"}],"usage":{"prompt_tokens":3}})";
+  auto events = AsEventStream(ApiKind::kChat, chat, /*include_usage=*/true);
+  ASSERT_TRUE(events.ok());
+  EXPECT_EQ(*events,
+            "data: {\"id\":\"c1\",\"object\":\"chat.completion.chunk\",\"created\":5,\"model\":\"m\",\"choices\":"
+            "[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"Hi\"},\"finish_reason\":\"stop\"}]}\n\n"
+            "data: {\"id\":\"c1\",\"object\":\"chat.completion.chunk\",\"created\":5,\"model\":\"m\",\"choices\":[],"
+            "\"usage\":{\"prompt_tokens\":3}}\n\n"
+            "data: [DONE]\n\n");
+  const std::string text = R"({"id":"t1","object":"text_completion","choices":[{"index":0,"text":"Hi","finish_reason":"length"}]})";
+  auto completion = AsEventStream(ApiKind::kCompletions, text, false);
+  ASSERT_TRUE(completion.ok());
+  EXPECT_EQ(*completion,
+            "data: {\"id\":\"t1\",\"object\":\"text_completion\",\"choices\":[{\"index\":0,\"text\":\"Hi\","
+            "\"finish_reason\":\"length\"}]}\n\ndata: [DONE]\n\n");
+  EXPECT_EQ(AsEventStream(ApiKind::kChat, "[]", false).status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST(OpenAiRequest, StreamOptionsIncludeUsageIsRead) {
+  EXPECT_TRUE(ParseOpenAiRequest(ApiKind::kCompletions,
+                                 R"({"model":"m","prompt":"p","stream":true,"stream_options":{"include_usage":true}})")
+                  ->include_usage);
+  EXPECT_FALSE(ParseOpenAiRequest(ApiKind::kCompletions, R"({"model":"m","prompt":"p","stream":true})")->include_usage);
+}
+
 }  // namespace
 }  // namespace kvrouter

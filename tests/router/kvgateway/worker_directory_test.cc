@@ -23,6 +23,21 @@ TEST(WorkerDirectory, FindsTheEnginesServingAModel) {
   EXPECT_EQ(d.Models(), (std::vector<std::string>{"llama", "qwen"}));
 }
 
+TEST(WorkerDirectory, KeepsEachWorkersRoleAndAnUnknownOneIsBoth) {
+  WorkerDirectory d;
+  WorkerRegistration prefill = Engine(1, {"m"});
+  prefill.role = WorkerRole::kPrefill;
+  WorkerRegistration decode = Engine(2, {"m"});
+  decode.role = WorkerRole::kDecode;
+  d.Apply(prefill, kT0);
+  d.Apply(decode, kT0);
+  d.Apply(Engine(3, {"m"}), kT0);
+  EXPECT_EQ(d.Role(1), WorkerRole::kPrefill);
+  EXPECT_EQ(d.Role(2), WorkerRole::kDecode);
+  EXPECT_EQ(d.Role(3), WorkerRole::kBoth);
+  EXPECT_EQ(d.Role(4), WorkerRole::kBoth);
+}
+
 TEST(WorkerDirectory, AWorkerWithoutHttpUrlIsNotKeptAndLeavingRemoves) {
   WorkerDirectory d;
   d.Apply(Engine(1, {"m"}, ""), kT0);
