@@ -538,5 +538,52 @@ TEST_F(GatewayDisaggTest, AFailingSglangPrefillLegClosesTheDecodeLegAndRetries) 
   decode.Release();
 }
 
+// A decode leg answering 500 after its prefill leg is retried away from: the pair is routed
+// again, its decode rank elsewhere, and each answer comes through a working decode engine.
+TEST_F(GatewayDisaggTest, ADecodeEngineAnswering500IsRetriedAwayFrom) {
+  PdEngine& prefill = AddPd(1, WorkerRole::kPrefill, 7);
+  PdEngine& bad = AddPd(2, WorkerRole::kDecode, 99);
+  bad.set_mode(PdEngine::Mode::kFail500);
+  PdEngine& good = AddPd(4, WorkerRole::kDecode, 99);
+  ASSERT_TRUE(AwaitReady(3));
+  for (int i = 0; i < 4; ++i) {
+    auto r = Post(ClientBody(i % 2 == 0, false).dump(), {}, Path(i % 2 == 0));
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    ASSERT_EQ(r->status, 200) << r->body;
+    EXPECT_EQ(HeaderOf(*r, "x-kvrouter-worker-id"), "4");
+    EXPECT_EQ(HeaderOf(*r, "x-kvrouter-prefill-worker-id"), "1");
+  }
+  EXPECT_EQ(good.requests(), 4u);
+  EXPECT_GE(bad.requests(), 1u);  // the router tries it (all idle, equal)
+  EXPECT_EQ(prefill.requests(), 4u + bad.requests());  // a prefill leg again for each retry
+  EXPECT_EQ(Metric("kvgateway_retries_total"), static_cast<double>(bad.requests()));
+  EXPECT_TRUE(AwaitFreed());
+}
+
+class GatewayDisaggNeverTest : public GatewayDisaggTest {
+ protected:
+  std::vector<std::string> ExtraArgs() const override { return {"--router-disagg-policy", "never"}; }
+};
+
+// The router keeps the request off the prefill pool: it goes whole to a decode engine, the
+// client's body unchanged, counted `local`.
+TEST_F(GatewayDisaggNeverTest, ARequestTheRouterPrefillsLocallyGoesWholeToTheDecodeEngine) {
+  PdEngine& prefill = AddPd(1, WorkerRole::kPrefill, 7);
+  PdEngine& decode = AddPd(2, WorkerRole::kDecode, 99);
+  ASSERT_TRUE(AwaitReady(2));
+  const std::string client = ClientBody(true, true).dump();
+  auto r = Post(client);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  ASSERT_EQ(r->status, 200) << r->body;
+  EXPECT_EQ(HeaderOf(*r, "x-kvrouter-worker-id"), "2");
+  EXPECT_EQ(HeaderOf(*r, "x-kvrouter-prefill-worker-id"), "");
+  EXPECT_EQ(prefill.requests(), 0u);
+  ASSERT_EQ(decode.requests(), 1u);
+  EXPECT_EQ(decode.seen(0).raw, client);
+  EXPECT_EQ(Metric("kvgateway_disagg_requests_total{path=\"local\"}"), 1);
+  EXPECT_EQ(Metric("kvgateway_disagg_requests_total{path=\"disaggregated\"}"), -1);
+  EXPECT_TRUE(AwaitFreed());
+}
+
 }  // namespace
 }  // namespace kvrouter::testing
