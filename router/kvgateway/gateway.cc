@@ -409,6 +409,22 @@ HttpHeaders ResponseHead(const Gateway::Exchange& ex) {
 
 }  // namespace
 
+Result<HttpEndpoint> Gateway::EngineEndpoint(std::uint64_t worker, std::string url) const {
+  if (url.empty()) url = directory_.HttpUrl(worker).value_or("");
+  return ParseHttpUrl(url);
+}
+
+HttpCallSpec Gateway::EngineCall(const Exchange& x, std::string body) const {
+  HttpCallSpec spec{.method = "POST",
+                    .target = x.http.target,
+                    .headers = {{"content-type", "application/json"}, {"x-request-id", x.request_id}},
+                    .body = std::move(body),
+                    .head_timeout = std::chrono::milliseconds(config_.engine_timeout_ms),
+                    .read_timeout = std::chrono::milliseconds(config_.engine_timeout_ms)};
+  PassClientHeaders(x.http, spec.headers);
+  return spec;
+}
+
 void Gateway::Forward(const std::shared_ptr<Exchange>& x, std::uint32_t attempt) {
   std::string url;
   std::uint64_t worker = 0;
@@ -420,16 +436,9 @@ void Gateway::Forward(const std::shared_ptr<Exchange>& x, std::uint32_t attempt)
     url = x->routed.http_url;
     body = x->leg_body.empty() ? x->http.body : x->leg_body;
   }
-  if (url.empty()) url = directory_.HttpUrl(worker).value_or("");
-  auto endpoint = ParseHttpUrl(url);
+  auto endpoint = EngineEndpoint(worker, std::move(url));
   if (!endpoint.ok()) return Retry(x, attempt, worker, fmt::format("worker {} has no usable http_url", worker));
-  HttpCallSpec spec{.method = "POST",
-                    .target = x->http.target,
-                    .headers = {{"content-type", "application/json"}, {"x-request-id", x->request_id}},
-                    .body = std::move(body),
-                    .head_timeout = std::chrono::milliseconds(config_.engine_timeout_ms),
-                    .read_timeout = std::chrono::milliseconds(config_.engine_timeout_ms)};
-  PassClientHeaders(x->http, spec.headers);
+  HttpCallSpec spec = EngineCall(*x, std::move(body));
   std::uint64_t seq = 0;
   {
     std::lock_guard g(x->mu);
@@ -627,19 +636,12 @@ bool Gateway::StartPrefillLeg(const std::shared_ptr<Exchange>& x, std::uint32_t 
     url = x->routed.prefill_http_url;
     sglang = x->routed.kv_connector == "sglang";
   }
-  if (url.empty()) url = directory_.HttpUrl(worker).value_or("");
-  auto endpoint = ParseHttpUrl(url);
+  auto endpoint = EngineEndpoint(worker, std::move(url));
   if (!endpoint.ok()) {
     Retry(x, attempt, worker, fmt::format("prefill worker {} has no usable http_url", worker));
     return false;
   }
-  HttpCallSpec spec{.method = "POST",
-                    .target = x->http.target,
-                    .headers = {{"content-type", "application/json"}, {"x-request-id", x->request_id}},
-                    .body = std::move(body),
-                    .head_timeout = std::chrono::milliseconds(config_.engine_timeout_ms),
-                    .read_timeout = std::chrono::milliseconds(config_.engine_timeout_ms)};
-  PassClientHeaders(x->http, spec.headers);
+  HttpCallSpec spec = EngineCall(*x, std::move(body));
   std::uint64_t seq = 0;
   {
     std::lock_guard g(x->mu);
@@ -682,7 +684,7 @@ bool Gateway::StartPrefillLeg(const std::shared_ptr<Exchange>& x, std::uint32_t 
 
 namespace {
 
-// A prefill leg's end as its handler reads it (under the exchange's lock).
+// A prefill leg's end as its handler reads it.
 struct PrefillEnd {
   int status = 0;
   std::string body;
@@ -693,6 +695,21 @@ struct PrefillEnd {
   SteadyTime called;
 };
 
+// The prefill leg's end, taken from the exchange; nullopt when it is no longer at `attempt`
+// (ended, or retried: a leg closed then ends unheard).
+std::optional<PrefillEnd> TakePrefillEnd(Gateway::Exchange& x, std::uint32_t attempt) {
+  std::lock_guard g(x.mu);
+  if (x.done || x.attempt != attempt) return std::nullopt;
+  x.prefill_call.reset();
+  return PrefillEnd{.status = x.prefill_status,
+                    .body = std::move(x.prefill_body),
+                    .overflow = x.prefill_overflow,
+                    .began = x.began,
+                    .worker = x.routed.prefill_worker_id,
+                    .booking = x.booking,
+                    .called = x.prefill_called};
+}
+
 std::string PrefillFailure(const Status& s, const PrefillEnd& end) {
   if (!s.ok()) return fmt::format("prefill worker {} failed: {}", end.worker, s.message());
   return fmt::format("prefill worker {} answered {}: {}", end.worker, end.status, end.body.substr(0, 256));
@@ -701,19 +718,10 @@ std::string PrefillFailure(const Status& s, const PrefillEnd& end) {
 }  // namespace
 
 void Gateway::OnNixlPrefillAnswer(const std::shared_ptr<Exchange>& x, std::uint32_t attempt, const Status& s) {
-  PrefillEnd end;
   const SteadyTime now = std::chrono::steady_clock::now();
-  {
-    std::lock_guard g(x->mu);
-    if (x->done || x->attempt != attempt) return;
-    x->prefill_call.reset();
-    end = {.status = x->prefill_status,
-           .body = std::move(x->prefill_body),
-           .overflow = x->prefill_overflow,
-           .worker = x->routed.prefill_worker_id,
-           .booking = x->booking,
-           .called = x->prefill_called};
-  }
+  auto taken = TakePrefillEnd(*x, attempt);
+  if (!taken) return;
+  PrefillEnd& end = *taken;
   if (!s.ok() || end.status >= 500) return Retry(x, attempt, end.worker, PrefillFailure(s, end));
   if (end.overflow) {
     return Fail(x, 502, "engine_failed", "the prefill engine's answer is larger than the gateway holds");
@@ -746,20 +754,10 @@ void Gateway::OnNixlPrefillAnswer(const std::shared_ptr<Exchange>& x, std::uint3
 }
 
 void Gateway::OnSglangPrefillEnd(const std::shared_ptr<Exchange>& x, std::uint32_t attempt, const Status& s) {
-  PrefillEnd end;
   const SteadyTime now = std::chrono::steady_clock::now();
-  {
-    std::lock_guard g(x->mu);
-    if (x->done || x->attempt != attempt) return;
-    x->prefill_call.reset();
-    end = {.status = x->prefill_status,
-           .body = std::move(x->prefill_body),
-           .overflow = x->prefill_overflow,
-           .began = x->began,
-           .worker = x->routed.prefill_worker_id,
-           .booking = x->booking,
-           .called = x->prefill_called};
-  }
+  auto taken = TakePrefillEnd(*x, attempt);
+  if (!taken) return;
+  PrefillEnd& end = *taken;
   if (!s.ok() || end.status != 200) {
     // The decode engine would wait for KV that never comes. Before the client has a byte the
     // request goes elsewhere (a failure) or gets the engine's refusal (a 4xx); after it the
@@ -789,6 +787,13 @@ void Gateway::OnSglangPrefillEnd(const std::shared_ptr<Exchange>& x, std::uint32
 
 void Gateway::AnswerWhole(const std::shared_ptr<Exchange>& x, int status, std::string content_type,
                           std::string body) {
+  Finish(x, status, [&](Exchange& e) {
+    e.engine_headers = {{"content-type", std::move(content_type)}};
+    e.reply->Send(status, ResponseHead(e), std::move(body));
+  });
+}
+
+void Gateway::Finish(const std::shared_ptr<Exchange>& x, int status, const std::function<void(Exchange&)>& answer) {
   std::shared_ptr<HttpCall> call, prefill_call;
   {
     std::lock_guard g(x->mu);
@@ -796,8 +801,7 @@ void Gateway::AnswerWhole(const std::shared_ptr<Exchange>& x, int status, std::s
     x->done = true;
     call = std::move(x->call);
     prefill_call = std::move(x->prefill_call);
-    x->engine_headers = {{"content-type", std::move(content_type)}};
-    x->reply->Send(status, ResponseHead(*x), std::move(body));
+    answer(*x);
   }
   if (call) call->Cancel();
   if (prefill_call) prefill_call->Cancel();
@@ -857,26 +861,12 @@ void Gateway::Retry(const std::shared_ptr<Exchange>& x, std::uint32_t attempt, s
 
 void Gateway::Fail(const std::shared_ptr<Exchange>& x, int status, std::string_view code, const std::string& message,
                    HttpHeaders extra) {
-  std::shared_ptr<HttpCall> call, prefill_call;
-  {
-    std::lock_guard g(x->mu);
-    if (x->done) return;
-    x->done = true;
-    call = std::move(x->call);
-    prefill_call = std::move(x->prefill_call);
-    if (x->began) {
-      x->reply->Abort();
-    } else {
-      extra.emplace_back("content-type", "application/json");
-      extra.emplace_back("x-request-id", x->request_id);
-      x->reply->Send(status, std::move(extra), OpenAiError(message, ErrorType(status), code));
-    }
-  }
-  if (call) call->Cancel();
-  if (prefill_call) prefill_call->Cancel();
-  Free(x);
-  Count(x->endpoint, status);
-  in_flight_->Decrement();
+  Finish(x, status, [&](Exchange& e) {
+    if (e.began) return e.reply->Abort();
+    extra.emplace_back("content-type", "application/json");
+    extra.emplace_back("x-request-id", e.request_id);
+    e.reply->Send(status, std::move(extra), OpenAiError(message, ErrorType(status), code));
+  });
 }
 
 void Gateway::Free(const std::shared_ptr<Exchange>& x) {

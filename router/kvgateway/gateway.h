@@ -88,6 +88,11 @@ class Gateway {
   void Render(const std::shared_ptr<Exchange>& x, std::size_t candidate, bool tokenize);
   void Route(const std::shared_ptr<Exchange>& x);
   // The call to the reply's worker (a disaggregated request's decode leg), answered to the client.
+  // The engine `worker` at `url` (its registered one when empty).
+  Result<HttpEndpoint> EngineEndpoint(std::uint64_t worker, std::string url) const;
+  // A completion call to an engine: the client's path and headers an engine needs, the request
+  // id, `body`. (x's request and request id are set before it is shared: read without its lock.)
+  HttpCallSpec EngineCall(const Exchange& x, std::string body) const;
   // Nothing happens when the exchange is no longer at `attempt` (ended, or retried meanwhile).
   void Forward(const std::shared_ptr<Exchange>& x, std::uint32_t attempt);
   // Section 13: a disaggregated attempt's legs by its kv_connector.
@@ -99,6 +104,9 @@ class Gateway {
   // The exchange ends with this whole answer (unless it ended already): legs still running are
   // closed and the booking freed.
   void AnswerWhole(const std::shared_ptr<Exchange>& x, int status, std::string content_type, std::string body);
+  // Ends the exchange unless it ended already: `answer` answers the client (under the exchange's
+  // lock), then the legs still running are closed, the booking freed and the request counted.
+  void Finish(const std::shared_ptr<Exchange>& x, int status, const std::function<void(Exchange&)>& answer);
   // kvgateway_disagg_requests_total for a route answer of a disaggregated-eligible request.
   void CountDisaggPath(const std::shared_ptr<Exchange>& x);
   // Attempt `attempt`'s leg to `worker` failed before its first byte reached the client: the

@@ -186,6 +186,12 @@ class GatewayDisaggTest : public GatewayTest {
     AnnouncePd(id, e.url(), role, connector, bootstrap_port);
     return e;
   }
+  // vLLM's pair: prefill worker 1 (7 cached tokens) and decode worker 2 (99).
+  struct Pair {
+    PdEngine& prefill;
+    PdEngine& decode;
+  };
+  Pair AddNixlPair() { return {AddPd(1, WorkerRole::kPrefill, 7), AddPd(2, WorkerRole::kDecode, 99)}; }
   void AnnouncePd(std::uint64_t id, const std::string& url, WorkerRole role, KvConnector connector = KvConnector::kNixl,
                   std::uint32_t bootstrap_port = kDefaultBootstrapPort) {
     announced_.push_back({.worker_id = id,
@@ -250,6 +256,21 @@ class GatewayDisaggTest : public GatewayTest {
     return client.substr(0, client.size() - 1) + "," + fields + "}";
   }
   static std::string Path(bool chat) { return chat ? "/v1/chat/completions" : "/v1/completions"; }
+  // Posts a chat request that is answered 200 by `decode` (worker `id`) alone, its last request
+  // being the client's body unchanged; returns the answer's body.
+  std::string PostWholeToDecode(const std::string& client, PdEngine& decode, const std::string& id) {
+    auto r = Post(client);
+    EXPECT_TRUE(r.ok()) << r.status().ToString();
+    if (!r.ok()) return "";
+    EXPECT_EQ(r->status, 200) << r->body;
+    EXPECT_EQ(HeaderOf(*r, "x-kvrouter-worker-id"), id);
+    EXPECT_EQ(HeaderOf(*r, "x-kvrouter-prefill-worker-id"), "");
+    EXPECT_GE(decode.requests(), 1u);
+    if (decode.requests() > 0) {
+      EXPECT_EQ(decode.seen(decode.requests() - 1).raw, client);
+    }
+    return r->body;
+  }
   // Server-sent events' data lines.
   static std::vector<std::string> Events(const std::string& body) {
     std::vector<std::string> out;
@@ -267,8 +288,8 @@ class GatewayDisaggTest : public GatewayTest {
 // answer's kv_transfer_params verbatim, one request id on both, and the client's answer the
 // decode engine's with the prefill engine's cached_tokens and both workers in the headers.
 TEST_F(GatewayDisaggTest, NixlLegsCarryEveryFieldAndThePlainAnswerHasThePrefillEnginesCachedTokens) {
-  PdEngine& prefill = AddPd(1, WorkerRole::kPrefill, 7);
-  PdEngine& decode = AddPd(2, WorkerRole::kDecode, 99);
+  const Pair pair = AddNixlPair();  // named references: clang 14 captures no structured binding
+  PdEngine &prefill = pair.prefill, &decode = pair.decode;
   ASSERT_TRUE(AwaitReady(2));
   for (const bool chat : {true, false}) {
     SCOPED_TRACE(chat ? "chat" : "completions");
@@ -305,8 +326,8 @@ TEST_F(GatewayDisaggTest, NixlLegsCarryEveryFieldAndThePlainAnswerHasThePrefillE
 // client's (streamed) plus kv_transfer_params; prefill_done releases the prefill rank while the
 // decode leg has not answered yet; the client gets the decode engine's events.
 TEST_F(GatewayDisaggTest, NixlStreamedRequestSendsPrefillDoneBeforeTheDecodeLegAnswers) {
-  PdEngine& prefill = AddPd(1, WorkerRole::kPrefill, 7);
-  PdEngine& decode = AddPd(2, WorkerRole::kDecode, 99);
+  const Pair pair = AddNixlPair();  // named references: clang 14 captures no structured binding
+  PdEngine &prefill = pair.prefill, &decode = pair.decode;
   ASSERT_TRUE(AwaitReady(2));
   for (const bool chat : {true, false}) {
     SCOPED_TRACE(chat ? "chat" : "completions");
@@ -340,8 +361,8 @@ TEST_F(GatewayDisaggTest, NixlStreamedRequestSendsPrefillDoneBeforeTheDecodeLegA
 // The prefill engine stopped at its one token (no kv_transfer_params, absent or null): its answer
 // is the client's, as it is for a plain request, and no decode leg starts.
 TEST_F(GatewayDisaggTest, EosAtPrefillAnswersAPlainRequestWithThePrefillAnswer) {
-  PdEngine& prefill = AddPd(1, WorkerRole::kPrefill, 7);
-  PdEngine& decode = AddPd(2, WorkerRole::kDecode, 99);
+  const Pair pair = AddNixlPair();  // named references: clang 14 captures no structured binding
+  PdEngine &prefill = pair.prefill, &decode = pair.decode;
   ASSERT_TRUE(AwaitReady(2));
   for (const auto mode : {PdEngine::Mode::kEos, PdEngine::Mode::kEosNull}) {
     prefill.set_mode(mode);
@@ -362,8 +383,8 @@ TEST_F(GatewayDisaggTest, EosAtPrefillAnswersAPlainRequestWithThePrefillAnswer) 
 // ... and a streamed client gets it as one chunk in its form (chat.completion.chunk with
 // delta.content, or text_completion with text), the usage when it asked for it, then [DONE].
 TEST_F(GatewayDisaggTest, EosAtPrefillAnswersAStreamedRequestWithOneChunkInItsForm) {
-  PdEngine& prefill = AddPd(1, WorkerRole::kPrefill, 7);
-  PdEngine& decode = AddPd(2, WorkerRole::kDecode, 99);
+  const Pair pair = AddNixlPair();  // named references: clang 14 captures no structured binding
+  PdEngine &prefill = pair.prefill, &decode = pair.decode;
   prefill.set_mode(PdEngine::Mode::kEos);
   ASSERT_TRUE(AwaitReady(2));
   for (const bool chat : {true, false}) {
@@ -412,16 +433,9 @@ TEST_F(GatewayDisaggTest, APrefillEngineRefusingConnectionsIsRetriedAwayFromAndT
   AnnouncePd(1, fmt::format("http://127.0.0.1:{}", *dead), WorkerRole::kPrefill);
   PdEngine& decode = AddPd(2, WorkerRole::kDecode, 99);
   ASSERT_TRUE(AwaitReady(2));
-  const std::string client = ClientBody(true, false).dump();
-  auto r = Post(client);
-  ASSERT_TRUE(r.ok()) << r.status().ToString();
-  ASSERT_EQ(r->status, 200) << r->body;
-  EXPECT_EQ(HeaderOf(*r, "x-kvrouter-worker-id"), "2");
-  EXPECT_EQ(HeaderOf(*r, "x-kvrouter-prefill-worker-id"), "");
-  ASSERT_EQ(decode.requests(), 1u);
-  EXPECT_EQ(decode.seen(0).raw, client);
+  const std::string answer = PostWholeToDecode(ClientBody(true, false).dump(), decode, "2");
   // Its own cached_tokens: it prefilled the request itself.
-  EXPECT_EQ(json::parse(r->body)["usage"]["prompt_tokens_details"]["cached_tokens"], 99);
+  EXPECT_EQ(json::parse(answer)["usage"]["prompt_tokens_details"]["cached_tokens"], 99);
   EXPECT_EQ(Metric("kvgateway_disagg_requests_total{path=\"disaggregated\"}"), 1);
   EXPECT_EQ(Metric("kvgateway_disagg_requests_total{path=\"fallback\"}"), 1);
   EXPECT_EQ(Metric("kvgateway_retries_total"), 1);
@@ -459,8 +473,8 @@ TEST_F(GatewayDisaggTest, APrefillEngineAnswering500IsRetriedAwayFrom) {
 // A client that goes away while the prefill leg runs: the prefill engine sees its connection
 // closed, no decode leg starts, and nothing stays booked.
 TEST_F(GatewayDisaggTest, AClientGoneBetweenTheLegsClosesThePrefillLegAndStartsNoDecodeLeg) {
-  PdEngine& prefill = AddPd(1, WorkerRole::kPrefill, 7);
-  PdEngine& decode = AddPd(2, WorkerRole::kDecode, 99);
+  const Pair pair = AddNixlPair();  // named references: clang 14 captures no structured binding
+  PdEngine &prefill = pair.prefill, &decode = pair.decode;
   prefill.HoldNext(1);
   ASSERT_TRUE(AwaitReady(2));
   auto call = client_->Start(endpoint_,
@@ -524,16 +538,11 @@ TEST_F(GatewayDisaggTest, AFailingSglangPrefillLegClosesTheDecodeLegAndRetries) 
   prefill.set_mode(PdEngine::Mode::kFail500);
   decode.HoldNext(1);  // the first decode leg waits for its KV
   ASSERT_TRUE(AwaitReady(2));
-  const std::string client = ClientBody(true, true).dump();
-  auto r = Post(client);
-  ASSERT_TRUE(r.ok()) << r.status().ToString();
-  ASSERT_EQ(r->status, 200) << r->body;
-  EXPECT_EQ(HeaderOf(*r, "x-kvrouter-prefill-worker-id"), "");
+  const std::string answer = PostWholeToDecode(ClientBody(true, true).dump(), decode, "2");  // then whole
   ASSERT_EQ(decode.requests(), 2u);
   EXPECT_TRUE(AwaitTrue([&] { return decode.seen(0).gone->load(); }));  // the first decode leg was closed
   EXPECT_NE(decode.seen(0).raw.find("bootstrap_room"), std::string::npos);
-  EXPECT_EQ(decode.seen(1).raw, client);  // then whole
-  EXPECT_EQ(Events(r->body).back(), "[DONE]");
+  EXPECT_EQ(Events(answer).back(), "[DONE]");
   EXPECT_TRUE(AwaitFreed());
   decode.Release();
 }
@@ -568,18 +577,11 @@ class GatewayDisaggNeverTest : public GatewayDisaggTest {
 // The router keeps the request off the prefill pool: it goes whole to a decode engine, the
 // client's body unchanged, counted `local`.
 TEST_F(GatewayDisaggNeverTest, ARequestTheRouterPrefillsLocallyGoesWholeToTheDecodeEngine) {
-  PdEngine& prefill = AddPd(1, WorkerRole::kPrefill, 7);
-  PdEngine& decode = AddPd(2, WorkerRole::kDecode, 99);
+  const Pair pair = AddNixlPair();  // named references: clang 14 captures no structured binding
+  PdEngine &prefill = pair.prefill, &decode = pair.decode;
   ASSERT_TRUE(AwaitReady(2));
-  const std::string client = ClientBody(true, true).dump();
-  auto r = Post(client);
-  ASSERT_TRUE(r.ok()) << r.status().ToString();
-  ASSERT_EQ(r->status, 200) << r->body;
-  EXPECT_EQ(HeaderOf(*r, "x-kvrouter-worker-id"), "2");
-  EXPECT_EQ(HeaderOf(*r, "x-kvrouter-prefill-worker-id"), "");
+  PostWholeToDecode(ClientBody(true, true).dump(), decode, "2");
   EXPECT_EQ(prefill.requests(), 0u);
-  ASSERT_EQ(decode.requests(), 1u);
-  EXPECT_EQ(decode.seen(0).raw, client);
   EXPECT_EQ(Metric("kvgateway_disagg_requests_total{path=\"local\"}"), 1);
   EXPECT_EQ(Metric("kvgateway_disagg_requests_total{path=\"disaggregated\"}"), -1);
   EXPECT_TRUE(AwaitFreed());
