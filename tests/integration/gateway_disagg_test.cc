@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include <atomic>
+#include <cstdio>
 #include <future>
 #include <mutex>
 #include <sstream>
@@ -567,6 +568,31 @@ TEST_F(GatewayDisaggTest, ADecodeEngineAnswering500IsRetriedAwayFrom) {
   EXPECT_EQ(prefill.requests(), 4u + bad.requests());  // a prefill leg again for each retry
   EXPECT_EQ(Metric("kvgateway_retries_total"), static_cast<double>(bad.requests()));
   EXPECT_TRUE(AwaitFreed());
+}
+
+// Many disaggregated requests in a row, plain and streamed, chat and completions: each answered,
+// nothing left booked. Prints how long the gateway took from each prefill answer to the decode
+// engine's first byte, and to render and route (stand-in engines answer at once: the gateway's
+// own steps, on loopback).
+TEST_F(GatewayDisaggTest, TwoHundredRequestsInARowAreAnsweredAndLeaveNothingBooked) {
+  const Pair pair = AddNixlPair();
+  ASSERT_TRUE(AwaitReady(2));
+  constexpr int kRequests = 200;
+  for (int i = 0; i < kRequests; ++i) {
+    const bool chat = i % 2 == 0, stream = i % 4 < 2;
+    auto r = Post(ClientBody(chat, stream).dump(), {}, Path(chat));
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    ASSERT_EQ(r->status, 200) << r->body;
+  }
+  EXPECT_EQ(pair.prefill.requests(), static_cast<std::size_t>(kRequests));
+  EXPECT_EQ(pair.decode.requests(), static_cast<std::size_t>(kRequests));
+  EXPECT_TRUE(AwaitFreed());
+  EXPECT_EQ(Metric("kvgateway_decode_wait_seconds_count"), kRequests);
+  for (const char* le : {"0.0005", "0.001", "0.0025"}) {
+    std::printf("decode wait <= %s s: %.0f of %d; render and route <= %s s: %.0f\n", le,
+                Metric(fmt::format("kvgateway_decode_wait_seconds_bucket{{le=\"{}\"}}", le)), kRequests, le,
+                Metric(fmt::format("kvgateway_route_seconds_bucket{{le=\"{}\"}}", le)));
+  }
 }
 
 class GatewayDisaggNeverTest : public GatewayDisaggTest {
