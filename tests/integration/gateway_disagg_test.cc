@@ -537,13 +537,24 @@ TEST_F(GatewayDisaggTest, AFailingSglangPrefillLegClosesTheDecodeLegAndRetries) 
   PdEngine& prefill = AddPd(1, WorkerRole::kPrefill, 6, KvConnector::kSglang);
   PdEngine& decode = AddPd(2, WorkerRole::kDecode, 99, KvConnector::kSglang);
   prefill.set_mode(PdEngine::Mode::kFail500);
-  decode.HoldNext(1);  // the first decode leg waits for its KV
+  prefill.HoldNext(1);  // its 500 comes once both legs are in
+  decode.HoldNext(1);   // the first decode leg waits for its KV
   ASSERT_TRUE(AwaitReady(2));
-  const std::string answer = PostWholeToDecode(ClientBody(true, true).dump(), decode, "2");  // then whole
+  const std::string client = ClientBody(true, true).dump();
+  auto posted = std::async(std::launch::async, [&] { return Post(client); });
+  ASSERT_TRUE(AwaitTrue([&] { return prefill.held() == 1 && decode.held() == 1; }))
+      << "prefill " << prefill.requests() << ", decode " << decode.requests();
+  prefill.Release();  // 500
+  auto r = posted.get();  // then whole to the decode engine
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  ASSERT_EQ(r->status, 200) << r->body;
+  EXPECT_EQ(HeaderOf(*r, "x-kvrouter-worker-id"), "2");
+  EXPECT_EQ(HeaderOf(*r, "x-kvrouter-prefill-worker-id"), "");
   ASSERT_EQ(decode.requests(), 2u);
+  EXPECT_EQ(decode.seen(1).raw, client);
   EXPECT_TRUE(AwaitTrue([&] { return decode.seen(0).gone->load(); }));  // the first decode leg was closed
   EXPECT_NE(decode.seen(0).raw.find("bootstrap_room"), std::string::npos);
-  EXPECT_EQ(Events(answer).back(), "[DONE]");
+  EXPECT_EQ(Events(r->body).back(), "[DONE]");
   EXPECT_TRUE(AwaitFreed());
   decode.Release();
 }
