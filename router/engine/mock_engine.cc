@@ -263,6 +263,7 @@ MockEngine::Admitted MockEngine::Admit(double now_ms, std::vector<EngineOutput>&
 }
 
 double MockEngine::Step(double now_ms, std::vector<EngineOutput>& outputs) {
+  last_step_tokens_ = 0;
   FireTimers(now_ms, outputs);
   if (waiting_.empty() && running_.empty()) return 0;
   const std::size_t running_before = running_.size();  // all of them decode
@@ -290,6 +291,7 @@ double MockEngine::Step(double now_ms, std::vector<EngineOutput>& outputs) {
   const bool every_token = config_.outputs == EngineOutputs::kEveryToken;
   for (Running& r : running_) {
     ++r.output_tokens;
+    last_step_tokens_ += r.output_tokens > 1;
     if (r.output_tokens == 1) {
       output(r, EngineOutput::kFirstToken);
     } else if (every_token) {

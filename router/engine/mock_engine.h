@@ -167,6 +167,11 @@ class MockEngine {
   // at_ms = now_ms + duration; finished requests release their blocks at the end of the step, a
   // prefill leg's stay pinned until ReleasePinned or kv_lease_ms after its finish.
   double Step(double now_ms, std::vector<EngineOutput>& outputs);
+  // The later (non-first) tokens the last Step() produced, one per running request past its
+  // first token: the kToken outputs it reports with kEveryToken, whatever the outputs setting.
+  // Each such token's gap since its request's previous token is that step's duration when steps
+  // run back to back. 0 before the first step.
+  std::size_t last_step_tokens() const { return last_step_tokens_; }
 
   // Referenced blocks (held by running requests, transfers and pins) / num_gpu_blocks: what the
   // decode model sees, like vLLM's kv_cache_usage. Cached unreferenced blocks are free memory and
@@ -267,6 +272,7 @@ class MockEngine {
   // and every cached block's parent stays cached (the published tree has no orphans).
   std::list<SequenceHash> lru_;
   std::size_t active_blocks_ = 0;
+  std::size_t last_step_tokens_ = 0;
   std::span<const std::uint32_t> stored_tokens_;  // set only around the sink call of a stored event
 };
 

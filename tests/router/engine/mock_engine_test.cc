@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <functional>
+#include <numeric>
 #include <random>
 #include <string>
 #include <tuple>
@@ -476,6 +477,29 @@ TEST(MockEngine, EveryTokenOutputsChangeNeitherTimingNorEvents) {
     return std::tuple(steps, outs, h.events);
   };
   EXPECT_EQ(run(EngineOutputs::kFirstAndFinish), run(EngineOutputs::kEveryToken));
+}
+
+TEST(MockEngine, LastStepTokensCountsTheStepsLaterTokensWhateverTheOutputs) {
+  // Requests of different lengths joining over several steps: each step's count is the kToken
+  // outputs it reports with kEveryToken, and the same without them.
+  const auto run = [](EngineOutputs outputs) {
+    EngineHarness h({.num_gpu_blocks = 12, .block_size = 4, .max_num_seqs = 3, .outputs = outputs});
+    EXPECT_EQ(h.engine().last_step_tokens(), 0u);
+    for (std::uint32_t i = 0; i < 6; ++i) h.Add(std::to_string(i), Tokens(1 + 100 * (i % 4), 9), 1 + i);
+    std::vector<std::size_t> counted, reported;
+    while (!h.engine().Idle()) {
+      h.outputs.clear();
+      h.Step();
+      counted.push_back(h.engine().last_step_tokens());
+      reported.push_back(h.CountKind(EngineOutput::kToken));
+    }
+    return std::pair(counted, reported);
+  };
+  const auto [counted, reported] = run(EngineOutputs::kEveryToken);
+  EXPECT_EQ(counted, reported);
+  // 0 + 1 + ... + 5 later tokens in all.
+  EXPECT_EQ(std::accumulate(counted.begin(), counted.end(), std::size_t{0}), 15u);
+  EXPECT_EQ(run(EngineOutputs::kFirstAndFinish).first, counted);
 }
 
 TEST(MockEngine, AbortingAWaitingRequestRemovesItWithoutTouchingTheCache) {
