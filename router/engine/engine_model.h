@@ -19,6 +19,13 @@ inline double PrefillMs(double n) {
   return kPrefillMsPerTokenSquared * n * n + kPrefillMsPerToken * n + kStepOverheadMs;
 }
 
+// A chunk of a prompt's prefill, uncached tokens [a, b), without the step overhead: one prompt
+// prefilled whole, PrefillMs(n), is PrefillChunkMs(0, n) + kStepOverheadMs, and chunks add up to
+// the whole (each chunk's tokens attend to every earlier token of the prompt).
+inline double PrefillChunkMs(double a, double b) {
+  return kPrefillMsPerTokenSquared * (b * b - a * a) + kPrefillMsPerToken * (b - a);
+}
+
 // One decode step at KV-cache utilisation u in [0, 1]: max(1, -25.74 u^2 + 54.01 u + 5.74).
 inline double DecodeStepMs(double u) { return std::max(1.0, -25.74 * u * u + 54.01 * u + 5.74); }
 

@@ -23,6 +23,8 @@ MockEngine::MockEngine(MockEngineConfig config, EventSink sink) : config_(config
   assert(config_.speedup_ratio > 0);
   assert(config_.kv_transfer_gbps > 0);
   if (config_.max_num_seqs == 0) config_.max_num_seqs = 1;  // else nothing could ever run
+  // A chunked step never exceeds its budget: without one token of it nothing would prefill.
+  if (config_.chunked_prefill && config_.max_num_batched_tokens == 0) config_.max_num_batched_tokens = 1;
 }
 
 void MockEngine::Add(EngineRequest request) {
@@ -214,9 +216,25 @@ void MockEngine::Publish(KvEventData data) {
   if (sink_) sink_(std::move(data));
 }
 
-MockEngine::Admitted MockEngine::Admit(double now_ms, std::vector<EngineOutput>& outputs) {
-  const std::size_t budget = config_.max_num_batched_tokens;
-  Admitted a;
+MockEngine::Prefills MockEngine::ContinuePrefills(std::size_t& budget) {
+  Prefills p;
+  for (Running& r : running_) {
+    if (budget == 0) break;
+    if (r.prefill_left == 0) continue;
+    const auto chunk = static_cast<std::uint32_t>(std::min<std::size_t>(r.prefill_left, budget));
+    p.chunk_ms += PrefillChunkMs(r.prefilled, r.prefilled + chunk);
+    r.prefilled += chunk;
+    r.prefill_left -= chunk;
+    budget -= chunk;
+    p.prefill = true;
+    p.prefill_tokens += chunk;
+  }
+  return p;
+}
+
+MockEngine::Prefills MockEngine::Admit(double now_ms, std::size_t budget, std::vector<EngineOutput>& outputs) {
+  const bool chunked = config_.chunked_prefill;
+  Prefills a;
   // A decode leg in transfer holds its max_num_seqs slot: it joins the batch when the pull ends.
   while (!waiting_.empty() && running_.size() + transfers_.size() < config_.max_num_seqs) {
     Waiting& w = waiting_.front();
@@ -230,7 +248,7 @@ MockEngine::Admitted MockEngine::Admit(double now_ms, std::vector<EngineOutput>&
     const std::size_t hits = LeadingHits(w);
     const auto cached = static_cast<std::uint32_t>(hits * config_.block_size);
     const std::size_t uncached = pull ? 0 : prompt - cached;  // a pull computes nothing
-    if (!pull && a.prefill && a.prefill_tokens + uncached > budget) break;
+    if (!pull && (chunked ? a.prefill_tokens >= budget : a.prefill && a.prefill_tokens + uncached > budget)) break;
     const std::size_t fresh = w.seq.size() - hits;
     const std::size_t room = (config_.num_gpu_blocks - blocks_.size()) + lru_.size() - EvictableAmong(w, hits);
     if (fresh > room) break;  // waits until running requests release blocks
@@ -244,9 +262,14 @@ MockEngine::Admitted MockEngine::Admit(double now_ms, std::vector<EngineOutput>&
               .leg = w.request.leg};
     waiting_.pop_front();
     if (!pull) {
+      // Chunked, it takes what is left of the budget (> 0 here) and prefills the rest later.
+      const std::size_t chunk = chunked ? std::min(uncached, budget - a.prefill_tokens) : uncached;
+      if (chunked) a.chunk_ms += PrefillChunkMs(0, static_cast<double>(chunk));
+      r.prefilled = static_cast<std::uint32_t>(chunk);
+      r.prefill_left = static_cast<std::uint32_t>(uncached - chunk);
       running_.push_back(std::move(r));
       a.prefill = true;
-      a.prefill_tokens += uncached;
+      a.prefill_tokens += chunk;
     } else if (fresh > 0) {
       transfers_.push_back({.request = std::move(r), .end_ms = now_ms + MockKvTransferMs(fresh, config_)});
     } else {  // holds every block already: nothing to pull, it decodes in this step
@@ -266,14 +289,30 @@ double MockEngine::Step(double now_ms, std::vector<EngineOutput>& outputs) {
   last_step_tokens_ = 0;
   FireTimers(now_ms, outputs);
   if (waiting_.empty() && running_.empty()) return 0;
-  const std::size_t running_before = running_.size();  // all of them decode
   const std::size_t first_admission_output = outputs.size();
-  const Admitted admitted = Admit(now_ms, outputs);  // FIFO
-  const std::size_t decoding = running_before + admitted.joined_decoders;
+  // Requests past their prefill when the step starts: all of them decode.
+  const auto decoders_before = static_cast<std::size_t>(
+      std::count_if(running_.begin(), running_.end(), [](const Running& r) { return r.prefill_left == 0; }));
+  std::size_t budget = config_.max_num_batched_tokens;
+  double prefill_ms = 0;
+  bool prefill = false;
+  std::size_t decoding = decoders_before;
+  if (config_.chunked_prefill) {
+    budget -= std::min(budget, decoders_before);  // decode tokens take the budget first
+    const Prefills continued = ContinuePrefills(budget);
+    const Prefills admitted = Admit(now_ms, budget, outputs);  // FIFO
+    prefill = continued.prefill || admitted.prefill;
+    if (prefill) prefill_ms = (continued.chunk_ms + admitted.chunk_ms + kStepOverheadMs) / config_.speedup_ratio;
+    decoding += admitted.joined_decoders;
+  } else {
+    // A step that carries a prefill lasts it whole: every request decoding here waits for it.
+    const Prefills admitted = Admit(now_ms, budget, outputs);  // FIFO
+    prefill = admitted.prefill;
+    if (prefill) prefill_ms = MockPrefillMs(static_cast<double>(admitted.prefill_tokens), config_.speedup_ratio);
+    decoding += admitted.joined_decoders;
+  }
 
-  // A step that carries a prefill lasts it whole: every request decoding here waits for it.
-  double duration = 0;
-  if (admitted.prefill) duration += MockPrefillMs(static_cast<double>(admitted.prefill_tokens), config_.speedup_ratio);
+  double duration = prefill_ms;
   if (decoding > 0) duration += MockDecodeStepMs(Utilization(), config_.speedup_ratio);
   const double at = now_ms + duration;
 
@@ -290,6 +329,7 @@ double MockEngine::Step(double now_ms, std::vector<EngineOutput>& outputs) {
   };
   const bool every_token = config_.outputs == EngineOutputs::kEveryToken;
   for (Running& r : running_) {
+    if (r.prefill_left > 0) continue;  // chunked: its first token waits for its last chunk
     ++r.output_tokens;
     last_step_tokens_ += r.output_tokens > 1;
     if (r.output_tokens == 1) {

@@ -1,8 +1,9 @@
 // MockEngine: a simulated vLLM-like engine for kvmocker and offline replays: a paged KV cache with
 // prefix caching and LRU eviction, a FIFO scheduler bounded by max_num_seqs and
-// max_num_batched_tokens, docs/design.md's timing model, the legs of disaggregated serving
-// (protocol.md section 13: pinned prefill blocks, KV pulls), and the cache changes (KvEventData)
-// that a KvEventPublisher (events/worker_publisher.h) numbers, buffers and serves recovery from.
+// max_num_batched_tokens (prompts prefilled whole, or in chunks as vLLM V1 does), docs/design.md's
+// timing model, the legs of disaggregated serving (protocol.md section 13: pinned prefill blocks,
+// KV pulls), and the cache changes (KvEventData) that a KvEventPublisher
+// (events/worker_publisher.h) numbers, buffers and serves recovery from.
 // Thread contract: not thread-safe, no threads, no clock: the owner drives it with virtual time
 // through Step() (see "Timers" below); the sink runs synchronously inside Step() and must not call
 // back into the engine.
@@ -42,6 +43,10 @@ struct MockEngineConfig {
   std::uint32_t max_num_batched_tokens = 8192;             // uncached prompt tokens prefilled per step
   double speedup_ratio = 1.0;                              // divides every duration (> 0)
   EngineOutputs outputs = EngineOutputs::kFirstAndFinish;  // kToken outputs only when asked
+  // vLLM V1's chunked prefill: max_num_batched_tokens is the step's whole token budget, decode
+  // tokens first, and a prompt larger than what is left is prefilled over several steps (see
+  // Step). Off (the default): a step prefills each prompt it admits whole.
+  bool chunked_prefill = false;
   // Disaggregated serving (docs/protocol.md section 13, "kvmocker's roles").
   std::uint64_t kv_bytes_per_token = 131072;  // KV bytes of one token (all layers, K and V)
   double kv_transfer_gbps = 400;              // Gbit/s a decode leg pulls KV at (> 0)
@@ -109,9 +114,10 @@ struct EngineOutput {
 };
 
 // Simplifications: only the prompt's full blocks occupy the cache; generated tokens and the
-// trailing partial prompt block take no blocks and are never cached. Prefills are not chunked:
-// a step that admits a prefill lasts the whole prefill plus the decode step of every request
-// already running, which all wait for it (docs/design.md compares vLLM's chunked prefill).
+// trailing partial prompt block take no blocks and are never cached. Without chunked_prefill, a
+// step that admits a prefill lasts the whole prefill plus the decode step of every request
+// already running, which all wait for it; with it, each step carries at most a budget's worth
+// of prefill (docs/design.md compares both with vLLM's chunked prefill).
 //
 // Timers: a decode leg's transfer end and a prefill leg's lease end. Step(now) first fires every
 // timer at or before now. The contract that keeps owners from spinning: when Step(now) returns 0
@@ -166,6 +172,19 @@ class MockEngine {
   // + MockDecodeStepMs(Utilization()) if any request decoded. Appends outputs with
   // at_ms = now_ms + duration; finished requests release their blocks at the end of the step, a
   // prefill leg's stay pinned until ReleasePinned or kv_lease_ms after its finish.
+  //
+  // With chunked_prefill (vLLM V1's scheduler), the step has a budget of max_num_batched_tokens
+  // tokens. Every running request past its prefill decodes one token and takes one of them (all
+  // decode even past the budget, which then floors at 0); then requests still prefilling take, in
+  // admission order, as many of their remaining uncached tokens as the budget leaves; then waiting
+  // requests are admitted as above while budget is left (their blocks allocated and their cached
+  // prefix counted at admission), each taking what it needs of the rest. A request prefilling
+  // uncached tokens [a, b) of its prompt in this step costs PrefillChunkMs(a, b) (engine_model.h);
+  // a request's first token comes at the end of the step that prefills its last token, a fully
+  // cached prompt's in its admission step, and only then does it decode. A decode leg admitted
+  // with a valid transfer takes no budget, as above. Duration = (sum of the chunks' costs
+  // + the step overhead if any prefill ran) / speedup_ratio + MockDecodeStepMs(Utilization()) if
+  // any request decoded; one prompt prefilled whole in a step costs MockPrefillMs as above.
   double Step(double now_ms, std::vector<EngineOutput>& outputs);
   // The later (non-first) tokens the last Step() produced, one per running request past its
   // first token: the kToken outputs it reports with kEveryToken, whatever the outputs setting.
@@ -221,6 +240,10 @@ class MockEngine {
     std::uint32_t output_tokens = 0;
     std::vector<SequenceHash> blocks;  // the prompt's full blocks, all referenced
     EngineLeg leg = EngineLeg::kWhole;
+    // Uncached prompt tokens prefilled so far and still to prefill (chunked_prefill only; without
+    // it a request is prefilled whole at admission). It decodes once prefill_left is 0.
+    std::uint32_t prefilled = 0;
+    std::uint32_t prefill_left = 0;
   };
   // A decode leg pulling the KV it lacks; joins running_ at end_ms.
   struct Transfer {
@@ -232,16 +255,21 @@ class MockEngine {
     std::vector<SequenceHash> blocks;
     double lease_end_ms = 0;
   };
-  // What one Admit call took in.
-  struct Admitted {
+  // The prefill work of one step, or of one Admit call.
+  struct Prefills {
     bool prefill = false;             // a prefill ran (even of 0 uncached tokens)
     std::size_t prefill_tokens = 0;   // uncached prompt tokens prefilled
+    double chunk_ms = 0;              // chunked_prefill: the chunks' PrefillChunkMs, summed
     std::size_t joined_decoders = 0;  // decode legs that lacked no block: they decode this step
   };
 
-  // Admits waiting requests (FIFO) within the step's limits; requests too large for the whole
-  // cache go to `outputs` as kRejected, transfers that end at once as kPulled.
-  Admitted Admit(double now_ms, std::vector<EngineOutput>& outputs);
+  // Admits waiting requests (FIFO) within the step's limits: `budget` uncached tokens (without
+  // chunked_prefill, the first prefill may exceed it); requests too large for the whole cache go
+  // to `outputs` as kRejected, transfers that end at once as kPulled.
+  Prefills Admit(double now_ms, std::size_t budget, std::vector<EngineOutput>& outputs);
+  // chunked_prefill: the chunks of the requests still prefilling, in admission order, within
+  // `budget` uncached tokens, which it lowers by what they take.
+  Prefills ContinuePrefills(std::size_t& budget);
   // Fires the leases and transfers that end at or before now_ms.
   void FireTimers(double now_ms, std::vector<EngineOutput>& outputs);
   void Pin(std::string id, std::vector<SequenceHash> blocks, double finished_ms);

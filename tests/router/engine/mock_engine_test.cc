@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <functional>
+#include <initializer_list>
 #include <numeric>
 #include <random>
 #include <string>
@@ -11,6 +12,7 @@
 #include <vector>
 
 #include "events/worker_publisher.h"
+#include "router/engine/engine_model.h"
 #include "router/index/block_index.h"
 
 namespace kvrouter {
@@ -590,6 +592,123 @@ TEST(MockEngine, AStepThatAdmitsAPrefillDelaysTheNextTokenOfEveryDecodingRequest
   EXPECT_DOUBLE_EQ(h.Find("long", EngineOutput::kFirstToken)->at_ms, token->at_ms);
 }
 
+// ---- Chunked prefill (MockEngineConfig::chunked_prefill, vLLM V1's scheduler) ----
+
+// A chunked step's prefill cost: its chunks [a, b) and one step overhead, before the speedup.
+double ChunkStepMs(std::initializer_list<std::pair<double, double>> chunks) {
+  double ms = kStepOverheadMs;
+  for (const auto& [a, b] : chunks) ms += PrefillChunkMs(a, b);
+  return ms;
+}
+
+TEST(MockEngineChunked, ChunksOfAPromptAddUpToItsWholePrefillAndOneOverheadEach) {
+  EXPECT_NEAR(PrefillChunkMs(0, 20000) + kStepOverheadMs, PrefillMs(20000), 1e-9);
+  EXPECT_NEAR(PrefillChunkMs(0, 8192) + PrefillChunkMs(8192, 20000), PrefillChunkMs(0, 20000), 1e-9);
+  // A later chunk attends to the earlier ones: it costs more than the same tokens prefilled alone.
+  EXPECT_GT(PrefillChunkMs(8192, 16384), PrefillChunkMs(0, 8192));
+}
+
+TEST(MockEngineChunked, LongPromptIsPrefilledOverStepsAndItsFirstTokenEndsTheLast) {
+  EngineHarness h({.num_gpu_blocks = 1000, .max_num_batched_tokens = 8192, .chunked_prefill = true});
+  h.Add("long", Tokens(1, 20000), 2);
+  EXPECT_NEAR(h.Step(), ChunkStepMs({{0, 8192}}), 1e-9);
+  EXPECT_EQ(h.Find("long", EngineOutput::kFirstToken), nullptr);
+  EXPECT_EQ(h.engine().ActiveBlocks(), 312u);  // every full block allocated at admission
+  EXPECT_NEAR(h.Step(), ChunkStepMs({{8192, 16384}}), 1e-9);
+  EXPECT_EQ(h.Find("long", EngineOutput::kFirstToken), nullptr);
+  EXPECT_NEAR(h.Step(), ChunkStepMs({{16384, 20000}}), 1e-9);
+  const EngineOutput* first = h.Find("long", EngineOutput::kFirstToken);
+  ASSERT_NE(first, nullptr);
+  EXPECT_EQ(h.steps, 3);
+  EXPECT_DOUBLE_EQ(first->at_ms, h.now);
+  EXPECT_EQ(first->cached_tokens, 0u);
+  // Three chunks: the whole prefill and two step overheads more.
+  EXPECT_NEAR(h.now, PrefillMs(20000) + 2 * kStepOverheadMs, 1e-9);
+  EXPECT_EQ(h.Find("long", EngineOutput::kFinished), nullptr);
+  EXPECT_DOUBLE_EQ(h.Step(), MockDecodeStepMs(312.0 / 1000, 1));  // then it decodes
+  EXPECT_NE(h.Find("long", EngineOutput::kFinished), nullptr);
+}
+
+TEST(MockEngineChunked, ARequestDecodingAlongsideGetsATokenEveryStepEachGapStretchedByOneChunk) {
+  EngineHarness h({.num_gpu_blocks = 1000,
+                   .max_num_batched_tokens = 8192,
+                   .outputs = EngineOutputs::kEveryToken,
+                   .chunked_prefill = true});
+  h.Add("d", Tokens(1, 64), 10);  // one full block
+  h.Step();                       // d's prefill and first token
+  const double plain_gap = h.Step();
+  EXPECT_DOUBLE_EQ(plain_gap, MockDecodeStepMs(1.0 / 1000, 1));
+
+  h.Add("long", Tokens(10000, 20000), 2);  // 312 full blocks
+  const double decode = MockDecodeStepMs(313.0 / 1000, 1);
+  // d's token takes one of the budget's 8,192 tokens.
+  const std::vector<double> expected = {ChunkStepMs({{0, 8191}}) + decode, ChunkStepMs({{8191, 16382}}) + decode,
+                                        ChunkStepMs({{16382, 20000}}) + decode};
+  for (std::size_t i = 0; i < expected.size(); ++i) {
+    h.outputs.clear();
+    const double before = h.now;
+    h.Step();
+    const EngineOutput* token = h.Find("d", EngineOutput::kToken);
+    ASSERT_NE(token, nullptr) << "step " << i;
+    EXPECT_EQ(token->output_tokens, 3 + i);
+    EXPECT_NEAR(token->at_ms - before, expected[i], 1e-9) << "step " << i;
+    EXPECT_LT(token->at_ms - before, MockPrefillMs(20000, 1)) << "step " << i;  // not the whole prefill
+    EXPECT_EQ(h.engine().last_step_tokens(), 1u) << "step " << i;               // d's; long has none yet
+    EXPECT_EQ(h.Find("long", EngineOutput::kFirstToken) != nullptr, i == 2) << "step " << i;
+  }
+  h.outputs.clear();
+  h.Step();
+  EXPECT_EQ(h.engine().last_step_tokens(), 2u);  // d's and long's second token
+  EXPECT_EQ(h.CountKind(EngineOutput::kToken), 2u);
+}
+
+TEST(MockEngineChunked, DecodeTokensTakeTheBudgetBeforeAnyPrefill) {
+  EngineHarness h({.num_gpu_blocks = 2000, .block_size = 16, .max_num_batched_tokens = 8192, .chunked_prefill = true});
+  for (std::uint32_t i = 0; i < 100; ++i) h.Add("d" + std::to_string(i), Tokens(100000 + 100 * i, 16), 50);
+  h.Step();  // 100 prefills of 16 tokens and their first tokens
+  ASSERT_EQ(h.CountKind(EngineOutput::kFirstToken), 100u);
+
+  // 8,092 tokens a step beside 100 decodes: three steps, where a budget the decodes did not
+  // take would prefill it in two.
+  constexpr std::size_t kPrompt = 2 * 8192 - 100;
+  h.Add("long", Tokens(1, kPrompt), 1);
+  const double decode = MockDecodeStepMs((100.0 + kPrompt / 16) / 2000, 1);
+  EXPECT_NEAR(h.Step(), ChunkStepMs({{0, 8092}}) + decode, 1e-9);
+  EXPECT_NEAR(h.Step(), ChunkStepMs({{8092, 16184}}) + decode, 1e-9);
+  EXPECT_EQ(h.Find("long", EngineOutput::kFirstToken), nullptr);
+  EXPECT_NEAR(h.Step(), ChunkStepMs({{16184, kPrompt}}) + decode, 1e-9);
+  EXPECT_NE(h.Find("long", EngineOutput::kFirstToken), nullptr);
+}
+
+TEST(MockEngineChunked, AFullyCachedPromptGetsItsFirstTokenInItsAdmissionStep) {
+  EngineHarness h({.num_gpu_blocks = 1000, .max_num_batched_tokens = 8192, .chunked_prefill = true});
+  h.Add("warm", Tokens(1, 640));  // 10 full blocks
+  h.RunUntilIdle();
+  // Behind a prompt whose last chunk leaves budget over: both first tokens come in that step.
+  h.Add("long", Tokens(10000, 10000));
+  h.Add("cached", Tokens(1, 640));
+  EXPECT_NEAR(h.Step(), ChunkStepMs({{0, 8192}}), 1e-9);
+  EXPECT_EQ(h.Find("cached", EngineOutput::kFirstToken), nullptr);  // no budget left: it waits
+  EXPECT_EQ(h.engine().NumWaiting(), 1u);
+  EXPECT_NEAR(h.Step(), ChunkStepMs({{8192, 10000}}), 1e-9);  // its 0 uncached tokens cost nothing
+  const EngineOutput* first = h.Find("cached", EngineOutput::kFirstToken);
+  ASSERT_NE(first, nullptr);
+  EXPECT_EQ(first->cached_tokens, 640u);
+  EXPECT_DOUBLE_EQ(first->at_ms, h.now);
+  EXPECT_NE(h.Find("long", EngineOutput::kFirstToken), nullptr);
+
+  h.Add("again", Tokens(1, 640));  // alone: a step of the overhead only, as without chunking
+  EXPECT_DOUBLE_EQ(h.Step(), MockPrefillMs(0, 1));
+  EXPECT_NE(h.Find("again", EngineOutput::kFirstToken), nullptr);
+}
+
+TEST(MockEngineChunked, OffByDefaultALongPromptIsPrefilledWholeInOneStep) {
+  EngineHarness h({.num_gpu_blocks = 1000, .max_num_batched_tokens = 8192});
+  h.Add("long", Tokens(1, 20000));
+  EXPECT_DOUBLE_EQ(h.Step(), MockPrefillMs(20000, 1));
+  EXPECT_NE(h.Find("long", EngineOutput::kFirstToken), nullptr);
+}
+
 // ---- Disaggregated legs (docs/protocol.md section 13) ----
 
 EngineRequest PrefillLeg(std::string id, std::vector<std::uint32_t> tokens, std::uint32_t max_tokens = 1) {
@@ -880,6 +999,46 @@ TEST(MockEngineDisagg, AnOwnerSteppingAtNextTimerMsWhenAStepIsEmptyEndsIdle) {
   EXPECT_NE(h.Find("d", EngineOutput::kFinished), nullptr);
   EXPECT_NE(h.Find("w", EngineOutput::kFinished), nullptr);
   EXPECT_EQ(h.engine().ActiveBlocks(), 0u);
+}
+
+TEST(MockEngineDisagg, AChunkedPrefillLegPinsItsBlocksAtTheEndOfItsLastChunk) {
+  MockEngineConfig c = kPdConfig;
+  c.max_num_batched_tokens = 8;
+  c.chunked_prefill = true;
+  EngineHarness h(c);
+  h.engine().Add(PrefillLeg("p", Tokens(1, 20), 50));  // 5 full blocks, 20 uncached tokens
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_NEAR(h.Step(), ChunkStepMs({{8.0 * i, 8.0 * (i + 1)}}) / 2, 1e-9);
+    EXPECT_EQ(h.Find("p", EngineOutput::kFinished), nullptr);
+    EXPECT_EQ(h.engine().PinnedBlocks(), 0u);
+    EXPECT_EQ(h.engine().ActiveBlocks(), 5u);  // referenced by the running leg
+  }
+  EXPECT_NEAR(h.Step(), ChunkStepMs({{16, 20}}) / 2, 1e-9);
+  const EngineOutput* fin = h.Find("p", EngineOutput::kFinished);
+  ASSERT_NE(fin, nullptr);
+  EXPECT_EQ(fin->output_tokens, 1u);
+  EXPECT_DOUBLE_EQ(fin->at_ms, h.now);
+  EXPECT_EQ(h.engine().PinnedBlocks(), 5u);
+  EXPECT_EQ(h.engine().NumRunning(), 0u);
+  ASSERT_TRUE(h.engine().NextTimerMs().has_value());
+  EXPECT_DOUBLE_EQ(*h.engine().NextTimerMs(), h.now + 1000.0 / 2);  // the lease from its finish
+  EXPECT_TRUE(h.engine().ReleasePinned("p"));
+  EXPECT_TRUE(h.engine().Idle());
+}
+
+TEST(MockEngineDisagg, AChunkedDecodeLegWithAValidTransferComputesNothing) {
+  MockEngineConfig c = kPdConfig;
+  c.max_num_batched_tokens = 8;
+  c.chunked_prefill = true;
+  EngineHarness h(c);
+  h.engine().Add(DecodeLeg("d", Tokens(1, 14), 4, 2));  // 3 blocks to pull, 2 tokens of budget over
+  EXPECT_EQ(h.Step(), 0.0);
+  EXPECT_EQ(h.engine().NumTransferring(), 1u);
+  h.now = *h.engine().NextTimerMs();
+  EXPECT_DOUBLE_EQ(h.Step(), MockDecodeStepMs(3.0 / 16, 2));  // a decode step, no prefill
+  EXPECT_NE(h.Find("d", EngineOutput::kFirstToken), nullptr);
+  h.RunUntilIdle();
+  EXPECT_EQ(h.Find("d", EngineOutput::kFinished)->output_tokens, 2u);
 }
 
 // ---- Events replay exactly ----
