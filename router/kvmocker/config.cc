@@ -105,7 +105,8 @@ po::options_description Describe() {
     ("num-gpu-blocks", po::value<std::int64_t>()->default_value(d.num_gpu_blocks), "KV cache blocks per rank (>= 1)")
     ("block-size", po::value<std::int64_t>()->default_value(d.block_size), "tokens per KV block [1, 65536]")
     ("max-num-seqs", po::value<std::int64_t>()->default_value(d.max_num_seqs), "running requests per rank (>= 1)")
-    ("max-num-batched-tokens", po::value<std::int64_t>()->default_value(d.max_num_batched_tokens), "uncached prompt tokens prefilled per step (>= 1)")
+    ("max-num-batched-tokens", po::value<std::int64_t>()->default_value(d.max_num_batched_tokens), "uncached prompt tokens prefilled per step (>= 1); with --chunked-prefill, the step's whole token budget")
+    ("chunked-prefill", po::bool_switch(), "prefill long prompts in chunks over several steps, decode tokens first, as vLLM V1 does (default: each prompt whole in one step)")
     ("speedup-ratio", po::value<NumberList>()->default_value(NumberList{d.speedup_ratio}, FormatNumberList(d.speedup_ratio)), "divides every simulated duration (finite, > 0): one value for every worker, or one per worker separated by commas (8,8,2,2 with --num-workers 4)")
     ("event-format", po::value<std::string>()->default_value("dynamo"), "dynamo | vllm")
     ("heartbeat-ms", po::value<std::int64_t>()->default_value(d.heartbeat_ms), "registration period in ms (>= 10)")
@@ -190,6 +191,7 @@ Status ReadMockerConfig(const po::variables_map& vm, MockerConfig& c) {
   } else {
     return OutOfRange("event-format", "dynamo or vllm");
   }
+  c.chunked_prefill = vm["chunked-prefill"].as<bool>();
   c.device = vm["device"].as<std::string>();
   if (c.device.empty()) return OutOfRange("device", "non-empty");
   if (Status s = ReadDisaggFlags(vm, c); !s.ok()) return s;
@@ -214,6 +216,7 @@ MockEngineConfig WorkerEngineConfig(const MockerConfig& config, std::uint32_t wo
           .speedup_ratio = ratios.size() == 1 ? ratios.front() : ratios.at(worker_index),
           // Streamed HTTP answers send each token as it comes.
           .outputs = config.http_port > 0 ? EngineOutputs::kEveryToken : EngineOutputs::kFirstAndFinish,
+          .chunked_prefill = config.chunked_prefill,
           .kv_bytes_per_token = config.kv_bytes_per_token,
           .kv_transfer_gbps = config.kv_transfer_gbps,
           .kv_lease_ms = config.kv_lease_ms};

@@ -35,6 +35,9 @@ struct MockerConfig {
   std::uint32_t block_size = 64;                // --block-size [1, 65536]
   std::uint32_t max_num_seqs = 256;             // --max-num-seqs >= 1
   std::uint32_t max_num_batched_tokens = 8192;  // --max-num-batched-tokens >= 1
+  // --chunked-prefill: vLLM V1's chunked prefill (MockEngineConfig::chunked_prefill); off: each
+  // prompt is prefilled whole in the step that admits it.
+  bool chunked_prefill = false;
   // --speedup-ratio: divides every simulated duration; each value finite and > 0. One value
   // applies to every worker; a comma-separated list has exactly num_workers values, worker i
   // running at the i-th ("8,8,2,2": a mixed fleet in one process). WorkerEngineConfig reads it.
@@ -73,7 +76,7 @@ inline constexpr std::uint32_t kMaxMockRanks = 1024;
 std::string WorkerHttpUrl(const MockerConfig& config, std::uint32_t worker_index);
 
 // The engine of every rank of worker `worker_index` (< num_workers): the cache and scheduler
-// flags, the worker's own speedup ratio, the KV transfer and lease flags, and every token
+// flags (chunked prefill included), the worker's own speedup ratio, the KV transfer and lease flags, and every token
 // reported when the HTTP face streams.
 MockEngineConfig WorkerEngineConfig(const MockerConfig& config, std::uint32_t worker_index);
 

@@ -34,6 +34,8 @@ TEST(MockerConfigTest, DefaultsMatchTheDesign) {
   EXPECT_EQ(c.block_size, 64u);
   EXPECT_EQ(c.max_num_seqs, 256u);
   EXPECT_EQ(c.max_num_batched_tokens, 8192u);
+  EXPECT_FALSE(c.chunked_prefill);
+  EXPECT_FALSE(WorkerEngineConfig(c, 0).chunked_prefill);
   EXPECT_EQ(c.speedup_ratio, std::vector<double>{1.0});
   EXPECT_EQ(WorkerEngineConfig(c, 0).speedup_ratio, 1.0);
   EXPECT_EQ(c.event_format, MockEventFormat::kDynamo);
@@ -140,6 +142,19 @@ TEST(MockerConfigTest, EngineReportsEveryTokenOnlyForTheHttpFace) {
   ASSERT_TRUE(nats.ok() && http.ok());
   EXPECT_EQ(WorkerEngineConfig(nats->config, 0).outputs, EngineOutputs::kFirstAndFinish);
   EXPECT_EQ(WorkerEngineConfig(http->config, 0).outputs, EngineOutputs::kEveryToken);
+}
+
+TEST(MockerConfigTest, ChunkedPrefillReachesEveryWorkersEngineFromTheFlagOrTheEnvironment) {
+  auto p = Parse({"--num-workers", "2", "--chunked-prefill", "--max-num-batched-tokens", "2048"});
+  ASSERT_TRUE(p.ok()) << p.status().ToString();
+  for (std::uint32_t w = 0; w < 2; ++w) {
+    const MockEngineConfig e = WorkerEngineConfig(p->config, w);
+    EXPECT_TRUE(e.chunked_prefill) << w;
+    EXPECT_EQ(e.max_num_batched_tokens, 2048u) << w;
+  }
+  auto env = Parse({}, {{"DYN_CHUNKED_PREFILL", "true"}});
+  ASSERT_TRUE(env.ok()) << env.status().ToString();
+  EXPECT_TRUE(WorkerEngineConfig(env->config, 0).chunked_prefill);
 }
 
 TEST(MockerConfigTest, EnvironmentFillsFlagsAndTheCommandLineWins) {
