@@ -44,6 +44,7 @@ po::options_description Describe() {
     ("block-size", po::value<std::uint32_t>()->default_value(off.engine.block_size), "offline: tokens per KV block")
     ("max-num-seqs", po::value<std::uint32_t>()->default_value(off.engine.max_num_seqs), "offline: running sequences per worker")
     ("max-num-batched-tokens", po::value<std::uint32_t>()->default_value(off.engine.max_num_batched_tokens), "offline: tokens per engine step")
+    ("chunked-prefill", po::bool_switch(), "offline: engines prefill long prompts in chunks over several steps, decode tokens first, as vLLM V1 does (default: each prompt whole in one step)")
     ("speedup-ratio", po::value<double>()->default_value(off.engine.speedup_ratio), "offline: engine speed-up of every worker (divides every duration; finite, > 0)")
     ("worker-speedups", po::value<NumberList>(), "offline: one speed per worker, separated by commas, exactly --workers of them (1,1,0.25,0.25 with --workers 4): worker i's engine speedup is --speedup-ratio x the i-th value (each finite, > 0; default: 1 for every worker)")
     ("router-mode", po::value<std::string>()->default_value("kv"), "offline: router mode of the run")
@@ -139,6 +140,7 @@ Status ReadBenchConfig(const po::variables_map& vm, BenchConfig& c) {
   off.engine.block_size = vm["block-size"].as<std::uint32_t>();
   off.engine.max_num_seqs = vm["max-num-seqs"].as<std::uint32_t>();
   off.engine.max_num_batched_tokens = vm["max-num-batched-tokens"].as<std::uint32_t>();
+  off.engine.chunked_prefill = vm["chunked-prefill"].as<bool>();
   off.engine.speedup_ratio = vm["speedup-ratio"].as<double>();
   if (off.engine.num_gpu_blocks < 1) return FlagOutOfRange("num-gpu-blocks", ">= 1");
   if (off.engine.block_size < 1) return FlagOutOfRange("block-size", ">= 1");

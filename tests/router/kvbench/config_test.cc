@@ -61,6 +61,15 @@ TEST(BenchConfig, WorkerSpeedupsGiveEachOfflineWorkerItsSpeed) {
   EXPECT_TRUE(none->config.offline_base.worker_speedups.empty());  // every worker at --speedup-ratio
 }
 
+TEST(BenchConfig, ChunkedPrefillReachesTheOfflineEngines) {
+  auto on = Parse({"--offline", "--synthetic", "--chunked-prefill"});
+  ASSERT_TRUE(on.ok()) << on.status().ToString();
+  EXPECT_TRUE(on->config.offline_base.engine.chunked_prefill);
+  auto off = Parse({"--offline", "--synthetic"});
+  ASSERT_TRUE(off.ok());
+  EXPECT_FALSE(off->config.offline_base.engine.chunked_prefill);
+}
+
 TEST(BenchConfig, CompareRunsFiveModesWithTheTuningFlags) {
   auto c = Parse({"--offline", "--synthetic", "--compare", "--router-prefill-load-scale", "16"});
   ASSERT_TRUE(c.ok()) << c.status().ToString();
