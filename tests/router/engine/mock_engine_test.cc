@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <functional>
 #include <initializer_list>
+#include <map>
 #include <numeric>
 #include <random>
 #include <string>
@@ -707,6 +708,64 @@ TEST(MockEngineChunked, OffByDefaultALongPromptIsPrefilledWholeInOneStep) {
   h.Add("long", Tokens(1, 20000));
   EXPECT_DOUBLE_EQ(h.Step(), MockPrefillMs(20000, 1));
   EXPECT_NE(h.Find("long", EngineOutput::kFirstToken), nullptr);
+}
+
+// Chunked, on a random workload whose prompts mostly exceed the budget, with evictions: every
+// request gets one first token and finishes with all its tokens, the later tokens counted by
+// last_step_tokens are all of them, and the events still rebuild the cache.
+TEST(MockEngineChunked, ARandomWorkloadFinishesEveryRequestAndItsEventsRebuildTheCache) {
+  constexpr std::uint32_t kBs = 4;
+  std::mt19937_64 rng(20261206);
+  BlockIndex index;
+  KvEventPublisher publisher({.worker_id = kWorker, .dp_rank = kRank});
+  MockEngine engine({.num_gpu_blocks = 40,
+                     .block_size = kBs,
+                     .max_num_seqs = 5,
+                     .max_num_batched_tokens = 10,
+                     .chunked_prefill = true},
+                    [&](KvEventData&& d) { Apply(index, publisher.Publish(std::move(d))); });
+  std::map<std::string, std::uint32_t> max_tokens;
+  std::vector<std::vector<SequenceHash>> prompts;
+  std::vector<EngineOutput> outputs;
+  std::size_t later_tokens = 0;
+  double now = 0;
+  for (int round = 0; round < 600 || !engine.Idle(); ++round) {
+    ASSERT_LT(round, 100000) << "the engine never ends idle";
+    for (int a = round < 600 ? static_cast<int>(rng() % 2) : 0; a > 0; --a) {
+      auto tokens = Tokens(1000 * static_cast<std::uint32_t>(rng() % 4), kBs * (rng() % 5));
+      const std::size_t suffix = rng() % 25;
+      const auto salt = static_cast<std::uint32_t>(rng() % 10) * 100000;
+      for (std::size_t i = 0; i < suffix; ++i) tokens.push_back(salt + static_cast<std::uint32_t>(i));
+      const std::string id = std::to_string(round);
+      max_tokens[id] = 1 + static_cast<std::uint32_t>(rng() % 5);
+      prompts.push_back(SeqHashes(tokens, kBs));
+      engine.Add({.id = id, .tokens = std::move(tokens), .max_tokens = max_tokens[id]});
+    }
+    now += engine.Step(now, outputs);
+    later_tokens += engine.last_step_tokens();
+  }
+  std::map<std::string, int> firsts;
+  std::map<std::string, std::uint32_t> finished;
+  std::size_t chunked_first_tokens = 0;  // prompts of more uncached tokens than the budget
+  for (const EngineOutput& o : outputs) {
+    ASSERT_NE(o.kind, EngineOutput::kRejected);
+    if (o.kind == EngineOutput::kFirstToken) {
+      ++firsts[o.id];
+      chunked_first_tokens += o.prompt_tokens - o.cached_tokens > 10;
+    }
+    if (o.kind == EngineOutput::kFinished) finished[o.id] = o.output_tokens;
+  }
+  std::size_t expected_later = 0;
+  for (const auto& [id, n] : max_tokens) {
+    EXPECT_EQ(firsts[id], 1) << id;
+    EXPECT_EQ(finished[id], n) << id;
+    expected_later += n - 1;
+  }
+  EXPECT_EQ(later_tokens, expected_later);
+  EXPECT_GT(chunked_first_tokens, 50u);
+  EXPECT_EQ(engine.ActiveBlocks(), 0u);
+  ASSERT_EQ(index.TreeSize(kKey), engine.CachedBlocks());
+  for (const auto& seq : prompts) ASSERT_EQ(IndexMatch(index, seq), engine.CachedPrefixBlocks(seq));
 }
 
 // ---- Disaggregated legs (docs/protocol.md section 13) ----
