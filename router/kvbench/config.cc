@@ -31,6 +31,9 @@ po::options_description Describe() {
     ("request-timeout", po::value<double>()->default_value(on.request_timeout_s), "online: seconds a request may go without a message before it is tried again (0 = never)")
     ("retries", po::value<std::uint32_t>()->default_value(on.retries), "online: tries after the first, on no responders, no_workers, timeout or --request-timeout")
     ("wait-workers", po::value<std::uint32_t>()->default_value(0), "online: first wait until the router knows this many worker ranks")
+    ("prefill-workers", po::value<std::uint32_t>()->default_value(0), "a disaggregated fleet: offline, the first N of --workers register as prefill workers and the rest as decode workers (N < --workers); online, the wait for --wait-workers ranks (> N) also waits until N of them are prefill workers. 0: aggregated")
+    ("slo-ttft-ms", po::value<double>()->default_value(SloTargets{}.ttft_ms), "SLO goodput: a request's TTFT at most this (ms, > 0)")
+    ("slo-tpot-ms", po::value<double>()->default_value(SloTargets{}.tpot_ms), "SLO goodput: a request's time per output token after the first at most this (ms, > 0)")
     ("trace", po::value<std::string>(), "Mooncake JSONL trace")
     ("synthetic", po::bool_switch(), "use a synthetic workload (--workload) instead of a trace")
     ("workload", po::value<std::string>()->default_value("chat"), "synthetic: chat, system-prompts, agentic, bursts or fanout (implies --synthetic)")
@@ -54,7 +57,8 @@ po::options_description Describe() {
     ("router-temperature", po::value<std::string>(), "offline: passed to the router")
     ("router-queue-threshold", po::value<std::string>(), "offline: passed to the router")
     ("router-queue-policy", po::value<std::string>(), "offline: passed to the router")
-    ("compare", po::bool_switch(), "offline: run kv, round-robin, random and approximate mode and print one table")
+    ("router-disagg-policy", po::value<std::string>(), "offline: passed to the router (one run; --compare --prefill-workers runs each policy)")
+    ("compare", po::bool_switch(), "offline: run kv (both costs), round-robin, random and approximate mode and print one table; with --prefill-workers, each --router-disagg-policy on the P/D fleet and the aggregated fleet of the same size")
     ("json", po::value<std::string>(), "write the summary (an array with --compare) as JSON here (worker_busy_ms and busy_time_max_over_mean offline only)")
     ("plot", po::value<std::string>(), "draw kv hit rate and TTFT p50/p99 by mode into this file (.svg, else PNG) with gnuplot")
     ("seed", po::value<std::uint64_t>()->default_value(syn.seed), "random seed (router tie-breaks, synthetic workload)");
@@ -63,11 +67,20 @@ po::options_description Describe() {
   return desc;
 }
 
-// The offline runs: --compare's four modes, or the one --router-mode (+ approximate) asks for,
-// each with the tuning flags passed through.
+// The offline runs: --compare's modes (or with --prefill-workers its policies and the
+// aggregated fleet), or the one --router-mode (+ approximate, + --router-disagg-policy) asks
+// for, each with the tuning flags passed through.
 std::vector<BenchRun> Runs(const po::variables_map& vm) {
   std::vector<BenchRun> runs;
-  if (vm["compare"].as<bool>()) {
+  const std::uint32_t prefill_workers = vm["prefill-workers"].as<std::uint32_t>();
+  if (vm["compare"].as<bool>() && prefill_workers > 0) {
+    for (const char* policy : kDisaggPolicies) {
+      runs.push_back({fmt::format("P/D {}{}", policy, runs.empty() ? " (default)" : ""),
+                      {"--router-mode", "kv", "--router-disagg-policy", policy},
+                      prefill_workers});
+    }
+    runs.push_back({"aggregated", {"--router-mode", "kv"}, 0});
+  } else if (vm["compare"].as<bool>()) {
     runs = {{"kv (default)", {"--router-mode", "kv"}},
             {"kv, Dynamo's cost", {"--router-mode", "kv", "--router-prefill-load-scale", "1"}},
             {"round-robin", {"--router-mode", "round-robin"}},
@@ -80,6 +93,12 @@ std::vector<BenchRun> Runs(const po::variables_map& vm) {
       r.router_flags.push_back("--no-router-kv-events");
       r.label += "-approx";
     }
+    if (vm.count("router-disagg-policy")) {
+      r.router_flags.push_back("--router-disagg-policy");
+      r.router_flags.push_back(vm["router-disagg-policy"].as<std::string>());
+      r.label += " " + r.router_flags.back();
+    }
+    r.prefill_workers = prefill_workers;
     runs.push_back(std::move(r));
   }
   for (BenchRun& r : runs) {
@@ -98,6 +117,9 @@ Status ReadBenchConfig(const po::variables_map& vm, BenchConfig& c) {
     return InvalidArgument(
         "--compare runs several router modes and needs --offline (online, the running router's "
         "mode is what you measure)");
+  }
+  if (vm["compare"].as<bool>() && vm.count("router-disagg-policy")) {
+    return InvalidArgument("--router-disagg-policy picks one policy; --compare --prefill-workers runs each");
   }
   const bool workload_given = !vm["workload"].defaulted();
   if (vm.count("trace")) {
@@ -132,6 +154,22 @@ Status ReadBenchConfig(const po::variables_map& vm, BenchConfig& c) {
   on.request_timeout_s = vm["request-timeout"].as<double>();
   if (!(on.request_timeout_s >= 0)) return FlagOutOfRange("request-timeout", ">= 0");
   on.retries = vm["retries"].as<std::uint32_t>();
+  const std::uint32_t prefill_workers = vm["prefill-workers"].as<std::uint32_t>();
+  on.prefill_workers = prefill_workers;
+  if (!c.offline && prefill_workers > 0) {
+    if (on.wait_workers == 0) {
+      return InvalidArgument(
+          "--prefill-workers online is checked against the router's fleet: give --wait-workers, the ranks "
+          "of the whole fleet");
+    }
+    if (Status s = CheckPrefillWorkers(prefill_workers, static_cast<std::uint32_t>(on.wait_workers)); !s.ok()) {
+      return s;
+    }
+  }
+  SloTargets slo{.ttft_ms = vm["slo-ttft-ms"].as<double>(), .tpot_ms = vm["slo-tpot-ms"].as<double>()};
+  if (!(slo.ttft_ms > 0) || !std::isfinite(slo.ttft_ms)) return FlagOutOfRange("slo-ttft-ms", "a finite number > 0");
+  if (!(slo.tpot_ms > 0) || !std::isfinite(slo.tpot_ms)) return FlagOutOfRange("slo-tpot-ms", "a finite number > 0");
+  on.slo = slo;
 
   OfflineOptions& off = c.offline_base;
   off.workers = vm["workers"].as<std::uint32_t>();
@@ -151,6 +189,11 @@ Status ReadBenchConfig(const po::variables_map& vm, BenchConfig& c) {
     off.worker_speedups = vm["worker-speedups"].as<NumberList>().values;
     if (Status s = CheckWorkerSpeedups(off); !s.ok()) return s;
   }
+  if (c.offline) {
+    if (Status s = CheckPrefillWorkers(prefill_workers, off.workers); !s.ok()) return s;
+  }
+  off.prefill_workers = prefill_workers;
+  off.slo = slo;
   off.seed = vm["seed"].as<std::uint64_t>();
   off.progress = true;
   c.runs = Runs(vm);

@@ -20,11 +20,18 @@
 
 namespace kvrouter::bench {
 
-// One offline run: its label and the kvrouter flags that make it.
+// One offline run: its label, the kvrouter flags that make it and its fleet's prefill workers
+// (OfflineOptions::prefill_workers).
 struct BenchRun {
   std::string label;
   std::vector<std::string> router_flags;
+  std::uint32_t prefill_workers = 0;
 };
+
+// --router-disagg-policy's values (docs/protocol.md section 13), the default first: the P/D runs
+// of --compare --prefill-workers, in this order.
+inline constexpr const char* kDisaggPolicies[] = {"predicted",    "always",       "never",
+                                                  "isl_bounding", "prefill_load", "isl_or_load"};
 
 struct BenchConfig {
   bool offline = false;                   // --offline
@@ -34,7 +41,10 @@ struct BenchConfig {
   double speedup = 1;                     // --speedup: trace time divided by it (> 0)
   OnlineOptions online;                   // --nats-server, --namespace, --concurrency, ...
   OfflineOptions offline_base;            // --workers and the engine flags, --seed
-  std::vector<BenchRun> runs;             // offline: one, or four with --compare
+  // Offline: one, or with --compare kv's two costs, round-robin, random and approximate mode;
+  // with --compare --prefill-workers N, each of kDisaggPolicies on the P/D fleet, then the
+  // aggregated fleet of the same size.
+  std::vector<BenchRun> runs;
   std::optional<std::string> json_path;   // --json
   std::optional<std::string> plot_path;   // --plot (.svg or .png)
   std::string workload_name;              // the trace's file name or the synthetic shape

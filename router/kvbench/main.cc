@@ -58,6 +58,7 @@ int RunOfflineModes(const BenchConfig& c, const std::vector<TraceRequest>& trace
     OfflineOptions o = base;
     o.label = run.label;
     o.router_flags = run.router_flags;
+    o.prefill_workers = run.prefill_workers;
     auto s = RunOffline(trace, o);
     if (!s.ok()) {
       fmt::print(stderr, "kvbench: {}\n", s.status().message());

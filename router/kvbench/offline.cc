@@ -51,8 +51,10 @@ class OfflineReplay {
       }
     }
     for (auto& [i, p] : waiting_) records_[i].error = true;  // still queued when everything stopped
-    Summary summary = Summarize(o_.label, records_, worker_ids_);
-    summary.worker_busy_ms = busy_ms_;
+    Summary summary = Summarize(o_.label, records_, worker_ids_, o_.slo);
+    SetTokenGaps(summary, gaps_);
+    SetBusyTimes(summary, busy_ms_, pools_);
+    summary.disagg_decisions = DisaggDecisions();
     return summary;
   }
 
@@ -62,6 +64,7 @@ class OfflineReplay {
   // section 6), as kvmocker does over NATS.
   Status Start() {
     if (Status s = CheckWorkerSpeedups(o_); !s.ok()) return s;
+    if (Status s = CheckPrefillWorkers(o_.prefill_workers, o_.workers); !s.ok()) return s;
     std::vector<std::string> args = {"kvbench", "--block-size", std::to_string(o_.engine.block_size)};
     args.insert(args.end(), o_.router_flags.begin(), o_.router_flags.end());
     std::vector<const char*> argv;
@@ -82,13 +85,18 @@ class OfflineReplay {
     return Status::Ok();
   }
 
-  // Worker `index` (0-based) has id index + 1 and its own engine speed.
+  // Worker `index` (0-based) has id index + 1, its own engine speed, and its role: the first
+  // prefill_workers are prefill workers, the rest decode workers (all `both` without any).
   Status AddWorker(std::uint32_t index, const RouterConfig& rc) {
     const Subjects& subj = svc_->subjects();
     const std::uint64_t worker_id = std::uint64_t{index} + 1;
     MockEngineConfig ec = o_.engine;
     if (!o_.worker_speedups.empty()) ec.speedup_ratio *= o_.worker_speedups[index];
+    const WorkerRole role = o_.prefill_workers == 0       ? WorkerRole::kBoth
+                            : index < o_.prefill_workers ? WorkerRole::kPrefill
+                                                         : WorkerRole::kDecode;
     worker_ids_.push_back(worker_id);
+    pools_.emplace_back(WorkerRoleName(role));
     KvEventPublisher& pub =
         *publishers_.emplace_back(std::make_unique<KvEventPublisher>(PublisherConfig{.worker_id = worker_id}));
     engines_.push_back(std::make_unique<MockEngine>(ec, [this, &subj, &pub](KvEventData&& d) {
@@ -112,7 +120,8 @@ class OfflineReplay {
                            .total_kv_blocks = ec.num_gpu_blocks,
                            .max_num_seqs = ec.max_num_seqs,
                            .max_num_batched_tokens = ec.max_num_batched_tokens,
-                           .lease_ms = std::numeric_limits<std::uint32_t>::max()};
+                           .lease_ms = std::numeric_limits<std::uint32_t>::max(),
+                           .role = role};
     (void)bus_.Publish(subj.instances, AsBytes(EncodeWorkerRegistration(reg)));
     return Status::Ok();
   }
@@ -121,6 +130,7 @@ class OfflineReplay {
   void Arrive(std::size_t i) {
     records_[i].arrival_ms = now_ms_;
     records_[i].prompt_tokens = trace_[i].input_length;
+    records_[i].output_tokens = std::max<std::uint32_t>(1, trace_[i].output_length);
     svc_->index().Flush();  // every event published so far is in the index
     RouteRequest req{.request_id = fmt::format("r{}", i), .token_ids = TokensFor(trace_[i]), .has_token_ids = true};
     req.isl = static_cast<std::uint32_t>(req.token_ids.size());
@@ -173,8 +183,22 @@ class OfflineReplay {
     const double d = engines_[e]->Step(now_ms_, outputs_[e]);
     if (d <= 0) return;  // nothing could run (a prompt larger than the whole cache waits forever)
     busy_ms_[e] += d;
+    // An engine with running requests steps back to back (this runs when its last step ended),
+    // so each later token of this step came d after its request's previous one.
+    gaps_.Add(d, engines_[e]->last_step_tokens());
     stepping_[e] = true;
     steps_.push({now_ms_ + d, e});
+  }
+
+  // The router's P/D decision counts (docs/protocol.md section 13), read from its stats; empty
+  // when it reports none.
+  std::map<std::string, std::uint64_t> DisaggDecisions() {
+    const auto reply = bus_.Request(svc_->subjects().stats, AsBytes(EncodeStatsRequest({.limit = 1})));
+    if (!reply) return {};
+    auto stats = DecodeStatsReply(*reply);
+    if (!stats.ok()) return {};
+    const auto it = stats->breakdowns.find(std::string(kDisaggDecisions));
+    return it == stats->breakdowns.end() ? std::map<std::string, std::uint64_t>{} : it->second;
   }
 
   // Routed requests go to their engine.
@@ -215,7 +239,9 @@ class OfflineReplay {
   using StepEnd = std::pair<double, std::size_t>;  // (time, engine), earliest first
   std::priority_queue<StepEnd, std::vector<StepEnd>, std::greater<StepEnd>> steps_;
   std::vector<bool> stepping_;
-  std::vector<double> busy_ms_;  // per engine: the durations of the steps it ran, summed
+  std::vector<double> busy_ms_;    // per engine: the durations of the steps it ran, summed
+  std::vector<std::string> pools_;  // per engine: its worker's role name
+  TokenGaps gaps_;                  // every later token's gap since its request's previous one
   std::vector<std::vector<EngineOutput>> outputs_;
   std::map<std::size_t, InMemoryBus::PendingRequest> waiting_;  // queued in the router
   std::size_t next_ = 0;
@@ -237,6 +263,14 @@ Status CheckWorkerSpeedups(const OfflineOptions& o) {
     }
   }
   return Status::Ok();
+}
+
+Status CheckPrefillWorkers(std::uint32_t prefill_workers, std::uint32_t workers) {
+  if (prefill_workers < workers) return Status::Ok();
+  return InvalidArgument(fmt::format(
+      "--prefill-workers {} needs more --workers than that ({} given): the workers after the first {} "
+      "are the decode workers, and a disaggregated fleet needs at least one",
+      prefill_workers, workers, prefill_workers));
 }
 
 Result<Summary> RunOffline(const std::vector<TraceRequest>& trace, const OfflineOptions& options) {

@@ -26,6 +26,11 @@ struct OfflineOptions {
   // engine.speedup_ratio * worker_speedups[i]. Empty: every worker at engine.speedup_ratio; else
   // one finite value > 0 per worker (RunOffline refuses another count).
   std::vector<double> worker_speedups;
+  // A disaggregated fleet: workers 1..prefill_workers register with role prefill, the rest with
+  // role decode (docs/protocol.md section 13). 0: every worker has role both (aggregated).
+  // Below `workers`.
+  std::uint32_t prefill_workers = 0;
+  SloTargets slo;  // what SLO goodput counts
   std::uint64_t seed = 1;
   bool progress = false;  // progress lines on stderr
 };
@@ -33,9 +38,14 @@ struct OfflineOptions {
 // InvalidArgument naming --worker-speedups unless worker_speedups is empty or has one finite
 // value > 0 per worker (and each times engine.speedup_ratio is finite).
 Status CheckWorkerSpeedups(const OfflineOptions& options);
+// InvalidArgument naming --prefill-workers unless prefill_workers < workers (a P/D fleet needs a
+// decode worker).
+Status CheckPrefillWorkers(std::uint32_t prefill_workers, std::uint32_t workers);
 
-// Replays `trace` (timestamps relative to its first request). Fails on bad router flags or
-// worker speedups.
+// Replays `trace` (timestamps relative to its first request). Fails on bad router flags, worker
+// speedups or prefill workers. The summary has every gap between tokens (each running request
+// makes one token per engine step, so a later token's gap is its step's duration), the busy
+// times per worker and pool, and the router's decision counts.
 Result<Summary> RunOffline(const std::vector<TraceRequest>& trace, const OfflineOptions& options);
 
 // Hit rate of one LRU prefix cache of `total_blocks` blocks serving every request in order:

@@ -23,9 +23,15 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// Requests routed so far per (worker, dp_rank), from the router's stats (every page).
-Result<std::map<WorkerKey, std::uint64_t>> RoutedPerWorker(NatsClient& nc, const std::string& ns) {
-  std::map<WorkerKey, std::uint64_t> out;
+// What kvbench reads from the router's stats (every page).
+struct FleetStats {
+  std::map<WorkerKey, std::uint64_t> routed;  // requests routed so far per (worker, dp_rank)
+  std::size_t prefill_ranks = 0;              // ranks with role prefill
+  std::map<std::string, std::uint64_t> disagg_decisions;  // the breakdown kDisaggDecisions
+};
+
+Result<FleetStats> ReadFleetStats(NatsClient& nc, const std::string& ns) {
+  FleetStats out;
   std::optional<std::uint64_t> next = 0;
   while (next) {
     auto reply = nc.Request(RouterEndpointSubject(ns, router_endpoint::kStats),
@@ -34,20 +40,29 @@ Result<std::map<WorkerKey, std::uint64_t>> RoutedPerWorker(NatsClient& nc, const
     if (!reply.ok()) return reply.status();
     auto stats = DecodeStatsReply(*reply);
     if (!stats.ok()) return stats.status();
-    for (const WorkerStats& w : stats->workers) out[{w.worker_id, w.dp_rank}] = w.routed_requests;
+    for (const WorkerStats& w : stats->workers) {
+      out.routed[{w.worker_id, w.dp_rank}] = w.routed_requests;
+      out.prefill_ranks += w.role == "prefill";
+    }
+    if (const auto it = stats->breakdowns.find(std::string(kDisaggDecisions)); it != stats->breakdowns.end()) {
+      out.disagg_decisions = it->second;
+    }
     next = stats->next_offset;
   }
   return out;
 }
 
-// Workers register with heartbeats; polls the router's stats until it knows `n` ranks.
-Status AwaitWorkers(NatsClient& client, const std::string& ns, std::size_t n) {
+// Workers register with heartbeats; polls the router's stats until it knows `n` ranks, `prefill`
+// of them with role prefill.
+Status AwaitWorkers(NatsClient& client, const std::string& ns, std::size_t n, std::size_t prefill) {
   const auto deadline = Clock::now() + std::chrono::seconds(30);
   while (true) {
-    auto known = RoutedPerWorker(client, ns);
-    if (known.ok() && known->size() >= n) return Status::Ok();
+    auto known = ReadFleetStats(client, ns);
+    if (known.ok() && known->routed.size() >= n && known->prefill_ranks >= prefill) return Status::Ok();
     if (Clock::now() > deadline) {
-      return Status(StatusCode::kNoWorkers, fmt::format("the router did not see {} workers within 30 s", n));
+      return Status(StatusCode::kNoWorkers, fmt::format("the router did not see {} workers ({} of them prefill "
+                                                        "workers) within 30 s",
+                                                        n, prefill));
     }
     // Polling a remote service: there is no condition to wait on.
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
@@ -69,7 +84,8 @@ class OnlineReplay {
         inbox_(fmt::format("_KVBENCH.{:x}.", std::random_device{}() * 0x9E3779B97F4A7C15ULL)),
         records_(trace.size()),
         attempt_(trace.size(), 0),
-        heard_ms_(trace.size(), -1) {}
+        heard_ms_(trace.size(), -1),
+        last_token_ms_(trace.size(), -1) {}
 
   Result<std::vector<RequestRecord>> Run() {
     auto sub = client_.Subscribe(inbox_ + ">", "", [this](const IncomingMessage& m) { OnResponse(m); });
@@ -106,6 +122,14 @@ class OnlineReplay {
   std::size_t retries() {
     KvMutexLock g(mu_);
     return retries_;
+  }
+
+  // Every gap between a request's tokens, when each message after the first carried one token;
+  // empty when some carried several (the worker answers later tokens together, as section 7's
+  // NATS generate does), so their gaps are unknown.
+  TokenGaps token_gaps() {
+    KvMutexLock g(mu_);
+    return tokens_batched_ ? TokenGaps{} : gaps_;
   }
 
  private:
@@ -147,6 +171,8 @@ class OnlineReplay {
       KvMutexLock g(mu_);
       attempt_[i] = attempt;
       heard_ms_[i] = MsSinceStart();
+      last_token_ms_[i] = -1;  // the attempt generates every token again
+      records_[i].output_tokens = 0;
     }
     RouteRequest req{.request_id = fmt::format("kvbench-{}-{}-{}", start_.time_since_epoch().count(), i, attempt),
                      .token_ids = TokensFor(trace_[i]),
@@ -212,6 +238,7 @@ class OnlineReplay {
         Fail(i);
       } else {
         if (r.first_token_ms < 0) r.first_token_ms = now;
+        CountTokens(i, resp->token_ids.size(), now);
         if (!resp->is_final()) return;
         r.finished_ms = now;
         r.cached_tokens = resp->cached_tokens;
@@ -248,6 +275,18 @@ class OnlineReplay {
     }
   }
 
+  // A message of request i's current attempt carried `tokens` tokens at `now`.
+  void CountTokens(std::size_t i, std::size_t tokens, double now) KV_REQUIRES(mu_) {
+    if (tokens == 0) return;
+    records_[i].output_tokens += static_cast<std::uint32_t>(tokens);
+    if (last_token_ms_[i] >= 0 && tokens == 1) {
+      gaps_.Add(now - last_token_ms_[i]);
+    } else if (tokens > 1) {
+      tokens_batched_ = true;  // several tokens in one message: the gaps between them are unknown
+    }
+    last_token_ms_[i] = now;
+  }
+
   void Finish() KV_REQUIRES(mu_) {
     --in_flight_;
     ++done_;
@@ -264,6 +303,9 @@ class OnlineReplay {
   std::vector<RequestRecord> records_ KV_GUARDED_BY(mu_);
   std::vector<std::uint32_t> attempt_ KV_GUARDED_BY(mu_);  // per request: its current attempt
   std::vector<double> heard_ms_ KV_GUARDED_BY(mu_);        // per request: last sent or answered; -1: unsent
+  std::vector<double> last_token_ms_ KV_GUARDED_BY(mu_);   // per request: its attempt's last token; -1: none
+  TokenGaps gaps_ KV_GUARDED_BY(mu_);
+  bool tokens_batched_ KV_GUARDED_BY(mu_) = false;  // a message carried several tokens
   std::size_t in_flight_ KV_GUARDED_BY(mu_) = 0;
   std::size_t done_ KV_GUARDED_BY(mu_) = 0;
   std::size_t retries_ KV_GUARDED_BY(mu_) = 0;
@@ -282,25 +324,30 @@ Result<Summary> RunOnline(const std::vector<TraceRequest>& trace, const OnlineOp
   if (!nc.ok()) return nc.status();
   NatsClient& client = **nc;
   if (o.wait_workers > 0) {
-    if (Status s = AwaitWorkers(client, o.ns, o.wait_workers); !s.ok()) return s;
+    if (Status s = AwaitWorkers(client, o.ns, o.wait_workers, o.prefill_workers); !s.ok()) return s;
   }
-  auto before = RoutedPerWorker(client, o.ns);
+  auto before = ReadFleetStats(client, o.ns);
   if (!before.ok()) return Status(before.status().code(), "router stats: " + before.status().message());
-  if (trace.empty()) return Summarize(o.label, {}, {});
+  if (trace.empty()) return Summarize(o.label, {}, {}, o.slo);
   OnlineReplay replay(client, trace, o);
   auto records = replay.Run();
   if (!records.ok()) return records.status();
   // Attribute requests to workers by the router's per-worker counters.
-  Summary s = Summarize(o.label, *records, {});
+  Summary s = Summarize(o.label, *records, {}, o.slo);
   s.retries = replay.retries();
-  auto after = RoutedPerWorker(client, o.ns);
+  SetTokenGaps(s, replay.token_gaps());
+  auto after = ReadFleetStats(client, o.ns);
   if (!after.ok()) {
     fmt::print(stderr, "kvbench: router stats after the run: {}\n", after.status().message());
     return s;
   }
-  for (const auto& [w, n] : *after) {
-    const auto b = before->find(w);
-    s.worker_requests.push_back(n - (b == before->end() ? 0 : b->second));
+  for (const auto& [w, n] : after->routed) {
+    const auto b = before->routed.find(w);
+    s.worker_requests.push_back(n - (b == before->routed.end() ? 0 : b->second));
+  }
+  for (const auto& [path, n] : after->disagg_decisions) {
+    const auto b = before->disagg_decisions.find(path);
+    s.disagg_decisions[path] = n - (b == before->disagg_decisions.end() ? 0 : std::min(n, b->second));
   }
   return s;
 }

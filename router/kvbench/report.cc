@@ -7,6 +7,7 @@
 #include <sys/wait.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -22,13 +23,35 @@ double Pct(std::vector<double>& v, double q) {
 
 }  // namespace
 
+void TokenGaps::Add(double gap_ms, std::uint64_t tokens) {
+  if (tokens == 0) return;
+  // A gap is never negative; clocks that disagree by less than a microsecond give 0.
+  const auto us = static_cast<std::int64_t>(std::llround(std::max(0.0, gap_ms) * 1000));
+  per_us_[us] += tokens;
+  total_ += tokens;
+}
+
+double TokenGaps::Quantile(double q) const {
+  if (total_ == 0) return 0;
+  const double wanted = std::floor(std::clamp(q, 0.0, 1.0) * static_cast<double>(total_));
+  const std::uint64_t rank = std::min(total_ - 1, static_cast<std::uint64_t>(wanted));
+  std::uint64_t below = 0;  // gaps before the current entry
+  for (const auto& [us, n] : per_us_) {
+    below += n;
+    if (below > rank) return static_cast<double>(us) / 1000;
+  }
+  return static_cast<double>(per_us_.rbegin()->first) / 1000;
+}
+
 Summary Summarize(std::string mode, const std::vector<RequestRecord>& records,
-                  const std::vector<std::uint64_t>& worker_ids) {
+                  const std::vector<std::uint64_t>& worker_ids, const SloTargets& slo) {
   Summary s;
   s.mode = std::move(mode);
   s.requests = records.size();
-  std::vector<double> ttft, e2e;
+  s.slo = slo;
+  std::vector<double> ttft, e2e, tpot;
   double prompt = 0, cached = 0, first = 1e300, last = 0;
+  std::size_t good = 0;
   std::map<std::uint64_t, std::uint64_t> per_worker;
   for (const auto& r : records) {
     if (r.error || r.first_token_ms < 0) {
@@ -37,16 +60,27 @@ Summary Summarize(std::string mode, const std::vector<RequestRecord>& records,
     }
     prompt += r.prompt_tokens;
     cached += r.cached_tokens;
-    ttft.push_back(r.first_token_ms - r.arrival_ms);
+    const double request_ttft = r.first_token_ms - r.arrival_ms;
+    ttft.push_back(request_ttft);
     if (r.finished_ms >= 0) {
       e2e.push_back(r.finished_ms - r.arrival_ms);
       last = std::max(last, r.finished_ms);
+      bool tpot_met = true;  // a one-token request has no TPOT to miss
+      if (r.output_tokens >= 2) {
+        tpot.push_back((r.finished_ms - r.first_token_ms) / (r.output_tokens - 1));
+        tpot_met = tpot.back() <= slo.tpot_ms;
+      }
+      good += request_ttft <= slo.ttft_ms && tpot_met;
     }
     first = std::min(first, r.arrival_ms);
     ++per_worker[r.worker_id];
   }
   std::sort(ttft.begin(), ttft.end());
   std::sort(e2e.begin(), e2e.end());
+  std::sort(tpot.begin(), tpot.end());
+  s.tpot_p50 = Pct(tpot, 0.5);
+  s.tpot_p99 = Pct(tpot, 0.99);
+  s.goodput = records.empty() ? 0 : static_cast<double>(good) / static_cast<double>(records.size());
   s.kv_hit_rate = prompt > 0 ? cached / prompt : 0;
   s.ttft_p50 = Pct(ttft, 0.5);
   s.ttft_p90 = Pct(ttft, 0.9);
@@ -59,6 +93,31 @@ Summary Summarize(std::string mode, const std::vector<RequestRecord>& records,
   return s;
 }
 
+void SetTokenGaps(Summary& s, const TokenGaps& gaps) {
+  if (gaps.count() == 0) return;
+  s.itl_p50 = gaps.Quantile(0.5);
+  s.itl_p99 = gaps.Quantile(0.99);
+  s.itl_gaps = gaps.count();
+}
+
+void SetBusyTimes(Summary& s, std::vector<double> busy_ms, const std::vector<std::string>& pools) {
+  s.pool_busy_ms.clear();
+  double prefill_most = 0;
+  std::size_t prefill_workers = 0;
+  for (std::size_t w = 0; w < busy_ms.size() && w < pools.size(); ++w) {
+    s.pool_busy_ms[pools[w]] += busy_ms[w];
+    if (pools[w] != "prefill") continue;
+    ++prefill_workers;
+    prefill_most = std::max(prefill_most, busy_ms[w]);
+  }
+  s.prefill_busy_max_over_mean.reset();
+  if (prefill_workers > 0) {
+    const double total = s.pool_busy_ms["prefill"];
+    s.prefill_busy_max_over_mean = total > 0 ? prefill_most / (total / static_cast<double>(prefill_workers)) : 0.0;
+  }
+  s.worker_busy_ms = std::move(busy_ms);
+}
+
 std::string SummaryJson(const Summary& s) {
   nlohmann::ordered_json j;
   j["mode"] = s.mode;  // the library escapes strings
@@ -68,12 +127,19 @@ std::string SummaryJson(const Summary& s) {
   j["kv_hit_rate"] = s.kv_hit_rate;
   j["ttft_ms"] = {{"p50", s.ttft_p50}, {"p90", s.ttft_p90}, {"p99", s.ttft_p99}};
   j["e2e_ms"] = {{"p50", s.e2e_p50}, {"p90", s.e2e_p90}, {"p99", s.e2e_p99}};
+  if (s.itl_p50 && s.itl_p99) j["itl_ms"] = {{"p50", *s.itl_p50}, {"p99", *s.itl_p99}, {"gaps", s.itl_gaps}};
+  j["tpot_ms"] = {{"p50", s.tpot_p50}, {"p99", s.tpot_p99}};
+  j["slo"] = {{"ttft_ms", s.slo.ttft_ms}, {"tpot_ms", s.slo.tpot_ms}};
+  j["goodput"] = s.goodput;
   j["throughput_rps"] = s.throughput_rps;
   j["worker_requests"] = s.worker_requests;
   if (const auto busy = BusyTimeMaxOverMean(s)) {
     j["worker_busy_ms"] = s.worker_busy_ms;
     j["busy_time_max_over_mean"] = *busy;
   }
+  if (!s.pool_busy_ms.empty()) j["pool_busy_ms"] = s.pool_busy_ms;
+  if (s.prefill_busy_max_over_mean) j["prefill_busy_max_over_mean"] = *s.prefill_busy_max_over_mean;
+  if (!s.disagg_decisions.empty()) j["disagg_decisions"] = s.disagg_decisions;
   if (s.pooled_lru_hit_rate) j["pooled_lru_hit_rate"] = *s.pooled_lru_hit_rate;
   return j.dump();
 }
@@ -117,6 +183,32 @@ std::string SummaryTable(const std::vector<Summary>& runs) {
     out += fmt::format("pooled LRU bound (one cache as large as the fleet): {:.1f}%\n",
                        100 * *runs.front().pooled_lru_hit_rate);
   }
+  if (runs.empty()) return out;
+  out += fmt::format("\n{:<22} {:>10} {:>10} {:>10} {:>10} {:>8} {:>16} {:>24} {:>22}\n", "mode", "itl_p50",
+                     "itl_p99", "tpot_p50", "tpot_p99", "goodput", "prefill_max/mean", "pool_busy_s",
+                     "disagg/local/fallback");
+  for (const auto& s : runs) {
+    const auto ms = [](const std::optional<double>& v) { return v ? fmt::format("{:.1f}ms", *v) : "-"; };
+    std::string pools;
+    for (const char* pool : {"prefill", "decode", "both"}) {
+      const auto it = s.pool_busy_ms.find(pool);
+      if (it == s.pool_busy_ms.end()) continue;
+      pools += fmt::format("{}{}={:.0f}", pools.empty() ? "" : ",", pool, it->second / 1000);
+    }
+    const auto count = [&](const char* path) {
+      const auto it = s.disagg_decisions.find(path);
+      return it == s.disagg_decisions.end() ? std::uint64_t{0} : it->second;
+    };
+    const std::string decisions = s.disagg_decisions.empty() ? "-"
+                                                             : fmt::format("{}/{}/{}", count("disaggregated"),
+                                                                           count("local"), count("fallback"));
+    out += fmt::format("{:<22} {:>10} {:>10} {:>8.1f}ms {:>8.1f}ms {:>7.1f}% {:>16} {:>24} {:>22}\n", s.mode,
+                       ms(s.itl_p50), ms(s.itl_p99), s.tpot_p50, s.tpot_p99, 100 * s.goodput,
+                       s.prefill_busy_max_over_mean ? fmt::format("{:.2f}x", *s.prefill_busy_max_over_mean) : "-",
+                       pools.empty() ? "-" : pools, decisions);
+  }
+  out += fmt::format("goodput: requests with TTFT <= {} ms and TPOT <= {} ms (errors miss)\n", runs.front().slo.ttft_ms,
+                     runs.front().slo.tpot_ms);
   return out;
 }
 

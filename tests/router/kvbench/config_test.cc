@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <map>
+#include <set>
 
 namespace kvrouter::bench {
 namespace {
@@ -39,6 +40,15 @@ TEST(BenchConfig, BadValuesAreRefusedNamingTheFlag) {
            {{"--synthetic", "--workers", "2", "--worker-speedups", "1,nan"}, "--worker-speedups"},
            {{"--synthetic", "--workers", "2", "--worker-speedups", "1,,"}, "--worker-speedups"},
            {{"--synthetic", "--workers", "2", "--worker-speedups", "fast,1"}, "--worker-speedups"},
+           {{"--offline", "--synthetic", "--workers", "4", "--prefill-workers", "4"}, "--prefill-workers"},
+           {{"--offline", "--synthetic", "--workers", "4", "--prefill-workers", "9"}, "--prefill-workers"},
+           {{"--synthetic", "--prefill-workers", "2"}, "--wait-workers"},  // online: the fleet to check
+           {{"--synthetic", "--prefill-workers", "2", "--wait-workers", "2"}, "--prefill-workers"},
+           {{"--synthetic", "--slo-ttft-ms", "0"}, "--slo-ttft-ms"},
+           {{"--synthetic", "--slo-tpot-ms", "-1"}, "--slo-tpot-ms"},
+           {{"--synthetic", "--slo-tpot-ms", "inf"}, "--slo-tpot-ms"},
+           {{"--offline", "--synthetic", "--prefill-workers", "2", "--compare", "--router-disagg-policy", "never"},
+            "--router-disagg-policy"},
            {{}, "--trace"}}) {
     auto c = Parse(args);
     ASSERT_FALSE(c.ok()) << args.size();
@@ -78,10 +88,68 @@ TEST(BenchConfig, CompareRunsFiveModesWithTheTuningFlags) {
   EXPECT_EQ(c->config.runs[1].label, "kv, Dynamo's cost");
   EXPECT_EQ(c->config.runs[4].label, "kv-approx");
   for (const BenchRun& r : c->config.runs) {
+    EXPECT_EQ(r.prefill_workers, 0u);  // the aggregated fleet
     ASSERT_GE(r.router_flags.size(), 2u);
     EXPECT_EQ(r.router_flags[r.router_flags.size() - 2], "--router-prefill-load-scale");
     EXPECT_EQ(r.router_flags.back(), "16");
   }
+}
+
+TEST(BenchConfig, PrefillWorkersMakeAPdFleetOfTheFirstWorkers) {
+  auto c = Parse({"--offline", "--synthetic", "--workers", "8", "--prefill-workers", "3", "--router-disagg-policy",
+                  "always", "--slo-ttft-ms", "500", "--slo-tpot-ms", "20"});
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->config.offline_base.prefill_workers, 3u);
+  ASSERT_EQ(c->config.runs.size(), 1u);
+  const BenchRun& run = c->config.runs[0];
+  EXPECT_EQ(run.prefill_workers, 3u);
+  EXPECT_EQ(run.label, "kv always");
+  EXPECT_EQ(run.router_flags,
+            (std::vector<std::string>{"--router-mode", "kv", "--router-disagg-policy", "always"}));
+  EXPECT_EQ(c->config.offline_base.slo.ttft_ms, 500);
+  EXPECT_EQ(c->config.offline_base.slo.tpot_ms, 20);
+  EXPECT_EQ(c->config.online.slo.tpot_ms, 20);
+
+  // Online, the count is checked against the fleet kvbench waits for.
+  auto online = Parse({"--synthetic", "--wait-workers", "8", "--prefill-workers", "4"});
+  ASSERT_TRUE(online.ok()) << online.status().ToString();
+  EXPECT_EQ(online->config.online.prefill_workers, 4u);
+
+  // The defaults: an aggregated fleet, and goodput at 1,000 ms TTFT and 50 ms TPOT.
+  auto plain = Parse({"--offline", "--synthetic"});
+  ASSERT_TRUE(plain.ok());
+  EXPECT_EQ(plain->config.offline_base.prefill_workers, 0u);
+  EXPECT_EQ(plain->config.runs.at(0).prefill_workers, 0u);
+  EXPECT_EQ(plain->config.offline_base.slo.ttft_ms, 1000);
+  EXPECT_EQ(plain->config.offline_base.slo.tpot_ms, 50);
+}
+
+TEST(BenchConfig, CompareWithPrefillWorkersRunsEveryPolicyThenTheAggregatedFleet) {
+  auto c = Parse({"--offline", "--synthetic", "--compare", "--workers", "8", "--prefill-workers", "4",
+                  "--router-prefill-load-scale", "16"});
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  const auto& runs = c->config.runs;
+  ASSERT_EQ(runs.size(), std::size(kDisaggPolicies) + 1);
+  for (std::size_t k = 0; k < std::size(kDisaggPolicies); ++k) {
+    EXPECT_EQ(runs[k].prefill_workers, 4u) << k;
+    EXPECT_NE(runs[k].label.find(kDisaggPolicies[k]), std::string::npos) << runs[k].label;
+    const std::vector<std::string> head(runs[k].router_flags.begin(), runs[k].router_flags.begin() + 4);
+    EXPECT_EQ(head, (std::vector<std::string>{"--router-mode", "kv", "--router-disagg-policy", kDisaggPolicies[k]}));
+  }
+  EXPECT_EQ(runs[0].label, "P/D predicted (default)");
+  EXPECT_EQ(runs.back().label, "aggregated");
+  EXPECT_EQ(runs.back().prefill_workers, 0u);
+  EXPECT_EQ(runs.back().router_flags,
+            (std::vector<std::string>{"--router-mode", "kv", "--router-prefill-load-scale", "16"}));
+  std::set<std::string> policies;
+  for (const BenchRun& r : runs) {
+    EXPECT_EQ(r.router_flags.back(), "16");  // the tuning flags go to every run
+    for (std::size_t f = 0; f + 1 < r.router_flags.size(); ++f) {
+      if (r.router_flags[f] == "--router-disagg-policy") policies.insert(r.router_flags[f + 1]);
+    }
+  }
+  EXPECT_EQ(policies, (std::set<std::string>{"predicted", "always", "never", "isl_bounding", "prefill_load",
+                                             "isl_or_load"}));
 }
 
 TEST(BenchConfig, AWorkloadShapeBringsItsDefaultsAndExplicitFlagsWin) {

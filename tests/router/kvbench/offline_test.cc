@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <numeric>
 
 namespace kvrouter::bench {
 namespace {
@@ -132,6 +133,71 @@ TEST(OfflineReplay, BusyTimeIsTheSumOfTheEngineStepDurations) {
     const double speedup = o.engine.speedup_ratio * o.worker_speedups[w];
     EXPECT_DOUBLE_EQ(s->worker_busy_ms[w], static_cast<double>(s->worker_requests[w]) * MockPrefillMs(1024, speedup))
         << w;
+  }
+}
+
+TEST(OfflineReplay, EachLaterTokensGapIsTheDecodeStepThatMadeIt) {
+  // One request alone on its worker: a prefill step, then one decode step per later token, each
+  // at the utilisation of its 16 blocks.
+  const std::vector<TraceRequest> trace = {{.input_length = 1024, .output_length = 5, .hash_ids = {1, 2}}};
+  OfflineOptions o = Options({"--router-mode", "round-robin"});
+  auto s = RunOffline(trace, o);
+  ASSERT_TRUE(s.ok()) << s.status().ToString();
+  ASSERT_EQ(s->errors, 0u);
+  const double step = MockDecodeStepMs(16.0 / o.engine.num_gpu_blocks, o.engine.speedup_ratio);
+  EXPECT_EQ(s->itl_gaps, 4u);
+  ASSERT_TRUE(s->itl_p50 && s->itl_p99);
+  EXPECT_NEAR(*s->itl_p50, step, 0.0005);  // kept to the microsecond
+  EXPECT_NEAR(*s->itl_p99, step, 0.0005);
+  EXPECT_NEAR(s->tpot_p50, step, 1e-9);  // (finish - first token) / 4
+  EXPECT_DOUBLE_EQ(s->goodput, 1.0);
+}
+
+TEST(OfflineReplay, EveryLaterTokenOfEveryRequestHasItsGap) {
+  const auto trace = Workload();
+  auto s = RunOffline(trace, Options({"--router-mode", "kv"}));
+  ASSERT_TRUE(s.ok()) << s.status().ToString();
+  ASSERT_EQ(s->errors, 0u);
+  std::uint64_t later_tokens = 0;
+  for (const TraceRequest& r : trace) later_tokens += std::max<std::uint32_t>(1, r.output_length) - 1;
+  EXPECT_EQ(s->itl_gaps, later_tokens);
+  ASSERT_TRUE(s->itl_p50 && s->itl_p99);
+  EXPECT_GT(*s->itl_p50, 0);
+  EXPECT_LE(*s->itl_p50, *s->itl_p99);
+  EXPECT_GT(s->tpot_p50, 0);
+  EXPECT_GT(s->goodput, 0);
+  EXPECT_LE(s->goodput, 1);
+  // An aggregated fleet is one pool, "both", of every worker's busy time.
+  ASSERT_EQ(s->pool_busy_ms.size(), 1u);
+  EXPECT_DOUBLE_EQ(s->pool_busy_ms.at("both"),
+                   std::accumulate(s->worker_busy_ms.begin(), s->worker_busy_ms.end(), 0.0));
+  EXPECT_FALSE(s->prefill_busy_max_over_mean.has_value());
+}
+
+TEST(OfflineReplay, PrefillWorkersAreTheFirstWorkersAndNeverARequestsWorker) {
+  const auto trace = Workload();
+  OfflineOptions o = Options({"--router-mode", "kv"});
+  o.prefill_workers = 1;
+  auto s = RunOffline(trace, o);
+  ASSERT_TRUE(s.ok()) << s.status().ToString();
+  EXPECT_EQ(s->errors, 0u);
+  ASSERT_EQ(s->worker_requests.size(), 4u);
+  EXPECT_EQ(s->worker_requests[0], 0u);  // registered as a prefill worker
+  EXPECT_EQ(s->worker_requests[1] + s->worker_requests[2] + s->worker_requests[3], trace.size());
+  ASSERT_EQ(s->worker_busy_ms.size(), 4u);
+  EXPECT_DOUBLE_EQ(s->pool_busy_ms.at("prefill"), s->worker_busy_ms[0]);
+  EXPECT_DOUBLE_EQ(s->pool_busy_ms.at("decode"), s->worker_busy_ms[1] + s->worker_busy_ms[2] + s->worker_busy_ms[3]);
+  EXPECT_TRUE(s->prefill_busy_max_over_mean.has_value());
+}
+
+TEST(OfflineReplay, AFleetWithoutDecodeWorkersIsRefused) {
+  for (std::uint32_t prefill : {4u, 5u}) {
+    OfflineOptions o = Options({"--router-mode", "kv"});
+    o.prefill_workers = prefill;
+    auto s = RunOffline(Workload(), o);
+    ASSERT_FALSE(s.ok()) << prefill;
+    EXPECT_EQ(s.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(s.status().message().find("--prefill-workers"), std::string::npos) << s.status().message();
   }
 }
 
