@@ -100,7 +100,7 @@ run() {  # label, router flags...
   echo "demo: $label ..."
   "$bin/kvbench" --nats-server "$url" --wait-workers "$workers" --label "$label" --concurrency 64 "${workload[@]}" \
     --json "$work/$label.json" >"$work/$label.txt" 2>"$work/kvbench-$label.log"
-  rows+=("$(tail -n 1 "$work/$label.txt")")
+  rows+=("$(sed -n 2p "$work/$label.txt")")  # the run's row of the first table
   if [ "$fleet" = mixed ]; then
     # Workers come in id order: the first four are the fast ones.
     shares+=("$(python3 -c 'import json, sys
