@@ -3,6 +3,7 @@
 #include <boost/program_options.hpp>
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 
@@ -11,8 +12,18 @@ namespace po = boost::program_options;
 
 namespace {
 
-constexpr const char* kTuningFlags[] = {"router-kv-overlap-score-credit", "router-prefill-load-scale",
-                                        "router-temperature", "router-queue-threshold", "router-queue-policy"};
+constexpr const char* kTuningFlags[] = {"router-kv-overlap-score-credit",
+                                        "router-prefill-load-scale",
+                                        "router-temperature",
+                                        "router-queue-threshold",
+                                        "router-queue-policy",
+                                        "router-conditional-disagg-prefill-busy-threshold",
+                                        "router-kv-bytes-per-token",
+                                        "router-kv-transfer-gbps"};
+
+// Dynamo's default --router-queue-threshold, which its prefill_load reads: given to the policies
+// that need a prefill busy threshold when neither that flag nor the busy threshold is.
+constexpr const char* kDynamoQueueThreshold = "4";
 
 po::options_description Describe() {
   const OnlineOptions on;
@@ -58,6 +69,9 @@ po::options_description Describe() {
     ("router-queue-threshold", po::value<std::string>(), "offline: passed to the router")
     ("router-queue-policy", po::value<std::string>(), "offline: passed to the router")
     ("router-disagg-policy", po::value<std::string>(), "offline: passed to the router (one run; --compare --prefill-workers runs each policy)")
+    ("router-conditional-disagg-prefill-busy-threshold", po::value<std::string>(), "offline: passed to the router; prefill_load and isl_or_load get Dynamo's default queue threshold, 4, when neither this nor --router-queue-threshold is given")
+    ("router-kv-bytes-per-token", po::value<std::string>(), "offline: passed to the router")
+    ("router-kv-transfer-gbps", po::value<std::string>(), "offline: passed to the router")
     ("compare", po::bool_switch(), "offline: run kv (both costs), round-robin, random and approximate mode and print one table; with --prefill-workers, each --router-disagg-policy on the P/D fleet and the aggregated fleet of the same size")
     ("json", po::value<std::string>(), "write the summary (an array with --compare) as JSON here (worker_busy_ms and busy_time_max_over_mean offline only)")
     ("plot", po::value<std::string>(), "draw kv hit rate and TTFT p50/p99 by mode into this file (.svg, else PNG) with gnuplot")
@@ -101,11 +115,20 @@ std::vector<BenchRun> Runs(const po::variables_map& vm) {
     r.prefill_workers = prefill_workers;
     runs.push_back(std::move(r));
   }
+  const bool busy_threshold_given =
+      vm.count("router-queue-threshold") || vm.count("router-conditional-disagg-prefill-busy-threshold");
   for (BenchRun& r : runs) {
     for (const char* f : kTuningFlags) {
       if (!vm.count(f)) continue;
       r.router_flags.push_back(std::string("--") + f);
       r.router_flags.push_back(vm[f].as<std::string>());
+    }
+    const auto policy = std::find(r.router_flags.begin(), r.router_flags.end(), "--router-disagg-policy");
+    const bool needs_busy_threshold = policy != r.router_flags.end() && policy + 1 != r.router_flags.end() &&
+                                      (policy[1] == "prefill_load" || policy[1] == "isl_or_load");
+    if (needs_busy_threshold && !busy_threshold_given) {
+      r.router_flags.insert(r.router_flags.end(),
+                            {"--router-conditional-disagg-prefill-busy-threshold", kDynamoQueueThreshold});
     }
   }
   return runs;

@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <map>
 #include <set>
 
@@ -143,13 +144,27 @@ TEST(BenchConfig, CompareWithPrefillWorkersRunsEveryPolicyThenTheAggregatedFleet
             (std::vector<std::string>{"--router-mode", "kv", "--router-prefill-load-scale", "16"}));
   std::set<std::string> policies;
   for (const BenchRun& r : runs) {
-    EXPECT_EQ(r.router_flags.back(), "16");  // the tuning flags go to every run
-    for (std::size_t f = 0; f + 1 < r.router_flags.size(); ++f) {
-      if (r.router_flags[f] == "--router-disagg-policy") policies.insert(r.router_flags[f + 1]);
-    }
+    std::map<std::string, std::string> flags;
+    for (std::size_t f = 0; f + 1 < r.router_flags.size(); f += 2) flags[r.router_flags[f]] = r.router_flags[f + 1];
+    EXPECT_EQ(flags["--router-prefill-load-scale"], "16") << r.label;  // the tuning flags go to every run
+    const std::string policy = flags["--router-disagg-policy"];
+    if (!policy.empty()) policies.insert(policy);
+    // The policies that read a prefill busy threshold get Dynamo's default queue threshold.
+    const bool reads_load = policy == "prefill_load" || policy == "isl_or_load";
+    EXPECT_EQ(flags["--router-conditional-disagg-prefill-busy-threshold"], reads_load ? "4" : "") << r.label;
   }
   EXPECT_EQ(policies, (std::set<std::string>{"predicted", "always", "never", "isl_bounding", "prefill_load",
                                              "isl_or_load"}));
+
+  // A threshold given is theirs instead.
+  for (const char* flag : {"--router-queue-threshold", "--router-conditional-disagg-prefill-busy-threshold"}) {
+    auto given = Parse({"--offline", "--synthetic", "--compare", "--prefill-workers", "4", flag, "2"});
+    ASSERT_TRUE(given.ok()) << given.status().ToString();
+    for (const BenchRun& r : given->config.runs) {
+      EXPECT_EQ(std::count(r.router_flags.begin(), r.router_flags.end(), "2"), 1) << r.label;
+      EXPECT_EQ(std::count(r.router_flags.begin(), r.router_flags.end(), "4"), 0) << r.label;
+    }
+  }
 }
 
 TEST(BenchConfig, AWorkloadShapeBringsItsDefaultsAndExplicitFlagsWin) {
