@@ -60,6 +60,9 @@ po::options_description Describe() {
     ("max-num-batched-tokens", po::value<std::uint32_t>()->default_value(off.engine.max_num_batched_tokens), "offline: tokens per engine step")
     ("chunked-prefill", po::bool_switch(), "offline: engines prefill long prompts in chunks over several steps, decode tokens first, as vLLM V1 does (default: each prompt whole in one step)")
     ("speedup-ratio", po::value<double>()->default_value(off.engine.speedup_ratio), "offline: engine speed-up of every worker (divides every duration; finite, > 0)")
+    ("kv-bytes-per-token", po::value<std::uint64_t>()->default_value(off.engine.kv_bytes_per_token), "offline: KV bytes of one token, priced by a decode engine's pull (>= 1; the router's --router-kv-bytes-per-token unless that is given)")
+    ("kv-transfer-gbps", po::value<double>()->default_value(off.engine.kv_transfer_gbps), "offline: Gbit/s a decode engine pulls KV at (finite, > 0; the router's --router-kv-transfer-gbps unless that is given)")
+    ("kv-lease-ms", po::value<std::uint32_t>()->default_value(off.engine.kv_lease_ms), "offline: ms a prefill engine keeps a leg's blocks for the pull, divided by --speedup-ratio")
     ("worker-speedups", po::value<NumberList>(), "offline: one speed per worker, separated by commas, exactly --workers of them (1,1,0.25,0.25 with --workers 4): worker i's engine speedup is --speedup-ratio x the i-th value (each finite, > 0; default: 1 for every worker)")
     ("router-mode", po::value<std::string>()->default_value("kv"), "offline: router mode of the run")
     ("no-router-kv-events", po::bool_switch(), "offline: approximate mode")
@@ -208,6 +211,13 @@ Status ReadBenchConfig(const po::variables_map& vm, BenchConfig& c) {
   if (!(off.engine.speedup_ratio > 0) || !std::isfinite(off.engine.speedup_ratio)) {
     return FlagOutOfRange("speedup-ratio", "a finite number > 0");
   }
+  off.engine.kv_bytes_per_token = vm["kv-bytes-per-token"].as<std::uint64_t>();
+  if (off.engine.kv_bytes_per_token < 1) return FlagOutOfRange("kv-bytes-per-token", ">= 1");
+  off.engine.kv_transfer_gbps = vm["kv-transfer-gbps"].as<double>();
+  if (!(off.engine.kv_transfer_gbps > 0) || !std::isfinite(off.engine.kv_transfer_gbps)) {
+    return FlagOutOfRange("kv-transfer-gbps", "a finite number > 0");
+  }
+  off.engine.kv_lease_ms = vm["kv-lease-ms"].as<std::uint32_t>();
   if (vm.count("worker-speedups")) {
     off.worker_speedups = vm["worker-speedups"].as<NumberList>().values;
     if (Status s = CheckWorkerSpeedups(off); !s.ok()) return s;

@@ -2,12 +2,15 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <list>
 #include <map>
 #include <queue>
+#include <tuple>
 #include <unordered_map>
+#include <unordered_set>
 
 #include "events/block_hash.h"
 #include "events/event_codec.h"
@@ -25,8 +28,14 @@ namespace kvrouter::bench {
 
 namespace {
 
+constexpr double kNever = std::numeric_limits<double>::infinity();
+
 // One offline replay: the router service and the simulated engines on one in-memory bus and
-// one virtual clock. Arrivals and engine step ends are processed in time order.
+// one virtual clock. Arrivals, engine step ends and engine wake-ups (a KV transfer's or a pin's
+// lease's end, a leg given to an idle engine, pinned blocks released) are processed in time
+// order. A disaggregated reply (docs/protocol.md section 13) runs as the gateway runs it: the
+// prefill leg on the prefill engine; at its finish prefill_done and the decode leg, which pulls
+// the pinned blocks, on the decode engine; the pull's end releases the pin.
 class OfflineReplay {
  public:
   OfflineReplay(const std::vector<TraceRequest>& trace, const OfflineOptions& o)
@@ -35,26 +44,32 @@ class OfflineReplay {
   Result<Summary> Run() {
     if (Status s = Start(); !s.ok()) return s;
     const double t0 = trace_.empty() ? 0 : trace_.front().timestamp_ms;
-    constexpr double kNever = std::numeric_limits<double>::infinity();
     while (true) {
       const double t_arrival = next_ < trace_.size() ? trace_[next_].timestamp_ms - t0 : kNever;
-      const double t_step = steps_.empty() ? kNever : steps_.top().first;
-      if (t_arrival == kNever && t_step == kNever) break;
-      if (t_arrival <= t_step) {
+      const double t_engine = engine_events_.empty() ? kNever : engine_events_.top().at_ms;
+      if (t_arrival == kNever && t_engine == kNever) break;
+      if (t_arrival <= t_engine) {
         now_ms_ = t_arrival;
         Arrive(next_++);
         CollectReplies();
-      } else {
-        const std::size_t e = EndStep();
-        CollectReplies();
-        StartStep(e);  // after the replies: requests routed to it join this step
+        continue;
       }
+      const EngineEvent ev = engine_events_.top();
+      engine_events_.pop();
+      now_ms_ = ev.at_ms;
+      if (ev.kind == EngineEvent::kStepEnd) {
+        EndStep(ev.engine);
+      } else if (stepping_[ev.engine]) {
+        continue;  // it steps again when its step ends, and fires its timers then
+      }
+      CollectReplies();
+      StartStep(ev.engine);  // after the replies: requests routed to it join this step
     }
     for (auto& [i, p] : waiting_) records_[i].error = true;  // still queued when everything stopped
     Summary summary = Summarize(o_.label, records_, worker_ids_, o_.slo);
     SetTokenGaps(summary, gaps_);
     SetBusyTimes(summary, busy_ms_, pools_);
-    summary.disagg_decisions = DisaggDecisions();
+    ReadRouterStats(summary);
     return summary;
   }
 
@@ -66,6 +81,16 @@ class OfflineReplay {
     if (Status s = CheckWorkerSpeedups(o_); !s.ok()) return s;
     if (Status s = CheckPrefillWorkers(o_.prefill_workers, o_.workers); !s.ok()) return s;
     std::vector<std::string> args = {"kvbench", "--block-size", std::to_string(o_.engine.block_size)};
+    // The router's prior of the KV transfer is the engines' own, unless the run sets it.
+    const auto given = [&](std::string_view flag) {
+      return std::find(o_.router_flags.begin(), o_.router_flags.end(), flag) != o_.router_flags.end();
+    };
+    if (!given("--router-kv-bytes-per-token")) {
+      args.insert(args.end(), {"--router-kv-bytes-per-token", std::to_string(o_.engine.kv_bytes_per_token)});
+    }
+    if (!given("--router-kv-transfer-gbps")) {
+      args.insert(args.end(), {"--router-kv-transfer-gbps", fmt::format("{}", o_.engine.kv_transfer_gbps)});
+    }
     args.insert(args.end(), o_.router_flags.begin(), o_.router_flags.end());
     std::vector<const char*> argv;
     for (auto& a : args) argv.push_back(a.c_str());
@@ -103,6 +128,7 @@ class OfflineReplay {
       (void)bus_.Publish(subj.kv_events, AsBytes(EncodeDynamoEnvelope(pub.Publish(std::move(d)), {})));
     }));
     stepping_.push_back(false);
+    timer_wake_ms_.push_back(kNever);
     busy_ms_.push_back(0);
     outputs_.emplace_back();
     auto sub =
@@ -138,22 +164,31 @@ class OfflineReplay {
     waiting_.emplace(i, bus_.RequestAsync(svc_->subjects().route, AsBytes(EncodeRouteRequest(req))));
   }
 
-  // The earliest step ends: its outputs drive the requests' lifecycle at the router. Returns the
-  // engine, now idle.
-  std::size_t EndStep() {
-    const auto [t, e] = steps_.top();
-    steps_.pop();
-    now_ms_ = t;
+  // Engine e's step ends at now_ms_: its outputs drive the requests' lifecycle at the router.
+  void EndStep(std::size_t e) {
     stepping_[e] = false;
+    HandleOutputs(e);
+  }
+
+  // Engine e's outputs (of a step that ended, or of one that computed nothing), each request's
+  // lifecycle at the router as a gateway drives it.
+  void HandleOutputs(std::size_t e) {
     const Subjects& subj = svc_->subjects();
     for (const EngineOutput& out : outputs_[e]) {
       const std::size_t i = index_of_[out.id];
+      if (const auto leg = prefill_legs_.find(i); leg != prefill_legs_.end() && leg->second.prefill_engine == e) {
+        PrefillLegOutput(i, out);
+        continue;
+      }
       if (out.kind == EngineOutput::kFirstToken) {
         records_[i].first_token_ms = out.at_ms;
-        records_[i].cached_tokens = out.cached_tokens;
+        // A disaggregated request's cached tokens are the prefill engine's (taken at its leg).
+        if (!disaggregated_.contains(i)) records_[i].cached_tokens = out.cached_tokens;
         (void)bus_.Request(subj.mark_prefill, AsBytes(EncodeLifecycleRequest(out.id)));
         continue;
       }
+      if (out.kind == EngineOutput::kPulled || out.kind == EngineOutput::kToken) continue;  // see StartStep
+      disaggregated_.erase(i);
       if (out.kind == EngineOutput::kRejected) {
         records_[i].error = true;  // larger than the whole cache
         (void)bus_.Request(subj.free, AsBytes(EncodeLifecycleRequest(out.id)));
@@ -170,35 +205,120 @@ class OfflineReplay {
                                     .inter_chunk_ms_max = gap};
         (void)bus_.Request(subj.free, AsBytes(EncodeLifecycleRequest(out.id, timing)));
       }
-      if (o_.progress && ++done_ % std::max<std::size_t>(1, trace_.size() / 10) == 0) {
-        fmt::print(stderr, "kvbench {}: {}/{} requests done\n", o_.label, done_, trace_.size());
+      Done();
+    }
+  }
+
+  // An output of request i's prefill leg (on its prefill engine).
+  void PrefillLegOutput(std::size_t i, const EngineOutput& out) {
+    const Subjects& subj = svc_->subjects();
+    if (out.kind == EngineOutput::kFirstToken) {
+      records_[i].cached_tokens = out.cached_tokens;  // the prompt tokens not prefilled
+      return;
+    }
+    if (out.kind == EngineOutput::kRejected) {
+      prefill_legs_.erase(i);
+      disaggregated_.erase(i);
+      records_[i].error = true;
+      (void)bus_.Request(subj.free, AsBytes(EncodeLifecycleRequest(out.id)));
+      Done();
+      return;
+    }
+    if (out.kind != EngineOutput::kFinished) return;
+    // The gateway's step between the legs: prefill_done, then the decode leg, which pulls the
+    // blocks the prefill engine pinned for it.
+    const PrefillLeg leg = prefill_legs_.at(i);
+    prefill_legs_.erase(i);
+    (void)bus_.Request(subj.prefill_done, AsBytes(EncodeLifecycleRequest(out.id)));
+    auto tokens = TokensFor(trace_[i]);
+    KvPull transfer{.source_worker_id = worker_ids_[leg.prefill_engine],
+                        .source_request_id = out.id,
+                        .blocks = ComputeSequenceHashes(ComputeLocalHashes(tokens, o_.engine.block_size))};
+    engines_[leg.decode_engine]->Add({.id = out.id,
+                                      .tokens = std::move(tokens),
+                                      .max_tokens = std::max<std::uint32_t>(1, trace_[i].output_length),
+                                      .leg = EngineLeg::kDecode,
+                                      .transfer = std::move(transfer)});
+    routed_ms_[i] = now_ms_;  // the decode leg's call, which its timing at free is taken from
+    pulling_from_[out.id] = leg.prefill_engine;
+    WakeNow(leg.decode_engine);
+  }
+
+  void Done() {
+    if (o_.progress && ++done_ % std::max<std::size_t>(1, trace_.size() / 10) == 0) {
+      fmt::print(stderr, "kvbench {}: {}/{} requests done\n", o_.label, done_, trace_.size());
+    }
+  }
+
+  // Engine e, not stepping, steps at now_ms_ if it has anything to compute.
+  void StartStep(std::size_t e) {
+    MockEngine& engine = *engines_[e];
+    if (stepping_[e] || engine.Idle()) return;
+    outputs_[e].clear();
+    const double d = engine.Step(now_ms_, outputs_[e]);
+    ReleasePulled(e);
+    if (d > 0) {
+      busy_ms_[e] += d;
+      // An engine with running requests steps back to back (this runs when its last step
+      // ended), so each later token of this step came d after its request's previous one.
+      gaps_.Add(d, engine.last_step_tokens());
+      stepping_[e] = true;
+      engine_events_.push({now_ms_ + d, e, EngineEvent::kStepEnd});
+      return;
+    }
+    // Nothing computes: its outputs (rejections) are due now, and it waits for its next timer
+    // (or a leg or a release, which wake it).
+    HandleOutputs(e);
+    if (const auto t = engine.NextTimerMs()) {
+      // A timer is always after now; the bound keeps a timer due now from waking it forever.
+      const double at = std::max(*t, std::nextafter(now_ms_, kNever));
+      if (timer_wake_ms_[e] != at) {
+        timer_wake_ms_[e] = at;
+        engine_events_.push({at, e, EngineEvent::kWake});
       }
     }
-    return e;
   }
 
-  void StartStep(std::size_t e) {
-    if (stepping_[e] || engines_[e]->Idle()) return;
-    outputs_[e].clear();
-    const double d = engines_[e]->Step(now_ms_, outputs_[e]);
-    if (d <= 0) return;  // nothing could run (a prompt larger than the whole cache waits forever)
-    busy_ms_[e] += d;
-    // An engine with running requests steps back to back (this runs when its last step ended),
-    // so each later token of this step came d after its request's previous one.
-    gaps_.Add(d, engines_[e]->last_step_tokens());
-    stepping_[e] = true;
-    steps_.push({now_ms_ + d, e});
+  // Engine e steps at now_ms_ (after the replies of this moment) unless a step is under way.
+  void WakeNow(std::size_t e) {
+    if (!stepping_[e]) engine_events_.push({now_ms_, e, EngineEvent::kWake});
   }
 
-  // The router's P/D decision counts (docs/protocol.md section 13), read from its stats; empty
-  // when it reports none.
-  std::map<std::string, std::uint64_t> DisaggDecisions() {
-    const auto reply = bus_.Request(svc_->subjects().stats, AsBytes(EncodeStatsRequest({.limit = 1})));
-    if (!reply) return {};
-    auto stats = DecodeStatsReply(*reply);
-    if (!stats.ok()) return {};
-    const auto it = stats->breakdowns.find(std::string(kDisaggDecisions));
-    return it == stats->breakdowns.end() ? std::map<std::string, std::uint64_t>{} : it->second;
+  // Decode legs whose pull ended (kPulled, due at once): the prefill engine's pin is released,
+  // which may let it admit what waited for room.
+  void ReleasePulled(std::size_t e) {
+    for (const EngineOutput& out : outputs_[e]) {
+      if (out.kind != EngineOutput::kPulled) continue;
+      const auto from = pulling_from_.find(out.id);
+      if (from == pulling_from_.end()) continue;
+      (void)engines_[from->second]->ReleasePinned(out.id);
+      WakeNow(from->second);
+      pulling_from_.erase(from);
+    }
+  }
+
+  // From the router's stats (every page): its P/D decision counts (docs/protocol.md section 13;
+  // none when it reports none), and the bookings left on its ranks.
+  void ReadRouterStats(Summary& summary) {
+    BookingsLeft left;
+    std::optional<std::uint64_t> next = 0;
+    while (next) {
+      const auto reply = bus_.Request(svc_->subjects().stats,
+                                      AsBytes(EncodeStatsRequest({.offset = *next, .limit = StatsRequest::kMaxLimit})));
+      if (!reply) return;
+      auto stats = DecodeStatsReply(*reply);
+      if (!stats.ok()) return;
+      if (const auto it = stats->breakdowns.find(std::string(kDisaggDecisions)); it != stats->breakdowns.end()) {
+        summary.disagg_decisions = it->second;
+      }
+      for (const WorkerStats& w : stats->workers) {
+        left.requests += w.active_requests;
+        left.prefill_tokens += w.active_prefill_tokens;
+        left.blocks += w.active_blocks;
+      }
+      next = stats->next_offset;
+    }
+    summary.bookings_left = left;
   }
 
   // Routed requests go to their engine.
@@ -215,13 +335,33 @@ class OfflineReplay {
         records_[i].error = true;
         continue;
       }
-      const std::size_t e = static_cast<std::size_t>(r->worker_id - 1);
+      const std::string id = fmt::format("r{}", i);
+      const std::optional<std::size_t> e = EngineOf(r->worker_id);
+      const std::optional<std::size_t> p = r->disaggregated ? EngineOf(r->prefill_worker_id) : e;
+      if (!e || !p) {  // a worker this replay did not register
+        records_[i].error = true;
+        (void)bus_.Request(svc_->subjects().free, AsBytes(EncodeLifecycleRequest(id)));
+        continue;
+      }
       records_[i].worker_id = r->worker_id;
       routed_ms_[i] = now_ms_;
-      engines_[e]->Add(
-          {fmt::format("r{}", i), TokensFor(trace_[i]), std::max<std::uint32_t>(1, trace_[i].output_length), ""});
-      StartStep(e);
+      if (r->disaggregated) {
+        prefill_legs_[i] = {.prefill_engine = *p, .decode_engine = *e};
+        disaggregated_.insert(i);
+        engines_[*p]->Add({.id = id, .tokens = TokensFor(trace_[i]), .max_tokens = 1, .leg = EngineLeg::kPrefill});
+        StartStep(*p);
+        continue;
+      }
+      engines_[*e]->Add({.id = id,
+                         .tokens = TokensFor(trace_[i]),
+                         .max_tokens = std::max<std::uint32_t>(1, trace_[i].output_length)});
+      StartStep(*e);
     }
+  }
+
+  std::optional<std::size_t> EngineOf(std::uint64_t worker_id) const {
+    if (worker_id < 1 || worker_id > engines_.size()) return std::nullopt;
+    return static_cast<std::size_t>(worker_id - 1);
   }
 
   const std::vector<TraceRequest>& trace_;
@@ -236,9 +376,28 @@ class OfflineReplay {
   std::vector<RequestRecord> records_;
   std::unordered_map<std::size_t, double> routed_ms_;  // when the engine took request i
   std::unordered_map<std::string, std::size_t> index_of_;
-  using StepEnd = std::pair<double, std::size_t>;  // (time, engine), earliest first
-  std::priority_queue<StepEnd, std::vector<StepEnd>, std::greater<StepEnd>> steps_;
+  // An engine's step end, or a wake-up to step if it can; earliest first, then by engine.
+  struct EngineEvent {
+    enum Kind { kStepEnd, kWake };
+    double at_ms = 0;
+    std::size_t engine = 0;
+    Kind kind = kStepEnd;
+    bool operator>(const EngineEvent& o) const {
+      return std::tie(at_ms, engine, kind) > std::tie(o.at_ms, o.engine, o.kind);
+    }
+  };
+  std::priority_queue<EngineEvent, std::vector<EngineEvent>, std::greater<EngineEvent>> engine_events_;
   std::vector<bool> stepping_;
+  std::vector<double> timer_wake_ms_;  // per engine: the timer wake-up last queued (dedupes them)
+  // Disaggregated requests: their prefill leg in flight, the prefill engine a decode leg pulls
+  // from (by request id, until its kPulled), and every one until it ends.
+  struct PrefillLeg {
+    std::size_t prefill_engine = 0;
+    std::size_t decode_engine = 0;
+  };
+  std::unordered_map<std::size_t, PrefillLeg> prefill_legs_;
+  std::unordered_map<std::string, std::size_t> pulling_from_;
+  std::unordered_set<std::size_t> disaggregated_;
   std::vector<double> busy_ms_;    // per engine: the durations of the steps it ran, summed
   std::vector<std::string> pools_;  // per engine: its worker's role name
   TokenGaps gaps_;                  // every later token's gap since its request's previous one

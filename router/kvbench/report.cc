@@ -140,6 +140,11 @@ std::string SummaryJson(const Summary& s) {
   if (!s.pool_busy_ms.empty()) j["pool_busy_ms"] = s.pool_busy_ms;
   if (s.prefill_busy_max_over_mean) j["prefill_busy_max_over_mean"] = *s.prefill_busy_max_over_mean;
   if (!s.disagg_decisions.empty()) j["disagg_decisions"] = s.disagg_decisions;
+  if (s.bookings_left) {
+    j["bookings_left"] = {{"requests", s.bookings_left->requests},
+                          {"prefill_tokens", s.bookings_left->prefill_tokens},
+                          {"blocks", s.bookings_left->blocks}};
+  }
   if (s.pooled_lru_hit_rate) j["pooled_lru_hit_rate"] = *s.pooled_lru_hit_rate;
   return j.dump();
 }
@@ -209,6 +214,11 @@ std::string SummaryTable(const std::vector<Summary>& runs) {
   }
   out += fmt::format("goodput: requests with TTFT <= {} ms and TPOT <= {} ms (errors miss)\n", runs.front().slo.ttft_ms,
                      runs.front().slo.tpot_ms);
+  for (const auto& s : runs) {
+    if (!s.bookings_left || *s.bookings_left == BookingsLeft{}) continue;
+    out += fmt::format("{}: the router still books {} requests, {} prefill tokens, {} blocks after the run\n", s.mode,
+                       s.bookings_left->requests, s.bookings_left->prefill_tokens, s.bookings_left->blocks);
+  }
   return out;
 }
 

@@ -51,6 +51,14 @@ class TokenGaps {
   std::uint64_t total_ = 0;
 };
 
+// The router's bookings summed over its ranks (docs/design.md "Glossary": booking, prefill part).
+struct BookingsLeft {
+  std::uint64_t requests = 0;
+  std::uint64_t prefill_tokens = 0;
+  std::uint64_t blocks = 0;
+  bool operator==(const BookingsLeft&) const = default;
+};
+
 struct Summary {
   std::string mode;
   std::size_t requests = 0;
@@ -83,6 +91,9 @@ struct Summary {
   // The router's `stats` breakdown kDisaggDecisions (docs/protocol.md section 13: disaggregated,
   // local, fallback) counted over the run; empty when the router reports none.
   std::map<std::string, std::uint64_t> disagg_decisions;
+  // Offline: the router's bookings after the run, all 0 when every request released what it
+  // booked (the table says so when not).
+  std::optional<BookingsLeft> bookings_left;
   std::optional<double> pooled_lru_hit_rate;  // offline only
 };
 

@@ -25,6 +25,13 @@ OfflineOptions Options(std::vector<std::string> flags) {
   return o;
 }
 
+// Every later token of every request of `trace`.
+std::uint64_t LaterTokens(const std::vector<TraceRequest>& trace) {
+  std::uint64_t n = 0;
+  for (const TraceRequest& r : trace) n += std::max<std::uint32_t>(1, r.output_length) - 1;
+  return n;
+}
+
 TEST(OfflineReplay, EveryRequestCompletesAndIsCounted) {
   const auto trace = Workload();
   auto s = RunOffline(trace, Options({"--router-mode", "round-robin"}));
@@ -158,9 +165,7 @@ TEST(OfflineReplay, EveryLaterTokenOfEveryRequestHasItsGap) {
   auto s = RunOffline(trace, Options({"--router-mode", "kv"}));
   ASSERT_TRUE(s.ok()) << s.status().ToString();
   ASSERT_EQ(s->errors, 0u);
-  std::uint64_t later_tokens = 0;
-  for (const TraceRequest& r : trace) later_tokens += std::max<std::uint32_t>(1, r.output_length) - 1;
-  EXPECT_EQ(s->itl_gaps, later_tokens);
+  EXPECT_EQ(s->itl_gaps, LaterTokens(trace));
   ASSERT_TRUE(s->itl_p50 && s->itl_p99);
   EXPECT_GT(*s->itl_p50, 0);
   EXPECT_LE(*s->itl_p50, *s->itl_p99);
@@ -188,6 +193,72 @@ TEST(OfflineReplay, PrefillWorkersAreTheFirstWorkersAndNeverARequestsWorker) {
   EXPECT_DOUBLE_EQ(s->pool_busy_ms.at("prefill"), s->worker_busy_ms[0]);
   EXPECT_DOUBLE_EQ(s->pool_busy_ms.at("decode"), s->worker_busy_ms[1] + s->worker_busy_ms[2] + s->worker_busy_ms[3]);
   EXPECT_TRUE(s->prefill_busy_max_over_mean.has_value());
+}
+
+TEST(OfflineReplay, DisaggregatedRequestsRunAPrefillLegThenADecodeLegThatPullsIt) {
+  const auto trace = Workload();
+  OfflineOptions o = Options({"--router-mode", "kv", "--router-disagg-policy", "always"});
+  o.prefill_workers = 2;
+  auto s = RunOffline(trace, o);
+  ASSERT_TRUE(s.ok()) << s.status().ToString();
+  EXPECT_EQ(s->errors, 0u);
+  EXPECT_EQ(s->disagg_decisions["disaggregated"], trace.size());
+  // The decode workers are the requests' workers; the prefill workers ran the prefill legs.
+  EXPECT_EQ(s->worker_requests[0] + s->worker_requests[1], 0u);
+  EXPECT_EQ(s->worker_requests[2] + s->worker_requests[3], trace.size());
+  EXPECT_GT(s->worker_busy_ms[0], 0);
+  EXPECT_GT(s->worker_busy_ms[1], 0);
+  EXPECT_GT(s->pool_busy_ms.at("prefill"), 0);
+  EXPECT_GT(s->pool_busy_ms.at("decode"), 0);
+  ASSERT_TRUE(s->prefill_busy_max_over_mean.has_value());
+  EXPECT_GE(*s->prefill_busy_max_over_mean, 1.0);
+  // Every later token is the decode leg's; the prefill leg's one token is no gap of the request.
+  EXPECT_EQ(s->itl_gaps, LaterTokens(trace));
+  EXPECT_GT(s->kv_hit_rate, 0);  // the prefill engines' cache hits
+  // prefill_done, mark_prefill and free released every booking.
+  ASSERT_TRUE(s->bookings_left.has_value());
+  EXPECT_EQ(*s->bookings_left, BookingsLeft{});
+  // Deterministic for a seed, as the aggregated replay is.
+  auto again = RunOffline(trace, o);
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(SummaryJson(*s), SummaryJson(*again));
+}
+
+TEST(OfflineReplay, ADisaggregatedRequestsFirstTokenIsItsDecodeLegsAfterThePull) {
+  // One request on an idle fleet of a prefill and a decode worker: the prefill leg's step (its
+  // whole prompt), the pull of its 16 blocks, then the decode leg's first step.
+  const std::vector<TraceRequest> trace = {{.input_length = 1024, .output_length = 3, .hash_ids = {1, 2}}};
+  OfflineOptions o = Options({"--router-mode", "kv", "--router-disagg-policy", "always"});
+  o.workers = 2;
+  o.prefill_workers = 1;
+  auto s = RunOffline(trace, o);
+  ASSERT_TRUE(s.ok()) << s.status().ToString();
+  ASSERT_EQ(s->errors, 0u);
+  ASSERT_EQ(s->disagg_decisions["disaggregated"], 1u);
+  const double prefill = MockPrefillMs(1024, o.engine.speedup_ratio);
+  const double pull = MockKvTransferMs(16, o.engine);
+  const double step = MockDecodeStepMs(16.0 / o.engine.num_gpu_blocks, o.engine.speedup_ratio);
+  EXPECT_NEAR(s->ttft_p50, prefill + pull + step, 1e-6);
+  EXPECT_NEAR(s->e2e_p50, prefill + pull + 3 * step, 1e-6);
+  EXPECT_DOUBLE_EQ(s->worker_busy_ms[0], prefill);  // the prefill leg: one step, no decode
+  EXPECT_NEAR(s->worker_busy_ms[1], 3 * step, 1e-9);
+  EXPECT_EQ(s->itl_gaps, 2u);
+  ASSERT_TRUE(s->bookings_left.has_value());
+  EXPECT_EQ(*s->bookings_left, BookingsLeft{});
+}
+
+TEST(OfflineReplay, NeverKeepsThePrefillPoolIdle) {
+  const auto trace = Workload();
+  OfflineOptions o = Options({"--router-mode", "kv", "--router-disagg-policy", "never"});
+  o.prefill_workers = 2;
+  auto s = RunOffline(trace, o);
+  ASSERT_TRUE(s.ok()) << s.status().ToString();
+  EXPECT_EQ(s->errors, 0u);
+  EXPECT_EQ(s->disagg_decisions["local"], trace.size());
+  EXPECT_EQ(s->disagg_decisions["disaggregated"], 0u);
+  EXPECT_EQ(s->pool_busy_ms.at("prefill"), 0);
+  EXPECT_EQ(s->prefill_busy_max_over_mean, 0.0);
+  EXPECT_EQ(s->itl_gaps, LaterTokens(trace));
 }
 
 TEST(OfflineReplay, AFleetWithoutDecodeWorkersIsRefused) {

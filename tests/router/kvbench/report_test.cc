@@ -244,6 +244,20 @@ TEST(Summary, TheSecondTableShowsLatenciesGoodputPoolsAndDecisions) {
   const auto json = nlohmann::json::parse(SummaryJson(pd));
   EXPECT_EQ(json["disagg_decisions"]["local"], 3);
   EXPECT_FALSE(nlohmann::json::parse(SummaryJson(online)).contains("disagg_decisions"));
+  EXPECT_EQ(table.find("still books"), std::string::npos) << table;  // nothing left: nothing said
+}
+
+TEST(Summary, BookingsLeftAfterARunAreReported) {
+  Summary clean{.mode = "clean", .bookings_left = BookingsLeft{}};
+  Summary leaky{.mode = "leaky", .bookings_left = BookingsLeft{.requests = 2, .prefill_tokens = 300, .blocks = 7}};
+  const std::string table = SummaryTable({clean, leaky});
+  EXPECT_NE(table.find("leaky: the router still books 2 requests, 300 prefill tokens, 7 blocks"), std::string::npos)
+      << table;
+  EXPECT_EQ(table.find("clean: the router"), std::string::npos) << table;
+  const auto json = nlohmann::json::parse(SummaryJson(leaky));
+  EXPECT_EQ(json["bookings_left"]["prefill_tokens"], 300);
+  EXPECT_EQ(nlohmann::json::parse(SummaryJson(clean))["bookings_left"]["requests"], 0);
+  EXPECT_FALSE(nlohmann::json::parse(SummaryJson(Summary{})).contains("bookings_left"));  // online
 }
 
 TEST(Summary, JsonEscapesTheLabel) {
