@@ -12,14 +12,10 @@ namespace po = boost::program_options;
 
 namespace {
 
-constexpr const char* kTuningFlags[] = {"router-kv-overlap-score-credit",
-                                        "router-prefill-load-scale",
-                                        "router-temperature",
-                                        "router-queue-threshold",
-                                        "router-queue-policy",
-                                        "router-conditional-disagg-prefill-busy-threshold",
-                                        "router-kv-bytes-per-token",
-                                        "router-kv-transfer-gbps"};
+constexpr const char* kTuningFlags[] = {
+    "router-kv-overlap-score-credit", "router-prefill-load-scale", "router-temperature",
+    "router-queue-threshold",         "router-queue-policy",       "router-conditional-disagg-prefill-busy-threshold",
+    "router-kv-bytes-per-token",      "router-kv-transfer-gbps"};
 
 // Dynamo's default --router-queue-threshold, which its prefill_load reads: given to the policies
 // that need a prefill busy threshold when neither that flag nor the busy threshold is.

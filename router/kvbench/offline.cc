@@ -117,7 +117,7 @@ class OfflineReplay {
     const std::uint64_t worker_id = std::uint64_t{index} + 1;
     MockEngineConfig ec = o_.engine;
     if (!o_.worker_speedups.empty()) ec.speedup_ratio *= o_.worker_speedups[index];
-    const WorkerRole role = o_.prefill_workers == 0       ? WorkerRole::kBoth
+    const WorkerRole role = o_.prefill_workers == 0      ? WorkerRole::kBoth
                             : index < o_.prefill_workers ? WorkerRole::kPrefill
                                                          : WorkerRole::kDecode;
     worker_ids_.push_back(worker_id);
@@ -232,8 +232,8 @@ class OfflineReplay {
     (void)bus_.Request(subj.prefill_done, AsBytes(EncodeLifecycleRequest(out.id)));
     auto tokens = TokensFor(trace_[i]);
     KvPull transfer{.source_worker_id = worker_ids_[leg.prefill_engine],
-                        .source_request_id = out.id,
-                        .blocks = ComputeSequenceHashes(ComputeLocalHashes(tokens, o_.engine.block_size))};
+                    .source_request_id = out.id,
+                    .blocks = ComputeSequenceHashes(ComputeLocalHashes(tokens, o_.engine.block_size))};
     engines_[leg.decode_engine]->Add({.id = out.id,
                                       .tokens = std::move(tokens),
                                       .max_tokens = std::max<std::uint32_t>(1, trace_[i].output_length),
@@ -398,7 +398,7 @@ class OfflineReplay {
   std::unordered_map<std::size_t, PrefillLeg> prefill_legs_;
   std::unordered_map<std::string, std::size_t> pulling_from_;
   std::unordered_set<std::size_t> disaggregated_;
-  std::vector<double> busy_ms_;    // per engine: the durations of the steps it ran, summed
+  std::vector<double> busy_ms_;     // per engine: the durations of the steps it ran, summed
   std::vector<std::string> pools_;  // per engine: its worker's role name
   TokenGaps gaps_;                  // every later token's gap since its request's previous one
   std::vector<std::vector<EngineOutput>> outputs_;
@@ -426,10 +426,10 @@ Status CheckWorkerSpeedups(const OfflineOptions& o) {
 
 Status CheckPrefillWorkers(std::uint32_t prefill_workers, std::uint32_t workers) {
   if (prefill_workers < workers) return Status::Ok();
-  return InvalidArgument(fmt::format(
-      "--prefill-workers {} needs more --workers than that ({} given): the workers after the first {} "
-      "are the decode workers, and a disaggregated fleet needs at least one",
-      prefill_workers, workers, prefill_workers));
+  return InvalidArgument(
+      fmt::format("--prefill-workers {} needs more --workers than that ({} given): the workers after the first {} "
+                  "are the decode workers, and a disaggregated fleet needs at least one",
+                  prefill_workers, workers, prefill_workers));
 }
 
 Result<Summary> RunOffline(const std::vector<TraceRequest>& trace, const OfflineOptions& options) {

@@ -25,8 +25,8 @@ using Clock = std::chrono::steady_clock;
 
 // What kvbench reads from the router's stats (every page).
 struct FleetStats {
-  std::map<WorkerKey, std::uint64_t> routed;  // requests routed so far per (worker, dp_rank)
-  std::size_t prefill_ranks = 0;              // ranks with role prefill
+  std::map<WorkerKey, std::uint64_t> routed;              // requests routed so far per (worker, dp_rank)
+  std::size_t prefill_ranks = 0;                          // ranks with role prefill
   std::map<std::string, std::uint64_t> disagg_decisions;  // the breakdown kDisaggDecisions
 };
 

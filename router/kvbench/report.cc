@@ -189,9 +189,8 @@ std::string SummaryTable(const std::vector<Summary>& runs) {
                        100 * *runs.front().pooled_lru_hit_rate);
   }
   if (runs.empty()) return out;
-  out += fmt::format("\n{:<22} {:>10} {:>10} {:>10} {:>10} {:>8} {:>16} {:>24} {:>22}\n", "mode", "itl_p50",
-                     "itl_p99", "tpot_p50", "tpot_p99", "goodput", "prefill_max/mean", "pool_busy_s",
-                     "disagg/local/fallback");
+  out += fmt::format("\n{:<22} {:>10} {:>10} {:>10} {:>10} {:>8} {:>16} {:>24} {:>22}\n", "mode", "itl_p50", "itl_p99",
+                     "tpot_p50", "tpot_p99", "goodput", "prefill_max/mean", "pool_busy_s", "disagg/local/fallback");
   for (const auto& s : runs) {
     const auto ms = [](const std::optional<double>& v) { return v ? fmt::format("{:.1f}ms", *v) : "-"; };
     std::string pools;
@@ -204,9 +203,9 @@ std::string SummaryTable(const std::vector<Summary>& runs) {
       const auto it = s.disagg_decisions.find(path);
       return it == s.disagg_decisions.end() ? std::uint64_t{0} : it->second;
     };
-    const std::string decisions = s.disagg_decisions.empty() ? "-"
-                                                             : fmt::format("{}/{}/{}", count("disaggregated"),
-                                                                           count("local"), count("fallback"));
+    const std::string decisions =
+        s.disagg_decisions.empty() ? "-"
+                                   : fmt::format("{}/{}/{}", count("disaggregated"), count("local"), count("fallback"));
     out += fmt::format("{:<22} {:>10} {:>10} {:>8.1f}ms {:>8.1f}ms {:>7.1f}% {:>16} {:>24} {:>22}\n", s.mode,
                        ms(s.itl_p50), ms(s.itl_p99), s.tpot_p50, s.tpot_p99, 100 * s.goodput,
                        s.prefill_busy_max_over_mean ? fmt::format("{:.2f}x", *s.prefill_busy_max_over_mean) : "-",

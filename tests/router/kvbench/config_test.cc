@@ -105,8 +105,7 @@ TEST(BenchConfig, PrefillWorkersMakeAPdFleetOfTheFirstWorkers) {
   const BenchRun& run = c->config.runs[0];
   EXPECT_EQ(run.prefill_workers, 3u);
   EXPECT_EQ(run.label, "kv always");
-  EXPECT_EQ(run.router_flags,
-            (std::vector<std::string>{"--router-mode", "kv", "--router-disagg-policy", "always"}));
+  EXPECT_EQ(run.router_flags, (std::vector<std::string>{"--router-mode", "kv", "--router-disagg-policy", "always"}));
   EXPECT_EQ(c->config.offline_base.slo.ttft_ms, 500);
   EXPECT_EQ(c->config.offline_base.slo.tpot_ms, 20);
   EXPECT_EQ(c->config.online.slo.tpot_ms, 20);
@@ -153,8 +152,8 @@ TEST(BenchConfig, CompareWithPrefillWorkersRunsEveryPolicyThenTheAggregatedFleet
     const bool reads_load = policy == "prefill_load" || policy == "isl_or_load";
     EXPECT_EQ(flags["--router-conditional-disagg-prefill-busy-threshold"], reads_load ? "4" : "") << r.label;
   }
-  EXPECT_EQ(policies, (std::set<std::string>{"predicted", "always", "never", "isl_bounding", "prefill_load",
-                                             "isl_or_load"}));
+  EXPECT_EQ(policies,
+            (std::set<std::string>{"predicted", "always", "never", "isl_bounding", "prefill_load", "isl_or_load"}));
 
   // A threshold given is theirs instead.
   for (const char* flag : {"--router-queue-threshold", "--router-conditional-disagg-prefill-busy-threshold"}) {

@@ -92,9 +92,9 @@ TEST(TokenGaps, QuantilesWeighEachGapByItsTokens) {
   TokenGaps gaps;
   EXPECT_EQ(gaps.count(), 0u);
   EXPECT_EQ(gaps.Quantile(0.5), 0);
-  gaps.Add(10, 90);  // one step of 90 requests
-  gaps.Add(200, 9);  // a step that carried a prefill
-  gaps.Add(5);       // one token
+  gaps.Add(10, 90);   // one step of 90 requests
+  gaps.Add(200, 9);   // a step that carried a prefill
+  gaps.Add(5);        // one token
   gaps.Add(1000, 0);  // no tokens: nothing
   ASSERT_EQ(gaps.count(), 100u);
   // Sorted: 5, then 90 x 10, then 9 x 200. Rank floor(q * 100), 0-based.
@@ -137,7 +137,7 @@ TEST(Summary, TpotIsPerRequestAndGoodputCountsRequestsMeetingBothTargets) {
       {.arrival_ms = 20, .first_token_ms = 100, .finished_ms = 100, .output_tokens = 1},
       // Two tokens, TTFT 10, TPOT exactly 10: meets.
       {.arrival_ms = 0, .first_token_ms = 10, .finished_ms = 20, .output_tokens = 2},
-      {.arrival_ms = 0, .error = true},                                  // misses
+      {.arrival_ms = 0, .error = true},                                                // misses
       {.arrival_ms = 0, .first_token_ms = 10, .finished_ms = -1, .output_tokens = 5},  // never finished
   };
   const Summary s = Summarize("pd", recs, {}, slo);
