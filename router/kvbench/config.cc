@@ -184,7 +184,8 @@ Status ReadBenchConfig(const po::variables_map& vm, BenchConfig& c) {
           "--prefill-workers online is checked against the router's fleet: give --wait-workers, the ranks "
           "of the whole fleet");
     }
-    if (Status s = CheckPrefillWorkers(prefill_workers, static_cast<std::uint32_t>(on.wait_workers)); !s.ok()) {
+    if (Status s = CheckPrefillWorkers(prefill_workers, static_cast<std::uint32_t>(on.wait_workers), "--wait-workers");
+        !s.ok()) {
       return s;
     }
   }

@@ -424,12 +424,12 @@ Status CheckWorkerSpeedups(const OfflineOptions& o) {
   return Status::Ok();
 }
 
-Status CheckPrefillWorkers(std::uint32_t prefill_workers, std::uint32_t workers) {
+Status CheckPrefillWorkers(std::uint32_t prefill_workers, std::uint32_t workers, std::string_view workers_flag) {
   if (prefill_workers < workers) return Status::Ok();
   return InvalidArgument(
-      fmt::format("--prefill-workers {} needs more --workers than that ({} given): the workers after the first {} "
-                  "are the decode workers, and a disaggregated fleet needs at least one",
-                  prefill_workers, workers, prefill_workers));
+      fmt::format("--prefill-workers {} needs more workers than that ({} {}): the workers after the first {} are the "
+                  "decode workers, and a disaggregated fleet needs at least one",
+                  prefill_workers, workers_flag, workers, prefill_workers));
 }
 
 Result<Summary> RunOffline(const std::vector<TraceRequest>& trace, const OfflineOptions& options) {

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "router/engine/mock_engine.h"
@@ -38,9 +39,10 @@ struct OfflineOptions {
 // InvalidArgument naming --worker-speedups unless worker_speedups is empty or has one finite
 // value > 0 per worker (and each times engine.speedup_ratio is finite).
 Status CheckWorkerSpeedups(const OfflineOptions& options);
-// InvalidArgument naming --prefill-workers unless prefill_workers < workers (a P/D fleet needs a
-// decode worker).
-Status CheckPrefillWorkers(std::uint32_t prefill_workers, std::uint32_t workers);
+// InvalidArgument naming --prefill-workers and `workers_flag` (the flag that gave `workers`) unless
+// prefill_workers < workers (a P/D fleet needs a decode worker).
+Status CheckPrefillWorkers(std::uint32_t prefill_workers, std::uint32_t workers,
+                           std::string_view workers_flag = "--workers");
 
 // Replays `trace` (timestamps relative to its first request). Fails on bad router flags, worker
 // speedups or prefill workers. The summary has every gap between tokens (each running request
