@@ -195,11 +195,16 @@ TEST(OfflineReplay, PrefillWorkersAreTheFirstWorkersAndNeverARequestsWorker) {
   EXPECT_TRUE(s->prefill_busy_max_over_mean.has_value());
 }
 
+// `trace` on the 4 workers of Options, the first 2 of them prefill workers, under `policy`.
+Result<Summary> RunPd(const std::vector<TraceRequest>& trace, const std::string& policy) {
+  OfflineOptions o = Options({"--router-mode", "kv", "--router-disagg-policy", policy});
+  o.prefill_workers = 2;
+  return RunOffline(trace, o);
+}
+
 TEST(OfflineReplay, DisaggregatedRequestsRunAPrefillLegThenADecodeLegThatPullsIt) {
   const auto trace = Workload();
-  OfflineOptions o = Options({"--router-mode", "kv", "--router-disagg-policy", "always"});
-  o.prefill_workers = 2;
-  auto s = RunOffline(trace, o);
+  auto s = RunPd(trace, "always");
   ASSERT_TRUE(s.ok()) << s.status().ToString();
   EXPECT_EQ(s->errors, 0u);
   EXPECT_EQ(s->disagg_decisions["disaggregated"], trace.size());
@@ -219,7 +224,7 @@ TEST(OfflineReplay, DisaggregatedRequestsRunAPrefillLegThenADecodeLegThatPullsIt
   ASSERT_TRUE(s->bookings_left.has_value());
   EXPECT_EQ(*s->bookings_left, BookingsLeft{});
   // Deterministic for a seed, as the aggregated replay is.
-  auto again = RunOffline(trace, o);
+  auto again = RunPd(trace, "always");
   ASSERT_TRUE(again.ok());
   EXPECT_EQ(SummaryJson(*s), SummaryJson(*again));
 }
@@ -249,9 +254,7 @@ TEST(OfflineReplay, ADisaggregatedRequestsFirstTokenIsItsDecodeLegsAfterThePull)
 
 TEST(OfflineReplay, NeverKeepsThePrefillPoolIdle) {
   const auto trace = Workload();
-  OfflineOptions o = Options({"--router-mode", "kv", "--router-disagg-policy", "never"});
-  o.prefill_workers = 2;
-  auto s = RunOffline(trace, o);
+  auto s = RunPd(trace, "never");
   ASSERT_TRUE(s.ok()) << s.status().ToString();
   EXPECT_EQ(s->errors, 0u);
   EXPECT_EQ(s->disagg_decisions["local"], trace.size());
