@@ -155,5 +155,43 @@ INSTANTIATE_TEST_SUITE_P(Workloads, MixedFleetByShape, ::testing::Values(Workloa
                            return n;
                          });
 
+
+// Disaggregated prefill and decode (docs/protocol.md section 13), issue 48's goal, on the whole
+// shared trace at twice and four times its rate, on 4 prefill + 4 decode workers: the default
+// policy (predicted) serves at least the SLO goodput of Dynamo's default (always) and of the best
+// fixed policy here (isl_or_load), with a TTFT p50 no worse than always's; the prefill pool is not
+// herded (its busiest rank within 1.3x its mean busy time); nothing fails and nothing stays booked.
+void ExpectThePdGoal(double rate) {
+  if (!std::filesystem::exists(KVROUTER_TRACE)) GTEST_SKIP() << "no trace at " << KVROUTER_TRACE;
+  auto trace = ReadMooncakeTrace(KVROUTER_TRACE);
+  ASSERT_TRUE(trace.ok()) << trace.status().ToString();
+  for (TraceRequest& r : *trace) r.timestamp_ms /= rate;
+  auto run = [&](const char* policy) {
+    OfflineOptions o{.router_flags = {"--router-mode", "kv", "--router-disagg-policy", policy,
+                                      "--router-conditional-disagg-prefill-busy-threshold", "4"},
+                     .prefill_workers = 4};
+    auto s = RunOffline(*trace, o);
+    EXPECT_TRUE(s.ok()) << s.status().ToString();
+    if (!s.ok()) return Summary{};
+    EXPECT_EQ(s->errors, 0u) << policy;
+    EXPECT_TRUE(s->bookings_left.has_value() && *s->bookings_left == BookingsLeft{}) << policy;
+    return *s;
+  };
+  const Summary ours = run("predicted"), always = run("always"), isl_or_load = run("isl_or_load");
+  std::printf("P/D at %.0fx: goodput predicted %.3f, always %.3f, isl_or_load %.3f; TTFT p50 %.0f / %.0f ms\n", rate,
+              ours.goodput, always.goodput, isl_or_load.goodput, ours.ttft_p50, always.ttft_p50);
+  EXPECT_GE(ours.goodput, always.goodput);
+  EXPECT_GE(ours.goodput, isl_or_load.goodput);
+  EXPECT_LE(ours.ttft_p50, always.ttft_p50);
+  ASSERT_TRUE(ours.prefill_busy_max_over_mean.has_value());
+  EXPECT_LE(*ours.prefill_busy_max_over_mean, 1.3);
+  ASSERT_TRUE(ours.disagg_decisions.count("disaggregated") && ours.disagg_decisions.count("local"));
+  EXPECT_GT(ours.disagg_decisions.at("disaggregated"), 0u);  // it chooses per request, both ways
+  EXPECT_GT(ours.disagg_decisions.at("local"), 0u);
+}
+
+TEST(Quality, DisaggregatedAtTwiceTheSharedTracesRate) { ExpectThePdGoal(2); }
+TEST(Quality, DisaggregatedAtFourTimesTheSharedTracesRate) { ExpectThePdGoal(4); }
+
 }  // namespace
 }  // namespace kvrouter::bench
