@@ -72,7 +72,7 @@ Status ReadHttpFlags(const po::variables_map& vm, MockerConfig& c) {
   return Status::Ok();
 }
 
-// --role, --kv-connector, --kv-bytes-per-token, --kv-transfer-gbps, --kv-lease-ms.
+// --role, --kv-connector, --kv-bytes-per-token, --kv-transfer-gbps, --kv-lease-ms, --bootstrap-port.
 Status ReadDisaggFlags(const po::variables_map& vm, MockerConfig& c) {
   if (Status s = ReadWorkerRoleFlags(vm, c.role, c.kv_connector); !s.ok()) return s;
   const std::int64_t bytes = vm["kv-bytes-per-token"].as<std::int64_t>();
@@ -85,6 +85,9 @@ Status ReadDisaggFlags(const po::variables_map& vm, MockerConfig& c) {
   auto lease = U32Flag(vm, "kv-lease-ms", 0, std::numeric_limits<std::uint32_t>::max());
   if (!lease.ok()) return lease.status();
   c.kv_lease_ms = *lease;
+  auto bootstrap = U32Flag(vm, "bootstrap-port", 1, 65535);
+  if (!bootstrap.ok()) return bootstrap.status();
+  c.bootstrap_port = *bootstrap;
   return Status::Ok();
 }
 
@@ -121,7 +124,8 @@ po::options_description Describe() {
     ("model", po::value<std::string>()->default_value(d.model), "model name served over HTTP and announced to the router")
     ("kv-bytes-per-token", po::value<std::int64_t>()->default_value(static_cast<std::int64_t>(d.kv_bytes_per_token)), "KV bytes of one token, priced by a decode engine's pull (>= 1)")
     ("kv-transfer-gbps", po::value<double>()->default_value(d.kv_transfer_gbps), "Gbit/s a decode engine pulls KV at (finite, > 0)")
-    ("kv-lease-ms", po::value<std::int64_t>()->default_value(d.kv_lease_ms), "ms a prefill engine keeps a leg's blocks for the pull, divided by --speedup-ratio (>= 0)");
+    ("kv-lease-ms", po::value<std::int64_t>()->default_value(d.kv_lease_ms), "ms a prefill engine keeps a leg's blocks for the pull, divided by --speedup-ratio (>= 0)")
+    ("bootstrap-port", po::value<std::int64_t>()->default_value(d.bootstrap_port), "SGLang bootstrap port announced by every worker; with --role prefill --kv-connector sglang and --http-port, the process listens there for the decode legs [1, 65535]");
   // clang-format on
   AddWorkerRoleFlags(desc, "every worker");
   AddNatsSecurityFlags(desc);

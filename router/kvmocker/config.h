@@ -67,6 +67,9 @@ struct MockerConfig {
   std::uint64_t kv_bytes_per_token = 131072;      // --kv-bytes-per-token >= 1
   double kv_transfer_gbps = 400;                  // --kv-transfer-gbps: Gbit/s, finite and > 0
   std::uint32_t kv_lease_ms = 30000;              // --kv-lease-ms: a prefill leg's pin at most (over the speedup)
+  // --bootstrap-port [1, 65535]: announced by every worker; with --role prefill, --kv-connector
+  // sglang and --http-port, the process's bootstrap listener (SGLang's legs meet there by room).
+  std::uint32_t bootstrap_port = kDefaultBootstrapPort;
 };
 // num_workers * dp_size is at most this: every rank costs a subscription (a nats.c thread).
 inline constexpr std::uint32_t kMaxMockRanks = 1024;

@@ -13,6 +13,7 @@
 #include "events/subjects.h"
 #include "router/common/metrics.h"
 #include "events/vllm_codec.h"
+#include "transport/http_client.h"
 #include "transport/http_io.h"
 #include "transport/http_listener.h"
 
@@ -109,7 +110,10 @@ MockWorkerFleet::Counters MockWorkerFleet::counters() const {
           .publish_failures = publish_failures_.load(),
           .http_requests = http_requests_.load(),
           .http_errors = http_errors_.load(),
-          .aborted = aborted_.load()};
+          .aborted = aborted_.load(),
+          .invalid_transfers = invalid_transfers_.load(),
+          .pull_notice_failures = pull_notice_failures_.load(),
+          .bootstrap_failures = bootstrap_failures_.load()};
 }
 
 std::string MockWorkerFleet::MetricsText() {
@@ -127,6 +131,13 @@ std::string MockWorkerFleet::MetricsText() {
             static_cast<double>(c.http_errors));
   m.Counter("kvmocker_requests_aborted_total", "HTTP generations whose client went away before the end",
             static_cast<double>(c.aborted));
+  m.Counter("kvmocker_invalid_kv_transfers_total",
+            "decode legs whose kv_transfer_params were missing or bad: prefilled locally",
+            static_cast<double>(c.invalid_transfers));
+  m.Counter("kvmocker_kv_pull_notice_failures_total", "kv_pulled notices a prefill process did not take",
+            static_cast<double>(c.pull_notice_failures));
+  m.Counter("kvmocker_bootstrap_failures_total", "SGLang decode legs failed because their bootstrap room never came",
+            static_cast<double>(c.bootstrap_failures));
   m.Gauge("kvmocker_outstanding_requests", "generate requests not finished", static_cast<double>(outstanding_.load()));
   KvMutexLock g(engine_mu_);
   for (const auto& r : ranks_) {
@@ -140,6 +151,9 @@ std::string MockWorkerFleet::MetricsText() {
     m.Gauge("kvmocker_waiting_requests", "requests waiting for room", static_cast<double>(r->engine->NumWaiting()), l);
     m.Gauge("kvmocker_pinned_blocks", "KV blocks a prefill engine holds for pulls not yet done (each block once)",
             static_cast<double>(r->engine->PinnedBlocks()), l);
+    m.Counter("kvmocker_local_prefills_on_invalid_transfer_total",
+              "decode legs run as local prefills: transfer missing or its blocks unequal to the prompt's",
+              static_cast<double>(r->engine->local_prefills_on_invalid_transfer()), l);
   }
   return RenderMetrics(m.Take());
 }
@@ -198,6 +212,15 @@ void MockWorkerFleet::Stop() {
     for (auto& [id, f] : in_flight_) http_answers += AnswerShutdown(f.target);
     in_flight_.clear();
   }
+  {
+    KvMutexLock g(rooms_mu_);
+    for (auto& [room, r] : rooms_) {
+      const FaceResponse gone = OpenAiError(503, "unavailable", "the prefill worker is shutting down");
+      for (const auto& waiter : r.waiters) waiter->Send(gone.status, {{"content-type", gone.content_type}}, gone.body);
+      http_answers += r.waiters.size();
+    }
+    rooms_.clear();
+  }
   queued.clear();
   StopHttp(http_answers > 0 ? kHttpAnswerGrace : std::chrono::milliseconds(0));
   (void)nats_.Flush(std::chrono::seconds(2));
@@ -255,7 +278,8 @@ void MockWorkerFleet::PublishRegistrations(WorkerStatus status) {
         .http_url = WorkerHttpUrl(config_, worker),
         .models = config_.http_port > 0 ? std::vector<std::string>{config_.model} : std::vector<std::string>{},
         .role = config_.role,
-        .kv_connector = config_.kv_connector};
+        .kv_connector = config_.kv_connector,
+        .bootstrap_port = config_.bootstrap_port};
     CountPublish(nats_.Publish(instances_subject_, AsBytes(EncodeWorkerRegistration(reg))), "registration");
   }
 }
@@ -370,12 +394,18 @@ double MockWorkerFleet::AdvanceEngines(std::vector<GenerateJob>& jobs, const std
     const std::string id = std::to_string(j.id);
     const std::size_t rank_index =
         j.dp_rank ? j.worker_index * config_.dp_size + *j.dp_rank : LeastBusyRank(j.worker_index);
+    const EngineLeg leg = j.legs.leg;
     in_flight_.emplace(id, InFlight{.rank_index = rank_index,
                                     .target = std::move(j.target),
                                     .arrival_ms = j.arrival_ms,
-                                    .max_tokens = j.max_tokens});
-    ranks_[rank_index]->engine->Add(
-        {.id = id, .tokens = std::move(j.tokens), .max_tokens = j.max_tokens, .mm_items = std::move(j.mm_items)});
+                                    .max_tokens = j.max_tokens,
+                                    .legs = std::move(j.legs)});
+    ranks_[rank_index]->engine->Add({.id = id,
+                                     .tokens = std::move(j.tokens),
+                                     .max_tokens = j.max_tokens,
+                                     .mm_items = std::move(j.mm_items),
+                                     .leg = leg,
+                                     .transfer = std::move(j.transfer)});
   }
   // After the jobs: a job and its abort may come in the same batch.
   for (std::uint64_t job : aborts) {
@@ -383,6 +413,7 @@ double MockWorkerFleet::AdvanceEngines(std::vector<GenerateJob>& jobs, const std
     if (it == in_flight_.end()) continue;  // finished before its client went away
     // Its outputs of a step in progress find no InFlight and are dropped.
     (void)ranks_[it->second.rank_index]->engine->Abort(it->first);
+    if (it->second.legs.room) PublishRoom(*it->second.legs.room, std::nullopt, 0, "its prefill leg was cancelled");
     in_flight_.erase(it);
     --outstanding_;
     ++aborted_;
@@ -446,6 +477,7 @@ void MockWorkerFleet::DeliverOutputs(Rank& rank) {
     if (it == in_flight_.end()) continue;  // aborted while its step ran
     InFlight& f = it->second;
     if (o.kind == EngineOutput::kFirstToken) f.first_token_ms = o.at_ms;
+    if (o.kind == EngineOutput::kPulled && f.legs.source) TellPulled(*f.legs.source);
     if (auto* nats = std::get_if<NatsTarget>(&f.target)) {
       AnswerNats(*nats, f, o);
     } else {

@@ -13,6 +13,7 @@
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -30,6 +31,7 @@
 #include "events/worker_codec.h"
 #include "events/worker_publisher.h"
 #include "router/kvmocker/config.h"
+#include "router/kvmocker/kv_transfer.h"
 #include "router/kvmocker/openai_face.h"
 #include "router/engine/mock_engine.h"
 #include "events/base/log.h"
@@ -40,6 +42,7 @@ namespace kvrouter {
 
 // The HTTP face's types are only named here (fleet_http.cc has them): Asio and Beast stay out
 // of every file that includes the fleet.
+class HttpClient;
 class HttpIo;
 class HttpListener;
 class HttpReply;
@@ -56,6 +59,14 @@ struct HttpRequest;
 // happen), responses (at the step's end: NATS messages, or HTTP responses and streamed tokens
 // through HttpReply, which never blocks) and heartbeats. A recovery request reads its rank's
 // publisher under engine_mu_ from its delivery thread.
+//
+// Disaggregated legs (docs/protocol.md section 13, "kvmocker's roles"): a body's
+// kv_transfer_params picks the leg on any worker (vLLM's kv_both engines take both); SGLang's
+// bootstrap fields pick it by the process's role. A prefill leg pins its blocks; a decode leg's
+// pull end (EngineOutput::kPulled) releases them: directly when the prefill worker is in this
+// fleet, else by POST /kvmocker/kv_pulled to the prefill process (HttpClient, fire and forget;
+// the lease frees the blocks when that fails). SGLang's legs meet by room at the prefill
+// process's bootstrap listener (rooms_, on HTTP threads and the engine thread).
 class MockWorkerFleet {
  public:
   // Counters since construction (a snapshot).
@@ -68,6 +79,9 @@ class MockWorkerFleet {
     std::uint64_t http_requests = 0;     // HTTP generations accepted into the inbox
     std::uint64_t http_errors = 0;       // HTTP requests answered with an error status
     std::uint64_t aborted = 0;           // HTTP generations whose client went away before the end
+    std::uint64_t invalid_transfers = 0;     // decode legs with bad kv_transfer_params: local prefills
+    std::uint64_t pull_notice_failures = 0;  // POST kv_pulled to a prefill process that failed
+    std::uint64_t bootstrap_failures = 0;    // SGLang decode legs failed: their room never came
   };
   // Generate requests (NATS and HTTP) not yet finished (inbox, engine queues, running) before
   // refusing more (NATS: an "overloaded" error; HTTP: 503 with Retry-After).
@@ -118,6 +132,12 @@ class MockWorkerFleet {
   };
   using ReplyTarget = std::variant<NatsTarget, HttpTarget>;
 
+  // A request's part in a disaggregated pair (section 13).
+  struct LegState {
+    EngineLeg leg = EngineLeg::kWhole;
+    std::optional<KvTransferParams> source;  // kDecode: whom to tell of the pull (its blocks moved out)
+    std::optional<std::uint64_t> room;       // an SGLang kPrefill leg: its bootstrap room
+  };
   struct GenerateJob {
     std::uint64_t id = 0;  // the fleet's, unique: the engine's request id
     std::size_t worker_index = 0;
@@ -127,6 +147,8 @@ class MockWorkerFleet {
     std::uint32_t max_tokens = 1;
     ReplyTarget target;
     double arrival_ms = 0;
+    LegState legs;
+    std::optional<KvPull> transfer;  // kDecode with valid kv_transfer_params
   };
   struct InFlight {
     std::size_t rank_index = 0;
@@ -134,7 +156,24 @@ class MockWorkerFleet {
     double arrival_ms = 0;
     double first_token_ms = 0;
     std::uint32_t max_tokens = 1;
+    LegState legs;
   };
+  // An SGLang bootstrap room on the prefill process: the decode legs waiting for it, until its
+  // prefill leg is done (`ready`) or failed; a ready room lives until a decode leg takes it or
+  // its pin's lease ends, a waited-for one until expires_ms.
+  struct Room {
+    std::optional<KvTransferParams> ready;
+    std::optional<std::string> failed;  // why its prefill leg failed
+    std::vector<std::shared_ptr<HttpReply>> waiters;
+    double expires_ms = 0;
+  };
+  static constexpr std::size_t kMaxRooms = 65536;
+  static constexpr std::size_t kMaxRoomWaiters = 8;
+  // How long an SGLang decode leg waits for its room, and a room for its decode legs: the
+  // worker's --kv-lease-ms over its speedup ratio (the prefill engine holds the blocks no longer),
+  // at least kMinLegWaitMs.
+  static constexpr double kMinLegWaitMs = 1000;
+  double LegWaitMs(std::size_t worker_index) const;
   enum class Admission { kQueued, kFull, kStopping };
 
   double NowMs() const;
@@ -169,8 +208,25 @@ class MockWorkerFleet {
   static constexpr std::chrono::milliseconds kHttpAnswerGrace{200};
   // On an HttpIo thread: answers at once, or queues a generation for the worker's engine.
   void OnHttp(std::size_t worker_index, HttpRequest&& request, std::shared_ptr<HttpReply> reply);
+  // Queues an HTTP generation (its client's going away then aborts it), or answers 503.
+  void QueueHttpJob(GenerateJob& job);
   // On an HttpIo thread: the client of job `id` went away.
   void AbortJob(std::uint64_t id);
+  // On an HttpIo thread: POST /kvmocker/kv_pulled (the face and the bootstrap listener).
+  FaceResponse OnKvPulled(std::string_view body);
+  // On an HttpIo thread: the bootstrap listener (GET rooms, POST kv_pulled).
+  void OnBootstrapHttp(HttpRequest&& request, std::shared_ptr<HttpReply> reply);
+  // On an HttpIo thread: an SGLang decode leg asks the prefill process for its room, then
+  // queues `job` with its pull, or fails its client (502 kv_bootstrap_failed).
+  void AwaitRoom(GenerateJob job, SglangBootstrap bootstrap);
+  // On the engine thread: a decode leg's pull ended; tells its prefill engine.
+  void TellPulled(const KvTransferParams& source) KV_REQUIRES(engine_mu_);
+  // A room's prefill leg is done (`params`) or failed (nullopt, `why`): answers its waiters.
+  void PublishRoom(std::uint64_t room, std::optional<KvTransferParams> params, double lease_ms, std::string_view why);
+  // Answers and drops the rooms whose time is up; under rooms_mu_.
+  void ExpireRooms(double now_ms) KV_REQUIRES(rooms_mu_);
+  // What a prefill leg answers with: the rank's pin of engine request `id`, reached at host:port.
+  KvTransferParams PinnedParams(const InFlight& f, const std::string& id) KV_REQUIRES(engine_mu_);
   // On the engine thread: one engine output for an HTTP client.
   void AnswerHttp(HttpTarget& target, const InFlight& f, const EngineOutput& o) KV_REQUIRES(engine_mu_);
   // An error for an HTTP client: the whole response, or an error event and the stream's end.
@@ -200,19 +256,25 @@ class MockWorkerFleet {
   bool stopping_ KV_GUARDED_BY(inbox_mu_) = false;
   std::atomic<std::uint64_t> next_job_id_{0};
 
+  KvMutex rooms_mu_;
+  std::unordered_map<std::uint64_t, Room> rooms_ KV_GUARDED_BY(rooms_mu_);
+  std::deque<std::pair<double, std::uint64_t>> room_expiry_ KV_GUARDED_BY(rooms_mu_);  // (expires_ms, room)
+
   // Thread-safe (OpenAiFace::Handle); built from the config.
   OpenAiFace face_;
 
   // Owned by the controlling thread (Start / Stop). The listeners go before the HttpIo they use.
   std::vector<std::unique_ptr<Subscription>> subscriptions_;
   std::unique_ptr<HttpIo> http_io_;
-  std::vector<std::unique_ptr<HttpListener>> listeners_;
+  std::vector<std::unique_ptr<HttpListener>> listeners_;  // the workers' faces, then the bootstrap listener
+  std::unique_ptr<HttpClient> peer_client_;               // kv_pulled notices and bootstrap waits
   std::thread engine_thread_;
   bool started_ = false;
   bool stopped_ = false;
 
   std::atomic<std::uint64_t> requests_{0}, bad_requests_{0}, inbox_full_{0}, events_{0}, publish_failures_{0},
-      http_requests_{0}, http_errors_{0}, aborted_{0};
+      http_requests_{0}, http_errors_{0}, aborted_{0}, invalid_transfers_{0}, pull_notice_failures_{0},
+      bootstrap_failures_{0};
 };
 
 }  // namespace kvrouter

@@ -274,7 +274,7 @@ OpenAiAnswer::OpenAiAnswer(OpenAiApi api, std::string id, std::int64_t created, 
   chunk_head_.pop_back();  // the closing brace: each chunk appends its choices
 }
 
-std::string OpenAiAnswer::Body(const OpenAiUsage& usage) const {
+std::string OpenAiAnswer::Body(const OpenAiUsage& usage, const KvTransferParams* kv_transfer_params) const {
   std::string text(usage.completion_tokens, ' ');
   for (std::uint32_t k = 0; k < usage.completion_tokens; ++k) text[k] = GeneratedTokenChar(k);
   Json choice = {{"index", 0}, {"logprobs", nullptr}, {"finish_reason", "length"}};
@@ -283,12 +283,14 @@ std::string OpenAiAnswer::Body(const OpenAiUsage& usage) const {
   } else {
     choice["text"] = std::move(text);
   }
-  const Json body = {{"id", id_},
-                     {"object", api_ == OpenAiApi::kChat ? "chat.completion" : "text_completion"},
-                     {"created", created_},
-                     {"model", model_},
-                     {"choices", Json::array({std::move(choice)})},
-                     {"usage", UsageJson(usage)}};
+  Json body = {{"id", id_},
+               {"object", api_ == OpenAiApi::kChat ? "chat.completion" : "text_completion"},
+               {"created", created_},
+               {"model", model_},
+               {"choices", Json::array({std::move(choice)})},
+               {"usage", UsageJson(usage)}};
+  if (kv_transfer_params != nullptr)
+    body["kv_transfer_params"] = Json::parse(KvTransferParamsJson(*kv_transfer_params));
   return Dump(body);
 }
 
@@ -408,6 +410,12 @@ std::variant<FaceResponse, OpenAiGeneration> OpenAiFace::Handle(std::string_view
       if (!usage.ok()) return Refusal(usage.status());
       include_usage = *usage;
     }
+    Json leg_fields = Json::object();
+    for (const std::string_view key : kLegFieldNames) {
+      if (const auto it = request->find(key); it != request->end()) leg_fields[std::string(key)] = *it;
+    }
+    auto legs = ParseLegFields(Dump(leg_fields));
+    if (!legs.ok()) return Refusal(legs.status());
     const std::string suffix = request_id.empty() ? FreshId() : std::string(request_id);
     return OpenAiGeneration{
         .prompt = std::move(prompt->tokens),
@@ -415,7 +423,8 @@ std::variant<FaceResponse, OpenAiGeneration> OpenAiFace::Handle(std::string_view
         .max_tokens = *max_tokens,
         .answer =
             OpenAiAnswer(api, (api == OpenAiApi::kChat ? "chatcmpl-" : "cmpl-") + suffix, UnixSeconds(), options_.model,
-                         *stream ? OpenAiAnswer::Delivery::kStream : OpenAiAnswer::Delivery::kWhole, include_usage)};
+                         *stream ? OpenAiAnswer::Delivery::kStream : OpenAiAnswer::Delivery::kWhole, include_usage),
+        .legs = std::move(legs).value()};
   } catch (const Json::exception& e) {  // a check above missed a type: still the client's fault
     return OpenAiError(400, "invalid_argument", e.what());
   }

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "events/block_hash.h"
+#include "router/kvmocker/kv_transfer.h"
 
 namespace kvrouter {
 
@@ -76,8 +77,9 @@ class OpenAiAnswer {
   bool include_usage() const { return include_usage_; }  // stream_options.include_usage
 
   // kWhole: the whole body, "chat.completion" or "text_completion", finish_reason "length",
-  // the text of usage.completion_tokens tokens.
-  std::string Body(const OpenAiUsage& usage) const;
+  // the text of usage.completion_tokens tokens; a prefill leg's also a top-level
+  // "kv_transfer_params" (KvTransferParamsJson, kv_transfer.h).
+  std::string Body(const OpenAiUsage& usage, const KvTransferParams* kv_transfer_params = nullptr) const;
   // kStream: "data: {chunk}\n\n" for generated token k (from 0); chat's first chunk carries
   // role "assistant"; `last` sets finish_reason "length".
   std::string TokenEvent(std::uint32_t k, bool last) const;
@@ -104,6 +106,7 @@ struct OpenAiGeneration {
   std::vector<MmItem> mm_items;       // its images
   std::uint32_t max_tokens = 16;      // in [1, kMaxGenerateTokens]
   OpenAiAnswer answer;
+  LegFields legs;  // kv_transfer_params and SGLang's bootstrap fields (kv_transfer.h)
 };
 
 struct OpenAiFaceOptions {
@@ -125,6 +128,8 @@ class OpenAiFace {
   //   POST /v1/completions/render                         -> [{"token_ids": [...]}]
   //   POST /tokenize {model?, messages | prompt}          -> {"tokens", "count", "max_model_len"}
   //   GET  /v1/models, /health
+  // A generation's kv_transfer_params and bootstrap_* fields are parsed (ParseLegFields), never
+  // acted on here: the fleet runs the legs.
   // Errors: 400 bad JSON, a missing or mistyped field, a prompt over max_model_len; 404 an
   // unknown model or path; 405 a known path with another method. A missing `model` means the
   // served one, as in vLLM.

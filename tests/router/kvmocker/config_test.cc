@@ -50,6 +50,7 @@ TEST(MockerConfigTest, DefaultsMatchTheDesign) {
   EXPECT_EQ(WorkerHttpUrl(c, 0), "");  // the HTTP face is off
   EXPECT_EQ(c.role, WorkerRole::kBoth);
   EXPECT_EQ(c.kv_connector, KvConnector::kNixl);
+  EXPECT_EQ(c.bootstrap_port, 8998u);
   const MockEngineConfig e = WorkerEngineConfig(c, 0);
   EXPECT_EQ(e.kv_bytes_per_token, 131072u);
   EXPECT_EQ(e.kv_transfer_gbps, 400.0);
@@ -58,9 +59,10 @@ TEST(MockerConfigTest, DefaultsMatchTheDesign) {
 
 TEST(MockerConfigTest, DisaggFlagsSetTheRoleTheConnectorAndEveryEnginesTransfer) {
   auto p = Parse({"--num-workers", "2", "--role", "prefill", "--kv-connector", "sglang", "--kv-bytes-per-token",
-                  "65536", "--kv-transfer-gbps", "12.5", "--kv-lease-ms", "0"});
+                  "65536", "--kv-transfer-gbps", "12.5", "--kv-lease-ms", "0", "--bootstrap-port", "9100"});
   ASSERT_TRUE(p.ok()) << p.status().ToString();
   EXPECT_EQ(p->config.role, WorkerRole::kPrefill);
+  EXPECT_EQ(p->config.bootstrap_port, 9100u);
   EXPECT_EQ(p->config.kv_connector, KvConnector::kSglang);
   for (std::uint32_t w = 0; w < 2; ++w) {
     const MockEngineConfig e = WorkerEngineConfig(p->config, w);
@@ -212,6 +214,8 @@ TEST(MockerConfigTest, BadValuesAreRefusedNamingTheFlag) {
       {{"--kv-transfer-gbps", "nan"}, "--kv-transfer-gbps"},
       {{"--kv-lease-ms", "-1"}, "--kv-lease-ms"},
       {{"--kv-lease-ms", "4294967296"}, "--kv-lease-ms"},
+      {{"--bootstrap-port", "0"}, "--bootstrap-port"},
+      {{"--bootstrap-port", "65536"}, "--bootstrap-port"},
   };
   for (const auto& [args, flag] : cases) {
     auto p = Parse(args);
