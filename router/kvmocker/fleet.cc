@@ -412,8 +412,14 @@ double MockWorkerFleet::AdvanceEngines(std::vector<GenerateJob>& jobs, const std
     const auto it = in_flight_.find(std::to_string(job));
     if (it == in_flight_.end()) continue;  // finished before its client went away
     // Its outputs of a step in progress find no InFlight and are dropped.
-    (void)ranks_[it->second.rank_index]->engine->Abort(it->first);
+    MockEngine& engine = *ranks_[it->second.rank_index]->engine;
+    // A prefill leg whose step has run but not ended (real time) is already pinned in the engine:
+    // nobody will learn of the pin, so it goes too.
+    if (!engine.Abort(it->first) && it->second.legs.leg == EngineLeg::kPrefill) (void)engine.ReleasePinned(it->first);
     if (it->second.legs.room) PublishRoom(*it->second.legs.room, std::nullopt, 0, "its prefill leg was cancelled");
+    // A decode leg cancelled before its pull ended pulls nothing more: the prefill engine need
+    // not hold the blocks until its lease.
+    if (it->second.legs.source && !it->second.pulled) TellPulled(*it->second.legs.source);
     in_flight_.erase(it);
     --outstanding_;
     ++aborted_;
@@ -477,7 +483,10 @@ void MockWorkerFleet::DeliverOutputs(Rank& rank) {
     if (it == in_flight_.end()) continue;  // aborted while its step ran
     InFlight& f = it->second;
     if (o.kind == EngineOutput::kFirstToken) f.first_token_ms = o.at_ms;
-    if (o.kind == EngineOutput::kPulled && f.legs.source) TellPulled(*f.legs.source);
+    if (o.kind == EngineOutput::kPulled && f.legs.source) {
+      f.pulled = true;
+      TellPulled(*f.legs.source);
+    }
     if (auto* nats = std::get_if<NatsTarget>(&f.target)) {
       AnswerNats(*nats, f, o);
     } else {

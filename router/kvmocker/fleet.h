@@ -157,6 +157,7 @@ class MockWorkerFleet {
     double first_token_ms = 0;
     std::uint32_t max_tokens = 1;
     LegState legs;
+    bool pulled = false;  // kDecode: its pull ended (EngineOutput::kPulled)
   };
   // An SGLang bootstrap room on the prefill process: the decode legs waiting for it, until its
   // prefill leg is done (`ready`) or failed; a ready room lives until a decode leg takes it or

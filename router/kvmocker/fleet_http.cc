@@ -163,6 +163,9 @@ void MockWorkerFleet::OnHttp(std::size_t worker_index, HttpRequest&& request, st
         job.legs.leg = EngineLeg::kPrefill;
         job.legs.room = legs.bootstrap->room;
         job.max_tokens = 1;
+        // SGLang's data-parallel controller serves a room on rank room % dp_size (the router
+        // chose the room so); a rank header still wins.
+        if (!job.dp_rank) job.dp_rank = static_cast<std::uint32_t>(legs.bootstrap->room % config_.dp_size);
       } else if (config_.role == WorkerRole::kDecode) {
         AwaitRoom(std::move(job), *legs.bootstrap);
         return;

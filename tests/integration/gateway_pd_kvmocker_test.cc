@@ -59,7 +59,7 @@ class GatewayPdKvmockerTest : public GatewayTest {
                                      "--worker-id-base", std::to_string(id),
                                      "--block-size",     std::to_string(kBs),
                                      "--num-gpu-blocks", "4096",
-                                     "--speedup-ratio",  "100",
+                                     "--speedup-ratio",  speedup_,
                                      "--http-port",      std::to_string(m.http_port),
                                      "--http-host",      "127.0.0.1",
                                      "--model",          "mock",
@@ -150,6 +150,7 @@ class GatewayPdKvmockerTest : public GatewayTest {
     EXPECT_EQ(MockerMetric(*decode_, "kvmocker_bootstrap_failures_total"), 0);
   }
 
+  std::string speedup_ = "100";  // every kvmocker's --speedup-ratio
   std::deque<Mocker> mockers_;
   Mocker* prefill_ = nullptr;
   Mocker* decode_ = nullptr;
@@ -288,6 +289,35 @@ TEST_F(GatewayPdKvmockerTest, BothLegsInOneProcessReleaseThePinDirectly) {
   EXPECT_EQ(json::parse(again->body)["released"], false);
 }
 
+TEST_F(GatewayPdKvmockerTest, ADecodeLegCancelledDuringItsPullUnpinsThePrefillBlocks) {
+  // A pull of 50 blocks at 1 Mbit/s: seconds long even at speedup 100.
+  Mocker& m = StartMocker("kvmocker-both", 10, "both", {"--kv-lease-ms", "60000000", "--kv-transfer-gbps", "0.001"}, 2);
+  ASSERT_TRUE(AwaitTrue([&] { return CanConnect(m.http_port + 1); }));
+  const std::string prompt(200, 'c');
+  const json prefill_body = {
+      {"model", "mock"}, {"prompt", prompt}, {"max_tokens", 1}, {"kv_transfer_params", {{"do_remote_decode", true}}}};
+  auto p = client_->Fetch(
+      m.Http(),
+      {.target = "/v1/completions", .headers = {{"content-type", "application/json"}}, .body = prefill_body.dump()});
+  ASSERT_TRUE(p.ok());
+  ASSERT_EQ(p->status, 200) << p->body;
+  ASSERT_EQ(MockerMetric(m, Pinned(10)), static_cast<double>(prompt.size() / kBs));
+  const json decode_body = {{"model", "mock"},
+                            {"prompt", prompt},
+                            {"max_tokens", 5},
+                            {"kv_transfer_params", json::parse(p->body)["kv_transfer_params"]}};
+  auto done = std::make_shared<std::promise<Status>>();  // outlives an early end of the test
+  auto call = client_->Start(
+      {.host = "127.0.0.1", .port = static_cast<std::uint16_t>(m.http_port + 1)},
+      {.target = "/v1/completions", .headers = {{"content-type", "application/json"}}, .body = decode_body.dump()},
+      {.on_done = [done](const Status& s) { done->set_value(s); }});
+  // In its pull: the decode engine references the blocks it receives.
+  ASSERT_TRUE(AwaitTrue([&] { return MockerMetric(m, "kvmocker_active_blocks{worker_id=\"11\",dp_rank=\"0\"}") > 0; }));
+  call->Cancel();
+  EXPECT_FALSE(done->get_future().get().ok());
+  EXPECT_TRUE(AwaitTrue([&] { return MockerMetric(m, Pinned(10)) == 0; })) << MockerMetric(m, Pinned(10));
+}
+
 class GatewayPdKvmockerSglangTest : public GatewayPdKvmockerTest {
  protected:
   std::string Connector() const override { return "sglang"; }
@@ -333,6 +363,44 @@ TEST_F(GatewayPdKvmockerSglangTest, ADecodeLegWhoseRoomNeverComesFailsWithAClear
   EXPECT_NE(r->body.find("12345"), std::string::npos) << r->body;
   EXPECT_LT(std::chrono::steady_clock::now() - start, 10s);  // kv_lease_ms 30000 over speedup 100: bounded
   EXPECT_EQ(MockerMetric(*decode_, "kvmocker_bootstrap_failures_total"), 1);
+}
+
+TEST_F(GatewayPdKvmockerSglangTest, APrefillLegCancelledFailsItsWaitingDecodeLegAtOnce) {
+  speedup_ = "0.01";  // a prefill of seconds; the decode leg would wait its room for 3,000 s
+  StartSglangPair();
+  if (HasFatalFailure()) return;
+  const json body = {{"model", "mock"},
+                     {"prompt", std::string(2000, 'w')},
+                     {"bootstrap_host", "127.0.0.1"},
+                     {"bootstrap_port", bootstrap_port_},
+                     {"bootstrap_room", 777}};
+  const HttpCallSpec spec = {
+      .target = "/v1/completions", .headers = {{"content-type", "application/json"}}, .body = body.dump()};
+  // Shared with the calls: an assertion that ends the test early leaves them nothing dangling.
+  auto decoded = std::make_shared<std::promise<std::pair<int, std::string>>>();
+  auto status = std::make_shared<int>(0);
+  auto text = std::make_shared<std::string>();
+  client_->Start(decode_->Http(), spec,
+                 {.on_head = [status](int s, const HttpHeaders&) { *status = s; },
+                  .on_data = [text](std::string_view d) { text->append(d); },
+                  .on_done =
+                      [decoded, status, text](const Status&) {
+                        decoded->set_value({*status, *text});
+                      }});
+  auto prefilled = std::make_shared<std::promise<Status>>();
+  auto prefill_call =
+      client_->Start(prefill_->Http(), spec, {.on_done = [prefilled](const Status& s) { prefilled->set_value(s); }});
+  // In its prefill (the engine's step has run; its end, in real time, is seconds away), pinned.
+  ASSERT_TRUE(AwaitTrue([&] { return MockerMetric(*prefill_, "kvmocker_outstanding_requests") == 1; }));
+  prefill_call->Cancel();
+  EXPECT_FALSE(prefilled->get_future().get().ok());
+  auto future = decoded->get_future();
+  ASSERT_EQ(future.wait_for(10s), std::future_status::ready) << "the decode leg still waits for a cancelled prefill";
+  const auto [code, answer] = future.get();
+  EXPECT_EQ(code, 502) << answer;
+  EXPECT_NE(answer.find("kv_bootstrap_failed"), std::string::npos) << answer;
+  EXPECT_NE(answer.find("cancelled"), std::string::npos) << answer;
+  EXPECT_EQ(MockerMetric(*prefill_, Pinned(kPrefillId)), 0);  // nobody will pull it
 }
 
 }  // namespace
