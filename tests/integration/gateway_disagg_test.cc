@@ -207,15 +207,7 @@ class GatewayDisaggTest : public GatewayTest {
     Heartbeat();
   }
   // A metric's value on the gateway's /metrics (`series` with its labels), -1 when absent.
-  double Metric(const std::string& series) {
-    auto r = client_->Fetch(endpoint_, {.method = "GET", .target = "/metrics"});
-    if (!r.ok()) return -1;
-    std::istringstream lines(r->body);
-    for (std::string line; std::getline(lines, line);) {
-      if (line.starts_with(series + " ")) return std::stod(line.substr(series.size() + 1));
-    }
-    return -1;
-  }
+  double Metric(const std::string& series) { return ScrapeMetric(series); }
   bool AwaitFreed() {
     return AwaitStats(
         [](StatsReply& s) { return s.counters["active_requests"] == 0 && s.counters["active_prefill_legs"] == 0; },

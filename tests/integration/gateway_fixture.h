@@ -13,6 +13,8 @@
 #include <atomic>
 #include <memory>
 #include <mutex>
+#include <optional>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -206,6 +208,16 @@ class GatewayTest : public KvRouterProcessTest {
       if (k == name) return v;
     }
     return "";
+  }
+  // A series (its name and labels) on the /metrics of `at` (default: the gateway), -1 when absent.
+  double ScrapeMetric(const std::string& series, std::optional<HttpEndpoint> at = std::nullopt) {
+    auto r = client_->Fetch(at.value_or(endpoint_), {.method = "GET", .target = "/metrics"});
+    if (!r.ok()) return -1;
+    std::istringstream lines(r->body);
+    for (std::string line; std::getline(lines, line);) {
+      if (line.starts_with(series + " ")) return std::stod(line.substr(series.size() + 1));
+    }
+    return -1;
   }
   std::uint64_t ActiveRequests() {
     auto s = Stats();
