@@ -67,6 +67,9 @@ int main(int argc, char** argv) {
   if (cfg.http_port > 0) {
     fmt::print(stderr, "kvmocker I OpenAI HTTP on {}:{}..{} as {}..., model '{}'\n", cfg.http_host, cfg.http_port,
                cfg.http_port + cfg.num_workers - 1, WorkerHttpUrl(cfg, 0), cfg.model);
+    if (cfg.role == WorkerRole::kPrefill && cfg.kv_connector == KvConnector::kSglang) {
+      fmt::print(stderr, "kvmocker I SGLang bootstrap on {}:{}\n", cfg.http_host, cfg.bootstrap_port);
+    }
   }
 
   std::unique_ptr<HttpServer> http;
