@@ -54,8 +54,16 @@ void ActiveLoad::AddRecent(PerWorker& w, SteadyTime now) {
 bool ActiveLoad::BookPrefill(const std::string& request_id, WorkerKey worker, std::uint64_t prefill_tokens,
                              SteadyTime now) {
   auto it = requests_.find(request_id);
-  if (it == requests_.end() || it->second.prefill || it->second.worker == worker) return false;
-  it->second.prefill = Booking::PrefillPart{worker, prefill_tokens};
+  if (it == requests_.end() || it->second.had_prefill || it->second.worker == worker) return false;
+  Booking& b = it->second;
+  if (b.prefill_tokens > 0) {  // the prompt is prefilled there, not on the request's own rank
+    WorkerLoad& own = workers_[b.worker].load;
+    own.active_prefill_tokens -= b.prefill_tokens;
+    own.active_prefill_squares -= Square(b.prefill_tokens);
+    b.prefill_tokens = 0;
+  }
+  b.prefill = Booking::PrefillPart{worker, prefill_tokens};
+  b.had_prefill = true;
   PerWorker& w = workers_[worker];
   w.load.active_prefill_tokens += prefill_tokens;
   w.load.active_prefill_squares += Square(prefill_tokens);

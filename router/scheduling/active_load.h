@@ -50,8 +50,9 @@ class ActiveLoad {
   // Also releases the prefill part (the decode leg's first byte comes after the prefill leg).
   bool MarkPrefill(const std::string& request_id);  // false when unknown or already marked
   bool Free(const std::string& request_id);         // false when unknown
-  // The prefill part of booked request `request_id` on `worker` (another rank than its own):
-  // false when the request is not booked, or has a prefill part already.
+  // The prefill part of booked request `request_id` on `worker` (another rank than its own); the
+  // request's own rank then prefills nothing. A booking gets one prefill part in its life: false
+  // when the request is not booked or has had one (a replica's late or repeated add).
   bool BookPrefill(const std::string& request_id, WorkerKey worker, std::uint64_t prefill_tokens, SteadyTime now);
   // Releases only the prefill part; false when there is none.
   bool ReleasePrefill(const std::string& request_id);
@@ -59,7 +60,8 @@ class ActiveLoad {
   const WorkerKey* PrefillWorkerOf(const std::string& request_id) const;
   // Releases requests booked before now - max_age; returns how many.
   std::size_t Sweep(SteadyTime now, std::chrono::seconds max_age = std::chrono::seconds(300));
-  // Releases every request booked on worker_id (any dp rank); returns how many.
+  // Releases every request booked on worker_id (any dp rank), and the prefill parts booked there
+  // (their requests stay booked); returns how many of both.
   std::size_t RemoveWorker(std::uint64_t worker_id);
 
   WorkerLoad Load(WorkerKey worker) const;
@@ -113,6 +115,7 @@ class ActiveLoad {
       std::uint64_t tokens = 0;
     };
     std::optional<PrefillPart> prefill;
+    bool had_prefill = false;  // a prefill part was booked (and may be released since)
   };
   struct PerWorker {  // kept while idle (it holds recent_scaled), erased by RemoveWorker
     std::unordered_map<SequenceHash, std::uint32_t> blocks;  // refcounts

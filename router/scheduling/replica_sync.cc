@@ -59,6 +59,7 @@ void ReplicaSync::Release(const std::vector<std::string>& request_ids, ActiveLoa
     const WorkerKey* w = load.WorkerOf(id);
     if (!w) continue;
     changed.push_back(*w);
+    if (const WorkerKey* prefill = load.PrefillWorkerOf(id)) changed.push_back(*prefill);
     load.Free(id);
     ++released_;
   }

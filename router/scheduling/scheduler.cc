@@ -195,7 +195,12 @@ Result<DisaggDecision> Scheduler::DecideDisagg(const RouteRequest& req, const Pr
     return selector_.Pick(options_.mode, p.sel, cands, p.params, rng_);
   };
   const std::size_t local = pick(decode);
-  const std::size_t prefill_at = pick(prefill);
+  // A prefill rank decodes nothing: its requests are prefills queued there (in its prefill
+  // tokens), not requests a prefill would stall.
+  thread_local std::vector<Candidate> prefilling;
+  prefilling.assign(prefill.begin(), prefill.end());
+  for (Candidate& c : prefilling) c.active_requests = 0;
+  const std::size_t prefill_at = pick(prefilling);
   // By load: the same cost with no rank's cache counted (the KV arrives from the prefill rank).
   thread_local std::vector<Candidate> uncached;
   uncached.assign(decode.begin(), decode.end());
@@ -273,9 +278,14 @@ bool Scheduler::Learn(const std::string& request_id, const ResponseTiming& timin
   return worker && prior && rates_.Observe(*worker, *prior, timing, now);
 }
 
+void Scheduler::ForgetTransfersOf(std::uint64_t worker_id) {
+  std::erase_if(transfers_, [&](const auto& t) { return t.second.prefill_worker.worker_id == worker_id; });
+}
+
 std::size_t Scheduler::ForgetWorker(std::uint64_t worker_id) {
   if (approx_) approx_->RemoveWorker(worker_id);
   rates_.RemoveWorker(worker_id);
+  ForgetTransfersOf(worker_id);
   return load_.RemoveWorker(worker_id);
 }
 

@@ -205,7 +205,8 @@ class Scheduler {
   // A booked disaggregated request's prefill leg ended (prefill_done): its prefill part is
   // released, its prefill rank's rates learn from the time since it was booked (against the
   // prior of its prefill there), and its transfer is timed from now. False when it had no
-  // prefill part.
+  // prefill part. SGLang's legs run at once, so its decode leg's first byte (MarkPrefill) mostly
+  // comes first and releases the part: such requests teach neither the rates nor the transfer.
   bool PrefillDone(const std::string& request_id);
   // Its decode leg's first byte (mark_prefill): a transfer timed since PrefillDone teaches
   // KvTransfer; then ActiveLoad::MarkPrefill. False when nothing changed.
@@ -226,6 +227,7 @@ class Scheduler {
   void ForgetRates(std::uint64_t worker_id) {
     rates_.RemoveWorker(worker_id);
     load_.DropPriors(worker_id);
+    ForgetTransfersOf(worker_id);
   }
   // Prediction expiry (approximate mode), and the transfer timings of requests no longer booked.
   void ExpirePredictions(SteadyTime now);
@@ -244,6 +246,9 @@ class Scheduler {
     WorkerRates::Rates typical;
   };
   CandidateContext ContextNow() const;
+  // Drops the pending transfers whose prefill leg runs on worker_id: their priors were of its
+  // old hardware (or it is gone), so its prefill_done teaches nothing.
+  void ForgetTransfersOf(std::uint64_t worker_id);
   // What choosing c means for the request, unbooked: its overlaps within the request's blocks.
   static Decision DecisionOf(const Candidate& c, const SelectionRequest& req);
   Candidate CandidateOf(const RankInfo& r, const TieredOverlap& overlap, std::span<const SequenceHash> seq,

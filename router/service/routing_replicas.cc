@@ -40,22 +40,29 @@ void Routing::ApplyReplica(const ActiveSequenceEvent& e, Outbox& out) {
         sync_.Refused("stale_epoch");
         return;
       }
+      const std::uint64_t cached = std::uint64_t{e.overlap_blocks} * config_.block_size;
+      const WorkerKey rank{e.worker_id, e.dp_rank};
+      const WorkerKey* booked = load.WorkerOf(e.request_id);
+      // Another rank of a request a peer booked here: its prefill part (section 13), which adds
+      // no request to the bounds. A booking takes one prefill part: a repeated or late add
+      // (after its prefill_done) changes nothing.
+      const bool part = booked && *booked != rank && peers.IsPeerBooking(e.request_id);
       // Another replica's booking obeys this router's bounds, and names a rank it knows.
       std::string detail;
-      if (const char* refused = RefusalLocked(e, detail)) {
+      const char* refused = part ? nullptr : RefusalLocked(e, detail);
+      if (part && !registry_.HasRank(rank)) {
+        refused = "unknown_worker";
+        detail = fmt::format("prefill worker {} rank {} is not known here", e.worker_id, e.dp_rank);
+      }
+      if (refused) {
         sync_.Refused(refused);
         log_.Log(LogLevel::kWarning, "replica sync refused", "refused a replica booking ({}): {}", refused, detail);
         return;
       }
-      const std::uint64_t cached = std::uint64_t{e.overlap_blocks} * config_.block_size;
-      const WorkerKey rank{e.worker_id, e.dp_rank};
-      if (const WorkerKey* booked = load.WorkerOf(e.request_id);
-          booked && *booked != rank && peers.IsPeerBooking(e.request_id)) {
-        // Another rank of a request a peer booked here: its prefill part (section 13). The
-        // request's own rank then prefills nothing.
-        (void)load.MarkPrefill(e.request_id);
+      if (part) {
         if (load.BookPrefill(e.request_id, rank, e.isl > cached ? e.isl - cached : 0, clock_())) {
           metrics_dirty_.push_back(rank);
+          metrics_dirty_.push_back(*load.WorkerOf(e.request_id));
         }
         return;
       }

@@ -78,16 +78,19 @@ TEST(ActiveLoad, MarkPrefillAndFreeAreIdempotent) {
 }
 
 // Section 13: a disaggregated booking's prefill part weighs on its prefill rank (one request,
-// its prefill tokens, no blocks) until ReleasePrefill, MarkPrefill or Free; its worker leaving
-// takes only that part.
+// its prefill tokens, no blocks) until ReleasePrefill, MarkPrefill or Free; the request's own rank
+// then prefills nothing; a booking takes one part in its life; its prefill worker leaving takes
+// only that part.
 TEST(ActiveLoad, APrefillPartWeighsOnItsRankUntilReleased) {
   ActiveLoad load;
   const std::vector<SequenceHash> seq = {11, 12, 13};
-  ASSERT_TRUE(load.Book("r", kA, seq, 0, kT0));
+  ASSERT_TRUE(load.Book("r", kA, seq, 12, kT0));
   EXPECT_FALSE(load.BookPrefill("unknown", kB, 100, kT0));
   EXPECT_FALSE(load.BookPrefill("r", kA, 100, kT0));  // its own rank is not a prefill part
   ASSERT_TRUE(load.BookPrefill("r", kB, 100, kT0));
   EXPECT_FALSE(load.BookPrefill("r", kB, 100, kT0));
+  EXPECT_EQ(load.Load(kA).active_prefill_tokens, 0u);  // prefilled on kB instead
+  EXPECT_EQ(load.Load(kA).active_prefill_squares, 0u);
   EXPECT_EQ(load.Load(kB).active_requests, 1u);
   EXPECT_EQ(load.Load(kB).active_prefill_tokens, 100u);
   EXPECT_EQ(load.Load(kB).active_prefill_squares, 10000u);
@@ -100,22 +103,27 @@ TEST(ActiveLoad, APrefillPartWeighsOnItsRankUntilReleased) {
   EXPECT_EQ(load.Load(kB).active_requests, 0u);
   EXPECT_EQ(load.Load(kB).active_prefill_tokens, 0u);
   EXPECT_EQ(load.PrefillWorkerOf("r"), nullptr);
+  EXPECT_FALSE(load.BookPrefill("r", kB, 100, kT0));  // once in its life
   EXPECT_EQ(load.requests(), 1u);
   // MarkPrefill releases it too, and is true for that alone.
-  ASSERT_TRUE(load.BookPrefill("r", kB, 7, kT0));
-  EXPECT_TRUE(load.MarkPrefill("r"));
-  EXPECT_FALSE(load.MarkPrefill("r"));
+  ASSERT_TRUE(load.Book("m", kA, seq, 0, kT0));
+  ASSERT_TRUE(load.BookPrefill("m", kB, 7, kT0));
+  EXPECT_TRUE(load.MarkPrefill("m"));
+  EXPECT_FALSE(load.MarkPrefill("m"));
   EXPECT_EQ(load.Load(kB).active_requests, 0u);
-  // Free takes both parts; the prefill worker leaving takes only its part.
-  ASSERT_TRUE(load.BookPrefill("r", kB, 7, kT0));
+  // The prefill worker leaving takes only its part; Free takes both.
+  ASSERT_TRUE(load.Book("g", kA, seq, 0, kT0));
+  ASSERT_TRUE(load.BookPrefill("g", kB, 7, kT0));
   EXPECT_EQ(load.RemoveWorker(kB.worker_id), 1u);
-  EXPECT_EQ(load.requests(), 1u);
-  EXPECT_EQ(load.Load(kA).active_requests, 1u);
-  ASSERT_TRUE(load.BookPrefill("r", kB, 7, kT0));
+  EXPECT_EQ(load.requests(), 3u);
+  EXPECT_EQ(load.Load(kA).active_requests, 3u);
+  ASSERT_TRUE(load.Book("f", kA, seq, 0, kT0));
+  ASSERT_TRUE(load.BookPrefill("f", kB, 7, kT0));
   EXPECT_EQ(load.prefill_parts(), 1u);
-  EXPECT_TRUE(load.Free("r"));
+  EXPECT_TRUE(load.Free("f"));
   EXPECT_EQ(load.prefill_parts(), 0u);
   EXPECT_EQ(load.Load(kB).active_requests, 0u);
+  for (const char* id : {"r", "m", "g"}) EXPECT_TRUE(load.Free(id));
   EXPECT_EQ(load.active_workers(), 0u);
   // Its decode worker leaving takes the whole booking, prefill part included.
   ASSERT_TRUE(load.Book("s", kA, seq, 0, kT0));

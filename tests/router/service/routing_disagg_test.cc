@@ -266,6 +266,38 @@ TEST_F(DisaggTest, PrefillDoneTeachesThePrefillRankAndMarkPrefillTheTransfer) {
   EXPECT_EQ(Counter("kv_transfers_observed"), 1u);
 }
 
+// A peer's sync messages (section 8): the request's add, then its prefill part's (another rank);
+// prefill_done naming the prefill rank releases that part only; a repeated or late add of it
+// changes nothing; free releases the rest.
+TEST_F(DisaggTest, APeersPrefillPartIsBookedOnceAndReleasedByItsPrefillDone) {
+  StartFleet({"--router-replica-sync"});
+  auto sync = [&](ActiveSequenceEvent e) {
+    e.router_id = 77;
+    e.request_id = "peer";
+    (void)bus_.Publish(svc_->subjects().active_sequences, AsBytes(EncodeActiveSequenceEvent(e)));
+  };
+  const ActiveSequenceEvent decode{.worker_id = 3, .seq_hashes = {11, 12, 13}, .isl = 12};
+  const ActiveSequenceEvent prefill{.worker_id = 1, .isl = 12, .overlap_blocks = 1};
+  sync(decode);
+  EXPECT_EQ(Worker(3).active_prefill_tokens, 12u);
+  sync(prefill);
+  EXPECT_EQ(Worker(3).active_prefill_tokens, 0u);  // the prefill rank prefills it
+  EXPECT_EQ(Worker(3).active_blocks, 3u);
+  EXPECT_EQ(Worker(1).active_prefill_tokens, 8u);
+  EXPECT_EQ(Worker(1).active_requests, 1u);
+  sync(prefill);  // repeated
+  EXPECT_EQ(Worker(1).active_requests, 1u);
+  EXPECT_EQ(Counter("active_prefill_legs"), 1u);
+  sync({.worker_id = 1, .kind = ActiveSequenceEvent::Kind::kPrefillDone});
+  EXPECT_EQ(Worker(1).active_requests, 0u);
+  EXPECT_EQ(Worker(3).active_requests, 1u);
+  sync(prefill);  // late, after its prefill_done
+  EXPECT_EQ(Worker(1).active_requests, 0u);
+  EXPECT_EQ(Counter("active_prefill_legs"), 0u);
+  sync({.worker_id = 3, .kind = ActiveSequenceEvent::Kind::kFree});
+  EXPECT_EQ(Counter("active_requests"), 0u);
+}
+
 // A prefill worker that leaves takes its parts with it; the decode part stays booked until free.
 TEST_F(DisaggTest, APrefillWorkerLeavingReleasesOnlyThePrefillParts) {
   StartFleet({"--router-disagg-policy", "always"});
