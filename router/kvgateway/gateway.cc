@@ -731,6 +731,14 @@ void Gateway::OnNixlPrefillAnswer(const std::shared_ptr<Exchange>& x, std::uint3
   auto answer = ParsePrefillAnswer(end.body);
   if (!answer.ok()) return Retry(x, attempt, end.worker, answer.status().message());
   prefill_leg_->Observe(Seconds(now - end.called));
+  if (answer->kv_transfer_params.empty() && answer->stopped_at_length && x->request.max_tokens.value_or(2) > 1) {
+    // It stopped at the leg's one-token limit yet names no KV to pull: an engine without vLLM's
+    // NixlConnector (no --kv-transfer-config). Its one token is not the client's answer.
+    return Retry(x, attempt, end.worker,
+                 fmt::format("prefill worker {} answered without kv_transfer_params: is its engine started with "
+                             "--kv-transfer-config (NixlConnector)?",
+                             end.worker));
+  }
   if (answer->kv_transfer_params.empty()) {
     // The engine stopped at its one token (end of sequence, a stop string, max_tokens 1): there
     // is nothing to decode, and its answer is the client's.

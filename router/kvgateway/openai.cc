@@ -47,6 +47,9 @@ Result<OpenAiRequest> ParseOpenAiRequest(ApiKind kind, std::string_view body) {
     const auto usage = options->find("include_usage");
     r.include_usage = usage != options->end() && usage->is_boolean() && usage->get<bool>();
   }
+  for (const char* key : {"max_tokens", "max_completion_tokens"}) {  // the latter wins, as in vLLM
+    if (const auto m = doc.find(key); m != doc.end() && m->is_number_unsigned()) r.max_tokens = m->get<std::uint64_t>();
+  }
   if (const auto salt = doc.find("cache_salt"); salt != doc.end() && !salt->is_null()) {
     if (!salt->is_string()) return InvalidArgument("'cache_salt' must be a string");
     r.cache_salt = salt->get<std::string>();
@@ -210,6 +213,11 @@ Result<PrefillAnswer> ParsePrefillAnswer(std::string_view body) {
   if (const auto p = doc->find("kv_transfer_params"); p != doc->end() && !p->is_null()) {
     if (!p->is_object()) return InvalidArgument("the prefill answer's 'kv_transfer_params' is not an object");
     a.kv_transfer_params = DumpOrdered(*p);
+  }
+  if (const auto choices = doc->find("choices"); choices != doc->end() && choices->is_array()) {
+    for (const auto& c : *choices) {
+      if (c.is_object() && c.value("finish_reason", nlohmann::ordered_json()) == "length") a.stopped_at_length = true;
+    }
   }
   if (const auto usage = doc->find("usage"); usage != doc->end() && usage->is_object()) {
     const auto details = usage->find("prompt_tokens_details");

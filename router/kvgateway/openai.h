@@ -36,6 +36,9 @@ struct OpenAiRequest {
   // vLLM's `cache_salt` (empty: none): the engine keeps salted prefixes apart, and so does the
   // router, with the salt as an item of the first block (docs/protocol.md section 12).
   std::string cache_salt;
+  // max_completion_tokens, else max_tokens, when a whole number (nullopt: none, or another form:
+  // the engine judges it).
+  std::optional<std::uint64_t> max_tokens;
 };
 
 // 400-worthy problems (not JSON, not an object, no string `model`, chat without a `messages`
@@ -81,6 +84,9 @@ struct PrefillAnswer {
   std::string kv_transfer_params;
   // usage.prompt_tokens_details.cached_tokens, when the answer carries it.
   std::optional<std::uint32_t> cached_tokens;
+  // A choice ended at its token limit (finish_reason "length"): vLLM's NixlConnector then always
+  // answers with kv_transfer_params, so an answer without them comes from an engine without it.
+  bool stopped_at_length = false;
 };
 // InvalidArgument when `body` is not a JSON object or kv_transfer_params is neither an object
 // nor null.

@@ -43,6 +43,7 @@ class PdEngine {
     kAnswer,
     kEos,      // a prefill engine stopped at its token: no kv_transfer_params
     kEosNull,  // the same, as "kv_transfer_params": null
+    kNoConnector,  // an engine without the NixlConnector: its one token, "length", no kv_transfer_params
     kFail500,
   };
   struct Seen {
@@ -96,7 +97,8 @@ class PdEngine {
     } else {
       choice["text"] = text;
     }
-    choice["finish_reason"] = mode_.load() == Mode::kAnswer && prefill ? "length" : "stop";
+    const bool at_length = (mode_.load() == Mode::kAnswer || mode_.load() == Mode::kNoConnector) && prefill;
+    choice["finish_reason"] = at_length ? "length" : "stop";
     ordered_json a = {{"id", prefill ? "cmpl-p" : "cmpl-d"},
                       {"object", chat ? "chat.completion" : "text_completion"},
                       {"created", 1700000000},
@@ -370,6 +372,26 @@ TEST_F(GatewayDisaggTest, EosAtPrefillAnswersAPlainRequestWithThePrefillAnswer) 
   }
   EXPECT_EQ(prefill.requests(), 4u);
   EXPECT_EQ(decode.requests(), 0u);
+  EXPECT_TRUE(AwaitFreed());
+}
+
+// A prefill engine started without the NixlConnector answers its one token at "length" and names
+// no KV: that token is not the client's answer. The leg counts as failed, the engine is routed
+// away from, and the request goes whole to the decode engine (the router's fallback).
+TEST_F(GatewayDisaggTest, APrefillEngineWithoutTheConnectorIsRetriedAwayFrom) {
+  const Pair pair = AddNixlPair();  // named references: clang 14 captures no structured binding
+  PdEngine &prefill = pair.prefill, &decode = pair.decode;
+  prefill.set_mode(PdEngine::Mode::kNoConnector);
+  ASSERT_TRUE(AwaitReady(2));
+  const std::string client = ClientBody(true, false).dump();
+  auto r = Post(client);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  ASSERT_EQ(r->status, 200) << r->body;
+  EXPECT_EQ(prefill.requests(), 1u);
+  ASSERT_EQ(decode.requests(), 1u);
+  EXPECT_EQ(decode.seen(0).raw, client);  // whole: no kv_transfer_params
+  EXPECT_EQ(json::parse(r->body)["id"], "cmpl-d");
+  EXPECT_EQ(Metric("kvgateway_retries_total"), 1);
   EXPECT_TRUE(AwaitFreed());
 }
 

@@ -154,6 +154,24 @@ TEST(DisaggLegs, FieldsAreAppendedToTheClientsBytesOrReplacedWhenItHasThem) {
   EXPECT_EQ(WithFields(R"({"model":"m"})", {{"x", "{"}}).status().code(), StatusCode::kInvalidArgument);
 }
 
+// A choice ended at "length" is told apart (an engine without the NixlConnector answers so), and
+// a request's token limit is read (max_completion_tokens over max_tokens).
+TEST(DisaggLegs, APrefillAnswerSaysWhetherItStoppedAtItsLimit) {
+  auto length = ParsePrefillAnswer(R"({"choices": [{"index": 0, "finish_reason": "length"}]})");
+  ASSERT_TRUE(length.ok());
+  EXPECT_TRUE(length->stopped_at_length);
+  auto stop = ParsePrefillAnswer(R"({"choices": [{"index": 0, "finish_reason": "stop"}]})");
+  ASSERT_TRUE(stop.ok());
+  EXPECT_FALSE(stop->stopped_at_length);
+  auto r = ParseOpenAiRequest(ApiKind::kChat, R"({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 9,
+                                                  "max_completion_tokens": 7})");
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->max_tokens, 7u);
+  auto none = ParseOpenAiRequest(ApiKind::kCompletions, R"({"model": "m", "prompt": "p"})");
+  ASSERT_TRUE(none.ok());
+  EXPECT_FALSE(none->max_tokens.has_value());
+}
+
 TEST(DisaggLegs, APrefillAnswerGivesItsTransferParamsVerbatimAndItsCachedTokens) {
   auto a = ParsePrefillAnswer(
       R"({"choices":[],"usage":{"prompt_tokens_details":{"cached_tokens":12}},)"
