@@ -37,6 +37,9 @@ po::options_description Describe() {
     ("label", po::value<std::string>()->default_value(on.label), "online: the run's name in the report")
     ("request-timeout", po::value<double>()->default_value(on.request_timeout_s), "online: seconds a request may go without a message before it is tried again (0 = never)")
     ("retries", po::value<std::uint32_t>()->default_value(on.retries), "online: tries after the first, on no responders, no_workers, timeout or --request-timeout")
+    ("gateway", po::value<std::string>(), "online through HTTP: kvgateway's base URL (http://host:port); requests go to its /v1/completions, streamed, with prompts of one token per byte as kvmocker's HTTP face reads them; the router's stats still come over --nats-server")
+    ("model", po::value<std::string>()->default_value(on.model), "--gateway: the model asked for")
+    ("abort-fraction", po::value<double>()->default_value(on.abort_fraction), "--gateway: the share of requests (in [0, 1), chosen by --seed) whose client goes away at a random point, counted as aborted, not as errors")
     ("wait-workers", po::value<std::uint32_t>()->default_value(0), "online: first wait until the router knows this many worker ranks")
     ("prefill-workers", po::value<std::uint32_t>()->default_value(0), "a disaggregated fleet: offline, the first N of --workers register as prefill workers and the rest as decode workers (N < --workers); online, the wait for --wait-workers ranks (> N) also waits until N of them are prefill workers. 0: aggregated")
     ("slo-ttft-ms", po::value<double>()->default_value(SloTargets{}.ttft_ms), "SLO goodput: a request's TTFT at most this (ms, > 0)")
@@ -176,6 +179,15 @@ Status ReadBenchConfig(const po::variables_map& vm, BenchConfig& c) {
   on.request_timeout_s = vm["request-timeout"].as<double>();
   if (!(on.request_timeout_s >= 0)) return FlagOutOfRange("request-timeout", ">= 0");
   on.retries = vm["retries"].as<std::uint32_t>();
+  if (vm.count("gateway")) on.gateway_url = vm["gateway"].as<std::string>();
+  on.model = vm["model"].as<std::string>();
+  on.abort_fraction = vm["abort-fraction"].as<double>();
+  if (!(on.abort_fraction >= 0 && on.abort_fraction < 1)) return FlagOutOfRange("abort-fraction", "in [0, 1)");
+  if (on.gateway_url.empty() && on.abort_fraction > 0) {
+    return InvalidArgument("--abort-fraction needs --gateway: only HTTP clients can go away mid-request");
+  }
+  if (!on.gateway_url.empty() && c.offline) return InvalidArgument("--gateway and --offline exclude each other");
+  on.seed = vm["seed"].as<std::uint64_t>();
   const std::uint32_t prefill_workers = vm["prefill-workers"].as<std::uint32_t>();
   on.prefill_workers = prefill_workers;
   if (!c.offline && prefill_workers > 0) {

@@ -1,7 +1,8 @@
 // kvbench: replays a Mooncake-format trace (or a synthetic conversation workload) against the
 // router and reports KV hit rate, TTFT / end-to-end percentiles, throughput and per-worker
 // spread (docs/design.md "Load generator"). Online (default): through a running router's
-// `generate` endpoint to running workers over NATS (router/kvbench/online.h). --offline: the
+// `generate` endpoint to running workers over NATS (router/kvbench/online.h), or with --gateway
+// as HTTP clients of kvgateway (http_replay.h). --offline: the
 // router's own logic and simulated engines on virtual time in one process (offline.h).
 // Flags: router/kvbench/config.h (each also DYN_<FLAG>, NATS_SERVER).
 //
@@ -16,6 +17,7 @@
 #include <nlohmann/json.hpp>
 
 #include "router/kvbench/config.h"
+#include "router/kvbench/http_replay.h"
 
 namespace {
 
@@ -89,7 +91,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (c.offline) return RunOfflineModes(c, *trace);
-  auto s = RunOnline(*trace, c.online);
+  auto s = c.online.gateway_url.empty() ? RunOnline(*trace, c.online) : RunThroughGateway(*trace, c.online);
   if (!s.ok()) {
     fmt::print(stderr, "kvbench: {}\n", s.status().message());
     return 1;

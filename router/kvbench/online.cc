@@ -14,7 +14,7 @@
 #include "events/msgpack_reader.h"
 #include "events/subjects.h"
 #include "events/worker_codec.h"
-#include "router/index/worker_key.h"
+#include "router/kvbench/fleet_stats.h"
 #include "transport/nats_client.h"
 #include "events/base/thread_annotations.h"
 
@@ -22,52 +22,6 @@ namespace kvrouter::bench {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-// What kvbench reads from the router's stats (every page).
-struct FleetStats {
-  std::map<WorkerKey, std::uint64_t> routed;              // requests routed so far per (worker, dp_rank)
-  std::size_t prefill_ranks = 0;                          // ranks with role prefill
-  std::map<std::string, std::uint64_t> disagg_decisions;  // the breakdown kDisaggDecisions
-};
-
-Result<FleetStats> ReadFleetStats(NatsClient& nc, const std::string& ns) {
-  FleetStats out;
-  std::optional<std::uint64_t> next = 0;
-  while (next) {
-    auto reply = nc.Request(RouterEndpointSubject(ns, router_endpoint::kStats),
-                            AsBytes(EncodeStatsRequest({.offset = *next, .limit = StatsRequest::kMaxLimit})),
-                            std::chrono::seconds(5));
-    if (!reply.ok()) return reply.status();
-    auto stats = DecodeStatsReply(*reply);
-    if (!stats.ok()) return stats.status();
-    for (const WorkerStats& w : stats->workers) {
-      out.routed[{w.worker_id, w.dp_rank}] = w.routed_requests;
-      out.prefill_ranks += w.role == "prefill";
-    }
-    if (const auto it = stats->breakdowns.find(std::string(kDisaggDecisions)); it != stats->breakdowns.end()) {
-      out.disagg_decisions = it->second;
-    }
-    next = stats->next_offset;
-  }
-  return out;
-}
-
-// Workers register with heartbeats; polls the router's stats until it knows `n` ranks, `prefill`
-// of them with role prefill.
-Status AwaitWorkers(NatsClient& client, const std::string& ns, std::size_t n, std::size_t prefill) {
-  const auto deadline = Clock::now() + std::chrono::seconds(30);
-  while (true) {
-    auto known = ReadFleetStats(client, ns);
-    if (known.ok() && known->routed.size() >= n && known->prefill_ranks >= prefill) return Status::Ok();
-    if (Clock::now() > deadline) {
-      return Status(StatusCode::kNoWorkers, fmt::format("the router did not see {} workers ({} of them prefill "
-                                                        "workers) within 30 s",
-                                                        n, prefill));
-    }
-    // Polling a remote service: there is no condition to wait on.
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-}
 
 // One online replay: requests sent through router.generate on the trace's schedule, at most
 // `concurrency` unanswered, their responses collected on one inbox subscription (its thread).
@@ -341,14 +295,8 @@ Result<Summary> RunOnline(const std::vector<TraceRequest>& trace, const OnlineOp
     fmt::print(stderr, "kvbench: router stats after the run: {}\n", after.status().message());
     return s;
   }
-  for (const auto& [w, n] : after->routed) {
-    const auto b = before->routed.find(w);
-    s.worker_requests.push_back(n - (b == before->routed.end() ? 0 : b->second));
-  }
-  for (const auto& [path, n] : after->disagg_decisions) {
-    const auto b = before->disagg_decisions.find(path);
-    s.disagg_decisions[path] = n - (b == before->disagg_decisions.end() ? 0 : std::min(n, b->second));
-  }
+  SetFleetDelta(s, *before, *after);
+  if (auto left = AwaitBookingsReleased(client, o.ns, 5); left.ok()) s.bookings_left = *left;
   return s;
 }
 

@@ -36,6 +36,11 @@ struct OnlineOptions {
   // many of them have role prefill.
   std::size_t prefill_workers = 0;
   SloTargets slo;  // what SLO goodput counts
+  // HTTP mode (router/kvbench/http_replay.h) when set: kvgateway's base URL ("http://host:port").
+  std::string gateway_url;
+  std::string model = "mock";  // HTTP mode: the model asked for
+  double abort_fraction = 0;   // HTTP mode: the share of requests their client abandons, in [0, 1)
+  std::uint64_t seed = 1;      // HTTP mode: which requests abort, and where
 };
 
 Result<Summary> RunOnline(const std::vector<TraceRequest>& trace, const OnlineOptions& options);

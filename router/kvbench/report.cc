@@ -54,6 +54,10 @@ Summary Summarize(std::string mode, const std::vector<RequestRecord>& records,
   std::size_t good = 0;
   std::map<std::uint64_t, std::uint64_t> per_worker;
   for (const auto& r : records) {
+    if (r.aborted) {
+      ++s.aborted;
+      continue;
+    }
     if (r.error || r.first_token_ms < 0) {
       ++s.errors;
       continue;
@@ -80,7 +84,8 @@ Summary Summarize(std::string mode, const std::vector<RequestRecord>& records,
   std::sort(tpot.begin(), tpot.end());
   s.tpot_p50 = Pct(tpot, 0.5);
   s.tpot_p99 = Pct(tpot, 0.99);
-  s.goodput = records.empty() ? 0 : static_cast<double>(good) / static_cast<double>(records.size());
+  const std::size_t judged = records.size() - s.aborted;
+  s.goodput = judged == 0 ? 0 : static_cast<double>(good) / static_cast<double>(judged);
   s.kv_hit_rate = prompt > 0 ? cached / prompt : 0;
   s.ttft_p50 = Pct(ttft, 0.5);
   s.ttft_p90 = Pct(ttft, 0.9);
@@ -123,6 +128,7 @@ std::string SummaryJson(const Summary& s) {
   j["mode"] = s.mode;  // the library escapes strings
   j["requests"] = s.requests;
   j["errors"] = s.errors;
+  j["aborted"] = s.aborted;
   j["retries"] = s.retries;
   j["kv_hit_rate"] = s.kv_hit_rate;
   j["ttft_ms"] = {{"p50", s.ttft_p50}, {"p90", s.ttft_p90}, {"p99", s.ttft_p99}};
@@ -214,6 +220,7 @@ std::string SummaryTable(const std::vector<Summary>& runs) {
   out += fmt::format("goodput: requests with TTFT <= {} ms and TPOT <= {} ms (errors miss)\n", runs.front().slo.ttft_ms,
                      runs.front().slo.tpot_ms);
   for (const auto& s : runs) {
+    if (s.aborted > 0) out += fmt::format("{}: {} requests aborted by the client on purpose\n", s.mode, s.aborted);
     if (!s.bookings_left || *s.bookings_left == BookingsLeft{}) continue;
     out += fmt::format("{}: the router still books {} requests, {} prefill tokens, {} blocks after the run\n", s.mode,
                        s.bookings_left->requests, s.bookings_left->prefill_tokens, s.bookings_left->blocks);

@@ -22,6 +22,7 @@ struct RequestRecord {
   std::uint32_t output_tokens = 0;  // generated, the first included
   std::uint64_t worker_id = 0;
   bool error = false;
+  bool aborted = false;  // the client went away on purpose (kvbench --abort-fraction): no latency, no error
 };
 
 // The router's `stats` breakdown of P/D decisions by path (docs/protocol.md section 13).
@@ -63,6 +64,7 @@ struct Summary {
   std::string mode;
   std::size_t requests = 0;
   std::size_t errors = 0;
+  std::size_t aborted = 0;  // requests the client abandoned on purpose: in no other figure
   double kv_hit_rate = 0;  // cached prompt tokens / prompt tokens
   double ttft_p50 = 0, ttft_p90 = 0, ttft_p99 = 0;
   double e2e_p50 = 0, e2e_p90 = 0, e2e_p99 = 0;
@@ -73,8 +75,8 @@ struct Summary {
   // Time per output token of each finished request of >= 2 tokens: (finish - first token) /
   // (tokens - 1); 0 when there is none.
   double tpot_p50 = 0, tpot_p99 = 0;
-  // SLO goodput: the share of all requests that met `slo` (TTFT and TPOT; a one-token request
-  // meets the TPOT part; errors and unfinished requests miss).
+  // SLO goodput: the share of the requests not aborted that met `slo` (TTFT and TPOT; a one-token
+  // request meets the TPOT part; errors and unfinished requests miss).
   SloTargets slo;
   double goodput = 0;
   double throughput_rps = 0;
@@ -91,8 +93,8 @@ struct Summary {
   // The router's `stats` breakdown kDisaggDecisions (docs/protocol.md section 13: disaggregated,
   // local, fallback) counted over the run; empty when the router reports none.
   std::map<std::string, std::uint64_t> disagg_decisions;
-  // Offline: the router's bookings after the run, all 0 when every request released what it
-  // booked (the table says so when not).
+  // The router's bookings after the run (online: once they stop falling, 5 s at most), all 0 when
+  // every request released what it booked (the table says so when not).
   std::optional<BookingsLeft> bookings_left;
   std::optional<double> pooled_lru_hit_rate;  // offline only
 };

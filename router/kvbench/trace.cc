@@ -70,19 +70,39 @@ Result<std::vector<TraceRequest>> ReadMooncakeTrace(const std::string& path) {
   return out;
 }
 
-std::vector<std::uint32_t> TokensFor(const TraceRequest& r) {
-  std::vector<std::uint32_t> tokens;
-  tokens.reserve(r.input_length);
-  for (std::size_t i = 0; tokens.size() < r.input_length; ++i) {
+namespace {
+
+// Calls emit(mixed) for each of r's input_length prompt positions: block i of the prompt is
+// hash_ids[i]'s content, a position's value a hash of its block's id and its place in it.
+template <typename Emit>
+void ForEachPromptPosition(const TraceRequest& r, Emit&& emit) {
+  std::uint32_t n = 0;
+  for (std::size_t i = 0; n < r.input_length; ++i) {
     // Past the listed ids the prompt continues with content unique to this request.
     const std::uint64_t id = i < r.hash_ids.size()
                                  ? r.hash_ids[i]
                                  : Mix64(static_cast<std::uint64_t>(r.timestamp_ms * 1000) ^ i) | (1ull << 63);
-    for (std::uint32_t k = 0; k < kTraceBlockTokens && tokens.size() < r.input_length; ++k) {
-      tokens.push_back(static_cast<std::uint32_t>(Mix64(id * 0x9E3779B97F4A7C15ULL + k) % 100000));
+    for (std::uint32_t k = 0; k < kTraceBlockTokens && n < r.input_length; ++k, ++n) {
+      emit(Mix64(id * 0x9E3779B97F4A7C15ULL + k));
     }
   }
+}
+
+}  // namespace
+
+std::vector<std::uint32_t> TokensFor(const TraceRequest& r) {
+  std::vector<std::uint32_t> tokens;
+  tokens.reserve(r.input_length);
+  ForEachPromptPosition(r, [&](std::uint64_t v) { tokens.push_back(static_cast<std::uint32_t>(v % 100000)); });
   return tokens;
+}
+
+std::string TextFor(const TraceRequest& r) {
+  static constexpr std::string_view kAlphabet = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789";
+  std::string text;
+  text.reserve(r.input_length);
+  ForEachPromptPosition(r, [&](std::uint64_t v) { text.push_back(kAlphabet[v % kAlphabet.size()]); });
+  return text;
 }
 
 const char* WorkloadName(WorkloadShape s) {

@@ -34,6 +34,10 @@ Result<TraceRequest> ParseMooncakeLine(std::string_view line);
 
 // input_length prompt tokens: block i of the prompt is the 512 tokens of hash_ids[i].
 std::vector<std::uint32_t> TokensFor(const TraceRequest& r);
+// The same prompt as text for an engine whose tokenizer makes one token of each byte (kvmocker's
+// HTTP face): input_length letters and digits, block i of them hash_ids[i]'s, so requests that
+// share ids share a text prefix.
+std::string TextFor(const TraceRequest& r);
 
 // The synthetic workload shapes (kvbench --workload).
 enum class WorkloadShape {

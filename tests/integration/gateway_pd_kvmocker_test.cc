@@ -2,12 +2,14 @@
 // real processes: nats-server, kvrouter (--router-disagg-policy always), kvgateway, and a kvmocker
 // process per role (a process has one role), for vLLM's connector (nixl) and SGLang's; a prefill
 // process killed mid-run; a decode leg with bad kv_transfer_params; an SGLang room that never
-// comes; and both nixl legs inside one kvmocker process (the pull's end told directly).
+// comes; both nixl legs inside one kvmocker process (the pull's end told directly); and a
+// thousand kvbench clients, some aborting, through a fleet losing a prefill process (PdSoakTest).
 // (The fields alone: tests/router/kvmocker/kv_transfer_test.cc.)
 #include <gtest/gtest.h>
 
 #include <fmt/format.h>
 
+#include <fstream>
 #include <future>
 #include <mutex>
 #include <nlohmann/json.hpp>
@@ -381,6 +383,56 @@ TEST_F(GatewayPdKvmockerSglangTest, APrefillLegCancelledFailsItsWaitingDecodeLeg
   EXPECT_NE(answer.find("kv_bootstrap_failed"), std::string::npos) << answer;
   EXPECT_NE(answer.find("cancelled"), std::string::npos) << answer;
   EXPECT_EQ(MockerMetric(*prefill_, Pinned(kPrefillId)), 0);  // nobody will pull it
+}
+
+// Issue 49's "nothing lost": kvbench's HTTP clients through the gateway to two prefill processes
+// and a decode process, a tenth of the clients going away at random points (during the prefill
+// leg, between the legs, mid-stream) and one prefill process killed mid-run. Outside TSan's
+// filter (it is a load run): GatewayPdKvmockerTest covers the same paths one request at a time.
+class PdSoakTest : public GatewayPdKvmockerTest {};
+
+TEST_F(PdSoakTest, AThousandRequestsWithAbortsAndAKilledPrefillProcessLoseNothing) {
+  constexpr std::uint64_t kSecondPrefillId = 3;
+  // Leases of 2 s at the fixture's speedup: long enough for any pull here, short enough to await.
+  const std::vector<std::string> lease = {"--kv-lease-ms", "200000"};
+  Mocker& killed = StartMocker("kvmocker-prefill", kPrefillId, "prefill", lease);
+  Mocker& survivor = StartMocker("kvmocker-prefill2", kSecondPrefillId, "prefill", lease);
+  StartMocker("kvmocker-decode", kDecodeId, "decode");
+  ASSERT_TRUE(AwaitReady(3));
+
+  const std::string report_path = LogPath("kvbench") + ".json";
+  auto bench = ChildProcess::Start({KVBENCH_BIN, "--nats-server", nats_->url(), "--gateway",
+                                    fmt::format("http://127.0.0.1:{}", gateway_port_), "--model", "mock", "--synthetic",
+                                    "--sessions", "250", "--turns", "4", "--rate", "100", "--concurrency", "256",
+                                    "--abort-fraction", "0.1", "--seed", "7", "--timeout", "120", "--wait-workers", "3",
+                                    "--prefill-workers", "2", "--label", "soak", "--json", report_path},
+                                   LogPath("kvbench"));
+  ASSERT_TRUE(bench.ok()) << bench.status().ToString();
+  ASSERT_TRUE(WaitFor(
+      [&] { return GatewayMetric("kvgateway_disagg_requests_total{path=\"disaggregated\"}") >= 300; }, 60s, 50ms))
+      << ReadFile(LogPath("kvbench"));
+  killed.process->Kill();
+  ASSERT_TRUE(WaitFor([&] { return !(*bench)->Running(); }, 150s, 50ms)) << "kvbench did not finish";
+  ASSERT_EQ((*bench)->exit_status(), 0) << ReadFile(LogPath("kvbench"));
+
+  std::ifstream in(report_path);
+  ASSERT_TRUE(in) << report_path;
+  const json report = json::parse(in);
+  EXPECT_EQ(report.at("requests"), 1000);
+  const int aborted = report.at("aborted").get<int>();
+  EXPECT_GT(aborted, 50);  // a tenth, by the seed's draw
+  EXPECT_LT(aborted, 150);
+  EXPECT_EQ(report.at("errors"), 0) << "every request not aborted is answered: " << ReadFile(LogPath("kvbench"));
+  EXPECT_EQ(report.at("bookings_left"), json({{"requests", 0}, {"prefill_tokens", 0}, {"blocks", 0}}));
+  // The kill cost requests their prefill leg: the gateway routed them again or prefilled locally.
+  EXPECT_GE(GatewayMetric("kvgateway_retries_total") +
+                GatewayMetric("kvgateway_disagg_requests_total{path=\"fallback\"}"),
+            1);
+  EXPECT_TRUE(AwaitStats(
+      [](StatsReply& s) { return s.counters["active_requests"] == 0 && s.counters["active_prefill_legs"] == 0; }, 5s));
+  // Legs whose decode never pulled (its client gone first) are released by the lease at the latest.
+  EXPECT_TRUE(WaitFor([&] { return MockerMetric(survivor, Pinned(kSecondPrefillId)) == 0; }, 10s, 50ms))
+      << MockerMetric(survivor, Pinned(kSecondPrefillId));
 }
 
 }  // namespace

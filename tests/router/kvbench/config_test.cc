@@ -50,6 +50,10 @@ TEST(BenchConfig, BadValuesAreRefusedNamingTheFlag) {
            {{"--synthetic", "--slo-tpot-ms", "inf"}, "--slo-tpot-ms"},
            {{"--offline", "--synthetic", "--prefill-workers", "2", "--compare", "--router-disagg-policy", "never"},
             "--router-disagg-policy"},
+           {{"--synthetic", "--abort-fraction", "0.1"}, "--gateway"},  // NATS clients cannot go away
+           {{"--synthetic", "--gateway", "http://127.0.0.1:1", "--abort-fraction", "1"}, "--abort-fraction"},
+           {{"--synthetic", "--gateway", "http://127.0.0.1:1", "--abort-fraction", "-0.1"}, "--abort-fraction"},
+           {{"--offline", "--synthetic", "--gateway", "http://127.0.0.1:1"}, "--gateway"},
            {{}, "--trace"}}) {
     auto c = Parse(args);
     ASSERT_FALSE(c.ok()) << args.size();

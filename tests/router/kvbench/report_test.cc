@@ -157,6 +157,16 @@ TEST(Summary, TpotIsPerRequestAndGoodputCountsRequestsMeetingBothTargets) {
   // The default targets: 1,000 ms and 50 ms.
   const Summary d = Summarize("pd", recs, {});
   EXPECT_DOUBLE_EQ(d.goodput, 5.0 / 7.0);
+
+  // Requests their client abandoned on purpose are in no figure but their own count.
+  recs.push_back({.arrival_ms = 0, .error = true, .aborted = true});
+  recs.push_back({.arrival_ms = 0, .first_token_ms = 5000, .finished_ms = -1, .aborted = true});
+  const Summary a = Summarize("pd", recs, {}, slo);
+  EXPECT_EQ(a.aborted, 2u);
+  EXPECT_EQ(a.errors, s.errors);
+  EXPECT_DOUBLE_EQ(a.goodput, 3.0 / 7.0);
+  EXPECT_DOUBLE_EQ(a.ttft_p99, s.ttft_p99);
+  EXPECT_EQ(nlohmann::json::parse(SummaryJson(a))["aborted"], 2);
 }
 
 TEST(Summary, InterTokenLatencyIsOverEveryGapNotPerRequestMeans) {

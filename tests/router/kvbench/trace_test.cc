@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include <cctype>
+
 #include <map>
 #include <set>
 
@@ -50,6 +52,18 @@ TEST(MooncakeTrace, EqualHashIdsGiveEqualTokens) {
   // size, blocks inside the first 1024 tokens hash equal.
   EXPECT_TRUE(std::equal(ta.begin(), ta.begin() + 1024, tb.begin()));
   EXPECT_FALSE(std::equal(ta.begin() + 1024, ta.end(), tb.begin() + 1024));
+}
+
+TEST(MooncakeTrace, TextPromptsShareAPrefixExactlyWhereTheirIdsDo) {
+  TraceRequest a{0, 1200, 1, {7, 8, 9}};
+  TraceRequest b{5, 1100, 1, {7, 8, 3}};
+  const std::string ta = TextFor(a), tb = TextFor(b);
+  ASSERT_EQ(ta.size(), 1200u);  // one byte per token, as kvmocker's face tokenizes
+  ASSERT_EQ(tb.size(), 1100u);
+  EXPECT_EQ(ta.substr(0, 1024), tb.substr(0, 1024));
+  EXPECT_NE(ta.substr(1024, 64), tb.substr(1024, 64));
+  // Letters and digits only: the prompt travels in JSON without escapes.
+  EXPECT_TRUE(std::all_of(ta.begin(), ta.end(), [](char c) { return std::isalnum(static_cast<unsigned char>(c)); }));
 }
 
 TEST(MooncakeTrace, PromptsLongerThanTheirIdsContinueWithUniqueContent) {
