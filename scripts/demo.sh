@@ -13,6 +13,11 @@
 #   DEMO_FLEET=mixed scripts/demo.sh    two kvmocker processes, 4 workers 4x slower than the other
 #                                       4 (unannounced: the router learns it); least-loaded too,
 #                                       the fast half's share of requests and the learned rates
+#   DEMO_FLEET=pd scripts/demo.sh       disaggregated prefill and decode through kvgateway: 2
+#                                       prefill and 2 decode kvmocker workers (vLLM's nixl legs),
+#                                       the trace replayed by HTTP clients (kvbench --gateway) with
+#                                       the default policy, `always`, and an aggregated fleet of 4;
+#                                       TTFT, ITL, goodput and the decisions
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
@@ -21,7 +26,7 @@ bash scripts/setup.sh
 gen=()
 command -v ninja >/dev/null && gen=(-G Ninja)
 cmake -S . -B build "${gen[@]}" -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
-cmake --build build -j "$(nproc 2>/dev/null || echo 2)" --target kvrouter kvmocker kvbench >/dev/null
+cmake --build build -j "$(nproc 2>/dev/null || echo 2)" --target kvrouter kvmocker kvbench kvgateway >/dev/null
 bin=$root/build/bin
 
 work=$(mktemp -d)
@@ -40,6 +45,21 @@ trap cleanup EXIT
 trap 'echo; echo "demo: interrupted"; exit 130' INT TERM
 
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+free_ports() {  # n: the first of n consecutive ports free right now (a kvmocker's HTTP faces)
+  python3 - "$1" <<'PY'
+import random, socket, sys
+n = int(sys.argv[1])
+while True:
+    base = random.randrange(20000, 60000 - n)
+    socks = []
+    try:
+        for p in range(base, base + n):
+            s = socket.socket(); s.bind(("127.0.0.1", p)); socks.append(s)
+        print(base); break
+    except OSError:
+        pass
+PY
+}
 wait_port() {  # port: until it accepts connections (10 s)
   for _ in $(seq 1 200); do
     (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0
@@ -67,7 +87,8 @@ fleet=${DEMO_FLEET:-uniform}
 case "$fleet" in
   uniform) workers=4 ;;
   mixed) workers=8 ;;
-  *) echo "demo: DEMO_FLEET is uniform or mixed, not '$fleet'" >&2; exit 2 ;;
+  pd) workers=4 ;;
+  *) echo "demo: DEMO_FLEET is uniform, mixed or pd, not '$fleet'" >&2; exit 2 ;;
 esac
 
 rows=()
@@ -113,6 +134,65 @@ print(f"{sys.argv[2]:<16} fast half served {100 * sum(w[:4]) / max(1, sum(w)):.1
   stop_all  # a fresh NATS, router and cold workers for the next mode
 }
 
+itl_rows=()
+# One P/D (or aggregated) run through kvgateway: label, prefill workers (0: an aggregated fleet of
+# 4), router flags... The engines run at --speedup-ratio 2 while the trace comes 4x faster: the
+# prefill pool is busy, where the choice of policy shows.
+run_gateway() {
+  local label=$1 prefill=$2; shift 2
+  "$nats_server" -a 127.0.0.1 -p "$port" >"$work/nats.log" 2>&1 &
+  pids+=($!)
+  wait_port "$port"
+  "$bin/kvrouter" --nats-server "$url" --metrics-port "$(free_port)" --router-mode kv "$@" \
+    >"$work/kvrouter-$label.log" 2>&1 &
+  pids+=($!)
+  local engine=(--nats-server "$url" --metrics-port 0 --num-gpu-blocks 16384 --speedup-ratio 2 --model mock
+                --http-host 127.0.0.1)
+  if [ "$prefill" -gt 0 ]; then
+    "$bin/kvmocker" "${engine[@]}" --num-workers 2 --worker-id-base 1 --role prefill --http-port "$(free_ports 2)" \
+      >"$work/kvmocker-prefill-$label.log" 2>&1 &
+    pids+=($!)
+    "$bin/kvmocker" "${engine[@]}" --num-workers 2 --worker-id-base 11 --role decode --http-port "$(free_ports 2)" \
+      >"$work/kvmocker-decode-$label.log" 2>&1 &
+    pids+=($!)
+  else
+    "$bin/kvmocker" "${engine[@]}" --num-workers 4 --worker-id-base 1 --http-port "$(free_ports 4)" \
+      >"$work/kvmocker-$label.log" 2>&1 &
+    pids+=($!)
+  fi
+  local gateway_port
+  gateway_port=$(free_port)
+  "$bin/kvgateway" --nats-server "$url" --http-host 127.0.0.1 --http-port "$gateway_port" --metrics-port 0 \
+    >"$work/kvgateway-$label.log" 2>&1 &
+  pids+=($!)
+  echo "demo: $label ..."
+  "$bin/kvbench" --nats-server "$url" --gateway "http://127.0.0.1:$gateway_port" --wait-workers "$workers" \
+    --prefill-workers "$prefill" --label "$label" --concurrency 256 "${workload[@]}" --json "$work/$label.json" \
+    >"$work/$label.txt" 2>"$work/kvbench-$label.log"
+  rows+=("$(sed -n 2p "$work/$label.txt")")
+  itl_rows+=("$(sed -n 5p "$work/$label.txt")")
+  stop_all
+}
+
+if [ "$fleet" = pd ]; then
+  run_gateway pd-predicted 2
+  run_gateway pd-always 2 --router-disagg-policy always
+  run_gateway aggregated 0
+  echo
+  head -n 1 "$work/pd-predicted.txt"
+  printf '%s\n' "${rows[@]}"
+  echo
+  sed -n 4p "$work/pd-predicted.txt"
+  printf '%s\n' "${itl_rows[@]}"
+  echo
+  echo "Through kvgateway over HTTP; TTFT and ITL at the client. pd-* = 2 prefill + 2 decode workers (pd-predicted:"
+  echo "the default --router-disagg-policy; pd-always: every request through the prefill pool, Dynamo's default);"
+  echo "aggregated = 4 workers doing both. goodput = requests with TTFT <= 1 s and TPOT <= 50 ms;"
+  echo "disagg/local/fallback = the router's decisions."
+  [ -n "${DEMO_JSON_DIR:-}" ] && mkdir -p "$DEMO_JSON_DIR" && cp "$work"/*.json "$DEMO_JSON_DIR"/ \
+    && echo "JSON per run: $DEMO_JSON_DIR"
+  exit 0
+fi
 run kv --router-mode kv
 run kv-dynamo-cost --router-mode kv --router-prefill-load-scale 1
 run round-robin --router-mode round-robin
