@@ -70,6 +70,10 @@ Result<BookingsLeft> AwaitBookingsReleased(NatsClient& nc, const std::string& ns
   }
 }
 
+namespace {
+
+// What the run added to the counters: per rank the requests routed between `before` and `after`
+// (in rank order) and the decision counts.
 void SetFleetDelta(Summary& s, const FleetStats& before, const FleetStats& after) {
   for (const auto& [w, n] : after.routed) {
     const auto b = before.routed.find(w);
@@ -79,6 +83,48 @@ void SetFleetDelta(Summary& s, const FleetStats& before, const FleetStats& after
     const auto b = before.disagg_decisions.find(path);
     s.disagg_decisions[path] = n - (b == before.disagg_decisions.end() ? 0 : std::min(n, b->second));
   }
+}
+
+}  // namespace
+
+bool AwaitRoom(KvMutex& mu, std::condition_variable_any& cv, const std::size_t& in_flight, const OnlineOptions& o) {
+  if (cv.wait_for(mu, std::chrono::duration<double>(o.timeout_s), [&] { return in_flight < o.concurrency; })) {
+    return true;
+  }
+  fmt::print(stderr, "kvbench {}: no request ended for {} s with {} in flight; giving up\n", o.label, o.timeout_s,
+             in_flight);
+  return false;
+}
+
+Result<Summary> RunWithFleetStats(const std::vector<TraceRequest>& trace, const OnlineOptions& o,
+                                  const std::function<Result<ReplayOutcome>(NatsClient&)>& replay) {
+  auto nc = NatsClient::Connect({.url = o.nats_url,
+                                 .name = "kvbench",
+                                 .retry_on_failed_connect = false,
+                                 .send_asap = true,
+                                 .security = o.nats_security},
+                                {});
+  if (!nc.ok()) return nc.status();
+  NatsClient& client = **nc;
+  if (o.wait_workers > 0) {
+    if (Status s = AwaitWorkers(client, o.ns, o.wait_workers, o.prefill_workers); !s.ok()) return s;
+  }
+  auto before = ReadFleetStats(client, o.ns);
+  if (!before.ok()) return Status(before.status().code(), "router stats: " + before.status().message());
+  if (trace.empty()) return Summarize(o.label, {}, {}, o.slo);
+  auto outcome = replay(client);
+  if (!outcome.ok()) return outcome.status();
+  Summary s = Summarize(o.label, outcome->records, {}, o.slo);
+  s.retries = outcome->retries;
+  SetTokenGaps(s, outcome->gaps);
+  auto after = ReadFleetStats(client, o.ns);
+  if (!after.ok()) {
+    fmt::print(stderr, "kvbench: router stats after the run: {}\n", after.status().message());
+    return s;
+  }
+  SetFleetDelta(s, *before, *after);
+  if (auto left = AwaitBookingsReleased(client, o.ns, 5); left.ok()) s.bookings_left = *left;
+  return s;
 }
 
 }  // namespace kvrouter::bench

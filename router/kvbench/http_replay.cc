@@ -166,20 +166,10 @@ class HttpReplay {
 
   // Waits for request i's time and for room, then posts it; false when the run gives up.
   bool Send(std::size_t i) {
-    const double t0 = trace_.front().timestamp_ms;
-    // Pacing a load generator on the wall clock is its job, not a wait for a condition.
-    std::this_thread::sleep_until(
-        start_ + std::chrono::microseconds(static_cast<std::int64_t>((trace_[i].timestamp_ms - t0) * 1000)));
+    SleepUntilDue(trace_, i, start_);
     {
       KvMutexLock lk(mu_);
-      if (!cv_.wait_for(mu_, std::chrono::duration<double>(o_.timeout_s), [&] {
-            mu_.AssertHeld();
-            return in_flight_ < o_.concurrency;
-          })) {
-        fmt::print(stderr, "kvbench {}: no request ended for {} s with {} in flight; giving up\n", o_.label,
-                   o_.timeout_s, in_flight_);
-        return false;
-      }
+      if (!AwaitRoom(mu_, cv_, in_flight_, o_)) return false;
       ++in_flight_;
       Request& r = requests_[i];
       r.record.arrival_ms = MsSinceStart();
@@ -380,41 +370,15 @@ Status AwaitGateway(const HttpEndpoint& gateway) {
 Result<Summary> RunThroughGateway(const std::vector<TraceRequest>& trace, const OnlineOptions& o) {
   auto gateway = ParseHttpUrl(o.gateway_url);
   if (!gateway.ok()) return Status(StatusCode::kInvalidArgument, "--gateway: " + gateway.status().message());
-  auto nc = NatsClient::Connect({.url = o.nats_url,
-                                 .name = "kvbench",
-                                 .retry_on_failed_connect = false,
-                                 .send_asap = true,
-                                 .security = o.nats_security},
-                                {});
-  if (!nc.ok()) return nc.status();
-  NatsClient& stats_client = **nc;
-  if (o.wait_workers > 0) {
-    if (Status s = AwaitWorkers(stats_client, o.ns, o.wait_workers, o.prefill_workers); !s.ok()) return s;
-  }
-  if (Status s = AwaitGateway(*gateway); !s.ok()) return s;
-  auto before = ReadFleetStats(stats_client, o.ns);
-  if (!before.ok()) return Status(before.status().code(), "router stats: " + before.status().message());
-  if (trace.empty()) return Summarize(o.label, {}, {}, o.slo);
-  std::vector<RequestRecord> records;
-  TokenGaps gaps;
-  {
+  return RunWithFleetStats(trace, o, [&](NatsClient&) -> Result<ReplayOutcome> {
+    if (Status s = AwaitGateway(*gateway); !s.ok()) return s;
     HttpReplay replay(trace, o, *gateway);
-    records = replay.Run();
-    gaps = replay.token_gaps();
+    ReplayOutcome out{.records = replay.Run(), .gaps = replay.token_gaps()};
     if (const std::size_t more = replay.errors_unlogged(); more > 0) {
       fmt::print(stderr, "kvbench {}: {} more requests failed\n", o.label, more);
     }
-  }
-  Summary s = Summarize(o.label, records, {}, o.slo);
-  SetTokenGaps(s, gaps);
-  auto after = ReadFleetStats(stats_client, o.ns);
-  if (!after.ok()) {
-    fmt::print(stderr, "kvbench: router stats after the run: {}\n", after.status().message());
-    return s;
-  }
-  SetFleetDelta(s, *before, *after);
-  if (auto left = AwaitBookingsReleased(stats_client, o.ns, 5); left.ok()) s.bookings_left = *left;
-  return s;
+    return out;
+  });
 }
 
 }  // namespace kvrouter::bench

@@ -91,20 +91,10 @@ class OnlineReplay {
 
   // Waits for request i's time and for room, then sends it; false when the run gives up.
   bool Send(std::size_t i) {
-    const double t0 = trace_.front().timestamp_ms;
-    // Pacing a load generator on the wall clock is its job, not a wait for a condition.
-    std::this_thread::sleep_until(
-        start_ + std::chrono::microseconds(static_cast<std::int64_t>((trace_[i].timestamp_ms - t0) * 1000)));
+    SleepUntilDue(trace_, i, start_);
     {
       KvMutexLock lk(mu_);
-      // Responses that never come (a worker killed, messages dropped) must not hang the run:
-      // after timeout_s without room, the rest of the trace is counted as errors.
-      if (!cv_.wait_for(mu_, std::chrono::duration<double>(o_.timeout_s), [&] {
-            mu_.AssertHeld();
-            return in_flight_ < o_.concurrency;
-          })) {
-        fmt::print(stderr, "kvbench {}: no response for {} s with {} requests in flight; giving up\n", o_.label,
-                   o_.timeout_s, std::size_t{in_flight_});
+      if (!AwaitRoom(mu_, cv_, in_flight_, o_)) {  // the rest of the trace counts as errors
         for (std::size_t k = i; k < trace_.size(); ++k) {
           records_[k].error = true;
           ++done_;
@@ -269,35 +259,12 @@ class OnlineReplay {
 }  // namespace
 
 Result<Summary> RunOnline(const std::vector<TraceRequest>& trace, const OnlineOptions& o) {
-  auto nc = NatsClient::Connect({.url = o.nats_url,
-                                 .name = "kvbench",
-                                 .retry_on_failed_connect = false,
-                                 .send_asap = true,
-                                 .security = o.nats_security},
-                                {});
-  if (!nc.ok()) return nc.status();
-  NatsClient& client = **nc;
-  if (o.wait_workers > 0) {
-    if (Status s = AwaitWorkers(client, o.ns, o.wait_workers, o.prefill_workers); !s.ok()) return s;
-  }
-  auto before = ReadFleetStats(client, o.ns);
-  if (!before.ok()) return Status(before.status().code(), "router stats: " + before.status().message());
-  if (trace.empty()) return Summarize(o.label, {}, {}, o.slo);
-  OnlineReplay replay(client, trace, o);
-  auto records = replay.Run();
-  if (!records.ok()) return records.status();
-  // Attribute requests to workers by the router's per-worker counters.
-  Summary s = Summarize(o.label, *records, {}, o.slo);
-  s.retries = replay.retries();
-  SetTokenGaps(s, replay.token_gaps());
-  auto after = ReadFleetStats(client, o.ns);
-  if (!after.ok()) {
-    fmt::print(stderr, "kvbench: router stats after the run: {}\n", after.status().message());
-    return s;
-  }
-  SetFleetDelta(s, *before, *after);
-  if (auto left = AwaitBookingsReleased(client, o.ns, 5); left.ok()) s.bookings_left = *left;
-  return s;
+  return RunWithFleetStats(trace, o, [&](NatsClient& client) -> Result<ReplayOutcome> {
+    OnlineReplay replay(client, trace, o);
+    auto records = replay.Run();
+    if (!records.ok()) return records.status();
+    return ReplayOutcome{.records = std::move(records).value(), .gaps = replay.token_gaps(), .retries = replay.retries()};
+  });
 }
 
 }  // namespace kvrouter::bench

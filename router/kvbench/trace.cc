@@ -4,6 +4,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include <thread>
+
 #include <algorithm>
 #include <fstream>
 #include <limits>
@@ -103,6 +105,11 @@ std::string TextFor(const TraceRequest& r) {
   text.reserve(r.input_length);
   ForEachPromptPosition(r, [&](std::uint64_t v) { text.push_back(kAlphabet[v % kAlphabet.size()]); });
   return text;
+}
+
+void SleepUntilDue(const std::vector<TraceRequest>& trace, std::size_t i, std::chrono::steady_clock::time_point start) {
+  const double ms = trace[i].timestamp_ms - trace.front().timestamp_ms;
+  std::this_thread::sleep_until(start + std::chrono::microseconds(static_cast<std::int64_t>(ms * 1000)));
 }
 
 const char* WorkloadName(WorkloadShape s) {

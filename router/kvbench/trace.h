@@ -8,6 +8,7 @@
 //   auto t = ReadMooncakeTrace("conversation_trace.jsonl");  auto tokens = TokensFor(t->at(0));
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -38,6 +39,10 @@ std::vector<std::uint32_t> TokensFor(const TraceRequest& r);
 // HTTP face): input_length letters and digits, block i of them hash_ids[i]'s, so requests that
 // share ids share a text prefix.
 std::string TextFor(const TraceRequest& r);
+
+// Online replays: sleeps until trace[i] is due, the replay having started at `start` with
+// trace[0]. (Pacing a load generator on the wall clock is its job, not a wait for a condition.)
+void SleepUntilDue(const std::vector<TraceRequest>& trace, std::size_t i, std::chrono::steady_clock::time_point start);
 
 // The synthetic workload shapes (kvbench --workload).
 enum class WorkloadShape {
