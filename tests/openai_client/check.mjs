@@ -2,29 +2,11 @@
 // which starts the system. Arguments: the gateway's base URL (".../v1") and the router's /metrics.
 // Prints a line per check; exits 1 if any failed.
 import OpenAI from 'openai';
+import { check, drain, metric, until, verdict } from './common.mjs';
 
 const [base, routerMetrics] = process.argv.slice(2);
 const gatewayMetrics = base.replace(/\/v1$/, '/metrics');
 const client = new OpenAI({ baseURL: base, apiKey: 'unused', maxRetries: 0 });
-let failures = 0;
-const check = (cond, what) => {
-  console.log(`${cond ? 'ok  ' : 'FAIL'} ${what}`);
-  if (!cond) failures++;
-};
-const metric = async (url, name) => {
-  const text = await (await fetch(url)).text();
-  const line = text.split('\n').find(l => l.startsWith(name + ' '));
-  return line === undefined ? NaN : Number(line.split(' ')[1]);
-};
-// Polls f() until it holds, for at most `ms`.
-const until = async (f, ms) => {
-  const deadline = Date.now() + ms;
-  for (;;) {
-    if (await f()) return true;
-    if (Date.now() > deadline) return false;
-    await new Promise(r => setTimeout(r, 20));
-  }
-};
 
 const models = await client.models.list();
 check(models.data.some(m => m.id === 'mock'), `models.list: ${JSON.stringify(models.data)}`);
@@ -44,26 +26,14 @@ check(chat._request_id && chat._request_id === response.headers.get('x-request-i
 const stream = await client.chat.completions.create({
   model: 'mock', messages: [{ role: 'user', content: 'Stream to me' }], max_tokens: 16, stream: true,
   stream_options: { include_usage: true } });
-let text = '', chunks = 0, usage = null, finish = null;
-for await (const c of stream) {
-  chunks++;
-  if (c.choices.length) {
-    text += c.choices[0].delta?.content ?? '';
-    finish = c.choices[0].finish_reason ?? finish;
-  }
-  if (c.usage) usage = c.usage;
-}
+const { text, chunks, usage, finish } = await drain(stream);
 check(chunks > 2 && text.length > 0 && finish === 'length' && usage?.completion_tokens === 16,
       `chat streamed: ${chunks} chunks, ${JSON.stringify(text)}, usage ${JSON.stringify(usage)}`);
 
 const comp = await client.completions.create({ model: 'mock', prompt: 'Once upon a time', max_tokens: 8 });
 check(comp.object === 'text_completion' && comp.choices[0].text.length > 0, `completions: ${JSON.stringify(comp).slice(0, 120)}`);
 const cstream = await client.completions.create({ model: 'mock', prompt: 'Once upon a time', max_tokens: 8, stream: true });
-let ctext = '', cchunks = 0;
-for await (const c of cstream) {
-  cchunks++;
-  ctext += c.choices[0]?.text ?? '';
-}
+const { text: ctext, chunks: cchunks } = await drain(cstream);
 check(cchunks > 1 && ctext.length > 0, `completions streamed: ${cchunks} chunks, ${JSON.stringify(ctext)}`);
 
 // A long shared prefix: once the router has the first answer's blocks, the engine it picks has it.
@@ -110,5 +80,4 @@ const freed = await until(async () =>
   await metric(routerMetrics, 'kvrouter_active_requests') === 0, 10000);
 check(got >= 3 && freed, `an aborted stream (${got} chunks) is counted gone and its booking freed`);
 
-console.log(failures ? `${failures} FAILED` : 'all passed');
-process.exit(failures ? 1 : 0);
+verdict();
