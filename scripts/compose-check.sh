@@ -7,6 +7,9 @@
 #   a plain and a streamed chat completion through the gateway container (curl),
 #   ... --profile bench run --rm kvbench       200 requests, 0 errors,
 #   the same with DYN_ROUTER_USE_KV_EVENTS=false (approximate mode, checked on /metrics),
+#   ... --profile pd up -d   until the prefill and decode engines are registered too, a plain and
+#                            a streamed chat completion for `mock-pd` through the gateway that
+#                            name their prefill and decode engines,
 #   docker-compose down,
 # and stops the engine it started, by its PID, putting back what the engine changed (its
 # bridge, the firewall tables, ip_forward).
@@ -67,7 +70,7 @@ cleanup() {
   set +e
   if [ "$compose_up" = 1 ]; then
     [ "$rc" -ne 0 ] && compose logs --no-color --tail 30 2>&1 | tail -80
-    compose --profile bench down -v --remove-orphans >/dev/null 2>&1
+    compose --profile bench --profile pd down -v --remove-orphans >/dev/null 2>&1
   fi
   if [ "$started" = 1 ]; then
     local pid
@@ -204,30 +207,33 @@ metric() {  # name -> value ("" when the router does not answer)
   page=$(curl -fsS --max-time 2 "$metrics_url" 2>/dev/null) || return 0
   awk -v n="$1" '$1 == n {print $2; exit}' <<<"$page"
 }
-await_router() {  # approximate-mode value expected (0 or 1)
+await_router() {  # approximate-mode value expected (0 or 1), worker ranks expected
   local ranks mode
   for _ in $(seq 300); do
     ranks=$(metric kvrouter_worker_ranks); mode=$(metric kvrouter_approximate_mode)
-    [ "$ranks" = 4 ] && [ "$mode" = "$1" ] && return 0
+    [ "$ranks" = "$2" ] && [ "$mode" = "$1" ] && return 0
     sleep 0.2
   done
-  fail "the router did not show 4 worker ranks with kvrouter_approximate_mode $1 (ranks '$ranks', mode '$mode')"
+  fail "the router did not show $2 worker ranks with kvrouter_approximate_mode $1 (ranks '$ranks', mode '$mode')"
 }
-chat() {  # stream (true|false): a chat completion through the gateway, the body on stdout
-  curl -fsS --max-time 20 "$gateway_url/v1/chat/completions" -H 'content-type: application/json' \
-    -d "{\"model\": \"mock\", \"stream\": $1, \"max_tokens\": 8,
-         \"messages\": [{\"role\": \"user\", \"content\": \"Hello from compose-check\"}]}"
+chat() {  # stream (true|false) [model content curl-options...]: a chat completion through the
+          # gateway, the body on stdout
+  local stream=$1 model=${2:-mock} content=${3:-Hello from compose-check}
+  shift $(($# < 3 ? $# : 3))
+  curl -fsS --max-time 20 "$@" "$gateway_url/v1/chat/completions" -H 'content-type: application/json' \
+    -d "{\"model\": \"$model\", \"stream\": $stream, \"max_tokens\": 8,
+         \"messages\": [{\"role\": \"user\", \"content\": \"$content\"}]}"
 }
-await_gateway() {  # the gateway is ready: it knows 4 engines and the router answers it
+await_gateway() {  # engines: the gateway is ready, knows that many engines and the router answers it
   for _ in $(seq 300); do
     [ "$(curl -s -o /dev/null -w '%{http_code}' --max-time 2 "$gateway_url/ready")" = 200 ] &&
-      curl -fsS --max-time 2 "$gateway_url/metrics" | grep -qx 'kvgateway_engines 4' && return 0
+      curl -fsS --max-time 2 "$gateway_url/metrics" | grep -qx "kvgateway_engines $1" && return 0
     sleep 0.2
   done
-  fail "the gateway did not become ready with 4 engines"
+  fail "the gateway did not become ready with $1 engines"
 }
 gateway_checks() {
-  await_gateway
+  await_gateway 4
   local plain stream
   plain=$(chat false) || fail "a plain chat completion through the gateway failed"
   grep -q '"chat.completion"' <<<"$plain" && grep -q '"cached_tokens"' <<<"$plain" ||
@@ -236,6 +242,32 @@ gateway_checks() {
   [ "$(grep -c '^data: ' <<<"$stream")" -ge 3 ] && grep -q '^data: \[DONE\]' <<<"$stream" ||
     fail "the streamed chat completion is not a stream of events ending in [DONE]: $stream"
   say "gateway: a plain and a streamed chat completion on $gateway_url ($(grep -c '^data: ' <<<"$stream") events)"
+}
+# The pd profile's engines (docker-compose.yml): one prefill worker, two decode workers.
+prefill_id=1000000000000000
+decode_ids="2000000000000000 2000000000000001"
+pd_checks() {
+  await_gateway 7
+  # Over the decode engines' prefill budget (256 tokens per step), so the router's default policy
+  # sends it through the prefill engine; each request's own first block, so no decode engine
+  # holds its prompt already.
+  local filler kind answer prefill decode
+  filler=$(printf 'Tell me about disaggregated prefill and decode. %.0s' $(seq 20))
+  for kind in plain streamed; do
+    answer=$(chat "$([ "$kind" = streamed ] && echo true || echo false)" mock-pd "$kind: $filler" -i) ||
+      fail "a $kind mock-pd chat completion through the gateway failed"
+    prefill=$(tr -d '\r' <<<"$answer" | awk -F': ' 'tolower($1) == "x-kvrouter-prefill-worker-id" {print $2}')
+    decode=$(tr -d '\r' <<<"$answer" | awk -F': ' 'tolower($1) == "x-kvrouter-worker-id" {print $2}')
+    [ "$prefill" = "$prefill_id" ] && [ -n "$decode" ] && [[ " $decode_ids " == *" $decode "* ]] ||
+      fail "the $kind mock-pd answer names prefill worker '$prefill' (want $prefill_id) and decode worker '$decode' (want one of $decode_ids): $answer"
+    if [ "$kind" = plain ]; then
+      grep -q '"chat.completion"' <<<"$answer" || fail "the plain mock-pd chat completion is not one: $answer"
+    else
+      [ "$(grep -c '^data: ' <<<"$answer")" -ge 3 ] && grep -q '^data: \[DONE\]' <<<"$answer" ||
+        fail "the streamed mock-pd chat completion is not a stream of events ending in [DONE]: $answer"
+    fi
+  done
+  say "pd profile: a plain and a streamed mock-pd chat through prefill worker $prefill_id and a decode worker"
 }
 bench() {  # label
   local out="$work/bench-$1.txt"
@@ -250,13 +282,18 @@ bench() {  # label
 t0=$SECONDS
 compose_up=1
 compose up -d --no-build >/dev/null 2>&1 || { compose up -d --no-build; fail "docker-compose up"; }
-await_router 0
+await_router 0 4
 say "router serves with 4 workers registered ($((SECONDS - t0)) s after up)"
 gateway_checks
 bench kv-events
 DYN_ROUTER_USE_KV_EVENTS=false compose up -d --no-build >/dev/null 2>&1 || fail "docker-compose up (approximate)"
-await_router 1
+await_router 1 4
 bench approximate
-compose --profile bench down -v --remove-orphans >/dev/null 2>&1 || fail "docker-compose down"
+t1=$SECONDS
+compose --profile pd up -d --no-build >/dev/null 2>&1 || { compose --profile pd up -d --no-build; fail "docker-compose --profile pd up"; }
+await_router 0 7
+pd_checks
+say "pd profile proven in $((SECONDS - t1)) s"
+compose --profile bench --profile pd down -v --remove-orphans >/dev/null 2>&1 || fail "docker-compose down"
 compose_up=0
-say "docker-compose.yml proven: up, the gateway's plain and streamed chat, 2 x 200 requests with 0 errors (events and approximate mode), down"
+say "docker-compose.yml proven: up, the gateway's plain and streamed chat, 2 x 200 requests with 0 errors (events and approximate mode), the pd profile's plain and streamed chat through both legs, down"
