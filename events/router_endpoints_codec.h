@@ -209,10 +209,13 @@ struct WorkerStats {
   double decode_step_seconds = 0;
   std::uint64_t rate_observations = 0;
   std::string role = "both";  // section 13: "both", "prefill" or "decode"
+  // Registered 30 s ago or more, routed requests, and no KV event of it yet, while the router
+  // reads events (docs/operations.md "Silent workers").
+  bool without_events = false;
   bool operator==(const WorkerStats&) const = default;
 };
 // WorkerStats' wire fields in encoded order, walked by its encoder and decoder
-// (events/wire_fields.h); the encoder writes every one.
+// (events/wire_fields.h); the encoder writes every one but without_events, sent only when true.
 template <typename Stats, typename Visitor>  // Stats: WorkerStats or const WorkerStats
 void ForEachWorkerStatsField(Stats& s, Visitor&& v) {
   v.Required("worker_id", s.worker_id);
@@ -227,6 +230,7 @@ void ForEachWorkerStatsField(Stats& s, Visitor&& v) {
   v.Optional("decode_step_seconds", s.decode_step_seconds);
   v.Optional("rate_observations", s.rate_observations);
   v.Optional("role", s.role);
+  v.OmittedWhenFalse("without_events", s.without_events);
 }
 
 struct StatsReply {

@@ -82,6 +82,9 @@ void AddQueueAndLoad(MetricSet& m, const StatsReply& s) {
   m.Gauge("kvrouter_approx_predicted_blocks", "approximate mode: blocks predicted cached (0 otherwise)",
           static_cast<double>(CounterOf(s, "predicted_blocks")));
   m.Gauge("kvrouter_worker_ranks", "(worker, dp_rank) pairs known", static_cast<double>(s.workers_total));
+  m.Gauge("kvrouter_workers_without_events",
+          "registered workers routed requests but with no KV event 30 s after registering, while the router reads events",
+          static_cast<double>(CounterOf(s, "workers_without_events")));
   m.Counter("kvrouter_leases_expired_total", "workers forgotten because their lease ran out",
             static_cast<double>(CounterOf(s, "leases_expired")));
   std::size_t n = 0;

@@ -374,6 +374,20 @@ void KvRouterService::Tick() {
     next_heartbeat_ = clock_() + ReplicaPeers::kInterval;
     SendHeartbeat();
   }
+  // Only while events are read and heard: an outage silences every worker at once.
+  if (config_.use_kv_events && events_up_ && clock_() >= next_silence_check_) {
+    next_silence_check_ = clock_() + std::chrono::seconds(1);
+    // Blind means routed to: an idle worker has no events to send.
+    std::vector<std::uint64_t> silent = registry_.Unheard(clock_(), kSilentAfter);
+    std::erase_if(silent, [&](std::uint64_t id) { return routing_.RoutedToWorker(id) == 0; });
+    for (std::uint64_t id : registry_.SetSilent(silent)) {
+      log_.Log(LogLevel::kWarning, "silent worker",
+               "worker {} registered {} s ago and was routed requests, but has sent no KV event: it is routed blind. Likely: a Dynamo "
+               "worker publishing its events on ZMQ (set DYN_EVENT_PLANE=nats), a vLLM engine without kvrelay, or "
+               "another namespace or component (docs/operations.md \"Silent workers\")",
+               id, kSilentAfter.count());
+    }
+  }
 }
 
 void KvRouterService::SendHeartbeat() {

@@ -82,6 +82,9 @@ class KvRouterService {
   // kResumeMarkerWait.
   void OnEventsReconnected();
   static constexpr std::chrono::seconds kResumeMarkerWait{5};
+  // A registered worker routed requests but with no KV event this long after its registration,
+  // while the router reads events, is silent: routed blind (logged once, counted, in stats).
+  static constexpr std::chrono::seconds kSilentAfter{30};
   // The event connection dropped messages (slow consumer): recover every worker.
   void OnEventsDropped();
 
@@ -191,6 +194,7 @@ class KvRouterService {
   std::atomic<bool> started_{false};
   std::atomic<bool> events_up_{true};
   SteadyTime next_heartbeat_{};  // Tick's thread only: when this replica next says it is alive
+  SteadyTime next_silence_check_{};  // Tick's thread only
   // Resume markers sent after reconnects (OnEventsReconnected; Routing holds the awaited one):
   // the reconnect callback's thread only.
   std::uint64_t resume_markers_sent_ = 0;

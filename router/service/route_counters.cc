@@ -31,6 +31,14 @@ std::uint64_t RouteCounters::RoutedTo(WorkerKey worker) const {
   return it == routed_to_.end() ? 0 : it->second;
 }
 
+std::uint64_t RouteCounters::RoutedToWorker(std::uint64_t worker_id) const {
+  std::uint64_t n = 0;
+  for (auto it = routed_to_.lower_bound({worker_id, 0}); it != routed_to_.end() && it->first.worker_id == worker_id; ++it) {
+    n += it->second;
+  }
+  return n;
+}
+
 void RouteCounters::Bump(std::string_view key) {
   auto it = requests_.find(key);
   if (it == requests_.end()) it = requests_.emplace(std::string(key), 0).first;

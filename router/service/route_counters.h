@@ -37,6 +37,8 @@ class RouteCounters {
   void ForgetWorker(std::uint64_t worker_id);
 
   std::uint64_t RoutedTo(WorkerKey worker) const;
+  // Summed over the worker's ranks.
+  std::uint64_t RoutedToWorker(std::uint64_t worker_id) const;
   // The breakdowns "routed", "route_errors" and "requests" of a stats reply.
   void Fill(StatsReply& reply) const;
 

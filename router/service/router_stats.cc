@@ -19,8 +19,11 @@ StatsReply BuildStats(const StatsRequest& page, const WorkerRegistry& registry, 
   StatsReply r;
   r.offset = page.offset;
   for (RankEntry& e : registry.Page(page.offset, page.limit, &r.workers_total)) {
-    r.workers.push_back({.worker_id = e.worker.worker_id, .dp_rank = e.worker.dp_rank, .device = std::move(e.device),
-                         .role = std::string(WorkerRoleName(e.role))});
+    r.workers.push_back({.worker_id = e.worker.worker_id,
+                         .dp_rank = e.worker.dp_rank,
+                         .device = std::move(e.device),
+                         .role = std::string(WorkerRoleName(e.role)),
+                         .without_events = e.without_events});
   }
   // Indexed blocks of the page's ranks, on every tier (approximate mode overwrites them with
   // predictions).
@@ -47,6 +50,7 @@ StatsReply BuildStats(const StatsRequest& page, const WorkerRegistry& registry, 
   r.counters["events_held_dropped"] = c.held_dropped;
   r.counters["workers_refused"] = registry.refused_total();
   r.counters["leases_expired"] = registry.leases_expired();
+  r.counters["workers_without_events"] = registry.silent_workers();
   return r;
 }
 

@@ -478,6 +478,11 @@ Result<std::uint32_t> Routing::Overlaps(const RouteRequest& prompt, OverlapScore
   return p->sel.request_blocks;
 }
 
+std::uint64_t Routing::RoutedToWorker(std::uint64_t worker_id) const {
+  KvMutexLock g(mu_);
+  return counters_.RoutedToWorker(worker_id);
+}
+
 void Routing::FillStats(StatsReply& r) const {
   KvMutexLock g(mu_);
   const ActiveLoad& load = scheduler_.load();

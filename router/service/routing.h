@@ -108,6 +108,8 @@ class Routing {
   // Fills, for the ranks already in reply.workers, their load, routed count and (approximate
   // mode) predicted blocks; and the routing counters and breakdowns.
   void FillStats(StatsReply& reply) const;
+  // Requests routed to the worker (any rank) since it became known.
+  std::uint64_t RoutedToWorker(std::uint64_t worker_id) const;
   // The prompt's overlap per rank (overlap_scores), whatever the router mode: from the event
   // index, or approximate mode's predictions (nothing without either). Returns the prompt's
   // blocks; InvalidArgument for a prompt a route would refuse.

@@ -53,6 +53,7 @@ WorkerRegistry::Registered WorkerRegistry::Register(const WorkerRegistration& re
   if (!inserted && w.reg.role == WorkerRole::kPrefill) prefill_workers_.fetch_sub(1);
   if (reg.role == WorkerRole::kPrefill) prefill_workers_.fetch_add(1);
   w.reg = reg;
+  if (!w.has_lease) w.registered_at = now;
   w.has_lease = true;
   w.lease_deadline.store(deadline);
   return out;
@@ -144,7 +145,10 @@ const char* WorkerRegistry::AdmitEventUncached(std::uint64_t worker_id, std::uin
   {
     KvReaderLock g(mu_);
     auto it = workers_.find(worker_id);
-    if (it != workers_.end() && Serves(it->second.reg, dp_rank)) return nullptr;
+    if (it != workers_.end() && Serves(it->second.reg, dp_rank)) {
+      it->second.heard_events.store(true, std::memory_order_relaxed);
+      return nullptr;
+    }
   }
   KvWriterLock g(mu_);
   auto it = workers_.find(worker_id);
@@ -165,6 +169,7 @@ const char* WorkerRegistry::AdmitEventUncached(std::uint64_t worker_id, std::uin
     reg.block_size = limits_.block_size;
     reg.dp_size = dp_rank + 1;
     ranks_total_ += reg.dp_size;
+    workers_[worker_id].heard_events.store(true, std::memory_order_relaxed);
     return nullptr;
   }
   WorkerRegistration& reg = it->second.reg;
@@ -186,6 +191,7 @@ void WorkerRegistry::EraseLocked(std::map<std::uint64_t, Worker>::iterator it, S
   if (left_.size() < kMaxLeftRemembered) left_[it->first] = now + kLeftMemory;
   ranks_total_ -= it->second.reg.dp_size;
   if (it->second.reg.role == WorkerRole::kPrefill) prefill_workers_.fetch_sub(1);
+  if (it->second.silent) silent_workers_.fetch_sub(1);
   workers_.erase(it);
 }
 
@@ -421,11 +427,40 @@ std::vector<RankEntry> WorkerRegistry::Page(std::uint64_t offset, std::uint32_t 
     }
     const std::uint64_t end = std::uint64_t{reg.dp_start} + reg.dp_size;
     for (std::uint64_t rank = reg.dp_start + skip; rank < end && out.size() < limit; ++rank) {
-      out.push_back({.worker = {it->first, static_cast<std::uint32_t>(rank)}, .device = reg.device, .role = reg.role});
+      out.push_back({.worker = {it->first, static_cast<std::uint32_t>(rank)},
+                     .device = reg.device,
+                     .role = reg.role,
+                     .without_events = it->second.silent});
     }
     skip = 0;
   }
   return out;
+}
+
+std::vector<std::uint64_t> WorkerRegistry::Unheard(SteadyTime now, std::chrono::milliseconds quiet) const {
+  std::vector<std::uint64_t> out;
+  KvReaderLock g(mu_);
+  for (const auto& [id, w] : workers_) {
+    if (w.has_lease && !w.heard_events.load(std::memory_order_relaxed) && now - w.registered_at >= quiet) {
+      out.push_back(id);
+    }
+  }
+  return out;
+}
+
+std::vector<std::uint64_t> WorkerRegistry::SetSilent(const std::vector<std::uint64_t>& silent) {
+  std::vector<std::uint64_t> newly;
+  std::uint64_t marked = 0;
+  KvWriterLock g(mu_);
+  for (auto& [id, w] : workers_) {
+    const bool was = w.silent;
+    // An event admitted since Unheard was read ends the silence.
+    w.silent = std::binary_search(silent.begin(), silent.end(), id) && !w.heard_events.load(std::memory_order_relaxed);
+    marked += w.silent;
+    if (w.silent && !was) newly.push_back(id);
+  }
+  silent_workers_.store(marked, std::memory_order_relaxed);
+  return newly;
 }
 
 std::uint64_t WorkerRegistry::ranks_total() const {

@@ -47,6 +47,7 @@ struct RankEntry {
   WorkerKey worker;
   std::string device;
   WorkerRole role = WorkerRole::kBoth;
+  bool without_events = false;  // its worker is silent (WorkerRegistry::SetSilent)
 };
 
 // A request's ranks by role (section 13): see WorkerRegistry::Pools.
@@ -153,6 +154,14 @@ class WorkerRegistry {
   // Ranks [offset, offset + limit) in ascending order, and the number of ranks in all.
   std::vector<RankEntry> Page(std::uint64_t offset, std::uint32_t limit, std::uint64_t* total) const;
 
+  // Silent workers, routed blind (docs/operations.md "Silent workers"): Unheard lists the
+  // workers registered at least `quiet` before `now` from which no KV event was ever admitted;
+  // SetSilent marks exactly `silent` of them (the caller's judgement) and returns the workers
+  // newly marked, ascending, for the caller to name once. Marks show in Page and silent_workers().
+  std::vector<std::uint64_t> Unheard(SteadyTime now, std::chrono::milliseconds quiet) const;
+  std::vector<std::uint64_t> SetSilent(const std::vector<std::uint64_t>& silent);
+  std::uint64_t silent_workers() const { return silent_workers_.load(std::memory_order_relaxed); }
+
   std::uint64_t ranks_total() const;
   std::uint64_t leases_expired() const { return leases_expired_.load(); }
   std::uint64_t refused_total() const;
@@ -163,6 +172,9 @@ class WorkerRegistry {
     WorkerRegistration reg;
     bool has_lease = false;                       // false until the first heartbeat (event-only workers)
     std::atomic<std::int64_t> lease_deadline{0};  // steady ticks; renewed under the shared lock
+    SteadyTime registered_at{};                   // its first registration (has_lease since)
+    std::atomic<bool> heard_events{false};        // an event of it was admitted (set under the shared lock)
+    bool silent = false;                          // marked by SetSilent
   };
   // mu_ held (exclusive): the reason `reg` must be refused, or nullptr.
   const char* RefusalLocked(const WorkerRegistration& reg, std::string& detail) const KV_REQUIRES(mu_);
@@ -199,6 +211,7 @@ class WorkerRegistry {
   std::uint64_t refused_total_ KV_GUARDED_BY(mu_) = 0;
   std::unordered_map<std::uint64_t, SteadyTime> left_ KV_GUARDED_BY(mu_);  // forgotten worker -> until
   std::atomic<std::uint64_t> leases_expired_{0};
+  std::atomic<std::uint64_t> silent_workers_{0};  // workers marked silent now
   std::atomic<std::uint64_t> prefill_workers_{0};  // changed under mu_ (exclusive)
   std::atomic<bool> paused_{false};
 };

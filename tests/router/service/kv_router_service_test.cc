@@ -231,6 +231,45 @@ TEST_F(ServiceTest, WorkerSeenOnlyThroughEventsIsRoutable) {
   EXPECT_TRUE(Route(Prompt(kTwelve)).ok());
 }
 
+TEST_F(ServiceTest, ARegisteredWorkerRoutedToThatSendsNoEventsIsNamedAndCounted) {
+  StartWith({"--router-mode", "kv"});
+  Register(1);
+  Register(2);
+  Register(3);  // idle: no request, so no events to send
+  StorePrompt(2, 1, {1, 2, 3, 4});
+  RouteRequest to1 = Prompt(kTwelve);
+  to1.worker_id = 1;
+  ASSERT_TRUE(Route(to1).ok());
+  for (auto t = std::chrono::seconds(0); t < KvRouterService::kSilentAfter; t += std::chrono::seconds(1)) {
+    now_ += std::chrono::seconds(1);
+    for (std::uint64_t id : {1, 2, 3}) Register(id);  // heartbeats keep the leases
+    svc_->Tick();
+  }
+  StatsReply s = Stats();
+  EXPECT_EQ(s.counters["workers_without_events"], 1u);
+  ASSERT_EQ(s.workers.size(), 3u);
+  EXPECT_TRUE(s.workers[0].without_events);  // worker 1
+  EXPECT_FALSE(s.workers[1].without_events);
+  EXPECT_FALSE(s.workers[2].without_events);
+  EXPECT_NE(svc_->MetricsText().find("kvrouter_workers_without_events 1"), std::string::npos);
+  // Its first event ends it.
+  StorePrompt(1, 1, {5, 6, 7, 8});
+  now_ += std::chrono::seconds(1);
+  svc_->Tick();
+  EXPECT_EQ(Stats().counters["workers_without_events"], 0u);
+}
+
+TEST_F(ServiceTest, WithoutEventsToReadNoWorkerIsSilent) {
+  StartWith({"--router-mode", "kv", "--no-router-kv-events"});
+  for (auto t = std::chrono::seconds(0); t < KvRouterService::kSilentAfter; t += std::chrono::seconds(1)) {
+    now_ += std::chrono::seconds(1);
+    Register(1);
+    svc_->Tick();
+  }
+  ASSERT_EQ(Stats().workers.size(), 1u);
+  EXPECT_EQ(Stats().counters["workers_without_events"], 0u);
+}
+
 TEST_F(ServiceTest, BookingCountsAgainstTheWorkerUntilFreed) {
   StartWith({"--router-mode", "kv"});
   Register(1);

@@ -110,6 +110,41 @@ TEST(WorkerRegistryAdmission, AnAdmittedRankIsRefusedOnceItsLeaseExpires) {
   EXPECT_STREQ(reg.AdmitEvent(7, 0, kT0 + 2s), "worker_left");
 }
 
+TEST(WorkerRegistrySilence, ARegisteredWorkerWithoutEventsIsMarkedOnceAfterTheQuietTime) {
+  WorkerRegistry reg({});
+  ASSERT_EQ(reg.Register(Reg(7), kT0).outcome, WorkerRegistry::Outcome::kNew);
+  ASSERT_EQ(reg.Register(Reg(8), kT0).outcome, WorkerRegistry::Outcome::kNew);
+  EXPECT_EQ(reg.AdmitEvent(8, 0, kT0), nullptr);  // 8 sends events
+  EXPECT_EQ(reg.AdmitEvent(9, 0, kT0), nullptr);  // 9 is only seen through events
+  EXPECT_TRUE(reg.Unheard(kT0 + 29s, 30s).empty());  // too early to say
+  EXPECT_EQ(reg.Unheard(kT0 + 30s, 30s), std::vector<std::uint64_t>{7});
+  EXPECT_EQ(reg.SetSilent({7}), std::vector<std::uint64_t>{7});
+  EXPECT_EQ(reg.silent_workers(), 1u);
+  EXPECT_TRUE(reg.SetSilent({7}).empty());  // said once
+  std::uint64_t total = 0;
+  const auto page = reg.Page(0, 10, &total);
+  ASSERT_EQ(page.size(), 3u);
+  EXPECT_TRUE(page[0].without_events);
+  EXPECT_FALSE(page[1].without_events);
+  EXPECT_FALSE(page[2].without_events);
+  // A heartbeat does not make it heard; its first event does.
+  ASSERT_EQ(reg.Register(Reg(7), kT0 + 31s).outcome, WorkerRegistry::Outcome::kRenewed);
+  EXPECT_EQ(reg.Unheard(kT0 + 32s, 30s), std::vector<std::uint64_t>{7});
+  EXPECT_EQ(reg.AdmitEvent(7, 0, kT0 + 32s), nullptr);
+  EXPECT_TRUE(reg.Unheard(kT0 + 33s, 30s).empty());
+  // An event between Unheard and SetSilent wins.
+  EXPECT_TRUE(reg.SetSilent({7}).empty());
+  EXPECT_EQ(reg.silent_workers(), 0u);
+}
+
+TEST(WorkerRegistrySilence, AForgottenSilentWorkerIsNoLongerCounted) {
+  WorkerRegistry reg({});
+  ASSERT_EQ(reg.Register(Reg(7), kT0).outcome, WorkerRegistry::Outcome::kNew);
+  EXPECT_EQ(reg.SetSilent(reg.Unheard(kT0 + 30s, 30s)), std::vector<std::uint64_t>{7});
+  EXPECT_TRUE(reg.Forget(7, kT0 + 30s));
+  EXPECT_EQ(reg.silent_workers(), 0u);
+}
+
 TEST(WorkerRegistryAdmission, WhatOneRegistryAdmittedIsNotAdmittedByAnother) {
   WorkerRegistry first({});
   WorkerRegistry full({.max_workers = 0});          // takes no event-only worker
