@@ -107,7 +107,7 @@ std::string TextFor(const TraceRequest& r) {
   return text;
 }
 
-void SleepUntilDue(const std::vector<TraceRequest>& trace, std::size_t i, std::chrono::steady_clock::time_point start) {
+void SleepUntilDue(const std::vector<TraceRequest>& trace, std::size_t i, SteadyTime start) {
   const double ms = trace[i].timestamp_ms - trace.front().timestamp_ms;
   std::this_thread::sleep_until(start + std::chrono::microseconds(static_cast<std::int64_t>(ms * 1000)));
 }

@@ -8,13 +8,13 @@
 //   auto t = ReadMooncakeTrace("conversation_trace.jsonl");  auto tokens = TokensFor(t->at(0));
 #pragma once
 
-#include <chrono>
 #include <cstdint>
 #include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
 
+#include "events/base/clock.h"
 #include "events/base/status.h"
 
 namespace kvrouter::bench {
@@ -42,7 +42,7 @@ std::string TextFor(const TraceRequest& r);
 
 // Online replays: sleeps until trace[i] is due, the replay having started at `start` with
 // trace[0]. (Pacing a load generator on the wall clock is its job, not a wait for a condition.)
-void SleepUntilDue(const std::vector<TraceRequest>& trace, std::size_t i, std::chrono::steady_clock::time_point start);
+void SleepUntilDue(const std::vector<TraceRequest>& trace, std::size_t i, SteadyTime start);
 
 // The synthetic workload shapes (kvbench --workload).
 enum class WorkloadShape {

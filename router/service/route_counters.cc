@@ -15,9 +15,12 @@ void RouteCounters::Failed(RouteKind kind, StatusCode code) {
   Answered(kind, StatusCodeName(code));
 }
 
-void RouteCounters::Routed(RouterMode mode, std::optional<WorkerKey> rank) {
+void RouteCounters::Routed(RouterMode mode, std::optional<WorkerKey> rank, std::uint64_t request_blocks,
+                           std::uint64_t cached_blocks) {
   ++routed_[std::string(RouterModeName(mode))];
   if (rank) ++routed_to_[*rank];
+  request_blocks_ += request_blocks;
+  cached_blocks_ += cached_blocks;
 }
 
 void RouteCounters::ForgetWorker(std::uint64_t worker_id) {
@@ -49,6 +52,8 @@ void RouteCounters::Fill(StatsReply& r) const {
   r.breakdowns["routed"] = routed_;
   r.breakdowns["route_errors"] = route_errors_;
   r.breakdowns["requests"] = {requests_.begin(), requests_.end()};
+  r.counters["routed_request_blocks"] = request_blocks_;
+  r.counters["routed_cached_blocks"] = cached_blocks_;
 }
 
 }  // namespace kvrouter

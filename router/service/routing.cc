@@ -132,7 +132,8 @@ RouteReply Routing::AnswerLocked(Kind kind, const RouteRequest& req, const Prepa
       metrics_dirty_.push_back(prefill->worker);
     }
   }
-  counters_.Routed(config_.mode, req.update_states ? std::optional<WorkerKey>(d.worker) : std::nullopt);
+  counters_.Routed(config_.mode, req.update_states ? std::optional<WorkerKey>(d.worker) : std::nullopt,
+                   p.sel.request_blocks, prefill ? prefill->overlap_blocks : d.overlap_blocks);
   counters_.Answered(kind, "ok");
   const std::uint32_t bs = config_.block_size;
   RouteReply reply{.worker_id = d.worker.worker_id,
