@@ -5,23 +5,33 @@
 #     alternating, two runs each;
 #   added latency at p50, streaming cost per chunk, memory per idle connection (gateway_bench:
 #     against the engine the gateway chose, alternating request by request).
-# The engines are kvmocker's HTTP faces (4 workers, --speedup-ratio 1000: the engine's own time is
-# small next to the proxies'). Everything runs on 127.0.0.1 ports chosen free here and is stopped
-# at the end (also on Ctrl-C).
+#   the cost of a disaggregated request (docs/protocol.md section 13), on a fleet of its own: a
+#     kvrouter with --router-disagg-policy always, a kvmocker process of 2 prefill workers and one
+#     of 2 decode workers (nixl), a kvgateway; gateway_bench sends each request through the gateway
+#     and runs the two legs itself against the same engines (direct), alternating.
+# The engines are kvmocker's HTTP faces (--speedup-ratio 1000: the engine's own time is small next
+# to the proxies'). Everything runs on 127.0.0.1 ports chosen free here and is stopped at the end
+# (also on Ctrl-C).
 #   scripts/gateway-bench.sh [build-dir]     results in $BENCH_OUT (default bench-results/gateway)
+#   GATEWAY_BENCH_FLEETS=pd scripts/gateway-bench.sh     one fleet only (default "aggregated pd")
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${1:-build}
 out=${BENCH_OUT:-bench-results/gateway}
+fleets=${GATEWAY_BENCH_FLEETS:-aggregated pd}
 mkdir -p "$out"
 for t in nginx wrk nats-server; do command -v "$t" >/dev/null || { echo "gateway-bench: $t is not installed (scripts/setup.sh)"; exit 1; }; done
 for b in kvrouter kvgateway kvmocker gateway_bench; do [ -x "$build/bin/$b" ] || { echo "gateway-bench: $build/bin/$b not built"; exit 1; }; done
 
 work=$(mktemp -d /tmp/kvgateway-bench.XXXXXX)
 pids=()
-cleanup() {
+stop_started() {  # the processes this script started, and only them
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
   for p in "${pids[@]}"; do wait "$p" 2>/dev/null || true; done
+  pids=()
+}
+cleanup() {
+  stop_started
   rm -rf "$work"
 }
 trap cleanup EXIT INT TERM
@@ -47,6 +57,7 @@ await() {  # url: until it answers 200 (10 s at most)
   echo "gateway-bench: $1 did not answer"; exit 1
 }
 
+if [[ " $fleets " == *" aggregated "* ]]; then  # (its body is not indented: it holds heredocs)
 nats_port=$(free_port); gw_port=$(free_port); nginx_port=$(free_port)
 engine_base=$(free_ports 4)  # the engines take base .. base+3
 nats="nats://127.0.0.1:$nats_port"
@@ -135,4 +146,62 @@ if "idle" in r:
           f"({i['connections']} connections, RSS {i['rss_before_kb']} -> {i['rss_after_kb']} KB)")
 json.dump({"gateway_req_s": gw, "nginx_req_s": ng, **r}, open(sys.argv[1], "w"), indent=2)
 PY
+fi
+
+if [[ " $fleets " == *" pd "* ]]; then
+  stop_started
+  echo "== a disaggregated request's cost (gateway_bench, 2 prefill + 2 decode workers, nixl)"
+  nats_port=$(free_port); gw_port=$(free_port)
+  prefill_base=$(free_ports 4); decode_base=$((prefill_base + 2))  # 2 ports each
+  nats="nats://127.0.0.1:$nats_port"
+  nats-server -a 127.0.0.1 -p "$nats_port" >"$work/pd-nats.log" 2>&1 & pids+=($!)
+  for _ in $(seq 100); do (echo >"/dev/tcp/127.0.0.1/$nats_port") 2>/dev/null && break; sleep 0.1; done
+  "$build/bin/kvrouter" --nats-server "$nats" --router-mode kv --router-disagg-policy always --metrics-port 0 \
+    >"$work/pd-kvrouter.log" 2>&1 & pids+=($!)
+  # The lease outlasts any pull here (600 s over the speedup); the pull's end unpins.
+  for role in prefill decode; do
+    if [ "$role" = prefill ]; then port=$prefill_base; id=1; else port=$decode_base; id=11; fi
+    "$build/bin/kvmocker" --nats-server "$nats" --num-workers 2 --worker-id-base "$id" --speedup-ratio 1000 \
+      --metrics-port 0 --http-port "$port" --http-host 127.0.0.1 --model mock --role "$role" --kv-connector nixl \
+      --kv-lease-ms 600000 >"$work/pd-kvmocker-$role.log" 2>&1 & pids+=($!)
+  done
+  "$build/bin/kvgateway" --nats-server "$nats" --http-port "$gw_port" --http-host 127.0.0.1 --metrics-port 0 \
+    >"$work/pd-kvgateway.log" 2>&1 & pids+=($!)
+  prefill_engines=("http://127.0.0.1:$prefill_base" "http://127.0.0.1:$((prefill_base + 1))")
+  decode_engines=("http://127.0.0.1:$decode_base" "http://127.0.0.1:$((decode_base + 1))")
+  for e in "${prefill_engines[@]}" "${decode_engines[@]}"; do await "$e/health"; done
+  await "http://127.0.0.1:$gw_port/ready"
+  for _ in $(seq 100); do  # the gateway knows all four engines
+    curl -s "http://127.0.0.1:$gw_port/metrics" | grep -q '^kvgateway_engines 4$' && break; sleep 0.1
+  done
+  "$build/bin/gateway_bench" --gateway "http://127.0.0.1:$gw_port" --model mock --idle-connections 0 \
+    --engines "${decode_engines[@]}" --worker-id-base 11 \
+    --prefill-engines "${prefill_engines[@]}" --prefill-worker-id-base 1 \
+    --requests 400 --streams 200 --stream-tokens 8 --prompt-bytes 512 --max-tokens 4 \
+    --json "$out/gateway_bench_pd.json" >/dev/null
+  curl -s "http://127.0.0.1:$gw_port/metrics" >"$out/kvgateway_pd_metrics.txt"
+  python3 - "$out/gateway_bench_pd.json" "$out/kvgateway_pd_metrics.txt" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+metrics = {}
+for line in open(sys.argv[2]):
+    if line.startswith("kvgateway_") and " " in line:
+        name, value = line.rsplit(" ", 1)
+        metrics[name] = float(value)
+def mean_ms(h):
+    n = metrics.get(h + "_count", 0)
+    return 1000 * metrics.get(h + "_sum", 0) / n if n else float("nan")
+for key, what in (("pd_latency", "P/D added latency at p50 "), ("pd_first_byte", "P/D added first byte p50 ")):
+    l = r[key]
+    print(f"{what} goal <= 1 ms   measured {l['added_p50_ms']:.3f} ms  (gateway p50 {l['gateway_p50_ms']:.3f} ms, "
+          f"direct {l['direct_p50_ms']:.3f} ms, direct prefill leg {l['direct_prefill_leg_p50_ms']:.3f} ms; p99 "
+          f"{l['gateway_p99_ms']:.3f} / {l['direct_p99_ms']:.3f} ms; {l['pairs']} pairs, "
+          f"{l['not_disaggregated']} not disaggregated)")
+print(f"kvgateway means: route (render + route) {mean_ms('kvgateway_route_seconds'):.3f} ms, "
+      f"prefill leg {mean_ms('kvgateway_prefill_leg_seconds'):.3f} ms, "
+      f"prefill answer to decode first byte {mean_ms('kvgateway_decode_wait_seconds'):.3f} ms")
+r["kvgateway_means_ms"] = {h: mean_ms("kvgateway_" + h + "_seconds") for h in ("route", "prefill_leg", "decode_wait")}
+json.dump(r, open(sys.argv[1], "w"), indent=2)
+PY
+fi
 echo "raw results: $out"

@@ -1,5 +1,5 @@
 // gateway_bench: what kvgateway adds in front of engines, each number beside a baseline measured
-// in the same run (scripts/bench.sh starts the processes; docs/performance.md has the goals):
+// in the same run (scripts/gateway-bench.sh starts the processes; docs/performance.md has the goals):
 //   added latency  short non-streamed chat requests one at a time, alternating between the
 //                  gateway and the engine the router chose for the same prompt (direct): p50 and
 //                  p99 of each, and the difference of the p50s;
@@ -8,8 +8,15 @@
 //                  (the gateway's cost per chunk);
 //   idle memory    --idle-connections TCP connections opened to the gateway and left idle: its
 //                  RSS (from /proc/PID/status, --gateway-pid) after minus before, per connection.
-// Throughput at 32 connections is wrk's (scripts/bench.sh), against nginx in the same run.
+// With --prefill-engines the fleet is disaggregated (--engines are then the decode engines) and
+// the first two become the P/D measurement: each request through the gateway, and direct, where
+// this program runs the two legs of docs/protocol.md section 13 (the `nixl` connector) itself
+// against the prefill and decode engines the gateway used (see PdDirect); plain requests (the
+// whole answer) and streamed ones (the first byte of the answer).
+// Throughput at 32 connections is wrk's (scripts/gateway-bench.sh), against nginx in the same run.
 //   gateway_bench --gateway http://127.0.0.1:8000 --gateway-pid PID --model mock --json out.json
+//   gateway_bench --gateway URL --engines DECODE_URLS --worker-id-base 11
+//       --prefill-engines PREFILL_URLS --prefill-worker-id-base 1 --idle-connections 0
 // Exit 2 on bad flags, 1 when a request fails.
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -59,39 +66,239 @@ std::string ChatBody(const std::string& model, int i, bool stream, int max_token
 
 struct Timed {
   double total_ms = 0;
+  double first_byte_ms = 0;     // the first body byte (a head alone does not count)
   std::vector<double> gaps_ms;  // between body chunks
   std::string worker;           // x-kvrouter-worker-id (through the gateway)
+  std::string prefill_worker;   // x-kvrouter-prefill-worker-id (a disaggregated answer)
+  std::string body;             // the answer, when asked for
   int status = 0;
 };
 
-// One request, timed at the client: the whole answer and the gaps between its chunks.
-Timed Call(HttpClient& client, const HttpEndpoint& at, const std::string& body) {
+enum class KeepBody { kNo, kYes };
+
+// One request, timed at the client: the whole answer, its first body byte and the gaps between
+// its chunks.
+Timed Call(HttpClient& client, const HttpEndpoint& at, const std::string& body, HttpHeaders headers = {},
+           KeepBody keep = KeepBody::kNo) {
   Timed t;
   std::promise<Status> done;
   auto future = done.get_future();
+  headers.emplace_back("content-type", "application/json");
   const auto start = Clock::now();
   auto last = start;
   bool first = true;
-  client.Start(at, {.target = "/v1/chat/completions", .headers = {{"content-type", "application/json"}}, .body = body},
+  client.Start(at, {.target = "/v1/chat/completions", .headers = std::move(headers), .body = body},
                {.on_head =
                     [&](int status, const HttpHeaders& h) {
                       t.status = status;
                       for (const auto& [k, v] : h) {
                         if (k == "x-kvrouter-worker-id") t.worker = v;
+                        if (k == "x-kvrouter-prefill-worker-id") t.prefill_worker = v;
                       }
                     },
                 .on_data =
-                    [&](std::string_view) {
+                    [&](std::string_view d) {
                       const auto now = Clock::now();
-                      if (!first) t.gaps_ms.push_back(std::chrono::duration<double, std::milli>(now - last).count());
+                      if (first) {
+                        t.first_byte_ms = std::chrono::duration<double, std::milli>(now - start).count();
+                      } else {
+                        t.gaps_ms.push_back(std::chrono::duration<double, std::milli>(now - last).count());
+                      }
                       first = false;
                       last = now;
+                      if (keep == KeepBody::kYes) t.body.append(d);
                     },
                 .on_done = [&](const Status& s) { done.set_value(s); }});
   const Status s = future.get();
   t.total_ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
   if (!s.ok()) t.status = -1;
   return t;
+}
+
+// The engine of worker `id` among `engines` (the first being worker `base`); nullptr when the id
+// (a header's text) names none of them.
+const HttpEndpoint* EngineOf(const std::vector<HttpEndpoint>& engines, std::uint64_t base, const std::string& id) {
+  std::uint64_t w = 0;
+  try {
+    w = std::stoull(id);
+  } catch (const std::exception&) {
+    return nullptr;
+  }
+  return w < base || w - base >= engines.size() ? nullptr : &engines[w - base];
+}
+
+// Added latency: `requests` short plain prompts through the gateway, each then straight to the
+// engine the gateway chose, with the same prompt.
+Result<json> MeasureAdded(HttpClient& client, const HttpEndpoint& gateway, const std::vector<HttpEndpoint>& engines,
+                          std::uint64_t base, const std::string& model, int requests) {
+  std::vector<double> via, direct;
+  for (int i = 0; i < requests; ++i) {
+    const std::string body = ChatBody(model, i, false, 1);
+    const Timed g = Call(client, gateway, body);
+    if (g.status != 200) return Internal(fmt::format("gateway answered {}", g.status));
+    const HttpEndpoint* engine = EngineOf(engines, base, g.worker);
+    if (engine == nullptr) return Internal(fmt::format("unknown worker '{}'", g.worker));
+    const Timed d = Call(client, *engine, body);
+    if (d.status != 200) return Internal(fmt::format("engine answered {}", d.status));
+    if (i >= 10) {  // the first ones warm the pools
+      via.push_back(g.total_ms);
+      direct.push_back(d.total_ms);
+    }
+  }
+  return json{{"gateway_p50_ms", Percentile(via, 0.5)},   {"gateway_p99_ms", Percentile(via, 0.99)},
+              {"direct_p50_ms", Percentile(direct, 0.5)}, {"direct_p99_ms", Percentile(direct, 0.99)},
+              {"added_p50_ms", Percentile(via, 0.5) - Percentile(direct, 0.5)}};
+}
+
+// Streaming: the mean gap between chunks at the client, each path, over `streams` prompts.
+Result<json> MeasureStreaming(HttpClient& client, const HttpEndpoint& gateway, const std::vector<HttpEndpoint>& engines,
+                              std::uint64_t base, const std::string& model, int streams, int tokens) {
+  std::vector<double> gaps_via, gaps_direct;
+  for (int i = 0; i < streams; ++i) {
+    const std::string body = ChatBody(model, 100000 + i, true, tokens);
+    const Timed g = Call(client, gateway, body);
+    if (g.status != 200) return Internal(fmt::format("gateway stream answered {}", g.status));
+    const HttpEndpoint* engine = EngineOf(engines, base, g.worker);
+    if (engine == nullptr) return Internal(fmt::format("unknown worker '{}'", g.worker));
+    const Timed d = Call(client, *engine, body);
+    if (d.status != 200) return Internal(fmt::format("engine stream answered {}", d.status));
+    gaps_via.insert(gaps_via.end(), g.gaps_ms.begin(), g.gaps_ms.end());
+    gaps_direct.insert(gaps_direct.end(), d.gaps_ms.begin(), d.gaps_ms.end());
+  }
+  return json{{"chunks", gaps_via.size()},
+              {"gateway_gap_mean_ms", Mean(gaps_via)},
+              {"direct_gap_mean_ms", Mean(gaps_direct)},
+              {"overhead_per_chunk_us", (Mean(gaps_via) - Mean(gaps_direct)) * 1000}};
+}
+
+// A chat body whose prompt is `bytes` bytes long (kvmocker's tokenizer: one token per byte) and
+// starts with `tag` and `i`, so that no two prompts share a first block: every prompt is new to
+// every engine's cache, prefilled whole and pulled whole.
+std::string PdChatBody(const std::string& model, char tag, int i, bool stream, int max_tokens, int bytes) {
+  std::string text = fmt::format("{} {:09d} ", tag, i);
+  text.resize(std::max<std::size_t>(text.size(), static_cast<std::size_t>(bytes)), 'x');
+  return json{{"model", model},
+              {"stream", stream},
+              {"max_tokens", max_tokens},
+              {"messages", {{{"role", "user"}, {"content", text}}}}}
+      .dump();
+}
+
+// The prefill leg's body (docs/protocol.md section 13, `nixl`), written here from the contract and
+// not from the gateway's code: the client's with kv_transfer_params asking for a remote decode,
+// stream false, max_tokens 1 (and max_completion_tokens 1 when present), without stream_options,
+// min_tokens and min_completion_tokens, every other field in its place.
+std::string NixlPrefillLegBody(const std::string& client_body) {
+  auto d = nlohmann::ordered_json::parse(client_body);
+  d["kv_transfer_params"] = nlohmann::ordered_json{{"do_remote_decode", true}, {"do_remote_prefill", false},
+                                                   {"remote_engine_id", nullptr}, {"remote_block_ids", nullptr},
+                                                   {"remote_host", nullptr},      {"remote_port", nullptr}};
+  d["stream"] = false;
+  d["max_tokens"] = 1;
+  if (d.contains("max_completion_tokens")) d["max_completion_tokens"] = 1;
+  for (const char* gone : {"stream_options", "min_tokens", "min_completion_tokens"}) d.erase(gone);
+  return d.dump();
+}
+
+// A disaggregated request run by the client itself, the baseline of the gateway's: the prefill
+// leg (its body built before the clock starts: it depends on the client's body alone), then the
+// decode leg with the prefill answer's kv_transfer_params inserted before the client body's
+// closing brace, the same X-Request-Id on both. Timed from the prefill call: total_ms to the
+// decode answer's end, first_byte_ms to its first byte; prefill_ms to the prefill answer's end.
+struct PdTimed {
+  Timed decode;
+  double prefill_ms = 0;
+  std::string error;  // non-empty: the legs failed
+};
+
+PdTimed PdDirect(HttpClient& client, const HttpEndpoint& prefill, const HttpEndpoint& decode,
+                 const std::string& client_body, const std::string& prefill_body, const std::string& request_id) {
+  PdTimed r;
+  const auto start = Clock::now();
+  const Timed p = Call(client, prefill, prefill_body, {{"x-request-id", request_id}}, KeepBody::kYes);
+  if (p.status != 200) return r.error = fmt::format("prefill engine answered {}: {}", p.status, p.body), r;
+  const auto answer = nlohmann::ordered_json::parse(p.body, nullptr, /*allow_exceptions=*/false);
+  const auto params = answer.is_object() ? answer.find("kv_transfer_params") : answer.end();
+  if (params == answer.end() || !params->is_object()) {
+    return r.error = fmt::format("prefill answer without kv_transfer_params: {}", p.body), r;
+  }
+  std::string body = client_body.substr(0, client_body.find_last_of('}'));
+  body += ",\"kv_transfer_params\":";
+  body += params->dump();
+  body += '}';
+  const auto prefilled = Clock::now();
+  r.decode = Call(client, decode, body, {{"x-request-id", request_id}});
+  r.prefill_ms = p.total_ms;
+  r.decode.total_ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+  r.decode.first_byte_ms += std::chrono::duration<double, std::milli>(prefilled - start).count();
+  if (r.decode.status != 200) r.error = fmt::format("decode engine answered {}", r.decode.status);
+  return r;
+}
+
+// The P/D measurement: `requests` pairs (gateway, direct), each path with its own prompt of the
+// same length, so both find every engine's cache cold (the same prompt would let the second path
+// hit the prefix the first one left in both engines). The order alternates pair by pair, so
+// neither path always runs in the other's wake (the router's and engines' work after an answer);
+// a pair that starts direct uses the engines of the gateway's latest disaggregated answer, a
+// pair that starts through the gateway those of its own answer (the engines of a role are alike).
+// Pairs whose gateway answer was not disaggregated are counted and left out.
+struct PdFleet {
+  std::vector<HttpEndpoint> prefill;
+  std::uint64_t prefill_base = 1;
+  std::vector<HttpEndpoint> decode;
+  std::uint64_t decode_base = 1;
+};
+
+Result<json> MeasurePd(HttpClient& client, const HttpEndpoint& gateway, const PdFleet& fleet, const std::string& model,
+                       int requests, bool stream, int max_tokens, int prompt_bytes) {
+  std::vector<double> via, direct, prefill_legs;
+  int not_disaggregated = 0;
+  const HttpEndpoint* last_prefill = nullptr;
+  const HttpEndpoint* last_decode = nullptr;
+  const int offset = stream ? 1'000'000 : 0;  // streamed prompts apart from plain ones
+  for (int i = 0; i < requests; ++i) {
+    const std::string via_body = PdChatBody(model, 'g', offset + i, stream, max_tokens, prompt_bytes);
+    const std::string direct_body = PdChatBody(model, 'd', offset + i, stream, max_tokens, prompt_bytes);
+    const std::string prefill_body = NixlPrefillLegBody(direct_body);
+    const std::string request_id = fmt::format("gateway-bench-pd-{}-{}", stream ? "stream" : "plain", i);
+    const bool direct_first = i % 2 == 1 && last_prefill != nullptr;
+    PdTimed d;
+    if (direct_first) {
+      d = PdDirect(client, *last_prefill, *last_decode, direct_body, prefill_body, request_id);
+      if (!d.error.empty()) return Internal(d.error);
+    }
+    const Timed g = Call(client, gateway, via_body);
+    if (g.status != 200) return Internal(fmt::format("gateway answered {}", g.status));
+    const HttpEndpoint* decode = EngineOf(fleet.decode, fleet.decode_base, g.worker);
+    if (decode == nullptr) return Internal(fmt::format("unknown decode worker '{}'", g.worker));
+    if (g.prefill_worker.empty()) {
+      ++not_disaggregated;
+      continue;
+    }
+    const HttpEndpoint* prefill = EngineOf(fleet.prefill, fleet.prefill_base, g.prefill_worker);
+    if (prefill == nullptr) return Internal(fmt::format("unknown prefill worker '{}'", g.prefill_worker));
+    last_prefill = prefill;
+    last_decode = decode;
+    if (!direct_first) {
+      d = PdDirect(client, *prefill, *decode, direct_body, prefill_body, request_id);
+      if (!d.error.empty()) return Internal(d.error);
+    }
+    if (i >= 10) {  // the first ones warm the pools
+      via.push_back(stream ? g.first_byte_ms : g.total_ms);
+      direct.push_back(stream ? d.decode.first_byte_ms : d.decode.total_ms);
+      prefill_legs.push_back(d.prefill_ms);
+    }
+  }
+  const std::string what = stream ? "first_byte" : "total";
+  return json{{"pairs", via.size()},
+              {"not_disaggregated", not_disaggregated},
+              {"measured", what},
+              {"gateway_p50_ms", Percentile(via, 0.5)},
+              {"gateway_p99_ms", Percentile(via, 0.99)},
+              {"direct_p50_ms", Percentile(direct, 0.5)},
+              {"direct_p99_ms", Percentile(direct, 0.99)},
+              {"direct_prefill_leg_p50_ms", Percentile(prefill_legs, 0.5)},
+              {"added_p50_ms", Percentile(via, 0.5) - Percentile(direct, 0.5)}};
 }
 
 long RssKb(int pid) {
@@ -115,6 +322,12 @@ int main(int argc, char** argv) {
     ("gateway-pid", po::value<int>()->default_value(0), "the gateway's process id, for its memory (0: skip)")
     ("engines", po::value<std::vector<std::string>>()->multitoken()->required(), "engine base URLs, worker i at index i-base")
     ("worker-id-base", po::value<std::uint64_t>()->default_value(1), "worker id of the first engine URL")
+    ("prefill-engines", po::value<std::vector<std::string>>()->multitoken(),
+     "prefill engine base URLs, worker i at index i-base: the fleet is disaggregated, --engines are its decode "
+     "engines, and the P/D measurement replaces the added latency and streaming ones")
+    ("prefill-worker-id-base", po::value<std::uint64_t>()->default_value(1), "worker id of the first prefill engine URL")
+    ("prompt-bytes", po::value<int>()->default_value(512), "P/D: prompt length (kvmocker: one token per byte)")
+    ("max-tokens", po::value<int>()->default_value(4), "P/D: max_tokens of a plain request (its decode leg's)")
     ("model", po::value<std::string>()->default_value("mock"), "model name")
     ("requests", po::value<int>()->default_value(400), "plain requests per path (added latency)")
     ("streams", po::value<int>()->default_value(40), "streamed requests per path")
@@ -144,46 +357,44 @@ int main(int argc, char** argv) {
   }
   const std::uint64_t base = vm["worker-id-base"].as<std::uint64_t>();
   const std::string model = vm["model"].as<std::string>();
+  PdFleet pd{.prefill = {},
+             .prefill_base = vm["prefill-worker-id-base"].as<std::uint64_t>(),
+             .decode = engines,
+             .decode_base = base};
+  if (vm.count("prefill-engines")) {
+    for (const auto& u : vm["prefill-engines"].as<std::vector<std::string>>()) {
+      auto e = ParseHttpUrl(u);
+      if (!e.ok()) return fmt::print(stderr, "{}\n", e.status().message()), 2;
+      pd.prefill.push_back(*e);
+    }
+  }
+  const int prompt_bytes = vm["prompt-bytes"].as<int>();
+  const int max_tokens = vm["max-tokens"].as<int>();
+  if (prompt_bytes < 16 || prompt_bytes > 1'000'000 || max_tokens < 1 || vm["stream-tokens"].as<int>() < 1) {
+    return fmt::print(stderr, "gateway_bench: --prompt-bytes in [16, 1000000], --max-tokens and --stream-tokens >= 1\n"), 2;
+  }
   HttpIo io(1);
   HttpClient client(io, {});
   json out;
 
-  // Added latency: the same prompt through the gateway, then straight to the engine it chose.
-  std::vector<double> via, direct;
-  for (int i = 0; i < vm["requests"].as<int>(); ++i) {
-    const std::string body = ChatBody(model, i, false, 1);
-    const Timed g = Call(client, *gateway, body);
-    if (g.status != 200) return fmt::print(stderr, "gateway answered {}\n", g.status), 1;
-    const std::uint64_t w = std::stoull(g.worker.empty() ? "0" : g.worker);
-    if (w < base || w - base >= engines.size()) return fmt::print(stderr, "unknown worker '{}'\n", g.worker), 1;
-    const Timed d = Call(client, engines[w - base], body);
-    if (d.status != 200) return fmt::print(stderr, "engine answered {}\n", d.status), 1;
-    if (i >= 10) {  // the first ones warm the pools
-      via.push_back(g.total_ms);
-      direct.push_back(d.total_ms);
-    }
+  if (!pd.prefill.empty()) {
+    // Disaggregated: plain requests (the whole answer), then streamed ones (the first byte).
+    auto plain = MeasurePd(client, *gateway, pd, model, vm["requests"].as<int>(), false, max_tokens, prompt_bytes);
+    if (!plain.ok()) return fmt::print(stderr, "gateway_bench: {}\n", plain.status().message()), 1;
+    out["pd_latency"] = *plain;
+    auto streamed = MeasurePd(client, *gateway, pd, model, vm["streams"].as<int>(), true,
+                              vm["stream-tokens"].as<int>(), prompt_bytes);
+    if (!streamed.ok()) return fmt::print(stderr, "gateway_bench: {}\n", streamed.status().message()), 1;
+    out["pd_first_byte"] = *streamed;
+  } else {
+    auto added = MeasureAdded(client, *gateway, engines, base, model, vm["requests"].as<int>());
+    if (!added.ok()) return fmt::print(stderr, "gateway_bench: {}\n", added.status().message()), 1;
+    out["latency"] = *added;
+    auto streaming =
+        MeasureStreaming(client, *gateway, engines, base, model, vm["streams"].as<int>(), vm["stream-tokens"].as<int>());
+    if (!streaming.ok()) return fmt::print(stderr, "gateway_bench: {}\n", streaming.status().message()), 1;
+    out["streaming"] = *streaming;
   }
-  out["latency"] = {{"gateway_p50_ms", Percentile(via, 0.5)},  {"gateway_p99_ms", Percentile(via, 0.99)},
-                    {"direct_p50_ms", Percentile(direct, 0.5)}, {"direct_p99_ms", Percentile(direct, 0.99)},
-                    {"added_p50_ms", Percentile(via, 0.5) - Percentile(direct, 0.5)}};
-
-  // Streaming: mean gap between chunks at the client, each path.
-  std::vector<double> gaps_via, gaps_direct;
-  for (int i = 0; i < vm["streams"].as<int>(); ++i) {
-    const std::string body = ChatBody(model, 100000 + i, true, vm["stream-tokens"].as<int>());
-    const Timed g = Call(client, *gateway, body);
-    if (g.status != 200) return fmt::print(stderr, "gateway stream answered {}\n", g.status), 1;
-    const std::uint64_t w = std::stoull(g.worker.empty() ? "0" : g.worker);
-    if (w < base || w - base >= engines.size()) return 1;
-    const Timed d = Call(client, engines[w - base], body);
-    if (d.status != 200) return 1;
-    gaps_via.insert(gaps_via.end(), g.gaps_ms.begin(), g.gaps_ms.end());
-    gaps_direct.insert(gaps_direct.end(), d.gaps_ms.begin(), d.gaps_ms.end());
-  }
-  out["streaming"] = {{"chunks", gaps_via.size()},
-                      {"gateway_gap_mean_ms", Mean(gaps_via)},
-                      {"direct_gap_mean_ms", Mean(gaps_direct)},
-                      {"overhead_per_chunk_us", (Mean(gaps_via) - Mean(gaps_direct)) * 1000}};
 
   // Idle connections: the gateway's memory for each.
   const int pid = vm["gateway-pid"].as<int>();
