@@ -177,7 +177,7 @@ if [[ " $fleets " == *" pd "* ]]; then
   "$build/bin/gateway_bench" --gateway "http://127.0.0.1:$gw_port" --model mock --idle-connections 0 \
     --engines "${decode_engines[@]}" --worker-id-base 11 \
     --prefill-engines "${prefill_engines[@]}" --prefill-worker-id-base 1 \
-    --requests 400 --streams 200 --stream-tokens 8 --prompt-bytes 512 --max-tokens 4 \
+    --requests "${PD_REQUESTS:-400}" --streams "${PD_STREAMS:-200}" --stream-tokens 8 --prompt-bytes 512 --max-tokens 4 \
     --json "$out/gateway_bench_pd.json" >/dev/null
   curl -s "http://127.0.0.1:$gw_port/metrics" >"$out/kvgateway_pd_metrics.txt"
   python3 - "$out/gateway_bench_pd.json" "$out/kvgateway_pd_metrics.txt" <<'PY'

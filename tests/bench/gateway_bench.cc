@@ -30,6 +30,7 @@
 #include <boost/program_options.hpp>
 #include <chrono>
 #include <fstream>
+#include <functional>
 #include <future>
 #include <iostream>
 #include <string>
@@ -76,20 +77,19 @@ struct Timed {
 
 enum class KeepBody { kNo, kYes };
 
-// One request, timed at the client: the whole answer, its first body byte and the gaps between
-// its chunks.
-Timed Call(HttpClient& client, const HttpEndpoint& at, const std::string& body, HttpHeaders headers = {},
-           KeepBody keep = KeepBody::kNo) {
-  Timed t;
-  std::promise<Status> done;
-  auto future = done.get_future();
+// Starts one request, timed from now into `t` (written on the HttpIo thread until `then` runs
+// there, last): the whole answer, its first body byte and the gaps between its chunks.
+void StartTimed(HttpClient& client, const HttpEndpoint& at, std::string body, HttpHeaders headers, KeepBody keep,
+                Timed& t, std::function<void(const Status&)> then) {
   headers.emplace_back("content-type", "application/json");
-  const auto start = Clock::now();
-  auto last = start;
-  bool first = true;
-  client.Start(at, {.target = "/v1/chat/completions", .headers = std::move(headers), .body = body},
+  struct Clocks {
+    Clock::time_point start = Clock::now(), last = start;
+    bool first = true;
+  };
+  auto c = std::make_shared<Clocks>();
+  client.Start(at, {.target = "/v1/chat/completions", .headers = std::move(headers), .body = std::move(body)},
                {.on_head =
-                    [&](int status, const HttpHeaders& h) {
+                    [&t](int status, const HttpHeaders& h) {
                       t.status = status;
                       for (const auto& [k, v] : h) {
                         if (k == "x-kvrouter-worker-id") t.worker = v;
@@ -97,21 +97,31 @@ Timed Call(HttpClient& client, const HttpEndpoint& at, const std::string& body, 
                       }
                     },
                 .on_data =
-                    [&](std::string_view d) {
+                    [&t, c, keep](std::string_view d) {
                       const auto now = Clock::now();
-                      if (first) {
-                        t.first_byte_ms = std::chrono::duration<double, std::milli>(now - start).count();
+                      if (c->first) {
+                        t.first_byte_ms = std::chrono::duration<double, std::milli>(now - c->start).count();
                       } else {
-                        t.gaps_ms.push_back(std::chrono::duration<double, std::milli>(now - last).count());
+                        t.gaps_ms.push_back(std::chrono::duration<double, std::milli>(now - c->last).count());
                       }
-                      first = false;
-                      last = now;
+                      c->first = false;
+                      c->last = now;
                       if (keep == KeepBody::kYes) t.body.append(d);
                     },
-                .on_done = [&](const Status& s) { done.set_value(s); }});
-  const Status s = future.get();
-  t.total_ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
-  if (!s.ok()) t.status = -1;
+                .on_done =
+                    [&t, c, then = std::move(then)](const Status& s) {
+                      t.total_ms = std::chrono::duration<double, std::milli>(Clock::now() - c->start).count();
+                      if (!s.ok()) t.status = -1;
+                      then(s);
+                    }});
+}
+
+// One request, waited for.
+Timed Call(HttpClient& client, const HttpEndpoint& at, const std::string& body) {
+  Timed t;
+  std::promise<void> done;
+  StartTimed(client, at, body, {}, KeepBody::kNo, t, [&](const Status&) { done.set_value(); });
+  done.get_future().wait();
   return t;
 }
 
@@ -201,10 +211,11 @@ std::string NixlPrefillLegBody(const std::string& client_body) {
 }
 
 // A disaggregated request run by the client itself, the baseline of the gateway's: the prefill
-// leg (its body built before the clock starts: it depends on the client's body alone), then the
-// decode leg with the prefill answer's kv_transfer_params inserted before the client body's
-// closing brace, the same X-Request-Id on both. Timed from the prefill call: total_ms to the
-// decode answer's end, first_byte_ms to its first byte; prefill_ms to the prefill answer's end.
+// leg (its body built before the clock starts: it depends on the client's body alone), then, on
+// the HTTP thread that got the prefill answer (as the gateway does), the decode leg with that
+// answer's kv_transfer_params inserted before the client body's closing brace; the same
+// X-Request-Id on both. Timed from the prefill call: total_ms to the decode answer's end,
+// first_byte_ms to its first byte; prefill_ms to the prefill answer's end.
 struct PdTimed {
   Timed decode;
   double prefill_ms = 0;
@@ -214,24 +225,39 @@ struct PdTimed {
 PdTimed PdDirect(HttpClient& client, const HttpEndpoint& prefill, const HttpEndpoint& decode,
                  const std::string& client_body, const std::string& prefill_body, const std::string& request_id) {
   PdTimed r;
+  Timed p;
+  std::promise<void> done;
   const auto start = Clock::now();
-  const Timed p = Call(client, prefill, prefill_body, {{"x-request-id", request_id}}, KeepBody::kYes);
-  if (p.status != 200) return r.error = fmt::format("prefill engine answered {}: {}", p.status, p.body), r;
-  const auto answer = nlohmann::ordered_json::parse(p.body, nullptr, /*allow_exceptions=*/false);
-  const auto params = answer.is_object() ? answer.find("kv_transfer_params") : answer.end();
-  if (params == answer.end() || !params->is_object()) {
-    return r.error = fmt::format("prefill answer without kv_transfer_params: {}", p.body), r;
-  }
-  std::string body = client_body.substr(0, client_body.find_last_of('}'));
-  body += ",\"kv_transfer_params\":";
-  body += params->dump();
-  body += '}';
-  const auto prefilled = Clock::now();
-  r.decode = Call(client, decode, body, {{"x-request-id", request_id}});
+  Clock::time_point prefilled;
+  StartTimed(client, prefill, prefill_body, {{"x-request-id", request_id}}, KeepBody::kYes, p, [&](const Status& s) {
+    if (!s.ok() || p.status != 200) {
+      r.error = fmt::format("prefill engine answered {}: {} {}", p.status, s.message(), p.body);
+      return done.set_value();
+    }
+    const auto answer = nlohmann::ordered_json::parse(p.body, nullptr, /*allow_exceptions=*/false);
+    const auto params = answer.is_object() ? answer.find("kv_transfer_params") : answer.end();
+    if (params == answer.end() || !params->is_object()) {
+      r.error = fmt::format("prefill answer without kv_transfer_params: {}", p.body);
+      return done.set_value();
+    }
+    std::string body = client_body.substr(0, client_body.find_last_of('}'));
+    body += ",\"kv_transfer_params\":";
+    body += params->dump();
+    body += '}';
+    prefilled = Clock::now();
+    StartTimed(client, decode, std::move(body), {{"x-request-id", request_id}}, KeepBody::kNo, r.decode,
+               [&](const Status& d) {
+                 r.decode.total_ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+                 if (!d.ok() || r.decode.status != 200) {
+                   r.error = fmt::format("decode engine answered {}: {}", r.decode.status, d.message());
+                 }
+                 done.set_value();
+               });
+  });
+  done.get_future().wait();
+  if (!r.error.empty()) return r;
   r.prefill_ms = p.total_ms;
-  r.decode.total_ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
   r.decode.first_byte_ms += std::chrono::duration<double, std::milli>(prefilled - start).count();
-  if (r.decode.status != 200) r.error = fmt::format("decode engine answered {}", r.decode.status);
   return r;
 }
 
