@@ -14,6 +14,7 @@
 # (also on Ctrl-C).
 #   scripts/gateway-bench.sh [build-dir]     results in $BENCH_OUT (default bench-results/gateway)
 #   GATEWAY_BENCH_FLEETS=pd scripts/gateway-bench.sh     one fleet only (default "aggregated pd")
+#   PD_REQUESTS (400), PD_STREAMS (200), PD_PROMPT_BYTES (512): the P/D run's size and prompt length
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${1:-build}
@@ -177,7 +178,7 @@ if [[ " $fleets " == *" pd "* ]]; then
   "$build/bin/gateway_bench" --gateway "http://127.0.0.1:$gw_port" --model mock --idle-connections 0 \
     --engines "${decode_engines[@]}" --worker-id-base 11 \
     --prefill-engines "${prefill_engines[@]}" --prefill-worker-id-base 1 \
-    --requests "${PD_REQUESTS:-400}" --streams "${PD_STREAMS:-200}" --stream-tokens 8 --prompt-bytes 512 --max-tokens 4 \
+    --requests "${PD_REQUESTS:-400}" --streams "${PD_STREAMS:-200}" --stream-tokens 8 --prompt-bytes "${PD_PROMPT_BYTES:-512}" --max-tokens 4 \
     --json "$out/gateway_bench_pd.json" >/dev/null
   curl -s "http://127.0.0.1:$gw_port/metrics" >"$out/kvgateway_pd_metrics.txt"
   python3 - "$out/gateway_bench_pd.json" "$out/kvgateway_pd_metrics.txt" <<'PY'

@@ -309,7 +309,7 @@ Result<json> MeasurePd(HttpClient& client, const HttpEndpoint& gateway, const Pd
       d = PdDirect(client, *prefill, *decode, direct_body, prefill_body, request_id);
       if (!d.error.empty()) return Internal(d.error);
     }
-    if (i >= 10) {  // the first ones warm the pools
+    if (i >= std::min(10, requests / 4)) {  // the first ones warm the pools
       via.push_back(stream ? g.first_byte_ms : g.total_ms);
       direct.push_back(stream ? d.decode.first_byte_ms : d.decode.total_ms);
       prefill_legs.push_back(d.prefill_ms);
