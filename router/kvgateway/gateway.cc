@@ -507,7 +507,10 @@ void Gateway::Forward(const std::shared_ptr<Exchange>& x, std::uint32_t attempt)
                  ex->reply->Abort();
                }
              }
-             if (first) link_.MarkPrefill(ex->booking);
+             // A plain answer's first byte is (nearly) its end: free says it all, and a
+             // mark_prefill there would teach the router a prefill (or KV transfer) as long as
+             // the whole generation.
+             if (first && ex->request.stream) link_.MarkPrefill(ex->booking);
              if (slow) {
                slow_clients_->Increment();
                if (engine_call) engine_call->Cancel();

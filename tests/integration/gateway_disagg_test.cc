@@ -315,6 +315,11 @@ TEST_F(GatewayDisaggTest, NixlLegsCarryEveryFieldAndThePlainAnswerHasThePrefillE
   EXPECT_EQ(Metric("kvgateway_disagg_requests_total{path=\"disaggregated\"}"), 2);
   EXPECT_EQ(Metric("kvgateway_prefill_leg_seconds_count"), 2);
   EXPECT_EQ(Metric("kvgateway_decode_wait_seconds_count"), 2);
+  // A plain answer's first byte is its end: no mark_prefill (free says it all), so the router
+  // learns no KV transfer time that is really the whole decode.
+  auto stats = Stats();
+  ASSERT_TRUE(stats);
+  EXPECT_EQ(stats->counters["kv_transfers_observed"], 0u);
 }
 
 // A streamed request: the prefill leg plain and without stream_options, the decode leg the
@@ -351,6 +356,8 @@ TEST_F(GatewayDisaggTest, NixlStreamedRequestSendsPrefillDoneBeforeTheDecodeLegA
     EXPECT_EQ(decode.seen(k).request_id, "pd-s");
     EXPECT_TRUE(AwaitFreed());
   }
+  // The decode leg's first event is mark_prefill: the router learns each transfer's time.
+  EXPECT_TRUE(AwaitStats([](StatsReply& s) { return s.counters["kv_transfers_observed"] == 2; }, 5s));
 }
 
 // The prefill engine stopped at its one token (no kv_transfer_params, absent or null): its answer
