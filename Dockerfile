@@ -17,7 +17,7 @@ ENV DEBIAN_FRONTEND=noninteractive
 RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends \
       cmake g++ ninja-build pkg-config ca-certificates \
       libnats-dev libmsgpack-cxx-dev libconcurrentqueue-dev libfmt-dev libboost-dev libboost-program-options-dev \
-      libgtest-dev libgmock-dev libxxhash-dev nlohmann-json3-dev \
+      libgtest-dev libgmock-dev libxxhash-dev nlohmann-json3-dev libncurses-dev \
       prometheus-cpp-dev libcivetweb-dev libzmq3-dev cppzmq-dev \
     && rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin
 WORKDIR /src

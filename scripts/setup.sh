@@ -11,7 +11,7 @@ packages=(
   prometheus-cpp-dev libcivetweb-dev libzmq3-dev cppzmq-dev
   gnuplot-nox
   clang libclang-rt-14-dev
-  python3
+  python3 libncurses-dev tmux
 )
 # Only scripts/compose-check.sh (docker-compose.yml run for real) needs docker and debootstrap;
 # without them that one step is skipped, loudly. scripts/bench.sh's gateway baseline and load
