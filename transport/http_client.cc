@@ -20,9 +20,13 @@
 #include <unordered_map>
 
 #include "events/base/clock.h"
+#include "events/base/thread_annotations.h"
 #include "transport/http_io_impl.h"
 
 #include <fcntl.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/socket.h>
 
 #include <boost/asio/steady_timer.hpp>
 
@@ -88,73 +92,155 @@ struct HttpClient::Pool {
     SteadyTime since;
   };
 
-  Pool(net::io_context& c, Options o) : ioc(c), options(o) {}
+  Pool(net::io_context& c, Options o) : ioc(c), options(o), reaper(net::make_strand(c)) {}
 
   // A pooled connection to `key` that has not idled too long, or null.
   std::unique_ptr<beast::tcp_stream> Take(const std::string& key) {
-    std::lock_guard g(mu);
-    auto it = idle.find(key);
-    if (it == idle.end()) return nullptr;
-    const SteadyTime now = std::chrono::steady_clock::now();
-    while (!it->second.empty()) {
-      Idle i = std::move(it->second.back());
-      it->second.pop_back();
-      if (now - i.since < options.max_idle) return std::move(i.stream);
-      beast::error_code ignored;
-      i.stream->socket().close(ignored);
+    std::vector<std::unique_ptr<beast::tcp_stream>> stale;
+    std::unique_ptr<beast::tcp_stream> taken;
+    {
+      KvMutexLock g(mu);
+      auto it = idle.find(key);
+      if (it == idle.end()) return nullptr;
+      const SteadyTime now = std::chrono::steady_clock::now();
+      while (!it->second.empty() && !taken) {
+        Idle i = std::move(it->second.back());
+        it->second.pop_back();
+        if (now - i.since < options.max_idle) {
+          taken = std::move(i.stream);
+        } else {
+          stale.push_back(std::move(i.stream));
+        }
+      }
+      if (it->second.empty()) idle.erase(it);
     }
-    return nullptr;
+    reaped += stale.size();
+    for (auto& s : stale) CloseIdle(*s);
+    return taken;
   }
   void Give(const std::string& key, std::unique_ptr<beast::tcp_stream> stream) {
-    std::lock_guard g(mu);
-    auto& q = idle[key];
-    if (q.size() >= options.max_idle_per_endpoint) {
-      beast::error_code ignored;
-      stream->socket().close(ignored);
-      return;
-    }
     stream->expires_never();
-    q.push_back({std::move(stream), std::chrono::steady_clock::now()});
+    {
+      KvMutexLock g(mu);
+      auto& q = idle[key];
+      if (q.size() < options.max_idle_per_endpoint && !stopped.load()) {
+        q.push_back({std::move(stream), std::chrono::steady_clock::now()});
+        return;
+      }
+    }
+    CloseIdle(*stream);
+  }
+  // Closes the pooled connections unused for max_idle at `now` (every one with `all`) and
+  // forgets the pools left empty; only those of `key` when it is given.
+  void Reap(SteadyTime now, bool all, const std::string* key = nullptr) {
+    std::vector<std::unique_ptr<beast::tcp_stream>> closing;
+    {
+      KvMutexLock g(mu);
+      for (auto it = idle.begin(); it != idle.end();) {
+        if (key && it->first != *key) {
+          ++it;
+          continue;
+        }
+        auto& q = it->second;  // oldest first: a pick takes the newest, from the back
+        auto keep = all ? q.end() : std::find_if(q.begin(), q.end(), [&](const Idle& i) {
+          return now - i.since < options.max_idle;
+        });
+        for (auto j = q.begin(); j != keep; ++j) closing.push_back(std::move(j->stream));
+        q.erase(q.begin(), keep);
+        it = q.empty() ? idle.erase(it) : std::next(it);
+      }
+    }
+    if (!all) reaped += closing.size();
+    for (auto& s : closing) CloseIdle(*s);
+  }
+  std::size_t IdleCount() {
+    KvMutexLock g(mu);
+    std::size_t n = 0;
+    for (const auto& [key, q] : idle) n += q.size();
+    return n;
+  }
+  // A pooled connection has no operation pending and no other owner: any thread may close it.
+  static void CloseIdle(beast::tcp_stream& s) {
+    beast::error_code ignored;
+    s.socket().shutdown(tcp::socket::shutdown_both, ignored);
+    s.socket().close(ignored);
   }
 
   net::io_context& ioc;
   const Options options;
-  std::mutex mu;
-  std::unordered_map<std::string, std::vector<Idle>> idle;  // guarded by mu
-  // Calls not yet done (for Stop), guarded by mu; `no_calls` is signalled when it empties.
-  std::unordered_map<HttpCall*, std::weak_ptr<HttpCall>> live;
-  std::condition_variable no_calls;
-  std::atomic<std::uint64_t> connects{0}, reused{0}, retried{0}, failed{0};
+  KvMutex mu;
+  std::unordered_map<std::string, std::vector<Idle>> idle KV_GUARDED_BY(mu);
+  // Calls not yet done (for Stop); `no_calls` is signalled when it empties.
+  std::unordered_map<HttpCall*, std::weak_ptr<HttpCall>> live KV_GUARDED_BY(mu);
+  std::condition_variable_any no_calls;
+  std::atomic<bool> stopped{false};
+  // Wakes every max_idle / 8 to Reap; touched only on its own strand (ArmReaper, its handler and
+  // the cancel Stop posts).
+  net::steady_timer reaper;
+  std::atomic<std::uint64_t> connects{0}, reused{0}, retried{0}, failed{0}, reaped{0};
 };
 
 namespace {
+
+using Strand = net::strand<net::io_context::executor_type>;
+
+// On the reaper's strand: the next sweep of the idle pool.
+void ArmReaper(const std::shared_ptr<HttpClient::Pool>& pool) {
+  if (pool->stopped.load()) return;
+  pool->reaper.expires_after(std::max<std::chrono::milliseconds>(pool->options.max_idle / 8, std::chrono::milliseconds(1)));
+  pool->reaper.async_wait([weak = std::weak_ptr<HttpClient::Pool>(pool)](beast::error_code ec) {
+    auto p = weak.lock();
+    if (!p || ec) return;
+    p->Reap(std::chrono::steady_clock::now(), false);
+    ArmReaper(p);
+  });
+}
 
 // Sockets are not handed to programs this one starts (Asio opens them without FD_CLOEXEC).
 void CloseOnExec(int fd) {
   if (fd >= 0) (void)::fcntl(fd, F_SETFD, ::fcntl(fd, F_GETFD) | FD_CLOEXEC);
 }
 
+// Whether the peer's TCP acknowledged every byte written to `fd` (Linux's TCP_INFO); true where
+// that cannot be told, so a whole request written counts as delivered.
+bool PeerAcknowledgedAll(int fd) {
+#if defined(__linux__)
+  tcp_info info{};
+  socklen_t len = sizeof(info);
+  if (::getsockopt(fd, IPPROTO_TCP, TCP_INFO, &info, &len) != 0) return true;
+  return info.tcpi_state == TCP_ESTABLISHED && info.tcpi_unacked == 0;
+#else
+  (void)fd;
+  return true;
+#endif
+}
+
+// One request. Every member is touched only on strand_ (the connection's), but for the
+// constant ones.
 class Call final : public HttpCall, public std::enable_shared_from_this<Call> {
  public:
   Call(std::shared_ptr<HttpClient::Pool> pool, HttpEndpoint endpoint, HttpCallSpec spec, HttpCallbacks cb)
-      : pool_(std::move(pool)), endpoint_(std::move(endpoint)), spec_(std::move(spec)), cb_(std::move(cb)) {
-    stream_ = pool_->Take(endpoint_.Key());
+      : pool_(std::move(pool)),
+        endpoint_(std::move(endpoint)),
+        spec_(std::move(spec)),
+        cb_(std::move(cb)),
+        stream_(pool_->Take(endpoint_.Key())),
+        strand_(stream_ ? *stream_->get_executor().target<Strand>() : net::make_strand(pool_->ioc)),
+        timer_(strand_) {
     reused_ = stream_ != nullptr;
     if (reused_) {
       ++pool_->reused;
     } else {
-      stream_ = std::make_unique<beast::tcp_stream>(net::make_strand(pool_->ioc));
+      stream_ = std::make_unique<beast::tcp_stream>(strand_);
     }
-    executor_ = stream_->get_executor();
   }
 
   void Run() {
     {
-      std::lock_guard g(pool_->mu);
+      KvMutexLock g(pool_->mu);
       pool_->live.emplace(this, weak_from_this());
     }
-    net::post(executor_, [self = shared_from_this()] {
-      self->stream_->expires_after(self->spec_.head_timeout);
+    net::post(strand_, [self = shared_from_this()] {
       if (self->reused_) {
         self->Send();
       } else {
@@ -164,28 +250,42 @@ class Call final : public HttpCall, public std::enable_shared_from_this<Call> {
   }
 
   void Cancel() override {
-    net::post(executor_, [self = shared_from_this()] { self->Fail(Internal("cancelled")); });
+    net::post(strand_, [self = shared_from_this()] { self->Fail(Internal("cancelled")); });
+  }
+
+  void Pause() override {
+    if (strand_.running_in_this_thread()) {
+      paused_ = true;
+      return;
+    }
+    net::post(strand_, [self = shared_from_this()] { self->paused_ = true; });
+  }
+
+  void Resume() override {
+    net::post(strand_, [self = shared_from_this()] {
+      self->paused_ = false;
+      if (std::exchange(self->stalled_, false)) self->ReadBody();
+    });
   }
 
  private:
   void Resolve() {
-    // An address needs no lookup; a name is looked up within the head timeout too.
+    // An address needs no lookup; a name is looked up within the connect timeout too.
     beast::error_code ec;
     const auto address = net::ip::make_address(endpoint_.host, ec);
     if (!ec) return Connect(tcp::resolver::results_type::create(tcp::endpoint(address, endpoint_.port), endpoint_.host,
                                                                 std::to_string(endpoint_.port)));
-    resolver_.emplace(executor_);
-    resolve_timer_.emplace(executor_);
-    resolve_timer_->expires_after(spec_.head_timeout);
-    resolve_timer_->async_wait([self = shared_from_this()](beast::error_code e) {
+    resolver_.emplace(strand_);
+    timer_.expires_after(spec_.connect_timeout);
+    timer_.async_wait([self = shared_from_this()](beast::error_code e) {
       if (!e && self->resolver_) self->resolver_->cancel();
     });
     resolver_->async_resolve(endpoint_.host, std::to_string(endpoint_.port),
                              [self = shared_from_this()](beast::error_code e, tcp::resolver::results_type results) {
-                               self->resolve_timer_->cancel();
+                               self->timer_.cancel();
                                if (self->done_) return;
                                if (e == net::error::operation_aborted) {
-                                 return self->Fail(Status(StatusCode::kTimeout, "cannot resolve " + self->endpoint_.host + " in time"));
+                                 return self->Fail(Internal("cannot resolve " + self->endpoint_.host + " in time"));
                                }
                                if (e) return self->Fail(Internal("cannot resolve " + self->endpoint_.host + ": " + e.message()));
                                self->Connect(std::move(results));
@@ -193,8 +293,13 @@ class Call final : public HttpCall, public std::enable_shared_from_this<Call> {
   }
 
   void Connect(tcp::resolver::results_type results) {
+    stream_->expires_after(spec_.connect_timeout);
     stream_->async_connect(results, [self = shared_from_this()](beast::error_code e, const tcp::endpoint&) {
       if (self->done_) return;
+      if (e == beast::error::timeout) {
+        return self->Fail(Internal(fmt::format("cannot connect to {} within {} ms", self->endpoint_.Key(),
+                                               self->spec_.connect_timeout.count())));
+      }
       if (e) return self->Fail(self->ErrorOf("cannot connect to", e));
       ++self->pool_->connects;
       CloseOnExec(self->stream_->socket().native_handle());
@@ -213,6 +318,8 @@ class Call final : public HttpCall, public std::enable_shared_from_this<Call> {
     req_.keep_alive(true);
     req_.body() = spec_.body;
     req_.prepare_payload();
+    head_deadline_ = std::chrono::steady_clock::now() + spec_.head_timeout;
+    stream_->expires_at(head_deadline_);
     http::async_write(*stream_, req_, [self = shared_from_this()](beast::error_code ec, std::size_t) {
       if (self->done_) return;
       if (ec) return self->RetryOrFail(ec);
@@ -220,13 +327,32 @@ class Call final : public HttpCall, public std::enable_shared_from_this<Call> {
     });
   }
 
+  // The head's wait is timed by timer_, not the stream: at its end the socket must still be
+  // open to ask whether the peer acknowledged the request (whether it was delivered).
   void ReadHead() {
+    stream_->expires_never();
+    timer_.expires_at(head_deadline_);
+    timer_.async_wait([self = shared_from_this()](beast::error_code e) {
+      if (e || self->done_ || self->head_) return;
+      self->head_timed_out_ = true;
+      self->delivered_ = PeerAcknowledgedAll(self->stream_->socket().native_handle());
+      beast::error_code ignored;
+      self->stream_->socket().cancel(ignored);
+    });
     parser_.emplace();
     parser_->header_limit(static_cast<std::uint32_t>(pool_->options.max_response_header_bytes));
     parser_->body_limit(std::numeric_limits<std::uint64_t>::max());  // a stream may be long
     http::async_read_header(*stream_, buffer_, *parser_, [self = shared_from_this()](beast::error_code ec, std::size_t n) {
       if (self->done_) return;
+      if (self->head_timed_out_) {
+        const std::string m = fmt::format("{} sent no response head within {} ms", self->endpoint_.Key(),
+                                          self->spec_.head_timeout.count());
+        if (self->delivered_) return self->Fail(Status(StatusCode::kTimeout, m + " (it has the request)"));
+        return self->Fail(Internal(m + " and did not acknowledge the request"));
+      }
+      self->timer_.cancel();
       if (ec) return n == 0 ? self->RetryOrFail(ec) : self->Fail(self->ErrorOf("bad response from", ec));
+      self->head_ = true;
       const auto& res = self->parser_->get();
       HttpHeaders headers;
       for (const auto& f : res) {
@@ -242,6 +368,10 @@ class Call final : public HttpCall, public std::enable_shared_from_this<Call> {
   void ReadBody() {
     if (done_) return;
     if (parser_->is_done()) return Finish();
+    if (paused_) {
+      stalled_ = true;  // Resume reads on
+      return;
+    }
     parser_->get().body().data = body_;
     parser_->get().body().size = sizeof(body_);
     stream_->expires_after(spec_.read_timeout);
@@ -256,7 +386,7 @@ class Call final : public HttpCall, public std::enable_shared_from_this<Call> {
 
   // Leaves the client's list of live calls (Stop waits for it to empty).
   void Settled() {
-    std::lock_guard g(pool_->mu);
+    KvMutexLock g(pool_->mu);
     pool_->live.erase(this);
     if (pool_->live.empty()) pool_->no_calls.notify_all();
   }
@@ -281,22 +411,24 @@ class Call final : public HttpCall, public std::enable_shared_from_this<Call> {
     ++pool_->retried;
     reused_ = false;
     Close();
-    stream_ = std::make_unique<beast::tcp_stream>(executor_);
+    stream_ = std::make_unique<beast::tcp_stream>(strand_);
     buffer_.clear();
     req_ = {};
-    stream_->expires_after(spec_.head_timeout);
     Resolve();
   }
 
+  // A timeout is kTimeout once the response has begun (the peer has the request); before, a
+  // timeout here is of a send that did not finish: not delivered.
   Status ErrorOf(std::string_view what, beast::error_code ec) const {
     const std::string m = fmt::format("{} {}: {}", what, endpoint_.Key(), ec.message());
-    return ec == beast::error::timeout ? Status(StatusCode::kTimeout, m) : Internal(m);
+    return ec == beast::error::timeout && head_ ? Status(StatusCode::kTimeout, m) : Internal(m);
   }
 
   void Fail(Status s) {
     if (done_) return;
     done_ = true;
     ++pool_->failed;
+    timer_.cancel();
     Close();
     if (cb_.on_done) cb_.on_done(s);
     cb_ = {};
@@ -315,11 +447,17 @@ class Call final : public HttpCall, public std::enable_shared_from_this<Call> {
   const HttpCallSpec spec_;
   HttpCallbacks cb_;
   std::unique_ptr<beast::tcp_stream> stream_;
-  net::any_io_executor executor_;
+  const Strand strand_;
+  net::steady_timer timer_;  // the name's lookup, then the wait for the response head
   bool reused_ = false;
   bool done_ = false;
+  bool head_ = false;            // the response head came
+  bool head_timed_out_ = false;  // timer_ ended the wait for it
+  bool delivered_ = false;       // then: the peer had acknowledged the whole request
+  bool paused_ = false;          // Pause: read no more of the body
+  bool stalled_ = false;         // a read was due while paused
+  SteadyTime head_deadline_;
   std::optional<tcp::resolver> resolver_;
-  std::optional<net::steady_timer> resolve_timer_;
   http::request<http::string_body> req_;
   beast::flat_buffer buffer_;
   std::optional<http::response_parser<http::buffer_body>> parser_;
@@ -328,24 +466,24 @@ class Call final : public HttpCall, public std::enable_shared_from_this<Call> {
 
 }  // namespace
 
-HttpClient::HttpClient(HttpIo& io, Options options) : pool_(std::make_shared<Pool>(io.impl().ioc, options)) {}
+HttpClient::HttpClient(HttpIo& io, Options options) : pool_(std::make_shared<Pool>(io.impl().ioc, options)) {
+  net::post(pool_->reaper.get_executor(), [pool = pool_] { ArmReaper(pool); });
+}
 
 HttpClient::~HttpClient() {
   Stop();
-  std::lock_guard g(pool_->mu);
-  for (auto& [key, q] : pool_->idle) {
-    for (auto& i : q) {
-      beast::error_code ignored;
-      i.stream->socket().close(ignored);
-    }
-  }
-  pool_->idle.clear();
+  pool_->Reap(std::chrono::steady_clock::now(), true);
 }
 
 void HttpClient::Stop() {
+  if (!pool_->stopped.exchange(true)) {
+    net::post(pool_->reaper.get_executor(), [weak = std::weak_ptr<Pool>(pool_)] {
+      if (auto p = weak.lock()) p->reaper.cancel();
+    });
+  }
   std::vector<std::shared_ptr<HttpCall>> calls;
   {
-    std::lock_guard g(pool_->mu);
+    KvMutexLock g(pool_->mu);
     for (auto& [raw, weak] : pool_->live) {
       if (auto c = weak.lock()) calls.push_back(std::move(c));
     }
@@ -353,8 +491,16 @@ void HttpClient::Stop() {
   for (auto& c : calls) c->Cancel();
   calls.clear();
   if (pool_->ioc.get_executor().running_in_this_thread() || pool_->ioc.stopped()) return;
-  std::unique_lock g(pool_->mu);
-  pool_->no_calls.wait_for(g, std::chrono::seconds(5), [&] { return pool_->live.empty(); });
+  KvMutexLock g(pool_->mu);
+  pool_->no_calls.wait_for(pool_->mu, std::chrono::seconds(5), [&] {
+    pool_->mu.AssertHeld();
+    return pool_->live.empty();
+  });
+}
+
+void HttpClient::DropIdle(const HttpEndpoint& endpoint) {
+  const std::string key = endpoint.Key();
+  pool_->Reap(std::chrono::steady_clock::now(), true, &key);
 }
 
 std::shared_ptr<HttpCall> HttpClient::Start(const HttpEndpoint& endpoint, HttpCallSpec spec, HttpCallbacks callbacks) {
@@ -383,7 +529,9 @@ HttpClient::Counters HttpClient::counters() const {
   return {.connects = pool_->connects.load(),
           .reused = pool_->reused.load(),
           .retried = pool_->retried.load(),
-          .failed = pool_->failed.load()};
+          .failed = pool_->failed.load(),
+          .reaped = pool_->reaped.load(),
+          .idle = pool_->IdleCount()};
 }
 
 }  // namespace kvrouter

@@ -147,6 +147,10 @@ class Session : public std::enable_shared_from_this<Session> {
   void End(std::uint64_t request);
   void Abort(std::uint64_t request);
   void SetGone(std::uint64_t request, std::function<void()> gone);
+  void SetDrained(std::uint64_t request, std::size_t low_water, std::function<void()> drained);
+  // Counted by the reply as Write is called (before its post reaches the strand), so that a
+  // producer reading it right after its Write sees its own bytes.
+  void AddBacklog(std::size_t n) { backlog_ += n; }
   std::size_t Backlog() const { return backlog_.load(); }
   net::any_io_executor executor() { return stream_.get_executor(); }
 
@@ -173,6 +177,9 @@ class Session : public std::enable_shared_from_this<Session> {
   void WriteNext();
   void OnWritten(beast::error_code ec, Out::Kind kind);
   void ResponseDone();
+  // Takes `n` bytes off the backlog (written or dropped) and runs the drained callback once it
+  // is low enough.
+  void Drained(std::size_t n);
   void ClientGone();
   void Shutdown();
   bool Current(std::uint64_t request) const { return request == request_ && responding_; }
@@ -202,6 +209,8 @@ class Session : public std::enable_shared_from_this<Session> {
   std::deque<Out> out_;
   std::atomic<std::size_t> backlog_{0};
   std::function<void()> gone_;
+  std::function<void()> drained_;  // OnDrained's, run when backlog_ <= drain_at_
+  std::size_t drain_at_ = 0;
 };
 
 class ReplyImpl final : public HttpReply {
@@ -222,6 +231,7 @@ class ReplyImpl final : public HttpReply {
   }
   void Write(std::string chunk) override {
     if (chunk.empty()) return;  // an empty chunk would end the stream
+    s_->AddBacklog(chunk.size());
     Post([c = std::move(chunk)](Session& s, std::uint64_t r) mutable { s.Write(r, std::move(c)); });
   }
   void End() override {
@@ -236,6 +246,11 @@ class ReplyImpl final : public HttpReply {
     Post([g = std::move(gone)](Session& s, std::uint64_t r) mutable { s.SetGone(r, std::move(g)); });
   }
   std::size_t Backlog() const override { return s_->Backlog(); }
+  void OnDrained(std::size_t low_water, std::function<void()> drained) override {
+    Post([low_water, d = std::move(drained)](Session& s, std::uint64_t r) mutable {
+      s.SetDrained(r, low_water, std::move(d));
+    });
+  }
 
  private:
   template <typename F>
@@ -374,10 +389,21 @@ void Session::Begin(std::uint64_t request, int status, HttpHeaders headers) {
   Enqueue({.kind = Out::kHead, .head = std::move(res), .head_writer = std::move(writer)});
 }
 
+void Session::SetDrained(std::uint64_t request, std::size_t low_water, std::function<void()> drained) {
+  if (!Current(request) || closed_) return;
+  if (backlog_.load() <= low_water) return drained();
+  drain_at_ = low_water;
+  drained_ = std::move(drained);
+}
+
 void Session::Write(std::uint64_t request, std::string chunk) {
-  if (!Current(request) || finishing_ || !head_sent_) return;
-  backlog_ += chunk.size();
+  if (!Current(request) || finishing_ || !head_sent_ || closed_) return Drained(chunk.size());
   Enqueue({.kind = Out::kChunk, .data = std::move(chunk)});
+}
+
+void Session::Drained(std::size_t n) {
+  backlog_ -= n;
+  if (drained_ && backlog_.load() <= drain_at_) std::exchange(drained_, nullptr)();
 }
 
 void Session::End(std::uint64_t request) {
@@ -429,7 +455,7 @@ void Session::WriteNext() {
 void Session::OnWritten(beast::error_code ec, Out::Kind kind) {
   writing_ = false;
   if (!out_.empty()) {
-    if (kind == Out::kChunk && !closed_) backlog_ -= out_.front().data.size();
+    if (kind == Out::kChunk) Drained(out_.front().data.size());
     out_.pop_front();
   }
   if (closed_) return;
@@ -444,6 +470,7 @@ void Session::OnWritten(beast::error_code ec, Out::Kind kind) {
 void Session::ResponseDone() {
   responding_ = false;
   gone_ = nullptr;
+  drained_ = nullptr;
   if (!keep_alive_) return Shutdown();
   // The client-gone watch may still be pending: cancel it before reading again.
   beast::error_code ignored;
@@ -466,10 +493,13 @@ void Session::Shutdown() {
   if (closed_) return;
   closed_ = true;
   responding_ = false;
+  drained_ = nullptr;
   // The piece being written stays until its write completes (aborted by the close below): the
   // write reads its buffers until then.
-  while (out_.size() > (writing_ ? 1u : 0u)) out_.pop_back();
-  backlog_ = 0;
+  while (out_.size() > (writing_ ? 1u : 0u)) {
+    if (out_.back().kind == Out::kChunk) backlog_ -= out_.back().data.size();
+    out_.pop_back();
+  }
   beast::error_code ignored;
   stream_.socket().shutdown(tcp::socket::shutdown_both, ignored);
   stream_.close();

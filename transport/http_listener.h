@@ -62,8 +62,13 @@ class HttpReply {
   // `gone` runs once, on an HttpIo thread, if the client closes the connection (or a write to it
   // fails) before the response is finished. Set it before the first Write.
   virtual void OnClientGone(std::function<void()> gone) = 0;
-  // Bytes written by Write and not yet taken by the socket: a slow client's backlog.
+  // Bytes passed to Write (counted when Write is called) and not yet taken by the socket, nor
+  // dropped: a slow client's backlog.
   virtual std::size_t Backlog() const = 0;
+  // Back-pressure: `drained` runs once, on an HttpIo thread, when the backlog is `low_water`
+  // bytes or less (at once if it is already). It is dropped unrun if the connection closes or
+  // the response ends first. A later call replaces a callback not yet run.
+  virtual void OnDrained(std::size_t low_water, std::function<void()> drained) = 0;
 };
 
 using HttpRequestHandler = std::function<void(HttpRequest request, std::shared_ptr<HttpReply> reply)>;

@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <future>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -47,6 +48,17 @@ class RawClient {
       if (n <= 0) return out;
       out.append(buf, static_cast<std::size_t>(n));
     }
+  }
+  // Everything until `end` closes what came (or the server closes, or 10 s pass).
+  std::string ReadAllUntil(std::string_view end) {
+    std::string out;
+    char buf[1 << 16];
+    while (!out.ends_with(end)) {
+      const ssize_t n = ::recv(fd_, buf, sizeof(buf), 0);
+      if (n <= 0) return out;
+      out.append(buf, static_cast<std::size_t>(n));
+    }
+    return out;
   }
   void Close() { ::shutdown(fd_, SHUT_RDWR); }
 
@@ -319,6 +331,192 @@ TEST_F(HttpTest, APooledConnectionTheServerClosedIsReplacedOnce) {
   EXPECT_EQ(r->body, "ok");
   EXPECT_EQ(client_->counters().retried, 1u);
   EXPECT_EQ(client_->counters().connects, 2u);
+}
+
+// A local black hole: a listening socket whose accept queue (backlog 0: one connection) is
+// full and never drained, so the kernel drops every further SYN, as a host that drops packets.
+class BlackHole {
+ public:
+  BlackHole() {
+    listen_fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ::bind(listen_fd_, reinterpret_cast<sockaddr*>(&a), sizeof(a));
+    ::listen(listen_fd_, 0);
+    socklen_t len = sizeof(a);
+    ::getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&a), &len);
+    port_ = ntohs(a.sin_port);
+    filler_ = std::make_unique<RawClient>(port_);  // takes the one place in the queue
+  }
+  ~BlackHole() {
+    filler_.reset();
+    ::close(listen_fd_);
+  }
+  std::uint16_t port() const { return port_; }
+  bool filled() const { return filler_->connected(); }
+
+ private:
+  int listen_fd_ = -1;
+  std::uint16_t port_ = 0;
+  std::unique_ptr<RawClient> filler_;
+};
+
+TEST_F(HttpTest, AConnectToAHostThatDropsPacketsFailsWithinTheConnectTimeoutAsNotDelivered) {
+  BlackHole hole;
+  ASSERT_TRUE(hole.filled());
+  const auto start = std::chrono::steady_clock::now();
+  auto r = client_->Fetch({.host = "127.0.0.1", .port = hole.port()},
+                          {.target = "/", .connect_timeout = milliseconds(200), .head_timeout = milliseconds(30'000)});
+  const auto took = std::chrono::steady_clock::now() - start;
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kInternal) << r.status().ToString();  // not delivered: another may take it
+  EXPECT_NE(r.status().message().find("within 200 ms"), std::string::npos) << r.status().ToString();
+  EXPECT_GE(took, milliseconds(200));
+  EXPECT_LT(took, milliseconds(5'000));
+}
+
+TEST_F(HttpTest, AHeadLateForADeliveredRequestIsATimeoutNotAConnectFailure) {
+  std::mutex mu;
+  std::vector<std::shared_ptr<HttpReply>> held;
+  Listen({}, [&](HttpRequest, std::shared_ptr<HttpReply> r) {
+    std::lock_guard g(mu);
+    held.push_back(std::move(r));  // the generation goes on past the head timeout
+  });
+  auto r = client_->Fetch(endpoint_, {.target = "/", .body = "long", .head_timeout = milliseconds(200)});
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kTimeout) << r.status().ToString();
+  std::lock_guard g(mu);
+  EXPECT_EQ(held.size(), 1u);
+}
+
+TEST_F(HttpTest, IdlePooledConnectionsAreClosedByATimerAndADroppedPoolAtOnce) {
+  client_ = std::make_unique<HttpClient>(io_, HttpClient::Options{.max_idle = milliseconds(300)});
+  std::mutex mu;
+  std::vector<std::shared_ptr<HttpReply>> held;
+  Listen({}, [&](HttpRequest, std::shared_ptr<HttpReply> r) {
+    std::lock_guard g(mu);
+    held.push_back(std::move(r));
+  });
+  // A burst of four calls at once: four connections, pooled when answered.
+  std::atomic<int> done{0};
+  for (int i = 0; i < 4; ++i) {
+    client_->Start(endpoint_, {.target = "/"}, {.on_done = [&](const Status& s) {
+                     EXPECT_TRUE(s.ok()) << s.ToString();
+                     ++done;
+                   }});
+  }
+  ASSERT_TRUE(AwaitTrue([&] {
+    std::lock_guard g(mu);
+    return held.size() == 4;
+  }));
+  {
+    std::lock_guard g(mu);
+    for (auto& r : held) r->Send(200, {}, "ok");
+    held.clear();
+  }
+  ASSERT_TRUE(AwaitTrue([&] { return done.load() == 4; }));
+  EXPECT_EQ(client_->counters().idle, 4u);
+  EXPECT_EQ(listener_->counters().open, 4u);
+  // Nobody takes them again: the timer closes them (the server's own idle timeout is a minute).
+  ASSERT_TRUE(AwaitTrue([&] { return listener_->counters().open == 0; }));
+  EXPECT_EQ(client_->counters().idle, 0u);
+  EXPECT_EQ(client_->counters().reaped, 4u);
+
+  // An endpoint dropped from the pool is closed at once, without waiting for the timer.
+  client_ = std::make_unique<HttpClient>(io_, HttpClient::Options{.max_idle = std::chrono::minutes(1)});
+  Listen({}, [](HttpRequest, std::shared_ptr<HttpReply> r) { r->Send(200, {}, "ok"); });
+  ASSERT_TRUE(client_->Fetch(endpoint_, {.target = "/"}).ok());
+  EXPECT_EQ(client_->counters().idle, 1u);
+  client_->DropIdle(endpoint_);
+  EXPECT_EQ(client_->counters().idle, 0u);
+  ASSERT_TRUE(AwaitTrue([&] { return listener_->counters().open == 0; }));
+}
+
+// Pause stops the body's reads: the server's writes pile up on its side (its TCP window is
+// full); Resume delivers the rest, whole and in order.
+TEST_F(HttpTest, APausedCallReadsNothingUntilResumedAndTheServersBacklogGrows) {
+  constexpr std::size_t kPiece = 64 << 10, kPieces = 256;  // 16 MiB, past any socket buffers
+  std::shared_ptr<HttpReply> reply;
+  std::mutex mu;
+  Listen({}, [&](HttpRequest, std::shared_ptr<HttpReply> r) {
+    r->Begin(200, {});
+    for (std::size_t i = 0; i < kPieces; ++i) r->Write(std::string(kPiece, static_cast<char>('a' + i % 26)));
+    r->End();
+    std::lock_guard g(mu);
+    reply = std::move(r);
+  });
+  auto got = std::make_shared<std::string>();
+  auto got_size = std::make_shared<std::atomic<std::size_t>>(0);
+  auto done = std::make_shared<std::atomic<bool>>(false);
+  auto paused_once = std::make_shared<std::atomic<bool>>(false);
+  std::shared_ptr<HttpCall> call;
+  auto call_ready = std::make_shared<std::promise<std::shared_ptr<HttpCall>>>();
+  auto call_future = call_ready->get_future().share();
+  call = client_->Start(endpoint_, {.target = "/"},
+                        {.on_data =
+                             [=](std::string_view d) {
+                               got->append(d);
+                               *got_size = got->size();
+                               if (!paused_once->exchange(true)) call_future.get()->Pause();
+                             },
+                         .on_done =
+                             [=](const Status& s) {
+                               EXPECT_TRUE(s.ok()) << s.ToString();
+                               *done = true;
+                             }});
+  call_ready->set_value(call);
+  ASSERT_TRUE(AwaitTrue([&] { return paused_once->load(); }));
+  // Most of the body waits on the server's side; the client took one read's worth.
+  ASSERT_TRUE(AwaitTrue([&] {
+    std::lock_guard g(mu);
+    return reply && reply->Backlog() > kPiece * kPieces / 2;
+  }));
+  const std::size_t before = got_size->load();
+  std::this_thread::sleep_for(milliseconds(100));  // time for reads that must not happen
+  EXPECT_EQ(got_size->load(), before);
+  EXPECT_LE(before, 16u << 10);
+  EXPECT_FALSE(done->load());
+  call->Resume();
+  ASSERT_TRUE(AwaitTrue([&] { return done->load(); }));
+  ASSERT_EQ(got->size(), kPiece * kPieces);
+  for (std::size_t i = 0; i < kPieces; ++i) ASSERT_EQ((*got)[i * kPiece], static_cast<char>('a' + i % 26)) << i;
+  std::lock_guard g(mu);
+  EXPECT_EQ(reply->Backlog(), 0u);
+}
+
+// The backlog counts a Write as soon as it is called (a producer checking it after its own
+// Write sees it) and OnDrained runs once it is low enough.
+TEST_F(HttpTest, TheBacklogCountsAWriteAtOnceAndOnDrainedRunsWhenTheClientTakesIt) {
+  std::shared_ptr<HttpReply> reply;
+  std::mutex mu;
+  std::atomic<std::size_t> seen_after_write{0};
+  std::atomic<bool> drained{false};
+  Listen({}, [&](HttpRequest, std::shared_ptr<HttpReply> r) {
+    r->Begin(200, {});
+    r->Write(std::string(8 << 20, 'x'));
+    seen_after_write = r->Backlog();
+    r->OnDrained(1 << 20, [&] { drained = true; });
+    std::lock_guard g(mu);
+    reply = std::move(r);
+  });
+  RawClient c(listener_->port());
+  c.Send("GET / HTTP/1.1\r\nHost: x\r\n\r\n");
+  ASSERT_TRUE(AwaitTrue([&] {
+    std::lock_guard g(mu);
+    return reply != nullptr;
+  }));
+  EXPECT_EQ(seen_after_write.load(), std::size_t{8 << 20});
+  EXPECT_FALSE(drained.load());  // nobody reads yet: most of it is queued
+  {
+    std::lock_guard g(mu);
+    reply->End();
+  }
+  const std::string all = c.ReadAllUntil("0\r\n\r\n");
+  EXPECT_GT(all.size(), std::size_t{8 << 20});
+  EXPECT_TRUE(drained.load());
+  std::lock_guard g(mu);
+  EXPECT_EQ(reply->Backlog(), 0u);
 }
 
 }  // namespace
