@@ -27,7 +27,10 @@ po::options_description Describe() {
     ("retries", po::value<std::uint32_t>()->default_value(d.retries), "other workers tried when an engine fails before its answer reached the client [0, 16]")
     ("max-body-bytes", po::value<std::uint64_t>()->default_value(d.max_body_bytes), "largest request body (>= 1); larger is 413, refused from Content-Length")
     ("route-timeout-ms", po::value<std::uint32_t>()->default_value(d.route_timeout_ms), "longest wait for the router's answer, its queue included (>= 1)")
-    ("engine-timeout-ms", po::value<std::uint32_t>()->default_value(d.engine_timeout_ms), "an engine silent this long (before or between chunks) fails the request (>= 1)")
+    ("engine-timeout-ms", po::value<std::uint32_t>()->default_value(d.engine_timeout_ms), "an engine silent this long (before or between chunks) fails the request (>= 1); once the engine has the request it is not sent to another one: 504")
+    ("engine-connect-timeout-ms", po::value<std::uint32_t>()->default_value(d.engine_connect_timeout_ms), "longest TCP connect to an engine; one that times out is that engine's failure and the request goes to another (>= 1)")
+    ("render-timeout-ms", po::value<std::uint32_t>()->default_value(d.render_timeout_ms), "a render (or /tokenize) call silent this long is given up for the next engine serving the model (>= 1)")
+    ("engine-idle-timeout-ms", po::value<std::uint32_t>()->default_value(d.engine_idle_timeout_ms), "a pooled engine connection unused this long is closed; keep it below the engines' keep-alive (>= 1)")
     ("io-threads", po::value<std::uint32_t>()->default_value(d.io_threads), "threads serving every HTTP connection [1, 64]")
     ("max-connections", po::value<std::uint32_t>()->default_value(d.max_connections), "client connections open at once; more are closed at accept (>= 1)");
   // clang-format on
@@ -61,6 +64,12 @@ Status ReadGatewayConfig(const po::variables_map& vm, GatewayConfig& c) {
   if (c.route_timeout_ms < 1) return FlagOutOfRange("route-timeout-ms", ">= 1");
   c.engine_timeout_ms = vm["engine-timeout-ms"].as<std::uint32_t>();
   if (c.engine_timeout_ms < 1) return FlagOutOfRange("engine-timeout-ms", ">= 1");
+  c.engine_connect_timeout_ms = vm["engine-connect-timeout-ms"].as<std::uint32_t>();
+  if (c.engine_connect_timeout_ms < 1) return FlagOutOfRange("engine-connect-timeout-ms", ">= 1");
+  c.render_timeout_ms = vm["render-timeout-ms"].as<std::uint32_t>();
+  if (c.render_timeout_ms < 1) return FlagOutOfRange("render-timeout-ms", ">= 1");
+  c.engine_idle_timeout_ms = vm["engine-idle-timeout-ms"].as<std::uint32_t>();
+  if (c.engine_idle_timeout_ms < 1) return FlagOutOfRange("engine-idle-timeout-ms", ">= 1");
   c.io_threads = vm["io-threads"].as<std::uint32_t>();
   if (c.io_threads < 1 || c.io_threads > 64) return FlagOutOfRange("io-threads", "in [1, 64]");
   c.max_connections = vm["max-connections"].as<std::uint32_t>();

@@ -3,7 +3,9 @@
 //   kvgateway [--http-port 8000] [--http-host 0.0.0.0] [--nats-server URL] [--namespace dynamo]
 //             [--component backend] [--metrics-port 9094] [--render-url URL] [--retries 2]
 //             [--max-body-bytes 16777216] [--route-timeout-ms 10000] [--engine-timeout-ms 300000]
-//             [--io-threads 2] [--max-connections 50000] [--nats-creds ... --nats-tls-*]
+//             [--engine-connect-timeout-ms 2000] [--render-timeout-ms 10000]
+//             [--engine-idle-timeout-ms 4000] [--io-threads 2] [--max-connections 50000]
+//             [--nats-creds ... --nats-tls-*]
 // Plain value; ParseGatewayConfig is thread-safe (reads the environment through a callback).
 //
 //   auto parsed = ParseGatewayConfig(argc, argv, getenv);  if (!parsed.ok()) { print; exit(2); }
@@ -31,6 +33,18 @@ struct GatewayConfig {
   std::uint64_t max_body_bytes = 16ull << 20;         // --max-body-bytes >= 1
   std::uint32_t route_timeout_ms = 10'000;            // --route-timeout-ms >= 1: the router's answer (queue included)
   std::uint32_t engine_timeout_ms = 300'000;          // --engine-timeout-ms >= 1: engine silent this long fails
+  // --engine-connect-timeout-ms >= 1: a TCP connect to an engine (or render host); one that
+  // times out is the engine's failure and the request goes to another one.
+  std::uint32_t engine_connect_timeout_ms = 2'000;
+  // --render-timeout-ms >= 1: a render or /tokenize call silent this long (before or between
+  // chunks) is given up and the next engine serving the model asked. Rendering is tokenizing,
+  // not generating: milliseconds, seconds when the engine's API server is loaded or fetches a
+  // prompt's images; the router's own wait (--route-timeout-ms) has the same default.
+  std::uint32_t render_timeout_ms = 10'000;
+  // --engine-idle-timeout-ms >= 1: a pooled engine connection unused this long is closed, below
+  // the engines' own keep-alive (uvicorn, under vLLM and SGLang: 5 s) so that they rarely close
+  // one first and a pick rarely finds it dead.
+  std::uint32_t engine_idle_timeout_ms = 4'000;
   std::uint32_t io_threads = 2;                       // --io-threads [1, 64]: HTTP threads (no thread per connection)
   std::uint32_t max_connections = 50'000;             // --max-connections >= 1: client connections open at once
 };

@@ -30,6 +30,14 @@ std::optional<std::string> ClientRequestId(const HttpRequest& request) {
   return std::string(*id);
 }
 
+// 504's message: the engine has the request (`s` is HttpClient's kTimeout) and is not answering;
+// another engine is not asked, which would run it a second time.
+std::string EngineTimeoutMessage(std::uint64_t worker, std::uint32_t timeout_ms, const Status& s) {
+  return fmt::format("worker {} took the request and did not answer within {} ms (--engine-timeout-ms); it is not "
+                     "sent to another engine, which would run it again: {}",
+                     worker, timeout_ms, s.message());
+}
+
 // The client's headers an engine needs as well: its API key (vLLM's --api-key) and the formats
 // it accepts.
 void PassClientHeaders(const HttpRequest& request, HttpHeaders& to) {
@@ -73,6 +81,9 @@ struct Gateway::Exchange {
   SteadyTime last_chunk;
   ResponseTiming timing;       // of the engine's response so far (ttfb_ms once its first byte came)
   bool ttfb_observed = false;  // in the ttfb histogram (once per request, whatever the retries)
+  bool engine_broke = false;   // the engine's response broke off: its timing is not its speed
+  bool read_paused = false;    // the engine call is paused until the client drains (back-pressure)
+  bool slowed = false;         // it was paused at least once (kvgateway_slow_clients_total)
   // Section 13: the legs of a disaggregated attempt (routed.disaggregated).
   std::string leg_body;                    // the decode leg's body ("": the client's, unchanged)
   std::shared_ptr<HttpCall> prefill_call;  // the prefill leg running now
@@ -109,7 +120,8 @@ Gateway::Gateway(const GatewayConfig& config, HttpClient& client, RouterLink& li
                      "requests routed again after an engine failed before its answer reached the client");
   clients_gone_ = counter("kvgateway_clients_gone_total",
                           "clients that went away before their response ended (the engine connection is closed)");
-  slow_clients_ = counter("kvgateway_slow_clients_total", "clients cut off for letting a streamed response pile up");
+  slow_clients_ = counter("kvgateway_slow_clients_total",
+                          "responses whose engine read was paused for a client that let kClientHighWater pile up");
   render_fallbacks_ = counter("kvgateway_render_fallbacks_total",
                               "token ids taken from /tokenize because the render endpoint was missing");
   in_flight_ = &prometheus::BuildGauge()
@@ -156,6 +168,12 @@ void Gateway::SetNatsConnected(bool connected) {
     directory_.Pause();
   }
   link_.SetConnected(connected);
+}
+
+void Gateway::DropPools(const std::vector<std::string>& urls) {
+  for (const std::string& url : urls) {
+    if (auto e = ParseHttpUrl(url); e.ok()) client_.DropIdle(*e);
+  }
 }
 
 void Gateway::Count(std::string_view endpoint, int status) {
@@ -274,8 +292,9 @@ void Gateway::Render(const std::shared_ptr<Exchange>& x, std::size_t candidate, 
                     .target = std::string(tokenize ? std::string_view("/tokenize") : RenderPath(x->request.kind)),
                     .headers = {{"content-type", "application/json"}},
                     .body = tokenize ? x->request.tokenize_body : x->http.body,
-                    .head_timeout = std::chrono::milliseconds(config_.engine_timeout_ms),
-                    .read_timeout = std::chrono::milliseconds(config_.engine_timeout_ms)};
+                    .connect_timeout = std::chrono::milliseconds(config_.engine_connect_timeout_ms),
+                    .head_timeout = std::chrono::milliseconds(config_.render_timeout_ms),
+                    .read_timeout = std::chrono::milliseconds(config_.render_timeout_ms)};
   PassClientHeaders(x->http, spec.headers);
   std::uint64_t seq = 0;
   {
@@ -419,6 +438,7 @@ HttpCallSpec Gateway::EngineCall(const Exchange& x, std::string body) const {
                     .target = x.http.target,
                     .headers = {{"content-type", "application/json"}, {"x-request-id", x.request_id}},
                     .body = std::move(body),
+                    .connect_timeout = std::chrono::milliseconds(config_.engine_connect_timeout_ms),
                     .head_timeout = std::chrono::milliseconds(config_.engine_timeout_ms),
                     .read_timeout = std::chrono::milliseconds(config_.engine_timeout_ms)};
   PassClientHeaders(x.http, spec.headers);
@@ -460,10 +480,10 @@ void Gateway::Forward(const std::shared_ptr<Exchange>& x, std::uint32_t attempt)
              }
            },
        .on_data =
-           [this, ex = x, attempt](std::string_view d) {
+           [this, ex = x, attempt, seq](std::string_view d) {
              bool first = false;
-             bool slow = false;
-             std::shared_ptr<HttpCall> engine_call, prefill_call;
+             std::shared_ptr<HttpCall> pause;  // this call, to pause until the client drains
+             bool first_pause = false;
              {
                std::lock_guard g(ex->mu);
                if (ex->done || ex->attempt != attempt) return;
@@ -499,25 +519,30 @@ void Gateway::Forward(const std::shared_ptr<Exchange>& x, std::uint32_t attempt)
                } else {
                  ex->reply->Write(std::string(d));
                }
-               if (ex->reply->Backlog() > kMaxClientBacklog) {
-                 slow = true;
-                 ex->done = true;
-                 engine_call = ex->call;
-                 prefill_call = ex->prefill_call;
-                 ex->reply->Abort();
+               // The call is known once KeepCall kept it; a chunk before that is not paused on
+               // (the next one is).
+               if (ex->began && !ex->read_paused && ex->call && ex->call_seq == seq &&
+                   ex->reply->Backlog() > kClientHighWater) {
+                 ex->read_paused = true;
+                 first_pause = !std::exchange(ex->slowed, true);
+                 pause = ex->call;
                }
              }
              // A plain answer's first byte is (nearly) its end: free says it all, and a
              // mark_prefill there would teach the router a prefill (or KV transfer) as long as
              // the whole generation.
              if (first && ex->request.stream) link_.MarkPrefill(ex->booking);
-             if (slow) {
-               slow_clients_->Increment();
-               if (engine_call) engine_call->Cancel();
-               if (prefill_call) prefill_call->Cancel();
-               Free(ex);
-               Count(ex->endpoint, 499);
-               in_flight_->Decrement();
+             if (pause) {
+               if (first_pause) slow_clients_->Increment();
+               pause->Pause();  // here, on the call's own thread: before its next read
+               std::weak_ptr<Exchange> weak = ex;
+               ex->reply->OnDrained(kClientLowWater, [weak, call = std::weak_ptr<HttpCall>(pause)] {
+                 if (auto e = weak.lock()) {
+                   std::lock_guard g(e->mu);
+                   e->read_paused = false;
+                 }
+                 if (auto c = call.lock()) c->Resume();
+               });
              }
            },
        .on_done =
@@ -534,6 +559,9 @@ void Gateway::Forward(const std::shared_ptr<Exchange>& x, std::uint32_t attempt)
                status = ex->engine_status;
                error = std::move(ex->engine_error);
              }
+             if (!began && s.code() == StatusCode::kTimeout) {
+               return Fail(ex, 504, "engine_timeout", EngineTimeoutMessage(worker, config_.engine_timeout_ms, s));
+             }
              if (!began && (!s.ok() || status >= 500)) {
                // Nothing reached the client. A client error the engine broke off in the middle of
                // is not another engine's to answer.
@@ -549,6 +577,7 @@ void Gateway::Forward(const std::shared_ptr<Exchange>& x, std::uint32_t attempt)
                ex->done = true;
                prefill_call = std::move(ex->prefill_call);  // an SGLang prefill leg not ended yet
                if (!s.ok()) {
+                 ex->engine_broke = true;
                  ex->reply->Abort();  // cut off mid-response: the client sees the connection end
                } else if (!ex->began) {  // a plain response (or an empty body): whole
                  // A disaggregated answer's prompt cache is the prefill engine's, not the decode
@@ -725,6 +754,9 @@ void Gateway::OnNixlPrefillAnswer(const std::shared_ptr<Exchange>& x, std::uint3
   auto taken = TakePrefillEnd(*x, attempt);
   if (!taken) return;
   PrefillEnd& end = *taken;
+  if (s.code() == StatusCode::kTimeout) {
+    return Fail(x, 504, "engine_timeout", EngineTimeoutMessage(end.worker, config_.engine_timeout_ms, s));
+  }
   if (!s.ok() || end.status >= 500) return Retry(x, attempt, end.worker, PrefillFailure(s, end));
   if (end.overflow) {
     return Fail(x, 502, "engine_failed", "the prefill engine's answer is larger than the gateway holds");
@@ -777,6 +809,9 @@ void Gateway::OnSglangPrefillEnd(const std::shared_ptr<Exchange>& x, std::uint32
       log_.Log(LogLevel::kWarning, "prefill-failed", "request {}: after the decode leg began: {}", x->request_id,
                PrefillFailure(s, end));
       return;
+    }
+    if (s.code() == StatusCode::kTimeout) {
+      return Fail(x, 504, "engine_timeout", EngineTimeoutMessage(end.worker, config_.engine_timeout_ms, s));
     }
     if (!s.ok() || end.status >= 500) return Retry(x, attempt, end.worker, PrefillFailure(s, end));
     return AnswerWhole(x, end.status, "application/json", std::move(end.body));
@@ -889,8 +924,9 @@ void Gateway::Free(const std::shared_ptr<Exchange>& x) {
     x->booked = false;
     booking = x->booking;
     // A streamed 200 only: a plain response's first byte comes after the whole generation, an
-    // error's says nothing of the engine's speed.
-    if (x->began && x->request.stream && x->engine_status == 200) timing = x->timing;
+    // error's says nothing of the engine's speed, nor does a response the engine broke off (a
+    // dying engine's stall). A client going away leaves what was measured true.
+    if (x->began && x->request.stream && x->engine_status == 200 && !x->engine_broke) timing = x->timing;
   }
   link_.Free(booking, timing);
 }

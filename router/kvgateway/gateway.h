@@ -49,8 +49,12 @@ namespace kvrouter {
 
 class Gateway {
  public:
-  // A slow client that lets this much of a streamed response pile up is cut off.
-  static constexpr std::size_t kMaxClientBacklog = 8 << 20;
+  // Back-pressure: when a client lets this much of a response pile up unsent, the engine's
+  // response is no longer read (its TCP window fills and its writes block) until the client has
+  // taken all but kClientLowWater. A slow client is slowed down, not cut off; a stream holds at
+  // most about this much (and one read) in the gateway.
+  static constexpr std::size_t kClientHighWater = 256 << 10;
+  static constexpr std::size_t kClientLowWater = 64 << 10;
   // A plain (non-streamed) response up to this size is held and sent whole, in one write, with
   // its Content-Length; a larger one goes out chunked as it comes.
   static constexpr std::size_t kMaxHeldBody = 1 << 20;
@@ -60,8 +64,9 @@ class Gateway {
   Gateway(const GatewayConfig& config, HttpClient& client, RouterLink& link);
 
   HttpRequestHandler Handler();
-  void OnRegistration(const WorkerRegistration& reg, SteadyTime now) { directory_.Apply(reg, now); }
-  void Tick(SteadyTime now) { directory_.Expire(now); }
+  // The engine connections pooled for an http_url no worker has any more are closed.
+  void OnRegistration(const WorkerRegistration& reg, SteadyTime now) { DropPools(directory_.Apply(reg, now)); }
+  void Tick(SteadyTime now) { DropPools(directory_.Expire(now)); }
   // NATS connected, the router answering, an engine known.
   bool Ready(SteadyTime now) const;
   // While NATS is down no router can be reached: a completion request is answered 503 at once,
@@ -122,6 +127,7 @@ class Gateway {
             HttpHeaders extra = {});
   void Free(const std::shared_ptr<Exchange>& x);
   void Count(std::string_view endpoint, int status);
+  void DropPools(const std::vector<std::string>& urls);
 
   const GatewayConfig& config_;
   HttpClient& client_;

@@ -82,7 +82,7 @@ int main(int argc, char** argv) {
     return 1;
   }
   HttpIo io(cfg.io_threads);
-  HttpClient client(io, {});
+  HttpClient client(io, {.max_idle = std::chrono::milliseconds(cfg.engine_idle_timeout_ms)});
   Gateway gw(cfg, client, link);
   // A loss since the last look (even one already over: a reconnect between two looks) is applied
   // before the state now.

@@ -7,15 +7,17 @@
 
 namespace kvrouter {
 
-void WorkerDirectory::Apply(const WorkerRegistration& reg, SteadyTime now) {
+std::vector<std::string> WorkerDirectory::Apply(const WorkerRegistration& reg, SteadyTime now) {
   KvMutexLock g(mu_);
-  if (reg.leaving || reg.http_url.empty()) {
-    workers_.erase(reg.worker_id);
-    return;
-  }
   auto it = workers_.find(reg.worker_id);
+  std::vector<std::string> before;  // its URL, when it leaves or moves
+  if (it != workers_.end()) before.push_back(it->second.http_url);
+  if (reg.leaving || reg.http_url.empty()) {
+    if (it != workers_.end()) workers_.erase(it);
+    return Unused(std::move(before));
+  }
   if (it == workers_.end()) {
-    if (workers_.size() >= kMaxWorkers) return;
+    if (workers_.size() >= kMaxWorkers) return {};
     it = workers_.emplace(reg.worker_id, Worker{}).first;
   }
   it->second.http_url = reg.http_url;
@@ -23,12 +25,29 @@ void WorkerDirectory::Apply(const WorkerRegistration& reg, SteadyTime now) {
   it->second.role = reg.role;
   it->second.lease = std::chrono::milliseconds(reg.lease_ms);
   it->second.lease_end = now + it->second.lease;
+  return Unused(std::move(before));
 }
 
-void WorkerDirectory::Expire(SteadyTime now) {
+std::vector<std::string> WorkerDirectory::Expire(SteadyTime now) {
   KvMutexLock g(mu_);
-  if (paused_) return;
-  std::erase_if(workers_, [&](const auto& w) { return w.second.lease_end < now; });
+  if (paused_) return {};
+  std::vector<std::string> gone;
+  std::erase_if(workers_, [&](const auto& w) {
+    if (w.second.lease_end >= now) return false;
+    gone.push_back(w.second.http_url);
+    return true;
+  });
+  return Unused(std::move(gone));
+}
+
+std::vector<std::string> WorkerDirectory::Unused(std::vector<std::string> urls) const {
+  std::sort(urls.begin(), urls.end());
+  urls.erase(std::unique(urls.begin(), urls.end()), urls.end());
+  std::erase_if(urls, [&](const std::string& url) {
+    mu_.AssertHeld();
+    return std::any_of(workers_.begin(), workers_.end(), [&](const auto& w) { return w.second.http_url == url; });
+  });
+  return urls;
 }
 
 void WorkerDirectory::Pause() {

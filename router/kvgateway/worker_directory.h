@@ -31,10 +31,11 @@ class WorkerDirectory {
   static constexpr std::size_t kMaxWorkers = 1 << 16;
 
   // A registration (up: added or renewed; leaving: removed). Workers without an http_url are
-  // not kept: the gateway cannot reach them.
-  void Apply(const WorkerRegistration& reg, SteadyTime now);
-  // Forgets the workers whose lease ended before `now` (none while paused).
-  void Expire(SteadyTime now);
+  // not kept: the gateway cannot reach them. Returns the http_urls no worker has any more (the
+  // engine connections to them may be closed).
+  std::vector<std::string> Apply(const WorkerRegistration& reg, SteadyTime now);
+  // Forgets the workers whose lease ended before `now` (none while paused); returns as Apply.
+  std::vector<std::string> Expire(SteadyTime now);
   // The connection that brings registrations went down: silence says nothing of the workers.
   void Pause();
   // It is back: every lease ends one lease from `now` at the earliest.
@@ -57,6 +58,9 @@ class WorkerDirectory {
     SteadyTime lease_end;
     std::chrono::milliseconds lease{0};
   };
+  // Those of `urls` no worker has.
+  std::vector<std::string> Unused(std::vector<std::string> urls) const KV_REQUIRES(mu_);
+
   mutable KvMutex mu_;
   std::map<std::uint64_t, Worker> workers_ KV_GUARDED_BY(mu_);
   bool paused_ KV_GUARDED_BY(mu_) = false;

@@ -33,8 +33,10 @@ using json = nlohmann::json;
 // streamed), registration on NATS with its http_url.
 class FakeEngine {
  public:
-  enum class Mode { kAnswer, kFail500, kHold, kBig, kCutOff, kCutOff400 };
+  enum class Mode { kAnswer, kFail500, kHold, kBig, kCutOff, kCutOff400, kStreamCutOff, kFlood };
   static constexpr std::size_t kBigContent = (Gateway::kMaxHeldBody * 3) / 2;
+  // kFlood: a stream of this many events of kFloodEvent bytes, written at once, then [DONE].
+  static constexpr std::size_t kFloodEvent = 64 << 10, kFloodEvents = 512;
 
   explicit FakeEngine(HttpIo& io) {
     auto l = HttpListener::Start(io, {.host = "127.0.0.1"}, [this](HttpRequest r, std::shared_ptr<HttpReply> reply) {
@@ -49,6 +51,13 @@ class FakeEngine {
   int completions() const { return completions_.load(); }
   int renders() const { return renders_.load(); }
   int gone() const { return gone_.load(); }
+  // Connections open on the engine's side (its own idle timeout is a minute).
+  std::uint64_t open_connections() const { return listener_->counters().open; }
+  // What the latest kFlood answer has not got into its socket yet (the gateway is not reading).
+  std::size_t flood_backlog() {
+    std::lock_guard g(mu_);
+    return flood_ ? flood_->Backlog() : 0;
+  }
   int held() {
     std::lock_guard g(mu_);
     return static_cast<int>(held_.size());
@@ -102,6 +111,24 @@ class FakeEngine {
         for (std::size_t i = 0; i < kBigContent; i += 64 << 10) reply->Write(std::string(64 << 10, 'x'));
         reply->Write(R"("}}]})");
         return reply->End();
+      case Mode::kStreamCutOff:  // two events, then (once they are sent) the connection ends
+        reply->Begin(200, {{"content-type", "text/event-stream"}});
+        reply->Write("data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\n\n");
+        reply->Write("data: {\"choices\":[{\"delta\":{\"content\":\"b\"}}]}\n\n");
+        return reply->OnDrained(0, [reply] { reply->Abort(); });
+      case Mode::kFlood: {
+        reply->Begin(200, {{"content-type", "text/event-stream"}});
+        for (std::size_t i = 0; i < kFloodEvents; ++i) {
+          std::string event = fmt::format("data: {} ", i);
+          event.resize(kFloodEvent - 2, 'x');
+          reply->Write(event + "\n\n");
+        }
+        reply->Write("data: [DONE]\n\n");
+        reply->End();
+        std::lock_guard g(mu_);
+        flood_ = std::move(reply);
+        return;
+      }
       case Mode::kCutOff:  // part of an answer, then the connection ends
       case Mode::kCutOff400:
         reply->Begin(mode_.load() == Mode::kCutOff ? 200 : 400, {{"content-type", "application/json"}});
@@ -125,6 +152,7 @@ class FakeEngine {
   std::atomic<int> completions_{0}, renders_{0}, gone_{0};
   std::mutex mu_;
   std::vector<std::shared_ptr<HttpReply>> held_;
+  std::shared_ptr<HttpReply> flood_;
   std::string last_request_id_;
   std::string last_authorization_;
 };

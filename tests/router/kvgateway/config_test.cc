@@ -29,6 +29,15 @@ TEST(GatewayConfig, DefaultsAndTheEnvironment) {
   EXPECT_EQ(p->config.nats_server, "nats://n:4222");
   EXPECT_EQ(p->config.retries, GatewayConfig{}.retries);
   EXPECT_TRUE(p->config.render_url.empty());
+  EXPECT_EQ(p->config.engine_connect_timeout_ms, 2000u);
+  EXPECT_EQ(p->config.render_timeout_ms, 10000u);
+  EXPECT_EQ(p->config.engine_idle_timeout_ms, 4000u);
+  auto set = Parse({"--engine-connect-timeout-ms", "250", "--render-timeout-ms", "900"},
+                   {{"DYN_ENGINE_IDLE_TIMEOUT_MS", "1500"}});
+  ASSERT_TRUE(set.ok()) << set.status().ToString();
+  EXPECT_EQ(set->config.engine_connect_timeout_ms, 250u);
+  EXPECT_EQ(set->config.render_timeout_ms, 900u);
+  EXPECT_EQ(set->config.engine_idle_timeout_ms, 1500u);
 }
 
 TEST(GatewayConfig, TheRenderUrlIsABaseUrlItsSlashTrimmed) {
@@ -48,6 +57,9 @@ TEST(GatewayConfig, OutOfRangeValuesNameTheirFlag) {
                                                                              {"max-body-bytes", "0"},
                                                                              {"route-timeout-ms", "0"},
                                                                              {"engine-timeout-ms", "0"},
+                                                                             {"engine-connect-timeout-ms", "0"},
+                                                                             {"render-timeout-ms", "0"},
+                                                                             {"engine-idle-timeout-ms", "0"},
                                                                              {"max-connections", "0"},
                                                                              {"http-port", "70000"}}) {
     auto r = Parse({"--" + flag, value});

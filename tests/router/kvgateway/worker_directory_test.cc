@@ -50,6 +50,25 @@ TEST(WorkerDirectory, AWorkerWithoutHttpUrlIsNotKeptAndLeavingRemoves) {
   EXPECT_FALSE(d.HttpUrl(2));
 }
 
+// The URLs returned are the ones whose engine connections may be closed: no worker left has them.
+TEST(WorkerDirectory, ReturnsTheUrlsNoWorkerHasAnyMore) {
+  WorkerDirectory d;
+  d.Apply(Engine(1, {"m"}, "http://a:1"), kT0);
+  d.Apply(Engine(2, {"m"}, "http://a:1"), kT0);  // two ranks behind one server
+  d.Apply(Engine(3, {"m"}, "http://b:1"), kT0);
+  WorkerRegistration leaving = Engine(1, {"m"}, "http://a:1");
+  leaving.leaving = true;
+  EXPECT_TRUE(d.Apply(leaving, kT0).empty());  // worker 2 still has it
+  EXPECT_EQ(d.Apply(Engine(2, {"m"}, "http://c:1"), kT0), std::vector<std::string>{"http://a:1"});  // moved
+  EXPECT_TRUE(d.Apply(Engine(3, {"m"}, "http://b:1"), kT0 + milliseconds(800)).empty());  // a heartbeat
+  EXPECT_EQ(d.Expire(kT0 + milliseconds(1500)), std::vector<std::string>{"http://c:1"});
+  EXPECT_EQ(d.Expire(kT0 + milliseconds(2000)), std::vector<std::string>{"http://b:1"});
+  d.Apply(Engine(4, {"m"}, "http://d:1"), kT0);
+  leaving = Engine(4, {"m"}, "http://d:1");
+  leaving.leaving = true;
+  EXPECT_EQ(d.Apply(leaving, kT0), std::vector<std::string>{"http://d:1"});
+}
+
 TEST(WorkerDirectory, AWorkerUnheardForItsLeaseGoesAndAHeartbeatKeepsIt) {
   WorkerDirectory d;
   d.Apply(Engine(1, {"m"}), kT0);
