@@ -331,9 +331,11 @@ class Call final : public HttpCall, public std::enable_shared_from_this<Call> {
   // open to ask whether the peer acknowledged the request (whether it was delivered).
   void ReadHead() {
     stream_->expires_never();
+    awaiting_head_ = true;
     timer_.expires_at(head_deadline_);
     timer_.async_wait([self = shared_from_this()](beast::error_code e) {
-      if (e || self->done_ || self->head_) return;
+      // (A wait that ended as the read did, queued behind it, finds awaiting_head_ false.)
+      if (e || self->done_ || !self->awaiting_head_) return;
       self->head_timed_out_ = true;
       self->delivered_ = PeerAcknowledgedAll(self->stream_->socket().native_handle());
       beast::error_code ignored;
@@ -343,8 +345,9 @@ class Call final : public HttpCall, public std::enable_shared_from_this<Call> {
     parser_->header_limit(static_cast<std::uint32_t>(pool_->options.max_response_header_bytes));
     parser_->body_limit(std::numeric_limits<std::uint64_t>::max());  // a stream may be long
     http::async_read_header(*stream_, buffer_, *parser_, [self = shared_from_this()](beast::error_code ec, std::size_t n) {
+      self->awaiting_head_ = false;
       if (self->done_) return;
-      if (self->head_timed_out_) {
+      if (ec && self->head_timed_out_) {
         const std::string m = fmt::format("{} sent no response head within {} ms", self->endpoint_.Key(),
                                           self->spec_.head_timeout.count());
         if (self->delivered_) return self->Fail(Status(StatusCode::kTimeout, m + " (it has the request)"));
@@ -452,6 +455,7 @@ class Call final : public HttpCall, public std::enable_shared_from_this<Call> {
   bool reused_ = false;
   bool done_ = false;
   bool head_ = false;            // the response head came
+  bool awaiting_head_ = false;   // the head's read is pending
   bool head_timed_out_ = false;  // timer_ ended the wait for it
   bool delivered_ = false;       // then: the peer had acknowledged the whole request
   bool paused_ = false;          // Pause: read no more of the body
