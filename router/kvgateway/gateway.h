@@ -8,7 +8,10 @@
 // at the engine's first response byte, free when the response ends, fails or the client goes
 // away (the engine connection is then closed, so the engine aborts). A failure before the first
 // byte reached the client frees the booking and routes again away from that worker, at most
-// --retries times. Also GET /v1/models, /health, /ready and /metrics.
+// --retries times; but an engine that has the request (HttpClient's kTimeout: delivered, then
+// silent past --engine-timeout-ms, as a long plain generation is) is not asked again elsewhere:
+// 504. A client that lets kClientHighWater of its response pile up pauses the engine's read
+// until it drains. Also GET /v1/models, /health, /ready and /metrics.
 // A route reply that is `disaggregated` (section 13) runs two legs in the engines' protocol:
 // `nixl` (vLLM) a prefill leg to the prefill engine, then (prefill_done sent) the decode leg
 // with the prefill answer's kv_transfer_params, or that answer itself, in the client's form,
