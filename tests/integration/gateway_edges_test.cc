@@ -255,6 +255,7 @@ TEST_F(GatewayTest, ASlowClientSlowsTheEngineReadAndGetsTheWholeStream) {
   // The stream passed through without the gateway holding it: its peak memory grew by far less
   // than the stream.
   const long peak_after = ProcStatusKb(gateway_->pid(), "VmHWM");
+  RecordProperty("gateway_peak_rss_growth_kb", std::to_string(peak_after - peak_before));
   EXPECT_LT(peak_after - peak_before, static_cast<long>(kStream / 1024 / 4))
       << "peak RSS " << peak_before << " kB -> " << peak_after << " kB for a " << kStream / 1024 << " kB stream";
   EXPECT_TRUE(AwaitStats([](StatsReply& s) { return s.counters["active_requests"] == 0; }, 5s));
