@@ -19,41 +19,13 @@
 
 #include "events/registration_codec.h"
 #include "tests/await.h"
+#include "tests/black_hole.h"
 #include "tests/integration/gateway_fixture.h"
 
 namespace kvrouter::testing {
 namespace {
 
 using std::chrono::milliseconds;
-
-// A listening socket whose accept queue (backlog 0: one connection, taken by `filler_`) is full
-// and never drained: Linux drops every further SYN, as a host that drops packets.
-class BlackHole {
- public:
-  BlackHole() {
-    listen_fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    ok_ = ::bind(listen_fd_, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 && ::listen(listen_fd_, 0) == 0;
-    socklen_t len = sizeof(a);
-    ok_ = ok_ && ::getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&a), &len) == 0;
-    port_ = ntohs(a.sin_port);
-    filler_fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
-    ok_ = ok_ && ::connect(filler_fd_, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
-  }
-  ~BlackHole() {
-    ::close(filler_fd_);
-    ::close(listen_fd_);
-  }
-  bool ok() const { return ok_; }
-  std::string url() const { return fmt::format("http://127.0.0.1:{}", port_); }
-
- private:
-  int listen_fd_ = -1, filler_fd_ = -1;
-  std::uint16_t port_ = 0;
-  bool ok_ = false;
-};
 
 // A client on a plain socket that reads only when told: a slow client.
 class SlowClient {

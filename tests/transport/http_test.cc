@@ -15,6 +15,7 @@
 #include <thread>
 
 #include "tests/await.h"
+#include "tests/black_hole.h"
 #include "transport/http_client.h"
 #include "transport/http_listener.h"
 
@@ -333,38 +334,9 @@ TEST_F(HttpTest, APooledConnectionTheServerClosedIsReplacedOnce) {
   EXPECT_EQ(client_->counters().connects, 2u);
 }
 
-// A local black hole: a listening socket whose accept queue (backlog 0: one connection) is
-// full and never drained, so the kernel drops every further SYN, as a host that drops packets.
-class BlackHole {
- public:
-  BlackHole() {
-    listen_fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    ::bind(listen_fd_, reinterpret_cast<sockaddr*>(&a), sizeof(a));
-    ::listen(listen_fd_, 0);
-    socklen_t len = sizeof(a);
-    ::getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&a), &len);
-    port_ = ntohs(a.sin_port);
-    filler_ = std::make_unique<RawClient>(port_);  // takes the one place in the queue
-  }
-  ~BlackHole() {
-    filler_.reset();
-    ::close(listen_fd_);
-  }
-  std::uint16_t port() const { return port_; }
-  bool filled() const { return filler_->connected(); }
-
- private:
-  int listen_fd_ = -1;
-  std::uint16_t port_ = 0;
-  std::unique_ptr<RawClient> filler_;
-};
-
 TEST_F(HttpTest, AConnectToAHostThatDropsPacketsFailsWithinTheConnectTimeoutAsNotDelivered) {
   BlackHole hole;
-  ASSERT_TRUE(hole.filled());
+  ASSERT_TRUE(hole.ok());
   const auto start = std::chrono::steady_clock::now();
   auto r = client_->Fetch({.host = "127.0.0.1", .port = hole.port()},
                           {.target = "/", .connect_timeout = milliseconds(200), .head_timeout = milliseconds(30'000)});
