@@ -93,6 +93,11 @@ esac
 
 rows=()
 shares=()
+failed() {  # label: the run's logs before cleanup removes them
+  echo "demo: the $1 run failed; its logs:" >&2
+  for f in "$work"/*"$1"*.log; do echo "== $f" >&2; tail -n 15 "$f" >&2; done
+  exit 1
+}
 run() {  # label, router flags...
   local label=$1; shift
   "$nats_server" -a 127.0.0.1 -p "$port" >"$work/nats.log" 2>&1 &
@@ -120,7 +125,7 @@ run() {  # label, router flags...
   fi
   echo "demo: $label ..."
   "$bin/kvbench" --nats-server "$url" --wait-workers "$workers" --label "$label" --concurrency 64 "${workload[@]}" \
-    --json "$work/$label.json" >"$work/$label.txt" 2>"$work/kvbench-$label.log"
+    --json "$work/$label.json" >"$work/$label.txt" 2>"$work/kvbench-$label.log" || failed "$label"
   rows+=("$(sed -n 2p "$work/$label.txt")")  # the run's row of the first table
   if [ "$fleet" = mixed ]; then
     # Workers come in id order: the first four are the fast ones.
@@ -168,7 +173,7 @@ run_gateway() {
   echo "demo: $label ..."
   "$bin/kvbench" --nats-server "$url" --gateway "http://127.0.0.1:$gateway_port" --wait-workers "$workers" \
     --prefill-workers "$prefill" --label "$label" --concurrency 256 "${workload[@]}" --json "$work/$label.json" \
-    >"$work/$label.txt" 2>"$work/kvbench-$label.log"
+    >"$work/$label.txt" 2>"$work/kvbench-$label.log" || failed "$label"
   rows+=("$(sed -n 2p "$work/$label.txt")")
   itl_rows+=("$(sed -n 5p "$work/$label.txt")")
   stop_all

@@ -77,7 +77,7 @@ po::options_description Describe() {
     ("compare", po::bool_switch(), "offline: run kv (both costs), round-robin, random and approximate mode and print one table; with --prefill-workers, each --router-disagg-policy on the P/D fleet and the aggregated fleet of the same size")
     ("json", po::value<std::string>(), "write the summary (an array with --compare) as JSON here (worker_busy_ms and busy_time_max_over_mean offline only)")
     ("plot", po::value<std::string>(), "draw kv hit rate and TTFT p50/p99 by mode into this file (.svg, else PNG) with gnuplot")
-    ("seed", po::value<std::uint64_t>()->default_value(syn.seed), "random seed (router tie-breaks, synthetic workload)");
+    ("seed", po::value<std::uint64_t>()->default_value(syn.seed), "random seed (router tie-breaks, synthetic workload, --abort-fraction's draws)");
   // clang-format on
   AddNatsSecurityFlags(desc);
   return desc;
@@ -187,6 +187,9 @@ Status ReadBenchConfig(const po::variables_map& vm, BenchConfig& c) {
     return InvalidArgument("--abort-fraction needs --gateway: only HTTP clients can go away mid-request");
   }
   if (!on.gateway_url.empty() && c.offline) return InvalidArgument("--gateway and --offline exclude each other");
+  if (!on.gateway_url.empty() && (on.request_timeout_s > 0 || on.retries > 0)) {
+    return InvalidArgument("--request-timeout and --retries are NATS mode's: through --gateway the gateway retries");
+  }
   on.seed = vm["seed"].as<std::uint64_t>();
   const std::uint32_t prefill_workers = vm["prefill-workers"].as<std::uint32_t>();
   on.prefill_workers = prefill_workers;

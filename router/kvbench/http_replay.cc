@@ -12,6 +12,7 @@
 #include <optional>
 #include <random>
 #include <thread>
+#include <vector>
 
 #include "events/base/thread_annotations.h"
 #include "router/kvbench/fleet_stats.h"
@@ -22,24 +23,27 @@ namespace kvrouter::bench {
 
 void SseDataReader::Feed(std::string_view bytes, const std::function<void(std::string_view)>& on_data) {
   buffer_.append(bytes);
-  std::size_t start = 0;
+  // Line by line (each byte looked at once per Feed): an empty line, after a trailing CR is
+  // dropped, ends an event, whatever mix of line endings the server uses.
+  std::size_t start = 0;    // the first byte of the event not yet dispatched
+  std::size_t line = 0;     // the first byte of the line being read
+  std::vector<std::string_view> data;
   while (true) {
-    const std::size_t lf = buffer_.find("\n\n", start);
-    const std::size_t crlf = buffer_.find("\r\n\r\n", start);
-    const std::size_t end = std::min(lf, crlf);
-    if (end == std::string::npos) break;
-    std::string_view event(buffer_.data() + start, end - start);
-    start = end + (end == lf ? 2 : 4);
-    while (!event.empty()) {
-      const std::size_t nl = event.find('\n');
-      std::string_view line = event.substr(0, nl);
-      event = nl == std::string_view::npos ? std::string_view() : event.substr(nl + 1);
-      if (line.ends_with('\r')) line.remove_suffix(1);
-      if (!line.starts_with("data:")) continue;  // comments, event names, ids
-      line.remove_prefix(5);
-      if (line.starts_with(' ')) line.remove_prefix(1);
-      on_data(line);
+    const std::size_t nl = buffer_.find('\n', line);
+    if (nl == std::string::npos) break;
+    std::string_view text(buffer_.data() + line, nl - line);
+    line = nl + 1;
+    if (text.ends_with('\r')) text.remove_suffix(1);
+    if (text.empty()) {  // the event is complete
+      for (std::string_view d : data) on_data(d);
+      data.clear();
+      start = line;
+      continue;
     }
+    if (!text.starts_with("data:")) continue;  // comments, event names, ids
+    text.remove_prefix(5);
+    if (text.starts_with(' ')) text.remove_prefix(1);
+    data.push_back(text);
   }
   buffer_.erase(0, start);
 }
@@ -100,6 +104,20 @@ class HttpReplay {
 
   std::vector<RequestRecord> Run() {
     std::thread timer([this] { AbortOnTime(); });
+    // Whatever ends Run (an exception included) stops and joins the timer first.
+    struct StopTimer {
+      HttpReplay* self;
+      std::thread& timer;
+      void Now() {
+        {
+          KvMutexLock lk(self->mu_);
+          self->stopping_ = true;
+          self->cv_.notify_all();
+        }
+        if (timer.joinable()) timer.join();
+      }
+      ~StopTimer() { Now(); }
+    } stop_timer{this, timer};
     for (std::size_t i = 0; i < trace_.size(); ++i) {
       if (!Send(i)) break;
       if (o_.progress && (i + 1) % std::max<std::size_t>(1, trace_.size() / 10) == 0) {
@@ -120,10 +138,8 @@ class HttpReplay {
           if (r.call && !r.closed) open.push_back(r.call);
         }
       }
-      stopping_ = true;
-      cv_.notify_all();
     }
-    timer.join();
+    stop_timer.Now();
     for (auto& call : open) call->Cancel();  // on_done closes each as an error
     client_.Stop();
     KvMutexLock lk(mu_);
@@ -154,6 +170,7 @@ class HttpReplay {
     int status = 0;
     SseDataReader sse;
     std::string error_body;         // a non-200 answer's body, for the log
+    std::string head_bytes;         // the first bytes of a 200 answer, for the log when it never streams
     std::vector<double> gaps;       // between this request's token events, in ms
     double last_token_ms = -1;
     std::uint32_t token_events = 0;  // events that carried generated text
@@ -169,7 +186,14 @@ class HttpReplay {
     SleepUntilDue(trace_, i, start_);
     {
       KvMutexLock lk(mu_);
-      if (!AwaitRoom(mu_, cv_, in_flight_, o_)) return false;
+      if (!AwaitRoom(mu_, cv_, in_flight_, o_)) {  // the rest of the trace counts as errors
+        for (std::size_t k = i; k < requests_.size(); ++k) {
+          requests_[k].record.error = true;
+          requests_[k].closed = true;
+          ++done_;
+        }
+        return false;
+      }
       ++in_flight_;
       Request& r = requests_[i];
       r.record.arrival_ms = MsSinceStart();
@@ -188,7 +212,7 @@ class HttpReplay {
     HttpCallSpec spec{.method = "POST",
                       .target = "/v1/completions",
                       .headers = {{"content-type", "application/json"}},
-                      .body = body.dump(),
+                      .body = body.dump(-1, ' ', false, json::error_handler_t::replace),
                       .head_timeout = limit,
                       .read_timeout = limit};
     auto call = client_.Start(gateway_, std::move(spec),
@@ -226,6 +250,9 @@ class HttpReplay {
       if (r.status != 200) {
         if (r.error_body.size() < 512) r.error_body.append(bytes.substr(0, 512 - r.error_body.size()));
         return;
+      }
+      if (r.token_events == 0 && r.error_body.size() < 512) {  // what a stream that never parses said
+        r.head_bytes.append(bytes.substr(0, 512 - std::min<std::size_t>(512, r.head_bytes.size())));
       }
       r.sse.Feed(bytes, [&](std::string_view data) {
         mu_.AssertHeld();
@@ -276,10 +303,15 @@ class HttpReplay {
     Request& r = requests_[i];
     if (r.closed) return;
     r.call.reset();
+    // An answer that had already failed stays an error when its client then goes away.
+    const bool failed_before = (r.status != 0 && r.status != 200) || !r.error_body.empty();
+    if (failed_before) r.record.aborted = false;
     if (!r.record.aborted) {
       const bool ok = s.ok() && r.status == 200 && r.done_event && r.token_events > 0 && r.error_body.empty();
       if (ok) {
-        r.record.finished_ms = now;
+        // Its last token, as NATS mode's last message: TPOT and the end to end time do not
+        // count the usage chunk, [DONE] and the chunked terminator after it.
+        r.record.finished_ms = r.last_token_ms >= 0 ? r.last_token_ms : now;
         r.record.output_tokens = r.usage_tokens.value_or(r.token_events);
         // One token per event: the gaps between events are the gaps between tokens.
         if (r.usage_tokens == r.token_events) {
@@ -289,7 +321,8 @@ class HttpReplay {
         r.record.error = true;
         if (++errors_seen_ <= kErrorsLogged) {
           fmt::print(stderr, "kvbench {}: request {} failed: {} (HTTP {}) {}\n", o_.label, i,
-                     s.ok() ? "the stream ended early" : s.message(), r.status, r.error_body);
+                     s.ok() ? "the stream ended early" : s.message(), r.status,
+                     r.error_body.empty() ? r.head_bytes : r.error_body);
         }
       }
     }

@@ -1,11 +1,13 @@
 // kvbench's HTTP mode (--gateway): replays a trace as a user's clients would, through kvgateway's
 // OpenAI API (streamed /v1/completions), on real time. TTFT, ITL and TPOT are the client's own:
-// each token's server-sent event as it arrives. The prompt is TextFor's (one token per byte, as
+// each token's server-sent event timed at the socket read that brought it (events of one read
+// share its time). The prompt is TextFor's (one token per byte, as
 // kvmocker's HTTP face tokenizes), so a trace's shared prefixes stay shared. Per-rank spread,
 // P/D decisions and the bookings left come from the router's stats over NATS (fleet_stats.h).
-// With --abort-fraction F, a seeded F of the requests are abandoned by their client at a random
-// point (a random time within their first second, or after a random number of tokens) and
-// counted as aborted, apart from errors.
+// With --abort-fraction F, a seeded F of the requests are planned to be abandoned by their client
+// at a random point (a random time within their first second, or after a random number of
+// tokens); those whose abort comes before their end are counted as aborted, apart from errors
+// (an answer that had already failed stays an error).
 //
 //   auto s = RunThroughGateway(trace, {.gateway_url = "http://127.0.0.1:8000", ...});
 #pragma once

@@ -217,7 +217,7 @@ std::string SummaryTable(const std::vector<Summary>& runs) {
                        s.prefill_busy_max_over_mean ? fmt::format("{:.2f}x", *s.prefill_busy_max_over_mean) : "-",
                        pools.empty() ? "-" : pools, decisions);
   }
-  out += fmt::format("goodput: requests with TTFT <= {} ms and TPOT <= {} ms (errors miss)\n", runs.front().slo.ttft_ms,
+  out += fmt::format("goodput: requests with TTFT <= {} ms and TPOT <= {} ms (errors miss; aborted ones are left out)\n", runs.front().slo.ttft_ms,
                      runs.front().slo.tpot_ms);
   for (const auto& s : runs) {
     if (s.aborted > 0) out += fmt::format("{}: {} requests aborted by the client on purpose\n", s.mode, s.aborted);

@@ -64,7 +64,7 @@ struct Summary {
   std::string mode;
   std::size_t requests = 0;
   std::size_t errors = 0;
-  std::size_t aborted = 0;  // requests the client abandoned on purpose: in no other figure
+  std::size_t aborted = 0;  // requests the client abandoned on purpose: in no latency, error or goodput figure
   double kv_hit_rate = 0;  // cached prompt tokens / prompt tokens
   double ttft_p50 = 0, ttft_p90 = 0, ttft_p99 = 0;
   double e2e_p50 = 0, e2e_p90 = 0, e2e_p99 = 0;
@@ -93,7 +93,7 @@ struct Summary {
   // The router's `stats` breakdown kDisaggDecisions (docs/protocol.md section 13: disaggregated,
   // local, fallback) counted over the run; empty when the router reports none.
   std::map<std::string, std::uint64_t> disagg_decisions;
-  // The router's bookings after the run (online: once they stop falling, 5 s at most), all 0 when
+  // The router's bookings after the run (online: once they are 0, 5 s at most), all 0 when
   // every request released what it booked (the table says so when not).
   std::optional<BookingsLeft> bookings_left;
   std::optional<double> pooled_lru_hit_rate;  // offline only

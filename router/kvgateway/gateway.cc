@@ -572,9 +572,14 @@ void Gateway::Forward(const std::shared_ptr<Exchange>& x, std::uint32_t attempt)
                    ex, attempt, worker,
                    s.ok() ? fmt::format("the engine answered {}: {}", status, error.substr(0, 256)) : s.message());
              }
+             // The booking is freed before the client has its answer: a client's next turn,
+             // sent the moment this one ends, must not find it still booked (a plain answer sends
+             // no mark_prefill, so the router holds its prefill tokens until this free).
+             std::optional<std::pair<HttpHeaders, std::string>> whole;
+             bool end = false;
              {
                std::lock_guard g(ex->mu);
-               ex->done = true;
+               ex->done = true;  // from here no other path touches ex->reply
                prefill_call = std::move(ex->prefill_call);  // an SGLang prefill leg not ended yet
                if (!s.ok()) {
                  ex->engine_broke = true;
@@ -585,13 +590,15 @@ void Gateway::Forward(const std::shared_ptr<Exchange>& x, std::uint32_t attempt)
                  if (ex->prefill_cached && status == 200) {
                    if (auto patched = WithCachedTokens(ex->held, *ex->prefill_cached)) ex->held = std::move(*patched);
                  }
-                 ex->reply->Send(status, ResponseHead(*ex), std::exchange(ex->held, {}));
+                 whole.emplace(ResponseHead(*ex), std::exchange(ex->held, {}));
                } else {
-                 ex->reply->End();
+                 end = true;
                }
              }
              if (prefill_call) prefill_call->Cancel();
              Free(ex);
+             if (whole) ex->reply->Send(status, std::move(whole->first), std::move(whole->second));
+             if (end) ex->reply->End();
              Count(ex->endpoint, s.ok() ? status : 502);
              in_flight_->Decrement();
            }});

@@ -54,6 +54,7 @@ TEST(BenchConfig, BadValuesAreRefusedNamingTheFlag) {
            {{"--synthetic", "--gateway", "http://127.0.0.1:1", "--abort-fraction", "1"}, "--abort-fraction"},
            {{"--synthetic", "--gateway", "http://127.0.0.1:1", "--abort-fraction", "-0.1"}, "--abort-fraction"},
            {{"--offline", "--synthetic", "--gateway", "http://127.0.0.1:1"}, "--gateway"},
+           {{"--synthetic", "--gateway", "http://127.0.0.1:1", "--retries", "2"}, "--retries"},
            {{}, "--trace"}}) {
     auto c = Parse(args);
     ASSERT_FALSE(c.ok()) << args.size();
