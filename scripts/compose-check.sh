@@ -2,10 +2,15 @@
 # Proves docker-compose.yml on a machine that reaches only Debian's mirror: starts a Docker
 # engine (Debian's docker.io) unless one already runs, makes the base images locally
 # (`debian:12` by debootstrap from the mirror this machine's apt configuration names, `nats:2.9`
-# from Debian's nats-server), builds kvrouter's image, then
-#   docker-compose up -d        until the router serves and 4 mock workers are registered,
+# from Debian's nats-server), builds kvrouter's image and the monitoring profile's Prometheus
+# image (Debian's prometheus; its promtool checks deploy/prometheus: the configs, the rules and
+# their unit tests), then
+#   docker-compose --profile monitoring up -d   until the router serves and 4 mock workers are
+#                                               registered,
 #   a plain and a streamed chat completion through the gateway container (curl),
 #   ... --profile bench run --rm kvbench       200 requests, 0 errors,
+#   Prometheus (its HTTP API): every target of the stack up, the alert rules loaded, the
+#                              router's worker ranks read,
 #   the same with DYN_ROUTER_USE_KV_EVENTS=false (approximate mode, checked on /metrics),
 #   ... --profile pd up -d   until the prefill and decode engines are registered too, a plain and
 #                            a streamed chat completion for `mock-pd` through the gateway that
@@ -70,7 +75,7 @@ cleanup() {
   set +e
   if [ "$compose_up" = 1 ]; then
     [ "$rc" -ne 0 ] && compose logs --no-color --tail 30 2>&1 | tail -80
-    compose --profile bench --profile pd down -v --remove-orphans >/dev/null 2>&1
+    compose --profile bench --profile pd --profile monitoring down -v --remove-orphans >/dev/null 2>&1
   fi
   if [ "$started" = 1 ]; then
     local pid
@@ -191,6 +196,14 @@ else
   say "kvrouter:local built from source (docker-compose build)"
   compose build -q kvrouter
 fi
+# The monitoring profile's Prometheus: Debian's package on debian:12 (cached after the first run).
+docker build -q -t kvrouter-prometheus:local deploy/prometheus >/dev/null || fail "building deploy/prometheus/Dockerfile"
+# Its promtool checks deploy/prometheus, all in one container.
+t_promtool=$SECONDS
+out=$(docker run --rm --entrypoint sh -v "$PWD/deploy/prometheus:/p:ro" kvrouter-prometheus:local -c \
+  'promtool --version && promtool check config /p/prometheus.yml && promtool check config /p/compose.yml &&
+   promtool test rules /p/kvrouter-rules.test.yml' 2>&1) || { echo "$out"; fail "promtool rejects deploy/prometheus"; }
+say "promtool (Debian's $(awk 'NR == 1 {print $3}' <<<"$out")): deploy/prometheus's configs valid, its alert rules pass their tests ($((SECONDS - t_promtool)) s)"
 size_mb=$(( $(docker image inspect -f '{{.Size}}' kvrouter:local) / 1000000 ))
 say "kvrouter:local is $size_mb MB"
 [ "$size_mb" -lt "$max_image_mb" ] || fail "the runtime image is $size_mb MB (limit $max_image_mb MB)"
@@ -198,8 +211,10 @@ say "kvrouter:local is $size_mb MB"
 # --- up, bench, down -------------------------------------------------------------------------
 free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 KVROUTER_NATS_PORT=$(free_port); KVROUTER_METRICS_PORT=$(free_port); KVROUTER_HTTP_PORT=$(free_port)
-export KVROUTER_NATS_PORT KVROUTER_METRICS_PORT KVROUTER_HTTP_PORT
+KVROUTER_PROMETHEUS_PORT=$(free_port)
+export KVROUTER_NATS_PORT KVROUTER_METRICS_PORT KVROUTER_HTTP_PORT KVROUTER_PROMETHEUS_PORT
 gateway_url="http://127.0.0.1:$KVROUTER_HTTP_PORT"
+prometheus_url="http://127.0.0.1:$KVROUTER_PROMETHEUS_PORT"
 metrics_url="http://127.0.0.1:$KVROUTER_METRICS_PORT/metrics"
 
 metric() {  # name -> value ("" when the router does not answer)
@@ -269,6 +284,26 @@ pd_checks() {
   done
   say "pd profile: a plain and a streamed mock-pd chat through prefill worker $prefill_id and a decode worker"
 }
+prometheus_api() {  # path, python expression over the answer's "data" as d: its value, "" on failure
+  curl -fsS --max-time 2 "$prometheus_url/api/v1/$1" 2>/dev/null |
+    python3 -c "import json, sys; d = json.load(sys.stdin)['data']; print($2)" 2>/dev/null || true
+}
+monitoring_checks() {  # Prometheus scrapes every service of deploy/prometheus/compose.yml
+  local want="kvgateway=up kvmocker=up kvrouter=up" targets="" rules ranks t=$SECONDS
+  for _ in $(seq 150); do
+    targets=$(prometheus_api "targets?state=active" \
+      "' '.join(sorted(t['labels']['job'] + '=' + t['health'] for t in d['activeTargets']))")
+    [ "$targets" = "$want" ] && break
+    sleep 0.2
+  done
+  [ "$targets" = "$want" ] || fail "Prometheus's targets are '$targets', not '$want'"
+  rules=$(prometheus_api rules "sum(len(g['rules']) for g in d['groups'])")
+  [ "$rules" = "$(grep -c -- '- alert:' deploy/prometheus/kvrouter-rules.yml)" ] ||
+    fail "Prometheus loaded '$rules' alert rules, not those of deploy/prometheus/kvrouter-rules.yml"
+  ranks=$(prometheus_api "query?query=max(kvrouter_worker_ranks)" "d['result'][0]['value'][1] if d['result'] else ''")
+  [ "$ranks" = 4 ] || fail "Prometheus reads kvrouter_worker_ranks '$ranks', not 4"
+  say "monitoring profile: Prometheus on $prometheus_url scrapes $targets, $rules alert rules loaded, 4 worker ranks read ($((SECONDS - t)) s)"
+}
 bench() {  # label
   local out="$work/bench-$1.txt"
   compose --profile bench run --rm kvbench >"$out" 2>"$work/bench-$1.err" \
@@ -281,7 +316,8 @@ bench() {  # label
 
 t0=$SECONDS
 compose_up=1
-compose up -d --no-build >/dev/null 2>&1 || { compose up -d --no-build; fail "docker-compose up"; }
+compose --profile monitoring up -d --no-build >/dev/null 2>&1 ||
+  { compose --profile monitoring up -d --no-build; fail "docker-compose --profile monitoring up"; }
 await_router 0 4
 say "router serves with 4 workers registered ($((SECONDS - t0)) s after up)"
 gateway_checks
@@ -289,11 +325,15 @@ bench kv-events
 DYN_ROUTER_USE_KV_EVENTS=false compose up -d --no-build >/dev/null 2>&1 || fail "docker-compose up (approximate)"
 await_router 1 4
 bench approximate
+# Prometheus hands its first targets to the scrapers seconds after it starts: asked here, after
+# both benches, it has scraped them already.
+monitoring_checks
 t1=$SECONDS
 compose --profile pd up -d --no-build >/dev/null 2>&1 || { compose --profile pd up -d --no-build; fail "docker-compose --profile pd up"; }
 await_router 0 7
 pd_checks
 say "pd profile proven in $((SECONDS - t1)) s"
-compose --profile bench --profile pd down -v --remove-orphans >/dev/null 2>&1 || fail "docker-compose down"
+compose --profile bench --profile pd --profile monitoring down -v --remove-orphans >/dev/null 2>&1 ||
+  fail "docker-compose down"
 compose_up=0
-say "docker-compose.yml proven: up, the gateway's plain and streamed chat, 2 x 200 requests with 0 errors (events and approximate mode), the pd profile's plain and streamed chat through both legs, down"
+say "docker-compose.yml proven: up, the gateway's plain and streamed chat, 2 x 200 requests with 0 errors (events and approximate mode), Prometheus scraping every service with the alert rules loaded, the pd profile's plain and streamed chat through both legs, down"
