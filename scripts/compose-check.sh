@@ -10,7 +10,8 @@
 #   a plain and a streamed chat completion through the gateway container (curl),
 #   ... --profile bench run --rm kvbench       200 requests, 0 errors,
 #   Prometheus (its HTTP API): every target of the stack up, the alert rules loaded, the
-#                              router's worker ranks read,
+#                              router's worker ranks read, every query of
+#                              deploy/grafana/kvrouter.json evaluated,
 #   the same with DYN_ROUTER_USE_KV_EVENTS=false (approximate mode, checked on /metrics),
 #   ... --profile pd up -d   until the prefill and decode engines are registered too, a plain and
 #                            a streamed chat completion for `mock-pd` through the gateway that
@@ -302,7 +303,33 @@ monitoring_checks() {  # Prometheus scrapes every service of deploy/prometheus/c
     fail "Prometheus loaded '$rules' alert rules, not those of deploy/prometheus/kvrouter-rules.yml"
   ranks=$(prometheus_api "query?query=max(kvrouter_worker_ranks)" "d['result'][0]['value'][1] if d['result'] else ''")
   [ "$ranks" = 4 ] || fail "Prometheus reads kvrouter_worker_ranks '$ranks', not 4"
-  say "monitoring profile: Prometheus on $prometheus_url scrapes $targets, $rules alert rules loaded, 4 worker ranks read ($((SECONDS - t)) s)"
+  # Every query of the dashboard is PromQL that Prometheus evaluates (Grafana's interval
+  # variables given a value).
+  local queries
+  queries=$(python3 - "$prometheus_url" deploy/grafana/kvrouter.json <<'EOF'
+import json, sys, urllib.parse, urllib.request
+url, path = sys.argv[1], sys.argv[2]
+def targets(panels):
+    for p in panels:
+        for t in p.get("targets", []):
+            yield p.get("title", ""), t["expr"]
+        yield from targets(p.get("panels", []))
+n = 0
+for title, expr in targets(json.load(open(path))["panels"]):
+    q = expr.replace("$__rate_interval", "30s").replace("$__interval", "30s")
+    try:
+        with urllib.request.urlopen(url + "/api/v1/query?" + urllib.parse.urlencode({"query": q}), timeout=5) as r:
+            ok = json.load(r)["status"] == "success"
+    except Exception as e:  # a query Prometheus rejects answers 400
+        ok, q = False, f"{q} ({e})"
+    if not ok:
+        print(f"panel '{title}': Prometheus does not evaluate {q}")
+        sys.exit(1)
+    n += 1
+print(n)
+EOF
+  ) || fail "a dashboard query: $queries"
+  say "monitoring profile: Prometheus on $prometheus_url scrapes $targets, $rules alert rules loaded, 4 worker ranks read, the dashboard's $queries queries evaluated ($((SECONDS - t)) s)"
 }
 bench() {  # label
   local out="$work/bench-$1.txt"
