@@ -17,6 +17,9 @@ packages=(
 # without them that one step is skipped, loudly. scripts/bench.sh's gateway baseline and load
 # generator are nginx and wrk.
 optional=(docker-compose docker.io debootstrap curl nginx-light wrk)
+# Debian's `prometheus` (promtool, for DeployFiles.PromtoolAcceptsTheConfigsAndTheRulesFire) is
+# not installed here: its package starts a Prometheus server on the machine. Without it that test
+# skips, loudly; scripts/compose-check.sh runs the same promtool checks in its Prometheus image.
 
 missing=()
 for p in "${packages[@]}" "${optional[@]}"; do

@@ -364,7 +364,8 @@ TEST_F(DeployTest, EveryMetricTheDashboardAndTheRulesQueryIsExportedByARunningPr
   ASSERT_EQ(answer->status, 200) << answer->body;
 
   std::map<std::string, std::string> exporter;  // metric name -> a program that exports it
-  for (const auto& [program, port] : scrapes_) {
+  for (const auto& [program, metrics_port] : scrapes_) {
+    const int port = metrics_port;  // clang before 16 refuses a structured binding in a lambda
     Result<std::string> page = NotFound("not scraped");
     ASSERT_TRUE(WaitFor([&] { return (page = Scrape(port)).ok(); }, 10s))
         << program << " /metrics on port " << port << ": " << page.status().ToString() << ReadFile(LogPath(program));
