@@ -49,8 +49,8 @@ bool IsNameChar(char c) { return IsNameStart(c) || std::isdigit(static_cast<unsi
 // /metrics exports, so names are kept whole. Returns an error for an unbalanced expression.
 Result<std::set<std::string>> PromqlMetricNames(std::string_view e) {
   static const std::set<std::string, std::less<>> kKeywords = {
-      "and",   "or",        "unless",      "bool",        "offset", "by",  "without", "on",
-      "ignoring", "group_left", "group_right", "start",   "end",    "inf", "nan",     "atan2"};
+      "and",      "or",         "unless",      "bool",  "offset", "by",  "without", "on",
+      "ignoring", "group_left", "group_right", "start", "end",    "inf", "nan",     "atan2"};
   static const std::set<std::string, std::less<>> kLabelLists = {"by",       "without",    "on",
                                                                  "ignoring", "group_left", "group_right"};
   std::set<std::string> names;
@@ -232,6 +232,24 @@ TEST(RuleExpressions, ReadsPlainAndBlockExpressionsWithTheirAlert) {
   EXPECT_EQ(*names, (std::set<std::string>{"b", "c"}));
 }
 
+// A histogram is queried by its samples' names: x_bucket, x_sum, x_count exist, x alone does not;
+// a counter that happens to end in _count keeps its name.
+TEST(ExportedNames, AreTheSampleNamesOfAPage) {
+  const std::string page =
+      "# HELP h_seconds a histogram\n"
+      "# TYPE h_seconds histogram\n"
+      "h_seconds_bucket{le=\"0.1\"} 1\n"
+      "h_seconds_bucket{le=\"+Inf\"} 2\n"
+      "h_seconds_sum 0.3\n"
+      "h_seconds_count 2\n"
+      "# TYPE retries_count counter\n"
+      "retries_count 4\n"
+      "# TYPE empty_family_total counter\n"
+      "g{worker_id=\"1\",dp_rank=\"0\"} 7\n";
+  EXPECT_EQ(ExportedNames(page),
+            (std::set<std::string>{"h_seconds_bucket", "h_seconds_sum", "h_seconds_count", "retries_count", "g"}));
+}
+
 // Grafana's import asks for a Prometheus data source and every panel reads it.
 TEST(DeployFiles, DashboardReadsEveryPanelThroughItsDatasourceVariable) {
   const json d = ReadJson(kDashboard);
@@ -275,7 +293,8 @@ void ExpectPromtoolAccepts(const std::string& promtool, std::vector<std::string>
   ASSERT_TRUE(p.ok()) << p.status().ToString();
   ASSERT_TRUE(WaitFor([&] { return !(*p)->Running(); }, std::chrono::seconds(60))) << ReadFile(log);
   const int st = (*p)->exit_status();
-  EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << fmt::format("promtool {}:\n", fmt::join(args, " ")) << ReadFile(log);
+  EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0)
+      << fmt::format("promtool {}:\n", fmt::join(args, " ")) << ReadFile(log);
 }
 
 TEST(DeployFiles, PromtoolAcceptsTheConfigsAndTheRulesFire) {
@@ -320,11 +339,15 @@ class DeployTest : public GatewayTest {
   void StartMocker(const std::string& role, std::uint64_t id, std::vector<std::string> extra = {}) {
     auto port = PickFreePortRun(1);
     ASSERT_TRUE(port.ok());
-    std::vector<std::string> args = {"--num-workers", "1",          "--worker-id-base",   std::to_string(id),
-                                     "--block-size",  std::to_string(kBs), "--speedup-ratio", "100",
-                                     "--http-port",   std::to_string(*port), "--http-host",   "127.0.0.1",
-                                     "--model",       "mock",       "--role",             role,
-                                     "--kv-connector", "nixl"};
+    std::vector<std::string> args = {"--num-workers",    "1",
+                                     "--worker-id-base", std::to_string(id),
+                                     "--block-size",     std::to_string(kBs),
+                                     "--speedup-ratio",  "100",
+                                     "--http-port",      std::to_string(*port),
+                                     "--http-host",      "127.0.0.1",
+                                     "--model",          "mock",
+                                     "--role",           role,
+                                     "--kv-connector",   "nixl"};
     args.insert(args.end(), extra.begin(), extra.end());
     Start(KVMOCKER_BIN, "kvmocker-" + role, std::move(args));
   }
@@ -356,10 +379,8 @@ TEST_F(DeployTest, EveryMetricTheDashboardAndTheRulesQueryIsExportedByARunningPr
 
   // One request through both legs: the gateway's P/D series exist once a request took a path.
   const std::string prompt(200, 'p');
-  auto answer = Post(json{{"model", "mock"},
-                          {"max_tokens", 4},
-                          {"messages", {{{"role", "user"}, {"content", prompt}}}}}
-                         .dump());
+  auto answer =
+      Post(json{{"model", "mock"}, {"max_tokens", 4}, {"messages", {{{"role", "user"}, {"content", prompt}}}}}.dump());
   ASSERT_TRUE(answer.ok()) << answer.status().ToString();
   ASSERT_EQ(answer->status, 200) << answer->body;
 
@@ -380,7 +401,8 @@ TEST_F(DeployTest, EveryMetricTheDashboardAndTheRulesQueryIsExportedByARunningPr
   const std::string rules_text = ReadFile(kRules);
   const std::vector<Query> rules = RuleExpressions(rules_text);
   std::size_t alerts = 0;
-  for (std::size_t at = rules_text.find("- alert:"); at != std::string::npos; at = rules_text.find("- alert:", at + 1)) {
+  for (std::size_t at = rules_text.find("- alert:"); at != std::string::npos;
+       at = rules_text.find("- alert:", at + 1)) {
     ++alerts;
   }
   ASSERT_GT(alerts, 0u);
