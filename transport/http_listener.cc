@@ -13,10 +13,12 @@
 #include <atomic>
 #include <cctype>
 #include <climits>
+#include <condition_variable>
 #include <deque>
-#include <mutex>
 #include <unordered_set>
 
+#include "events/base/clock.h"
+#include "events/base/thread_annotations.h"
 #include "transport/http_io_impl.h"
 
 #include <fcntl.h>
@@ -104,10 +106,21 @@ struct HttpListener::State : std::enable_shared_from_this<HttpListener::State> {
       : ioc(io.impl().ioc), options(std::move(o)), handler(std::move(h)), acceptor(net::make_strand(ioc)) {}
 
   void Accept();
+  // Closes the acceptor on its strand; off the io threads waits for it, so that the port is
+  // free (and a connect is refused) when it returns.
+  void CloseAcceptor();
   void Forget(Session* s) {
-    std::lock_guard g(mu);
+    KvMutexLock g(mu);
     sessions.erase(s);
   }
+  // A connection closed (it counts in `open` until then): wakes AwaitClosed.
+  void ConnectionClosed() {
+    open.fetch_sub(1);
+    { KvMutexLock g(mu); }  // a waiter between its check and its wait sees the count or the notify
+    closed_cv.notify_all();
+  }
+  // The sessions alive now.
+  std::vector<std::shared_ptr<Session>> LiveSessions();
 
   net::io_context& ioc;
   const HttpListenerOptions options;
@@ -115,8 +128,10 @@ struct HttpListener::State : std::enable_shared_from_this<HttpListener::State> {
   tcp::acceptor acceptor;
   std::uint16_t port = 0;  // bound port, read at Start
   std::atomic<bool> stopped{false};
-  std::mutex mu;
-  std::unordered_set<Session*> sessions;  // guarded by mu; each erases itself when destroyed
+  std::atomic<bool> draining{false};  // Drain called: accepting no more, responses close their connection
+  KvMutex mu;
+  std::condition_variable_any closed_cv;                    // `open` fell (ConnectionClosed)
+  std::unordered_set<Session*> sessions KV_GUARDED_BY(mu);  // each erases itself when destroyed
   std::atomic<std::uint64_t> connections{0}, open{0}, refused{0}, requests{0}, bad_requests{0}, timeouts{0},
       clients_gone{0};
 };
@@ -130,7 +145,7 @@ class Session : public std::enable_shared_from_this<Session> {
   Session(std::shared_ptr<HttpListener::State> state, tcp::socket socket)
       : state_(std::move(state)), stream_(std::move(socket)) {}
   ~Session() {
-    state_->open.fetch_sub(1);
+    if (!closed_) state_->ConnectionClosed();  // never ran Shutdown (its io_context stopped)
     state_->Forget(this);
   }
 
@@ -138,6 +153,11 @@ class Session : public std::enable_shared_from_this<Session> {
   // Closes the connection (from Stop, on any thread).
   void Close() {
     net::post(stream_.get_executor(), [self = shared_from_this()] { self->Shutdown(); });
+  }
+  // The listener drains (from Drain, on any thread): a connection waiting for a request with
+  // none of it arrived closes now; one with a request under way answers it and then closes.
+  void Drain() {
+    net::post(stream_.get_executor(), [self = shared_from_this()] { self->CloseIfIdle(); });
   }
 
   // The reply's calls, posted onto the strand; `request` names the request they answer.
@@ -181,6 +201,14 @@ class Session : public std::enable_shared_from_this<Session> {
   // is low enough.
   void Drained(std::size_t n);
   void ClientGone();
+  void CloseIfIdle();
+  // The response is complete and the connection ends: the write side is shut (the client reads
+  // the whole response and its end), and what the client still sends is read and dropped for at
+  // most linger_timeout and linger_max_bytes before the close. A close with unread bytes would
+  // reset the connection, and a client still uploading (a body refused with 413) would lose the
+  // answer it has not read yet.
+  void Linger();
+  void Discard();
   void Shutdown();
   bool Current(std::uint64_t request) const { return request == request_ && responding_; }
 
@@ -189,7 +217,8 @@ class Session : public std::enable_shared_from_this<Session> {
     res.result(static_cast<unsigned>(status));
     res.version(version_);
     res.set(http::field::server, state_->options.server_name);
-    for (auto& [k, v] : headers) res.set(k, v);
+    for (auto& [k, v] : headers) res.insert(k, v);  // a name given twice is sent twice
+    if (state_->draining.load()) keep_alive_ = false;
     res.keep_alive(keep_alive_);
   }
 
@@ -201,7 +230,10 @@ class Session : public std::enable_shared_from_this<Session> {
   bool keep_alive_ = false;
   bool first_ = true;        // no request read yet on this connection
   bool responding_ = false;  // a request was handed to the handler and its reply is not done
-  bool closed_ = false;
+  bool closed_ = false;     // Shutdown ran: the socket is closed
+  bool lingering_ = false;  // Linger ran: the response went, the client's bytes are dropped
+  std::size_t linger_left_ = 0;  // bytes Linger still reads before it closes
+  SteadyTime linger_end_;  // Linger closes then at the latest
   bool writing_ = false;
   bool head_sent_ = false;
   bool finishing_ = false;     // the last piece of the reply is queued
@@ -471,7 +503,7 @@ void Session::ResponseDone() {
   responding_ = false;
   gone_ = nullptr;
   drained_ = nullptr;
-  if (!keep_alive_) return Shutdown();
+  if (!keep_alive_ || state_->draining.load()) return Linger();
   // The client-gone watch may still be pending: cancel it before reading again.
   beast::error_code ignored;
   stream_.socket().cancel(ignored);
@@ -489,6 +521,39 @@ void Session::ClientGone() {
   }
 }
 
+void Session::CloseIfIdle() {
+  if (closed_ || lingering_ || responding_) return;  // a response under way closes when it ends
+  if (buffer_.size() > 0) return;  // part of a request came: it is read and answered
+  char byte;
+  const ssize_t n = ::recv(stream_.socket().native_handle(), &byte, 1, MSG_PEEK | MSG_DONTWAIT);
+  if (n > 0) return;  // likewise, still in the socket
+  Shutdown();
+}
+
+void Session::Linger() {
+  if (closed_ || lingering_) return;
+  lingering_ = true;
+  beast::error_code ignored;
+  stream_.socket().cancel(ignored);  // the client-gone watch
+  stream_.socket().shutdown(tcp::socket::shutdown_send, ignored);
+  linger_left_ = state_->options.linger_max_bytes;
+  buffer_.consume(buffer_.size());
+  linger_end_ = std::chrono::steady_clock::now() + state_->options.linger_timeout;
+  Discard();
+}
+
+void Session::Discard() {
+  if (closed_) return;
+  constexpr std::size_t kPiece = 16 * 1024;
+  stream_.expires_at(std::min(std::chrono::steady_clock::now() + state_->options.linger_idle, linger_end_));
+  stream_.async_read_some(buffer_.prepare(kPiece), [self = shared_from_this()](beast::error_code ec, std::size_t n) {
+    // The client closed (or reset, or the time is up): the close below sends nothing it could lose.
+    if (ec || n >= self->linger_left_) return self->Shutdown();
+    self->linger_left_ -= n;
+    self->Discard();
+  });
+}
+
 void Session::Shutdown() {
   if (closed_) return;
   closed_ = true;
@@ -503,6 +568,7 @@ void Session::Shutdown() {
   beast::error_code ignored;
   stream_.socket().shutdown(tcp::socket::shutdown_both, ignored);
   stream_.close();
+  state_->ConnectionClosed();
 }
 
 }  // namespace
@@ -524,7 +590,7 @@ void HttpListener::State::Accept() {
         ++self->open;
         auto session = std::make_shared<Session>(self, std::move(socket));
         {
-          std::lock_guard g(self->mu);
+          KvMutexLock g(self->mu);
           self->sessions.insert(session.get());
         }
         // Stop may have taken its list of sessions before this one joined it.
@@ -532,13 +598,16 @@ void HttpListener::State::Accept() {
         session->Run();
       }
     }
+    // Draining: the connection accepted as the acceptor closed is served (as draining), and no
+    // other is taken.
+    if (self->draining.load()) return;
     if (ec == net::error::no_descriptors || ec == net::error::no_buffer_space || ec == net::error::no_memory ||
         ec.value() == ENFILE) {
       // Out of descriptors (EMFILE) and the like: the error would repeat at once, so the next
       // try waits a little instead of spinning a thread.
       auto pause = std::make_shared<net::steady_timer>(self->acceptor.get_executor(), std::chrono::milliseconds(50));
       return pause->async_wait([self, pause](beast::error_code) {
-        if (!self->stopped.load()) self->Accept();
+        if (!self->stopped.load() && !self->draining.load()) self->Accept();
       });
     }
     self->Accept();
@@ -571,28 +640,43 @@ HttpListener::~HttpListener() { Stop(); }
 
 std::uint16_t HttpListener::port() const { return state_->port; }
 
-void HttpListener::Stop() {
-  if (state_->stopped.exchange(true)) return;
-  // The acceptor is closed on its strand; off the io threads Stop waits for it, so the port is
-  // free when Stop returns.
+void HttpListener::State::CloseAcceptor() {
   auto closed = std::make_shared<std::promise<void>>();
   auto done = closed->get_future();
-  net::post(state_->acceptor.get_executor(), [state = state_, closed] {
+  net::post(acceptor.get_executor(), [self = shared_from_this(), closed] {
     beast::error_code ignored;
-    state->acceptor.close(ignored);
+    self->acceptor.close(ignored);
     closed->set_value();
   });
-  if (!state_->ioc.get_executor().running_in_this_thread() && !state_->ioc.stopped()) {
+  if (!ioc.get_executor().running_in_this_thread() && !ioc.stopped()) {
     (void)done.wait_for(std::chrono::seconds(5));
   }
+}
+
+std::vector<std::shared_ptr<Session>> HttpListener::State::LiveSessions() {
   std::vector<std::shared_ptr<Session>> live;
-  {
-    std::lock_guard g(state_->mu);
-    for (Session* s : state_->sessions) {
-      if (auto p = s->weak_from_this().lock()) live.push_back(std::move(p));
-    }
+  KvMutexLock g(mu);
+  for (Session* s : sessions) {
+    if (auto p = s->weak_from_this().lock()) live.push_back(std::move(p));
   }
-  for (auto& s : live) s->Close();
+  return live;
+}
+
+void HttpListener::Stop() {
+  if (state_->stopped.exchange(true)) return;
+  state_->CloseAcceptor();
+  for (auto& s : state_->LiveSessions()) s->Close();
+}
+
+void HttpListener::Drain() {
+  if (state_->stopped.load() || state_->draining.exchange(true)) return;
+  state_->CloseAcceptor();
+  for (auto& s : state_->LiveSessions()) s->Drain();
+}
+
+bool HttpListener::AwaitClosed(std::chrono::milliseconds timeout) {
+  KvMutexLock g(state_->mu);
+  return state_->closed_cv.wait_for(state_->mu, timeout, [&] { return state_->open.load() == 0; });
 }
 
 HttpListener::Counters HttpListener::counters() const {

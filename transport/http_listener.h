@@ -5,7 +5,11 @@
 // is slow to send its headers or body is cut off after its timeout, an idle keep-alive
 // connection after idle_timeout, and connections past max_connections are closed at once.
 // `Expect: 100-continue` is answered before the body is read. Requests on one connection are
-// answered in order, one at a time.
+// answered in order, one at a time. A connection the listener ends after a response (its own
+// 400 / 413 / 431, Connection: close, HTTP/1.0, draining) is closed lingering: the write side is
+// shut, and what the client still sends is dropped for a bounded time and amount before the
+// close, so that a client still uploading reads the answer instead of a reset. Drain() stops
+// accepting and lets the requests under way finish, each closing its connection.
 //
 // Thread contract: the handler runs on an HttpIo thread and must not block; it answers through
 // its HttpReply, from any thread, now or later. Ownership: the listener owns its sessions; a
@@ -88,6 +92,13 @@ struct HttpListenerOptions {
   std::chrono::milliseconds idle_timeout{60'000};    // keep-alive: between requests
   std::chrono::milliseconds write_timeout{60'000};   // a client that takes no bytes this long goes
   std::size_t max_connections = 50'000;
+  // A lingering close (see above) ends once the client closes, or sends nothing for
+  // linger_idle (it has stopped sending: an idle keep-alive client that holds the connection in
+  // its pool is not waited for), or after linger_timeout, or linger_max_bytes of its bytes: long
+  // enough for a client's write to meet the answer, short of a whole upload.
+  std::chrono::milliseconds linger_idle{1'000};
+  std::chrono::milliseconds linger_timeout{5'000};
+  std::size_t linger_max_bytes = 64 << 20;
   std::string server_name = "kvrouter";
   // Formats the body of an error the listener answers itself (400, 413, 431): (status, message)
   // -> (content type, body). Plain text when unset.
@@ -106,6 +117,14 @@ class HttpListener {
   // Stops accepting (the port is free when it returns, unless called on an HttpIo thread) and
   // closes every connection on its strand (HttpIo::Stop afterwards: no handler runs any more).
   void Stop();
+  // Drains: stops accepting (a connect is refused once it returns, unless called on an HttpIo
+  // thread), closes the connections waiting for a request of which nothing has come, and lets
+  // every other connection finish the request it has (streamed responses included): that
+  // response says Connection: close, and its connection closes (lingering) after it.
+  void Drain();
+  // True once no connection is open (all closed), false when `timeout` passes first. Any thread
+  // but an HttpIo one.
+  bool AwaitClosed(std::chrono::milliseconds timeout);
 
   struct Counters {
     std::uint64_t connections = 0;      // accepted in all

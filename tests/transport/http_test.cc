@@ -62,6 +62,7 @@ class RawClient {
     return out;
   }
   void Close() { ::shutdown(fd_, SHUT_RDWR); }
+  int fd() const { return fd_; }
 
  private:
   int fd_ = -1;
@@ -200,6 +201,105 @@ TEST_F(HttpTest, ABodyAnnouncedOverTheLimitIsRefusedBeforeItIsRead) {
   EXPECT_TRUE(answer.starts_with("HTTP/1.1 413")) << answer;
   EXPECT_EQ(handled.load(), 0);
   EXPECT_EQ(listener_->counters().bad_requests, 1u);
+}
+
+// A client that writes its whole body before it reads (as many HTTP clients do) must still
+// read the 413: a close with its bytes unread would reset the connection under its writes.
+TEST_F(HttpTest, AClientStillUploadingABodyFarOverTheLimitReadsTheWhole413) {
+  Listen({.max_body_bytes = 1000,
+          .error_body = [](int, std::string_view) {
+            return std::pair<std::string, std::string>("application/json", std::string(2000, 'e'));
+          }},
+         [](HttpRequest, std::shared_ptr<HttpReply> r) { r->Send(200, {}, ""); });
+  constexpr std::size_t kBody = 32 << 20;  // far past both ends' socket buffers
+  RawClient c(listener_->port());
+  ASSERT_TRUE(c.connected());
+  c.Send(fmt::format("POST / HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n", kBody));
+  const std::string piece(1 << 20, 'a');
+  for (std::size_t sent = 0; sent < kBody; sent += piece.size()) {
+    ASSERT_EQ(::send(c.fd(), piece.data(), piece.size(), MSG_NOSIGNAL), ssize_t(piece.size())) << "cut at " << sent;
+  }
+  const std::string a = c.ReadAll();
+  EXPECT_TRUE(a.starts_with("HTTP/1.1 413")) << a.substr(0, 200);
+  EXPECT_TRUE(a.ends_with(std::string(2000, 'e'))) << a.size();
+  EXPECT_EQ(listener_->counters().bad_requests, 1u);
+}
+
+// The linger is bounded: a client that goes on sending after the answer is closed once
+// linger_max_bytes of it were read (and, by linger_timeout, one that sends nothing more).
+TEST_F(HttpTest, ALingerEndsAfterItsBytesOrItsTime) {
+  Listen({.max_body_bytes = 10, .linger_timeout = milliseconds(300), .linger_max_bytes = 1 << 20},
+         [](HttpRequest, std::shared_ptr<HttpReply> r) { r->Send(200, {}, ""); });
+  {
+    RawClient c(listener_->port());
+    c.Send("POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 100000000\r\n\r\n");
+    const std::string piece(64 << 10, 'a');
+    bool cut = false;
+    for (int i = 0; i < 1600 && !cut; ++i) {  // 100 MiB at most
+      cut = ::send(c.fd(), piece.data(), piece.size(), MSG_NOSIGNAL) < 0;
+    }
+    EXPECT_TRUE(cut);  // reset once the linger's bytes were read
+  }
+  {
+    RawClient c(listener_->port());
+    c.Send("GET / HTTP/1.1\r\nHost: x\r\nX-Big: " + std::string(20000, 'a') + "\r\n\r\n");
+    EXPECT_TRUE(c.ReadAll().starts_with("HTTP/1.1 431"));  // the FIN ends the read
+    // The client keeps its end open and sends nothing: the listener closes after the linger time.
+    EXPECT_TRUE(AwaitTrue([&] { return listener_->counters().open == 0; }));
+  }
+}
+
+// Drain: no connection is accepted, an idle one is closed, and a streamed response under way
+// finishes (its connection closing after it).
+TEST_F(HttpTest, DrainFinishesTheResponseUnderWayAndRefusesNewConnections) {
+  std::shared_ptr<HttpReply> held;
+  std::mutex held_mu;
+  Listen({}, [&](HttpRequest, std::shared_ptr<HttpReply> r) {
+    r->Begin(200, {{"content-type", "text/event-stream"}});
+    r->Write("one ");
+    std::lock_guard g(held_mu);
+    held = std::move(r);
+  });
+  std::mutex got_mu;
+  std::string got;
+  std::atomic<bool> done{false};
+  Status end;
+  auto call = client_->Start(endpoint_, {.target = "/"},
+                             {.on_data =
+                                  [&](std::string_view d) {
+                                    std::lock_guard g(got_mu);
+                                    got.append(d);
+                                  },
+                              .on_done =
+                                  [&](const Status& s) {
+                                    end = s;
+                                    done = true;
+                                  }});
+  ASSERT_TRUE(AwaitTrue([&] {
+    std::lock_guard g(got_mu);
+    return got == "one ";
+  }));
+  RawClient idle(listener_->port());
+  ASSERT_TRUE(idle.connected());
+  ASSERT_TRUE(AwaitTrue([&] { return listener_->counters().open == 2; }));
+  listener_->Drain();
+  EXPECT_FALSE(RawClient(listener_->port()).connected());
+  EXPECT_EQ(idle.ReadAll(), "");  // closed without a word: it had asked nothing
+  EXPECT_FALSE(listener_->AwaitClosed(milliseconds(100)));  // the stream is still under way
+  {
+    std::lock_guard g(held_mu);
+    held->Write("two");
+    held->End();
+    held.reset();
+  }
+  ASSERT_TRUE(AwaitTrue([&] { return done.load(); }));
+  EXPECT_TRUE(end.ok()) << end.ToString();
+  {
+    std::lock_guard g(got_mu);
+    EXPECT_EQ(got, "one two");
+  }
+  EXPECT_TRUE(listener_->AwaitClosed(milliseconds(10'000)));
+  EXPECT_EQ(listener_->counters().open, 0u);
 }
 
 TEST_F(HttpTest, AChunkedBodyGrowingPastTheLimitIs413) {
