@@ -32,7 +32,8 @@ po::options_description Describe() {
     ("render-timeout-ms", po::value<std::uint32_t>()->default_value(d.render_timeout_ms), "a render (or /tokenize) call silent this long is given up for the next engine serving the model (>= 1)")
     ("engine-idle-timeout-ms", po::value<std::uint32_t>()->default_value(d.engine_idle_timeout_ms), "a pooled engine connection unused this long is closed; keep it below the engines' keep-alive (>= 1)")
     ("io-threads", po::value<std::uint32_t>()->default_value(d.io_threads), "threads serving every HTTP connection [1, 64]")
-    ("max-connections", po::value<std::uint32_t>()->default_value(d.max_connections), "client connections open at once; more are closed at accept (>= 1)");
+    ("max-connections", po::value<std::uint32_t>()->default_value(d.max_connections), "client connections open at once; more are closed at accept (>= 1)")
+    ("drain-timeout-secs", po::value<std::uint32_t>()->default_value(d.drain_timeout_secs), "on SIGTERM, how long requests under way (streams included) may take to finish before their connections are closed [0, 3600]");
   // clang-format on
   AddNatsSecurityFlags(desc);
   return desc;
@@ -74,6 +75,8 @@ Status ReadGatewayConfig(const po::variables_map& vm, GatewayConfig& c) {
   if (c.io_threads < 1 || c.io_threads > 64) return FlagOutOfRange("io-threads", "in [1, 64]");
   c.max_connections = vm["max-connections"].as<std::uint32_t>();
   if (c.max_connections < 1) return FlagOutOfRange("max-connections", ">= 1");
+  c.drain_timeout_secs = vm["drain-timeout-secs"].as<std::uint32_t>();
+  if (c.drain_timeout_secs > 3600) return FlagOutOfRange("drain-timeout-secs", "in [0, 3600]");
   return Status::Ok();
 }
 

@@ -5,6 +5,7 @@
 //             [--max-body-bytes 16777216] [--route-timeout-ms 10000] [--engine-timeout-ms 300000]
 //             [--engine-connect-timeout-ms 2000] [--render-timeout-ms 10000]
 //             [--engine-idle-timeout-ms 4000] [--io-threads 2] [--max-connections 50000]
+//             [--drain-timeout-secs 30]
 //             [--nats-creds ... --nats-tls-*]
 // Plain value; ParseGatewayConfig is thread-safe (reads the environment through a callback).
 //
@@ -47,6 +48,7 @@ struct GatewayConfig {
   std::uint32_t engine_idle_timeout_ms = 4'000;
   std::uint32_t io_threads = 2;                       // --io-threads [1, 64]: HTTP threads (no thread per connection)
   std::uint32_t max_connections = 50'000;             // --max-connections >= 1: client connections open at once
+  std::uint32_t drain_timeout_secs = 30;              // --drain-timeout-secs [0, 3600]: SIGTERM's wait for requests
 };
 
 using ParsedGatewayArgs = ProgramArgs<GatewayConfig>;

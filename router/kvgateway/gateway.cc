@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "router/common/metrics.h"
+#include "router/kvgateway/headers.h"
 
 namespace kvrouter {
 
@@ -38,13 +39,9 @@ std::string EngineTimeoutMessage(std::uint64_t worker, std::uint32_t timeout_ms,
                      worker, timeout_ms, s.message());
 }
 
-// The client's headers an engine needs as well: its API key (vLLM's --api-key) and the formats
-// it accepts.
-void PassClientHeaders(const HttpRequest& request, HttpHeaders& to) {
-  for (std::string_view name : {"authorization", "accept"}) {
-    if (auto v = request.Header(name)) to.emplace_back(std::string(name), std::string(*v));
-  }
-}
+// The client's end-to-end headers go to the engine: its API key (vLLM's --api-key), the
+// formats it accepts, the trace context (traceparent, tracestate, baggage), ...
+void PassClientHeaders(const HttpRequest& request, HttpHeaders& to) { ForwardRequestHeaders(request.headers, to); }
 
 }  // namespace
 
@@ -157,7 +154,7 @@ HttpRequestHandler Gateway::Handler() {
 }
 
 bool Gateway::Ready(SteadyTime now) const {
-  return nats_connected_.load() && link_.Answering(now) && directory_.size() > 0;
+  return !draining_.load() && nats_connected_.load() && link_.Answering(now) && directory_.size() > 0;
 }
 
 void Gateway::SetNatsConnected(bool connected) {
@@ -198,14 +195,13 @@ void Gateway::Handle(HttpRequest request, std::shared_ptr<HttpReply> reply) {
     if (auto id = ClientRequestId(request)) h.emplace_back("x-request-id", *id);
     reply->Send(status, std::move(h), OpenAiError(message, ErrorType(status), code));
   };
+  // /health and /ready stay on the API port as well: a load balancer probes the port it sends
+  // to, and /ready's 503 while draining must reach it there. /metrics (the fleet's insides) is
+  // only on --metrics-port, which need not be reachable from where the clients are.
   if (path == "/health") return reply->Send(get ? 200 : 405, {{"content-type", "text/plain"}}, "ok\n");
   if (path == "/ready") {
     const bool ready = Ready(std::chrono::steady_clock::now());
     return reply->Send(ready ? 200 : 503, {{"content-type", "text/plain"}}, ready ? "ready\n" : "not ready\n");
-  }
-  if (path == "/metrics") {
-    return reply->Send(200, {{"content-type", "text/plain; version=0.0.4"}},
-                       MetricsText(http_counters_ ? http_counters_() : HttpListener::Counters{}));
   }
   if (path == "/v1/models") {
     if (!get) return error(405, "method_not_allowed", "use GET");
@@ -475,9 +471,7 @@ void Gateway::Forward(const std::shared_ptr<Exchange>& x, std::uint32_t attempt)
              if (ex->attempt != attempt) return;  // a leg closed by a retry
              ex->engine_status = status;
              ex->engine_headers.clear();
-             for (const auto& [k, v] : headers) {
-               if (k == "content-type" || k == "cache-control") ex->engine_headers.emplace_back(k, v);
-             }
+             ForwardResponseHeaders(headers, ex->engine_headers);
            },
        .on_data =
            [this, ex = x, attempt, seq](std::string_view d) {

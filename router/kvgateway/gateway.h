@@ -11,7 +11,8 @@
 // --retries times; but an engine that has the request (HttpClient's kTimeout: delivered, then
 // silent past --engine-timeout-ms, as a long plain generation is) is not asked again elsewhere:
 // 504. A client that lets kClientHighWater of its response pile up pauses the engine's read
-// until it drains. Also GET /v1/models, /health, /ready and /metrics.
+// until it drains. Also GET /v1/models, /health and /ready (/metrics: MetricsText, served by
+// kvgateway on --metrics-port only).
 // A route reply that is `disaggregated` (section 13) runs two legs in the engines' protocol:
 // `nixl` (vLLM) a prefill leg to the prefill engine, then (prefill_done sent) the decode leg
 // with the prefill answer's kv_transfer_params, or that answer itself, in the client's form,
@@ -70,8 +71,11 @@ class Gateway {
   // The engine connections pooled for an http_url no worker has any more are closed.
   void OnRegistration(const WorkerRegistration& reg, SteadyTime now) { DropPools(directory_.Apply(reg, now)); }
   void Tick(SteadyTime now) { DropPools(directory_.Expire(now)); }
-  // NATS connected, the router answering, an engine known.
+  // NATS connected, the router answering, an engine known, and not draining.
   bool Ready(SteadyTime now) const;
+  // SIGTERM's first step: /ready answers 503 from now on (load balancers stop sending); requests
+  // are served as before while their connections drain.
+  void Drain() { draining_ = true; }
   // While NATS is down no router can be reached: a completion request is answered 503 at once,
   // and so is each one waiting for its route answer (which is lost with the connection). Called
   // from one thread at a time (kvgateway's ticker), a loss before a reconnect.
@@ -85,8 +89,6 @@ class Gateway {
 
   // kvgateway_* families as Prometheus text, with the listener's counters.
   std::string MetricsText(const HttpListener::Counters& http) const;
-  // Where /metrics reads the listener's counters (set once the listener exists).
-  void SetHttpCounters(std::function<HttpListener::Counters()> counters) { http_counters_ = std::move(counters); }
 
   struct Exchange;  // one client request in flight (gateway.cc)
 
@@ -139,10 +141,10 @@ class Gateway {
   std::optional<HttpEndpoint> render_endpoint_;  // --render-url
   std::atomic<bool> nats_connected_{false};
   std::atomic<bool> stopping_{false};
+  std::atomic<bool> draining_{false};
   std::atomic<std::uint64_t> next_id_{0};
   const std::string id_prefix_;
   RateLimitedLog log_;
-  std::function<HttpListener::Counters()> http_counters_;
 
   std::shared_ptr<prometheus::Registry> registry_;
   prometheus::Family<prometheus::Counter>* requests_ = nullptr;  // {endpoint, code}

@@ -1,8 +1,10 @@
 // kvgateway: an OpenAI-compatible HTTP front for a fleet of engines behind kvrouter
 // (docs/protocol.md section 11). Clients call /v1/chat/completions or /v1/completions as they
 // would call vLLM; each request is routed by kvrouter (over NATS) and proxied to the chosen
-// engine. Exit codes: 0 clean shutdown (SIGINT/SIGTERM) or --help, 2 bad flags or ports, 1 NATS
-// failure at start.
+// engine. SIGINT/SIGTERM drain: /ready answers 503, no connection is accepted, the requests
+// under way (streams included) finish for up to --drain-timeout-secs, and what is left is closed.
+// Exit codes: 0 clean shutdown (SIGINT/SIGTERM) or --help, 2 bad flags or ports, 1 NATS failure
+// at start.
 #include <sys/resource.h>
 
 #include <algorithm>
@@ -127,7 +129,6 @@ int main(int argc, char** argv) {
     return 2;
   }
   HttpListener* http = listener->get();
-  gw.SetHttpCounters([http] { return http->counters(); });
   std::unique_ptr<HttpServer> metrics;
   if (cfg.metrics_port > 0) {
     auto started = StartMetricsServer(
@@ -152,7 +153,15 @@ int main(int argc, char** argv) {
     }
   });
   const int sig = stop.Wait();
-  fmt::print(stderr, "kvgateway I signal {}: stopping\n", sig);
+  // The ticker (NATS state, route timeouts, engine leases) and the metrics port (/ready's 503)
+  // go on while the requests under way finish.
+  fmt::print(stderr, "kvgateway I signal {}: draining {} connections (at most {} s)\n", sig, http->counters().open,
+             cfg.drain_timeout_secs);
+  gw.Drain();
+  http->Drain();
+  if (!http->AwaitClosed(std::chrono::seconds(cfg.drain_timeout_secs))) {
+    fmt::print(stderr, "kvgateway W drain timeout: closing {} connections\n", http->counters().open);
+  }
   stopping = true;
   ticker.join();
   metrics.reset();

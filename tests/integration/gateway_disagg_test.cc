@@ -3,7 +3,8 @@
 // and SGLang engines in the test process that record every leg whole: the fields of each leg's
 // body, the request id on both legs, the EOS-at-prefill answer in the client's form, SGLang's legs
 // sent at once, prefill_done, retries away from a failing prefill engine, a client gone between
-// the legs, the headers, the prefill engine's cached_tokens, and the metrics.
+// the legs, the headers (the client's end-to-end ones on both legs, the decode engine's back),
+// the prefill engine's cached_tokens, and the metrics.
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
@@ -31,12 +32,15 @@ const ordered_json kTransferParams = {{"do_remote_prefill", true}, {"do_remote_d
                                       {"remote_request_id", "r-1"},     {"tp_size", 1},
                                       {"ratio", 0.25}};
 
+// A client's trace context (W3C traceparent), which every leg must carry.
+const std::string kTraceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+
 // A prefill or decode engine of a disaggregated fleet, as much as the gateway uses: render (chat
 // and completions) and completions, each completion request recorded whole (path, x-request-id,
 // body as sent) and answered as its role and mode say: a prefill engine with one token "P" and
 // its cached_tokens (and, for vLLM's connector, kv_transfer_params), a decode engine with
-// "decoded" (or events d0 d1 d2) and its cached_tokens. It can hold requests until Release, and
-// notices the gateway closing one.
+// "decoded" (or events d0 d1 d2) and its cached_tokens, with an `x-engine-role` header naming its
+// role. It can hold requests until Release, and notices the gateway closing one.
 class PdEngine {
  public:
   enum class Mode {
@@ -50,6 +54,13 @@ class PdEngine {
     std::string path;
     std::string request_id;
     std::string raw;  // the body as it came
+    HttpHeaders headers;  // every header, as they came
+    std::string Header(std::string_view name) const {
+      for (const auto& [k, v] : headers) {
+        if (k == name) return v;
+      }
+      return "";
+    }
     std::shared_ptr<std::atomic<bool>> gone = std::make_shared<std::atomic<bool>>(false);
   };
 
@@ -130,7 +141,8 @@ class PdEngine {
     if (path != "/v1/chat/completions" && path != "/v1/completions") return reply->Send(404, {}, "");
     Seen seen{.path = std::string(path),
               .request_id = std::string(r.Header("x-request-id").value_or("")),
-              .raw = r.body};
+              .raw = r.body,
+              .headers = r.headers};
     reply->OnClientGone([gone = seen.gone] { *gone = true; });
     {
       std::lock_guard g(mu_);
@@ -149,11 +161,13 @@ class PdEngine {
       return reply.Send(500, {{"content-type", "application/json"}}, R"({"error":"boom"})");
     }
     const json body = json::parse(seen.raw, nullptr, false);
+    const std::string role = role_ == WorkerRole::kPrefill ? "prefill" : "decode";
     if (!body.value("stream", false)) {
-      return reply.Send(200, {{"content-type", "application/json"}}, PlainAnswer(seen.path).dump());
+      return reply.Send(200, {{"content-type", "application/json"}, {"x-engine-role", role}},
+                        PlainAnswer(seen.path).dump());
     }
     const bool chat = seen.path == "/v1/chat/completions";
-    reply.Begin(200, {{"content-type", "text/event-stream"}});
+    reply.Begin(200, {{"content-type", "text/event-stream"}, {"x-engine-role", role}});
     for (int i = 0; i < 3; ++i) {
       const std::string piece = fmt::format("d{}", i);
       const json choice = chat ? json{{"index", 0}, {"delta", {{"content", piece}}}} : json{{"index", 0}, {"text", piece}};
@@ -290,12 +304,18 @@ TEST_F(GatewayDisaggTest, NixlLegsCarryEveryFieldAndThePlainAnswerHasThePrefillE
     SCOPED_TRACE(chat ? "chat" : "completions");
     const std::size_t k = chat ? 0 : 1;
     const std::string client = ClientBody(chat, false).dump();
-    auto r = Post(client, {{"x-request-id", "pd-1"}}, Path(chat));
+    auto r = Post(client, {{"x-request-id", "pd-1"}, {"traceparent", kTraceparent}, {"baggage", "tenant=a"}},
+                  Path(chat));
     ASSERT_TRUE(r.ok()) << r.status().ToString();
     ASSERT_EQ(r->status, 200) << r->body;
     ASSERT_EQ(prefill.requests(), k + 1);
     ASSERT_EQ(decode.requests(), k + 1);
     const PdEngine::Seen p = prefill.seen(k), d = decode.seen(k);
+    for (const PdEngine::Seen* leg : {&p, &d}) {  // the client's end-to-end headers on both legs
+      EXPECT_EQ(leg->Header("traceparent"), kTraceparent);
+      EXPECT_EQ(leg->Header("baggage"), "tenant=a");
+    }
+    EXPECT_EQ(HeaderOf(*r, "x-engine-role"), "decode");  // the answer's engine's headers come back
     EXPECT_EQ(p.path, Path(chat));
     EXPECT_EQ(d.path, Path(chat));
     EXPECT_EQ(ordered_json::parse(p.raw).dump(), NixlPrefillBody(ClientBody(chat, false)).dump());
@@ -524,7 +544,8 @@ TEST_F(GatewayDisaggTest, SglangLegsAreSentAtOnceWithTheBootstrapFields) {
   decode.HoldNext(1);
   ASSERT_TRUE(AwaitReady(2));
   const std::string client = ClientBody(true, false).dump();
-  auto answer = std::async(std::launch::async, [&] { return Post(client, {{"x-request-id", "sg-1"}}); });
+  auto answer = std::async(std::launch::async,
+                           [&] { return Post(client, {{"x-request-id", "sg-1"}, {"traceparent", kTraceparent}}); });
   ASSERT_TRUE(AwaitTrue([&] { return prefill.held() == 1 && decode.held() == 1; }))
       << "prefill " << prefill.requests() << ", decode " << decode.requests();
   const PdEngine::Seen p = prefill.seen(0), d = decode.seen(0);
@@ -536,6 +557,8 @@ TEST_F(GatewayDisaggTest, SglangLegsAreSentAtOnceWithTheBootstrapFields) {
                                                 sent["bootstrap_room"].get<std::uint64_t>())));
   EXPECT_EQ(p.request_id, "sg-1");
   EXPECT_EQ(d.request_id, "sg-1");
+  EXPECT_EQ(p.Header("traceparent"), kTraceparent);
+  EXPECT_EQ(d.Header("traceparent"), kTraceparent);
   EXPECT_TRUE(AwaitStats([](StatsReply& s) { return s.counters["active_prefill_legs"] == 1; }, 5s));
   prefill.Release();  // its end: prefill_done, while the decode leg still runs
   EXPECT_TRUE(AwaitStats(
@@ -548,6 +571,7 @@ TEST_F(GatewayDisaggTest, SglangLegsAreSentAtOnceWithTheBootstrapFields) {
   expected["usage"]["prompt_tokens_details"]["cached_tokens"] = 6;
   EXPECT_EQ(ordered_json::parse(r->body).dump(), expected.dump());
   EXPECT_EQ(HeaderOf(*r, "x-kvrouter-prefill-worker-id"), "1");
+  EXPECT_EQ(HeaderOf(*r, "x-engine-role"), "decode");
   EXPECT_TRUE(AwaitFreed());
   EXPECT_EQ(Metric("kvgateway_prefill_leg_seconds_count"), 1);
 }

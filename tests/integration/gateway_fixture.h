@@ -33,7 +33,9 @@ using json = nlohmann::json;
 // streamed), registration on NATS with its http_url.
 class FakeEngine {
  public:
-  enum class Mode { kAnswer, kFail500, kHold, kBig, kCutOff, kCutOff400, kStreamCutOff, kFlood };
+  // kHoldStream: a stream's head and first event, the rest at FinishStreams. kBusy429: 429 with
+  // the answer headers (set_answer_headers).
+  enum class Mode { kAnswer, kFail500, kHold, kBig, kCutOff, kCutOff400, kStreamCutOff, kFlood, kHoldStream, kBusy429 };
   static constexpr std::size_t kBigContent = (Gateway::kMaxHeldBody * 3) / 2;
   // kFlood: a stream of this many events of kFloodEvent bytes, written at once, then [DONE].
   static constexpr std::size_t kFloodEvent = 64 << 10, kFloodEvents = 512;
@@ -61,6 +63,33 @@ class FakeEngine {
   int held() {
     std::lock_guard g(mu_);
     return static_cast<int>(held_.size());
+  }
+  // Ends every stream held by kHoldStream (its remaining events, then [DONE]).
+  void FinishStreams() {
+    std::vector<std::shared_ptr<HttpReply>> held;
+    {
+      std::lock_guard g(mu_);
+      held.swap(held_streams_);
+    }
+    for (auto& r : held) {
+      r->Write("data: {\"choices\":[{\"delta\":{\"content\":\"t1\"}}]}\n\n");
+      r->Write("data: [DONE]\n\n");
+      r->End();
+    }
+  }
+  int held_streams() {
+    std::lock_guard g(mu_);
+    return static_cast<int>(held_streams_.size());
+  }
+  // Headers added to every completion answer from now on.
+  void set_answer_headers(HttpHeaders h) {
+    std::lock_guard g(mu_);
+    answer_headers_ = std::move(h);
+  }
+  // Every header of the last completion request, in the order received.
+  HttpHeaders last_headers() {
+    std::lock_guard g(mu_);
+    return last_headers_;
   }
   // Answers every held request.
   void Release() {
@@ -92,11 +121,18 @@ class FakeEngine {
     }
     if (r.Path() != "/v1/chat/completions") return reply->Send(404, {}, "");
     ++completions_;
+    HttpHeaders extra;
     {
       std::lock_guard g(mu_);
       last_request_id_ = std::string(r.Header("x-request-id").value_or(""));
       last_authorization_ = std::string(r.Header("authorization").value_or(""));
+      last_headers_ = r.headers;
+      extra = answer_headers_;
     }
+    auto with = [&](HttpHeaders h) {
+      h.insert(h.end(), extra.begin(), extra.end());
+      return h;
+    };
     reply->OnClientGone([this] { ++gone_; });
     switch (mode_.load()) {
       case Mode::kFail500: return reply->Send(500, {{"content-type", "application/json"}}, R"({"error":"boom"})");
@@ -134,16 +170,25 @@ class FakeEngine {
         reply->Begin(mode_.load() == Mode::kCutOff ? 200 : 400, {{"content-type", "application/json"}});
         reply->Write(R"({"choices":[{"message":{"content":"half)");
         return reply->Abort();
+      case Mode::kHoldStream: {
+        reply->Begin(200, {{"content-type", "text/event-stream"}});
+        reply->Write("data: {\"choices\":[{\"delta\":{\"content\":\"t0\"}}]}\n\n");
+        std::lock_guard g(mu_);
+        held_streams_.push_back(std::move(reply));
+        return;
+      }
+      case Mode::kBusy429:
+        return reply->Send(429, with({{"content-type", "application/json"}}), R"({"error":"busy"})");
       case Mode::kAnswer: break;
     }
     if (body.value("stream", false)) {
-      reply->Begin(200, {{"content-type", "text/event-stream"}});
+      reply->Begin(200, with({{"content-type", "text/event-stream"}}));
       for (int i = 0; i < 3; ++i)
         reply->Write(fmt::format("data: {{\"choices\":[{{\"delta\":{{\"content\":\"t{}\"}}}}]}}\n\n", i));
       reply->Write("data: [DONE]\n\n");
       return reply->End();
     }
-    reply->Send(200, {{"content-type", "application/json"}},
+    reply->Send(200, with({{"content-type", "application/json"}}),
                 json{{"object", "chat.completion"}, {"choices", {{{"message", {{"content", "hi"}}}}}}}.dump());
   }
 
@@ -153,8 +198,11 @@ class FakeEngine {
   std::mutex mu_;
   std::vector<std::shared_ptr<HttpReply>> held_;
   std::shared_ptr<HttpReply> flood_;
+  std::vector<std::shared_ptr<HttpReply>> held_streams_;
   std::string last_request_id_;
   std::string last_authorization_;
+  HttpHeaders last_headers_;
+  HttpHeaders answer_headers_;
 };
 
 class GatewayTest : public KvRouterProcessTest {
@@ -168,11 +216,13 @@ class GatewayTest : public KvRouterProcessTest {
     std::vector<std::string> args = {"--http-port", std::to_string(gateway_port_), "--http-host",
                                      "127.0.0.1",   "--route-timeout-ms",          "3000"};
     for (auto& a : GatewayArgs()) args.push_back(a);
-    auto gw = StartOnNats(KVGATEWAY_BIN, nats_->url(), std::move(args), LogPath("kvgateway"));
+    auto gw = StartOnNats(KVGATEWAY_BIN, nats_->url(), std::move(args), LogPath("kvgateway"), Metrics::kOnFreePort);
     ASSERT_TRUE(gw.ok()) << gw.status().ToString();
     gateway_ = std::move(gw->process);
-    ASSERT_TRUE(AwaitTrue([&] { return CanConnect(gateway_port_); })) << ReadFile(LogPath("kvgateway"));
+    ASSERT_TRUE(AwaitTrue([&] { return CanConnect(gateway_port_) && CanConnect(gw->metrics_port); }))
+        << ReadFile(LogPath("kvgateway"));
     endpoint_ = {.host = "127.0.0.1", .port = static_cast<std::uint16_t>(gateway_port_)};
+    metrics_endpoint_ = {.host = "127.0.0.1", .port = static_cast<std::uint16_t>(gw->metrics_port)};
   }
   void TearDown() override {
     // The engines go after the io threads: until HttpIo::Stop a listener's handlers (an engine's
@@ -216,7 +266,7 @@ class GatewayTest : public KvRouterProcessTest {
     return AwaitTrue([&] {
       Heartbeat();
       auto ready = client_->Fetch(endpoint_, {.method = "GET", .target = "/ready"});
-      auto metrics = client_->Fetch(endpoint_, {.method = "GET", .target = "/metrics"});
+      auto metrics = client_->Fetch(metrics_endpoint_, {.method = "GET", .target = "/metrics"});
       auto stats = Stats();
       return ready.ok() && ready->status == 200 && metrics.ok() &&
              metrics->body.find(fmt::format("kvgateway_engines {}", n)) != std::string::npos && stats &&
@@ -237,9 +287,10 @@ class GatewayTest : public KvRouterProcessTest {
     }
     return "";
   }
-  // A series (its name and labels) on the /metrics of `at` (default: the gateway), -1 when absent.
+  // A series (its name and labels) on the /metrics of `at` (default: the gateway's metrics
+  // port), -1 when absent.
   double ScrapeMetric(const std::string& series, std::optional<HttpEndpoint> at = std::nullopt) {
-    auto r = client_->Fetch(at.value_or(endpoint_), {.method = "GET", .target = "/metrics"});
+    auto r = client_->Fetch(at.value_or(metrics_endpoint_), {.method = "GET", .target = "/metrics"});
     if (!r.ok()) return -1;
     std::istringstream lines(r->body);
     for (std::string line; std::getline(lines, line);) {
@@ -258,7 +309,8 @@ class GatewayTest : public KvRouterProcessTest {
   std::vector<WorkerRegistration> announced_;
   std::unique_ptr<ChildProcess> gateway_;
   int gateway_port_ = 0;
-  HttpEndpoint endpoint_;
+  HttpEndpoint endpoint_;          // the API port: /v1/..., /health, /ready
+  HttpEndpoint metrics_endpoint_;  // --metrics-port: /metrics, /health, /ready
 };
 
 }  // namespace kvrouter::testing

@@ -7,12 +7,15 @@
 #include <netinet/in.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <atomic>
+#include <csignal>
 #include <condition_variable>
 #include <future>
 #include <mutex>
@@ -133,6 +136,64 @@ TEST_F(GatewayTest, TwoRequestsWithOneClientRequestIdAreBookedApartAndCarryTheAp
   EXPECT_EQ(e.last_request_id(), "same");
   EXPECT_EQ(e.last_authorization(), "Bearer sk-test");
   e.Release();
+  EXPECT_TRUE(AwaitStats([](StatsReply& s) { return s.counters["active_requests"] == 0; }, 5s));
+}
+
+// /metrics is on --metrics-port only; /health and /ready on both ports (a load balancer probes
+// the port it sends to).
+TEST_F(GatewayTest, MetricsAreServedOnTheMetricsPortOnlyAndHealthAndReadyOnBoth) {
+  AddEngine(1);
+  ASSERT_TRUE(AwaitReady(1));
+  auto api = client_->Fetch(endpoint_, {.method = "GET", .target = "/metrics"});
+  ASSERT_TRUE(api.ok()) << api.status().ToString();
+  EXPECT_EQ(api->status, 404);
+  EXPECT_EQ(api->body.find("kvgateway_"), std::string::npos);
+  auto admin = client_->Fetch(metrics_endpoint_, {.method = "GET", .target = "/metrics"});
+  ASSERT_TRUE(admin.ok()) << admin.status().ToString();
+  EXPECT_EQ(admin->status, 200);
+  EXPECT_NE(admin->body.find("kvgateway_engines 1"), std::string::npos);
+  for (const HttpEndpoint& at : {endpoint_, metrics_endpoint_}) {
+    for (const char* path : {"/health", "/ready"}) {
+      auto r = client_->Fetch(at, {.method = "GET", .target = path});
+      ASSERT_TRUE(r.ok()) << path;
+      EXPECT_EQ(r->status, 200) << path << " on port " << at.port;
+    }
+  }
+}
+
+// The engine's end-to-end response headers reach the client (a 429's Retry-After among them),
+// without a second copy of the gateway's own.
+TEST_F(GatewayTest, TheEnginesResponseHeadersComeBackButNotOverTheGatewaysOwn) {
+  FakeEngine& e = AddEngine(1);
+  ASSERT_TRUE(AwaitReady(1));
+  e.set_answer_headers({{"x-engine-note", "n"},
+                        {"cache-control", "no-cache"},
+                        {"x-request-id", "the-engines"},
+                        {"x-kvrouter-worker-id", "999"},
+                        {"server", "uvicorn"}});
+  auto count = [](const HttpClient::Response& r, std::string_view name) {
+    return std::count_if(r.headers.begin(), r.headers.end(), [&](const auto& h) { return h.first == name; });
+  };
+  for (const bool stream : {false, true}) {
+    SCOPED_TRACE(stream ? "streamed" : "plain");
+    auto r = Post(Chat("headers back", stream), {{"x-request-id", "mine"}});
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    ASSERT_EQ(r->status, 200) << r->body;
+    EXPECT_EQ(HeaderOf(*r, "x-engine-note"), "n");
+    EXPECT_EQ(HeaderOf(*r, "cache-control"), "no-cache");
+    EXPECT_EQ(HeaderOf(*r, "x-request-id"), "mine");
+    EXPECT_EQ(count(*r, "x-request-id"), 1);
+    EXPECT_EQ(HeaderOf(*r, "x-kvrouter-worker-id"), "1");
+    EXPECT_EQ(count(*r, "x-kvrouter-worker-id"), 1);
+    EXPECT_EQ(count(*r, "content-type"), 1);
+    EXPECT_EQ(HeaderOf(*r, "server"), "kvgateway");
+  }
+  e.set_answer_headers({{"retry-after", "7"}});
+  e.set_mode(FakeEngine::Mode::kBusy429);
+  auto busy = Post(Chat("busy"));
+  ASSERT_TRUE(busy.ok()) << busy.status().ToString();
+  EXPECT_EQ(busy->status, 429);
+  EXPECT_EQ(HeaderOf(*busy, "retry-after"), "7");
   EXPECT_TRUE(AwaitStats([](StatsReply& s) { return s.counters["active_requests"] == 0; }, 5s));
 }
 
@@ -379,6 +440,8 @@ class RawSocket {
   }
   bool ok() const { return ok_; }
   void Send(std::string_view b) { (void)::send(fd_, b.data(), b.size(), MSG_NOSIGNAL); }
+  // False when the connection broke before every byte was taken.
+  bool SendAll(std::string_view b) { return ::send(fd_, b.data(), b.size(), MSG_NOSIGNAL) == ssize_t(b.size()); }
   std::string ReadAll() {
     std::string out;
     char buf[4096];
@@ -390,6 +453,49 @@ class RawSocket {
   int fd_ = -1;
   bool ok_ = false;
 };
+
+// The client's end-to-end headers (the trace context among them) reach the engine; hop-by-hop
+// ones (and those the client's Connection names) do not, nor second copies of the gateway's own.
+TEST_F(GatewayTest, TheClientsEndToEndHeadersReachTheEngine) {
+  FakeEngine& e = AddEngine(1);
+  ASSERT_TRUE(AwaitReady(1));
+  const std::string body = Chat("trace me");
+  RawSocket s(gateway_port_);
+  ASSERT_TRUE(s.ok());
+  s.Send(fmt::format(
+      "POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+      "Content-Length: {}\r\nX-Request-Id: r-7\r\n"
+      "traceparent: 00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01\r\n"
+      "tracestate: congo=t61rcWkgMzE\r\nbaggage: userId=alice\r\nAuthorization: Bearer k\r\n"
+      "X-Custom: c\r\nConnection: close, X-Hop\r\nX-Hop: 1\r\nTE: trailers\r\nUpgrade: h2c\r\n"
+      "Proxy-Authorization: Basic x\r\nKeep-Alive: timeout=5\r\n\r\n{}",
+      body.size(), body));
+  const std::string answer = s.ReadAll();
+  ASSERT_TRUE(answer.starts_with("HTTP/1.1 200")) << answer;
+  const HttpHeaders seen = e.last_headers();
+  auto all = [&](std::string_view name) {
+    std::vector<std::string> v;
+    for (const auto& [k, val] : seen) {
+      if (k == name) v.push_back(val);
+    }
+    return v;
+  };
+  using V = std::vector<std::string>;
+  EXPECT_EQ(all("traceparent"), V{"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"});
+  EXPECT_EQ(all("tracestate"), V{"congo=t61rcWkgMzE"});
+  EXPECT_EQ(all("baggage"), V{"userId=alice"});
+  EXPECT_EQ(all("authorization"), V{"Bearer k"});
+  EXPECT_EQ(all("x-custom"), V{"c"});
+  EXPECT_EQ(all("x-request-id"), V{"r-7"});
+  EXPECT_EQ(all("content-type"), V{"application/json"});
+  EXPECT_EQ(all("host").size(), 1u);
+  EXPECT_NE(all("host"), V{"gw"});  // the engine's own address
+  EXPECT_EQ(all("content-length").size(), 1u);
+  for (const char* hop : {"x-hop", "te", "upgrade", "proxy-authorization", "keep-alive"}) {
+    EXPECT_TRUE(all(hop).empty()) << hop;
+  }
+  for (const std::string& c : all("connection")) EXPECT_EQ(c.find("X-Hop"), std::string::npos) << c;
+}
 
 class GatewayHostileTest : public GatewayTest {
  protected:
@@ -431,6 +537,29 @@ TEST_F(GatewayHostileTest, OversizedHeadersBigBodiesAndBadChunksAreRefusedAndNot
   EXPECT_TRUE(AwaitStats([](StatsReply& s) { return s.counters["active_requests"] == 0; }, 5s));
 }
 
+// A client that writes its whole body before it reads (many do) reads the 413 whole: the
+// gateway drops what it still sends instead of resetting the connection under its writes.
+TEST_F(GatewayHostileTest, AClientStillUploadingABodyFarOverTheLimitReadsTheWhole413) {
+  AddEngine(1);
+  ASSERT_TRUE(AwaitReady(1));
+  constexpr std::size_t kBody = 32 << 20;  // --max-body-bytes 4096, and past both socket buffers
+  RawSocket s(gateway_port_);
+  ASSERT_TRUE(s.ok());
+  s.Send(fmt::format(
+      "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: "
+      "{}\r\n\r\n",
+      kBody));
+  const std::string piece(1 << 20, ' ');
+  for (std::size_t sent = 0; sent < kBody; sent += piece.size()) ASSERT_TRUE(s.SendAll(piece)) << "cut at " << sent;
+  const std::string a = s.ReadAll();
+  ASSERT_TRUE(a.starts_with("HTTP/1.1 413")) << a;
+  const std::size_t body_at = a.find("\r\n\r\n");
+  ASSERT_NE(body_at, std::string::npos);
+  const json error = json::parse(a.substr(body_at + 4), nullptr, false);
+  EXPECT_EQ(error["error"]["code"], "body_too_large") << a;
+  EXPECT_TRUE(StillServes());
+}
+
 TEST_F(GatewayHostileTest, AnHttp10ClientGetsAStreamWithoutChunksEndedByTheClose) {
   AddEngine(1);
   ASSERT_TRUE(AwaitReady(1));
@@ -464,14 +593,104 @@ TEST_F(GatewayHostileTest, TenThousandIdleConnectionsDoNotStopIt) {
     idle.emplace_back(gateway_port_);
     ASSERT_TRUE(idle.back().ok()) << "connection " << i;
   }
-  ASSERT_TRUE(AwaitTrue([&] {
-    auto m = client_->Fetch(endpoint_, {.method = "GET", .target = "/metrics"});
-    const auto at = m.ok() ? m->body.find("\nkvgateway_connections_open ") : std::string::npos;
-    return at != std::string::npos && std::stod(m->body.substr(at + 28)) >= 10000;
-  }));
+  ASSERT_TRUE(AwaitTrue([&] { return ScrapeMetric("kvgateway_connections_open") >= 10000; }));
   EXPECT_TRUE(StillServes());
   idle.clear();
   EXPECT_TRUE(StillServes());
+  EXPECT_TRUE(AwaitStats([](StatsReply& s) { return s.counters["active_requests"] == 0; }, 5s));
+}
+
+// SIGTERM drains: /ready turns 503, no connection is accepted, the requests under way finish
+// (streams included) for up to --drain-timeout-secs, then the process closes the rest and exits 0.
+class GatewayDrainTest : public GatewayTest {
+ protected:
+  // A streamed chat held by the engine after its first event; its events and end are recorded.
+  struct Stream {
+    std::mutex mu;
+    std::string got;
+    std::atomic<bool> done{false};
+    Status end;
+    std::shared_ptr<HttpCall> call;
+  };
+  std::unique_ptr<Stream> StartHeldStream(FakeEngine& e) {
+    auto s = std::make_unique<Stream>();
+    Stream* raw = s.get();
+    s->call = client_->Start(endpoint_,
+                             {.target = "/v1/chat/completions",
+                              .headers = {{"content-type", "application/json"}},
+                              .body = Chat("a long story", true)},
+                             {.on_data =
+                                  [raw](std::string_view d) {
+                                    std::lock_guard g(raw->mu);
+                                    raw->got.append(d);
+                                  },
+                              .on_done =
+                                  [raw](const Status& st) {
+                                    {
+                                      std::lock_guard g(raw->mu);
+                                      raw->end = st;
+                                    }
+                                    raw->done = true;
+                                  }});
+    EXPECT_TRUE(AwaitTrue([&] {
+      std::lock_guard g(raw->mu);
+      return e.held_streams() == 1 && raw->got.find("t0") != std::string::npos;
+    }));
+    return s;
+  }
+  int ReadyStatus(const HttpEndpoint& at) {
+    auto r = client_->Fetch(at, {.method = "GET", .target = "/ready"});
+    return r.ok() ? r->status : 0;
+  }
+  bool ExitedCleanly() {
+    return WaitFor([&] { return !gateway_->Running(); }, 15s) && WIFEXITED(gateway_->exit_status()) &&
+           WEXITSTATUS(gateway_->exit_status()) == 0;
+  }
+};
+
+TEST_F(GatewayDrainTest, SigtermLetsAStreamUnderWayFinishRefusesNewConnectionsAndExitsZero) {
+  FakeEngine& e = AddEngine(1);
+  e.set_mode(FakeEngine::Mode::kHoldStream);
+  ASSERT_TRUE(AwaitReady(1));
+  auto stream = StartHeldStream(e);
+  ASSERT_EQ(::kill(gateway_->pid(), SIGTERM), 0);
+  EXPECT_TRUE(AwaitTrue([&] { return ReadyStatus(metrics_endpoint_) == 503; }));
+  EXPECT_TRUE(AwaitTrue([&] { return !CanConnect(gateway_port_); }));
+  EXPECT_FALSE(stream->done.load());  // still under way
+  EXPECT_TRUE(gateway_->Running());
+  e.FinishStreams();
+  ASSERT_TRUE(AwaitTrue([&] { return stream->done.load(); }));
+  {
+    std::lock_guard g(stream->mu);
+    EXPECT_TRUE(stream->end.ok()) << stream->end.ToString();
+    EXPECT_TRUE(stream->got.ends_with("data: [DONE]\n\n")) << stream->got;
+  }
+  EXPECT_TRUE(ExitedCleanly()) << ReadFile(LogPath("kvgateway"));
+  EXPECT_TRUE(AwaitStats([](StatsReply& s) { return s.counters["active_requests"] == 0; }, 5s));
+}
+
+class GatewayShortDrainTest : public GatewayDrainTest {
+ protected:
+  std::vector<std::string> GatewayArgs() const override { return {"--drain-timeout-secs", "1"}; }
+};
+
+TEST_F(GatewayShortDrainTest, AStreamOutlastingTheDrainTimeoutIsCutThenAndItsBookingFreed) {
+  FakeEngine& e = AddEngine(1);
+  e.set_mode(FakeEngine::Mode::kHoldStream);
+  ASSERT_TRUE(AwaitReady(1));
+  auto stream = StartHeldStream(e);
+  const auto signalled = std::chrono::steady_clock::now();
+  ASSERT_EQ(::kill(gateway_->pid(), SIGTERM), 0);
+  ASSERT_TRUE(AwaitTrue([&] { return stream->done.load(); }));
+  const auto cut_after = std::chrono::steady_clock::now() - signalled;
+  EXPECT_GE(cut_after, 900ms);  // not before the drain timeout
+  {
+    std::lock_guard g(stream->mu);
+    EXPECT_FALSE(stream->end.ok());
+    EXPECT_FALSE(stream->got.ends_with("data: [DONE]\n\n")) << stream->got;
+  }
+  EXPECT_TRUE(ExitedCleanly()) << ReadFile(LogPath("kvgateway"));
+  EXPECT_TRUE(AwaitTrue([&] { return e.gone() == 1; }));  // the engine saw its client go
   EXPECT_TRUE(AwaitStats([](StatsReply& s) { return s.counters["active_requests"] == 0; }, 5s));
 }
 
