@@ -213,9 +213,10 @@ say "kvrouter:local is $size_mb MB"
 # --- up, bench, down -------------------------------------------------------------------------
 free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 KVROUTER_NATS_PORT=$(free_port); KVROUTER_METRICS_PORT=$(free_port); KVROUTER_HTTP_PORT=$(free_port)
-KVROUTER_PROMETHEUS_PORT=$(free_port)
-export KVROUTER_NATS_PORT KVROUTER_METRICS_PORT KVROUTER_HTTP_PORT KVROUTER_PROMETHEUS_PORT
+KVROUTER_PROMETHEUS_PORT=$(free_port); KVGATEWAY_METRICS_PORT=$(free_port)
+export KVROUTER_NATS_PORT KVROUTER_METRICS_PORT KVROUTER_HTTP_PORT KVROUTER_PROMETHEUS_PORT KVGATEWAY_METRICS_PORT
 gateway_url="http://127.0.0.1:$KVROUTER_HTTP_PORT"
+gateway_metrics_url="http://127.0.0.1:$KVGATEWAY_METRICS_PORT/metrics"
 prometheus_url="http://127.0.0.1:$KVROUTER_PROMETHEUS_PORT"
 metrics_url="http://127.0.0.1:$KVROUTER_METRICS_PORT/metrics"
 
@@ -244,7 +245,7 @@ chat() {  # stream (true|false) [model content curl-options...]: a chat completi
 await_gateway() {  # engines: the gateway is ready, knows that many engines and the router answers it
   for _ in $(seq 300); do
     [ "$(curl -s -o /dev/null -w '%{http_code}' --max-time 2 "$gateway_url/ready")" = 200 ] &&
-      curl -fsS --max-time 2 "$gateway_url/metrics" | grep -qx "kvgateway_engines $1" && return 0
+      curl -fsS --max-time 2 "$gateway_metrics_url" | grep -qx "kvgateway_engines $1" && return 0
     sleep 0.2
   done
   fail "the gateway did not become ready with $1 engines"

@@ -59,7 +59,7 @@ await() {  # url: until it answers 200 (10 s at most)
 }
 
 if [[ " $fleets " == *" aggregated "* ]]; then  # (its body is not indented: it holds heredocs)
-nats_port=$(free_port); gw_port=$(free_port); nginx_port=$(free_port)
+nats_port=$(free_port); gw_port=$(free_port); gw_metrics=$(free_port); nginx_port=$(free_port)
 engine_base=$(free_ports 4)  # the engines take base .. base+3
 nats="nats://127.0.0.1:$nats_port"
 nats-server -a 127.0.0.1 -p "$nats_port" >"$work/nats.log" 2>&1 & pids+=($!)
@@ -67,8 +67,8 @@ for _ in $(seq 100); do (echo >"/dev/tcp/127.0.0.1/$nats_port") 2>/dev/null && b
 "$build/bin/kvrouter" --nats-server "$nats" --router-mode kv --metrics-port 0 >"$work/kvrouter.log" 2>&1 & pids+=($!)
 "$build/bin/kvmocker" --nats-server "$nats" --num-workers 4 --worker-id-base 1 --speedup-ratio 1000 --metrics-port 0 \
   --http-port "$engine_base" --http-host 127.0.0.1 --model mock >"$work/kvmocker.log" 2>&1 & pids+=($!)
-"$build/bin/kvgateway" --nats-server "$nats" --http-port "$gw_port" --http-host 127.0.0.1 --metrics-port 0 \
-  >"$work/kvgateway.log" 2>&1 & gw_pid=$!; pids+=($gw_pid)
+"$build/bin/kvgateway" --nats-server "$nats" --http-port "$gw_port" --http-host 127.0.0.1 \
+  --metrics-host 127.0.0.1 --metrics-port "$gw_metrics" >"$work/kvgateway.log" 2>&1 & gw_pid=$!; pids+=($gw_pid)
 engines=()
 upstreams=""
 for i in 0 1 2 3; do
@@ -125,7 +125,8 @@ for round in 1 2; do
 done
 
 echo "== added latency, streaming cost, idle connections (gateway_bench)"
-"$build/bin/gateway_bench" --gateway "http://127.0.0.1:$gw_port" --gateway-pid "$gw_pid" --model mock \
+"$build/bin/gateway_bench" --gateway "http://127.0.0.1:$gw_port" --gateway-metrics "http://127.0.0.1:$gw_metrics" \
+  --gateway-pid "$gw_pid" --model mock \
   --engines "${engines[@]}" --worker-id-base 1 \
   --json "$out/gateway_bench.json" >/dev/null
 python3 - "$out/gateway_bench.json" "${gw_rates[*]}" "${nginx_rates[*]}" <<'PY'
@@ -152,7 +153,7 @@ fi
 if [[ " $fleets " == *" pd "* ]]; then
   stop_started
   echo "== a disaggregated request's cost (gateway_bench, 2 prefill + 2 decode workers, nixl)"
-  nats_port=$(free_port); gw_port=$(free_port)
+  nats_port=$(free_port); gw_port=$(free_port); gw_metrics=$(free_port)
   prefill_base=$(free_ports 4); decode_base=$((prefill_base + 2))  # 2 ports each
   nats="nats://127.0.0.1:$nats_port"
   nats-server -a 127.0.0.1 -p "$nats_port" >"$work/pd-nats.log" 2>&1 & pids+=($!)
@@ -166,21 +167,21 @@ if [[ " $fleets " == *" pd "* ]]; then
       --metrics-port 0 --http-port "$port" --http-host 127.0.0.1 --model mock --role "$role" --kv-connector nixl \
       --kv-lease-ms 600000 >"$work/pd-kvmocker-$role.log" 2>&1 & pids+=($!)
   done
-  "$build/bin/kvgateway" --nats-server "$nats" --http-port "$gw_port" --http-host 127.0.0.1 --metrics-port 0 \
-    >"$work/pd-kvgateway.log" 2>&1 & pids+=($!)
+  "$build/bin/kvgateway" --nats-server "$nats" --http-port "$gw_port" --http-host 127.0.0.1 \
+    --metrics-host 127.0.0.1 --metrics-port "$gw_metrics" >"$work/pd-kvgateway.log" 2>&1 & pids+=($!)
   prefill_engines=("http://127.0.0.1:$prefill_base" "http://127.0.0.1:$((prefill_base + 1))")
   decode_engines=("http://127.0.0.1:$decode_base" "http://127.0.0.1:$((decode_base + 1))")
   for e in "${prefill_engines[@]}" "${decode_engines[@]}"; do await "$e/health"; done
   await "http://127.0.0.1:$gw_port/ready"
   for _ in $(seq 100); do  # the gateway knows all four engines
-    curl -s "http://127.0.0.1:$gw_port/metrics" | grep -q '^kvgateway_engines 4$' && break; sleep 0.1
+    curl -s "http://127.0.0.1:$gw_metrics/metrics" | grep -q '^kvgateway_engines 4$' && break; sleep 0.1
   done
   "$build/bin/gateway_bench" --gateway "http://127.0.0.1:$gw_port" --model mock --idle-connections 0 \
     --engines "${decode_engines[@]}" --worker-id-base 11 \
     --prefill-engines "${prefill_engines[@]}" --prefill-worker-id-base 1 \
     --requests "${PD_REQUESTS:-400}" --streams "${PD_STREAMS:-200}" --stream-tokens 8 --prompt-bytes "${PD_PROMPT_BYTES:-512}" --max-tokens 4 \
     --json "$out/gateway_bench_pd.json" >/dev/null
-  curl -s "http://127.0.0.1:$gw_port/metrics" >"$out/kvgateway_pd_metrics.txt"
+  curl -s "http://127.0.0.1:$gw_metrics/metrics" >"$out/kvgateway_pd_metrics.txt"
   python3 - "$out/gateway_bench_pd.json" "$out/kvgateway_pd_metrics.txt" <<'PY'
 import json, sys
 r = json.load(open(sys.argv[1]))

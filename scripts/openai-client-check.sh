@@ -113,7 +113,7 @@ prefill_base=1001 decode_base=2001
 # Ready: the gateway knows the five engines and the router has registered them.
 ready=0
 for _ in $(seq 300); do
-  gw_metrics_text=$(curl -s "127.0.0.1:$gw_port/metrics" || true)
+  gw_metrics_text=$(curl -s "127.0.0.1:$gw_metrics/metrics" || true)
   router_metrics_text=$(curl -s "127.0.0.1:$router_port/metrics" || true)
   if curl -sf "127.0.0.1:$gw_port/ready" >/dev/null &&
      grep -q '^kvgateway_engines 5$' <<<"$gw_metrics_text" &&
@@ -130,9 +130,11 @@ fi
 cp tests/openai_client/*.mjs "$work/"
 ln -s "$sdk/node_modules" "$work/node_modules"
 rc=0
-node "$work/check.mjs" "http://127.0.0.1:$gw_port/v1" "http://127.0.0.1:$router_port/metrics" || rc=$?
+node "$work/check.mjs" "http://127.0.0.1:$gw_port/v1" "http://127.0.0.1:$router_port/metrics" \
+  "http://127.0.0.1:$gw_metrics/metrics" || rc=$?
 node "$work/check_pd.mjs" "http://127.0.0.1:$gw_port/v1" "http://127.0.0.1:$router_port/metrics" \
-  "http://127.0.0.1:$prefill_port/v1" "http://127.0.0.1:$prefill_metrics/metrics" "$prefill_base" "$decode_base,$((decode_base + 1))" ||
+  "http://127.0.0.1:$prefill_port/v1" "http://127.0.0.1:$prefill_metrics/metrics" "$prefill_base" "$decode_base,$((decode_base + 1))" \
+  "http://127.0.0.1:$gw_metrics/metrics" ||
   rc=$?
 if [ "$rc" -ne 0 ]; then tail -n 20 "$work"/*.log; echo; say "FAILED"; exit 1; fi
 say "passed"

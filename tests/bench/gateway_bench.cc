@@ -7,14 +7,16 @@
 //                  the mean gap between chunks at the client on each path, and the difference
 //                  (the gateway's cost per chunk);
 //   idle memory    --idle-connections TCP connections opened to the gateway and left idle: its
-//                  RSS (from /proc/PID/status, --gateway-pid) after minus before, per connection.
+//                  RSS (from /proc/PID/status, --gateway-pid) after minus before, per connection
+//                  (once its /metrics, on --gateway-metrics, shows them open).
 // With --prefill-engines the fleet is disaggregated (--engines are then the decode engines) and
 // the first two become the P/D measurement: each request through the gateway, and direct, where
 // this program runs the two legs of docs/protocol.md section 13 (the `nixl` connector) itself
 // against the prefill and decode engines the gateway used (see PdDirect); plain requests (the
 // whole answer) and streamed ones (the first byte of the answer).
 // Throughput at 32 connections is wrk's (scripts/gateway-bench.sh), against nginx in the same run.
-//   gateway_bench --gateway http://127.0.0.1:8000 --gateway-pid PID --model mock --json out.json
+//   gateway_bench --gateway http://127.0.0.1:8000 --gateway-metrics http://127.0.0.1:9094 --gateway-pid PID
+//       --model mock --json out.json
 //   gateway_bench --gateway URL --engines DECODE_URLS --worker-id-base 11
 //       --prefill-engines PREFILL_URLS --prefill-worker-id-base 1 --idle-connections 0
 // Exit 2 on bad flags, 1 when a request fails.
@@ -33,6 +35,7 @@
 #include <functional>
 #include <future>
 #include <iostream>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -346,6 +349,7 @@ int main(int argc, char** argv) {
     ("help,h", "this help")
     ("gateway", po::value<std::string>()->required(), "the gateway's base URL")
     ("gateway-pid", po::value<int>()->default_value(0), "the gateway's process id, for its memory (0: skip)")
+    ("gateway-metrics", po::value<std::string>()->default_value(""), "base URL of the gateway's --metrics-port (its /metrics tells when the idle connections are open; \"\": measured at once)")
     ("engines", po::value<std::vector<std::string>>()->multitoken()->required(), "engine base URLs, worker i at index i-base")
     ("worker-id-base", po::value<std::uint64_t>()->default_value(1), "worker id of the first engine URL")
     ("prefill-engines", po::value<std::vector<std::string>>()->multitoken(),
@@ -375,6 +379,12 @@ int main(int argc, char** argv) {
   }
   auto gateway = ParseHttpUrl(vm["gateway"].as<std::string>());
   if (!gateway.ok()) return fmt::print(stderr, "{}\n", gateway.status().message()), 2;
+  std::optional<HttpEndpoint> gateway_metrics;
+  if (const auto& m = vm["gateway-metrics"].as<std::string>(); !m.empty()) {
+    auto e = ParseHttpUrl(m);
+    if (!e.ok()) return fmt::print(stderr, "--gateway-metrics: {}\n", e.status().message()), 2;
+    gateway_metrics = *e;
+  }
   std::vector<HttpEndpoint> engines;
   for (const auto& u : vm["engines"].as<std::vector<std::string>>()) {
     auto e = ParseHttpUrl(u);
@@ -444,8 +454,8 @@ int main(int argc, char** argv) {
     // timeout that would close them.
     double open = 0;
     const auto deadline = Clock::now() + std::chrono::seconds(5);
-    while (open < static_cast<double>(fds.size()) && Clock::now() < deadline) {
-      auto m = client.Fetch(*gateway, {.method = "GET", .target = "/metrics"});
+    while (gateway_metrics && open < static_cast<double>(fds.size()) && Clock::now() < deadline) {
+      auto m = client.Fetch(*gateway_metrics, {.method = "GET", .target = "/metrics"});
       if (!m.ok()) break;
       const auto at = m->body.find("\nkvgateway_connections_open ");
       if (at != std::string::npos) open = std::stod(m->body.substr(at + 28));

@@ -1,11 +1,11 @@
 // The official OpenAI client (Node SDK) against kvgateway: run by scripts/openai-client-check.sh,
-// which starts the system. Arguments: the gateway's base URL (".../v1") and the router's /metrics.
+// which starts the system. Arguments: the gateway's base URL (".../v1"), the router's /metrics and
+// the gateway's /metrics (on its --metrics-port).
 // Prints a line per check; exits 1 if any failed.
 import OpenAI from 'openai';
 import { check, drain, metric, until, verdict } from './common.mjs';
 
-const [base, routerMetrics] = process.argv.slice(2);
-const gatewayMetrics = base.replace(/\/v1$/, '/metrics');
+const [base, routerMetrics, gatewayMetrics] = process.argv.slice(2);
 const client = new OpenAI({ baseURL: base, apiKey: 'unused', maxRetries: 0 });
 
 const models = await client.models.list();

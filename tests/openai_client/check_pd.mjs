@@ -5,14 +5,15 @@
 // slower than the prefill pool for every prompt here and each request takes both legs.
 // Arguments: the gateway's base URL (".../v1"), the router's /metrics, the prefill engine's own
 // base URL (".../v1"), the prefill kvmocker's /metrics, the prefill worker ids and the decode
-// worker ids (each comma-separated). Prints a line per check; exits 1 if any failed.
+// worker ids (each comma-separated), the gateway's /metrics (on its --metrics-port). Prints a line
+// per check; exits 1 if any failed.
 import OpenAI from 'openai';
 import { check, drain, metric, until, verdict } from './common.mjs';
 
-const [base, routerMetrics, prefillBase, prefillMetrics, prefillIdList, decodeIdList] = process.argv.slice(2);
+const [base, routerMetrics, prefillBase, prefillMetrics, prefillIdList, decodeIdList, gatewayMetrics] =
+  process.argv.slice(2);
 const prefillIds = prefillIdList.split(',');
 const decodeIds = decodeIdList.split(',');
-const gatewayMetrics = base.replace(/\/v1$/, '/metrics');
 const client = new OpenAI({ baseURL: base, apiKey: 'unused', maxRetries: 0 });
 const model = 'mock-pd';
 const disagg = path => metric(gatewayMetrics, 'kvgateway_disagg_requests_total', `path="${path}"`);
