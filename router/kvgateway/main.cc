@@ -2,10 +2,14 @@
 // (docs/protocol.md section 11). Clients call /v1/chat/completions or /v1/completions as they
 // would call vLLM; each request is routed by kvrouter (over NATS) and proxied to the chosen
 // engine. SIGINT/SIGTERM drain: /ready answers 503, no connection is accepted, the requests
-// under way (streams included) finish for up to --drain-timeout-secs, and what is left is closed.
+// under way (streams included) finish for up to --drain-timeout-secs, and what is left is closed
+// (at once on a second SIGINT/SIGTERM).
 // Exit codes: 0 clean shutdown (SIGINT/SIGTERM) or --help, 2 bad flags or ports, 1 NATS failure
 // at start.
+#include <pthread.h>
 #include <sys/resource.h>
+
+#include <csignal>
 
 #include <algorithm>
 #include <atomic>
@@ -159,9 +163,21 @@ int main(int argc, char** argv) {
              cfg.drain_timeout_secs);
   gw.Drain();
   http->Drain();
+  // A second signal ends the drain: the connections close, so AwaitClosed returns. The waiting
+  // thread is woken by a signal of our own once the drain is over.
+  std::atomic<bool> drained{false};
+  std::thread second([&] {
+    const int again = stop.Wait();
+    if (drained.load()) return;
+    fmt::print(stderr, "kvgateway W signal {} again: closing {} connections now\n", again, http->counters().open);
+    http->Stop();
+  });
   if (!http->AwaitClosed(std::chrono::seconds(cfg.drain_timeout_secs))) {
     fmt::print(stderr, "kvgateway W drain timeout: closing {} connections\n", http->counters().open);
   }
+  drained = true;
+  pthread_kill(second.native_handle(), SIGTERM);  // blocked in every thread: taken by its sigwait
+  second.join();
   stopping = true;
   ticker.join();
   metrics.reset();

@@ -669,6 +669,24 @@ TEST_F(GatewayDrainTest, SigtermLetsAStreamUnderWayFinishRefusesNewConnectionsAn
   EXPECT_TRUE(AwaitStats([](StatsReply& s) { return s.counters["active_requests"] == 0; }, 5s));
 }
 
+TEST_F(GatewayDrainTest, ASecondSigtermEndsTheDrainAtOnce) {
+  FakeEngine& e = AddEngine(1);
+  e.set_mode(FakeEngine::Mode::kHoldStream);
+  ASSERT_TRUE(AwaitReady(1));
+  auto stream = StartHeldStream(e);
+  ASSERT_EQ(::kill(gateway_->pid(), SIGTERM), 0);
+  ASSERT_TRUE(AwaitTrue([&] { return ReadyStatus(metrics_endpoint_) == 503; }));
+  EXPECT_FALSE(stream->done.load());  // draining: the stream goes on
+  ASSERT_EQ(::kill(gateway_->pid(), SIGTERM), 0);
+  ASSERT_TRUE(AwaitTrue([&] { return stream->done.load(); }));  // long before the 30 s drain timeout
+  {
+    std::lock_guard g(stream->mu);
+    EXPECT_FALSE(stream->end.ok());
+  }
+  EXPECT_TRUE(ExitedCleanly()) << ReadFile(LogPath("kvgateway"));
+  EXPECT_TRUE(AwaitTrue([&] { return e.gone() == 1; }));
+}
+
 class GatewayShortDrainTest : public GatewayDrainTest {
  protected:
   std::vector<std::string> GatewayArgs() const override { return {"--drain-timeout-secs", "1"}; }

@@ -38,6 +38,10 @@ TEST(GatewayConfig, DefaultsAndTheEnvironment) {
   EXPECT_EQ(set->config.engine_connect_timeout_ms, 250u);
   EXPECT_EQ(set->config.render_timeout_ms, 900u);
   EXPECT_EQ(set->config.engine_idle_timeout_ms, 1500u);
+  EXPECT_EQ(p->config.drain_timeout_secs, 30u);
+  auto drain = Parse({}, {{"DYN_DRAIN_TIMEOUT_SECS", "0"}});  // 0: close at once
+  ASSERT_TRUE(drain.ok()) << drain.status().ToString();
+  EXPECT_EQ(drain->config.drain_timeout_secs, 0u);
 }
 
 TEST(GatewayConfig, TheRenderUrlIsABaseUrlItsSlashTrimmed) {
@@ -61,6 +65,7 @@ TEST(GatewayConfig, OutOfRangeValuesNameTheirFlag) {
                                                                              {"render-timeout-ms", "0"},
                                                                              {"engine-idle-timeout-ms", "0"},
                                                                              {"max-connections", "0"},
+                                                                             {"drain-timeout-secs", "3601"},
                                                                              {"http-port", "70000"}}) {
     auto r = Parse({"--" + flag, value});
     ASSERT_FALSE(r.ok()) << flag;
