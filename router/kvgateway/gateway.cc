@@ -86,6 +86,7 @@ struct Gateway::Exchange {
   std::shared_ptr<HttpCall> prefill_call;  // the prefill leg running now
   std::uint64_t prefill_seq = 0;           // of the latest prefill leg started
   int prefill_status = 0;
+  HttpHeaders prefill_headers;  // its answer's headers a client gets, when that answer is the client's
   std::string prefill_body;     // its answer so far, up to kMaxHeldBody
   bool prefill_overflow = false;  // its answer went past kMaxHeldBody
   bool prefill_answered = false;  // its answer came whole (prefill_done sent)
@@ -685,9 +686,12 @@ bool Gateway::StartPrefillLeg(const std::shared_ptr<Exchange>& x, std::uint32_t 
   auto call = client_.Start(
       *endpoint, std::move(spec),
       {.on_head =
-           [ex = x, attempt](int status, const HttpHeaders&) {
+           [ex = x, attempt](int status, const HttpHeaders& headers) {
              std::lock_guard g(ex->mu);
-             if (ex->attempt == attempt) ex->prefill_status = status;
+             if (ex->attempt != attempt) return;
+             ex->prefill_status = status;
+             ex->prefill_headers.clear();
+             ForwardResponseHeaders(headers, ex->prefill_headers);
            },
        .on_data =
            [ex = x, attempt](std::string_view d) {
@@ -720,6 +724,7 @@ namespace {
 // A prefill leg's end as its handler reads it.
 struct PrefillEnd {
   int status = 0;
+  HttpHeaders headers;  // for the client (ForwardResponseHeaders)
   std::string body;
   bool overflow = false;
   bool began = false;  // the client has the response head
@@ -735,6 +740,7 @@ std::optional<PrefillEnd> TakePrefillEnd(Gateway::Exchange& x, std::uint32_t att
   if (x.done || x.attempt != attempt) return std::nullopt;
   x.prefill_call.reset();
   return PrefillEnd{.status = x.prefill_status,
+                    .headers = std::move(x.prefill_headers),
                     .body = std::move(x.prefill_body),
                     .overflow = x.prefill_overflow,
                     .began = x.began,
@@ -763,7 +769,9 @@ void Gateway::OnNixlPrefillAnswer(const std::shared_ptr<Exchange>& x, std::uint3
     return Fail(x, 502, "engine_failed", "the prefill engine's answer is larger than the gateway holds");
   }
   // The engine refused the request itself (a 4xx): another engine would too; its answer is the client's.
-  if (end.status != 200) return AnswerWhole(x, end.status, "application/json", std::move(end.body));
+  if (end.status != 200) {
+    return AnswerWhole(x, end.status, "application/json", std::move(end.body), std::move(end.headers));
+  }
   auto answer = ParsePrefillAnswer(end.body);
   if (!answer.ok()) return Retry(x, attempt, end.worker, answer.status().message());
   prefill_leg_->Observe(Seconds(now - end.called));
@@ -778,10 +786,10 @@ void Gateway::OnNixlPrefillAnswer(const std::shared_ptr<Exchange>& x, std::uint3
   if (answer->kv_transfer_params.empty()) {
     // The engine stopped at its one token (end of sequence, a stop string, max_tokens 1): there
     // is nothing to decode, and its answer is the client's.
-    if (!x->request.stream) return AnswerWhole(x, 200, "application/json", std::move(end.body));
+    if (!x->request.stream) return AnswerWhole(x, 200, "application/json", std::move(end.body), std::move(end.headers));
     auto events = AsEventStream(x->request.kind, end.body, x->request.include_usage);
     if (!events.ok()) return Fail(x, 502, "engine_failed", events.status().message());
-    return AnswerWhole(x, 200, "text/event-stream", std::move(events).value());
+    return AnswerWhole(x, 200, "text/event-stream", std::move(events).value(), std::move(end.headers));
   }
   auto body = WithFields(x->http.body, {{"kv_transfer_params", answer->kv_transfer_params}});
   if (!body.ok()) return Fail(x, 400, "invalid_request", body.status().message());
@@ -815,7 +823,7 @@ void Gateway::OnSglangPrefillEnd(const std::shared_ptr<Exchange>& x, std::uint32
       return Fail(x, 504, "engine_timeout", EngineTimeoutMessage(end.worker, config_.engine_timeout_ms, s));
     }
     if (!s.ok() || end.status >= 500) return Retry(x, attempt, end.worker, PrefillFailure(s, end));
-    return AnswerWhole(x, end.status, "application/json", std::move(end.body));
+    return AnswerWhole(x, end.status, "application/json", std::move(end.body), std::move(end.headers));
   }
   prefill_leg_->Observe(Seconds(now - end.called));
   std::optional<std::uint32_t> cached;
@@ -833,9 +841,12 @@ void Gateway::OnSglangPrefillEnd(const std::shared_ptr<Exchange>& x, std::uint32
 }
 
 void Gateway::AnswerWhole(const std::shared_ptr<Exchange>& x, int status, std::string content_type,
-                          std::string body) {
+                          std::string body, HttpHeaders engine_headers) {
   Finish(x, status, [&](Exchange& e) {
     e.engine_headers = {{"content-type", std::move(content_type)}};
+    for (auto& h : engine_headers) {
+      if (h.first != "content-type") e.engine_headers.push_back(std::move(h));
+    }
     e.reply->Send(status, ResponseHead(e), std::move(body));
   });
 }
@@ -886,6 +897,7 @@ void Gateway::Retry(const std::shared_ptr<Exchange>& x, std::uint32_t attempt, s
     x->held.clear();
     x->leg_body.clear();
     x->prefill_status = 0;
+    x->prefill_headers.clear();
     x->prefill_body.clear();
     x->prefill_overflow = false;
     x->prefill_answered = false;

@@ -112,8 +112,10 @@ class Gateway {
   void OnNixlPrefillAnswer(const std::shared_ptr<Exchange>& x, std::uint32_t attempt, const Status& s);
   void OnSglangPrefillEnd(const std::shared_ptr<Exchange>& x, std::uint32_t attempt, const Status& s);
   // The exchange ends with this whole answer (unless it ended already): legs still running are
-  // closed and the booking freed.
-  void AnswerWhole(const std::shared_ptr<Exchange>& x, int status, std::string content_type, std::string body);
+  // closed and the booking freed. `engine_headers`: those of the engine whose answer it is (their
+  // content-type replaced by `content_type`).
+  void AnswerWhole(const std::shared_ptr<Exchange>& x, int status, std::string content_type, std::string body,
+                   HttpHeaders engine_headers = {});
   // Ends the exchange unless it ended already: `answer` answers the client (under the exchange's
   // lock), then the legs still running are closed, the booking freed and the request counted.
   void Finish(const std::shared_ptr<Exchange>& x, int status, const std::function<void(Exchange&)>& answer);

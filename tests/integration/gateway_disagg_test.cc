@@ -49,6 +49,7 @@ class PdEngine {
     kEosNull,  // the same, as "kv_transfer_params": null
     kNoConnector,  // an engine without the NixlConnector: its one token, "length", no kv_transfer_params
     kFail500,
+    kBusy429,  // 429 with Retry-After: 3
   };
   struct Seen {
     std::string path;
@@ -159,6 +160,9 @@ class PdEngine {
   void Answer(const Seen& seen, HttpReply& reply) {
     if (mode_.load() == Mode::kFail500) {
       return reply.Send(500, {{"content-type", "application/json"}}, R"({"error":"boom"})");
+    }
+    if (mode_.load() == Mode::kBusy429) {
+      return reply.Send(429, {{"content-type", "application/json"}, {"retry-after", "3"}}, R"({"error":"busy"})");
     }
     const json body = json::parse(seen.raw, nullptr, false);
     const std::string role = role_ == WorkerRole::kPrefill ? "prefill" : "decode";
@@ -340,6 +344,22 @@ TEST_F(GatewayDisaggTest, NixlLegsCarryEveryFieldAndThePlainAnswerHasThePrefillE
   auto stats = Stats();
   ASSERT_TRUE(stats);
   EXPECT_EQ(stats->counters["kv_transfers_observed"], 0u);
+}
+
+// A prefill engine's refusal is the client's answer, with that engine's headers (its
+// Retry-After among them); no decode leg starts.
+TEST_F(GatewayDisaggTest, APrefillEnginesRefusalComesBackWithItsRetryAfter) {
+  const Pair pair = AddNixlPair();
+  PdEngine &prefill = pair.prefill, &decode = pair.decode;
+  prefill.set_mode(PdEngine::Mode::kBusy429);
+  ASSERT_TRUE(AwaitReady(2));
+  auto r = Post(ClientBody(true, false).dump(), {{"x-request-id", "pd-busy"}});
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->status, 429) << r->body;
+  EXPECT_EQ(HeaderOf(*r, "retry-after"), "3");
+  EXPECT_EQ(HeaderOf(*r, "x-request-id"), "pd-busy");
+  EXPECT_EQ(decode.requests(), 0u);
+  EXPECT_TRUE(AwaitFreed());
 }
 
 // A streamed request: the prefill leg plain and without stream_options, the decode leg the
