@@ -638,6 +638,14 @@ class GatewayDrainTest : public GatewayTest {
     }));
     return s;
   }
+  // Engine 1 holds a stream begun through the gateway, and the gateway is sent SIGTERM.
+  std::unique_ptr<Stream> HeldStreamThenSigterm(FakeEngine& e) {
+    e.set_mode(FakeEngine::Mode::kHoldStream);
+    EXPECT_TRUE(AwaitReady(1));
+    auto stream = StartHeldStream(e);
+    EXPECT_EQ(::kill(gateway_->pid(), SIGTERM), 0);
+    return stream;
+  }
   int ReadyStatus(const HttpEndpoint& at) {
     auto r = client_->Fetch(at, {.method = "GET", .target = "/ready"});
     return r.ok() ? r->status : 0;
@@ -650,10 +658,8 @@ class GatewayDrainTest : public GatewayTest {
 
 TEST_F(GatewayDrainTest, SigtermLetsAStreamUnderWayFinishRefusesNewConnectionsAndExitsZero) {
   FakeEngine& e = AddEngine(1);
-  e.set_mode(FakeEngine::Mode::kHoldStream);
-  ASSERT_TRUE(AwaitReady(1));
-  auto stream = StartHeldStream(e);
-  ASSERT_EQ(::kill(gateway_->pid(), SIGTERM), 0);
+  auto stream = HeldStreamThenSigterm(e);
+  ASSERT_FALSE(HasFailure());
   EXPECT_TRUE(AwaitTrue([&] { return ReadyStatus(metrics_endpoint_) == 503; }));
   EXPECT_TRUE(AwaitTrue([&] { return !CanConnect(gateway_port_); }));
   EXPECT_FALSE(stream->done.load());  // still under way
@@ -671,10 +677,8 @@ TEST_F(GatewayDrainTest, SigtermLetsAStreamUnderWayFinishRefusesNewConnectionsAn
 
 TEST_F(GatewayDrainTest, ASecondSigtermEndsTheDrainAtOnce) {
   FakeEngine& e = AddEngine(1);
-  e.set_mode(FakeEngine::Mode::kHoldStream);
-  ASSERT_TRUE(AwaitReady(1));
-  auto stream = StartHeldStream(e);
-  ASSERT_EQ(::kill(gateway_->pid(), SIGTERM), 0);
+  auto stream = HeldStreamThenSigterm(e);
+  ASSERT_FALSE(HasFailure());
   ASSERT_TRUE(AwaitTrue([&] { return ReadyStatus(metrics_endpoint_) == 503; }));
   EXPECT_FALSE(stream->done.load());  // draining: the stream goes on
   ASSERT_EQ(::kill(gateway_->pid(), SIGTERM), 0);
@@ -694,11 +698,9 @@ class GatewayShortDrainTest : public GatewayDrainTest {
 
 TEST_F(GatewayShortDrainTest, AStreamOutlastingTheDrainTimeoutIsCutThenAndItsBookingFreed) {
   FakeEngine& e = AddEngine(1);
-  e.set_mode(FakeEngine::Mode::kHoldStream);
-  ASSERT_TRUE(AwaitReady(1));
-  auto stream = StartHeldStream(e);
-  const auto signalled = std::chrono::steady_clock::now();
-  ASSERT_EQ(::kill(gateway_->pid(), SIGTERM), 0);
+  auto stream = HeldStreamThenSigterm(e);
+  const auto signalled = std::chrono::steady_clock::now();  // just after the signal
+  ASSERT_FALSE(HasFailure());
   ASSERT_TRUE(AwaitTrue([&] { return stream->done.load(); }));
   const auto cut_after = std::chrono::steady_clock::now() - signalled;
   EXPECT_GE(cut_after, 900ms);  // not before the drain timeout
