@@ -229,6 +229,7 @@ class Session : public std::enable_shared_from_this<Session> {
   unsigned version_ = 11;
   bool keep_alive_ = false;
   bool first_ = true;        // no request read yet on this connection
+  bool reading_body_ = false;  // a request's headers came, its body is being read
   bool responding_ = false;  // a request was handed to the handler and its reply is not done
   bool closed_ = false;     // Shutdown ran: the socket is closed
   bool lingering_ = false;  // Linger ran: the response went, the client's bytes are dropped
@@ -323,6 +324,7 @@ void Session::OnHeader(beast::error_code ec) {
   first_ = false;
   if (ec == http::error::header_limit) return Refuse(431, "the request's headers are too large");
   if (ReadFailed(ec)) return;
+  reading_body_ = true;
   const auto& req = parser_->get();
   version_ = req.version();
   keep_alive_ = req.keep_alive();
@@ -352,6 +354,7 @@ void Session::OnBody(beast::error_code ec) {
 void Session::Refuse(int status, std::string_view message) {
   ++state_->bad_requests;
   keep_alive_ = false;
+  reading_body_ = false;
   auto res = std::make_shared<http::response<http::string_body>>();
   std::string type = "text/plain; charset=utf-8";
   std::string body = std::string(message) + "\n";
@@ -367,6 +370,7 @@ void Session::Refuse(int status, std::string_view message) {
 
 void Session::Dispatch() {
   HttpRequest r = ToRequest(parser_->release());
+  reading_body_ = false;
   responding_ = true;
   head_sent_ = false;
   finishing_ = false;
@@ -522,7 +526,8 @@ void Session::ClientGone() {
 }
 
 void Session::CloseIfIdle() {
-  if (closed_ || lingering_ || responding_) return;  // a response under way closes when it ends
+  // A request under way (its body being read, or its response) closes its connection when answered.
+  if (closed_ || lingering_ || reading_body_ || responding_) return;
   if (buffer_.size() > 0) return;  // part of a request came: it is read and answered
   char byte;
   const ssize_t n = ::recv(stream_.socket().native_handle(), &byte, 1, MSG_PEEK | MSG_DONTWAIT);

@@ -255,7 +255,8 @@ TEST_F(HttpTest, ALingerEndsAfterItsBytesOrItsTime) {
 TEST_F(HttpTest, DrainFinishesTheResponseUnderWayAndRefusesNewConnections) {
   std::shared_ptr<HttpReply> held;
   std::mutex held_mu;
-  Listen({}, [&](HttpRequest, std::shared_ptr<HttpReply> r) {
+  Listen({}, [&](HttpRequest req, std::shared_ptr<HttpReply> r) {
+    if (req.Path() == "/late") return r->Send(200, {}, req.body);
     r->Begin(200, {{"content-type", "text/event-stream"}});
     r->Write("one ");
     std::lock_guard g(held_mu);
@@ -282,10 +283,19 @@ TEST_F(HttpTest, DrainFinishesTheResponseUnderWayAndRefusesNewConnections) {
   }));
   RawClient idle(listener_->port());
   ASSERT_TRUE(idle.connected());
-  ASSERT_TRUE(AwaitTrue([&] { return listener_->counters().open == 2; }));
+  // Its headers came, its body (after 100 Continue) has not yet: a request under way.
+  RawClient expecting(listener_->port());
+  expecting.Send("POST /late HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nExpect: 100-continue\r\n\r\n");
+  char cont[25] = {};
+  ASSERT_GT(::recv(expecting.fd(), cont, sizeof(cont) - 1, 0), 0);  // HTTP/1.1 100 Continue
+  ASSERT_TRUE(AwaitTrue([&] { return listener_->counters().open == 3; }));
   listener_->Drain();
   EXPECT_FALSE(RawClient(listener_->port()).connected());
   EXPECT_EQ(idle.ReadAll(), "");  // closed without a word: it had asked nothing
+  expecting.Send("hello");
+  const std::string late = expecting.ReadAll();  // answered, and closed after it
+  EXPECT_NE(late.find("HTTP/1.1 200"), std::string::npos) << late;
+  EXPECT_NE(late.find("Connection: close"), std::string::npos) << late;
   EXPECT_FALSE(listener_->AwaitClosed(milliseconds(100)));  // the stream is still under way
   {
     std::lock_guard g(held_mu);
