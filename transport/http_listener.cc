@@ -156,7 +156,7 @@ class Session : public std::enable_shared_from_this<Session> {
   }
   // The listener drains (from Drain, on any thread): a connection waiting for a request with
   // none of it arrived closes now; one with a request under way answers it and then closes.
-  void Drain() {
+  void EndWhenIdle() {
     net::post(stream_.get_executor(), [self = shared_from_this()] { self->CloseIfIdle(); });
   }
 
@@ -676,7 +676,7 @@ void HttpListener::Stop() {
 void HttpListener::Drain() {
   if (state_->stopped.load() || state_->draining.exchange(true)) return;
   state_->CloseAcceptor();
-  for (auto& s : state_->LiveSessions()) s->Drain();
+  for (auto& s : state_->LiveSessions()) s->EndWhenIdle();
 }
 
 bool HttpListener::AwaitClosed(std::chrono::milliseconds timeout) {
