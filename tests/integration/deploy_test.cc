@@ -374,7 +374,7 @@ TEST_F(DeployTest, EveryMetricTheDashboardAndTheRulesQueryIsExportedByARunningPr
         {"--zmq-endpoint", fmt::format("tcp://127.0.0.1:{}", *relay_zmq), "--worker-id", "99", "--block-size",
          std::to_string(kBs), "--engine-url", fmt::format("http://127.0.0.1:{}", *relay_engine), "--model", "relay"});
   scrapes_["kvrouter"] = metrics_port_;
-  scrapes_["kvgateway"] = gateway_port_;
+  scrapes_["kvgateway"] = metrics_endpoint_.port;  // its --metrics-port: /metrics is only there
   ASSERT_TRUE(AwaitReady(2)) << ReadFile(LogPath("kvmocker-prefill")) << ReadFile(LogPath("kvmocker-decode"));
 
   // One request through both legs: the gateway's P/D series exist once a request took a path.
