@@ -314,7 +314,7 @@ class Call final : public HttpCall, public std::enable_shared_from_this<Call> {
     req_.target(spec_.target);
     req_.version(11);
     req_.set(http::field::host, endpoint_.Key());
-    for (const auto& [k, v] : spec_.headers) req_.set(k, v);
+    for (const auto& [k, v] : spec_.headers) req_.insert(k, v);  // a header given twice goes twice
     req_.keep_alive(true);
     req_.body() = spec_.body;
     req_.prepare_payload();
