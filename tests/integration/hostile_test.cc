@@ -15,26 +15,13 @@
 #include "events/replica_sync_codec.h"
 #include "events/router_endpoints_codec.h"
 #include "events/msgpack_reader.h"
+#include "tests/sanitized.h"
 #include "tests/integration/kvrouter_fixture.h"
 
 namespace kvrouter::testing {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-// g++ names its sanitizers with macros, clang answers __has_feature.
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-#define KV_TEST_SANITIZED 1
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
-#define KV_TEST_SANITIZED 1
-#endif
-#endif
-#ifdef KV_TEST_SANITIZED
-constexpr bool kSanitized = true;  // shadow memory and quarantine make RSS meaningless
-#else
-constexpr bool kSanitized = false;
-#endif
 
 constexpr std::uint64_t kHonest = 7;
 // The Debug + ASan run checks memory safety, not scale: it sends a quarter of each flood (the
