@@ -84,13 +84,14 @@ cat "$compose_log"
 rm -f "$compose_log"
 
 # The routing-quality replays (label `quality`) run in the plain build only: under a Debug ASan
-# build they take minutes, and kvbench_test runs the same replay code there. So do two tests of
-# scale alone (a million-block dump, an hour of churn: 50 s under ASan), whose code paths the
-# smaller publisher and index tests take under ASan too.
+# build they take minutes, and kvbench_test runs the same replay code there. So do three tests of
+# scale alone (a million-block dump, an hour of churn: 50 s under ASan; the P/D soak of 1,000
+# requests: 2 minutes), whose code paths the smaller publisher, index and GatewayPdClientsTest
+# tests take under ASan too.
 step "every test under ASan+UBSan (the kvrouter binary too; not the quality replays)"
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
   ctest --test-dir build-asan --output-on-failure -j "$jobs" --timeout 600 -LE quality \
-  -E '^(KvEventPublisherIndex\.MillionBlockDumpTravelsInPartsUnderTheMaxPayload|SoakTest\.AnHourOfChurnKeepsTheIndexExactAndItsMemoryFlat)$'
+  -E '^(KvEventPublisherIndex\.MillionBlockDumpTravelsInPartsUnderTheMaxPayload|SoakTest\.AnHourOfChurnKeepsTheIndexExactAndItsMemoryFlat|PdSoakTest\.AThousandRequestsWithAbortsAndAKilledPrefillProcessLoseNothing)$'
 
 step "concurrent parts under TSan (built with clang: its thread-safety analysis checks every KV_GUARDED_BY)"
 tsan_targets=(index_test service_test transport_test transport_unit_test service_threads_test kvrelay_unit_test
