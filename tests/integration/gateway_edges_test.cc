@@ -28,43 +28,6 @@ namespace {
 
 using std::chrono::milliseconds;
 
-// A client on a plain socket that reads only when told: a slow client.
-class SlowClient {
- public:
-  SlowClient(int port, const std::string& body) {
-    fd_ = ::socket(AF_INET, SOCK_STREAM, 0);  // its receive buffer grows only as it reads
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_port = htons(static_cast<std::uint16_t>(port));
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    timeval tv{.tv_sec = 10, .tv_usec = 0};
-    ::setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-    ok_ = ::connect(fd_, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
-    const std::string req = fmt::format(
-        "POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
-        "Content-Length: {}\r\n\r\n{}",
-        body.size(), body);
-    ok_ = ok_ && ::send(fd_, req.data(), req.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(req.size());
-  }
-  ~SlowClient() { ::close(fd_); }
-  bool ok() const { return ok_; }
-  // Reads until the chunked body's last chunk (or the connection ends, or 10 s of silence).
-  std::string ReadToTheEnd() {
-    std::string out;
-    std::vector<char> buf(1 << 16);
-    while (!out.ends_with("\r\n0\r\n\r\n")) {
-      const ssize_t n = ::recv(fd_, buf.data(), buf.size(), 0);
-      if (n <= 0) break;
-      out.append(buf.data(), static_cast<std::size_t>(n));
-    }
-    return out;
-  }
-
- private:
-  int fd_ = -1;
-  bool ok_ = false;
-};
-
 // The body of a chunked HTTP response (head included in `raw`); "" if it is malformed.
 std::string Dechunk(const std::string& raw) {
   std::size_t pos = raw.find("\r\n\r\n");
@@ -212,14 +175,18 @@ TEST_F(GatewayTest, ASlowClientSlowsTheEngineReadAndGetsTheWholeStream) {
   const long peak_before = ProcStatusKb(gateway_->pid(), "VmHWM");
   ASSERT_GT(peak_before, 0);
   constexpr std::size_t kStream = FakeEngine::kFloodEvent * FakeEngine::kFloodEvents;
-  SlowClient client(gateway_port_, Chat("flood me", true));
+  RawSocket client(gateway_port_);
   ASSERT_TRUE(client.ok());
+  const std::string request = Chat("flood me", true);
+  ASSERT_TRUE(client.SendAll(fmt::format("POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: "
+                                         "application/json\r\nContent-Length: {}\r\n\r\n{}",
+                                         request.size(), request)));
   // The client reads nothing yet: the gateway pauses the engine read, and most of the stream
   // stays queued on the engine's side.
   ASSERT_TRUE(AwaitTrue([&] { return ScrapeMetric("kvgateway_slow_clients_total") == 1; }));
   // (The kernel's buffers on the way hold some megabytes.)
   ASSERT_TRUE(AwaitTrue([&] { return e.flood_backlog() > kStream / 2; })) << e.flood_backlog();
-  const std::string body = Dechunk(client.ReadToTheEnd());
+  const std::string body = Dechunk(client.ReadUntil("\r\n0\r\n\r\n"));
   EXPECT_EQ(body.size(), kStream + std::string("data: [DONE]\n\n").size());
   EXPECT_TRUE(body.starts_with("data: 0 x"));
   EXPECT_NE(body.find(fmt::format("\n\ndata: {} x", FakeEngine::kFloodEvents - 1)), std::string::npos);

@@ -7,6 +7,11 @@
 //   TEST_F(GatewayTest, X) { AddEngine(1); ASSERT_TRUE(AwaitReady(1)); auto r = Post(Chat("hi")); }
 #pragma once
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
@@ -16,6 +21,8 @@
 #include <optional>
 #include <sstream>
 #include <string>
+#include <string_view>
+#include <utility>
 #include <vector>
 
 #include "events/msgpack_reader.h"
@@ -26,6 +33,47 @@
 #include "transport/http_listener.h"
 
 namespace kvrouter::testing {
+
+// A TCP client on 127.0.0.1 that sends what it is told, as slowly or as wrongly as it likes, and
+// reads only when told (its receive buffer grows only as it reads: a slow client).
+class RawSocket {
+ public:
+  explicit RawSocket(int port) {
+    fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(static_cast<std::uint16_t>(port));
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ok_ = ::connect(fd_, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
+    timeval tv{.tv_sec = 10, .tv_usec = 0};
+    ::setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  }
+  RawSocket(RawSocket&& o) noexcept : fd_(std::exchange(o.fd_, -1)), ok_(o.ok_) {}
+  ~RawSocket() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  bool ok() const { return ok_; }
+  void Send(std::string_view b) { (void)::send(fd_, b.data(), b.size(), MSG_NOSIGNAL); }
+  // False when the connection broke before every byte was taken.
+  bool SendAll(std::string_view b) { return ::send(fd_, b.data(), b.size(), MSG_NOSIGNAL) == ssize_t(b.size()); }
+  // Reads until the connection ends (or 10 s of silence).
+  std::string ReadAll() { return ReadUntil({}); }
+  // Reads until what came ends with `end` (empty: never), the connection ends, or 10 s of silence.
+  std::string ReadUntil(std::string_view end) {
+    std::string out;
+    std::vector<char> buf(1 << 16);
+    while (end.empty() || !out.ends_with(end)) {
+      const ssize_t n = ::recv(fd_, buf.data(), buf.size(), 0);
+      if (n <= 0) break;
+      out.append(buf.data(), static_cast<std::size_t>(n));
+    }
+    return out;
+  }
+
+ private:
+  int fd_ = -1;
+  bool ok_ = false;
+};
 
 using json = nlohmann::json;
 

@@ -421,39 +421,6 @@ TEST_F(GatewaySessionTest, ASessionHeaderKeepsAConversationOnOneEngine) {
 namespace kvrouter::testing {
 namespace {
 
-// A TCP client that sends what it is told, as slowly or as wrongly as it likes.
-class RawSocket {
- public:
-  explicit RawSocket(int port) {
-    fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_port = htons(static_cast<std::uint16_t>(port));
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    ok_ = ::connect(fd_, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
-    timeval tv{.tv_sec = 10, .tv_usec = 0};
-    ::setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-  }
-  RawSocket(RawSocket&& o) noexcept : fd_(std::exchange(o.fd_, -1)), ok_(o.ok_) {}
-  ~RawSocket() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  bool ok() const { return ok_; }
-  void Send(std::string_view b) { (void)::send(fd_, b.data(), b.size(), MSG_NOSIGNAL); }
-  // False when the connection broke before every byte was taken.
-  bool SendAll(std::string_view b) { return ::send(fd_, b.data(), b.size(), MSG_NOSIGNAL) == ssize_t(b.size()); }
-  std::string ReadAll() {
-    std::string out;
-    char buf[4096];
-    for (ssize_t n; (n = ::recv(fd_, buf, sizeof(buf), 0)) > 0;) out.append(buf, static_cast<std::size_t>(n));
-    return out;
-  }
-
- private:
-  int fd_ = -1;
-  bool ok_ = false;
-};
-
 // The client's end-to-end headers (the trace context among them) reach the engine; hop-by-hop
 // ones (and those the client's Connection names) do not, nor second copies of the gateway's own.
 TEST_F(GatewayTest, TheClientsEndToEndHeadersReachTheEngine) {
