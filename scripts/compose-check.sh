@@ -211,7 +211,7 @@ say "kvrouter:local is $size_mb MB"
 [ "$size_mb" -lt "$max_image_mb" ] || fail "the runtime image is $size_mb MB (limit $max_image_mb MB)"
 
 # --- up, bench, down -------------------------------------------------------------------------
-free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+source scripts/ports.sh  # free_port
 KVROUTER_NATS_PORT=$(free_port); KVROUTER_METRICS_PORT=$(free_port); KVROUTER_HTTP_PORT=$(free_port)
 KVROUTER_PROMETHEUS_PORT=$(free_port); KVGATEWAY_METRICS_PORT=$(free_port)
 export KVROUTER_NATS_PORT KVROUTER_METRICS_PORT KVROUTER_HTTP_PORT KVROUTER_PROMETHEUS_PORT KVGATEWAY_METRICS_PORT

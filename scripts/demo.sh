@@ -44,22 +44,7 @@ cleanup() { stop_all; rm -rf "$work"; }
 trap cleanup EXIT
 trap 'echo; echo "demo: interrupted"; exit 130' INT TERM
 
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
-free_ports() {  # n: the first of n consecutive ports free right now (a kvmocker's HTTP faces)
-  python3 - "$1" <<'PY'
-import random, socket, sys
-n = int(sys.argv[1])
-while True:
-    base = random.randrange(20000, 60000 - n)
-    socks = []
-    try:
-        for p in range(base, base + n):
-            s = socket.socket(); s.bind(("127.0.0.1", p)); socks.append(s)
-        print(base); break
-    except OSError:
-        pass
-PY
-}
+source scripts/ports.sh  # free_port, free_ports
 wait_port() {  # port: until it accepts connections (10 s)
   for _ in $(seq 1 200); do
     (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0

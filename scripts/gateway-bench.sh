@@ -36,23 +36,7 @@ cleanup() {
   rm -rf "$work"
 }
 trap cleanup EXIT INT TERM
-free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
-free_ports() {  # n: the first of n consecutive ports free right now
-  python3 - "$1" <<'PY'
-import socket, sys
-n = int(sys.argv[1])
-for base in range(20000, 60000, n):
-    socks = []
-    try:
-        for p in range(base, base + n):
-            s = socket.socket(); s.bind(("127.0.0.1", p)); socks.append(s)
-        print(base); break
-    except OSError:
-        pass
-    finally:
-        for s in socks: s.close()
-PY
-}
+source scripts/ports.sh  # free_port, free_ports
 await() {  # url: until it answers 200 (10 s at most)
   for _ in $(seq 100); do [ "$(curl -s -o /dev/null -w '%{http_code}' "$1")" = 200 ] && return 0; sleep 0.1; done
   echo "gateway-bench: $1 did not answer"; exit 1
