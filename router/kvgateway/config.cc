@@ -33,7 +33,8 @@ po::options_description Describe() {
     ("engine-idle-timeout-ms", po::value<std::uint32_t>()->default_value(d.engine_idle_timeout_ms), "a pooled engine connection unused this long is closed; keep it below the engines' keep-alive (>= 1)")
     ("io-threads", po::value<std::uint32_t>()->default_value(d.io_threads), "threads serving every HTTP connection [1, 64]")
     ("max-connections", po::value<std::uint32_t>()->default_value(d.max_connections), "client connections open at once; more are closed at accept (>= 1)")
-    ("drain-timeout-secs", po::value<std::uint32_t>()->default_value(d.drain_timeout_secs), "on SIGTERM, how long requests under way (streams included) may take to finish before their connections are closed [0, 3600]");
+    ("drain-timeout-secs", po::value<std::uint32_t>()->default_value(d.drain_timeout_secs), "on SIGTERM, how long requests under way (streams included) may take to finish before their connections are closed [0, 3600]")
+    ("router-fallback", po::value<std::string>()->default_value("least-loaded"), "while no router answers: least-loaded (each request, unrendered, to the engine serving its model with the fewest of this gateway's requests in flight) or none (503 no_workers)");
   // clang-format on
   AddNatsSecurityFlags(desc);
   return desc;
@@ -77,6 +78,14 @@ Status ReadGatewayConfig(const po::variables_map& vm, GatewayConfig& c) {
   if (c.max_connections < 1) return FlagOutOfRange("max-connections", ">= 1");
   c.drain_timeout_secs = vm["drain-timeout-secs"].as<std::uint32_t>();
   if (c.drain_timeout_secs > 3600) return FlagOutOfRange("drain-timeout-secs", "in [0, 3600]");
+  const auto fallback = vm["router-fallback"].as<std::string>();
+  if (fallback == "least-loaded") {
+    c.router_fallback = RouterFallback::kLeastLoaded;
+  } else if (fallback == "none") {
+    c.router_fallback = RouterFallback::kNone;
+  } else {
+    return FlagOutOfRange("router-fallback", "least-loaded or none");
+  }
   return Status::Ok();
 }
 

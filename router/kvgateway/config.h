@@ -5,7 +5,7 @@
 //             [--max-body-bytes 16777216] [--route-timeout-ms 10000] [--engine-timeout-ms 300000]
 //             [--engine-connect-timeout-ms 2000] [--render-timeout-ms 10000]
 //             [--engine-idle-timeout-ms 4000] [--io-threads 2] [--max-connections 50000]
-//             [--drain-timeout-secs 30]
+//             [--drain-timeout-secs 30] [--router-fallback least-loaded]
 //             [--nats-creds ... --nats-tls-*]
 // Plain value; ParseGatewayConfig is thread-safe (reads the environment through a callback).
 //
@@ -19,6 +19,12 @@
 #include "router/common/flags.h"
 
 namespace kvrouter {
+
+// What the gateway does while no router answers (Gateway::RouterDown).
+enum class RouterFallback {
+  kLeastLoaded,  // "least-loaded": each request to the engine with the fewest of the gateway's own in flight
+  kNone,         // "none": 503 no_workers
+};
 
 struct GatewayConfig {
   std::uint32_t http_port = 8000;                     // --http-port [1, 65535] (0 in tests: any free port)
@@ -46,9 +52,10 @@ struct GatewayConfig {
   // the engines' own keep-alive (uvicorn, under vLLM and SGLang: 5 s) so that they rarely close
   // one first and a pick rarely finds it dead.
   std::uint32_t engine_idle_timeout_ms = 4'000;
-  std::uint32_t io_threads = 2;                       // --io-threads [1, 64]: HTTP threads (no thread per connection)
-  std::uint32_t max_connections = 50'000;             // --max-connections >= 1: client connections open at once
-  std::uint32_t drain_timeout_secs = 30;              // --drain-timeout-secs [0, 3600]: SIGTERM's wait for requests
+  std::uint32_t io_threads = 2;            // --io-threads [1, 64]: HTTP threads (no thread per connection)
+  std::uint32_t max_connections = 50'000;  // --max-connections >= 1: client connections open at once
+  std::uint32_t drain_timeout_secs = 30;   // --drain-timeout-secs [0, 3600]: SIGTERM's wait for requests
+  RouterFallback router_fallback = RouterFallback::kLeastLoaded;  // --router-fallback least-loaded | none
 };
 
 using ParsedGatewayArgs = ProgramArgs<GatewayConfig>;

@@ -60,6 +60,7 @@ struct Gateway::Exchange {
   std::vector<std::uint64_t> excluded;  // workers that failed this request
   std::vector<HttpEndpoint> render_at;
   SteadyTime arrival;
+  bool fallback = false;  // no router answered: the gateway picks the engines (Fallback), nothing is booked
   // The current attempt.
   std::uint32_t attempt = 0;
   std::string booking;  // request id of the attempt's booking: booking_base, "#n" on a retry
@@ -122,6 +123,9 @@ Gateway::Gateway(const GatewayConfig& config, HttpClient& client, RouterLink& li
                           "responses whose engine read was paused for a client that let kClientHighWater pile up");
   render_fallbacks_ = counter("kvgateway_render_fallbacks_total",
                               "token ids taken from /tokenize because the render endpoint was missing");
+  router_fallbacks_ = counter("kvgateway_router_fallbacks_total",
+                              "requests sent to the least loaded engine unrendered because no router answered "
+                              "(--router-fallback least-loaded)");
   in_flight_ = &prometheus::BuildGauge()
                     .Name("kvgateway_requests_in_flight")
                     .Help("completion requests being served")
@@ -155,7 +159,11 @@ HttpRequestHandler Gateway::Handler() {
 }
 
 bool Gateway::Ready(SteadyTime now) const {
-  return !draining_.load() && nats_connected_.load() && link_.Answering(now) && directory_.size() > 0;
+  // With the fallback, a router going away does not take every gateway out of a load balancer
+  // at once: they go on serving by load.
+  if (draining_.load() || directory_.size() == 0) return false;
+  if (!RouterDown(now)) return true;
+  return config_.router_fallback == RouterFallback::kLeastLoaded && now - started_ >= kRouterGrace;
 }
 
 void Gateway::SetNatsConnected(bool connected) {
@@ -226,7 +234,8 @@ void Gateway::Handle(HttpRequest request, std::shared_ptr<HttpReply> reply) {
     Count(endpoint, 400);
     return error(400, "invalid_request", parsed.status().message());
   }
-  if (!nats_connected_.load()) {  // before the render call: no router could take the request
+  const bool fallback = FallsBack(std::chrono::steady_clock::now());
+  if (!nats_connected_.load() && !fallback) {  // before the render call: no router could take the request
     Count(endpoint, 503);
     return error(503, "no_workers", RouterLink::kNotConnected, {{"retry-after", "1"}});
   }
@@ -279,6 +288,7 @@ void Gateway::Handle(HttpRequest request, std::shared_ptr<HttpReply> reply) {
     Count(ex->endpoint, 499);
     in_flight_->Decrement();
   });
+  if (fallback) return Fallback(x);  // no render call: its token ids would serve no router
   if (x->render_at.empty())
     return Fail(x, 503, "no_workers", "no engine serving the model has a usable http_url", {{"retry-after", "1"}});
   Render(x, 0, false);
@@ -393,6 +403,8 @@ void Gateway::Route(const std::shared_ptr<Exchange>& x) {
       return routed->disaggregated ? Disaggregate(ex, attempt) : Forward(ex, attempt);
     }
     const Status& s = routed.status();
+    const bool router_gone = s.code() == StatusCode::kNoWorkers || s.code() == StatusCode::kTimeout;
+    if (router_gone && FallsBack(std::chrono::steady_clock::now()) && !stopping_.load()) return Fallback(ex);
     switch (s.code()) {
       case StatusCode::kOverloaded:
       case StatusCode::kTimeout:
@@ -419,7 +431,11 @@ HttpHeaders ResponseHead(const Gateway::Exchange& ex) {
   if (ex.routed.disaggregated) {
     h.emplace_back("x-kvrouter-prefill-worker-id", std::to_string(ex.routed.prefill_worker_id));
   }
-  h.emplace_back("x-kvrouter-cached-tokens", std::to_string(ex.routed.cached_tokens));
+  if (ex.fallback) {
+    h.emplace_back("x-kvrouter-fallback", "least-loaded");
+  } else {
+    h.emplace_back("x-kvrouter-cached-tokens", std::to_string(ex.routed.cached_tokens));
+  }
   return h;
 }
 
@@ -464,6 +480,7 @@ void Gateway::Forward(const std::shared_ptr<Exchange>& x, std::uint32_t attempt)
     x->timing = {};
     seq = ++x->call_seq;
   }
+  EngineLoad::Hold load = engine_load_.Add(worker);  // until the call's callbacks are dropped
   auto call = client_.Start(
       *endpoint, std::move(spec),
       {.on_head =
@@ -476,7 +493,7 @@ void Gateway::Forward(const std::shared_ptr<Exchange>& x, std::uint32_t attempt)
            },
        .on_data =
            [this, ex = x, attempt, seq](std::string_view d) {
-             bool first = false;
+             bool mark = false;
              std::shared_ptr<HttpCall> pause;  // this call, to pause until the client drains
              bool first_pause = false;
              {
@@ -489,7 +506,10 @@ void Gateway::Forward(const std::shared_ptr<Exchange>& x, std::uint32_t attempt)
                const SteadyTime now = std::chrono::steady_clock::now();
                if (!ex->first_byte) {
                  ex->first_byte = true;
-                 first = true;
+                 // A plain answer's first byte is (nearly) its end: free says it all, and a
+                 // mark_prefill there would teach the router a prefill (or KV transfer) as long
+                 // as the whole generation. Nothing is booked when the gateway fell back.
+                 mark = ex->booked && ex->request.stream;
                  if (!std::exchange(ex->ttfb_observed, true)) ttfb_->Observe(Seconds(now - ex->arrival));
                  ex->timing.ttfb_ms = Seconds(now - ex->called) * 1000;
                  if (ex->prefill_answered) decode_wait_->Observe(Seconds(now - ex->prefill_end));
@@ -523,10 +543,7 @@ void Gateway::Forward(const std::shared_ptr<Exchange>& x, std::uint32_t attempt)
                  pause = ex->call;
                }
              }
-             // A plain answer's first byte is (nearly) its end: free says it all, and a
-             // mark_prefill there would teach the router a prefill (or KV transfer) as long as
-             // the whole generation.
-             if (first && ex->request.stream) link_.MarkPrefill(ex->booking);
+             if (mark) link_.MarkPrefill(ex->booking);
              if (pause) {
                if (first_pause) slow_clients_->Increment();
                pause->Pause();  // here, on the call's own thread: before its next read
@@ -541,7 +558,7 @@ void Gateway::Forward(const std::shared_ptr<Exchange>& x, std::uint32_t attempt)
              }
            },
        .on_done =
-           [this, ex = x, attempt, worker](const Status& s) {
+           [this, ex = x, attempt, worker, load](const Status& s) {
              bool began = false;
              int status = 0;
              std::string error;
@@ -683,6 +700,7 @@ bool Gateway::StartPrefillLeg(const std::shared_ptr<Exchange>& x, std::uint32_t 
     x->prefill_called = std::chrono::steady_clock::now();
     seq = ++x->prefill_seq;
   }
+  EngineLoad::Hold load = engine_load_.Add(worker);
   auto call = client_.Start(
       *endpoint, std::move(spec),
       {.on_head =
@@ -704,7 +722,7 @@ bool Gateway::StartPrefillLeg(const std::shared_ptr<Exchange>& x, std::uint32_t 
              }
            },
        .on_done =
-           [this, ex = x, attempt, sglang](const Status& s) {
+           [this, ex = x, attempt, sglang, load](const Status& s) {
              if (sglang) return OnSglangPrefillEnd(ex, attempt, s);
              OnNixlPrefillAnswer(ex, attempt, s);
            }});
@@ -915,7 +933,49 @@ void Gateway::Retry(const std::shared_ptr<Exchange>& x, std::uint32_t attempt, s
     return Fail(x, 502, "engine_failed", fmt::format("the engine failed after {} tries: {}", next, why));
   }
   retries_->Increment();
-  Route(x);
+  bool fallback = false;
+  {
+    std::lock_guard g(x->mu);
+    fallback = x->fallback;
+  }
+  fallback ? Fallback(x) : Route(x);  // a request the gateway never rendered is not the router's to route
+}
+
+void Gateway::Fallback(const std::shared_ptr<Exchange>& x) {
+  std::vector<std::uint64_t> usable, prefill;
+  std::uint32_t attempt = 0;
+  bool first = false;
+  {
+    std::lock_guard g(x->mu);
+    if (x->done) return;
+    first = !std::exchange(x->fallback, true);
+    attempt = x->attempt;
+    for (std::uint64_t id : x->allowed) {
+      if (std::find(x->excluded.begin(), x->excluded.end(), id) != x->excluded.end()) continue;
+      // Prefill engines only when nothing else is left: the decode pool is sized for generating.
+      (directory_.Role(id) == WorkerRole::kPrefill ? prefill : usable).push_back(id);
+    }
+  }
+  if (usable.empty()) usable = std::move(prefill);
+  if (stopping_.load()) return Fail(x, 503, "shutting_down", "the gateway is stopping");
+  const auto worker = engine_load_.Least(usable, next_id_.load());
+  if (!worker) {
+    return Fail(x, 503, "no_workers", "no router answers, and no engine serving the model is left to try",
+                {{"retry-after", "1"}});
+  }
+  if (first) {
+    router_fallbacks_->Increment();
+    log_.Log(LogLevel::kWarning, "router-fallback",
+             "no router answers: request {} goes to the least loaded engine, worker {} (--router-fallback)",
+             x->request_id, *worker);
+  }
+  {
+    std::lock_guard g(x->mu);
+    if (x->done || x->attempt != attempt) return;
+    x->routed = RouteReply{};
+    x->routed.worker_id = *worker;
+  }
+  Forward(x, attempt);
 }
 
 void Gateway::Fail(const std::shared_ptr<Exchange>& x, int status, std::string_view code, const std::string& message,
@@ -956,6 +1016,9 @@ std::string Gateway::MetricsText(const HttpListener::Counters& http) const {
             double(http.timeouts));
   m.Gauge("kvgateway_engines", "engines with an http_url known from registrations", double(directory_.size()));
   m.Gauge("kvgateway_router_pending", "route requests waiting for the router", double(link_.pending()));
+  m.Gauge("kvgateway_router_up",
+          "1 while a router answers, 0 while none does (requests then go by --router-fallback, or get 503)",
+          RouterDown(std::chrono::steady_clock::now()) ? 0.0 : 1.0);
   m.Gauge("kvgateway_frees_unconfirmed",
           "frees sent that no router answer has confirmed yet (sent again after a NATS loss)",
           double(link_.unconfirmed()));

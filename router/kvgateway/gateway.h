@@ -20,6 +20,11 @@
 // decode answer being the client's and the prefill answer's end sending prefill_done. A leg that
 // fails before the client got a byte closes the other and routes again away from its worker; a
 // client going away closes both (and starts no decode leg).
+// While no router answers (RouterDown) and --router-fallback is least-loaded, a completion request
+// is not rendered: it goes whole to the engine serving its model (a decode or aggregated one
+// before a prefill one) with the fewest of this gateway's calls in flight (EngineLoad), books
+// nothing, and its response says so (x-kvrouter-fallback); a route that fails because no router
+// answers falls back likewise.
 //
 // Thread contract: Handle runs on HTTP threads; OnRegistration on a NATS thread; Tick on the
 // caller's timer. Each request's state has its own mutex; callbacks never block. Ownership:
@@ -43,6 +48,7 @@
 #include "events/base/clock.h"
 #include "events/base/log.h"
 #include "router/kvgateway/config.h"
+#include "router/kvgateway/engine_load.h"
 #include "router/kvgateway/openai.h"
 #include "router/kvgateway/router_link.h"
 #include "router/kvgateway/worker_directory.h"
@@ -71,8 +77,13 @@ class Gateway {
   // The engine connections pooled for an http_url no worker has any more are closed.
   void OnRegistration(const WorkerRegistration& reg, SteadyTime now) { DropPools(directory_.Apply(reg, now)); }
   void Tick(SteadyTime now) { DropPools(directory_.Expire(now)); }
-  // NATS connected, the router answering, an engine known, and not draining.
+  // An engine known, not draining, and the router answering; or, with --router-fallback, no
+  // router answering since kRouterGrace after the start (a gateway started while the router is
+  // up is ready once it can route; one started without a router serves without it).
   bool Ready(SteadyTime now) const;
+  static constexpr std::chrono::seconds kRouterGrace{5};
+  // No router can be asked now: NATS is down, or no router has answered lately (RouterLink::Answering).
+  bool RouterDown(SteadyTime now) const { return !nats_connected_.load() || !link_.Answering(now); }
   // SIGTERM's first step: /ready answers 503 from now on (load balancers stop sending); requests
   // are served as before while their connections drain.
   void Drain() { draining_ = true; }
@@ -97,6 +108,12 @@ class Gateway {
   void Models(const std::shared_ptr<HttpReply>& reply) const;
   void Render(const std::shared_ptr<Exchange>& x, std::size_t candidate, bool tokenize);
   void Route(const std::shared_ptr<Exchange>& x);
+  // --router-fallback least-loaded: the gateway picks the engine itself (the exchange is marked
+  // as falling back from then on, retries included).
+  void Fallback(const std::shared_ptr<Exchange>& x);
+  bool FallsBack(SteadyTime now) const {
+    return config_.router_fallback == RouterFallback::kLeastLoaded && RouterDown(now);
+  }
   // The call to the reply's worker (a disaggregated request's decode leg), answered to the client.
   // The engine `worker` at `url` (its registered one when empty).
   Result<HttpEndpoint> EngineEndpoint(std::uint64_t worker, std::string url) const;
@@ -145,7 +162,9 @@ class Gateway {
   std::atomic<bool> stopping_{false};
   std::atomic<bool> draining_{false};
   std::atomic<std::uint64_t> next_id_{0};
+  EngineLoad engine_load_;
   const std::string id_prefix_;
+  const SteadyTime started_ = std::chrono::steady_clock::now();
   RateLimitedLog log_;
 
   std::shared_ptr<prometheus::Registry> registry_;
@@ -154,12 +173,13 @@ class Gateway {
   prometheus::Counter* clients_gone_ = nullptr;
   prometheus::Counter* slow_clients_ = nullptr;
   prometheus::Counter* render_fallbacks_ = nullptr;
+  prometheus::Counter* router_fallbacks_ = nullptr;
   prometheus::Gauge* in_flight_ = nullptr;
   prometheus::Histogram* ttfb_ = nullptr;        // request arrival -> engine's first byte
   prometheus::Histogram* route_time_ = nullptr;  // render + route, before the engine is called
   prometheus::Histogram* inter_chunk_ = nullptr;
   prometheus::Family<prometheus::Counter>* disagg_requests_ = nullptr;  // {path}
-  prometheus::Histogram* prefill_leg_ = nullptr;  // a prefill leg's call -> its answer's end
+  prometheus::Histogram* prefill_leg_ = nullptr;                        // a prefill leg's call -> its answer's end
   prometheus::Histogram* decode_wait_ = nullptr;  // the prefill answer -> the decode leg's first byte
 };
 

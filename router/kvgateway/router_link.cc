@@ -121,6 +121,9 @@ void RouterLink::OnAnswer(const IncomingMessage& m) {
     }
     last_answer_ = now.time_since_epoch().count();  // after the bookkeeping: Answering follows it
     PublishFrees(again);
+  } else {
+    // No router subscribes now: not answering, until one answers again (a probe a second later).
+    last_answer_ = std::numeric_limits<SteadyTime::rep>::min();
   }
   if (probe) return;
   Done done;

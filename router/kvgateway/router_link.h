@@ -70,7 +70,7 @@ class RouterLink {
   // know it answers (for Answering).
   void Tick(SteadyTime now);
   // The router answered something within the last few seconds, and since the connection was
-  // last lost.
+  // last lost, and NATS has not said since that no router subscribes (no responders).
   bool Answering(SteadyTime now) const;
   std::size_t pending() const;
   // Frees sent that no router answer has confirmed yet.
@@ -92,7 +92,7 @@ class RouterLink {
 
   NatsClient& nats_;
   const std::string route_subject_, mark_prefill_subject_, prefill_done_subject_, free_subject_, stats_subject_;
-  const std::string inbox_;   // "_KVGW.<random>."
+  const std::string inbox_;  // "_KVGW.<random>."
   const std::chrono::milliseconds timeout_;
   std::unique_ptr<Subscription> sub_;
   mutable KvMutex mu_;

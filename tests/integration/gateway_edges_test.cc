@@ -1,10 +1,10 @@
 // kvgateway's engine side at the edges a fleet meets (issue 50): an engine host that drops
 // packets (connect timeout), a long generation whose head is late (no second run elsewhere),
 // idle engine connections (reaped below the engines' keep-alive, dropped with their worker), a
-// slow client (the engine read paused, not the client cut off) and a stream a dying engine cut
-// (no timing reported). The real kvgateway process, nats-server and kvrouter; engines are
-// gateway_fixture.h's FakeEngine, and a local socket that never accepts stands in for a host
-// that drops packets.
+// slow client (the engine read paused, not the client cut off), a stream a dying engine cut
+// (no timing reported) and a router that is gone (--router-fallback). The real kvgateway
+// process, nats-server and kvrouter; engines are gateway_fixture.h's FakeEngine, and a local
+// socket that never accepts stands in for a host that drops packets.
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -178,9 +178,10 @@ TEST_F(GatewayTest, ASlowClientSlowsTheEngineReadAndGetsTheWholeStream) {
   RawSocket client(gateway_port_);
   ASSERT_TRUE(client.ok());
   const std::string request = Chat("flood me", true);
-  ASSERT_TRUE(client.SendAll(fmt::format("POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: "
-                                         "application/json\r\nContent-Length: {}\r\n\r\n{}",
-                                         request.size(), request)));
+  ASSERT_TRUE(
+      client.SendAll(fmt::format("POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: "
+                                 "application/json\r\nContent-Length: {}\r\n\r\n{}",
+                                 request.size(), request)));
   // The client reads nothing yet: the gateway pauses the engine read, and most of the stream
   // stays queued on the engine's side.
   ASSERT_TRUE(AwaitTrue([&] { return ScrapeMetric("kvgateway_slow_clients_total") == 1; }));
@@ -226,6 +227,81 @@ TEST_F(GatewayTest, AStreamTheEngineCutOffIsFreedWithoutATiming) {
       5s))
       << reports << " timing reports";
   EXPECT_EQ(e.completions(), 2);
+}
+
+// The router killed: /ready stays 200, each request goes unrendered to the engine with the
+// fewest of the gateway's calls in flight, and says so; the router back, requests are routed
+// (and rendered) again.
+TEST_F(GatewayTest, WithoutARouterRequestsGoToTheLeastLoadedEngineUnrendered) {
+  FakeEngine& a = AddEngine(1);
+  FakeEngine& b = AddEngine(2);
+  ASSERT_TRUE(AwaitReady(2));
+  EXPECT_EQ(ScrapeMetric("kvgateway_router_up"), 1);
+  router_->Kill();
+  // At once (before the gateway's next probe finds no router, as a rule) a request is rendered,
+  // its route finds no router, and it falls back.
+  auto first = Post(Chat("the router just went"));
+  ASSERT_TRUE(first.ok());
+  EXPECT_EQ(first->status, 200) << first->body;
+  EXPECT_EQ(HeaderOf(*first, "x-kvrouter-fallback"), "least-loaded");
+  ASSERT_TRUE(AwaitTrue([&] { return ScrapeMetric("kvgateway_router_up") == 0; }));
+  // Ready all along (once Gateway::kRouterGrace has passed since the gateway started).
+  EXPECT_TRUE(
+      AwaitTrue([&] { return client_->Fetch(endpoint_, {.method = "GET", .target = "/ready"})->status == 200; }));
+  a.set_mode(FakeEngine::Mode::kHold);
+  b.set_mode(FakeEngine::Mode::kHold);
+  const int renders = a.renders() + b.renders();
+  // Two requests held at once: the second goes to the engine the first left idle.
+  std::vector<std::shared_ptr<HttpCall>> held;
+  auto statuses = std::make_shared<std::vector<std::atomic<int>>>(2);
+  for (int i = 0; i < 2; ++i) {
+    held.push_back(
+        client_->Start(endpoint_, {.target = "/v1/chat/completions", .body = Chat(fmt::format("no router {}", i))},
+                       {.on_head = [statuses, i](int status, const HttpHeaders&) { (*statuses)[i] = status; }}));
+    ASSERT_TRUE(AwaitTrue([&] { return a.held() + b.held() == i + 1; })) << ReadFile(LogPath("kvgateway"));
+  }
+  EXPECT_EQ(a.held(), 1);
+  EXPECT_EQ(b.held(), 1);
+  a.Release();
+  b.Release();
+  ASSERT_TRUE(AwaitTrue([&] { return (*statuses)[0] == 200 && (*statuses)[1] == 200; }));
+  a.set_mode(FakeEngine::Mode::kAnswer);
+  b.set_mode(FakeEngine::Mode::kAnswer);
+  auto r = Post(Chat("and one more"));
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->status, 200) << r->body;
+  EXPECT_EQ(HeaderOf(*r, "x-kvrouter-fallback"), "least-loaded");
+  EXPECT_EQ(HeaderOf(*r, "x-kvrouter-cached-tokens"), "");
+  EXPECT_EQ(a.renders() + b.renders(), renders);  // no render call while falling back
+  EXPECT_EQ(ScrapeMetric("kvgateway_router_fallbacks_total"), 4);
+
+  StartRouter();
+  ASSERT_TRUE(AwaitTrue([&] {
+    Heartbeat();
+    auto routed = Post(Chat("routed again"));
+    return routed.ok() && routed->status == 200 && HeaderOf(*routed, "x-kvrouter-fallback").empty() &&
+           !HeaderOf(*routed, "x-kvrouter-cached-tokens").empty();
+  }));
+  EXPECT_GT(a.renders() + b.renders(), renders);
+}
+
+class GatewayNoFallbackTest : public GatewayTest {
+ protected:
+  std::vector<std::string> GatewayArgs() const override { return {"--router-fallback", "none"}; }
+};
+
+// --router-fallback none: without a router the gateway is not ready and answers 503 at once
+// (NATS says no router subscribes), without waiting for the route timeout.
+TEST_F(GatewayNoFallbackTest, WithoutARouterTheGatewayIsNotReadyAndAnswers503) {
+  AddEngine(1);
+  ASSERT_TRUE(AwaitReady(1));
+  router_->Kill();
+  auto r = Post(Chat("no router"));
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->status, 503) << r->body;
+  EXPECT_EQ(json::parse(r->body)["error"]["code"], "no_workers");
+  EXPECT_EQ(client_->Fetch(endpoint_, {.method = "GET", .target = "/ready"})->status, 503);
+  EXPECT_EQ(ScrapeMetric("kvgateway_router_fallbacks_total"), 0);
 }
 
 }  // namespace

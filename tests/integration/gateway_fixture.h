@@ -225,8 +225,7 @@ class FakeEngine {
         held_streams_.push_back(std::move(reply));
         return;
       }
-      case Mode::kBusy429:
-        return reply->Send(429, with({{"content-type", "application/json"}}), R"({"error":"busy"})");
+      case Mode::kBusy429: return reply->Send(429, with({{"content-type", "application/json"}}), R"({"error":"busy"})");
       case Mode::kAnswer: break;
     }
     if (body.value("stream", false)) {
@@ -317,8 +316,8 @@ class GatewayTest : public KvRouterProcessTest {
       auto metrics = client_->Fetch(metrics_endpoint_, {.method = "GET", .target = "/metrics"});
       auto stats = Stats();
       return ready.ok() && ready->status == 200 && metrics.ok() &&
-             metrics->body.find(fmt::format("kvgateway_engines {}", n)) != std::string::npos && stats &&
-             stats->workers_total >= n;
+             metrics->body.find(fmt::format("kvgateway_engines {}", n)) != std::string::npos &&
+             metrics->body.find("kvgateway_router_up 1") != std::string::npos && stats && stats->workers_total >= n;
     });
   }
   static std::string Chat(const std::string& text, bool stream = false) {

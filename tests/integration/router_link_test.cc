@@ -164,5 +164,23 @@ TEST_F(RouterLinkTest, FreesSentAgainIntoASecondLossGoAgainAfterItUntilAProbeCon
   EXPECT_EQ(Frees("g1"), 3);
 }
 
+TEST_F(RouterLinkTest, NoRouterSubscribedFailsARouteAtOnceAndTheLinkIsNotAnsweringFromThen) {
+  link_->Tick(std::chrono::steady_clock::now());
+  ASSERT_TRUE(AwaitTrue([&] { return link_->Answering(std::chrono::steady_clock::now()); }));
+  subs_.clear();  // the router goes: nothing subscribes to its subjects
+  ASSERT_TRUE(router_nc_->Flush(2s).ok());
+  std::atomic<bool> answered{false};
+  std::optional<Result<RouteReply>> r;
+  link_->Route({.request_id = "n1"}, [&](Result<RouteReply> got) {
+    r = std::move(got);
+    answered = true;
+  });
+  ASSERT_TRUE(AwaitTrue([&] { return answered.load(); }));  // NATS' no-responders, not the route timeout
+  EXPECT_EQ(r->status().code(), StatusCode::kNoWorkers);
+  // Within the answering window of the last stats answer, yet not answering: the gateway's
+  // fallback (and /ready) need not wait for the window to end.
+  EXPECT_FALSE(link_->Answering(std::chrono::steady_clock::now()));
+}
+
 }  // namespace
 }  // namespace kvrouter

@@ -42,6 +42,10 @@ TEST(GatewayConfig, DefaultsAndTheEnvironment) {
   auto drain = Parse({}, {{"DYN_DRAIN_TIMEOUT_SECS", "0"}});  // 0: close at once
   ASSERT_TRUE(drain.ok()) << drain.status().ToString();
   EXPECT_EQ(drain->config.drain_timeout_secs, 0u);
+  EXPECT_EQ(p->config.router_fallback, RouterFallback::kLeastLoaded);
+  auto none = Parse({}, {{"DYN_ROUTER_FALLBACK", "none"}});
+  ASSERT_TRUE(none.ok()) << none.status().ToString();
+  EXPECT_EQ(none->config.router_fallback, RouterFallback::kNone);
 }
 
 TEST(GatewayConfig, TheRenderUrlIsABaseUrlItsSlashTrimmed) {
@@ -66,6 +70,7 @@ TEST(GatewayConfig, OutOfRangeValuesNameTheirFlag) {
                                                                              {"engine-idle-timeout-ms", "0"},
                                                                              {"max-connections", "0"},
                                                                              {"drain-timeout-secs", "3601"},
+                                                                             {"router-fallback", "random"},
                                                                              {"http-port", "70000"}}) {
     auto r = Parse({"--" + flag, value});
     ASSERT_FALSE(r.ok()) << flag;
