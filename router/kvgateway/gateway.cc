@@ -147,6 +147,9 @@ Gateway::Gateway(const GatewayConfig& config, HttpClient& client, RouterLink& li
                                 "disaggregated (two legs), local (whole to a decode worker), fallback (whole, every "
                                 "prefill worker excluded)")
                           .Register(*registry_);
+  disagg_disaggregated_ = &disagg_requests_->Add({{"path", "disaggregated"}});
+  disagg_local_ = &disagg_requests_->Add({{"path", "local"}});
+  disagg_fallback_ = &disagg_requests_->Add({{"path", "fallback"}});
   prefill_leg_ = histogram("kvgateway_prefill_leg_seconds",
                            "a disaggregated request's prefill leg, from its call to its whole answer");
   decode_wait_ = histogram("kvgateway_decode_wait_seconds",
@@ -183,7 +186,15 @@ void Gateway::DropPools(const std::vector<std::string>& urls) {
 }
 
 void Gateway::Count(std::string_view endpoint, int status) {
-  requests_->Add({{"endpoint", std::string(endpoint)}, {"code", std::to_string(status)}}).Increment();
+  auto add = [&] { return &requests_->Add({{"endpoint", std::string(endpoint)}, {"code", std::to_string(status)}}); };
+  if (status < 100 || status >= 600) return add()->Increment();
+  auto& slot = requests_by_code_[endpoint == "chat"][static_cast<std::size_t>(status - 100)];
+  prometheus::Counter* c = slot.load(std::memory_order_acquire);
+  if (c == nullptr) {
+    c = add();  // the family gives every caller the same series
+    slot.store(c, std::memory_order_release);
+  }
+  c->Increment();
 }
 
 void Gateway::Models(const std::shared_ptr<HttpReply>& reply) const {
@@ -628,7 +639,7 @@ void Gateway::CountDisaggPath(const std::shared_ptr<Exchange>& x) {
       excluded = x->excluded;
     }
   }
-  std::string_view path = "disaggregated";
+  prometheus::Counter* path = disagg_disaggregated_;
   if (!disaggregated) {
     // Eligible (protocol.md section 13): the candidates hold prefill and decode workers. Whole
     // to a decode worker with every prefill candidate excluded is the fallback; otherwise the
@@ -643,9 +654,9 @@ void Gateway::CountDisaggPath(const std::shared_ptr<Exchange>& x) {
       prefill_usable = prefill_usable || std::find(excluded.begin(), excluded.end(), id) == excluded.end();
     }
     if (!decode || !prefill) return;
-    path = prefill_usable ? "local" : "fallback";
+    path = prefill_usable ? disagg_local_ : disagg_fallback_;
   }
-  disagg_requests_->Add({{"path", std::string(path)}}).Increment();
+  path->Increment();
 }
 
 void Gateway::Disaggregate(const std::shared_ptr<Exchange>& x, std::uint32_t attempt) {

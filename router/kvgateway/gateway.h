@@ -38,6 +38,7 @@
 #include <prometheus/histogram.h>
 #include <prometheus/registry.h>
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -169,6 +170,9 @@ class Gateway {
 
   std::shared_ptr<prometheus::Registry> registry_;
   prometheus::Family<prometheus::Counter>* requests_ = nullptr;  // {endpoint, code}
+  // requests_'s series by [endpoint is chat][status - 100], made at their first use: a request
+  // is counted without building a label set (statuses outside 100..599 are not cached).
+  std::array<std::array<std::atomic<prometheus::Counter*>, 500>, 2> requests_by_code_{};
   prometheus::Counter* retries_ = nullptr;
   prometheus::Counter* clients_gone_ = nullptr;
   prometheus::Counter* slow_clients_ = nullptr;
@@ -179,6 +183,9 @@ class Gateway {
   prometheus::Histogram* route_time_ = nullptr;  // render + route, before the engine is called
   prometheus::Histogram* inter_chunk_ = nullptr;
   prometheus::Family<prometheus::Counter>* disagg_requests_ = nullptr;  // {path}
+  prometheus::Counter* disagg_disaggregated_ = nullptr;  // its three series
+  prometheus::Counter* disagg_local_ = nullptr;
+  prometheus::Counter* disagg_fallback_ = nullptr;
   prometheus::Histogram* prefill_leg_ = nullptr;                        // a prefill leg's call -> its answer's end
   prometheus::Histogram* decode_wait_ = nullptr;  // the prefill answer -> the decode leg's first byte
 };
