@@ -1,4 +1,6 @@
-// Gateway: kvgateway's request path (docs/protocol.md section 11, docs/design.md "Gateway").
+// Gateway: kvgateway's request path (docs/protocol.md section 11, docs/design.md "Gateway"):
+// gateway.cc the request path and the pass-through, gateway_disagg.cc a disaggregated request's
+// two legs, gateway_admin.cc metrics and the admin endpoints; exchange.h one request's state.
 // For POST /v1/chat/completions and /v1/completions: parse just enough of the body (model,
 // stream, the prompt), get the engine's exact token ids from a render endpoint (falling back to
 // /tokenize), ask the router (`route`, with the request id, the session, the workers serving the
@@ -102,12 +104,14 @@ class Gateway {
   // kvgateway_* families as Prometheus text, with the listener's counters.
   std::string MetricsText(const HttpListener::Counters& http) const;
 
-  struct Exchange;  // one client request in flight (gateway.cc)
+  struct Exchange;  // one client request in flight (exchange.h)
 
  private:
   void Handle(HttpRequest request, std::shared_ptr<HttpReply> reply);
   void Models(const std::shared_ptr<HttpReply>& reply) const;
   void Render(const std::shared_ptr<Exchange>& x, std::size_t candidate, bool tokenize);
+  // The render (or /tokenize) call's end: the token ids routed, or the next engine asked, or /tokenize.
+  void OnRendered(const std::shared_ptr<Exchange>& ex, std::size_t candidate, bool tokenize, const Status& s);
   void Route(const std::shared_ptr<Exchange>& x);
   // --router-fallback least-loaded: the gateway picks the engine itself (the exchange is marked
   // as falling back from then on, retries included).
@@ -123,6 +127,14 @@ class Gateway {
   HttpCallSpec EngineCall(const Exchange& x, std::string body) const;
   // Nothing happens when the exchange is no longer at `attempt` (ended, or retried meanwhile).
   void Forward(const std::shared_ptr<Exchange>& x, std::uint32_t attempt);
+  // The completion call's callbacks (Forward's): the engine's response head, each piece of its
+  // body (to the client as it comes, or held for a plain answer; back-pressure), and its end
+  // (the whole answer or the stream's end to the client, or a retry, or 504).
+  void OnEngineHead(const std::shared_ptr<Exchange>& ex, std::uint32_t attempt, int status, const HttpHeaders& headers);
+  void OnEngineData(const std::shared_ptr<Exchange>& ex, std::uint32_t attempt, std::uint64_t seq,
+                    std::string_view d);
+  void OnEngineDone(const std::shared_ptr<Exchange>& ex, std::uint32_t attempt, std::uint64_t worker,
+                    const Status& s);
   // Section 13: a disaggregated attempt's legs by its kv_connector.
   void Disaggregate(const std::shared_ptr<Exchange>& x, std::uint32_t attempt);
   // Starts the prefill leg with `body`; false when it could not (the attempt was retried or ended).
