@@ -671,6 +671,27 @@ TEST_F(GatewayDisaggTest, TwoHundredRequestsInARowAreAnsweredAndLeaveNothingBook
   }
 }
 
+// No router: a disaggregated fleet's request goes whole to the decode engine (the prefill pool
+// is not for generating), its body unchanged, rendered by no one.
+TEST_F(GatewayDisaggTest, WithoutARouterARequestGoesWholeToTheDecodeEngine) {
+  const Pair pair = AddNixlPair();  // named references: clang 14 captures no structured binding
+  PdEngine &prefill = pair.prefill, &decode = pair.decode;
+  ASSERT_TRUE(AwaitReady(2));
+  router_->Kill();
+  ASSERT_TRUE(AwaitTrue([&] { return Metric("kvgateway_router_up") == 0; }));
+  const std::size_t before = prefill.requests();
+  for (int i = 0; i < 3; ++i) {  // the decode engine each time, however loaded the prefill one is
+    auto r = Post(ClientBody(true, false).dump());
+    ASSERT_TRUE(r.ok());
+    EXPECT_EQ(r->status, 200) << r->body;
+    EXPECT_EQ(HeaderOf(*r, "x-kvrouter-worker-id"), "2");
+    EXPECT_EQ(HeaderOf(*r, "x-kvrouter-fallback"), "least-loaded");
+  }
+  EXPECT_EQ(prefill.requests(), before);
+  EXPECT_EQ(decode.seen(decode.requests() - 1).raw, ClientBody(true, false).dump());
+  EXPECT_EQ(Metric("kvgateway_router_fallbacks_total"), 3);
+}
+
 class GatewayDisaggNeverTest : public GatewayDisaggTest {
  protected:
   std::vector<std::string> ExtraArgs() const override { return {"--router-disagg-policy", "never"}; }
