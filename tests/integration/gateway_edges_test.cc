@@ -14,7 +14,6 @@
 #include <nlohmann/json.hpp>
 
 #include <chrono>
-#include <fstream>
 #include <string>
 
 #include "events/registration_codec.h"
@@ -27,32 +26,6 @@ namespace kvrouter::testing {
 namespace {
 
 using std::chrono::milliseconds;
-
-// The body of a chunked HTTP response (head included in `raw`); "" if it is malformed.
-std::string Dechunk(const std::string& raw) {
-  std::size_t pos = raw.find("\r\n\r\n");
-  if (pos == std::string::npos) return "";
-  pos += 4;
-  std::string body;
-  while (pos < raw.size()) {
-    const std::size_t eol = raw.find("\r\n", pos);
-    if (eol == std::string::npos) return "";
-    const std::size_t n = std::stoul(raw.substr(pos, eol - pos), nullptr, 16);
-    if (n == 0) return body;
-    body.append(raw, eol + 2, n);
-    pos = eol + 2 + n + 2;
-  }
-  return "";
-}
-
-// A /proc/PID/status field in kB (VmHWM: peak resident memory), -1 when unreadable.
-long ProcStatusKb(pid_t pid, const std::string& field) {
-  std::ifstream f(fmt::format("/proc/{}/status", pid));
-  for (std::string line; std::getline(f, line);) {
-    if (line.starts_with(field + ":")) return std::stol(line.substr(field.size() + 1));
-  }
-  return -1;
-}
 
 class GatewayConnectTimeoutTest : public GatewayTest {
  protected:

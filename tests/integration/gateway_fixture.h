@@ -75,6 +75,23 @@ class RawSocket {
   bool ok_ = false;
 };
 
+// The body of a chunked HTTP response (head included in `raw`); "" if it is malformed.
+inline std::string Dechunk(const std::string& raw) {
+  std::size_t pos = raw.find("\r\n\r\n");
+  if (pos == std::string::npos) return "";
+  pos += 4;
+  std::string body;
+  while (pos < raw.size()) {
+    const std::size_t eol = raw.find("\r\n", pos);
+    if (eol == std::string::npos) return "";
+    const std::size_t n = std::stoul(raw.substr(pos, eol - pos), nullptr, 16);
+    if (n == 0) return body;
+    body.append(raw, eol + 2, n);
+    pos = eol + 2 + n + 2;
+  }
+  return "";
+}
+
 using json = nlohmann::json;
 
 // An engine's HTTP face, as much as the gateway uses: render, chat completions (plain or

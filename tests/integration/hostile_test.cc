@@ -4,8 +4,8 @@
 // worker's cache must be intact, and (outside sanitizer builds) the router's resident memory must have grown by < 200 MB.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <condition_variable>
-#include <fstream>
 #include <limits>
 #include <mutex>
 
@@ -33,19 +33,7 @@ constexpr auto kAnswerWithin = kSanitized ? std::chrono::milliseconds(2000) : st
 constexpr std::size_t kMaxGrowthBytes = 200u << 20;
 
 // Resident set size of a process, from /proc (0 when unreadable).
-std::size_t ResidentBytes(pid_t pid) {
-  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
-  std::string key;
-  while (in >> key) {
-    if (key == "VmRSS:") {
-      std::size_t kb = 0;
-      in >> kb;
-      return kb * 1024;
-    }
-    in.ignore(std::numeric_limits<std::streamsize>::max(), '\n');
-  }
-  return 0;
-}
+std::size_t ResidentBytes(pid_t pid) { return static_cast<std::size_t>(std::max(0L, ProcStatusKb(pid, "VmRSS"))) * 1024; }
 
 class HostileTest : public KvRouterProcessTest {
  protected:

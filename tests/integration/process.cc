@@ -187,6 +187,33 @@ Result<int> PickFreePort() {
   return static_cast<int>(ntohs(addr.sin_port));
 }
 
+long ProcStatusKb(pid_t pid, const std::string& field) {
+  std::ifstream f(fmt::format("/proc/{}/status", pid));
+  for (std::string line; std::getline(f, line);) {
+    if (line.starts_with(field + ":")) return std::stol(line.substr(field.size() + 1));
+  }
+  return -1;
+}
+
+std::size_t OpenConnectionsTo(int port) {
+  // Rows: "sl local_address rem_address st tx_queue:rx_queue tr:tm->when retrnsmt uid timeout
+  // inode ...", addresses as hex "ADDR:PORT". A socket no process holds (TIME_WAIT, FIN_WAIT)
+  // has inode 0.
+  std::ifstream in("/proc/net/tcp");
+  std::string line;
+  std::getline(in, line);  // the column names
+  std::size_t n = 0;
+  while (std::getline(in, line)) {
+    std::istringstream row(line);
+    std::string sl, local, remote, state, queues, timer, retransmits, uid, timeout, inode;
+    if (!(row >> sl >> local >> remote >> state >> queues >> timer >> retransmits >> uid >> timeout >> inode)) continue;
+    const std::size_t colon = remote.find(':');
+    if (colon == std::string::npos || std::stoi(remote.substr(colon + 1), nullptr, 16) != port) continue;
+    if ((state == "01" || state == "08") && inode != "0") ++n;  // ESTABLISHED, CLOSE_WAIT
+  }
+  return n;
+}
+
 std::string ReadFile(const std::string& path) {
   std::ifstream in(path);
   return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};

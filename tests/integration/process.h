@@ -72,6 +72,15 @@ Result<int> PickFreePort();
 // a test running beside it takes one before the program binds it.
 Result<int> PickFreePortRun(int n);
 
+// A field of /proc/PID/status in kB (VmRSS: resident memory now; VmHWM: its peak), -1 when
+// unreadable.
+long ProcStatusKb(pid_t pid, const std::string& field);
+
+// TCP connections on this host (IPv4) whose remote end is `port` and that a process still holds
+// open (ESTABLISHED or CLOSE_WAIT, with a socket inode in /proc/net/tcp): a proxy's connections
+// to a server, counted from the client's side.
+std::size_t OpenConnectionsTo(int port);
+
 // The whole text of a file ("" when it cannot be read): a program's log in a failure message.
 std::string ReadFile(const std::string& path);
 
