@@ -14,6 +14,7 @@
 #include <cctype>
 #include <climits>
 #include <condition_variable>
+#include <cstdio>
 #include <deque>
 #include <unordered_set>
 
@@ -23,6 +24,10 @@
 
 #include <fcntl.h>
 #include <sys/socket.h>
+#include <unistd.h>
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
 
 #include <cerrno>
 
@@ -71,6 +76,16 @@ HttpRequest ToRequest(http::request<http::string_body>&& req) {
   return r;
 }
 
+// This process's resident memory in kB (/proc/self/statm), 0 when unreadable.
+std::uint64_t ResidentKb() {
+  std::FILE* f = std::fopen("/proc/self/statm", "r");
+  if (!f) return 0;
+  unsigned long long size = 0, resident = 0;
+  const bool read = std::fscanf(f, "%llu %llu", &size, &resident) == 2;
+  std::fclose(f);
+  return read ? resident * static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE)) / 1024 : 0;
+}
+
 void Limit(http::request_parser<http::string_body>& p, std::size_t max_header_bytes, std::size_t max_body_bytes) {
   p.header_limit(static_cast<std::uint32_t>(std::min<std::size_t>(max_header_bytes, UINT32_MAX)));
   p.body_limit(max_body_bytes);
@@ -103,7 +118,11 @@ Result<HttpRequest> ParseHttpRequest(std::string_view bytes, std::size_t max_hea
 
 struct HttpListener::State : std::enable_shared_from_this<HttpListener::State> {
   State(HttpIo& io, HttpListenerOptions o, HttpRequestHandler h)
-      : ioc(io.impl().ioc), options(std::move(o)), handler(std::move(h)), acceptor(net::make_strand(ioc)) {}
+      : ioc(io.impl().ioc),
+        options(std::move(o)),
+        handler(std::move(h)),
+        acceptor(net::make_strand(ioc)),
+        release_timer(net::make_strand(ioc)) {}
 
   void Accept();
   // Closes the acceptor on its strand; off the io threads waits for it, so that the port is
@@ -121,6 +140,14 @@ struct HttpListener::State : std::enable_shared_from_this<HttpListener::State> {
   }
   // The sessions alive now.
   std::vector<std::shared_ptr<Session>> LiveSessions();
+  // A request was handed to the handler; its response ended (or its connection closed). The
+  // last of a burst to end arms the release of free memory.
+  void RequestBegan();
+  void RequestEnded();
+  // On release_timer's strand: (re)starts the wait of release_memory_after, after which, if no
+  // request came meanwhile, ReleaseMemory runs.
+  void ArmRelease();
+  void ReleaseMemory(std::uint64_t burst);
 
   net::io_context& ioc;
   const HttpListenerOptions options;
@@ -133,7 +160,9 @@ struct HttpListener::State : std::enable_shared_from_this<HttpListener::State> {
   std::condition_variable_any closed_cv;                    // `open` fell (ConnectionClosed)
   std::unordered_set<Session*> sessions KV_GUARDED_BY(mu);  // each erases itself when destroyed
   std::atomic<std::uint64_t> connections{0}, open{0}, refused{0}, requests{0}, bad_requests{0}, timeouts{0},
-      clients_gone{0};
+      clients_gone{0}, under_way{0}, memory_releases{0};
+  std::atomic<std::uint64_t> burst_peak{0};  // the most under way at once since the last release
+  net::steady_timer release_timer;           // touched only on its own strand
 };
 
 namespace {
@@ -146,6 +175,7 @@ class Session : public std::enable_shared_from_this<Session> {
       : state_(std::move(state)), stream_(std::move(socket)) {}
   ~Session() {
     if (!closed_) state_->ConnectionClosed();  // never ran Shutdown (its io_context stopped)
+    if (dispatched_) --state_->under_way;       // likewise; nothing is armed any more
     state_->Forget(this);
   }
 
@@ -211,6 +241,10 @@ class Session : public std::enable_shared_from_this<Session> {
   void Discard();
   void Shutdown();
   bool Current(std::uint64_t request) const { return request == request_ && responding_; }
+  // The request handed to the handler is over (answered, or its connection closed).
+  void RequestOver() {
+    if (std::exchange(dispatched_, false)) state_->RequestEnded();
+  }
 
   template <typename Response>
   void Fill(Response& res, int status, HttpHeaders&& headers) {
@@ -231,6 +265,7 @@ class Session : public std::enable_shared_from_this<Session> {
   bool first_ = true;        // no request read yet on this connection
   bool reading_body_ = false;  // a request's headers came, its body is being read
   bool responding_ = false;  // a request was handed to the handler and its reply is not done
+  bool dispatched_ = false;  // it counts in the listener's under_way (a refused one does not)
   bool closed_ = false;     // Shutdown ran: the socket is closed
   bool lingering_ = false;  // Linger ran: the response went, the client's bytes are dropped
   std::size_t linger_left_ = 0;  // bytes Linger still reads before it closes
@@ -376,6 +411,8 @@ void Session::Dispatch() {
   finishing_ = false;
   ++request_;
   ++state_->requests;
+  dispatched_ = true;
+  state_->RequestBegan();
   stream_.expires_never();  // the handler may take its time; writes set their own deadline
   WatchClient();
   state_->handler(std::move(r), std::make_shared<ReplyImpl>(shared_from_this(), request_));
@@ -505,6 +542,7 @@ void Session::OnWritten(beast::error_code ec, Out::Kind kind) {
 
 void Session::ResponseDone() {
   responding_ = false;
+  RequestOver();
   gone_ = nullptr;
   drained_ = nullptr;
   if (!keep_alive_ || state_->draining.load()) return Linger();
@@ -563,6 +601,7 @@ void Session::Shutdown() {
   if (closed_) return;
   closed_ = true;
   responding_ = false;
+  RequestOver();
   drained_ = nullptr;
   // The piece being written stays until its write completes (aborted by the close below): the
   // write reads its buffers until then.
@@ -619,6 +658,46 @@ void HttpListener::State::Accept() {
   });
 }
 
+void HttpListener::State::RequestBegan() {
+  const std::uint64_t now = ++under_way;
+  std::uint64_t peak = burst_peak.load();
+  while (now > peak && !burst_peak.compare_exchange_weak(peak, now)) {
+  }
+}
+
+void HttpListener::State::RequestEnded() {
+  if (--under_way != 0 || options.release_memory_after.count() <= 0) return;
+  if (burst_peak.load() < options.release_memory_burst) return;
+  net::post(release_timer.get_executor(), [self = shared_from_this()] { self->ArmRelease(); });
+}
+
+void HttpListener::State::ArmRelease() {
+  if (stopped.load()) return;
+  release_timer.expires_after(options.release_memory_after);  // a wait pending is cancelled
+  release_timer.async_wait([self = shared_from_this()](beast::error_code ec) {
+    if (ec || self->stopped.load() || self->under_way.load() != 0) return;  // the next end re-arms
+    const std::uint64_t burst = self->burst_peak.exchange(0);
+    if (burst >= self->options.release_memory_burst) self->ReleaseMemory(burst);
+  });
+}
+
+void HttpListener::State::ReleaseMemory(std::uint64_t burst) {
+#if defined(__GLIBC__)
+  const std::uint64_t before = ResidentKb();
+  const auto start = std::chrono::steady_clock::now();
+  // Every arena's free pages, not only the top of each heap (all that free() gives back): the
+  // I/O threads' arenas hold most of what a burst freed, below chunks that are still in use.
+  (void)malloc_trim(0);
+  const auto took = std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - start);
+  ++memory_releases;
+  // At most once a burst (a burst needs release_memory_burst requests at once).
+  fmt::print(stderr, "{} I http: free memory returned after a burst of {} requests (RSS {} -> {} kB, {} us)\n",
+             options.server_name, burst, before, ResidentKb(), took.count());
+#else
+  (void)burst;
+#endif
+}
+
 HttpListener::HttpListener(std::shared_ptr<State> state) : state_(std::move(state)) {}
 
 Result<std::unique_ptr<HttpListener>> HttpListener::Start(HttpIo& io, HttpListenerOptions options,
@@ -669,6 +748,7 @@ std::vector<std::shared_ptr<Session>> HttpListener::State::LiveSessions() {
 
 void HttpListener::Stop() {
   if (state_->stopped.exchange(true)) return;
+  net::post(state_->release_timer.get_executor(), [state = state_] { state->release_timer.cancel(); });
   state_->CloseAcceptor();
   for (auto& s : state_->LiveSessions()) s->Close();
 }
@@ -691,7 +771,9 @@ HttpListener::Counters HttpListener::counters() const {
           .requests = state_->requests.load(),
           .bad_requests = state_->bad_requests.load(),
           .timeouts = state_->timeouts.load(),
-          .clients_gone = state_->clients_gone.load()};
+          .clients_gone = state_->clients_gone.load(),
+          .under_way = state_->under_way.load(),
+          .memory_releases = state_->memory_releases.load()};
 }
 
 }  // namespace kvrouter

@@ -9,7 +9,11 @@
 // 400 / 413 / 431, Connection: close, HTTP/1.0, draining) is closed lingering: the write side is
 // shut, and what the client still sends is dropped for a bounded time and amount before the
 // close, so that a client still uploading reads the answer instead of a reset. Drain() stops
-// accepting and lets the requests under way finish, each closing its connection.
+// accepting and lets the requests under way finish, each closing its connection. After a burst
+// (release_memory_burst requests under way at once) that has been over for
+// release_memory_after, the allocator's free memory goes back to the system (glibc's
+// malloc_trim): what a burst freed is otherwise kept resident in the arenas of the threads that
+// served it.
 //
 // Thread contract: the handler runs on an HttpIo thread and must not block; it answers through
 // its HttpReply, from any thread, now or later. Ownership: the listener owns its sessions; a
@@ -99,6 +103,12 @@ struct HttpListenerOptions {
   std::chrono::milliseconds linger_idle{1'000};
   std::chrono::milliseconds linger_timeout{5'000};
   std::size_t linger_max_bytes = 64 << 20;
+  // The release of free memory after a burst (see above): once no request has been under way
+  // for release_memory_after (zero: never) since release_memory_burst or more were at once.
+  // A steady load never goes quiet and reuses what it frees; light traffic (health checks)
+  // never makes a burst.
+  std::chrono::milliseconds release_memory_after{1'000};
+  std::size_t release_memory_burst = 32;
   std::string server_name = "kvrouter";
   // Formats the body of an error the listener answers itself (400, 413, 431): (status, message)
   // -> (content type, body). Plain text when unset.
@@ -134,6 +144,8 @@ class HttpListener {
     std::uint64_t bad_requests = 0;     // answered 400 / 413 / 431 by the listener
     std::uint64_t timeouts = 0;         // cut off: slow headers, body or writes, or idle
     std::uint64_t clients_gone = 0;     // closed by the client before the response ended
+    std::uint64_t under_way = 0;        // handed to the handler, response not ended
+    std::uint64_t memory_releases = 0;  // free memory given back after a burst
   };
   Counters counters() const;
 

@@ -14,6 +14,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "tests/await.h"
 #include "tests/black_hole.h"
@@ -311,6 +312,44 @@ TEST_F(HttpTest, DrainFinishesTheResponseUnderWayAndRefusesNewConnections) {
   }
   EXPECT_TRUE(listener_->AwaitClosed(milliseconds(10'000)));
   EXPECT_EQ(listener_->counters().open, 0u);
+}
+
+// After a burst (release_memory_burst requests under way at once) the allocator's free memory
+// goes back once no request has been under way for release_memory_after, once; requests one at
+// a time never make a burst.
+TEST_F(HttpTest, FreeMemoryIsReturnedOnceAfterABurstAndNeverForRequestsOneAtATime) {
+  std::mutex held_mu;
+  std::vector<std::shared_ptr<HttpReply>> held;
+  Listen({.release_memory_after = milliseconds(50), .release_memory_burst = 4},
+         [&](HttpRequest req, std::shared_ptr<HttpReply> r) {
+           if (req.Path() == "/one") return r->Send(200, {}, "");
+           std::lock_guard g(held_mu);
+           held.push_back(std::move(r));
+         });
+  auto one_at_a_time = [&] {
+    for (int i = 0; i < 8; ++i) {
+      auto r = client_->Fetch(endpoint_, {.target = "/one"});
+      ASSERT_TRUE(r.ok()) << r.status().ToString();
+    }
+    // What is not to happen cannot be awaited: four times the release's wait.
+    std::this_thread::sleep_for(milliseconds(200));
+  };
+  one_at_a_time();
+  EXPECT_EQ(listener_->counters().memory_releases, 0u);
+  std::atomic<int> done{0};
+  for (int i = 0; i < 4; ++i) client_->Start(endpoint_, {.target = "/held"}, {.on_done = [&](const Status&) { ++done; }});
+  ASSERT_TRUE(AwaitTrue([&] { return listener_->counters().under_way == 4; }));
+  EXPECT_EQ(listener_->counters().memory_releases, 0u);  // not while the burst is under way
+  {
+    std::lock_guard g(held_mu);
+    for (auto& r : held) r->Send(200, {}, "ok");
+    held.clear();
+  }
+  ASSERT_TRUE(AwaitTrue([&] { return done.load() == 4; }));
+  EXPECT_TRUE(AwaitTrue([&] { return listener_->counters().memory_releases == 1; }));
+  EXPECT_EQ(listener_->counters().under_way, 0u);
+  one_at_a_time();
+  EXPECT_EQ(listener_->counters().memory_releases, 1u);
 }
 
 TEST_F(HttpTest, AChunkedBodyGrowingPastTheLimitIs413) {
