@@ -691,7 +691,7 @@ void HttpListener::State::ReleaseMemory(std::uint64_t burst) {
   const auto took = std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - start);
   ++memory_releases;
   // At most once a burst (a burst needs release_memory_burst requests at once).
-  fmt::print(stderr, "{} I http: free memory returned after a burst of {} requests (RSS {} -> {} kB, {} us)\n",
+  fmt::print(stderr, "{} I http: free memory returned after a burst of {} requests at once (RSS {} -> {} kB, {} us)\n",
              options.server_name, burst, before, ResidentKb(), took.count());
 #else
   (void)burst;
