@@ -120,6 +120,10 @@ std::string Gateway::MetricsText(const HttpListener::Counters& http) const {
   MetricSet m;
   m.Counter("kvgateway_connections_total", "client connections accepted", double(http.connections));
   m.Gauge("kvgateway_connections_open", "client connections open", double(http.open));
+  m.Gauge("kvgateway_requests_under_way", "requests handed to the handler whose response has not ended",
+          double(http.under_way));
+  m.Counter("kvgateway_memory_releases_total", "free memory given back to the system after a burst of requests",
+            double(http.memory_releases));
   m.Counter("kvgateway_connections_refused_total", "connections closed at accept (--max-connections)",
             double(http.refused));
   m.Counter("kvgateway_bad_requests_total", "requests refused before the handler (400, 413, 431)",

@@ -62,21 +62,15 @@ class GatewayMemoryTest : public GatewayTest {
   }
 
   long RssKb() { return ProcStatusKb(gateway_->pid(), "VmRSS"); }
-  // The gateway's lines saying it gave its free memory back after a burst (HttpListener's
+  // The times the gateway gave its free memory back after a burst (HttpListener's
   // release_memory_after).
-  int MemoryReleases() {
-    const std::string log = ReadFile(LogPath("kvgateway"));
-    int n = 0;
-    for (std::size_t at = log.find(kReleased); at != std::string::npos; at = log.find(kReleased, at + 1)) ++n;
-    return n;
-  }
+  int MemoryReleases() { return static_cast<int>(ScrapeMetric("kvgateway_memory_releases_total")); }
   // The memory a burst freed is given back (the release after `releases` lines), then VmRSS.
   long RssAfterRelease(int releases) {
     EXPECT_TRUE(WaitFor([&] { return MemoryReleases() > releases; }, 10s, 20ms))
         << "no release of free memory after the burst: " << ReadFile(LogPath("kvgateway"));
     return RssKb();
   }
-  static constexpr std::string_view kReleased = "free memory returned after a burst";
   // The gateway's connections to the engines (renders and completions, pooled or busy).
   std::size_t EngineConnections() const {
     std::size_t n = 0;
