@@ -244,8 +244,9 @@ chat() {  # stream (true|false) [model content curl-options...]: a chat completi
 }
 await_gateway() {  # engines: the gateway is ready, knows that many engines and the router answers it
   for _ in $(seq 300); do
+    metrics=$(curl -fsS --max-time 2 "$gateway_metrics_url" || true)
     [ "$(curl -s -o /dev/null -w '%{http_code}' --max-time 2 "$gateway_url/ready")" = 200 ] &&
-      curl -fsS --max-time 2 "$gateway_metrics_url" | grep -qx "kvgateway_engines $1" && return 0
+      grep -qx "kvgateway_engines $1" <<<"$metrics" && grep -qx "kvgateway_router_up 1" <<<"$metrics" && return 0
     sleep 0.2
   done
   fail "the gateway did not become ready with $1 engines"

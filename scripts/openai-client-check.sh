@@ -117,6 +117,7 @@ for _ in $(seq 300); do
   router_metrics_text=$(curl -s "127.0.0.1:$router_port/metrics" || true)
   if curl -sf "127.0.0.1:$gw_port/ready" >/dev/null &&
      grep -q '^kvgateway_engines 5$' <<<"$gw_metrics_text" &&
+     grep -q '^kvgateway_router_up 1$' <<<"$gw_metrics_text" &&
      grep -q '^kvrouter_worker_ranks 5$' <<<"$router_metrics_text"; then
     ready=1; break
   fi

@@ -72,7 +72,7 @@ void Gateway::Handle(HttpRequest request, std::shared_ptr<HttpReply> reply) {
     Count(endpoint, 400);
     return error(400, "invalid_request", parsed.status().message());
   }
-  const bool fallback = FallsBack(std::chrono::steady_clock::now());
+  const bool fallback = SkipsRouter(std::chrono::steady_clock::now());
   if (!nats_connected_.load() && !fallback) {  // before the render call: no router could take the request
     Count(endpoint, 503);
     return error(503, "no_workers", RouterLink::kNotConnected, {{"retry-after", "1"}});
@@ -94,7 +94,9 @@ void Gateway::Handle(HttpRequest request, std::shared_ptr<HttpReply> reply) {
   if (!session) session = request.Header("x-dynamo-session-id");
   if (session && session->size() <= kMaxIdBytes) x->session_id = std::string(*session);
   x->http = std::move(request);
-  if (render_endpoint_) {
+  if (fallback) {
+    // Not rendered: no render_at.
+  } else if (render_endpoint_) {
     x->render_at.push_back(*render_endpoint_);
   } else {
     // The engines serving the model, starting at a different one each time.
@@ -340,6 +342,7 @@ void Gateway::OnEngineHead(const std::shared_ptr<Exchange>& ex, std::uint32_t at
 void Gateway::OnEngineData(const std::shared_ptr<Exchange>& ex, std::uint32_t attempt, std::uint64_t seq,
                            std::string_view d) {
   bool mark = false;
+  std::string booking;
   std::shared_ptr<HttpCall> pause;  // this call, to pause until the client drains
   bool first_pause = false;
   {
@@ -356,6 +359,7 @@ void Gateway::OnEngineData(const std::shared_ptr<Exchange>& ex, std::uint32_t at
       // mark_prefill there would teach the router a prefill (or KV transfer) as long
       // as the whole generation. Nothing is booked when the gateway fell back.
       mark = ex->booked && ex->request.stream;
+    if (mark) booking = ex->booking;  // a retry may change it once the lock is released
       if (!std::exchange(ex->ttfb_observed, true)) ttfb_->Observe(Seconds(now - ex->arrival));
       ex->timing.ttfb_ms = Seconds(now - ex->called) * 1000;
       if (ex->prefill_answered) decode_wait_->Observe(Seconds(now - ex->prefill_end));
@@ -388,7 +392,7 @@ void Gateway::OnEngineData(const std::shared_ptr<Exchange>& ex, std::uint32_t at
       pause = ex->call;
     }
   }
-  if (mark) link_.MarkPrefill(ex->booking);
+  if (mark) link_.MarkPrefill(booking);
   if (pause) {
     if (first_pause) slow_clients_->Increment();
     pause->Pause();  // here, on the call's own thread: before its next read
@@ -528,6 +532,7 @@ void Gateway::Retry(const std::shared_ptr<Exchange>& x, std::uint32_t attempt, s
   if (call) call->Cancel();
   if (prefill_call) prefill_call->Cancel();
   Free(x);
+  engine_load_.Failed(worker, std::chrono::steady_clock::now());  // passed over by the fallback for a while
   if (stopping_.load()) return Fail(x, 503, "shutting_down", "the gateway is stopping");
   log_.Log(LogLevel::kWarning, "engine-failed", "request {}: worker failed before its answer reached the client: {}",
            x->request_id, why);
@@ -540,11 +545,13 @@ void Gateway::Retry(const std::shared_ptr<Exchange>& x, std::uint32_t attempt, s
     std::lock_guard g(x->mu);
     fallback = x->fallback;
   }
-  fallback ? Fallback(x) : Route(x);  // a request the gateway never rendered is not the router's to route
+  // A request the gateway never rendered is not the router's to route; nor is one whose router
+  // is known to be gone (its route would wait the route timeout first).
+  fallback || SkipsRouter(std::chrono::steady_clock::now()) ? Fallback(x) : Route(x);
 }
 
 void Gateway::Fallback(const std::shared_ptr<Exchange>& x) {
-  std::vector<std::uint64_t> usable, prefill;
+  std::vector<std::uint64_t> candidates, excluded;
   std::uint32_t attempt = 0;
   bool first = false;
   {
@@ -552,17 +559,22 @@ void Gateway::Fallback(const std::shared_ptr<Exchange>& x) {
     if (x->done) return;
     first = !std::exchange(x->fallback, true);
     attempt = x->attempt;
-    for (std::uint64_t id : x->allowed) {
-      if (std::find(x->excluded.begin(), x->excluded.end(), id) != x->excluded.end()) continue;
-      // Prefill engines only when nothing else is left: the decode pool is sized for generating.
-      (directory_.Role(id) == WorkerRole::kPrefill ? prefill : usable).push_back(id);
-    }
+    candidates = x->allowed;
+    excluded = x->excluded;
+  }
+  std::vector<std::uint64_t> usable, prefill;
+  for (std::uint64_t id : candidates) {
+    if (std::find(excluded.begin(), excluded.end(), id) != excluded.end()) continue;
+    if (!directory_.ServesAlone(id)) continue;  // an SGLang engine of a disaggregated pair
+    // Prefill engines only when nothing else is left: the decode pool is sized for generating.
+    (directory_.Role(id) == WorkerRole::kPrefill ? prefill : usable).push_back(id);
   }
   if (usable.empty()) usable = std::move(prefill);
   if (stopping_.load()) return Fail(x, 503, "shutting_down", "the gateway is stopping");
-  const auto worker = engine_load_.Least(usable, next_id_.load());
+  const auto worker = engine_load_.Least(usable, next_id_.load(), std::chrono::steady_clock::now());
   if (!worker) {
-    return Fail(x, 503, "no_workers", "no router answers, and no engine serving the model is left to try",
+    return Fail(x, 503, "no_workers",
+                "no router answers, and no engine serving the model that serves a request alone is left to try",
                 {{"retry-after", "1"}});
   }
   if (first) {

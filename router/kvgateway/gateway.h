@@ -80,9 +80,9 @@ class Gateway {
   // The engine connections pooled for an http_url no worker has any more are closed.
   void OnRegistration(const WorkerRegistration& reg, SteadyTime now) { DropPools(directory_.Apply(reg, now)); }
   void Tick(SteadyTime now) { DropPools(directory_.Expire(now)); }
-  // An engine known, not draining, and the router answering; or, with --router-fallback, no
-  // router answering since kRouterGrace after the start (a gateway started while the router is
-  // up is ready once it can route; one started without a router serves without it).
+  // An engine known, not draining, and the router answering; or SkipsRouter and an engine that
+  // has not just failed (a gateway started while the router is up is ready once it can route;
+  // one started without a router serves without it).
   bool Ready(SteadyTime now) const;
   static constexpr std::chrono::seconds kRouterGrace{5};
   // No router can be asked now: NATS is down, or no router has answered lately (RouterLink::Answering).
@@ -119,6 +119,11 @@ class Gateway {
   bool FallsBack(SteadyTime now) const {
     return config_.router_fallback == RouterFallback::kLeastLoaded && RouterDown(now);
   }
+  // A request is not even rendered for the router: FallsBack, and the router is known to be
+  // down (NATS is down, or kRouterGrace has passed since the gateway started or NATS came back
+  // with no router answering). Within the grace a request is routed, and falls back only if its
+  // route fails so.
+  bool SkipsRouter(SteadyTime now) const;
   // The call to the reply's worker (a disaggregated request's decode leg), answered to the client.
   // The engine `worker` at `url` (its registered one when empty).
   Result<HttpEndpoint> EngineEndpoint(std::uint64_t worker, std::string url) const;
@@ -177,7 +182,8 @@ class Gateway {
   std::atomic<std::uint64_t> next_id_{0};
   EngineLoad engine_load_;
   const std::string id_prefix_;
-  const SteadyTime started_ = std::chrono::steady_clock::now();
+  // The gateway's start, then each time NATS came back: when kRouterGrace begins.
+  std::atomic<SteadyTime::rep> grace_from_{std::chrono::steady_clock::now().time_since_epoch().count()};
   RateLimitedLog log_;
 
   std::shared_ptr<prometheus::Registry> registry_;

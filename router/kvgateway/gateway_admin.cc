@@ -76,12 +76,20 @@ bool Gateway::Ready(SteadyTime now) const {
   // at once: they go on serving by load.
   if (draining_.load() || directory_.size() == 0) return false;
   if (!RouterDown(now)) return true;
-  return config_.router_fallback == RouterFallback::kLeastLoaded && now - started_ >= kRouterGrace;
+  // While NATS is down the directory keeps every engine: ready while one of them still answers.
+  return SkipsRouter(now) && engine_load_.AnyHealthy(directory_.Ids(), now);
+}
+
+bool Gateway::SkipsRouter(SteadyTime now) const {
+  if (!FallsBack(now)) return false;
+  if (!nats_connected_.load()) return true;
+  return now - SteadyTime(SteadyTime::duration(grace_from_.load())) >= kRouterGrace;
 }
 
 void Gateway::SetNatsConnected(bool connected) {
   nats_connected_ = connected;
   if (connected) {
+    grace_from_ = std::chrono::steady_clock::now().time_since_epoch().count();
     directory_.Resume(std::chrono::steady_clock::now());
   } else {
     directory_.Pause();
@@ -133,7 +141,7 @@ std::string Gateway::MetricsText(const HttpListener::Counters& http) const {
   m.Gauge("kvgateway_engines", "engines with an http_url known from registrations", double(directory_.size()));
   m.Gauge("kvgateway_router_pending", "route requests waiting for the router", double(link_.pending()));
   m.Gauge("kvgateway_router_up",
-          "1 while a router answers, 0 while none does (requests then go by --router-fallback, or get 503)",
+          "whether a router answers (1) or none does (0: requests go by --router-fallback, or get 503)",
           RouterDown(std::chrono::steady_clock::now()) ? 0.0 : 1.0);
   m.Gauge("kvgateway_frees_unconfirmed",
           "frees sent that no router answer has confirmed yet (sent again after a NATS loss)",

@@ -23,6 +23,7 @@ std::vector<std::string> WorkerDirectory::Apply(const WorkerRegistration& reg, S
   it->second.http_url = reg.http_url;
   it->second.models = reg.models;
   it->second.role = reg.role;
+  it->second.connector = reg.kv_connector;
   it->second.lease = std::chrono::milliseconds(reg.lease_ms);
   it->second.lease_end = now + it->second.lease;
   return Unused(std::move(before));
@@ -81,6 +82,20 @@ WorkerRole WorkerDirectory::Role(std::uint64_t worker_id) const {
   KvMutexLock g(mu_);
   auto it = workers_.find(worker_id);
   return it == workers_.end() ? WorkerRole::kBoth : it->second.role;
+}
+
+std::vector<std::uint64_t> WorkerDirectory::Ids() const {
+  KvMutexLock g(mu_);
+  std::vector<std::uint64_t> ids;
+  ids.reserve(workers_.size());
+  for (const auto& [id, w] : workers_) ids.push_back(id);
+  return ids;
+}
+
+bool WorkerDirectory::ServesAlone(std::uint64_t worker_id) const {
+  KvMutexLock g(mu_);
+  auto it = workers_.find(worker_id);
+  return it == workers_.end() || it->second.role == WorkerRole::kBoth || it->second.connector != KvConnector::kSglang;
 }
 
 std::vector<std::string> WorkerDirectory::Models() const {

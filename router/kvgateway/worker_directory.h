@@ -46,6 +46,12 @@ class WorkerDirectory {
   std::optional<std::string> HttpUrl(std::uint64_t worker_id) const;
   // Its registered role (section 13); kBoth for a worker not known.
   WorkerRole Role(std::uint64_t worker_id) const;
+  // Whether a whole request sent to it alone is served: an aggregated worker (kBoth) or a vLLM
+  // (nixl) prefill or decode engine, which runs one whole; an SGLang engine of a disaggregated
+  // pair waits for its other half. True for a worker not known.
+  bool ServesAlone(std::uint64_t worker_id) const;
+  // Every worker known, ascending.
+  std::vector<std::uint64_t> Ids() const;
   // Every model some worker serves, sorted, each once.
   std::vector<std::string> Models() const;
   std::size_t size() const;
@@ -55,6 +61,7 @@ class WorkerDirectory {
     std::string http_url;
     std::vector<std::string> models;
     WorkerRole role = WorkerRole::kBoth;
+    KvConnector connector = KvConnector::kNixl;
     SteadyTime lease_end;
     std::chrono::milliseconds lease{0};
   };

@@ -333,8 +333,8 @@ class GatewayTest : public KvRouterProcessTest {
       auto metrics = client_->Fetch(metrics_endpoint_, {.method = "GET", .target = "/metrics"});
       auto stats = Stats();
       return ready.ok() && ready->status == 200 && metrics.ok() &&
-             metrics->body.find(fmt::format("kvgateway_engines {}", n)) != std::string::npos &&
-             metrics->body.find("kvgateway_router_up 1") != std::string::npos && stats && stats->workers_total >= n;
+             metrics->body.find(fmt::format("\nkvgateway_engines {}\n", n)) != std::string::npos &&
+             metrics->body.find("\nkvgateway_router_up 1\n") != std::string::npos && stats && stats->workers_total >= n;
     });
   }
   static std::string Chat(const std::string& text, bool stream = false) {

@@ -151,6 +151,14 @@ TEST_F(SecurityTest, KvgatewayLoggedInAsAClientRoutesAChatCompletion) {
                            .body = R"({"model":"mock","messages":[{"role":"user","content":"hi"}],"max_tokens":2})"});
   ASSERT_TRUE(r.ok()) << r.status().ToString();
   EXPECT_EQ(r->status, 200) << r->body;
+  // Routed by the router, not served by the gateway's fallback (a permission the gateway lacks
+  // would leave it without router answers, and still answered).
+  bool routed = false, fell_back = false;
+  for (const auto& [k, v] : r->headers) {
+    routed = routed || k == "x-kvrouter-cached-tokens";
+    fell_back = fell_back || k == "x-kvrouter-fallback";
+  }
+  EXPECT_TRUE(routed && !fell_back) << ReadFile(dir_ + "/kvgateway.log");
   http.Stop();
   io.Stop();
   gateway->process->Stop();

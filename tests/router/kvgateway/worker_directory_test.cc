@@ -38,6 +38,22 @@ TEST(WorkerDirectory, KeepsEachWorkersRoleAndAnUnknownOneIsBoth) {
   EXPECT_EQ(d.Role(4), WorkerRole::kBoth);
 }
 
+TEST(WorkerDirectory, OnlyAnSglangEngineOfAPairCannotServeAWholeRequestAlone) {
+  WorkerDirectory d;
+  WorkerRegistration nixl_decode = Engine(1, {"m"});
+  nixl_decode.role = WorkerRole::kDecode;
+  WorkerRegistration sglang_decode = Engine(2, {"m"});
+  sglang_decode.role = WorkerRole::kDecode;
+  sglang_decode.kv_connector = KvConnector::kSglang;
+  WorkerRegistration sglang_both = Engine(3, {"m"});
+  sglang_both.kv_connector = KvConnector::kSglang;
+  for (const auto& r : {nixl_decode, sglang_decode, sglang_both}) d.Apply(r, kT0);
+  EXPECT_TRUE(d.ServesAlone(1));
+  EXPECT_FALSE(d.ServesAlone(2));
+  EXPECT_TRUE(d.ServesAlone(3));
+  EXPECT_EQ(d.Ids(), (std::vector<std::uint64_t>{1, 2, 3}));
+}
+
 TEST(WorkerDirectory, AWorkerWithoutHttpUrlIsNotKeptAndLeavingRemoves) {
   WorkerDirectory d;
   d.Apply(Engine(1, {"m"}, ""), kT0);
