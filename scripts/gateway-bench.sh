@@ -3,6 +3,10 @@
 #   requests/s, short non-streamed chat requests, 32 connections (wrk): kvgateway against nginx
 #     as a plain round-robin reverse proxy (keep-alive upstreams) in front of the same engines,
 #     alternating, two runs each;
+#   own CPU per request, non-streamed chat requests whose user message is 100 to 2,000 characters,
+#     32 connections (wrk): utime + stime (/proc/PID/stat) of the kvgateway process and of nginx
+#     (master and workers) before and after each run over wrk's request count, alternating, two
+#     runs each (CPU_ROUNDS);
 #   added latency at p50, streaming cost per chunk, memory per idle connection (gateway_bench:
 #     against the engine the gateway chose, alternating request by request).
 #   the cost of a disaggregated request (docs/protocol.md section 13), on a fleet of its own: a
@@ -15,6 +19,9 @@
 #   scripts/gateway-bench.sh [build-dir]     results in $BENCH_OUT (default bench-results/gateway)
 #   GATEWAY_BENCH_FLEETS=pd scripts/gateway-bench.sh     one fleet only (default "aggregated pd")
 #   PD_REQUESTS (400), PD_STREAMS (200), PD_PROMPT_BYTES (512): the P/D run's size and prompt length
+#   CPU_ROUNDS (2), CPU_SECS (8): the CPU runs' count per proxy and length
+#   BASELINE_KVGATEWAY=path: a second kvgateway (the build before a change) on the same fleet,
+#     taking its turn in the CPU runs (kvgateway, baseline, nginx)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${1:-build}
@@ -53,6 +60,11 @@ for _ in $(seq 100); do (echo >"/dev/tcp/127.0.0.1/$nats_port") 2>/dev/null && b
   --http-port "$engine_base" --http-host 127.0.0.1 --model mock >"$work/kvmocker.log" 2>&1 & pids+=($!)
 "$build/bin/kvgateway" --nats-server "$nats" --http-port "$gw_port" --http-host 127.0.0.1 \
   --metrics-host 127.0.0.1 --metrics-port "$gw_metrics" >"$work/kvgateway.log" 2>&1 & gw_pid=$!; pids+=($gw_pid)
+if [ -n "${BASELINE_KVGATEWAY:-}" ]; then
+  base_port=$(free_port)
+  "$BASELINE_KVGATEWAY" --nats-server "$nats" --http-port "$base_port" --http-host 127.0.0.1 \
+    --metrics-host 127.0.0.1 --metrics-port 0 >"$work/kvgateway-baseline.log" 2>&1 & base_pid=$!; pids+=($base_pid)
+fi
 engines=()
 upstreams=""
 for i in 0 1 2 3; do
@@ -81,9 +93,10 @@ $upstreams    keepalive 64;
   }
 }
 CONF
-nginx -p "$work/nginx" -c "$work/nginx/nginx.conf" -g 'daemon off;' 2>"$work/nginx/stderr" & pids+=($!)
+nginx -p "$work/nginx" -c "$work/nginx/nginx.conf" -g 'daemon off;' 2>"$work/nginx/stderr" & nginx_pid=$!; pids+=($nginx_pid)
 for i in 0 1 2 3; do await "http://127.0.0.1:$((engine_base + i))/health"; done
 await "http://127.0.0.1:$gw_port/ready"
+[ -n "${BASELINE_KVGATEWAY:-}" ] && await "http://127.0.0.1:$base_port/ready"
 await "http://127.0.0.1:$nginx_port/health"
 
 # wrk: a short chat request, a different prompt each time (so routing has something to decide).
@@ -108,18 +121,84 @@ for round in 1 2; do
   awk -v r="$round" -v g="$g" -v n="$n" 'BEGIN { printf "round %d: kvgateway %s req/s, nginx %s req/s, ratio %.2f\n", r, g, n, g / n }'
 done
 
+# wrk: non-streamed chat requests whose user message is 100 to 2,000 characters, built once per
+# thread (16 bodies of spread lengths, each with its own text) and taken in turn.
+cat >"$work/chat-mixed.lua" <<'LUA'
+local requests = {}
+local n = 0
+init = function(args)
+  local words = {"route", "cache", "block", "engine", "prefix", "token", "stream", "worker"}
+  for k = 0, 15 do
+    local length = 100 + math.floor(k * 1900 / 15)
+    local parts = {"message " .. k .. ":"}
+    local size = #parts[1]
+    local i = k
+    while size < length do
+      i = i + 1
+      local w = " " .. words[(i * 7 + k) % #words + 1] .. i
+      parts[#parts + 1] = w
+      size = size + #w
+    end
+    local content = string.sub(table.concat(parts), 1, length)
+    local body = '{"model":"mock","max_tokens":1,"messages":[{"role":"user","content":"' .. content .. '"}]}'
+    requests[#requests + 1] = wrk.format("POST", "/v1/chat/completions", {["Content-Type"] = "application/json"}, body)
+  end
+end
+request = function()
+  n = n + 1
+  return requests[(n - 1) % #requests + 1]
+end
+LUA
+clk_tck=$(getconf CLK_TCK)
+cpu_ticks() {  # pid...: utime + stime (fields 14 and 15 of /proc/PID/stat, after the ')' of comm)
+  local total=0 p f
+  for p in "$@"; do
+    f=$(cat "/proc/$p/stat"); f=${f##*) }  # fields from 3 on
+    read -r -a a <<<"$f"
+    total=$((total + a[11] + a[12]))
+  done
+  echo "$total"
+}
+nginx_pids() { echo "$nginx_pid" $(ps -o pid= --ppid "$nginx_pid"); }  # master and workers
+cpu_per_request() {  # url pid...: the pids' own CPU in microseconds per request over one wrk run
+  local url=$1; shift
+  local before after requests
+  before=$(cpu_ticks "$@")
+  wrk -t2 -c32 -d"${CPU_SECS:-8}"s -s "$work/chat-mixed.lua" "$url" >"$work/wrk-cpu.txt" 2>&1
+  after=$(cpu_ticks "$@")
+  grep -q "Non-2xx\|Socket errors" "$work/wrk-cpu.txt" && { cat "$work/wrk-cpu.txt"; echo "gateway-bench: errors under load"; exit 1; }
+  requests=$(awk '/requests in/ {print $1}' "$work/wrk-cpu.txt")
+  awk -v t=$((after - before)) -v hz="$clk_tck" -v n="$requests" 'BEGIN { printf "%.1f\n", t / hz * 1e6 / n }'
+}
+echo "== own CPU per request, chats of 100 to 2,000 characters, 32 connections (wrk), alternating"
+gw_cpu=(); nginx_cpu=()
+for round in $(seq "${CPU_ROUNDS:-2}"); do
+  g=$(cpu_per_request "http://127.0.0.1:$gw_port" "$gw_pid")
+  if [ -n "${BASELINE_KVGATEWAY:-}" ]; then
+    b=$(cpu_per_request "http://127.0.0.1:$base_port" "$base_pid")
+    echo "round $round: baseline kvgateway $b us/request"
+  fi
+  n=$(cpu_per_request "http://127.0.0.1:$nginx_port" $(nginx_pids))
+  gw_cpu+=("$g"); nginx_cpu+=("$n")
+  awk -v r="$round" -v g="$g" -v n="$n" 'BEGIN { printf "round %d: kvgateway %s us/request, nginx %s us/request, ratio %.2f\n", r, g, n, g / n }'
+done
+
 echo "== added latency, streaming cost, idle connections (gateway_bench)"
 "$build/bin/gateway_bench" --gateway "http://127.0.0.1:$gw_port" --gateway-metrics "http://127.0.0.1:$gw_metrics" \
   --gateway-pid "$gw_pid" --model mock \
   --engines "${engines[@]}" --worker-id-base 1 \
   --json "$out/gateway_bench.json" >/dev/null
-python3 - "$out/gateway_bench.json" "${gw_rates[*]}" "${nginx_rates[*]}" <<'PY'
+python3 - "$out/gateway_bench.json" "${gw_rates[*]}" "${nginx_rates[*]}" "${gw_cpu[*]}" "${nginx_cpu[*]}" <<'PY'
 import json, sys
 r = json.load(open(sys.argv[1]))
 gw = [float(x) for x in sys.argv[2].split()]; ng = [float(x) for x in sys.argv[3].split()]
 ratios = [g / n for g, n in zip(gw, ng)]
 print(f"requests/s vs nginx       goal >= 0.5x   measured {min(ratios):.2f}-{max(ratios):.2f}x  "
       f"(kvgateway {min(gw):.0f}-{max(gw):.0f}, nginx {min(ng):.0f}-{max(ng):.0f} req/s)")
+gc = [float(x) for x in sys.argv[4].split()]; nc = [float(x) for x in sys.argv[5].split()]
+cpu_ratios = [g / n for g, n in zip(gc, nc)]
+print(f"own CPU per request       goal <= 4x     measured {min(cpu_ratios):.2f}-{max(cpu_ratios):.2f}x  "
+      f"(kvgateway {min(gc):.0f}-{max(gc):.0f}, nginx {min(nc):.0f}-{max(nc):.0f} us/request)")
 l = r["latency"]
 print(f"added latency at p50      goal <= 1 ms   measured {l['added_p50_ms']:.3f} ms  "
       f"(gateway p50 {l['gateway_p50_ms']:.3f} ms, direct {l['direct_p50_ms']:.3f} ms)")
@@ -130,7 +209,8 @@ if "idle" in r:
     i = r["idle"]
     print(f"memory per idle connection goal <= 16 KB measured {i['bytes_per_connection'] / 1024:.1f} KB  "
           f"({i['connections']} connections, RSS {i['rss_before_kb']} -> {i['rss_after_kb']} KB)")
-json.dump({"gateway_req_s": gw, "nginx_req_s": ng, **r}, open(sys.argv[1], "w"), indent=2)
+json.dump({"gateway_req_s": gw, "nginx_req_s": ng, "gateway_cpu_us_per_request": gc,
+           "nginx_cpu_us_per_request": nc, **r}, open(sys.argv[1], "w"), indent=2)
 PY
 fi
 
