@@ -138,7 +138,7 @@ void Gateway::Render(const std::shared_ptr<Exchange>& x, std::size_t candidate, 
   HttpCallSpec spec{.method = "POST",
                     .target = std::string(tokenize ? std::string_view("/tokenize") : RenderPath(x->request.kind)),
                     .headers = {{"content-type", "application/json"}},
-                    .body = tokenize ? x->request.tokenize_body : x->http.body,
+                    .body = tokenize ? TokenizeBody(x->request, x->http.body) : x->http.body,
                     .connect_timeout = std::chrono::milliseconds(config_.engine_connect_timeout_ms),
                     .head_timeout = std::chrono::milliseconds(config_.render_timeout_ms),
                     .read_timeout = std::chrono::milliseconds(config_.render_timeout_ms)};

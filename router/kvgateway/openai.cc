@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
+#include <simdjson.h>
 
 #include <limits>
 #include <utility>
@@ -29,7 +30,9 @@ Result<std::vector<std::uint32_t>> TokenIds(const json& array, std::string_view 
 
 }  // namespace
 
-Result<OpenAiRequest> ParseOpenAiRequest(ApiKind kind, std::string_view body) {
+namespace openai_parsers {
+
+Result<OpenAiRequest> ReferenceOpenAiRequest(ApiKind kind, std::string_view body) {
   const json doc = json::parse(body, nullptr, /*allow_exceptions=*/false);
   if (doc.is_discarded()) return InvalidArgument("the body is not valid JSON");
   if (!doc.is_object()) return InvalidArgument("the body must be a JSON object");
@@ -54,23 +57,31 @@ Result<OpenAiRequest> ParseOpenAiRequest(ApiKind kind, std::string_view body) {
     if (!salt->is_string()) return InvalidArgument("'cache_salt' must be a string");
     r.cache_salt = salt->get<std::string>();
   }
-  json tokenize{{"model", r.model}};
   if (kind == ApiKind::kChat) {
     const auto messages = doc.find("messages");
     if (messages == doc.end() || !messages->is_array() || messages->empty()) {
       return InvalidArgument("'messages' is required (a non-empty array)");
     }
-    tokenize["messages"] = *messages;
   } else {
     const auto prompt = doc.find("prompt");
     if (prompt == doc.end() || prompt->is_null()) return InvalidArgument("'prompt' is required");
     if (!prompt->is_string() && !prompt->is_array()) {
       return InvalidArgument("'prompt' must be a string or an array");
     }
-    tokenize["prompt"] = *prompt;
   }
-  r.tokenize_body = DumpJson(tokenize);
   return r;
+}
+
+}  // namespace openai_parsers
+
+std::string TokenizeBody(const OpenAiRequest& request, std::string_view body) {
+  const char* key = request.kind == ApiKind::kChat ? "messages" : "prompt";
+  json tokenize{{"model", request.model}};
+  const json doc = json::parse(body, nullptr, /*allow_exceptions=*/false);
+  if (doc.is_object()) {
+    if (const auto field = doc.find(key); field != doc.end()) tokenize[key] = *field;
+  }
+  return DumpJson(tokenize);
 }
 
 namespace {
@@ -112,7 +123,9 @@ Result<std::vector<MmItem>> MmItems(const json& features) {
 
 }  // namespace
 
-Result<RenderedPrompt> ParseRenderAnswer(ApiKind kind, std::string_view body) {
+namespace openai_parsers {
+
+Result<RenderedPrompt> ReferenceRenderAnswer(ApiKind kind, std::string_view body) {
   const json doc = json::parse(body, nullptr, false);
   if (doc.is_discarded()) return InvalidArgument("the render answer is not JSON");
   const json* holder = &doc;
@@ -132,6 +145,288 @@ Result<RenderedPrompt> ParseRenderAnswer(ApiKind kind, std::string_view body) {
     r.mm_items = std::move(items).value();
   }
   return r;
+}
+
+}  // namespace openai_parsers
+
+namespace {
+
+namespace od = simdjson::ondemand;
+
+// A thread keeps its parser and padded copy between calls for bodies up to this size; a larger
+// body gets its own for the one call, so what a thread keeps stays bounded.
+constexpr std::size_t kKeptParserBytes = 256 * 1024;
+
+struct ParserAndCopy {
+  od::parser parser;
+  std::string padded;  // the body and SIMDJSON_PADDING spaces: simdjson reads past the end
+};
+
+// `read(document)` over `body`; nullopt when simdjson cannot start on it.
+template <typename T, typename Read>
+std::optional<T> WithDocument(std::string_view body, Read&& read) {
+  auto run = [&](ParserAndCopy& p) -> std::optional<T> {
+    p.padded.assign(body);
+    p.padded.append(simdjson::SIMDJSON_PADDING, ' ');
+    od::document doc;
+    if (p.parser.iterate(p.padded.data(), body.size(), p.padded.size()).get(doc)) return std::nullopt;
+    std::optional<T> out = read(doc);
+    // Nothing may follow the top-level value: a location inside the body means something does.
+    const char* rest = nullptr;
+    if (out && !doc.current_location().get(rest)) return std::nullopt;
+    return out;
+  };
+  if (body.size() <= kKeptParserBytes) {
+    thread_local ParserAndCopy kept;
+    return run(kept);
+  }
+  ParserAndCopy once;
+  return run(once);
+}
+
+// Reads a value whole (every string unescaped, every number and literal checked): On-Demand
+// skips what is not read without checking it, and a body it takes must be JSON to nlohmann too.
+bool Valid(od::value v) {
+  od::json_type type{};
+  if (v.type().get(type)) return false;
+  switch (type) {
+    case od::json_type::object: {
+      od::object object;
+      if (v.get_object().get(object)) return false;
+      for (auto f : object) {
+        od::field field;
+        std::string_view key;
+        if (std::move(f).get(field) || field.unescaped_key().get(key) || !Valid(field.value())) return false;
+      }
+      return true;
+    }
+    case od::json_type::array: {
+      od::array array;
+      if (v.get_array().get(array)) return false;
+      for (auto e : array) {
+        od::value element;
+        if (std::move(e).get(element) || !Valid(element)) return false;
+      }
+      return true;
+    }
+    case od::json_type::number: {
+      od::number n;
+      return !v.get_number().get(n);
+    }
+    case od::json_type::string: {
+      std::string_view s;
+      return !v.get_string().get(s);
+    }
+    case od::json_type::boolean: {
+      bool b = false;
+      return !v.get_bool().get(b);
+    }
+    case od::json_type::null: {
+      bool is = false;
+      return !v.is_null().get(is) && is;
+    }
+  }
+  return false;
+}
+
+// A whole number the reference calls unsigned (no sign, no fraction, no exponent); nullopt for
+// any other number; false when `v` (a number) is malformed.
+bool UnsignedNumber(od::value v, std::optional<std::uint64_t>& out) {
+  const bool negative = v.is_negative();
+  od::number n;
+  if (v.get_number().get(n)) return false;
+  out.reset();
+  if (n.get_number_type() == od::number_type::unsigned_integer) {
+    out = n.get_uint64();
+  } else if (n.get_number_type() == od::number_type::signed_integer && !negative) {
+    out = static_cast<std::uint64_t>(n.get_int64());
+  }
+  return true;
+}
+
+// The fields of a client body the gateway reads; each may appear once for the fast path.
+enum ClientField : unsigned {
+  kModel, kStream, kStreamOptions, kMaxTokens, kMaxCompletionTokens, kCacheSalt, kMessages, kPrompt, kOther
+};
+
+ClientField ClientFieldOf(std::string_view key) {
+  static constexpr std::pair<std::string_view, ClientField> kNames[] = {
+      {"model", kModel},           {"stream", kStream},
+      {"stream_options", kStreamOptions}, {"max_tokens", kMaxTokens},
+      {"max_completion_tokens", kMaxCompletionTokens}, {"cache_salt", kCacheSalt},
+      {"messages", kMessages},     {"prompt", kPrompt}};
+  for (const auto& [name, field] : kNames) {
+    if (key == name) return field;
+  }
+  return kOther;
+}
+
+// stream_options: include_usage when it is an object holding include_usage true once.
+bool ReadStreamOptions(od::value v, bool& include_usage) {
+  od::json_type type{};
+  if (v.type().get(type)) return false;
+  if (type != od::json_type::object) return Valid(v);
+  od::object object;
+  if (v.get_object().get(object)) return false;
+  bool seen = false;
+  for (auto f : object) {
+    od::field field;
+    std::string_view key;
+    if (std::move(f).get(field) || field.unescaped_key().get(key)) return false;
+    if (key != "include_usage") {
+      if (!Valid(field.value())) return false;
+      continue;
+    }
+    if (std::exchange(seen, true)) return false;
+    od::value usage = field.value();
+    if (usage.type().get(type)) return false;
+    if (type != od::json_type::boolean) {
+      if (!Valid(usage)) return false;
+      continue;
+    }
+    if (usage.get_bool().get(include_usage)) return false;
+  }
+  return true;
+}
+
+// One field of a client body into `r`; false when the reference is to decide.
+bool ReadClientField(ClientField which, od::value v, OpenAiRequest& r,
+                     std::optional<std::uint64_t> (&max_tokens)[2]) {
+  od::json_type type{};
+  if (v.type().get(type)) return false;
+  switch (which) {
+    case kModel: {
+      std::string_view model;
+      if (type != od::json_type::string || v.get_string().get(model) || model.empty()) return false;
+      r.model = model;
+      return true;
+    }
+    case kStream:
+      if (type == od::json_type::boolean) return !v.get_bool().get(r.stream);
+      return type == od::json_type::null && Valid(v);
+    case kStreamOptions:
+      return ReadStreamOptions(v, r.include_usage);
+    case kMaxTokens:
+    case kMaxCompletionTokens:
+      if (type != od::json_type::number) return Valid(v);
+      return UnsignedNumber(v, max_tokens[which == kMaxCompletionTokens]);
+    case kCacheSalt: {
+      if (type == od::json_type::null) return Valid(v);
+      std::string_view salt;
+      if (type != od::json_type::string || v.get_string().get(salt)) return false;
+      r.cache_salt = salt;
+      return true;
+    }
+    case kMessages: {
+      if (r.kind != ApiKind::kChat) return Valid(v);
+      od::array messages;
+      if (type != od::json_type::array || v.get_array().get(messages)) return false;
+      std::size_t n = 0;
+      for (auto e : messages) {
+        od::value message;
+        if (std::move(e).get(message) || !Valid(message)) return false;
+        ++n;
+      }
+      return n > 0;
+    }
+    case kPrompt:
+      if (r.kind != ApiKind::kCompletions) return Valid(v);
+      return (type == od::json_type::string || type == od::json_type::array) && Valid(v);
+    case kOther:
+      return Valid(v);
+  }
+  return false;
+}
+
+// A render answer's object: token_ids read into `r`; a features other than null is left to the
+// reference (multimodal items).
+bool ReadRenderObject(od::object object, RenderedPrompt& r) {
+  bool has_ids = false;
+  for (auto f : object) {
+    od::field field;
+    std::string_view key;
+    if (std::move(f).get(field) || field.unescaped_key().get(key)) return false;
+    od::value v = field.value();
+    if (key == "features") {
+      bool is_null = false;
+      if (v.is_null().get(is_null) || !is_null) return false;
+    } else if (key == "token_ids") {
+      if (std::exchange(has_ids, true)) return false;
+      od::array ids;
+      if (v.get_array().get(ids)) return false;
+      for (auto e : ids) {
+        std::uint64_t id = 0;
+        if (std::move(e).get_uint64().get(id) || id > std::numeric_limits<std::uint32_t>::max()) return false;
+        r.token_ids.push_back(static_cast<std::uint32_t>(id));
+      }
+    } else if (!Valid(v)) {
+      return false;
+    }
+  }
+  return has_ids;
+}
+
+}  // namespace
+
+namespace openai_parsers {
+
+std::optional<OpenAiRequest> FastOpenAiRequest(ApiKind kind, std::string_view body) {
+  return WithDocument<OpenAiRequest>(body, [kind](od::document& doc) -> std::optional<OpenAiRequest> {
+    od::object top;
+    if (doc.get_object().get(top)) return std::nullopt;
+    OpenAiRequest r{.kind = kind};
+    std::optional<std::uint64_t> max_tokens[2];  // max_tokens, max_completion_tokens
+    unsigned seen = 0;
+    for (auto f : top) {
+      od::field field;
+      std::string_view key;
+      if (std::move(f).get(field) || field.unescaped_key().get(key)) return std::nullopt;
+      const ClientField which = ClientFieldOf(key);
+      if (which != kOther && (std::exchange(seen, seen | 1u << which) & 1u << which)) return std::nullopt;
+      if (!ReadClientField(which, field.value(), r, max_tokens)) return std::nullopt;
+    }
+    if (!(seen & 1u << kModel) || !(seen & 1u << (kind == ApiKind::kChat ? kMessages : kPrompt))) return std::nullopt;
+    r.max_tokens = max_tokens[1] ? max_tokens[1] : max_tokens[0];  // the latter wins, as in vLLM
+    return r;
+  });
+}
+
+std::optional<RenderedPrompt> FastRenderAnswer(ApiKind kind, std::string_view body) {
+  return WithDocument<RenderedPrompt>(body, [kind](od::document& doc) -> std::optional<RenderedPrompt> {
+    RenderedPrompt r;
+    if (kind == ApiKind::kChat) {
+      od::object object;
+      if (doc.get_object().get(object) || !ReadRenderObject(object, r)) return std::nullopt;
+      return r;
+    }
+    od::array prompts;  // completions: the first prompt's
+    if (doc.get_array().get(prompts)) return std::nullopt;
+    bool first = true;
+    for (auto e : prompts) {
+      od::value prompt;
+      if (std::move(e).get(prompt)) return std::nullopt;
+      if (std::exchange(first, false)) {
+        od::object object;
+        if (prompt.get_object().get(object) || !ReadRenderObject(object, r)) return std::nullopt;
+      } else if (!Valid(prompt)) {
+        return std::nullopt;
+      }
+    }
+    if (first) return std::nullopt;
+    return r;
+  });
+}
+
+}  // namespace openai_parsers
+
+Result<OpenAiRequest> ParseOpenAiRequest(ApiKind kind, std::string_view body) {
+  if (auto fast = openai_parsers::FastOpenAiRequest(kind, body)) return *std::move(fast);
+  return openai_parsers::ReferenceOpenAiRequest(kind, body);
+}
+
+Result<RenderedPrompt> ParseRenderAnswer(ApiKind kind, std::string_view body) {
+  if (auto fast = openai_parsers::FastRenderAnswer(kind, body)) return *std::move(fast);
+  return openai_parsers::ReferenceRenderAnswer(kind, body);
 }
 
 std::vector<MmItem> RouteItems(const OpenAiRequest& request, const RenderedPrompt& rendered) {

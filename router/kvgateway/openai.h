@@ -2,8 +2,10 @@
 // body to route it (model, stream, the prompt for rendering), the answers of vLLM's render and
 // /tokenize endpoints, and OpenAI-shaped errors. The body itself goes to an aggregated engine
 // unchanged; the legs of a disaggregated request (section 13) get it with the fields their
-// protocol adds, every other field kept as it was. JSON is nlohmann-json's (no hand parsing);
-// nothing here throws. Thread-safe (pure functions).
+// protocol adds, every other field kept as it was. The two bodies read on every request (the
+// client's and the render answer) are read with simdjson On-Demand, each thread with a parser of
+// its own; a body it cannot read plainly goes to nlohmann-json, which decides what is wrong.
+// Everything else is nlohmann-json's. No hand parsing; nothing here throws. Thread-safe.
 //
 //   auto req = ParseOpenAiRequest(ApiKind::kChat, body);  // InvalidArgument names what is wrong
 //   auto ids = ParseRenderAnswer(ApiKind::kChat, render_body);
@@ -31,26 +33,31 @@ struct OpenAiRequest {
   std::string model;
   bool stream = false;
   bool include_usage = false;  // stream_options.include_usage: a streamed answer ends with usage
-  // For /tokenize: {"model", "messages"} (chat) or {"model", "prompt"} (completions), as JSON text.
-  std::string tokenize_body;
   // vLLM's `cache_salt` (empty: none): the engine keeps salted prefixes apart, and so does the
   // router, with the salt as an item of the first block (docs/protocol.md section 12).
   std::string cache_salt;
   // max_completion_tokens, else max_tokens, when a whole number (nullopt: none, or another form:
   // the engine judges it).
   std::optional<std::uint64_t> max_tokens;
+
+  bool operator==(const OpenAiRequest&) const = default;
 };
 
 // 400-worthy problems (not JSON, not an object, no string `model`, chat without a `messages`
 // array, completions without a `prompt`, a `cache_salt` that is not a string) are InvalidArgument
 // with a message for the client.
 Result<OpenAiRequest> ParseOpenAiRequest(ApiKind kind, std::string_view body);
+// The body of a /tokenize call for a request, built only on that fallback: {"model", "messages"}
+// (chat) or {"model", "prompt"} (completions) as JSON text, from a `body` ParseOpenAiRequest took.
+std::string TokenizeBody(const OpenAiRequest& request, std::string_view body);
 
 // A prompt as an engine rendered it: its token ids and its multimodal items (docs/protocol.md
 // section 12), from the render answer's features.
 struct RenderedPrompt {
   std::vector<std::uint32_t> token_ids;
   std::vector<MmItem> mm_items;
+
+  bool operator==(const RenderedPrompt&) const = default;
 };
 
 // The render endpoints' answers: chat {"token_ids": [...], "features"?: {...}}, completions
@@ -108,6 +115,19 @@ std::string DumpJson(const nlohmann::json& doc);
 // {"error": {"message", "type", "code"}} as JSON text (DumpJson). `type` follows OpenAI
 // ("invalid_request_error", ...); `code` is a short machine-readable reason.
 std::string OpenAiError(std::string_view message, std::string_view type, std::string_view code);
+
+// The parsers the functions above put in front of each other, apart for the tests and the fuzz
+// target, which check that the fast one answers as the reference does whenever it answers.
+namespace openai_parsers {
+// simdjson On-Demand over the whole body (every value validated); nullopt when the body is not
+// JSON, not plainly shaped (a field the gateway reads is repeated, or of an unexpected type), or
+// holds what the reference would refuse: the reference then decides.
+std::optional<OpenAiRequest> FastOpenAiRequest(ApiKind kind, std::string_view body);
+std::optional<RenderedPrompt> FastRenderAnswer(ApiKind kind, std::string_view body);
+// nlohmann-json: the answer and the error message for any body.
+Result<OpenAiRequest> ReferenceOpenAiRequest(ApiKind kind, std::string_view body);
+Result<RenderedPrompt> ReferenceRenderAnswer(ApiKind kind, std::string_view body);
+}  // namespace openai_parsers
 
 // The render endpoint of a kind: "/v1/chat/completions/render" or "/v1/completions/render".
 std::string_view RenderPath(ApiKind kind);

@@ -203,6 +203,13 @@ bool WriteAll(SeedWriter& w) {
                                  "1b\r\n{\"model\":\"m\",\"prompt\":\"ab\"}\r\n0\r\n\r\n"));
   ok &= w.Write("fuzz_gateway_request", std::string_view("{\"token_ids\":[1,2,3]}"));
   ok &= w.Write("fuzz_gateway_request", std::string_view("[{\"token_ids\":[4]}]"));
+  // Bodies whose every field the fast parsers read, to grow differences from.
+  ok &= w.Write("fuzz_gateway_request",
+                std::string_view("{\"model\":\"m\",\"stream\":false,\"stream_options\":{\"include_usage\":true},"
+                                 "\"max_tokens\":3,\"max_completion_tokens\":-0,\"cache_salt\":\"s\",\"n\":[1.5,null,\"\\u00e9\"],"
+                                 "\"messages\":[{\"role\":\"user\",\"content\":\"a\"}],\"prompt\":[1,2]}"));
+  ok &= w.Write("fuzz_gateway_request",
+                std::string_view("{\"token_ids\":[0,4294967295],\"features\":null,\"request_id\":\"r\"}"));
   return ok;
 }
 

@@ -9,22 +9,23 @@ namespace {
 using json = nlohmann::json;
 
 TEST(OpenAiRequest, AChatRequestGivesItsModelStreamAndATokenizeBody) {
-  auto r = ParseOpenAiRequest(ApiKind::kChat,
-                              R"({"model":"llama","stream":true,"messages":[{"role":"user","content":"hi"}],"n":1})");
+  const std::string body = R"({"model":"llama","stream":true,"messages":[{"role":"user","content":"hi"}],"n":1})";
+  auto r = ParseOpenAiRequest(ApiKind::kChat, body);
   ASSERT_TRUE(r.ok()) << r.status().ToString();
   EXPECT_EQ(r->model, "llama");
   EXPECT_TRUE(r->stream);
-  const json t = json::parse(r->tokenize_body);
+  const json t = json::parse(TokenizeBody(*r, body));
   EXPECT_EQ(t["model"], "llama");
   EXPECT_EQ(t["messages"][0]["content"], "hi");
   EXPECT_FALSE(t.contains("n"));  // only what /tokenize takes
 }
 
 TEST(OpenAiRequest, ACompletionsPromptMayBeAStringOrAnArray) {
-  auto s = ParseOpenAiRequest(ApiKind::kCompletions, R"({"model":"m","prompt":"once upon"})");
+  const std::string body = R"({"model":"m","prompt":"once upon"})";
+  auto s = ParseOpenAiRequest(ApiKind::kCompletions, body);
   ASSERT_TRUE(s.ok());
   EXPECT_FALSE(s->stream);
-  EXPECT_EQ(json::parse(s->tokenize_body)["prompt"], "once upon");
+  EXPECT_EQ(json::parse(TokenizeBody(*s, body)), json::parse(R"({"model":"m","prompt":"once upon"})"));
   EXPECT_TRUE(ParseOpenAiRequest(ApiKind::kCompletions, R"({"model":"m","prompt":[1,2,3]})").ok());
   EXPECT_EQ(ParseOpenAiRequest(ApiKind::kCompletions, R"({"model":"m","prompt":7})").status().code(),
             StatusCode::kInvalidArgument);
@@ -45,6 +46,100 @@ TEST(OpenAiRequest, WhatIsMissingOrMalformedIsNamed) {
   expect(ApiKind::kChat, R"({"model":"m","messages":[]})", "'messages'");
   expect(ApiKind::kChat, R"({"model":"m","messages":[{}],"stream":"yes"})", "'stream'");
   expect(ApiKind::kCompletions, R"({"model":"m"})", "'prompt'");
+  // What the gateway does not read must be JSON too, and nothing may follow the object.
+  expect(ApiKind::kChat, R"({"model":"m","messages":[{}],"n":[1,2,]})", "JSON");
+  expect(ApiKind::kChat, R"({"model":"m","messages":[{}],"user":"\x"})", "JSON");
+  expect(ApiKind::kChat, R"({"model":"m","messages":[{}],"seed":01})", "JSON");
+  expect(ApiKind::kChat, R"({"model":"m","messages":[{}],"logprobs":nul})", "JSON");
+  expect(ApiKind::kChat, "{\"model\":\"m\",\"messages\":[{}],\"user\":\"a\x01\"}", "JSON");
+  expect(ApiKind::kChat, R"({"model":"m","messages":[{}]} {"model":"m"})", "JSON");
+  expect(ApiKind::kChat, R"({"model":"m","messages":[{}]} x)", "JSON");
+  expect(ApiKind::kChat, "{\"model\":\"m\",\"messages\":[{\"content\":\"\xff\"}]}", "JSON");
+}
+
+// Read as nlohmann-json reads them: the last of repeated fields wins; a whole number too large
+// for 64 bits is a number (not a token limit); an escaped key is the key it spells.
+TEST(OpenAiRequest, RepeatedFieldsHugeNumbersAndEscapedKeysReadAsJsonDoes) {
+  auto r = ParseOpenAiRequest(ApiKind::kChat, R"({"model":"a","model":"b","messages":[{}],"max_tokens":5,)"
+                                              R"("max_tokens":18446744073709551616,"seed":1e300,"str\u0065am":true})");
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->model, "b");
+  EXPECT_EQ(r->max_tokens, std::nullopt);
+  EXPECT_TRUE(r->stream);
+  EXPECT_FALSE(ParseOpenAiRequest(ApiKind::kChat, R"({"model":"m","messages":[{}],"messages":[]})").ok());
+  auto usage = ParseOpenAiRequest(
+      ApiKind::kChat, R"({"model":"m","messages":[{}],"stream_options":{"include_usage":true,"include_usage":false}})");
+  ASSERT_TRUE(usage.ok());
+  EXPECT_FALSE(usage->include_usage);
+}
+
+// The tokenize body is {"model", "messages"} or {"model", "prompt"}, whatever else the body holds.
+TEST(OpenAiRequest, TheTokenizeBodyHoldsOnlyWhatTokenizeTakes) {
+  const std::string body =
+      R"({"n":2,"messages":[{"role":"user","content":"a\u00e9"}],"model":"m","stream":true,"max_tokens":3})";
+  auto r = ParseOpenAiRequest(ApiKind::kChat, body);
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(json::parse(TokenizeBody(*r, body)),
+            json::parse(R"({"model":"m","messages":[{"role":"user","content":"a\u00e9"}]})"));
+}
+
+// The fast parser answers plain bodies itself, and whenever it answers, it answers as the
+// reference does; what it leaves (multimodal features, repeated fields) the reference decides.
+TEST(OpenAiParsers, TheFastParserAgreesWithTheReference) {
+  using namespace openai_parsers;
+  const std::vector<std::pair<ApiKind, std::string>> requests = {
+      {ApiKind::kChat, R"({"model":"m","messages":[{"role":"user","content":"hi \"there\" \u00e9"}]})"},
+      {ApiKind::kChat, R"( {"model":"m","stream":null,"stream_options":{"include_usage":true,"x":[{}]},)"
+                       R"("max_tokens":-0,"max_completion_tokens":7,"cache_salt":"s","messages":[{},[],"",1.5e3,true,false,null]} )"},
+      {ApiKind::kChat, R"({"model":"m","messages":[{}],"max_tokens":9,"max_completion_tokens":1.0,"stream_options":7})"},
+      {ApiKind::kChat, R"({"model":"m","messages":[{}],"stream":false,"cache_salt":null,"stream_options":{"include_usage":1}})"},
+      {ApiKind::kCompletions, R"({"model":"m","prompt":[1,2,3],"messages":7,"max_tokens":4})"},
+      {ApiKind::kCompletions, R"({"model":"m","prompt":"p","stream":true,"stream_options":{"include_usage":false}})"},
+  };
+  for (const auto& [kind, body] : requests) {
+    auto fast = FastOpenAiRequest(kind, body);
+    ASSERT_TRUE(fast.has_value()) << body;
+    auto reference = ReferenceOpenAiRequest(kind, body);
+    ASSERT_TRUE(reference.ok()) << body;
+    EXPECT_EQ(*fast, *reference) << body;
+  }
+  for (const char* bad : {R"({"model":"m","model":"n","messages":[{}]})", R"({"model":7,"messages":[{}]})",
+                          R"({"model":"m","messages":[{}],"stream":"yes"})", R"({"model":"m","messages":[]})",
+                          "", "[]", "{"}) {
+    EXPECT_FALSE(FastOpenAiRequest(ApiKind::kChat, bad).has_value()) << bad;
+  }
+  const std::vector<std::pair<ApiKind, std::string>> answers = {
+      {ApiKind::kChat, R"({"request_id":"r","token_ids":[0,1,4294967295],"features":null,"x":{"y":[1]}})"},
+      {ApiKind::kChat, R"({"token_ids":[]})"},
+      {ApiKind::kCompletions, R"([{"token_ids":[4,5]},{"token_ids":[6]},7])"},
+  };
+  for (const auto& [kind, body] : answers) {
+    auto fast = FastRenderAnswer(kind, body);
+    ASSERT_TRUE(fast.has_value()) << body;
+    auto reference = ReferenceRenderAnswer(kind, body);
+    ASSERT_TRUE(reference.ok()) << body;
+    EXPECT_EQ(*fast, *reference) << body;
+  }
+  for (const char* bad : {R"({"token_ids":[1],"features":{"mm_hashes":null}})", R"({"token_ids":[1,-1]})",
+                          R"({"token_ids":[1.0]})", R"({"token_ids":[1],"token_ids":[2]})", R"({"token_ids":[1]} 2)"}) {
+    EXPECT_FALSE(FastRenderAnswer(ApiKind::kChat, bad).has_value()) << bad;
+  }
+}
+
+// A body larger than a thread keeps a parser for is read the same way.
+TEST(OpenAiParsers, ALargeRenderAnswerIsReadWhole) {
+  std::string body = R"({"token_ids":[)";
+  std::vector<std::uint32_t> ids;
+  for (std::uint32_t k = 0; k < 100000; ++k) {
+    body += (k ? "," : "") + std::to_string(k * 40503u);
+    ids.push_back(k * 40503u);
+  }
+  body += "]}";
+  ASSERT_GT(body.size(), 256u * 1024);
+  auto r = ParseRenderAnswer(ApiKind::kChat, body);
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->token_ids, ids);
+  EXPECT_TRUE(openai_parsers::FastRenderAnswer(ApiKind::kChat, body).has_value());
 }
 
 TEST(RenderAnswer, ChatAndCompletionsShapesAndTokenize) {
@@ -58,6 +153,8 @@ TEST(RenderAnswer, ChatAndCompletionsShapesAndTokenize) {
   EXPECT_FALSE(ParseRenderAnswer(ApiKind::kChat, R"({"token_ids":"x"})").ok());
   EXPECT_FALSE(ParseRenderAnswer(ApiKind::kCompletions, R"([])").ok());
   EXPECT_FALSE(ParseRenderAnswer(ApiKind::kCompletions, R"({"token_ids":[1]})").ok());
+  EXPECT_NE(ParseRenderAnswer(ApiKind::kChat, R"({"token_ids":[1,2],"x":[})").status().message().find("not JSON"),
+            std::string::npos);
   EXPECT_FALSE(ParseTokenizeAnswer(R"({"ids":[1]})").ok());
   EXPECT_FALSE(ParseTokenizeAnswer("nope").ok());
 }
