@@ -83,6 +83,18 @@ TEST(OpenAiRequest, TheTokenizeBodyHoldsOnlyWhatTokenizeTakes) {
             json::parse(R"({"model":"m","messages":[{"role":"user","content":"a\u00e9"}]})"));
 }
 
+// `fast` answers each body itself, and as `reference` does.
+template <typename Fast, typename Reference>
+void ExpectAgreement(Fast fast, Reference reference, const std::vector<std::pair<ApiKind, std::string>>& bodies) {
+  for (const auto& [kind, body] : bodies) {
+    auto answer = fast(kind, body);
+    ASSERT_TRUE(answer.has_value()) << body;
+    auto expected = reference(kind, body);
+    ASSERT_TRUE(expected.ok()) << body;
+    EXPECT_EQ(*answer, *expected) << body;
+  }
+}
+
 // The fast parser answers plain bodies itself, and whenever it answers, it answers as the
 // reference does; what it leaves (multimodal features, repeated fields) the reference decides.
 TEST(OpenAiParsers, TheFastParserAgreesWithTheReference) {
@@ -96,13 +108,7 @@ TEST(OpenAiParsers, TheFastParserAgreesWithTheReference) {
       {ApiKind::kCompletions, R"({"model":"m","prompt":[1,2,3],"messages":7,"max_tokens":4})"},
       {ApiKind::kCompletions, R"({"model":"m","prompt":"p","stream":true,"stream_options":{"include_usage":false}})"},
   };
-  for (const auto& [kind, body] : requests) {
-    auto fast = FastOpenAiRequest(kind, body);
-    ASSERT_TRUE(fast.has_value()) << body;
-    auto reference = ReferenceOpenAiRequest(kind, body);
-    ASSERT_TRUE(reference.ok()) << body;
-    EXPECT_EQ(*fast, *reference) << body;
-  }
+  ExpectAgreement(FastOpenAiRequest, ReferenceOpenAiRequest, requests);
   for (const char* bad : {R"({"model":"m","model":"n","messages":[{}]})", R"({"model":7,"messages":[{}]})",
                           R"({"model":"m","messages":[{}],"stream":"yes"})", R"({"model":"m","messages":[]})",
                           "", "[]", "{"}) {
@@ -113,13 +119,7 @@ TEST(OpenAiParsers, TheFastParserAgreesWithTheReference) {
       {ApiKind::kChat, R"({"token_ids":[]})"},
       {ApiKind::kCompletions, R"([{"token_ids":[4,5]},{"token_ids":[6]},7])"},
   };
-  for (const auto& [kind, body] : answers) {
-    auto fast = FastRenderAnswer(kind, body);
-    ASSERT_TRUE(fast.has_value()) << body;
-    auto reference = ReferenceRenderAnswer(kind, body);
-    ASSERT_TRUE(reference.ok()) << body;
-    EXPECT_EQ(*fast, *reference) << body;
-  }
+  ExpectAgreement(FastRenderAnswer, ReferenceRenderAnswer, answers);
   for (const char* bad : {R"({"token_ids":[1],"features":{"mm_hashes":null}})", R"({"token_ids":[1,-1]})",
                           R"({"token_ids":[1.0]})", R"({"token_ids":[1],"token_ids":[2]})", R"({"token_ids":[1]} 2)"}) {
     EXPECT_FALSE(FastRenderAnswer(ApiKind::kChat, bad).has_value()) << bad;
