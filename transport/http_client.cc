@@ -86,18 +86,26 @@ Result<HttpEndpoint> ParseHttpUrl(std::string_view url) {
   return e;
 }
 
+namespace {
+// Typed on the strand rather than type-erased (beast::tcp_stream, net::steady_timer): an
+// asynchronous operation then copies no executor onto the heap.
+using Strand = net::strand<net::io_context::executor_type>;
+using Stream = beast::basic_stream<tcp, Strand>;
+using Timer = net::basic_waitable_timer<std::chrono::steady_clock, net::wait_traits<std::chrono::steady_clock>, Strand>;
+}  // namespace
+
 struct HttpClient::Pool {
   struct Idle {
-    std::unique_ptr<beast::tcp_stream> stream;
+    std::unique_ptr<Stream> stream;
     SteadyTime since;
   };
 
   Pool(net::io_context& c, Options o) : ioc(c), options(o), reaper(net::make_strand(c)) {}
 
   // A pooled connection to `key` that has not idled too long, or null.
-  std::unique_ptr<beast::tcp_stream> Take(const std::string& key) {
-    std::vector<std::unique_ptr<beast::tcp_stream>> stale;
-    std::unique_ptr<beast::tcp_stream> taken;
+  std::unique_ptr<Stream> Take(const std::string& key) {
+    std::vector<std::unique_ptr<Stream>> stale;
+    std::unique_ptr<Stream> taken;
     {
       KvMutexLock g(mu);
       auto it = idle.find(key);
@@ -118,7 +126,7 @@ struct HttpClient::Pool {
     for (auto& s : stale) CloseIdle(*s);
     return taken;
   }
-  void Give(const std::string& key, std::unique_ptr<beast::tcp_stream> stream) {
+  void Give(const std::string& key, std::unique_ptr<Stream> stream) {
     stream->expires_never();
     {
       KvMutexLock g(mu);
@@ -133,7 +141,7 @@ struct HttpClient::Pool {
   // Closes the pooled connections unused for max_idle at `now` (every one with `all`) and
   // forgets the pools left empty; only those of `key` when it is given.
   void Reap(SteadyTime now, bool all, const std::string* key = nullptr) {
-    std::vector<std::unique_ptr<beast::tcp_stream>> closing;
+    std::vector<std::unique_ptr<Stream>> closing;
     {
       KvMutexLock g(mu);
       for (auto it = idle.begin(); it != idle.end();) {
@@ -160,7 +168,7 @@ struct HttpClient::Pool {
     return n;
   }
   // A pooled connection has no operation pending and no other owner: any thread may close it.
-  static void CloseIdle(beast::tcp_stream& s) {
+  static void CloseIdle(Stream& s) {
     beast::error_code ignored;
     s.socket().shutdown(tcp::socket::shutdown_both, ignored);
     s.socket().close(ignored);
@@ -181,8 +189,6 @@ struct HttpClient::Pool {
 };
 
 namespace {
-
-using Strand = net::strand<net::io_context::executor_type>;
 
 // On the reaper's strand: the next sweep of the idle pool.
 void ArmReaper(const std::shared_ptr<HttpClient::Pool>& pool) {
@@ -225,13 +231,13 @@ class Call final : public HttpCall, public std::enable_shared_from_this<Call> {
         spec_(std::move(spec)),
         cb_(std::move(cb)),
         stream_(pool_->Take(endpoint_.Key())),
-        strand_(stream_ ? *stream_->get_executor().target<Strand>() : net::make_strand(pool_->ioc)),
+        strand_(stream_ ? stream_->get_executor() : net::make_strand(pool_->ioc)),
         timer_(strand_) {
     reused_ = stream_ != nullptr;
     if (reused_) {
       ++pool_->reused;
     } else {
-      stream_ = std::make_unique<beast::tcp_stream>(strand_);
+      stream_ = std::make_unique<Stream>(strand_);
     }
   }
 
@@ -414,7 +420,7 @@ class Call final : public HttpCall, public std::enable_shared_from_this<Call> {
     ++pool_->retried;
     reused_ = false;
     Close();
-    stream_ = std::make_unique<beast::tcp_stream>(strand_);
+    stream_ = std::make_unique<Stream>(strand_);
     buffer_.clear();
     req_ = {};
     Resolve();
@@ -449,9 +455,9 @@ class Call final : public HttpCall, public std::enable_shared_from_this<Call> {
   const HttpEndpoint endpoint_;
   const HttpCallSpec spec_;
   HttpCallbacks cb_;
-  std::unique_ptr<beast::tcp_stream> stream_;
+  std::unique_ptr<Stream> stream_;
   const Strand strand_;
-  net::steady_timer timer_;  // the name's lookup, then the wait for the response head
+  Timer timer_;  // the name's lookup, then the wait for the response head
   bool reused_ = false;
   bool done_ = false;
   bool head_ = false;            // the response head came

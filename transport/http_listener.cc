@@ -39,6 +39,11 @@ namespace beast = boost::beast;
 namespace http = beast::http;
 namespace net = boost::asio;
 using tcp = net::ip::tcp;
+// A connection's socket and stream are typed on its strand rather than type-erased: an
+// asynchronous operation then copies no executor onto the heap.
+using Strand = net::strand<net::io_context::executor_type>;
+using Socket = net::basic_stream_socket<tcp, Strand>;
+using Stream = beast::basic_stream<tcp, Strand>;
 
 std::optional<std::string_view> HttpRequest::Header(std::string_view name) const {
   for (const auto& [k, v] : headers) {
@@ -171,7 +176,7 @@ namespace {
 // the client keeps the connection alive. Every member is touched only on the connection's strand.
 class Session : public std::enable_shared_from_this<Session> {
  public:
-  Session(std::shared_ptr<HttpListener::State> state, tcp::socket socket)
+  Session(std::shared_ptr<HttpListener::State> state, Socket socket)
       : state_(std::move(state)), stream_(std::move(socket)) {}
   ~Session() {
     if (!closed_) state_->ConnectionClosed();  // never ran Shutdown (its io_context stopped)
@@ -202,7 +207,7 @@ class Session : public std::enable_shared_from_this<Session> {
   // producer reading it right after its Write sees its own bytes.
   void AddBacklog(std::size_t n) { backlog_ += n; }
   std::size_t Backlog() const { return backlog_.load(); }
-  net::any_io_executor executor() { return stream_.get_executor(); }
+  Strand executor() { return stream_.get_executor(); }
 
  private:
   struct Out {
@@ -257,7 +262,7 @@ class Session : public std::enable_shared_from_this<Session> {
   }
 
   const std::shared_ptr<HttpListener::State> state_;
-  beast::tcp_stream stream_;
+  Stream stream_;
   beast::flat_buffer buffer_;
   std::optional<http::request_parser<http::string_body>> parser_;
   unsigned version_ = 11;
@@ -618,7 +623,7 @@ void Session::Shutdown() {
 }  // namespace
 
 void HttpListener::State::Accept() {
-  acceptor.async_accept(net::make_strand(ioc), [self = shared_from_this()](beast::error_code ec, tcp::socket socket) {
+  acceptor.async_accept(net::make_strand(ioc), [self = shared_from_this()](beast::error_code ec, Socket socket) {
     if (self->stopped.load()) return;
     if (!ec) {
       ++self->connections;
