@@ -248,7 +248,8 @@ TEST_F(GatewayPdKvmockerTest, BothLegsInOneProcessReleaseThePinDirectly) {
   EXPECT_EQ(params["remote_engine_id"], "10_dp0");
   EXPECT_EQ(params["remote_block_ids"].size(), prompt.size() / kBs);
   EXPECT_EQ(params["remote_port"], m.http_port);
-  EXPECT_EQ(MockerMetric(m, Pinned(10)), static_cast<double>(prompt.size() / kBs));
+  EXPECT_TRUE(AwaitTrue([&] { return MockerMetric(m, Pinned(10)) == static_cast<double>(prompt.size() / kBs); }))
+      << MockerMetric(m, Pinned(10));
 
   json decode_body = {{"model", "mock"}, {"prompt", prompt}, {"max_tokens", 5}, {"kv_transfer_params", params}};
   auto d = client_->Fetch(
@@ -284,7 +285,9 @@ TEST_F(GatewayPdKvmockerTest, ADecodeLegCancelledDuringItsPullUnpinsThePrefillBl
       {.target = "/v1/completions", .headers = {{"content-type", "application/json"}}, .body = prefill_body.dump()});
   ASSERT_TRUE(p.ok());
   ASSERT_EQ(p->status, 200) << p->body;
-  ASSERT_EQ(MockerMetric(m, Pinned(10)), static_cast<double>(prompt.size() / kBs));
+  // The engine's metrics follow its answer (another thread): awaited.
+  ASSERT_TRUE(AwaitTrue([&] { return MockerMetric(m, Pinned(10)) == static_cast<double>(prompt.size() / kBs); }))
+      << MockerMetric(m, Pinned(10));
   const json decode_body = {{"model", "mock"},
                             {"prompt", prompt},
                             {"max_tokens", 5},
