@@ -569,9 +569,13 @@ void Gateway::Fallback(const std::shared_ptr<Exchange>& x) {
     // Prefill engines only when nothing else is left: the decode pool is sized for generating.
     (directory_.Role(id) == WorkerRole::kPrefill ? prefill : usable).push_back(id);
   }
-  if (usable.empty()) usable = std::move(prefill);
+  const SteadyTime now = std::chrono::steady_clock::now();
+  // The prefill pool when no other engine is left, or none of the others is healthy and one of it is.
+  if (usable.empty() || (!engine_load_.AnyHealthy(usable, now) && engine_load_.AnyHealthy(prefill, now))) {
+    usable = std::move(prefill);
+  }
   if (stopping_.load()) return Fail(x, 503, "shutting_down", "the gateway is stopping");
-  const auto worker = engine_load_.Least(usable, next_id_.load(), std::chrono::steady_clock::now());
+  const auto worker = engine_load_.Least(usable, next_id_.load(), now);
   if (!worker) {
     return Fail(x, 503, "no_workers",
                 "no router answers, and no engine serving the model that serves a request alone is left to try",

@@ -182,8 +182,9 @@ class Gateway {
   std::atomic<std::uint64_t> next_id_{0};
   EngineLoad engine_load_;
   const std::string id_prefix_;
-  // The gateway's start, then each time NATS came back: when kRouterGrace begins.
-  std::atomic<SteadyTime::rep> grace_from_{std::chrono::steady_clock::now().time_since_epoch().count()};
+  const SteadyTime started_ = std::chrono::steady_clock::now();  // /ready's kRouterGrace begins here
+  // The gateway's start, then each time NATS came back: SkipsRouter's kRouterGrace begins here.
+  std::atomic<SteadyTime::rep> grace_from_{started_.time_since_epoch().count()};
   RateLimitedLog log_;
 
   std::shared_ptr<prometheus::Registry> registry_;

@@ -76,8 +76,16 @@ bool Gateway::Ready(SteadyTime now) const {
   // at once: they go on serving by load.
   if (draining_.load() || directory_.size() == 0) return false;
   if (!RouterDown(now)) return true;
-  // While NATS is down the directory keeps every engine: ready while one of them still answers.
-  return SkipsRouter(now) && engine_load_.AnyHealthy(directory_.Ids(), now);
+  // Only the start's grace counts here: after a NATS restart every gateway waits for a router at
+  // once, and none turns 503 for it (requests are served meanwhile: routed, or falling back).
+  if (config_.router_fallback != RouterFallback::kLeastLoaded || now - started_ < kRouterGrace) return false;
+  // While NATS is down the directory keeps every engine: ready while one the fallback may pick
+  // has not just failed.
+  std::vector<std::uint64_t> alone;
+  for (std::uint64_t id : directory_.Ids()) {
+    if (directory_.ServesAlone(id)) alone.push_back(id);
+  }
+  return engine_load_.AnyHealthy(alone, now);
 }
 
 bool Gateway::SkipsRouter(SteadyTime now) const {
@@ -87,9 +95,10 @@ bool Gateway::SkipsRouter(SteadyTime now) const {
 }
 
 void Gateway::SetNatsConnected(bool connected) {
+  // The grace starts before a request can see NATS up (SkipsRouter reads them in that order).
+  if (connected) grace_from_ = std::chrono::steady_clock::now().time_since_epoch().count();
   nats_connected_ = connected;
   if (connected) {
-    grace_from_ = std::chrono::steady_clock::now().time_since_epoch().count();
     directory_.Resume(std::chrono::steady_clock::now());
   } else {
     directory_.Pause();

@@ -33,6 +33,9 @@ Result<std::vector<std::uint32_t>> TokenIds(const json& array, std::string_view 
 namespace openai_parsers {
 
 Result<OpenAiRequest> ReferenceOpenAiRequest(ApiKind kind, std::string_view body) {
+  // JSON has no raw NUL byte anywhere, and nlohmann-json would end its input at one (taking
+  // what precedes it): the body is forwarded unchanged, so it must be JSON whole.
+  if (body.find('\0') != std::string_view::npos) return InvalidArgument("the body is not valid JSON");
   const json doc = json::parse(body, nullptr, /*allow_exceptions=*/false);
   if (doc.is_discarded()) return InvalidArgument("the body is not valid JSON");
   if (!doc.is_object()) return InvalidArgument("the body must be a JSON object");
@@ -184,9 +187,14 @@ std::optional<T> WithDocument(std::string_view body, Read&& read) {
   return run(once);
 }
 
+// Values nested deeper than this are left to the reference parser: Valid recurses once per
+// level, and a small body can nest deep enough to overflow the stack.
+constexpr int kMaxFastDepth = 128;
+
 // Reads a value whole (every string unescaped, every number and literal checked): On-Demand
 // skips what is not read without checking it, and a body it takes must be JSON to nlohmann too.
-bool Valid(od::value v) {
+bool Valid(od::value v, int depth = 0) {
+  if (depth > kMaxFastDepth) return false;
   od::json_type type{};
   if (v.type().get(type)) return false;
   switch (type) {
@@ -196,7 +204,7 @@ bool Valid(od::value v) {
       for (auto f : object) {
         od::field field;
         std::string_view key;
-        if (std::move(f).get(field) || field.unescaped_key().get(key) || !Valid(field.value())) return false;
+        if (std::move(f).get(field) || field.unescaped_key().get(key) || !Valid(field.value(), depth + 1)) return false;
       }
       return true;
     }
@@ -205,7 +213,7 @@ bool Valid(od::value v) {
       if (v.get_array().get(array)) return false;
       for (auto e : array) {
         od::value element;
-        if (std::move(e).get(element) || !Valid(element)) return false;
+        if (std::move(e).get(element) || !Valid(element, depth + 1)) return false;
       }
       return true;
     }

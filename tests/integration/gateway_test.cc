@@ -301,7 +301,15 @@ TEST_F(GatewayTest, ANatsOutageLongerThanALeaseForgetsNoEngine) {
   ASSERT_TRUE(AwaitReady(1));
   nats_->Stop();
   std::this_thread::sleep_for(5500ms);  // the outage itself is the scenario, not a wait
+  auto ready = [&] {
+    auto r = client_->Fetch(endpoint_, {.method = "GET", .target = "/ready"});
+    return r.ok() ? r->status : 0;
+  };
+  // Ready all through (the fallback serves): a NATS restart takes no gateway out of a load
+  // balancer, neither while it is down nor while the router has not answered since.
+  EXPECT_EQ(ready(), 200);
   ASSERT_TRUE(nats_->Restart().ok());
+  EXPECT_EQ(ready(), 200);
   // Within a lease of the reconnect, and with no heartbeat since the outage, the gateway and the
   // router still know the engine: the router answers again and the request is routed (not
   // served by the fallback, nor answered 404 model_not_found).

@@ -338,7 +338,12 @@ TEST_F(HttpTest, FreeMemoryIsReturnedOnceAfterABurstAndNeverForRequestsOneAtATim
   EXPECT_EQ(listener_->counters().memory_releases, 0u);
   std::atomic<int> done{0};
   for (int i = 0; i < 4; ++i) client_->Start(endpoint_, {.target = "/held"}, {.on_done = [&](const Status&) { ++done; }});
-  ASSERT_TRUE(AwaitTrue([&] { return listener_->counters().under_way == 4; }));
+  // Every one held (the listener counts a request under way just before its handler runs).
+  ASSERT_TRUE(AwaitTrue([&] {
+    std::lock_guard g(held_mu);
+    return held.size() == 4;
+  }));
+  EXPECT_EQ(listener_->counters().under_way, 4u);
   EXPECT_EQ(listener_->counters().memory_releases, 0u);  // not while the burst is under way
   {
     std::lock_guard g(held_mu);

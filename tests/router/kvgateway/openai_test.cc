@@ -321,5 +321,20 @@ TEST(OpenAiRequest, StreamOptionsIncludeUsageIsRead) {
   EXPECT_FALSE(ParseOpenAiRequest(ApiKind::kCompletions, R"({"model":"m","prompt":"p","stream":true})")->include_usage);
 }
 
+TEST(OpenAiRequest, ADeeplyNestedBodyIsReadWithoutExhaustingTheStack) {
+  // 200,000 levels in a field the gateway does not read: left to the reference parser.
+  const std::string deep = std::string(200000, '[') + std::string(200000, ']');
+  auto r = ParseOpenAiRequest(ApiKind::kChat, R"({"model":"m","messages":[{}],"x":)" + deep + "}");
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->model, "m");
+}
+
+TEST(OpenAiRequest, ARawNulByteIsNotJson) {
+  const std::string body = std::string(R"({"model":"m","messages":[{}]})") + '\0' + "garbage";
+  auto r = ParseOpenAiRequest(ApiKind::kChat, body);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("not valid JSON"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace kvrouter
