@@ -152,11 +152,11 @@ TEST_F(GatewayMemoryTest, BurstsOfAThousandStreamsDoNotGrowItsMemory) {
   // After each burst the gateway gives its free memory back; what stays resident is what it
   // keeps (pools, caches, the live state of its connections) plus pages that a few live objects
   // pin, and the latter vary from burst to burst by some megabytes (allocator fragmentation, no
-  // growth). The first burst fills the gateway's pools; then the least of three readings (after
-  // bursts 2 to 4) is compared with the least of the last three (7 to 9): a leak raises every
+  // growth). The first burst fills the gateway's pools; then the least of two readings (after
+  // bursts 2 and 3) is compared with the least of the last two (6 and 7): a leak raises every
   // reading, and between any two of those lie at least 3 bursts of 1,000 streams. A leak of
   // 2 KB a stream adds 6 MB there; the allowance is 4 MB (1.4 KB a stream).
-  constexpr int kBursts = 9, kStreams = 1000, kWindow = 3;
+  constexpr int kBursts = 7, kStreams = 1000, kWindow = 2;
   constexpr long kAllowedGrowthKb = 4096;
   ASSERT_TRUE(AwaitSettled(0));
   std::vector<long> rss = {RssKb()};  // before any burst
