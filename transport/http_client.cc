@@ -3,7 +3,7 @@
 #include <boost/asio/connect.hpp>
 #include <boost/asio/ip/tcp.hpp>
 #include <boost/asio/post.hpp>
-#include <boost/asio/strand.hpp>
+#include <boost/asio/dispatch.hpp>
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
 #include <fmt/format.h>
@@ -87,11 +87,11 @@ Result<HttpEndpoint> ParseHttpUrl(std::string_view url) {
 }
 
 namespace {
-// Typed on the strand rather than type-erased (beast::tcp_stream, net::steady_timer): an
-// asynchronous operation then copies no executor onto the heap.
-using Strand = net::strand<net::io_context::executor_type>;
-using Stream = beast::basic_stream<tcp, Strand>;
-using Timer = net::basic_waitable_timer<std::chrono::steady_clock, net::wait_traits<std::chrono::steady_clock>, Strand>;
+// Typed on their loop's executor rather than type-erased (beast::tcp_stream, net::steady_timer):
+// an asynchronous operation then copies no executor onto the heap.
+using Executor = HttpIo::Impl::Executor;
+using Stream = beast::basic_stream<tcp, Executor>;
+using Timer = net::basic_waitable_timer<std::chrono::steady_clock, net::wait_traits<std::chrono::steady_clock>, Executor>;
 }  // namespace
 
 struct HttpClient::Pool {
@@ -100,37 +100,44 @@ struct HttpClient::Pool {
     SteadyTime since;
   };
 
-  Pool(net::io_context& c, Options o) : ioc(c), options(o), reaper(net::make_strand(c)) {}
+  Pool(HttpIo::Impl& i, Options o) : io(i), options(o), idle(i.loops.size()), reaper(i.executor(0)) {}
 
-  // A pooled connection to `key` that has not idled too long, or null.
-  std::unique_ptr<Stream> Take(const std::string& key) {
+  // The loop a call to `key` runs on, and a pooled connection of it to reuse (or null): the
+  // calling thread's loop, or else one with a connection to `key` pooled, or else the next in
+  // turn. A connection pooled longer than max_idle is closed, not reused.
+  std::pair<std::size_t, std::unique_ptr<Stream>> Claim(const std::string& key) {
+    const std::optional<std::size_t> here = io.Current();
+    const std::size_t start = here ? *here : io.Next(), n = here ? 1 : idle.size();
     std::vector<std::unique_ptr<Stream>> stale;
-    std::unique_ptr<Stream> taken;
+    std::pair<std::size_t, std::unique_ptr<Stream>> claim{start, nullptr};
     {
       KvMutexLock g(mu);
-      auto it = idle.find(key);
-      if (it == idle.end()) return nullptr;
       const SteadyTime now = std::chrono::steady_clock::now();
-      while (!it->second.empty() && !taken) {
-        Idle i = std::move(it->second.back());
-        it->second.pop_back();
-        if (now - i.since < options.max_idle) {
-          taken = std::move(i.stream);
-        } else {
-          stale.push_back(std::move(i.stream));
+      for (std::size_t k = 0; k < n && !claim.second; ++k) {
+        auto& pool = idle[(start + k) % idle.size()];
+        auto it = pool.find(key);
+        if (it == pool.end()) continue;
+        while (!it->second.empty() && !claim.second) {
+          Idle i = std::move(it->second.back());
+          it->second.pop_back();
+          if (now - i.since < options.max_idle) {
+            claim = {(start + k) % idle.size(), std::move(i.stream)};
+          } else {
+            stale.push_back(std::move(i.stream));
+          }
         }
+        if (it->second.empty()) pool.erase(it);
       }
-      if (it->second.empty()) idle.erase(it);
     }
     reaped += stale.size();
-    for (auto& s : stale) CloseIdle(*s);
-    return taken;
+    for (auto& st : stale) CloseIdle(*st);
+    return claim;
   }
-  void Give(const std::string& key, std::unique_ptr<Stream> stream) {
+  void Give(std::size_t loop, const std::string& key, std::unique_ptr<Stream> stream) {
     stream->expires_never();
     {
       KvMutexLock g(mu);
-      auto& q = idle[key];
+      auto& q = idle[loop][key];
       if (q.size() < options.max_idle_per_endpoint && !stopped.load()) {
         q.push_back({std::move(stream), std::chrono::steady_clock::now()});
         return;
@@ -144,18 +151,20 @@ struct HttpClient::Pool {
     std::vector<std::unique_ptr<Stream>> closing;
     {
       KvMutexLock g(mu);
-      for (auto it = idle.begin(); it != idle.end();) {
-        if (key && it->first != *key) {
-          ++it;
-          continue;
+      for (auto& pool : idle) {
+        for (auto it = pool.begin(); it != pool.end();) {
+          if (key && it->first != *key) {
+            ++it;
+            continue;
+          }
+          auto& q = it->second;  // oldest first: a pick takes the newest, from the back
+          auto keep = all ? q.end() : std::find_if(q.begin(), q.end(), [&](const Idle& i) {
+            return now - i.since < options.max_idle;
+          });
+          for (auto j = q.begin(); j != keep; ++j) closing.push_back(std::move(j->stream));
+          q.erase(q.begin(), keep);
+          it = q.empty() ? pool.erase(it) : std::next(it);
         }
-        auto& q = it->second;  // oldest first: a pick takes the newest, from the back
-        auto keep = all ? q.end() : std::find_if(q.begin(), q.end(), [&](const Idle& i) {
-          return now - i.since < options.max_idle;
-        });
-        for (auto j = q.begin(); j != keep; ++j) closing.push_back(std::move(j->stream));
-        q.erase(q.begin(), keep);
-        it = q.empty() ? idle.erase(it) : std::next(it);
       }
     }
     if (!all) reaped += closing.size();
@@ -164,7 +173,9 @@ struct HttpClient::Pool {
   std::size_t IdleCount() {
     KvMutexLock g(mu);
     std::size_t n = 0;
-    for (const auto& [key, q] : idle) n += q.size();
+    for (const auto& pool : idle) {
+      for (const auto& [key, q] : pool) n += q.size();
+    }
     return n;
   }
   // A pooled connection has no operation pending and no other owner: any thread may close it.
@@ -174,23 +185,24 @@ struct HttpClient::Pool {
     s.socket().close(ignored);
   }
 
-  net::io_context& ioc;
+  HttpIo::Impl& io;
   const Options options;
   KvMutex mu;
-  std::unordered_map<std::string, std::vector<Idle>> idle KV_GUARDED_BY(mu);
+  // Per loop (a connection's operations run on the loop it was made on), per endpoint key.
+  std::vector<std::unordered_map<std::string, std::vector<Idle>>> idle KV_GUARDED_BY(mu);
   // Calls not yet done (for Stop); `no_calls` is signalled when it empties.
   std::unordered_map<HttpCall*, std::weak_ptr<HttpCall>> live KV_GUARDED_BY(mu);
   std::condition_variable_any no_calls;
   std::atomic<bool> stopped{false};
-  // Wakes every max_idle / 8 to Reap; touched only on its own strand (ArmReaper, its handler and
+  // Wakes every max_idle / 8 to Reap; touched only on the first loop (ArmReaper, its handler and
   // the cancel Stop posts).
-  net::steady_timer reaper;
+  Timer reaper;
   std::atomic<std::uint64_t> connects{0}, reused{0}, retried{0}, failed{0}, reaped{0};
 };
 
 namespace {
 
-// On the reaper's strand: the next sweep of the idle pool.
+// On the reaper's loop: the next sweep of the idle pool.
 void ArmReaper(const std::shared_ptr<HttpClient::Pool>& pool) {
   if (pool->stopped.load()) return;
   pool->reaper.expires_after(std::max<std::chrono::milliseconds>(pool->options.max_idle / 8, std::chrono::milliseconds(1)));
@@ -221,23 +233,27 @@ bool PeerAcknowledgedAll(int fd) {
 #endif
 }
 
-// One request. Every member is touched only on strand_ (the connection's), but for the
-// constant ones.
+// One request, on one loop: the caller's when it is called on one (a proxy's engine call runs on
+// its client connection's thread), else one with a connection to reuse, else the next in turn. Every member is touched only on that
+// loop, but for the constant ones.
 class Call final : public HttpCall, public std::enable_shared_from_this<Call> {
  public:
   Call(std::shared_ptr<HttpClient::Pool> pool, HttpEndpoint endpoint, HttpCallSpec spec, HttpCallbacks cb)
       : pool_(std::move(pool)),
         endpoint_(std::move(endpoint)),
+        key_(endpoint_.Key()),
         spec_(std::move(spec)),
         cb_(std::move(cb)),
-        stream_(pool_->Take(endpoint_.Key())),
-        strand_(stream_ ? stream_->get_executor() : net::make_strand(pool_->ioc)),
-        timer_(strand_) {
+        claim_(pool_->Claim(key_)),
+        loop_(claim_.first),
+        stream_(std::move(claim_.second)),
+        exec_(pool_->io.executor(loop_)),
+        timer_(exec_) {
     reused_ = stream_ != nullptr;
     if (reused_) {
       ++pool_->reused;
     } else {
-      stream_ = std::make_unique<Stream>(strand_);
+      stream_ = std::make_unique<Stream>(exec_);
     }
   }
 
@@ -246,7 +262,9 @@ class Call final : public HttpCall, public std::enable_shared_from_this<Call> {
       KvMutexLock g(pool_->mu);
       pool_->live.emplace(this, weak_from_this());
     }
-    net::post(strand_, [self = shared_from_this()] {
+    // At once when called on the call's loop: nothing below calls back before an operation
+    // completes, so the caller is never re-entered.
+    net::dispatch(exec_, [self = shared_from_this()] {
       if (self->reused_) {
         self->Send();
       } else {
@@ -256,19 +274,19 @@ class Call final : public HttpCall, public std::enable_shared_from_this<Call> {
   }
 
   void Cancel() override {
-    net::post(strand_, [self = shared_from_this()] { self->Fail(Internal("cancelled")); });
+    net::post(exec_, [self = shared_from_this()] { self->Fail(Internal("cancelled")); });
   }
 
   void Pause() override {
-    if (strand_.running_in_this_thread()) {
+    if (exec_.running_in_this_thread()) {
       paused_ = true;
       return;
     }
-    net::post(strand_, [self = shared_from_this()] { self->paused_ = true; });
+    net::post(exec_, [self = shared_from_this()] { self->paused_ = true; });
   }
 
   void Resume() override {
-    net::post(strand_, [self = shared_from_this()] {
+    net::post(exec_, [self = shared_from_this()] {
       self->paused_ = false;
       if (std::exchange(self->stalled_, false)) self->ReadBody();
     });
@@ -281,7 +299,7 @@ class Call final : public HttpCall, public std::enable_shared_from_this<Call> {
     const auto address = net::ip::make_address(endpoint_.host, ec);
     if (!ec) return Connect(tcp::resolver::results_type::create(tcp::endpoint(address, endpoint_.port), endpoint_.host,
                                                                 std::to_string(endpoint_.port)));
-    resolver_.emplace(strand_);
+    resolver_.emplace(exec_);
     timer_.expires_after(spec_.connect_timeout);
     timer_.async_wait([self = shared_from_this()](beast::error_code e) {
       if (!e && self->resolver_) self->resolver_->cancel();
@@ -303,7 +321,7 @@ class Call final : public HttpCall, public std::enable_shared_from_this<Call> {
     stream_->async_connect(results, [self = shared_from_this()](beast::error_code e, const tcp::endpoint&) {
       if (self->done_) return;
       if (e == beast::error::timeout) {
-        return self->Fail(Internal(fmt::format("cannot connect to {} within {} ms", self->endpoint_.Key(),
+        return self->Fail(Internal(fmt::format("cannot connect to {} within {} ms", self->key_,
                                                self->spec_.connect_timeout.count())));
       }
       if (e) return self->Fail(self->ErrorOf("cannot connect to", e));
@@ -319,7 +337,7 @@ class Call final : public HttpCall, public std::enable_shared_from_this<Call> {
     req_.method_string(spec_.method);
     req_.target(spec_.target);
     req_.version(11);
-    req_.set(http::field::host, endpoint_.Key());
+    req_.set(http::field::host, key_);
     for (const auto& [k, v] : spec_.headers) req_.insert(k, v);  // a header given twice goes twice
     req_.keep_alive(true);
     req_.body() = spec_.body;
@@ -347,6 +365,9 @@ class Call final : public HttpCall, public std::enable_shared_from_this<Call> {
       beast::error_code ignored;
       self->stream_->socket().cancel(ignored);
     });
+    // Beast reads what the buffer has room for, and at least 512 bytes: a buffer grown one read
+    // at a time reads a response 512 bytes per system call.
+    buffer_.reserve(kReadPiece);
     parser_.emplace();
     parser_->header_limit(static_cast<std::uint32_t>(pool_->options.max_response_header_bytes));
     parser_->body_limit(std::numeric_limits<std::uint64_t>::max());  // a stream may be long
@@ -354,7 +375,7 @@ class Call final : public HttpCall, public std::enable_shared_from_this<Call> {
       self->awaiting_head_ = false;
       if (self->done_) return;
       if (ec && self->head_timed_out_) {
-        const std::string m = fmt::format("{} sent no response head within {} ms", self->endpoint_.Key(),
+        const std::string m = fmt::format("{} sent no response head within {} ms", self->key_,
                                           self->spec_.head_timeout.count());
         if (self->delivered_) return self->Fail(Status(StatusCode::kTimeout, m + " (it has the request)"));
         return self->Fail(Internal(m + " and did not acknowledge the request"));
@@ -403,7 +424,7 @@ class Call final : public HttpCall, public std::enable_shared_from_this<Call> {
   void Finish() {
     done_ = true;
     if (parser_->keep_alive() && buffer_.size() == 0) {
-      pool_->Give(endpoint_.Key(), std::move(stream_));
+      pool_->Give(loop_, key_, std::move(stream_));
     } else {
       Close();
     }
@@ -420,7 +441,7 @@ class Call final : public HttpCall, public std::enable_shared_from_this<Call> {
     ++pool_->retried;
     reused_ = false;
     Close();
-    stream_ = std::make_unique<Stream>(strand_);
+    stream_ = std::make_unique<Stream>(exec_);
     buffer_.clear();
     req_ = {};
     Resolve();
@@ -429,7 +450,7 @@ class Call final : public HttpCall, public std::enable_shared_from_this<Call> {
   // A timeout is kTimeout once the response has begun (the peer has the request); before, a
   // timeout here is of a send that did not finish: not delivered.
   Status ErrorOf(std::string_view what, beast::error_code ec) const {
-    const std::string m = fmt::format("{} {}: {}", what, endpoint_.Key(), ec.message());
+    const std::string m = fmt::format("{} {}: {}", what, key_, ec.message());
     return ec == beast::error::timeout && head_ ? Status(StatusCode::kTimeout, m) : Internal(m);
   }
 
@@ -453,10 +474,13 @@ class Call final : public HttpCall, public std::enable_shared_from_this<Call> {
 
   const std::shared_ptr<HttpClient::Pool> pool_;
   const HttpEndpoint endpoint_;
+  const std::string key_;  // endpoint_.Key()
   const HttpCallSpec spec_;
   HttpCallbacks cb_;
+  std::pair<std::size_t, std::unique_ptr<Stream>> claim_;  // moved from at construction
+  const std::size_t loop_;
   std::unique_ptr<Stream> stream_;
-  const Strand strand_;
+  const Executor exec_;
   Timer timer_;  // the name's lookup, then the wait for the response head
   bool reused_ = false;
   bool done_ = false;
@@ -469,6 +493,7 @@ class Call final : public HttpCall, public std::enable_shared_from_this<Call> {
   SteadyTime head_deadline_;
   std::optional<tcp::resolver> resolver_;
   http::request<http::string_body> req_;
+  static constexpr std::size_t kReadPiece = 16 * 1024;  // the most one read takes
   beast::flat_buffer buffer_;
   std::optional<http::response_parser<http::buffer_body>> parser_;
   char body_[16 * 1024];
@@ -476,7 +501,7 @@ class Call final : public HttpCall, public std::enable_shared_from_this<Call> {
 
 }  // namespace
 
-HttpClient::HttpClient(HttpIo& io, Options options) : pool_(std::make_shared<Pool>(io.impl().ioc, options)) {
+HttpClient::HttpClient(HttpIo& io, Options options) : pool_(std::make_shared<Pool>(io.impl(), options)) {
   net::post(pool_->reaper.get_executor(), [pool = pool_] { ArmReaper(pool); });
 }
 
@@ -500,7 +525,7 @@ void HttpClient::Stop() {
   }
   for (auto& c : calls) c->Cancel();
   calls.clear();
-  if (pool_->ioc.get_executor().running_in_this_thread() || pool_->ioc.stopped()) return;
+  if (pool_->io.OnLoop() || pool_->io.stopped()) return;
   KvMutexLock g(pool_->mu);
   pool_->no_calls.wait_for(pool_->mu, std::chrono::seconds(5), [&] {
     pool_->mu.AssertHeld();

@@ -8,12 +8,35 @@
 
 namespace kvrouter {
 
+namespace {
+// The loop this thread runs: set once, at the start of an HttpIo thread.
+thread_local const HttpIo::Impl* t_owner = nullptr;
+thread_local std::size_t t_loop = 0;
+}  // namespace
+
+std::optional<std::size_t> HttpIo::Impl::Current() const {
+  if (t_owner != this) return std::nullopt;
+  return t_loop;
+}
+
+std::size_t HttpIo::Impl::Pick() {
+  if (auto here = Current()) return *here;
+  return Next();
+}
+
 HttpIo::HttpIo(std::size_t threads) : impl_(std::make_unique<Impl>()) {
-  impl_->work.emplace(impl_->ioc.get_executor());
-  for (std::size_t i = 0; i < std::max<std::size_t>(1, threads); ++i) {
-    impl_->threads.emplace_back([this] {
+  const std::size_t n = std::max<std::size_t>(1, threads);
+  for (std::size_t i = 0; i < n; ++i) {
+    auto loop = std::make_unique<Impl::Loop>();
+    loop->work.emplace(loop->ioc.get_executor());
+    impl_->loops.push_back(std::move(loop));
+  }
+  for (std::size_t i = 0; i < n; ++i) {
+    impl_->loops[i]->thread = std::thread([impl = impl_.get(), i] {
       pthread_setname_np(pthread_self(), "http-io");
-      impl_->ioc.run();
+      t_owner = impl;
+      t_loop = i;
+      impl->loops[i]->ioc.run();
     });
   }
 }
@@ -21,11 +44,12 @@ HttpIo::HttpIo(std::size_t threads) : impl_(std::make_unique<Impl>()) {
 HttpIo::~HttpIo() { Stop(); }
 
 void HttpIo::Stop() {
-  if (impl_->threads.empty()) return;
-  impl_->work.reset();
-  impl_->ioc.stop();
-  for (std::thread& t : impl_->threads) t.join();
-  impl_->threads.clear();
+  if (impl_->stopped_.exchange(true)) return;
+  for (auto& loop : impl_->loops) {
+    loop->work.reset();
+    loop->ioc.stop();
+  }
+  for (auto& loop : impl_->loops) loop->thread.join();
 }
 
 }  // namespace kvrouter

@@ -1,6 +1,9 @@
 // HttpIo: the threads that run asynchronous HTTP (Boost.Asio/Beast), shared by an HttpListener
 // and an HttpClient so a proxy's two sides run on the same few threads; no thread per
-// connection. Asio stays private to transport/: users see only this handle.
+// connection. Each thread runs its own event loop: a connection lives on one loop for its life,
+// and an HttpClient call started on a loop's thread runs on that loop, so that a proxied
+// request is served on its client connection's thread, without hand-offs between threads.
+// Asio stays private to transport/: users see only this handle.
 // Thread contract: construct and destroy from one controlling thread; Stop joins the threads
 // (every listener and client using it must be stopped first). Ownership: owns its threads.
 //
@@ -19,7 +22,7 @@ class HttpIo {
   HttpIo(const HttpIo&) = delete;
   HttpIo& operator=(const HttpIo&) = delete;
 
-  // Ends the event loop and joins its threads. Idempotent.
+  // Ends the event loops and joins their threads. Idempotent.
   void Stop();
 
   struct Impl;  // transport/http_io_impl.h

@@ -1,9 +1,14 @@
-// What HttpIo hides: the io_context and its threads. Included only by transport/'s HTTP code.
+// What HttpIo hides: an io_context per thread. Included only by transport/'s HTTP code.
+// An io_context run by one thread needs no strand: its handlers never run at once, and a post
+// from its own thread is queued without a lock or a wake-up.
 #pragma once
 
 #include <boost/asio/executor_work_guard.hpp>
 #include <boost/asio/io_context.hpp>
 
+#include <atomic>
+#include <cstddef>
+#include <memory>
 #include <optional>
 #include <thread>
 #include <vector>
@@ -13,9 +18,27 @@
 namespace kvrouter {
 
 struct HttpIo::Impl {
-  boost::asio::io_context ioc;
-  std::optional<boost::asio::executor_work_guard<boost::asio::io_context::executor_type>> work;
-  std::vector<std::thread> threads;
+  using Executor = boost::asio::io_context::executor_type;
+  struct Loop {
+    boost::asio::io_context ioc{1};  // one thread: Asio drops the locking a shared context needs
+    std::optional<boost::asio::executor_work_guard<Executor>> work;
+    std::thread thread;
+  };
+
+  // The loop the calling thread runs, if it is one of these.
+  std::optional<std::size_t> Current() const;
+  // The calling thread's loop, or else the next one in turn.
+  std::size_t Pick();
+  // The next loop in turn (a new connection's).
+  std::size_t Next() { return next.fetch_add(1, std::memory_order_relaxed) % loops.size(); }
+  Executor executor(std::size_t loop) { return loops[loop]->ioc.get_executor(); }
+  // Whether the calling thread runs one of the loops (a wait for them there would never end).
+  bool OnLoop() const { return Current().has_value(); }
+  bool stopped() const { return stopped_.load(); }
+
+  std::vector<std::unique_ptr<Loop>> loops;
+  std::atomic<std::size_t> next{0};
+  std::atomic<bool> stopped_{false};
 };
 
 }  // namespace kvrouter

@@ -1,9 +1,10 @@
 #include "transport/http_listener.h"
 
 #include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/dispatch.hpp>
 #include <boost/asio/post.hpp>
-#include <boost/asio/steady_timer.hpp>
 #include <boost/asio/strand.hpp>
+#include <boost/asio/steady_timer.hpp>
 #include <boost/asio/write.hpp>
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
@@ -39,9 +40,13 @@ namespace beast = boost::beast;
 namespace http = beast::http;
 namespace net = boost::asio;
 using tcp = net::ip::tcp;
-// A connection's socket and stream are typed on its strand rather than type-erased: an
-// asynchronous operation then copies no executor onto the heap.
-using Strand = net::strand<net::io_context::executor_type>;
+// A connection lives on a strand of its loop: the reply's calls from any thread then take effect
+// in the order they are made (a post to a bare loop from its own thread would be queued after
+// one made later from another thread), and one made on the loop's thread while the connection is
+// idle runs at once (dispatch). Its socket and stream are typed on the strand rather than
+// type-erased: an asynchronous operation then copies no executor onto the heap.
+using Executor = HttpIo::Impl::Executor;
+using Strand = net::strand<Executor>;
 using Socket = net::basic_stream_socket<tcp, Strand>;
 using Stream = beast::basic_stream<tcp, Strand>;
 
@@ -122,15 +127,15 @@ Result<HttpRequest> ParseHttpRequest(std::string_view bytes, std::size_t max_hea
 }
 
 struct HttpListener::State : std::enable_shared_from_this<HttpListener::State> {
-  State(HttpIo& io, HttpListenerOptions o, HttpRequestHandler h)
-      : ioc(io.impl().ioc),
+  State(HttpIo& http_io, HttpListenerOptions o, HttpRequestHandler h)
+      : io(http_io.impl()),
         options(std::move(o)),
         handler(std::move(h)),
-        acceptor(net::make_strand(ioc)),
-        release_timer(net::make_strand(ioc)) {}
+        acceptor(io.executor(0)),
+        release_timer(io.executor(0)) {}
 
   void Accept();
-  // Closes the acceptor on its strand; off the io threads waits for it, so that the port is
+  // Closes the acceptor on its loop; off the io threads waits for it, so that the port is
   // free (and a connect is refused) when it returns.
   void CloseAcceptor();
   void Forget(Session* s) {
@@ -149,12 +154,12 @@ struct HttpListener::State : std::enable_shared_from_this<HttpListener::State> {
   // last of a burst to end arms the release of free memory.
   void RequestBegan();
   void RequestEnded();
-  // On release_timer's strand: (re)starts the wait of release_memory_after, after which, if no
+  // On release_timer's loop: (re)starts the wait of release_memory_after, after which, if no
   // request came meanwhile, ReleaseMemory runs.
   void ArmRelease();
   void ReleaseMemory(std::uint64_t burst);
 
-  net::io_context& ioc;
+  HttpIo::Impl& io;
   const HttpListenerOptions options;
   const HttpRequestHandler handler;
   tcp::acceptor acceptor;
@@ -167,13 +172,14 @@ struct HttpListener::State : std::enable_shared_from_this<HttpListener::State> {
   std::atomic<std::uint64_t> connections{0}, open{0}, refused{0}, requests{0}, bad_requests{0}, timeouts{0},
       clients_gone{0}, under_way{0}, memory_releases{0};
   std::atomic<std::uint64_t> burst_peak{0};  // the most under way at once since the last release
-  net::steady_timer release_timer;           // touched only on its own strand
+  net::basic_waitable_timer<std::chrono::steady_clock, net::wait_traits<std::chrono::steady_clock>, Executor>
+      release_timer;  // touched only on the first loop, as the acceptor
 };
 
 namespace {
 
 // One connection: reads a request, hands it to the handler, writes its reply, and again while
-// the client keeps the connection alive. Every member is touched only on the connection's strand.
+// the client keeps the connection alive. Every member is touched only on the connection's loop.
 class Session : public std::enable_shared_from_this<Session> {
  public:
   Session(std::shared_ptr<HttpListener::State> state, Socket socket)
@@ -184,7 +190,10 @@ class Session : public std::enable_shared_from_this<Session> {
     state_->Forget(this);
   }
 
-  void Run() { ReadHeader(); }
+  // From the acceptor's loop: the session starts on its own.
+  void Run() {
+    net::post(stream_.get_executor(), [self = shared_from_this()] { self->ReadHeader(); });
+  }
   // Closes the connection (from Stop, on any thread).
   void Close() {
     net::post(stream_.get_executor(), [self = shared_from_this()] { self->Shutdown(); });
@@ -195,7 +204,7 @@ class Session : public std::enable_shared_from_this<Session> {
     net::post(stream_.get_executor(), [self = shared_from_this()] { self->CloseIfIdle(); });
   }
 
-  // The reply's calls, posted onto the strand; `request` names the request they answer.
+  // The reply's calls, posted onto the connection's loop; `request` names the request they answer.
   void Send(std::uint64_t request, int status, HttpHeaders headers, std::string body);
   void Begin(std::uint64_t request, int status, HttpHeaders headers);
   void Write(std::uint64_t request, std::string chunk);
@@ -203,7 +212,7 @@ class Session : public std::enable_shared_from_this<Session> {
   void Abort(std::uint64_t request);
   void SetGone(std::uint64_t request, std::function<void()> gone);
   void SetDrained(std::uint64_t request, std::size_t low_water, std::function<void()> drained);
-  // Counted by the reply as Write is called (before its post reaches the strand), so that a
+  // Counted by the reply as Write is called (before its post reaches the loop), so that a
   // producer reading it right after its Write sees its own bytes.
   void AddBacklog(std::size_t n) { backlog_ += n; }
   std::size_t Backlog() const { return backlog_.load(); }
@@ -261,6 +270,7 @@ class Session : public std::enable_shared_from_this<Session> {
     res.keep_alive(keep_alive_);
   }
 
+  static constexpr std::size_t kReadPiece = 4 * 1024;
   const std::shared_ptr<HttpListener::State> state_;
   Stream stream_;
   beast::flat_buffer buffer_;
@@ -324,11 +334,14 @@ class ReplyImpl final : public HttpReply {
       s.SetDrained(r, low_water, std::move(d));
     });
   }
+  void Defer(std::function<void()> task) override { net::post(s_->executor(), std::move(task)); }
 
  private:
+  // At once when called on the connection's loop and nothing of it is queued (the session calls
+  // back into no caller from these: its callbacks are posted), else queued in order.
   template <typename F>
   void Post(F&& f) {
-    net::post(s_->executor(), [s = s_, r = request_, f = std::forward<F>(f)]() mutable { f(*s, r); });
+    net::dispatch(s_->executor(), [s = s_, r = request_, f = std::forward<F>(f)]() mutable { f(*s, r); });
   }
   const std::shared_ptr<Session> s_;
   const std::uint64_t request_;
@@ -337,6 +350,10 @@ class ReplyImpl final : public HttpReply {
 
 void Session::ReadHeader() {
   if (closed_) return;
+  // Beast reads what the buffer has room for, and at least 512 bytes: a buffer grown one read
+  // at a time reads a request 512 bytes per system call. Room for a usual request at once (an
+  // idle connection keeps it).
+  buffer_.reserve(kReadPiece);
   parser_.emplace();
   Limit(*parser_, state_->options.max_header_bytes, state_->options.max_body_bytes);
   stream_.expires_after(first_ ? state_->options.header_timeout : state_->options.idle_timeout);
@@ -439,7 +456,7 @@ void Session::WatchClient() {
 
 void Session::SetGone(std::uint64_t request, std::function<void()> gone) {
   if (!Current(request)) {
-    if (closed_ && request == request_) gone();  // it already went
+    if (closed_ && request == request_) net::post(stream_.get_executor(), std::move(gone));  // it already went
     return;
   }
   gone_ = std::move(gone);
@@ -469,7 +486,7 @@ void Session::Begin(std::uint64_t request, int status, HttpHeaders headers) {
 
 void Session::SetDrained(std::uint64_t request, std::size_t low_water, std::function<void()> drained) {
   if (!Current(request) || closed_) return;
-  if (backlog_.load() <= low_water) return drained();
+  if (backlog_.load() <= low_water) return net::post(stream_.get_executor(), std::move(drained));
   drain_at_ = low_water;
   drained_ = std::move(drained);
 }
@@ -481,7 +498,7 @@ void Session::Write(std::uint64_t request, std::string chunk) {
 
 void Session::Drained(std::size_t n) {
   backlog_ -= n;
-  if (drained_ && backlog_.load() <= drain_at_) std::exchange(drained_, nullptr)();
+  if (drained_ && backlog_.load() <= drain_at_) net::post(stream_.get_executor(), std::exchange(drained_, nullptr));
 }
 
 void Session::End(std::uint64_t request) {
@@ -623,7 +640,8 @@ void Session::Shutdown() {
 }  // namespace
 
 void HttpListener::State::Accept() {
-  acceptor.async_accept(net::make_strand(ioc), [self = shared_from_this()](beast::error_code ec, Socket socket) {
+  // Each connection on the next loop in turn, for its life.
+  acceptor.async_accept(net::make_strand(io.executor(io.Next())), [self = shared_from_this()](beast::error_code ec, Socket socket) {
     if (self->stopped.load()) return;
     if (!ec) {
       ++self->connections;
@@ -737,7 +755,7 @@ void HttpListener::State::CloseAcceptor() {
     self->acceptor.close(ignored);
     closed->set_value();
   });
-  if (!ioc.get_executor().running_in_this_thread() && !ioc.stopped()) {
+  if (!io.OnLoop() && !io.stopped()) {
     (void)done.wait_for(std::chrono::seconds(5));
   }
 }

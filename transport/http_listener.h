@@ -53,8 +53,10 @@ struct HttpRequest {
 };
 
 // The answer to one request. Any thread may call any method; the calls take effect in order on
-// the connection's strand. Either Send once, or Begin, Write..., End. A reply dropped without
-// either closes the connection (the client sees it end).
+// the connection's strand: at once when made on its thread with nothing of it queued, else
+// queued. No method calls back into its caller (the callbacks below run later, on their own).
+// Either Send once, or Begin, Write..., End. A reply dropped without either closes the
+// connection (the client sees it end).
 class HttpReply {
  public:
   virtual ~HttpReply() = default;
@@ -74,9 +76,14 @@ class HttpReply {
   // dropped: a slow client's backlog.
   virtual std::size_t Backlog() const = 0;
   // Back-pressure: `drained` runs once, on an HttpIo thread, when the backlog is `low_water`
-  // bytes or less (at once if it is already). It is dropped unrun if the connection closes or
+  // bytes or less (soon, if it is already). It is dropped unrun if the connection closes or
   // the response ends first. A later call replaces a callback not yet run.
   virtual void OnDrained(std::size_t low_water, std::function<void()> drained) = 0;
+  // Runs `task` on the connection's thread, after what is queued there (also once the
+  // connection has closed, while HttpIo runs): work that belongs to this request, continued
+  // there rather than on the thread an answer arrived on. An HttpClient call started from it
+  // runs on that thread too.
+  virtual void Defer(std::function<void()> task) = 0;
 };
 
 using HttpRequestHandler = std::function<void(HttpRequest request, std::shared_ptr<HttpReply> reply)>;

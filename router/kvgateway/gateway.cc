@@ -221,44 +221,54 @@ void Gateway::Route(const std::shared_ptr<Exchange>& x) {
     if (!x->excluded.empty()) r.excluded_worker_ids = x->excluded;
     r.session_id = x->session_id;
   }
-  const std::string booking = r.request_id;
-  link_.Route(r, [this, ex = x, booking, attempt](Result<RouteReply> routed) {
-    bool gone = false;
-    {
-      std::lock_guard g(ex->mu);
-      gone = ex->done;
-      if (!gone && routed.ok()) {
-        ex->booked = true;
-        ex->routed = *routed;
-      }
-    }
-    if (gone) {
-      if (routed.ok()) link_.Free(booking);  // the client left while the router decided
-      return;
-    }
-    if (routed.ok()) {
-      if (stopping_.load()) return Fail(ex, 503, "shutting_down", "the gateway is stopping");
-      route_time_->Observe(Seconds(std::chrono::steady_clock::now() - ex->arrival));
-      CountDisaggPath(ex);
-      return routed->disaggregated ? Disaggregate(ex, attempt) : Forward(ex, attempt);
-    }
-    const Status& s = routed.status();
-    const bool router_gone = s.code() == StatusCode::kNoWorkers || s.code() == StatusCode::kTimeout;
-    if (router_gone && FallsBack(std::chrono::steady_clock::now()) && !stopping_.load()) return Fallback(ex);
-    switch (s.code()) {
-      case StatusCode::kOverloaded:
-      case StatusCode::kTimeout:
-        return Fail(ex, 429, "overloaded", "every worker is busy: " + s.message(), {{"retry-after", "1"}});
-      case StatusCode::kInvalidArgument: return Fail(ex, 400, "invalid_request", s.message());
-      case StatusCode::kNoWorkers:
-      case StatusCode::kNotFound:
-        if (ex->attempt > 0 && nats_connected_.load()) {
-          return Fail(ex, 502, "engine_failed", "every engine tried failed: " + s.message());
-        }
-        return Fail(ex, 503, "no_workers", s.message(), {{"retry-after", "1"}});
-      default: return Fail(ex, 502, "router_error", s.message());
-    }
+  std::string booking = r.request_id;
+  // The answer is continued on the client connection's thread, where the rest of the exchange
+  // runs (the engine call started there stays there).
+  link_.Route(r, [this, ex = x, booking = std::move(booking), attempt](Result<RouteReply> routed) mutable {
+    auto reply = ex->reply;
+    reply->Defer([this, ex = std::move(ex), booking = std::move(booking), attempt, routed = std::move(routed)] {
+      OnRouted(ex, booking, attempt, routed);
+    });
   });
+}
+
+void Gateway::OnRouted(const std::shared_ptr<Exchange>& ex, const std::string& booking, std::uint32_t attempt,
+                       const Result<RouteReply>& routed) {
+  bool gone = false;
+  {
+    std::lock_guard g(ex->mu);
+    gone = ex->done;
+    if (!gone && routed.ok()) {
+      ex->booked = true;
+      ex->routed = *routed;
+    }
+  }
+  if (gone) {
+    if (routed.ok()) link_.Free(booking);  // the client left while the router decided
+    return;
+  }
+  if (routed.ok()) {
+    if (stopping_.load()) return Fail(ex, 503, "shutting_down", "the gateway is stopping");
+    route_time_->Observe(Seconds(std::chrono::steady_clock::now() - ex->arrival));
+    CountDisaggPath(ex);
+    return routed->disaggregated ? Disaggregate(ex, attempt) : Forward(ex, attempt);
+  }
+  const Status& s = routed.status();
+  const bool router_gone = s.code() == StatusCode::kNoWorkers || s.code() == StatusCode::kTimeout;
+  if (router_gone && FallsBack(std::chrono::steady_clock::now()) && !stopping_.load()) return Fallback(ex);
+  switch (s.code()) {
+    case StatusCode::kOverloaded:
+    case StatusCode::kTimeout:
+      return Fail(ex, 429, "overloaded", "every worker is busy: " + s.message(), {{"retry-after", "1"}});
+    case StatusCode::kInvalidArgument: return Fail(ex, 400, "invalid_request", s.message());
+    case StatusCode::kNoWorkers:
+    case StatusCode::kNotFound:
+      if (ex->attempt > 0 && nats_connected_.load()) {
+        return Fail(ex, 502, "engine_failed", "every engine tried failed: " + s.message());
+      }
+      return Fail(ex, 503, "no_workers", s.message(), {{"retry-after", "1"}});
+    default: return Fail(ex, 502, "router_error", s.message());
+  }
 }
 
 namespace {

@@ -113,6 +113,9 @@ class Gateway {
   // The render (or /tokenize) call's end: the token ids routed, or the next engine asked, or /tokenize.
   void OnRendered(const std::shared_ptr<Exchange>& ex, std::size_t candidate, bool tokenize, const Status& s);
   void Route(const std::shared_ptr<Exchange>& x);
+  // The router's answer to attempt `attempt` (booking `booking`), on the client connection's thread.
+  void OnRouted(const std::shared_ptr<Exchange>& ex, const std::string& booking, std::uint32_t attempt,
+                const Result<RouteReply>& routed);
   // --router-fallback least-loaded: the gateway picks the engine itself (the exchange is marked
   // as falling back from then on, retries included).
   void Fallback(const std::shared_ptr<Exchange>& x);
