@@ -107,21 +107,21 @@ struct HttpClient::Pool {
   // turn. A connection pooled longer than max_idle is closed, not reused.
   std::pair<std::size_t, std::unique_ptr<Stream>> Claim(const std::string& key) {
     const std::optional<std::size_t> here = io.Current();
-    const std::size_t start = here ? *here : io.Next(), n = here ? 1 : idle.size();
+    const std::size_t loops = io.loops.size(), start = here ? *here : io.Next(), n = here ? 1 : loops;
     std::vector<std::unique_ptr<Stream>> stale;
     std::pair<std::size_t, std::unique_ptr<Stream>> claim{start, nullptr};
     {
       KvMutexLock g(mu);
       const SteadyTime now = std::chrono::steady_clock::now();
       for (std::size_t k = 0; k < n && !claim.second; ++k) {
-        auto& pool = idle[(start + k) % idle.size()];
+        auto& pool = idle[(start + k) % loops];
         auto it = pool.find(key);
         if (it == pool.end()) continue;
         while (!it->second.empty() && !claim.second) {
           Idle i = std::move(it->second.back());
           it->second.pop_back();
           if (now - i.since < options.max_idle) {
-            claim = {(start + k) % idle.size(), std::move(i.stream)};
+            claim = {(start + k) % loops, std::move(i.stream)};
           } else {
             stale.push_back(std::move(i.stream));
           }
