@@ -91,6 +91,11 @@ class MapWriter {
   std::uint32_t fields_ = 0;
 };
 
+// Packs `values` as a msgpack array of unsigned integers, each in its shortest form, as
+// msgpack-c's packer does, in one write to `out` (the packer calls the buffer once per byte
+// group: a prompt's token ids are thousands of calls).
+void PackU32Array(msgpack::sbuffer& out, std::span<const std::uint32_t> values);
+
 // Bytes of msgpack's header for a map or array of n elements.
 inline std::size_t ContainerHeaderBytes(std::uint64_t n) { return n < 16 ? 1 : n < 65536 ? 3 : 5; }
 

@@ -217,7 +217,7 @@ msgpack::sbuffer EncodeRouteRequest(const RouteRequest& req) {
   MapWriter w;
   if (!req.request_id.empty()) w.Field("request_id", req.request_id);
   if (req.has_token_ids) {
-    w.Field("token_ids", req.token_ids);
+    w.With("token_ids", [&](msgpack::sbuffer& out) { PackU32Array(out, req.token_ids); });
   } else {
     w.Field("block_hashes", req.block_hashes).Field("isl", req.isl);
   }

@@ -41,7 +41,11 @@ HttpIo::HttpIo(std::size_t threads) : impl_(std::make_unique<Impl>()) {
   }
 }
 
-HttpIo::~HttpIo() { Stop(); }
+HttpIo::~HttpIo() {
+  Stop();
+  // Every loop's pending handlers go (and what they own) before any loop's context does.
+  for (auto& loop : impl_->loops) loop->ioc.shutdown();
+}
 
 void HttpIo::Stop() {
   if (impl_->stopped_.exchange(true)) return;

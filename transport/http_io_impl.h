@@ -1,6 +1,6 @@
 // What HttpIo hides: an io_context per thread. Included only by transport/'s HTTP code.
-// An io_context run by one thread needs no strand: its handlers never run at once, and a post
-// from its own thread is queued without a lock or a wake-up.
+// An io_context run by one thread needs no strand for objects only its thread touches: its
+// handlers never run at once.
 #pragma once
 
 #include <boost/asio/executor_work_guard.hpp>
@@ -19,8 +19,15 @@ namespace kvrouter {
 
 struct HttpIo::Impl {
   using Executor = boost::asio::io_context::executor_type;
+  // An io_context whose pending handlers can be destroyed before any loop's context is: a
+  // handler of one loop may own objects of another (a connection's session owns the listener,
+  // whose acceptor is the first loop's).
+  struct Context : boost::asio::io_context {
+    using io_context::io_context;
+    using execution_context::shutdown;
+  };
   struct Loop {
-    boost::asio::io_context ioc{1};  // one thread: Asio drops the locking a shared context needs
+    Context ioc{1};  // one thread: a post from it is queued without a lock or a wake-up
     std::optional<boost::asio::executor_work_guard<Executor>> work;
     std::thread thread;
   };

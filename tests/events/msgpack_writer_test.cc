@@ -59,5 +59,21 @@ TEST(MapWriter, AnEmptyWriterIsAnEmptyMap) {
   EXPECT_EQ(static_cast<unsigned char>(body.data()[0]), 0x80);  // fixmap of 0
 }
 
+// Every width of integer and of array header, byte for byte as msgpack-c's own packer.
+TEST(PackU32Array, WritesWhatMsgpackCsPackerWrites) {
+  const std::vector<std::uint32_t> widths = {0, 1, 127, 128, 255, 256, 65535, 65536, 0xffffffffu, 42};
+  for (std::size_t n : {std::size_t{0}, std::size_t{3}, std::size_t{15}, std::size_t{16}, std::size_t{65535},
+                        std::size_t{65536}, std::size_t{70000}}) {
+    std::vector<std::uint32_t> values(n);
+    for (std::size_t i = 0; i < n; ++i) values[i] = widths[i % widths.size()] - (i / widths.size() % 2);
+    msgpack::sbuffer ours, theirs;
+    ours.write("x", 1);  // appended after what is there
+    theirs.write("x", 1);
+    PackU32Array(ours, values);
+    msgpack::packer<msgpack::sbuffer>(theirs).pack(values);
+    ASSERT_EQ(std::string_view(ours.data(), ours.size()), std::string_view(theirs.data(), theirs.size())) << n;
+  }
+}
+
 }  // namespace
 }  // namespace kvrouter
