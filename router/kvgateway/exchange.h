@@ -2,18 +2,21 @@
 // path share (gateway.cc: the request path and the pass-through; gateway_disagg.cc: the legs of
 // a disaggregated request; gateway_admin.cc: metrics and the admin endpoints). Internal to
 // router/kvgateway/.
-// Thread contract: an exchange's members are touched under its mutex, but for those set before
-// it is shared (reply, http, request, endpoint, request_id, booking_base, session_id, allowed,
-// render_at, arrival), which are read without it.
+// Thread contract: an exchange is touched on its client connection's thread only (that
+// connection's HttpIo loop), so nothing in it is locked: Handle runs there, the render and engine
+// calls it starts run there (HttpClient runs a call on the loop it is started on), the router's
+// answer is continued there (HttpReply::Defer), and so are the reply's callbacks. Debug builds
+// check it (AssertOnItsThread).
 #pragma once
 
 #include <fmt/format.h>
 
+#include <cassert>
 #include <chrono>
 #include <cstdint>
-#include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "router/kvgateway/gateway.h"
@@ -31,7 +34,8 @@ inline std::string EngineTimeoutMessage(std::uint64_t worker, std::uint32_t time
 }
 
 struct Gateway::Exchange {
-  std::mutex mu;
+  void AssertOnItsThread() const { assert(std::this_thread::get_id() == thread); }
+  const std::thread::id thread = std::this_thread::get_id();  // made by Handle, on its connection's thread
   std::shared_ptr<HttpReply> reply;
   HttpRequest http;
   OpenAiRequest request;

@@ -3,7 +3,6 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <mutex>
 #include <utility>
 
 #include "router/kvgateway/exchange.h"
@@ -115,7 +114,7 @@ void Gateway::Handle(HttpRequest request, std::shared_ptr<HttpReply> reply) {
     if (!ex) return;
     std::shared_ptr<HttpCall> call, prefill;
     {
-      std::lock_guard g(ex->mu);
+      ex->AssertOnItsThread();
       if (ex->done) return;
       ex->done = true;
       call = ex->call;
@@ -145,7 +144,7 @@ void Gateway::Render(const std::shared_ptr<Exchange>& x, std::size_t candidate, 
   PassClientHeaders(x->http, spec.headers);
   std::uint64_t seq = 0;
   {
-    std::lock_guard g(x->mu);
+    x->AssertOnItsThread();
     if (x->done) return;
     x->render_status = 0;
     x->render_body.clear();
@@ -156,12 +155,12 @@ void Gateway::Render(const std::shared_ptr<Exchange>& x, std::size_t candidate, 
       x->render_at[candidate], std::move(spec),
       {.on_head =
            [x](int status, const HttpHeaders&) {
-             std::lock_guard g(x->mu);
+             x->AssertOnItsThread();
              x->render_status = status;
            },
        .on_data =
            [x](std::string_view d) {
-             std::lock_guard g(x->mu);
+             x->AssertOnItsThread();
              if (x->render_body.size() + d.size() <= kMaxRenderBytes) x->render_body.append(d);
            },
        .on_done = [this, ex = x, candidate, tokenize](const Status& s) { OnRendered(ex, candidate, tokenize, s); }});
@@ -172,7 +171,7 @@ void Gateway::OnRendered(const std::shared_ptr<Exchange>& ex, std::size_t candid
   int status = 0;
   std::string body;
   {
-    std::lock_guard g(ex->mu);
+    ex->AssertOnItsThread();
     if (ex->done) return;
     ex->call.reset();
     status = ex->render_status;
@@ -208,7 +207,7 @@ void Gateway::Route(const std::shared_ptr<Exchange>& x) {
   RouteRequest r;
   std::uint32_t attempt = 0;
   {
-    std::lock_guard g(x->mu);
+    x->AssertOnItsThread();
     if (x->done) return;
     attempt = x->attempt;
     x->booking = x->attempt == 0 ? x->booking_base : fmt::format("{}#{}", x->booking_base, x->attempt);
@@ -236,7 +235,7 @@ void Gateway::OnRouted(const std::shared_ptr<Exchange>& ex, const std::string& b
                        const Result<RouteReply>& routed) {
   bool gone = false;
   {
-    std::lock_guard g(ex->mu);
+    ex->AssertOnItsThread();
     gone = ex->done;
     if (!gone && routed.ok()) {
       ex->booked = true;
@@ -273,7 +272,7 @@ void Gateway::OnRouted(const std::shared_ptr<Exchange>& ex, const std::string& b
 
 namespace {
 
-// The engine's headers passed on, with the request id and the router's choice (under ex.mu).
+// The engine's headers passed on, with the request id and the router's choice.
 HttpHeaders ResponseHead(const Gateway::Exchange& ex) {
   HttpHeaders h = ex.engine_headers;
   h.emplace_back("x-request-id", ex.request_id);
@@ -313,7 +312,7 @@ void Gateway::Forward(const std::shared_ptr<Exchange>& x, std::uint32_t attempt)
   std::uint64_t worker = 0;
   std::string body;
   {
-    std::lock_guard g(x->mu);
+    x->AssertOnItsThread();
     if (x->done || x->attempt != attempt) return;
     worker = x->routed.worker_id;
     url = x->routed.http_url;
@@ -324,7 +323,7 @@ void Gateway::Forward(const std::shared_ptr<Exchange>& x, std::uint32_t attempt)
   HttpCallSpec spec = EngineCall(*x, std::move(body));
   std::uint64_t seq = 0;
   {
-    std::lock_guard g(x->mu);
+    x->AssertOnItsThread();
     if (x->done || x->attempt != attempt) return;
     x->called = std::chrono::steady_clock::now();
     x->timing = {};
@@ -342,7 +341,7 @@ void Gateway::Forward(const std::shared_ptr<Exchange>& x, std::uint32_t attempt)
 
 void Gateway::OnEngineHead(const std::shared_ptr<Exchange>& ex, std::uint32_t attempt, int status,
                            const HttpHeaders& headers) {
-  std::lock_guard g(ex->mu);
+  ex->AssertOnItsThread();
   if (ex->attempt != attempt) return;  // a leg closed by a retry
   ex->engine_status = status;
   ex->engine_headers.clear();
@@ -356,7 +355,7 @@ void Gateway::OnEngineData(const std::shared_ptr<Exchange>& ex, std::uint32_t at
   std::shared_ptr<HttpCall> pause;  // this call, to pause until the client drains
   bool first_pause = false;
   {
-    std::lock_guard g(ex->mu);
+    ex->AssertOnItsThread();
     if (ex->done || ex->attempt != attempt) return;
     if (ex->engine_status >= 500) {  // not for the client: the request goes elsewhere
       if (ex->engine_error.size() < 4096) ex->engine_error.append(d.substr(0, 4096));
@@ -369,7 +368,7 @@ void Gateway::OnEngineData(const std::shared_ptr<Exchange>& ex, std::uint32_t at
       // mark_prefill there would teach the router a prefill (or KV transfer) as long
       // as the whole generation. Nothing is booked when the gateway fell back.
       mark = ex->booked && ex->request.stream;
-    if (mark) booking = ex->booking;  // a retry may change it once the lock is released
+    if (mark) booking = ex->booking;
       if (!std::exchange(ex->ttfb_observed, true)) ttfb_->Observe(Seconds(now - ex->arrival));
       ex->timing.ttfb_ms = Seconds(now - ex->called) * 1000;
       if (ex->prefill_answered) decode_wait_->Observe(Seconds(now - ex->prefill_end));
@@ -409,7 +408,7 @@ void Gateway::OnEngineData(const std::shared_ptr<Exchange>& ex, std::uint32_t at
     std::weak_ptr<Exchange> weak = ex;
     ex->reply->OnDrained(kClientLowWater, [weak, call = std::weak_ptr<HttpCall>(pause)] {
       if (auto e = weak.lock()) {
-        std::lock_guard g(e->mu);
+        e->AssertOnItsThread();
         e->read_paused = false;
       }
       if (auto c = call.lock()) c->Resume();
@@ -424,7 +423,7 @@ void Gateway::OnEngineDone(const std::shared_ptr<Exchange>& ex, std::uint32_t at
   std::string error;
   std::shared_ptr<HttpCall> prefill_call;
   {
-    std::lock_guard g(ex->mu);
+    ex->AssertOnItsThread();
     if (ex->done || ex->attempt != attempt) return;
     ex->call.reset();
     began = ex->began;
@@ -449,7 +448,7 @@ void Gateway::OnEngineDone(const std::shared_ptr<Exchange>& ex, std::uint32_t at
   std::optional<std::pair<HttpHeaders, std::string>> whole;
   bool end = false;
   {
-    std::lock_guard g(ex->mu);
+    ex->AssertOnItsThread();
     ex->done = true;                             // from here no other path touches ex->reply
     prefill_call = std::move(ex->prefill_call);  // an SGLang prefill leg not ended yet
     if (!s.ok()) {
@@ -488,7 +487,7 @@ void Gateway::AnswerWhole(const std::shared_ptr<Exchange>& x, int status, std::s
 void Gateway::Finish(const std::shared_ptr<Exchange>& x, int status, const std::function<void(Exchange&)>& answer) {
   std::shared_ptr<HttpCall> call, prefill_call;
   {
-    std::lock_guard g(x->mu);
+    x->AssertOnItsThread();
     if (x->done) return;
     x->done = true;
     call = std::move(x->call);
@@ -505,7 +504,7 @@ void Gateway::Finish(const std::shared_ptr<Exchange>& x, int status, const std::
 void Gateway::KeepCall(const std::shared_ptr<Exchange>& x, std::uint32_t attempt, std::uint64_t seq,
                        std::shared_ptr<HttpCall> call) {
   {
-    std::lock_guard g(x->mu);
+    x->AssertOnItsThread();
     if (!x->done && x->attempt == attempt) {
       // A later call started meanwhile (this one ended already and the exchange went on): that
       // one is the call to cancel.
@@ -521,7 +520,7 @@ void Gateway::Retry(const std::shared_ptr<Exchange>& x, std::uint32_t attempt, s
   std::shared_ptr<HttpCall> call, prefill_call;
   std::uint32_t next = 0;
   {
-    std::lock_guard g(x->mu);
+    x->AssertOnItsThread();
     if (x->done || x->attempt != attempt) return;
     x->excluded.push_back(worker);
     next = ++x->attempt;
@@ -552,7 +551,7 @@ void Gateway::Retry(const std::shared_ptr<Exchange>& x, std::uint32_t attempt, s
   retries_->Increment();
   bool fallback = false;
   {
-    std::lock_guard g(x->mu);
+    x->AssertOnItsThread();
     fallback = x->fallback;
   }
   // A request the gateway never rendered is not the router's to route; nor is one whose router
@@ -565,7 +564,7 @@ void Gateway::Fallback(const std::shared_ptr<Exchange>& x) {
   std::uint32_t attempt = 0;
   bool first = false;
   {
-    std::lock_guard g(x->mu);
+    x->AssertOnItsThread();
     if (x->done) return;
     first = !std::exchange(x->fallback, true);
     attempt = x->attempt;
@@ -598,7 +597,7 @@ void Gateway::Fallback(const std::shared_ptr<Exchange>& x) {
              x->request_id, *worker);
   }
   {
-    std::lock_guard g(x->mu);
+    x->AssertOnItsThread();
     if (x->done || x->attempt != attempt) return;
     x->routed = RouteReply{};
     x->routed.worker_id = *worker;
@@ -620,7 +619,7 @@ void Gateway::Free(const std::shared_ptr<Exchange>& x) {
   std::string booking;
   std::optional<ResponseTiming> timing;
   {
-    std::lock_guard g(x->mu);
+    x->AssertOnItsThread();
     if (!x->booked) return;
     x->booked = false;
     booking = x->booking;

@@ -29,7 +29,8 @@
 // answers falls back likewise.
 //
 // Thread contract: Handle runs on HTTP threads; OnRegistration on a NATS thread; Tick on the
-// caller's timer. Each request's state has its own mutex; callbacks never block. Ownership:
+// caller's timer. Each request's state lives on its client connection's thread, unlocked
+// (exchange.h); callbacks never block. Ownership:
 // borrows the HttpClient and the RouterLink, which must outlive it.
 //
 //   Gateway gw(config, client, link);  listener = HttpListener::Start(io, opts, gw.Handler());
@@ -154,8 +155,8 @@ class Gateway {
   // content-type replaced by `content_type`).
   void AnswerWhole(const std::shared_ptr<Exchange>& x, int status, std::string content_type, std::string body,
                    HttpHeaders engine_headers = {});
-  // Ends the exchange unless it ended already: `answer` answers the client (under the exchange's
-  // lock), then the legs still running are closed, the booking freed and the request counted.
+  // Ends the exchange unless it ended already: `answer` answers the client, then the legs still
+  // running are closed, the booking freed and the request counted.
   void Finish(const std::shared_ptr<Exchange>& x, int status, const std::function<void(Exchange&)>& answer);
   // kvgateway_disagg_requests_total for a route answer of a disaggregated-eligible request.
   void CountDisaggPath(const std::shared_ptr<Exchange>& x);

@@ -14,7 +14,7 @@ void Gateway::CountDisaggPath(const std::shared_ptr<Exchange>& x) {
   bool disaggregated = false;
   std::vector<std::uint64_t> allowed, excluded;
   {
-    std::lock_guard g(x->mu);
+    x->AssertOnItsThread();
     disaggregated = x->routed.disaggregated;
     if (!disaggregated) {
       allowed = x->allowed;
@@ -44,7 +44,7 @@ void Gateway::CountDisaggPath(const std::shared_ptr<Exchange>& x) {
 void Gateway::Disaggregate(const std::shared_ptr<Exchange>& x, std::uint32_t attempt) {
   RouteReply routed;
   {
-    std::lock_guard g(x->mu);
+    x->AssertOnItsThread();
     if (x->done || x->attempt != attempt) return;
     routed = x->routed;
   }
@@ -57,7 +57,7 @@ void Gateway::Disaggregate(const std::shared_ptr<Exchange>& x, std::uint32_t att
                                           {"bootstrap_room", std::to_string(routed.bootstrap_room)}});
     if (!body.ok()) return Fail(x, 400, "invalid_request", body.status().message());
     {
-      std::lock_guard g(x->mu);
+      x->AssertOnItsThread();
       x->leg_body = *body;
     }
     if (!StartPrefillLeg(x, attempt, std::move(body).value())) return;
@@ -74,7 +74,7 @@ bool Gateway::StartPrefillLeg(const std::shared_ptr<Exchange>& x, std::uint32_t 
   std::string url;
   bool sglang = false;
   {
-    std::lock_guard g(x->mu);
+    x->AssertOnItsThread();
     if (x->done || x->attempt != attempt) return false;
     worker = x->routed.prefill_worker_id;
     url = x->routed.prefill_http_url;
@@ -88,7 +88,7 @@ bool Gateway::StartPrefillLeg(const std::shared_ptr<Exchange>& x, std::uint32_t 
   HttpCallSpec spec = EngineCall(*x, std::move(body));
   std::uint64_t seq = 0;
   {
-    std::lock_guard g(x->mu);
+    x->AssertOnItsThread();
     if (x->done || x->attempt != attempt) return false;
     x->prefill_called = std::chrono::steady_clock::now();
     seq = ++x->prefill_seq;
@@ -98,7 +98,7 @@ bool Gateway::StartPrefillLeg(const std::shared_ptr<Exchange>& x, std::uint32_t 
       *endpoint, std::move(spec),
       {.on_head =
            [ex = x, attempt](int status, const HttpHeaders& headers) {
-             std::lock_guard g(ex->mu);
+             ex->AssertOnItsThread();
              if (ex->attempt != attempt) return;
              ex->prefill_status = status;
              ex->prefill_headers.clear();
@@ -106,7 +106,7 @@ bool Gateway::StartPrefillLeg(const std::shared_ptr<Exchange>& x, std::uint32_t 
            },
        .on_data =
            [ex = x, attempt](std::string_view d) {
-             std::lock_guard g(ex->mu);
+             ex->AssertOnItsThread();
              if (ex->done || ex->attempt != attempt) return;
              if (ex->prefill_body.size() + d.size() <= kMaxHeldBody) {
                ex->prefill_body.append(d);
@@ -120,7 +120,7 @@ bool Gateway::StartPrefillLeg(const std::shared_ptr<Exchange>& x, std::uint32_t 
              OnNixlPrefillAnswer(ex, attempt, s);
            }});
   {
-    std::lock_guard g(x->mu);
+    x->AssertOnItsThread();
     if (!x->done && x->attempt == attempt) {
       if (x->prefill_seq == seq) x->prefill_call = std::move(call);
       return true;
@@ -147,7 +147,7 @@ struct PrefillEnd {
 // The prefill leg's end, taken from the exchange; nullopt when it is no longer at `attempt`
 // (ended, or retried: a leg closed then ends unheard).
 std::optional<PrefillEnd> TakePrefillEnd(Gateway::Exchange& x, std::uint32_t attempt) {
-  std::lock_guard g(x.mu);
+  x.AssertOnItsThread();
   if (x.done || x.attempt != attempt) return std::nullopt;
   x.prefill_call.reset();
   return PrefillEnd{.status = x.prefill_status,
@@ -205,7 +205,7 @@ void Gateway::OnNixlPrefillAnswer(const std::shared_ptr<Exchange>& x, std::uint3
   auto body = WithFields(x->http.body, {{"kv_transfer_params", answer->kv_transfer_params}});
   if (!body.ok()) return Fail(x, 400, "invalid_request", body.status().message());
   {
-    std::lock_guard g(x->mu);
+    x->AssertOnItsThread();
     if (x->done || x->attempt != attempt) return;
     x->leg_body = std::move(body).value();
     x->prefill_answered = true;
@@ -242,7 +242,7 @@ void Gateway::OnSglangPrefillEnd(const std::shared_ptr<Exchange>& x, std::uint32
     if (auto answer = ParsePrefillAnswer(end.body); answer.ok()) cached = answer->cached_tokens;
   }
   {
-    std::lock_guard g(x->mu);
+    x->AssertOnItsThread();
     if (x->done || x->attempt != attempt) return;
     x->prefill_answered = true;
     x->prefill_end = now;
