@@ -34,6 +34,21 @@ inline std::string EngineTimeoutMessage(std::uint64_t worker, std::uint32_t time
 }
 
 struct Gateway::Exchange {
+  // How far the exchange got. It moves forward, but for a retry (back to kRouting, never once
+  // kResponding), and it ends (done) in any stage.
+  enum class Stage {
+    kRendering,   // the render (or /tokenize) call runs
+    kRouting,     // the router is asked, or the fallback picks the engine
+    kCalling,     // the engine call (a disaggregated attempt's legs) runs; nothing went to the client
+    kResponding,  // the response head went to the client: no other engine may answer it now
+  };
+  void Enter(Stage next) {
+    AssertOnItsThread();
+    assert(stage != Stage::kResponding || next == Stage::kResponding);
+    stage = next;
+  }
+  bool began() const { return stage == Stage::kResponding; }
+
   void AssertOnItsThread() const { assert(std::this_thread::get_id() == thread); }
   const std::thread::id thread = std::this_thread::get_id();  // made by Handle, on its connection's thread
   std::shared_ptr<HttpReply> reply;
@@ -49,6 +64,7 @@ struct Gateway::Exchange {
   std::vector<std::uint64_t> excluded;  // workers that failed this request
   std::vector<HttpEndpoint> render_at;
   SteadyTime arrival;
+  Stage stage = Stage::kRendering;
   bool fallback = false;  // no router answered: the gateway picks the engines (Fallback), nothing is booked
   // The current attempt.
   std::uint32_t attempt = 0;
@@ -62,8 +78,7 @@ struct Gateway::Exchange {
   std::string engine_error;  // the body of a 5xx answer, for the message
   bool first_byte = false;   // the engine's first response byte came (this attempt)
   std::string held;          // a plain response's body so far, sent whole when it ends
-  bool began = false;        // the response head went to the client
-  bool done = false;         // answered, failed or gone: nothing more is sent
+  bool done = false;         // answered, failed or gone (in any stage): nothing more is sent
   SteadyTime called;         // the engine call started
   SteadyTime last_chunk;
   ResponseTiming timing;       // of the engine's response so far (ttfb_ms once its first byte came)

@@ -144,8 +144,8 @@ void Gateway::Render(const std::shared_ptr<Exchange>& x, std::size_t candidate, 
   PassClientHeaders(x->http, spec.headers);
   std::uint64_t seq = 0;
   {
-    x->AssertOnItsThread();
     if (x->done) return;
+    x->Enter(Exchange::Stage::kRendering);
     x->render_status = 0;
     x->render_body.clear();
     seq = ++x->call_seq;
@@ -207,8 +207,8 @@ void Gateway::Route(const std::shared_ptr<Exchange>& x) {
   RouteRequest r;
   std::uint32_t attempt = 0;
   {
-    x->AssertOnItsThread();
     if (x->done) return;
+    x->Enter(Exchange::Stage::kRouting);
     attempt = x->attempt;
     x->booking = x->attempt == 0 ? x->booking_base : fmt::format("{}#{}", x->booking_base, x->attempt);
     r.request_id = x->booking;
@@ -323,8 +323,8 @@ void Gateway::Forward(const std::shared_ptr<Exchange>& x, std::uint32_t attempt)
   HttpCallSpec spec = EngineCall(*x, std::move(body));
   std::uint64_t seq = 0;
   {
-    x->AssertOnItsThread();
     if (x->done || x->attempt != attempt) return;
+    x->Enter(Exchange::Stage::kCalling);
     x->called = std::chrono::steady_clock::now();
     x->timing = {};
     seq = ++x->call_seq;
@@ -383,10 +383,10 @@ void Gateway::OnEngineData(const std::shared_ptr<Exchange>& ex, std::uint32_t at
     ex->last_chunk = now;
     // A plain response goes to the client whole when it ends, with its length, in one
     // write; a streamed one (or a plain one past kMaxHeldBody) chunk by chunk as it comes.
-    if (!ex->began && !ex->request.stream && ex->held.size() + d.size() <= kMaxHeldBody) {
+    if (!ex->began() && !ex->request.stream && ex->held.size() + d.size() <= kMaxHeldBody) {
       ex->held.append(d);
-    } else if (!ex->began) {
-      ex->began = true;
+    } else if (!ex->began()) {
+      ex->Enter(Exchange::Stage::kResponding);
       ex->reply->Begin(ex->engine_status, ResponseHead(*ex));
       ex->held.append(d);
       ex->reply->Write(std::exchange(ex->held, {}));
@@ -395,7 +395,7 @@ void Gateway::OnEngineData(const std::shared_ptr<Exchange>& ex, std::uint32_t at
     }
     // The call is known once KeepCall kept it; a chunk before that is not paused on
     // (the next one is).
-    if (ex->began && !ex->read_paused && ex->call && ex->call_seq == seq && ex->reply->Backlog() > kClientHighWater) {
+    if (ex->began() && !ex->read_paused && ex->call && ex->call_seq == seq && ex->reply->Backlog() > kClientHighWater) {
       ex->read_paused = true;
       first_pause = !std::exchange(ex->slowed, true);
       pause = ex->call;
@@ -426,7 +426,7 @@ void Gateway::OnEngineDone(const std::shared_ptr<Exchange>& ex, std::uint32_t at
     ex->AssertOnItsThread();
     if (ex->done || ex->attempt != attempt) return;
     ex->call.reset();
-    began = ex->began;
+    began = ex->began();
     status = ex->engine_status;
     error = std::move(ex->engine_error);
   }
@@ -454,7 +454,7 @@ void Gateway::OnEngineDone(const std::shared_ptr<Exchange>& ex, std::uint32_t at
     if (!s.ok()) {
       ex->engine_broke = true;
       ex->reply->Abort();     // cut off mid-response: the client sees the connection end
-    } else if (!ex->began) {  // a plain response (or an empty body): whole
+    } else if (!ex->began()) {  // a plain response (or an empty body): whole
       // A disaggregated answer's prompt cache is the prefill engine's, not the decode
       // engine's (which received every block).
       if (ex->prefill_cached && status == 200) {
@@ -564,8 +564,8 @@ void Gateway::Fallback(const std::shared_ptr<Exchange>& x) {
   std::uint32_t attempt = 0;
   bool first = false;
   {
-    x->AssertOnItsThread();
     if (x->done) return;
+    x->Enter(Exchange::Stage::kRouting);
     first = !std::exchange(x->fallback, true);
     attempt = x->attempt;
     candidates = x->allowed;
@@ -608,7 +608,7 @@ void Gateway::Fallback(const std::shared_ptr<Exchange>& x) {
 void Gateway::Fail(const std::shared_ptr<Exchange>& x, int status, std::string_view code, const std::string& message,
                    HttpHeaders extra) {
   Finish(x, status, [&](Exchange& e) {
-    if (e.began) return e.reply->Abort();
+    if (e.began()) return e.reply->Abort();
     extra.emplace_back("content-type", "application/json");
     extra.emplace_back("x-request-id", e.request_id);
     e.reply->Send(status, std::move(extra), OpenAiError(message, ErrorType(status), code));
@@ -626,7 +626,7 @@ void Gateway::Free(const std::shared_ptr<Exchange>& x) {
     // A streamed 200 only: a plain response's first byte comes after the whole generation, an
     // error's says nothing of the engine's speed, nor does a response the engine broke off (a
     // dying engine's stall). A client going away leaves what was measured true.
-    if (x->began && x->request.stream && x->engine_status == 200 && !x->engine_broke) timing = x->timing;
+    if (x->began() && x->request.stream && x->engine_status == 200 && !x->engine_broke) timing = x->timing;
   }
   link_.Free(booking, timing);
 }

@@ -44,8 +44,8 @@ void Gateway::CountDisaggPath(const std::shared_ptr<Exchange>& x) {
 void Gateway::Disaggregate(const std::shared_ptr<Exchange>& x, std::uint32_t attempt) {
   RouteReply routed;
   {
-    x->AssertOnItsThread();
     if (x->done || x->attempt != attempt) return;
+    x->Enter(Exchange::Stage::kCalling);
     routed = x->routed;
   }
   if (routed.kv_connector == "sglang") {
@@ -154,7 +154,7 @@ std::optional<PrefillEnd> TakePrefillEnd(Gateway::Exchange& x, std::uint32_t att
                     .headers = std::move(x.prefill_headers),
                     .body = std::move(x.prefill_body),
                     .overflow = x.prefill_overflow,
-                    .began = x.began,
+                    .began = x.began(),
                     .worker = x.routed.prefill_worker_id,
                     .booking = x.booking,
                     .called = x.prefill_called};
