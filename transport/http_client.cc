@@ -278,7 +278,9 @@ class Call final : public HttpCall, public std::enable_shared_from_this<Call> {
   }
 
   void Pause() override {
-    if (exec_.running_in_this_thread()) {
+    // At once only from inside on_data: elsewhere on this loop a Resume queued before it would
+    // run after it.
+    if (exec_.running_in_this_thread() && in_data_) {
       paused_ = true;
       return;
     }
@@ -409,7 +411,11 @@ class Call final : public HttpCall, public std::enable_shared_from_this<Call> {
       if (self->done_) return;
       if (ec && ec != http::error::need_buffer) return self->Fail(self->ErrorOf("response cut off by", ec));
       const std::size_t n = sizeof(self->body_) - self->parser_->get().body().size;
-      if (n > 0 && self->cb_.on_data) self->cb_.on_data(std::string_view(self->body_, n));
+      if (n > 0 && self->cb_.on_data) {
+        self->in_data_ = true;
+        self->cb_.on_data(std::string_view(self->body_, n));
+        self->in_data_ = false;
+      }
       self->ReadBody();
     });
   }
@@ -490,6 +496,7 @@ class Call final : public HttpCall, public std::enable_shared_from_this<Call> {
   bool delivered_ = false;       // then: the peer had acknowledged the whole request
   bool paused_ = false;          // Pause: read no more of the body
   bool stalled_ = false;         // a read was due while paused
+  bool in_data_ = false;         // on_data runs
   SteadyTime head_deadline_;
   std::optional<tcp::resolver> resolver_;
   http::request<http::string_body> req_;

@@ -73,7 +73,8 @@ class HttpCall {
   virtual void Cancel() = 0;
   // Back-pressure: no more of the body is read until Resume (no read timeout meanwhile). Any
   // thread; called from inside on_data it takes effect before the next read, from elsewhere
-  // after at most one more on_data. Pause and Resume take effect in the order they are called.
+  // after at most one more on_data. Pause and Resume called from one thread take effect in the
+  // order they are called.
   virtual void Pause() = 0;
   virtual void Resume() = 0;
 };

@@ -19,11 +19,6 @@ std::optional<std::size_t> HttpIo::Impl::Current() const {
   return t_loop;
 }
 
-std::size_t HttpIo::Impl::Pick() {
-  if (auto here = Current()) return *here;
-  return Next();
-}
-
 HttpIo::HttpIo(std::size_t threads) : impl_(std::make_unique<Impl>()) {
   const std::size_t n = std::max<std::size_t>(1, threads);
   for (std::size_t i = 0; i < n; ++i) {

@@ -34,8 +34,6 @@ struct HttpIo::Impl {
 
   // The loop the calling thread runs, if it is one of these.
   std::optional<std::size_t> Current() const;
-  // The calling thread's loop, or else the next one in turn.
-  std::size_t Pick();
   // The next loop in turn (a new connection's).
   std::size_t Next() { return next.fetch_add(1, std::memory_order_relaxed) % loops.size(); }
   Executor executor(std::size_t loop) { return loops[loop]->ioc.get_executor(); }

@@ -244,6 +244,13 @@ class Session : public std::enable_shared_from_this<Session> {
   // Takes `n` bytes off the backlog (written or dropped) and runs the drained callback once it
   // is low enough.
   void Drained(std::size_t n);
+  // Runs `drained` next on the strand (never inside the reply call that got here), unless the
+  // response has ended or the connection closed meanwhile.
+  void RunDrained(std::function<void()> drained) {
+    net::post(stream_.get_executor(), [self = shared_from_this(), r = request_, d = std::move(drained)] {
+      if (self->Current(r) && !self->closed_) d();
+    });
+  }
   void ClientGone();
   void CloseIfIdle();
   // The response is complete and the connection ends: the write side is shut (the client reads
@@ -486,7 +493,7 @@ void Session::Begin(std::uint64_t request, int status, HttpHeaders headers) {
 
 void Session::SetDrained(std::uint64_t request, std::size_t low_water, std::function<void()> drained) {
   if (!Current(request) || closed_) return;
-  if (backlog_.load() <= low_water) return net::post(stream_.get_executor(), std::move(drained));
+  if (backlog_.load() <= low_water) return RunDrained(std::move(drained));
   drain_at_ = low_water;
   drained_ = std::move(drained);
 }
@@ -498,7 +505,7 @@ void Session::Write(std::uint64_t request, std::string chunk) {
 
 void Session::Drained(std::size_t n) {
   backlog_ -= n;
-  if (drained_ && backlog_.load() <= drain_at_) net::post(stream_.get_executor(), std::exchange(drained_, nullptr));
+  if (drained_ && backlog_.load() <= drain_at_) RunDrained(std::exchange(drained_, nullptr));
 }
 
 void Session::End(std::uint64_t request) {

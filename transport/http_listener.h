@@ -52,9 +52,10 @@ struct HttpRequest {
   std::string_view Path() const;  // target without its query
 };
 
-// The answer to one request. Any thread may call any method; the calls take effect in order on
-// the connection's strand: at once when made on its thread with nothing of it queued, else
-// queued. No method calls back into its caller (the callbacks below run later, on their own).
+// The answer to one request. Any thread may call any method; calls made from one thread take
+// effect in the order they are made, on the connection's strand: at once when made on its thread
+// with nothing of it queued (or from its own callbacks), else queued. No method calls back into
+// its caller (the callbacks below run later, on their own).
 // Either Send once, or Begin, Write..., End. A reply dropped without either closes the
 // connection (the client sees it end).
 class HttpReply {

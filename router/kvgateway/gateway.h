@@ -30,7 +30,8 @@
 //
 // Thread contract: Handle runs on HTTP threads; OnRegistration on a NATS thread; Tick on the
 // caller's timer. Each request's state lives on its client connection's thread, unlocked
-// (exchange.h); callbacks never block. Ownership:
+// (exchange.h), which needs the listener and the HttpClient on one HttpIo; callbacks never
+// block. Ownership:
 // borrows the HttpClient and the RouterLink, which must outlive it.
 //
 //   Gateway gw(config, client, link);  listener = HttpListener::Start(io, opts, gw.Handler());

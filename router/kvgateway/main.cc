@@ -184,6 +184,9 @@ int main(int argc, char** argv) {
   gw.Stop();
   (*listener)->Stop();
   client.Stop();
+  // While the loops still run: the route requests still waiting fail (their bookings freed), and
+  // no router answer reaches a loop after this (each is continued on one).
+  link.Stop();
   io.Stop();
   registrations->reset();
   (*nc)->Drain(std::chrono::seconds(2));

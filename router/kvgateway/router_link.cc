@@ -155,7 +155,6 @@ void RouterLink::PublishFrees(const std::vector<std::string>& request_ids) {
 }
 
 void RouterLink::SetConnected(bool connected) {
-  std::vector<std::pair<Done, std::string>> failed;
   {
     KvMutexLock g(mu_);
     connected_ = connected;
@@ -166,6 +165,22 @@ void RouterLink::SetConnected(bool connected) {
     unsure_ = true;
     probes_.clear();
     resend_later_.clear();  // still unconfirmed: they go again after this loss
+  }
+  FailWaiting("the gateway lost its NATS connection to the router");
+}
+
+void RouterLink::Stop() {
+  {
+    KvMutexLock g(mu_);
+    connected_ = false;
+  }
+  FailWaiting("the gateway is stopping");
+}
+
+void RouterLink::FailWaiting(std::string_view why) {
+  std::vector<std::pair<Done, std::string>> failed;
+  {
+    KvMutexLock g(mu_);
     const SteadyTime forget_at = std::chrono::steady_clock::now() + 2 * timeout_;
     for (auto& [id, p] : pending_) {
       if (expired_.size() < kMaxPending) expired_.emplace(id, Expired{p.request_id, forget_at});
@@ -175,7 +190,7 @@ void RouterLink::SetConnected(bool connected) {
   }
   for (auto& [done, request_id] : failed) {
     Free(request_id);
-    done(Status(StatusCode::kNoWorkers, "the gateway lost its NATS connection to the router"));
+    done(Status(StatusCode::kNoWorkers, std::string(why)));
   }
 }
 

@@ -66,6 +66,10 @@ class RouterLink {
   // one sent until the first router answer after it, is sent again at that answer and once more
   // 5 s later (for replicas that subscribe again later).
   void SetConnected(bool connected);
+  // The gateway stops: as a loss of the connection, every request waiting for its answer fails
+  // now and its booking is freed, and Route fails at once from now on; an answer that comes
+  // later is freed, and no callback runs for it.
+  void Stop();
   // Fails the requests older than the timeout, and asks the router for its stats now and then to
   // know it answers (for Answering).
   void Tick(SteadyTime now);
@@ -88,6 +92,9 @@ class RouterLink {
     SteadyTime forget_at;
   };
   void OnAnswer(const IncomingMessage& m);
+  // Fails every request waiting for its answer with kNoWorkers `why`, freeing its booking (a free
+  // now; an answer that comes later is freed as after a timeout).
+  void FailWaiting(std::string_view why);
   void PublishFrees(const std::vector<std::string>& request_ids);
 
   NatsClient& nats_;

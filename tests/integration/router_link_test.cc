@@ -112,6 +112,32 @@ TEST_F(RouterLinkTest, ARouteWaitingWhenTheConnectionGoesFailsAtOnceAndItsBookin
   EXPECT_EQ(Routes(), 1u);
 }
 
+// The gateway's shutdown: what waits fails while its continuations can still run, and no answer
+// reaches the gateway after it (a late one is freed here).
+TEST_F(RouterLinkTest, StopFailsWhatWaitsFreesItsBookingAndLetsNoLaterAnswerThrough) {
+  int calls = 0;
+  std::optional<Result<RouteReply>> first;
+  link_->Route({.request_id = "s1"}, [&](Result<RouteReply> r) {
+    ++calls;
+    first = std::move(r);
+  });
+  ASSERT_TRUE(AwaitTrue([&] { return Routes() == 1; }));
+  link_->Stop();
+  ASSERT_TRUE(first.has_value());
+  EXPECT_EQ(first->status().code(), StatusCode::kNoWorkers);
+  EXPECT_EQ(link_->pending(), 0u);
+  EXPECT_TRUE(AwaitTrue([&] { return Frees("s1") == 1; }));
+  std::optional<Result<RouteReply>> second;
+  link_->Route({.request_id = "s2"}, [&](Result<RouteReply> r) { second = std::move(r); });
+  ASSERT_TRUE(second.has_value());  // at once, never sent
+  EXPECT_EQ(second->status().code(), StatusCode::kNoWorkers);
+  // The router's late answer to s1 books nothing that stays, and calls nobody.
+  ASSERT_TRUE(router_nc_->Publish(RouteReplySubject(0), AsBytes(EncodeRouteReply({.worker_id = 7}))).ok());
+  EXPECT_TRUE(AwaitTrue([&] { return Frees("s1") == 2; }));
+  EXPECT_EQ(calls, 1);
+  EXPECT_EQ(Routes(), 1u);
+}
+
 TEST_F(RouterLinkTest, FreesNoAnswerConfirmedAreSentAgainAtTheFirstAnswerAfterALossAndOnceMore) {
   const SteadyTime t0 = std::chrono::steady_clock::now();
   link_->Free("f1");
