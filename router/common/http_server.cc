@@ -3,8 +3,18 @@
 #include <civetweb.h>
 #include <fmt/format.h>
 
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
 #include <cstring>
 #include <mutex>
+#include <thread>
 
 namespace kvrouter {
 namespace {
@@ -44,6 +54,36 @@ int Handle(mg_connection* conn, void* data) {
   return r.status;
 }
 
+// Opens a TCP connection to the server listening on `host`:`port` (a wildcard address: the
+// loopback one) and closes it, waiting at most 50 ms for it to be accepted by the kernel.
+void Poke(const std::string& host, int port) {
+  sockaddr_storage addr{};
+  socklen_t len = 0;
+  auto* v4 = reinterpret_cast<sockaddr_in*>(&addr);
+  auto* v6 = reinterpret_cast<sockaddr_in6*>(&addr);
+  std::string h = host;
+  if (h.size() > 2 && h.front() == '[' && h.back() == ']') h = h.substr(1, h.size() - 2);
+  if (h == "::") h = "::1";
+  if (h.empty() || h == "0.0.0.0") h = "127.0.0.1";
+  if (::inet_pton(AF_INET6, h.c_str(), &v6->sin6_addr) == 1) {
+    v6->sin6_family = AF_INET6;
+    v6->sin6_port = htons(static_cast<std::uint16_t>(port));
+    len = sizeof(sockaddr_in6);
+  } else {
+    if (::inet_pton(AF_INET, h.c_str(), &v4->sin_addr) != 1) ::inet_pton(AF_INET, "127.0.0.1", &v4->sin_addr);
+    v4->sin_family = AF_INET;
+    v4->sin_port = htons(static_cast<std::uint16_t>(port));
+    len = sizeof(sockaddr_in);
+  }
+  const int fd = ::socket(addr.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (fd < 0) return;
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), len) != 0 && errno == EINPROGRESS) {
+    pollfd p{.fd = fd, .events = POLLOUT, .revents = 0};
+    (void)::poll(&p, 1, 50);
+  }
+  ::close(fd);
+}
+
 }  // namespace
 
 Result<std::unique_ptr<HttpServer>> HttpServer::Start(const std::string& host, int port,
@@ -62,6 +102,8 @@ Result<std::unique_ptr<HttpServer>> HttpServer::Start(const std::string& host, i
   }
   std::unique_ptr<HttpServer> server(new HttpServer());
   server->ctx_ = ctx;
+  server->host_ = host;
+  server->port_ = port;
   for (auto& [path, handler] : routes) {
     server->handlers_.push_back(std::make_unique<HttpHandler>(std::move(handler)));
     mg_set_request_handler(ctx, path.c_str(), Handle, server->handlers_.back().get());
@@ -87,7 +129,19 @@ Result<std::unique_ptr<HttpServer>> StartMetricsServer(const std::string& host, 
 }
 
 HttpServer::~HttpServer() {
-  if (ctx_) mg_stop(ctx_);
+  if (!ctx_) return;
+  // civetweb's listening thread sees the stop only when its poll returns, which without a
+  // connection is its timeout (seconds): connections to the port wake it while mg_stop waits.
+  std::atomic<bool> stopped{false};
+  std::thread waker([&] {
+    while (!stopped.load()) {
+      Poke(host_, port_);
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));  // the next poke's time, not a wait for a state
+    }
+  });
+  mg_stop(ctx_);
+  stopped = true;
+  waker.join();
 }
 
 }  // namespace kvrouter

@@ -3,7 +3,8 @@
 //
 // Thread contract: handlers run on civetweb's worker threads (two), concurrently with the rest
 // of the program: they must be thread-safe. Destruction stops the server and waits for handlers
-// in progress. Ownership: the handlers are owned by the server.
+// in progress (promptly: it wakes civetweb's listener, which would otherwise notice the stop
+// only at its next poll timeout). Ownership: the handlers are owned by the server.
 //
 //   auto http = HttpServer::Start("0.0.0.0", 9091, {{"/health", [] { return HttpResponse{200, "ok\n"}; }}});
 #pragma once
@@ -40,6 +41,8 @@ class HttpServer {
   HttpServer() = default;
   std::vector<std::unique_ptr<HttpHandler>> handlers_;  // stable addresses for civetweb
   mg_context* ctx_ = nullptr;
+  std::string host_;  // as listened on
+  int port_ = 0;
 };
 
 // A program's /metrics (Prometheus text from `metrics`), /health (200 while it runs) and /ready
