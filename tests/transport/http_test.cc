@@ -130,6 +130,55 @@ TEST_F(HttpTest, AWholeResponseArrivesAndTheConnectionIsKeptForTheNextCall) {
   EXPECT_EQ(listener_->counters().connections, 1u);
 }
 
+// A proxy's request is served on its client connection's thread: a call started there runs its
+// callbacks there, and so does a task deferred to the reply (the gateway's route answer), for
+// every connection, whichever loop it is on.
+TEST_F(HttpTest, ACallStartedOnAConnectionsThreadAndADeferredTaskRunThere) {
+  std::mutex mu;
+  std::vector<std::string> wrong;  // what ran elsewhere than its connection's thread
+  Listen({}, [&](HttpRequest req, std::shared_ptr<HttpReply> reply) {
+    if (req.target == "/inner") return reply->Send(200, {}, "inner");
+    const std::thread::id here = std::this_thread::get_id();
+    auto check = [&mu, &wrong, here](const char* what) {
+      if (std::this_thread::get_id() == here) return;
+      std::lock_guard g(mu);
+      wrong.push_back(what);
+    };
+    auto body = std::make_shared<std::string>();
+    client_->Start(endpoint_, {.target = "/inner"},
+                   {.on_head = [check](int, const HttpHeaders&) { check("on_head"); },
+                    .on_data =
+                        [check, body](std::string_view d) {
+                          check("on_data");
+                          body->append(d);
+                        },
+                    .on_done =
+                        [check, body, reply](const Status& s) {
+                          check("on_done");
+                          reply->Defer([check, body, reply, ok = s.ok()] {
+                            check("deferred");
+                            reply->Send(ok ? 200 : 502, {}, "outer:" + *body);
+                          });
+                        }});
+  });
+  // Several connections at once, over both loops.
+  std::vector<std::thread> clients;
+  std::atomic<int> answered{0};
+  for (int c = 0; c < 4; ++c) {
+    clients.emplace_back([&] {
+      HttpClient own(io_, {});
+      for (int i = 0; i < 20; ++i) {
+        auto r = own.Fetch(endpoint_, {.target = "/outer"});
+        if (r.ok() && r->status == 200 && r->body == "outer:inner") ++answered;
+      }
+    });
+  }
+  for (auto& t : clients) t.join();
+  EXPECT_EQ(answered.load(), 80);
+  std::lock_guard g(mu);
+  EXPECT_TRUE(wrong.empty()) << wrong.size() << " callbacks off their connection's thread, first: " << wrong.front();
+}
+
 // Regression: a stale readiness of the socket (an edge for bytes already read) once passed for a
 // client that went away, and closed busy keep-alive connections now and then (a few in 10,000
 // requests: this test caught it in about one run of three).
