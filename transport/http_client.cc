@@ -91,7 +91,8 @@ namespace {
 // an asynchronous operation then copies no executor onto the heap.
 using Executor = HttpIo::Impl::Executor;
 using Stream = beast::basic_stream<tcp, Executor>;
-using Timer = net::basic_waitable_timer<std::chrono::steady_clock, net::wait_traits<std::chrono::steady_clock>, Executor>;
+using Timer =
+    net::basic_waitable_timer<std::chrono::steady_clock, net::wait_traits<std::chrono::steady_clock>, Executor>;
 }  // namespace
 
 struct HttpClient::Pool {
@@ -233,20 +234,20 @@ bool PeerAcknowledgedAll(int fd) {
 #endif
 }
 
-// One request, on one loop: the caller's when it is called on one (a proxy's engine call runs on
-// its client connection's thread), else one with a connection to reuse, else the next in turn. Every member is touched only on that
-// loop, but for the constant ones.
+// One request, on the loop the pool's Claim gave it (a proxy's engine call runs on its client
+// connection's thread), with the pooled connection it gave, if any. Every member is touched only
+// on that loop, but for the constant ones.
 class Call final : public HttpCall, public std::enable_shared_from_this<Call> {
  public:
-  Call(std::shared_ptr<HttpClient::Pool> pool, HttpEndpoint endpoint, HttpCallSpec spec, HttpCallbacks cb)
+  Call(std::shared_ptr<HttpClient::Pool> pool, HttpEndpoint endpoint, std::string key,
+       std::pair<std::size_t, std::unique_ptr<Stream>> claim, HttpCallSpec spec, HttpCallbacks cb)
       : pool_(std::move(pool)),
         endpoint_(std::move(endpoint)),
-        key_(endpoint_.Key()),
+        key_(std::move(key)),
         spec_(std::move(spec)),
         cb_(std::move(cb)),
-        claim_(pool_->Claim(key_)),
-        loop_(claim_.first),
-        stream_(std::move(claim_.second)),
+        loop_(claim.first),
+        stream_(std::move(claim.second)),
         exec_(pool_->io.executor(loop_)),
         timer_(exec_) {
     reused_ = stream_ != nullptr;
@@ -483,7 +484,6 @@ class Call final : public HttpCall, public std::enable_shared_from_this<Call> {
   const std::string key_;  // endpoint_.Key()
   const HttpCallSpec spec_;
   HttpCallbacks cb_;
-  std::pair<std::size_t, std::unique_ptr<Stream>> claim_;  // moved from at construction
   const std::size_t loop_;
   std::unique_ptr<Stream> stream_;
   const Executor exec_;
@@ -546,7 +546,10 @@ void HttpClient::DropIdle(const HttpEndpoint& endpoint) {
 }
 
 std::shared_ptr<HttpCall> HttpClient::Start(const HttpEndpoint& endpoint, HttpCallSpec spec, HttpCallbacks callbacks) {
-  auto call = std::make_shared<Call>(pool_, endpoint, std::move(spec), std::move(callbacks));
+  std::string key = endpoint.Key();
+  auto claim = pool_->Claim(key);
+  auto call = std::make_shared<Call>(pool_, endpoint, std::move(key), std::move(claim), std::move(spec),
+                                     std::move(callbacks));
   call->Run();
   return call;
 }

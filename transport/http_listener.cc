@@ -204,7 +204,7 @@ class Session : public std::enable_shared_from_this<Session> {
     net::post(stream_.get_executor(), [self = shared_from_this()] { self->CloseIfIdle(); });
   }
 
-  // The reply's calls, posted onto the connection's loop; `request` names the request they answer.
+  // The reply's calls, run on the connection's strand; `request` names the request they answer.
   void Send(std::uint64_t request, int status, HttpHeaders headers, std::string body);
   void Begin(std::uint64_t request, int status, HttpHeaders headers);
   void Write(std::uint64_t request, std::string chunk);
@@ -212,7 +212,7 @@ class Session : public std::enable_shared_from_this<Session> {
   void Abort(std::uint64_t request);
   void SetGone(std::uint64_t request, std::function<void()> gone);
   void SetDrained(std::uint64_t request, std::size_t low_water, std::function<void()> drained);
-  // Counted by the reply as Write is called (before its post reaches the loop), so that a
+  // Counted by the reply as Write is called (before the call reaches the strand), so that a
   // producer reading it right after its Write sees its own bytes.
   void AddBacklog(std::size_t n) { backlog_ += n; }
   std::size_t Backlog() const { return backlog_.load(); }
@@ -648,7 +648,8 @@ void Session::Shutdown() {
 
 void HttpListener::State::Accept() {
   // Each connection on the next loop in turn, for its life.
-  acceptor.async_accept(net::make_strand(io.executor(io.Next())), [self = shared_from_this()](beast::error_code ec, Socket socket) {
+  auto strand = net::make_strand(io.executor(io.Next()));
+  acceptor.async_accept(strand, [self = shared_from_this()](beast::error_code ec, Socket socket) {
     if (self->stopped.load()) return;
     if (!ec) {
       ++self->connections;

@@ -233,20 +233,14 @@ void Gateway::Route(const std::shared_ptr<Exchange>& x) {
 
 void Gateway::OnRouted(const std::shared_ptr<Exchange>& ex, const std::string& booking, std::uint32_t attempt,
                        const Result<RouteReply>& routed) {
-  bool gone = false;
-  {
-    ex->AssertOnItsThread();
-    gone = ex->done;
-    if (!gone && routed.ok()) {
-      ex->booked = true;
-      ex->routed = *routed;
-    }
-  }
-  if (gone) {
+  ex->AssertOnItsThread();
+  if (ex->done) {
     if (routed.ok()) link_.Free(booking);  // the client left while the router decided
     return;
   }
   if (routed.ok()) {
+    ex->booked = true;
+    ex->routed = *routed;
     if (stopping_.load()) return Fail(ex, 503, "shutting_down", "the gateway is stopping");
     route_time_->Observe(Seconds(std::chrono::steady_clock::now() - ex->arrival));
     CountDisaggPath(ex);
