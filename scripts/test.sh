@@ -94,7 +94,7 @@ ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:ha
   -E '^(KvEventPublisherIndex\.MillionBlockDumpTravelsInPartsUnderTheMaxPayload|SoakTest\.AnHourOfChurnKeepsTheIndexExactAndItsMemoryFlat|PdSoakTest\.AThousandRequestsWithAbortsAndAKilledPrefillProcessLoseNothing)$'
 
 step "concurrent parts under TSan (built with clang: its thread-safety analysis checks every KV_GUARDED_BY)"
-tsan_targets=(index_test service_test transport_test transport_unit_test service_threads_test kvrelay_unit_test
+tsan_targets=(index_test service_test transport_test nats_loop_test transport_unit_test service_threads_test kvrelay_unit_test
               kvmocker_http_test gateway_test gateway_edges_test gateway_disagg_test gateway_pd_kvmocker_test router_link_test kvrouter
               kvgateway kvmocker kvbench)
 tsan_args=(-DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVROUTER_SANITIZE=thread -DKVROUTER_BENCH=OFF "${g1[@]}")
@@ -104,7 +104,7 @@ configure_build build-tsan "${tsan_targets[@]}" -- "${sanitizer_cc[@]}" "${tsan_
 # GatewayDisaggTest take the same legs' threads under it.
 TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
   setarch "$(uname -m)" -R ctest --test-dir build-tsan --output-on-failure -j "$jobs" --timeout 600 \
-  -R '^(ShardedIndex|ReadGate|ConcurrentReads|TransportTest|InMemoryBus|ServiceThreads|RecoveryTest|RecoveryClientTest|GenerateRelayTest|KvRelayTest|HttpHealthChecksTest|KvMockerHttpTest|HttpTest|Gateway[A-Za-z]*Test|RouterLinkTest)\.' \
+  -R '^(ShardedIndex|ReadGate|ConcurrentReads|TransportTest|InMemoryBus|ServiceThreads|RecoveryTest|RecoveryClientTest|GenerateRelayTest|KvRelayTest|HttpHealthChecksTest|KvMockerHttpTest|HttpTest|Gateway[A-Za-z]*Test|RouterLink[A-Za-z]*Test|NatsLoopTest)\.' \
   -E '^GatewayPdKvmocker'
 
 if command -v clang++ >/dev/null; then

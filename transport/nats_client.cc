@@ -252,7 +252,8 @@ Status ApplySecurity(natsOptions* opts, const NatsSecurity& sec) {
   return Status::Ok();
 }
 
-Result<OptionsPtr> BuildOptions(const NatsOptions& options, void* closure) {
+Result<OptionsPtr> BuildOptions(const NatsOptions& options, ClientShared* shared) {
+  void* const closure = shared;
   natsOptions* raw_opts = nullptr;
   natsStatus s = natsOptions_Create(&raw_opts);
   if (s != NATS_OK) return FromNats(s, "nats options");
@@ -273,7 +274,9 @@ Result<OptionsPtr> BuildOptions(const NatsOptions& options, void* closure) {
   if (s == NATS_OK) s = natsOptions_SetReconnectWait(opts.get(), options.reconnect_wait_ms);
   if (s == NATS_OK) s = natsOptions_SetTimeout(opts.get(), options.connect_timeout_ms);
   if (s == NATS_OK) s = natsOptions_UseGlobalMessageDelivery(opts.get(), false);
-  if (s == NATS_OK) s = natsOptions_SetSendAsap(opts.get(), options.send_asap);
+  // In event-loop mode publishes are written by the loop (no flusher thread).
+  if (s == NATS_OK) s = natsOptions_SetSendAsap(opts.get(), options.send_asap || shared->loop != nullptr);
+  if (s == NATS_OK && shared->loop != nullptr) s = transport_detail::SetEventLoop(opts.get(), *shared->loop);
   if (s == NATS_OK) s = natsOptions_SetDisconnectedCB(opts.get(), OnDisconnected, closure);
   if (s == NATS_OK) s = natsOptions_SetReconnectedCB(opts.get(), OnReconnected, closure);
   if (s == NATS_OK) s = natsOptions_SetClosedCB(opts.get(), OnClosed, closure);
@@ -316,6 +319,7 @@ Result<std::unique_ptr<NatsClient>> NatsClient::Connect(const NatsOptions& optio
   }
   shared->pending_msgs_limit = options.pending_msgs_limit;
   shared->pending_bytes_limit = options.pending_bytes_limit;
+  if (options.event_loop != nullptr) shared->loop = transport_detail::MakeLoopAttachment(*options.event_loop);
   auto opts = BuildOptions(options, shared.get());
   if (!opts.ok()) return opts.status();
 

@@ -7,7 +7,8 @@
 // exception crosses a nats.c callback (a throwing handler is caught, counted and logged).
 //
 // Threads: every NatsClient method may be called from any thread, including from inside a
-// message handler. Each Subscription has its own nats.c delivery thread (so keep subscriptions
+// message handler (in event-loop mode, see NatsOptions::event_loop, for what not to call on the
+// loop). Each Subscription has its own nats.c delivery thread (so keep subscriptions
 // few: use wildcards): one handler call at a time per subscription, in arrival order; different
 // subscriptions run in parallel. Connection callbacks run on nats.c's single, process-wide
 // callback thread: never block in them and never destroy the NatsClient from them.
@@ -40,6 +41,10 @@ typedef struct __natsConnection natsConnection;
 typedef struct __natsSubscription natsSubscription;
 typedef struct __natsOptions natsOptions;
 
+namespace boost::asio {
+class io_context;
+}  // namespace boost::asio
+
 namespace kvrouter {
 
 // How a client proves who it is, and TLS (every program's --nats-* flags). Empty = unused.
@@ -62,6 +67,16 @@ struct NatsOptions {
   int pending_msgs_limit = 1'000'000;
   int pending_bytes_limit = 1 << 30;  // 1 GiB
   NatsSecurity security;
+  // Event-loop mode: the connection's socket is read and written on this Asio event loop's
+  // thread (nats.c's external event loop), instead of by nats.c's read and flusher threads, and
+  // every subscription's handler runs on that thread right after the read that brought its
+  // messages (no delivery thread, no hand-off). Publishes from any thread are buffered and
+  // written together on the loop, once per turn of it (send_asap is ignored). The loop must run
+  // for anything to be sent or received, and outlive the client. On the loop's thread, do not
+  // call Flush, Request or Drain (they wait for the loop) and do not destroy a Subscription of
+  // the client from its own handler. A "no responders" status comes with an empty subject
+  // (nats.c does not say to which request): see IncomingMessage::no_responders.
+  boost::asio::io_context* event_loop = nullptr;
 };
 
 // Counters since Connect. Plain snapshot, not updated after Stats() returns.
@@ -91,6 +106,12 @@ struct IncomingMessage {
   // Value of header `key` (the first one if repeated), or nullopt. nats.c 3.x header keys are
   // case-sensitive; this falls back to a case-insensitive match so "kv-seq" finds "Kv-Seq".
   std::optional<std::string> Header(std::string_view key) const;
+
+  // NATS' "no responders" status (503): nobody subscribed to the subject of the request this
+  // answers. Event-loop mode only; `subject` is then empty, since nats.c does not tell which
+  // request it answers. (Otherwise such an answer comes as a message with empty data and a
+  // "Status: 503" header, on the request's reply subject.)
+  bool no_responders = false;
 
   // Set by the transport: the nats.c message, owned by the delivery trampoline (never destroy
   // it). Left null by fakes, which may instead point `headers` at their own list.

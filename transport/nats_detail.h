@@ -1,7 +1,8 @@
-// Internals shared by transport/nats_client.cc (connection, publish, request) and
-// transport/nats_subscription.cc (subscriptions and message delivery): the state nats.c's
-// callbacks point at, nats.c status translation and small helpers. Not part of the API: only
-// those two files include it. The threading model is described at the top of nats_client.cc.
+// Internals shared by transport/nats_client.cc (connection, publish, request),
+// transport/nats_subscription.cc (subscriptions and message delivery) and transport/nats_loop.cc
+// (a connection served by an event loop): the state nats.c's callbacks point at, nats.c status
+// translation and small helpers. Not part of the API: only those files include it. The threading
+// model is described at the top of nats_client.cc.
 #pragma once
 
 #include <nats/nats.h>
@@ -22,12 +23,16 @@
 
 namespace kvrouter::transport_detail {
 
+struct LoopAttachment;  // nats_loop.cc
+
 struct ClientShared {
   NatsClient::Callbacks callbacks;
   std::string url;
   int pending_msgs_limit = 0;  // per subscription (NatsOptions)
   int pending_bytes_limit = 0;
   RateLimitedLog log{std::chrono::seconds(5)};
+  // Event-loop mode (NatsOptions::event_loop): the socket's state on that loop; else null.
+  std::shared_ptr<LoopAttachment> loop;
 
   std::atomic<uint64_t> reconnects{0};
   std::atomic<uint64_t> disconnects{0};
@@ -77,6 +82,20 @@ struct SubscriptionState {
   // callback then deletes this state. Written and read only on the delivery thread.
   bool orphaned = false;
 };
+
+// Runs `state`'s handler for `raw` (which stays the caller's), catching and counting what it
+// throws. `sub` tells whether more messages wait behind it.
+void Deliver(SubscriptionState* state, natsSubscription* sub, natsMsg* raw);
+
+// Event-loop mode (nats_loop.cc). MakeLoopAttachment: the state nats.c's event-loop callbacks
+// get, for a connection served by `loop`. SetEventLoop: hands them
+// to nats.c. AddPolled / RemovePolled: a synchronous subscription whose messages the loop
+// delivers to its state's handler after each read; RemovePolled returns once no handler of it
+// runs (call it off the handler).
+std::shared_ptr<LoopAttachment> MakeLoopAttachment(boost::asio::io_context& loop);
+natsStatus SetEventLoop(natsOptions* opts, LoopAttachment& attachment);
+void AddPolled(LoopAttachment& attachment, SubscriptionState* state, natsSubscription* sub);
+void RemovePolled(LoopAttachment& attachment, SubscriptionState* state);
 
 struct MsgDeleter {
   void operator()(natsMsg* m) const { natsMsg_Destroy(m); }

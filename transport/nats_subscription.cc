@@ -14,23 +14,8 @@ namespace kvrouter {
 
 namespace transport_detail {
 void SubscriptionDeleter::operator()(natsSubscription* sub) const { natsSubscription_Destroy(sub); }
-}  // namespace transport_detail
 
-namespace {
-
-using transport_detail::CString;
-using transport_detail::EqualsIgnoreCase;
-using transport_detail::FromNats;
-using transport_detail::MsgPtr;
-using transport_detail::SubscriptionState;
-using transport_detail::tls_dispatching;
-
-void OnMessage(natsConnection* /*nc*/, natsSubscription* sub, natsMsg* raw, void* closure) {
-  MsgPtr msg(raw);  // the callback owns the message
-  if (msg == nullptr) return;
-  auto* state = static_cast<SubscriptionState*>(closure);
-  SubscriptionState* const previous = tls_dispatching;
-  tls_dispatching = state;
+void Deliver(SubscriptionState* state, natsSubscription* sub, natsMsg* raw) {
   try {
     IncomingMessage m;
     const char* subject = natsMsg_GetSubject(raw);
@@ -51,6 +36,25 @@ void OnMessage(natsConnection* /*nc*/, natsSubscription* sub, natsMsg* raw, void
   } catch (...) {
     state->client->CountCallbackError(fmt::format("handler for '{}'", state->subject), "unknown exception");
   }
+}
+}  // namespace transport_detail
+
+namespace {
+
+using transport_detail::CString;
+using transport_detail::EqualsIgnoreCase;
+using transport_detail::FromNats;
+using transport_detail::MsgPtr;
+using transport_detail::SubscriptionState;
+using transport_detail::tls_dispatching;
+
+void OnMessage(natsConnection* /*nc*/, natsSubscription* sub, natsMsg* raw, void* closure) {
+  MsgPtr msg(raw);  // the callback owns the message
+  if (msg == nullptr) return;
+  auto* state = static_cast<SubscriptionState*>(closure);
+  SubscriptionState* const previous = tls_dispatching;
+  tls_dispatching = state;
+  transport_detail::Deliver(state, sub, raw);
   // `state` is still alive here even if the handler destroyed its Subscription (see
   // ~Subscription): only OnSubscriptionComplete frees an orphaned state.
   tls_dispatching = previous;
@@ -113,6 +117,17 @@ Subscription::Subscription(std::unique_ptr<transport_detail::SubscriptionState> 
 
 Subscription::~Subscription() {
   const std::shared_ptr<transport_detail::ClientShared> client = state_->client;
+  if (client->loop != nullptr) {
+    // Event-loop mode: once it is off the loop's list no handler of it runs or will run.
+    transport_detail::RemovePolled(*client->loop, state_.get());
+    const natsStatus s = natsSubscription_Unsubscribe(sub_.get());
+    if (s != NATS_OK && s != NATS_CONNECTION_CLOSED && s != NATS_INVALID_SUBSCRIPTION) {
+      client->log.Log(LogLevel::kWarning, "nats.unsubscribe", "unsubscribe '{}': {}", state_->subject,
+                      natsStatus_GetText(s));
+    }
+    client->Retire(sub_.release());
+    return;
+  }
   // Closes the subscription: its delivery thread stops dispatching. If the connection is
   // already closed the subscription was closed with it, and this reports an error we ignore.
   const natsStatus s = natsSubscription_Unsubscribe(sub_.get());
@@ -170,13 +185,29 @@ int64_t Subscription::dropped() const {
 Result<std::unique_ptr<Subscription>> NatsClient::Subscribe(std::string subject, std::string queue_group,
                                                             MessageHandler handler) {
   if (!handler) return InvalidArgument("subscribe " + subject + ": empty handler");
-  FreeRetiredSubscriptions();
+  if (shared_->loop == nullptr) FreeRetiredSubscriptions();  // its flush needs the loop, which may be this thread
   auto state = std::make_unique<SubscriptionState>();
   state->client = shared_;
   state->subject = subject;
   state->handler = std::move(handler);
 
   natsSubscription* raw = nullptr;
+  if (shared_->loop != nullptr) {
+    // Event-loop mode: a synchronous subscription, whose messages the loop hands to the handler
+    // after each read (no delivery thread).
+    natsStatus s = queue_group.empty()
+                       ? natsConnection_SubscribeSync(&raw, conn_.get(), subject.c_str())
+                       : natsConnection_QueueSubscribeSync(&raw, conn_.get(), subject.c_str(), queue_group.c_str());
+    if (s != NATS_OK) return FromNats(s, fmt::format("subscribe '{}'", subject));
+    std::unique_ptr<natsSubscription, transport_detail::SubscriptionDeleter> sub(raw);
+    s = natsSubscription_SetPendingLimits(raw, shared_->pending_msgs_limit, shared_->pending_bytes_limit);
+    if (s != NATS_OK) {
+      shared_->log.Log(LogLevel::kWarning, "nats.pending_limits", "could not set pending limits of '{}': {}", subject,
+                       natsStatus_GetText(s));
+    }
+    transport_detail::AddPolled(*shared_->loop, state.get(), raw);
+    return std::unique_ptr<Subscription>(new Subscription(std::move(state), std::move(sub)));
+  }
   natsStatus s = queue_group.empty()
                      ? natsConnection_Subscribe(&raw, conn_.get(), subject.c_str(), OnMessage, state.get())
                      : natsConnection_QueueSubscribe(&raw, conn_.get(), subject.c_str(), queue_group.c_str(), OnMessage,

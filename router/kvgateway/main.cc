@@ -28,6 +28,7 @@
 #include "transport/http_io.h"
 #include "transport/http_listener.h"
 #include "transport/nats_client.h"
+#include "transport/nats_loops.h"
 #include "transport/stop_signals.h"
 
 namespace {
@@ -82,12 +83,18 @@ int main(int argc, char** argv) {
     fmt::print(stderr, "kvgateway: cannot connect to {}: {}\n", cfg.nats_server, nc.status().message());
     return 1;
   }
-  RouterLink link(**nc, cfg.ns, std::chrono::milliseconds(cfg.route_timeout_ms));
+  HttpIo io(cfg.io_threads);
+  // A route request and its answer go over the connection of the loop serving the request.
+  auto loop_nats = NatsLoops::Connect(io, {.url = cfg.nats_server, .name = "kvgateway", .security = cfg.nats_security});
+  if (!loop_nats.ok()) {
+    fmt::print(stderr, "kvgateway: cannot connect to {}: {}\n", cfg.nats_server, loop_nats.status().message());
+    return 1;
+  }
+  RouterLink link(**nc, cfg.ns, std::chrono::milliseconds(cfg.route_timeout_ms), loop_nats->get());
   if (Status s = link.Start(); !s.ok()) {
     fmt::print(stderr, "kvgateway: {}\n", s.message());
     return 1;
   }
-  HttpIo io(cfg.io_threads);
   HttpClient client(io, {.max_idle = std::chrono::milliseconds(cfg.engine_idle_timeout_ms)});
   Gateway gw(cfg, client, link);
   // A loss since the last look (even one already over: a reconnect between two looks) is applied

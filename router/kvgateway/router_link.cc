@@ -20,26 +20,42 @@ constexpr std::uint64_t kProbeBase = std::uint64_t{1} << 63;
 constexpr std::size_t kMaxProbes = 16;  // probes awaiting an answer that are remembered
 }  // namespace
 
-RouterLink::RouterLink(NatsClient& nats, std::string_view ns, std::chrono::milliseconds timeout)
+RouterLink::RouterLink(NatsClient& nats, std::string_view ns, std::chrono::milliseconds timeout, NatsLoops* loops)
     : nats_(nats),
+      loops_(loops),
       route_subject_(RouterEndpointSubject(ns, router_endpoint::kRoute)),
       mark_prefill_subject_(RouterEndpointSubject(ns, router_endpoint::kMarkPrefill)),
       prefill_done_subject_(RouterEndpointSubject(ns, router_endpoint::kPrefillDone)),
       free_subject_(RouterEndpointSubject(ns, router_endpoint::kFree)),
       stats_subject_(RouterEndpointSubject(ns, router_endpoint::kStats)),
       inbox_(fmt::format("_KVGW.{:x}.", std::random_device{}() * 0x9E3779B97F4A7C15ULL ^ std::random_device{}())),
-      timeout_(timeout) {}
+      timeout_(timeout) {
+  for (std::size_t i = 0; loops_ != nullptr && i < loops_->size(); ++i) {
+    loop_inboxes_.push_back(fmt::format("{}L{}.", inbox_, i));
+  }
+}
 
-RouterLink::~RouterLink() { sub_.reset(); }
+RouterLink::~RouterLink() {
+  loop_subs_.clear();
+  sub_.reset();
+}
 
 Status RouterLink::Start() {
-  auto sub = nats_.Subscribe(inbox_ + "*", "", [this](const IncomingMessage& m) { OnAnswer(m); });
+  auto sub = nats_.Subscribe(inbox_ + "*", "", [this](const IncomingMessage& m) { OnAnswer(m, kMainConnection); });
   if (!sub.ok()) return sub.status();
   sub_ = std::move(sub).value();
+  for (std::size_t i = 0; i < loop_inboxes_.size(); ++i) {
+    auto loop_sub =
+        loops_->at(i).Subscribe(loop_inboxes_[i] + "*", "", [this, i](const IncomingMessage& m) { OnAnswer(m, i); });
+    if (!loop_sub.ok()) return loop_sub.status();
+    loop_subs_.push_back(std::move(loop_sub).value());
+  }
   return Status::Ok();
 }
 
 void RouterLink::Route(const RouteRequest& request, Done done) {
+  std::size_t loop = kMainConnection;
+  if (loops_ != nullptr) loop = loops_->Current().value_or(kMainConnection);
   std::uint64_t id = 0;
   {
     KvMutexLock g(mu_);
@@ -52,12 +68,16 @@ void RouterLink::Route(const RouteRequest& request, Done done) {
       return done(Status(StatusCode::kOverloaded, "too many requests wait for the router"));
     }
     id = ++next_;
-    pending_.emplace(id, Pending{std::move(done), std::chrono::steady_clock::now() + timeout_, request.request_id});
+    pending_.emplace(id,
+                     Pending{std::move(done), std::chrono::steady_clock::now() + timeout_, request.request_id, loop});
   }
   RouteRequest timed = request;
   timed.timeout_ms = static_cast<std::uint32_t>(timeout_.count());
   const auto body = EncodeRouteRequest(timed);
-  if (Status s = nats_.PublishRequest(route_subject_, inbox_ + std::to_string(id), AsBytes(body)); !s.ok()) {
+  const bool on_loop = loop != kMainConnection;
+  NatsClient& via = on_loop ? loops_->at(loop) : nats_;
+  const std::string reply = (on_loop ? loop_inboxes_[loop] : inbox_) + std::to_string(id);
+  if (Status s = via.PublishRequest(route_subject_, reply, AsBytes(body)); !s.ok()) {
     Done failed;
     {
       KvMutexLock g(mu_);
@@ -87,8 +107,9 @@ void RouterLink::Free(const std::string& request_id, const std::optional<Respons
                                                     : EncodeLifecycleRequest(request_id)));
 }
 
-void RouterLink::OnAnswer(const IncomingMessage& m) {
-  const std::string_view tail = m.subject.substr(std::min(m.subject.size(), inbox_.size()));
+void RouterLink::OnAnswer(const IncomingMessage& m, std::size_t loop) {
+  if (m.no_responders && m.subject.empty()) return FailLoopNoResponders(loop);
+  const std::string_view tail = m.subject.substr(m.subject.rfind('.') + 1);
   std::uint64_t id = 0;
   if (std::from_chars(tail.data(), tail.data() + tail.size(), id).ec != std::errc()) return;
   const bool no_responders = m.data.empty();  // NATS' 503: no router subscribes
@@ -146,6 +167,26 @@ void RouterLink::OnAnswer(const IncomingMessage& m) {
   }
   if (no_responders) return done(Status(StatusCode::kNoWorkers, "no router answers"));
   done(DecodeRouteReply(m.data));
+}
+
+void RouterLink::FailLoopNoResponders(std::size_t loop) {
+  last_answer_ = std::numeric_limits<SteadyTime::rep>::min();  // as for any "no responders"
+  std::vector<Done> failed;
+  {
+    KvMutexLock g(mu_);
+    const SteadyTime forget_at = std::chrono::steady_clock::now() + timeout_;
+    for (auto it = pending_.begin(); it != pending_.end();) {
+      if (it->second.loop != loop) {
+        ++it;
+        continue;
+      }
+      failed.push_back(std::move(it->second.done));
+      if (expired_.size() < kMaxPending)
+        expired_.emplace(it->first, Expired{std::move(it->second.request_id), forget_at});
+      it = pending_.erase(it);
+    }
+  }
+  for (Done& done : failed) done(Status(StatusCode::kNoWorkers, "no router answers"));
 }
 
 void RouterLink::PublishFrees(const std::vector<std::string>& request_ids) {

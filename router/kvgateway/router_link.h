@@ -5,10 +5,15 @@
 // its `timeout_ms` (the router's queue gives up then too); one left unanswered past it fails with
 // `timeout` on Tick, and a booking the router answers after that is freed here, so nothing stays
 // booked for a request nobody waits for. At most kMaxPending wait at once (more fail with `overloaded` at once).
+// With NatsLoops, a route request made on one of their loops goes over that loop's connection,
+// and its answer is handled on that loop (no thread hand-off); the rest (frees, probes, requests
+// from other threads) goes over the one NatsClient, whose single connection keeps the frees and
+// the probes that confirm them in order.
 // Thread contract: every method may be called from any thread; `done` callbacks run on the
-// NATS delivery thread of the inbox, or on the thread calling Route, Tick or SetConnected, never
-// under the link's lock.
-// Ownership: borrows the NatsClient, which must outlive it.
+// thread that received the answer (the NATS delivery thread of the inbox, or the loop the
+// request was made on), or on the thread calling Route, Tick or SetConnected, never under the
+// link's lock.
+// Ownership: borrows the NatsClient and the NatsLoops, which must outlive it.
 //
 //   link.Route(req, [](Result<RouteReply> r) { ... });  link.Free("req-1");  link.Tick(now);
 #pragma once
@@ -18,6 +23,7 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <limits>
 #include <map>
 #include <memory>
 #include <optional>
@@ -31,6 +37,7 @@
 #include "events/base/thread_annotations.h"
 #include "events/router_endpoints_codec.h"
 #include "transport/nats_client.h"
+#include "transport/nats_loops.h"
 
 namespace kvrouter {
 
@@ -42,13 +49,14 @@ class RouterLink {
       "the gateway is not connected to NATS: no router can be reached now";
   using Done = std::function<void(Result<RouteReply>)>;
 
-  // `ns`: the namespace whose router endpoints (events/subjects.h) the link asks.
-  RouterLink(NatsClient& nats, std::string_view ns, std::chrono::milliseconds timeout);
+  // `ns`: the namespace whose router endpoints (events/subjects.h) the link asks. `loops`
+  // (optional): connections of the event loops the link's callers run on.
+  RouterLink(NatsClient& nats, std::string_view ns, std::chrono::milliseconds timeout, NatsLoops* loops = nullptr);
   // Unsubscribes the inbox first: no answer is handled once the members it touches are going.
   ~RouterLink();
   RouterLink(const RouterLink&) = delete;
   RouterLink& operator=(const RouterLink&) = delete;
-  // Subscribes the inbox.
+  // Subscribes the inboxes.
   Status Start();
 
   void Route(const RouteRequest& request, Done done);
@@ -81,27 +89,37 @@ class RouterLink {
   std::size_t unconfirmed() const;
 
  private:
+  static constexpr std::size_t kMainConnection = std::numeric_limits<std::size_t>::max();
   struct Pending {
     Done done;
     SteadyTime deadline;
     std::string request_id;
+    std::size_t loop;  // whose connection asked (kMainConnection: the NatsClient's)
   };
   // Timed out here, kept one more timeout for a late answer to free (bounded by kMaxPending).
   struct Expired {
     std::string request_id;
     SteadyTime forget_at;
   };
-  void OnAnswer(const IncomingMessage& m);
+  // `loop`: the connection it came over (kMainConnection: the NatsClient's).
+  void OnAnswer(const IncomingMessage& m, std::size_t loop);
+  // NATS said "no responders" to a request of `loop`'s connection without saying which (see
+  // IncomingMessage::no_responders): no router subscribes, so every request waiting on that
+  // connection fails as not answered (a router that answers one later gets its booking freed).
+  void FailLoopNoResponders(std::size_t loop);
   // Fails every request waiting for its answer with kNoWorkers `why`, freeing its booking (a free
   // now; an answer that comes later is freed as after a timeout).
   void FailWaiting(std::string_view why);
   void PublishFrees(const std::vector<std::string>& request_ids);
 
   NatsClient& nats_;
+  NatsLoops* const loops_;
   const std::string route_subject_, mark_prefill_subject_, prefill_done_subject_, free_subject_, stats_subject_;
   const std::string inbox_;  // "_KVGW.<random>."
+  std::vector<std::string> loop_inboxes_;  // "_KVGW.<random>.L<loop>."
   const std::chrono::milliseconds timeout_;
   std::unique_ptr<Subscription> sub_;
+  std::vector<std::unique_ptr<Subscription>> loop_subs_;
   mutable KvMutex mu_;
   std::unordered_map<std::uint64_t, Pending> pending_ KV_GUARDED_BY(mu_);
   std::unordered_map<std::uint64_t, Expired> expired_ KV_GUARDED_BY(mu_);

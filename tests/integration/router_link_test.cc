@@ -11,9 +11,13 @@
 #include <optional>
 #include <string>
 
+#include <boost/asio/post.hpp>
+
 #include "events/msgpack_reader.h"
 #include "tests/await.h"
 #include "tests/integration/process.h"
+#include "transport/http_io_impl.h"
+#include "transport/nats_loops.h"
 
 namespace kvrouter {
 namespace {
@@ -206,6 +210,100 @@ TEST_F(RouterLinkTest, NoRouterSubscribedFailsARouteAtOnceAndTheLinkIsNotAnsweri
   // Within the answering window of the last stats answer, yet not answering: the gateway's
   // fallback (and /ready) need not wait for the window to end.
   EXPECT_FALSE(link_->Answering(std::chrono::steady_clock::now()));
+}
+
+// The link with a NATS connection per event loop, as kvgateway runs it.
+class RouterLinkLoopsTest : public RouterLinkTest {
+ protected:
+  void SetUp() override {
+    RouterLinkTest::SetUp();
+    if (HasFatalFailure()) return;
+    link_.reset();
+    io_.emplace(2);
+    auto loops = NatsLoops::Connect(*io_, {.url = server_->url(), .name = "gateway"});
+    ASSERT_TRUE(loops.ok()) << loops.status().ToString();
+    loops_ = std::move(loops).value();
+    link_.emplace(*link_nc_, "dynamo", 10s, loops_.get());
+    ASSERT_TRUE(link_->Start().ok());
+    for (std::size_t i = 0; i < loops_->size(); ++i) ASSERT_TRUE(loops_->at(i).Flush(2s).ok());
+  }
+  void TearDown() override {
+    link_.reset();
+    loops_.reset();
+    io_.reset();
+    RouterLinkTest::TearDown();
+  }
+  // Asks for a route on loop `loop`; the result and the thread it came on land in `out`.
+  struct Outcome {
+    std::atomic<bool> done{false};
+    std::optional<Result<RouteReply>> result;
+    std::thread::id thread;
+  };
+  void RouteOnLoop(std::size_t loop, const std::string& request_id, Outcome& out) {
+    boost::asio::post(io_->impl().loops[loop]->ioc, [this, request_id, &out] {
+      link_->Route({.request_id = request_id}, [&out](Result<RouteReply> r) {
+        out.result = std::move(r);
+        out.thread = std::this_thread::get_id();
+        out.done = true;
+      });
+    });
+  }
+  std::thread::id LoopThread(std::size_t loop) { return io_->impl().loops[loop]->thread.get_id(); }
+
+  std::optional<HttpIo> io_;
+  std::unique_ptr<NatsLoops> loops_;
+};
+
+TEST_F(RouterLinkLoopsTest, ARouteAskedOnALoopGoesOverItsConnectionAndIsAnsweredOnIt) {
+  Outcome on0, on1;
+  RouteOnLoop(0, "l0", on0);
+  RouteOnLoop(1, "l1", on1);
+  ASSERT_TRUE(AwaitTrue([&] { return Routes() == 2; }));
+  for (std::size_t i = 0; i < 2; ++i) {
+    const std::string reply = RouteReplySubject(i);
+    const bool from_loop1 = reply.find(".L1.") != std::string::npos;
+    EXPECT_TRUE(from_loop1 || reply.find(".L0.") != std::string::npos) << reply;
+    ASSERT_TRUE(router_nc_->Publish(reply, AsBytes(EncodeRouteReply({.worker_id = from_loop1 ? 11u : 10u}))).ok());
+  }
+  ASSERT_TRUE(AwaitTrue([&] { return on0.done.load() && on1.done.load(); }));
+  ASSERT_TRUE(on0.result->ok() && on1.result->ok());
+  EXPECT_EQ((*on0.result)->worker_id, 10u);
+  EXPECT_EQ((*on1.result)->worker_id, 11u);
+  EXPECT_EQ(on0.thread, LoopThread(0));
+  EXPECT_EQ(on1.thread, LoopThread(1));
+  EXPECT_EQ(link_->pending(), 0u);
+}
+
+TEST_F(RouterLinkLoopsTest, NoRouterSubscribedFailsALoopsRouteAtOnceAndALateAnswerIsFreed) {
+  Outcome waiting;
+  RouteOnLoop(0, "w1", waiting);  // the router has it and says nothing yet
+  ASSERT_TRUE(AwaitTrue([&] { return Routes() == 1; }));
+  const std::string late_reply = RouteReplySubject(0);
+  link_->Tick(std::chrono::steady_clock::now());
+  ASSERT_TRUE(AwaitTrue([&] { return link_->Answering(std::chrono::steady_clock::now()); }));
+  subs_.clear();  // the router goes: nothing subscribes to its subjects
+  ASSERT_TRUE(router_nc_->Flush(2s).ok());
+  Outcome refused;
+  RouteOnLoop(0, "n1", refused);
+  // NATS' no-responders, not the route timeout; it does not say which request it answers, so
+  // the one still waiting on that connection fails too.
+  ASSERT_TRUE(AwaitTrue([&] { return refused.done.load() && waiting.done.load(); }));
+  EXPECT_EQ(refused.result->status().code(), StatusCode::kNoWorkers);
+  EXPECT_EQ(waiting.result->status().code(), StatusCode::kNoWorkers);
+  EXPECT_EQ(refused.thread, LoopThread(0));
+  EXPECT_FALSE(link_->Answering(std::chrono::steady_clock::now()));
+  EXPECT_EQ(link_->pending(), 0u);
+  // A router that answers the failed one after all gets its booking freed.
+  auto frees = router_nc_->Subscribe(kPrefix + "free", "", [this](const IncomingMessage& m) {
+    if (auto id = DecodeLifecycleRequest(m.data); id.ok()) {
+      std::lock_guard g(mu_);
+      ++frees_[*id];
+    }
+  });
+  ASSERT_TRUE(frees.ok());
+  ASSERT_TRUE(router_nc_->Flush(2s).ok());
+  ASSERT_TRUE(router_nc_->Publish(late_reply, AsBytes(EncodeRouteReply({.worker_id = 7}))).ok());
+  EXPECT_TRUE(AwaitTrue([&] { return Frees("w1") == 1; }));
 }
 
 }  // namespace
