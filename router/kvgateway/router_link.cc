@@ -17,45 +17,46 @@ constexpr std::chrono::seconds kProbeEvery{1};
 // Inbox ids: route requests count up from 1, stats probes from kProbeBase (each its own id, so
 // that a late answer confirms only what its own probe covers).
 constexpr std::uint64_t kProbeBase = std::uint64_t{1} << 63;
-constexpr std::size_t kMaxProbes = 16;  // probes awaiting an answer that are remembered
+constexpr std::size_t kMaxProbes = 16;  // probes awaiting an answer that are remembered, per lane
 }  // namespace
 
 RouterLink::RouterLink(NatsClient& nats, std::string_view ns, std::chrono::milliseconds timeout, NatsLoops* loops)
     : nats_(nats),
       loops_(loops),
+      main_lane_(loops != nullptr ? loops->size() : 0),
       route_subject_(RouterEndpointSubject(ns, router_endpoint::kRoute)),
       mark_prefill_subject_(RouterEndpointSubject(ns, router_endpoint::kMarkPrefill)),
       prefill_done_subject_(RouterEndpointSubject(ns, router_endpoint::kPrefillDone)),
       free_subject_(RouterEndpointSubject(ns, router_endpoint::kFree)),
       stats_subject_(RouterEndpointSubject(ns, router_endpoint::kStats)),
       inbox_(fmt::format("_KVGW.{:x}.", std::random_device{}() * 0x9E3779B97F4A7C15ULL ^ std::random_device{}())),
-      timeout_(timeout) {
-  for (std::size_t i = 0; loops_ != nullptr && i < loops_->size(); ++i) {
-    loop_inboxes_.push_back(fmt::format("{}L{}.", inbox_, i));
-  }
+      timeout_(timeout),
+      loop_disconnects_(main_lane_, 0),
+      lanes_(main_lane_ + 1) {
+  for (std::size_t i = 0; i < main_lane_; ++i) lane_inboxes_.push_back(fmt::format("{}L{}.", inbox_, i));
+  lane_inboxes_.push_back(inbox_);
 }
 
-RouterLink::~RouterLink() {
-  loop_subs_.clear();
-  sub_.reset();
-}
+RouterLink::~RouterLink() { subs_.clear(); }
 
 Status RouterLink::Start() {
-  auto sub = nats_.Subscribe(inbox_ + "*", "", [this](const IncomingMessage& m) { OnAnswer(m, kMainConnection); });
-  if (!sub.ok()) return sub.status();
-  sub_ = std::move(sub).value();
-  for (std::size_t i = 0; i < loop_inboxes_.size(); ++i) {
-    auto loop_sub =
-        loops_->at(i).Subscribe(loop_inboxes_[i] + "*", "", [this, i](const IncomingMessage& m) { OnAnswer(m, i); });
-    if (!loop_sub.ok()) return loop_sub.status();
-    loop_subs_.push_back(std::move(loop_sub).value());
+  for (std::size_t lane = 0; lane <= main_lane_; ++lane) {
+    auto sub = LaneClient(lane).Subscribe(lane_inboxes_[lane] + "*", "",
+                                          [this, lane](const IncomingMessage& m) { OnAnswer(m, lane); });
+    if (!sub.ok()) return sub.status();
+    subs_.push_back(std::move(sub).value());
   }
+  for (std::size_t i = 0; i < main_lane_; ++i) loop_disconnects_[i] = loops_->at(i).Stats().disconnects;
   return Status::Ok();
 }
 
+std::size_t RouterLink::CurrentLane() const {
+  if (loops_ == nullptr) return main_lane_;
+  return loops_->Current().value_or(main_lane_);
+}
+
 void RouterLink::Route(const RouteRequest& request, Done done) {
-  std::size_t loop = kMainConnection;
-  if (loops_ != nullptr) loop = loops_->Current().value_or(kMainConnection);
+  const std::size_t lane = CurrentLane();
   std::uint64_t id = 0;
   {
     KvMutexLock g(mu_);
@@ -69,15 +70,14 @@ void RouterLink::Route(const RouteRequest& request, Done done) {
     }
     id = ++next_;
     pending_.emplace(id,
-                     Pending{std::move(done), std::chrono::steady_clock::now() + timeout_, request.request_id, loop});
+                     Pending{std::move(done), std::chrono::steady_clock::now() + timeout_, request.request_id, lane});
   }
   RouteRequest timed = request;
   timed.timeout_ms = static_cast<std::uint32_t>(timeout_.count());
   const auto body = EncodeRouteRequest(timed);
-  const bool on_loop = loop != kMainConnection;
-  NatsClient& via = on_loop ? loops_->at(loop) : nats_;
-  const std::string reply = (on_loop ? loop_inboxes_[loop] : inbox_) + std::to_string(id);
-  if (Status s = via.PublishRequest(route_subject_, reply, AsBytes(body)); !s.ok()) {
+  if (Status s =
+          LaneClient(lane).PublishRequest(route_subject_, lane_inboxes_[lane] + std::to_string(id), AsBytes(body));
+      !s.ok()) {
     Done failed;
     {
       KvMutexLock g(mu_);
@@ -91,24 +91,25 @@ void RouterLink::Route(const RouteRequest& request, Done done) {
 }
 
 void RouterLink::MarkPrefill(const std::string& request_id) {
-  (void)nats_.Publish(mark_prefill_subject_, AsBytes(EncodeLifecycleRequest(request_id)));
+  (void)LaneClient(CurrentLane()).Publish(mark_prefill_subject_, AsBytes(EncodeLifecycleRequest(request_id)));
 }
 
 void RouterLink::PrefillDone(const std::string& request_id) {
-  (void)nats_.Publish(prefill_done_subject_, AsBytes(EncodeLifecycleRequest(request_id)));
+  (void)LaneClient(CurrentLane()).Publish(prefill_done_subject_, AsBytes(EncodeLifecycleRequest(request_id)));
 }
 
 void RouterLink::Free(const std::string& request_id, const std::optional<ResponseTiming>& timing) {
+  const std::size_t lane = CurrentLane();
   {
     KvMutexLock g(mu_);
-    if (unconfirmed_.size() < kMaxPending) unconfirmed_.push_back(request_id);
+    if (lanes_[lane].unconfirmed.size() < kMaxPending) lanes_[lane].unconfirmed.push_back(request_id);
   }
-  (void)nats_.Publish(free_subject_, AsBytes(timing ? EncodeLifecycleRequest(request_id, *timing)
-                                                    : EncodeLifecycleRequest(request_id)));
+  (void)LaneClient(lane).Publish(free_subject_, AsBytes(timing ? EncodeLifecycleRequest(request_id, *timing)
+                                                               : EncodeLifecycleRequest(request_id)));
 }
 
-void RouterLink::OnAnswer(const IncomingMessage& m, std::size_t loop) {
-  if (m.no_responders && m.subject.empty()) return FailLoopNoResponders(loop);
+void RouterLink::OnAnswer(const IncomingMessage& m, std::size_t lane) {
+  if (m.no_responders && m.subject.empty()) return FailLaneNoResponders(lane);
   const std::string_view tail = m.subject.substr(m.subject.rfind('.') + 1);
   std::uint64_t id = 0;
   if (std::from_chars(tail.data(), tail.data() + tail.size(), id).ec != std::errc()) return;
@@ -116,27 +117,35 @@ void RouterLink::OnAnswer(const IncomingMessage& m, std::size_t loop) {
   const bool probe = id >= kProbeBase;
   if (!no_responders) {
     const SteadyTime now = std::chrono::steady_clock::now();
-    std::vector<std::string> again;
+    std::vector<LaneFree> again;
     {
       KvMutexLock g(mu_);
       if (unsure_ && connected_) {
         // The first answer since the loss: a router subscribes again. Every free not confirmed
-        // before the loss or sent since goes again, now and once more later (another replica
-        // may subscribe again later than this one). They stay unconfirmed until a probe sent
-        // after this answers.
+        // before the loss or sent since goes again on its lane, now and once more later (another
+        // replica may subscribe again later than this one). They stay unconfirmed until a probe
+        // sent after this answers.
         unsure_ = false;
         probes_.clear();
-        again.assign(unconfirmed_.begin(), unconfirmed_.end());
+        for (std::size_t l = 0; l < lanes_.size(); ++l) {
+          for (const std::string& request_id : lanes_[l].unconfirmed) again.emplace_back(l, request_id);
+        }
         resend_later_ = again;
         resend_at_ = now + kAnsweringWindow;
       } else if (probe && !unsure_) {
-        // The router got every free sent before this probe (one connection keeps their order).
+        // The router got every free sent on the probe's lane before it (one connection keeps
+        // their order).
         if (auto it = probes_.find(id - kProbeBase); it != probes_.end()) {
-          const std::uint64_t covered = it->second > confirmed_ ? it->second - confirmed_ : 0;
-          const std::size_t n = static_cast<std::size_t>(std::min<std::uint64_t>(covered, unconfirmed_.size()));
-          unconfirmed_.erase(unconfirmed_.begin(), unconfirmed_.begin() + static_cast<std::ptrdiff_t>(n));
-          confirmed_ += n;
-          probes_.erase(probes_.begin(), std::next(it));
+          const auto [probe_lane, mark] = it->second;
+          Lane& l = lanes_[probe_lane];
+          const std::uint64_t covered = mark > l.confirmed ? mark - l.confirmed : 0;
+          const std::size_t n = static_cast<std::size_t>(std::min<std::uint64_t>(covered, l.unconfirmed.size()));
+          l.unconfirmed.erase(l.unconfirmed.begin(), l.unconfirmed.begin() + static_cast<std::ptrdiff_t>(n));
+          l.confirmed += n;
+          const std::uint64_t upto = it->first;  // this probe and the lane's older ones are done
+          for (auto p = probes_.begin(); p != probes_.end() && p->first <= upto;) {
+            p = p->second.lane == probe_lane ? probes_.erase(p) : std::next(p);
+          }
         }
       }
     }
@@ -169,30 +178,39 @@ void RouterLink::OnAnswer(const IncomingMessage& m, std::size_t loop) {
   done(DecodeRouteReply(m.data));
 }
 
-void RouterLink::FailLoopNoResponders(std::size_t loop) {
+void RouterLink::FailLaneNoResponders(std::size_t lane) {
   last_answer_ = std::numeric_limits<SteadyTime::rep>::min();  // as for any "no responders"
   std::vector<Done> failed;
   {
     KvMutexLock g(mu_);
     const SteadyTime forget_at = std::chrono::steady_clock::now() + timeout_;
     for (auto it = pending_.begin(); it != pending_.end();) {
-      if (it->second.loop != loop) {
+      if (it->second.lane != lane) {
         ++it;
         continue;
       }
       failed.push_back(std::move(it->second.done));
-      if (expired_.size() < kMaxPending)
+      if (expired_.size() < kMaxPending) {
         expired_.emplace(it->first, Expired{std::move(it->second.request_id), forget_at});
+      }
       it = pending_.erase(it);
     }
   }
   for (Done& done : failed) done(Status(StatusCode::kNoWorkers, "no router answers"));
 }
 
-void RouterLink::PublishFrees(const std::vector<std::string>& request_ids) {
-  for (const std::string& request_id : request_ids) {
-    (void)nats_.Publish(free_subject_, AsBytes(EncodeLifecycleRequest(request_id)));
-  }
+void RouterLink::PublishFree(std::size_t lane, const std::string& request_id) {
+  (void)LaneClient(lane).Publish(free_subject_, AsBytes(EncodeLifecycleRequest(request_id)));
+}
+
+void RouterLink::PublishFrees(const std::vector<LaneFree>& frees) {
+  for (const auto& [lane, request_id] : frees) PublishFree(lane, request_id);
+}
+
+void RouterLink::BecomeUnsure() {
+  unsure_ = true;
+  probes_.clear();
+  resend_later_.clear();  // still unconfirmed: they go again after this loss
 }
 
 void RouterLink::SetConnected(bool connected) {
@@ -203,9 +221,7 @@ void RouterLink::SetConnected(bool connected) {
       next_probe_ = {};  // the next Tick asks at once whether a router answers again
       return;
     }
-    unsure_ = true;
-    probes_.clear();
-    resend_later_.clear();  // still unconfirmed: they go again after this loss
+    BecomeUnsure();
   }
   FailWaiting("the gateway lost its NATS connection to the router");
 }
@@ -218,16 +234,20 @@ void RouterLink::Stop() {
   FailWaiting("the gateway is stopping");
 }
 
-void RouterLink::FailWaiting(std::string_view why) {
+void RouterLink::FailWaiting(std::string_view why, std::optional<std::size_t> lane) {
   std::vector<std::pair<Done, std::string>> failed;
   {
     KvMutexLock g(mu_);
     const SteadyTime forget_at = std::chrono::steady_clock::now() + 2 * timeout_;
-    for (auto& [id, p] : pending_) {
-      if (expired_.size() < kMaxPending) expired_.emplace(id, Expired{p.request_id, forget_at});
-      failed.emplace_back(std::move(p.done), std::move(p.request_id));
+    for (auto it = pending_.begin(); it != pending_.end();) {
+      if (lane && it->second.lane != *lane) {
+        ++it;
+        continue;
+      }
+      if (expired_.size() < kMaxPending) expired_.emplace(it->first, Expired{it->second.request_id, forget_at});
+      failed.emplace_back(std::move(it->second.done), std::move(it->second.request_id));
+      it = pending_.erase(it);
     }
-    pending_.clear();
   }
   for (auto& [done, request_id] : failed) {
     Free(request_id);
@@ -236,9 +256,18 @@ void RouterLink::FailWaiting(std::string_view why) {
 }
 
 void RouterLink::Tick(SteadyTime now) {
+  for (std::size_t i = 0; i < main_lane_; ++i) {  // a loop's connection lost since the last Tick
+    const std::uint64_t disconnects = loops_->at(i).Stats().disconnects;
+    if (std::exchange(loop_disconnects_[i], disconnects) == disconnects) continue;
+    {
+      KvMutexLock g(mu_);
+      BecomeUnsure();
+    }
+    FailWaiting("the gateway lost a NATS connection to the router", i);
+  }
   std::vector<Done> late;
-  std::vector<std::string> again;
-  std::uint64_t probe = 0;  // the sequence number of a probe to send
+  std::vector<LaneFree> again;
+  std::vector<std::pair<std::size_t, std::uint64_t>> probes;  // each lane's probe to send
   {
     KvMutexLock g(mu_);
     std::erase_if(expired_, [&](const auto& e) { return e.second.forget_at < now; });
@@ -255,17 +284,20 @@ void RouterLink::Tick(SteadyTime now) {
     }
     if (now >= next_probe_ && connected_) {
       next_probe_ = now + kProbeEvery;
-      probe = ++probe_seq_;
-      // What an answer to it confirms: every free recorded before it.
-      if (!unsure_) probes_.emplace(probe, confirmed_ + unconfirmed_.size());
-      if (probes_.size() > kMaxProbes) probes_.erase(probes_.begin());
+      for (std::size_t lane = 0; lane < lanes_.size(); ++lane) {
+        const std::uint64_t probe = ++probe_seq_;
+        // What an answer to it confirms: every free recorded on its lane before it.
+        if (!unsure_) probes_.emplace(probe, Probe{lane, lanes_[lane].confirmed + lanes_[lane].unconfirmed.size()});
+        probes.emplace_back(lane, probe);
+      }
+      while (probes_.size() > kMaxProbes * lanes_.size()) probes_.erase(probes_.begin());
     }
     if (!resend_later_.empty() && now >= resend_at_) again.swap(resend_later_);
   }
   PublishFrees(again);
-  if (probe != 0) {
-    (void)nats_.PublishRequest(stats_subject_, inbox_ + std::to_string(kProbeBase + probe),
-                               AsBytes(EncodeStatsRequest({.offset = 0, .limit = 1})));
+  for (const auto& [lane, probe] : probes) {
+    (void)LaneClient(lane).PublishRequest(stats_subject_, lane_inboxes_[lane] + std::to_string(kProbeBase + probe),
+                                          AsBytes(EncodeStatsRequest({.offset = 0, .limit = 1})));
   }
   for (Done& d : late) d(Status(StatusCode::kTimeout, "the router did not answer in time"));
 }
@@ -282,7 +314,9 @@ bool RouterLink::Answering(SteadyTime now) const {
 
 std::size_t RouterLink::unconfirmed() const {
   KvMutexLock g(mu_);
-  return unconfirmed_.size();
+  std::size_t n = 0;
+  for (const Lane& lane : lanes_) n += lane.unconfirmed.size();
+  return n;
 }
 
 std::size_t RouterLink::pending() const {

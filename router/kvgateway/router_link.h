@@ -5,10 +5,11 @@
 // its `timeout_ms` (the router's queue gives up then too); one left unanswered past it fails with
 // `timeout` on Tick, and a booking the router answers after that is freed here, so nothing stays
 // booked for a request nobody waits for. At most kMaxPending wait at once (more fail with `overloaded` at once).
-// With NatsLoops, a route request made on one of their loops goes over that loop's connection,
-// and its answer is handled on that loop (no thread hand-off); the rest (frees, probes, requests
-// from other threads) goes over the one NatsClient, whose single connection keeps the frees and
-// the probes that confirm them in order.
+// With NatsLoops, what a caller on one of their loops sends (route requests, frees, lifecycle
+// messages) goes over that loop's connection, and the answers come back on that loop (no thread
+// hand-off); what other threads send goes over the one NatsClient. Each connection is a lane:
+// one connection keeps the order of what it carries, so a stats probe sent on a lane confirms
+// the frees sent on that lane before it, and each lane is probed.
 // Thread contract: every method may be called from any thread; `done` callbacks run on the
 // thread that received the answer (the NATS delivery thread of the inbox, or the loop the
 // request was made on), or on the thread calling Route, Tick or SetConnected, never under the
@@ -27,6 +28,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <utility>
 #include <string>
 #include <string_view>
 #include <unordered_map>
@@ -72,14 +74,16 @@ class RouterLink {
   // most once: frees sent into a connection that was dying, or before a router subscribed again,
   // are lost. So every free no stats answer has confirmed when the connection goes, and every
   // one sent until the first router answer after it, is sent again at that answer and once more
-  // 5 s later (for replicas that subscribe again later).
+  // 5 s later (for replicas that subscribe again later). A loop's connection lost on its own
+  // (seen by Tick) is handled alike for what went over it.
   void SetConnected(bool connected);
   // The gateway stops: as a loss of the connection, every request waiting for its answer fails
   // now and its booking is freed, and Route fails at once from now on; an answer that comes
   // later is freed, and no callback runs for it.
   void Stop();
-  // Fails the requests older than the timeout, and asks the router for its stats now and then to
-  // know it answers (for Answering).
+  // Fails the requests older than the timeout, asks the router for its stats now and then on
+  // every lane to know it answers (for Answering) and what it got, and notices a loop's
+  // connection lost since the last Tick.
   void Tick(SteadyTime now);
   // The router answered something within the last few seconds, and since the connection was
   // last lost, and NATS has not said since that no router subscribes (no responders).
@@ -89,54 +93,72 @@ class RouterLink {
   std::size_t unconfirmed() const;
 
  private:
-  static constexpr std::size_t kMainConnection = std::numeric_limits<std::size_t>::max();
   struct Pending {
     Done done;
     SteadyTime deadline;
     std::string request_id;
-    std::size_t loop;  // whose connection asked (kMainConnection: the NatsClient's)
+    std::size_t lane;  // whose connection asked
   };
   // Timed out here, kept one more timeout for a late answer to free (bounded by kMaxPending).
   struct Expired {
     std::string request_id;
     SteadyTime forget_at;
   };
-  // `loop`: the connection it came over (kMainConnection: the NatsClient's).
-  void OnAnswer(const IncomingMessage& m, std::size_t loop);
-  // NATS said "no responders" to a request of `loop`'s connection without saying which (see
+  // Frees sent on a lane that no router answer has confirmed yet (at most kMaxPending), oldest
+  // first; `confirmed` counts those confirmed before them.
+  struct Lane {
+    std::deque<std::string> unconfirmed;
+    std::uint64_t confirmed = 0;
+  };
+  // A stats probe awaiting its answer, which confirms the frees recorded on its lane before it
+  // was sent: `mark` is that lane's confirmed + unconfirmed.size() at its sending.
+  struct Probe {
+    std::size_t lane;
+    std::uint64_t mark;
+  };
+  using LaneFree = std::pair<std::size_t, std::string>;  // a free and the lane it went on
+
+  // The calling thread's lane: its loop's, else the NatsClient's (main_lane_).
+  std::size_t CurrentLane() const;
+  NatsClient& LaneClient(std::size_t lane) { return lane == main_lane_ ? nats_ : loops_->at(lane); }
+  void OnAnswer(const IncomingMessage& m, std::size_t lane);
+  // NATS said "no responders" to a request of `lane`'s connection without saying which (see
   // IncomingMessage::no_responders): no router subscribes, so every request waiting on that
   // connection fails as not answered (a router that answers one later gets its booking freed).
-  void FailLoopNoResponders(std::size_t loop);
-  // Fails every request waiting for its answer with kNoWorkers `why`, freeing its booking (a free
-  // now; an answer that comes later is freed as after a timeout).
-  void FailWaiting(std::string_view why);
-  void PublishFrees(const std::vector<std::string>& request_ids);
+  void FailLaneNoResponders(std::size_t lane);
+  // Fails every request waiting for its answer (on `lane` only, unless nullopt) with kNoWorkers
+  // `why`, freeing its booking (a free now; an answer that comes later is freed as after a
+  // timeout).
+  void FailWaiting(std::string_view why, std::optional<std::size_t> lane = std::nullopt);
+  // A connection was lost: every free not confirmed is unsure until the router's next answer.
+  void BecomeUnsure() KV_REQUIRES(mu_);
+  void PublishFree(std::size_t lane, const std::string& request_id);
+  void PublishFrees(const std::vector<LaneFree>& frees);
 
   NatsClient& nats_;
   NatsLoops* const loops_;
+  const std::size_t main_lane_;  // lanes 0 .. main_lane_ - 1 are the loops'
   const std::string route_subject_, mark_prefill_subject_, prefill_done_subject_, free_subject_, stats_subject_;
   const std::string inbox_;  // "_KVGW.<random>."
-  std::vector<std::string> loop_inboxes_;  // "_KVGW.<random>.L<loop>."
+  // Each lane's: "_KVGW.<random>.L<loop>." for a loop's, inbox_ for the main one.
+  std::vector<std::string> lane_inboxes_;
   const std::chrono::milliseconds timeout_;
-  std::unique_ptr<Subscription> sub_;
-  std::vector<std::unique_ptr<Subscription>> loop_subs_;
+  std::vector<std::unique_ptr<Subscription>> subs_;  // each lane's inbox
+  // The disconnects of each loop's connection as the last Tick saw them (the ticker's only).
+  std::vector<std::uint64_t> loop_disconnects_;
   mutable KvMutex mu_;
   std::unordered_map<std::uint64_t, Pending> pending_ KV_GUARDED_BY(mu_);
   std::unordered_map<std::uint64_t, Expired> expired_ KV_GUARDED_BY(mu_);
   std::uint64_t next_ KV_GUARDED_BY(mu_) = 0;
   bool connected_ KV_GUARDED_BY(mu_) = true;
-  // From a loss of the connection to the first router answer after it.
+  // From a loss of a connection to the first router answer after it.
   bool unsure_ KV_GUARDED_BY(mu_) = false;
-  // Frees sent that no router answer has confirmed yet (at most kMaxPending), oldest first;
-  // confirmed_ counts those confirmed before them. A stats probe's answer confirms the frees
-  // recorded before the probe was sent: probes_ maps each probe awaiting its answer to
-  // confirmed_ + unconfirmed_.size() at its sending (forgotten at a loss and at the re-send).
-  std::deque<std::string> unconfirmed_ KV_GUARDED_BY(mu_);
-  std::uint64_t confirmed_ KV_GUARDED_BY(mu_) = 0;
-  std::map<std::uint64_t, std::uint64_t> probes_ KV_GUARDED_BY(mu_);
+  std::vector<Lane> lanes_ KV_GUARDED_BY(mu_);
+  // Forgotten at a loss and at the re-send.
+  std::map<std::uint64_t, Probe> probes_ KV_GUARDED_BY(mu_);
   std::uint64_t probe_seq_ KV_GUARDED_BY(mu_) = 0;
   // The frees sent again at the first answer after a loss, to send once more at resend_at_.
-  std::vector<std::string> resend_later_ KV_GUARDED_BY(mu_);
+  std::vector<LaneFree> resend_later_ KV_GUARDED_BY(mu_);
   SteadyTime resend_at_ KV_GUARDED_BY(mu_){};
   SteadyTime next_probe_ KV_GUARDED_BY(mu_){};
   std::atomic<SteadyTime::rep> last_answer_{std::numeric_limits<SteadyTime::rep>::min()};

@@ -6,6 +6,7 @@
 
 #include <gtest/gtest.h>
 
+#include <future>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -249,6 +250,26 @@ class RouterLinkLoopsTest : public RouterLinkTest {
     });
   }
   std::thread::id LoopThread(std::size_t loop) { return io_->impl().loops[loop]->thread.get_id(); }
+  // Ticks the link at the gateway ticker's period (its clock `advance` ahead each time) until
+  // `pred` holds, for at most 10 s.
+  template <typename Pred>
+  bool TickUntil(Pred pred, std::chrono::seconds advance) {
+    SteadyTime t = std::chrono::steady_clock::now();
+    for (int i = 0; i < 200 && !pred(); ++i) {
+      link_->Tick(t += advance);
+      std::this_thread::sleep_for(50ms);  // the ticker's period, not a wait for a state
+    }
+    return pred();
+  }
+  // A free sent from loop `loop`, as the gateway sends it when a response ends there.
+  void FreeOnLoop(std::size_t loop, const std::string& request_id) {
+    std::promise<void> sent;
+    boost::asio::post(io_->impl().loops[loop]->ioc, [&] {
+      link_->Free(request_id);
+      sent.set_value();
+    });
+    sent.get_future().wait();
+  }
 
   std::optional<HttpIo> io_;
   std::unique_ptr<NatsLoops> loops_;
@@ -304,6 +325,37 @@ TEST_F(RouterLinkLoopsTest, NoRouterSubscribedFailsALoopsRouteAtOnceAndALateAnsw
   ASSERT_TRUE(router_nc_->Flush(2s).ok());
   ASSERT_TRUE(router_nc_->Publish(late_reply, AsBytes(EncodeRouteReply({.worker_id = 7}))).ok());
   EXPECT_TRUE(AwaitTrue([&] { return Frees("w1") == 1; }));
+}
+
+TEST_F(RouterLinkLoopsTest, FreesSentOnLoopsAreConfirmedByTheProbesOfTheirLanes) {
+  FreeOnLoop(0, "c0");
+  FreeOnLoop(1, "c1");
+  link_->Free("cm");  // off the loops: the main connection's lane
+  ASSERT_TRUE(AwaitTrue([&] { return Frees("c0") == 1 && Frees("c1") == 1 && Frees("cm") == 1; }));
+  EXPECT_EQ(link_->unconfirmed(), 3u);
+  link_->Tick(std::chrono::steady_clock::now());  // a probe on each lane, each after its free
+  ASSERT_TRUE(AwaitTrue([&] { return link_->unconfirmed() == 0; }));
+  EXPECT_GE(stats_answered_.load(), 3);
+}
+
+// A loop's connection lost (here with every other, but only the loops' losses are seen: the test
+// does not call SetConnected): the routes waiting on it fail, and the frees no probe confirmed
+// go again on the router's first answer after it.
+TEST_F(RouterLinkLoopsTest, ALoopsConnectionLostFailsItsWaitingRoutesAndItsUnconfirmedFreesGoAgain) {
+  answer_stats_ = false;  // nothing confirms x1 before the loss
+  FreeOnLoop(0, "x1");
+  ASSERT_TRUE(AwaitTrue([&] { return Frees("x1") == 1; }));
+  Outcome waiting;
+  RouteOnLoop(1, "r1", waiting);
+  ASSERT_TRUE(AwaitTrue([&] { return Routes() == 1; }));
+  ASSERT_TRUE(server_->Restart().ok());
+  ASSERT_TRUE(TickUntil([&] { return waiting.done.load(); }, 0s));
+  EXPECT_EQ(waiting.result->status().code(), StatusCode::kNoWorkers);
+  EXPECT_EQ(link_->pending(), 0u);
+  answer_stats_ = true;
+  // A probe at each Tick, until a router that subscribed again answers one.
+  ASSERT_TRUE(TickUntil([&] { return Frees("x1") >= 2; }, 2s));
+  EXPECT_TRUE(AwaitTrue([&] { return link_->Answering(std::chrono::steady_clock::now()); }));
 }
 
 }  // namespace
