@@ -289,6 +289,7 @@ class Session : public std::enable_shared_from_this<Session> {
   bool responding_ = false;  // a request was handed to the handler and its reply is not done
   bool dispatched_ = false;  // it counts in the listener's under_way (a refused one does not)
   bool closed_ = false;     // Shutdown ran: the socket is closed
+  char peeked_ = 0;         // WatchClient's peek
   bool lingering_ = false;  // Linger ran: the response went, the client's bytes are dropped
   std::size_t linger_left_ = 0;  // bytes Linger still reads before it closes
   SteadyTime linger_end_;  // Linger closes then at the latest
@@ -448,17 +449,14 @@ void Session::Dispatch() {
 }
 
 void Session::WatchClient() {
-  // Readable while a response is pending: the client closed, or sent its next request early, or
-  // the readiness was stale (an edge for bytes already read). A peek tells them apart.
-  stream_.socket().async_wait(tcp::socket::wait_read, [self = shared_from_this(), r = request_](beast::error_code ec) {
-    if (!self->Current(r) || self->closed_) return;
-    if (ec) return self->ClientGone();
-    char byte;
-    const ssize_t n = ::recv(self->stream_.socket().native_handle(), &byte, 1, MSG_PEEK | MSG_DONTWAIT);
-    if (n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) return self->ClientGone();
-    if (n < 0) self->WatchClient();  // nothing there: watch on
-    // n > 0: the next request came early; it is read once this response is done.
-  });
+  // A byte peeked (the next request came early: it is read once this response is done), the end
+  // of the stream or an error (the client left). A receive, not a wait for readiness: Asio
+  // re-arms epoll for every wait (a system call per request), not for a receive.
+  stream_.socket().async_receive(net::buffer(&peeked_, 1), tcp::socket::message_peek,
+                                 [self = shared_from_this(), r = request_](beast::error_code ec, std::size_t n) {
+                                   if (!self->Current(r) || self->closed_) return;
+                                   if (ec || n == 0) self->ClientGone();
+                                 });
 }
 
 void Session::SetGone(std::uint64_t request, std::function<void()> gone) {

@@ -9,6 +9,7 @@
 //   if (auto i = (*loops)->Current()) (*loops)->at(*i).Publish(subject, data);
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <memory>
 #include <optional>
@@ -29,6 +30,10 @@ class NatsLoops {
   NatsClient& at(std::size_t loop) { return *clients_.at(loop); }
   // The loop the calling thread runs, or nullopt off the loops.
   std::optional<std::size_t> Current() const;
+  // What the handlers queued on the loops before this call publish is written and has reached
+  // the server (each loop runs what was queued on it, then a round trip on its connection), or
+  // `timeout` passed. From a thread off the loops, while they run (at shutdown, before they stop).
+  void Flush(std::chrono::milliseconds timeout);
 
  private:
   explicit NatsLoops(HttpIo& io) : io_(io) {}

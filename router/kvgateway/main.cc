@@ -191,8 +191,10 @@ int main(int argc, char** argv) {
   gw.Stop();
   (*listener)->Stop();
   client.Stop();
-  // While the loops still run: the route requests still waiting fail (their bookings freed), and
-  // no router answer reaches a loop after this (each is continued on one).
+  // While the loops still run: what the requests that ended there sent (their frees) is written,
+  // the route requests still waiting fail (their bookings freed over the main connection, which
+  // Drain flushes), and no router answer reaches a loop after this (each is continued on one).
+  (*loop_nats)->Flush(std::chrono::seconds(2));
   link.Stop();
   io.Stop();
   registrations->reset();

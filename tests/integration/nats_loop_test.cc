@@ -216,5 +216,29 @@ TEST_F(NatsLoopTest, NothingRunsAfterASubscriptionOrItsClientIsDestroyedUnderAFl
   EXPECT_EQ(handled.load(), at_reset);
 }
 
+// A gateway's shutdown: what the handlers still queued on the loops publish reaches the server
+// although the loops stop right after.
+TEST_F(NatsLoopTest, FlushWritesWhatQueuedHandlersPublishBeforeTheLoopsStop) {
+  auto listener = Connect({.name = "listener"});
+  ASSERT_NE(listener, nullptr);
+  std::atomic<int> got{0};
+  auto sub = listener->Subscribe("last.words", "", [&](const IncomingMessage&) { ++got; });
+  ASSERT_TRUE(sub.ok());
+  ASSERT_TRUE(listener->Flush(2s).ok());
+  HttpIo io(2);
+  auto loops = NatsLoops::Connect(io, Options());
+  ASSERT_TRUE(loops.ok()) << loops.status().message();
+  constexpr int kEach = 50;
+  for (std::size_t i = 0; i < 2; ++i) {
+    OnLoop(io, i, [&, i] {
+      for (int n = 0; n < kEach; ++n) (void)(*loops)->at(i).Publish("last.words", Bytes("bye"));
+    });
+  }
+  (*loops)->Flush(5s);
+  io.Stop();
+  ASSERT_TRUE(WaitFor([&] { return got.load() == 2 * kEach; }, 5s)) << got.load();
+  loops->reset();
+}
+
 }  // namespace
 }  // namespace kvrouter::testing
