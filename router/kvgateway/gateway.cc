@@ -223,7 +223,7 @@ void Gateway::Route(const std::shared_ptr<Exchange>& x) {
   std::string booking = r.request_id;
   // The answer is continued on the client connection's thread, where the rest of the exchange
   // runs (the engine call started there stays there).
-  link_.Route(r, [this, ex = x, booking = std::move(booking), attempt](Result<RouteReply> routed) mutable {
+  link_.Route(std::move(r), [this, ex = x, booking = std::move(booking), attempt](Result<RouteReply> routed) mutable {
     auto reply = ex->reply;
     reply->Defer([this, ex = std::move(ex), booking = std::move(booking), attempt, routed = std::move(routed)] {
       OnRouted(ex, booking, attempt, routed);

@@ -362,6 +362,9 @@ bool ReadRenderObject(od::object object, RenderedPrompt& r) {
       if (std::exchange(has_ids, true)) return false;
       od::array ids;
       if (v.get_array().get(ids)) return false;
+      std::size_t count = 0;  // counted first (a walk over its commas), so the vector grows once
+      if (ids.count_elements().get(count)) return false;
+      r.token_ids.reserve(r.token_ids.size() + count);
       for (auto e : ids) {
         std::uint64_t id = 0;
         if (std::move(e).get_uint64().get(id) || id > std::numeric_limits<std::uint32_t>::max()) return false;

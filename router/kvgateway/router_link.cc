@@ -55,7 +55,7 @@ std::size_t RouterLink::CurrentLane() const {
   return loops_->Current().value_or(main_lane_);
 }
 
-void RouterLink::Route(const RouteRequest& request, Done done) {
+void RouterLink::Route(RouteRequest request, Done done) {
   const std::size_t lane = CurrentLane();
   std::uint64_t id = 0;
   {
@@ -72,9 +72,8 @@ void RouterLink::Route(const RouteRequest& request, Done done) {
     pending_.emplace(id,
                      Pending{std::move(done), std::chrono::steady_clock::now() + timeout_, request.request_id, lane});
   }
-  RouteRequest timed = request;
-  timed.timeout_ms = static_cast<std::uint32_t>(timeout_.count());
-  const auto body = EncodeRouteRequest(timed);
+  request.timeout_ms = static_cast<std::uint32_t>(timeout_.count());
+  const auto body = EncodeRouteRequest(request);
   if (Status s =
           LaneClient(lane).PublishRequest(route_subject_, lane_inboxes_[lane] + std::to_string(id), AsBytes(body));
       !s.ok()) {

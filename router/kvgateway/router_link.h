@@ -61,7 +61,7 @@ class RouterLink {
   // Subscribes the inboxes.
   Status Start();
 
-  void Route(const RouteRequest& request, Done done);
+  void Route(RouteRequest request, Done done);
   void MarkPrefill(const std::string& request_id);
   // A disaggregated request's prefill leg answered: the router releases its prefill rank's part.
   void PrefillDone(const std::string& request_id);
