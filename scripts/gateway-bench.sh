@@ -22,11 +22,15 @@
 #   CPU_ROUNDS (2), CPU_SECS (8): the CPU runs' count per proxy and length
 #   BASELINE_KVGATEWAY=path: a second kvgateway (the build before a change) on the same fleet,
 #     taking its turn in the CPU runs (kvgateway, baseline, nginx)
+#   GATEWAY_BENCH_LOOPS (1): the event loops of each proxy, nginx's worker_processes and
+#     kvgateway's --io-threads alike (the baseline's too): each proxy does the same work with the
+#     same number of threads
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${1:-build}
 out=${BENCH_OUT:-bench-results/gateway}
 fleets=${GATEWAY_BENCH_FLEETS:-aggregated pd}
+loops=${GATEWAY_BENCH_LOOPS:-1}
 mkdir -p "$out"
 for t in nginx wrk nats-server; do command -v "$t" >/dev/null || { echo "gateway-bench: $t is not installed (scripts/setup.sh)"; exit 1; }; done
 for b in kvrouter kvgateway kvmocker gateway_bench; do [ -x "$build/bin/$b" ] || { echo "gateway-bench: $build/bin/$b not built"; exit 1; }; done
@@ -58,11 +62,11 @@ for _ in $(seq 100); do (echo >"/dev/tcp/127.0.0.1/$nats_port") 2>/dev/null && b
 "$build/bin/kvrouter" --nats-server "$nats" --router-mode kv --metrics-port 0 >"$work/kvrouter.log" 2>&1 & pids+=($!)
 "$build/bin/kvmocker" --nats-server "$nats" --num-workers 4 --worker-id-base 1 --speedup-ratio 1000 --metrics-port 0 \
   --http-port "$engine_base" --http-host 127.0.0.1 --model mock >"$work/kvmocker.log" 2>&1 & pids+=($!)
-"$build/bin/kvgateway" --nats-server "$nats" --http-port "$gw_port" --http-host 127.0.0.1 \
+"$build/bin/kvgateway" --nats-server "$nats" --http-port "$gw_port" --http-host 127.0.0.1 --io-threads "$loops" \
   --metrics-host 127.0.0.1 --metrics-port "$gw_metrics" >"$work/kvgateway.log" 2>&1 & gw_pid=$!; pids+=($gw_pid)
 if [ -n "${BASELINE_KVGATEWAY:-}" ]; then
   base_port=$(free_port)
-  "$BASELINE_KVGATEWAY" --nats-server "$nats" --http-port "$base_port" --http-host 127.0.0.1 \
+  "$BASELINE_KVGATEWAY" --nats-server "$nats" --http-port "$base_port" --http-host 127.0.0.1 --io-threads "$loops" \
     --metrics-host 127.0.0.1 --metrics-port 0 >"$work/kvgateway-baseline.log" 2>&1 & base_pid=$!; pids+=($base_pid)
 fi
 engines=()
@@ -73,7 +77,7 @@ for i in 0 1 2 3; do
 done
 mkdir -p "$work/nginx/logs"
 cat >"$work/nginx/nginx.conf" <<CONF
-worker_processes 1;
+worker_processes $loops;
 pid $work/nginx/nginx.pid;
 error_log $work/nginx/logs/error.log;
 events { worker_connections 4096; }
@@ -113,6 +117,7 @@ rate() {  # url -> requests/s (wrk, 32 connections, 2 threads, 8 s)
   grep -q "Non-2xx" "$work/wrk.txt" && { cat "$work/wrk.txt"; echo "gateway-bench: errors under load"; exit 1; }
   awk '/^Requests\/sec:/ {print $2}' "$work/wrk.txt"
 }
+echo "== each proxy runs $loops event loop(s): nginx worker_processes $loops, kvgateway --io-threads $loops"
 echo "== requests/s at 32 connections (wrk), alternating"
 gw_rates=(); nginx_rates=()
 for round in 1 2; do

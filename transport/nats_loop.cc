@@ -45,7 +45,7 @@ namespace kvrouter::transport_detail {
 
 namespace net = boost::asio;
 
-constexpr std::size_t kSpentBatch = 64;
+constexpr std::size_t kSpentBatch = 256;
 
 struct LoopAttachment : std::enable_shared_from_this<LoopAttachment> {
   explicit LoopAttachment(net::io_context& loop) : ioc(loop) {}
