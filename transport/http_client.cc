@@ -9,12 +9,14 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cctype>
 #include <charconv>
 #include <condition_variable>
 #include <deque>
 #include <future>
+#include <iterator>
 #include <limits>
 #include <mutex>
 #include <unordered_map>
@@ -29,6 +31,7 @@
 #include <sys/socket.h>
 
 #include <boost/asio/steady_timer.hpp>
+#include <boost/asio/write.hpp>
 
 #include <optional>
 #include <unordered_set>
@@ -357,22 +360,37 @@ class Call final : public HttpCall, public std::enable_shared_from_this<Call> {
     });
   }
 
+  // The head is written here and goes with the body in one gathered write: Beast's fields take
+  // an allocation per header, and its serializer walks them as a chain of buffer views.
   void Send() {
-    req_.method_string(spec_.method);
-    req_.target(spec_.target);
-    req_.version(11);
-    req_.set(http::field::host, key_);
-    for (const auto& [k, v] : spec_.headers) req_.insert(k, v);  // a header given twice goes twice
-    req_.keep_alive(true);
-    req_.body() = spec_.body;
-    req_.prepare_payload();
+    auto clean = [](std::string_view s) { return s.find_first_of("\r\n") == std::string_view::npos; };
+    request_head_.clear();
+    request_head_.append(spec_.method).append(" ").append(spec_.target).append(" HTTP/1.1\r\nHost: ").append(key_);
+    request_head_.append("\r\n");
+    for (const auto& [k, v] : spec_.headers) {  // a header given twice goes twice
+      if (!clean(k) || !clean(v)) return FailLater(InvalidArgument(fmt::format("header '{}' has a line break", k)));
+      request_head_.append(k).append(": ").append(v).append("\r\n");
+    }
+    // As Beast's prepare_payload: a length for a body, or for a method that expects one.
+    if (!spec_.body.empty() || spec_.method == "POST" || spec_.method == "PUT" || spec_.method == "PATCH") {
+      fmt::format_to(std::back_inserter(request_head_), "Content-Length: {}\r\n", spec_.body.size());
+    }
+    request_head_.append("\r\n");
+    if (!clean(spec_.method) || !clean(spec_.target))
+      return FailLater(InvalidArgument("a line break in the request line"));
     head_deadline_ = std::chrono::steady_clock::now() + spec_.head_timeout;
     stream_->expires_at(head_deadline_);
-    http::async_write(*stream_, req_, [self = shared_from_this()](beast::error_code ec, std::size_t) {
+    const std::array<net::const_buffer, 2> request{net::buffer(request_head_), net::buffer(spec_.body)};
+    net::async_write(*stream_, request, [self = shared_from_this()](beast::error_code ec, std::size_t) {
       if (self->done_) return;
       if (ec) return self->RetryOrFail(ec);
       self->ReadHead();
     });
+  }
+
+  // Fails from a handler of its own: Send may run inside Run, whose caller is not re-entered.
+  void FailLater(Status s) {
+    net::post(exec_, [self = shared_from_this(), s = std::move(s)] { self->Fail(s); });
   }
 
   // The head's wait is timed by timer_, not the stream: at its end the socket must still be
@@ -471,7 +489,6 @@ class Call final : public HttpCall, public std::enable_shared_from_this<Call> {
     Close();
     stream_ = std::make_unique<Stream>(exec_);
     buffer_.clear();
-    req_ = {};
     Resolve();
   }
 
@@ -520,7 +537,7 @@ class Call final : public HttpCall, public std::enable_shared_from_this<Call> {
   bool in_data_ = false;         // on_data runs
   SteadyTime head_deadline_;
   std::optional<tcp::resolver> resolver_;
-  http::request<http::string_body> req_;
+  std::string request_head_;  // the request line and headers as written
   beast::flat_buffer buffer_ = TakeReadBuffer();
   std::optional<http::response_parser<http::buffer_body>> parser_;
   char body_[16 * 1024];

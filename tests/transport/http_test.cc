@@ -130,6 +130,44 @@ TEST_F(HttpTest, AWholeResponseArrivesAndTheConnectionIsKeptForTheNextCall) {
   EXPECT_EQ(listener_->counters().connections, 1u);
 }
 
+// The client writes the request head itself: every header given goes out as given (a repeated
+// one twice), with Host and the body's length; a line break in a header fails the call and sends
+// nothing.
+TEST_F(HttpTest, TheRequestHeadCarriesEveryHeaderAndALineBreakInOneFailsTheCallUnsent) {
+  std::atomic<int> served{0};
+  HttpHeaders seen;
+  std::mutex mu;
+  Listen({}, [&](HttpRequest req, std::shared_ptr<HttpReply> reply) {
+    ++served;
+    {
+      std::lock_guard g(mu);
+      seen = req.headers;
+    }
+    reply->Send(200, {}, req.body);
+  });
+  auto r = client_->Fetch(
+      endpoint_,
+      {.target = "/h", .headers = {{"x-a", "1"}, {"x-a", "2"}, {"traceparent", "00-ab"}}, .body = "twelve bytes"});
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->body, "twelve bytes");
+  {
+    std::lock_guard g(mu);
+    auto count = [&](std::string_view name, std::string_view value) {
+      return std::count_if(seen.begin(), seen.end(),
+                           [&](const auto& h) { return h.first == name && h.second == value; });
+    };
+    EXPECT_EQ(count("x-a", "1"), 1);
+    EXPECT_EQ(count("x-a", "2"), 1);
+    EXPECT_EQ(count("traceparent", "00-ab"), 1);
+    EXPECT_EQ(count("content-length", "12"), 1);
+    EXPECT_EQ(count("host", endpoint_.Key()), 1);
+  }
+  auto bad = client_->Fetch(endpoint_, {.target = "/h", .headers = {{"x-b", "1\r\nx-injected: 1"}}});
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(served.load(), 1);
+}
+
 // A proxy's request is served on its client connection's thread: a call started there runs its
 // callbacks there, and so does a task deferred to the reply (the gateway's route answer), for
 // every connection, whichever loop it is on.
