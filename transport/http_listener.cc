@@ -11,6 +11,8 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <array>
+#include <iterator>
 #include <atomic>
 #include <cctype>
 #include <climits>
@@ -221,7 +223,7 @@ class Session : public std::enable_shared_from_this<Session> {
  private:
   struct Out {
     enum Kind { kWhole, kHead, kChunk, kLast } kind = kWhole;
-    std::shared_ptr<http::response<http::string_body>> whole;
+    std::string whole_head;  // kWhole: the status line and headers; `data` is the body
     std::shared_ptr<http::response<http::empty_body>> head;
     std::shared_ptr<http::response_serializer<http::empty_body>> head_writer;
     std::string data;
@@ -275,6 +277,30 @@ class Session : public std::enable_shared_from_this<Session> {
     for (auto& [k, v] : headers) res.insert(k, v);  // a name given twice is sent twice
     if (state_->draining.load()) keep_alive_ = false;
     res.keep_alive(keep_alive_);
+  }
+
+  static std::string_view Reason(int status) {
+    const beast::string_view r = http::obsolete_reason(static_cast<http::status>(status));
+    return {r.data(), r.size()};
+  }
+  // A whole response's head, written here as Fill and prepare_payload would have Beast write it
+  // (its fields take an allocation per header). A header with a line break is left out.
+  std::string WholeHead(int status, const HttpHeaders& headers, std::size_t length) {
+    auto clean = [](std::string_view v) { return v.find_first_of("\r\n") == std::string_view::npos; };
+    if (state_->draining.load()) keep_alive_ = false;
+    std::string head;
+    head.reserve(128 + headers.size() * 48);
+    fmt::format_to(std::back_inserter(head), "HTTP/1.{} {} {}\r\nServer: {}\r\n", version_ >= 11 ? 1 : 0, status,
+                   Reason(status), state_->options.server_name);
+    for (const auto& [k, v] : headers) {  // a name given twice is sent twice
+      if (clean(k) && clean(v)) head.append(k).append(": ").append(v).append("\r\n");
+    }
+    if (version_ >= 11 && !keep_alive_) head.append("Connection: close\r\n");
+    if (version_ < 11 && keep_alive_) head.append("Connection: keep-alive\r\n");
+    if (status >= 200 && status != 204 && status != 304)
+      fmt::format_to(std::back_inserter(head), "Content-Length: {}\r\n", length);
+    head.append("\r\n");
+    return head;
   }
 
   static constexpr std::size_t kReadPiece = 4 * 1024;
@@ -420,17 +446,14 @@ void Session::Refuse(int status, std::string_view message) {
   ++state_->bad_requests;
   keep_alive_ = false;
   reading_body_ = false;
-  auto res = std::make_shared<http::response<http::string_body>>();
   std::string type = "text/plain; charset=utf-8";
   std::string body = std::string(message) + "\n";
   if (state_->options.error_body) std::tie(type, body) = state_->options.error_body(status, message);
-  Fill(*res, status, {{"content-type", type}});
-  res->body() = std::move(body);
-  res->prepare_payload();
+  std::string head = WholeHead(status, {{"content-type", type}}, body.size());
   responding_ = true;
   ++request_;
   finishing_ = true;
-  Enqueue({.kind = Out::kWhole, .whole = std::move(res)});
+  Enqueue({.kind = Out::kWhole, .whole_head = std::move(head), .data = std::move(body)});
 }
 
 void Session::Dispatch() {
@@ -469,12 +492,9 @@ void Session::SetGone(std::uint64_t request, std::function<void()> gone) {
 
 void Session::Send(std::uint64_t request, int status, HttpHeaders headers, std::string body) {
   if (!Current(request) || finishing_ || head_sent_) return;
-  auto res = std::make_shared<http::response<http::string_body>>();
-  Fill(*res, status, std::move(headers));
-  res->body() = std::move(body);
-  res->prepare_payload();
+  std::string head = WholeHead(status, headers, body.size());
   finishing_ = true;
-  Enqueue({.kind = Out::kWhole, .whole = std::move(res)});
+  Enqueue({.kind = Out::kWhole, .whole_head = std::move(head), .data = std::move(body)});
 }
 
 void Session::Begin(std::uint64_t request, int status, HttpHeaders headers) {
@@ -533,7 +553,10 @@ void Session::WriteNext() {
     self->OnWritten(ec, kind);
   };
   switch (o.kind) {
-    case Out::kWhole: http::async_write(stream_, *o.whole, std::move(done)); break;
+    case Out::kWhole:
+      net::async_write(stream_, std::array<net::const_buffer, 2>{net::buffer(o.whole_head), net::buffer(o.data)},
+                       std::move(done));
+      break;
     case Out::kHead: http::async_write_header(stream_, *o.head_writer, std::move(done)); break;
     case Out::kChunk:
       if (version_ >= 11) {

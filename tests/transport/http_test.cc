@@ -168,6 +168,24 @@ TEST_F(HttpTest, TheRequestHeadCarriesEveryHeaderAndALineBreakInOneFailsTheCallU
   EXPECT_EQ(served.load(), 1);
 }
 
+// A whole response's head is written by the listener: its headers as given, a header with a
+// line break left out (it would split the head), the body's length, Connection as HTTP/1.0 needs.
+TEST_F(HttpTest, AWholeResponsesHeadCarriesItsHeadersAndLeavesOutOneWithALineBreak) {
+  Listen({.server_name = "unit"}, [](HttpRequest, std::shared_ptr<HttpReply> reply) {
+    reply->Send(201, {{"x-good", "1"}, {"x-bad", "1\r\nx-injected: 1"}}, "made");
+  });
+  RawClient c(listener_->port());
+  ASSERT_TRUE(c.connected());
+  c.Send("GET / HTTP/1.0\r\nConnection: keep-alive\r\n\r\n");
+  const std::string got = c.ReadAllUntil("made");
+  EXPECT_TRUE(got.starts_with("HTTP/1.0 201 Created\r\nServer: unit\r\n")) << got;
+  EXPECT_NE(got.find("\r\nx-good: 1\r\n"), std::string::npos) << got;
+  EXPECT_EQ(got.find("x-bad"), std::string::npos) << got;
+  EXPECT_EQ(got.find("x-injected"), std::string::npos) << got;
+  EXPECT_NE(got.find("\r\nConnection: keep-alive\r\n"), std::string::npos) << got;
+  EXPECT_TRUE(got.ends_with("Content-Length: 4\r\n\r\nmade")) << got;
+}
+
 // A proxy's request is served on its client connection's thread: a call started there runs its
 // callbacks there, and so does a task deferred to the reply (the gateway's route answer), for
 // every connection, whichever loop it is on.
