@@ -319,6 +319,10 @@ Result<std::unique_ptr<NatsClient>> NatsClient::Connect(const NatsOptions& optio
   }
   shared->pending_msgs_limit = options.pending_msgs_limit;
   shared->pending_bytes_limit = options.pending_bytes_limit;
+  if (options.event_loop != nullptr && options.security.tls()) {
+    // nats.c waits inside its TLS reads and writes, which would block the loop (nats_loop.cc).
+    return InvalidArgument("a NATS connection served by an event loop cannot use TLS");
+  }
   if (options.event_loop != nullptr) shared->loop = transport_detail::MakeLoopAttachment(*options.event_loop);
   auto opts = BuildOptions(options, shared.get());
   if (!opts.ok()) return opts.status();
@@ -369,6 +373,12 @@ NatsClient::~NatsClient() {
   }
   for (natsSubscription* sub : retired) natsSubscription_Destroy(sub);
   conn_.reset();
+}
+
+void NatsClient::Close() {
+  shared_->closing.store(true);
+  natsConnection_Close(conn_.get());
+  AwaitClosed(kCloseGrace);
 }
 
 void NatsClient::AwaitClosed(std::chrono::milliseconds timeout) {

@@ -75,7 +75,8 @@ struct NatsOptions {
   // for anything to be sent or received, and outlive the client. On the loop's thread, do not
   // call Flush, Request or Drain (they wait for the loop) and do not destroy a Subscription of
   // the client from its own handler. A "no responders" status comes with an empty subject
-  // (nats.c does not say to which request): see IncomingMessage::no_responders.
+  // (nats.c does not say to which request): see IncomingMessage::no_responders. Not with TLS
+  // (Connect refuses it): nats.c waits inside its TLS reads and writes.
   boost::asio::io_context* event_loop = nullptr;
 };
 
@@ -205,6 +206,9 @@ class NatsClient {
   // Round trip to the server: everything published before has reached it. kTimeout if not
   // within `timeout` (for instance while disconnected).
   Status Flush(std::chrono::milliseconds timeout);
+  // Closes the connection now (what is buffered is flushed first, for up to half a second) and
+  // waits for nats.c's last callback; every call fails with kInternal afterwards.
+  void Close();
   // Clean shutdown: stop taking new messages, let handlers finish the queued ones, flush
   // publishes, then close. Blocks up to `timeout` (plus a short grace) for that to finish.
   // Afterwards every call fails with kInternal ("connection closed").

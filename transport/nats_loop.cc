@@ -19,13 +19,18 @@
 // state).
 //
 // The loop watches a duplicate of nats.c's descriptor, so that the two are closed independently
-// (nats.c closes its own at a disconnect, the loop its copy when told to stop). Asio's epoll is
-// edge-triggered and its waits are never speculative, so after a read that left bytes in the
-// socket (FIONREAD), the loop reads again instead of waiting for an edge that will not come.
+// (nats.c closes its own at a disconnect, the loop its copy when told to stop). After a read that
+// left bytes in the socket (FIONREAD), the loop reads again at once instead of waiting (each Asio
+// wait re-arms epoll, a system call). A write wait belongs to the socket it was armed on: a newer
+// socket's writes never depend on an older one's wait.
+//
+// Not for TLS: nats.c 3.4.1 waits inside its TLS reads and writes (poll) for the rest of a record,
+// which would block the loop's thread; a TLS connection is left to nats.c's own threads.
 #include <fcntl.h>
 #include <sys/ioctl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <memory>
@@ -83,6 +88,7 @@ struct LoopAttachment : std::enable_shared_from_this<LoopAttachment> {
       return;
     }
     socket.reset();
+    write_waiting = false;
     watched = seq;
     boost::system::error_code ec;
     socket.emplace(ioc);
@@ -98,6 +104,7 @@ struct LoopAttachment : std::enable_shared_from_this<LoopAttachment> {
   void Unwatch(std::uint64_t seq) {
     if (seq != watched) return;  // a newer socket is watched already
     socket.reset();
+    write_waiting = false;
   }
 
   void AwaitRead(std::uint64_t seq) {
@@ -139,7 +146,8 @@ struct LoopAttachment : std::enable_shared_from_this<LoopAttachment> {
     if (!want_write.load() || !socket || write_waiting) return;
     write_waiting = true;
     socket->async_wait(net::posix::stream_descriptor::wait_write,
-                       [self = shared_from_this()](const boost::system::error_code& ec) {
+                       [self = shared_from_this(), seq = watched](const boost::system::error_code& ec) {
+                         if (seq != self->watched || !self->socket) return;
                          self->write_waiting = false;
                          if (!ec) self->Flush();
                        });
@@ -147,7 +155,7 @@ struct LoopAttachment : std::enable_shared_from_this<LoopAttachment> {
 
   // Under `mu`: hands every message waiting in a polled subscription to its handler.
   void DeliverPolled() {
-    for (std::size_t i = 0; i < polled.size(); ++i) {
+    for (std::size_t i = 0; i < polled.size();) {
       const Polled p = polled[i];
       for (;;) {
         int msgs = 0, bytes = 0;
@@ -162,7 +170,14 @@ struct LoopAttachment : std::enable_shared_from_this<LoopAttachment> {
         } else if (s != NATS_SLOW_CONSUMER) {  // that one is reported once, then messages follow
           break;
         }
-        if (i >= polled.size() || polled[i].state != p.state) break;  // a handler unsubscribed it
+        if (i >= polled.size() || polled[i].state != p.state) break;  // a handler changed the list
+      }
+      // Where the list goes on after `p` (a handler may have removed `p` or one before it).
+      const auto at = std::find_if(polled.begin(), polled.end(), [&](const Polled& q) { return q.state == p.state; });
+      if (at != polled.end()) {
+        i = static_cast<std::size_t>(at - polled.begin()) + 1;
+      } else if (i > polled.size()) {
+        i = polled.size();
       }
     }
   }

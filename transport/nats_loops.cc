@@ -24,6 +24,10 @@ Result<std::unique_ptr<NatsLoops>> NatsLoops::Connect(HttpIo& io, NatsOptions op
   return loops;
 }
 
+void NatsLoops::Close() {
+  for (auto& client : clients_) client->Close();
+}
+
 std::optional<std::size_t> NatsLoops::Current() const { return io_.impl().Current(); }
 
 void NatsLoops::Flush(std::chrono::milliseconds timeout) {

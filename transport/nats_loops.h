@@ -34,6 +34,9 @@ class NatsLoops {
   // the server (each loop runs what was queued on it, then a round trip on its connection), or
   // `timeout` passed. From a thread off the loops, while they run (at shutdown, before they stop).
   void Flush(std::chrono::milliseconds timeout);
+  // Closes every connection (each closes after a flush its loop answers: call it while the loops
+  // run). Publishing on them fails from then on; the clients stay, for whoever holds them.
+  void Close();
 
  private:
   explicit NatsLoops(HttpIo& io) : io_(io) {}

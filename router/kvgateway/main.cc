@@ -84,13 +84,18 @@ int main(int argc, char** argv) {
     return 1;
   }
   HttpIo io(cfg.io_threads);
-  // A route request and its answer go over the connection of the loop serving the request.
-  auto loop_nats = NatsLoops::Connect(io, {.url = cfg.nats_server, .name = "kvgateway", .security = cfg.nats_security});
-  if (!loop_nats.ok()) {
-    fmt::print(stderr, "kvgateway: cannot connect to {}: {}\n", cfg.nats_server, loop_nats.status().message());
-    return 1;
+  // A route request and its answer go over the connection of the loop serving the request. Not
+  // with TLS (nats.c would block the loop inside a TLS read): everything goes over `nc` then.
+  std::unique_ptr<NatsLoops> loop_nats;
+  if (!cfg.nats_security.tls()) {
+    auto loops = NatsLoops::Connect(io, {.url = cfg.nats_server, .name = "kvgateway", .security = cfg.nats_security});
+    if (!loops.ok()) {
+      fmt::print(stderr, "kvgateway: cannot connect to {}: {}\n", cfg.nats_server, loops.status().message());
+      return 1;
+    }
+    loop_nats = std::move(loops).value();
   }
-  RouterLink link(**nc, cfg.ns, std::chrono::milliseconds(cfg.route_timeout_ms), loop_nats->get());
+  RouterLink link(**nc, cfg.ns, std::chrono::milliseconds(cfg.route_timeout_ms), loop_nats.get());
   if (Status s = link.Start(); !s.ok()) {
     fmt::print(stderr, "kvgateway: {}\n", s.message());
     return 1;
@@ -191,11 +196,16 @@ int main(int argc, char** argv) {
   gw.Stop();
   (*listener)->Stop();
   client.Stop();
-  // While the loops still run: what the requests that ended there sent (their frees) is written,
-  // the route requests still waiting fail (their bookings freed over the main connection, which
-  // Drain flushes), and no router answer reaches a loop after this (each is continued on one).
-  (*loop_nats)->Flush(std::chrono::seconds(2));
+  // While the loops still run: the route requests still waiting fail (their bookings freed over
+  // the main connection, which Drain flushes), and no router answer reaches a loop after this
+  // (each is continued on one); what the requests that ended on the loops sent (their frees) is
+  // written, and the loops' connections are closed (a close waits for the server's answer to a
+  // last flush, which only a running loop reads).
   link.Stop();
+  if (loop_nats) {
+    loop_nats->Flush(std::chrono::seconds(2));
+    loop_nats->Close();
+  }
   io.Stop();
   registrations->reset();
   (*nc)->Drain(std::chrono::seconds(2));

@@ -52,7 +52,9 @@ Status RouterLink::Start() {
 
 std::size_t RouterLink::CurrentLane() const {
   if (loops_ == nullptr) return main_lane_;
-  return loops_->Current().value_or(main_lane_);
+  const std::optional<std::size_t> loop = loops_->Current();
+  if (!loop || !loops_->at(*loop).IsConnected()) return main_lane_;
+  return *loop;
 }
 
 void RouterLink::Route(RouteRequest request, Done done) {
@@ -114,6 +116,8 @@ void RouterLink::OnAnswer(const IncomingMessage& m, std::size_t lane) {
   if (std::from_chars(tail.data(), tail.data() + tail.size(), id).ec != std::errc()) return;
   const bool no_responders = m.data.empty();  // NATS' 503: no router subscribes
   const bool probe = id >= kProbeBase;
+  // A probe confirms only what went over the connection it went over.
+  const std::uint64_t lane_disconnects = probe ? LaneDisconnects(lane) : 0;
   if (!no_responders) {
     const SteadyTime now = std::chrono::steady_clock::now();
     std::vector<LaneFree> again;
@@ -134,8 +138,11 @@ void RouterLink::OnAnswer(const IncomingMessage& m, std::size_t lane) {
       } else if (probe && !unsure_) {
         // The router got every free sent on the probe's lane before it (one connection keeps
         // their order).
-        if (auto it = probes_.find(id - kProbeBase); it != probes_.end()) {
-          const auto [probe_lane, mark] = it->second;
+        if (auto it = probes_.find(id - kProbeBase);
+            it != probes_.end() && it->second.disconnects != lane_disconnects) {
+          probes_.erase(it);
+        } else if (it != probes_.end()) {
+          const auto [probe_lane, mark, disconnects] = it->second;
           Lane& l = lanes_[probe_lane];
           const std::uint64_t covered = mark > l.confirmed ? mark - l.confirmed : 0;
           const std::size_t n = static_cast<std::size_t>(std::min<std::uint64_t>(covered, l.unconfirmed.size()));
@@ -267,6 +274,8 @@ void RouterLink::Tick(SteadyTime now) {
   std::vector<Done> late;
   std::vector<LaneFree> again;
   std::vector<std::pair<std::size_t, std::uint64_t>> probes;  // each lane's probe to send
+  std::vector<std::uint64_t> disconnects;                     // each lane's connection's, for its probe
+  for (std::size_t lane = 0; lane <= main_lane_; ++lane) disconnects.push_back(LaneDisconnects(lane));
   {
     KvMutexLock g(mu_);
     std::erase_if(expired_, [&](const auto& e) { return e.second.forget_at < now; });
@@ -286,7 +295,10 @@ void RouterLink::Tick(SteadyTime now) {
       for (std::size_t lane = 0; lane < lanes_.size(); ++lane) {
         const std::uint64_t probe = ++probe_seq_;
         // What an answer to it confirms: every free recorded on its lane before it.
-        if (!unsure_) probes_.emplace(probe, Probe{lane, lanes_[lane].confirmed + lanes_[lane].unconfirmed.size()});
+        if (!unsure_) {
+          probes_.emplace(probe,
+                          Probe{lane, lanes_[lane].confirmed + lanes_[lane].unconfirmed.size(), disconnects[lane]});
+        }
         probes.emplace_back(lane, probe);
       }
       while (probes_.size() > kMaxProbes * lanes_.size()) probes_.erase(probes_.begin());

@@ -115,11 +115,14 @@ class RouterLink {
   struct Probe {
     std::size_t lane;
     std::uint64_t mark;
+    std::uint64_t disconnects;  // its lane's connection's at its sending: a loss since voids it
   };
   using LaneFree = std::pair<std::size_t, std::string>;  // a free and the lane it went on
 
-  // The calling thread's lane: its loop's, else the NatsClient's (main_lane_).
+  // The calling thread's lane: its loop's while that connection is up (a connection that is
+  // down would hold what is sent until it is back), else the NatsClient's (main_lane_).
   std::size_t CurrentLane() const;
+  std::uint64_t LaneDisconnects(std::size_t lane) { return LaneClient(lane).Stats().disconnects; }
   NatsClient& LaneClient(std::size_t lane) { return lane == main_lane_ ? nats_ : loops_->at(lane); }
   void OnAnswer(const IncomingMessage& m, std::size_t lane);
   // NATS said "no responders" to a request of `lane`'s connection without saying which (see

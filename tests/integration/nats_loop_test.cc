@@ -240,5 +240,16 @@ TEST_F(NatsLoopTest, FlushWritesWhatQueuedHandlersPublishBeforeTheLoopsStop) {
   loops->reset();
 }
 
+// nats.c waits inside its TLS reads and writes: a loop's thread must not, so it is refused.
+TEST_F(NatsLoopTest, AConnectionWithTlsIsNotServedByALoop) {
+  HttpIo io(1);
+  NatsOptions options = Options();
+  options.security.tls_ca = "/nonexistent/ca.pem";
+  auto loops = NatsLoops::Connect(io, options);
+  ASSERT_FALSE(loops.ok());
+  EXPECT_EQ(loops.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(loops.status().message().find("TLS"), std::string::npos) << loops.status().message();
+}
+
 }  // namespace
 }  // namespace kvrouter::testing
