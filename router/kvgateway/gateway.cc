@@ -102,9 +102,7 @@ void Gateway::Handle(HttpRequest request, std::shared_ptr<HttpReply> reply) {
     const std::size_t n = x->allowed.size();
     const std::size_t start = next_id_.load() % n;
     for (std::size_t k = 0; k < n; ++k) {
-      if (auto url = directory_.HttpUrl(x->allowed[(start + k) % n])) {
-        if (auto e = ParseHttpUrl(*url); e.ok()) x->render_at.push_back(*e);
-      }
+      if (auto e = directory_.Endpoint(x->allowed[(start + k) % n])) x->render_at.push_back(std::move(*e));
     }
   }
   in_flight_->Increment();
@@ -285,8 +283,9 @@ HttpHeaders ResponseHead(const Gateway::Exchange& ex) {
 }  // namespace
 
 Result<HttpEndpoint> Gateway::EngineEndpoint(std::uint64_t worker, std::string url) const {
-  if (url.empty()) url = directory_.HttpUrl(worker).value_or("");
-  return ParseHttpUrl(url);
+  if (!url.empty()) return ParseHttpUrl(url);
+  if (auto e = directory_.Endpoint(worker)) return std::move(*e);
+  return ParseHttpUrl(directory_.HttpUrl(worker).value_or(""));  // its error, or "not known"
 }
 
 HttpCallSpec Gateway::EngineCall(const Exchange& x, std::string body) const {

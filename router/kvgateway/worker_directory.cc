@@ -20,6 +20,10 @@ std::vector<std::string> WorkerDirectory::Apply(const WorkerRegistration& reg, S
     if (workers_.size() >= kMaxWorkers) return {};
     it = workers_.emplace(reg.worker_id, Worker{}).first;
   }
+  if (it->second.http_url != reg.http_url || !it->second.endpoint) {
+    auto endpoint = ParseHttpUrl(reg.http_url);
+    it->second.endpoint = endpoint.ok() ? std::optional<HttpEndpoint>(std::move(endpoint).value()) : std::nullopt;
+  }
   it->second.http_url = reg.http_url;
   it->second.models = reg.models;
   it->second.role = reg.role;
@@ -69,6 +73,13 @@ std::vector<std::uint64_t> WorkerDirectory::Serving(std::string_view model) cons
     if (std::find(w.models.begin(), w.models.end(), model) != w.models.end()) ids.push_back(id);
   }
   return ids;
+}
+
+std::optional<HttpEndpoint> WorkerDirectory::Endpoint(std::uint64_t worker_id) const {
+  KvMutexLock g(mu_);
+  auto it = workers_.find(worker_id);
+  if (it == workers_.end()) return std::nullopt;
+  return it->second.endpoint;
 }
 
 std::optional<std::string> WorkerDirectory::HttpUrl(std::uint64_t worker_id) const {

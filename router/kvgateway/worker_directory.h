@@ -23,6 +23,7 @@
 #include "events/base/clock.h"
 #include "events/base/thread_annotations.h"
 #include "events/registration_codec.h"
+#include "transport/http_client.h"
 
 namespace kvrouter {
 
@@ -44,6 +45,9 @@ class WorkerDirectory {
   // Workers with an http_url that list `model`, ascending.
   std::vector<std::uint64_t> Serving(std::string_view model) const;
   std::optional<std::string> HttpUrl(std::uint64_t worker_id) const;
+  // Its http_url parsed (at its registration, not per request); nullopt when it is not known or
+  // its URL does not parse.
+  std::optional<HttpEndpoint> Endpoint(std::uint64_t worker_id) const;
   // Its registered role (section 13); kBoth for a worker not known.
   WorkerRole Role(std::uint64_t worker_id) const;
   // Whether a whole request sent to it alone is served: an aggregated worker (kBoth) or a vLLM
@@ -59,6 +63,7 @@ class WorkerDirectory {
  private:
   struct Worker {
     std::string http_url;
+    std::optional<HttpEndpoint> endpoint;  // http_url parsed
     std::vector<std::string> models;
     WorkerRole role = WorkerRole::kBoth;
     KvConnector connector = KvConnector::kNixl;

@@ -23,6 +23,18 @@ TEST(WorkerDirectory, FindsTheEnginesServingAModel) {
   EXPECT_EQ(d.Models(), (std::vector<std::string>{"llama", "qwen"}));
 }
 
+TEST(WorkerDirectory, KeepsEachWorkersUrlParsedAndParsesItAgainWhenItMoves) {
+  WorkerDirectory d;
+  d.Apply(Engine(1, {"llama"}, "http://one:1"), kT0);
+  d.Apply(Engine(2, {"llama"}, "http://two:80/path"), kT0);  // kept, but no endpoint: not a base URL
+  ASSERT_TRUE(d.Endpoint(1).has_value());
+  EXPECT_EQ(d.Endpoint(1)->Key(), "one:1");
+  EXPECT_FALSE(d.Endpoint(2).has_value());
+  EXPECT_FALSE(d.Endpoint(3).has_value());
+  d.Apply(Engine(1, {"llama"}, "http://[::1]:9"), kT0);
+  EXPECT_EQ(d.Endpoint(1)->Key(), "[::1]:9");
+}
+
 TEST(WorkerDirectory, KeepsEachWorkersRoleAndAnUnknownOneIsBoth) {
   WorkerDirectory d;
   WorkerRegistration prefill = Engine(1, {"m"});
