@@ -1,7 +1,8 @@
 // NatsClient in event-loop mode (NatsOptions::event_loop) and NatsLoops, against a real
 // nats-server started by each test: handlers run on the loop's thread, publishes from the loop
 // and from other threads go out, "no responders" reaches the handler, a restarted server is
-// reconnected to, and nothing runs after a subscription or a client is destroyed.
+// reconnected to, nothing runs after a subscription is destroyed (its client closing under a
+// flood after it), Flush writes what queued handlers publish, and TLS is refused.
 #include "transport/nats_loops.h"
 
 #include <atomic>
