@@ -343,7 +343,8 @@ TEST_F(RouterLinkLoopsTest, FreesSentOnLoopsAreConfirmedByTheProbesOfTheirLanes)
   answer_main_only_ = false;
   link_->Tick(t0 + 2s);
   ASSERT_TRUE(AwaitTrue([&] { return link_->unconfirmed() == 0; }));
-  EXPECT_GE(stats_answered_.load(), 4);
+  // The stand-in counts an answer after sending it: the link may have it first.
+  EXPECT_TRUE(AwaitTrue([&] { return stats_answered_.load() >= 4; }));
 }
 
 // A loop's connection lost (here with every other, but only the loops' losses are seen: the test
