@@ -46,7 +46,9 @@ TEST_F(KvtopTest, OnceListsEveryRankOfAFleetLargerThanAStatsPage) {
   const std::string out = Run({KVTOP_BIN, "--nats-server", nats_->url(), "--once", "--interval-ms", "100", "--sort",
                                "cache"});
   ASSERT_EQ(last_status_, 0) << out;
-  const auto lines = Lines(out);
+  // kvtop's own warnings (a stats request it asked again, under a loaded machine) are not the list.
+  auto lines = Lines(out);
+  std::erase_if(lines, [](const std::string& line) { return line.starts_with("kvtop: "); });
   ASSERT_EQ(lines.size(), 4 + kRanks) << out.substr(0, 2000);  // the totals and header, then every rank
   EXPECT_NE(lines[0].find(fmt::format("{} ranks", kRanks)), std::string::npos) << lines[0];
   // Sorted by cache: worker 7, holding the prompt's 3 blocks, comes first.
