@@ -121,8 +121,17 @@ void RouterLink::OnAnswer(const IncomingMessage& m, std::size_t lane) {
   if (!no_responders) {
     const SteadyTime now = std::chrono::steady_clock::now();
     std::vector<LaneFree> again;
+    SteadyTime sent = SteadyTime::min();  // when the request it answers was sent, if known
     {
       KvMutexLock g(mu_);
+      if (probe) {
+        if (auto ps = probe_sent_.find(id - kProbeBase); ps != probe_sent_.end()) {
+          sent = ps->second;
+          probe_sent_.erase(ps);
+        }
+      } else if (auto pe = pending_.find(id); pe != pending_.end()) {
+        sent = pe->second.deadline - timeout_;
+      }
       if (unsure_ && connected_) {
         // The first answer since the loss: a router subscribes again. Every free not confirmed
         // before the loss or sent since goes again on its lane, now and once more later (another
@@ -155,10 +164,13 @@ void RouterLink::OnAnswer(const IncomingMessage& m, std::size_t lane) {
         }
       }
     }
-    last_answer_ = now.time_since_epoch().count();  // after the bookkeeping: Answering follows it
+    // After the bookkeeping: Answering follows it. Only an answer to a request sent after the
+    // last "no responders" says a router is there.
+    if (sent.time_since_epoch().count() > refused_at_.load()) last_answer_ = now.time_since_epoch().count();
     PublishFrees(again);
   } else {
     // No router subscribes now: not answering, until one answers again (a probe a second later).
+    refused_at_ = std::chrono::steady_clock::now().time_since_epoch().count();
     last_answer_ = std::numeric_limits<SteadyTime::rep>::min();
   }
   if (probe) return;
@@ -185,7 +197,8 @@ void RouterLink::OnAnswer(const IncomingMessage& m, std::size_t lane) {
 }
 
 void RouterLink::FailLaneNoResponders(std::size_t lane) {
-  last_answer_ = std::numeric_limits<SteadyTime::rep>::min();  // as for any "no responders"
+  refused_at_ = std::chrono::steady_clock::now().time_since_epoch().count();  // as for any "no responders"
+  last_answer_ = std::numeric_limits<SteadyTime::rep>::min();
   std::vector<Done> failed;
   {
     KvMutexLock g(mu_);
@@ -294,6 +307,7 @@ void RouterLink::Tick(SteadyTime now) {
       next_probe_ = now + kProbeEvery;
       for (std::size_t lane = 0; lane < lanes_.size(); ++lane) {
         const std::uint64_t probe = ++probe_seq_;
+        probe_sent_.emplace(probe, now);
         // What an answer to it confirms: every free recorded on its lane before it.
         if (!unsure_) {
           probes_.emplace(probe,
@@ -302,6 +316,7 @@ void RouterLink::Tick(SteadyTime now) {
         probes.emplace_back(lane, probe);
       }
       while (probes_.size() > kMaxProbes * lanes_.size()) probes_.erase(probes_.begin());
+      while (probe_sent_.size() > kMaxProbes * lanes_.size()) probe_sent_.erase(probe_sent_.begin());
     }
     if (!resend_later_.empty() && now >= resend_at_) again.swap(resend_later_);
   }

@@ -165,6 +165,11 @@ class RouterLink {
   SteadyTime resend_at_ KV_GUARDED_BY(mu_){};
   SteadyTime next_probe_ KV_GUARDED_BY(mu_){};
   std::atomic<SteadyTime::rep> last_answer_{std::numeric_limits<SteadyTime::rep>::min()};
+  // When NATS last said no router subscribes. An answer to a request sent before then says
+  // nothing of a router now: answers on different connections arrive in no common order, so a
+  // router's last answers can come after the "no responders" that followed its end.
+  std::atomic<SteadyTime::rep> refused_at_{std::numeric_limits<SteadyTime::rep>::min()};
+  std::map<std::uint64_t, SteadyTime> probe_sent_ KV_GUARDED_BY(mu_);  // each probe awaiting its answer
 };
 
 }  // namespace kvrouter
