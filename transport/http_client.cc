@@ -363,12 +363,15 @@ class Call final : public HttpCall, public std::enable_shared_from_this<Call> {
   // The head is written here and goes with the body in one gathered write: Beast's fields take
   // an allocation per header, and its serializer walks them as a chain of buffer views.
   void Send() {
-    auto clean = [](std::string_view s) { return s.find_first_of("\r\n") == std::string_view::npos; };
+    if (HasLineBreak(spec_.method) || HasLineBreak(spec_.target)) {
+      return FailLater(InvalidArgument("a line break in the request line"));
+    }
     request_head_.clear();
     request_head_.append(spec_.method).append(" ").append(spec_.target).append(" HTTP/1.1\r\nHost: ").append(key_);
     request_head_.append("\r\n");
     for (const auto& [k, v] : spec_.headers) {  // a header given twice goes twice
-      if (!clean(k) || !clean(v)) return FailLater(InvalidArgument(fmt::format("header '{}' has a line break", k)));
+      if (HasLineBreak(k) || HasLineBreak(v))
+        return FailLater(InvalidArgument(fmt::format("header '{}' has a line break", k)));
       request_head_.append(k).append(": ").append(v).append("\r\n");
     }
     // As Beast's prepare_payload: a length for a body, or for a method that expects one.
@@ -376,8 +379,6 @@ class Call final : public HttpCall, public std::enable_shared_from_this<Call> {
       fmt::format_to(std::back_inserter(request_head_), "Content-Length: {}\r\n", spec_.body.size());
     }
     request_head_.append("\r\n");
-    if (!clean(spec_.method) || !clean(spec_.target))
-      return FailLater(InvalidArgument("a line break in the request line"));
     head_deadline_ = std::chrono::steady_clock::now() + spec_.head_timeout;
     stream_->expires_at(head_deadline_);
     const std::array<net::const_buffer, 2> request{net::buffer(request_head_), net::buffer(spec_.body)};

@@ -10,12 +10,16 @@
 #include <cstddef>
 #include <memory>
 #include <optional>
+#include <string_view>
 #include <thread>
 #include <vector>
 
 #include "transport/http_io.h"
 
 namespace kvrouter {
+
+// A header name or value, a method or a target that would split a message's head.
+inline bool HasLineBreak(std::string_view s) { return s.find_first_of("\r\n") != std::string_view::npos; }
 
 struct HttpIo::Impl {
   using Executor = boost::asio::io_context::executor_type;

@@ -286,14 +286,13 @@ class Session : public std::enable_shared_from_this<Session> {
   // A whole response's head, written here as Fill and prepare_payload would have Beast write it
   // (its fields take an allocation per header). A header with a line break is left out.
   std::string WholeHead(int status, const HttpHeaders& headers, std::size_t length) {
-    auto clean = [](std::string_view v) { return v.find_first_of("\r\n") == std::string_view::npos; };
     if (state_->draining.load()) keep_alive_ = false;
     std::string head;
     head.reserve(128 + headers.size() * 48);
     fmt::format_to(std::back_inserter(head), "HTTP/1.{} {} {}\r\nServer: {}\r\n", version_ >= 11 ? 1 : 0, status,
                    Reason(status), state_->options.server_name);
     for (const auto& [k, v] : headers) {  // a name given twice is sent twice
-      if (clean(k) && clean(v)) head.append(k).append(": ").append(v).append("\r\n");
+      if (!HasLineBreak(k) && !HasLineBreak(v)) head.append(k).append(": ").append(v).append("\r\n");
     }
     if (version_ >= 11 && !keep_alive_) head.append("Connection: close\r\n");
     if (version_ < 11 && keep_alive_) head.append("Connection: keep-alive\r\n");

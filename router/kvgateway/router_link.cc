@@ -199,23 +199,7 @@ void RouterLink::OnAnswer(const IncomingMessage& m, std::size_t lane) {
 void RouterLink::FailLaneNoResponders(std::size_t lane) {
   refused_at_ = std::chrono::steady_clock::now().time_since_epoch().count();  // as for any "no responders"
   last_answer_ = std::numeric_limits<SteadyTime::rep>::min();
-  std::vector<Done> failed;
-  {
-    KvMutexLock g(mu_);
-    const SteadyTime forget_at = std::chrono::steady_clock::now() + timeout_;
-    for (auto it = pending_.begin(); it != pending_.end();) {
-      if (it->second.lane != lane) {
-        ++it;
-        continue;
-      }
-      failed.push_back(std::move(it->second.done));
-      if (expired_.size() < kMaxPending) {
-        expired_.emplace(it->first, Expired{std::move(it->second.request_id), forget_at});
-      }
-      it = pending_.erase(it);
-    }
-  }
-  for (Done& done : failed) done(Status(StatusCode::kNoWorkers, "no router answers"));
+  FailWaiting("no router answers", lane, /*free_now=*/false);
 }
 
 void RouterLink::PublishFree(std::size_t lane, const std::string& request_id) {
@@ -253,7 +237,7 @@ void RouterLink::Stop() {
   FailWaiting("the gateway is stopping");
 }
 
-void RouterLink::FailWaiting(std::string_view why, std::optional<std::size_t> lane) {
+void RouterLink::FailWaiting(std::string_view why, std::optional<std::size_t> lane, bool free_now) {
   std::vector<std::pair<Done, std::string>> failed;
   {
     KvMutexLock g(mu_);
@@ -269,7 +253,7 @@ void RouterLink::FailWaiting(std::string_view why, std::optional<std::size_t> la
     }
   }
   for (auto& [done, request_id] : failed) {
-    Free(request_id);
+    if (free_now) Free(request_id);
     done(Status(StatusCode::kNoWorkers, std::string(why)));
   }
 }

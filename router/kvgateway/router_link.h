@@ -130,9 +130,9 @@ class RouterLink {
   // connection fails as not answered (a router that answers one later gets its booking freed).
   void FailLaneNoResponders(std::size_t lane);
   // Fails every request waiting for its answer (on `lane` only, unless nullopt) with kNoWorkers
-  // `why`, freeing its booking (a free now; an answer that comes later is freed as after a
-  // timeout).
-  void FailWaiting(std::string_view why, std::optional<std::size_t> lane = std::nullopt);
+  // `why`, freeing its booking (a free now unless !free_now, when no router got it; an answer
+  // that comes later is freed as after a timeout).
+  void FailWaiting(std::string_view why, std::optional<std::size_t> lane = std::nullopt, bool free_now = true);
   // A connection was lost: every free not confirmed is unsure until the router's next answer.
   void BecomeUnsure() KV_REQUIRES(mu_);
   void PublishFree(std::size_t lane, const std::string& request_id);
