@@ -363,9 +363,7 @@ Result<std::unique_ptr<NatsClient>> NatsClient::Connect(const NatsOptions& optio
 }
 
 NatsClient::~NatsClient() {
-  shared_->closing.store(true);
-  natsConnection_Close(conn_.get());  // no-op when already closed (e.g. after Drain)
-  AwaitClosed(kCloseGrace);
+  Close();  // nats.c's close is a no-op when already closed (e.g. after Drain)
   std::vector<natsSubscription*> retired;
   {
     KvMutexLock lock(shared_->mu);
