@@ -474,9 +474,13 @@ void Session::WatchClient() {
   // A byte peeked (the next request came early: it is read once this response is done), the end
   // of the stream or an error (the client left). A receive, not a wait for readiness: Asio
   // re-arms epoll for every wait (a system call per request), not for a receive.
+  //
+  // The end seen after the response went still closes the connection: this peek took epoll's
+  // edge for it, and Asio starts the next read (ReadHeader's) without trying it first after a
+  // receive that found the socket empty, so that read would wait until the idle timeout.
   stream_.socket().async_receive(net::buffer(&peeked_, 1), tcp::socket::message_peek,
-                                 [self = shared_from_this(), r = request_](beast::error_code ec, std::size_t n) {
-                                   if (!self->Current(r) || self->closed_) return;
+                                 [self = shared_from_this()](beast::error_code ec, std::size_t n) {
+                                   if (self->closed_ || ec == net::error::operation_aborted) return;
                                    if (ec || n == 0) self->ClientGone();
                                  });
 }

@@ -622,6 +622,20 @@ TEST_F(HttpTest, AHeadLateForADeliveredRequestIsATimeoutNotAConnectFailure) {
   EXPECT_EQ(held.size(), 1u);
 }
 
+// A client that closes as soon as it has its response: the connection closes then, not at the
+// idle timeout, whatever the order in which the server sees the close and its write's end.
+TEST_F(HttpTest, AClientClosingRightAfterItsResponseHasItsConnectionClosedAtOnce) {
+  Listen({}, [](HttpRequest, std::shared_ptr<HttpReply> r) { r->Send(200, {}, "ok"); });
+  for (int i = 0; i < 500; ++i) {
+    RawClient c(endpoint_.port);
+    ASSERT_TRUE(c.connected());
+    c.Send("GET / HTTP/1.1\r\nHost: x\r\n\r\n");
+    ASSERT_TRUE(c.ReadAllUntil("ok").ends_with("ok"));
+  }
+  EXPECT_TRUE(AwaitTrue([&] { return listener_->counters().open == 0; }))
+      << listener_->counters().open << " of 500 still open";
+}
+
 TEST_F(HttpTest, IdlePooledConnectionsAreClosedByATimerAndADroppedPoolAtOnce) {
   client_ = std::make_unique<HttpClient>(io_, HttpClient::Options{.max_idle = milliseconds(300)});
   std::mutex mu;
