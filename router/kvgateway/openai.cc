@@ -4,7 +4,10 @@
 #include <nlohmann/json.hpp>
 #include <simdjson.h>
 
+#include <bit>
+#include <cstring>
 #include <limits>
+#include <memory>
 #include <utility>
 
 namespace kvrouter {
@@ -346,6 +349,82 @@ bool ReadClientField(ClientField which, od::value v, OpenAiRequest& r,
   return false;
 }
 
+bool IsJsonSpace(char c) { return c == ' ' || c == '\n' || c == '\r' || c == '\t'; }
+
+constexpr std::uint64_t kOnes = 0x0101010101010101ull;
+
+// The high bit of each byte of `w` that is zero.
+std::uint64_t ZeroBytes(std::uint64_t w) { return ~(((w & 0x7F * kOnes) + 0x7F * kOnes) | w) & 0x80 * kOnes; }
+
+// The value of the `digits` (1 to 8) ASCII digits that begin `w` (the first in its low byte):
+// moved to the high end, leading zeros below them, then summed in pairs, fours and eights.
+std::uint32_t DigitsValue(std::uint64_t w, unsigned digits) {
+  std::uint64_t v = (w << (8 * (8 - digits))) & 0x0F * kOnes;
+  v = (v * 2561) >> 8;
+  v = ((v & 0x00FF00FF00FF00FFull) * 6553601) >> 16;
+  return static_cast<std::uint32_t>(((v & 0x0000FFFF0000FFFFull) * 42949672960001ull) >> 32);
+}
+
+// An array of token ids as engines write it, [1,2,3]: its separators found 8 bytes at a time,
+// each number read from its own 8 bytes (no number waits for the one before it to be read).
+// `raw` is the array's text (whitespace may follow it) inside a padded document: 8 bytes are
+// readable from any place in it. False for anything else (whitespace between the numbers, a
+// sign, a fraction, a leading zero, a number over 32 bits): the reference parser decides those.
+bool ReadIdArray(std::string_view raw, std::vector<std::uint32_t>& out) {
+  static_assert(std::endian::native == std::endian::little, "a number's first digit is the low byte");
+  while (!raw.empty() && IsJsonSpace(raw.back())) raw.remove_suffix(1);
+  if (raw.size() < 2 || raw.front() != '[' || raw.back() != ']') return false;
+  const char* const end = raw.data() + raw.size() - 1;  // the ']'
+  const char* start = raw.data() + 1;                   // of the number being read
+  while (start < end && IsJsonSpace(*start)) ++start;
+  if (start == end) return true;
+  // Filled here and copied once: the count is known only at the end (at most one a comma).
+  thread_local std::unique_ptr<std::uint32_t[]> ids;  // not zeroed, unlike a vector's resize
+  thread_local std::size_t room = 0;
+  if (const std::size_t most = static_cast<std::size_t>(end - start) / 2 + 1; most > room) {
+    ids.reset(new std::uint32_t[most]);
+    room = most;
+  }
+  std::size_t n = 0;
+  const auto take = [&](const char* at) {  // the number from `start` to `at`
+    const auto digits = static_cast<std::size_t>(at - start);
+    if (digits - 1 >= 10 || (digits > 1 && *start == '0')) return false;
+    std::uint64_t w;
+    std::memcpy(&w, start, 8);
+    if (digits <= 8) {
+      ids[n++] = DigitsValue(w, static_cast<unsigned>(digits));
+    } else {  // 9 or 10: the first 8, then the rest one by one
+      std::uint64_t v = DigitsValue(w, 8);
+      for (const char* d = start + 8; d < at; ++d) v = v * 10 + static_cast<std::uint64_t>(*d - '0');
+      if (v > std::numeric_limits<std::uint32_t>::max()) return false;
+      ids[n++] = static_cast<std::uint32_t>(v);
+    }
+    start = at + 1;
+    return true;
+  };
+  for (const char* p = start; p < end; p += 8) {
+    std::uint64_t w;
+    std::memcpy(&w, p, 8);
+    // The bytes that are not '0'..'9' ('9' + 6 still has 3 as its high half; a carry out of a
+    // byte over 0xF9 changes only bytes after it), of those before the ']'.
+    std::uint64_t other =
+        ~ZeroBytes(((w & 0xF0 * kOnes) ^ 0x30 * kOnes) | (((w + 6 * kOnes) & 0xF0 * kOnes) ^ 0x30 * kOnes)) &
+        0x80 * kOnes;
+    if (end - p < 8) other &= (std::uint64_t{1} << (8 * (end - p))) - 1;
+    if ((other & ~ZeroBytes(w ^ ',' * kOnes)) != 0) return false;  // not a comma
+    for (; other != 0; other &= other - 1) {
+      if (!take(p + std::countr_zero(other) / 8)) return false;
+    }
+  }
+  if (!take(end)) return false;
+  out.insert(out.end(), ids.get(), ids.get() + n);
+  if (room > (std::size_t{1} << 20)) {  // a huge prompt's room is not kept
+    ids.reset();
+    room = 0;
+  }
+  return true;
+}
+
 // A render answer's object: token_ids read into `r`; a features other than null is left to the
 // reference (multimodal items).
 bool ReadRenderObject(od::object object, RenderedPrompt& r) {
@@ -361,15 +440,8 @@ bool ReadRenderObject(od::object object, RenderedPrompt& r) {
     } else if (key == "token_ids") {
       if (std::exchange(has_ids, true)) return false;
       od::array ids;
-      if (v.get_array().get(ids)) return false;
-      std::size_t count = 0;  // counted first (a walk over its commas), so the vector grows once
-      if (ids.count_elements().get(count)) return false;
-      r.token_ids.reserve(r.token_ids.size() + count);
-      for (auto e : ids) {
-        std::uint64_t id = 0;
-        if (std::move(e).get_uint64().get(id) || id > std::numeric_limits<std::uint32_t>::max()) return false;
-        r.token_ids.push_back(static_cast<std::uint32_t>(id));
-      }
+      std::string_view raw;
+      if (v.get_array().get(ids) || ids.raw_json().get(raw) || !ReadIdArray(raw, r.token_ids)) return false;
     } else if (!Valid(v)) {
       return false;
     }

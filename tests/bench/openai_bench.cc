@@ -20,9 +20,10 @@ std::string ChatBody(std::size_t characters) {
          R"({"role":"user","content":")" + content + R"("}]})";
 }
 
-std::string RenderAnswer(std::size_t tokens) {
+// Ids below `vocabulary`: a real tokenizer's (151,936, Qwen's) or kvmocker's, one per byte (256).
+std::string RenderAnswer(std::size_t tokens, std::uint64_t vocabulary = 151936) {
   std::string body = R"({"request_id":"chatcmpl-render","token_ids":[)";
-  for (std::size_t k = 0; k < tokens; ++k) body += (k ? "," : "") + std::to_string((k * 2654435761u) % 151936u);
+  for (std::size_t k = 0; k < tokens; ++k) body += (k ? "," : "") + std::to_string((k * 2654435761u) % vocabulary);
   return body + R"(],"features":null})";
 }
 
@@ -54,6 +55,14 @@ void BM_ParseRenderAnswer(benchmark::State& state) {
   state.SetItemsProcessed(state.iterations() * state.range(0));
 }
 BENCHMARK(BM_ParseRenderAnswer)->Arg(500)->Arg(16384);
+
+// kvmocker's render answer for a chat of 1,000 characters.
+void BM_ParseRenderAnswerOfBytes(benchmark::State& state) {
+  const std::string body = RenderAnswer(static_cast<std::size_t>(state.range(0)), 256);
+  for (auto _ : state) benchmark::DoNotOptimize(ParseRenderAnswer(ApiKind::kChat, body));
+  state.SetItemsProcessed(state.iterations() * state.range(0));
+}
+BENCHMARK(BM_ParseRenderAnswerOfBytes)->Arg(1000);
 
 void BM_ReferenceRenderAnswer(benchmark::State& state) {
   const std::string body = RenderAnswer(static_cast<std::size_t>(state.range(0)));

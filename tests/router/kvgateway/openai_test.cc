@@ -3,6 +3,10 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <random>
+#include <string>
+#include <vector>
+
 namespace kvrouter {
 namespace {
 
@@ -140,6 +144,46 @@ TEST(OpenAiParsers, ALargeRenderAnswerIsReadWhole) {
   ASSERT_TRUE(r.ok());
   EXPECT_EQ(r->token_ids, ids);
   EXPECT_TRUE(openai_parsers::FastRenderAnswer(ApiKind::kChat, body).has_value());
+}
+
+// The ids are read 8 bytes at a time: every width from 1 to 8 digits, at every place a number
+// can start in a word, reads as the reference reads it; what that reader leaves (whitespace
+// between ids, 9 and 10 digits) the reference decides, and what JSON forbids is refused.
+TEST(OpenAiParsers, TokenIdsOfEveryWidthAndPlaceReadAsTheReferenceReadsThem) {
+  using namespace openai_parsers;
+  std::vector<std::uint32_t> ids;
+  for (std::uint32_t power = 1; power <= 10'000'000; power *= 10) {  // 1 to 8 digits
+    const std::uint32_t low = power == 1 ? 0 : power, high = power * 10 - 1;
+    for (std::uint32_t v : {low, high, (low + high) / 2, low + 1, high - 1}) ids.push_back(v);
+  }
+  std::mt19937 random(7);
+  for (int k = 0; k < 2000; ++k) ids.push_back(random() % (random() % 2 ? 256u : 100'000'000u));
+  // Shifted one byte at a time, each number starts at each place of an 8-byte word.
+  for (int shift = 0; shift < 8; ++shift) {
+    std::string body = R"({"token_ids":[)";
+    std::vector<std::uint32_t> expected(ids.begin() + shift, ids.end());
+    for (std::size_t k = 0; k < expected.size(); ++k) body += (k ? "," : "") + std::to_string(expected[k]);
+    body += "]}";
+    auto fast = FastRenderAnswer(ApiKind::kChat, body);
+    ASSERT_TRUE(fast.has_value()) << shift;
+    EXPECT_EQ(fast->token_ids, expected);
+    EXPECT_EQ(*fast, *ReferenceRenderAnswer(ApiKind::kChat, body));
+  }
+  auto wide = FastRenderAnswer(ApiKind::kChat, R"({"token_ids":[123456789,4294967295,1000000000]} )");
+  ASSERT_TRUE(wide.has_value());
+  EXPECT_EQ(wide->token_ids, (std::vector<std::uint32_t>{123456789, 4294967295, 1000000000}));
+  for (const char* spaced : {R"({"token_ids":[1, 2]})", R"({"token_ids":[1 ,2]})", R"({"token_ids":[ 7 ] ,"x":0})"}) {
+    EXPECT_FALSE(FastRenderAnswer(ApiKind::kChat, spaced).has_value()) << spaced;
+    auto r = ParseRenderAnswer(ApiKind::kChat, spaced);
+    ASSERT_TRUE(r.ok()) << spaced;
+    EXPECT_FALSE(r->token_ids.empty());
+  }
+  for (const char* bad :
+       {R"({"token_ids":[01]})", R"({"token_ids":[1,,2]})", R"({"token_ids":[1,]})", R"({"token_ids":[,1]})",
+        R"({"token_ids":[1e3]})", R"({"token_ids":[1,"2"]})", R"({"token_ids":[1,[2]]})",
+        R"({"token_ids":[4294967296]})", R"({"token_ids":[-0]})", R"({"token_ids":[99999999999]})"}) {
+    EXPECT_FALSE(ParseRenderAnswer(ApiKind::kChat, bad).ok()) << bad;
+  }
 }
 
 TEST(RenderAnswer, ChatAndCompletionsShapesAndTokenize) {
