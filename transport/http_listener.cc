@@ -3,7 +3,6 @@
 #include <boost/asio/ip/tcp.hpp>
 #include <boost/asio/dispatch.hpp>
 #include <boost/asio/post.hpp>
-#include <boost/asio/strand.hpp>
 #include <boost/asio/steady_timer.hpp>
 #include <boost/asio/write.hpp>
 #include <boost/beast/core.hpp>
@@ -42,15 +41,13 @@ namespace beast = boost::beast;
 namespace http = beast::http;
 namespace net = boost::asio;
 using tcp = net::ip::tcp;
-// A connection lives on a strand of its loop: the reply's calls from any thread then take effect
-// in the order they are made (a post to a bare loop from its own thread would be queued after
-// one made later from another thread), and one made on the loop's thread while the connection is
-// idle runs at once (dispatch). Its socket and stream are typed on the strand rather than
-// type-erased: an asynchronous operation then copies no executor onto the heap.
+// A connection lives on its loop, whose one thread runs every handler of it (no strand: a strand
+// would queue each completion and each reply call once more). Its socket and stream are typed on
+// the loop's executor rather than type-erased: an asynchronous operation then copies no executor
+// onto the heap.
 using Executor = HttpIo::Impl::Executor;
-using Strand = net::strand<Executor>;
-using Socket = net::basic_stream_socket<tcp, Strand>;
-using Stream = beast::basic_stream<tcp, Strand>;
+using Socket = net::basic_stream_socket<tcp, Executor>;
+using Stream = beast::basic_stream<tcp, Executor>;
 
 std::optional<std::string_view> HttpRequest::Header(std::string_view name) const {
   for (const auto& [k, v] : headers) {
@@ -206,7 +203,7 @@ class Session : public std::enable_shared_from_this<Session> {
     net::post(stream_.get_executor(), [self = shared_from_this()] { self->CloseIfIdle(); });
   }
 
-  // The reply's calls, run on the connection's strand; `request` names the request they answer.
+  // The reply's calls, run on the connection's loop; `request` names the request they answer.
   void Send(std::uint64_t request, int status, HttpHeaders headers, std::string body);
   void Begin(std::uint64_t request, int status, HttpHeaders headers);
   void Write(std::uint64_t request, std::string chunk);
@@ -214,11 +211,14 @@ class Session : public std::enable_shared_from_this<Session> {
   void Abort(std::uint64_t request);
   void SetGone(std::uint64_t request, std::function<void()> gone);
   void SetDrained(std::uint64_t request, std::size_t low_water, std::function<void()> drained);
-  // Counted by the reply as Write is called (before the call reaches the strand), so that a
+  // Counted by the reply as Write is called (before the call reaches the loop), so that a
   // producer reading it right after its Write sees its own bytes.
   void AddBacklog(std::size_t n) { backlog_ += n; }
   std::size_t Backlog() const { return backlog_.load(); }
-  Strand executor() { return stream_.get_executor(); }
+  Executor executor() { return stream_.get_executor(); }
+  // Reply calls queued for the loop and not yet run: a call made on the loop's thread runs at
+  // once only when there are none, so that it takes effect after those made before it.
+  std::atomic<std::size_t> queued_calls{0};
 
  private:
   struct Out {
@@ -246,7 +246,7 @@ class Session : public std::enable_shared_from_this<Session> {
   // Takes `n` bytes off the backlog (written or dropped) and runs the drained callback once it
   // is low enough.
   void Drained(std::size_t n);
-  // Runs `drained` next on the strand (never inside the reply call that got here), unless the
+  // Runs `drained` next on the loop (never inside the reply call that got here), unless the
   // response has ended or the connection closed meanwhile.
   void RunDrained(std::function<void()> drained) {
     net::post(stream_.get_executor(), [self = shared_from_this(), r = request_, d = std::move(drained)] {
@@ -370,11 +370,19 @@ class ReplyImpl final : public HttpReply {
   void Defer(std::function<void()> task) override { net::post(s_->executor(), std::move(task)); }
 
  private:
-  // At once when called on the connection's loop and nothing of it is queued (the session calls
-  // back into no caller from these: its callbacks are posted), else queued in order.
+  // At once when called on the connection's loop and no call is queued (the session calls back
+  // into no caller from these: its callbacks are posted), else queued in order. A call queued
+  // from another thread counts before it is queued: one made on the loop meanwhile is concurrent
+  // with it, and one made after it returned finds the count and queues behind it.
   template <typename F>
   void Post(F&& f) {
-    net::dispatch(s_->executor(), [s = s_, r = request_, f = std::forward<F>(f)]() mutable { f(*s, r); });
+    Session& s = *s_;
+    if (s.queued_calls.load() == 0 && s.executor().running_in_this_thread()) return f(s, request_);
+    ++s.queued_calls;
+    net::post(s.executor(), [s = s_, r = request_, f = std::forward<F>(f)]() mutable {
+      --s->queued_calls;
+      f(*s, r);
+    });
   }
   const std::shared_ptr<Session> s_;
   const std::uint64_t request_;
@@ -672,8 +680,7 @@ void Session::Shutdown() {
 
 void HttpListener::State::Accept() {
   // Each connection on the next loop in turn, for its life.
-  auto strand = net::make_strand(io.executor(io.Next()));
-  acceptor.async_accept(strand, [self = shared_from_this()](beast::error_code ec, Socket socket) {
+  acceptor.async_accept(io.executor(io.Next()), [self = shared_from_this()](beast::error_code ec, Socket socket) {
     if (self->stopped.load()) return;
     if (!ec) {
       ++self->connections;

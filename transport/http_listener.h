@@ -53,7 +53,7 @@ struct HttpRequest {
 };
 
 // The answer to one request. Any thread may call any method; calls made from one thread take
-// effect in the order they are made, on the connection's strand: at once when made on its thread
+// effect in the order they are made, on the connection's loop: at once when made on its thread
 // with nothing of it queued (or from its own callbacks), else queued. No method calls back into
 // its caller (the callbacks below run later, on their own).
 // Either Send once, or Begin, Write..., End. A reply dropped without either closes the
@@ -133,7 +133,7 @@ class HttpListener {
 
   std::uint16_t port() const;  // the bound port (also after Stop)
   // Stops accepting (the port is free when it returns, unless called on an HttpIo thread) and
-  // closes every connection on its strand (HttpIo::Stop afterwards: no handler runs any more).
+  // closes every connection on its loop (HttpIo::Stop afterwards: no handler runs any more).
   void Stop();
   // Drains: stops accepting (a connect is refused once it returns, unless called on an HttpIo
   // thread), closes the connections waiting for a request of which nothing has come, and lets

@@ -38,7 +38,7 @@ HttpHealthChecks::~HttpHealthChecks() {
 
 EngineWatch::Check HttpHealthChecks::check() {
   return [impl = impl_.get()](EngineWatch::Done done) -> std::function<void()> {
-    // on_head and on_done of one call run one after the other on its strand.
+    // on_head and on_done of one call run one after the other on its loop.
     auto status = std::make_shared<int>(0);
     std::shared_ptr<HttpCall> call = impl->client.Start(
         impl->endpoint,
