@@ -6,7 +6,7 @@ FROM debian:12 AS runtime
 ENV DEBIAN_FRONTEND=noninteractive
 RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends \
       libnats3.4 libfmt9 libboost-program-options1.74.0 libxxhash0 \
-      libprometheus-cpp-core1.0 libsimdjson14 libcivetweb1 libzmq5 \
+      libprometheus-cpp-core1.0 libsimdjson14 libcivetweb1 libzmq5 libtcmalloc-minimal4 \
     && rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin
 # Every flag can also be set with DYN_<FLAG> / NATS_SERVER in the environment.
 ENV NATS_SERVER=nats://nats:4222
@@ -18,7 +18,7 @@ RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends \
       cmake g++ ninja-build pkg-config ca-certificates \
       libnats-dev libmsgpack-cxx-dev libconcurrentqueue-dev libfmt-dev libboost-dev libboost-program-options-dev \
       libgtest-dev libgmock-dev libxxhash-dev nlohmann-json3-dev libncurses-dev \
-      prometheus-cpp-dev libcivetweb-dev libzmq3-dev cppzmq-dev libsimdjson-dev \
+      prometheus-cpp-dev libcivetweb-dev libzmq3-dev cppzmq-dev libsimdjson-dev libtcmalloc-minimal4 \
     && rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin
 WORKDIR /src
 COPY . .

@@ -8,7 +8,7 @@ packages=(
   libnats-dev nats-server
   libmsgpack-cxx-dev libconcurrentqueue-dev libfmt-dev libboost-dev libboost-program-options-dev
   libgtest-dev libgmock-dev libbenchmark-dev libxxhash-dev nlohmann-json3-dev
-  prometheus-cpp-dev libcivetweb-dev libzmq3-dev cppzmq-dev libsimdjson-dev
+  prometheus-cpp-dev libcivetweb-dev libzmq3-dev cppzmq-dev libsimdjson-dev libtcmalloc-minimal4
   gnuplot-nox
   clang libclang-rt-14-dev
   python3 libncurses-dev tmux

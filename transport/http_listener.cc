@@ -24,6 +24,7 @@
 #include "events/base/thread_annotations.h"
 #include "transport/http_io_impl.h"
 
+#include <dlfcn.h>
 #include <fcntl.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -216,9 +217,21 @@ class Session : public std::enable_shared_from_this<Session> {
   void AddBacklog(std::size_t n) { backlog_ += n; }
   std::size_t Backlog() const { return backlog_.load(); }
   Executor executor() { return stream_.get_executor(); }
-  // Reply calls queued for the loop and not yet run: a call made on the loop's thread runs at
-  // once only when there are none, so that it takes effect after those made before it.
-  std::atomic<std::size_t> queued_calls{0};
+  // A reply call runs at once when made on the loop's thread with none waiting; else it waits in
+  // the session's own queue, run in order on the loop. Not the loop's queue: a post made on the
+  // loop's thread waits in that thread's private queue until its handler returns, behind a post
+  // made meanwhile from another thread, even one that follows it.
+  bool CallsWaiting() const { return calls_waiting_.load(); }
+  void QueueCall(std::function<void(Session&)> call) {
+    bool first = false;
+    {
+      KvMutexLock g(calls_mu_);
+      first = calls_.empty();
+      calls_.push_back(std::move(call));
+      calls_waiting_ = true;
+    }
+    if (first) net::post(stream_.get_executor(), [self = shared_from_this()] { self->RunQueuedCalls(); });
+  }
 
  private:
   struct Out {
@@ -255,6 +268,23 @@ class Session : public std::enable_shared_from_this<Session> {
   }
   void ClientGone();
   void CloseIfIdle();
+  // Runs the queued calls, the ones queued meanwhile too; calls_waiting_ stays set until the
+  // queue is found empty, so that a call made by one of them waits behind the rest.
+  void RunQueuedCalls() {
+    for (;;) {
+      std::function<void(Session&)> call;
+      {
+        KvMutexLock g(calls_mu_);
+        if (calls_.empty()) {
+          calls_waiting_ = false;
+          return;
+        }
+        call = std::move(calls_.front());
+        calls_.pop_front();
+      }
+      call(*this);
+    }
+  }
   // The response is complete and the connection ends: the write side is shut (the client reads
   // the whole response and its end), and what the client still sends is read and dropped for at
   // most linger_timeout and linger_max_bytes before the close. A close with unread bytes would
@@ -327,6 +357,9 @@ class Session : public std::enable_shared_from_this<Session> {
   std::function<void()> gone_;
   std::function<void()> drained_;  // OnDrained's, run when backlog_ <= drain_at_
   std::size_t drain_at_ = 0;
+  KvMutex calls_mu_;
+  std::deque<std::function<void(Session&)>> calls_ KV_GUARDED_BY(calls_mu_);  // QueueCall's
+  std::atomic<bool> calls_waiting_{false};  // calls_ has calls, or RunQueuedCalls runs them
 };
 
 class ReplyImpl final : public HttpReply {
@@ -370,19 +403,14 @@ class ReplyImpl final : public HttpReply {
   void Defer(std::function<void()> task) override { net::post(s_->executor(), std::move(task)); }
 
  private:
-  // At once when called on the connection's loop and no call is queued (the session calls back
-  // into no caller from these: its callbacks are posted), else queued in order. A call queued
-  // from another thread counts before it is queued: one made on the loop meanwhile is concurrent
-  // with it, and one made after it returned finds the count and queues behind it.
+  // At once when called on the connection's loop and no call waits (the session calls back into
+  // no caller from these: its callbacks are posted), else queued behind the waiting ones. A call
+  // made elsewhere meanwhile is concurrent with it; one made after it returned queues behind it.
   template <typename F>
   void Post(F&& f) {
     Session& s = *s_;
-    if (s.queued_calls.load() == 0 && s.executor().running_in_this_thread()) return f(s, request_);
-    ++s.queued_calls;
-    net::post(s.executor(), [s = s_, r = request_, f = std::forward<F>(f)]() mutable {
-      --s->queued_calls;
-      f(*s, r);
-    });
+    if (!s.CallsWaiting() && s.executor().running_in_this_thread()) return f(s, request_);
+    s.QueueCall([r = request_, f = std::forward<F>(f)](Session& session) mutable { f(session, r); });
   }
   const std::shared_ptr<Session> s_;
   const std::uint64_t request_;
@@ -485,7 +513,9 @@ void Session::WatchClient() {
   //
   // The end seen after the response went still closes the connection: this peek took epoll's
   // edge for it, and Asio starts the next read (ReadHeader's) without trying it first after a
-  // receive that found the socket empty, so that read would wait until the idle timeout.
+  // receive that found the socket empty, so that read would wait until the idle timeout. The
+  // handler does not ask which request it watched: every end of a response (ResponseDone,
+  // Linger, Shutdown) cancels the peek first, so one that ends otherwise is about this request.
   stream_.socket().async_receive(net::buffer(&peeked_, 1), tcp::socket::message_peek,
                                  [self = shared_from_this()](beast::error_code ec, std::size_t n) {
                                    if (self->closed_ || ec == net::error::operation_aborted) return;
@@ -743,13 +773,31 @@ void HttpListener::State::ArmRelease() {
   });
 }
 
+namespace {
+
+// tcmalloc's call that gives its free pages back (gperftools' C API), when the program is linked
+// with it (kvgateway is: docs/performance.md); looked up, so that no header or library of it is
+// needed where it is absent.
+using ReleaseFreeMemoryFn = void (*)();
+ReleaseFreeMemoryFn TcmallocRelease() {
+  static const auto release =
+      reinterpret_cast<ReleaseFreeMemoryFn>(::dlsym(RTLD_DEFAULT, "MallocExtension_ReleaseFreeMemory"));
+  return release;
+}
+
+}  // namespace
+
 void HttpListener::State::ReleaseMemory(std::uint64_t burst) {
 #if defined(__GLIBC__)
   const std::uint64_t before = ResidentKb();
   const auto start = std::chrono::steady_clock::now();
-  // Every arena's free pages, not only the top of each heap (all that free() gives back): the
-  // I/O threads' arenas hold most of what a burst freed, below chunks that are still in use.
-  (void)malloc_trim(0);
+  if (const ReleaseFreeMemoryFn release = TcmallocRelease()) {
+    release();  // its page heap's free spans (glibc's arenas hold nothing: tcmalloc serves malloc)
+  } else {
+    // Every arena's free pages, not only the top of each heap (all that free() gives back): the
+    // I/O threads' arenas hold most of what a burst freed, below chunks that are still in use.
+    (void)malloc_trim(0);
+  }
   const auto took = std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - start);
   ++memory_releases;
   // At most once a burst (a burst needs release_memory_burst requests at once).

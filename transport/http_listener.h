@@ -12,8 +12,8 @@
 // accepting and lets the requests under way finish, each closing its connection. After a burst
 // (release_memory_burst requests under way at once) that has been over for
 // release_memory_after, the allocator's free memory goes back to the system (glibc's
-// malloc_trim): what a burst freed is otherwise kept resident in the arenas of the threads that
-// served it.
+// malloc_trim, or tcmalloc's ReleaseFreeMemory where the program is linked with it): what a burst
+// freed is otherwise kept resident in the arenas of the threads that served it.
 //
 // Thread contract: the handler runs on an HttpIo thread and must not block; it answers through
 // its HttpReply, from any thread, now or later. Ownership: the listener owns its sessions; a

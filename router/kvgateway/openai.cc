@@ -365,19 +365,12 @@ std::uint32_t DigitsValue(std::uint64_t w, unsigned digits) {
   return static_cast<std::uint32_t>(((v & 0x0000FFFF0000FFFFull) * 42949672960001ull) >> 32);
 }
 
-// An array of token ids as engines write it, [1,2,3]: its separators found 8 bytes at a time,
-// each number read from its own 8 bytes (no number waits for the one before it to be read).
-// `raw` is the array's text (whitespace may follow it) inside a padded document: 8 bytes are
-// readable from any place in it. False for anything else (whitespace between the numbers, a
-// sign, a fraction, a leading zero, a number over 32 bits): the reference parser decides those.
-bool ReadIdArray(std::string_view raw, std::vector<std::uint32_t>& out) {
+// The numbers of an array of token ids as engines write it, "1,2,3" from `start` to `end` (its
+// ']'): the separators found 8 bytes at a time, each number read from its own 8 bytes (no number
+// waits for the one before it to be read). 8 bytes are readable from any place up to `end`
+// (the document is padded). False for anything else, `out` untouched.
+bool ReadCompactIds(const char* start, const char* const end, std::vector<std::uint32_t>& out) {
   static_assert(std::endian::native == std::endian::little, "a number's first digit is the low byte");
-  while (!raw.empty() && IsJsonSpace(raw.back())) raw.remove_suffix(1);
-  if (raw.size() < 2 || raw.front() != '[' || raw.back() != ']') return false;
-  const char* const end = raw.data() + raw.size() - 1;  // the ']'
-  const char* start = raw.data() + 1;                   // of the number being read
-  while (start < end && IsJsonSpace(*start)) ++start;
-  if (start == end) return true;
   // Filled here and copied once: the count is known only at the end (at most one a comma).
   thread_local std::unique_ptr<std::uint32_t[]> ids;  // not zeroed, unlike a vector's resize
   thread_local std::size_t room = 0;
@@ -402,27 +395,65 @@ bool ReadIdArray(std::string_view raw, std::vector<std::uint32_t>& out) {
     start = at + 1;
     return true;
   };
-  for (const char* p = start; p < end; p += 8) {
-    std::uint64_t w;
-    std::memcpy(&w, p, 8);
-    // The bytes that are not '0'..'9' ('9' + 6 still has 3 as its high half; a carry out of a
-    // byte over 0xF9 changes only bytes after it), of those before the ']'.
-    std::uint64_t other =
-        ~ZeroBytes(((w & 0xF0 * kOnes) ^ 0x30 * kOnes) | (((w + 6 * kOnes) & 0xF0 * kOnes) ^ 0x30 * kOnes)) &
-        0x80 * kOnes;
-    if (end - p < 8) other &= (std::uint64_t{1} << (8 * (end - p))) - 1;
-    if ((other & ~ZeroBytes(w ^ ',' * kOnes)) != 0) return false;  // not a comma
-    for (; other != 0; other &= other - 1) {
-      if (!take(p + std::countr_zero(other) / 8)) return false;
+  const auto read = [&] {
+    for (const char* p = start; p < end; p += 8) {
+      std::uint64_t w;
+      std::memcpy(&w, p, 8);
+      // The bytes that are not '0'..'9' ('9' + 6 still has 3 as its high half; a carry out of a
+      // byte over 0xF9 changes only bytes after it), of those before the ']'.
+      std::uint64_t other =
+          ~ZeroBytes(((w & 0xF0 * kOnes) ^ 0x30 * kOnes) | (((w + 6 * kOnes) & 0xF0 * kOnes) ^ 0x30 * kOnes)) &
+          0x80 * kOnes;
+      if (end - p < 8) other &= (std::uint64_t{1} << (8 * (end - p))) - 1;
+      if ((other & ~ZeroBytes(w ^ ',' * kOnes)) != 0) return false;  // not a comma
+      for (; other != 0; other &= other - 1) {
+        if (!take(p + std::countr_zero(other) / 8)) return false;
+      }
     }
-  }
-  if (!take(end)) return false;
-  out.insert(out.end(), ids.get(), ids.get() + n);
-  if (room > (std::size_t{1} << 20)) {  // a huge prompt's room is not kept
+    return take(end);
+  };
+  const bool ok = read();
+  if (ok) out.insert(out.end(), ids.get(), ids.get() + n);
+  if (room > (std::size_t{1} << 20)) {  // a huge prompt's room is not kept, read or not
     ids.reset();
     room = 0;
   }
-  return true;
+  return ok;
+}
+
+// The same numbers with whitespace around them and their commas, a byte at a time. False for
+// anything else, `out` as it was.
+bool ReadSpacedIds(const char* p, const char* const end, std::vector<std::uint32_t>& out) {
+  const std::size_t had = out.size();
+  for (;;) {
+    while (p < end && IsJsonSpace(*p)) ++p;
+    const char* const first = p;
+    std::uint64_t v = 0;
+    while (p < end && *p >= '0' && *p <= '9' && p - first <= 10) v = v * 10 + static_cast<std::uint64_t>(*p++ - '0');
+    const auto digits = p - first;
+    if (digits == 0 || digits > 10 || (digits > 1 && *first == '0') || v > std::numeric_limits<std::uint32_t>::max()) {
+      break;
+    }
+    out.push_back(static_cast<std::uint32_t>(v));
+    while (p < end && IsJsonSpace(*p)) ++p;
+    if (p == end) return true;
+    if (*p++ != ',') break;
+  }
+  out.resize(had);
+  return false;
+}
+
+// An array of token ids: `raw` is its text (whitespace may follow it) inside a padded document.
+// False for anything but whole numbers below 2^32 (a sign, a fraction, a leading zero): the
+// reference parser decides those.
+bool ReadIdArray(std::string_view raw, std::vector<std::uint32_t>& out) {
+  while (!raw.empty() && IsJsonSpace(raw.back())) raw.remove_suffix(1);
+  if (raw.size() < 2 || raw.front() != '[' || raw.back() != ']') return false;
+  const char* const end = raw.data() + raw.size() - 1;  // the ']'
+  const char* start = raw.data() + 1;
+  while (start < end && IsJsonSpace(*start)) ++start;
+  if (start == end) return true;
+  return ReadCompactIds(start, end, out) || ReadSpacedIds(start, end, out);
 }
 
 // A render answer's object: token_ids read into `r`; a features other than null is left to the

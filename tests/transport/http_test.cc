@@ -258,6 +258,24 @@ TEST_F(HttpTest, BackToBackRequestsKeepTheirConnections) {
   EXPECT_EQ(listener_->counters().clients_gone, 0u);
 }
 
+// Reply calls handed from thread to thread take effect in the order they were made: a call on the
+// connection's loop made behind a waiting one, then calls another thread makes after it.
+TEST_F(HttpTest, ReplyCallsHandedFromThreadToThreadTakeEffectInTheirOrder) {
+  Listen({}, [](HttpRequest, std::shared_ptr<HttpReply> reply) {
+    std::thread([&] { reply->Begin(200, {}); }).join();  // waits for the loop (busy here)
+    reply->Write("a");                                   // on the loop, behind it
+    std::thread([&] {
+      reply->Write("b");
+      reply->End();
+    }).join();
+  });
+  for (int i = 0; i < 20; ++i) {
+    auto r = client_->Fetch(endpoint_, {.target = "/"});
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    EXPECT_EQ(r->body, "ab") << "request " << i;
+  }
+}
+
 TEST_F(HttpTest, AStreamedResponseReachesTheClientChunkByChunkNotWhole) {
   std::shared_ptr<HttpReply> held;
   std::mutex mu;
