@@ -456,6 +456,68 @@ bool ReadIdArray(std::string_view raw, std::vector<std::uint32_t>& out) {
   return ReadCompactIds(start, end, out) || ReadSpacedIds(start, end, out);
 }
 
+// A chat render answer as engines write it: {"token_ids":[...]} with at most other keys whose
+// values are null or plain strings (vLLM's request_id, a null features), read in place, without
+// simdjson's pass over the whole body. Nullopt for anything else, an escape or a byte outside
+// printable ASCII in a string included: On-Demand and the reference decide those.
+std::optional<RenderedPrompt> PlainChatRenderAnswer(std::string_view body) {
+  const char* p = body.data();
+  const char* const end = p + body.size();
+  const auto space = [&] {
+    while (p < end && IsJsonSpace(*p)) ++p;
+  };
+  const auto plain_string = [&]() -> std::optional<std::string_view> {  // at its opening quote
+    if (p == end || *p != '"') return std::nullopt;
+    const char* const first = ++p;
+    while (p < end && *p != '"') {
+      if (*p < 0x20 || *p > 0x7E || *p == '\\') return std::nullopt;
+      ++p;
+    }
+    if (p == end) return std::nullopt;
+    return std::string_view(first, static_cast<std::size_t>(p++ - first));
+  };
+  RenderedPrompt r;
+  bool has_ids = false;
+  space();
+  if (p == end || *p++ != '{') return std::nullopt;
+  for (;;) {
+    space();
+    const auto key = plain_string();
+    if (!key) return std::nullopt;
+    space();
+    if (p == end || *p++ != ':') return std::nullopt;
+    space();
+    if (*key == "token_ids") {
+      if (std::exchange(has_ids, true) || p == end || *p != '[') return std::nullopt;
+      const auto* close = static_cast<const char*>(std::memchr(p, ']', static_cast<std::size_t>(end - p)));
+      if (close == nullptr) return std::nullopt;
+      std::string_view array(p, static_cast<std::size_t>(close + 1 - p));
+      // The id reader loads 8 bytes at a time, up to 7 past the ']': a copy when the body ends
+      // sooner.
+      thread_local std::string padded;
+      if (end - close < 8) {
+        padded.assign(array).append(8, ' ');
+        array = std::string_view(padded.data(), array.size());
+      }
+      if (!ReadIdArray(array, r.token_ids)) return std::nullopt;
+      if (padded.capacity() > (std::size_t{1} << 20)) padded = {};
+      p = close + 1;
+    } else if (end - p >= 4 && std::string_view(p, 4) == "null") {
+      p += 4;
+    } else if (!plain_string() || *key == "features") {  // features other than null: multimodal items
+      return std::nullopt;
+    }
+    space();
+    if (p == end) return std::nullopt;
+    if (*p == '}') break;
+    if (*p++ != ',') return std::nullopt;
+  }
+  ++p;
+  space();
+  if (p != end || !has_ids) return std::nullopt;
+  return r;
+}
+
 // A render answer's object: token_ids read into `r`; a features other than null is left to the
 // reference (multimodal items).
 bool ReadRenderObject(od::object object, RenderedPrompt& r) {
@@ -506,6 +568,9 @@ std::optional<OpenAiRequest> FastOpenAiRequest(ApiKind kind, std::string_view bo
 }
 
 std::optional<RenderedPrompt> FastRenderAnswer(ApiKind kind, std::string_view body) {
+  if (kind == ApiKind::kChat) {
+    if (auto plain = PlainChatRenderAnswer(body)) return plain;
+  }
   return WithDocument<RenderedPrompt>(body, [kind](od::document& doc) -> std::optional<RenderedPrompt> {
     RenderedPrompt r;
     if (kind == ApiKind::kChat) {

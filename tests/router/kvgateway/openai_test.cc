@@ -121,10 +121,16 @@ TEST(OpenAiParsers, TheFastParserAgreesWithTheReference) {
   const std::vector<std::pair<ApiKind, std::string>> answers = {
       {ApiKind::kChat, R"({"request_id":"r","token_ids":[0,1,4294967295],"features":null,"x":{"y":[1]}})"},
       {ApiKind::kChat, R"({"token_ids":[]})"},
+      {ApiKind::kChat, R"( { "request_id" : "chatcmpl-7", "token_ids" : [ 3 , 4 ] , "features" : null } )"},
+      {ApiKind::kChat, R"({"request_id":"caf\u00e9","token_ids":[5],"note":"\u00e9t\u00e9"})"},
+      {ApiKind::kChat, "{\"request_id\":\"caf\xc3\xa9\",\"token_ids\":[6,7]}"},
+      {ApiKind::kChat, R"({"token_ids":[8],"request_id":null})"},
       {ApiKind::kCompletions, R"([{"token_ids":[4,5]},{"token_ids":[6]},7])"},
   };
   ExpectAgreement(FastRenderAnswer, ReferenceRenderAnswer, answers);
   for (const char* bad : {R"({"token_ids":[1],"features":{"mm_hashes":null}})", R"({"token_ids":[1,-1]})",
+                          R"({"token_ids":[1],"features":"x"})", R"({"token_ids":[1]}})", R"({"token_ids":[1],})",
+                          R"({"token_ids":[1] "x":null})", R"({"token_ids":[1],"x":nul})", R"({"token_ids":[1],"x":"a)",
                           R"({"token_ids":[1.0]})", R"({"token_ids":[1],"token_ids":[2]})", R"({"token_ids":[1]} 2)"}) {
     EXPECT_FALSE(FastRenderAnswer(ApiKind::kChat, bad).has_value()) << bad;
   }
