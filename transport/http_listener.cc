@@ -268,22 +268,18 @@ class Session : public std::enable_shared_from_this<Session> {
   }
   void ClientGone();
   void CloseIfIdle();
-  // Runs the queued calls, the ones queued meanwhile too; calls_waiting_ stays set until the
-  // queue is found empty, so that a call made by one of them waits behind the rest.
+  // Runs the calls queued so far; calls_waiting_ stays set while any is left, so that a call
+  // made by one of them waits behind the rest. Those queued meanwhile have their own turn (their
+  // QueueCall found the queue empty and posted it): other handlers of the loop run in between.
   void RunQueuedCalls() {
-    for (;;) {
-      std::function<void(Session&)> call;
-      {
-        KvMutexLock g(calls_mu_);
-        if (calls_.empty()) {
-          calls_waiting_ = false;
-          return;
-        }
-        call = std::move(calls_.front());
-        calls_.pop_front();
-      }
-      call(*this);
+    std::deque<std::function<void(Session&)>> batch;
+    {
+      KvMutexLock g(calls_mu_);
+      batch.swap(calls_);
     }
+    for (auto& call : batch) call(*this);
+    KvMutexLock g(calls_mu_);
+    if (calls_.empty()) calls_waiting_ = false;
   }
   // The response is complete and the connection ends: the write side is shut (the client reads
   // the whole response and its end), and what the client still sends is read and dropped for at

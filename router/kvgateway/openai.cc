@@ -457,8 +457,9 @@ bool ReadIdArray(std::string_view raw, std::vector<std::uint32_t>& out) {
 }
 
 // A chat render answer as engines write it: {"token_ids":[...]} with at most other keys whose
-// values are null or plain strings (vLLM's request_id, a null features), read in place, without
-// simdjson's pass over the whole body. Nullopt for anything else, an escape or a byte outside
+// values are null or plain strings (vLLM's request_id, a null features), read without simdjson's
+// pass over the whole body (the ids in place, or copied with padding when the body ends within 8
+// bytes of their ']', as it usually does). Nullopt for anything else, an escape or a byte outside
 // printable ASCII in a string included: On-Demand and the reference decide those.
 std::optional<RenderedPrompt> PlainChatRenderAnswer(std::string_view body) {
   const char* p = body.data();
@@ -499,8 +500,9 @@ std::optional<RenderedPrompt> PlainChatRenderAnswer(std::string_view body) {
         padded.assign(array).append(8, ' ');
         array = std::string_view(padded.data(), array.size());
       }
-      if (!ReadIdArray(array, r.token_ids)) return std::nullopt;
-      if (padded.capacity() > (std::size_t{1} << 20)) padded = {};
+      const bool read = ReadIdArray(array, r.token_ids);
+      if (padded.capacity() > (std::size_t{1} << 20)) padded = {};  // a huge prompt's room is not kept
+      if (!read) return std::nullopt;
       p = close + 1;
     } else if (end - p >= 4 && std::string_view(p, 4) == "null") {
       p += 4;
