@@ -165,8 +165,18 @@ void RouterLink::OnAnswer(const IncomingMessage& m, std::size_t lane) {
       }
     }
     // After the bookkeeping: Answering follows it. Only an answer to a request sent after the
-    // last "no responders" says a router is there.
-    if (sent.time_since_epoch().count() > refused_at_.load()) last_answer_ = now.time_since_epoch().count();
+    // last "no responders" says a router is there. A "no responders" handled meanwhile on another
+    // connection's thread, after the check, still wins: the answer is undone if it came after
+    // the check (with the store in between, either order leaves the router not answering).
+    const auto sent_at = sent.time_since_epoch().count();
+    if (sent_at > refused_at_.load()) {
+      const auto stamp = now.time_since_epoch().count();
+      last_answer_ = stamp;
+      if (sent_at <= refused_at_.load()) {
+        auto expected = stamp;
+        last_answer_.compare_exchange_strong(expected, std::numeric_limits<SteadyTime::rep>::min());
+      }
+    }
     PublishFrees(again);
   } else {
     // No router subscribes now: not answering, until one answers again (a probe a second later).
